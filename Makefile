@@ -1,0 +1,31 @@
+# `make train` and `make test` each build the virtual environment on first use (python3 -m venv + pip),
+# then run the main job or the CPU test suite.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup train topology test test-gpu clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml setup.cfg
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/starscream train
+
+topology: $(STAMP)
+	$(BIN)/starscream topology --preset mi300x-cpx-nps1 --gpus 8 --simulate
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -n 2 --dist loadfile -q
+
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -m gpu -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

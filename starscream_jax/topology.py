@@ -1,0 +1,131 @@
+"""The `Topology` value: how many nodes, physical GPUs and partitions, in which mode, with which hardware figures.
+
+A topology comes from a preset (`Topology.from_preset`), from an override string (`parse_override`: "8x8",
+"2x8x8", a preset name, or "PRESET:GPUS"), or from detection on a real machine (the mesh builder does that).
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from .errors import TopologyError
+from .presets import PARTITIONS_PER_MODE, Preset, list_presets, load_preset
+
+OVERRIDE_ENV = "STARSCREAM_TOPOLOGY"
+_MODE_FOR_PARTITIONS = {count: mode for mode, count in PARTITIONS_PER_MODE.items()}
+
+
+@dataclass(frozen=True)
+class Topology:
+    """nodes x gpus_per_node physical GPUs, each split into partitions_per_gpu logical devices.
+
+    Per-partition figures divide the chip's whole-GPU figures by the partition count.
+    """
+
+    preset: Preset
+    nodes: int
+    gpus_per_node: int
+    partitions_per_gpu: int
+
+    @classmethod
+    def from_preset(cls, preset: Preset | str, gpus: int | None = None, nodes: int = 1,
+                    partitions: int | None = None) -> Topology:
+        """`gpus` GPUs per node (default: the chip's board size); `partitions` only for the cpu preset."""
+        preset = load_preset(preset) if isinstance(preset, str) else preset
+        if partitions is not None and preset.chip.name != "cpu" and partitions != preset.partitions_per_gpu:
+            raise TopologyError(
+                f"preset {preset.name} has {preset.partitions_per_gpu} partitions per GPU, not {partitions}; "
+                f"drop the partition count or pick a preset in the mode you want ({', '.join(list_presets())})")
+        topology = cls(preset=preset, nodes=nodes, gpus_per_node=gpus or preset.chip.gpus_per_node,
+                       partitions_per_gpu=partitions or preset.partitions_per_gpu)
+        topology.validate()
+        return topology
+
+    def validate(self) -> None:
+        for name in ("nodes", "gpus_per_node", "partitions_per_gpu"):
+            if getattr(self, name) < 1:
+                raise TopologyError(f"{name} is {getattr(self, name)}; it must be a positive integer")
+        if self.partitions_per_gpu > self.preset.chip.xcds:
+            raise TopologyError(f"{self.partitions_per_gpu} partitions per GPU, but a {self.preset.chip.name} "
+                                f"has {self.preset.chip.xcds} XCDs; use at most {self.preset.chip.xcds}")
+
+    @property
+    def compute_mode(self) -> str:
+        if self.preset.chip.name == "cpu":
+            return _MODE_FOR_PARTITIONS.get(self.partitions_per_gpu, f"{self.partitions_per_gpu}-way")
+        return self.preset.compute_mode
+
+    @property
+    def memory_mode(self) -> str:
+        return self.preset.memory_mode
+
+    @property
+    def num_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_gpus * self.partitions_per_gpu
+
+    @property
+    def peak_flops(self) -> float:
+        """Dense bf16 FLOP/s of one partition."""
+        return self.preset.chip.peak_bf16_flops / self.partitions_per_gpu
+
+    @property
+    def hbm_bytes(self) -> float:
+        """HBM bytes of one partition."""
+        return self.preset.chip.hbm_bytes / self.partitions_per_gpu
+
+    @property
+    def hbm_bandwidth(self) -> float:
+        """HBM bytes/s of one partition."""
+        return self.preset.chip.hbm_bandwidth / self.partitions_per_gpu
+
+    @property
+    def ridge_point(self) -> float:
+        """FLOP per HBM byte above which a local kernel is compute-bound."""
+        return self.peak_flops / self.hbm_bandwidth
+
+    def describe(self) -> dict:
+        """A JSON-ready summary."""
+        chip = self.preset.chip
+        return {
+            "preset": self.preset.name, "chip": chip.description, "compute_mode": self.compute_mode,
+            "memory_mode": self.memory_mode, "nodes": self.nodes, "gpus_per_node": self.gpus_per_node,
+            "partitions_per_gpu": self.partitions_per_gpu, "num_devices": self.num_devices,
+            "per_partition": {"peak_bf16_flops": self.peak_flops, "hbm_bytes": self.hbm_bytes,
+                              "hbm_bandwidth": self.hbm_bandwidth},
+            "links": {"intra_gpu_bandwidth": chip.intra_gpu_bandwidth, "inter_gpu_bandwidth": chip.inter_gpu_bandwidth,
+                      "inter_gpu_latency": chip.inter_gpu_latency, "inter_node_bandwidth": chip.inter_node_bandwidth},
+        }
+
+
+_SHAPE = re.compile(r"^(?:(\d+)x)?(\d+)x(\d+)$")
+
+
+def parse_override(text: str) -> Topology:
+    """Reads "GPUSxPARTITIONS" ("8x8"), "NODESxGPUSxPARTITIONS" ("2x8x8"), a preset name, or "PRESET:GPUS".
+
+    A bare shape uses the cpu preset's figures; partitions of 1, 2, 4 or 8 map to SPX, DPX, QPX, CPX.
+    """
+    text = text.strip().lower()
+    shape = _SHAPE.match(text)
+    if shape:
+        nodes, gpus, partitions = (int(shape.group(1) or 1), int(shape.group(2)), int(shape.group(3)))
+        return Topology.from_preset("cpu", gpus=gpus, nodes=nodes, partitions=partitions)
+    name, _, gpus = text.partition(":")
+    if name in list_presets():
+        if gpus and not gpus.isdigit():
+            raise TopologyError(f"topology override {text!r}: after ':' comes a GPU count, e.g. {name}:4")
+        return Topology.from_preset(name, gpus=int(gpus) if gpus else None)
+    raise TopologyError(
+        f"cannot read topology override {text!r}; write GPUSxPARTITIONS (8x8), NODESxGPUSxPARTITIONS (2x8x8), "
+        f"a preset name or PRESET:GPUS (presets: {', '.join(list_presets())})")
+
+
+def override_from_env() -> Topology | None:
+    """The topology named by $STARSCREAM_TOPOLOGY, if set."""
+    text = os.environ.get(OVERRIDE_ENV, "").strip()
+    return parse_override(text) if text else None
