@@ -1,0 +1,164 @@
+"""Kernels that run per device inside `jax.shard_map`: attention (with the KV cache), vocab-parallel embedding
+lookup and cross entropy. Each takes its placement from the active layout; with none active it runs unsharded.
+
+Inside shard_map every array is the local shard; the only communication is the explicit psum / pmax over the mesh
+axes that shard the vocabulary.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec, reshard
+
+from .errors import ShardingRuleError
+from .rules import LogicalNames
+from .sharding import activation_spec, active
+
+ATTN_Q = ("attn_batch", "seq", "heads", "head_dim")
+ATTN_KV = ("attn_batch", "seq", "kv_heads", "head_dim")
+POSITIONS = ("attn_batch", "seq")
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _spec_axes(spec: PartitionSpec, dim: int) -> tuple[str, ...]:
+    """The mesh axes that shard dimension `dim` under `spec` (a spec may be shorter than the rank)."""
+    return _axes(spec[dim]) if dim < len(spec) else ()
+
+
+def _offset(axes: tuple[str, ...], local_size: int):
+    """Index of this device's first element along a dimension sharded over `axes` (0 when unsharded)."""
+    return jax.lax.axis_index(axes) * local_size if axes else 0
+
+
+def _run_sharded(local_fn, args, names: list[LogicalNames | None], outs: list[tuple[LogicalNames, tuple]],
+                 tensor: str):
+    """Runs `local_fn(*local_args, specs=...)` on every device's shards. `names` are the logical names of `args`
+    (None = a replicated scalar); `outs` the (logical names, global shape) of each result; `specs` hands the local
+    function each argument's PartitionSpec so it knows which axes shard which dimension."""
+    if active() is None:
+        result = local_fn(*args, specs=[PartitionSpec()] * len(args))
+        return result
+    specs = [PartitionSpec() if n is None else activation_spec(n, a.shape, tensor) for a, n in zip(args, names)]
+    out_specs = tuple(activation_spec(n, shape, tensor) for n, shape in outs)
+    fn = jax.shard_map(lambda *a: local_fn(*a, specs=specs), in_specs=tuple(specs),
+                       out_specs=out_specs[0] if len(outs) == 1 else out_specs)
+    return fn(*[reshard(a, s) for a, s in zip(args, specs)])
+
+
+def _kv_heads_for_local_queries(kv_BTKE, local_heads: int, group: int, q_axes, kv_axes):
+    """The kv heads that serve this device's query heads. When kv heads are copied over some axes the queries are
+    split over (fewer kv heads than devices), each device slices out the one(s) its query heads share."""
+    local_kv = kv_BTKE.shape[2]
+    if local_heads == local_kv * group:
+        return kv_BTKE
+    needed = max(1, local_heads // group)
+    start = _offset(q_axes, local_heads) // group - _offset(kv_axes, local_kv)
+    return jax.lax.dynamic_slice_in_dim(kv_BTKE, start, needed, axis=2)
+
+
+def _check_head_split(n_heads: int, n_kv: int, q_axes, kv_axes, mesh_shape: dict):
+    if tuple(kv_axes) != tuple(q_axes)[:len(kv_axes)]:
+        raise ShardingRuleError(f"kv heads sharded over {kv_axes} but query heads over {q_axes}; the kv-head axes must "
+                                f"lead the query-head axes so each device's queries find their kv heads")
+    devices = 1
+    for a in q_axes:
+        devices *= mesh_shape[a]
+    local, group = n_heads // devices, n_heads // n_kv
+    if local % group and group % local:
+        raise ShardingRuleError(f"{n_heads} query heads over {devices} devices gives {local} per device, which "
+                                f"splits groups of {group} query heads per kv head unevenly; use a head count whose "
+                                f"per-device share divides or is divided by {group}")
+
+
+def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, cache_index=0):
+    """Causal grouped-query attention through `jax.nn.dot_product_attention` (cuDNN / fused kernels where present).
+
+    Without a cache: keys are the S new positions. With a cache {"k", "v"} of [B, T, K, E] (one layer), the new keys
+    are written at `cache_index` and queries attend to every cached position <= their own. Returns
+    (out [B, S, H, E], updated cache or None). Placement: ATTN_Q / ATTN_KV names; the cache uses ATTN_KV's.
+    """
+    n_heads, n_kv = q_BSHE.shape[2], k_BSKE.shape[2]
+    group = n_heads // n_kv
+    current = active()
+
+    def local(q, k, v, pos, *rest, specs):
+        q_axes, kv_axes = _spec_axes(specs[0], 2), _spec_axes(specs[1], 2)
+        if cache is None:
+            k_sel = _kv_heads_for_local_queries(k, q.shape[2], group, q_axes, kv_axes)
+            v_sel = _kv_heads_for_local_queries(v, q.shape[2], group, q_axes, kv_axes)
+            return jax.nn.dot_product_attention(q, k_sel, v_sel, is_causal=True)
+        cache_k, cache_v, index = rest
+        cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), index, axis=1)
+        cache_v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), index, axis=1)
+        k_sel = _kv_heads_for_local_queries(cache_k, q.shape[2], group, q_axes, kv_axes)
+        v_sel = _kv_heads_for_local_queries(cache_v, q.shape[2], group, q_axes, kv_axes)
+        key_positions = jnp.arange(cache_k.shape[1])
+        mask = key_positions[None, None, None, :] <= pos[:, None, :, None]
+        out = jax.nn.dot_product_attention(q, k_sel.astype(q.dtype), v_sel.astype(q.dtype), mask=mask)
+        return out, cache_k, cache_v
+
+    if current is not None:
+        q_spec = activation_spec(ATTN_Q, q_BSHE.shape)
+        kv_spec = activation_spec(ATTN_KV, k_BSKE.shape)
+        _check_head_split(n_heads, n_kv, _axes(q_spec[2]), _axes(kv_spec[2]), dict(current.mesh.shape))
+    args = [q_BSHE, k_BSKE, v_BSKE, positions_BS]
+    names = [ATTN_Q, ATTN_KV, ATTN_KV, POSITIONS]
+    if cache is None:
+        return _run_sharded(local, args, names, [(ATTN_Q, q_BSHE.shape)], "attention"), None
+    index = jnp.asarray(cache_index, jnp.int32)
+    cache_out = (ATTN_KV, cache["k"].shape)
+    out, cache_k, cache_v = _run_sharded(local, [*args, cache["k"], cache["v"], index], [*names, ATTN_KV, ATTN_KV, None],
+                                         [(ATTN_Q, q_BSHE.shape), cache_out, cache_out], "attention")
+    return out, {"k": cache_k, "v": cache_v}
+
+
+def embed_lookup(table_VD, tokens_BS, out: LogicalNames):
+    """Rows of the embedding table for each token: [B, S] -> [B, S, D]. Vocab-parallel: each device looks up the
+    tokens in its vocab shard (zeros elsewhere) and a psum over the vocab axes completes the rows. `table_VD` is
+    the weight as used (see `sharding.weight`); its embed placement must equal `out`'s."""
+    current = active()
+    if current is None:
+        return jnp.take(table_VD, tokens_BS, axis=0)
+    table_spec = tuple(jax.typeof(table_VD).sharding.spec)
+    table_spec = table_spec + (None,) * (2 - len(table_spec))
+    out_spec = activation_spec(out, (*tokens_BS.shape, table_VD.shape[1]), "embedding")
+    tokens_spec = PartitionSpec(out_spec[0], out_spec[1])
+    vocab_axes = _axes(table_spec[0])
+    if _axes(table_spec[1]) != _axes(out_spec[2]):
+        raise ShardingRuleError(f"embedding table at use shards embed over {table_spec[1]} but the residual stream "
+                                f"over {out_spec[2]}; make the weight and activation rules for 'embed' agree")
+
+    def local(table, tokens):
+        ids = tokens - _offset(vocab_axes, table.shape[0])
+        inside = (ids >= 0) & (ids < table.shape[0])
+        rows = jnp.take(table, jnp.clip(ids, 0, table.shape[0] - 1), axis=0) * inside[..., None].astype(table.dtype)
+        return jax.lax.psum(rows, vocab_axes) if vocab_axes else rows
+
+    fn = jax.shard_map(local, in_specs=(PartitionSpec(*table_spec), tokens_spec), out_specs=out_spec)
+    return fn(table_VD, reshard(tokens_BS, tokens_spec))
+
+
+def cross_entropy(logits_BSV, targets_BS):
+    """Per-token cross entropy in nats, [B, S], computed where the logits live: max and sum of exponentials are
+    reduced over the vocab axes (pmax / psum of [B, S] values), never gathering the [B, S, V] logits."""
+    def local(logits, targets, *, specs):
+        vocab_axes = _spec_axes(specs[0], 2)
+        logits = logits.astype(jnp.float32)
+        peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
+        if vocab_axes:
+            peak = jax.lax.pmax(peak, vocab_axes)
+        total = jnp.sum(jnp.exp(logits - peak[..., None]), axis=-1)
+        ids = targets - _offset(vocab_axes, logits.shape[-1])
+        inside = (ids >= 0) & (ids < logits.shape[-1])
+        picked = jnp.take_along_axis(logits, jnp.clip(ids, 0, logits.shape[-1] - 1)[..., None], axis=-1)[..., 0]
+        picked = jnp.where(inside, picked, 0.0)
+        if vocab_axes:
+            total, picked = jax.lax.psum(total, vocab_axes), jax.lax.psum(picked, vocab_axes)
+        return jnp.log(total) + peak - picked
+
+    names = [("batch", "seq", "vocab"), ("batch", "seq")]
+    return _run_sharded(local, [logits_BSV, targets_BS], names, [(("batch", "seq"), targets_BS.shape)],
+                        "cross entropy")

@@ -1,0 +1,147 @@
+"""Applying a layout: the active layout, the activation helper, weights at use, and sharded parameter creation.
+
+Parameters carry their logical names as the `logical_axes` metadata of an `nnx.Param`; activations pass through
+`constrain(x, names)`; matmuls go through `einsum(..., out=names)` so a contraction over a sharded dimension says
+where its result lives (all-reduce, or reduce-scatter when `out` shards another dimension over the reduced axis).
+Outside `use_layout(...)` every helper is the identity, so the same model runs unsharded.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec, reshard
+
+from .errors import ShardingRuleError
+from .layouts import Layout, get_layout
+from .rules import LogicalNames, resolve
+
+LOGICAL_AXES = "logical_axes"
+
+
+@dataclass(frozen=True)
+class ActiveLayout:
+    layout: Layout
+    mesh: jax.sharding.Mesh
+
+
+_ACTIVE: contextvars.ContextVar[ActiveLayout | None] = contextvars.ContextVar("starscream_layout", default=None)
+
+
+@contextlib.contextmanager
+def use_layout(layout: Layout | str, mesh):
+    """Makes `layout` on `mesh` the active layout (and `mesh` JAX's mesh) for code traced inside the block."""
+    token = _ACTIVE.set(ActiveLayout(get_layout(layout), mesh))
+    try:
+        with jax.set_mesh(mesh):
+            yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active() -> ActiveLayout | None:
+    """The active layout and mesh, or None outside `use_layout`."""
+    return _ACTIVE.get()
+
+
+def activation_spec(names: LogicalNames, shape, tensor: str = "activation") -> PartitionSpec | None:
+    """The PartitionSpec the active layout gives an activation, or None outside `use_layout`."""
+    current = active()
+    if current is None:
+        return None
+    return resolve(names, tuple(shape), current.layout.activations, current.mesh, tensor,
+                   f"activation rules of {current.layout.name}")
+
+
+def constrain(x: jax.Array, names: LogicalNames, tensor: str = "activation") -> jax.Array:
+    """Reshards activation `x` to the active layout's placement of its logical `names` (identity when none)."""
+    spec = activation_spec(names, x.shape, tensor)
+    return x if spec is None else reshard(x, spec)
+
+
+def weight(value: jax.Array, names: LogicalNames, dtype=None, tensor: str = "weight") -> jax.Array:
+    """A weight as a matmul uses it: cast to `dtype` first (fewer bytes to move), then resharded from its stored
+    placement to the layout's `weights` rules (an all-gather inside the GPU under starscream_tp)."""
+    if dtype is not None:
+        value = value.astype(dtype)
+    current = active()
+    if current is None:
+        return value
+    spec = resolve(names, value.shape, current.layout.weights, current.mesh, tensor,
+                   f"weight rules of {current.layout.name}")
+    return reshard(value, spec)
+
+
+def einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, out: LogicalNames, tensor: str = "einsum") -> jax.Array:
+    """`jnp.einsum` (explicit "...->..." form) whose result is placed by the active layout's rule for the logical
+    names `out`: a contraction over a sharded dimension all-reduces, or reduce-scatters when `out` shards another
+    dimension over the reduced axis."""
+    inputs, result = subscripts.replace(" ", "").split("->")
+    sizes = {}
+    for letters, operand in zip(inputs.split(","), (lhs, rhs)):
+        sizes.update(zip(letters, operand.shape))
+    shape = tuple(sizes[letter] for letter in result)
+    spec = activation_spec(out, shape, tensor)
+    return jnp.einsum(subscripts, lhs, rhs, out_sharding=spec)
+
+
+def param(value: jax.Array, names: LogicalNames) -> nnx.Param:
+    """An nnx.Param carrying its logical axis names."""
+    if len(names) != value.ndim:
+        raise ShardingRuleError(f"parameter of shape {value.shape} given {len(names)} logical names {names}")
+    return nnx.Param(value, **{LOGICAL_AXES: tuple(names)})
+
+
+def _path_name(path) -> str:
+    return "/".join(str(getattr(p, "key", p)) for p in path)
+
+
+def param_specs(state: nnx.State, layout: Layout | str, mesh) -> nnx.State:
+    """PartitionSpec of every variable in `state` under the layout's `params` rules (optimizer state included).
+
+    Variables without logical names are scalars (step counters); anything else unnamed is an error, because an
+    unnamed tensor would be silently replicated.
+    """
+    layout = get_layout(layout)
+
+    def spec_of(path, variable):
+        names = variable.get_metadata(LOGICAL_AXES, None) if hasattr(variable, "get_metadata") else None
+        shape = getattr(variable, "shape", None) or jnp.shape(variable.get_value() if hasattr(variable, "get_value")
+                                                              else variable)
+        if names is None:
+            if len(shape) == 0:
+                return PartitionSpec()
+            raise ShardingRuleError(f"{_path_name(path)} {tuple(shape)} has no logical axis names; create it with "
+                                    f"starscream_jax.sharding.param(value, names)")
+        return resolve(names, tuple(shape), layout.params, mesh, _path_name(path), f"param rules of {layout.name}")
+
+    return jax.tree.map_with_path(spec_of, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def param_shardings(state: nnx.State, layout: Layout | str, mesh) -> nnx.State:
+    """NamedSharding of every variable in `state` (see `param_specs`)."""
+    specs = param_specs(state, layout, mesh)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def create_sharded(factory, layout: Layout | str, mesh):
+    """Builds the module `factory()` with every parameter created already sharded by the layout's params rules.
+
+    The full model is never materialised on one device: parameters are initialised inside jit with those output
+    shardings. `factory` takes no arguments (close over config and rngs seed).
+    """
+    abstract = nnx.eval_shape(factory)
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = param_shardings(abstract_state, layout, mesh)
+
+    @jax.jit
+    def build():
+        return nnx.state(factory())
+
+    with jax.set_mesh(mesh):
+        state = jax.jit(build, out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
