@@ -39,7 +39,7 @@ from .errors import ShardingRuleError
 from .rules import MeshAxes, Rules
 
 WEIGHT_NAMES = ("layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "experts", "norm")
-ACTIVATION_NAMES = ("batch", "attn_batch", "seq", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "experts")
+ACTIVATION_NAMES = ("layers", "batch", "attn_batch", "seq", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "experts")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,510 @@
+"""Read the text of a compiled XLA program: its collectives, matmuls and attention kernels.
+
+The input is what `jax.jit(f).lower(*args).compile().as_text()` prints: the program one device runs after SPMD
+partitioning, so every shape here is a per-device shape.
+
+What is read:
+- Collectives (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute), in their synchronous form or as
+  an asynchronous `-start` / `-done` pair (read from the `-start`, counted once), also inside fusions, async wrappers,
+  called computations and loop bodies. Their result shapes and their replica groups (or the source-target pairs of a
+  collective-permute), as lists of partition ids.
+- Matmuls: every `dot`, every `convolution` that is a matmul in disguise (1x1 window, no feature groups) and every
+  cuBLAS gemm custom-call, as per-device (batch, M, K, N).
+- Attention: custom-calls to cuDNN's fused attention (targets starting with `__cudnn$fmha`).
+
+Replica groups come in three printed forms, all returned as `list[list[int]]`:
+- explicit: `{{0,1},{2,3}}` (an empty `{}` means one group of every partition);
+- iota: `[G,S]<=[d0,d1,...]` optionally followed by `T(p0,p1,...)`: the ids 0..N-1 laid out with shape `d`, transposed
+  by `p`, then read row by row as G groups of S;
+- mesh axes (Shardy): `mesh['a'=2,'b'=4] {'b'}`, optionally with `, device_ids=(...)` after the mesh, where the ids are
+  either listed (`3,1,7,5,...`) or given in the iota form `[2,4]T(1,0)`. Axis names may be quoted or bare. A group axis
+  may be a sub-axis `'a':(pre)size`: the axis of size A is split into (pre, size, A / (pre*size)) and the middle factor
+  is the one grouped. Each group lists its members with the first named group axis varying slowest.
+In an SPMD program these ids are partition ids: positions in the flattened device assignment of the program, which for
+a program jitted over a `Mesh` is `mesh.devices.flat`, not `Device.id`.
+
+How often each op runs: an op in a `while` body counts `known_trip_count` times (read from the loop's backend_config;
+1 when XLA did not record a trip count), multiplied through nested loops; an op in a computation called from several
+places counts once per call site; both branches of a conditional count as if each ran.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Iterator
+
+import numpy as np
+
+from starscream_jax.errors import StarscreamError
+
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
+ATTENTION_TARGET_PREFIX = "__cudnn$fmha"
+
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([<=\d,]*)\]")
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+_OPCODE = re.compile(r"\s*([\w\-]+)\(")
+_NUM_PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
+_OP_NAME = re.compile(r'\bop_name="((?:[^"\\]|\\.)*)"')
+_TARGET = re.compile(r'\bcustom_call_target="([^"]*)"')
+_CALLEE = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
+_CALLEE_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_IOTA_GROUPS = re.compile(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_MESH_GROUPS = re.compile(
+    r"mesh\[([^\]]*)\](?:,\s*device_ids=\((\[[\d,]+\](?:T\([\d,]+\))?|[\d,\s]+)\))?\s*\{([^}]*)\}"
+)
+_MESH_AXIS = re.compile(r"(?:'([^']*)'|([\w.\-]+))=(\d+)")
+_GROUP_AXIS = re.compile(r"(?:'([^']*)'|([\w.\-]+))(?::\((\d+)\)(\d+))?")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayShape:
+    """One array type from the program text: element type (`bf16`, `f32`, ...) and per-device dimensions."""
+
+    dtype: str
+    dims: tuple[int, ...]
+
+    @property
+    def bytes(self) -> int:
+        """Size in bytes (sub-byte types rounded up to whole bytes)."""
+        return math.ceil(math.prod(self.dims) * dtype_bits(self.dtype) / 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction.
+
+    `results` are the arrays it produces on one device (several when XLA combined collectives into one).
+    `groups` are the replica groups as partition ids; for a collective-permute `groups` is empty and
+    `source_target_pairs` holds the (source, target) partition ids instead. `count` is how many times it runs per call
+    of the program.
+    """
+
+    name: str
+    kind: str
+    op_name: str
+    results: tuple[ArrayShape, ...]
+    groups: list[list[int]]
+    source_target_pairs: list[tuple[int, int]]
+    count: int
+
+    @property
+    def result_bytes(self) -> int:
+        return sum(shape.bytes for shape in self.results)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dot:
+    """One matmul on one device: out[batch, M, N] = lhs[batch, M, K] @ rhs[batch, K, N].
+
+    M, K and N are products of the free, contracting and free dimensions of the operands. `split_k` > 1 when XLA split
+    the contraction into a batch of partial products (split-K); K is reported whole and `batch` without that split.
+    """
+
+    name: str
+    op_name: str
+    batch: int
+    m: int
+    k: int
+    n: int
+    lhs: ArrayShape
+    rhs: ArrayShape
+    out: ArrayShape
+    split_k: int
+    count: int
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.batch * self.m * self.k * self.n
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the two operands and the result."""
+        return self.lhs.bytes + self.rhs.bytes + self.out.bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+    """One fused attention kernel (a cuDNN fMHA custom-call), with its operand and result arrays."""
+
+    name: str
+    op_name: str
+    target: str
+    operands: tuple[ArrayShape, ...]
+    results: tuple[ArrayShape, ...]
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class HloProgram:
+    """Everything `parse_hlo` reads from one program, each list in execution order of first appearance."""
+
+    num_partitions: int
+    collectives: list[Collective]
+    dots: list[Dot]
+    attention: list[AttentionCall]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Instruction:
+    name: str
+    opcode: str
+    result_type: str
+    operands: list[str]
+    attrs: str
+
+
+def dtype_bits(dtype: str) -> int:
+    """Bits per element of an HLO element type: `pred` 8, `token` 0, otherwise the first number in the name."""
+    if dtype == "pred":
+        return 8
+    match = re.search(r"\d+", dtype)
+    return int(match.group()) if match else 0
+
+
+def parse_shapes(type_text: str) -> tuple[ArrayShape, ...]:
+    """All arrays in an HLO type, flattened in order: `(f32[2,3]{1,0}, bf16[4])` -> two shapes."""
+    return tuple(
+        ArrayShape(dtype, tuple(int(d.removeprefix("<=")) for d in dims.split(",") if d))
+        for dtype, dims in _ARRAY.findall(type_text)
+        if dtype != "token"
+    )
+
+
+def parse_replica_groups(text: str, num_partitions: int) -> list[list[int]]:
+    """Replica groups from the text that follows `replica_groups=` (any of the three forms), as partition ids."""
+    text = text.lstrip()
+    if text.startswith("mesh["):
+        return _mesh_groups(text)
+    if text.startswith("["):
+        return _iota_groups(text)
+    if text.startswith("{"):
+        groups = _int_lists(_braced(text))
+        return groups if groups else [list(range(num_partitions))]
+    raise StarscreamError(
+        f"replica groups {text[:60]!r} are in no known form; expected {{{{0,1}},...}}, [G,S]<=[N] or mesh[...] {{...}}"
+    )
+
+
+def parse_hlo(text: str) -> HloProgram:
+    """Read the collectives, matmuls and attention kernels of a compiled program's text, with per-call run counts."""
+    computations, entry = _split_computations(text)
+    if entry is None:
+        raise StarscreamError("the text holds no HLO computation; pass the output of `compiled.as_text()`")
+    header = _NUM_PARTITIONS.search(text)
+    reader = _ProgramReader(computations, int(header.group(1)) if header else 1)
+    reader.visit(entry, 1)
+    return HloProgram(
+        num_partitions=reader.num_partitions,
+        collectives=list(reader.collectives.values()),
+        dots=list(reader.dots.values()),
+        attention=list(reader.attention.values()),
+    )
+
+
+class _ProgramReader:
+    """Walks the call graph from the entry computation, counting each recorded op once per execution."""
+
+    def __init__(self, computations: dict[str, list[_Instruction]], num_partitions: int):
+        self.computations = computations
+        self.num_partitions = num_partitions
+        self.types = {inst.name: inst.result_type for body in computations.values() for inst in body}
+        self.collectives: dict[str, Collective] = {}
+        self.dots: dict[str, Dot] = {}
+        self.attention: dict[str, AttentionCall] = {}
+
+    def visit(self, computation: str, times: int) -> None:
+        for inst in self.computations.get(computation, []):
+            self._record(inst, times)
+            if inst.opcode.endswith(("-done", "-update")):
+                continue
+            repeat = _trip_count(inst.attrs) if inst.opcode == "while" else 1
+            for callee in _callees(inst.attrs):
+                self.visit(callee, times * repeat)
+
+    def _record(self, inst: _Instruction, times: int) -> None:
+        kind = inst.opcode.removesuffix("-start")
+        if kind in COLLECTIVE_KINDS:
+            _add(self.collectives, inst.name, times, lambda: self._collective(inst, kind))
+        elif inst.opcode in ("dot", "convolution") or (
+            inst.opcode == "custom-call" and _target(inst.attrs).startswith(GEMM_TARGETS)
+        ):
+            _add(self.dots, inst.name, times, lambda: self._dot(inst))
+        elif inst.opcode == "custom-call" and _target(inst.attrs).startswith(ATTENTION_TARGET_PREFIX):
+            _add(self.attention, inst.name, times, lambda: self._attention(inst))
+
+    def _collective(self, inst: _Instruction, kind: str) -> Collective:
+        results = parse_shapes(inst.result_type)
+        if inst.opcode == "all-gather-start":
+            results = results[len(results) // 2 :]
+        elif inst.opcode == "collective-permute-start":
+            results = results[1:2]
+        pairs_text = _attribute(inst.attrs, "source_target_pairs")
+        groups_text = _attribute(inst.attrs, "replica_groups")
+        return Collective(
+            name=inst.name,
+            kind=kind,
+            op_name=_op_name(inst.attrs),
+            results=results,
+            groups=[] if groups_text is None else parse_replica_groups(groups_text, self.num_partitions),
+            source_target_pairs=[] if pairs_text is None else [tuple(p) for p in _int_lists(_braced(pairs_text))],
+            count=0,
+        )
+
+    def _operand(self, inst: _Instruction, index: int) -> ArrayShape:
+        return parse_shapes(self.types[inst.operands[index]])[0]
+
+    def _dot(self, inst: _Instruction) -> Dot | None:
+        lhs, rhs = self._operand(inst, 0), self._operand(inst, 1)
+        out = parse_shapes(inst.result_type)[0]
+        if inst.opcode == "convolution":
+            dims = _convolution_dims(inst.attrs, lhs, rhs)
+        else:
+            dims = _dot_dims(_dot_numbers(inst), lhs, rhs)
+        if dims is None:
+            return None
+        batch, m, k, n, split_k = dims
+        return Dot(inst.name, _op_name(inst.attrs), batch, m, k, n, lhs, rhs, out, split_k, count=0)
+
+    def _attention(self, inst: _Instruction) -> AttentionCall:
+        operands = tuple(self._operand(inst, index) for index in range(len(inst.operands)))
+        return AttentionCall(
+            inst.name, _op_name(inst.attrs), _target(inst.attrs), operands, parse_shapes(inst.result_type), count=0
+        )
+
+
+def _add(records: dict, name: str, times: int, build) -> None:
+    """Add `times` runs to the record of instruction `name`, building the record on first sight (None: not recorded)."""
+    if name not in records:
+        record = build()
+        if record is None:
+            return
+        records[name] = record
+    records[name] = dataclasses.replace(records[name], count=records[name].count + times)
+
+
+def _split_computations(text: str) -> tuple[dict[str, list[_Instruction]], str | None]:
+    """Map each computation's name to its instructions; also return the entry computation's name (the one marked
+    ENTRY, else the last one)."""
+    computations: dict[str, list[_Instruction]] = {}
+    entry = current = None
+    for line in text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            current = header.group(2)
+            computations[current] = []
+            entry = current if header.group(1) else entry
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            inst = _parse_instruction(line)
+            if inst is not None:
+                computations[current].append(inst)
+    return computations, entry or next(reversed(computations), None)
+
+
+def _parse_instruction(line: str) -> _Instruction | None:
+    head = _INSTRUCTION.match(line)
+    if head is None:
+        return None
+    rest = line[head.end() :]
+    if rest.startswith("("):
+        end = _closing(rest, 0, "(", ")")
+        result_type, rest = rest[: end + 1], rest[end + 1 :]
+    else:
+        result_type, _, rest = rest.partition(" ")
+    opcode = _OPCODE.match(rest)
+    if opcode is None:
+        return None
+    open_at = opcode.end() - 1
+    close_at = _closing(rest, open_at, "(", ")")
+    operands = [_operand_name(token) for token in _split_top(rest[open_at + 1 : close_at])]
+    return _Instruction(head.group(1), opcode.group(1), result_type, operands, rest[close_at + 1 :])
+
+
+def _operand_name(token: str) -> str:
+    token = re.sub(r"/\*.*?\*/", "", token).strip()
+    return token.split()[-1].lstrip("%") if token else ""
+
+
+def _split_top(text: str) -> list[str]:
+    """Split on commas that are not inside brackets, braces or parentheses."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += char in "([{"
+        depth -= char in ")]}"
+        if char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [part for part in parts if part.strip()]
+
+
+def _closing(text: str, open_at: int, opener: str, closer: str) -> int:
+    depth = 0
+    for i in range(open_at, len(text)):
+        depth += text[i] == opener
+        depth -= text[i] == closer
+        if depth == 0:
+            return i
+    raise StarscreamError(f"unbalanced {opener}{closer} in HLO text {text[:80]!r}; pass the whole line as printed")
+
+
+def _braced(text: str) -> str:
+    """The text inside the first balanced pair of braces."""
+    start = text.index("{")
+    return text[start + 1 : _closing(text, start, "{", "}")]
+
+
+def _attribute(attrs: str, key: str) -> str | None:
+    """The raw text after `key=` (to the end of the attributes), or None when the attribute is absent."""
+    match = re.search(rf"\b{key}=", attrs)
+    return attrs[match.end() :] if match else None
+
+
+def _int_lists(text: str) -> list[list[int]]:
+    return [[int(v) for v in group.split(",") if v.strip()] for group in re.findall(r"\{([\d,\s]*)\}", text)]
+
+
+def _op_name(attrs: str) -> str:
+    match = _OP_NAME.search(attrs)
+    return match.group(1) if match else ""
+
+
+def _target(attrs: str) -> str:
+    match = _TARGET.search(attrs)
+    return match.group(1) if match else ""
+
+
+def _backend_config(attrs: str) -> dict:
+    raw = _attribute(attrs, "backend_config")
+    if raw is None or not raw.startswith("{"):
+        return {}
+    return json.loads(raw[: _closing(raw, 0, "{", "}") + 1])
+
+
+def _trip_count(attrs: str) -> int:
+    return int(_backend_config(attrs).get("known_trip_count", {}).get("n", 1))
+
+
+def _callees(attrs: str) -> Iterator[str]:
+    for _, name in _CALLEE.findall(attrs):
+        yield name
+    for names in _CALLEE_LIST.findall(attrs):
+        yield from (name.strip().lstrip("%") for name in names.split(",") if name.strip())
+
+
+def _iota_ids(reshape: list[int], transpose: list[int] | None) -> np.ndarray:
+    ids = np.arange(math.prod(reshape)).reshape(reshape)
+    return ids.transpose(transpose) if transpose else ids
+
+
+def _numbers(text: str | None) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()] if text else []
+
+
+def _iota_groups(text: str) -> list[list[int]]:
+    match = _IOTA_GROUPS.match(text)
+    if match is None:
+        raise StarscreamError(f"iota replica groups {text[:60]!r} do not read as [G,S]<=[dims]T(perm)")
+    num_groups, group_size = _numbers(match.group(1))
+    ids = _iota_ids(_numbers(match.group(2)), _numbers(match.group(3)) or None)
+    return ids.reshape(num_groups, group_size).tolist()
+
+
+def _mesh_groups(text: str) -> list[list[int]]:
+    match = _MESH_GROUPS.match(text)
+    if match is None:
+        raise StarscreamError(f"mesh replica groups {text[:80]!r} do not read as mesh[axis=size,...] {{axes}}")
+    axes = [(quoted or bare, int(size)) for quoted, bare, size in _MESH_AXIS.findall(match.group(1))]
+    names = [name for name, _ in axes]
+    grouped = []
+    for quoted, bare, pre, size in _GROUP_AXIS.findall(match.group(3)):
+        if (quoted or bare) not in names:
+            raise StarscreamError(f"group axis {quoted or bare!r} is not in the mesh {names} of {text[:80]!r}")
+        grouped.append((names.index(quoted or bare), int(pre) if pre else None, int(size) if size else None))
+    factor_sizes, factor_keys = [], []
+    for axis, (_, size) in enumerate(axes):
+        for factor, key in _axis_factors(size, [(pre, sub) for a, pre, sub in grouped if a == axis]):
+            factor_sizes.append(factor)
+            factor_keys.append((axis, key))
+    group_dims = [factor_keys.index((axis, pre)) for axis, pre, _ in grouped]
+    other_dims = [i for i in range(len(factor_keys)) if i not in group_dims]
+    ids = _mesh_device_ids(match.group(2), math.prod(factor_sizes))
+    ordered = ids.reshape(factor_sizes).transpose(other_dims + group_dims)
+    return ordered.reshape(-1, math.prod(factor_sizes[i] for i in group_dims)).tolist()
+
+
+def _axis_factors(size: int, subaxes: list[tuple[int | None, int | None]]) -> list[tuple[int, object]]:
+    """Split one mesh axis into factors, major first, each with a key: a grouped sub-axis is keyed by its pre-size,
+    a whole grouped axis by None, and the ungrouped rest by ("rest", position), which matches no group axis."""
+    if not subaxes or any(pre is None for pre, _ in subaxes):
+        return [(size, None)]
+    factors: list[tuple[int, object]] = []
+    covered = 1
+    for pre, sub in sorted(subaxes):
+        if pre > covered:
+            factors.append((pre // covered, ("rest", len(factors))))
+        factors.append((sub, pre))
+        covered = pre * sub
+    if covered < size:
+        factors.append((size // covered, ("rest", len(factors))))
+    return factors
+
+
+def _mesh_device_ids(text: str | None, count: int) -> np.ndarray:
+    if text is None:
+        return np.arange(count)
+    text = text.strip()
+    if text.startswith("["):
+        reshape, _, transpose = text[1:].partition("]")
+        return _iota_ids(_numbers(reshape), _numbers(transpose.strip("T()")) or None).reshape(-1)
+    return np.array(_numbers(text))
+
+
+def _dot_numbers(inst: _Instruction) -> dict[str, list[int]]:
+    """Dot dimension numbers, from the instruction's attributes or, for a gemm custom-call, its backend_config."""
+    if inst.opcode == "custom-call":
+        numbers = _backend_config(inst.attrs)["gemm_backend_config"]["dot_dimension_numbers"]
+        return {key.removesuffix("ensions") + "s": [int(v) for v in value] for key, value in numbers.items()}
+    keys = ("lhs_batch_dims", "lhs_contracting_dims", "rhs_batch_dims", "rhs_contracting_dims")
+    found = {key: re.search(rf"\b{key}=\{{([\d,]*)\}}", inst.attrs) for key in keys}
+    return {key: _numbers(match.group(1)) if match else [] for key, match in found.items()}
+
+
+def _dot_dims(numbers: dict[str, list[int]], lhs: ArrayShape, rhs: ArrayShape) -> tuple[int, int, int, int, int]:
+    """(batch, M, K, N, split_k) of a dot; a batch dim that XLA's split-K inserted just before K is folded into K."""
+    lhs_batch, lhs_contract = numbers["lhs_batch_dims"], numbers["lhs_contracting_dims"]
+    rhs_batch, rhs_contract = numbers["rhs_batch_dims"], numbers["rhs_contracting_dims"]
+    lhs_free = [i for i in range(len(lhs.dims)) if i not in lhs_batch + lhs_contract]
+    rhs_free = [i for i in range(len(rhs.dims)) if i not in rhs_batch + rhs_contract]
+    split_k = 1
+    for lhs_dim, rhs_dim in zip(lhs_batch, rhs_batch):
+        is_split = (
+            lhs_dim + 1 in lhs_contract
+            and rhs_dim + 1 in rhs_contract
+            and any(free < lhs_dim for free in lhs_free)
+        )
+        split_k *= lhs.dims[lhs_dim] if is_split else 1
+    batch = math.prod(lhs.dims[i] for i in lhs_batch) // split_k
+    k = math.prod(lhs.dims[i] for i in lhs_contract) * split_k
+    m = math.prod(lhs.dims[i] for i in lhs_free)
+    n = math.prod(rhs.dims[i] for i in rhs_free)
+    return batch, m, k, n, split_k
+
+
+def _convolution_dims(attrs: str, lhs: ArrayShape, rhs: ArrayShape) -> tuple[int, int, int, int, int] | None:
+    """(batch, M, K, N, 1) of a convolution that is a matmul (1x1 window, no groups); None for a real convolution."""
+    window = re.search(r"\bwindow=\{size=([\dx]+)", attrs)
+    grouped = re.search(r"\b(?:feature|batch)_group_count=(\d+)", attrs)
+    labels = re.search(r"\bdim_labels=(\w+)_(\w+)->(\w+)", attrs)
+    if labels is None or (window and set(window.group(1).split("x")) != {"1"}) or (grouped and grouped.group(1) != "1"):
+        return None
+    lhs_labels, rhs_labels = labels.group(1), labels.group(2)
+    m = math.prod(size for label, size in zip(lhs_labels, lhs.dims) if label != "f")
+    k = lhs.dims[lhs_labels.index("f")]
+    n = rhs.dims[rhs_labels.index("o")]
+    return 1, m, k, n, 1

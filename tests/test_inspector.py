@@ -1,0 +1,313 @@
+"""Inspecting compiled programs of a two-matmul MLP on simulated (1, gpu, xcd) CPU meshes, and the three principles.
+
+Layouts of y = relu(x @ w1) @ w2, x: [B, D], w1: [D, F], w2: [F, D]:
+- flat: hidden F over ('gpu', 'xcd'), tokens replicated (64-way TP on an 8x8 mesh);
+- gpu_tp: hidden F over 'gpu', everything replicated over 'xcd' (the reference);
+- starscream: tokens over 'xcd', hidden over 'gpu'; weights stored with D over 'xcd' and resharded to replicated over
+  'xcd' just before the matmul.
+All programs are lowered from ShapeDtypeStructs and compiled, never run.
+"""
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from starscream_jax.errors import TopologyError
+from starscream_jax.inspector import (
+    MatmulReport,
+    check_principles,
+    classify_scope,
+    inspect_compiled,
+    matmul_key,
+    pair_matmuls,
+    replication,
+    ring_bytes_per_device,
+    weight_side_dims,
+)
+
+B, D = 64, 32
+HIDDEN = {(2, 4): 128, (8, 8): 256}
+LAYOUTS = {
+    # name: (tokens, hidden, w1 stored, w2 stored, w1 used, w2 used)
+    "flat": (None, ("gpu", "xcd"), P(None, ("gpu", "xcd")), P(("gpu", "xcd"), None), None, None),
+    "gpu_tp": (None, "gpu", P(None, "gpu"), P("gpu", None), None, None),
+    "starscream": ("xcd", "gpu", P("xcd", "gpu"), P("gpu", "xcd"), P(None, "gpu"), P("gpu", None)),
+}
+
+
+def make_mesh(gpus: int, xcds: int, devices=None) -> Mesh:
+    devices = jax.devices()[: gpus * xcds] if devices is None else devices
+    return Mesh(np.array(devices).reshape(1, gpus, xcds), ("data", "gpu", "xcd"), axis_types=(AxisType.Explicit,) * 3)
+
+
+def mlp_args(mesh: Mesh, layout: str) -> tuple:
+    tokens, _, w1_spec, w2_spec, _, _ = LAYOUTS[layout]
+    hidden = HIDDEN[(mesh.shape["gpu"], mesh.shape["xcd"])]
+    sds = lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+    return sds((B, D), P(tokens)), sds((D, hidden), w1_spec), sds((hidden, D), w2_spec)
+
+
+def mlp_function(layout: str, train: bool):
+    tokens, hidden, _, _, w1_use, w2_use = LAYOUTS[layout]
+
+    def mlp(x, w1, w2):
+        w1 = w1 if w1_use is None else jax.sharding.reshard(w1, w1_use)
+        w2 = w2 if w2_use is None else jax.sharding.reshard(w2, w2_use)
+        h = jnp.einsum("bd,df->bf", x, w1, out_sharding=P(tokens, hidden))
+        return jnp.einsum("bf,fd->bd", jax.nn.relu(h), w2, out_sharding=P(tokens, None))
+
+    if not train:
+        return mlp
+    return jax.grad(lambda x, w1, w2: (mlp(x, w1, w2) ** 2).sum(), argnums=(1, 2))
+
+
+@functools.cache
+def compiled_mlp(gpus: int, xcds: int, layout: str, train: bool = False):
+    mesh = make_mesh(gpus, xcds)
+    args = mlp_args(mesh, layout)
+    with jax.set_mesh(mesh):
+        return mesh, args, jax.jit(mlp_function(layout, train)).lower(*args).compile()
+
+
+@functools.cache
+def mlp_report(gpus: int, xcds: int, layout: str, train: bool = False):
+    mesh, args, compiled = compiled_mlp(gpus, xcds, layout, train)
+    return inspect_compiled(compiled, mesh, args=args)
+
+
+def test_scopes_of_groups_on_a_2x4_mesh():
+    mesh = make_mesh(2, 4)
+    assert classify_scope([0, 1, 2, 3], mesh) == "intra_gpu"
+    assert classify_scope([1, 5], mesh) == "inter_gpu"
+    assert classify_scope([0, 5], mesh) == "flat"
+    assert classify_scope(range(8), mesh) == "flat"
+    assert classify_scope([6], mesh) == "local"
+
+
+def test_scopes_with_a_data_axis_and_nodes():
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "gpu", "xcd"))
+    # partition 4 is (data 1, gpu 0, xcd 0): physical GPU 2; partition 2 is GPU 1
+    assert classify_scope([0, 4], mesh) == "inter_gpu"
+    assert classify_scope([0, 4], mesh, gpus_per_node=2) == "inter_node"
+    assert classify_scope([0, 2], mesh, gpus_per_node=2) == "inter_gpu"
+    assert classify_scope([0, 1, 4, 5], mesh, gpus_per_node=2) == "flat"
+
+
+def test_mesh_without_xcd_axis_is_an_error():
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "gpu"))
+    with pytest.raises(TopologyError, match="lack \\['xcd'\\]"):
+        classify_scope([0, 1], mesh)
+
+
+def test_ring_formulas():
+    assert ring_bytes_per_device("all-gather", 65536, 4) == 49152
+    assert ring_bytes_per_device("reduce-scatter", 65536, 4) == 49152
+    assert ring_bytes_per_device("all-reduce", 65536, 8) == 114688
+    assert ring_bytes_per_device("all-to-all", 1000, 2) == 500
+    assert ring_bytes_per_device("collective-permute", 1000, 2) == 1000
+
+
+def test_all_gather_bytes_by_hand():
+    """starscream on 2x4: w1 [32,128] f32 stored P('xcd','gpu') is gathered over the 4 xcds into its [32,64] gpu shard:
+    8 KiB per device, so each device receives the other 3 quarters: 3/4 x 8192 = 6144 bytes."""
+    report = mlp_report(2, 4, "starscream")
+    gathers = [c for c in report.collectives if c.kind == "all-gather" and c.buffer_bytes == 32 * 64 * 4]
+    assert gathers, [(c.kind, c.buffer_bytes) for c in report.collectives]
+    assert {(c.scope, c.group_size, c.bytes_per_device) for c in gathers} == {("intra_gpu", 4, 6144.0)}
+
+
+def test_explicit_collectives_bytes_and_scopes():
+    """Per device x is [16, 32] f32 = 2 KiB, on a 2x4 mesh."""
+    mesh = make_mesh(2, 4)
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("gpu", "xcd"), out_specs=P("gpu", "xcd"))
+    def collectives(x):
+        scattered = jax.lax.psum_scatter(x, "xcd", scatter_dimension=0, tiled=True)
+        exchanged = jax.lax.all_to_all(x, "gpu", 0, 0, tiled=True)
+        shifted = jax.lax.ppermute(x, "xcd", [(i, (i + 1) % 4) for i in range(4)])
+        return jnp.tile(scattered, (4, 1)) + exchanged + shifted
+
+    x = jax.ShapeDtypeStruct((32, 128), jnp.float32, sharding=NamedSharding(mesh, P("gpu", "xcd")))
+    report = inspect_compiled(collectives.lower(x).compile(), mesh)
+    found = {(c.kind, c.scope, c.group_size, c.buffer_bytes, c.bytes_per_device) for c in report.collectives}
+    assert found == {
+        ("reduce-scatter", "intra_gpu", 4, 2048, 1536.0),
+        ("all-to-all", "inter_gpu", 2, 2048, 1024.0),
+        ("collective-permute", "intra_gpu", 2, 2048, 2048.0),
+    }
+
+
+@pytest.mark.parametrize("gpus, xcds", [(2, 4), (8, 8)])
+def test_flat_layout_has_flat_collectives_and_divides_weight_dims(gpus, xcds):
+    report = mlp_report(gpus, xcds, "flat")
+    assert "flat" in {c.scope for c in report.collectives}
+    first, second = report.matmuls
+    hidden = HIDDEN[(gpus, xcds)]
+    assert (first.m, first.k, first.n) == (B, D, hidden // (gpus * xcds))
+    assert (second.m, second.k, second.n) == (B, hidden // (gpus * xcds), D)
+    verdicts = check_principles(report, mlp_report(gpus, xcds, "gpu_tp"), large_bytes=1024)
+    assert not verdicts["shape_preservation"]["ok"]
+    assert len(verdicts["shape_preservation"]["violations"]) == 2
+    assert not verdicts["hierarchical_collectives"]["ok"]
+    assert not verdicts["no_redundancy"]["ok"]
+    assert "input 0" in verdicts["no_redundancy"]["violations"][0]
+
+
+@pytest.mark.parametrize("gpus, xcds", [(2, 4), (8, 8)])
+def test_starscream_layout_is_hierarchical_and_keeps_kernel_shapes(gpus, xcds):
+    report = mlp_report(gpus, xcds, "starscream")
+    assert {c.scope for c in report.collectives} == {"intra_gpu", "inter_gpu"}
+    first, second = report.matmuls
+    hidden = HIDDEN[(gpus, xcds)]
+    assert (first.m, first.k, first.n) == (B // xcds, D, hidden // gpus)
+    assert (second.m, second.k, second.n) == (B // xcds, hidden // gpus, D)
+    verdicts = check_principles(report, mlp_report(gpus, xcds, "gpu_tp"), large_bytes=1024)
+    assert all(verdict["ok"] for verdict in verdicts.values()), verdicts
+    assert verdicts["shape_preservation"]["unpaired"] == []
+
+
+def test_training_steps_judged_on_backward_matmuls_too():
+    reference = mlp_report(2, 4, "gpu_tp", train=True)
+    starscream = mlp_report(2, 4, "starscream", train=True)
+    flat = mlp_report(2, 4, "flat", train=True)
+    assert len(starscream.matmuls) == len(reference.matmuls) == 5
+    weight_gradients = [c for c in starscream.collectives if "transpose(" in c.op_name]
+    # weight gradients are reduced over the xcds of each GPU: a reduce-scatter, or on CPU all-reduce + dynamic-slice
+    assert weight_gradients and all(c.kind in ("reduce-scatter", "all-reduce") for c in weight_gradients)
+    assert {c.scope for c in weight_gradients} == {"intra_gpu"}
+    starscream_verdicts = check_principles(starscream, reference, large_bytes=1024)
+    assert all(verdict["ok"] for verdict in starscream_verdicts.values()), starscream_verdicts
+    flat_verdicts = check_principles(flat, reference, large_bytes=1024)
+    assert len(flat_verdicts["shape_preservation"]["violations"]) == 5
+    assert not flat_verdicts["hierarchical_collectives"]["ok"]
+
+
+def test_replica_group_ids_are_mesh_positions_not_device_ids():
+    permutation = [5, 2, 7, 0, 3, 6, 1, 4]
+    devices = [jax.devices()[i] for i in permutation]
+    mesh = make_mesh(2, 4, devices)
+    args = mlp_args(mesh, "starscream")
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(mlp_function("starscream", train=False)).lower(*args).compile()
+    assert list(compiled.runtime_executable().local_devices()) == list(mesh.devices.flat)
+    report = inspect_compiled(compiled, mesh, args=args)
+    assert {c.scope for c in report.collectives} == {"intra_gpu", "inter_gpu"}
+    gathers = [c for c in report.collectives if c.kind == "all-gather"]
+    assert all(sorted(map(sorted, c.groups)) == [[0, 1, 2, 3], [4, 5, 6, 7]] for c in gathers)
+    # read as Device.id, the first gather group would hold devices of both GPUs
+    assert classify_scope([permutation.index(i) for i in gathers[0].groups[0]], mesh) == "flat"
+
+
+def test_inputs_report_spec_bytes_and_replication():
+    starscream = {entry.name: entry for entry in mlp_report(2, 4, "starscream").inputs}
+    reference = {entry.name: entry for entry in mlp_report(2, 4, "gpu_tp").inputs}
+    x, w1 = starscream["0"], starscream["1"]
+    assert (x.shape, x.spec, x.replication_xcd, x.replication_gpu) == ([B, D], ["xcd"], 1, 2)
+    assert (w1.spec, w1.bytes, w1.shard_bytes, w1.replication_xcd, w1.replication_gpu) == (
+        ["xcd", "gpu"], D * 128 * 4, D * 128 * 4 // 8, 1, 1
+    )
+    w1_reference = reference["1"]
+    assert (w1_reference.spec, w1_reference.replication_xcd, w1_reference.replication_gpu) == ([None, "gpu"], 4, 1)
+    assert reference["0"].replication_xcd == 4 and reference["0"].replication_gpu == 2
+
+
+def test_inputs_without_args_are_read_from_the_compiled_program():
+    mesh, args, compiled = compiled_mlp(2, 4, "starscream")
+    assert inspect_compiled(compiled, mesh).inputs == inspect_compiled(compiled, mesh, args=args).inputs
+
+
+def test_replication_counts_copies_along_each_axis():
+    mesh = make_mesh(2, 4)
+    sharding = NamedSharding(mesh, P(None, ("gpu", "xcd")))
+    assert replication(sharding, (4, 8), mesh, "xcd") == 1
+    assert replication(NamedSharding(mesh, P("gpu")), (4, 8), mesh, "xcd") == 4
+    assert replication(NamedSharding(mesh, P("gpu")), (4, 8), mesh, "gpu") == 1
+
+
+def test_replicated_inputs_can_be_allowed_by_pattern_or_callable():
+    reference = mlp_report(2, 4, "gpu_tp")
+    assert len(check_principles(reference, None, large_bytes=1024)["no_redundancy"]["violations"]) == 3
+    assert check_principles(reference, None, large_bytes=1 << 20)["no_redundancy"]["ok"]
+    by_pattern = check_principles(reference, None, replicated_ok={"0", "[12]"}, large_bytes=1024)
+    assert by_pattern["no_redundancy"]["ok"]
+    by_callable = check_principles(reference, None, replicated_ok=lambda name: name != "2", large_bytes=1024)
+    assert [v.split()[1] for v in by_callable["no_redundancy"]["violations"]] == ["2"]
+
+
+def test_without_reference_no_matmul_is_judged():
+    report = mlp_report(2, 4, "flat")
+    verdict = check_principles(report, None)["shape_preservation"]
+    assert verdict == {"ok": True, "violations": [], "unpaired": [m.name for m in report.matmuls]}
+
+
+def test_report_is_json_serialisable_with_memory_and_bytes_by_scope():
+    report = mlp_report(2, 4, "starscream")
+    as_dict = json.loads(json.dumps(report.to_dict()))
+    assert as_dict["mesh_axes"] == {"data": 1, "gpu": 2, "xcd": 4}
+    assert as_dict["memory"]["argument_bytes"] == sum(entry.shard_bytes for entry in report.inputs)
+    expected = sum(c.bytes_per_device * c.count for c in report.collectives if c.scope == "intra_gpu")
+    assert as_dict["bytes_by_scope"]["intra_gpu"] == expected > 0
+    assert as_dict["bytes_by_scope"]["flat"] == 0
+
+
+def test_below_ridge_compares_intensity_with_peak_over_bandwidth():
+    mesh, args, compiled = compiled_mlp(2, 4, "starscream")
+    (first, _) = inspect_compiled(compiled, mesh).matmuls
+    assert first.intensity == pytest.approx(2 * 16 * 32 * 64 / (4 * (16 * 32 + 32 * 64 + 16 * 64)))
+    assert first.below_ridge is None
+    low_ridge = inspect_compiled(compiled, mesh, peak_flops=1e12, hbm_bandwidth=1e12).matmuls[0]
+    high_ridge = inspect_compiled(compiled, mesh, peak_flops=1e15, hbm_bandwidth=1e12).matmuls[0]
+    assert (low_ridge.below_ridge, high_ridge.below_ridge) == (False, True)
+
+
+def test_program_and_mesh_of_different_sizes_is_an_error():
+    mesh, _, compiled = compiled_mlp(2, 4, "starscream")
+    with pytest.raises(TopologyError, match="compiled for 8 partitions"):
+        inspect_compiled(compiled, make_mesh(2, 2))
+
+
+def matmul(name: str, op_name: str, m: int, k: int, n: int) -> MatmulReport:
+    return MatmulReport(name, op_name, 1, m, k, n, "f32", 2 * m * k * n, 0, 0.0, None, 1)
+
+
+def test_matmul_key_unwraps_transposes_and_drops_jit_and_primitive():
+    assert matmul_key("jit(step)/jvp(bd,df->bf)/dot_general") == ("jvp(bd,df->bf)", False)
+    assert matmul_key("jit(other)/transpose(jvp(bd,df->bf))/transpose") == ("jvp(bd,df->bf)", True)
+    assert matmul_key("") == ("", False)
+
+
+def test_weight_side_of_backward_matmuls_drops_the_forward_token_count():
+    matmuls = [
+        matmul("forward", "jit(f)/jvp(up)/dot_general", 16, 32, 64),
+        matmul("input gradient", "jit(f)/transpose(jvp(up))/dot_general", 16, 64, 32),
+        matmul("weight gradient", "jit(f)/transpose(jvp(up))/dot_general", 32, 16, 64),
+        matmul("no forward twin", "jit(f)/transpose(jvp(down))/dot_general", 8, 4, 2),
+    ]
+    assert weight_side_dims(matmuls) == [(32, 64), (32, 64), (32, 64), (2, 4)]
+
+
+def test_pairing_by_key_and_direction_in_order():
+    layout = [
+        matmul("a", "jit(f)/jvp(up)/dot_general", 1, 1, 1),
+        matmul("b", "jit(f)/transpose(jvp(up))/dot_general", 1, 1, 1),
+        matmul("c", "jit(f)/jvp(up)/dot_general", 1, 1, 1),
+        matmul("d", "jit(f)/jvp(extra)/dot_general", 1, 1, 1),
+    ]
+    reference = [
+        matmul("A", "jit(g)/transpose(jvp(up))/transpose", 1, 1, 1),
+        matmul("B", "jit(g)/jvp(up)/dot_general", 1, 1, 1),
+        matmul("C", "jit(g)/jvp(up)/dot_general", 1, 1, 1),
+    ]
+    assert pair_matmuls(layout, reference) == ([(0, 1), (1, 0), (2, 2)], [3])
+
+
+def test_args_that_do_not_match_the_program_are_an_error():
+    mesh, args, compiled = compiled_mlp(2, 4, "starscream")
+    with pytest.raises(TopologyError, match="args hold 2 arrays but the program takes 3"):
+        inspect_compiled(compiled, mesh, args=args[:2])
