@@ -24,19 +24,23 @@ def abstract_arrays(tree):
 class CheckpointStore:
     """The checkpoints of one run, in `directory/<step>/{params,opt_state,meta}`.
 
-    `save_every` steps (and whenever `save(..., force=True)`), keeping the newest `max_to_keep`.
+    `save_every` steps (and whenever `save(..., force=True)`), keeping the newest `max_to_keep`. With
+    `must_exist` the directory is not created: opening one that is missing is an error (for restoring only).
     """
 
     def __init__(self, directory: str | Path, save_every: int = 100, max_to_keep: int = 2,
-                 async_save: bool = True):
+                 async_save: bool = True, must_exist: bool = False):
         import orbax.checkpoint as ocp
 
         self.directory = Path(directory).resolve()
+        if must_exist and not self.directory.is_dir():
+            raise StarscreamError(f"checkpoint directory {self.directory} does not exist; pass the checkpoints "
+                                  "directory of a training run (RUN_DIR/checkpoints)")
         options = ocp.CheckpointManagerOptions(
             save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(save_every),
             preservation_policy=ocp.checkpoint_managers.LatestN(max_to_keep),
             enable_async_checkpointing=async_save,
-            create=True,
+            create=not must_exist,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEM_NAMES)
 
@@ -110,3 +114,34 @@ class CheckpointStore:
 
     def __exit__(self, *exc_info):
         self.close()
+
+
+def restore_model(directory: str | Path, layout, mesh, step: int | None = None, dtype: str | None = None):
+    """(model, description): the Transformer saved at `step` (default: the latest) in `directory`, its parameters
+    placed by `layout`'s params rules on `mesh` (whatever mesh and layout trained it), and the run's JSON description.
+
+    `dtype` overrides the saved compute dtype ("float32" or "bfloat16"); parameters keep the dtype they were saved in.
+    """
+    import jax
+    from flax import nnx
+
+    from starscream_jax.config import ModelConfig
+    from starscream_jax.model import Transformer
+    from starscream_jax.sharding import param_shardings
+
+    with CheckpointStore(directory, must_exist=True) as store:
+        chosen_step = store.require_step(step)
+        description = store.restore_meta(chosen_step)
+        config = ModelConfig(**description["model_config"])
+        if dtype is not None:
+            config = config.replace(dtype=dtype)
+        abstract_model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+        graphdef, abstract_params, rest = nnx.split(abstract_model, nnx.Param, ...)
+        shardings = param_shardings(abstract_params, layout, mesh)
+        params_target = jax.tree.map(
+            lambda sharding, variable: variable.replace(
+                jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=sharding)),
+            shardings, abstract_params, is_leaf=lambda node: isinstance(node, nnx.Variable),
+        )
+        params, _ = store.restore(chosen_step, params_target)
+    return nnx.merge(graphdef, params, rest), description

@@ -17,9 +17,10 @@ from pathlib import Path
 import numpy as np
 
 from starscream_jax.errors import StarscreamError
+from starscream_jax.resources import data_dir
 
 VOCAB_SIZE = 256
-DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare.txt"
+DEFAULT_CORPUS = data_dir("data") / "tinyshakespeare.txt"  # data/README.md says where it comes from
 
 
 def encode(text: str) -> np.ndarray:

@@ -16,16 +16,28 @@ def format_loss(nats: float) -> str:
     return f"{nats:.3f} nats ({nats_to_bits(nats):.3f} bits)"
 
 
-class MetricsLog:
-    """Appends records to a JSON lines file. With `enabled=False` (processes other than 0) it writes nothing."""
+def format_bytes(count: float) -> str:
+    """A byte count with a binary unit: '512 B', '1.5 KiB', '3.2 MiB', '2.0 GiB'."""
+    for unit in ("B", "KiB", "MiB"):
+        if count < 1024:
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} GiB"
 
-    def __init__(self, path: str | Path, enabled: bool = True):
+
+class MetricsLog:
+    """Writes records to a JSON lines file, after what it holds (`append`) or replacing it.
+
+    With `enabled=False` (processes other than 0) it writes nothing.
+    """
+
+    def __init__(self, path: str | Path, enabled: bool = True, append: bool = True):
         self.path = Path(path)
         self.enabled = enabled
         self._file = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("a", encoding="utf-8")
+            self._file = self.path.open("a" if append else "w", encoding="utf-8")
 
     def write(self, record: dict) -> None:
         """Append one record (a flat dict of JSON-serializable values) and flush it to disk."""

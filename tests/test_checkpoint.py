@@ -81,3 +81,9 @@ def test_missing_checkpoint_lists_what_exists(tmp_path):
             store.restore_meta()
         with pytest.raises(StarscreamError, match="no checkpoint for step 7"):
             store.restore(7, {})
+
+
+def test_opening_a_missing_directory_for_restore_is_refused(tmp_path):
+    with pytest.raises(StarscreamError, match="nowhere does not exist"):
+        CheckpointStore(tmp_path / "nowhere", must_exist=True)
+    assert not (tmp_path / "nowhere").exists()

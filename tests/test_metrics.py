@@ -41,3 +41,8 @@ def test_plot_is_a_png(tmp_path):
     path = metrics.plot_losses(records, tmp_path / "plots" / "loss.png", reference_nats=3.0)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size > 5000
+
+
+def test_byte_counts_use_binary_units():
+    assert [metrics.format_bytes(count) for count in (512, 1536, 3.5 * 2**20, 2**31)] == [
+        "512 B", "1.5 KiB", "3.5 MiB", "2.0 GiB"]
