@@ -1,15 +1,51 @@
 """Test configuration.
 
 The default run is the CPU suite: 64 simulated CPU devices (enough for an 8 x 8 mesh), set before jax is imported.
-Runs that select accelerator tests (`-m gpu`, `-m rocm`) keep the real platform instead.
+Runs that select accelerator tests (`-m gpu`, `-m rocm`) keep the real platform instead; on a machine without that
+hardware those tests are skipped with a reason that names what they need.
 """
+import functools
 import os
-import sys
+import re
 
-ACCELERATOR_RUN = any(word in arg for arg in sys.argv for word in ("gpu", "rocm"))
+import pytest
 
-if not ACCELERATOR_RUN:
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=64"
-    ).strip()
+
+def pytest_configure(config):
+    """Chooses the platform from the marker expression, before any test module imports jax."""
+    accelerator_run = re.search(r"(?<!not )\b(gpu|rocm)\b", config.getoption("markexpr") or "")
+    if not accelerator_run:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=64"
+        ).strip()
+
+HARDWARE = {
+    "gpu": "a GPU that JAX can use (NVIDIA with jax[cuda13], or AMD Instinct with jax[rocm7-local])",
+    "rocm": "AMD Instinct GPUs with ROCm: GPU nodes under /sys/class/kfd (an MI300X / MI355X node)",
+}
+
+
+@functools.cache
+def hardware_present(marker: str) -> bool:
+    """gpu: JAX shows a device that is not a CPU. rocm: KFD sysfs shows a GPU node."""
+    if marker == "gpu":
+        import jax
+
+        try:
+            return any(device.platform != "cpu" for device in jax.devices())
+        except RuntimeError:
+            return False
+    from starscream_jax.detect import read_kfd_partitions
+
+    try:
+        return bool(read_kfd_partitions(render_dir=None))
+    except OSError:
+        return False
+
+
+def pytest_runtest_setup(item):
+    """Skips a `gpu` or `rocm` test where its hardware is missing, naming the hardware."""
+    for marker, hardware in HARDWARE.items():
+        if item.get_closest_marker(marker) is not None and not hardware_present(marker):
+            pytest.skip(f"needs {hardware}; none found on this machine")

@@ -1,0 +1,271 @@
+"""Per-device kernels of a flat and a hierarchical layout, timed side by side on one accelerator.
+
+Each row is one kernel of a transformer block as one logical device runs it under two layouts on the same topology
+(default: Llama 3 70B, flat_tp vs starscream_tp on 8 GPUs x 8 partitions). Nothing is hard-coded: the per-device
+shapes come from the model configuration (models/<name>.toml, through the model's own parameters and their logical
+axis names) and the layouts' rules on the topology's mesh:
+  matmuls    M = tokens / the mesh axes the `batch` activation rule names; K and N = each weight's dimensions at use
+             (the layout's `weights` rules), K over its contracted logical names. q/k/v and gate/up are fused along N
+             (one kernel reading the same input), as a fused implementation runs them.
+  attention  q [B, S, H, E] and k/v [B, T, K, E] per device from the `attn_batch`, `heads` and `kv_heads` activation
+             rules; where kv heads are copied (fewer kv heads than devices) each device uses the kv heads its query
+             heads share. Prefill is causal self-attention (XLA's implementation, as the model calls
+             `jax.nn.dot_product_attention`; `--prefill-implementation cudnn` for cuDNN's fused kernel); decode is
+             one new token against a full cache of L positions, with a mask, as the model's cached attention runs it.
+Method: bfloat16 inputs drawn at random, each kernel jitted, warmed up, then timed as the mean of N calls; the flat and
+hierarchical kernels alternate over several rounds and each reports the median of its round means. "speedup" is hier
+TFLOP/s over flat TFLOP/s (kernel efficiency); "time flat/hier" compares the two kernels' times, which differ from
+the speedup where the flat layout does redundant work (copied kv heads).
+
+    python scripts/bench_kernels.py                      # on a GPU: Llama 3 70B shapes, table on stdout
+    python scripts/bench_kernels.py --out kernels.json   # and every figure as JSON
+    python scripts/bench_kernels.py --quick              # under a minute on a CPU: tiny model on 2 x 4, smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import AbstractMesh
+
+from starscream_jax.config import load_model_config
+from starscream_jax.layouts import Layout, get_layout
+from starscream_jax.model import ATTN_Q, Transformer
+from starscream_jax.rules import resolve
+from starscream_jax.topology import parse_override
+
+# kernel name: (weights fused along N, logical names the kernel contracts over)
+MATMULS = {
+    "qkv_fused": (("wq", "wk", "wv"), ("embed",)),
+    "o_proj": (("wo",), ("heads", "head_dim")),
+    "gate_up_fused": (("w_gate", "w_up"), ("embed",)),
+    "down": (("w_down",), ("mlp",)),
+    "lm_head": (("lm_head",), ("embed",)),
+}
+ATTENTION = ("attn_prefill", "attn_decode")
+DTYPE = jnp.bfloat16
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel under both layouts: its per-device shapes (M, K, N for matmuls; q and k/v for attention)."""
+
+    kernel: str
+    case: str
+    flat_shape: list
+    hier_shape: list
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One kernel's times (microseconds), rates (TFLOP/s) and ratios."""
+
+    kernel: str
+    case: str
+    flat_shape: list
+    hier_shape: list
+    flat_us: float
+    hier_us: float
+    flat_tflops: float
+    hier_tflops: float
+    speedup: float
+    time_ratio: float
+
+
+def layout_mesh(topology: str) -> AbstractMesh:
+    """The (data, gpu, xcd) mesh of a topology string ("8x8", "mi300x-cpx-nps1:8"), without devices."""
+    parsed = parse_override(topology)
+    return AbstractMesh((1, parsed.num_gpus, parsed.partitions_per_gpu), ("data", "gpu", "xcd"))
+
+
+def mesh_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def local_shape(names, shape, rules, mesh) -> list[int]:
+    """Per-device shape of a tensor whose dimensions carry logical `names`, placed by `rules` on `mesh`."""
+    spec = tuple(resolve(tuple(names), tuple(shape), rules, mesh))
+    entries = spec + (None,) * (len(shape) - len(spec))
+    return [size // math.prod(mesh.shape[axis] for axis in mesh_axes(entry)) for size, entry in zip(shape, entries)]
+
+
+def local_tokens(tokens: int, layout: Layout, mesh, name: str = "batch") -> int:
+    """Tokens one device holds when `tokens` are placed by the activation rule for `name`."""
+    return local_shape((name,), (tokens,), layout.activations, mesh)[0]
+
+
+def matmul_shape(model, weights, contracted, layout: Layout, mesh, tokens: int) -> list[int]:
+    """[M, K, N] of one device: tokens by its weights at use, fused along N."""
+    ks, n = set(), 0
+    for name in weights:
+        variable = getattr(model.layers if hasattr(model.layers, name) else model, name)
+        names = variable.get_metadata("logical_axes")
+        dims = dict(zip(names, local_shape(names, variable.shape, layout.weights, mesh)))
+        dims.pop("layers", None)
+        ks.add(math.prod(dims[c] for c in contracted))
+        n += math.prod(size for axis, size in dims.items() if axis not in contracted)
+    if len(ks) != 1:
+        raise ValueError(f"weights {weights} contract over different sizes {sorted(ks)}; they cannot be fused")
+    return [local_tokens(tokens, layout, mesh), ks.pop(), n]
+
+
+def attention_shapes(config, layout: Layout, mesh, batch: int, query_len: int, key_len: int) -> list[list[int]]:
+    """[q [B, S, H, E], k/v [B, T, K, E]] of one device: K = the kv heads its query heads use."""
+    q = local_shape(ATTN_Q, (batch, query_len, config.n_heads, config.head_dim), layout.activations, mesh)
+    group = config.n_heads // config.n_kv_heads
+    return [q, [q[0], key_len, max(1, q[2] // group), config.head_dim]]
+
+
+def kernels(config, flat: Layout, hier: Layout, mesh, tokens, prefill, decode) -> list[Kernel]:
+    """Every kernel to time, shapes derived from the model and both layouts."""
+    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    head = "embedding" if config.tie_embeddings else "lm_head"      # tied: logits = x @ embedding^T
+    matmuls = {**MATMULS, "lm_head": ((head,), ("embed",))}
+    found = [Kernel(name, f"{count} tokens", *(matmul_shape(model, *spec, layout, mesh, count)
+                                               for layout in (flat, hier)))
+             for count in tokens for name, spec in matmuls.items()]
+    found += [Kernel("attn_prefill", f"B{b} S{s}", *(attention_shapes(config, layout, mesh, b, s, s)
+                                                     for layout in (flat, hier))) for b, s in prefill]
+    found += [Kernel("attn_decode", f"B{b} L{length}", *(attention_shapes(config, layout, mesh, b, 1, length)
+                                                         for layout in (flat, hier))) for b, length in decode]
+    return found
+
+
+def flops(kernel: str, shape: list) -> float:
+    """FLOPs of one call: 2MKN for a matmul; 4 B H S T E for attention, halved for causal prefill."""
+    if kernel in ATTENTION:
+        (b, s, h, e), (_, t, _, _) = shape
+        return 4 * b * h * s * t * e / (2 if kernel == "attn_prefill" else 1)
+    m, k, n = shape
+    return 2 * m * k * n
+
+
+def program(kernel: str, shape: list, key, prefill_implementation: str = "xla"):
+    """(jitted function, its random bfloat16 arguments) for one kernel at one per-device shape."""
+    keys = jax.random.split(key, 3)
+    if kernel not in ATTENTION:
+        m, k, n = shape
+        return jax.jit(jnp.dot), (jax.random.normal(keys[0], (m, k), DTYPE), jax.random.normal(keys[1], (k, n), DTYPE))
+    q_shape, kv_shape = shape
+    args = (jax.random.normal(keys[0], q_shape, DTYPE), jax.random.normal(keys[1], kv_shape, DTYPE),
+            jax.random.normal(keys[2], kv_shape, DTYPE))
+    if kernel == "attn_prefill":
+        return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation=prefill_implementation)), args
+    every_position = jnp.ones((1, 1, 1, kv_shape[1]), bool)
+    return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=every_position)), args
+
+
+def mean_call_seconds(fn, args, warmup: int, calls: int) -> float:
+    """Mean wall time of `calls` back-to-back calls after `warmup` calls, all dispatched before one final wait."""
+    for _ in range(warmup):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    start = time.perf_counter()
+    for _ in range(calls):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / calls
+
+
+def measure(kernel: Kernel, warmup: int, calls: int, rounds: int, prefill_implementation: str = "xla") -> Measured:
+    """Time the flat and hierarchical kernels alternately for `rounds` rounds; median of each one's round means."""
+    flat = program(kernel.kernel, kernel.flat_shape, jax.random.key(0), prefill_implementation)
+    hier = program(kernel.kernel, kernel.hier_shape, jax.random.key(1), prefill_implementation)
+    times = {"flat": [], "hier": []}
+    for _ in range(rounds):
+        times["flat"].append(mean_call_seconds(*flat, warmup, calls))
+        times["hier"].append(mean_call_seconds(*hier, warmup, calls))
+    flat_s, hier_s = statistics.median(times["flat"]), statistics.median(times["hier"])
+    flat_rate = flops(kernel.kernel, kernel.flat_shape) / flat_s / 1e12
+    hier_rate = flops(kernel.kernel, kernel.hier_shape) / hier_s / 1e12
+    return Measured(**asdict(kernel), flat_us=flat_s * 1e6, hier_us=hier_s * 1e6, flat_tflops=flat_rate,
+                    hier_tflops=hier_rate, speedup=hier_rate / flat_rate, time_ratio=flat_s / hier_s)
+
+
+def shape_text(shape: list) -> str:
+    if isinstance(shape[0], list):
+        return " / ".join("x".join(map(str, part)) for part in shape)
+    return "x".join(map(str, shape))
+
+
+def table(rows: list[Measured], flat: str, hier: str) -> str:
+    """A markdown table of the measurements."""
+    lines = [f"| kernel | case | {flat} shape | {hier} shape | {flat} TFLOP/s | {hier} TFLOP/s | speedup | "
+             f"time {flat}/{hier} |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r.kernel} | {r.case} | {shape_text(r.flat_shape)} | {shape_text(r.hier_shape)} | "
+              f"{r.flat_tflops:.4g} | {r.hier_tflops:.4g} | {r.speedup:.2f} | {r.time_ratio:.2f} |" for r in rows]
+    return "\n".join(lines)
+
+
+def pairs(text: str) -> tuple[int, int]:
+    """"8x4096" -> (8, 4096)."""
+    first, _, second = text.partition("x")
+    if not (first.isdigit() and second.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected BATCHxLENGTH, e.g. 8x4096")
+    return int(first), int(second)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama3-70b", help="model configuration in models/ (or a path)")
+    parser.add_argument("--topology", default="mi300x-cpx-nps1:8",
+                        help="mesh the layouts are placed on: PRESET:GPUS or GPUSxPARTITIONS")
+    parser.add_argument("--flat", default="flat_tp", help="the flat layout")
+    parser.add_argument("--hier", default="starscream_tp", help="the hierarchical layout")
+    parser.add_argument("--tokens", type=int, nargs="*", default=[4096, 16384], help="tokens per step (global)")
+    parser.add_argument("--prefill", type=pairs, nargs="*", default=[(8, 4096), (64, 2048)],
+                        help="prefill cases, BATCHxSEQ")
+    parser.add_argument("--decode", type=pairs, nargs="*", default=[(64, 8192), (256, 4096)],
+                        help="decode cases, BATCHxCACHE_LENGTH")
+    parser.add_argument("--prefill-implementation", choices=("xla", "cudnn"), default="xla",
+                        help="jax.nn.dot_product_attention implementation for prefill (the model uses xla)")
+    parser.add_argument("--warmup", type=int, default=5, help="calls before timing")
+    parser.add_argument("--calls", type=int, default=20, help="timed calls per round (N)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating flat / hier rounds")
+    parser.add_argument("--out", type=Path, help="write every figure as JSON here")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: tiny model on 2x4, small shapes, few calls (seconds on a CPU)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.model, args.topology, args.tokens = "tiny", "2x4", [64]
+        args.prefill, args.decode, args.warmup, args.calls, args.rounds = [(8, 32)], [(8, 64)], 1, 2, 1
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    config = load_model_config(args.model)
+    flat, hier = get_layout(args.flat), get_layout(args.hier)
+    mesh = layout_mesh(args.topology)
+    device = jax.devices()[0]
+    print(f"{config.name} under {flat.name} vs {hier.name} on mesh {dict(mesh.shape)}; one {device.device_kind} "
+          f"({device.platform}), jax {jax.__version__}, bf16, mean of {args.calls} calls after {args.warmup} "
+          f"warm-up, median of {args.rounds} rounds", file=sys.stderr)
+    rows = []
+    for kernel in kernels(config, flat, hier, mesh, args.tokens, args.prefill, args.decode):
+        rows.append(measure(kernel, args.warmup, args.calls, args.rounds, args.prefill_implementation))
+        print(f"  {kernel.kernel} {kernel.case}: speedup {rows[-1].speedup:.2f}", file=sys.stderr)
+    print(table(rows, flat.name, hier.name))
+    if args.out:
+        meta = {"model": config.name, "topology": args.topology, "mesh": dict(mesh.shape), "flat": flat.name,
+                "hier": hier.name, "device": device.device_kind, "platform": device.platform,
+                "jax": jax.__version__, "dtype": "bfloat16",
+                "prefill_implementation": args.prefill_implementation, "warmup": args.warmup, "calls": args.calls,
+                "rounds": args.rounds}
+        args.out.write_text(json.dumps({"meta": meta, "kernels": [asdict(r) for r in rows]}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

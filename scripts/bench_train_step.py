@@ -1,0 +1,145 @@
+"""Whole training steps of several layouts on one mesh: the collectives each compiled step runs, and tokens/s.
+
+For each layout the AdamW training step of `starscream train` (starscream_jax.train.make_steps) is compiled on the
+mesh and read by the inspector (each collective's kind, replica groups as partition ids, scope, bytes per device and
+runs per step), then run on tinyshakespeare batches: warm-up steps, then timed steps, tokens/s = tokens per step x
+timed steps / wall time (the last loss fetched before the clock stops).
+
+The mesh: `--grouping` lists the device ids of each physical GPU, so devices that are whole GPUs (NVIDIA) can stand in
+for the partitions of one. Without it the mesh is what the machine shows (`build_mesh()`).
+
+    python scripts/bench_train_step.py --grouping 0,1 2,3 --out steps.json       # 4 GPUs as 2 GPUs x 2 partitions
+    python scripts/bench_train_step.py --grouping 0,1 --model llama3.2-1b --dtype bfloat16
+    python scripts/bench_train_step.py --grouping 0,1 2,3 --simulate --quick     # CPU smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from starscream_jax.mesh import build_mesh
+
+
+def device_groups(text: str) -> list[int]:
+    """"0,1" -> [0, 1]: the device ids of one physical GPU."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated device ids, e.g. 0,1") from None
+
+
+def compiled_step(layout: str, mesh, model_config, train_config):
+    """(compiled step, its arguments): the AdamW step of `train_config` for `model_config`, sharded by `layout`."""
+    from starscream_jax import data
+    from starscream_jax.model import batch_sharding, use_layout
+    from starscream_jax.train import initial_state, make_steps
+
+    with use_layout(layout, mesh):
+        graphdef, params, rest, optimizer, opt_state = initial_state(train_config, model_config, layout, mesh)
+        train_step, _ = make_steps(graphdef, optimizer)
+        batches = data.TokenBatches(data.load_corpus(train_config.data), train_config.batch_size,
+                                    train_config.seq_len + 1, train_config.seed)
+        sharding = batch_sharding(layout, mesh, train_config.batch_size)
+        args = (params, opt_state, rest, batches.global_batch(0, sharding))
+        return train_step.lower(*args).compile(), args, lambda step: batches.global_batch(step, sharding)
+
+
+def collectives(report) -> list[dict]:
+    """The inspector's collectives as plain records (op_name shortened to its last scopes)."""
+    return [{"kind": c.kind, "scope": c.scope, "groups": c.groups, "buffer_bytes": c.buffer_bytes,
+             "bytes_per_device": c.bytes_per_device, "count": c.count,
+             "op_name": "/".join(c.op_name.split("/")[-3:])} for c in report.collectives]
+
+
+def run_layout(layout: str, mesh, model_config, train_config, warmup: int, steps: int) -> dict:
+    """Compile, inspect and time one layout's training step."""
+    import jax
+
+    from starscream_jax.inspector import inspect_compiled
+
+    start = time.perf_counter()
+    step_fn, (params, opt_state, rest, tokens), batch = compiled_step(layout, mesh, model_config, train_config)
+    compile_s = time.perf_counter() - start
+    report = inspect_compiled(step_fn, mesh, args=(params, opt_state, rest, tokens))
+    losses = []
+    for step in range(warmup + steps):
+        if step == warmup:
+            jax.block_until_ready(params)
+            start = time.perf_counter()
+        params, opt_state, loss = step_fn(params, opt_state, rest, batch(step))
+        losses.append(loss)
+    losses = [float(value) for value in jax.device_get(losses)]
+    elapsed = time.perf_counter() - start
+    tokens_per_step = train_config.batch_size * train_config.seq_len
+    return {"layout": layout, "compile_s": compile_s, "step_ms": 1e3 * elapsed / steps,
+            "tokens_per_s": tokens_per_step * steps / elapsed, "losses": losses,
+            "bytes_by_scope": report.bytes_by_scope(), "collectives": collectives(report),
+            "memory": None if report.memory is None else vars(report.memory)}
+
+
+def summary(result: dict) -> str:
+    """A few lines per layout: tokens/s, then each collective kind and scope with its count per step."""
+    lines = [f"{result['layout']}: {result['tokens_per_s']:,.0f} tokens/s ({result['step_ms']:.2f} ms/step, "
+             f"compiled in {result['compile_s']:.1f} s), loss {result['losses'][0]:.3f} -> {result['losses'][-1]:.3f}"]
+    kinds: dict[tuple, int] = {}
+    for c in result["collectives"]:
+        key = (c["kind"], c["scope"], str(c["groups"]))
+        kinds[key] = kinds.get(key, 0) + c["count"]
+    lines += [f"    {count:4d} x {kind} {scope} groups {groups}"
+              for (kind, scope, groups), count in sorted(kinds.items())]
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--grouping", type=device_groups, nargs="+", metavar="IDS",
+                        help="device ids of each physical GPU, e.g. 0,1 2,3 (default: the machine's grouping)")
+    parser.add_argument("--simulate", action="store_true", help="simulated CPU devices (with --grouping)")
+    parser.add_argument("--layouts", nargs="+", default=["flat_tp", "starscream_tp"], help="layouts to compare")
+    parser.add_argument("--model", default="tiny", help="model configuration in models/ (or a path)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per step (global)")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--warmup", type=int, default=3, help="steps before timing")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 timed steps of 4 x 32 tokens")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.batch_size, args.seq_len, args.warmup, args.steps = 4, 32, 1, 2
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    mesh = build_mesh(grouping=args.grouping, simulate=args.simulate)
+    import jax
+
+    from starscream_jax.config import load_model_config
+    from starscream_jax.mesh import device_table
+    from starscream_jax.train import TrainConfig
+
+    model_config = load_model_config(args.model, dtype=args.dtype)
+    train_config = TrainConfig(model=args.model, dtype=args.dtype, batch_size=args.batch_size, seq_len=args.seq_len,
+                               steps=args.warmup + args.steps)
+    device = jax.devices()[0]
+    print(f"{model_config.name} ({args.dtype}) on mesh {dict(mesh.shape)}, devices {device_table(mesh)}; "
+          f"{device.device_kind}, jax {jax.__version__}; {args.batch_size} x {args.seq_len} tokens per step",
+          file=sys.stderr)
+    results = []
+    for layout in args.layouts:
+        results.append(run_layout(layout, mesh, model_config, train_config, args.warmup, args.steps))
+        print(summary(results[-1]))
+    if args.out:
+        meta = {"model": model_config.name, "dtype": args.dtype, "mesh": dict(mesh.shape),
+                "devices": device_table(mesh), "device": device.device_kind, "jax": jax.__version__,
+                "batch_size": args.batch_size, "seq_len": args.seq_len, "warmup": args.warmup, "steps": args.steps}
+        args.out.write_text(json.dumps({"meta": meta, "layouts": results}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
