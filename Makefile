@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml setup.cfg
 	touch $(STAMP)
 
 train: $(STAMP)
-	$(BIN)/starscream train
+	$(BIN)/starscream train --run-dir runs/train-$$(date +%Y%m%d-%H%M%S)
 
 topology: $(STAMP)
 	$(BIN)/starscream topology --preset mi300x-cpx-nps1 --gpus 8 --simulate
