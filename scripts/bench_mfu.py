@@ -1,0 +1,318 @@
+"""Training throughput and model FLOPs utilisation: the library's step under each layout beside a plain JAX Llama.
+
+Both sides train the same model (default: models/llama3.2-1b.toml) on the same batch (default 8 x 2048 tokens) with
+bfloat16 compute, float32 parameters and AdamW state, global-norm clipping and jit with donated state:
+
+  plain JAX   pure functions over a params dict, `lax.scan` over the stacked layers, `jax.nn.dot_product_attention`
+              with implementation="cudnn" on NVIDIA GPUs, plain data parallelism (batch split over the devices,
+              parameters replicated). It starts from the library's initial parameters, so both sides must report
+              the same loss at step 0.
+  library     `starscream_jax.train.initial_state` / `make_steps` under each layout, on the mesh of the devices
+              present (one H200: 1x1x1, where every layout places everything alike; two: 1x2x1).
+
+Each step is compiled first, then run `--warmup` times, then `--steps` times on the clock (the clock stops once the
+last loss and the state are on hand). tokens/s = batch x seq_len x steps / seconds. MFU = tokens/s x FLOPs per token
+/ (devices x peak), with FLOPs per token from `ModelConfig.flops_per_token(seq_len)`: 6 x the matmul parameters
+(embedding-as-head counted once) + 12 x layers x seq_len x heads x head_dim for attention (PaLM's accounting: causal
+masking is not discounted). The peak is the H200 datasheet's dense bf16 figure, 989 TFLOP/s, unless --peak-tflops.
+
+    python scripts/bench_mfu.py --out mfu.json                        # every GPU present
+    CUDA_VISIBLE_DEVICES=0 python scripts/bench_mfu.py --out mfu1.json
+    python scripts/bench_mfu.py --quick --gpus 2                      # CPU smoke run (tiny model)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+H200_BF16_PEAK_TFLOPS = 989.0
+FLOP_COUNTING = ("6 x matmul parameters (tied embedding counted once, as the head) + 12 x layers x seq_len x heads x "
+                 "head_dim (attention, causal half not discounted): ModelConfig.flops_per_token(seq_len)")
+
+
+# ---- the plain JAX Llama -------------------------------------------------------------------------------------------
+
+def plain_rms_norm(x_BSD, scale_D, eps: float):
+    """RMSNorm in float32, returned in x's dtype."""
+    import jax
+    import jax.numpy as jnp
+
+    x32 = x_BSD.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * scale_D).astype(x_BSD.dtype)
+
+
+def plain_rope(x_BSNE, cos_SE, sin_SE):
+    """Rotate-half rotary embedding in float32; cos / sin are [S, E/2]."""
+    import jax.numpy as jnp
+
+    half = x_BSNE.shape[-1] // 2
+    cos, sin = cos_SE[None, :, None, :], sin_SE[None, :, None, :]
+    x1, x2 = x_BSNE[..., :half].astype(jnp.float32), x_BSNE[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BSNE.dtype)
+
+
+def plain_loss(params: dict, tokens_BS1, config, attention_impl: str | None):
+    """Mean next-token cross entropy (nats) of the Llama `config` on tokens [B, S+1] int32.
+
+    params: {"embedding" [V, D], "final_norm" [D], "layers": {"attn_norm" [L, D], "wq" [L, D, H, E],
+    "wk" / "wv" [L, D, K, E], "wo" [L, H, E, D], "mlp_norm" [L, D], "w_gate" / "w_up" [L, D, F],
+    "w_down" [L, F, D]}, and "lm_head" [D, V] unless the embeddings are tied}, float32; matrices are cast to the compute dtype, norm scales stay float32.
+    """
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    dtype = jnp.dtype(config.dtype)
+    tokens_BS, targets_BS = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
+    half = config.head_dim // 2
+    inv_freq = config.rope_theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles_SE = jnp.arange(tokens_BS.shape[1], dtype=jnp.float32)[:, None] * inv_freq
+    cos_SE, sin_SE = jnp.cos(angles_SE), jnp.sin(angles_SE)
+    table_VD = params["embedding"].astype(dtype)
+    layers = {name: w if "norm" in name else w.astype(dtype) for name, w in params["layers"].items()}
+
+    def block(x_BSD, w):
+        h = plain_rms_norm(x_BSD, w["attn_norm"], config.norm_eps)
+        q = plain_rope(jnp.einsum("bsd,dhe->bshe", h, w["wq"]), cos_SE, sin_SE)
+        k = plain_rope(jnp.einsum("bsd,dke->bske", h, w["wk"]), cos_SE, sin_SE)
+        v = jnp.einsum("bsd,dke->bske", h, w["wv"])
+        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl)
+        x_BSD = x_BSD + jnp.einsum("bshe,hed->bsd", attended, w["wo"])
+        h = plain_rms_norm(x_BSD, w["mlp_norm"], config.norm_eps)
+        hidden = jax.nn.silu(jnp.einsum("bsd,df->bsf", h, w["w_gate"])) * jnp.einsum("bsd,df->bsf", h, w["w_up"])
+        return x_BSD + jnp.einsum("bsf,fd->bsd", hidden, w["w_down"]), None
+
+    x_BSD, _ = jax.lax.scan(block, table_VD[tokens_BS], layers)
+    x_BSD = plain_rms_norm(x_BSD, params["final_norm"], config.norm_eps)
+    if config.tie_embeddings:
+        logits_BSV = jnp.einsum("bsd,vd->bsv", x_BSD, table_VD)
+    else:
+        logits_BSV = jnp.einsum("bsd,dv->bsv", x_BSD, params["lm_head"].astype(dtype))
+    logits_BSV = logits_BSV.astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS).mean()
+
+
+def plain_optimizer(train_config, params: dict):
+    """The library's optimizer on a params dict: global-norm clipping, AdamW (warm-up + cosine), no weight decay on
+    norm scales."""
+    import jax
+    import optax
+
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=train_config.learning_rate, warmup_steps=train_config.warmup_steps,
+        decay_steps=max(train_config.steps, train_config.warmup_steps + 1),
+        end_value=train_config.learning_rate * train_config.final_learning_rate_fraction)
+    decay_mask = jax.tree_util.tree_map_with_path(lambda path, _: "norm" not in jax.tree_util.keystr(path), params)
+    return optax.chain(optax.clip_by_global_norm(train_config.clip_norm),
+                       optax.adamw(schedule, weight_decay=train_config.weight_decay, mask=decay_mask))
+
+
+def plain_train_step(config, optimizer, attention_impl: str | None):
+    """step(params, opt_state, tokens [B, S+1]) -> (params, opt_state, loss), jitted, params and state donated."""
+    import functools
+
+    import jax
+    import optax
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, opt_state, tokens_BS1):
+        loss, grads = jax.value_and_grad(plain_loss)(params, tokens_BS1, config, attention_impl)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def on_cuda(device) -> bool:
+    """True for an NVIDIA GPU (where cuDNN attention exists)."""
+    return device.platform == "gpu" and "cuda" in device.client.platform_version.lower()
+
+
+# ---- measuring -----------------------------------------------------------------------------------------------------
+
+def compiled_summary(text: str, compiled) -> dict:
+    """What the compiled step calls out to (custom-call targets: cuDNN attention, cuBLAS GEMMs, ...), its
+    collectives and its temporary memory."""
+    memory = compiled.memory_analysis()
+    return {"custom_calls": dict(Counter(re.findall(r'custom_call_target="([^"]+)"', text))),
+            "collectives": dict(Counter(re.findall(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|"
+                                                   r"collective-permute)(?:-start)?\(", text))),
+            "temp_bytes": None if memory is None else int(memory.temp_size_in_bytes)}
+
+
+def timed_run(step, state: tuple, constants: tuple, tokens, warmup: int, steps: int) -> dict:
+    """Compile `step(*state, *constants, tokens) -> (*state, loss)` (state donated), run warm-up then timed steps.
+
+    Returns compile_s, step_s (seconds per timed step), the loss of every step (the first is step 0's: the loss of
+    the initial parameters) and the compiled program's summary."""
+    import jax
+
+    start = time.perf_counter()
+    compiled = step.lower(*state, *constants, tokens).compile()
+    compile_s = time.perf_counter() - start
+    losses = []
+    for index in range(warmup + steps):
+        if index == warmup:
+            jax.block_until_ready(state)
+            start = time.perf_counter()
+        *state, loss = compiled(*state, *constants, tokens)
+        losses.append(loss)
+    jax.block_until_ready((state, losses[-1]))
+    step_s = (time.perf_counter() - start) / steps
+    text = compiled.as_text()
+    return {"compile_s": compile_s, "step_s": step_s, "losses": [float(x) for x in jax.device_get(losses)],
+            **compiled_summary(text, compiled), "hlo": text}
+
+
+def plain_row(library_params, model_config, train_config, mesh, tokens, warmup: int, steps: int) -> dict:
+    """The plain implementation, data parallel over the mesh's devices, from a copy of `library_params`."""
+    import jax
+    import numpy as np
+    from flax import nnx
+    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+    devices = mesh.devices.reshape(-1)
+    plain_mesh = Mesh(np.asarray(devices), ("batch",), axis_types=(AxisType.Auto,))
+    params = jax.device_put(nnx.to_pure_dict(library_params), NamedSharding(plain_mesh, PartitionSpec()))
+    params = jax.tree.map(lambda x: x.copy(), params)  # never the library's buffers: the step donates them
+    optimizer = plain_optimizer(train_config, params)
+    opt_state = jax.jit(optimizer.init)(params)
+    tokens = jax.device_put(tokens, NamedSharding(plain_mesh, PartitionSpec("batch", None)))
+    attention_impl = "cudnn" if on_cuda(devices[0]) else None
+    step = plain_train_step(model_config, optimizer, attention_impl)
+    result = timed_run(step, (params, opt_state), (), tokens, warmup, steps)
+    return {"name": "plain JAX", "mesh": f"DP x{len(devices)}", **result}
+
+
+def layout_row(layout: str, model_config, train_config, mesh, tokens, warmup: int, steps: int) -> dict:
+    """The library's training step (starscream_jax.train.initial_state / make_steps) under `layout`."""
+    import jax
+
+    from starscream_jax.model import batch_sharding, use_layout
+    from starscream_jax.train import initial_state, make_steps
+
+    with use_layout(layout, mesh):
+        graphdef, params, rest, optimizer, opt_state = initial_state(train_config, model_config, layout, mesh)
+        train_step, _ = make_steps(graphdef, optimizer)
+        tokens = jax.device_put(tokens, batch_sharding(layout, mesh, train_config.batch_size))
+        result = timed_run(train_step, (params, opt_state), (rest,), tokens, warmup, steps)
+    return {"name": layout, "mesh": "x".join(str(size) for size in mesh.shape.values()), **result}
+
+
+def initial_params(model_config, train_config, layout: str, mesh):
+    """The library's initial parameters (nnx.State, float32) under `layout`: the plain side starts from these."""
+    from starscream_jax.model import use_layout
+    from starscream_jax.train import initial_state
+
+    with use_layout(layout, mesh):
+        return initial_state(train_config, model_config, layout, mesh)[1]
+
+
+def add_rates(row: dict, tokens_per_step: int, flops_per_token: float, devices: int, peak_flops: float,
+              plain: dict | None) -> dict:
+    """tokens/s, MFU against `devices` x `peak_flops`, and the ratio of tokens/s to the plain row's."""
+    tokens_per_s = tokens_per_step / row["step_s"]
+    row["tokens_per_s"] = tokens_per_s
+    row["mfu"] = tokens_per_s * flops_per_token / (devices * peak_flops)
+    row["vs_plain"] = None if plain is None else tokens_per_s / plain["tokens_per_s"]
+    row["loss0_minus_plain"] = None if plain is None else row["losses"][0] - plain["losses"][0]
+    return row
+
+
+COLUMNS = (f"{'implementation':<18} {'mesh':<7} {'ms/step':>9} {'tokens/s':>10} {'MFU':>6} {'vs plain':>8} "
+           f"{'loss@0':>8} {'compile s':>9}  attention calls")
+
+
+def table_line(row: dict) -> str:
+    """One row of the results table."""
+    ratio = "" if row["vs_plain"] is None else f"{row['vs_plain']:.3f}"
+    attention = ", ".join(f"{name} x{count}" for name, count in sorted(row["custom_calls"].items())
+                          if "fmha" in name or "attention" in name.lower()) or "none (XLA)"
+    return (f"{row['name']:<18} {row['mesh']:<7} {1e3 * row['step_s']:>9.1f} {row['tokens_per_s']:>10,.0f} "
+            f"{100 * row['mfu']:>5.1f}% {ratio:>8} {row['losses'][0]:>8.4f} {row['compile_s']:>9.1f}  {attention}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from starscream_jax.layouts import LAYOUTS
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama3.2-1b", help="model configuration in models/ (or a path)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="compute dtype")
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS), metavar="LAYOUT",
+                        help=f"library layouts to time (default: all: {', '.join(LAYOUTS)})")
+    parser.add_argument("--gpus", type=int, help="use the first N devices (default: every device present)")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step (global)")
+    parser.add_argument("--seq-len", type=int, default=2048, help="tokens the model reads per sequence")
+    parser.add_argument("--warmup", type=int, default=3, help="steps run after compiling, before the clock starts")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps")
+    parser.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS,
+                        help="per-device peak for MFU (default: H200 dense bf16 datasheet figure)")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here (rewritten after every row)")
+    parser.add_argument("--hlo-dir", type=Path, help="write each compiled step's HLO text here")
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 4 x 32 tokens, 1 + 2 steps")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.model, args.batch_size, args.seq_len, args.warmup, args.steps = "tiny", 4, 32, 1, 2
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import jax
+
+    from starscream_jax.config import load_model_config
+    from starscream_jax.mesh import build_mesh
+    from starscream_jax.train import TrainConfig
+
+    mesh = build_mesh(gpus=args.gpus)
+    devices = mesh.devices.size
+    model_config = load_model_config(args.model, dtype=args.dtype)
+    train_config = TrainConfig(model=args.model, dtype=args.dtype, batch_size=args.batch_size, seq_len=args.seq_len,
+                               steps=args.warmup + args.steps + 1)
+    tokens = jax.random.randint(jax.random.key(0), (args.batch_size, args.seq_len + 1), 0, model_config.vocab_size)
+    flops_per_token = model_config.flops_per_token(args.seq_len)
+    tokens_per_step = args.batch_size * args.seq_len
+    peak = args.peak_tflops * 1e12
+    header = (f"{model_config.name} ({args.dtype}), {args.batch_size} x {args.seq_len} tokens per step, "
+              f"{devices} x {jax.devices()[0].device_kind}, jax {jax.__version__}; "
+              f"{flops_per_token / 1e9:.3f} GFLOP per token; MFU against {args.peak_tflops:g} TFLOP/s per device")
+
+    meta = {"model": model_config.name, "dtype": args.dtype, "batch_size": args.batch_size, "seq_len": args.seq_len,
+            "warmup": args.warmup, "steps": args.steps, "devices": devices, "mesh": dict(mesh.shape),
+            "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__, "flops_per_token": flops_per_token,
+            "flop_counting": FLOP_COUNTING, "peak_tflops_per_device": args.peak_tflops,
+            "command": "python " + " ".join(sys.argv)}
+    rows: list[dict] = []
+
+    def record(row: dict) -> None:
+        add_rates(row, tokens_per_step, flops_per_token, devices, peak, rows[0] if rows else None)
+        hlo = row.pop("hlo")
+        if args.hlo_dir:
+            args.hlo_dir.mkdir(parents=True, exist_ok=True)
+            (args.hlo_dir / f"{devices}gpu_{row['name'].replace(' ', '_')}.hlo.txt").write_text(hlo)
+        rows.append(row)
+        print(table_line(row), flush=True)
+        if args.out:
+            args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+
+    print(header + "\n" + COLUMNS, flush=True)
+    start_params = initial_params(model_config, train_config, args.layouts[0], mesh)
+    record(plain_row(start_params, model_config, train_config, mesh, tokens, args.warmup, args.steps))
+    del start_params
+    failed = []
+    for layout in args.layouts:
+        try:
+            record(layout_row(layout, model_config, train_config, mesh, tokens, args.warmup, args.steps))
+        except Exception as error:  # one layout that does not compile or run must not lose the others' figures
+            failed.append(layout)
+            print(f"{layout:<18} failed: {type(error).__name__}: {str(error).splitlines()[0][:300]}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
