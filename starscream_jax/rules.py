@@ -78,8 +78,8 @@ def _resolve_dim(name: str | None, size: int, rules: Rules, mesh, where: str, ta
                                 f"{', '.join(rules.names())}; add a rule for it or rename the dimension")
     missing = [a for a in axes if a not in mesh.shape]
     if missing:
-        raise ShardingRuleError(f"{where}: rule {name!r} -> {axes} names mesh axes {missing} the mesh lacks "
-                                f"(mesh axes: {tuple(mesh.shape)}); build the mesh with build_mesh")
+        raise ShardingRuleError(f"{where}: rule {name!r} -> {axes} in the {table_name} names mesh axes {missing} "
+                                f"the mesh lacks (mesh axes: {tuple(mesh.shape)}); build the mesh with build_mesh")
     if size % _axes_size(mesh, axes) == 0:
         return axes
     if name in rules.may_replicate:
@@ -87,5 +87,6 @@ def _resolve_dim(name: str | None, size: int, rules: Rules, mesh, where: str, ta
             if size % _axes_size(mesh, axes[:keep]) == 0:
                 return axes[:keep]
     raise ShardingRuleError(
-        f"{where}: dimension {name!r} of size {size} is not divisible by mesh axes {axes} "
-        f"(size {_axes_size(mesh, axes)}); pick a size that is a multiple of {_axes_size(mesh, axes)} or a smaller mesh")
+        f"{where}: dimension {name!r} of size {size} is not divisible by mesh axes {axes} (size "
+        f"{_axes_size(mesh, axes)}) of rule {name!r} in the {table_name}; pick a size that is a multiple of "
+        f"{_axes_size(mesh, axes)} or a smaller mesh")
