@@ -476,7 +476,12 @@ def _dot_numbers(inst: _Instruction) -> dict[str, list[int]]:
 
 
 def _dot_dims(numbers: dict[str, list[int]], lhs: ArrayShape, rhs: ArrayShape) -> tuple[int, int, int, int, int]:
-    """(batch, M, K, N, split_k) of a dot; a batch dim that XLA's split-K inserted just before K is folded into K."""
+    """(batch, M, K, N, split_k) of a dot; a batch dim that XLA's split-K inserted is folded back into K.
+
+    Split-K cuts K into (split, K / split) and makes the split a batch dim: it stands just before a contracting dim
+    in both operands, and after a free dim in at least one of them (the activations' tokens, or the weight's other
+    dim when XLA puts the weight first). A batch dim of the source op stands first in both operands.
+    """
     lhs_batch, lhs_contract = numbers["lhs_batch_dims"], numbers["lhs_contracting_dims"]
     rhs_batch, rhs_contract = numbers["rhs_batch_dims"], numbers["rhs_contracting_dims"]
     lhs_free = [i for i in range(len(lhs.dims)) if i not in lhs_batch + lhs_contract]
@@ -486,7 +491,7 @@ def _dot_dims(numbers: dict[str, list[int]], lhs: ArrayShape, rhs: ArrayShape) -
         is_split = (
             lhs_dim + 1 in lhs_contract
             and rhs_dim + 1 in rhs_contract
-            and any(free < lhs_dim for free in lhs_free)
+            and (any(free < lhs_dim for free in lhs_free) or any(free < rhs_dim for free in rhs_free))
         )
         split_k *= lhs.dims[lhs_dim] if is_split else 1
     batch = math.prod(lhs.dims[i] for i in lhs_batch) // split_k

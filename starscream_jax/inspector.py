@@ -1,9 +1,10 @@
 """Inspect a compiled program over a ('data', 'gpu', 'xcd') mesh and judge it against the three principles.
 
 `inspect_compiled` reads what one device runs (collectives with their scope and bytes, matmuls with their per-device
-shapes, attention kernels, memory, and how each input array is laid out); `check_principles` turns two such reports,
-a layout's and the gpu_tp reference's, into three verdicts. Everything works from abstract inputs: a program lowered
-from `jax.ShapeDtypeStruct`s with shardings and compiled, never run.
+shapes, attention kernels, memory, and how each input array is laid out); `inspect_text` reads the same from a
+program's text alone (a dump from another machine), without inputs or memory. `check_principles` turns two such
+reports, a layout's and the gpu_tp reference's, into three verdicts. Everything works from abstract inputs: a program
+lowered from `jax.ShapeDtypeStruct`s with shardings and compiled, never run.
 
 Replica-group ids in the compiled text are partition ids: positions in `mesh.devices.flat`. A device's physical GPU is
 given by its coordinates on every mesh axis but `xcd`; its node by `gpus_per_node` when given, else by the device's
@@ -110,7 +111,11 @@ class MemoryReport:
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    """What one compiled program does on one device of `mesh_axes` (axis name -> size)."""
+    """What one compiled program does on one device of `mesh_axes` (axis name -> size).
+
+    `tokens_per_device` is how many tokens (batch rows x positions) each device's matmuls work on: given to
+    `inspect_compiled`, else read from the matmuls by `infer_tokens_per_device`; None for a program without matmuls.
+    """
 
     mesh_axes: dict[str, int]
     collectives: list[CollectiveReport]
@@ -118,6 +123,7 @@ class Report:
     attention: list[AttentionReport]
     inputs: list[InputReport]
     memory: MemoryReport | None
+    tokens_per_device: int | None = None
 
     def bytes_by_scope(self) -> dict[str, float]:
         """Bytes each device moves per call of the program, summed by collective scope."""
@@ -206,6 +212,7 @@ def inspect_compiled(
     hbm_bandwidth: float | None = None,
     args: Any = None,
     gpus_per_node: int | None = None,
+    tokens_per_device: int | None = None,
 ) -> Report:
     """Read a compiled program (`jax.jit(f).lower(*args).compile()`) over `mesh` into a Report.
 
@@ -213,8 +220,34 @@ def inspect_compiled(
     arguments, or any pytree with the same leaves in the same order; it names each input by its path ("0/w1").
     Without it the inputs are read from `compiled.args_info`. Their shardings always come from the compiled program.
     `peak_flops` (FLOP/s) and `hbm_bandwidth` (bytes/s) of one device give each matmul's `below_ridge`.
+    `tokens_per_device`: the tokens each device's matmuls work on (batch rows held by the device x positions), which
+    principle 1 divides the matmuls' work by; pass it, or let `infer_tokens_per_device` read it from the shapes.
     """
-    program = parse_hlo(compiled.as_text())
+    report = inspect_text(
+        compiled.as_text(),
+        mesh,
+        peak_flops=peak_flops,
+        hbm_bandwidth=hbm_bandwidth,
+        gpus_per_node=gpus_per_node,
+        tokens_per_device=tokens_per_device,
+    )
+    return dataclasses.replace(
+        report, inputs=_input_reports(compiled, mesh, args), memory=_memory_report(compiled.memory_analysis())
+    )
+
+
+def inspect_text(
+    text: str,
+    mesh: Mesh,
+    *,
+    peak_flops: float | None = None,
+    hbm_bandwidth: float | None = None,
+    gpus_per_node: int | None = None,
+    tokens_per_device: int | None = None,
+) -> Report:
+    """Read a compiled program's text (`compiled.as_text()`, or a dump of it) over `mesh` into a Report without
+    inputs and memory, which only the compiled program holds. Arguments as `inspect_compiled`."""
+    program = parse_hlo(text)
     if program.num_partitions != mesh.devices.size:
         raise TopologyError(
             f"the program was compiled for {program.num_partitions} partitions but the mesh has {mesh.devices.size} "
@@ -222,16 +255,18 @@ def inspect_compiled(
         )
     placement = _Placement(mesh, gpus_per_node)
     ridge = peak_flops / hbm_bandwidth if peak_flops and hbm_bandwidth else None
+    matmuls = [_matmul_report(dot, ridge) for dot in program.dots]
     return Report(
         mesh_axes=dict(mesh.shape),
         collectives=[_collective_report(collective, placement) for collective in program.collectives],
-        matmuls=[_matmul_report(dot, ridge) for dot in program.dots],
+        matmuls=matmuls,
         attention=[
             AttentionReport(call.name, call.op_name, call.target, [list(s.dims) for s in call.operands], call.count)
             for call in program.attention
         ],
-        inputs=_input_reports(compiled, mesh, args),
-        memory=_memory_report(compiled.memory_analysis()),
+        inputs=[],
+        memory=None,
+        tokens_per_device=tokens_per_device or infer_tokens_per_device(matmuls),
     )
 
 
@@ -341,12 +376,13 @@ def check_principles(
     """Judge a layout's report against the three principles; `reference` is the gpu_tp program's report.
 
     Returns {"shape_preservation", "no_redundancy", "hierarchical_collectives"}, each {"ok": bool, "violations":
-    [one line per offending matmul, input or collective]}; shape_preservation also lists as "unpaired" the layout's
+    [one line per offending op, input or collective]}; shape_preservation also lists as "unpaired" the layout's
     matmuls that have no counterpart in the reference (all of them when `reference` is None), which are not judged.
 
-    1. shape_preservation: every paired matmul keeps weight-side dimensions at least as large as the reference's,
-       compared sorted, smallest with smallest (see `weight_side_dims` for what the weight side is and `pair_matmuls`
-       for the pairing). Batch dimensions and attention kernels are not judged here.
+    1. shape_preservation: each op keeps per device at least the weight-side elements of the reference, summed over
+       its matmuls per direction (`weight_side_elements`, from each report's `tokens_per_device`): a layout may
+       divide only the tokens. Ops that the reference lacks are listed as unpaired. Kernels whose work is split
+       into several matmuls of the same op under the layout alone are not told apart from one whole kernel.
     2. no_redundancy: no input array of more than `large_bytes` bytes is replicated over `xcd`, unless its name is
        allowed by `replicated_ok`: a callable taking the name, or a set of names or fnmatch patterns ("*/scale").
     3. hierarchical_collectives: no collective has scope "flat".
@@ -374,70 +410,54 @@ def matmul_key(op_name: str) -> tuple[str, bool]:
     return "/".join(unwrapped), backward
 
 
-def weight_side_dims(matmuls: list[MatmulReport]) -> list[tuple[int, int]]:
-    """The weight-side dimensions (sorted) of each matmul of one program.
+def infer_tokens_per_device(matmuls: list[MatmulReport]) -> int | None:
+    """The tokens per device a program's matmuls share, read from their shapes; None when there are no matmuls.
 
-    A local matmul is tokens x weight: of its three sizes (M, K, N), one counts tokens and the other two are the
-    weight's. A forward matmul computes activations @ weight (JAX and Flax put the activations first), so its tokens
-    are M and its weight side is (K, N). A backward matmul (the input gradient dy @ W^T or the weight gradient
-    x^T @ dy, in whatever operand order XLA chose) has the same three sizes in another order, with tokens in M, K or N:
-    its weight side is its sizes less one occurrence of the token count M of the forward matmul with the same key
-    (`matmul_key`). A backward matmul whose sizes do not contain that count is read as a forward one.
+    A forward matmul of a transformer is tokens x weight with the tokens a free dimension: M, or N where XLA put the
+    weight first. So the count is the free size (M or N) found in the most forward matmuls (in the most matmuls when
+    none is forward); a tie goes to the size found more often as M, where JAX puts the activations, then to the
+    smaller. A model whose weight dimensions recur as often as the tokens can mislead it: then pass
+    `tokens_per_device` to `inspect_compiled`.
     """
-    tokens = {}
-    for matmul in matmuls:
-        key, backward = matmul_key(matmul.op_name)
-        if not backward:
-            tokens.setdefault(key, matmul.m)
-    sides = []
-    for matmul in matmuls:
-        key, backward = matmul_key(matmul.op_name)
-        sizes = [matmul.m, matmul.k, matmul.n]
-        token = tokens.get(key, matmul.m) if backward else matmul.m
-        sizes.remove(token if token in sizes else matmul.m)
-        sides.append(tuple(sorted(sizes)))
-    return sides
+    forward = [matmul for matmul in matmuls if not matmul_key(matmul.op_name)[1]] or matmuls
+    sizes = sorted({size for matmul in forward for size in (matmul.m, matmul.n)})
+
+    def score(size: int) -> tuple[int, int]:
+        return sum(size in (m.m, m.n) for m in forward), sum(size == m.m for m in forward)
+
+    return max(sizes, key=score, default=None)
 
 
-def pair_matmuls(layout: list[MatmulReport], reference: list[MatmulReport]) -> tuple[list[tuple[int, int]], list[int]]:
-    """Pair the matmuls of two programs of the same computation: ([(layout index, reference index)], [unpaired]).
+def weight_side_elements(matmuls: list[MatmulReport], tokens_per_device: int) -> dict[tuple[str, bool], float]:
+    """Weight-side elements per device of each op and direction (`matmul_key`), summed over its matmuls and runs.
 
-    Matmuls pair when they have the same `matmul_key` and the same direction (forward or backward), in execution
-    order within that key. The op_name metadata JAX writes names the source operation whatever the sharding, so the
-    pairing does not depend on shapes or FLOPs. The two backward matmuls of one op may come in either order; both have
-    the same weight side, so a swap does not change the verdict.
+    Every matmul of a transformer step, forward, input gradient and weight gradient alike, is tokens x weight, so its
+    weight side holds batch x M x K x N / tokens elements whichever operand XLA put first, however it split the
+    contraction (split-K) and whichever matmuls of an op it merged (q/k/v, gate/up) or ran in which order.
     """
-    by_key: dict[tuple[str, bool], list[int]] = defaultdict(list)
-    for index, matmul in enumerate(reference):
-        by_key[matmul_key(matmul.op_name)].append(index)
-    taken: dict[tuple[str, bool], int] = defaultdict(int)
-    pairs, unpaired = [], []
-    for index, matmul in enumerate(layout):
-        key = matmul_key(matmul.op_name)
-        if taken[key] < len(by_key[key]):
-            pairs.append((index, by_key[key][taken[key]]))
-            taken[key] += 1
-        else:
-            unpaired.append(index)
-    return pairs, unpaired
+    work: dict[tuple[str, bool], int] = defaultdict(int)
+    for matmul in matmuls:
+        work[matmul_key(matmul.op_name)] += matmul.flops // 2 * matmul.count
+    return {key: total / tokens_per_device for key, total in work.items()}
 
 
 def _shape_preservation(report: Report, reference: Report | None) -> dict[str, Any]:
     if reference is None:
         return {"ok": True, "violations": [], "unpaired": [m.name for m in report.matmuls]}
-    pairs, unpaired = pair_matmuls(report.matmuls, reference.matmuls)
-    layout_sides = weight_side_dims(report.matmuls)
-    reference_sides = weight_side_dims(reference.matmuls)
+    elements = weight_side_elements(report.matmuls, report.tokens_per_device)
+    reference_elements = weight_side_elements(reference.matmuls, reference.tokens_per_device)
     violations = []
-    for index, reference_index in pairs:
-        side, reference_side = layout_sides[index], reference_sides[reference_index]
-        if any(dim < reference_dim for dim, reference_dim in zip(side, reference_side)):
-            matmul = report.matmuls[index]
+    for (key, backward), held in elements.items():
+        reference_held = reference_elements.get((key, backward))
+        if reference_held is not None and held < reference_held:
+            names = [m.name for m in report.matmuls if matmul_key(m.op_name) == (key, backward)]
             violations.append(
-                f"matmul {matmul.name} ({matmul.op_name}) has weight-side dims {side}, smaller than the reference's "
-                f"{reference_side}: its local kernel shrank (M,K,N = {matmul.m},{matmul.k},{matmul.n})"
+                f"op {key or '(unnamed)'} ({'backward' if backward else 'forward'}, {', '.join(names)}) has "
+                f"{held:g} weight-side elements per device at {report.tokens_per_device} tokens, fewer than the "
+                f"reference's {reference_held:g} at {reference.tokens_per_device} tokens: its local kernels shrank"
             )
-    return {"ok": not violations, "violations": violations, "unpaired": [report.matmuls[i].name for i in unpaired]}
+    unpaired = [m.name for m in report.matmuls if matmul_key(m.op_name) not in reference_elements]
+    return {"ok": not violations, "violations": violations, "unpaired": unpaired}
 
 
 def _no_redundancy(

@@ -14,7 +14,7 @@ from flax import nnx
 from .config import ModelConfig
 from .layouts import Layout
 from .ops import attention, cross_entropy, embed_lookup
-from .sharding import constrain, create_sharded, einsum, param, use_layout, weight
+from .sharding import constrain, create_sharded, einsum, param, scale, token_mean, use_layout, weight
 
 ATTN_Q = ("attn_batch", "seq", "heads", "head_dim")
 ATTN_KV = ("attn_batch", "seq", "kv_heads", "head_dim")
@@ -29,7 +29,7 @@ def rms_norm(x_BSD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
     """RMSNorm in float32, returned in x's dtype."""
     x32 = x_BSD.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (normed * scale_D).astype(x_BSD.dtype)
+    return scale(normed, scale_D, ("norm",), "norm scale").astype(x_BSD.dtype)
 
 
 def rope(x_BSNE: jax.Array, positions_BS: jax.Array, theta: float) -> jax.Array:
@@ -179,7 +179,7 @@ def next_token_loss(model: Transformer, tokens_BS: jax.Array) -> jax.Array:
     """Mean cross entropy (nats) of predicting tokens[:, 1:] from tokens[:, :-1]; vocab-parallel under a layout."""
     logits_BSV = model(tokens_BS[:, :-1])
     targets = constrain(tokens_BS[:, 1:], ("batch", "seq"), "targets")
-    return jnp.mean(cross_entropy(logits_BSV, targets))
+    return token_mean(cross_entropy(logits_BSV, targets), ("batch", "seq"))
 
 
 def create_sharded_model(config: ModelConfig, layout: Layout | str, mesh, seed: int = 0) -> Transformer:
@@ -197,7 +197,8 @@ def batch_sharding(layout: Layout | str, mesh, batch_size: int | None = None) ->
     found, axes = layout.activations.lookup("batch")
     spec = jax.sharding.PartitionSpec(axes or None, None)
     if batch_size is not None:
-        spec = resolve(("batch", None), (batch_size, 1), layout.activations, mesh, "token batch")
+        spec = resolve(("batch", None), (batch_size, 1), layout.activations, mesh, "token batch",
+                       f"activation rules of {layout.name}")
     return jax.sharding.NamedSharding(mesh, spec)
 
 

@@ -73,8 +73,28 @@ def _check_head_split(n_heads: int, n_kv: int, q_axes, kv_axes, mesh_shape: dict
                                 f"per-device share divides or is divided by {group}")
 
 
+def _on_cuda() -> bool:
+    """Whether the active mesh (or, with none, the default device) is an NVIDIA GPU, where cuDNN runs."""
+    current = active()
+    device = current.mesh.devices.flat[0] if current is not None else jax.devices()[0]
+    return device.platform == "gpu" and "cuda" in device.client.platform_version.lower()
+
+
+def _causal_attention(q_BSHE, k_BTKE, v_BTKE):
+    """Causal attention of one device's shards. On NVIDIA GPUs with bf16 / fp16 inputs, cuDNN's fused flash
+    attention (`jax.nn.dot_product_attention` picks XLA's unfused form, [B, H, S, T] scores in memory, unless told);
+    XLA's form elsewhere, and for shapes cuDNN refuses (it raises NotImplementedError while tracing)."""
+    if _on_cuda() and q_BSHE.dtype in (jnp.bfloat16, jnp.float16):
+        try:
+            return jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, is_causal=True, implementation="cudnn")
+        except NotImplementedError:
+            pass
+    return jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, is_causal=True)
+
+
 def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, cache_index=0):
-    """Causal grouped-query attention through `jax.nn.dot_product_attention` (cuDNN / fused kernels where present).
+    """Causal grouped-query attention through `jax.nn.dot_product_attention` (cuDNN's fused kernel on NVIDIA GPUs
+    for training and prefill; the cached path, with its explicit mask, uses XLA's).
 
     Without a cache: keys are the S new positions. With a cache {"k", "v"} of [B, T, K, E] (one layer), the new keys
     are written at `cache_index` and queries attend to every cached position <= their own. Returns
@@ -89,7 +109,7 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, c
         if cache is None:
             k_sel = _kv_heads_for_local_queries(k, q.shape[2], group, q_axes, kv_axes)
             v_sel = _kv_heads_for_local_queries(v, q.shape[2], group, q_axes, kv_axes)
-            return jax.nn.dot_product_attention(q, k_sel, v_sel, is_causal=True)
+            return _causal_attention(q, k_sel, v_sel)
         cache_k, cache_v, index = rest
         cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), index, axis=1)
         cache_v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), index, axis=1)
@@ -122,8 +142,8 @@ def embed_lookup(table_VD, tokens_BS, out: LogicalNames):
     current = active()
     if current is None:
         return jnp.take(table_VD, tokens_BS, axis=0)
-    table_spec = tuple(jax.typeof(table_VD).sharding.spec)
-    table_spec = table_spec + (None,) * (2 - len(table_spec))
+    table_type = jax.typeof(table_VD).sharding.spec  # may be `reduced` over the token axes (see sharding.weight)
+    table_spec = tuple(table_type.partitions) + (None,) * (2 - len(table_type.partitions))
     out_spec = activation_spec(out, (*tokens_BS.shape, table_VD.shape[1]), "embedding")
     tokens_spec = PartitionSpec(out_spec[0], out_spec[1])
     vocab_axes = _axes(table_spec[0])
@@ -137,7 +157,7 @@ def embed_lookup(table_VD, tokens_BS, out: LogicalNames):
         rows = jnp.take(table, jnp.clip(ids, 0, table.shape[0] - 1), axis=0) * inside[..., None].astype(table.dtype)
         return jax.lax.psum(rows, vocab_axes) if vocab_axes else rows
 
-    fn = jax.shard_map(local, in_specs=(PartitionSpec(*table_spec), tokens_spec), out_specs=out_spec)
+    fn = jax.shard_map(local, in_specs=(table_type.update(partitions=table_spec), tokens_spec), out_specs=out_spec)
     return fn(table_VD, reshard(tokens_BS, tokens_spec))
 
 

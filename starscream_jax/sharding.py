@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -21,6 +22,7 @@ from .layouts import Layout, get_layout
 from .rules import LogicalNames, resolve
 
 LOGICAL_AXES = "logical_axes"
+INSIDE_GPU = "xcd"  # the mesh axis of the partitions of one GPU (mesh.AXES)
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,10 @@ _ACTIVE: contextvars.ContextVar[ActiveLayout | None] = contextvars.ContextVar("s
 
 @contextlib.contextmanager
 def use_layout(layout: Layout | str, mesh):
-    """Makes `layout` on `mesh` the active layout (and `mesh` JAX's mesh) for code traced inside the block."""
+    """Makes `layout` on `mesh` the active layout (and `mesh` JAX's mesh) for code traced inside the block.
+
+    The layout is read while tracing and is not part of jit's cache key: a function jitted once and called under
+    two layouts with equally placed arguments reuses the first trace. Jit (or lower) afresh inside each block."""
     token = _ACTIVE.set(ActiveLayout(get_layout(layout), mesh))
     try:
         with jax.set_mesh(mesh):
@@ -65,7 +70,13 @@ def constrain(x: jax.Array, names: LogicalNames, tensor: str = "activation") -> 
 
 def weight(value: jax.Array, names: LogicalNames, dtype=None, tensor: str = "weight") -> jax.Array:
     """A weight as a matmul uses it: cast to `dtype` first (fewer bytes to move), then resharded from its stored
-    placement to the layout's `weights` rules (an all-gather inside the GPU under starscream_tp)."""
+    placement to the layout's `weights` rules (an all-gather inside the GPU under starscream_tp).
+
+    Its gradient is a sum over the mesh axes that split the tokens (the layout's `batch` and `seq` axes). When those
+    split the tokens both inside GPUs (xcd) and across them (data), the sum runs in two stages: a reduce-scatter
+    inside each GPU into the stored placement, then an all-reduce of that shard (1/xcd of the bytes) across GPUs,
+    where XLA would run one all-reduce over both levels at once. Otherwise XLA's one reduction stays on one level.
+    """
     if dtype is not None:
         value = value.astype(dtype)
     current = active()
@@ -73,7 +84,76 @@ def weight(value: jax.Array, names: LogicalNames, dtype=None, tensor: str = "wei
         return value
     spec = resolve(names, value.shape, current.layout.weights, current.mesh, tensor,
                    f"weight rules of {current.layout.name}")
-    return reshard(value, spec)
+    summed_over = _token_axes(current) - _spec_axes(spec)
+    if not _inside_and_across_gpus(summed_over, current.mesh):
+        return reshard(value, spec)
+    return _weight_at_use(value, spec, jax.typeof(value).sharding.spec, summed_over)
+
+
+def _token_axes(current: ActiveLayout) -> frozenset[str]:
+    """The mesh axes that split the tokens (batch or sequence) under the active layout."""
+    return frozenset(axis for name in ("batch", "seq") for axis in current.layout.activations.lookup(name)[1])
+
+
+def _inside_and_across_gpus(axes: frozenset[str], mesh) -> bool:
+    """Whether the mesh `axes` split over the partitions of a GPU and over several GPUs (sizes above one)."""
+    splitting = {axis for axis in axes if mesh.shape[axis] > 1}
+    return INSIDE_GPU in splitting and len(splitting) > 1
+
+
+def _spec_axes(spec: PartitionSpec) -> frozenset[str]:
+    return frozenset(axis for entry in spec.partitions if entry is not None
+                     for axis in ((entry,) if isinstance(entry, str) else entry))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _weight_at_use(value, use_spec: PartitionSpec, stored_spec: PartitionSpec, summed_over: frozenset[str]):
+    """`value` resharded to `use_spec`, typed as reduced over `summed_over`: its gradient arrives unreduced there
+    (each device holding its tokens' share) and `_weight_gradient` sums it."""
+    return reshard(value, use_spec.update(reduced=summed_over))
+
+
+def _weight_at_use_forward(value, use_spec, stored_spec, summed_over):
+    return _weight_at_use(value, use_spec, stored_spec, summed_over), None
+
+
+def _weight_gradient(use_spec, stored_spec, summed_over, _, gradient):
+    """Unreduced over `summed_over` -> placed like the stored weight: first summed over the token axes inside a GPU
+    and those the stored spec splits (a reduce-scatter, or an all-reduce for a weight not split there), then the
+    result over the others (an all-reduce across GPUs)."""
+    across_gpus = summed_over - _spec_axes(stored_spec) - {INSIDE_GPU}
+    first = reshard(gradient, stored_spec.update(unreduced=across_gpus))
+    return (reshard(first, stored_spec),)
+
+
+_weight_at_use.defvjp(_weight_at_use_forward, _weight_gradient)
+
+
+def scale(x: jax.Array, value: jax.Array, names: LogicalNames, tensor: str = "scale") -> jax.Array:
+    """x [..., D] times the weight `value` [D] (a norm scale), the weight used as `weight` places it (its gradient
+    summed likewise). A weight typed `reduced` is taken only by dot_general, so it multiplies through an einsum,
+    which XLA compiles back into an elementwise multiply."""
+    used = weight(value, names, tensor=tensor)
+    if not jax.typeof(used).sharding.spec.reduced:
+        return x * used
+    return jnp.einsum("...d,d->...d", x, used, precision=jax.lax.Precision.HIGHEST)
+
+
+def token_mean(x: jax.Array, names: LogicalNames, tensor: str = "token mean") -> jax.Array:
+    """The mean of `x` [B, ...], a value per token placed by the logical `names` (batch first).
+
+    When the batch is split both inside GPUs and across them, the sum runs inside each GPU first (the per-sequence
+    means are gathered over xcd), then across GPUs; `jnp.mean` would reduce in groups that span both levels.
+    """
+    spec = activation_spec(names, x.shape, tensor)
+    if spec is None:
+        return jnp.mean(x)
+    batch_axes = (spec[0],) if isinstance(spec[0], str) else tuple(spec[0] or ())
+    if not _inside_and_across_gpus(frozenset(batch_axes), active().mesh):
+        return jnp.mean(x)
+    per_sequence = jnp.mean(x, axis=tuple(range(1, x.ndim)))
+    across_gpus = tuple(axis for axis in batch_axes if axis != INSIDE_GPU)
+    return jnp.mean(reshard(per_sequence, PartitionSpec(across_gpus)))
 
 
 def einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, out: LogicalNames, tensor: str = "einsum") -> jax.Array:

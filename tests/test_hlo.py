@@ -288,6 +288,56 @@ def test_split_k_batch_is_folded_back_into_k():
     assert (dot.batch, dot.m, dot.k, dot.n, dot.split_k) == (1, 128, 512, 1024, 4)
 
 
+def test_split_k_of_a_weight_first_matmul_is_folded_back_into_k():
+    """XLA:GPU's merged q/k/v projection of 256 tokens: the three weights concatenated into [128, 256] and put first,
+    the contraction over their 128 rows split into a leading batch of 4 (the activations hold it behind the tokens)."""
+    fused = """%gemm_fusion_dot.168_computation (parameter_0.15: f32[256,4,32], parameter_1.15: f32[128,128], parameter_2.2: f32[128,64], parameter_3.1: f32[128,64]) -> f32[4,256,256] {
+  %parameter_1.15 = f32[128,128]{1,0} parameter(1)
+  %parameter_2.2 = f32[128,64]{1,0} parameter(2)
+  %parameter_3.1 = f32[128,64]{1,0} parameter(3)
+  %concatenate.30 = f32[128,256]{1,0} concatenate(%parameter_1.15, %parameter_2.2, %parameter_3.1), dimensions={1}
+  %reshape.748 = f32[4,32,256]{2,1,0} reshape(%concatenate.30)
+  %parameter_0.15 = f32[256,4,32]{2,1,0} parameter(0)
+  %dot.199 = f32[4,256,256]{1,2,0} dot(%reshape.748, %parameter_0.15), lhs_batch_dims={0}, lhs_contracting_dims={1}, rhs_batch_dims={1}, rhs_contracting_dims={2}, operand_precision={highest,highest}, metadata={op_name="jit(train_step)/jvp()/while/body/eval_jaxpr/bsd,dhe->bshe/dot_general" scheduling_name="dot.199"}, backend_config={"sizes":["32"]}
+  ROOT %bitcast.777 = f32[4,256,256]{2,1,0} bitcast(%dot.199)
+}
+"""
+    program = dot_program(
+        "%x = f32[256,4,32]{2,1,0} parameter(1)",
+        "%wq = f32[128,128]{1,0} parameter(2)",
+        "%wk = f32[128,64]{1,0} parameter(3)",
+        "%wv = f32[128,64]{1,0} parameter(4)",
+        "%g = f32[4,256,256]{2,1,0} fusion(%x, %wq, %wk, %wv), kind=kCustom, calls=%gemm_fusion_dot.168_computation",
+        computations=fused,
+    )
+    (dot,) = program.dots
+    assert (dot.batch, dot.m, dot.k, dot.n, dot.split_k) == (1, 256, 128, 256, 4)
+
+
+def test_split_k_over_the_tokens_of_a_weight_gradient_is_folded_back_into_k():
+    """The down projection's weight gradient [384, 128] over 256 tokens, split 4 x 64, the activations first."""
+    program = dot_program(
+        "%h = f32[4,64,384]{2,1,0} parameter(1)",
+        "%dy = f32[128,4,64]{2,1,0} parameter(2)",
+        "%dw = f32[4,384,128]{2,1,0} dot(%h, %dy), lhs_batch_dims={0}, lhs_contracting_dims={1}, rhs_batch_dims={1}, "
+        'rhs_contracting_dims={2}, metadata={op_name="jit(train_step)/transpose(jvp())/bsf,fd->bsd/transpose"}',
+    )
+    (dot,) = program.dots
+    assert (dot.batch, dot.m, dot.k, dot.n, dot.split_k) == (1, 384, 256, 128, 4)
+
+
+def test_leading_batch_of_attention_heads_is_not_split_k():
+    """Scores x values for 32 (sequence, head) pairs: the batch leads both operands, so it stays a batch."""
+    program = dot_program(
+        "%s = f32[32,32,64]{2,1,0} parameter(1)",
+        "%v = f32[32,16,32]{2,1,0} parameter(2)",
+        "%o = f32[32,64,16]{1,2,0} dot(%s, %v), lhs_batch_dims={0}, lhs_contracting_dims={1}, rhs_batch_dims={0}, "
+        'rhs_contracting_dims={2}, metadata={op_name="jit(train_step)/attention/dot_general"}',
+    )
+    (dot,) = program.dots
+    assert (dot.batch, dot.m, dot.k, dot.n, dot.split_k) == (32, 64, 32, 16, 1)
+
+
 def test_cublas_gemm_custom_call_is_a_matmul():
     config = (
         '{"operation_queue_id":"0","gemm_backend_config":{"alpha_real":1,"beta":0,"dot_dimension_numbers":'

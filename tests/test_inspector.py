@@ -1,4 +1,5 @@
-"""Inspecting compiled programs of a two-matmul MLP on simulated (1, gpu, xcd) CPU meshes, and the three principles.
+"""Inspecting compiled programs of a two-matmul MLP on simulated (1, gpu, xcd) CPU meshes, and the three principles;
+principle 1 also on the matmuls XLA:GPU writes for a transformer step (merged, weight first, split-K).
 
 Layouts of y = relu(x @ w1) @ w2, x: [B, D], w1: [D, F], w2: [F, D]:
 - flat: hidden F over ('gpu', 'xcd'), tokens replicated (64-way TP on an 8x8 mesh);
@@ -22,12 +23,13 @@ from starscream_jax.inspector import (
     MatmulReport,
     check_principles,
     classify_scope,
+    infer_tokens_per_device,
     inspect_compiled,
+    inspect_text,
     matmul_key,
-    pair_matmuls,
     replication,
     ring_bytes_per_device,
-    weight_side_dims,
+    weight_side_elements,
 )
 
 B, D = 64, 32
@@ -167,6 +169,7 @@ def test_starscream_layout_is_hierarchical_and_keeps_kernel_shapes(gpus, xcds):
     hidden = HIDDEN[(gpus, xcds)]
     assert (first.m, first.k, first.n) == (B // xcds, D, hidden // gpus)
     assert (second.m, second.k, second.n) == (B // xcds, hidden // gpus, D)
+    assert (report.tokens_per_device, mlp_report(gpus, xcds, "gpu_tp").tokens_per_device) == (B // xcds, B)
     verdicts = check_principles(report, mlp_report(gpus, xcds, "gpu_tp"), large_bytes=1024)
     assert all(verdict["ok"] for verdict in verdicts.values()), verdicts
     assert verdicts["shape_preservation"]["unpaired"] == []
@@ -184,7 +187,8 @@ def test_training_steps_judged_on_backward_matmuls_too():
     starscream_verdicts = check_principles(starscream, reference, large_bytes=1024)
     assert all(verdict["ok"] for verdict in starscream_verdicts.values()), starscream_verdicts
     flat_verdicts = check_principles(flat, reference, large_bytes=1024)
-    assert len(flat_verdicts["shape_preservation"]["violations"]) == 5
+    # both layers forward, both backward (input gradient of the second, weight gradients of both)
+    assert len(flat_verdicts["shape_preservation"]["violations"]) == 4
     assert not flat_verdicts["hierarchical_collectives"]["ok"]
 
 
@@ -272,8 +276,8 @@ def test_program_and_mesh_of_different_sizes_is_an_error():
         inspect_compiled(compiled, make_mesh(2, 2))
 
 
-def matmul(name: str, op_name: str, m: int, k: int, n: int) -> MatmulReport:
-    return MatmulReport(name, op_name, 1, m, k, n, "f32", 2 * m * k * n, 0, 0.0, None, 1)
+def matmul(name: str, op_name: str, m: int, k: int, n: int, count: int = 1) -> MatmulReport:
+    return MatmulReport(name, op_name, 1, m, k, n, "f32", 2 * m * k * n, 0, 0.0, None, count)
 
 
 def test_matmul_key_unwraps_transposes_and_drops_jit_and_primitive():
@@ -282,29 +286,110 @@ def test_matmul_key_unwraps_transposes_and_drops_jit_and_primitive():
     assert matmul_key("") == ("", False)
 
 
-def test_weight_side_of_backward_matmuls_drops_the_forward_token_count():
+def test_weight_side_elements_do_not_depend_on_operand_order_or_merging():
+    """16 tokens through a [32, 96] weight: forward weight first, one input gradient, the weight gradient run 4 times
+    (as a layer loop would)."""
     matmuls = [
-        matmul("forward", "jit(f)/jvp(up)/dot_general", 16, 32, 64),
-        matmul("input gradient", "jit(f)/transpose(jvp(up))/dot_general", 16, 64, 32),
-        matmul("weight gradient", "jit(f)/transpose(jvp(up))/dot_general", 32, 16, 64),
-        matmul("no forward twin", "jit(f)/transpose(jvp(down))/dot_general", 8, 4, 2),
+        matmul("forward, weight first", "jit(f)/jvp(up)/dot_general", 96, 32, 16),
+        matmul("input gradient", "jit(f)/transpose(jvp(up))/dot_general", 16, 96, 32),
+        matmul("weight gradient", "jit(f)/transpose(jvp(up))/transpose", 96, 16, 32, count=4),
     ]
-    assert weight_side_dims(matmuls) == [(32, 64), (32, 64), (32, 64), (2, 4)]
+    assert weight_side_elements(matmuls, 16) == {("jvp(up)", False): 32 * 96, ("jvp(up)", True): 5 * 32 * 96}
 
 
-def test_pairing_by_key_and_direction_in_order():
-    layout = [
-        matmul("a", "jit(f)/jvp(up)/dot_general", 1, 1, 1),
-        matmul("b", "jit(f)/transpose(jvp(up))/dot_general", 1, 1, 1),
-        matmul("c", "jit(f)/jvp(up)/dot_general", 1, 1, 1),
-        matmul("d", "jit(f)/jvp(extra)/dot_general", 1, 1, 1),
+def test_tokens_per_device_is_the_free_size_most_forward_matmuls_share():
+    forward = [
+        matmul("weight first", "jit(f)/jvp(up)/dot_general", 96, 32, 16),
+        matmul("activations first", "jit(f)/jvp(down)/dot_general", 16, 96, 32),
+        matmul("backward", "jit(f)/transpose(jvp(down))/dot_general", 96, 16, 32),
     ]
-    reference = [
-        matmul("A", "jit(g)/transpose(jvp(up))/transpose", 1, 1, 1),
-        matmul("B", "jit(g)/jvp(up)/dot_general", 1, 1, 1),
-        matmul("C", "jit(g)/jvp(up)/dot_general", 1, 1, 1),
-    ]
-    assert pair_matmuls(layout, reference) == ([(0, 1), (1, 0), (2, 2)], [3])
+    assert infer_tokens_per_device(forward) == 16
+    assert infer_tokens_per_device(forward[2:]) == 96
+    assert infer_tokens_per_device([matmul("tie", "jit(f)/jvp(up)/dot_general", 64, 8, 16)]) == 64
+    assert infer_tokens_per_device([]) is None
+
+
+# What XLA:GPU (JAX 0.11.2, two H200s as one GPU of two partitions) wrote for the tiny model's training step: q/k/v
+# and gate/up merged into one matmul each, written weight first (tokens in N); contractions split into a leading
+# batch (split-K), over the weight's rows forward and over the tokens for weight gradients; the merged op's backward
+# matmuls in another order in each program. gpu_tp runs 256 tokens per device, starscream_tp 128 (tokens over xcd),
+# flat_tp 256 with every weight halved.
+QKV = "jit(train_step)/jvp()/while/body/eval_jaxpr/bsd,dhe->bshe/dot_general"
+GATE_UP = "jit(train_step)/jvp()/while/body/eval_jaxpr/bsd,df->bsf/dot_general"
+GATE_UP_BACK = "jit(train_step)/transpose(jvp())/while/body/eval_jaxpr/bsd,df->bsf/"
+DOWN_BACK = "jit(train_step)/transpose(jvp())/while/body/eval_jaxpr/bsf,fd->bsd/transpose"
+SPLIT_WEIGHT_FIRST = "lhs_batch_dims={0}, lhs_contracting_dims={1}, rhs_batch_dims={1}, rhs_contracting_dims={2}"
+SPLIT_ACTIVATIONS_FIRST = "lhs_batch_dims={1}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}"
+SPLIT_BOTH_BEHIND = "lhs_batch_dims={1}, lhs_contracting_dims={2}, rhs_batch_dims={1}, rhs_contracting_dims={2}"
+GPU_STEPS = {
+    "gpu_tp": [
+        ("f32[4,32,256]", "f32[256,4,32]", "f32[4,256,256]", SPLIT_WEIGHT_FIRST, QKV),
+        ("f32[128,768]", "f32[256,128]", "f32[768,256]", "cublas", GATE_UP),
+        ("f32[256,8,48]", "f32[128,8,48]", "f32[8,256,128]", SPLIT_BOTH_BEHIND, GATE_UP_BACK + "dot_general"),
+        ("f32[256,8,48]", "f32[128,8,48]", "f32[8,256,128]", SPLIT_BOTH_BEHIND, GATE_UP_BACK + "dot_general"),
+        ("f32[768,4,64]", "f32[4,64,128]", "f32[4,768,128]", SPLIT_ACTIVATIONS_FIRST, GATE_UP_BACK + "transpose"),
+        ("f32[4,64,384]", "f32[128,4,64]", "f32[4,384,128]", SPLIT_WEIGHT_FIRST, DOWN_BACK),
+    ],
+    "starscream_tp": [
+        ("f32[4,32,256]", "f32[128,4,32]", "f32[4,256,128]", SPLIT_WEIGHT_FIRST, QKV),
+        ("f32[128,768]", "f32[128,128]", "f32[768,128]", "cublas", GATE_UP),
+        ("f32[768,128]", "f32[128,128]", "f32[768,128]", "lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+         GATE_UP_BACK + "dot_general"),
+        ("f32[128,8,48]", "f32[128,8,48]", "f32[8,128,128]", SPLIT_BOTH_BEHIND, GATE_UP_BACK + "dot_general"),
+        ("f32[128,8,48]", "f32[128,8,48]", "f32[8,128,128]", SPLIT_BOTH_BEHIND, GATE_UP_BACK + "dot_general"),
+        ("f32[128,4,32]", "f32[4,32,384]", "f32[4,128,384]", SPLIT_ACTIVATIONS_FIRST, DOWN_BACK),
+    ],
+    "flat_tp": [
+        ("f32[4,32,128]", "f32[256,4,32]", "f32[4,128,256]", SPLIT_WEIGHT_FIRST, QKV),
+        ("f32[128,384]", "f32[256,128]", "f32[384,256]", "cublas", GATE_UP),
+        ("f32[256,4,48]", "f32[128,4,48]", "f32[4,256,128]", SPLIT_BOTH_BEHIND, GATE_UP_BACK + "dot_general"),
+        ("f32[256,4,48]", "f32[128,4,48]", "f32[4,256,128]", SPLIT_BOTH_BEHIND, GATE_UP_BACK + "dot_general"),
+        ("f32[384,4,64]", "f32[4,64,128]", "f32[4,384,128]", SPLIT_ACTIVATIONS_FIRST, GATE_UP_BACK + "transpose"),
+        ("f32[8,32,192]", "f32[128,8,32]", "f32[8,192,128]", SPLIT_WEIGHT_FIRST, DOWN_BACK),
+    ],
+}
+CUBLAS_CONFIG = (
+    '{"gemm_backend_config":{"alpha_real":1,"beta":0,"dot_dimension_numbers":{"lhs_contracting_dimensions":["0"],'
+    '"rhs_contracting_dimensions":["1"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]},"epilogue":"DEFAULT"}}'
+)
+
+
+def gpu_step_text(layout: str) -> str:
+    """The GPU_STEPS matmuls of `layout` as the text of a 2-partition program: a dot per matmul, or a cuBLAS call."""
+    lines = []
+    for i, (lhs, rhs, out, numbers, op_name) in enumerate(GPU_STEPS[layout]):
+        lines += [f"  %lhs.{i} = {lhs} parameter({2 * i})", f"  %rhs.{i} = {rhs} parameter({2 * i + 1})"]
+        metadata = f'metadata={{op_name="{op_name}"}}'
+        if numbers == "cublas":
+            lines.append(f'  %mm.{i} = ({out}, s8[1024]) custom-call(%lhs.{i}, %rhs.{i}), '
+                         f'custom_call_target="__cublas$lt$matmul", {metadata}, backend_config={CUBLAS_CONFIG}')
+        else:
+            lines.append(f"  %mm.{i} = {out} dot(%lhs.{i}, %rhs.{i}), {numbers}, {metadata}")
+    return "HloModule jit_train_step, num_partitions=2\n\nENTRY %main () -> f32[] {\n" + "\n".join(lines) + "\n}\n"
+
+
+def gpu_step_report(layout: str, tokens_per_device: int | None = None):
+    return inspect_text(gpu_step_text(layout), make_mesh(1, 2), tokens_per_device=tokens_per_device)
+
+
+def test_gpu_matmuls_merged_weight_first_and_split_keep_starscream_tp_kernels():
+    reference, starscream = gpu_step_report("gpu_tp"), gpu_step_report("starscream_tp")
+    assert (reference.tokens_per_device, starscream.tokens_per_device) == (256, 128)
+    verdict = check_principles(starscream, reference)["shape_preservation"]
+    assert verdict == {"ok": True, "violations": [], "unpaired": []}
+
+
+def test_gpu_matmuls_of_flat_tp_shrink_every_op():
+    verdict = check_principles(gpu_step_report("flat_tp"), gpu_step_report("gpu_tp"))["shape_preservation"]
+    shrunk = [line.split(" (")[0] for line in verdict["violations"]]
+    assert shrunk == [f"op {matmul_key(op)[0]}" for op in (QKV, GATE_UP, GATE_UP_BACK + "dot_general", DOWN_BACK)]
+    assert "fewer than the reference's 32768 at 256 tokens" in verdict["violations"][0]
+
+
+def test_a_token_count_that_is_not_divided_shows_the_kernels_shrunk():
+    """Read as if its 128 tokens per device were gpu_tp's 256, starscream_tp's matmuls would hold half the weight."""
+    verdict = check_principles(gpu_step_report("starscream_tp", tokens_per_device=256), gpu_step_report("gpu_tp"))
+    assert len(verdict["shape_preservation"]["violations"]) == 4
 
 
 def test_args_that_do_not_match_the_program_are_an_error():
