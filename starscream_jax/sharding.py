@@ -218,10 +218,6 @@ def create_sharded(factory, layout: Layout | str, mesh):
     graphdef, abstract_state = nnx.split(abstract)
     shardings = param_shardings(abstract_state, layout, mesh)
 
-    @jax.jit
-    def build():
-        return nnx.state(factory())
-
     with jax.set_mesh(mesh):
-        state = jax.jit(build, out_shardings=shardings)()
+        state = jax.jit(lambda: nnx.state(factory()), out_shardings=shardings)()
     return nnx.merge(graphdef, state)
