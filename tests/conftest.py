@@ -16,8 +16,11 @@ def pytest_configure(config):
     accelerator_run = re.search(r"(?<!not )\b(gpu|rocm)\b", config.getoption("markexpr") or "")
     if not accelerator_run:
         os.environ["JAX_PLATFORMS"] = "cpu"
+        # 64 devices share 2 cores: a collective may wait long for its slowest device without being stuck, so the
+        # CPU runtime's 40 s termination timeout is raised (a real deadlock still fails, later).
         os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=64"
+            os.environ.get("XLA_FLAGS", "")
+            + " --xla_force_host_platform_device_count=64 --xla_cpu_collective_call_terminate_timeout_seconds=300"
         ).strip()
 
 HARDWARE = {
