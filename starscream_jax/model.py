@@ -14,7 +14,8 @@ from flax import nnx
 from .config import ModelConfig
 from .layouts import Layout
 from .ops import attention, cross_entropy, embed_lookup
-from .sharding import constrain, create_sharded, einsum, param, scale, token_mean, use_layout, weight
+from .sharding import (constrain, create_sharded, einsum, param, scale, shared_input, token_mean, use_layout,
+                       weight)
 
 ATTN_Q = ("attn_batch", "seq", "heads", "head_dim")
 ATTN_KV = ("attn_batch", "seq", "kv_heads", "head_dim")
@@ -122,9 +123,13 @@ def _block(c: ModelConfig, x_BSD, w, positions_BS, layer_cache, cache_index):
     """One pre-norm block: x + attention(norm(x)), then + mlp(norm(x))."""
     dtype = jnp.dtype(c.dtype)
     h_BSD = rms_norm(x_BSD, w["attn_norm"], c.norm_eps)
-    q = einsum("bsd,dhe->bshe", h_BSD, weight(w["wq"], ("embed", "heads", "head_dim"), dtype, "wq"), ATTN_Q, "q")
-    k = einsum("bsd,dke->bske", h_BSD, weight(w["wk"], ("embed", "kv_heads", "head_dim"), dtype, "wk"), ATTN_KV, "k")
-    v = einsum("bsd,dke->bske", h_BSD, weight(w["wv"], ("embed", "kv_heads", "head_dim"), dtype, "wv"), ATTN_KV, "v")
+    wq = weight(w["wq"], ("embed", "heads", "head_dim"), dtype, "wq")
+    wk = weight(w["wk"], ("embed", "kv_heads", "head_dim"), dtype, "wk")
+    wv = weight(w["wv"], ("embed", "kv_heads", "head_dim"), dtype, "wv")
+    h_BSD = shared_input(h_BSD, [wq, wk, wv])
+    q = einsum("bsd,dhe->bshe", h_BSD, wq, ATTN_Q, "q")
+    k = einsum("bsd,dke->bske", h_BSD, wk, ATTN_KV, "k")
+    v = einsum("bsd,dke->bske", h_BSD, wv, ATTN_KV, "v")
     q, k = rope(q, positions_BS, c.rope_theta), rope(k, positions_BS, c.rope_theta)
     attended, layer_cache = attention(q, k, v, positions_BS, layer_cache, cache_index)
     attended = constrain(attended, ("batch", "seq", "heads", "head_dim"), "attention output")
@@ -138,10 +143,11 @@ def _block(c: ModelConfig, x_BSD, w, positions_BS, layer_cache, cache_index):
 def _dense_mlp(c: ModelConfig, h_BSD, w):
     """SwiGLU: down(silu(h @ gate) * (h @ up))."""
     dtype = jnp.dtype(c.dtype)
-    gate = einsum("bsd,df->bsf", h_BSD, weight(w["w_gate"], ("embed", "mlp"), dtype, "w_gate"),
-                  ("batch", "seq", "mlp"), "mlp gate")
-    up = einsum("bsd,df->bsf", h_BSD, weight(w["w_up"], ("embed", "mlp"), dtype, "w_up"),
-                ("batch", "seq", "mlp"), "mlp up")
+    w_gate = weight(w["w_gate"], ("embed", "mlp"), dtype, "w_gate")
+    w_up = weight(w["w_up"], ("embed", "mlp"), dtype, "w_up")
+    h_BSD = shared_input(h_BSD, [w_gate, w_up])
+    gate = einsum("bsd,df->bsf", h_BSD, w_gate, ("batch", "seq", "mlp"), "mlp gate")
+    up = einsum("bsd,df->bsf", h_BSD, w_up, ("batch", "seq", "mlp"), "mlp up")
     down = weight(w["w_down"], ("mlp", "embed"), dtype, "w_down")
     return einsum("bsf,fd->bsd", jax.nn.silu(gate) * up, down, RESIDUAL, "mlp down")
 
@@ -157,10 +163,10 @@ def _moe_mlp(c: ModelConfig, h_BSD, w):
     chosen = top_index[..., None] == jnp.arange(c.n_experts)  # [B, S, k, X]
     gates_BSX = jnp.sum(jnp.where(chosen, top_gates[..., None], 0.0), axis=-2).astype(dtype)
     names = ("experts", "embed", "mlp")
-    gate = einsum("bsd,xdf->bsxf", h_BSD, weight(w["w_gate"], names, dtype, "w_gate"),
-                  ("batch", "seq", "experts", "mlp"), "expert gate")
-    up = einsum("bsd,xdf->bsxf", h_BSD, weight(w["w_up"], names, dtype, "w_up"),
-                ("batch", "seq", "experts", "mlp"), "expert up")
+    w_gate, w_up = weight(w["w_gate"], names, dtype, "w_gate"), weight(w["w_up"], names, dtype, "w_up")
+    h_BSD = shared_input(h_BSD, [w_gate, w_up])
+    gate = einsum("bsd,xdf->bsxf", h_BSD, w_gate, ("batch", "seq", "experts", "mlp"), "expert gate")
+    up = einsum("bsd,xdf->bsxf", h_BSD, w_up, ("batch", "seq", "experts", "mlp"), "expert up")
     hidden = jax.nn.silu(gate) * up * gates_BSX[..., None]
     down = weight(w["w_down"], ("experts", "mlp", "embed"), dtype, "w_down")
     return einsum("bsxf,xfd->bsd", hidden, down, RESIDUAL, "expert down")

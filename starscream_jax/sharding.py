@@ -129,6 +129,41 @@ def _weight_gradient(use_spec, stored_spec, summed_over, _, gradient):
 _weight_at_use.defvjp(_weight_at_use_forward, _weight_gradient)
 
 
+def shared_input(x: jax.Array, used_by: list[jax.Array]) -> jax.Array:
+    """`x` as the common input of several matmuls with the weights `used_by` (as `weight` returned them), marked so
+    that its gradient is summed over the mesh once, not once per matmul.
+
+    When every weight splits an output dimension (heads, mlp) over mesh axes that `x` is replicated on, each matmul's
+    input gradient is a partial sum over those axes. Typed `reduced` there, `x` receives them unreduced; autodiff
+    adds them locally and one all-reduce (or reduce-scatter) sums the total, where XLA would reduce each matmul's
+    gradient on its own (q, k and v: three times the bytes). Identity outside `use_layout`, and where the weights
+    do not all split the same axes (kv heads fewer than the partitions the query heads are split over)."""
+    if active() is None:
+        return x
+    spec = jax.typeof(x).sharding.spec
+    split = {_spec_axes(jax.typeof(w).sharding.spec) - _spec_axes(spec) for w in used_by}
+    if len(split) != 1 or not (axes := split.pop()):
+        return x
+    return _summed_once(x, spec, axes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _summed_once(x, spec: PartitionSpec, axes: frozenset[str]):
+    """`x` (placed by `spec`) typed as reduced over `axes`; its gradient is summed there once."""
+    return reshard(x, spec.update(reduced=axes))
+
+
+def _summed_once_forward(x, spec, axes):
+    return _summed_once(x, spec, axes), None
+
+
+def _summed_once_gradient(spec, axes, _, gradient):
+    return (reshard(gradient, spec),)
+
+
+_summed_once.defvjp(_summed_once_forward, _summed_once_gradient)
+
+
 def scale(x: jax.Array, value: jax.Array, names: LogicalNames, tensor: str = "scale") -> jax.Array:
     """x [..., D] times the weight `value` [D] (a norm scale), the weight used as `weight` places it (its gradient
     summed likewise). A weight typed `reduced` is taken only by dot_general, so it multiplies through an einsum,

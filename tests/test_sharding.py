@@ -14,12 +14,13 @@ from jax.sharding import PartitionSpec as P
 
 from starscream_jax.config import ModelConfig
 from starscream_jax.errors import ShardingRuleError
+from starscream_jax.inspector import inspect_compiled
 from starscream_jax.layouts import LAYOUTS
 from starscream_jax.mesh import AXES, build_mesh
 from starscream_jax.model import Transformer, next_token_loss
 from starscream_jax.sharding import (
-    active, activation_spec, constrain, create_sharded, einsum, param, param_shardings, param_specs, use_layout,
-    weight,
+    active, activation_spec, constrain, create_sharded, einsum, param, param_shardings, param_specs, shared_input,
+    use_layout, weight,
 )
 
 ABSTRACT_2x4 = AbstractMesh((1, 2, 4), AXES)
@@ -113,6 +114,52 @@ def test_weights_are_gathered_inside_the_gpu_before_use_and_outputs_placed_by_ei
     assert used.sharding.spec == P(None, "gpu")
     assert hidden.sharding.spec == P(("data", "xcd"), "gpu")
     np.testing.assert_allclose(hidden, jnp.ones((8, 16)) @ model.w_in[...], rtol=1e-6)
+
+
+def _two_projections(x, w_a, w_b, shared: bool):
+    """sum(x @ w_a) + sum(x @ w_b)^2 with both weights' outputs split over gpu (tensor parallelism)."""
+    x = constrain(x, ("batch", "embed"))
+    used_a, used_b = weight(w_a, ("embed", "mlp")), weight(w_b, ("embed", "mlp"))
+    if shared:
+        x = shared_input(x, [used_a, used_b])
+    a = einsum("bd,df->bf", x, used_a, out=("batch", "mlp"))
+    b = einsum("bd,df->bf", x, used_b, out=("batch", "mlp"))
+    return jnp.sum(a) + jnp.sum(b * b)
+
+
+@pytest.mark.parametrize("layout", ["starscream_tp", "gpu_tp"])
+def test_shared_input_sums_the_gradients_of_its_matmuls_once(layout):
+    """Two projections of one input whose outputs are split over GPUs: without shared_input the input gradient is
+    all-reduced over gpu once per projection (XLA may combine them into one call, the bytes stay); with it, once.
+    The gradients equal the unsharded ones either way."""
+    mesh = build_mesh("2x4")
+    keys = jax.random.split(jax.random.key(0), 3)
+    x, w_a, w_b = (jax.random.normal(keys[0], (8, 16)), jax.random.normal(keys[1], (16, 32)),
+                   jax.random.normal(keys[2], (16, 32)))
+    expected = jax.grad(_two_projections, argnums=(0, 1, 2))(x, w_a, w_b, False)
+    inter_gpu_buffers = {}
+    for shared in (False, True):
+        with use_layout(layout, mesh):
+            step = jax.jit(jax.grad(_two_projections, argnums=(0, 1, 2)), static_argnums=3)
+            compiled = step.lower(x, w_a, w_b, shared).compile(FAST_COMPILE)
+            gradients = compiled(x, w_a, w_b)
+        for got, want in zip(gradients, expected):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        inter_gpu_buffers[shared] = sum(c.buffer_bytes * c.count for c in inspect_compiled(compiled, mesh).collectives
+                                        if c.scope == "inter_gpu")
+    x_gradient_block = gradients[0].addressable_shards[0].data.nbytes
+    assert inter_gpu_buffers == {False: 2 * x_gradient_block, True: x_gradient_block}
+
+
+def test_shared_input_is_the_identity_where_the_weights_split_different_axes():
+    """flat_tp splits w_a's output over (gpu, xcd); a weight replicated there cannot share the reduction."""
+    mesh = build_mesh("2x4")
+    with use_layout("flat_tp", mesh):
+        x = constrain(jnp.ones((8, 16)), ("batch", "embed"))
+        split = weight(jnp.ones((16, 32)), ("embed", "mlp"))
+        replicated = weight(jnp.ones((16, 32)), ("embed", None))
+        assert shared_input(x, [split, replicated]) is x
+        assert jax.typeof(shared_input(x, [split, split])).sharding.spec.reduced == {"gpu", "xcd"}
 
 
 def test_create_sharded_places_every_parameter_by_the_params_rules():
