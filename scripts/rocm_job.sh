@@ -144,8 +144,8 @@ main() {
   ((${#nodes[@]} == SLURM_JOB_NUM_NODES)) || fail "scontrol listed ${#nodes[@]} nodes for $SLURM_JOB_NUM_NODES"
   export JAX_COORDINATOR_ADDRESS="${nodes[0]}:${COORDINATOR_PORT:-$((20000 + SLURM_JOB_ID % 10000))}"
   # One data-parallel replica per node; every process joins jax.distributed from the environment set above.
-  mesh_args=(--preset "$PRESET" --gpus "$GPUS_PER_NODE" --nodes "$SLURM_JOB_NUM_NODES" --data-parallel "$SLURM_JOB_NUM_NODES"
-    --distributed)
+  mesh_args=(--no-simulate --preset "$PRESET" --gpus "$GPUS_PER_NODE" --nodes "$SLURM_JOB_NUM_NODES"
+    --data-parallel "$SLURM_JOB_NUM_NODES" --distributed)
   results=$repo/runs/rocm-$SLURM_JOB_ID
   mkdir -p "$results"
   cd "$repo"

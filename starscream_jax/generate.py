@@ -206,7 +206,7 @@ def batch_multiple(layouts, mesh) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `starscream generate` (mesh, multi-process, checkpoint, layouts, sampling)."""
-    add_mesh_arguments(parser, default_preset=DEFAULT_PRESET, default_gpus=DEFAULT_GPUS, default_simulate=True)
+    add_mesh_arguments(parser, default_preset=DEFAULT_PRESET, default_gpus=DEFAULT_GPUS, default_simulate=None)
     add_distributed_arguments(parser)
     group = parser.add_argument_group("generation")
     group.add_argument("--checkpoint", default="runs/train/checkpoints",

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import os
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -315,12 +317,27 @@ def device_table(mesh) -> list[list[list[int]]]:
     return [[[int(d.id) for d in row] for row in plane] for plane in mesh.devices]
 
 
+GPU_DEVICE_NODES = {"cuda": "/dev/nvidiactl", "rocm": "/dev/kfd"}
+"""The device node each GPU driver creates; a JAX GPU plugin without it finds no GPU."""
+
+
+def accelerator_present() -> bool:
+    """Whether JAX will run on GPUs here, judged without starting JAX: $JAX_PLATFORMS when it is set, else an
+    installed JAX GPU plugin (jax[cuda13], jax[rocm7-local]) whose driver's device node exists."""
+    platforms = [name.strip() for name in os.environ.get("JAX_PLATFORMS", "").split(",") if name.strip()]
+    if platforms:
+        return any(name != "cpu" for name in platforms)
+    plugins = [entry.name for entry in importlib.metadata.entry_points(group="jax_plugins")]
+    return any(kind in plugin and Path(node).exists() for kind, node in GPU_DEVICE_NODES.items() for plugin in plugins)
+
+
 def add_mesh_arguments(parser: argparse.ArgumentParser, *, default_preset: str | None = None,
-                       default_gpus: int | None = None, default_simulate: bool = False) -> None:
+                       default_gpus: int | None = None, default_simulate: bool | None = False) -> None:
     """Adds --preset --topology --gpus --nodes --data-parallel --simulate to a command's parser.
 
-    The topology is, first found: --topology, --preset, $STARSCREAM_TOPOLOGY, `default_preset`, detection.
-    `default_gpus` is the GPU count of a preset (--preset or the default one) when --gpus is not given.
+    The topology is, first found: --topology, --preset, $STARSCREAM_TOPOLOGY, `default_preset` (only when
+    simulating), detection. `default_gpus` is the GPU count of a preset (--preset or the default one) when --gpus is
+    not given. `default_simulate=None` simulates exactly when no GPU is present (`accelerator_present`).
     """
     group = parser.add_argument_group("mesh")
     default = f"; default {default_preset}" if default_preset else ""
@@ -333,8 +350,9 @@ def add_mesh_arguments(parser: argparse.ArgumentParser, *, default_preset: str |
                        help="nodes joined by jax.distributed (the GPUs split evenly over the processes)")
     group.add_argument("--data-parallel", type=int, default=1, metavar="N",
                        help="size of the outer 'data' mesh axis (data-parallel groups of GPUs)")
+    automatic = " (default: when no GPU is present)" if default_simulate is None else ""
     group.add_argument("--simulate", action=argparse.BooleanOptionalAction, default=default_simulate,
-                       help="simulate the devices on CPU")
+                       help="simulate the devices on CPU" + automatic)
     parser.set_defaults(default_preset=default_preset, default_gpus=default_gpus)
 
 
@@ -346,14 +364,22 @@ def _topology_from_args(args) -> Topology | None:
     if args.preset:
         return Topology.from_preset(args.preset, gpus=args.default_gpus)
     override = override_from_env()
-    if override is not None or args.default_preset is None:
+    if override is not None or args.default_preset is None or not _simulating(args):
         return override
     return Topology.from_preset(args.default_preset, gpus=args.default_gpus)
 
 
+def _simulating(args) -> bool:
+    """--simulate / --no-simulate, or when neither was given and the command leaves it open, whether no GPU is
+    present (decided once, before JAX starts)."""
+    if args.simulate is None:
+        args.simulate = not accelerator_present()
+    return args.simulate
+
+
 def prepare_simulation(args) -> None:
     """With --simulate, makes JAX expose the simulated devices. Runs before jax is imported where it can."""
-    if args.simulate:
+    if _simulating(args):
         topology = _topology_from_args(args) or DEFAULT_SIMULATED
         simulate_cpu_devices(resolve_topology(topology, gpus=args.gpus, nodes=args.nodes).num_devices)
 
@@ -361,4 +387,4 @@ def prepare_simulation(args) -> None:
 def mesh_from_args(args):
     """(Topology, Mesh) from the mesh arguments."""
     return build_topology_mesh(_topology_from_args(args), gpus=args.gpus, nodes=args.nodes,
-                               data=args.data_parallel, simulate=args.simulate)
+                               data=args.data_parallel, simulate=_simulating(args))

@@ -1,8 +1,9 @@
 """`starscream train`: train a model from models/ under a layout, on a mesh built from the topology.
 
-The default run (no arguments) trains the tiny Llama on tinyshakespeare (byte-level tokens) on a simulated MI300X
-QPX mesh of 2 GPUs x 4 partitions (8 CPU devices) under `starscream_tp`, then prints the losses beside the corpus'
-unigram entropy and a summary of the compiled training step (memory per device, collectives by scope).
+The default run (no arguments) on a machine without GPUs trains the tiny Llama on tinyshakespeare (byte-level
+tokens) on a simulated MI300X QPX mesh of 2 GPUs x 4 partitions (8 CPU devices) under `starscream_tp`, then prints
+the losses beside the corpus' unigram entropy and a summary of the compiled training step (memory per device,
+collectives by scope). Where JAX finds GPUs it trains on them, on the detected topology.
 
 The step: AdamW (warm-up then cosine decay, no weight decay on norm scales) after global-norm clipping; parameters and
 optimizer state in float32 and placed by the layout's `params` rules; compute in the model's dtype (`--dtype
@@ -302,7 +303,7 @@ def report_run(config: TrainConfig, losses, unigram_nats: float, checkpoint_dir,
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `starscream train` (mesh, multi-process, model, optimizer, data, run directory)."""
     defaults = TrainConfig()
-    add_mesh_arguments(parser, default_preset=DEFAULT_PRESET, default_gpus=DEFAULT_GPUS, default_simulate=True)
+    add_mesh_arguments(parser, default_preset=DEFAULT_PRESET, default_gpus=DEFAULT_GPUS, default_simulate=None)
     add_distributed_arguments(parser)
     group = parser.add_argument_group("training")
     group.add_argument("--model", default=defaults.model, help="model configuration: a name in models/ or a path")

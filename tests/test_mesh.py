@@ -1,5 +1,6 @@
 """The mesh builder on the 64 simulated CPU devices, and its ROCm branch on fake devices with a fake sysfs reading."""
 import argparse
+import importlib.metadata
 import json
 import os
 import socket
@@ -14,6 +15,7 @@ import pytest
 from jax.sharding import AxisType
 
 from starscream_jax import detect
+from starscream_jax import mesh as mesh_module
 from starscream_jax.errors import PresetError, TopologyError
 from starscream_jax.mesh import (
     AXES, add_mesh_arguments, build_mesh, build_topology_mesh, detect_topology, device_table, mesh_from_args,
@@ -146,6 +148,45 @@ def test_command_line_precedence(monkeypatch, argv, env, shape):
     add_mesh_arguments(parser, default_preset="mi300x-qpx-nps1", default_gpus=2, default_simulate=True)
     args = parser.parse_args(argv)
     prepare_simulation(args)
+    assert mesh_from_args(args)[1].devices.shape == shape
+
+
+@pytest.mark.parametrize("platforms, present", [("cpu", False), ("cuda", True), ("rocm,cpu", True), (" cpu , ", False)])
+def test_jax_platforms_decides_whether_an_accelerator_is_present(monkeypatch, platforms, present):
+    monkeypatch.setenv("JAX_PLATFORMS", platforms)
+    assert mesh_module.accelerator_present() is present
+
+
+@pytest.mark.parametrize("plugins, nodes, present", [
+    ([], ["/dev/kfd", "/dev/nvidiactl"], False),       # CPU-only jax on a GPU machine: JAX sees no GPU
+    (["xla_rocm7"], [], False),                        # jax[rocm7-local] installed, no amdgpu driver
+    (["xla_rocm7"], ["/dev/kfd"], True),
+    (["xla_cuda13"], ["/dev/kfd"], False),             # the CUDA plugin on an AMD machine
+    (["xla_cuda13"], ["/dev/nvidiactl"], True),
+])
+def test_without_jax_platforms_a_gpu_plugin_and_its_driver_are_both_needed(monkeypatch, plugins, nodes, present):
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    entry_points = [importlib.metadata.EntryPoint(name, f"{name}_module", "jax_plugins") for name in plugins]
+    monkeypatch.setattr(mesh_module.importlib.metadata, "entry_points",
+                        lambda group: entry_points if group == "jax_plugins" else [])
+    monkeypatch.setattr(mesh_module, "Path", lambda path: Path("/" if path in nodes else "/nonexistent-device-node"))
+    assert mesh_module.accelerator_present() is present
+
+
+@pytest.mark.parametrize("gpu_present, argv, simulate, shape", [
+    (False, [], True, (1, 2, 4)),                                # no GPU: the command's default preset, simulated
+    (True, [], False, (1, 64, 1)),                               # GPUs: the detected devices (here 64 CPU devices)
+    (True, ["--simulate"], True, (1, 2, 4)),
+    (False, ["--no-simulate", "--topology", "8x8"], False, (1, 8, 8)),
+])
+def test_simulation_follows_the_presence_of_gpus_unless_forced(monkeypatch, gpu_present, argv, simulate, shape):
+    monkeypatch.delenv(OVERRIDE_ENV, raising=False)
+    monkeypatch.setattr(mesh_module, "accelerator_present", lambda: gpu_present)
+    parser = argparse.ArgumentParser()
+    add_mesh_arguments(parser, default_preset="mi300x-qpx-nps1", default_gpus=2, default_simulate=None)
+    args = parser.parse_args(argv)
+    prepare_simulation(args)
+    assert args.simulate is simulate
     assert mesh_from_args(args)[1].devices.shape == shape
 
 
@@ -298,7 +339,7 @@ def test_mesh_across_two_processes_reduces_over_gpu_and_xcd():
     env = {name: value for name, value in os.environ.items() if name not in (OVERRIDE_ENV, "XLA_FLAGS")}
     workers = [subprocess.Popen([sys.executable, str(WORKER), coordinator, str(process)], env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE) for process in range(2)]
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 240  # generous: CI runs two test files at once on two cores
     try:
         outputs = [worker.communicate(timeout=max(1.0, deadline - time.monotonic())) for worker in workers]
     finally:
