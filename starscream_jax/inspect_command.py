@@ -111,12 +111,14 @@ class DecodeArgs(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class CompiledStep:
-    """One layout's compiled step, the abstract arguments it was lowered from and its layer-loop instructions."""
+    """One layout's compiled step, the abstract arguments it was lowered from, its layer-loop instructions and the
+    lowered program's text (with locations: the activations' names)."""
 
     layout: Layout
     args: NamedTuple
     compiled: Any
     loop_ops: frozenset[str]
+    lowered_text: str
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -188,7 +190,9 @@ def inspect_layouts(settings: Settings, topology, mesh) -> dict[str, dict]:
         settings.dump_hlo.mkdir(parents=True, exist_ok=True)
         for name, step in steps.items():
             (settings.dump_hlo / f"{name}_{settings.phase}.hlo.txt").write_text(step.compiled.as_text())
-    reports = {name: inspect_compiled(step.compiled, mesh, args=step.args, gpus_per_node=topology.gpus_per_node)
+    token_dims = (settings.batch, 1 if settings.phase == "decode" else settings.seq)
+    reports = {name: inspect_compiled(step.compiled, mesh, args=step.args, gpus_per_node=topology.gpus_per_node,
+                                      lowered_text=step.lowered_text, token_dims=token_dims)
                for name, step in steps.items()}
     return {name: layout_result(settings, topology, mesh, steps[name], reports[name], reports[REFERENCE])
             for name in settings.layouts}
@@ -207,7 +211,8 @@ def compile_step(settings: Settings, layout_name: str, mesh) -> CompiledStep:
         step, donated = _step_function(settings.phase, graphdef)
         lowered = jax.jit(step, donate_argnums=donated).lower(*args)
         compiled = lowered.compile(compiler_options=COMPILER_OPTIONS)
-    return CompiledStep(layout, args, compiled, layer_loop_ops(compiled.as_text(), settings.layers))
+    return CompiledStep(layout, args, compiled, layer_loop_ops(compiled.as_text(), settings.layers),
+                        lowered.as_text(debug_info=True))
 
 
 def abstract_args(config: ModelConfig, layout: Layout, mesh, phase: str, batch: int,
@@ -364,6 +369,7 @@ def layout_result(settings: Settings, topology, mesh, step: CompiledStep, report
                         for c in report.collectives],
         "matmuls": matmuls,
         "inputs": [dataclasses.asdict(entry) for entry in report.inputs],
+        "activations": [dataclasses.asdict(entry) for entry in report.activations],
     }
 
 
@@ -539,6 +545,8 @@ def _rows(result: dict) -> list[tuple[str, str]]:
         rows.append((f"  KV cache ({full} layers)", format_bytes(memory["kv_cache"])))
     if memory["compiled"] is not None:
         rows.append((f"  compiled temp ({compiled_layers} layers)", format_bytes(memory["compiled"]["temp_bytes"])))
+    copied = [entry["shard_bytes"] for entry in result["activations"] if entry["replication_xcd"] > 1]
+    rows.append(("  largest activation copied over xcd", format_bytes(max(copied)) if copied else "none"))
     rows += [
         ("bytes per device per step", ""),
         ("  inter-GPU per layer", format_bytes(sent["per_layer"]["inter_gpu"])),

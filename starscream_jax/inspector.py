@@ -1,7 +1,8 @@
 """Inspect a compiled program over a ('data', 'gpu', 'xcd') mesh and judge it against the three principles.
 
 `inspect_compiled` reads what one device runs (collectives with their scope and bytes, matmuls with their per-device
-shapes, attention kernels, memory, and how each input array is laid out); `inspect_text` reads the same from a
+shapes, attention kernels, memory, how each input array is laid out, and, given the lowered program too, how each
+activation is laid out: `inspect_activations`); `inspect_text` reads the same from a
 program's text alone (a dump from another machine), without inputs or memory. `check_principles` turns two such
 reports, a layout's and the gpu_tp reference's, into three verdicts. Everything works from abstract inputs: a program
 lowered from `jax.ShapeDtypeStruct`s with shardings and compiled, never run.
@@ -25,6 +26,7 @@ from jax.sharding import Mesh
 
 from starscream_jax.errors import TopologyError
 from starscream_jax.hlo import Collective, Dot, parse_hlo
+from starscream_jax.stablehlo import sharded_values
 
 SCOPES = ("local", "intra_gpu", "inter_gpu", "inter_node", "flat")
 """Collective scopes, narrowest first: one device; partitions of one GPU; one partition from each of several GPUs of
@@ -99,6 +101,24 @@ class InputReport:
 
 
 @dataclasses.dataclass(frozen=True)
+class ActivationReport:
+    """One activation of the program (a value whose shape starts with the token dimensions): its op name, global
+    shape and PartitionSpec-like placement (the mesh axes of each dimension, and `unreduced` axes holding partial
+    sums), global bytes and bytes per device, how many devices along `xcd` hold the same data (1 = split over all of
+    xcd), and how many values of the program share all of these (`count`)."""
+
+    name: str
+    shape: list[int]
+    dtype: str
+    spec: list[list[str]]
+    unreduced: list[str]
+    bytes: int
+    shard_bytes: int
+    replication_xcd: int
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
 class MemoryReport:
     """Per-device memory of the compiled program, from `compiled.memory_analysis()`, in bytes."""
 
@@ -124,6 +144,7 @@ class Report:
     inputs: list[InputReport]
     memory: MemoryReport | None
     tokens_per_device: int | None = None
+    activations: list[ActivationReport] = dataclasses.field(default_factory=list)
 
     def bytes_by_scope(self) -> dict[str, float]:
         """Bytes each device moves per call of the program, summed by collective scope."""
@@ -213,6 +234,8 @@ def inspect_compiled(
     args: Any = None,
     gpus_per_node: int | None = None,
     tokens_per_device: int | None = None,
+    lowered_text: str | None = None,
+    token_dims: tuple[int, ...] | None = None,
 ) -> Report:
     """Read a compiled program (`jax.jit(f).lower(*args).compile()`) over `mesh` into a Report.
 
@@ -222,6 +245,8 @@ def inspect_compiled(
     `peak_flops` (FLOP/s) and `hbm_bandwidth` (bytes/s) of one device give each matmul's `below_ridge`.
     `tokens_per_device`: the tokens each device's matmuls work on (batch rows held by the device x positions), which
     principle 1 divides the matmuls' work by; pass it, or let `infer_tokens_per_device` read it from the shapes.
+    `lowered_text` (`lowered.as_text(debug_info=True)` of the same program) with `token_dims` (the model's token
+    dimensions, (batch, seq)) adds the activations: see `inspect_activations`.
     """
     report = inspect_text(
         compiled.as_text(),
@@ -231,9 +256,43 @@ def inspect_compiled(
         gpus_per_node=gpus_per_node,
         tokens_per_device=tokens_per_device,
     )
+    if (lowered_text is None) != (token_dims is None):
+        raise TopologyError("activations need both lowered_text and token_dims (the model's (batch, seq))")
+    activations = [] if lowered_text is None else inspect_activations(lowered_text, mesh, token_dims)
     return dataclasses.replace(
-        report, inputs=_input_reports(compiled, mesh, args), memory=_memory_report(compiled.memory_analysis())
+        report, inputs=_input_reports(compiled, mesh, args), memory=_memory_report(compiled.memory_analysis()),
+        activations=activations,
     )
+
+
+def inspect_activations(lowered_text: str, mesh: Mesh, token_dims: tuple[int, ...]) -> list[ActivationReport]:
+    """The activations of a lowered program (`lowered.as_text(debug_info=True)`): every value whose global shape
+    starts with `token_dims` (e.g. (batch, seq)), with the placement its sharding constraint gives it (see
+    `stablehlo`), grouped by name, shape and placement, largest first.
+
+    These placements are binding: XLA's partitioner must honour every sharding constraint, so they say what each
+    device holds of each activation in the compiled program (whose per-device shapes no longer show global ones).
+    """
+    xcd = mesh.shape.get("xcd", 1)
+    groups: dict[tuple, int] = defaultdict(int)
+    for value in sharded_values(lowered_text):
+        if value.shape[: len(token_dims)] == tuple(token_dims):
+            pieces = math.prod(value.split(axis, size) for axis, size in mesh.shape.items())
+            key = (_scope_name(value.name), value.shape, value.dtype, value.dims, value.unreduced, value.bytes,
+                   value.bytes // pieces, xcd // value.split("xcd", xcd))
+            groups[key] += 1
+    reports = [
+        ActivationReport(name, list(shape), dtype, [[axis for axis, _ in dim] for dim in dims], sorted(unreduced),
+                         size, shard_size, replication_xcd, count)
+        for (name, shape, dtype, dims, unreduced, size, shard_size, replication_xcd), count in groups.items()
+    ]
+    return sorted(reports, key=lambda entry: -entry.bytes)
+
+
+def _scope_name(op_name: str) -> str:
+    """An op name without its outermost jit(...) scope."""
+    scopes = op_name.split("/")
+    return "/".join(scopes[1:] if scopes and scopes[0].startswith("jit(") else scopes)
 
 
 def inspect_text(
@@ -384,7 +443,9 @@ def check_principles(
        divide only the tokens. Ops that the reference lacks are listed as unpaired. Kernels whose work is split
        into several matmuls of the same op under the layout alone are not told apart from one whole kernel.
     2. no_redundancy: no input array of more than `large_bytes` bytes is replicated over `xcd`, unless its name is
-       allowed by `replicated_ok`: a callable taking the name, or a set of names or fnmatch patterns ("*/scale").
+       allowed by `replicated_ok`: a callable taking the name, or a set of names or fnmatch patterns ("*/scale");
+       and no activation of which each device holds more than `large_bytes` (when the report has them, see
+       `inspect_activations`): the copies waste that much on each of the other partitions of the GPU.
     3. hierarchical_collectives: no collective has scope "flat".
     """
     return {
@@ -473,6 +534,13 @@ def _no_redundancy(
         f"{entry.replication_xcd}x over xcd"
         for entry in report.inputs
         if entry.replication_xcd > 1 and entry.bytes > large_bytes and not allowed(entry.name)
+    ]
+    violations += [
+        f"activation {entry.name or '(unnamed)'} {entry.shape} {entry.dtype} ({entry.shard_bytes} bytes per device, "
+        f"spec {entry.spec}{', unreduced ' + str(entry.unreduced) if entry.unreduced else ''}) is replicated "
+        f"{entry.replication_xcd}x over xcd ({entry.count} value(s))"
+        for entry in report.activations
+        if entry.replication_xcd > 1 and entry.shard_bytes > large_bytes
     ]
     return {"ok": not violations, "violations": violations}
 

@@ -22,8 +22,10 @@ The layouts (X partitions per GPU, Y GPUs):
                      (intra-GPU), all-reduce over gpu of B/X tokens (inter-GPU). For train and prefill.
   starscream_decode  2-D weight-stationary for decode: weights split over gpu (heads, mlp, vocab) and xcd (embed),
                      never gathered; the small activations move instead: residual stream embed over xcd, attention
-                     tokens over xcd to match the KV cache (kv heads over gpu, batch over xcd). Each weight byte is
-                     read once per GPU per step.
+                     tokens over xcd to match the KV cache (kv heads over gpu, batch over xcd), logits vocab over
+                     (gpu, xcd) (reduce-scattered inside the GPU). Each weight byte is read once per GPU per step.
+                     The MLP hidden and attention output are whole on every partition of a GPU (they meet weights
+                     split over xcd on the embed side): small at one token per sequence, so not for prefill.
   flat_fsdp          fully sharded data parallel over all devices: weights' embed over (gpu, xcd), gathered before
                      use by flat all-gathers; batch over (data, gpu, xcd); gradients reduce-scattered flat.
   starscream_fsdp    hierarchical FSDP: weights sharded inside each GPU (embed over xcd), replicated across GPUs;
@@ -89,7 +91,7 @@ LAYOUTS: dict[str, Layout] = {
         _layout("starscream_decode", "2-D weight-stationary over GPUs and partitions (decode)",
                 params={**_TP_WEIGHTS("gpu"), "embed": "xcd"},
                 activations={"batch": "data", "attn_batch": ("data", "xcd"),
-                             "embed": "xcd", **_TP_WEIGHTS("gpu")}),
+                             "embed": "xcd", **_TP_WEIGHTS("gpu"), "vocab": FLAT}),
         _layout("flat_fsdp", "fully sharded data parallelism over every partition, flat collectives",
                 params={"embed": FLAT}, weights={"embed": None},
                 activations={"batch": ALL_TOKENS, "attn_batch": ALL_TOKENS}),

@@ -69,11 +69,23 @@ def mlp_function(layout: str, train: bool):
 
 
 @functools.cache
-def compiled_mlp(gpus: int, xcds: int, layout: str, train: bool = False):
+def lowered_mlp(gpus: int, xcds: int, layout: str, train: bool = False):
     mesh = make_mesh(gpus, xcds)
     args = mlp_args(mesh, layout)
     with jax.set_mesh(mesh):
-        return mesh, args, jax.jit(mlp_function(layout, train)).lower(*args).compile()
+        return mesh, args, jax.jit(mlp_function(layout, train)).lower(*args)
+
+
+@functools.cache
+def compiled_mlp(gpus: int, xcds: int, layout: str, train: bool = False):
+    mesh, args, lowered = lowered_mlp(gpus, xcds, layout, train)
+    return mesh, args, lowered.compile()
+
+
+def mlp_report_with_activations(layout: str, train: bool = False):
+    mesh, args, lowered = lowered_mlp(2, 4, layout, train)
+    return inspect_compiled(lowered.compile(), mesh, args=args, lowered_text=lowered.as_text(debug_info=True),
+                            token_dims=(B,))
 
 
 @functools.cache
@@ -242,6 +254,36 @@ def test_replicated_inputs_can_be_allowed_by_pattern_or_callable():
     assert by_pattern["no_redundancy"]["ok"]
     by_callable = check_principles(reference, None, replicated_ok=lambda name: name != "2", large_bytes=1024)
     assert [v.split()[1] for v in by_callable["no_redundancy"]["violations"]] == ["2"]
+
+
+def test_activations_report_global_shape_placement_and_copies_over_xcd():
+    """flat splits the hidden activation over (gpu, xcd) but holds x and the output [B, D] whole on every device;
+    starscream splits every activation's tokens over xcd."""
+    hidden = HIDDEN[(2, 4)]
+    flat = {entry.name: entry for entry in mlp_report_with_activations("flat").activations}
+    first, second = flat["bd,df->bf/dot_general"], flat["bf,fd->bd/dot_general"]
+    assert (first.shape, first.spec, first.replication_xcd) == ([B, hidden], [[], ["gpu", "xcd"]], 1)
+    assert first.shard_bytes == B * hidden * 4 // 8
+    assert (second.shape, second.spec, second.replication_xcd, second.shard_bytes) == ([B, D], [[], []], 4, B * D * 4)
+    starscream = mlp_report_with_activations("starscream", train=True).activations
+    assert starscream and all(entry.replication_xcd == 1 for entry in starscream)
+    assert all(entry.shape[0] == B for entry in starscream)  # weights and their gradients are not activations
+
+
+def test_no_redundancy_judges_activations_by_bytes_per_device():
+    flat = mlp_report_with_activations("flat", train=True)
+    largest_copy = max(entry.shard_bytes for entry in flat.activations if entry.replication_xcd > 1)
+    failing = check_principles(flat, None, replicated_ok={"*"}, large_bytes=largest_copy - 1)["no_redundancy"]
+    assert not failing["ok"] and all(line.startswith("activation ") for line in failing["violations"])
+    assert check_principles(flat, None, replicated_ok={"*"}, large_bytes=largest_copy)["no_redundancy"]["ok"]
+    starscream = mlp_report_with_activations("starscream", train=True)
+    assert check_principles(starscream, None, large_bytes=0)["no_redundancy"]["ok"]
+
+
+def test_activations_need_both_the_lowered_text_and_the_token_dims():
+    mesh, args, lowered = lowered_mlp(2, 4, "flat")
+    with pytest.raises(TopologyError, match="need both lowered_text and token_dims"):
+        inspect_compiled(lowered.compile(), mesh, lowered_text=lowered.as_text(debug_info=True))
 
 
 def test_without_reference_no_matmul_is_judged():

@@ -167,12 +167,15 @@ def structure_report(layout: str, mesh_name: str, program: str):
             cache = {name: jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=cache_sharding) for name, c in cache.items()}
             args = (params, jax.ShapeDtypeStruct((BATCH, 1), jnp.int32, sharding=batch_sharding(layout, mesh, BATCH)),
                     cache, jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())))
-        compiled = jax.jit(step).lower(*args).compile(FAST_COMPILE)
-    return inspect_compiled(compiled, mesh, args=args)
+        lowered = jax.jit(step).lower(*args)
+    token_dims = (BATCH, SEQ - 1) if program == "train" else (BATCH, 1)
+    return inspect_compiled(lowered.compile(FAST_COMPILE), mesh, args=args,
+                            lowered_text=lowered.as_text(debug_info=True), token_dims=token_dims)
 
 
-STRUCTURE_CASES = [(layout, mesh, program) for layout in ("starscream_tp", "starscream_decode")
-                   for mesh in STRUCTURE_MESHES for program in ("train", "decode")]
+STRUCTURE_CASES = [(layout, mesh, program) for mesh in STRUCTURE_MESHES
+                   for layout, program in [("starscream_tp", "train"), ("starscream_tp", "decode"),
+                                           ("starscream_decode", "decode")]]
 
 
 @pytest.mark.parametrize("layout,mesh_name,program", STRUCTURE_CASES)
@@ -184,6 +187,24 @@ def test_starscream_layouts_keep_collectives_hierarchical_and_large_arrays_off_x
     assert verdict["no_redundancy"]["ok"], verdict["no_redundancy"]["violations"]
     assert {c.scope for c in report.collectives} >= {"intra_gpu", "inter_gpu"}
     assert sum(entry.bytes > 1 << 20 for entry in report.inputs) >= 9
+    assert any(entry.shard_bytes > 1 << 20 for entry in report.activations) or program == "decode"
+
+
+@pytest.mark.parametrize("mesh_name", STRUCTURE_MESHES)
+def test_starscream_decode_on_many_tokens_copies_the_mlp_hidden_over_xcd(mesh_name):
+    """Why starscream_decode is for decode only: its weights never move, so the activations do, and those that
+    enter a matmul whose weight splits its embed side over xcd (the MLP hidden [B, S, F] into w_down, the attention
+    output [B, S, H, E] into wo) are whole on each partition of a GPU. At one token per sequence that is a few hundred
+    KiB; over a training batch it is the largest tensor."""
+    report = structure_report("starscream_decode", mesh_name, "train")
+    verdict = check_principles(report, None)
+    assert verdict["hierarchical_collectives"]["ok"], verdict["hierarchical_collectives"]["violations"]
+    copied = [entry for entry in report.activations if entry.replication_xcd > 1 and entry.shard_bytes > 1 << 20]
+    config = structure_config()
+    allowed_shapes = ([BATCH, SEQ - 1, config.d_ff], [BATCH, SEQ - 1, config.n_heads, config.head_dim])
+    assert any(entry.shape == allowed_shapes[0] for entry in copied)
+    assert all(entry.shape in allowed_shapes for entry in copied)
+    assert len(verdict["no_redundancy"]["violations"]) == len(copied)
 
 
 @pytest.mark.parametrize("mesh_name,program", [(mesh, program) for mesh in STRUCTURE_MESHES
@@ -191,6 +212,8 @@ def test_starscream_layouts_keep_collectives_hierarchical_and_large_arrays_off_x
 def test_flat_tp_spans_both_axes_in_one_collective(mesh_name, program):
     verdict = check_principles(structure_report("flat_tp", mesh_name, program), None)
     assert not verdict["hierarchical_collectives"]["ok"]
+    if program == "train":  # the residual stream [B, S, D] is whole on every partition
+        assert any(line.startswith("activation ") for line in verdict["no_redundancy"]["violations"])
 
 
 @pytest.mark.parametrize("program,replicated", [
