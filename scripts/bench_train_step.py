@@ -20,15 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from starscream_jax.mesh import build_mesh
-
-
-def device_groups(text: str) -> list[int]:
-    """"0,1" -> [0, 1]: the device ids of one physical GPU."""
-    try:
-        return [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated device ids, e.g. 0,1") from None
+from starscream_jax.mesh import build_mesh, device_ids
 
 
 def compiled_step(layout: str, mesh, model_config, train_config):
@@ -95,7 +87,7 @@ def summary(result: dict) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--grouping", type=device_groups, nargs="+", metavar="IDS",
+    parser.add_argument("--grouping", type=device_ids, nargs="+", metavar="IDS",
                         help="device ids of each physical GPU, e.g. 0,1 2,3 (default: the machine's grouping)")
     parser.add_argument("--simulate", action="store_true", help="simulated CPU devices (with --grouping)")
     parser.add_argument("--layouts", nargs="+", default=["flat_tp", "starscream_tp"], help="layouts to compare")

@@ -331,12 +331,20 @@ def accelerator_present() -> bool:
     return any(kind in plugin and Path(node).exists() for kind, node in GPU_DEVICE_NODES.items() for plugin in plugins)
 
 
+def device_ids(text: str) -> list[int]:
+    """"0,1" -> [0, 1]: the device ids of one physical GPU, as the command line gives them (--grouping)."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated device ids, e.g. 0,1") from None
+
+
 def add_mesh_arguments(parser: argparse.ArgumentParser, *, default_preset: str | None = None,
                        default_gpus: int | None = None, default_simulate: bool | None = False) -> None:
-    """Adds --preset --topology --gpus --nodes --data-parallel --simulate to a command's parser.
+    """Adds --preset --topology --gpus --nodes --data-parallel --grouping --simulate to a command's parser.
 
     The topology is, first found: --topology, --preset, $STARSCREAM_TOPOLOGY, `default_preset` (only when
-    simulating), detection. `default_gpus` is the GPU count of a preset (--preset or the default one) when --gpus is
+    simulating without --grouping), detection (shaped by --grouping when given). `default_gpus` is the GPU count of a preset (--preset or the default one) when --gpus is
     not given. `default_simulate=None` simulates exactly when no GPU is present (`accelerator_present`).
     """
     group = parser.add_argument_group("mesh")
@@ -350,6 +358,9 @@ def add_mesh_arguments(parser: argparse.ArgumentParser, *, default_preset: str |
                        help="nodes joined by jax.distributed (the GPUs split evenly over the processes)")
     group.add_argument("--data-parallel", type=int, default=1, metavar="N",
                        help="size of the outer 'data' mesh axis (data-parallel groups of GPUs)")
+    group.add_argument("--grouping", type=device_ids, nargs="+", metavar="IDS",
+                       help="device ids of each physical GPU, e.g. 0,1 2,3 (in place of detection; lets whole GPUs "
+                            "stand in for the partitions of one)")
     automatic = " (default: when no GPU is present)" if default_simulate is None else ""
     group.add_argument("--simulate", action=argparse.BooleanOptionalAction, default=default_simulate,
                        help="simulate the devices on CPU" + automatic)
@@ -364,7 +375,7 @@ def _topology_from_args(args) -> Topology | None:
     if args.preset:
         return Topology.from_preset(args.preset, gpus=args.default_gpus)
     override = override_from_env()
-    if override is not None or args.default_preset is None or not _simulating(args):
+    if override is not None or args.default_preset is None or args.grouping or not _simulating(args):
         return override
     return Topology.from_preset(args.default_preset, gpus=args.default_gpus)
 
@@ -379,7 +390,9 @@ def _simulating(args) -> bool:
 
 def prepare_simulation(args) -> None:
     """With --simulate, makes JAX expose the simulated devices. Runs before jax is imported where it can."""
-    if _simulating(args):
+    if _simulating(args) and args.grouping:
+        simulate_cpu_devices(1 + max(i for group in args.grouping for i in group))
+    elif _simulating(args):
         topology = _topology_from_args(args) or DEFAULT_SIMULATED
         simulate_cpu_devices(resolve_topology(topology, gpus=args.gpus, nodes=args.nodes).num_devices)
 
@@ -387,4 +400,4 @@ def prepare_simulation(args) -> None:
 def mesh_from_args(args):
     """(Topology, Mesh) from the mesh arguments."""
     return build_topology_mesh(_topology_from_args(args), gpus=args.gpus, nodes=args.nodes,
-                               data=args.data_parallel, simulate=_simulating(args))
+                               data=args.data_parallel, grouping=args.grouping, simulate=_simulating(args))

@@ -190,6 +190,29 @@ def test_simulation_follows_the_presence_of_gpus_unless_forced(monkeypatch, gpu_
     assert mesh_from_args(args)[1].devices.shape == shape
 
 
+@pytest.mark.parametrize("simulate", [True, False])
+def test_grouping_on_the_command_line_replaces_detection_and_the_default_preset(monkeypatch, simulate):
+    """Four devices named as 2 GPUs x 2 partitions give a (1, 2, 2) mesh whose xcd rows are the groups, whether the
+    devices are simulated or the ones JAX already has, and whatever the command's default preset says."""
+    monkeypatch.delenv(OVERRIDE_ENV, raising=False)
+    parser = argparse.ArgumentParser()
+    add_mesh_arguments(parser, default_preset="mi300x-qpx-nps1", default_gpus=2, default_simulate=None)
+    args = parser.parse_args(["--grouping", "5,4", "1,0", "--simulate" if simulate else "--no-simulate"])
+    prepare_simulation(args)
+    topology, built = mesh_from_args(args)
+    assert (topology.gpus_per_node, topology.partitions_per_gpu) == (2, 2)
+    assert device_table(built) == [[[5, 4], [1, 0]]]
+
+
+@pytest.mark.parametrize("text", ["0,x", "", "0;1"])
+def test_grouping_that_is_not_device_ids_is_refused_by_the_parser(text, capsys):
+    parser = argparse.ArgumentParser()
+    add_mesh_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--grouping", text])
+    assert "expected comma-separated device ids" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("import_jax_first, flag_count, devices", [(False, 4, 6), (True, 4, 6), (False, 64, 64),
                                                                    (True, 64, 64)])
 def test_simulate_cpu_devices_before_jax_starts(import_jax_first, flag_count, devices):
