@@ -276,6 +276,22 @@ class _ProgramReader:
         )
 
 
+def instructions_in_loops(text: str, trip_count: int) -> frozenset[str]:
+    """Names of the instructions in the computations reached from every `while` whose known trip count is
+    `trip_count` (its body and condition, and what they call); empty when there is no such loop."""
+    computations, _ = _split_computations(text)
+    pending = [callee for body in computations.values() for inst in body
+               if inst.opcode == "while" and _trip_count(inst.attrs) == trip_count for callee in _callees(inst.attrs)]
+    reached: set[str] = set()
+    while pending:
+        name = pending.pop()
+        if name in reached or name not in computations:
+            continue
+        reached.add(name)
+        pending += [callee for inst in computations[name] for callee in _callees(inst.attrs)]
+    return frozenset(inst.name for name in reached for inst in computations[name])
+
+
 def _add(records: dict, name: str, times: int, build) -> None:
     """Add `times` runs to the record of instruction `name`, building the record on first sight (None: not recorded)."""
     if name not in records:

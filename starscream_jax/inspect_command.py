@@ -305,24 +305,15 @@ def _step_function(phase: str, graphdef):
 
 
 def layer_loop_ops(hlo_text: str, layers: int) -> frozenset[str]:
-    """Names of the instructions that run inside the layer loop: in the computations reached from a `while` whose
-    known trip count is `layers` (the forward scan, and the backward one when training)."""
-    from starscream_jax.hlo import _callees, _split_computations, _trip_count
+    """Names of the instructions that run inside the layer loop (the forward scan, and the backward one when
+    training): those under a `while` whose known trip count is `layers`."""
+    from starscream_jax.hlo import instructions_in_loops
 
-    computations, _ = _split_computations(hlo_text)
-    pending = [callee for body in computations.values() for inst in body
-               if inst.opcode == "while" and _trip_count(inst.attrs) == layers for callee in _callees(inst.attrs)]
-    if not pending:
+    found = instructions_in_loops(hlo_text, layers)
+    if not found:
         raise StarscreamError(f"the compiled program has no loop of {layers} trips, so per-layer figures cannot be "
                               "told apart; the model must run its layers with jax.lax.scan")
-    reached: set[str] = set()
-    while pending:
-        name = pending.pop()
-        if name in reached or name not in computations:
-            continue
-        reached.add(name)
-        pending += [callee for inst in computations[name] for callee in _callees(inst.attrs)]
-    return frozenset(inst.name for name in reached for inst in computations[name])
+    return found
 
 
 @dataclasses.dataclass(frozen=True)

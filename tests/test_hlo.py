@@ -11,7 +11,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from starscream_jax.errors import StarscreamError
-from starscream_jax.hlo import ArrayShape, dtype_bits, parse_hlo, parse_replica_groups, parse_shapes
+from starscream_jax.hlo import (
+    ArrayShape, dtype_bits, instructions_in_loops, parse_hlo, parse_replica_groups, parse_shapes,
+)
 
 REDUCER = """%add (x: f32[], y: f32[]) -> f32[] {
   %x = f32[] parameter(0)
@@ -232,6 +234,17 @@ def test_loop_without_known_trip_count_counts_once():
     program = parse_hlo(loop_module(""))
     assert [c.count for c in program.collectives] == [3]
     assert [d.count for d in program.dots] == [1]
+
+
+def test_instructions_in_loops_of_a_trip_count_include_what_their_bodies_call():
+    """The outer loop runs 4 times and holds the inner one (3 trips): asking for 4 finds both bodies and the
+    condition; asking for 3 finds only the inner loop's; a count no loop has finds nothing."""
+    text = loop_module(', backend_config={"known_trip_count":{"n":"4"}}')
+    assert {"d", "w", "ar", "c"} <= instructions_in_loops(text, 4)
+    assert "loop" not in instructions_in_loops(text, 4)
+    inner = instructions_in_loops(text, 3)
+    assert "ar" in inner and "d" not in inner
+    assert instructions_in_loops(text, 5) == frozenset()
 
 
 def test_compiled_scan_counts_each_layer():
