@@ -138,6 +138,19 @@ def test_no_large_array_is_replicated_over_xcd_under_starscream_tp(phase, reques
     assert any(entry["bytes"] > MIB for entry in replicated["flat_tp"])
 
 
+@pytest.mark.parametrize("phase", ["train", "prefill"])
+def test_no_activation_is_copied_over_xcd_under_starscream_tp_and_the_residual_is_under_flat_tp(phase, request):
+    results = request.getfixturevalue(phase)
+    for result in results.values():
+        assert result["activations"] and all(entry["shape"][0] == result["batch"] for entry in result["activations"])
+    copied = {name: [entry for entry in result["activations"] if entry["replication_xcd"] > 1]
+              for name, result in results.items()}
+    assert max(entry["shard_bytes"] for entry in copied["starscream_tp"]) < MIB
+    residual_shape = [results["flat_tp"]["seq"], LLAMA_70B.d_model]
+    residual = [entry for entry in copied["flat_tp"] if entry["shape"][1:] == residual_shape]
+    assert residual and max(entry["shard_bytes"] for entry in residual) > MIB
+
+
 def test_json_has_mesh_principles_bytes_memory_and_matmuls(train):
     for result in train.values():
         assert result["mesh"] == {"axes": ["data", "gpu", "xcd"], "shape": [1, 8, 8]}
