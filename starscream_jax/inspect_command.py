@@ -335,13 +335,16 @@ class Depth:
 
 
 def layout_result(settings: Settings, topology, mesh, step: CompiledStep, report, reference) -> dict[str, Any]:
-    """The JSON-ready result of one layout: settings, mesh, principles, bytes, memory, collectives, matmuls, inputs."""
+    """The JSON-ready result of one layout: settings, mesh, principles, bytes, memory, collectives, matmuls, inputs,
+    activations, and the cost model's estimate of the full-depth step (`costmodel.estimate_step`)."""
     import numpy as np
+
+    from starscream_jax.costmodel import estimate_step
 
     itemsize = np.dtype(settings.config.dtype).itemsize
     depth = Depth(settings.layers, settings.full_layers, step.loop_ops)
     matmuls = [matmul_entry(m, depth, itemsize, topology.ridge_point) for m in report.matmuls]
-    return {
+    result = {
         "layout": step.layout.name,
         "description": step.layout.description,
         "model": settings.config.name,
@@ -362,6 +365,8 @@ def layout_result(settings: Settings, topology, mesh, step: CompiledStep, report
         "inputs": [dataclasses.asdict(entry) for entry in report.inputs],
         "activations": [dataclasses.asdict(entry) for entry in report.activations],
     }
+    result["estimate"] = estimate_step(result, topology, itemsize).to_dict()
+    return result
 
 
 def _link_totals(by_scope: dict[str, float]) -> dict[str, float]:
@@ -515,6 +520,11 @@ def _figure(value: float | None, form: str) -> str:
     return "-" if value is None else form.format(value)
 
 
+def _seconds(value: float) -> str:
+    """Seconds as ms below one second ("12.3 ms"), else s ("1.23 s")."""
+    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
 def _verdict(verdict: dict) -> str:
     return "ok" if verdict["ok"] else f"FAIL ({len(verdict['violations'])})"
 
@@ -525,7 +535,7 @@ def _rows(result: dict) -> list[tuple[str, str]]:
 
     full, compiled_layers = result["layers"]["full"], result["layers"]["compiled"]
     memory, sent = result["memory_per_device"], result["bytes_per_device"]
-    intensity = result["kernel_intensity"]
+    intensity, estimate = result["kernel_intensity"], result["estimate"]
     counts = {**result["collectives_per_layer"]}
     counts["inter_gpu"] += counts["inter_node"]
     phase = result["phase"]
@@ -551,6 +561,11 @@ def _rows(result: dict) -> list[tuple[str, str]]:
         ("  FLOP-weighted", _figure(intensity["flop_weighted"], "{:.0f}")),
         (f"  FLOPs below ridge ({intensity['ridge_point']:.0f})",
          _figure(intensity["below_ridge_flop_share"], "{:.1%}")),
+        ("estimated step, full depth", ""),
+        ("  matmuls (roofline)", _seconds(estimate["compute_s"])),
+        ("  collectives", _seconds(estimate["total_communication_s"])),
+        ("  serial / overlapped", f"{_seconds(estimate['serial_s'])} / {_seconds(estimate['overlapped_s'])}"),
+        ("  tokens/s (serial)", f"{estimate['tokens_per_s']:,.0f}"),
         ("principles", ""),
         ("  1 kernel shapes" + (" (bytes read)" if phase == "decode" else ""),
          _verdict(result["principles"]["shape_preservation"])),
@@ -593,7 +608,8 @@ def format_table(results: dict[str, dict]) -> str:
         "collectives per layer: intra-GPU / inter-GPU / flat. Inter-GPU bytes include the flat collectives' (their",
         "rings pass every byte over inter-GPU links). On the CPU backend bfloat16 moves as float32 and a",
         "reduce-scatter runs as all-reduce + slice, so bytes and compiled memory are up to 2x a GPU's (gradient",
-        "reduce-scatters 4x); intensity is computed from each matmul's shape at the model's dtype.",
+        "reduce-scatters 4x); intensity is computed from each matmul's shape at the model's dtype. The estimate is the",
+        "cost model's (starscream_jax.costmodel): matmul rooflines and collective latency + bytes / bus bandwidth.",
     ]
     for name, result in results.items():
         for principle in PRINCIPLES:

@@ -162,6 +162,24 @@ def test_json_has_mesh_principles_bytes_memory_and_matmuls(train):
         assert result["matmuls"] and all(m["flops"] > 0 for m in result["matmuls"])
 
 
+@pytest.mark.parametrize("phase", ["train", "prefill"])
+def test_cost_model_puts_starscream_tp_ahead_of_flat_tp_on_communication_and_compute(phase, request):
+    """Llama 3 70B on 8 x 8, 8 x 256 tokens: flat_tp's flat all-reduces of the whole residual stream cost over 4x
+    starscream_tp's hierarchical ones (8x fewer inter-GPU bytes, but more, smaller collectives, each paying a latency
+    floor), and its narrower kernels take longer too. The matmul figure is bounded below by the model's FLOPs at the
+    peak of all 64 partitions."""
+    results = request.getfixturevalue(phase)
+    flat, starscream = (results[name]["estimate"] for name in ("flat_tp", "starscream_tp"))
+    assert flat["total_communication_s"] > 4 * starscream["total_communication_s"] > 0
+    assert flat["compute_s"] > starscream["compute_s"]
+    assert starscream["serial_s"] < flat["serial_s"] and starscream["tokens_per_s"] > flat["tokens_per_s"]
+    model_flops = LLAMA_70B.flops_per_token(results["starscream_tp"]["seq"]) * starscream["tokens"]
+    if phase == "prefill":
+        model_flops /= 3  # the forward pass alone: 2 of the 6 FLOPs per parameter and token
+    peak = Topology.from_preset(inspect_command.DEFAULT_PRESET).peak_flops
+    assert starscream["compute_s"] >= model_flops / (64 * peak) * (1 - 1e-9)
+
+
 def test_params_and_optimizer_bytes_per_device_are_exact_at_full_depth(train):
     d, kv_width = LLAMA_70B.d_model, LLAMA_70B.n_kv_heads * LLAMA_70B.head_dim
     norms = (2 * LLAMA_70B.n_layers + 1) * d
