@@ -1,4 +1,4 @@
-"""The `starscream` command: topology, train, generate, inspect.
+"""The `starscream` command: topology, train, generate, inspect, plan.
 
 Subcommand modules build their parsers without importing jax, so that --simulate can set up the simulated CPU
 devices before jax starts.
@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "train": ("starscream_jax.train", "train a model under a layout (default: tiny Llama, simulated 2 x 4 mesh)"),
     "generate": ("starscream_jax.generate", "generate text from a checkpoint with prefill and decode layouts"),
     "inspect": ("starscream_jax.inspect_command", "compile layouts side by side and check the three principles"),
+    "plan": ("starscream_jax.plan_command", "choose a layout per phase with the cost model"),
 }
 
 

@@ -157,35 +157,56 @@ def run(args: argparse.Namespace) -> int:
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """The checked Settings of the parsed arguments."""
+    return make_settings(args.model, args.phase, args.batch, args.seq, args.layout or DEFAULT_LAYOUTS[args.phase],
+                         args.layers, args.dump_hlo)
+
+
+def make_settings(model: str, phase: str, batch: int | None, seq: int | None, layouts: str, layers: int,
+                  dump_hlo: Path | None = None) -> Settings:
+    """Checked Settings: `model` a name in models/ or a TOML path, `batch` / `seq` None for the phase's defaults,
+    `layouts` comma-separated names, `layers` the compiled depth (at least 2). The default sequence length is
+    capped at the model's max_seq_len."""
     from starscream_jax.config import load_model_config
     from starscream_jax.layouts import get_layout
 
-    if args.layers < 2:
-        raise StarscreamError(f"--layers {args.layers}: per-layer figures are read from the compiled layer loop, "
+    if layers < 2:
+        raise StarscreamError(f"--layers {layers}: per-layer figures are read from the compiled layer loop, "
                               "which XLA removes at one layer; pass --layers 2 or more")
-    full = load_model_config(args.model)
-    default_batch, default_seq = DEFAULT_SHAPES[args.phase]
-    batch = default_batch if args.batch is None else args.batch
-    seq = default_seq if args.seq is None else args.seq
+    full = load_model_config(model)
+    default_batch, default_seq = DEFAULT_SHAPES[phase]
+    batch = default_batch if batch is None else batch
+    seq = min(default_seq, full.max_seq_len) if seq is None else seq
     if batch < 1 or seq < 2:
         raise StarscreamError(f"--batch {batch} --seq {seq}: need at least 1 sequence of at least 2 tokens")
     if seq > full.max_seq_len:
         raise StarscreamError(f"--seq {seq} exceeds model {full.name}'s max_seq_len {full.max_seq_len}; pass "
                               f"--seq {full.max_seq_len} or less")
-    layouts = tuple(name.strip() for name in (args.layout or DEFAULT_LAYOUTS[args.phase]).split(",") if name.strip())
-    if not layouts:
-        raise StarscreamError(f"--layout {args.layout!r} names no layout; give names separated by commas")
-    for name in layouts:
+    names = tuple(name.strip() for name in layouts.split(",") if name.strip())
+    if not names:
+        raise StarscreamError(f"--layout {layouts!r} names no layout; give names separated by commas")
+    for name in names:
         get_layout(name)
-    return Settings(full.replace(n_layers=args.layers), full.n_layers, args.phase, batch, seq,
-                    tuple(dict.fromkeys(layouts)), args.dump_hlo)
+    return Settings(full.replace(n_layers=layers), full.n_layers, phase, batch, seq, tuple(dict.fromkeys(names)),
+                    dump_hlo)
 
 
-def inspect_layouts(settings: Settings, topology, mesh) -> dict[str, dict]:
-    """Compile every layout of `settings` and gpu_tp on `mesh`; {layout name: result} (see `layout_result`)."""
+def inspect_layouts(settings: Settings, topology, mesh, refused: dict[str, str] | None = None) -> dict[str, dict]:
+    """Compile every layout of `settings` and gpu_tp on `mesh`; {layout name: result} (see `layout_result`).
+
+    A layout that cannot place the model on the mesh raises its ShardingRuleError, unless `refused` is given: then
+    the error's message is recorded there under the layout's name and the layout left out (never gpu_tp, the
+    reference every verdict needs)."""
+    from starscream_jax.errors import ShardingRuleError
     from starscream_jax.inspector import inspect_compiled
 
-    steps = {name: compile_step(settings, name, mesh) for name in dict.fromkeys((*settings.layouts, REFERENCE))}
+    steps = {}
+    for name in dict.fromkeys((*settings.layouts, REFERENCE)):
+        try:
+            steps[name] = compile_step(settings, name, mesh)
+        except ShardingRuleError as err:
+            if refused is None or name == REFERENCE:
+                raise
+            refused[name] = str(err)
     if settings.dump_hlo is not None:
         settings.dump_hlo.mkdir(parents=True, exist_ok=True)
         for name, step in steps.items():
@@ -195,7 +216,7 @@ def inspect_layouts(settings: Settings, topology, mesh) -> dict[str, dict]:
                                       lowered_text=step.lowered_text, token_dims=token_dims)
                for name, step in steps.items()}
     return {name: layout_result(settings, topology, mesh, steps[name], reports[name], reports[REFERENCE])
-            for name in settings.layouts}
+            for name in settings.layouts if name in steps}
 
 
 def compile_step(settings: Settings, layout_name: str, mesh) -> CompiledStep:

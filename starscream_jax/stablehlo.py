@@ -5,7 +5,8 @@ sharding JAX follows each op with an `sdy.sharding_constraint` that fixes its re
 partitioner honours them, so these constraints say where every intermediate value (every activation) lives, with its
 global shape, which the compiled per-device program no longer shows.
 
-    %3 = sdy.sharding_constraint %2 <@mesh, [{"data", "xcd"}, {}, {"gpu"}], unreduced={"gpu"}> : tensor<8x32x128xf32> loc(#loc37)
+    %3 = sdy.sharding_constraint %2 <@mesh, [{"data", "xcd"}, {}, {}], unreduced={"gpu"}> : tensor<8x32x128xf32>
+         loc(#loc37)                               (one line in the text)
     #loc37 = loc("bsd,df->bsf/dot_general"(#loc30))
 
 Each dimension lists the mesh axes that split it (a sub-axis `"xcd":(1)2` splits by its size, 2); `unreduced` axes hold

@@ -39,6 +39,7 @@ class TrainConfig:
     model: str = "tiny"
     layout: str = "starscream_tp"
     dtype: str = "float32"
+    remat: bool = False
     steps: int = 300
     batch_size: int = 16
     seq_len: int = 64
@@ -217,6 +218,8 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, stop_at_step: int 
     main_process = is_main_process()
     say = echo if main_process else (lambda *_: None)
     model_config = load_model_config(config.model, dtype=config.dtype)
+    if config.remat:
+        model_config = model_config.replace(remat=True)
     if config.seq_len > model_config.max_seq_len:
         raise StarscreamError(f"--seq-len {config.seq_len} exceeds model {model_config.name}'s max_seq_len "
                               f"{model_config.max_seq_len}; pass --seq-len {model_config.max_seq_len} or less")
@@ -310,6 +313,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--layout", default=defaults.layout, help="layout by name (see starscream_jax.layouts)")
     group.add_argument("--dtype", default=defaults.dtype, choices=("float32", "bfloat16"),
                        help="compute dtype; parameters and optimizer state stay float32")
+    group.add_argument("--remat", action="store_true",
+                       help="recompute each layer's activations in the backward pass instead of keeping them")
     group.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps in the whole run")
     group.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per step (global)")
     group.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens (bytes) per sequence")

@@ -61,6 +61,16 @@ def test_resumed_run_repeats_the_uninterrupted_losses_step_for_step(runs, mesh_2
     assert [record["step"] for record in replayed if "loss" in record] == list(range(1, 7))
 
 
+def test_rematerialized_run_follows_the_kept_activations_run(runs, tmp_path, mesh_2x4):
+    """--remat recomputes each layer in the backward pass: the same losses, up to float32 rounding."""
+    _, whole, _ = runs
+    recomputed = quiet_train(small_run(tmp_path, "remat", remat=True), mesh_2x4)
+    np.testing.assert_allclose([loss for _, loss in recomputed.losses], [loss for _, loss in whole.losses],
+                               rtol=1e-5)
+    _, description = restore_model(tmp_path / "remat" / "checkpoints", "starscream_tp", mesh_2x4)
+    assert description["model_config"]["remat"] is True
+
+
 def test_checkpoint_moves_to_another_mesh_and_layout_bit_identical(runs):
     root, whole, _ = runs
     other_mesh = build_mesh("1x4x2")
