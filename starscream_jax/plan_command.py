@@ -10,7 +10,8 @@ layer. Each is then
 The plan for the phase is the layout with the shortest serial step among those that fit the partition's HBM. A layout
 that cannot place the model on the mesh (a batch smaller than the devices it must split over, say) is listed with the
 reason. Every layer of these models is alike, so the layout chosen for a phase is the choice for each of its layers.
-The memory figures come from the CPU compile and overstate bfloat16 temporaries; see `inspect_command`.
+The memory figures come from the CPU compile, which holds bfloat16 temporaries as float32 and stores attention's score
+matrix (a fused GPU kernel does not): they overstate what a GPU needs; see `inspect_command`.
 
 This module imports jax only inside functions: the command line sets up the simulated devices before jax starts.
 """
