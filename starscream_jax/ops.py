@@ -100,23 +100,42 @@ def _causal_attention(q_BSHE, k_BTKE, v_BTKE):
     return jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, is_causal=True)
 
 
+def _sequence_split_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, seq_axes: tuple[str, ...]):
+    """Causal attention of this device's stretch of the sequence (context parallelism): the keys and values of the
+    whole sequence, and their positions, are all-gathered over the mesh axes that split it, one axis at a time from
+    the innermost (inside the GPU first), and each query sees the keys at positions up to its own. The gathers'
+    transposes reduce-scatter the key and value gradients back."""
+    def gather(x):
+        for axis in reversed(seq_axes):
+            x = jax.lax.all_gather(x, axis, axis=1, tiled=True)
+        return x
+
+    key_positions = gather(positions_BS)
+    mask = key_positions[:, None, None, :] <= positions_BS[:, None, :, None]  # [B, 1, S_local, T]
+    return jax.nn.dot_product_attention(q_BSHE, gather(k_BSKE), gather(v_BSKE), mask=mask)
+
+
 def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, cache_index=0):
     """Causal grouped-query attention through `jax.nn.dot_product_attention` (cuDNN's fused kernel on NVIDIA GPUs
     for training and prefill; the cached path, with its explicit mask, uses XLA's).
 
     Without a cache: keys are the S new positions. With a cache {"k", "v"} of [B, T, K, E] (one layer), the new keys
     are written at `cache_index` and queries attend to every cached position <= their own. Returns
-    (out [B, S, H, E], updated cache or None). Placement: ATTN_Q / ATTN_KV names; the cache uses ATTN_KV's.
+    (out [B, S, H, E], updated cache or None). Placement: ATTN_Q / ATTN_KV names; the cache uses ATTN_KV's. A layout
+    that splits `seq` runs context-parallel attention without a cache (`_sequence_split_attention`) and is refused
+    with one.
     """
     n_heads, n_kv = q_BSHE.shape[2], k_BSKE.shape[2]
     group = n_heads // n_kv
     current = active()
 
     def local(q, k, v, pos, *rest, specs):
-        q_axes, kv_axes = _spec_axes(specs[0], 2), _spec_axes(specs[1], 2)
+        q_axes, kv_axes, seq_axes = _spec_axes(specs[0], 2), _spec_axes(specs[1], 2), _spec_axes(specs[0], 1)
         if cache is None:
             k_sel = _kv_heads_for_local_queries(k, q.shape[2], group, q_axes, kv_axes)
             v_sel = _kv_heads_for_local_queries(v, q.shape[2], group, q_axes, kv_axes)
+            if seq_axes:
+                return _sequence_split_attention(q, k_sel, v_sel, pos, seq_axes)
             return _causal_attention(q, k_sel, v_sel)
         cache_k, cache_v, index = rest
         cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), index, axis=1)
@@ -132,6 +151,10 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, c
         q_spec = activation_spec(ATTN_Q, q_BSHE.shape)
         kv_spec = activation_spec(ATTN_KV, k_BSKE.shape)
         _check_head_split(n_heads, n_kv, _axes(q_spec[2]), _axes(kv_spec[2]), dict(current.mesh.shape))
+        if cache is not None and _axes(q_spec[1]):
+            raise ShardingRuleError(
+                f"layout {current.layout.name} splits the sequence over {_axes(q_spec[1])}, which attention with a KV "
+                f"cache (prefill, decode) does not support; generate under a layout whose 'seq' rule is None")
     args = [q_BSHE, k_BSKE, v_BSKE, positions_BS]
     names = [ATTN_Q, ATTN_KV, ATTN_KV, POSITIONS]
     if cache is None:

@@ -177,14 +177,16 @@ def scale(x: jax.Array, value: jax.Array, names: LogicalNames, tensor: str = "sc
 def token_mean(x: jax.Array, names: LogicalNames, tensor: str = "token mean") -> jax.Array:
     """The mean of `x` [B, ...], a value per token placed by the logical `names` (batch first).
 
-    When the batch is split both inside GPUs and across them, the sum runs inside each GPU first (the per-sequence
-    means are gathered over xcd), then across GPUs; `jnp.mean` would reduce in groups that span both levels.
+    When the tokens (batch, and any other dimension such as the sequence) are split both inside GPUs and across them,
+    the sum runs inside each GPU first (the per-sequence means, summed over xcd where the sequence is split there,
+    then gathered over xcd where the batch is), then across GPUs; `jnp.mean` would reduce in groups that span both
+    levels.
     """
     spec = activation_spec(names, x.shape, tensor)
     if spec is None:
         return jnp.mean(x)
     batch_axes = (spec[0],) if isinstance(spec[0], str) else tuple(spec[0] or ())
-    if not _inside_and_across_gpus(frozenset(batch_axes), active().mesh):
+    if not _inside_and_across_gpus(_spec_axes(spec), active().mesh):
         return jnp.mean(x)
     per_sequence = jnp.mean(x, axis=tuple(range(1, x.ndim)))
     across_gpus = tuple(axis for axis in batch_axes if axis != INSIDE_GPU)

@@ -213,6 +213,33 @@ def test_cached_decoding_equals_the_uncached_forward_pass():
     np.testing.assert_array_equal(np.argmax(logits_BSV[:, PROMPT - 1:], axis=-1), outputs["generated"])
 
 
+@pytest.mark.parametrize("mesh_name", ["1x2x4", "2x2x2"])
+def test_training_with_the_sequence_split_inside_each_gpu_matches_and_stays_hierarchical(mesh_name):
+    """Context parallelism inside the GPU, tensor parallelism across GPUs, data parallelism over `data`: the loss and
+    gradients equal the unsharded model's, and every collective stays inside a GPU or across GPUs."""
+    from starscream_jax.inspector import check_principles, inspect_compiled
+    from starscream_jax.layouts import get_layout
+
+    layout = get_layout("starscream_tp").with_rules(activations={"batch": "data", "attn_batch": "data",
+                                                                 "seq": "xcd"})
+    config, graphdef, params, _ = reference("tiny")
+    tokens = np.random.default_rng(2).integers(0, config.vocab_size, (4, 33), dtype=np.int32)  # 32 positions
+
+    def loss_and_grads(params, tokens_BS):
+        return jax.value_and_grad(lambda p: next_token_loss(nnx.merge(graphdef, p), tokens_BS))(params)
+
+    expected_loss, expected_grads = jit(loss_and_grads)(params, tokens)
+    mesh = mesh_of(mesh_name)
+    placed = jax.device_put(params, param_shardings(params, layout, mesh))
+    with use_layout(layout, mesh):
+        compiled = jit(loss_and_grads).lower(placed, jax.device_put(tokens, batch_sharding(layout, mesh, 4))).compile()
+        loss, grads = compiled(placed, jax.device_put(tokens, batch_sharding(layout, mesh, 4)))
+    assert max_error(loss, expected_loss) <= FP32_TOLERANCE
+    assert worst(errors_by_path(grads, expected_grads))[1] <= FP32_TOLERANCE
+    verdict = check_principles(inspect_compiled(compiled, mesh), None)["hierarchical_collectives"]
+    assert verdict["ok"], verdict["violations"]
+
+
 def test_remat_recomputes_each_layers_matmuls_in_the_backward_pass():
     """With remat the gradient program runs every forward matmul of the layer loop a second time (a third of the
     loop's matmuls more), and gives the same gradients."""

@@ -85,6 +85,33 @@ def test_sharded_attention_with_and_without_cache_equals_unsharded(layout, topol
     np.testing.assert_array_equal(cache["k"], k)
 
 
+SEQUENCE_SPLIT = get_layout("starscream_tp").with_rules(activations={"batch": "data", "attn_batch": "data",
+                                                                      "seq": "xcd"})
+"""Tensor parallelism over GPUs with the sequence, not the batch, over the partitions (context parallelism)."""
+
+
+def test_attention_over_a_split_sequence_and_its_gradient_equal_unsharded():
+    """Each partition holds a quarter of the positions: its queries must still see every earlier key."""
+    q, k, v = qkv()
+    weights = jax.random.normal(jax.random.key(1), (B, S, H, E))
+
+    def loss(q, k, v):
+        return jnp.sum(attention(q, k, v, positions())[0] * weights)
+
+    expected = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+    got = sharded(SEQUENCE_SPLIT, build_mesh("2x4"), jax.value_and_grad(loss, argnums=(0, 1, 2)), q, k, v)
+    for actual, wanted in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(actual, wanted, atol=FP32_TOLERANCE)
+
+
+def test_attention_with_a_cache_over_a_split_sequence_is_refused():
+    q, k, v = qkv()
+    with pytest.raises(ShardingRuleError, match=r"splits the sequence over \('xcd',\), which attention with a KV "
+                                                r"cache \(prefill, decode\) does not support"):
+        sharded(SEQUENCE_SPLIT, build_mesh("2x4"),
+                lambda q, k, v, cache: attention(q, k, v, positions(), cache, 0), q, k, v, empty_cache())
+
+
 def test_query_heads_that_split_a_kv_group_unevenly_are_refused():
     q, k, v = qkv(heads=6, kv_heads=2)
     with pytest.raises(ShardingRuleError, match="6 query heads over 3 devices gives 2 per device, which splits groups "
