@@ -31,6 +31,14 @@ The layouts (X partitions per GPU, Y GPUs):
   starscream_fsdp    hierarchical FSDP: weights sharded inside each GPU (embed over xcd), replicated across GPUs;
                      batch over (data, gpu, xcd); gathers stay on-package, gradients reduce-scatter over xcd and then
                      all-reduce 1/X of the bytes over gpu.
+  flat_cp            context parallelism stretched over every partition: the sequence over (gpu, xcd), weights
+                     fully sharded over all devices (embed over (gpu, xcd)) and gathered by flat all-gathers before
+                     use; attention gathers keys and values over the sequence axes. For long sequences, few of them.
+  starscream_cp      TP over gpu (as starscream_tp) with the sequence, not the batch, over xcd: each partition
+                     holds a stretch of every sequence, attention gathers keys and values inside the GPU, weights
+                     are gathered inside the GPU. For training and uncached prefill of sequences too few to split the
+                     batch over the partitions.
+Layouts that split the sequence (the _cp pair) run attention without a KV cache only (`Layout.splits_sequence`).
 Every layout maps `data` to the batch (pure data parallelism across GPU groups or nodes).
 """
 from __future__ import annotations
@@ -54,6 +62,11 @@ class Layout:
     weights: Rules
     activations: Rules
     replicated_ok: frozenset[str] = frozenset({"norm"})
+
+    @property
+    def splits_sequence(self) -> bool:
+        """Whether activations split the sequence over a mesh axis (context parallelism: no KV cache)."""
+        return bool(self.activations.lookup("seq")[1])
 
     def with_rules(self, **tables: dict[str, MeshAxes]) -> Layout:
         """A copy with some rules changed, e.g. `layout.with_rules(activations={"batch": "data"})`."""
@@ -98,6 +111,12 @@ LAYOUTS: dict[str, Layout] = {
         _layout("starscream_fsdp", "data parallelism across GPUs, weights sharded inside each GPU",
                 params={"embed": "xcd"}, weights={"embed": None},
                 activations={"batch": ALL_TOKENS, "attn_batch": ALL_TOKENS}),
+        _layout("flat_cp", "context parallelism over every partition, weights fully sharded, flat collectives",
+                params={"embed": FLAT}, weights={"embed": None},
+                activations={"batch": "data", "attn_batch": "data", "seq": FLAT}),
+        _layout("starscream_cp", "TP over GPUs, the sequence over partitions (long sequences, train and prefill)",
+                params={**_TP_WEIGHTS("gpu"), "embed": "xcd"}, weights={"embed": None},
+                activations={"batch": "data", "attn_batch": "data", "seq": "xcd", **_TP_WEIGHTS("gpu")}),
     )
 }
 

@@ -29,7 +29,7 @@ from starscream_jax.inspect_command import (
 )
 from starscream_jax.mesh import add_mesh_arguments, mesh_from_args, prepare_simulation
 
-ALL_LAYOUTS = "flat_tp,gpu_tp,starscream_tp,starscream_decode,flat_fsdp,starscream_fsdp"
+ALL_LAYOUTS = "flat_tp,gpu_tp,starscream_tp,starscream_decode,flat_fsdp,starscream_fsdp,flat_cp,starscream_cp"
 REASON_WIDTH = 100
 REMAT = "+remat"
 

@@ -11,7 +11,9 @@ global shape, which the compiled per-device program no longer shows.
 
 Each dimension lists the mesh axes that split it (a sub-axis `"xcd":(1)2` splits by its size, 2); `unreduced` axes hold
 partial sums (each device a different part, not a copy). Values inside `sdy.manual_computation` bodies (shard_map)
-have per-device shapes and are skipped. Names come from the location table (`loc("name"(...))`, following
+have per-device shapes and are skipped, and so are those of the helpers through which a scan reads and writes one
+layer of a stacked array (`dynamic_index_in_dim`, `dynamic_update_index_in_dim`): they are that layer's slice with a
+leading axis of one, a copy of a value the loop body shows, and for a weight its shape can mimic an activation's. Names come from the location table (`loc("name"(...))`, following
 `callsite(callee at caller)` to the callee).
 """
 from __future__ import annotations
@@ -25,6 +27,8 @@ _CONSTRAINT = re.compile(
     r"(?:,\s*unreduced=\{(?P<unreduced>[^}]*)\})?[^>]*>\s*:\s*tensor<(?P<type>[^>]*)>"
     r"(?:.*\bloc\((?P<loc>#loc\d+|\"[^\"]*\"))?"
 )
+_FUNCTION = re.compile(r"^\s*func\.func\s+(?:public|private)\s+@([\w.$-]+)")
+_SCAN_SLICE_HELPERS = ("dynamic_index_in_dim", "dynamic_update_index_in_dim")
 _DIM = re.compile(r"\{([^}]*)\}")
 _AXIS = re.compile(r"\"([^\"]+)\"(?::\((\d+)\)(\d+))?")
 _LOC_DEFINITION = re.compile(r"^(#loc\d+) = loc\((.*)\)\s*$")
@@ -60,11 +64,17 @@ class ShardedValue:
 
 
 def sharded_values(text: str) -> list[ShardedValue]:
-    """Every `sdy.sharding_constraint` result outside shard_map bodies, in program order."""
+    """Every `sdy.sharding_constraint` result outside shard_map bodies and scan slice helpers, in program order."""
     names = _location_names(text)
     values = []
     manual_indent: int | None = None
+    in_slice_helper = False
     for line in text.splitlines():
+        function = _FUNCTION.match(line)
+        if function:
+            in_slice_helper = function[1].startswith(_SCAN_SLICE_HELPERS)
+        if in_slice_helper:
+            continue
         indent = len(line) - len(line.lstrip())
         if manual_indent is not None:
             if indent > manual_indent:

@@ -101,7 +101,8 @@ def test_golden_files_hold_what_each_layout_promises():
     assert specs["gpu_tp"]["layers/w_gate"]["spec"] == [None, None, "gpu"]
     assert specs["starscream_tp"]["layers/w_gate"]["spec"] == [None, "xcd", "gpu"]
     assert specs["starscream_tp"]["layers/wk"]["spec"] == [None, "xcd", "gpu", None]
-    assert specs["starscream_decode"] == specs["starscream_tp"]
+    assert specs["starscream_decode"] == specs["starscream_tp"] == specs["starscream_cp"]
+    assert specs["flat_cp"] == specs["flat_fsdp"]
     assert specs["flat_fsdp"]["embedding"]["spec"] == [None, ["gpu", "xcd"]]
     assert specs["starscream_fsdp"]["lm_head"]["spec"] == ["xcd", None]
     assert specs["starscream_tp"]["layers/attn_norm"] == {"shape": [80, 8192], "logical_axes": ["layers", "norm"],
@@ -113,6 +114,11 @@ def test_every_layout_has_a_rule_for_every_name():
         assert layout.params.names() == layout.weights.names() == list(WEIGHT_NAMES)
         assert layout.activations.names() == list(ACTIVATION_NAMES)
         assert layout.activations.lookup("batch")[1][0] == "data"
+
+
+def test_only_the_context_parallel_layouts_split_the_sequence():
+    assert {name for name, layout in LAYOUTS.items() if layout.splits_sequence} == {"flat_cp", "starscream_cp"}
+    assert get_layout("starscream_cp").activations.lookup("seq") == (True, ("xcd",))
 
 
 def test_unknown_layout_lists_the_known_ones():

@@ -35,8 +35,11 @@ ADAMW = optax.adamw(learning_rate=1e-3, eps=1e-3)
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 """Every program here runs once on tiny shapes, so LLVM optimisation would only add compile time."""
 
-CASES = [("tiny", mesh, layout) for mesh in MESHES for layout in LAYOUTS]
-CASES += [("tiny-moe", "1x2x4", layout) for layout in LAYOUTS]
+BATCH_LAYOUTS = [name for name, layout in LAYOUTS.items() if not layout.splits_sequence]
+"""The layouts that keep each sequence whole (and so decode with a KV cache); the context-parallel ones are tested
+below on sequences their axes divide."""
+CASES = [("tiny", mesh, layout) for mesh in MESHES for layout in BATCH_LAYOUTS]
+CASES += [("tiny-moe", "1x2x4", layout) for layout in BATCH_LAYOUTS]
 
 
 def mesh_of(name: str):
@@ -213,15 +216,14 @@ def test_cached_decoding_equals_the_uncached_forward_pass():
     np.testing.assert_array_equal(np.argmax(logits_BSV[:, PROMPT - 1:], axis=-1), outputs["generated"])
 
 
-@pytest.mark.parametrize("mesh_name", ["1x2x4", "2x2x2"])
-def test_training_with_the_sequence_split_inside_each_gpu_matches_and_stays_hierarchical(mesh_name):
-    """Context parallelism inside the GPU, tensor parallelism across GPUs, data parallelism over `data`: the loss and
-    gradients equal the unsharded model's, and every collective stays inside a GPU or across GPUs."""
+@pytest.mark.parametrize("mesh_name", [name for name in MESHES if name != "1x1x1"])
+@pytest.mark.parametrize("layout", ["starscream_cp", "flat_cp"])
+def test_context_parallel_training_matches_and_only_starscream_cp_stays_hierarchical(layout, mesh_name):
+    """The sequence split over the partitions (starscream_cp, with tensor parallelism across GPUs) or over every
+    device (flat_cp, with fully sharded weights): the loss and gradients equal the unsharded model's; starscream_cp's
+    collectives stay inside a GPU or across GPUs, flat_cp gathers its weights over both at once."""
     from starscream_jax.inspector import check_principles, inspect_compiled
-    from starscream_jax.layouts import get_layout
 
-    layout = get_layout("starscream_tp").with_rules(activations={"batch": "data", "attn_batch": "data",
-                                                                 "seq": "xcd"})
     config, graphdef, params, _ = reference("tiny")
     tokens = np.random.default_rng(2).integers(0, config.vocab_size, (4, 33), dtype=np.int32)  # 32 positions
 
@@ -237,7 +239,15 @@ def test_training_with_the_sequence_split_inside_each_gpu_matches_and_stays_hier
     assert max_error(loss, expected_loss) <= FP32_TOLERANCE
     assert worst(errors_by_path(grads, expected_grads))[1] <= FP32_TOLERANCE
     verdict = check_principles(inspect_compiled(compiled, mesh), None)["hierarchical_collectives"]
-    assert verdict["ok"], verdict["violations"]
+    assert verdict["ok"] == (layout == "starscream_cp"), verdict["violations"]
+
+
+def test_context_parallel_layouts_refuse_generation_with_a_kv_cache():
+    config, graphdef, params, _ = reference("tiny")
+    mesh = mesh_of("1x2x4")
+    placed, prompt = on_mesh(params, "starscream_cp", mesh, sample_tokens(config)[:, :PROMPT])
+    with use_layout("starscream_cp", mesh), pytest.raises(ShardingRuleError, match="does not support"):
+        jit(prefill, graphdef, config)(placed, prompt)
 
 
 def test_remat_recomputes_each_layers_matmuls_in_the_backward_pass():

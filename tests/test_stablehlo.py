@@ -51,6 +51,27 @@ def test_values_inside_shard_map_bodies_are_skipped():
     assert all(value.shape != (4, 16) for value in sharded_values(PROGRAM))
 
 
+SCAN_HELPER = """\
+  func.func private @dynamic_update_index_in_dim_20(%arg0: tensor<2x64x128xf32>, %arg1: tensor<64x128xf32>) {
+    %0 = stablehlo.broadcast_in_dim %arg1, dims = [1, 2] : (tensor<64x128xf32>) -> tensor<1x64x128xf32> loc(#loc5)
+    %1 = sdy.sharding_constraint %0 <@mesh, [{}, {}, {"gpu"}]> : tensor<1x64x128xf32> loc(#loc5)
+    return %1 : tensor<1x64x128xf32> loc(#loc5)
+  } loc(#loc)
+  func.func private @closed_call(%arg0: tensor<1x64x128xf32>) -> tensor<1x64x128xf32> {
+    %0 = sdy.sharding_constraint %arg0 <@mesh, [{}, {"xcd"}, {"gpu"}]> : tensor<1x64x128xf32> loc(#loc5)
+    return %0 : tensor<1x64x128xf32> loc(#loc5)
+  } loc(#loc)
+"""
+
+
+def test_values_of_the_scan_slice_helpers_are_skipped():
+    """A layer's slice of a stacked weight [L, 64, 128] looks like an activation [1, 64, 128] of one sequence of 64
+    tokens; the helper that writes it is skipped, the function after it is read again."""
+    text = PROGRAM.replace("} loc(#loc)\n#loc = loc(unknown)", SCAN_HELPER + "} loc(#loc)\n#loc = loc(unknown)")
+    shaped = [value for value in sharded_values(text) if value.shape == (1, 64, 128)]
+    assert [value.dims for value in shaped] == [((), (("xcd", None),), (("gpu", None),))]
+
+
 @pytest.mark.parametrize("dims, unreduced, expected", [
     (((("data", None), ("xcd", None)), ()), frozenset(), {"xcd": 4, "gpu": 1}),
     (((("gpu", None),), ()), frozenset({"xcd"}), {"xcd": 4, "gpu": 2}),  # partial sums are not copies
