@@ -124,7 +124,8 @@ PHASE_DEFAULTS = {"train": "starscream_tp", "prefill": "starscream_tp", "decode"
 
 
 def get_layout(name: str | Layout) -> Layout:
-    """A layout by name (flat_tp, gpu_tp, starscream_tp, starscream_decode, flat_fsdp, starscream_fsdp)."""
+    """A layout by name (flat_tp, gpu_tp, starscream_tp, starscream_decode, flat_fsdp, starscream_fsdp, flat_cp,
+    starscream_cp)."""
     if isinstance(name, Layout):
         return name
     if name not in LAYOUTS:
