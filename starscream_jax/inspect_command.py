@@ -21,8 +21,8 @@ exact at full depth: they come from the shardings of the N-layer model.
 
 Principles: `inspector.check_principles` against the gpu_tp program of the same phase. Norm scales (the layout's
 `replicated_ok` logical names) and their optimizer moments may be replicated over xcd. For decode, principle 1 is
-judged by bytes read instead of kernel shapes (`reads_once_per_gpu`). The table shows the first violations of each
-failed principle; --json holds them all.
+judged by bytes read instead of kernel shapes (`inspector.reads_once_per_gpu`). The table shows the first violations
+of each failed principle; --json holds them all.
 
 Bytes per device per step are the inspector's ring-formula bytes. "inter_gpu" counts every byte that crosses the
 inter-GPU links: collectives over one partition of each GPU (of one node or of several) and flat collectives, whose
@@ -474,7 +474,7 @@ def principles(settings: Settings, step: CompiledStep, report, reference, partit
     """The three verdicts. Replicated inputs are allowed for parameters (and their optimizer state) whose logical
     names include one of the layout's `replicated_ok` names. Decode judges principle 1 by bytes read
     (`reads_once_per_gpu`) instead of kernel shapes."""
-    from starscream_jax.inspector import check_principles
+    from starscream_jax.inspector import check_principles, reads_once_per_gpu
 
     allowed = replicated_ok_names(step.args, step.layout.replicated_ok)
     verdicts = check_principles(report, reference, replicated_ok=allowed)
@@ -500,36 +500,6 @@ def replicated_ok_names(args, logical_names: frozenset[str]) -> set[str]:
             for inner, _ in jax.tree_util.tree_flatten_with_path(node)[0]:
                 allowed.add(jax.tree_util.keystr((*path, *inner), simple=True, separator="/"))
     return allowed
-
-
-def reads_once_per_gpu(matmuls, reference_matmuls, partitions: int) -> dict[str, Any]:
-    """Principle 1 for memory-bound decode: every weight (and K/V) byte is read once per GPU per step.
-
-    A decode matmul multiplies a few new tokens (one per sequence; for attention, the query heads that share a kv
-    head) with a weight or the cached keys or values, so its smallest dimension counts tokens and the other two are
-    the weight side: each device reads batch x (those two) elements. Summed per op (`matmul_key`), `partitions`
-    times a device's reads is what one GPU reads; it must not exceed what a gpu_tp device reads, which is the GPU's
-    share read once. Matmuls without op_name metadata (the attention kernels on CPU) form one group, "attention".
-    """
-    from starscream_jax.inspector import matmul_key
-
-    def reads(group) -> dict[str, int]:
-        totals: dict[str, int] = {}
-        for m in group:
-            key = matmul_key(m.op_name)[0] or "attention"
-            weight_side = m.m * m.k * m.n // min(m.m, m.k, m.n)
-            totals[key] = totals.get(key, 0) + m.batch * weight_side * m.count
-        return totals
-
-    layout_reads, reference_reads = reads(matmuls), reads(reference_matmuls)
-    violations = [
-        f"{key}: the {partitions} partitions of a GPU read {partitions * count / reference_reads[key]:.2f}x the "
-        f"weight-side elements gpu_tp reads once per GPU ({partitions} x {count} vs {reference_reads[key]})"
-        for key, count in layout_reads.items()
-        if key in reference_reads and partitions * count > reference_reads[key]
-    ]
-    unpaired = [key for key in layout_reads if key not in reference_reads]
-    return {"ok": not violations, "violations": violations, "unpaired": unpaired}
 
 
 def _clip(line: str) -> str:

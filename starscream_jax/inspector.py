@@ -521,6 +521,35 @@ def _shape_preservation(report: Report, reference: Report | None) -> dict[str, A
     return {"ok": not violations, "violations": violations, "unpaired": unpaired}
 
 
+def reads_once_per_gpu(matmuls: list[MatmulReport], reference_matmuls: list[MatmulReport],
+                       partitions: int) -> dict[str, Any]:
+    """Principle 1 for memory-bound decode: every weight (and K/V) byte is read once per GPU per step.
+
+    A decode matmul multiplies a few new tokens (one per sequence; for attention, the query heads that share a kv
+    head) with a weight or the cached keys or values, so its smallest dimension counts tokens and the other two are
+    the weight side: each device reads batch x (those two) elements. Summed per op (`matmul_key`), `partitions`
+    times a device's reads is what one GPU reads; it must not exceed what a gpu_tp device reads, which is the GPU's
+    share read once. Matmuls without op_name metadata (the attention kernels on CPU) form one group, "attention".
+    """
+    def reads(group) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for m in group:
+            key = matmul_key(m.op_name)[0] or "attention"
+            weight_side = m.m * m.k * m.n // min(m.m, m.k, m.n)
+            totals[key] = totals.get(key, 0) + m.batch * weight_side * m.count
+        return totals
+
+    layout_reads, reference_reads = reads(matmuls), reads(reference_matmuls)
+    violations = [
+        f"{key}: the {partitions} partitions of a GPU read {partitions * count / reference_reads[key]:.2f}x the "
+        f"weight-side elements gpu_tp reads once per GPU ({partitions} x {count} vs {reference_reads[key]})"
+        for key, count in layout_reads.items()
+        if key in reference_reads and partitions * count > reference_reads[key]
+    ]
+    unpaired = [key for key in layout_reads if key not in reference_reads]
+    return {"ok": not violations, "violations": violations, "unpaired": unpaired}
+
+
 def _no_redundancy(
     report: Report, replicated_ok: set[str] | Callable[[str], bool], large_bytes: int
 ) -> dict[str, Any]:

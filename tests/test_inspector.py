@@ -27,6 +27,7 @@ from starscream_jax.inspector import (
     inspect_compiled,
     inspect_text,
     matmul_key,
+    reads_once_per_gpu,
     replication,
     ring_bytes_per_device,
     weight_side_elements,
@@ -326,6 +327,19 @@ def test_matmul_key_unwraps_transposes_and_drops_jit_and_primitive():
     assert matmul_key("jit(step)/jvp(bd,df->bf)/dot_general") == ("jvp(bd,df->bf)", False)
     assert matmul_key("jit(other)/transpose(jvp(bd,df->bf))/transpose") == ("jvp(bd,df->bf)", True)
     assert matmul_key("") == ("", False)
+
+
+def test_decode_reads_each_weight_once_per_gpu_or_is_flagged():
+    """A gpu_tp device reads its GPU's share of a weight once: 4 tokens x (1024 x 256). Split over 4 partitions
+    along the weight, each reads a quarter (once per GPU: ok); gathered so that each reads the whole share, the GPU
+    reads it 4 times."""
+    reference = [matmul("dot", "jit(d)/bsd,df->bsf/dot_general", 4, 1024, 256)]
+    split = [matmul("dot", "jit(d)/bsd,df->bsf/dot_general", 4, 256, 256)]
+    assert reads_once_per_gpu(split, reference, partitions=4)["ok"]
+    gathered = reads_once_per_gpu(reference, reference, partitions=4)
+    assert not gathered["ok"] and "read 4.00x the weight-side elements" in gathered["violations"][0]
+    assert reads_once_per_gpu([matmul("dot", "jit(d)/other/dot_general", 4, 8, 8)], reference, 4)["unpaired"] == [
+        "other"]
 
 
 def test_weight_side_elements_do_not_depend_on_operand_order_or_merging():
