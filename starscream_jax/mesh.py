@@ -344,8 +344,9 @@ def add_mesh_arguments(parser: argparse.ArgumentParser, *, default_preset: str |
     """Adds --preset --topology --gpus --nodes --data-parallel --grouping --simulate to a command's parser.
 
     The topology is, first found: --topology, --preset, $STARSCREAM_TOPOLOGY, `default_preset` (only when
-    simulating without --grouping), detection (shaped by --grouping when given). `default_gpus` is the GPU count of a preset (--preset or the default one) when --gpus is
-    not given. `default_simulate=None` simulates exactly when no GPU is present (`accelerator_present`).
+    simulating without --grouping), detection (shaped by --grouping when given). `default_gpus` is the GPU count of
+    a preset (--preset or the default one) when --gpus is not given. `default_simulate=None` simulates exactly when
+    no GPU is present (`accelerator_present`).
     """
     group = parser.add_argument_group("mesh")
     default = f"; default {default_preset}" if default_preset else ""
