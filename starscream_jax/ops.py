@@ -12,7 +12,8 @@ from jax.sharding import PartitionSpec, reshard
 
 from .errors import ShardingRuleError
 from .rules import LogicalNames
-from .sharding import INSIDE_GPU, activation_spec, active
+from .collectives import hierarchical_psum
+from .sharding import activation_spec, active
 
 ATTN_Q = ("attn_batch", "seq", "heads", "head_dim")
 ATTN_KV = ("attn_batch", "seq", "kv_heads", "head_dim")
@@ -26,14 +27,6 @@ def _axes(entry) -> tuple[str, ...]:
 def _spec_axes(spec: PartitionSpec, dim: int) -> tuple[str, ...]:
     """The mesh axes that shard dimension `dim` under `spec` (a spec may be shorter than the rank)."""
     return _axes(spec[dim]) if dim < len(spec) else ()
-
-
-def _hierarchical(reduction, x, axes: tuple[str, ...]):
-    """`reduction` (jax.lax.psum or pmax) of x over the mesh `axes`, one axis at a time, the partitions of a GPU
-    (`xcd`) first: a reduction over (gpu, xcd) at once would be one flat collective spanning both levels."""
-    for axis in sorted(axes, key=lambda name: name != INSIDE_GPU):
-        x = reduction(x, axis)
-    return x
 
 
 def _offset(axes: tuple[str, ...], local_size: int):
@@ -186,7 +179,7 @@ def embed_lookup(table_VD, tokens_BS, out: LogicalNames):
         ids = tokens - _offset(vocab_axes, table.shape[0])
         inside = (ids >= 0) & (ids < table.shape[0])
         rows = jnp.take(table, jnp.clip(ids, 0, table.shape[0] - 1), axis=0) * inside[..., None].astype(table.dtype)
-        return _hierarchical(jax.lax.psum, rows, vocab_axes)
+        return hierarchical_psum(rows, vocab_axes)
 
     fn = jax.shard_map(local, in_specs=(table_type.update(partitions=table_spec), tokens_spec), out_specs=out_spec)
     return fn(table_VD, reshard(tokens_BS, tokens_spec))
@@ -199,13 +192,13 @@ def cross_entropy(logits_BSV, targets_BS):
         vocab_axes = _spec_axes(specs[0], 2)
         logits = logits.astype(jnp.float32)
         peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
-        peak = _hierarchical(jax.lax.pmax, peak, vocab_axes)
+        peak = hierarchical_psum(peak, vocab_axes, jax.lax.pmax)
         total = jnp.sum(jnp.exp(logits - peak[..., None]), axis=-1)
         ids = targets - _offset(vocab_axes, logits.shape[-1])
         inside = (ids >= 0) & (ids < logits.shape[-1])
         picked = jnp.take_along_axis(logits, jnp.clip(ids, 0, logits.shape[-1] - 1)[..., None], axis=-1)[..., 0]
         picked = jnp.where(inside, picked, 0.0)
-        total, picked = _hierarchical(jax.lax.psum, total, vocab_axes), _hierarchical(jax.lax.psum, picked, vocab_axes)
+        total, picked = hierarchical_psum(total, vocab_axes), hierarchical_psum(picked, vocab_axes)
         return jnp.log(total) + peak - picked
 
     names = [("batch", "seq", "vocab"), ("batch", "seq")]

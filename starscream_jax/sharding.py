@@ -17,12 +17,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, reshard
 
+from .collectives import INSIDE_GPU
 from .errors import ShardingRuleError
 from .layouts import Layout, get_layout
 from .rules import LogicalNames, resolve
 
 LOGICAL_AXES = "logical_axes"
-INSIDE_GPU = "xcd"  # the mesh axis of the partitions of one GPU (mesh.AXES)
 
 
 @dataclass(frozen=True)
