@@ -152,6 +152,8 @@ def generate(model, prompt_BxP, max_new_tokens: int, sampling: Sampling = Sampli
     if cache_length > config.max_seq_len:
         raise StarscreamError(f"prompt {prompt_length} + {max_new_tokens} new tokens exceed model {config.name}'s "
                               f"max_seq_len {config.max_seq_len}; generate fewer tokens or shorten the prompt")
+    if mesh is not None:
+        _check_cache_layouts(prefill_layout, decode_layout)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     prefill, decode = make_phases(graphdef, config, sampling, cache_length)
     prompt = jnp.asarray(prompt_BxP, jnp.int32)
@@ -190,6 +192,17 @@ def generate(model, prompt_BxP, max_new_tokens: int, sampling: Sampling = Sampli
     decoded_count = batch * (max_new_tokens - 1)
     return Generation(tokens=tokens, prefill_tokens_per_s=batch * prompt_length / prefill_seconds,
                       decode_tokens_per_s=decoded_count / decode_seconds if decoded_count else math.nan)
+
+
+def _check_cache_layouts(*layouts) -> None:
+    """Generation keeps a KV cache, which a layout that splits the sequence (context parallelism) cannot hold."""
+    from starscream_jax.layouts import get_layout
+
+    for layout in map(get_layout, layouts):
+        if layout.splits_sequence:
+            raise StarscreamError(f"layout {layout.name} splits the sequence over the partitions (context parallelism) "
+                                  f"and cannot hold the KV cache generation needs; prefill with "
+                                  f"{DEFAULT_PREFILL_LAYOUT} and decode with {DEFAULT_DECODE_LAYOUT}")
 
 
 def batch_multiple(layouts, mesh) -> int:

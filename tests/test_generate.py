@@ -86,6 +86,13 @@ def test_too_many_tokens_for_the_model_are_refused(model):
         generate(model, PROMPT, 251)
 
 
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_context_parallel_layouts_are_refused_before_anything_compiles(model, phase):
+    layouts = {"prefill_layout": "starscream_tp", "decode_layout": "starscream_decode", f"{phase}_layout": "flat_cp"}
+    with pytest.raises(StarscreamError, match="layout flat_cp splits the sequence .* cannot hold the KV cache"):
+        generate(model, PROMPT, 4, mesh=build_mesh("2x4"), **layouts)
+
+
 @pytest.fixture
 def generate_command(monkeypatch, capsys):
     """Runs `starscream generate ARGS` in this process; returns (exit status, stdout lines, stderr)."""
