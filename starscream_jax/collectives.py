@@ -11,6 +11,8 @@ axes), never both.
   hierarchical_all_reduce     the three composed: a sum over every device that sends 1/X of the bytes across GPUs
   hierarchical_psum           psum (or pmax) over any axes, one axis at a time, inside the GPU first: for small
                               values, where latency and not bandwidth sets the time
+  hierarchical_all_gather     a dimension split over several axes put back together, one axis at a time, the
+                              innermost (the partitions of a GPU, in this project's layouts) first
 
 Each takes the axis names from the mesh in use (`jax.sharding.get_abstract_mesh()`), so a mesh without a data axis or
 with one partition per GPU works unchanged.
@@ -62,6 +64,14 @@ def hierarchical_psum(x: jax.Array, axes: tuple[str, ...] | str, reduction=jax.l
     reduction over (gpu, xcd) at once would be one flat collective spanning both levels."""
     for axis in sorted((axes,) if isinstance(axes, str) else axes, key=lambda name: name != INSIDE_GPU):
         x = reduction(x, axis)
+    return x
+
+
+def hierarchical_all_gather(x: jax.Array, axes: tuple[str, ...], dimension: int) -> jax.Array:
+    """`dimension` of `x`, split over the mesh `axes` (major first, as a PartitionSpec entry lists them), gathered
+    whole on every device: one tiled all-gather per axis, from the innermost, so that each stays on one level."""
+    for axis in reversed(axes):
+        x = jax.lax.all_gather(x, axis, axis=dimension, tiled=True)
     return x
 
 

@@ -511,18 +511,13 @@ def _figure(value: float | None, form: str) -> str:
     return "-" if value is None else form.format(value)
 
 
-def _seconds(value: float) -> str:
-    """Seconds as ms below one second ("12.3 ms"), else s ("1.23 s")."""
-    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
-
-
 def _verdict(verdict: dict) -> str:
     return "ok" if verdict["ok"] else f"FAIL ({len(verdict['violations'])})"
 
 
 def _rows(result: dict) -> list[tuple[str, str]]:
     """(label, cell) rows of one layout's column."""
-    from starscream_jax.metrics import format_bytes
+    from starscream_jax.metrics import format_bytes, format_seconds
 
     full, compiled_layers = result["layers"]["full"], result["layers"]["compiled"]
     memory, sent = result["memory_per_device"], result["bytes_per_device"]
@@ -553,9 +548,10 @@ def _rows(result: dict) -> list[tuple[str, str]]:
         (f"  FLOPs below ridge ({intensity['ridge_point']:.0f})",
          _figure(intensity["below_ridge_flop_share"], "{:.1%}")),
         ("estimated step, full depth", ""),
-        ("  matmuls (roofline)", _seconds(estimate["compute_s"])),
-        ("  collectives", _seconds(estimate["total_communication_s"])),
-        ("  serial / overlapped", f"{_seconds(estimate['serial_s'])} / {_seconds(estimate['overlapped_s'])}"),
+        ("  matmuls (roofline)", format_seconds(estimate["compute_s"])),
+        ("  collectives", format_seconds(estimate["total_communication_s"])),
+        ("  serial / overlapped",
+         f"{format_seconds(estimate['serial_s'])} / {format_seconds(estimate['overlapped_s'])}"),
         ("  tokens/s (serial)", f"{estimate['tokens_per_s']:,.0f}"),
         ("principles", ""),
         ("  1 kernel shapes" + (" (bytes read)" if phase == "decode" else ""),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from fnmatch import fnmatchcase
 from typing import Any
@@ -274,17 +274,14 @@ def inspect_activations(lowered_text: str, mesh: Mesh, token_dims: tuple[int, ..
     device holds of each activation in the compiled program (whose per-device shapes no longer show global ones).
     """
     xcd = mesh.shape.get("xcd", 1)
-    groups: dict[tuple, int] = defaultdict(int)
-    for value in sharded_values(lowered_text):
-        if value.shape[: len(token_dims)] == tuple(token_dims):
-            pieces = math.prod(value.split(axis, size) for axis, size in mesh.shape.items())
-            key = (_scope_name(value.name), value.shape, value.dtype, value.dims, value.unreduced, value.bytes,
-                   value.bytes // pieces, xcd // value.split("xcd", xcd))
-            groups[key] += 1
+    counts = Counter(dataclasses.replace(value, name=_scope_name(value.name))
+                     for value in sharded_values(lowered_text) if value.shape[: len(token_dims)] == tuple(token_dims))
     reports = [
-        ActivationReport(name, list(shape), dtype, [[axis for axis, _ in dim] for dim in dims], sorted(unreduced),
-                         size, shard_size, replication_xcd, count)
-        for (name, shape, dtype, dims, unreduced, size, shard_size, replication_xcd), count in groups.items()
+        ActivationReport(value.name, list(value.shape), value.dtype, [[axis for axis, _ in dim] for dim in value.dims],
+                         sorted(value.unreduced), value.bytes,
+                         value.bytes // math.prod(value.split(axis, size) for axis, size in mesh.shape.items()),
+                         xcd // value.split("xcd", xcd), count)
+        for value, count in counts.items()
     ]
     return sorted(reports, key=lambda entry: -entry.bytes)
 

@@ -25,6 +25,11 @@ def format_bytes(count: float) -> str:
     return f"{count:.1f} GiB"
 
 
+def format_seconds(value: float) -> str:
+    """Seconds as ms below one second ("12.3 ms"), else s ("1.23 s")."""
+    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
 class MetricsLog:
     """Writes records to a JSON lines file, after what it holds (`append`) or replacing it.
 

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec, reshard
 
 from .errors import ShardingRuleError
 from .rules import LogicalNames
-from .collectives import hierarchical_psum
+from .collectives import hierarchical_all_gather, hierarchical_psum
 from .sharding import activation_spec, active
 
 ATTN_Q = ("attn_batch", "seq", "heads", "head_dim")
@@ -98,14 +98,10 @@ def _sequence_split_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, seq_axes: tu
     whole sequence, and their positions, are all-gathered over the mesh axes that split it, one axis at a time from
     the innermost (inside the GPU first), and each query sees the keys at positions up to its own. The gathers'
     transposes reduce-scatter the key and value gradients back."""
-    def gather(x):
-        for axis in reversed(seq_axes):
-            x = jax.lax.all_gather(x, axis, axis=1, tiled=True)
-        return x
-
-    key_positions = gather(positions_BS)
+    key_positions = hierarchical_all_gather(positions_BS, seq_axes, dimension=1)
     mask = key_positions[:, None, None, :] <= positions_BS[:, None, :, None]  # [B, 1, S_local, T]
-    return jax.nn.dot_product_attention(q_BSHE, gather(k_BSKE), gather(v_BSKE), mask=mask)
+    keys, values = (hierarchical_all_gather(x, seq_axes, dimension=1) for x in (k_BSKE, v_BSKE))
+    return jax.nn.dot_product_attention(q_BSHE, keys, values, mask=mask)
 
 
 def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, cache_index=0):

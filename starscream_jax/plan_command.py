@@ -135,14 +135,14 @@ def format_plans(plans: dict[str, dict]) -> str:
 
 
 def _row(name: str, candidate: dict, chosen: bool) -> tuple[str, ...]:
-    from starscream_jax.inspect_command import _seconds
-    from starscream_jax.metrics import format_bytes
+    from starscream_jax.metrics import format_bytes, format_seconds
 
     estimate = candidate["estimate"]
     memory = format_bytes(candidate["memory_per_device"]) + ("" if candidate["fits"] else " (too big)")
     kept = sum(candidate["principles"].values())
-    return (("* " if chosen else "  ") + name, _seconds(estimate["serial_s"]), _seconds(estimate["compute_s"]),
-            _seconds(estimate["total_communication_s"]), f"{estimate['tokens_per_s']:,.0f}", memory,
+    return (("* " if chosen else "  ") + name, format_seconds(estimate["serial_s"]),
+            format_seconds(estimate["compute_s"]), format_seconds(estimate["total_communication_s"]),
+            f"{estimate['tokens_per_s']:,.0f}", memory,
             f"{kept}/{len(PRINCIPLES)}")
 
 
