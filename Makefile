@@ -1,5 +1,6 @@
-# `make train` and `make test` each build the virtual environment on first use (python3 -m venv + pip),
-# then run the main job or the CPU test suite.
+# `make train` and `make test` each build the virtual environment on first use (python3 -m venv + pip, the
+# installer's output kept in .venv/install.log and shown only when it fails), then run the main job or the CPU
+# test suite.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -10,10 +11,11 @@ STAMP := $(VENV)/.installed
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml setup.cfg
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[test]"
-	touch $(STAMP)
+	@echo "setting up $(VENV) (python3 -m venv, pip install -e \".[test]\"; log in $(VENV)/install.log)"
+	@$(PYTHON) -m venv $(VENV)
+	@{ $(BIN)/python -m pip install --upgrade pip && $(BIN)/python -m pip install -e ".[test]"; } \
+		> $(VENV)/install.log 2>&1 || { tail -n 40 $(VENV)/install.log; exit 1; }
+	@touch $(STAMP)
 
 train: $(STAMP)
 	$(BIN)/starscream train --run-dir runs/train-$$(date +%Y%m%d-%H%M%S)

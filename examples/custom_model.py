@@ -3,7 +3,7 @@
 Every parameter is created with `param(value, logical_names)`; every activation the layout should place goes through
 `constrain`; every matmul takes its weight through `weight` (so a layout may store it split and gather it before use)
 and runs through `einsum` with the logical names of its output. The logical names come from the library's
-vocabulary (see `starscream_jax.layouts`): here `embed` is the feature width, `mlp` the hidden width, `vocab` the
+vocabulary (see `starscream_jax.LAYOUTS`): here `embed` is the feature width, `mlp` the hidden width, `vocab` the
 classes, `batch` the examples. Outside `use_layout` the same code runs unsharded.
 
     python examples/custom_model.py        # trains it for a few steps on 2 simulated GPUs x 4 partitions
@@ -15,8 +15,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from starscream_jax import build_mesh, simulate_cpu_devices
-from starscream_jax.sharding import constrain, create_sharded, einsum, param, use_layout, weight
+from starscream_jax import build_mesh, constrain, create_sharded, einsum, param, simulate_cpu_devices, use_layout, weight
 
 
 class Classifier(nnx.Module):

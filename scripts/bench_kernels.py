@@ -37,11 +37,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh
 
-from starscream_jax.config import load_model_config
-from starscream_jax.layouts import Layout, get_layout
-from starscream_jax.model import ATTN_Q, Transformer
-from starscream_jax.rules import resolve
-from starscream_jax.topology import parse_override
+from starscream_jax.model.config import load_model_config
+from starscream_jax.sharding.layouts import Layout, get_layout
+from starscream_jax.model.decoder import Transformer
+from starscream_jax.model.names import ATTN_Q
+from starscream_jax.sharding.rules import resolve
+from starscream_jax.hardware.topology import parse_override
 
 # kernel name: (weights fused along N, logical names the kernel contracts over)
 MATMULS = {

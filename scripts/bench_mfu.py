@@ -7,7 +7,7 @@ bfloat16 compute, float32 parameters and AdamW state, global-norm clipping and j
               with implementation="cudnn" on NVIDIA GPUs, plain data parallelism (batch split over the devices,
               parameters replicated). It starts from the library's initial parameters, so both sides must report
               the same loss at step 0.
-  library     `starscream_jax.train.initial_state` / `make_steps` under each layout, on the mesh of the devices
+  library     `starscream_jax.training.loop.initial_state` / `training.steps.train_step` under each layout, on the mesh of the devices
               present (one H200: 1x1x1, where every layout places everything alike; two: 1x2x1).
 
 Each step is compiled first, then run `--warmup` times, then `--steps` times on the clock (the clock stops once the
@@ -190,15 +190,16 @@ def plain_row(library_params, model_config, train_config, mesh, tokens, warmup: 
 
 
 def layout_row(layout: str, model_config, train_config, mesh, tokens, warmup: int, steps: int) -> dict:
-    """The library's training step (starscream_jax.train.initial_state / make_steps) under `layout`."""
+    """The library's training step (starscream_jax.training.loop.initial_state / training.steps.train_step) under `layout`."""
     import jax
 
-    from starscream_jax.model import batch_sharding, use_layout
-    from starscream_jax.train import initial_state, make_steps
+    from starscream_jax.sharding.apply import batch_sharding, use_layout
+    from starscream_jax.training.steps import train_step as make_train_step
+    from starscream_jax.training.loop import initial_state
 
     with use_layout(layout, mesh):
         graphdef, params, rest, optimizer, opt_state = initial_state(train_config, model_config, layout, mesh)
-        train_step, _ = make_steps(graphdef, optimizer)
+        train_step = make_train_step(graphdef, optimizer)
         tokens = jax.device_put(tokens, batch_sharding(layout, mesh, train_config.batch_size))
         result = timed_run(train_step, (params, opt_state), (rest,), tokens, warmup, steps)
     return {"name": layout, "mesh": "x".join(str(size) for size in mesh.shape.values()), **result}
@@ -206,8 +207,8 @@ def layout_row(layout: str, model_config, train_config, mesh, tokens, warmup: in
 
 def initial_params(model_config, train_config, layout: str, mesh):
     """The library's initial parameters (nnx.State, float32) under `layout`: the plain side starts from these."""
-    from starscream_jax.model import use_layout
-    from starscream_jax.train import initial_state
+    from starscream_jax.sharding.apply import use_layout
+    from starscream_jax.training.loop import initial_state
 
     with use_layout(layout, mesh):
         return initial_state(train_config, model_config, layout, mesh)[1]
@@ -238,7 +239,7 @@ def table_line(row: dict) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from starscream_jax.layouts import LAYOUTS
+    from starscream_jax.sharding.layouts import LAYOUTS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama3.2-1b", help="model configuration in models/ (or a path)")
@@ -265,9 +266,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import jax
 
-    from starscream_jax.config import load_model_config
-    from starscream_jax.mesh import build_mesh
-    from starscream_jax.train import TrainConfig
+    from starscream_jax.model.config import load_model_config
+    from starscream_jax.hardware.mesh import build_mesh
+    from starscream_jax.training.config import TrainConfig
 
     mesh = build_mesh(gpus=args.gpus)
     devices = mesh.devices.size

@@ -1,6 +1,6 @@
 """Whole training steps of several layouts on one mesh: the collectives each compiled step runs, and tokens/s.
 
-For each layout the AdamW training step of `starscream train` (starscream_jax.train.make_steps) is compiled on the
+For each layout the AdamW training step of `starscream train` (starscream_jax.training.steps.train_step) is compiled on the
 mesh and read by the inspector (each collective's kind, replica groups as partition ids, scope, bytes per device and
 runs per step), then run on tinyshakespeare batches: warm-up steps, then timed steps, tokens/s = tokens per step x
 timed steps / wall time (the last loss fetched before the clock stops).
@@ -20,18 +20,20 @@ import sys
 import time
 from pathlib import Path
 
-from starscream_jax.mesh import build_mesh, device_ids
+from starscream_jax.cli.arguments import device_ids
+from starscream_jax.hardware.mesh import build_mesh
 
 
 def compiled_step(layout: str, mesh, model_config, train_config):
     """(compiled step, its arguments): the AdamW step of `train_config` for `model_config`, sharded by `layout`."""
-    from starscream_jax import data
-    from starscream_jax.model import batch_sharding, use_layout
-    from starscream_jax.train import initial_state, make_steps
+    from starscream_jax.training import data
+    from starscream_jax.sharding.apply import batch_sharding, use_layout
+    from starscream_jax.training.steps import train_step as make_train_step
+    from starscream_jax.training.loop import initial_state
 
     with use_layout(layout, mesh):
         graphdef, params, rest, optimizer, opt_state = initial_state(train_config, model_config, layout, mesh)
-        train_step, _ = make_steps(graphdef, optimizer)
+        train_step = make_train_step(graphdef, optimizer)
         batches = data.TokenBatches(data.load_corpus(train_config.data), train_config.batch_size,
                                     train_config.seq_len + 1, train_config.seed)
         sharding = batch_sharding(layout, mesh, train_config.batch_size)
@@ -50,7 +52,7 @@ def run_layout(layout: str, mesh, model_config, train_config, warmup: int, steps
     """Compile, inspect and time one layout's training step."""
     import jax
 
-    from starscream_jax.inspector import inspect_compiled
+    from starscream_jax.analysis.report import inspect_compiled
 
     start = time.perf_counter()
     step_fn, (params, opt_state, rest, tokens), batch = compiled_step(layout, mesh, model_config, train_config)
@@ -110,9 +112,9 @@ def main(argv=None) -> int:
     mesh = build_mesh(grouping=args.grouping, simulate=args.simulate)
     import jax
 
-    from starscream_jax.config import load_model_config
-    from starscream_jax.mesh import device_table
-    from starscream_jax.train import TrainConfig
+    from starscream_jax.model.config import load_model_config
+    from starscream_jax.hardware.mesh import device_table
+    from starscream_jax.training.config import TrainConfig
 
     model_config = load_model_config(args.model, dtype=args.dtype)
     train_config = TrainConfig(model=args.model, dtype=args.dtype, batch_size=args.batch_size, seq_len=args.seq_len,

@@ -6,7 +6,7 @@
 """
 import sys
 
-from starscream_jax.cli import main
+from starscream_jax.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(["train", *sys.argv[1:]]))

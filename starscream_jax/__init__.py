@@ -1,11 +1,34 @@
-"""starscream-jax: topology-aware sharding for JAX on partitioned chiplet GPUs."""
+"""starscream-jax: topology-aware sharding for JAX on partitioned chiplet GPUs.
+
+The public API, in the order data flows through it:
+  the mesh        `build_mesh` / `build_topology_mesh` (each physical GPU one row of a ('data', 'gpu', 'xcd') mesh),
+                  `simulate_cpu_devices`, `Topology`, `parse_override`, `list_presets`, `load_preset`, `AXES`;
+  layouts         `get_layout`, `LAYOUTS`, `Layout`, and `use_layout` to make one active while tracing;
+  annotations     `param` (a parameter with logical axis names), `constrain` (an activation placed by name),
+                  `weight` (a weight as a matmul uses it), `einsum` (a contraction with a placed result),
+                  `shared_input` (one input of several matmuls, its gradient summed once), `create_sharded`
+                  (a module created already sharded);
+  collectives     hierarchical collectives for per-device code inside `jax.shard_map`;
+  the proof       `check_compiled`: the three principles judged on a compiled program.
+Outside `use_layout` every annotation is the identity, so an annotated model also runs unsharded.
+"""
+from .analysis.principles import Check, check_compiled
 from .errors import PresetError, ShardingRuleError, StarscreamError, TopologyError
-from .mesh import AXES, build_mesh, build_topology_mesh, simulate_cpu_devices
-from .presets import list_presets, load_preset
-from .topology import Topology, parse_override
+from .hardware.axes import AXES
+from .hardware.mesh import build_mesh, build_topology_mesh
+from .hardware.presets import list_presets, load_preset
+from .hardware.simulation import simulate_cpu_devices
+from .hardware.topology import Topology, parse_override
+from .sharding.apply import constrain, create_sharded, einsum, param, shared_input, use_layout, weight
+from .sharding.collectives import (all_gather_inside_gpu, all_reduce_across_gpus, hierarchical_all_gather,
+                                   hierarchical_all_reduce, hierarchical_psum, reduce_scatter_inside_gpu)
+from .sharding.layouts import LAYOUTS, Layout, get_layout
 
 __all__ = [
-    "AXES", "PresetError", "ShardingRuleError", "StarscreamError", "Topology", "TopologyError", "build_mesh",
-    "build_topology_mesh", "list_presets", "load_preset", "parse_override", "simulate_cpu_devices",
+    "AXES", "Check", "LAYOUTS", "Layout", "PresetError", "ShardingRuleError", "StarscreamError", "Topology",
+    "TopologyError", "all_gather_inside_gpu", "all_reduce_across_gpus", "build_mesh", "build_topology_mesh",
+    "check_compiled", "constrain", "create_sharded", "einsum", "get_layout", "hierarchical_all_gather",
+    "hierarchical_all_reduce", "hierarchical_psum", "list_presets", "load_preset", "param", "parse_override",
+    "reduce_scatter_inside_gpu", "shared_input", "simulate_cpu_devices", "use_layout", "weight",
 ]
 __version__ = "0.1.0"

@@ -39,7 +39,7 @@ def hardware_present(marker: str) -> bool:
             return any(device.platform != "cpu" for device in jax.devices())
         except RuntimeError:
             return False
-    from starscream_jax.detect import read_kfd_partitions
+    from starscream_jax.hardware.detect import read_kfd_partitions
 
     try:
         return bool(read_kfd_partitions(render_dir=None))

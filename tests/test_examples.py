@@ -8,11 +8,11 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from starscream_jax.mesh import build_mesh
-from starscream_jax.sharding import create_sharded, use_layout
+from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.sharding.apply import create_sharded, use_layout
 
 FP32_TOLERANCE = 2e-5
-"""Largest absolute difference between sharded and unsharded float32 results (see tests/test_model.py)."""
+"""Largest absolute difference between sharded and unsharded float32 results (see tests/model/test_decoder.py)."""
 EXAMPLE = Path(__file__).parents[1] / "examples" / "custom_model.py"
 BATCH, FEATURES, HIDDEN, CLASSES = 8, 32, 64, 16
 

@@ -16,13 +16,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from starscream_jax.config import load_model_config
+from starscream_jax.model.config import load_model_config
 from starscream_jax.errors import TopologyError
-from starscream_jax.inspector import check_principles, inspect_compiled, matmul_key
-from starscream_jax.layouts import LAYOUTS
-from starscream_jax.mesh import build_mesh, build_topology_mesh, device_table, resolve_topology
-from starscream_jax.model import batch_sharding, create_sharded_model, init_cache, next_token_loss, use_layout
-from starscream_jax.train import TrainConfig, initial_state, make_steps
+from starscream_jax.analysis.principles import check_principles
+from starscream_jax.analysis.report import inspect_compiled, matmul_key
+from starscream_jax.sharding.layouts import LAYOUTS
+from starscream_jax.hardware.mesh import build_mesh, build_topology_mesh, device_table, resolve_topology
+from starscream_jax.model.decoder import create_sharded_model, init_cache, next_token_loss
+from starscream_jax.sharding.apply import batch_sharding, use_layout
+from starscream_jax.training.steps import train_step as make_train_step
+from starscream_jax.training.config import TrainConfig
+from starscream_jax.training.loop import initial_state
 
 pytestmark = pytest.mark.gpu
 
@@ -212,7 +216,7 @@ def train_losses(layout: str, mesh, sharded: bool = True) -> list[float]:
     if not sharded:
         params, rest, opt_state, tokens = jax.tree.map(jnp.asarray, jax.device_get((params, rest, opt_state, tokens)))
     with use_layout(layout, mesh) if sharded else contextlib.nullcontext():
-        train_step, _ = make_steps(graphdef, optimizer)
+        train_step = make_train_step(graphdef, optimizer)
         losses = []
         for _ in range(TRAIN.steps):
             params, opt_state, loss = train_step(params, opt_state, rest, tokens)
@@ -236,7 +240,7 @@ def train_step_report(layout: str):
     mesh = mesh_named("pairs")
     with use_layout(layout, mesh):
         graphdef, params, rest, optimizer, opt_state = initial_state(TRAIN, CONFIG, layout, mesh)
-        train_step, _ = make_steps(graphdef, optimizer)
+        train_step = make_train_step(graphdef, optimizer)
         tokens = jax.device_put(tokens_BS(), batch_sharding(layout, mesh, BATCH))
         args = (params, opt_state, rest, tokens)
         return inspect_compiled(train_step.lower(*args).compile(), mesh, args=args)

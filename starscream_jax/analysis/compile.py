@@ -1,0 +1,217 @@
+"""Abstract arguments -> the compiled step: the programs `starscream inspect` and `plan` judge, compiled ahead of time.
+
+For one model, phase and mesh, a layout's step is lowered from abstract inputs (`jax.ShapeDtypeStruct`s carrying the
+layout's shardings; no array is ever allocated, so a 70B model costs nothing) and compiled. The step is the one
+`training.steps` defines, built exactly as training and generation build it, so the judged program is the program
+that runs:
+  train    `steps.train_step` with `steps.make_optimizer(settings.training)` (clipping, AdamW, the weight-decay mask)
+           on tokens [B, S + 1]; parameters and optimizer state float32, placed by the layout's params rules, as
+           `starscream train` keeps them.
+  prefill  `steps.prefill_step` over a prompt [B, S] into a fresh KV cache of T positions (`Settings.cache_length`,
+           default S); parameters held in the model's dtype, as `starscream generate` holds them for inference.
+  decode   `steps.decode_step`: one new token per sequence [B] against a KV cache of T positions (default S), the
+           token's position an input of the step.
+
+Depth: the model is compiled with L layers (`Settings.config.n_layers`, at least 2) in place of its N. The layers run
+as one loop (`jax.lax.scan`) whose body is the same for every layer (`layer_loop_ops` finds it), so per-layer figures
+are what the loop body does in one trip; XLA removes a loop of one trip.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ..errors import StarscreamError
+from ..model.config import ModelConfig, load_model_config
+from ..model.decoder import Transformer, cache_shardings
+from ..sharding.apply import batch_sharding, param_shardings, token_sharding, use_layout
+from ..sharding.layouts import Layout, get_layout
+from ..training.config import TrainConfig
+from ..training.steps import Sampling, decode_step, make_optimizer, prefill_step, train_step
+from .hlo import instructions_in_loops
+
+PHASES = ("train", "prefill", "decode")
+DEFAULT_SHAPES = {"train": (8, 2048), "prefill": (8, 4096), "decode": (64, 8192)}
+"""(batch, seq) per phase: the token counts of reference/h200_kernel_shapes.md."""
+REFERENCE = "gpu_tp"
+"""The layout whose kernel shapes principle 1 compares against."""
+COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+"""The programs are never run: skipping LLVM's optimisation of the CPU code halves compile time and leaves the
+compiled HLO and its memory analysis unchanged."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What to compile: `config` has the compiled depth (`layers`), `full_layers` is the model's own depth;
+    `training` sets the train step's optimizer and `sampling` the prefill and decode steps' choice of token;
+    `cache_length` is the KV cache's length in prefill and decode (None: `seq`)."""
+
+    config: ModelConfig
+    full_layers: int
+    phase: str
+    batch: int
+    seq: int
+    layouts: tuple[str, ...]
+    dump_hlo: Path | None = None
+    training: TrainConfig = TrainConfig()
+    sampling: Sampling = Sampling()
+    cache_length: int | None = None
+
+    @property
+    def layers(self) -> int:
+        return self.config.n_layers
+
+    @property
+    def cache(self) -> int:
+        """The KV cache's length in prefill and decode."""
+        return self.cache_length or self.seq
+
+
+class TrainArgs(NamedTuple):
+    params: Any
+    opt_state: Any
+    rest: Any
+    tokens: Any
+
+
+class PrefillArgs(NamedTuple):
+    params: Any
+    rest: Any
+    prompt: Any
+
+
+class DecodeArgs(NamedTuple):
+    params: Any
+    rest: Any
+    cache: Any
+    token: Any
+    position: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+    """One layout's compiled step, the abstract arguments it was lowered from, its layer-loop instructions and the
+    lowered program's text (with locations: the activations' names)."""
+
+    layout: Layout
+    args: NamedTuple
+    compiled: Any
+    loop_ops: frozenset[str]
+    lowered_text: str
+
+
+def make_settings(model: str, phase: str, batch: int | None, seq: int | None, layouts: str, layers: int,
+                  dump_hlo: Path | None = None) -> Settings:
+    """Checked Settings: `model` a name in models/ or a TOML path, `batch` / `seq` None for the phase's defaults,
+    `layouts` comma-separated names, `layers` the compiled depth (at least 2). The default sequence length is
+    capped at the model's max_seq_len."""
+    if phase not in PHASES:
+        raise StarscreamError(f"phase {phase!r}: expected one of {', '.join(PHASES)}")
+    if layers < 2:
+        raise StarscreamError(f"--layers {layers}: per-layer figures are read from the compiled layer loop, "
+                              "which XLA removes at one layer; pass --layers 2 or more")
+    full = load_model_config(model)
+    default_batch, default_seq = DEFAULT_SHAPES[phase]
+    batch = default_batch if batch is None else batch
+    seq = min(default_seq, full.max_seq_len) if seq is None else seq
+    if batch < 1 or seq < 2:
+        raise StarscreamError(f"--batch {batch} --seq {seq}: need at least 1 sequence of at least 2 tokens")
+    if seq > full.max_seq_len:
+        raise StarscreamError(f"--seq {seq} exceeds model {full.name}'s max_seq_len {full.max_seq_len}; pass "
+                              f"--seq {full.max_seq_len} or less")
+    names = tuple(name.strip() for name in layouts.split(",") if name.strip())
+    if not names:
+        raise StarscreamError(f"--layout {layouts!r} names no layout; give names separated by commas")
+    for name in names:
+        get_layout(name)
+    return Settings(full.replace(n_layers=layers), full.n_layers, phase, batch, seq, tuple(dict.fromkeys(names)),
+                    dump_hlo)
+
+
+def step_program(settings: Settings, layout: Layout, mesh, config: ModelConfig | None = None):
+    """(the phase's jitted step from `training.steps`, its abstract arguments) for a model of `config` (default:
+    `settings.config`). Call inside `use_layout(layout, mesh)`."""
+    config = config or settings.config
+    graphdef, args = abstract_args(config, layout, mesh, settings.phase, settings.batch, settings.seq,
+                                   settings.training, settings.cache)
+    if settings.phase == "train":
+        step = train_step(graphdef, make_optimizer(settings.training, args.params))
+    elif settings.phase == "prefill":
+        step = prefill_step(graphdef, config, settings.sampling, settings.cache)
+    else:
+        step = decode_step(graphdef, settings.sampling)
+    return step, args
+
+
+def compile_step(settings: Settings, layout_name: str, mesh) -> CompiledStep:
+    """Lower the phase's step under the layout from abstract inputs and compile it (nothing is allocated)."""
+    layout = get_layout(layout_name)
+    with use_layout(layout, mesh):
+        step, args = step_program(settings, layout, mesh)
+        lowered = step.lower(*args)
+        compiled = lowered.compile(compiler_options=COMPILER_OPTIONS)
+    return CompiledStep(layout, args, compiled, layer_loop_ops(compiled.as_text(), settings.layers),
+                        lowered.as_text(debug_info=True))
+
+
+def abstract_args(config: ModelConfig, layout: Layout, mesh, phase: str, batch: int, seq: int,
+                  training: TrainConfig = TrainConfig(), cache_length: int | None = None) -> tuple[Any, tuple]:
+    """(graphdef, the step's arguments as ShapeDtypeStructs with the layout's shardings) for a model of `config`.
+
+    Call inside `use_layout(layout, mesh)`. train: TrainArgs with tokens [B, S + 1]; prefill: PrefillArgs with the
+    prompt [B, S]; decode: DecodeArgs with the KV cache {"k", "v"} of [L, B, T, K, E] each (T = `cache_length`,
+    default S), the token [B] and its position (a scalar). Token batches are placed like the layout's `batch`, the cache by the activation rules;
+    the optimizer state is `make_optimizer(training)`'s.
+    """
+    abstract_model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(abstract_model, nnx.Param, ...)
+    if phase == "train":
+        params = place(params, layout, mesh)
+        opt_state = jax.eval_shape(make_optimizer(training, params).init, params)
+        tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=batch_sharding(layout, mesh, batch))
+        return graphdef, TrainArgs(params, place(opt_state, layout, mesh), rest, tokens)
+    params = place(params, layout, mesh, jnp.dtype(config.dtype))
+    if phase == "prefill":
+        prompt = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=batch_sharding(layout, mesh, batch))
+        return graphdef, PrefillArgs(params, rest, prompt)
+    cache = abstract_cache(config, layout, mesh, batch, cache_length or seq)
+    token = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=token_sharding(layout, mesh, batch))
+    position = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
+    return graphdef, DecodeArgs(params, rest, cache, token, position)
+
+
+def abstract_cache(config: ModelConfig, layout: Layout, mesh, batch: int, length: int) -> dict:
+    """The KV cache {"k", "v"} of [L, B, T, K, E] (T = `length`) in the compute dtype as ShapeDtypeStructs placed by
+    `layout` (`decoder.cache_shardings`, as `decoder.init_cache` places it)."""
+    shape = (config.n_layers, batch, length, config.n_kv_heads, config.head_dim)
+    return {name: jax.ShapeDtypeStruct(shape, jnp.dtype(config.dtype), sharding=sharding)
+            for name, sharding in cache_shardings(config, batch, length, layout, mesh).items()}
+
+
+def place(state, layout, mesh, dtype=None):
+    """`state` (parameters or optimizer state) with each array a ShapeDtypeStruct carrying the layout's params
+    sharding, cast to `dtype` when given; nnx Variables keep their metadata."""
+
+    def placed(sharding, node):
+        if isinstance(node, nnx.Variable):
+            return node.replace(placed(sharding, node.get_value()))
+        return jax.ShapeDtypeStruct(node.shape, dtype or node.dtype, sharding=sharding)
+
+    return jax.tree.map(placed, param_shardings(state, layout, mesh), state,
+                        is_leaf=lambda node: isinstance(node, NamedSharding))
+
+
+def layer_loop_ops(hlo_text: str, layers: int) -> frozenset[str]:
+    """Names of the instructions that run inside the layer loop (the forward scan, and the backward one when
+    training): those under a `while` whose known trip count is `layers`."""
+    found = instructions_in_loops(hlo_text, layers)
+    if not found:
+        raise StarscreamError(f"the compiled program has no loop of {layers} trips, so per-layer figures cannot be "
+                              "told apart; the model must run its layers with jax.lax.scan")
+    return found

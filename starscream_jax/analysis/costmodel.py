@@ -1,0 +1,116 @@
+"""A cost model of one compiled step: the roofline time of every local matmul and the alpha-beta time of every
+collective, from what `starscream inspect` read in the compiled program and the preset's hardware figures, scaled to
+the model's full depth (reference/theory.md has the formulas and their sources).
+
+- Matmul [batch, M, K, N] on one partition: max(2 batch M K N / peak FLOP/s, bytes / HBM bytes/s), with the operands
+  and result at the compute dtype. Tile and wave quantization, and every op that is not a matmul (norms, rotary,
+  softmax: memory-bound and mostly fused into neighbours), are not counted: the figure is a lower bound of compute.
+- Collective: the latency floor of its scope plus its ring bytes per device over the bus bandwidth of its scope. The
+  preset's bandwidths are RCCL / NCCL bus bandwidths, which already fold in the ring formulas' factors. Inside a GPU
+  every partition group has the GPU's fabric; across GPUs (and nodes) the X partitions of a GPU run X rings at once
+  over the same links, so each gets 1/X of the GPU's bandwidth. Flat collectives get the measured flat figure.
+- Step: `serial` (compute then communication, no overlap: an upper bound) and `overlapped` (the larger of the two:
+  a lower bound). Tokens per second use the serial time.
+
+The figures come from programs compiled for simulated CPU devices, which move bfloat16 as float32 and run a
+reduce-scatter as an all-reduce plus a slice: communication is overstated up to 2x (4x for reduce-scatters), more
+for the layouts that reduce-scatter (starscream_tp, the FSDP pair), so comparisons err against them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from .report import SCOPES
+
+LINK_SCOPES = tuple(scope for scope in SCOPES if scope != "local")
+"""The scopes whose collectives cross a link (a collective of one member costs nothing)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkCost:
+    """Latency floor (s) and bus bandwidth per device (bytes/s) of collectives of one scope."""
+
+    latency: float
+    bandwidth: float
+
+    def seconds(self, bytes_per_device: float) -> float:
+        return self.latency + bytes_per_device / self.bandwidth
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEstimate:
+    """Seconds of one full-depth step on one device: matmul time (and the part of it in memory-bound matmuls) and
+    collective time by scope; `tokens` is what one step processes across the mesh."""
+
+    compute_s: float
+    memory_bound_s: float
+    communication_s: dict[str, float]
+    tokens: int
+
+    @property
+    def total_communication_s(self) -> float:
+        return sum(self.communication_s.values())
+
+    @property
+    def serial_s(self) -> float:
+        return self.compute_s + self.total_communication_s
+
+    @property
+    def overlapped_s(self) -> float:
+        return max(self.compute_s, self.total_communication_s)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.serial_s if self.serial_s else math.inf
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "total_communication_s": self.total_communication_s,
+                "serial_s": self.serial_s, "overlapped_s": self.overlapped_s, "tokens_per_s": self.tokens_per_s}
+
+
+def link_costs(topology) -> dict[str, LinkCost]:
+    """LinkCost per collective scope for `topology` (a collective of one member, scope "local", costs nothing)."""
+    chip, sharing = topology.preset.chip, topology.partitions_per_gpu
+    return {
+        "local": LinkCost(0.0, math.inf),
+        "intra_gpu": LinkCost(chip.intra_gpu_latency, chip.intra_gpu_bandwidth),
+        "inter_gpu": LinkCost(chip.inter_gpu_latency, chip.inter_gpu_bandwidth / sharing),
+        "inter_node": LinkCost(chip.inter_node_latency, chip.inter_node_bandwidth / sharing),
+        "flat": LinkCost(max(chip.intra_gpu_latency, chip.inter_gpu_latency), chip.flat_bandwidth),
+    }
+
+
+def matmul_work(batch: int, m: int, k: int, n: int, itemsize: int) -> tuple[int, int]:
+    """(FLOPs, bytes moved) of one matmul out[batch, M, N] = lhs[batch, M, K] @ rhs[batch, K, N], with both operands
+    and the result at `itemsize` bytes per element. Their ratio is the matmul's arithmetic intensity (FLOP/B)."""
+    return 2 * batch * m * k * n, itemsize * batch * (m * k + k * n + m * n)
+
+
+def matmul_seconds(matmul: dict[str, Any], peak_flops: float, hbm_bandwidth: float, itemsize: int) -> float:
+    """Roofline seconds of one run of a local matmul {"batch", "m", "k", "n"} on one partition."""
+    flops, moved = matmul_work(matmul["batch"], matmul["m"], matmul["k"], matmul["n"], itemsize)
+    return max(flops / peak_flops, moved / hbm_bandwidth)
+
+
+def estimate_step(result: dict[str, Any], topology, itemsize: int) -> StepEstimate:
+    """The StepEstimate of one layout's result from `starscream inspect` (`layout_report.layout_result`): its
+    matmuls with their full-depth runs, its collectives with their scope, count and whether they run in the layer
+    loop. `itemsize`: bytes per element of the compute dtype."""
+    compute = memory_bound = 0.0
+    for matmul in result["matmuls"]:
+        seconds = matmul_seconds(matmul, topology.peak_flops, topology.hbm_bandwidth, itemsize)
+        compute += seconds * matmul["full_depth_runs"]
+        if matmul["below_ridge"]:
+            memory_bound += seconds * matmul["full_depth_runs"]
+    costs = link_costs(topology)
+    depth = result["layers"]["full"] / result["layers"]["compiled"]
+    communication = dict.fromkeys(LINK_SCOPES, 0.0)
+    for collective in result["collectives"]:
+        if collective["scope"] == "local":
+            continue
+        runs = collective["count"] * (depth if collective["in_layer_loop"] else 1)
+        communication[collective["scope"]] += runs * costs[collective["scope"]].seconds(collective["bytes_per_device"])
+    tokens = result["batch"] * (1 if result["phase"] == "decode" else result["seq"])
+    return StepEstimate(compute, memory_bound, communication, tokens)

@@ -1,0 +1,217 @@
+"""One layout's compiled step, read and judged: the JSON-ready result that `starscream inspect` prints and `plan` ranks.
+
+For each layout of `Settings` (and gpu_tp, the reference for kernel shapes, compiled as well and shown only when
+asked for) the step is compiled (`compile`), read (`report.inspect_compiled`) and judged (`principles`); the result
+holds the verdicts, bytes by scope, memory, collectives, matmuls, inputs, activations and the cost model's estimate.
+
+Depth: per-layer figures are what the layer loop does in one trip, and full-depth figures are (everything outside the
+loop: embedding, head, loss, optimizer) + N x (per layer). Parameter, optimizer-state and KV-cache bytes per device
+are exact at full depth: they come from the shardings of the N-layer model.
+
+Principles: `principles.check_principles` against the gpu_tp program of the same phase. Norm scales (the layout's
+`replicated_ok` logical names) and their optimizer moments may be replicated over xcd. For decode, principle 1 is
+judged by bytes read instead of kernel shapes (`principles.reads_once_per_gpu`).
+
+Bytes per device per step are the ring-formula bytes of `report`. "inter_gpu" counts every byte that crosses the
+inter-GPU links: collectives over one partition of each GPU (of one node or of several) and flat collectives, whose
+rings run through partitions of several GPUs at once, so each of their inter-GPU links carries the full per-device
+volume and sets their pace. "flat" is that flat part alone.
+
+The CPU backend computes and moves bfloat16 values as float32, and runs a reduce-scatter as an all-reduce followed by a
+slice (which the reader counts as an all-reduce), so collective bytes and compiled memory are up to twice what a
+bfloat16 program moves on a GPU, and gradient reduce-scatters up to four times; layouts are compared like for like.
+Kernel intensity is taken from each local matmul's shape at the model's compute dtype (`costmodel.matmul_work`),
+compared with the preset's ridge point (peak FLOP/s over HBM bytes/s of one partition).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from ..errors import ShardingRuleError
+from ..hardware.axes import XCD
+from ..sharding.apply import LOGICAL_AXES, use_layout
+from .compile import REFERENCE, CompiledStep, Settings, abstract_args, abstract_cache, compile_step
+from .costmodel import estimate_step, matmul_work
+from .principles import check_principles, reads_once_per_gpu
+from .report import SCOPES, inspect_compiled
+
+PRINCIPLES = ("shape_preservation", "no_redundancy", "hierarchical_collectives")
+
+
+def inspect_layouts(settings: Settings, topology, mesh, refused: dict[str, str] | None = None) -> dict[str, dict]:
+    """Compile every layout of `settings` and gpu_tp on `mesh`; {layout name: result} (see `layout_result`).
+
+    A layout that cannot place the model on the mesh raises its ShardingRuleError, unless `refused` is given: then
+    the error's message is recorded there under the layout's name and the layout left out (never gpu_tp, the
+    reference every verdict needs)."""
+    steps = {}
+    for name in dict.fromkeys((*settings.layouts, REFERENCE)):
+        try:
+            steps[name] = compile_step(settings, name, mesh)
+        except ShardingRuleError as err:
+            if refused is None or name == REFERENCE:
+                raise
+            refused[name] = str(err)
+    if settings.dump_hlo is not None:
+        settings.dump_hlo.mkdir(parents=True, exist_ok=True)
+        for name, step in steps.items():
+            (settings.dump_hlo / f"{name}_{settings.phase}.hlo.txt").write_text(step.compiled.as_text())
+    token_dims = (settings.batch, 1 if settings.phase == "decode" else settings.seq)
+    reports = {name: inspect_compiled(step.compiled, mesh, args=step.args, gpus_per_node=topology.gpus_per_node,
+                                      lowered_text=step.lowered_text, token_dims=token_dims)
+               for name, step in steps.items()}
+    return {name: layout_result(settings, topology, mesh, steps[name], reports[name], reports[REFERENCE])
+            for name in settings.layouts if name in steps}
+
+
+@dataclasses.dataclass(frozen=True)
+class Depth:
+    """Scales the compiled program to the full depth: an op in the layer loop runs `compiled` times per compiled
+    step and `full` times per full-depth step."""
+
+    compiled: int
+    full: int
+    loop_ops: frozenset[str]
+
+    def per_layer(self, name: str, runs: float) -> float:
+        """The share of `runs` (a per-step total of one op) that one layer does; 0 for an op outside the loop."""
+        return runs / self.compiled if name in self.loop_ops else 0.0
+
+    def full_depth(self, name: str, runs: float) -> float:
+        """`runs` of one op in the compiled step, scaled to the full-depth step."""
+        return runs * self.full / self.compiled if name in self.loop_ops else runs
+
+
+def layout_result(settings: Settings, topology, mesh, step: CompiledStep, report, reference) -> dict[str, Any]:
+    """The JSON-ready result of one layout: settings, mesh, principles, bytes, memory, collectives, matmuls, inputs,
+    activations, and the cost model's estimate of the full-depth step (`costmodel.estimate_step`)."""
+    itemsize = np.dtype(settings.config.dtype).itemsize
+    depth = Depth(settings.layers, settings.full_layers, step.loop_ops)
+    matmuls = [matmul_entry(m, depth, itemsize, topology.ridge_point) for m in report.matmuls]
+    result = {
+        "layout": step.layout.name,
+        "description": step.layout.description,
+        "model": settings.config.name,
+        "preset": topology.preset.name,
+        "phase": settings.phase,
+        "batch": settings.batch,
+        "seq": settings.seq,
+        "layers": {"compiled": settings.layers, "full": settings.full_layers},
+        "mesh": {"axes": list(mesh.axis_names), "shape": list(mesh.devices.shape)},
+        "principles": principles(settings, step, report, reference, mesh.shape[XCD]),
+        "bytes_per_device": bytes_per_device(report.collectives, depth),
+        "collectives_per_layer": collectives_per_layer(report.collectives, depth),
+        "memory_per_device": memory_per_device(settings, step.layout, mesh, report.memory, topology.hbm_bytes),
+        "kernel_intensity": kernel_intensity(matmuls, topology.ridge_point, settings.config.dtype),
+        "collectives": [{**dataclasses.asdict(c), "in_layer_loop": c.name in step.loop_ops}
+                        for c in report.collectives],
+        "matmuls": matmuls,
+        "inputs": [dataclasses.asdict(entry) for entry in report.inputs],
+        "activations": [dataclasses.asdict(entry) for entry in report.activations],
+    }
+    result["estimate"] = estimate_step(result, topology, itemsize).to_dict()
+    return result
+
+
+def _link_totals(by_scope: dict[str, float]) -> dict[str, float]:
+    """inter_gpu (every byte over inter-GPU links, flat included), intra_gpu and flat, from bytes by scope."""
+    return {"inter_gpu": by_scope["inter_gpu"] + by_scope["inter_node"] + by_scope["flat"],
+            "intra_gpu": by_scope["intra_gpu"], "flat": by_scope["flat"]}
+
+
+def bytes_per_device(collectives, depth: Depth) -> dict[str, Any]:
+    """Bytes one device sends per step, at full depth (inter_gpu, intra_gpu, flat, by_scope), per layer and outside
+    the layer loop."""
+    full, per_layer = dict.fromkeys(SCOPES, 0.0), dict.fromkeys(SCOPES, 0.0)
+    for collective in collectives:
+        sent = collective.bytes_per_device * collective.count
+        full[collective.scope] += depth.full_depth(collective.name, sent)
+        per_layer[collective.scope] += depth.per_layer(collective.name, sent)
+    outside = {scope: full[scope] - depth.full * per_layer[scope] for scope in SCOPES}
+    return {**_link_totals(full), "by_scope": full, "per_layer": _link_totals(per_layer),
+            "outside_layers": _link_totals(outside)}
+
+
+def collectives_per_layer(collectives, depth: Depth) -> dict[str, float]:
+    """How many collectives of each scope one layer runs (per step)."""
+    counts = dict.fromkeys(SCOPES, 0.0)
+    for collective in collectives:
+        counts[collective.scope] += depth.per_layer(collective.name, collective.count)
+    return counts
+
+
+def memory_per_device(settings: Settings, layout, mesh, compiled_memory, hbm_bytes: float) -> dict[str, Any]:
+    """Persistent bytes per device at full depth (params, optimizer state, KV cache, from the shardings of the
+    full-depth model) and the compiled program's memory analysis at the compiled depth."""
+    full_model = settings.config.replace(n_layers=settings.full_layers)
+    with use_layout(layout, mesh):
+        _, args = abstract_args(full_model, layout, mesh, settings.phase, settings.batch, settings.seq,
+                                settings.training, settings.cache)
+    cache = None if settings.phase == "train" else abstract_cache(full_model, layout, mesh, settings.batch,
+                                                                  settings.cache)
+    groups = {"params": args.params, "optimizer_state": getattr(args, "opt_state", None), "kv_cache": cache}
+    persistent = {name: sum(_shard_bytes(leaf) for leaf in jax.tree.leaves(tree)) for name, tree in groups.items()}
+    compiled = None if compiled_memory is None else {"layers": settings.layers,
+                                                      **dataclasses.asdict(compiled_memory)}
+    return {**persistent, "persistent": sum(persistent.values()), "hbm": hbm_bytes, "compiled": compiled}
+
+
+def _shard_bytes(leaf) -> int:
+    return math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+
+
+def matmul_entry(matmul, depth: Depth, itemsize: int, ridge_point: float) -> dict[str, Any]:
+    """One local matmul for the JSON: shape, runs, FLOPs, intensity at the compute dtype, below the ridge or not."""
+    m, k, n = matmul.m, matmul.k, matmul.n
+    flops, moved = matmul_work(1, m, k, n, itemsize)
+    intensity = flops / moved
+    return {"name": matmul.name, "op_name": matmul.op_name, "batch": matmul.batch, "m": m, "k": k, "n": n,
+            "count": matmul.count, "flops": matmul.flops, "intensity": intensity,
+            "below_ridge": intensity < ridge_point, "in_layer_loop": matmul.name in depth.loop_ops,
+            "full_depth_runs": depth.full_depth(matmul.name, matmul.count)}
+
+
+def kernel_intensity(matmuls: list[dict], ridge_point: float, dtype: str) -> dict[str, Any]:
+    """Smallest and FLOP-weighted intensity of the local matmuls and the share of their FLOPs below the ridge point,
+    each matmul weighted by its runs in the full-depth step."""
+    weights = [m["flops"] * m["full_depth_runs"] for m in matmuls]
+    total = sum(weights)
+    return {
+        "dtype": dtype,
+        "ridge_point": ridge_point,
+        "smallest": min((m["intensity"] for m in matmuls), default=None),
+        "flop_weighted": sum(w * m["intensity"] for w, m in zip(weights, matmuls)) / total if total else None,
+        "below_ridge_flop_share": sum(w for w, m in zip(weights, matmuls) if m["below_ridge"]) / total
+        if total else None,
+    }
+
+
+def principles(settings: Settings, step: CompiledStep, report, reference, partitions: int) -> dict[str, dict]:
+    """The three verdicts. Replicated inputs are allowed for parameters (and their optimizer state) whose logical
+    names include one of the layout's `replicated_ok` names. Decode judges principle 1 by bytes read
+    (`reads_once_per_gpu`) instead of kernel shapes."""
+    allowed = replicated_ok_names(step.args, step.layout.replicated_ok)
+    verdicts = check_principles(report, reference, replicated_ok=allowed)
+    if settings.phase == "decode":
+        verdicts["shape_preservation"] = reads_once_per_gpu(report.matmuls, reference.matmuls, partitions)
+    return verdicts
+
+
+def replicated_ok_names(args, logical_names: frozenset[str]) -> set[str]:
+    """Input names (as the inspector writes them) of the arrays of every nnx Variable in `args` whose logical axes
+    include one of `logical_names` (norm scales, and the optimizer's moments of them)."""
+    def is_variable(node) -> bool:
+        return isinstance(node, nnx.Variable)
+
+    allowed = set()
+    for path, node in jax.tree_util.tree_flatten_with_path(args, is_leaf=is_variable)[0]:
+        if is_variable(node) and logical_names & set(node.get_metadata(LOGICAL_AXES, ())):
+            for inner, _ in jax.tree_util.tree_flatten_with_path(node)[0]:
+                allowed.add(jax.tree_util.keystr((*path, *inner), simple=True, separator="/"))
+    return allowed

@@ -1,0 +1,175 @@
+"""The three principles, judged on a layout's Report (`report`) against the gpu_tp reference's.
+
+  1. shape preservation: no local kernel smaller on its weight side than gpu_tp's (`check_principles`), or, for
+     memory-bound decode, every weight and K/V byte read once per GPU (`reads_once_per_gpu`);
+  2. no redundancy: no large input or activation copied over the partitions of a GPU;
+  3. hierarchical collectives: none spans several partitions and several GPUs at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Callable
+from fnmatch import fnmatchcase
+from typing import Any
+
+from jax.sharding import Mesh
+
+from .report import MatmulReport, Report, inspect_compiled, matmul_key
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """What `check_compiled` found: the program's Report and the three verdicts (see `check_principles`)."""
+
+    report: Report
+    principles: dict[str, dict[str, Any]]
+
+    @property
+    def ok(self) -> bool:
+        """Whether all three principles hold."""
+        return all(verdict["ok"] for verdict in self.principles.values())
+
+
+def check_compiled(compiled: Any, mesh: Mesh, *, reference: Any = None, args: Any = None,
+                   lowered_text: str | None = None, token_dims: tuple[int, ...] | None = None,
+                   replicated_ok: set[str] | Callable[[str], bool] = frozenset(),
+                   gpus_per_node: int | None = None) -> Check:
+    """Read a compiled program over a ('data', 'gpu', 'xcd') `mesh` and judge it by the three principles, in one call.
+
+    `compiled` is `jax.jit(f).lower(*args).compile()`, from real or abstract (ShapeDtypeStruct) arguments.
+    `reference`, the same function compiled under plain tensor parallelism over `gpu` (replicated over `xcd`), is
+    what principle 1 compares kernel shapes with; without it no matmul is judged (all are listed as unpaired).
+    `args` names the inputs ("0/layers/wq"); `lowered_text` (`lowered.as_text(debug_info=True)`) with `token_dims`
+    (the model's (batch, seq)) adds the activations to principle 2. Other options as `check_principles` and
+    `report.inspect_compiled`.
+    """
+    report = inspect_compiled(compiled, mesh, args=args, gpus_per_node=gpus_per_node, lowered_text=lowered_text,
+                              token_dims=token_dims)
+    reference_report = None if reference is None else inspect_compiled(reference, mesh, gpus_per_node=gpus_per_node)
+    return Check(report, check_principles(report, reference_report, replicated_ok=replicated_ok))
+
+
+def check_principles(
+    report: Report,
+    reference: Report | None,
+    *,
+    replicated_ok: set[str] | Callable[[str], bool] = frozenset(),
+    large_bytes: int = 1 << 20,
+) -> dict[str, dict[str, Any]]:
+    """Judge a layout's report against the three principles; `reference` is the gpu_tp program's report.
+
+    Returns {"shape_preservation", "no_redundancy", "hierarchical_collectives"}, each {"ok": bool, "violations":
+    [one line per offending op, input or collective]}; shape_preservation also lists as "unpaired" the layout's
+    matmuls that have no counterpart in the reference (all of them when `reference` is None), which are not judged.
+
+    1. shape_preservation: each op keeps per device at least the weight-side elements of the reference, summed over
+       its matmuls per direction (`weight_side_elements`, from each report's `tokens_per_device`): a layout may
+       divide only the tokens. Ops that the reference lacks are listed as unpaired. Kernels whose work is split
+       into several matmuls of the same op under the layout alone are not told apart from one whole kernel.
+    2. no_redundancy: no input array of more than `large_bytes` bytes is replicated over `xcd`, unless its name is
+       allowed by `replicated_ok`: a callable taking the name, or a set of names or fnmatch patterns ("*/scale");
+       and no activation of which each device holds more than `large_bytes` (when the report has them, see
+       `inspect_activations`): the copies waste that much on each of the other partitions of the GPU.
+    3. hierarchical_collectives: no collective has scope "flat".
+    """
+    return {
+        "shape_preservation": _shape_preservation(report, reference),
+        "no_redundancy": _no_redundancy(report, replicated_ok, large_bytes),
+        "hierarchical_collectives": _hierarchical_collectives(report),
+    }
+
+
+def weight_side_elements(matmuls: list[MatmulReport], tokens_per_device: int) -> dict[tuple[str, bool], float]:
+    """Weight-side elements per device of each op and direction (`matmul_key`), summed over its matmuls and runs.
+
+    Every matmul of a transformer step, forward, input gradient and weight gradient alike, is tokens x weight, so its
+    weight side holds batch x M x K x N / tokens elements whichever operand XLA put first, however it split the
+    contraction (split-K) and whichever matmuls of an op it merged (q/k/v, gate/up) or ran in which order.
+    """
+    work: dict[tuple[str, bool], int] = defaultdict(int)
+    for matmul in matmuls:
+        work[matmul_key(matmul.op_name)] += matmul.flops // 2 * matmul.count
+    return {key: total / tokens_per_device for key, total in work.items()}
+
+
+def _shape_preservation(report: Report, reference: Report | None) -> dict[str, Any]:
+    if reference is None:
+        return {"ok": True, "violations": [], "unpaired": [m.name for m in report.matmuls]}
+    elements = weight_side_elements(report.matmuls, report.tokens_per_device)
+    reference_elements = weight_side_elements(reference.matmuls, reference.tokens_per_device)
+    violations = []
+    for (key, backward), held in elements.items():
+        reference_held = reference_elements.get((key, backward))
+        if reference_held is not None and held < reference_held:
+            names = [m.name for m in report.matmuls if matmul_key(m.op_name) == (key, backward)]
+            violations.append(
+                f"op {key or '(unnamed)'} ({'backward' if backward else 'forward'}, {', '.join(names)}) has "
+                f"{held:g} weight-side elements per device at {report.tokens_per_device} tokens, fewer than the "
+                f"reference's {reference_held:g} at {reference.tokens_per_device} tokens: its local kernels shrank"
+            )
+    unpaired = [m.name for m in report.matmuls if matmul_key(m.op_name) not in reference_elements]
+    return {"ok": not violations, "violations": violations, "unpaired": unpaired}
+
+
+def reads_once_per_gpu(matmuls: list[MatmulReport], reference_matmuls: list[MatmulReport],
+                       partitions: int) -> dict[str, Any]:
+    """Principle 1 for memory-bound decode: every weight (and K/V) byte is read once per GPU per step.
+
+    A decode matmul multiplies a few new tokens (one per sequence; for attention, the query heads that share a kv
+    head) with a weight or the cached keys or values, so its smallest dimension counts tokens and the other two are
+    the weight side: each device reads batch x (those two) elements. Summed per op (`matmul_key`), `partitions`
+    times a device's reads is what one GPU reads; it must not exceed what a gpu_tp device reads, which is the GPU's
+    share read once. Matmuls without op_name metadata (the attention kernels on CPU) form one group, "attention".
+    """
+    def reads(group) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for m in group:
+            key = matmul_key(m.op_name)[0] or "attention"
+            weight_side = m.m * m.k * m.n // min(m.m, m.k, m.n)
+            totals[key] = totals.get(key, 0) + m.batch * weight_side * m.count
+        return totals
+
+    layout_reads, reference_reads = reads(matmuls), reads(reference_matmuls)
+    violations = [
+        f"{key}: the {partitions} partitions of a GPU read {partitions * count / reference_reads[key]:.2f}x the "
+        f"weight-side elements gpu_tp reads once per GPU ({partitions} x {count} vs {reference_reads[key]})"
+        for key, count in layout_reads.items()
+        if key in reference_reads and partitions * count > reference_reads[key]
+    ]
+    unpaired = [key for key in layout_reads if key not in reference_reads]
+    return {"ok": not violations, "violations": violations, "unpaired": unpaired}
+
+
+def _no_redundancy(
+    report: Report, replicated_ok: set[str] | Callable[[str], bool], large_bytes: int
+) -> dict[str, Any]:
+    def allowed(name: str) -> bool:
+        if callable(replicated_ok):
+            return replicated_ok(name)
+        return any(fnmatchcase(name, pattern) for pattern in replicated_ok)
+
+    violations = [
+        f"input {entry.name} {entry.shape} ({entry.bytes} bytes, spec {entry.spec}) is replicated "
+        f"{entry.replication_xcd}x over xcd"
+        for entry in report.inputs
+        if entry.replication_xcd > 1 and entry.bytes > large_bytes and not allowed(entry.name)
+    ]
+    violations += [
+        f"activation {entry.name or '(unnamed)'} {entry.shape} {entry.dtype} ({entry.shard_bytes} bytes per device, "
+        f"spec {entry.spec}{', unreduced ' + str(entry.unreduced) if entry.unreduced else ''}) is replicated "
+        f"{entry.replication_xcd}x over xcd ({entry.count} value(s))"
+        for entry in report.activations
+        if entry.replication_xcd > 1 and entry.shard_bytes > large_bytes
+    ]
+    return {"ok": not violations, "violations": violations}
+
+
+def _hierarchical_collectives(report: Report) -> dict[str, Any]:
+    violations = [
+        f"{c.kind} {c.name} ({c.op_name}) spans several xcds and several GPUs at once: groups {c.groups[:2]}"
+        + (" ..." if len(c.groups) > 2 else "")
+        for c in report.collectives
+        if c.scope == "flat"
+    ]
+    return {"ok": not violations, "violations": violations}

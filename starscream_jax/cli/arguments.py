@@ -1,0 +1,111 @@
+"""Arguments every command shares: the mesh (preset, topology, GPUs, grouping, simulation) and the multi-process
+launch, and what they build. Importing JAX starts no backend, so `prepare_simulation` still decides the devices."""
+from __future__ import annotations
+
+import argparse
+
+from ..errors import StarscreamError
+from ..hardware.distributed import initialize
+from ..hardware.mesh import build_topology_mesh, resolve_topology
+from ..hardware.presets import list_presets
+from ..hardware.simulation import DEFAULT_SIMULATED, accelerator_present, simulate_cpu_devices
+from ..hardware.topology import OVERRIDE_ENV, Topology, override_from_env, parse_override
+
+
+def device_ids(text: str) -> list[int]:
+    """"0,1" -> [0, 1]: the device ids of one physical GPU, as the command line gives them (--grouping)."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated device ids, e.g. 0,1") from None
+
+
+def add_mesh_arguments(parser: argparse.ArgumentParser, *, default_preset: str | None = None,
+                       default_gpus: int | None = None, default_simulate: bool | None = False) -> None:
+    """Adds --preset --topology --gpus --nodes --data-parallel --grouping --simulate to a command's parser.
+
+    The topology is, first found: --topology, --preset, $STARSCREAM_TOPOLOGY, `default_preset` (only when
+    simulating without --grouping), detection (shaped by --grouping when given). `default_gpus` is the GPU count of
+    a preset (--preset or the default one) when --gpus is not given. `default_simulate=None` simulates exactly when
+    no GPU is present (`accelerator_present`).
+    """
+    group = parser.add_argument_group("mesh")
+    default = f"; default {default_preset}" if default_preset else ""
+    group.add_argument("--preset", help=f"hardware preset ({', '.join(list_presets())}){default}")
+    group.add_argument("--topology", help="override: GPUSxPARTITIONS (8x8), NODESxGPUSxPARTITIONS or PRESET:GPUS; "
+                                          f"wins over --preset and ${OVERRIDE_ENV}")
+    group.add_argument("--gpus", type=int, help="GPUs per node to use" + (
+        f" (default for a preset: {default_gpus})" if default_gpus else ""))
+    group.add_argument("--nodes", type=int, default=None,
+                       help="nodes joined by jax.distributed (the GPUs split evenly over the processes)")
+    group.add_argument("--data-parallel", type=int, default=1, metavar="N",
+                       help="size of the outer 'data' mesh axis (data-parallel groups of GPUs)")
+    group.add_argument("--grouping", type=device_ids, nargs="+", metavar="IDS",
+                       help="device ids of each physical GPU, e.g. 0,1 2,3 (in place of detection; lets whole GPUs "
+                            "stand in for the partitions of one)")
+    automatic = " (default: when no GPU is present)" if default_simulate is None else ""
+    group.add_argument("--simulate", action=argparse.BooleanOptionalAction, default=default_simulate,
+                       help="simulate the devices on CPU" + automatic)
+    parser.set_defaults(default_preset=default_preset, default_gpus=default_gpus)
+
+
+def _topology_from_args(args) -> Topology | None:
+    """--topology, --preset, $STARSCREAM_TOPOLOGY or the command's default preset (None: detect); --gpus and
+    --nodes are applied later."""
+    if args.topology:
+        return parse_override(args.topology)
+    if args.preset:
+        return Topology.from_preset(args.preset, gpus=args.default_gpus)
+    override = override_from_env()
+    if override is not None or args.default_preset is None or args.grouping or not _simulating(args):
+        return override
+    return Topology.from_preset(args.default_preset, gpus=args.default_gpus)
+
+
+def _simulating(args) -> bool:
+    """--simulate / --no-simulate, or when neither was given and the command leaves it open, whether no GPU is
+    present (decided once, before JAX starts)."""
+    if args.simulate is None:
+        args.simulate = not accelerator_present()
+    return args.simulate
+
+
+def prepare_simulation(args) -> None:
+    """With --simulate, makes JAX expose the simulated devices. Runs before JAX's backend starts."""
+    if _simulating(args) and args.grouping:
+        simulate_cpu_devices(1 + max(i for group in args.grouping for i in group))
+    elif _simulating(args):
+        topology = _topology_from_args(args) or DEFAULT_SIMULATED
+        simulate_cpu_devices(resolve_topology(topology, gpus=args.gpus, nodes=args.nodes).num_devices)
+
+
+def mesh_from_args(args):
+    """(Topology, Mesh) from the mesh arguments."""
+    return build_topology_mesh(_topology_from_args(args), gpus=args.gpus, nodes=args.nodes,
+                               data=args.data_parallel, grouping=args.grouping, simulate=_simulating(args))
+
+
+def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add --coordinator, --num-processes, --process-id and --distributed to `parser`."""
+    group = parser.add_argument_group("multi-process (jax.distributed)")
+    group.add_argument("--coordinator", metavar="HOST:PORT",
+                       help="address of process 0's coordination service, the same on every process")
+    group.add_argument("--num-processes", type=int, metavar="N", help="number of processes in the run")
+    group.add_argument("--process-id", type=int, metavar="I", help="this process' index, 0..N-1")
+    group.add_argument("--distributed", action="store_true",
+                       help="join the cluster that jax detects from the environment (SLURM, Open MPI, Kubernetes)")
+
+
+def initialize_from_args(args: argparse.Namespace) -> bool:
+    """Start jax.distributed as the arguments say; returns whether this run has joined several processes."""
+    explicit_values = (args.coordinator, args.num_processes, args.process_id)
+    if all(value is None for value in explicit_values):
+        if args.distributed:
+            return initialize()
+        return False
+    if any(value is None for value in explicit_values):
+        raise StarscreamError(
+            f"got --coordinator {args.coordinator} --num-processes {args.num_processes} --process-id "
+            f"{args.process_id}; expected all three together; pass each one, or none with --distributed"
+        )
+    return initialize(args.coordinator, args.num_processes, args.process_id)

@@ -1,0 +1,167 @@
+"""`starscream inspect`: compile layouts side by side on a simulated mesh and judge them by the three principles.
+
+The compiling and judging live in `starscream_jax.analysis` (`layout_report.inspect_layouts`); this module parses the
+arguments and prints the side-by-side table (one column per layout, then the first violations of each failed
+principle; --json holds them all).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..analysis.compile import PHASES, Settings, make_settings
+from ..analysis.layout_report import PRINCIPLES, inspect_layouts
+from ..errors import StarscreamError
+from .arguments import add_mesh_arguments, mesh_from_args, prepare_simulation
+from .format import format_bytes, format_seconds
+
+DEFAULT_LAYOUTS = {"train": "flat_tp,starscream_tp", "prefill": "flat_tp,starscream_tp",
+                   "decode": "flat_tp,starscream_decode"}
+DEFAULT_MODEL = "llama3-70b"
+DEFAULT_PRESET = "mi300x-cpx-nps1"
+DEFAULT_GPUS = 8
+DEFAULT_LAYERS = 2
+SHOWN_VIOLATIONS = 3
+LINE_WIDTH = 160
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `starscream inspect`: the (simulated) mesh, model, layouts, phase, shapes, output."""
+    add_mesh_arguments(parser, default_preset=DEFAULT_PRESET, default_gpus=DEFAULT_GPUS, default_simulate=True)
+    group = parser.add_argument_group("inspection")
+    group.add_argument("--model", default=DEFAULT_MODEL, help="model configuration: a name in models/ or a TOML path")
+    group.add_argument("--layout", default=None,
+                       help="comma-separated layouts (default: flat_tp,starscream_tp; flat_tp,starscream_decode "
+                            "for decode)")
+    group.add_argument("--phase", default="train", choices=PHASES, help="which step to compile")
+    group.add_argument("--batch", type=int, default=None,
+                       help="sequences per step (default: 8 for train and prefill, 64 for decode)")
+    group.add_argument("--seq", type=int, default=None,
+                       help="tokens per sequence; the KV cache length for prefill and decode (default: 2048 train, "
+                            "4096 prefill, 8192 decode)")
+    group.add_argument("--layers", type=int, default=DEFAULT_LAYERS,
+                       help="layers to compile (at least 2); figures are scaled to the model's full depth")
+    group.add_argument("--json", action="store_true", help="print one JSON object with a key per layout")
+    group.add_argument("--dump-hlo", type=Path, default=None, metavar="DIR",
+                       help="write each compiled program's HLO text to DIR")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`starscream inspect`: compile, inspect and print a side-by-side table (or JSON). Returns 0."""
+    if not args.simulate:
+        raise StarscreamError("--no-simulate given, but inspect always compiles on simulated CPU devices; drop "
+                              "--no-simulate (the preset supplies the hardware figures)")
+    prepare_simulation(args)
+    settings = settings_from_args(args)
+    topology, mesh = mesh_from_args(args)
+    results = inspect_layouts(settings, topology, mesh)
+    print(json.dumps(results, indent=2) if args.json else format_table(results))
+    return 0
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """The checked Settings of the parsed arguments."""
+    return make_settings(args.model, args.phase, args.batch, args.seq, args.layout or DEFAULT_LAYOUTS[args.phase],
+                         args.layers, args.dump_hlo)
+
+
+def _clip(line: str) -> str:
+    return line if len(line) <= LINE_WIDTH else line[: LINE_WIDTH - 3] + "..."
+
+
+def _figure(value: float | None, form: str) -> str:
+    """`value` in `form` ("{:.0f}"), or "-" when there is none (a program without matmuls)."""
+    return "-" if value is None else form.format(value)
+
+
+def _verdict(verdict: dict) -> str:
+    return "ok" if verdict["ok"] else f"FAIL ({len(verdict['violations'])})"
+
+
+def _rows(result: dict) -> list[tuple[str, str]]:
+    """(label, cell) rows of one layout's column."""
+    full, compiled_layers = result["layers"]["full"], result["layers"]["compiled"]
+    memory, sent = result["memory_per_device"], result["bytes_per_device"]
+    intensity, estimate = result["kernel_intensity"], result["estimate"]
+    counts = {**result["collectives_per_layer"]}
+    counts["inter_gpu"] += counts["inter_node"]
+    phase = result["phase"]
+    rows = [("memory per device", "")]
+    rows.append((f"  params{' + optimizer' if phase == 'train' else ''} ({full} layers)",
+                 format_bytes(memory["params"] + memory["optimizer_state"])))
+    if phase != "train":
+        rows.append((f"  KV cache ({full} layers)", format_bytes(memory["kv_cache"])))
+    if memory["compiled"] is not None:
+        rows.append((f"  compiled temp ({compiled_layers} layers)", format_bytes(memory["compiled"]["temp_bytes"])))
+    copied = [entry["shard_bytes"] for entry in result["activations"] if entry["replication_xcd"] > 1]
+    rows.append(("  largest activation copied over xcd", format_bytes(max(copied)) if copied else "none"))
+    rows += [
+        ("bytes per device per step", ""),
+        ("  inter-GPU per layer", format_bytes(sent["per_layer"]["inter_gpu"])),
+        ("    of which flat", format_bytes(sent["per_layer"]["flat"])),
+        ("  intra-GPU per layer", format_bytes(sent["per_layer"]["intra_gpu"])),
+        (f"  inter-GPU, {full} layers", format_bytes(sent["inter_gpu"])),
+        (f"  intra-GPU, {full} layers", format_bytes(sent["intra_gpu"])),
+        ("collectives per layer", " / ".join(f"{counts[scope]:g}" for scope in ("intra_gpu", "inter_gpu", "flat"))),
+        (f"kernel intensity ({intensity['dtype']}, FLOP/B)", ""),
+        ("  smallest", _figure(intensity["smallest"], "{:.0f}")),
+        ("  FLOP-weighted", _figure(intensity["flop_weighted"], "{:.0f}")),
+        (f"  FLOPs below ridge ({intensity['ridge_point']:.0f})",
+         _figure(intensity["below_ridge_flop_share"], "{:.1%}")),
+        ("estimated step, full depth", ""),
+        ("  matmuls (roofline)", format_seconds(estimate["compute_s"])),
+        ("  collectives", format_seconds(estimate["total_communication_s"])),
+        ("  serial / overlapped",
+         f"{format_seconds(estimate['serial_s'])} / {format_seconds(estimate['overlapped_s'])}"),
+        ("  tokens/s (serial)", f"{estimate['tokens_per_s']:,.0f}"),
+        ("principles", ""),
+        ("  1 kernel shapes" + (" (bytes read)" if phase == "decode" else ""),
+         _verdict(result["principles"]["shape_preservation"])),
+        ("  2 no redundancy over xcd", _verdict(result["principles"]["no_redundancy"])),
+        ("  3 hierarchical collectives", _verdict(result["principles"]["hierarchical_collectives"])),
+    ]
+    return rows
+
+
+def _header(result: dict) -> list[str]:
+    """What was compiled: model, preset, mesh, phase and shapes, per-partition figures, depth."""
+    mesh = " x ".join(f"{axis} {size}" for axis, size in zip(result["mesh"]["axes"], result["mesh"]["shape"]))
+    full, compiled = result["layers"]["full"], result["layers"]["compiled"]
+    hbm, ridge = result["memory_per_device"]["hbm"], result["kernel_intensity"]["ridge_point"]
+    shapes = f"batch {result['batch']} x seq {result['seq']}"
+    return [
+        f"{result['model']} on {result['preset']}, mesh {mesh}: {result['phase']}, {shapes}",
+        f"per partition: {format_bytes(hbm)} HBM, ridge point {ridge:.0f} FLOP/B",
+        f"compiled with {compiled} of {full} layers; {full} layers = outside the layer loop + {full} x per layer",
+    ]
+
+
+def format_table(results: dict[str, dict]) -> str:
+    """The side-by-side table of `inspect_layouts`' results (one column per layout), then the notes and the first
+    violations of each failed principle."""
+    first = next(iter(results.values()))
+    lines = [*_header(first), ""]
+    columns = {name: _rows(result) for name, result in results.items()}
+    labels = [label for label, _ in next(iter(columns.values()))]
+    label_width = max(len(label) for label in labels)
+    widths = {name: max(len(name), *(len(cell) for _, cell in rows)) for name, rows in columns.items()}
+    lines.append(" " * label_width + "".join(f"  {name:>{widths[name]}}" for name in columns))
+    for index, label in enumerate(labels):
+        cells = "".join(f"  {columns[name][index][1]:>{widths[name]}}" for name in columns)
+        lines.append(f"{label:<{label_width}}{cells}".rstrip())
+    lines += [
+        "",
+        "collectives per layer: intra-GPU / inter-GPU / flat. Inter-GPU bytes include the flat collectives' (their",
+        "rings pass every byte over inter-GPU links). On the CPU backend bfloat16 moves as float32 and a",
+        "reduce-scatter runs as all-reduce + slice, so bytes and compiled memory are up to 2x a GPU's (gradient",
+        "reduce-scatters 4x); intensity is computed from each matmul's shape at the model's dtype. The estimate is the",
+        "cost model's (starscream_jax.costmodel): matmul rooflines and collective latency + bytes / bus bandwidth.",
+    ]
+    for name, result in results.items():
+        for principle in PRINCIPLES:
+            violations = result["principles"][principle]["violations"]
+            if violations:
+                lines.append(f"{name} {principle}: {len(violations)} violation(s), e.g.")
+                lines += [_clip(f"  {line}") for line in violations[:SHOWN_VIOLATIONS]]
+    return "\n".join(lines)

@@ -1,0 +1,46 @@
+"""The `starscream` command: topology, train, generate, inspect, plan.
+
+Importing JAX (as every module here does) does not start its backend: `prepare_simulation` decides the devices (the
+simulated CPU mesh, or the GPUs JAX finds) after the arguments are read and before anything touches a device.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import StarscreamError
+from . import generate, inspect, plan, topology, train
+from .arguments import prepare_simulation
+
+SUBCOMMANDS = {
+    "topology": (topology, "print the topology and which device sits at each (gpu, xcd)"),
+    "train": (train, "train a model under a layout (default: tiny Llama, simulated 2 x 4 mesh)"),
+    "generate": (generate, "generate text from a checkpoint with prefill and decode layouts"),
+    "inspect": (inspect, "compile layouts side by side and check the three principles"),
+    "plan": (plan, "choose a layout per phase with the cost model"),
+}
+"""name -> (module with add_arguments(parser) and run(args) -> exit code, one-line help)"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="starscream", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.set_defaults(run=module.run)
+        module.add_arguments(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        prepare_simulation(args)
+        return args.run(args)
+    except StarscreamError as err:
+        print(f"starscream {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""`starscream train`: train a model under a layout on a mesh (`starscream_jax.training.loop`), then print the
+compiled step's memory per device and collectives by scope. With no arguments: README's main command (the tiny
+Llama on a simulated 2 GPU x 4 partition mesh where no GPU is present)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from ..analysis.report import SCOPES, inspect_compiled
+from ..hardware.distributed import is_main_process
+from ..sharding.layouts import LAYOUTS
+from ..training.config import TrainConfig
+from ..training.loop import train
+from .arguments import add_distributed_arguments, add_mesh_arguments, initialize_from_args, mesh_from_args
+from .format import format_bytes
+
+DEFAULT_PRESET = "mi300x-qpx-nps1"
+DEFAULT_GPUS = 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `starscream train` (mesh, multi-process, model, optimizer, data, run directory)."""
+    defaults = TrainConfig()
+    add_mesh_arguments(parser, default_preset=DEFAULT_PRESET, default_gpus=DEFAULT_GPUS, default_simulate=None)
+    add_distributed_arguments(parser)
+    group = parser.add_argument_group("training")
+    group.add_argument("--model", default=defaults.model, help="model configuration: a name in models/ or a path")
+    group.add_argument("--layout", default=defaults.layout, help=f"layout by name ({', '.join(LAYOUTS)})")
+    group.add_argument("--dtype", default=defaults.dtype, choices=("float32", "bfloat16"),
+                       help="compute dtype; parameters and optimizer state stay float32")
+    group.add_argument("--remat", action="store_true",
+                       help="recompute each layer's activations in the backward pass instead of keeping them")
+    group.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps in the whole run")
+    group.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per step (global)")
+    group.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens (bytes) per sequence")
+    group.add_argument("--learning-rate", type=float, default=defaults.learning_rate, help="peak learning rate")
+    group.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps, help="linear warm-up steps")
+    group.add_argument("--weight-decay", type=float, default=defaults.weight_decay, help="AdamW weight decay")
+    group.add_argument("--clip-norm", type=float, default=defaults.clip_norm, help="global gradient norm limit")
+    group.add_argument("--seed", type=int, default=defaults.seed, help="parameters and data order")
+    group.add_argument("--eval-every", type=int, default=defaults.eval_every, help="steps between validations")
+    group.add_argument("--eval-batches", type=int, default=defaults.eval_batches, help="batches per validation")
+    group.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every,
+                       help="steps between checkpoints (one is always saved at the end)")
+    group.add_argument("--log-every", type=int, default=defaults.log_every, help="steps between metric records")
+    group.add_argument("--run-dir", default=defaults.run_dir, help="metrics, plot and checkpoints go here")
+    group.add_argument("--data", default=defaults.data, help="training text (byte-level tokens)")
+    group.add_argument("--resume", action="store_true",
+                       help="continue from the latest checkpoint in --run-dir (start fresh when there is none)")
+    group.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig that the parsed arguments describe."""
+    fields = {field.name for field in dataclasses.fields(TrainConfig)}
+    return TrainConfig(**{name: value for name, value in vars(args).items() if name in fields})
+
+
+def run(args: argparse.Namespace) -> int:
+    """`starscream train`: join the processes, build the mesh, train, print the summary. Returns 0."""
+    initialize_from_args(args)
+    topology, mesh = mesh_from_args(args)
+    config = config_from_args(args)
+    echo = print if is_main_process() else (lambda *_: None)
+    echo(f"{config.model} on mesh {dict(mesh.shape)} ({topology.preset.name}), layout {config.layout}, "
+         f"{config.steps} steps of {config.batch_size} x {config.seq_len} tokens")
+    result = train(config, mesh, resume=args.resume, show_progress=not args.no_progress)
+    print_layout_summary(inspect_compiled(result.compiled_step, mesh).to_dict(), config.layout, echo)
+    return 0
+
+
+def print_layout_summary(summary: dict, layout_name: str, echo) -> None:
+    """Memory per device and collectives by scope (count and bytes sent per device) of the compiled step."""
+    echo(f"compiled training step under {layout_name}, per device:")
+    memory = summary["memory"]
+    if memory is not None:
+        echo(f"  memory: arguments {format_bytes(memory['argument_bytes'])}, outputs "
+             f"{format_bytes(memory['output_bytes'])} ({format_bytes(memory['alias_bytes'])} aliased to inputs), "
+             f"temporaries {format_bytes(memory['temp_bytes'])}")
+    counts = dict.fromkeys(SCOPES, 0)
+    for collective in summary["collectives"]:
+        counts[collective["scope"]] += collective["count"]
+    sent = summary["bytes_by_scope"]
+    echo("  collectives by scope: " + ", ".join(
+        f"{scope} {counts[scope]} ({format_bytes(sent[scope])} sent)" for scope in SCOPES))

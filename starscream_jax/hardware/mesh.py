@@ -1,0 +1,263 @@
+"""The mesh builder: every logical device placed at (data, gpu, xcd), each `xcd` row one physical GPU.
+
+The grouping of logical devices into physical GPUs is read from the machine (ROCm: KFD sysfs, see `detect`), given
+explicitly (`grouping=`), or simulated on CPU (consecutive devices of one process form one GPU). JAX itself does not
+expose it. The mesh always has the three axes ('data', 'gpu', 'xcd'), Explicit, so every rule sees the same names.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax._src import distributed
+from jax.sharding import AxisType, Mesh
+
+from ..errors import TopologyError
+from .axes import AXES
+from . import detect
+from .presets import Preset, load_chip, load_preset, preset_for
+from .simulation import DEFAULT_SIMULATED, simulate_cpu_devices
+from .topology import MODE_FOR_PARTITIONS, Topology, override_from_env, parse_override
+
+
+def resolve_topology(topology: Topology | str | None = None, *, gpus: int | None = None,
+                     nodes: int | None = None, devices: Sequence | None = None,
+                     groups: Sequence[Sequence] | None = None) -> Topology:
+    """Picks the topology: an explicit argument, then $STARSCREAM_TOPOLOGY, then what the machine shows.
+
+    `gpus` / `nodes`, when given, replace the GPUs per node / node count. `groups` (devices per physical GPU, as
+    given by the user) shape the detected topology.
+    """
+    if isinstance(topology, str):
+        topology = parse_override(topology)
+    topology = topology or override_from_env() or detect_topology(devices, groups)
+    return _with_counts(topology, gpus, nodes)
+
+
+def _with_counts(topology: Topology, gpus: int | None, nodes: int | None) -> Topology:
+    """The topology with gpus per node / nodes replaced where given (positive)."""
+    for name, value in (("gpus", gpus), ("nodes", nodes)):
+        if value is not None and value < 1:
+            raise TopologyError(f"{name}={value}; ask for a positive number of {name} (--{name})")
+    return dataclasses.replace(topology, gpus_per_node=topology.gpus_per_node if gpus is None else gpus,
+                               nodes=topology.nodes if nodes is None else nodes)
+
+
+def _platform(device) -> str:
+    version = getattr(device.client, "platform_version", "").lower()
+    return "rocm" if "rocm" in version or device.platform == "rocm" else device.platform
+
+
+def _rocm_chip(device) -> str:
+    """"mi355x" for gfx950 devices, else "mi300x"."""
+    kind = f"{getattr(device, 'compute_capability', '')} {getattr(device, 'device_kind', '')}".lower()
+    return "mi355x" if "gfx95" in kind or "mi355" in kind else "mi300x"
+
+
+def detect_topology(devices: Sequence | None = None, groups: Sequence[Sequence] | None = None) -> Topology:
+    """The topology of the devices JAX sees (default: all of them), one node per process.
+
+    ROCm: the compute and memory mode and the partitions per GPU from sysfs (`detect.detect_rocm_topology`).
+    CPU: the cpu preset, one device per GPU. Other GPUs: one device per GPU (H200 figures for H100/H200).
+    `groups` (devices per physical GPU, given by the user) replace the partition and GPU counts.
+    """
+    devices = list(devices or jax.devices())
+    processes = len({d.process_index for d in devices})
+    platform = _platform(devices[0])
+    found = _detect_rocm() if platform == "rocm" else None
+    if found is not None:
+        preset = _rocm_preset(_rocm_chip(devices[0]), found)
+        partitions = len(found.groups[0])
+    else:
+        kind = devices[0].device_kind.lower()
+        preset = load_preset("h200" if platform != "cpu" and ("h200" in kind or "h100" in kind) else "cpu")
+        partitions = 1
+    if groups is not None:
+        return Topology(preset, nodes=processes, gpus_per_node=len(groups) // processes,
+                        partitions_per_gpu=len(groups[0]))
+    return Topology(preset, nodes=processes, gpus_per_node=len(devices) // processes // partitions,
+                    partitions_per_gpu=partitions)
+
+
+def _detect_rocm():
+    """What `detect.detect_rocm_topology` reads from this machine's sysfs (None without KFD GPU nodes)."""
+    return detect.detect_rocm_topology()
+
+
+def _rocm_preset(chip_name: str, found) -> Preset:
+    """The preset of the detected modes; a mode the driver does not report follows from the partitions per GPU
+    (compute) or is the chip's first valid one for that compute mode (memory: it changes no preset figure)."""
+    compute_mode = found.compute_mode or MODE_FOR_PARTITIONS.get(len(found.groups[0]))
+    if compute_mode is None:
+        raise TopologyError(f"sysfs shows {len(found.groups[0])} partitions per GPU and no compute mode, expected "
+                            f"1, 2, 4 or 8; set a supported mode (amd-smi set --compute-partition) or pass "
+                            f"STARSCREAM_TOPOLOGY explicitly")
+    memory_mode = found.memory_mode or next(iter(load_chip(chip_name).memory_modes(compute_mode)), "NPS1")
+    return preset_for(chip_name, compute_mode, memory_mode)
+
+
+def physical_gpu_groups(devices: Sequence, topology: Topology) -> list[list]:
+    """The devices grouped by physical GPU, each group in partition order, groups ordered by (process, first id).
+
+    ROCm: read from sysfs. CPU: consecutive devices of one process form a GPU (devices left over after the last
+    whole GPU are not used). Other platforms: each device is its own GPU.
+    """
+    platform = _platform(devices[0])
+    if platform == "rocm" and topology.partitions_per_gpu > 1:
+        return _rocm_groups(devices)
+    if platform == "cpu":
+        return _consecutive_groups(devices, topology.partitions_per_gpu)
+    if topology.partitions_per_gpu != 1:
+        raise TopologyError(
+            f"{platform} devices are whole GPUs, but the topology asks for {topology.partitions_per_gpu} partitions "
+            f"per GPU; pass grouping=[[ids of GPU 0], [ids of GPU 1], ...] to treat devices as partitions")
+    return [[d] for d in sorted(devices, key=lambda d: (d.process_index, d.id))]
+
+
+def _explicit_groups(devices: Sequence, grouping: Sequence[Sequence[int]]) -> list[list]:
+    """The devices named by `grouping` (device ids, one list per physical GPU), checked."""
+    by_id = {d.id: d for d in devices}
+    as_lists = [list(group) for group in grouping]
+    if not as_lists or not all(as_lists):
+        raise TopologyError(f"grouping {as_lists} has an empty GPU; give one non-empty list of device ids per GPU")
+    flat = [i for group in as_lists for i in group]
+    unknown = sorted(set(flat) - set(by_id))
+    if unknown:
+        raise TopologyError(f"grouping names device ids {unknown} that JAX does not have (ids: {sorted(by_id)}); "
+                            f"use ids from jax.devices()")
+    twice = sorted({i for i in flat if flat.count(i) > 1})
+    if twice:
+        raise TopologyError(f"grouping lists device(s) {twice} more than once; each device belongs to one GPU")
+    sizes = sorted({len(g) for g in as_lists})
+    if len(sizes) != 1:
+        raise TopologyError(f"grouping has GPUs with {sizes} partitions; every GPU must have the same number")
+    groups = [[by_id[i] for i in group] for group in as_lists]
+    split = [[d.id for d in group] for group in groups if len({d.process_index for d in group}) > 1]
+    if split:
+        raise TopologyError(f"grouping puts devices of different processes in one GPU ({split[0]}); a GPU's "
+                            f"partitions belong to one process")
+    return groups
+
+
+def _consecutive_groups(devices: Sequence, partitions: int) -> list[list]:
+    """Each process' devices in id order, cut into GPUs of `partitions` devices."""
+    groups = []
+    for process in sorted({d.process_index for d in devices}):
+        local = sorted((d for d in devices if d.process_index == process), key=lambda d: d.id)
+        groups += [local[i:i + partitions] for i in range(0, len(local) - partitions + 1, partitions)]
+    return groups
+
+
+def _rocm_groups(devices: Sequence) -> list[list]:
+    """Groups ROCm devices by the physical GPU that sysfs names (KFD location_id / PCI domain:bus:device).
+
+    Every process reads its own node's sysfs; nodes are assumed alike (same GPUs, same mode), which the device
+    count check in `build_mesh` backs up.
+    """
+    found = _detect_rocm()
+    if found is None:
+        raise TopologyError("JAX runs on ROCm but /sys/class/kfd shows no GPU nodes, so which partitions share a GPU "
+                            "is unknown; run on the host (or mount /sys into the container), or pass "
+                            "grouping=[[ids of GPU 0], [ids of GPU 1], ...]")
+    groups = []
+    for process in sorted({d.process_index for d in devices}):
+        by_ordinal = {d.local_hardware_id: d for d in devices if d.process_index == process}
+        for gpu in found.groups:
+            missing = [p.hip_ordinal for p in gpu if p.hip_ordinal not in by_ordinal]
+            if missing:
+                raise TopologyError(
+                    f"sysfs shows GPU {gpu[0].gpu_id} with HIP ordinals {[p.hip_ordinal for p in gpu]}, but process "
+                    f"{process} has no JAX device for {missing}; make every partition visible "
+                    f"(check ROCR_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)")
+            groups.append([by_ordinal[p.hip_ordinal] for p in gpu])
+    return groups
+
+
+def build_mesh(topology: Topology | str | None = None, **options):
+    """A `jax.sharding.Mesh` of shape (data, gpu, xcd) with Explicit axes; options as `build_topology_mesh`."""
+    return build_topology_mesh(topology, **options)[1]
+
+
+def build_topology_mesh(topology: Topology | str | None = None, *, gpus: int | None = None,
+                        nodes: int | None = None, data: int = 1, grouping: Sequence[Sequence[int]] | None = None,
+                        devices: Sequence | None = None, simulate: bool = False):
+    """(Topology, Mesh): the mesh has shape (data, gpu // data, xcd), Explicit axes, and each xcd row is one GPU.
+
+    topology: a Topology, an override string ("8x8", "2x8x8", "mi300x-cpx-nps1:4") or None ($STARSCREAM_TOPOLOGY,
+        then detection; with simulate, $STARSCREAM_TOPOLOGY, then the cpu preset).
+    gpus / nodes: use this many GPUs per node / nodes. The GPUs split evenly over the processes, each process
+        giving its first ones (a subset of what a process has is fine).
+    data: the size of the outer data-parallel axis; it must divide the number of GPUs.
+    grouping: device ids per physical GPU, e.g. [[0, 1], [2, 3]], in place of detection.
+    devices: the devices to use (default: all). simulate: build on simulated CPU devices.
+    """
+    if simulate:
+        topology, devices = _simulated(topology, gpus, nodes, grouping, devices)
+    devices = list(devices or jax.devices())
+    groups = _explicit_groups(devices, grouping) if grouping is not None else None
+    topology = resolve_topology(topology, gpus=gpus, nodes=nodes, devices=devices, groups=groups)
+    chosen = _choose_gpus(groups or physical_gpu_groups(devices, topology), topology, devices)
+    return topology, _mesh(chosen, topology, data)
+
+
+def _simulated(topology, gpus, nodes, grouping, devices) -> tuple:
+    """(topology, CPU devices) for a simulated mesh; starts the simulated devices when JAX has not started yet."""
+    if grouping is None:
+        topology = resolve_topology(topology or override_from_env() or DEFAULT_SIMULATED, gpus=gpus, nodes=nodes)
+        simulate_cpu_devices(-(-topology.num_devices // _joined_processes()))
+    else:
+        simulate_cpu_devices(1 + max((i for group in grouping for i in group), default=0))
+    return topology, devices or jax.devices("cpu")
+
+
+def _joined_processes() -> int:
+    """How many processes jax.distributed has joined (1 before or without it); does not start the backend."""
+    return distributed.global_state.num_processes
+
+
+def _choose_gpus(groups: list[list], topology: Topology, devices: Sequence) -> list[list]:
+    """The first num_gpus / P GPUs of each of the P processes (a subset of each process' GPUs is fine)."""
+    partitions = {len(g) for g in groups}
+    if partitions != {topology.partitions_per_gpu}:
+        raise TopologyError(
+            f"found GPUs with {sorted(partitions)} partitions each, expected {topology.partitions_per_gpu} "
+            f"({topology.compute_mode}); check the partition mode (amd-smi) or pick the preset that matches it")
+    processes = sorted({g[0].process_index for g in groups})
+    if topology.num_gpus % len(processes):
+        raise TopologyError(
+            f"the topology's {topology.nodes} node(s) x {topology.gpus_per_node} GPUs do not split evenly over "
+            f"{len(processes)} processes; make --nodes / --gpus match the launch")
+    per_process = topology.num_gpus // len(processes)
+    chosen = []
+    for process in processes:
+        local = [g for g in groups if g[0].process_index == process]
+        if len(local) < per_process:
+            shown = sum(d.process_index == process for d in devices)
+            raise TopologyError(
+                f"the topology needs {topology.num_gpus} GPUs x {topology.partitions_per_gpu} partitions = "
+                f"{topology.num_devices} devices, {per_process} GPUs from each of {len(processes)} process(es), but "
+                f"process {process} shows {shown} devices ({len(local)} whole GPUs); ask for fewer GPUs (--gpus) or "
+                f"simulate {per_process * topology.partitions_per_gpu} devices per process (--simulate)")
+        chosen += local[:per_process]
+    return chosen
+
+
+def _mesh(chosen: list[list], topology: Topology, data: int):
+    """The Mesh of shape (data, gpus // data, partitions) whose row (d, g) holds one GPU's partitions in order."""
+    if data < 1 or len(chosen) % data:
+        raise TopologyError(f"data={data} (--data-parallel) does not divide the {len(chosen)} GPUs; pick a "
+                            f"divisor of {len(chosen)}")
+    cells = np.empty((len(chosen), topology.partitions_per_gpu), dtype=object)
+    for row, group in enumerate(chosen):
+        cells[row, :] = group
+    grid = cells.reshape(data, len(chosen) // data, topology.partitions_per_gpu)
+    return Mesh(grid, AXES, axis_types=(AxisType.Explicit,) * len(AXES))
+
+
+def device_table(mesh) -> list[list[list[int]]]:
+    """Device ids at each (data, gpu, xcd) of the mesh."""
+    return [[[int(d.id) for d in row] for row in plane] for plane in mesh.devices]
+
+

@@ -1,0 +1,98 @@
+"""Model configurations as data: one TOML file per architecture in `models/`, read into `ModelConfig`.
+
+Loading a configuration never allocates the model; `jax.eval_shape` / `nnx.eval_shape` give abstract shapes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import PresetError
+from ..resources import data_dir
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-family decoder. d_model D, n_heads H query heads of head_dim, n_kv_heads K (H % K == 0), d_ff F,
+    n_experts E (0 = dense MLP) with experts_per_token routed per token."""
+
+    name: str
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    n_experts: int = 0
+    experts_per_token: int = 2
+    dtype: str = "float32"
+    remat: bool = False
+
+    def __post_init__(self):
+        if self.n_heads % self.n_kv_heads:
+            raise PresetError(f"model {self.name}: n_heads {self.n_heads} is not a multiple of n_kv_heads "
+                              f"{self.n_kv_heads}; grouped-query attention needs whole groups")
+        if self.n_experts and not 0 < self.experts_per_token <= self.n_experts:
+            raise PresetError(f"model {self.name}: experts_per_token {self.experts_per_token} must be in "
+                              f"1..n_experts ({self.n_experts})")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise PresetError(f"model {self.name}: dtype {self.dtype!r}; use 'float32' or 'bfloat16'")
+        if self.head_dim % 2:
+            raise PresetError(f"model {self.name}: head_dim {self.head_dim} must be even for rotary embeddings")
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self) -> int:
+        """Parameter count (embedding and head counted once each unless tied)."""
+        d, f, h, k, hd = self.d_model, self.d_ff, self.n_heads, self.n_kv_heads, self.head_dim
+        attention = d * hd * (2 * h + 2 * k)
+        mlp = 3 * d * f * max(1, self.n_experts) + (d * self.n_experts if self.n_experts else 0)
+        embeddings = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return self.n_layers * (attention + mlp + 2 * d) + embeddings + d
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x active matmul parameters + attention (12 L S D_attn), as in the PaLM paper's
+        MFU accounting; routed experts count experts_per_token times."""
+        d, f, h, k, hd = self.d_model, self.d_ff, self.n_heads, self.n_kv_heads, self.head_dim
+        experts = self.experts_per_token if self.n_experts else 1
+        per_layer = d * hd * (2 * h + 2 * k) + 3 * d * f * experts
+        matmul = self.n_layers * per_layer + self.vocab_size * d
+        return 6 * matmul + 12 * self.n_layers * seq_len * h * hd
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}
+
+
+def list_model_configs() -> list[str]:
+    return sorted(p.stem for p in data_dir("models").glob("*.toml"))
+
+
+def load_model_config(name_or_path: str | Path, **overrides) -> ModelConfig:
+    """Reads models/<name>.toml, or a TOML file at a path in the same format; keyword overrides win."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        path = data_dir("models") / f"{name_or_path}.toml"
+    if not path.is_file():
+        raise PresetError(f"unknown model {str(name_or_path)!r}; give a file path or one of "
+                          f"{', '.join(list_model_configs())}")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise PresetError(f"{path} is not valid TOML ({err}); fix the file") from None
+    raw = {**raw, **overrides}
+    unknown = sorted(set(raw) - set(FIELDS))
+    if unknown:
+        raise PresetError(f"{path}: unknown field(s) {unknown}; known fields: {', '.join(FIELDS)}")
+    missing = [n for n, f in FIELDS.items()
+               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and n not in raw]
+    if missing:
+        raise PresetError(f"{path}: missing field(s) {missing}")
+    return ModelConfig(**raw)

@@ -1,0 +1,219 @@
+"""A Llama-family decoder in Flax NNX whose every tensor carries logical axis names.
+
+Shape letters as in `names`. Layers are stacked on a leading `layers` axis and run with `jax.lax.scan`, so compile
+time does not grow with depth. Under `use_layout(layout, mesh)` every weight, activation and the KV cache is placed by
+the layout; outside it the same code runs unsharded. Each projection runs under `jax.named_scope` with its name (q, k,
+v, o, gate, up, down, router, logits; embed and attention for the per-device ops), so the compiled program's op names,
+and the inspector's keys, read as the model does.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from ..sharding.apply import (activation_spec, constrain, create_sharded, einsum, param, scale, shared_input,
+                              token_mean, use_layout, weight)
+from ..sharding.layouts import Layout
+from .config import ModelConfig
+from .names import ATTN_KV, ATTN_Q, KV_CACHE, LOGITS, RESIDUAL, TOKENS
+from .ops import attention, cross_entropy, embed_lookup
+
+
+def _normal(rngs: nnx.Rngs, shape, fan_in: int) -> jax.Array:
+    return jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in ** -0.5
+
+
+def rms_norm(x_BSD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in float32, returned in x's dtype."""
+    x32 = x_BSD.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return scale(normed, scale_D, ("norm",), "norm scale").astype(x_BSD.dtype)
+
+
+def rope(x_BSNE: jax.Array, positions_BS: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (rotate-half form) of queries or keys at integer positions."""
+    half = x_BSNE.shape[-1] // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions_BS[..., None].astype(jnp.float32) * inv_freq  # [B, S, E/2]
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    x1, x2 = x_BSNE[..., :half].astype(jnp.float32), x_BSNE[..., half:].astype(jnp.float32)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x_BSNE.dtype)
+
+
+class LayerStack(nnx.Module):
+    """All L transformer blocks, each weight stacked on a leading `layers` axis."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        L, D, H, K, E, F = c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff
+        self.attn_norm = param(jnp.ones((L, D)), ("layers", "norm"))
+        self.wq = param(_normal(rngs, (L, D, H, E), D), ("layers", "embed", "heads", "head_dim"))
+        self.wk = param(_normal(rngs, (L, D, K, E), D), ("layers", "embed", "kv_heads", "head_dim"))
+        self.wv = param(_normal(rngs, (L, D, K, E), D), ("layers", "embed", "kv_heads", "head_dim"))
+        self.wo = param(_normal(rngs, (L, H, E, D), H * E), ("layers", "heads", "head_dim", "embed"))
+        self.mlp_norm = param(jnp.ones((L, D)), ("layers", "norm"))
+        if c.n_experts:
+            X = c.n_experts
+            self.router = param(_normal(rngs, (L, D, X), D), ("layers", "embed", "experts"))
+            self.w_gate = param(_normal(rngs, (L, X, D, F), D), ("layers", "experts", "embed", "mlp"))
+            self.w_up = param(_normal(rngs, (L, X, D, F), D), ("layers", "experts", "embed", "mlp"))
+            self.w_down = param(_normal(rngs, (L, X, F, D), F), ("layers", "experts", "mlp", "embed"))
+        else:
+            self.w_gate = param(_normal(rngs, (L, D, F), D), ("layers", "embed", "mlp"))
+            self.w_up = param(_normal(rngs, (L, D, F), D), ("layers", "embed", "mlp"))
+            self.w_down = param(_normal(rngs, (L, F, D), F), ("layers", "mlp", "embed"))
+
+
+class Transformer(nnx.Module):
+    """tokens [B, S] int32 -> logits [B, S, V] float32 (and the updated KV cache when one is given)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embedding = param(jax.random.normal(rngs.params(), (config.vocab_size, config.d_model)) * 0.02,
+                               ("vocab", "embed"))
+        self.layers = LayerStack(config, rngs=rngs)
+        self.final_norm = param(jnp.ones((config.d_model,)), ("norm",))
+        if not config.tie_embeddings:
+            self.lm_head = param(_normal(rngs, (config.d_model, config.vocab_size), config.d_model),
+                                 ("embed", "vocab"))
+
+    def __call__(self, tokens_BS: jax.Array, *, positions_BS: jax.Array | None = None,
+                 cache: dict | None = None, cache_index: jax.Array | int = 0):
+        """tokens [B, S] -> logits [B, S, V] float32, or (logits, cache) with a KV cache {"k", "v"} of
+        [L, B, T, K, E] each, the new keys and values written at `cache_index`."""
+        c = self.config
+        dtype = jnp.dtype(c.dtype)
+        if positions_BS is None:
+            positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]) + cache_index, tokens_BS.shape)
+        with jax.named_scope("embed"):
+            table_VD = weight(self.embedding[...], ("vocab", "embed"), dtype, "embedding")
+            x_BSD = embed_lookup(table_VD, tokens_BS, out=RESIDUAL)
+        stacked = {name: getattr(self.layers, name)[...] for name in _layer_weight_names(c)}
+        x_BSD, new_cache = self._run_layers(x_BSD, stacked, positions_BS, cache, cache_index)
+        x_BSD = rms_norm(x_BSD, self.final_norm[...], c.norm_eps)
+        with jax.named_scope("logits"):
+            if c.tie_embeddings:
+                logits_BSV = einsum("bsd,vd->bsv", x_BSD, table_VD, out=LOGITS, tensor="logits")
+            else:
+                head_DV = weight(self.lm_head[...], ("embed", "vocab"), dtype, "lm_head")
+                logits_BSV = einsum("bsd,dv->bsv", x_BSD, head_DV, out=LOGITS, tensor="logits")
+            logits_BSV = logits_BSV.astype(jnp.float32)
+        return logits_BSV if cache is None else (logits_BSV, new_cache)
+
+    def _run_layers(self, x_BSD, stacked, positions_BS, cache, cache_index):
+        c = self.config
+        positions_BS = constrain(positions_BS, ("attn_batch", "seq"), "positions")
+
+        def block(x_BSD, layer):
+            w, layer_cache = layer
+            x_BSD, layer_cache = _block(c, x_BSD, w, positions_BS, layer_cache, cache_index)
+            return x_BSD, layer_cache
+
+        if c.remat:
+            block = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
+        return jax.lax.scan(block, x_BSD, (stacked, cache))
+
+
+def _layer_weight_names(c: ModelConfig) -> list[str]:
+    names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
+    return names + (["router"] if c.n_experts else [])
+
+
+def _used(scope: str, weights: dict, key: str, names: tuple[str, ...], dtype) -> jax.Array:
+    """One layer's weight `weights[key]` as its projection uses it (`weight`: cast, gathered), under the
+    projection's named scope."""
+    with jax.named_scope(scope):
+        return weight(weights[key], names, dtype, key)
+
+
+def _project(scope: str, subscripts: str, x: jax.Array, w: jax.Array, out: tuple[str, ...]) -> jax.Array:
+    """One projection `einsum(subscripts, x, w)` placed by `out`, under the named scope `scope`."""
+    with jax.named_scope(scope):
+        return einsum(subscripts, x, w, out, scope)
+
+
+def _block(c: ModelConfig, x_BSD, w, positions_BS, layer_cache, cache_index):
+    """One pre-norm block: x + attention(norm(x)), then + mlp(norm(x)). x [B, S, D] placed by RESIDUAL."""
+    dtype = jnp.dtype(c.dtype)
+    h_BSD = rms_norm(x_BSD, w["attn_norm"], c.norm_eps)
+    wq_DHE = _used("q", w, "wq", ("embed", "heads", "head_dim"), dtype)
+    wk_DKE = _used("k", w, "wk", ("embed", "kv_heads", "head_dim"), dtype)
+    wv_DKE = _used("v", w, "wv", ("embed", "kv_heads", "head_dim"), dtype)
+    h_BSD = shared_input(h_BSD, [wq_DHE, wk_DKE, wv_DKE])
+    q_BSHE = _project("q", "bsd,dhe->bshe", h_BSD, wq_DHE, ATTN_Q)
+    k_BSKE = _project("k", "bsd,dke->bske", h_BSD, wk_DKE, ATTN_KV)
+    v_BSKE = _project("v", "bsd,dke->bske", h_BSD, wv_DKE, ATTN_KV)
+    q_BSHE, k_BSKE = rope(q_BSHE, positions_BS, c.rope_theta), rope(k_BSKE, positions_BS, c.rope_theta)
+    with jax.named_scope("attention"):
+        attended_BSHE, layer_cache = attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, layer_cache, cache_index)
+        attended_BSHE = constrain(attended_BSHE, ("batch", "seq", "heads", "head_dim"), "attention output")
+    wo_HED = _used("o", w, "wo", ("heads", "head_dim", "embed"), dtype)
+    x_BSD = x_BSD + _project("o", "bshe,hed->bsd", attended_BSHE, wo_HED, RESIDUAL)
+    h_BSD = rms_norm(x_BSD, w["mlp_norm"], c.norm_eps)
+    mlp_BSD = _moe_mlp(c, h_BSD, w) if c.n_experts else _dense_mlp(c, h_BSD, w)
+    return x_BSD + mlp_BSD, layer_cache
+
+
+def _dense_mlp(c: ModelConfig, h_BSD, w):
+    """SwiGLU: down(silu(h @ gate) * (h @ up)), [B, S, D] -> [B, S, D] with the hidden [B, S, F] over `mlp`."""
+    dtype = jnp.dtype(c.dtype)
+    w_gate_DF = _used("gate", w, "w_gate", ("embed", "mlp"), dtype)
+    w_up_DF = _used("up", w, "w_up", ("embed", "mlp"), dtype)
+    h_BSD = shared_input(h_BSD, [w_gate_DF, w_up_DF])
+    gate_BSF = _project("gate", "bsd,df->bsf", h_BSD, w_gate_DF, ("batch", "seq", "mlp"))
+    up_BSF = _project("up", "bsd,df->bsf", h_BSD, w_up_DF, ("batch", "seq", "mlp"))
+    w_down_FD = _used("down", w, "w_down", ("mlp", "embed"), dtype)
+    return _project("down", "bsf,fd->bsd", jax.nn.silu(gate_BSF) * up_BSF, w_down_FD, RESIDUAL)
+
+
+def _moe_mlp(c: ModelConfig, h_BSD, w):
+    """Top-k routed SwiGLU experts, computed densely (every expert sees every token, weighted by its gate, zero for
+    unrouted experts): exact and simple; FLOPs are n_experts / experts_per_token times a routed implementation."""
+    dtype = jnp.dtype(c.dtype)
+    router_DX = _used("router", w, "router", ("embed", "experts"), jnp.float32)
+    logits_BSX = _project("router", "bsd,dx->bsx", h_BSD.astype(jnp.float32), router_DX, ("batch", "seq", "experts"))
+    top_values, top_index = jax.lax.top_k(logits_BSX, c.experts_per_token)
+    top_gates = jax.nn.softmax(top_values, axis=-1)
+    chosen = top_index[..., None] == jnp.arange(c.n_experts)  # [B, S, k, X]
+    gates_BSX = jnp.sum(jnp.where(chosen, top_gates[..., None], 0.0), axis=-2).astype(dtype)
+    names = ("experts", "embed", "mlp")
+    w_gate_XDF, w_up_XDF = _used("gate", w, "w_gate", names, dtype), _used("up", w, "w_up", names, dtype)
+    h_BSD = shared_input(h_BSD, [w_gate_XDF, w_up_XDF])
+    gate_BSXF = _project("gate", "bsd,xdf->bsxf", h_BSD, w_gate_XDF, ("batch", "seq", "experts", "mlp"))
+    up_BSXF = _project("up", "bsd,xdf->bsxf", h_BSD, w_up_XDF, ("batch", "seq", "experts", "mlp"))
+    hidden_BSXF = jax.nn.silu(gate_BSXF) * up_BSXF * gates_BSX[..., None]
+    w_down_XFD = _used("down", w, "w_down", ("experts", "mlp", "embed"), dtype)
+    return _project("down", "bsxf,xfd->bsd", hidden_BSXF, w_down_XFD, RESIDUAL)
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int) -> dict:
+    """An empty KV cache {"k", "v"}: [L, B, T, K, E] each, in the compute dtype, placed by the active layout
+    (kv heads over gpu and batch over xcd under the starscream layouts)."""
+    shape = (config.n_layers, batch, max_len, config.n_kv_heads, config.head_dim)
+    zeros_LBTKE = jnp.zeros(shape, jnp.dtype(config.dtype))
+    return {"k": constrain(zeros_LBTKE, KV_CACHE, "kv cache"), "v": constrain(zeros_LBTKE, KV_CACHE, "kv cache")}
+
+
+def cache_shardings(config: ModelConfig, batch: int, length: int, layout: Layout | str, mesh) -> dict:
+    """{"k", "v"}: the NamedSharding `layout` gives a KV cache of [L, B, T, K, E] (T = `length`) on `mesh`."""
+    shape = (config.n_layers, batch, length, config.n_kv_heads, config.head_dim)
+    with use_layout(layout, mesh):
+        spec = activation_spec(KV_CACHE, shape, "kv cache")
+    return {name: NamedSharding(mesh, spec) for name in ("k", "v")}
+
+
+def next_token_loss(model: Transformer, tokens_BS: jax.Array) -> jax.Array:
+    """Mean cross entropy (nats) of predicting tokens[:, 1:] from tokens[:, :-1]; vocab-parallel under a layout.
+    tokens [B, S + 1] int32, placed like a token batch (`batch_sharding`)."""
+    logits_BSV = model(tokens_BS[:, :-1])
+    targets_BS = constrain(tokens_BS[:, 1:], TOKENS, "targets")
+    with jax.named_scope("loss"):
+        return token_mean(cross_entropy(logits_BSV, targets_BS), TOKENS)
+
+
+def create_sharded_model(config: ModelConfig, layout: Layout | str, mesh, seed: int = 0) -> Transformer:
+    """A Transformer whose parameters are created already sharded by the layout's params rules."""
+    return create_sharded(lambda: Transformer(config, rngs=nnx.Rngs(seed)), layout, mesh)

@@ -1,0 +1,26 @@
+"""The model's vocabulary: shape letters and the logical names of its activations.
+
+Shape suffixes. Every array name in this package ends in its dimensions, one capital letter each (`x_BSD`, `cache_LBTKE`):
+  B batch (sequences)            S positions of the step's tokens   T key positions (KV cache length)
+  P prompt positions             N new (generated) tokens           D d_model (the residual stream)
+  H query heads                  K kv heads                         G query heads per kv head (H / K)
+  E head_dim                     F d_ff (MLP width)                 X experts
+  V vocabulary                   L layers
+
+Logical names (what a layout's rule tables map to mesh axes) of the activations the model and its per-device ops
+share; the weights' names are given where each weight is created.
+"""
+RESIDUAL = ("batch", "seq", "embed")
+"""The residual stream [B, S, D]."""
+ATTN_Q = ("attn_batch", "seq", "heads", "head_dim")
+"""Queries and the attention output [B, S, H, E] inside attention."""
+ATTN_KV = ("attn_batch", "seq", "kv_heads", "head_dim")
+"""Keys and values [B, S, K, E] (one layer of the KV cache: [B, T, K, E])."""
+POSITIONS = ("attn_batch", "seq")
+"""Token positions [B, S] as attention sees them."""
+KV_CACHE = ("layers", *ATTN_KV)
+"""The KV cache of every layer, [L, B, T, K, E] for keys and for values."""
+TOKENS = ("batch", "seq")
+"""Token ids, targets and per-token losses [B, S]."""
+LOGITS = ("batch", "seq", "vocab")
+"""Logits [B, S, V]."""

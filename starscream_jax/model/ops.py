@@ -1,0 +1,190 @@
+"""Kernels that run per device inside `jax.shard_map`: attention (with the KV cache), vocab-parallel embedding
+lookup and cross entropy. Each takes its placement from the active layout; with none active it runs unsharded.
+
+Inside shard_map every array is the local shard; the only communication is the explicit psum / pmax over the mesh
+axes that shard the vocabulary, one axis at a time (inside the GPU first), so it stays hierarchical.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec, reshard
+
+from ..errors import ShardingRuleError
+from ..sharding.apply import activation_spec, active
+from ..hardware.axes import axes_of, dim_axes
+from ..sharding.collectives import hierarchical_all_gather, hierarchical_psum
+from ..sharding.rules import LogicalNames
+from .names import ATTN_KV, ATTN_Q, LOGITS, POSITIONS, TOKENS
+
+
+def _offset(axes: tuple[str, ...], local_size: int):
+    """Index of this device's first element along a dimension sharded over `axes` (0 when unsharded)."""
+    return jax.lax.axis_index(axes) * local_size if axes else 0
+
+
+def _run_sharded(local_fn, args, names: list[LogicalNames | None], outs: list[tuple[LogicalNames, tuple]],
+                 tensor: str):
+    """Runs `local_fn(*local_args, specs=...)` on every device's shards. `names` are the logical names of `args`
+    (None = a replicated scalar); `outs` the (logical names, global shape) of each result; `specs` hands the local
+    function each argument's PartitionSpec so it knows which axes shard which dimension."""
+    if active() is None:
+        result = local_fn(*args, specs=[PartitionSpec()] * len(args))
+        return result
+    specs = [PartitionSpec() if n is None else activation_spec(n, a.shape, tensor) for a, n in zip(args, names)]
+    out_specs = tuple(activation_spec(n, shape, tensor) for n, shape in outs)
+    fn = jax.shard_map(lambda *a: local_fn(*a, specs=specs), in_specs=tuple(specs),
+                       out_specs=out_specs[0] if len(outs) == 1 else out_specs)
+    return fn(*[reshard(a, s) for a, s in zip(args, specs)])
+
+
+def _kv_heads_for_local_queries(kv_BTKE, local_heads: int, group: int, q_axes, kv_axes):
+    """The kv heads that serve this device's query heads. When kv heads are copied over some axes the queries are
+    split over (fewer kv heads than devices), each device slices out the one(s) its query heads share."""
+    local_kv = kv_BTKE.shape[2]
+    if local_heads == local_kv * group:
+        return kv_BTKE
+    needed = max(1, local_heads // group)
+    start = _offset(q_axes, local_heads) // group - _offset(kv_axes, local_kv)
+    return jax.lax.dynamic_slice_in_dim(kv_BTKE, start, needed, axis=2)
+
+
+def _check_head_split(n_heads: int, n_kv: int, q_axes, kv_axes, mesh_shape: dict):
+    if tuple(kv_axes) != tuple(q_axes)[:len(kv_axes)]:
+        raise ShardingRuleError(f"kv heads sharded over {kv_axes} but query heads over {q_axes}; the kv-head axes must "
+                                f"lead the query-head axes so each device's queries find their kv heads")
+    devices = 1
+    for a in q_axes:
+        devices *= mesh_shape[a]
+    local, group = n_heads // devices, n_heads // n_kv
+    if local % group and group % local:
+        raise ShardingRuleError(f"{n_heads} query heads over {devices} devices gives {local} per device, which "
+                                f"splits groups of {group} query heads per kv head unevenly; use a head count whose "
+                                f"per-device share divides or is divided by {group}")
+
+
+def _on_cuda() -> bool:
+    """Whether the active mesh (or, with none, the default device) is an NVIDIA GPU, where cuDNN runs."""
+    current = active()
+    device = current.mesh.devices.flat[0] if current is not None else jax.devices()[0]
+    return device.platform == "gpu" and "cuda" in device.client.platform_version.lower()
+
+
+def _causal_attention(q_BSHE, k_BTKE, v_BTKE):
+    """Causal attention of one device's shards. On NVIDIA GPUs with bf16 / fp16 inputs, cuDNN's fused flash
+    attention (`jax.nn.dot_product_attention` picks XLA's unfused form, [B, H, S, T] scores in memory, unless told);
+    XLA's form elsewhere, and for shapes cuDNN refuses (it raises NotImplementedError while tracing)."""
+    if _on_cuda() and q_BSHE.dtype in (jnp.bfloat16, jnp.float16):
+        try:
+            return jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, is_causal=True, implementation="cudnn")
+        except NotImplementedError:
+            pass
+    return jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, is_causal=True)
+
+
+def _sequence_split_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, seq_axes: tuple[str, ...]):
+    """Causal attention of this device's stretch of the sequence (context parallelism): the keys and values of the
+    whole sequence, and their positions, are all-gathered over the mesh axes that split it, one axis at a time from
+    the innermost (inside the GPU first), and each query sees the keys at positions up to its own. The gathers'
+    transposes reduce-scatter the key and value gradients back."""
+    key_positions = hierarchical_all_gather(positions_BS, seq_axes, dimension=1)
+    mask = key_positions[:, None, None, :] <= positions_BS[:, None, :, None]  # [B, 1, S_local, T]
+    keys, values = (hierarchical_all_gather(x, seq_axes, dimension=1) for x in (k_BSKE, v_BSKE))
+    return jax.nn.dot_product_attention(q_BSHE, keys, values, mask=mask)
+
+
+def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, cache_index=0):
+    """Causal grouped-query attention through `jax.nn.dot_product_attention` (cuDNN's fused kernel on NVIDIA GPUs
+    for training and prefill; the cached path, with its explicit mask, uses XLA's).
+
+    Without a cache: keys are the S new positions. With a cache {"k", "v"} of [B, T, K, E] (one layer), the new keys
+    are written at `cache_index` and queries attend to every cached position <= their own. Returns
+    (out [B, S, H, E], updated cache or None). Placement: ATTN_Q / ATTN_KV names; the cache uses ATTN_KV's. A layout
+    that splits `seq` runs context-parallel attention without a cache (`_sequence_split_attention`) and is refused
+    with one.
+    """
+    n_heads, n_kv = q_BSHE.shape[2], k_BSKE.shape[2]
+    group = n_heads // n_kv
+    current = active()
+
+    def local(q, k, v, pos, *rest, specs):
+        q_axes, kv_axes, seq_axes = dim_axes(specs[0], 2), dim_axes(specs[1], 2), dim_axes(specs[0], 1)
+        if cache is None:
+            k_sel = _kv_heads_for_local_queries(k, q.shape[2], group, q_axes, kv_axes)
+            v_sel = _kv_heads_for_local_queries(v, q.shape[2], group, q_axes, kv_axes)
+            if seq_axes:
+                return _sequence_split_attention(q, k_sel, v_sel, pos, seq_axes)
+            return _causal_attention(q, k_sel, v_sel)
+        cache_k, cache_v, index = rest
+        cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), index, axis=1)
+        cache_v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), index, axis=1)
+        k_sel = _kv_heads_for_local_queries(cache_k, q.shape[2], group, q_axes, kv_axes)
+        v_sel = _kv_heads_for_local_queries(cache_v, q.shape[2], group, q_axes, kv_axes)
+        key_positions = jnp.arange(cache_k.shape[1])
+        mask = key_positions[None, None, None, :] <= pos[:, None, :, None]
+        out = jax.nn.dot_product_attention(q, k_sel.astype(q.dtype), v_sel.astype(q.dtype), mask=mask)
+        return out, cache_k, cache_v
+
+    if current is not None:
+        q_spec = activation_spec(ATTN_Q, q_BSHE.shape)
+        kv_spec = activation_spec(ATTN_KV, k_BSKE.shape)
+        _check_head_split(n_heads, n_kv, axes_of(q_spec[2]), axes_of(kv_spec[2]), dict(current.mesh.shape))
+        if cache is not None and axes_of(q_spec[1]):
+            raise ShardingRuleError(
+                f"layout {current.layout.name} splits the sequence over {axes_of(q_spec[1])}, which attention with a KV "
+                f"cache (prefill, decode) does not support; generate under a layout whose 'seq' rule is None")
+    args = [q_BSHE, k_BSKE, v_BSKE, positions_BS]
+    names = [ATTN_Q, ATTN_KV, ATTN_KV, POSITIONS]
+    if cache is None:
+        return _run_sharded(local, args, names, [(ATTN_Q, q_BSHE.shape)], "attention"), None
+    index = jnp.asarray(cache_index, jnp.int32)
+    cache_out = (ATTN_KV, cache["k"].shape)
+    out, cache_k, cache_v = _run_sharded(local, [*args, cache["k"], cache["v"], index], [*names, ATTN_KV, ATTN_KV, None],
+                                         [(ATTN_Q, q_BSHE.shape), cache_out, cache_out], "attention")
+    return out, {"k": cache_k, "v": cache_v}
+
+
+def embed_lookup(table_VD, tokens_BS, out: LogicalNames):
+    """Rows of the embedding table for each token: [B, S] -> [B, S, D]. Vocab-parallel: each device looks up the
+    tokens in its vocab shard (zeros elsewhere) and a psum over the vocab axes completes the rows. `table_VD` is
+    the weight as used (see `sharding.weight`); its embed placement must equal `out`'s."""
+    current = active()
+    if current is None:
+        return jnp.take(table_VD, tokens_BS, axis=0)
+    table_type = jax.typeof(table_VD).sharding.spec  # may be `reduced` over the token axes (see sharding.weight)
+    table_spec = tuple(table_type.partitions) + (None,) * (2 - len(table_type.partitions))
+    out_spec = activation_spec(out, (*tokens_BS.shape, table_VD.shape[1]), "embedding")
+    tokens_spec = PartitionSpec(out_spec[0], out_spec[1])
+    vocab_axes = axes_of(table_spec[0])
+    if axes_of(table_spec[1]) != axes_of(out_spec[2]):
+        raise ShardingRuleError(f"embedding table at use shards embed over {table_spec[1]} but the residual stream "
+                                f"over {out_spec[2]}; make the weight and activation rules for 'embed' agree")
+
+    def local(table, tokens):
+        ids = tokens - _offset(vocab_axes, table.shape[0])
+        inside = (ids >= 0) & (ids < table.shape[0])
+        rows = jnp.take(table, jnp.clip(ids, 0, table.shape[0] - 1), axis=0) * inside[..., None].astype(table.dtype)
+        return hierarchical_psum(rows, vocab_axes)
+
+    fn = jax.shard_map(local, in_specs=(table_type.update(partitions=table_spec), tokens_spec), out_specs=out_spec)
+    return fn(table_VD, reshard(tokens_BS, tokens_spec))
+
+
+def cross_entropy(logits_BSV, targets_BS):
+    """Per-token cross entropy in nats, [B, S], computed where the logits live: max and sum of exponentials are
+    reduced over the vocab axes (pmax / psum of [B, S] values), never gathering the [B, S, V] logits."""
+    def local(logits, targets, *, specs):
+        vocab_axes = dim_axes(specs[0], 2)
+        logits = logits.astype(jnp.float32)
+        peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
+        peak = hierarchical_psum(peak, vocab_axes, jax.lax.pmax)
+        total = jnp.sum(jnp.exp(logits - peak[..., None]), axis=-1)
+        ids = targets - _offset(vocab_axes, logits.shape[-1])
+        inside = (ids >= 0) & (ids < logits.shape[-1])
+        picked = jnp.take_along_axis(logits, jnp.clip(ids, 0, logits.shape[-1] - 1)[..., None], axis=-1)[..., 0]
+        picked = jnp.where(inside, picked, 0.0)
+        total, picked = hierarchical_psum(total, vocab_axes), hierarchical_psum(picked, vocab_axes)
+        return jnp.log(total) + peak - picked
+
+    return _run_sharded(local, [logits_BSV, targets_BS], [LOGITS, TOKENS], [(TOKENS, targets_BS.shape)],
+                        "cross entropy")

@@ -1,0 +1,271 @@
+"""Applying a layout: the active layout, the activation helper, weights at use, and sharded parameter creation.
+
+Parameters carry their logical names as the `logical_axes` metadata of an `nnx.Param`; activations pass through
+`constrain(x, names)`; matmuls go through `einsum(..., out=names)` so a contraction over a sharded dimension says
+where its result lives (all-reduce, or reduce-scatter when `out` shards another dimension over the reduced axis).
+Outside `use_layout(...)` every helper is the identity, so the same model runs unsharded.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec, reshard
+
+from ..errors import ShardingRuleError
+from ..hardware.axes import INSIDE_GPU, axes_of, spec_axes
+from .layouts import Layout, get_layout
+from .rules import LogicalNames, resolve
+
+LOGICAL_AXES = "logical_axes"
+
+
+@dataclass(frozen=True)
+class ActiveLayout:
+    layout: Layout
+    mesh: jax.sharding.Mesh
+
+
+_ACTIVE: contextvars.ContextVar[ActiveLayout | None] = contextvars.ContextVar("starscream_layout", default=None)
+
+
+@contextlib.contextmanager
+def use_layout(layout: Layout | str, mesh):
+    """Makes `layout` on `mesh` the active layout (and `mesh` JAX's mesh) for code traced inside the block.
+
+    The layout is read while tracing and is not part of jit's cache key: a function jitted once and called under
+    two layouts with equally placed arguments reuses the first trace. Jit (or lower) afresh inside each block."""
+    token = _ACTIVE.set(ActiveLayout(get_layout(layout), mesh))
+    try:
+        with jax.set_mesh(mesh):
+            yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active() -> ActiveLayout | None:
+    """The active layout and mesh, or None outside `use_layout`."""
+    return _ACTIVE.get()
+
+
+def activation_spec(names: LogicalNames, shape, tensor: str = "activation") -> PartitionSpec | None:
+    """The PartitionSpec the active layout gives an activation, or None outside `use_layout`."""
+    current = active()
+    if current is None:
+        return None
+    return resolve(names, tuple(shape), current.layout.activations, current.mesh, tensor,
+                   f"activation rules of {current.layout.name}")
+
+
+def constrain(x: jax.Array, names: LogicalNames, tensor: str = "activation") -> jax.Array:
+    """Reshards activation `x` to the active layout's placement of its logical `names` (identity when none)."""
+    spec = activation_spec(names, x.shape, tensor)
+    return x if spec is None else reshard(x, spec)
+
+
+def weight(value: jax.Array, names: LogicalNames, dtype=None, tensor: str = "weight") -> jax.Array:
+    """A weight as a matmul uses it: cast to `dtype` first (fewer bytes to move), then resharded from its stored
+    placement to the layout's `weights` rules (an all-gather inside the GPU under starscream_tp).
+
+    Its gradient is a sum over the mesh axes that split the tokens (the layout's `batch` and `seq` axes). When those
+    split the tokens both inside GPUs (xcd) and across them (data), the sum runs in two stages: a reduce-scatter
+    inside each GPU into the stored placement, then an all-reduce of that shard (1/xcd of the bytes) across GPUs,
+    where XLA would run one all-reduce over both levels at once. Otherwise XLA's one reduction stays on one level.
+    """
+    if dtype is not None:
+        value = value.astype(dtype)
+    current = active()
+    if current is None:
+        return value
+    spec = resolve(names, value.shape, current.layout.weights, current.mesh, tensor,
+                   f"weight rules of {current.layout.name}")
+    summed_over = _token_axes(current) - spec_axes(spec)
+    if not _inside_and_across_gpus(summed_over, current.mesh):
+        return reshard(value, spec)
+    return _weight_at_use(value, spec, jax.typeof(value).sharding.spec, summed_over)
+
+
+def _token_axes(current: ActiveLayout) -> frozenset[str]:
+    """The mesh axes that split the tokens (batch or sequence) under the active layout."""
+    return frozenset(axis for name in ("batch", "seq") for axis in current.layout.activations.lookup(name)[1])
+
+
+def _inside_and_across_gpus(axes: frozenset[str], mesh) -> bool:
+    """Whether the mesh `axes` split over the partitions of a GPU and over several GPUs (sizes above one)."""
+    splitting = {axis for axis in axes if mesh.shape[axis] > 1}
+    return INSIDE_GPU in splitting and len(splitting) > 1
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _weight_at_use(value, use_spec: PartitionSpec, stored_spec: PartitionSpec, summed_over: frozenset[str]):
+    """`value` resharded to `use_spec`, typed as reduced over `summed_over`: its gradient arrives unreduced there
+    (each device holding its tokens' share) and `_weight_gradient` sums it."""
+    return reshard(value, use_spec.update(reduced=summed_over))
+
+
+def _weight_at_use_forward(value, use_spec, stored_spec, summed_over):
+    return _weight_at_use(value, use_spec, stored_spec, summed_over), None
+
+
+def _weight_gradient(use_spec, stored_spec, summed_over, _, gradient):
+    """Unreduced over `summed_over` -> placed like the stored weight: first summed over the token axes inside a GPU
+    and those the stored spec splits (a reduce-scatter, or an all-reduce for a weight not split there), then the
+    result over the others (an all-reduce across GPUs)."""
+    across_gpus = summed_over - spec_axes(stored_spec) - {INSIDE_GPU}
+    first = reshard(gradient, stored_spec.update(unreduced=across_gpus))
+    return (reshard(first, stored_spec),)
+
+
+_weight_at_use.defvjp(_weight_at_use_forward, _weight_gradient)
+
+
+def shared_input(x: jax.Array, used_by: list[jax.Array]) -> jax.Array:
+    """`x` as the common input of several matmuls with the weights `used_by` (as `weight` returned them), marked so
+    that its gradient is summed over the mesh once, not once per matmul.
+
+    When every weight splits an output dimension (heads, mlp) over mesh axes that `x` is replicated on, each matmul's
+    input gradient is a partial sum over those axes. Typed `reduced` there, `x` receives them unreduced; autodiff
+    adds them locally and one all-reduce (or reduce-scatter) sums the total, where XLA would reduce each matmul's
+    gradient on its own (q, k and v: three times the bytes). Identity outside `use_layout`, and where the weights
+    do not all split the same axes (kv heads fewer than the partitions the query heads are split over)."""
+    if active() is None:
+        return x
+    spec = jax.typeof(x).sharding.spec
+    split = {spec_axes(jax.typeof(w).sharding.spec) - spec_axes(spec) for w in used_by}
+    if len(split) != 1 or not (axes := split.pop()):
+        return x
+    return _summed_once(x, spec, axes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _summed_once(x, spec: PartitionSpec, axes: frozenset[str]):
+    """`x` (placed by `spec`) typed as reduced over `axes`; its gradient is summed there once."""
+    return reshard(x, spec.update(reduced=axes))
+
+
+def _summed_once_forward(x, spec, axes):
+    return _summed_once(x, spec, axes), None
+
+
+def _summed_once_gradient(spec, axes, _, gradient):
+    return (reshard(gradient, spec),)
+
+
+_summed_once.defvjp(_summed_once_forward, _summed_once_gradient)
+
+
+def scale(x: jax.Array, value: jax.Array, names: LogicalNames, tensor: str = "scale") -> jax.Array:
+    """x [..., D] times the weight `value` [D] (a norm scale), the weight used as `weight` places it (its gradient
+    summed likewise). A weight typed `reduced` is taken only by dot_general, so it multiplies through an einsum,
+    which XLA compiles back into an elementwise multiply."""
+    used = weight(value, names, tensor=tensor)
+    if not jax.typeof(used).sharding.spec.reduced:
+        return x * used
+    return jnp.einsum("...d,d->...d", x, used, precision=jax.lax.Precision.HIGHEST)
+
+
+def token_mean(x: jax.Array, names: LogicalNames, tensor: str = "token mean") -> jax.Array:
+    """The mean of `x` [B, ...], a value per token placed by the logical `names` (batch first).
+
+    When the tokens (batch, and any other dimension such as the sequence) are split both inside GPUs and across them,
+    the sum runs inside each GPU first (the per-sequence means, summed over xcd where the sequence is split there,
+    then gathered over xcd where the batch is), then across GPUs; `jnp.mean` would reduce in groups that span both
+    levels.
+    """
+    spec = activation_spec(names, x.shape, tensor)
+    if spec is None:
+        return jnp.mean(x)
+    batch_axes = axes_of(spec[0])
+    if not _inside_and_across_gpus(spec_axes(spec), active().mesh):
+        return jnp.mean(x)
+    per_sequence = jnp.mean(x, axis=tuple(range(1, x.ndim)))
+    across_gpus = tuple(axis for axis in batch_axes if axis != INSIDE_GPU)
+    return jnp.mean(reshard(per_sequence, PartitionSpec(across_gpus)))
+
+
+def einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, out: LogicalNames, tensor: str = "einsum") -> jax.Array:
+    """`jnp.einsum` (explicit "...->..." form) whose result is placed by the active layout's rule for the logical
+    names `out`: a contraction over a sharded dimension all-reduces, or reduce-scatters when `out` shards another
+    dimension over the reduced axis."""
+    inputs, result = subscripts.replace(" ", "").split("->")
+    sizes = {}
+    for letters, operand in zip(inputs.split(","), (lhs, rhs)):
+        sizes.update(zip(letters, operand.shape))
+    shape = tuple(sizes[letter] for letter in result)
+    spec = activation_spec(out, shape, tensor)
+    return jnp.einsum(subscripts, lhs, rhs, out_sharding=spec)
+
+
+def param(value: jax.Array, names: LogicalNames) -> nnx.Param:
+    """An nnx.Param carrying its logical axis names."""
+    if len(names) != value.ndim:
+        raise ShardingRuleError(f"parameter of shape {value.shape} given {len(names)} logical names {names}")
+    return nnx.Param(value, **{LOGICAL_AXES: tuple(names)})
+
+
+def _path_name(path) -> str:
+    return "/".join(str(getattr(p, "key", p)) for p in path)
+
+
+def param_specs(state: nnx.State, layout: Layout | str, mesh) -> nnx.State:
+    """PartitionSpec of every variable in `state` under the layout's `params` rules (optimizer state included).
+
+    Variables without logical names are scalars (step counters); anything else unnamed is an error, because an
+    unnamed tensor would be silently replicated.
+    """
+    layout = get_layout(layout)
+
+    def spec_of(path, variable):
+        names = variable.get_metadata(LOGICAL_AXES, None) if hasattr(variable, "get_metadata") else None
+        shape = getattr(variable, "shape", None) or jnp.shape(variable.get_value() if hasattr(variable, "get_value")
+                                                              else variable)
+        if names is None:
+            if len(shape) == 0:
+                return PartitionSpec()
+            raise ShardingRuleError(f"{_path_name(path)} {tuple(shape)} has no logical axis names; create it with "
+                                    f"starscream_jax.param(value, names)")
+        return resolve(names, tuple(shape), layout.params, mesh, _path_name(path), f"param rules of {layout.name}")
+
+    return jax.tree.map_with_path(spec_of, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def param_shardings(state: nnx.State, layout: Layout | str, mesh) -> nnx.State:
+    """NamedSharding of every variable in `state` (see `param_specs`)."""
+    specs = param_specs(state, layout, mesh)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def create_sharded(factory, layout: Layout | str, mesh):
+    """Builds the module `factory()` with every parameter created already sharded by the layout's params rules.
+
+    The full model is never materialised on one device: parameters are initialised inside jit with those output
+    shardings. `factory` takes no arguments (close over config and rngs seed).
+    """
+    abstract = nnx.eval_shape(factory)
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = param_shardings(abstract_state, layout, mesh)
+
+    with jax.set_mesh(mesh):
+        state = jax.jit(lambda: nnx.state(factory()), out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
+def batch_sharding(layout: Layout | str, mesh, batch_size: int | None = None) -> NamedSharding:
+    """Where a token batch [B, S] goes under the layout: B over the layout's `batch` axes, S whole. With
+    `batch_size` the divisibility is checked, so a batch the mesh cannot split is a clear error."""
+    layout = get_layout(layout)
+    spec = PartitionSpec(layout.activations.lookup("batch")[1] or None, None)
+    if batch_size is not None:
+        spec = resolve(("batch", None), (batch_size, 1), layout.activations, mesh, "token batch",
+                       f"activation rules of {layout.name}")
+    return NamedSharding(mesh, spec)
+
+
+def token_sharding(layout: Layout | str, mesh, batch_size: int) -> NamedSharding:
+    """Where the layout keeps one token per row, [B] int32: like the rows of a token batch."""
+    return NamedSharding(mesh, PartitionSpec(batch_sharding(layout, mesh, batch_size).spec[0]))

@@ -1,0 +1,2 @@
+"""Running a model: the one definition of each step (`steps`), the run's configuration (`config`), the training loop
+(`loop`), generation (`generate`), data (`data`), checkpoints (`checkpoint`) and metrics (`metrics`)."""

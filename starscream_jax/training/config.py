@@ -1,0 +1,44 @@
+"""What decides a training run's numbers: `TrainConfig`, whose defaults are README's main command."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import StarscreamError
+from ..model.config import ModelConfig, load_model_config
+from .data import DEFAULT_CORPUS
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that decides a run's numbers. The defaults are the README's main command."""
+
+    model: str = "tiny"
+    layout: str = "starscream_tp"
+    dtype: str = "float32"
+    remat: bool = False
+    steps: int = 300
+    batch_size: int = 16
+    seq_len: int = 64
+    learning_rate: float = 3e-3
+    warmup_steps: int = 30
+    final_learning_rate_fraction: float = 0.1
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    seed: int = 0
+    eval_every: int = 100
+    eval_batches: int = 4
+    checkpoint_every: int = 100
+    log_every: int = 10
+    run_dir: str = "runs/train"
+    data: str = str(DEFAULT_CORPUS)
+
+    def model_config(self) -> ModelConfig:
+        """The model this run trains: `model` at the run's compute dtype, with rematerialization when `remat`; its
+        max_seq_len must hold `seq_len`."""
+        config = load_model_config(self.model, dtype=self.dtype)
+        if self.remat:
+            config = config.replace(remat=True)
+        if self.seq_len > config.max_seq_len:
+            raise StarscreamError(f"--seq-len {self.seq_len} exceeds model {config.name}'s max_seq_len "
+                                  f"{config.max_seq_len}; pass --seq-len {config.max_seq_len} or less")
+        return config

@@ -1,0 +1,127 @@
+"""Generation: a model's continuation of prompts, prefilled under one layout and decoded under another.
+
+Prefill (the prompt, compute-bound) runs under the prefill layout (default `starscream_tp`); every following token
+is decoded under the decode layout (default `starscream_decode`, 2-D weight-stationary), with the KV cache placed as
+that layout says (kv heads over `gpu`, batch over `xcd`). Parameters and the cache move between the two placements
+once, after prefill. Sampling is greedy or top-p (nucleus); the random draw of position t is a pure function of
+(seed, t), so a sharded run and an unsharded one pick the same tokens. The steps are `steps.prefill_step` and
+`steps.decode_step`, the programs `starscream inspect` judges.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ..errors import StarscreamError
+from ..model.decoder import cache_shardings
+from ..sharding.apply import batch_sharding, param_shardings, token_sharding, use_layout
+from ..sharding.layouts import get_layout
+from .steps import Sampling, decode_step, prefill_step
+
+DEFAULT_PREFILL_LAYOUT = "starscream_tp"
+DEFAULT_DECODE_LAYOUT = "starscream_decode"
+
+
+@dataclass
+class Generation:
+    """Generated token ids [batch, new_tokens] (numpy int32), the measured throughput of each phase and the two
+    compiled programs that ran (`steps.prefill_step`, `steps.decode_step`)."""
+
+    tokens: object
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    prefill_program: object
+    decode_program: object
+
+
+def place_params(params, layout, mesh):
+    """`params` (an nnx.State of parameters) moved to `layout`'s params placement on `mesh` (no copy when there)."""
+    return jax.device_put(params, param_shardings(params, layout, mesh))
+
+
+def generate(model, prompt_BP, max_new_tokens: int, sampling: Sampling = Sampling(), mesh=None,
+             prefill_layout=DEFAULT_PREFILL_LAYOUT, decode_layout=DEFAULT_DECODE_LAYOUT) -> Generation:
+    """Continue each row of `prompt_BP` (int tokens, numpy or jax) by `max_new_tokens` tokens.
+
+    Parameters are held in the model's compute dtype, as inference reads them. With `mesh`, prefill runs under
+    `prefill_layout` and decoding under `decode_layout`, parameters and KV cache placed by each in turn; without,
+    everything runs unsharded on one device. B must be divisible by the mesh axes that the layouts split the batch
+    over. Returns the new tokens [B, N] and each phase's tokens/s.
+    """
+    config = model.config
+    batch, prompt_length = np.shape(prompt_BP)
+    cache_length = prompt_length + max_new_tokens
+    if prompt_length < 1 or max_new_tokens < 1:
+        raise StarscreamError(f"prompt of {prompt_length} tokens and {max_new_tokens} new tokens; both must be at "
+                              "least 1")
+    if cache_length > config.max_seq_len:
+        raise StarscreamError(f"prompt {prompt_length} + {max_new_tokens} new tokens exceed model {config.name}'s "
+                              f"max_seq_len {config.max_seq_len}; generate fewer tokens or shorten the prompt")
+    if mesh is not None:
+        _check_cache_layouts(prefill_layout, decode_layout)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params = jax.tree.map(lambda array: array.astype(config.dtype), params)  # held as the matmuls read them
+    prompt = jnp.asarray(prompt_BP, jnp.int32)
+
+    def phase(layout):
+        return use_layout(layout, mesh) if mesh is not None else contextlib.nullcontext()
+
+    with phase(prefill_layout):
+        if mesh is not None:
+            params = place_params(params, prefill_layout, mesh)
+            prompt = jax.device_put(prompt, batch_sharding(prefill_layout, mesh, batch))
+        compiled_prefill = prefill_step(graphdef, config, sampling, cache_length).lower(params, rest, prompt).compile()
+        started = time.perf_counter()
+        token_B, cache = compiled_prefill(params, rest, prompt)
+        token_B.block_until_ready()
+        prefill_seconds = time.perf_counter() - started
+
+    with phase(decode_layout):
+        if mesh is not None:
+            params = place_params(params, decode_layout, mesh)
+            cache = jax.device_put(cache, cache_shardings(config, batch, cache_length, decode_layout, mesh))
+            token_B = jax.device_put(token_B, token_sharding(decode_layout, mesh, batch))
+        new_tokens = [token_B]
+        compiled_decode = decode_step(graphdef, sampling).lower(params, rest, cache, token_B,
+                                                                jnp.int32(prompt_length)).compile()
+        started = time.perf_counter()
+        for position in range(prompt_length, cache_length - 1):
+            token_B, cache = compiled_decode(params, rest, cache, token_B, jnp.int32(position))
+            new_tokens.append(token_B)
+        tokens_BN = jnp.stack(new_tokens, axis=1)
+        if mesh is not None:  # replicated, so that every process can read all rows
+            tokens_BN = jax.device_put(tokens_BN, NamedSharding(mesh, PartitionSpec()))
+        tokens = np.asarray(jax.device_get(tokens_BN))
+        decode_seconds = time.perf_counter() - started
+
+    decoded_count = batch * (max_new_tokens - 1)
+    return Generation(tokens=tokens, prefill_tokens_per_s=batch * prompt_length / prefill_seconds,
+                      decode_tokens_per_s=decoded_count / decode_seconds if decoded_count else math.nan,
+                      prefill_program=compiled_prefill, decode_program=compiled_decode)
+
+
+def _check_cache_layouts(*layouts) -> None:
+    """Generation keeps a KV cache, which a layout that splits the sequence (context parallelism) cannot hold."""
+    for layout in map(get_layout, layouts):
+        if layout.splits_sequence:
+            raise StarscreamError(f"layout {layout.name} splits the sequence over the partitions (context parallelism) "
+                                  f"and cannot hold the KV cache generation needs; prefill with "
+                                  f"{DEFAULT_PREFILL_LAYOUT} and decode with {DEFAULT_DECODE_LAYOUT}")
+
+
+def batch_multiple(layouts, mesh) -> int:
+    """The smallest batch every layout can split: the lcm of the mesh sizes of their batch axes."""
+    multiple = 1
+    for layout in layouts:
+        for name in ("batch", "attn_batch"):
+            _, axes = get_layout(layout).activations.lookup(name)
+            multiple = math.lcm(multiple, math.prod(mesh.shape[axis] for axis in axes))
+    return multiple

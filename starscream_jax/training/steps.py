@@ -1,0 +1,142 @@
+"""The one definition of each step: train, eval, prefill and decode.
+
+`starscream train`, `generate`, `inspect`, `plan` and the benchmarks all jit these functions, so the program a command
+judges or times is the program that training and generation run. Each step takes the model's parameters (`params`,
+an nnx.State of nnx.Param) and the rest of its state (`rest`) apart, as `nnx.split(model, nnx.Param, ...)` gives
+them, and is traced under the active layout (`use_layout`), which places every array.
+
+  train    (params, opt_state, rest, tokens [B, S + 1]) -> (params, opt_state, loss): value_and_grad of
+           `next_token_loss`, then `make_optimizer`'s update (global-norm clipping, AdamW with the weight-decay mask).
+           params and opt_state are donated and come back placed as they went in.
+  eval     (params, rest, tokens [B, S + 1]) -> loss.
+  prefill  (params, rest, prompt [B, P]) -> (first new token [B], cache): the prompt through the model into a fresh
+           KV cache {"k", "v"} of [L, B, T, K, E] (T = cache_length), and the token chosen from its last logits.
+  decode   (params, rest, cache, token [B], position) -> (next token [B], cache): one token per sequence at
+           `position` of the cache (donated).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import PartitionSpec, reshard
+
+from ..errors import StarscreamError
+from ..model.config import ModelConfig
+from ..model.decoder import init_cache, next_token_loss
+from ..sharding.apply import LOGICAL_AXES, activation_spec
+from ..hardware.axes import INSIDE_GPU, axes_of
+from .config import TrainConfig
+
+
+def make_optimizer(config: TrainConfig, params) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW on a warm-up + cosine schedule; parameters whose logical names include
+    "norm" (norm scales) get no weight decay. `params`: the nnx.State the optimizer will update (for the mask)."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=config.learning_rate, warmup_steps=config.warmup_steps,
+        decay_steps=max(config.steps, config.warmup_steps + 1),
+        end_value=config.learning_rate * config.final_learning_rate_fraction,
+    )
+    decay_mask = jax.tree.map(lambda variable: "norm" not in variable.get_metadata(LOGICAL_AXES), params,
+                              is_leaf=lambda node: isinstance(node, nnx.Variable))
+    return optax.chain(
+        optax.clip_by_global_norm(config.clip_norm),
+        optax.adamw(schedule, weight_decay=config.weight_decay, mask=decay_mask),
+    )
+
+
+def train_step(graphdef, optimizer: optax.GradientTransformation):
+    """The jitted training step (see the module docstring); params and opt_state are donated."""
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, opt_state, rest, tokens_BS):
+        loss, grads = jax.value_and_grad(_loss)(params, rest, tokens_BS, graphdef)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def eval_step(graphdef):
+    """The jitted evaluation step: (params, rest, tokens [B, S + 1]) -> mean next-token loss (nats)."""
+    return jax.jit(functools.partial(_loss, graphdef=graphdef))
+
+
+def _loss(params, rest, tokens_BS, graphdef):
+    return next_token_loss(nnx.merge(graphdef, params, rest), tokens_BS)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Greedy when `top_p` is None; otherwise nucleus sampling at `temperature` from the smallest set of tokens whose
+    probability reaches `top_p`, with the draw for position t keyed by (seed, t)."""
+
+    top_p: float | None = None
+    temperature: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise StarscreamError(f"top-p {self.top_p} is outside (0, 1]; pass a value such as 0.9, or --greedy")
+        if self.temperature <= 0.0:
+            raise StarscreamError(f"temperature {self.temperature} must be positive; use --greedy for argmax")
+
+
+def prefill_step(graphdef, config: ModelConfig, sampling: Sampling, cache_length: int):
+    """The jitted prefill step (see the module docstring), filling a KV cache of `cache_length` positions."""
+
+    @jax.jit
+    def step(params, rest, prompt_BP):
+        model = nnx.merge(graphdef, params, rest)
+        cache = init_cache(config, prompt_BP.shape[0], cache_length)
+        logits_BPV, cache = model(prompt_BP, cache=cache, cache_index=0)
+        return choose_token(logits_BPV[:, -1], prompt_BP.shape[1], sampling), cache
+
+    return step
+
+
+def decode_step(graphdef, sampling: Sampling):
+    """The jitted decode step (see the module docstring); the cache is donated."""
+
+    @functools.partial(jax.jit, donate_argnums=(2,))
+    def step(params, rest, cache, token_B, position):
+        model = nnx.merge(graphdef, params, rest)
+        logits_BSV, cache = model(token_B[:, None], cache=cache, cache_index=position)
+        return choose_token(logits_BSV[:, 0], position + 1, sampling), cache
+
+    return step
+
+
+def choose_token(logits_BV: jax.Array, position, sampling: Sampling) -> jax.Array:
+    """The next token of each row [B] int32 from the last position's logits [B, V] (float32, placed by the layout's
+    ("batch", "vocab") rules), drawn for sequence position `position`."""
+    with jax.named_scope("sample"):
+        logits_BV = _whole_vocabulary(logits_BV)
+        if sampling.top_p is None:
+            return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        scaled_BV = logits_BV / sampling.temperature
+        probabilities_BV = jax.nn.softmax(scaled_BV, axis=-1)
+        descending_BV = jnp.sort(probabilities_BV, axis=-1)[:, ::-1]
+        mass_before_BV = jnp.cumsum(descending_BV, axis=-1) - descending_BV
+        smallest_kept_B1 = jnp.min(jnp.where(mass_before_BV < sampling.top_p, descending_BV, 1.0), axis=-1,
+                                   keepdims=True)
+        nucleus_BV = jnp.where(probabilities_BV >= smallest_kept_B1, scaled_BV, -jnp.inf)
+        key = jax.random.fold_in(jax.random.key(sampling.seed), position)
+        return jax.random.categorical(key, nucleus_BV, axis=-1).astype(jnp.int32)
+
+
+def _whole_vocabulary(logits_BV: jax.Array) -> jax.Array:
+    """The logits [B, V] with the vocabulary whole on every device (rows stay where the layout puts them), gathered
+    inside each GPU first and then across GPUs, so neither gather spans both levels. Identity outside a layout."""
+    spec = activation_spec(("batch", "vocab"), logits_BV.shape, "next-token logits")
+    if spec is None:
+        return logits_BV
+    vocab_axes = axes_of(spec[1])
+    across_gpus = tuple(axis for axis in vocab_axes if axis != INSIDE_GPU)
+    if INSIDE_GPU in vocab_axes and across_gpus:
+        logits_BV = reshard(logits_BV, PartitionSpec(spec[0], across_gpus))
+    return reshard(logits_BV, PartitionSpec(spec[0], None))

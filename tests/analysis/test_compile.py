@@ -1,0 +1,60 @@
+"""The programs `inspect` and `plan` judge are the programs `train` and `generate` run: each step compiled from abstract
+arguments (analysis.compile) prints the same HLO as the one the training loop and generation compiled and ran."""
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+
+from starscream_jax.analysis.compile import Settings, compile_step, make_settings
+from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.model.decoder import create_sharded_model
+from starscream_jax.training.config import TrainConfig
+from starscream_jax.training.generate import generate
+from starscream_jax.training.loop import train
+from starscream_jax.training.steps import Sampling
+
+
+def program_text(compiled) -> str:
+    """The compiled HLO without what names where it came from (source locations in op metadata)."""
+    return re.sub(r', metadata=\{[^}]*\}', "", compiled.as_text())
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return build_mesh("1x2x4")
+
+
+@pytest.mark.parametrize("layout", ["starscream_tp", "flat_fsdp"])
+def test_inspect_compiles_the_training_step_that_train_ran(tmp_path, mesh, layout):
+    config = TrainConfig(layout=layout, steps=2, batch_size=8, seq_len=32, learning_rate=1e-3, warmup_steps=1,
+                         clip_norm=0.5, weight_decay=0.2, eval_every=2, eval_batches=1, checkpoint_every=2,
+                         run_dir=str(tmp_path / "run"), dtype="bfloat16")
+    ran = train(config, mesh, show_progress=False, echo=lambda *_: None).compiled_step
+    model_config = config.model_config()
+    settings = Settings(model_config, model_config.n_layers, "train", config.batch_size, config.seq_len, (layout,),
+                        training=config)
+    judged = compile_step(settings, layout, mesh).compiled
+    assert program_text(judged) == program_text(ran)
+
+
+def test_a_different_optimizer_is_a_different_program(mesh):
+    """The comparison above can fail: the clipping norm is a constant of the compiled step."""
+    settings = make_settings("tiny", "train", 8, 32, "starscream_tp", 4)
+    other = dataclasses.replace(settings, training=TrainConfig(clip_norm=0.25))
+    assert program_text(compile_step(settings, "starscream_tp", mesh).compiled) != program_text(
+        compile_step(other, "starscream_tp", mesh).compiled)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(top_p=0.9, temperature=0.8, seed=3)])
+def test_inspect_compiles_the_prefill_and_decode_steps_that_generate_ran(mesh, sampling):
+    settings = make_settings("tiny", "prefill", 8, 6, "starscream_tp", 4)
+    model = create_sharded_model(settings.config.replace(dtype="bfloat16"), "starscream_tp", mesh)
+    prompt_BP = np.arange(8 * 6).reshape(8, 6) % 256
+    ran = generate(model, prompt_BP, 5, sampling, mesh, "starscream_tp", "starscream_decode")
+    settings = dataclasses.replace(settings, config=model.config, sampling=sampling, cache_length=11)
+    prefill = compile_step(settings, "starscream_tp", mesh).compiled
+    decode = compile_step(dataclasses.replace(settings, phase="decode", seq=11, cache_length=None),
+                          "starscream_decode", mesh).compiled
+    assert program_text(prefill) == program_text(ran.prefill_program)
+    assert program_text(decode) == program_text(ran.decode_program)

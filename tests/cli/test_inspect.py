@@ -1,0 +1,292 @@
+"""`starscream inspect` on simulated meshes: Llama 3 70B on MI300X CPX 8 x 8 in every phase, and a tiny model for
+depth scaling, nodes and argument errors.
+
+The 70B programs (two layers, small batch and sequence) are compiled once per phase by module-scoped fixtures; the
+tests read their JSON. Nothing is allocated: every program is lowered from abstract inputs.
+"""
+import argparse
+import io
+import json
+import re
+import subprocess
+import sys
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+
+from starscream_jax.analysis.compile import PHASES
+from starscream_jax.analysis.layout_report import PRINCIPLES
+from starscream_jax.cli import inspect as inspect_command
+from starscream_jax.model.config import load_model_config
+from starscream_jax.errors import ShardingRuleError, StarscreamError
+from starscream_jax.hardware.topology import Topology
+
+MIB = 1 << 20
+PARTITIONS = 8
+LLAMA_70B = load_model_config("llama3-70b")
+TINY_TOML = Path(__file__).parents[2] / "models" / "tiny.toml"
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    inspect_command.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def inspect_json(*argv: str) -> dict:
+    """What `starscream inspect ARGV --json` prints, parsed."""
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        assert inspect_command.run(parse(*argv, "--json")) == 0
+    return json.loads(printed.getvalue())
+
+
+@pytest.fixture(scope="module")
+def train():
+    return inspect_json("--phase", "train", "--batch", "8", "--seq", "256")
+
+
+@pytest.fixture(scope="module")
+def hlo_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("hlo")
+
+
+@pytest.fixture(scope="module")
+def prefill(hlo_dir):
+    return inspect_json("--phase", "prefill", "--batch", "8", "--seq", "256", "--dump-hlo", str(hlo_dir))
+
+
+@pytest.fixture(scope="module")
+def decode():
+    return inspect_json("--phase", "decode", "--layout", "flat_tp,starscream_decode,starscream_tp", "--batch", "16",
+                        "--seq", "512")
+
+
+def verdicts(result: dict) -> dict[str, bool]:
+    return {name: verdict["ok"] for name, verdict in result["principles"].items()}
+
+
+ALL_OK = {"shape_preservation": True, "no_redundancy": True, "hierarchical_collectives": True}
+
+
+@pytest.mark.parametrize("phase", ["train", "prefill"])
+def test_starscream_tp_keeps_the_three_principles_in_train_and_prefill(phase, request):
+    results = request.getfixturevalue(phase)
+    assert list(results) == ["flat_tp", "starscream_tp"]
+    assert verdicts(results["starscream_tp"]) == ALL_OK, results["starscream_tp"]["principles"]
+
+
+def test_starscream_decode_keeps_the_three_principles_in_decode(decode):
+    assert verdicts(decode["starscream_decode"]) == ALL_OK, decode["starscream_decode"]["principles"]
+
+
+def test_default_layouts_per_phase():
+    layouts = {phase: inspect_command.settings_from_args(parse("--phase", phase)).layouts
+               for phase in PHASES}
+    assert layouts == {"train": ("flat_tp", "starscream_tp"), "prefill": ("flat_tp", "starscream_tp"),
+                       "decode": ("flat_tp", "starscream_decode")}
+
+
+@pytest.mark.parametrize("phase", ["train", "prefill", "decode"])
+def test_flat_tp_visibly_fails_redundancy_and_hierarchy(phase, request):
+    flat = request.getfixturevalue(phase)["flat_tp"]
+    assert verdicts(flat) == {"shape_preservation": False, "no_redundancy": False, "hierarchical_collectives": False}
+    redundant = " ".join(flat["principles"]["no_redundancy"]["violations"])
+    assert "params/layers/wk/value" in redundant and "params/layers/wv/value" in redundant
+    if phase != "train":
+        assert "cache/k" in redundant and "cache/v" in redundant
+    assert all("spans several xcds and several GPUs" in line
+               for line in flat["principles"]["hierarchical_collectives"]["violations"])
+
+
+def rereads(result: dict) -> dict[str, str]:
+    """{op key: violation} of decode's principle 1."""
+    return {line.split(":")[0]: line for line in result["principles"]["shape_preservation"]["violations"]}
+
+
+def test_decode_flat_tp_reads_kv_heads_once_per_query_head(decode):
+    reread = rereads(decode["flat_tp"])
+    assert set(reread) == {"attention", "while/body/closed_call/bsd,dke->bske"}
+    assert all("read 8.00x" in line for line in reread.values())
+
+
+def test_decode_starscream_tp_reads_each_gathered_weight_once_per_partition(decode):
+    reread = rereads(decode["starscream_tp"])
+    assert "attention" not in reread
+    assert {"while/body/closed_call/bsd,df->bsf", "while/body/closed_call/bsf,fd->bsd", "bsd,dv->bsv"} <= set(reread)
+    assert all("read 8.00x" in line for line in reread.values())
+
+
+@pytest.mark.parametrize("phase", ["train", "prefill"])
+def test_inter_gpu_bytes_fall_by_the_partition_count(phase, request):
+    results = request.getfixturevalue(phase)
+    flat, starscream = (results[name]["bytes_per_device"] for name in ("flat_tp", "starscream_tp"))
+    for figures, reference in ((starscream, flat), (starscream["per_layer"], flat["per_layer"])):
+        assert reference["flat"] > 0 and figures["flat"] == 0
+        assert reference["inter_gpu"] >= reference["flat"]
+        assert 0 < figures["inter_gpu"] <= reference["inter_gpu"] / PARTITIONS
+    assert flat["inter_gpu"] == pytest.approx(sum(flat["by_scope"][s] for s in ("inter_gpu", "inter_node", "flat")))
+
+
+@pytest.mark.parametrize("phase", ["train", "prefill"])
+def test_no_large_array_is_replicated_over_xcd_under_starscream_tp(phase, request):
+    results = request.getfixturevalue(phase)
+    replicated = {name: [entry for entry in result["inputs"] if entry["replication_xcd"] > 1]
+                  for name, result in results.items()}
+    assert [entry["name"] for entry in replicated["starscream_tp"] if entry["bytes"] > MIB] == []
+    copied_arrays = [entry["name"] for entry in replicated["starscream_tp"] if entry["shape"]]
+    assert copied_arrays and all("norm" in name for name in copied_arrays)  # norm scales only, besides scalars
+    assert any(entry["bytes"] > MIB for entry in replicated["flat_tp"])
+
+
+@pytest.mark.parametrize("phase", ["train", "prefill"])
+def test_no_activation_is_copied_over_xcd_under_starscream_tp_and_the_residual_is_under_flat_tp(phase, request):
+    results = request.getfixturevalue(phase)
+    for result in results.values():
+        assert result["activations"] and all(entry["shape"][0] == result["batch"] for entry in result["activations"])
+    copied = {name: [entry for entry in result["activations"] if entry["replication_xcd"] > 1]
+              for name, result in results.items()}
+    assert max(entry["shard_bytes"] for entry in copied["starscream_tp"]) < MIB
+    residual_shape = [results["flat_tp"]["seq"], LLAMA_70B.d_model]
+    residual = [entry for entry in copied["flat_tp"] if entry["shape"][1:] == residual_shape]
+    assert residual and max(entry["shard_bytes"] for entry in residual) > MIB
+
+
+def test_json_has_mesh_principles_bytes_memory_and_matmuls(train):
+    for result in train.values():
+        assert result["mesh"] == {"axes": ["data", "gpu", "xcd"], "shape": [1, 8, 8]}
+        assert set(result["principles"]) == set(PRINCIPLES)
+        assert all(isinstance(verdict["ok"], bool) for verdict in result["principles"].values())
+        assert {"inter_gpu", "intra_gpu", "flat"} <= set(result["bytes_per_device"])
+        assert result["memory_per_device"]["compiled"]["layers"] == 2
+        assert result["layers"] == {"compiled": 2, "full": 80}
+        assert result["matmuls"] and all(m["flops"] > 0 for m in result["matmuls"])
+
+
+@pytest.mark.parametrize("phase", ["train", "prefill"])
+def test_cost_model_puts_starscream_tp_ahead_of_flat_tp_on_communication_and_compute(phase, request):
+    """Llama 3 70B on 8 x 8, 8 x 256 tokens: flat_tp's flat all-reduces of the whole residual stream cost over 4x
+    starscream_tp's hierarchical ones (8x fewer inter-GPU bytes, but more, smaller collectives, each paying a latency
+    floor), and its narrower kernels take longer too. The matmul figure is bounded below by the model's FLOPs at the
+    peak of all 64 partitions."""
+    results = request.getfixturevalue(phase)
+    flat, starscream = (results[name]["estimate"] for name in ("flat_tp", "starscream_tp"))
+    assert flat["total_communication_s"] > 4 * starscream["total_communication_s"] > 0
+    assert flat["compute_s"] > starscream["compute_s"]
+    assert starscream["serial_s"] < flat["serial_s"] and starscream["tokens_per_s"] > flat["tokens_per_s"]
+    model_flops = LLAMA_70B.flops_per_token(results["starscream_tp"]["seq"]) * starscream["tokens"]
+    if phase == "prefill":
+        model_flops /= 3  # the forward pass alone: 2 of the 6 FLOPs per parameter and token
+    peak = Topology.from_preset(inspect_command.DEFAULT_PRESET).peak_flops
+    assert starscream["compute_s"] >= model_flops / (64 * peak) * (1 - 1e-9)
+
+
+def test_params_and_optimizer_bytes_per_device_are_exact_at_full_depth(train):
+    d, kv_width = LLAMA_70B.d_model, LLAMA_70B.n_kv_heads * LLAMA_70B.head_dim
+    norms = (2 * LLAMA_70B.n_layers + 1) * d
+    kv_weights = 2 * LLAMA_70B.n_layers * d * kv_width
+    sharded = LLAMA_70B.num_params() - norms
+    devices = 8 * PARTITIONS
+    expected = {
+        "starscream_tp": 4 * (sharded // devices + norms),
+        # flat_tp: the 8 kv heads cannot split 64 ways, so wk and wv are split over gpu only.
+        "flat_tp": 4 * ((sharded - kv_weights) // devices + kv_weights // 8 + norms),
+    }
+    for name, params_bytes in expected.items():
+        memory = train[name]["memory_per_device"]
+        assert memory["params"] == params_bytes
+        assert memory["optimizer_state"] == 2 * params_bytes + 4  # AdamW's two moments and its step count
+        assert memory["kv_cache"] == 0
+
+
+def test_compiled_arguments_are_the_inputs_shards(train, decode):
+    for result in (*train.values(), *decode.values()):
+        shards = sum(entry["shard_bytes"] for entry in result["inputs"])
+        assert result["memory_per_device"]["compiled"]["argument_bytes"] == shards
+
+
+def test_kv_cache_per_device_at_full_depth(decode):
+    cache = 2 * LLAMA_70B.n_layers * 16 * 512 * LLAMA_70B.n_kv_heads * LLAMA_70B.head_dim * 2  # k and v, bfloat16
+    assert decode["starscream_decode"]["memory_per_device"]["kv_cache"] == cache // (8 * PARTITIONS)
+    assert decode["flat_tp"]["memory_per_device"]["kv_cache"] == cache // 8
+
+
+def test_kernel_intensity_follows_the_roofline_formula(train):
+    ridge = Topology.from_preset("mi300x-cpx-nps1").ridge_point
+    starscream = train["starscream_tp"]
+    gate = next(m for m in starscream["matmuls"] if m["op_name"].endswith("bsd,df->bsf/dot_general")
+                and not m["op_name"].startswith("jit(train_step)/transpose"))
+    tokens, d, f = 8 // PARTITIONS * 256, LLAMA_70B.d_model, LLAMA_70B.d_ff // 8
+    assert (gate["m"], gate["k"], gate["n"]) == (tokens, d, f)
+    assert gate["intensity"] == pytest.approx(tokens * d * f / (tokens * d + d * f + tokens * f))
+    for result in train.values():
+        intensity = result["kernel_intensity"]
+        assert intensity["ridge_point"] == pytest.approx(ridge)
+        assert intensity["smallest"] <= intensity["flop_weighted"]
+        assert 0 <= intensity["below_ridge_flop_share"] <= 1
+
+
+def test_dump_hlo_writes_every_compiled_program(prefill, hlo_dir):
+    written = sorted(path.name for path in hlo_dir.iterdir())
+    assert written == ["flat_tp_prefill.hlo.txt", "gpu_tp_prefill.hlo.txt", "starscream_tp_prefill.hlo.txt"]
+    assert all("HloModule" in (hlo_dir / name).read_text() for name in written)
+
+
+def test_table_puts_layouts_side_by_side_with_verdicts(train):
+    table = inspect_command.format_table(train)
+    assert "llama3-70b on mi300x-cpx-nps1, mesh data 1 x gpu 8 x xcd 8: train" in table
+    assert re.search(r"^\s+flat_tp\s+starscream_tp$", table, re.MULTILINE)
+    assert re.search(r"^  2 no redundancy over xcd\s+FAIL \(\d+\)\s+ok$", table, re.MULTILINE)
+    assert re.search(r"^  3 hierarchical collectives\s+FAIL \(\d+\)\s+ok$", table, re.MULTILINE)
+    assert re.search(r"^  inter-GPU per layer\s+\S+ [KMG]?i?B\s+\S+ [KMG]?i?B$", table, re.MULTILINE)
+    assert "flat_tp no_redundancy:" in table and "starscream_tp no_redundancy:" not in table
+
+
+def flat_figures(figures: dict, prefix: str = "") -> dict[str, float]:
+    """A nested dict of numbers as one level: {"per_layer/inter_gpu": ...}."""
+    flat = {}
+    for key, value in figures.items():
+        if isinstance(value, dict):
+            flat.update(flat_figures(value, f"{prefix}{key}/"))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def test_full_depth_figures_do_not_depend_on_the_compiled_depth(train):
+    three = inspect_json("--phase", "train", "--batch", "8", "--seq", "256", "--layout", "flat_tp",
+                         "--layers", "3")["flat_tp"]
+    two = train["flat_tp"]
+    assert three["layers"] == {"compiled": 3, "full": 80}
+    assert flat_figures(two["bytes_per_device"]) == pytest.approx(flat_figures(three["bytes_per_device"]))
+    assert flat_figures(two["collectives_per_layer"]) == pytest.approx(flat_figures(three["collectives_per_layer"]))
+    assert two["kernel_intensity"] == pytest.approx(three["kernel_intensity"])
+    memory_two, memory_three = two["memory_per_device"], three["memory_per_device"]
+    assert memory_two["params"] == memory_three["params"]
+    assert memory_two["compiled"]["argument_bytes"] < memory_three["compiled"]["argument_bytes"]
+
+
+def test_a_model_file_on_two_nodes_counts_inter_node_bytes_as_inter_gpu(tmp_path):
+    model = tmp_path / "tiny-copy.toml"
+    model.write_text(TINY_TOML.read_text().replace('name = "tiny"', 'name = "tiny-copy"'))
+    results = inspect_json("--model", str(model), "--preset", "mi300x-qpx-nps1", "--gpus", "2", "--nodes", "2",
+                           "--layout", "starscream_tp", "--batch", "8", "--seq", "32")
+    starscream = results["starscream_tp"]
+    assert starscream["model"] == "tiny-copy" and starscream["mesh"]["shape"] == [1, 4, 4]
+    scopes = starscream["bytes_per_device"]["by_scope"]
+    assert scopes["inter_node"] > 0 and scopes["flat"] == 0
+    assert starscream["bytes_per_device"]["inter_gpu"] == pytest.approx(scopes["inter_gpu"] + scopes["inter_node"])
+    assert verdicts(starscream)["hierarchical_collectives"]
+
+
+@pytest.mark.parametrize("argv, error, message", [
+    (("--layers", "1"), StarscreamError, "--layers 2 or more"),
+    (("--no-simulate",), StarscreamError, "drop --no-simulate"),
+    (("--layout", "flat_tp,nope"), ShardingRuleError, "unknown layout 'nope'"),
+    (("--seq", "300"), StarscreamError, "max_seq_len 256"),
+    (("--layout", "starscream_tp", "--batch", "4"), ShardingRuleError, "not divisible"),
+])
+def test_bad_arguments_are_clear_errors(argv, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        inspect_command.run(parse("--model", "tiny", "--topology", "2x8", "--seq", "32", *argv))

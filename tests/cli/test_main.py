@@ -1,0 +1,107 @@
+"""`starscream topology`: the JSON report, the readable table and one-line errors.
+
+The installed console script runs in a fresh process without the suite's XLA_FLAGS, so --simulate itself must make
+the 64 devices; the other tests call `cli.main` in this process (64 simulated devices already).
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from starscream_jax.cli import main as cli
+from starscream_jax.hardware.topology import OVERRIDE_ENV
+
+CONSOLE_SCRIPT = Path(sys.executable).with_name("starscream")
+
+
+def run_console_script(*args):
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("XLA_FLAGS", "JAX_PLATFORMS", OVERRIDE_ENV)}
+    return subprocess.run([str(CONSOLE_SCRIPT), "topology", *args], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.fixture
+def topology_command(monkeypatch, capsys):
+    """Runs `starscream topology ARGS` in this process; returns (exit status, stdout, stderr)."""
+    monkeypatch.delenv(OVERRIDE_ENV, raising=False)
+
+    def run(*args):
+        status = cli.main(["topology", *args])
+        captured = capsys.readouterr()
+        return status, captured.out, captured.err
+
+    return run
+
+
+def test_console_script_reports_a_simulated_cpx_node_as_json():
+    result = run_console_script("--preset", "mi300x-cpx-nps1", "--gpus", "8", "--simulate", "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert report["mesh"] == {"axes": ["data", "gpu", "xcd"], "shape": [1, 8, 8]}
+    assert report["devices"] == [list(range(8 * gpu, 8 * gpu + 8)) for gpu in range(8)]
+    assert (report["preset"], report["compute_mode"], report["memory_mode"]) == ("mi300x-cpx-nps1", "CPX", "NPS1")
+    assert report["per_partition"]["hbm_bytes"] == pytest.approx(24e9)
+
+
+def test_readable_table(topology_command):
+    status, out, _ = topology_command("--topology", "2x4", "--simulate", "--data-parallel", "2")
+    assert status == 0
+    assert out.splitlines() == [
+        "simulated CPU devices (cpu): QPX + NPS1, 1 node(s) x 2 GPUs x 4 partitions = 8 devices",
+        "per partition: 0.2 TFLOP/s bf16, 4.0 GB HBM at 25 GB/s; ridge point 10 FLOP/byte",
+        "mesh axes ('data', 'gpu', 'xcd') shape (2, 1, 4); device ids:",
+        "  data gpu | x0 x1 x2 x3",
+        "     0   0 |  0  1  2  3",
+        "     1   0 |  4  5  6  7",
+    ]
+
+
+def test_preview_mode_is_marked(topology_command):
+    _, out, _ = topology_command("--preset", "mi355x-cpx-nps2", "--gpus", "2", "--simulate")
+    assert out.startswith("AMD Instinct MI355X (mi355x-cpx-nps2): CPX + NPS2 (preview mode), 1 node(s) x 2 GPUs")
+
+
+def test_environment_override_and_the_argument_that_wins_over_it(topology_command, monkeypatch):
+    monkeypatch.setenv(OVERRIDE_ENV, "4x2")
+    assert json.loads(topology_command("--simulate", "--json")[1])["mesh"]["shape"] == [1, 4, 2]
+    assert json.loads(topology_command("--topology", "2x4", "--simulate", "--json")[1])["mesh"]["shape"] == [1, 2, 4]
+
+
+def test_console_script_error_is_one_line_and_status_2():
+    result = run_console_script("--topology", "mi300x-spx-nps4")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr.startswith("starscream topology: error: topology override 'mi300x-spx-nps4': AMD Instinct "
+                                    "MI300X cannot run SPX+NPS4; valid compute+memory pairs: SPX+NPS1, DPX+NPS1")
+    assert result.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--topology", "8x"), "topology override '8x': a shape is two or three integers joined by 'x'; write"),
+    (("--preset", "mi300x-spx-nps4", "--simulate"), "cannot run SPX+NPS4; valid compute+memory pairs: SPX+NPS1, "),
+    (("--preset", "mi400x"), "unknown preset 'mi400x'; known presets: cpu, h200, "),
+    (("--topology", "8x8", "--data-parallel", "3"), "data=3 (--data-parallel) does not divide the 8 GPUs; pick a"),
+    (("--topology", "2x8x8", "--simulate"), "a simulated mesh needs 128 CPU devices but JAX already started with 64"),
+    (("--coordinator", "localhost:1234"), "got --coordinator localhost:1234 --num-processes None --process-id None"),
+])
+def test_bad_input_is_one_error_line(topology_command, args, message):
+    status, out, err = topology_command(*args)
+    assert (status, out) == (2, "")
+    assert err.startswith("starscream topology: error: ")
+    assert message in err
+    assert err.count("\n") == 1
+
+
+def test_importing_the_library_and_the_command_starts_no_jax_backend():
+    """Every module imports JAX at the top; none may start its backend, or the command could not choose the devices
+    (simulated CPU ones, or a jax.distributed launch) after reading its arguments."""
+    code = ("import importlib, pkgutil, starscream_jax\n"
+            "for module in pkgutil.walk_packages(starscream_jax.__path__, 'starscream_jax.'):\n"
+            "    importlib.import_module(module.name)\n"
+            "from jax._src import xla_bridge\n"
+            "print(len(list(pkgutil.walk_packages(starscream_jax.__path__))), xla_bridge.backends_are_initialized())")
+    printed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert int(printed[0]) >= 6 and printed[1] == "False"

@@ -1,0 +1,299 @@
+"""The model under every layout equals the unsharded model: logits, loss, gradients, one AdamW step, greedy decoding.
+
+Each (config, mesh, layout) case compiles one program once (a train step, then a prefill and a decode loop) and keeps
+only the errors against the unsharded run, which every test of that case reads. Programs are jitted from fresh
+closures inside `use_layout`, because the active layout is read at trace time and is not part of jit's cache key.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from starscream_jax.model.config import load_model_config
+from starscream_jax.errors import ShardingRuleError
+from starscream_jax.sharding.layouts import LAYOUTS
+from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.model.decoder import Transformer, create_sharded_model, init_cache, next_token_loss
+from starscream_jax.sharding.apply import batch_sharding, use_layout
+from starscream_jax.sharding.apply import activation_spec, param_shardings
+
+FP32_TOLERANCE = 2e-5
+"""Largest absolute difference allowed between a sharded and the unsharded float32 result (logits, loss, gradients,
+parameters after one AdamW step). Sharding changes only the order of additions (a psum of partial sums instead of one
+sum); over the <= 384-term contractions of these models that moves results by a few ulps of values of order 1, and
+about 6e-6 is seen. The AdamW step below has lr = eps, so it moves a parameter by at most the gradient's error."""
+
+MESHES = {"1x1x1": (1, 1, 1), "1x2x4": (1, 2, 4), "2x2x2": (2, 2, 2), "1x4x2": (1, 4, 2)}
+"""(data, gpu, xcd) shapes: no sharding at all, 2 GPUs of 4 partitions, a data axis, 4 GPUs of 2 partitions."""
+BATCH, SEQ, PROMPT, NEW_TOKENS = 8, 16, 8, 8
+ADAMW = optax.adamw(learning_rate=1e-3, eps=1e-3)
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+"""Every program here runs once on tiny shapes, so LLVM optimisation would only add compile time."""
+
+BATCH_LAYOUTS = [name for name, layout in LAYOUTS.items() if not layout.splits_sequence]
+"""The layouts that keep each sequence whole (and so decode with a KV cache); the context-parallel ones are tested
+below on sequences their axes divide."""
+CASES = [("tiny", mesh, layout) for mesh in MESHES for layout in BATCH_LAYOUTS]
+CASES += [("tiny-moe", "1x2x4", layout) for layout in BATCH_LAYOUTS]
+
+
+def mesh_of(name: str):
+    data, gpu, xcd = MESHES[name]
+    return build_mesh(f"{data * gpu}x{xcd}", data=data)
+
+
+def train_step(graphdef, params, tokens_BS):
+    """(logits [B, S, V], loss, grads, params after one AdamW step by nnx.Optimizer). `params` is left as it was."""
+    loss, grads = jax.value_and_grad(lambda p: next_token_loss(nnx.merge(graphdef, p), tokens_BS))(params)
+    model = nnx.merge(graphdef, params, copy=True)
+    logits_BSV = model(tokens_BS)
+    optimizer = nnx.Optimizer(model, ADAMW, wrt=nnx.Param)
+    optimizer.update(model, grads)
+    return logits_BSV, loss, grads, nnx.state(model, nnx.Param)
+
+
+def prefill(graphdef, config, params, prompt_BP):
+    """(first generated token [B], KV cache of PROMPT + NEW_TOKENS positions holding the prompt)."""
+    cache = init_cache(config, prompt_BP.shape[0], PROMPT + NEW_TOKENS)
+    logits, cache = nnx.merge(graphdef, params)(prompt_BP, cache=cache, cache_index=0)
+    return greedy(logits), cache
+
+
+def decode_loop(graphdef, params, token_B, cache):
+    """The NEW_TOKENS greedy tokens [B, NEW_TOKENS] from `token_B` on, fed to the model one at a time."""
+    model = nnx.merge(graphdef, params)
+
+    def step(carry, _):
+        token_B, cache, index = carry
+        logits, cache = model(token_B[:, None], cache=cache, cache_index=index)
+        return (greedy(logits), cache, index + 1), token_B
+
+    _, tokens_NB = jax.lax.scan(step, (place_batch(token_B), cache, jnp.int32(PROMPT)), length=NEW_TOKENS)
+    return tokens_NB.T
+
+
+def whole_case(graphdef, config, params, tokens_BS):
+    """The train step's outputs and the tokens greedy decoding generates after the first PROMPT tokens."""
+    return train_step(graphdef, params, tokens_BS), decode_loop(graphdef, params, *prefill(graphdef, config, params,
+                                                                                           tokens_BS[:, :PROMPT]))
+
+
+def jit(function, *static):
+    """`function` with its leading arguments `static` bound, jitted afresh (see the module docstring)."""
+    return jax.jit(functools.partial(function, *static), compiler_options=FAST_COMPILE)
+
+
+def greedy(logits_BSV):
+    """The most likely next token after the last position, [B], placed like the batch."""
+    return place_batch(jnp.argmax(logits_BSV[:, -1], axis=-1).astype(jnp.int32))
+
+
+def place_batch(token_B):
+    """`token_B` placed like the active layout's batch (a prefill under another layout may have placed it
+    otherwise; a scan carry keeps one placement)."""
+    spec = activation_spec(("batch",), token_B.shape)
+    return token_B if spec is None else jax.sharding.reshard(token_B, spec)
+
+
+def sample_tokens(config) -> np.ndarray:
+    return np.random.default_rng(1).integers(0, config.vocab_size, (BATCH, SEQ), dtype=np.int32)
+
+
+@functools.cache
+def reference(config_name: str):
+    """The unsharded model's (config, graphdef, params, outputs), computed on one device with no layout active and
+    kept as host (numpy) arrays, so comparing with them and placing them on a mesh compiles nothing."""
+    config = load_model_config(config_name)
+    graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+    (logits, loss, grads, stepped), generated = jit(whole_case, graphdef, config)(params, sample_tokens(config))
+    outputs = {"logits": logits, "loss": loss, "grads": grads, "stepped": stepped, "generated": generated}
+    return config, graphdef, jax.device_get(params), jax.device_get(outputs)
+
+
+def max_error(actual, expected) -> float:
+    return float(np.max(np.abs(np.asarray(actual) - np.asarray(expected))))
+
+
+def errors_by_path(actual, expected) -> dict[str, float]:
+    """Largest absolute difference per leaf, by the leaf's path."""
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(expected)[0]]
+    return {path: max_error(a, e) for path, a, e in zip(paths, jax.tree.leaves(actual), jax.tree.leaves(expected))}
+
+
+def on_mesh(params, layout: str, mesh, tokens_BS: np.ndarray):
+    """(params, tokens) placed by the layout."""
+    return (jax.device_put(params, param_shardings(params, layout, mesh)),
+            jax.device_put(tokens_BS, batch_sharding(layout, mesh, BATCH)))
+
+
+def generate(config_name: str, mesh, prefill_layout: str, decode_layout: str) -> np.ndarray:
+    """Greedy tokens [B, NEW_TOKENS] after the prompt, as two programs: the prefill under `prefill_layout`, then the
+    decode loop under `decode_layout`, each with the parameters placed by its own layout."""
+    config, graphdef, params, _ = reference(config_name)
+    placed, prompt = on_mesh(params, prefill_layout, mesh, sample_tokens(config)[:, :PROMPT])
+    with use_layout(prefill_layout, mesh):
+        token, cache = jit(prefill, graphdef, config)(placed, prompt)
+    placed = jax.device_put(params, param_shardings(params, decode_layout, mesh))
+    with use_layout(decode_layout, mesh):
+        return np.asarray(jit(decode_loop, graphdef)(placed, token, cache))
+
+
+@functools.cache
+def sharded_run(config_name: str, mesh_name: str, layout: str):
+    """Errors of the sharded train step against the reference, the placement of the stepped parameters, and the
+    tokens greedy decoding generates, all under `layout`."""
+    config, graphdef, params, expected = reference(config_name)
+    mesh = mesh_of(mesh_name)
+    placed, tokens = on_mesh(params, layout, mesh, sample_tokens(config))
+    with use_layout(layout, mesh):
+        (logits, loss, grads, stepped), generated = jit(whole_case, graphdef, config)(placed, tokens)
+    return {
+        "logits": max_error(logits, expected["logits"]),
+        "loss": max_error(loss, expected["loss"]),
+        "grads": errors_by_path(grads, expected["grads"]),
+        "stepped": errors_by_path(stepped, expected["stepped"]),
+        "param_shardings": [leaf.sharding.spec for leaf in jax.tree.leaves(stepped)],
+        "expected_shardings": [s.spec for s in jax.tree.leaves(param_shardings(params, layout, mesh))],
+        "generated": np.asarray(generated),
+    }
+
+
+def worst(errors: dict[str, float]) -> tuple[str, float]:
+    return max(errors.items(), key=lambda item: item[1])
+
+
+@pytest.mark.parametrize("config_name,mesh_name,layout", CASES)
+def test_logits_loss_and_gradients_match_the_unsharded_model(config_name, mesh_name, layout):
+    run = sharded_run(config_name, mesh_name, layout)
+    assert run["logits"] <= FP32_TOLERANCE
+    assert run["loss"] <= FP32_TOLERANCE
+    assert worst(run["grads"])[1] <= FP32_TOLERANCE, worst(run["grads"])
+
+
+@pytest.mark.parametrize("config_name,mesh_name,layout", CASES)
+def test_one_adamw_step_gives_the_same_parameters_in_place(config_name, mesh_name, layout):
+    run = sharded_run(config_name, mesh_name, layout)
+    assert worst(run["stepped"])[1] <= FP32_TOLERANCE, worst(run["stepped"])
+    assert run["param_shardings"] == run["expected_shardings"]
+
+
+@pytest.mark.parametrize("config_name,mesh_name,layout", CASES)
+def test_greedy_decoding_with_the_kv_cache_gives_the_same_tokens(config_name, mesh_name, layout):
+    run = sharded_run(config_name, mesh_name, layout)
+    np.testing.assert_array_equal(run["generated"], reference(config_name)[3]["generated"])
+
+
+MIXED_CASES = [("tiny", mesh) for mesh in MESHES if mesh != "1x1x1"] + [("tiny-moe", "1x2x4")]
+
+
+@pytest.mark.parametrize("config_name,mesh_name", MIXED_CASES)
+def test_prefill_under_starscream_tp_then_decode_under_starscream_decode(config_name, mesh_name):
+    generated = generate(config_name, mesh_of(mesh_name), "starscream_tp", "starscream_decode")
+    np.testing.assert_array_equal(generated, reference(config_name)[3]["generated"])
+
+
+@pytest.mark.parametrize("config_name", ["tiny", "tiny-moe"])
+def test_reference_outputs_are_informative(config_name):
+    """The checks above can fail: the step moves every parameter by far more than the tolerance, and greedy
+    decoding does not repeat one token."""
+    _, _, params, outputs = reference(config_name)
+    moved = errors_by_path(outputs["stepped"], params)
+    assert min(moved.values()) > 10 * FP32_TOLERANCE, min(moved.items(), key=lambda item: item[1])
+    assert len(np.unique(outputs["generated"])) > NEW_TOKENS
+
+
+def test_cached_decoding_equals_the_uncached_forward_pass():
+    """Unsharded: each token generated with the KV cache is the argmax of the uncached forward pass over the prompt
+    and the tokens generated before it (one causal pass over the whole sequence gives every position's argmax)."""
+    config, graphdef, params, outputs = reference("tiny")
+    sequence_BS = np.concatenate([sample_tokens(config)[:, :PROMPT], outputs["generated"][:, :-1]], axis=1)
+    logits_BSV = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, sequence_BS)
+    np.testing.assert_array_equal(np.argmax(logits_BSV[:, PROMPT - 1:], axis=-1), outputs["generated"])
+
+
+@pytest.mark.parametrize("mesh_name", [name for name in MESHES if name != "1x1x1"])
+@pytest.mark.parametrize("layout", ["starscream_cp", "flat_cp"])
+def test_context_parallel_training_matches_and_only_starscream_cp_stays_hierarchical(layout, mesh_name):
+    """The sequence split over the partitions (starscream_cp, with tensor parallelism across GPUs) or over every
+    device (flat_cp, with fully sharded weights): the loss and gradients equal the unsharded model's; starscream_cp's
+    collectives stay inside a GPU or across GPUs, flat_cp gathers its weights over both at once."""
+    from starscream_jax.analysis.principles import check_principles
+    from starscream_jax.analysis.report import inspect_compiled
+
+    config, graphdef, params, _ = reference("tiny")
+    tokens = np.random.default_rng(2).integers(0, config.vocab_size, (4, 33), dtype=np.int32)  # 32 positions
+
+    def loss_and_grads(params, tokens_BS):
+        return jax.value_and_grad(lambda p: next_token_loss(nnx.merge(graphdef, p), tokens_BS))(params)
+
+    expected_loss, expected_grads = jit(loss_and_grads)(params, tokens)
+    mesh = mesh_of(mesh_name)
+    placed = jax.device_put(params, param_shardings(params, layout, mesh))
+    with use_layout(layout, mesh):
+        compiled = jit(loss_and_grads).lower(placed, jax.device_put(tokens, batch_sharding(layout, mesh, 4))).compile()
+        loss, grads = compiled(placed, jax.device_put(tokens, batch_sharding(layout, mesh, 4)))
+    assert max_error(loss, expected_loss) <= FP32_TOLERANCE
+    assert worst(errors_by_path(grads, expected_grads))[1] <= FP32_TOLERANCE
+    verdict = check_principles(inspect_compiled(compiled, mesh), None)["hierarchical_collectives"]
+    assert verdict["ok"] == (layout == "starscream_cp"), verdict["violations"]
+
+
+def test_context_parallel_layouts_refuse_generation_with_a_kv_cache():
+    config, graphdef, params, _ = reference("tiny")
+    mesh = mesh_of("1x2x4")
+    placed, prompt = on_mesh(params, "starscream_cp", mesh, sample_tokens(config)[:, :PROMPT])
+    with use_layout("starscream_cp", mesh), pytest.raises(ShardingRuleError, match="does not support"):
+        jit(prefill, graphdef, config)(placed, prompt)
+
+
+def test_remat_recomputes_each_layers_matmuls_in_the_backward_pass():
+    """With remat the gradient program runs every forward matmul of the layer loop a second time (a third of the
+    loop's matmuls more), and gives the same gradients."""
+    from starscream_jax.analysis.hlo import parse_hlo
+
+    tokens = jnp.arange(2 * 9, dtype=jnp.int32).reshape(2, 9) % 256
+
+    def gradient_program(remat: bool):
+        config = load_model_config("tiny", remat=remat)
+        graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)), nnx.Param)
+        grad = jax.jit(jax.grad(lambda p: next_token_loss(nnx.merge(graphdef, p), tokens)))
+        return grad.lower(params).compile(FAST_COMPILE), params
+
+    (kept, params), (recomputed, _) = gradient_program(False), gradient_program(True)
+    dots = [sum(dot.count for dot in parse_hlo(program.as_text()).dots) for program in (kept, recomputed)]
+    assert dots[1] > dots[0]
+    for got, want in zip(jax.tree.leaves(recomputed(params)), jax.tree.leaves(kept(params))):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_create_sharded_model_equals_the_unsharded_initialisation():
+    mesh = mesh_of("1x2x4")
+    _, _, params, _ = reference("tiny")
+    created = nnx.state(create_sharded_model(load_model_config("tiny"), "starscream_tp", mesh, seed=0), nnx.Param)
+    expected = param_shardings(params, "starscream_tp", mesh)
+    for value, sharding in zip(jax.tree.leaves(created), jax.tree.leaves(expected)):
+        assert value.sharding == sharding
+    assert worst(errors_by_path(created, params))[1] == 0.0
+
+
+def test_kv_cache_is_placed_by_the_layout():
+    mesh = mesh_of("1x2x4")
+    config = load_model_config("tiny")
+    with use_layout("starscream_decode", mesh):
+        cache = jit(lambda: init_cache(config, BATCH, 16))()
+    assert cache["k"].shape == (config.n_layers, BATCH, 16, config.n_kv_heads, config.head_dim)
+    assert cache["k"].sharding.spec == jax.sharding.PartitionSpec(None, ("data", "xcd"), None, "gpu", None)
+    assert cache["v"].sharding == cache["k"].sharding
+
+
+def test_batch_sharding_checks_divisibility():
+    mesh = mesh_of("2x2x2")
+    assert batch_sharding("starscream_tp", mesh, 8).spec == jax.sharding.PartitionSpec(("data", "xcd"), None)
+    assert batch_sharding("flat_fsdp", mesh).spec == jax.sharding.PartitionSpec(("data", "gpu", "xcd"), None)
+    with pytest.raises(ShardingRuleError, match=r"token batch \(6, 1\) .* 'batch' of size 6 is not "
+                                                 r"divisible .* in the activation rules of flat_fsdp"):
+        batch_sharding("flat_fsdp", mesh, 6)

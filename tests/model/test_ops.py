@@ -1,0 +1,167 @@
+"""Per-device kernels: attention with and without the KV cache, vocab-parallel embedding lookup and cross entropy.
+Each sharded run is compared with the same op run with no layout active (one device, plain jnp)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from starscream_jax.errors import ShardingRuleError
+from starscream_jax.sharding.layouts import get_layout
+from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.model.ops import attention, cross_entropy, embed_lookup
+from starscream_jax.sharding.apply import use_layout, weight
+
+FP32_TOLERANCE = 2e-5
+"""Largest absolute difference between a sharded and the unsharded float32 result (see tests/model/test_decoder.py)."""
+B, S, H, K, E, V, D = 8, 8, 8, 2, 4, 64, 16
+
+
+def qkv(heads: int = H, kv_heads: int = K, seq: int = S):
+    keys = jax.random.split(jax.random.key(0), 3)
+    return (jax.random.normal(keys[0], (B, seq, heads, E)), jax.random.normal(keys[1], (B, seq, kv_heads, E)),
+            jax.random.normal(keys[2], (B, seq, kv_heads, E)))
+
+
+def positions(seq: int = S, start: int = 0):
+    return jnp.broadcast_to(jnp.arange(start, start + seq), (B, seq))
+
+
+def empty_cache(length: int = S, kv_heads: int = K):
+    return {"k": jnp.zeros((B, length, kv_heads, E)), "v": jnp.zeros((B, length, kv_heads, E))}
+
+
+def grouped_attention_by_hand(q, k, v):
+    """Causal softmax attention with query head h reading kv head h // (H / K), in plain jnp."""
+    k, v = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=2) for x in (k, v))
+    scores = jnp.einsum("bshe,bthe->bhst", q, k) / jnp.sqrt(q.shape[-1])
+    causal = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
+    weights = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bhst,bthe->bshe", weights, v)
+
+
+def test_unsharded_attention_is_grouped_query_causal_attention():
+    q, k, v = qkv()
+    out, cache = attention(q, k, v, positions())
+    assert cache is None
+    np.testing.assert_allclose(out, grouped_attention_by_hand(q, k, v), atol=1e-5)
+
+
+def test_prefill_in_two_chunks_through_the_cache_equals_one_pass():
+    q, k, v = qkv()
+    full, _ = attention(q, k, v, positions())
+    first, cache = attention(q[:, :5], k[:, :5], v[:, :5], positions(5), empty_cache(), 0)
+    second, cache = attention(q[:, 5:], k[:, 5:], v[:, 5:], positions(3, start=5), cache, 5)
+    np.testing.assert_allclose(jnp.concatenate([first, second], axis=1), full, atol=1e-5)
+    np.testing.assert_array_equal(cache["k"], k)
+    np.testing.assert_array_equal(cache["v"], v)
+
+
+def sharded(layout, mesh, function, *args):
+    with use_layout(layout, mesh):
+        return jax.jit(function)(*args)
+
+
+@pytest.mark.parametrize("layout,topology", [
+    ("flat_tp", "2x4"),            # 8 query heads one per device; 2 kv heads kept over gpu and sliced per device
+    ("gpu_tp", "4x2"),             # 2 query heads per GPU share half a kv head group
+    ("starscream_tp", "2x4"),      # batch over xcd, heads over gpu
+    ("starscream_decode", "4x2"),
+    ("flat_fsdp", "2x4"),
+])
+def test_sharded_attention_with_and_without_cache_equals_unsharded(layout, topology):
+    q, k, v = qkv()
+    expected, _ = attention(q, k, v, positions())
+    mesh = build_mesh(topology)
+    out = sharded(layout, mesh, lambda q, k, v: attention(q, k, v, positions())[0], q, k, v)
+    np.testing.assert_allclose(out, expected, atol=FP32_TOLERANCE)
+
+    def last_token_through_cache(q, k, v, cache):
+        _, cache = attention(q[:, :-1], k[:, :-1], v[:, :-1], positions(S - 1), cache, 0)
+        return attention(q[:, -1:], k[:, -1:], v[:, -1:], positions(1, start=S - 1), cache, S - 1)
+
+    last, cache = sharded(layout, mesh, last_token_through_cache, q, k, v, empty_cache())
+    np.testing.assert_allclose(last, expected[:, -1:], atol=FP32_TOLERANCE)
+    np.testing.assert_array_equal(cache["k"], k)
+
+
+SEQUENCE_SPLIT = "starscream_cp"
+"""Tensor parallelism over GPUs with the sequence, not the batch, over the partitions (context parallelism)."""
+
+
+def test_attention_over_a_split_sequence_and_its_gradient_equal_unsharded():
+    """Each partition holds a quarter of the positions: its queries must still see every earlier key."""
+    q, k, v = qkv()
+    weights = jax.random.normal(jax.random.key(1), (B, S, H, E))
+
+    def loss(q, k, v):
+        return jnp.sum(attention(q, k, v, positions())[0] * weights)
+
+    expected = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+    got = sharded(SEQUENCE_SPLIT, build_mesh("2x4"), jax.value_and_grad(loss, argnums=(0, 1, 2)), q, k, v)
+    for actual, wanted in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(actual, wanted, atol=FP32_TOLERANCE)
+
+
+def test_attention_with_a_cache_over_a_split_sequence_is_refused():
+    q, k, v = qkv()
+    refusal = r"layout starscream_cp splits the sequence over \('xcd',\), which attention with a KV cache"
+    with pytest.raises(ShardingRuleError, match=refusal):
+        sharded(SEQUENCE_SPLIT, build_mesh("2x4"),
+                lambda q, k, v, cache: attention(q, k, v, positions(), cache, 0), q, k, v, empty_cache())
+
+
+def test_query_heads_that_split_a_kv_group_unevenly_are_refused():
+    q, k, v = qkv(heads=6, kv_heads=2)
+    with pytest.raises(ShardingRuleError, match="6 query heads over 3 devices gives 2 per device, which splits groups "
+                                                "of 3 query heads per kv head unevenly"):
+        sharded("gpu_tp", build_mesh("3x1"), lambda q, k, v: attention(q, k, v, positions())[0], q, k, v)
+
+
+def test_kv_heads_on_axes_the_query_heads_do_not_lead_with_are_refused():
+    layout = get_layout("gpu_tp").with_rules(activations={"kv_heads": "xcd"})
+    q, k, v = qkv(kv_heads=4)
+    with pytest.raises(ShardingRuleError, match=r"kv heads sharded over \('xcd',\) but query heads over \('gpu',\)"):
+        sharded(layout, build_mesh("2x4"), lambda q, k, v: attention(q, k, v, positions())[0], q, k, v)
+
+
+def table_and_tokens():
+    table = jax.random.normal(jax.random.key(1), (V, D))
+    return table, jax.random.randint(jax.random.key(2), (B, S), 0, V)
+
+
+@pytest.mark.parametrize("layout", ["flat_tp", "starscream_decode", "flat_fsdp"])
+def test_vocab_parallel_embedding_lookup_equals_take(layout):
+    table, tokens = table_and_tokens()
+
+    def lookup(table_VD, tokens_BS):
+        return embed_lookup(weight(table_VD, ("vocab", "embed")), tokens_BS, out=("batch", "seq", "embed"))
+
+    rows = sharded(layout, build_mesh("2x4"), lookup, table, tokens)
+    np.testing.assert_array_equal(rows, jnp.take(table, tokens, axis=0))
+
+
+def test_embedding_placed_unlike_the_residual_stream_is_refused():
+    """starscream_decode keeps the residual stream's embed over xcd; a table used with embed whole does not fit."""
+    table, tokens = table_and_tokens()
+    mesh = build_mesh("2x4")
+    table = jax.device_put(table, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("gpu", None)))
+    with pytest.raises(ShardingRuleError, match="embedding table at use shards embed over None but the residual "
+                                                "stream over xcd"):
+        sharded("starscream_decode", mesh, lambda t, x: embed_lookup(t, x, out=("batch", "seq", "embed")),
+                table, tokens)
+
+
+@pytest.mark.parametrize("layout", ["flat_tp", "starscream_tp"])
+def test_vocab_parallel_cross_entropy_and_its_gradient_equal_optax(layout):
+    logits = 3 * jax.random.normal(jax.random.key(3), (B, S, V))
+    targets = jax.random.randint(jax.random.key(4), (B, S), 0, V)
+
+    def mean_loss(loss_fn):
+        return jax.value_and_grad(lambda x: jnp.mean(loss_fn(x, targets)))
+
+    expected_loss, expected_grad = mean_loss(optax.softmax_cross_entropy_with_integer_labels)(logits)
+    loss, grad = sharded(layout, build_mesh("2x4"), mean_loss(cross_entropy), logits)
+    np.testing.assert_allclose(loss, expected_loss, atol=FP32_TOLERANCE)
+    np.testing.assert_allclose(grad, expected_grad, atol=FP32_TOLERANCE)
+    assert cross_entropy(logits, targets).shape == (B, S)

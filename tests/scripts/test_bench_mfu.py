@@ -1,0 +1,65 @@
+"""scripts/bench_mfu.py: the plain JAX Llama computes the library model's loss, and the --quick run prints its table."""
+import importlib.util
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from starscream_jax.model.config import load_model_config
+from starscream_jax.model.decoder import Transformer, next_token_loss
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_mfu.py"
+STEP0_LOSS_ATOL = 1e-2  # nats: bfloat16 compute, sums in another order under tensor parallelism
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_mfu", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("model", ["tiny", "llama3.2-1b"])
+def test_plain_loss_equals_the_library_model_on_its_parameters(bench, model):
+    # llama3.2-1b's structure (tied embeddings) at a tiny size; tiny has a separate lm_head
+    config = load_model_config(model, dtype="float32")
+    config = config.replace(vocab_size=256, d_model=64, n_layers=2, d_ff=128, n_heads=4, n_kv_heads=2, head_dim=16)
+    library_model = Transformer(config, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, config.vocab_size)
+    params = nnx.to_pure_dict(nnx.state(library_model, nnx.Param))
+    expected = float(jax.jit(next_token_loss)(library_model, tokens))
+    plain = jax.jit(bench.plain_loss, static_argnums=(2, 3))(params, tokens, config, None)
+    assert float(plain) == pytest.approx(expected, rel=1e-5)
+
+
+def test_rates_count_model_flops_against_every_device(bench):
+    row = bench.add_rates({"step_s": 0.5, "losses": [3.0]}, tokens_per_step=1000, flops_per_token=2e9, devices=2,
+                          peak_flops=1e12, plain={"tokens_per_s": 4000.0, "losses": [2.5]})
+    assert row["tokens_per_s"] == 2000.0
+    assert row["mfu"] == pytest.approx(2000.0 * 2e9 / 2e12)
+    assert row["vs_plain"] == 0.5 and row["loss0_minus_plain"] == 0.5
+
+
+def test_quick_run_prints_the_table_and_both_sides_start_from_the_same_loss(bench, tmp_path, capsys):
+    out = tmp_path / "mfu.json"
+    assert bench.main(["--quick", "--gpus", "2", "--layouts", "gpu_tp", "--out", str(out)]) == 0
+
+    printed = capsys.readouterr().out
+    assert "implementation" in printed and "tokens/s" in printed and "MFU" in printed
+    result = json.loads(out.read_text())
+    assert result["meta"]["mesh"] == {"data": 1, "gpu": 2, "xcd": 1}
+    assert result["meta"]["flops_per_token"] == load_model_config("tiny").flops_per_token(32)
+    names = [row["name"] for row in result["rows"]]
+    assert names == ["plain JAX", "gpu_tp"]
+    for row, line in zip(result["rows"], printed.strip().splitlines()[-2:]):
+        assert line.startswith(row["name"])
+        assert len(row["losses"]) == 3 and all(np.isfinite(row["losses"]))
+        assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1
+    plain_step0 = result["rows"][0]["losses"][0]
+    for row in result["rows"][1:]:
+        assert abs(row["losses"][0] - plain_step0) < STEP0_LOSS_ATOL
+        assert row["vs_plain"] == pytest.approx(row["tokens_per_s"] / result["rows"][0]["tokens_per_s"])

@@ -1,0 +1,231 @@
+"""Applying a layout: parameter specs (optimizer state included), the activation and weight helpers, sharded
+creation, and a property test over random small models and meshes: each one shards and matches the unsharded model,
+or is refused with a ShardingRuleError, never another exception."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
+
+from starscream_jax.model.config import ModelConfig
+from starscream_jax.errors import ShardingRuleError
+from starscream_jax.analysis.report import inspect_compiled
+from starscream_jax.sharding.layouts import LAYOUTS
+from starscream_jax.hardware.axes import AXES
+from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.model.decoder import Transformer, next_token_loss
+from starscream_jax.sharding.apply import (
+    activation_spec, active, constrain, create_sharded, einsum, param, param_shardings, param_specs, shared_input, use_layout, weight,
+)
+
+ABSTRACT_2x4 = AbstractMesh((1, 2, 4), AXES)
+FP32_TOLERANCE = 2e-5
+"""Largest absolute difference between sharded and unsharded float32 logits and loss (see tests/model/test_decoder.py)."""
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+"""Each program runs once on tiny shapes, so LLVM optimisation would only add compile time."""
+
+
+class Mlp(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.w_in = param(jax.random.normal(rngs.params(), (16, 32)), ("embed", "mlp"))
+        self.w_out = param(jax.random.normal(rngs.params(), (32, 16)), ("mlp", "embed"))
+        self.scale = param(jnp.ones((16,)), ("norm",))
+
+
+def test_param_specs_follow_the_params_rules():
+    specs = param_specs(nnx.state(Mlp(nnx.Rngs(0))), "starscream_tp", ABSTRACT_2x4)
+    assert specs["w_in"] == P("xcd", "gpu")
+    assert specs["w_out"] == P("gpu", "xcd")
+    assert specs["scale"] == P(None)
+
+
+def test_optimizer_state_is_placed_like_the_parameters_and_counters_are_scalars():
+    model = Mlp(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    specs = param_specs(nnx.state(optimizer), "starscream_tp", ABSTRACT_2x4)
+    adam = specs["opt_state"][0]
+    assert adam["mu"]["w_in"] == adam["nu"]["w_in"] == P("xcd", "gpu")
+    assert adam["count"] == specs["step"] == P()
+
+
+def test_an_unnamed_parameter_is_an_error_not_a_silent_replica():
+    class Unnamed(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones((4, 8)))
+
+    with pytest.raises(ShardingRuleError, match=r"^w \(4, 8\) has no logical axis names; create it with "
+                                                r"starscream_jax.param\(value, names\)$"):
+        param_specs(nnx.state(Unnamed()), "gpu_tp", ABSTRACT_2x4)
+
+
+def test_param_needs_one_name_per_dimension():
+    with pytest.raises(ShardingRuleError, match=r"parameter of shape \(4, 8\) given 1 logical names \('embed',\)"):
+        param(jnp.ones((4, 8)), ("embed",))
+
+
+def test_param_errors_name_the_parameter_path_and_the_table():
+    class Odd(nnx.Module):
+        def __init__(self):
+            self.w_up = param(jnp.ones((16, 6)), ("embed", "mlp"))
+
+    with pytest.raises(ShardingRuleError, match=r"^w_up \(16, 6\) with logical axes \('embed', 'mlp'\): dimension "
+                                                r"'mlp' of size 6 is not divisible by mesh axes \('gpu', 'xcd'\)"):
+        param_specs(nnx.state(Odd()), "flat_tp", ABSTRACT_2x4)
+
+
+def test_outside_a_layout_every_helper_is_the_identity():
+    x, w = jnp.arange(8.0).reshape(2, 4), jnp.ones((4, 3))
+    assert active() is None
+    assert constrain(x, ("batch", "embed")) is x
+    assert weight(w, ("embed", "mlp")) is w
+    assert weight(w, ("embed", "mlp"), jnp.bfloat16).dtype == jnp.bfloat16
+    np.testing.assert_array_equal(einsum("bd,df->bf", x, w, out=("batch", "mlp")), x @ w)
+    assert activation_spec(("batch",), (2,)) is None
+
+
+def test_use_layout_is_active_only_inside_its_block():
+    mesh = build_mesh("2x4")
+    with use_layout("starscream_tp", mesh):
+        assert active().layout.name == "starscream_tp" and active().mesh is mesh
+        with use_layout("flat_tp", mesh):
+            assert active().layout.name == "flat_tp"
+        assert active().layout.name == "starscream_tp"
+    assert active() is None
+
+
+def test_weights_are_gathered_inside_the_gpu_before_use_and_outputs_placed_by_einsum():
+    """starscream_tp stores w_in as P('xcd', 'gpu') and uses it as P(None, 'gpu'); tokens go over (data, xcd)."""
+    mesh = build_mesh("2x4")
+    model = create_sharded(lambda: Mlp(nnx.Rngs(0)), "starscream_tp", mesh)
+    assert model.w_in.sharding.spec == P("xcd", "gpu")
+
+    def forward(w_in, x):
+        used = weight(w_in, ("embed", "mlp"))
+        hidden = einsum("bd,df->bf", constrain(x, ("batch", "embed")), used, out=("batch", "mlp"))
+        return used, hidden
+
+    with use_layout("starscream_tp", mesh):
+        used, hidden = jax.jit(forward)(model.w_in[...], jnp.ones((8, 16)))
+    assert used.sharding.spec == P(None, "gpu")
+    assert hidden.sharding.spec == P(("data", "xcd"), "gpu")
+    np.testing.assert_allclose(hidden, jnp.ones((8, 16)) @ model.w_in[...], rtol=1e-6)
+
+
+def _two_projections(x, w_a, w_b, shared: bool):
+    """sum(x @ w_a) + sum(x @ w_b)^2 with both weights' outputs split over gpu (tensor parallelism)."""
+    x = constrain(x, ("batch", "embed"))
+    used_a, used_b = weight(w_a, ("embed", "mlp")), weight(w_b, ("embed", "mlp"))
+    if shared:
+        x = shared_input(x, [used_a, used_b])
+    a = einsum("bd,df->bf", x, used_a, out=("batch", "mlp"))
+    b = einsum("bd,df->bf", x, used_b, out=("batch", "mlp"))
+    return jnp.sum(a) + jnp.sum(b * b)
+
+
+@pytest.mark.parametrize("layout", ["starscream_tp", "gpu_tp"])
+def test_shared_input_sums_the_gradients_of_its_matmuls_once(layout):
+    """Two projections of one input whose outputs are split over GPUs: without shared_input the input gradient is
+    all-reduced over gpu once per projection (XLA may combine them into one call, the bytes stay); with it, once.
+    The gradients equal the unsharded ones either way."""
+    mesh = build_mesh("2x4")
+    keys = jax.random.split(jax.random.key(0), 3)
+    x, w_a, w_b = (jax.random.normal(keys[0], (8, 16)), jax.random.normal(keys[1], (16, 32)),
+                   jax.random.normal(keys[2], (16, 32)))
+    expected = jax.grad(_two_projections, argnums=(0, 1, 2))(x, w_a, w_b, False)
+    inter_gpu_buffers = {}
+    for shared in (False, True):
+        with use_layout(layout, mesh):
+            step = jax.jit(jax.grad(_two_projections, argnums=(0, 1, 2)), static_argnums=3)
+            compiled = step.lower(x, w_a, w_b, shared).compile(FAST_COMPILE)
+            gradients = compiled(x, w_a, w_b)
+        for got, want in zip(gradients, expected):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        inter_gpu_buffers[shared] = sum(c.buffer_bytes * c.count for c in inspect_compiled(compiled, mesh).collectives
+                                        if c.scope == "inter_gpu")
+    x_gradient_block = gradients[0].addressable_shards[0].data.nbytes
+    assert inter_gpu_buffers == {False: 2 * x_gradient_block, True: x_gradient_block}
+
+
+def test_shared_input_is_the_identity_where_the_weights_split_different_axes():
+    """flat_tp splits w_a's output over (gpu, xcd); a weight replicated there cannot share the reduction."""
+    mesh = build_mesh("2x4")
+    with use_layout("flat_tp", mesh):
+        x = constrain(jnp.ones((8, 16)), ("batch", "embed"))
+        split = weight(jnp.ones((16, 32)), ("embed", "mlp"))
+        replicated = weight(jnp.ones((16, 32)), ("embed", None))
+        assert shared_input(x, [split, replicated]) is x
+        assert jax.typeof(shared_input(x, [split, split])).sharding.spec.reduced == {"gpu", "xcd"}
+
+
+def test_create_sharded_places_every_parameter_by_the_params_rules():
+    mesh = build_mesh("2x4")
+    model = create_sharded(lambda: Mlp(nnx.Rngs(0)), "flat_tp", mesh)
+    state = nnx.state(model)
+    for value, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(param_shardings(state, "flat_tp", mesh))):
+        assert value.sharding == sharding
+    np.testing.assert_array_equal(model.w_out[...], Mlp(nnx.Rngs(0)).w_out[...])
+
+
+def test_activation_errors_name_the_activation_and_the_layout():
+    message = (r"hidden \(6, 4\) with logical axes \('batch', 'mlp'\): dimension 'batch' of size 6 is not divisible "
+               r"by mesh axes \('data', 'gpu', 'xcd'\) \(size 8\) of rule 'batch' in the activation rules of flat_fsdp")
+    with use_layout("flat_fsdp", build_mesh("2x4")), pytest.raises(ShardingRuleError, match=message):
+        constrain(jnp.ones((6, 4)), ("batch", "mlp"), "hidden")
+
+
+# Property: random small models on random meshes.
+
+MESH_SHAPES = [(1, 1, 2), (1, 2, 2), (1, 2, 4), (2, 2, 2), (1, 4, 2), (1, 1, 8), (2, 1, 4)]
+
+
+@st.composite
+def model_configs(draw) -> ModelConfig:
+    """Small Llama configurations whose sizes are mostly, not always, multiples of a power of two."""
+    def size(multiples_of: int, most: int) -> int:
+        return draw(st.integers(1, most).map(lambda n: n * multiples_of) | st.integers(1, most * multiples_of))
+
+    n_kv_heads = draw(st.sampled_from([1, 2, 4, 8]))
+    return ModelConfig(name="random", vocab_size=size(8, 6), d_model=size(8, 3), n_layers=1,
+                       n_heads=n_kv_heads * draw(st.sampled_from([1, 2, 3, 4])), n_kv_heads=n_kv_heads,
+                       head_dim=2 * draw(st.integers(1, 4)), d_ff=size(8, 4))
+
+
+def random_params(config: ModelConfig):
+    """(graphdef, parameter state of random host arrays): the model's shapes without running (and compiling, once per
+    shape) its initialiser."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(0)
+    return graphdef, jax.tree.map(lambda x: 0.3 * rng.standard_normal(x.shape, np.float32), abstract)
+
+
+def forward_and_loss(graphdef, params, tokens_BS):
+    model = nnx.merge(graphdef, params)
+    return model(tokens_BS), next_token_loss(model, tokens_BS)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=model_configs(), mesh_shape=st.sampled_from(MESH_SHAPES), layout=st.sampled_from(list(LAYOUTS)),
+       batch=st.sampled_from([2, 4, 8]))
+def test_random_models_shard_and_match_or_are_refused_with_a_sharding_rule_error(config, mesh_shape, layout, batch):
+    graphdef, params = random_params(config)
+    tokens = np.random.default_rng(1).integers(0, config.vocab_size, (batch, 6), dtype=np.int32)
+    expected_logits, expected_loss = jax.jit(lambda p, t: forward_and_loss(graphdef, p, t),
+                                             compiler_options=FAST_COMPILE)(params, tokens)
+    data, gpu, xcd = mesh_shape
+    mesh = build_mesh(f"{data * gpu}x{xcd}", data=data)
+    try:
+        placed = jax.device_put(params, param_shardings(params, layout, mesh))
+        with use_layout(layout, mesh):
+            logits, loss = jax.jit(lambda p, t: forward_and_loss(graphdef, p, t),
+                                   compiler_options=FAST_COMPILE)(placed, tokens)
+    except ShardingRuleError:
+        event("refused with a ShardingRuleError")
+        return
+    event("sharded")
+    np.testing.assert_allclose(logits, expected_logits, rtol=0, atol=FP32_TOLERANCE)
+    np.testing.assert_allclose(loss, expected_loss, rtol=0, atol=FP32_TOLERANCE)

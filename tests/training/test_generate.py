@@ -1,0 +1,139 @@
+"""Generation: sharded prefill + decode equals unsharded token for token; the KV cache and top-p are exact."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from starscream_jax.cli import main as cli
+from starscream_jax.training import data
+from starscream_jax.training.checkpoint import CheckpointStore
+from starscream_jax.model.config import load_model_config
+from starscream_jax.errors import StarscreamError
+from starscream_jax.model.decoder import cache_shardings
+from starscream_jax.training.generate import generate
+from starscream_jax.training.steps import Sampling, choose_token
+from starscream_jax.sharding.layouts import get_layout
+from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.model.decoder import Transformer
+from starscream_jax.sharding.apply import use_layout
+from starscream_jax.training.config import TrainConfig
+from starscream_jax.training.loop import initial_state, run_description
+
+PROMPT = np.tile(data.encode("ROMEO:"), (4, 1))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer(load_model_config("tiny"), rngs=nnx.Rngs(7))
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(top_p=0.9, temperature=0.8, seed=3)],
+                         ids=["greedy", "top_p"])
+def test_sharded_generation_equals_unsharded(model, sampling):
+    unsharded = generate(model, PROMPT, 10, sampling)
+    sharded = generate(model, PROMPT, 10, sampling, build_mesh("1x2x4"), "starscream_tp", "starscream_decode")
+    assert unsharded.tokens.shape == (4, 10)
+    np.testing.assert_array_equal(sharded.tokens, unsharded.tokens)
+    assert sharded.prefill_tokens_per_s > 0 and sharded.decode_tokens_per_s > 0
+
+
+def test_flat_layouts_generate_the_same_tokens(model):
+    mesh = build_mesh("1x4x2")
+    flat = generate(model, PROMPT[:1], 6, Sampling(), mesh, "flat_tp", "flat_tp")
+    np.testing.assert_array_equal(flat.tokens, generate(model, PROMPT[:1], 6, Sampling()).tokens)
+
+
+def test_decode_cache_is_placed_by_the_decode_layout():
+    config = load_model_config("tiny")
+    mesh = build_mesh("1x2x4")
+    shardings = cache_shardings(config, batch=4, length=16, layout="starscream_decode", mesh=mesh)
+    # [layers, batch, positions, kv_heads, head_dim]: batch over the partitions, kv heads over the GPUs.
+    assert shardings["k"].spec == shardings["v"].spec == P(None, ("data", "xcd"), None, "gpu", None)
+
+
+def test_greedy_tokens_are_the_argmax_of_a_full_forward_pass(model):
+    generated = generate(model, PROMPT[:1], 8).tokens
+    sequence = np.concatenate([PROMPT[:1], generated], axis=1)
+    logits = model(jnp.asarray(sequence[:, :-1]))
+    predicted = np.asarray(jnp.argmax(logits, axis=-1))[:, PROMPT.shape[1] - 1:]
+    np.testing.assert_array_equal(predicted, generated)
+
+
+def test_top_p_samples_only_inside_the_nucleus():
+    probabilities = np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32)
+    logits = jnp.asarray(np.tile(np.log(probabilities), (2000, 1)))
+    chosen = np.asarray(choose_token(logits, 5, Sampling(top_p=0.7, seed=1)))
+    assert set(chosen.tolist()) == {0, 1}
+    assert 0.55 < np.mean(chosen == 0) < 0.70  # 0.5 / 0.8 of the nucleus
+    everything = np.asarray(choose_token(logits, 5, Sampling(top_p=1.0, seed=1)))
+    assert set(everything.tolist()) == {0, 1, 2, 3}
+
+
+def test_a_tiny_nucleus_is_greedy():
+    logits = jax.random.normal(jax.random.key(0), (16, 256))
+    nucleus = choose_token(logits, 3, Sampling(top_p=1e-6, temperature=0.5, seed=9))
+    np.testing.assert_array_equal(nucleus, jnp.argmax(logits, axis=-1))
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"top_p": 1.5}, "top-p 1.5 is outside"),
+    ({"temperature": 0.0}, "temperature 0.0 must be positive"),
+])
+def test_bad_sampling_options_are_refused(options, message):
+    with pytest.raises(StarscreamError, match=message):
+        Sampling(**options)
+
+
+def test_too_many_tokens_for_the_model_are_refused(model):
+    with pytest.raises(StarscreamError, match="exceed model tiny's max_seq_len 256"):
+        generate(model, PROMPT, 251)
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_context_parallel_layouts_are_refused_before_anything_compiles(model, phase):
+    layouts = {"prefill_layout": "starscream_tp", "decode_layout": "starscream_decode", f"{phase}_layout": "flat_cp"}
+    with pytest.raises(StarscreamError, match="layout flat_cp splits the sequence .* cannot hold the KV cache"):
+        generate(model, PROMPT, 4, mesh=build_mesh("2x4"), **layouts)
+
+
+@pytest.fixture
+def generate_command(monkeypatch, capsys):
+    """Runs `starscream generate ARGS` in this process; returns (exit status, stdout lines, stderr)."""
+    monkeypatch.setattr(cli, "SUBCOMMANDS", {"generate": cli.SUBCOMMANDS["generate"]})
+
+    def run(*args):
+        status = cli.main(["generate", *args])
+        captured = capsys.readouterr()
+        return status, captured.out.splitlines(), captured.err
+
+    return run
+
+
+def save_fresh_run(directory, mesh):
+    """A checkpoint at step 1 of a freshly initialised tiny model, as training writes it."""
+    config = TrainConfig()
+    model_config = load_model_config(config.model)
+    with use_layout(config.layout, mesh):
+        _, params, _, _, opt_state = initial_state(config, model_config, get_layout(config.layout), mesh)
+    with CheckpointStore(directory) as store:
+        store.save(1, params, opt_state, run_description(config, model_config, mesh, 1), force=True)
+
+
+def test_command_generates_from_a_checkpoint(tmp_path, generate_command):
+    save_fresh_run(tmp_path / "checkpoints", build_mesh("1x2x4"))
+    status, out, _ = generate_command("--checkpoint", str(tmp_path / "checkpoints"), "--prompt", "KING:",
+                                      "--max-new-tokens", "5", "--top-p", "0.95")
+    assert status == 0
+    assert out[0] == ("tiny from step 1 on mesh {'data': 1, 'gpu': 2, 'xcd': 4}; prefill starscream_tp, "
+                      "decode starscream_decode")
+    assert [line for line in out if line.startswith("--- sample")] == [f"--- sample {i}" for i in range(4)]
+    assert sum(line.startswith("KING:") for line in out) == 4
+    assert out[-1].startswith("prefill ") and out[-1].endswith("tokens/s (4 x 5 new tokens)")
+
+
+def test_missing_checkpoint_is_one_error_line(tmp_path, generate_command):
+    status, _, err = generate_command("--checkpoint", str(tmp_path / "nothing"))
+    assert status == 2
+    assert err.startswith("starscream generate: error: checkpoint directory") and err.count("\n") == 1

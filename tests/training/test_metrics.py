@@ -1,0 +1,49 @@
+"""JSON lines metrics, the loss plot and loss formatting."""
+import math
+
+from starscream_jax.cli.format import format_bytes
+from starscream_jax.training import metrics
+
+
+def test_records_round_trip_through_json_lines(tmp_path):
+    path = tmp_path / "run" / "metrics.jsonl"
+    with metrics.MetricsLog(path) as log:
+        log.write({"step": 1, "loss": 3.5})
+        log.write({"step": 2, "loss": 3.0, "tokens_per_s": 100.0})
+    with metrics.MetricsLog(path) as log:
+        log.write({"step": 2, "eval_loss": 3.1})
+    assert metrics.read_metrics(path) == [
+        {"step": 1, "loss": 3.5},
+        {"step": 2, "loss": 3.0, "tokens_per_s": 100.0},
+        {"step": 2, "eval_loss": 3.1},
+    ]
+
+
+def test_disabled_log_writes_nothing(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    with metrics.MetricsLog(path, enabled=False) as log:
+        log.write({"step": 1, "loss": 3.5})
+    assert not path.exists()
+
+
+def test_replayed_steps_keep_their_last_value():
+    records = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.5}, {"step": 2, "loss": 2.4},
+               {"step": 2, "eval_loss": 2.6}]
+    assert metrics.last_records_by_step(records, "loss") == [(1, 3.0), (2, 2.4)]
+    assert metrics.last_records_by_step(records, "eval_loss") == [(2, 2.6)]
+
+
+def test_loss_is_printed_in_nats_and_bits():
+    assert metrics.format_loss(math.log(2.0) * 3) == "2.079 nats (3.000 bits)"
+
+
+def test_plot_is_a_png(tmp_path):
+    records = [{"step": step, "loss": 4.0 / step} for step in range(1, 20)] + [{"step": 10, "eval_loss": 0.5}]
+    path = metrics.plot_losses(records, tmp_path / "plots" / "loss.png", reference_nats=3.0)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 5000
+
+
+def test_byte_counts_use_binary_units():
+    assert [format_bytes(count) for count in (512, 1536, 3.5 * 2**20, 2**31)] == [
+        "512 B", "1.5 KiB", "3.5 MiB", "2.0 GiB"]
