@@ -15,7 +15,16 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from starscream_jax import build_mesh, constrain, create_sharded, einsum, param, simulate_cpu_devices, use_layout, weight
+from starscream_jax import (
+    build_mesh,
+    constrain,
+    create_sharded,
+    einsum,
+    param,
+    simulate_cpu_devices,
+    use_layout,
+    weight,
+)
 
 
 class Classifier(nnx.Module):

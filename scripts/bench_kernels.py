@@ -37,12 +37,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh
 
+from starscream_jax.hardware.axes import AXES, axes_of
+from starscream_jax.hardware.topology import parse_override
 from starscream_jax.model.config import load_model_config
-from starscream_jax.sharding.layouts import Layout, get_layout
 from starscream_jax.model.decoder import Transformer
 from starscream_jax.model.names import ATTN_Q
+from starscream_jax.sharding.layouts import Layout, get_layout
 from starscream_jax.sharding.rules import resolve
-from starscream_jax.hardware.topology import parse_override
 
 # kernel name: (weights fused along N, logical names the kernel contracts over)
 MATMULS = {
@@ -85,19 +86,14 @@ class Measured:
 def layout_mesh(topology: str) -> AbstractMesh:
     """The (data, gpu, xcd) mesh of a topology string ("8x8", "mi300x-cpx-nps1:8"), without devices."""
     parsed = parse_override(topology)
-    return AbstractMesh((1, parsed.num_gpus, parsed.partitions_per_gpu), ("data", "gpu", "xcd"))
-
-
-def mesh_axes(entry) -> tuple[str, ...]:
-    """The mesh axes of one PartitionSpec entry."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return AbstractMesh((1, parsed.num_gpus, parsed.partitions_per_gpu), AXES)
 
 
 def local_shape(names, shape, rules, mesh) -> list[int]:
     """Per-device shape of a tensor whose dimensions carry logical `names`, placed by `rules` on `mesh`."""
     spec = tuple(resolve(tuple(names), tuple(shape), rules, mesh))
     entries = spec + (None,) * (len(shape) - len(spec))
-    return [size // math.prod(mesh.shape[axis] for axis in mesh_axes(entry)) for size, entry in zip(shape, entries)]
+    return [size // math.prod(mesh.shape[axis] for axis in axes_of(entry)) for size, entry in zip(shape, entries)]
 
 
 def local_tokens(tokens: int, layout: Layout, mesh, name: str = "batch") -> int:

@@ -194,8 +194,8 @@ def layout_row(layout: str, model_config, train_config, mesh, tokens, warmup: in
     import jax
 
     from starscream_jax.sharding.apply import batch_sharding, use_layout
-    from starscream_jax.training.steps import train_step as make_train_step
     from starscream_jax.training.loop import initial_state
+    from starscream_jax.training.steps import train_step as make_train_step
 
     with use_layout(layout, mesh):
         graphdef, params, rest, optimizer, opt_state = initial_state(train_config, model_config, layout, mesh)
@@ -266,8 +266,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import jax
 
-    from starscream_jax.model.config import load_model_config
     from starscream_jax.hardware.mesh import build_mesh
+    from starscream_jax.model.config import load_model_config
     from starscream_jax.training.config import TrainConfig
 
     mesh = build_mesh(gpus=args.gpus)

@@ -26,10 +26,10 @@ from starscream_jax.hardware.mesh import build_mesh
 
 def compiled_step(layout: str, mesh, model_config, train_config):
     """(compiled step, its arguments): the AdamW step of `train_config` for `model_config`, sharded by `layout`."""
-    from starscream_jax.training import data
     from starscream_jax.sharding.apply import batch_sharding, use_layout
-    from starscream_jax.training.steps import train_step as make_train_step
+    from starscream_jax.training import data
     from starscream_jax.training.loop import initial_state
+    from starscream_jax.training.steps import train_step as make_train_step
 
     with use_layout(layout, mesh):
         graphdef, params, rest, optimizer, opt_state = initial_state(train_config, model_config, layout, mesh)
@@ -112,8 +112,8 @@ def main(argv=None) -> int:
     mesh = build_mesh(grouping=args.grouping, simulate=args.simulate)
     import jax
 
-    from starscream_jax.model.config import load_model_config
     from starscream_jax.hardware.mesh import device_table
+    from starscream_jax.model.config import load_model_config
     from starscream_jax.training.config import TrainConfig
 
     model_config = load_model_config(args.model, dtype=args.dtype)

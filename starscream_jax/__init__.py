@@ -20,8 +20,14 @@ from .hardware.presets import list_presets, load_preset
 from .hardware.simulation import simulate_cpu_devices
 from .hardware.topology import Topology, parse_override
 from .sharding.apply import constrain, create_sharded, einsum, param, shared_input, use_layout, weight
-from .sharding.collectives import (all_gather_inside_gpu, all_reduce_across_gpus, hierarchical_all_gather,
-                                   hierarchical_all_reduce, hierarchical_psum, reduce_scatter_inside_gpu)
+from .sharding.collectives import (
+                                   all_gather_inside_gpu,
+                                   all_reduce_across_gpus,
+                                   hierarchical_all_gather,
+                                   hierarchical_all_reduce,
+                                   hierarchical_psum,
+                                   reduce_scatter_inside_gpu,
+)
 from .sharding.layouts import LAYOUTS, Layout, get_layout
 
 __all__ = [

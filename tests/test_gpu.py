@@ -16,17 +16,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from starscream_jax.model.config import load_model_config
-from starscream_jax.errors import TopologyError
 from starscream_jax.analysis.principles import check_principles
 from starscream_jax.analysis.report import inspect_compiled, matmul_key
-from starscream_jax.sharding.layouts import LAYOUTS
+from starscream_jax.errors import TopologyError
 from starscream_jax.hardware.mesh import build_mesh, build_topology_mesh, device_table, resolve_topology
+from starscream_jax.model.config import load_model_config
 from starscream_jax.model.decoder import create_sharded_model, init_cache, next_token_loss
 from starscream_jax.sharding.apply import batch_sharding, use_layout
-from starscream_jax.training.steps import train_step as make_train_step
+from starscream_jax.sharding.layouts import LAYOUTS
 from starscream_jax.training.config import TrainConfig
 from starscream_jax.training.loop import initial_state
+from starscream_jax.training.steps import train_step as make_train_step
 
 pytestmark = pytest.mark.gpu
 

@@ -96,11 +96,12 @@ class DecodeArgs(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class CompiledStep:
-    """One layout's compiled step, the abstract arguments it was lowered from, its layer-loop instructions and the
-    lowered program's text (with locations: the activations' names)."""
+    """One layout's compiled step, the abstract arguments it was lowered from and its abstract result, its layer-loop
+    instructions and the lowered program's text (with locations: the activations' names)."""
 
     layout: Layout
     args: NamedTuple
+    outputs: Any
     compiled: Any
     loop_ops: frozenset[str]
     lowered_text: str
@@ -154,9 +155,10 @@ def compile_step(settings: Settings, layout_name: str, mesh) -> CompiledStep:
     layout = get_layout(layout_name)
     with use_layout(layout, mesh):
         step, args = step_program(settings, layout, mesh)
+        outputs = jax.eval_shape(step, *args)
         lowered = step.lower(*args)
         compiled = lowered.compile(compiler_options=COMPILER_OPTIONS)
-    return CompiledStep(layout, args, compiled, layer_loop_ops(compiled.as_text(), settings.layers),
+    return CompiledStep(layout, args, outputs, compiled, layer_loop_ops(compiled.as_text(), settings.layers),
                         lowered.as_text(debug_info=True))
 
 

@@ -64,7 +64,7 @@ def inspect_layouts(settings: Settings, topology, mesh, refused: dict[str, str] 
             (settings.dump_hlo / f"{name}_{settings.phase}.hlo.txt").write_text(step.compiled.as_text())
     token_dims = (settings.batch, 1 if settings.phase == "decode" else settings.seq)
     reports = {name: inspect_compiled(step.compiled, mesh, args=step.args, gpus_per_node=topology.gpus_per_node,
-                                      lowered_text=step.lowered_text, token_dims=token_dims)
+                                      lowered_text=step.lowered_text, token_dims=token_dims, outputs=step.outputs)
                for name, step in steps.items()}
     return {name: layout_result(settings, topology, mesh, steps[name], reports[name], reports[REFERENCE])
             for name in settings.layouts if name in steps}
@@ -196,16 +196,17 @@ def principles(settings: Settings, step: CompiledStep, report, reference, partit
     """The three verdicts. Replicated inputs are allowed for parameters (and their optimizer state) whose logical
     names include one of the layout's `replicated_ok` names. Decode judges principle 1 by bytes read
     (`reads_once_per_gpu`) instead of kernel shapes."""
-    allowed = replicated_ok_names(step.args, step.layout.replicated_ok)
+    allowed = (replicated_ok_names(step.args, step.layout.replicated_ok)
+               | replicated_ok_names(step.outputs, step.layout.replicated_ok, prefix="output/"))
     verdicts = check_principles(report, reference, replicated_ok=allowed)
     if settings.phase == "decode":
         verdicts["shape_preservation"] = reads_once_per_gpu(report.matmuls, reference.matmuls, partitions)
     return verdicts
 
 
-def replicated_ok_names(args, logical_names: frozenset[str]) -> set[str]:
-    """Input names (as the inspector writes them) of the arrays of every nnx Variable in `args` whose logical axes
-    include one of `logical_names` (norm scales, and the optimizer's moments of them)."""
+def replicated_ok_names(args, logical_names: frozenset[str], prefix: str = "") -> set[str]:
+    """Input names (as the report writes them, after `prefix`) of the arrays of every nnx Variable in `args` whose
+    logical axes include one of `logical_names` (norm scales, and the optimizer's moments of them)."""
     def is_variable(node) -> bool:
         return isinstance(node, nnx.Variable)
 
@@ -213,5 +214,5 @@ def replicated_ok_names(args, logical_names: frozenset[str]) -> set[str]:
     for path, node in jax.tree_util.tree_flatten_with_path(args, is_leaf=is_variable)[0]:
         if is_variable(node) and logical_names & set(node.get_metadata(LOGICAL_AXES, ())):
             for inner, _ in jax.tree_util.tree_flatten_with_path(node)[0]:
-                allowed.add(jax.tree_util.keystr((*path, *inner), simple=True, separator="/"))
+                allowed.add(prefix + jax.tree_util.keystr((*path, *inner), simple=True, separator="/"))
     return allowed

@@ -67,7 +67,8 @@ def check_principles(
        its matmuls per direction (`weight_side_elements`, from each report's `tokens_per_device`): a layout may
        divide only the tokens. Ops that the reference lacks are listed as unpaired. Kernels whose work is split
        into several matmuls of the same op under the layout alone are not told apart from one whole kernel.
-    2. no_redundancy: no input array of more than `large_bytes` bytes is replicated over `xcd`, unless its name is
+    2. no_redundancy: no input or output array of more than `large_bytes` bytes (the persistent state a step reads
+       and leaves behind) is replicated over `xcd`, unless its name is
        allowed by `replicated_ok`: a callable taking the name, or a set of names or fnmatch patterns ("*/scale");
        and no activation of which each device holds more than `large_bytes` (when the report has them, see
        `inspect_activations`): the copies waste that much on each of the other partitions of the GPU.
@@ -150,9 +151,9 @@ def _no_redundancy(
         return any(fnmatchcase(name, pattern) for pattern in replicated_ok)
 
     violations = [
-        f"input {entry.name} {entry.shape} ({entry.bytes} bytes, spec {entry.spec}) is replicated "
-        f"{entry.replication_xcd}x over xcd"
-        for entry in report.inputs
+        f"{'output' if entry.name.startswith('output/') else 'input'} {entry.name} {entry.shape} ({entry.bytes} "
+        f"bytes, spec {entry.spec}) is replicated {entry.replication_xcd}x over xcd"
+        for entry in (*report.inputs, *report.outputs)
         if entry.replication_xcd > 1 and entry.bytes > large_bytes and not allowed(entry.name)
     ]
     violations += [

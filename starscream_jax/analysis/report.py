@@ -144,6 +144,7 @@ class Report:
     memory: MemoryReport | None
     tokens_per_device: int | None = None
     activations: list[ActivationReport] = dataclasses.field(default_factory=list)
+    outputs: list[InputReport] = dataclasses.field(default_factory=list)
 
     def bytes_by_scope(self) -> dict[str, float]:
         """Bytes each device moves per call of the program, summed by collective scope."""
@@ -235,6 +236,7 @@ def inspect_compiled(
     tokens_per_device: int | None = None,
     lowered_text: str | None = None,
     token_dims: tuple[int, ...] | None = None,
+    outputs: Any = None,
 ) -> Report:
     """Read a compiled program (`jax.jit(f).lower(*args).compile()`) over `mesh` into a Report.
 
@@ -245,7 +247,8 @@ def inspect_compiled(
     `tokens_per_device`: the tokens each device's matmuls work on (batch rows held by the device x positions), which
     principle 1 divides the matmuls' work by; pass it, or let `infer_tokens_per_device` read it from the shapes.
     `lowered_text` (`lowered.as_text(debug_info=True)` of the same program) with `token_dims` (the model's token
-    dimensions, (batch, seq)) adds the activations: see `inspect_activations`.
+    dimensions, (batch, seq)) adds the activations: see `inspect_activations`. `outputs` names the results (see
+    `_output_reports`), which hold what a step leaves behind (updated state, a filled KV cache).
     """
     report = inspect_text(
         compiled.as_text(),
@@ -260,7 +263,7 @@ def inspect_compiled(
     activations = [] if lowered_text is None else inspect_activations(lowered_text, mesh, token_dims)
     return dataclasses.replace(
         report, inputs=_input_reports(compiled, mesh, args), memory=_memory_report(compiled.memory_analysis()),
-        activations=activations,
+        activations=activations, outputs=_output_reports(compiled, mesh, outputs),
     )
 
 
@@ -390,6 +393,20 @@ def _input_reports(compiled: Any, mesh: Mesh, args: Any) -> list[InputReport]:
         _input_report(jax.tree_util.keystr(path, simple=True, separator="/"), leaf, sharding, mesh)
         for (path, leaf), sharding in zip(leaves, shardings)
     ]
+
+
+def _output_reports(compiled: Any, mesh: Mesh, outputs: Any) -> list[InputReport]:
+    """The program's results, named "output/<path>" by `outputs` (the step's abstract result, e.g. from
+    `jax.eval_shape`; None: no output is reported), laid out as the compiled program returns them."""
+    if outputs is None:
+        return []
+    leaves = jax.tree_util.tree_flatten_with_path(outputs)[0]
+    shardings = jax.tree_util.tree_leaves(compiled.output_shardings)
+    if len(leaves) != len(shardings):
+        raise TopologyError(f"outputs hold {len(leaves)} arrays but the program returns {len(shardings)}; pass the "
+                            "step's result as jax.eval_shape gives it")
+    return [_input_report("output/" + jax.tree_util.keystr(path, simple=True, separator="/"), leaf, sharding, mesh)
+            for (path, leaf), sharding in zip(leaves, shardings)]
 
 
 def _input_report(name: str, leaf: Any, sharding: Any, mesh: Mesh) -> InputReport:

@@ -14,7 +14,7 @@ from ..analysis.compile import PHASES, Settings, make_settings
 from ..analysis.layout_report import PRINCIPLES, inspect_layouts
 from ..errors import StarscreamError
 from .arguments import add_mesh_arguments, mesh_from_args, prepare_simulation
-from .format import format_bytes, format_seconds
+from .format import clip, format_bytes, format_seconds
 
 DEFAULT_LAYOUTS = {"train": "flat_tp,starscream_tp", "prefill": "flat_tp,starscream_tp",
                    "decode": "flat_tp,starscream_decode"}
@@ -64,10 +64,6 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     """The checked Settings of the parsed arguments."""
     return make_settings(args.model, args.phase, args.batch, args.seq, args.layout or DEFAULT_LAYOUTS[args.phase],
                          args.layers, args.dump_hlo)
-
-
-def _clip(line: str) -> str:
-    return line if len(line) <= LINE_WIDTH else line[: LINE_WIDTH - 3] + "..."
 
 
 def _figure(value: float | None, form: str) -> str:
@@ -163,5 +159,5 @@ def format_table(results: dict[str, dict]) -> str:
             violations = result["principles"][principle]["violations"]
             if violations:
                 lines.append(f"{name} {principle}: {len(violations)} violation(s), e.g.")
-                lines += [_clip(f"  {line}") for line in violations[:SHOWN_VIOLATIONS]]
+                lines += [clip(f"  {line}", LINE_WIDTH) for line in violations[:SHOWN_VIOLATIONS]]
     return "\n".join(lines)

@@ -11,7 +11,7 @@ from ..analysis.plan import REMAT, plan_phase
 from ..errors import StarscreamError
 from ..sharding.layouts import LAYOUTS
 from .arguments import add_mesh_arguments, mesh_from_args, prepare_simulation
-from .format import format_bytes, format_seconds
+from .format import clip, format_bytes, format_seconds
 from .inspect import DEFAULT_GPUS, DEFAULT_LAYERS, DEFAULT_MODEL, DEFAULT_PRESET
 
 REASON_WIDTH = 100
@@ -62,7 +62,7 @@ def format_plans(plans: dict[str, dict]) -> str:
                                                          key=lambda item: item[1]["estimate"]["serial_s"])]
         widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
         lines += ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
-        lines += [f"  {name}: cannot place the model: {_clip(reason)}" for name, reason in plan["refused"].items()]
+        lines += [f"  {name}: cannot place the model: {clip(reason, REASON_WIDTH)}" for name, reason in plan["refused"].items()]
         lines.append("")
     lines.append("plan: " + ", ".join(f"{phase} {plan['choice'] or 'none fits'}" for phase, plan in plans.items()))
     commands = _commands({phase: plan["choice"] for phase, plan in plans.items()})
@@ -91,6 +91,3 @@ def _commands(choices: dict[str, str | None]) -> list[str]:
                         f"--decode-layout {choices['decode']}")
     return commands
 
-
-def _clip(text: str) -> str:
-    return text if len(text) <= REASON_WIDTH else text[: REASON_WIDTH - 3] + "..."

@@ -15,8 +15,8 @@ from jax._src import distributed
 from jax.sharding import AxisType, Mesh
 
 from ..errors import TopologyError
-from .axes import AXES
 from . import detect
+from .axes import AXES
 from .presets import Preset, load_chip, load_preset, preset_for
 from .simulation import DEFAULT_SIMULATED, simulate_cpu_devices
 from .topology import MODE_FOR_PARTITIONS, Topology, override_from_env, parse_override

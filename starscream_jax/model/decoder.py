@@ -13,8 +13,18 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from ..sharding.apply import (activation_spec, constrain, create_sharded, einsum, param, scale, shared_input,
-                              token_mean, use_layout, weight)
+from ..sharding.apply import (
+    activation_spec,
+    constrain,
+    create_sharded,
+    einsum,
+    param,
+    scale,
+    shared_input,
+    token_mean,
+    use_layout,
+    weight,
+)
 from ..sharding.layouts import Layout
 from .config import ModelConfig
 from .names import ATTN_KV, ATTN_Q, KV_CACHE, LOGITS, RESIDUAL, TOKENS

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec, reshard
 
 from ..errors import ShardingRuleError
-from ..sharding.apply import activation_spec, active
 from ..hardware.axes import axes_of, dim_axes
+from ..sharding.apply import activation_spec, active
 from ..sharding.collectives import hierarchical_all_gather, hierarchical_psum
 from ..sharding.rules import LogicalNames
 from .names import ATTN_KV, ATTN_Q, LOGITS, POSITIONS, TOKENS

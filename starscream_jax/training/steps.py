@@ -26,10 +26,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec, reshard
 
 from ..errors import StarscreamError
+from ..hardware.axes import INSIDE_GPU, axes_of
 from ..model.config import ModelConfig
 from ..model.decoder import init_cache, next_token_loss
 from ..sharding.apply import LOGICAL_AXES, activation_spec
-from ..hardware.axes import INSIDE_GPU, axes_of
 from .config import TrainConfig
 
 

@@ -16,8 +16,10 @@ from starscream_jax.training.steps import Sampling
 
 
 def program_text(compiled) -> str:
-    """The compiled HLO without what names where it came from (source locations in op metadata)."""
-    return re.sub(r', metadata=\{[^}]*\}', "", compiled.as_text())
+    """The compiled HLO without what says where in Python it was traced from (the file and stack-frame tables, and
+    each op's metadata): the program itself, instruction by instruction."""
+    text = re.sub(r"\n\nFileNames\n.*?\nStackFrames\n.*?\n\n", "\n\n", compiled.as_text(), flags=re.S)
+    return re.sub(r", metadata=\{[^}]*\}", "", text)
 
 
 @pytest.fixture(scope="module")

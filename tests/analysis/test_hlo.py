@@ -10,10 +10,15 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from starscream_jax.errors import StarscreamError
 from starscream_jax.analysis.hlo import (
-    ArrayShape, dtype_bits, instructions_in_loops, parse_hlo, parse_replica_groups, parse_shapes,
+    ArrayShape,
+    dtype_bits,
+    instructions_in_loops,
+    parse_hlo,
+    parse_replica_groups,
+    parse_shapes,
 )
+from starscream_jax.errors import StarscreamError
 
 REDUCER = """%add (x: f32[], y: f32[]) -> f32[] {
   %x = f32[] parameter(0)

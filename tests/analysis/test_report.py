@@ -18,11 +18,18 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from starscream_jax.errors import TopologyError
 from starscream_jax.analysis.principles import check_principles, reads_once_per_gpu, weight_side_elements
 from starscream_jax.analysis.report import (
-    MatmulReport, classify_scope, infer_tokens_per_device, inspect_compiled, inspect_text, matmul_key, replication, ring_bytes_per_device,
+    MatmulReport,
+    classify_scope,
+    infer_tokens_per_device,
+    inspect_compiled,
+    inspect_text,
+    matmul_key,
+    replication,
+    ring_bytes_per_device,
 )
+from starscream_jax.errors import TopologyError
 
 B, D = 64, 32
 HIDDEN = {(2, 4): 128, (8, 8): 256}

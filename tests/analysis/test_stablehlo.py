@@ -3,9 +3,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from starscream_jax.analysis.stablehlo import ShardedValue, sharded_values
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.sharding.apply import constrain, einsum, use_layout, weight
-from starscream_jax.analysis.stablehlo import ShardedValue, sharded_values
 
 PROGRAM = """\
 module @jit_step attributes {mhlo.num_partitions = 8 : i32} {

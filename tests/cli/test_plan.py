@@ -9,10 +9,10 @@ from contextlib import redirect_stdout
 
 import pytest
 
+from starscream_jax.analysis.compile import make_settings
 from starscream_jax.analysis.plan import full_depth_memory, plan_phase
 from starscream_jax.cli import plan as plan_command
 from starscream_jax.errors import StarscreamError
-from starscream_jax.analysis.compile import make_settings
 from starscream_jax.hardware.mesh import build_topology_mesh
 from starscream_jax.hardware.topology import Topology
 

@@ -12,7 +12,8 @@ import sys
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from starscream_jax.cli import topology as cli
 from starscream_jax.hardware.mesh import build_topology_mesh, device_table

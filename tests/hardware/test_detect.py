@@ -6,13 +6,28 @@ import shutil
 from pathlib import Path
 
 import pytest
-from fixtures.sysfs import (FIRST_RENDER_MINOR, KFD_NODES, MI300X_BUSES, cpu_node, gpu_nodes, mi300x_node,
-                            unique_id, write_machine, write_modes)
-
-from starscream_jax.hardware.detect import (
-    check_against_amd_smi, detect_rocm_topology, group_by_gpu, parse_amd_smi, read_kfd_partitions, read_partition_modes, read_properties,
+from fixtures.sysfs import (
+    FIRST_RENDER_MINOR,
+    KFD_NODES,
+    MI300X_BUSES,
+    cpu_node,
+    gpu_nodes,
+    mi300x_node,
+    unique_id,
+    write_machine,
+    write_modes,
 )
+
 from starscream_jax.errors import TopologyError
+from starscream_jax.hardware.detect import (
+    check_against_amd_smi,
+    detect_rocm_topology,
+    group_by_gpu,
+    parse_amd_smi,
+    read_kfd_partitions,
+    read_partition_modes,
+    read_properties,
+)
 
 AMD_SMI = Path(__file__).parent / "fixtures" / "amd_smi"
 

@@ -10,35 +10,35 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from starscream_jax.cli import arguments
+from starscream_jax.cli import arguments as cli_arguments
 from starscream_jax.errors import StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
-from starscream_jax.training.metrics import read_metrics
 from starscream_jax.training.config import TrainConfig
 from starscream_jax.training.loop import train
+from starscream_jax.training.metrics import read_metrics
 
 TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train.py"
 
 
 def parse(argv):
     parser = argparse.ArgumentParser()
-    arguments.add_distributed_arguments(parser)
+    cli_arguments.add_distributed_arguments(parser)
     return parser.parse_args(argv)
 
 
 def test_no_arguments_stay_single_process():
-    assert arguments.initialize_from_args(parse([])) is False
+    assert cli_arguments.initialize_from_args(parse([])) is False
 
 
 def test_partial_explicit_arguments_are_refused():
     with pytest.raises(StarscreamError, match="expected all three together"):
-        arguments.initialize_from_args(parse(["--coordinator", "localhost:1234", "--num-processes", "2"]))
+        cli_arguments.initialize_from_args(parse(["--coordinator", "localhost:1234", "--num-processes", "2"]))
 
 
 def test_process_id_outside_the_range_is_refused():
     arguments = parse(["--coordinator", "localhost:1234", "--num-processes", "2", "--process-id", "2"])
     with pytest.raises(StarscreamError, match=r"process id 2 is outside 0..1"):
-        arguments.initialize_from_args(arguments)
+        cli_arguments.initialize_from_args(arguments)
 
 
 def free_port() -> int:

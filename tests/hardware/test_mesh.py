@@ -15,9 +15,9 @@ import pytest
 from jax.sharding import AxisType
 
 from starscream_jax.cli import arguments
-from starscream_jax.hardware import detect, simulation
-from starscream_jax.errors import PresetError, TopologyError
 from starscream_jax.cli.arguments import add_mesh_arguments, mesh_from_args, prepare_simulation
+from starscream_jax.errors import PresetError, TopologyError
+from starscream_jax.hardware import detect, simulation
 from starscream_jax.hardware.axes import AXES
 from starscream_jax.hardware.mesh import build_mesh, build_topology_mesh, detect_topology, device_table
 from starscream_jax.hardware.topology import OVERRIDE_ENV

@@ -6,7 +6,14 @@ import pytest
 
 from starscream_jax.errors import PresetError
 from starscream_jax.hardware.presets import (
-    CHIP_FIELDS, PARTITIONS_PER_MODE, check_mode, list_chips, list_presets, load_chip, load_preset, preset_for,
+    CHIP_FIELDS,
+    PARTITIONS_PER_MODE,
+    check_mode,
+    list_chips,
+    list_presets,
+    load_chip,
+    load_preset,
+    preset_for,
 )
 from starscream_jax.resources import data_dir
 

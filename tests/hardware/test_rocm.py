@@ -13,10 +13,14 @@ from collections import defaultdict
 
 import pytest
 
-from starscream_jax.hardware.detect import (
-    PARTITIONS_PER_FIXED_MODE, detect_rocm_topology, group_by_gpu, parse_amd_smi, read_kfd_partitions,
-)
 from starscream_jax.errors import TopologyError
+from starscream_jax.hardware.detect import (
+    PARTITIONS_PER_FIXED_MODE,
+    detect_rocm_topology,
+    group_by_gpu,
+    parse_amd_smi,
+    read_kfd_partitions,
+)
 
 pytestmark = pytest.mark.rocm
 

@@ -13,13 +13,12 @@ import optax
 import pytest
 from flax import nnx
 
-from starscream_jax.model.config import load_model_config
 from starscream_jax.errors import ShardingRuleError
-from starscream_jax.sharding.layouts import LAYOUTS
 from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.model.config import load_model_config
 from starscream_jax.model.decoder import Transformer, create_sharded_model, init_cache, next_token_loss
-from starscream_jax.sharding.apply import batch_sharding, use_layout
-from starscream_jax.sharding.apply import activation_spec, param_shardings
+from starscream_jax.sharding.apply import activation_spec, batch_sharding, param_shardings, use_layout
+from starscream_jax.sharding.layouts import LAYOUTS
 
 FP32_TOLERANCE = 2e-5
 """Largest absolute difference allowed between a sharded and the unsharded float32 result (logits, loss, gradients,

@@ -7,10 +7,10 @@ import optax
 import pytest
 
 from starscream_jax.errors import ShardingRuleError
-from starscream_jax.sharding.layouts import get_layout
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model.ops import attention, cross_entropy, embed_lookup
 from starscream_jax.sharding.apply import use_layout, weight
+from starscream_jax.sharding.layouts import get_layout
 
 FP32_TOLERANCE = 2e-5
 """Largest absolute difference between a sharded and the unsharded float32 result (see tests/model/test_decoder.py)."""

@@ -12,16 +12,26 @@ from hypothesis import strategies as st
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
-from starscream_jax.model.config import ModelConfig
-from starscream_jax.errors import ShardingRuleError
 from starscream_jax.analysis.report import inspect_compiled
-from starscream_jax.sharding.layouts import LAYOUTS
+from starscream_jax.errors import ShardingRuleError
 from starscream_jax.hardware.axes import AXES
 from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.model.config import ModelConfig
 from starscream_jax.model.decoder import Transformer, next_token_loss
 from starscream_jax.sharding.apply import (
-    activation_spec, active, constrain, create_sharded, einsum, param, param_shardings, param_specs, shared_input, use_layout, weight,
+    activation_spec,
+    active,
+    constrain,
+    create_sharded,
+    einsum,
+    param,
+    param_shardings,
+    param_specs,
+    shared_input,
+    use_layout,
+    weight,
 )
+from starscream_jax.sharding.layouts import LAYOUTS
 
 ABSTRACT_2x4 = AbstractMesh((1, 2, 4), AXES)
 FP32_TOLERANCE = 2e-5

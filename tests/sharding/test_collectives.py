@@ -7,10 +7,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from starscream_jax.sharding import collectives
-from starscream_jax.errors import ShardingRuleError
 from starscream_jax.analysis.report import inspect_compiled
+from starscream_jax.errors import ShardingRuleError
 from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.sharding import collectives
 
 MESHES = {"1x2x4": ("2x4", 1), "2x2x2": ("4x2", 2)}
 ALL = ("data", "gpu", "xcd")

@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from starscream_jax.model.config import load_model_config
 from starscream_jax.analysis.principles import check_principles
 from starscream_jax.analysis.report import inspect_compiled
 from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.model.config import load_model_config
 from starscream_jax.model.decoder import next_token_loss
 from starscream_jax.sharding.apply import batch_sharding, use_layout
-from starscream_jax.training.steps import train_step as make_train_step
 from starscream_jax.training.config import TrainConfig
 from starscream_jax.training.loop import initial_state
+from starscream_jax.training.steps import train_step as make_train_step
 
 CONFIG = load_model_config("tiny")
 TRAIN = TrainConfig(learning_rate=1e-2, warmup_steps=1, steps=1, weight_decay=0.0)

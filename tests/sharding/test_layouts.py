@@ -25,16 +25,22 @@ from flax import nnx
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from starscream_jax.model.config import load_model_config
-from starscream_jax.errors import ShardingRuleError
 from starscream_jax.analysis.principles import check_principles
 from starscream_jax.analysis.report import inspect_compiled
-from starscream_jax.sharding.layouts import ACTIVATION_NAMES, LAYOUTS, WEIGHT_NAMES, get_layout
+from starscream_jax.errors import ShardingRuleError
 from starscream_jax.hardware.axes import AXES
 from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.model.config import load_model_config
 from starscream_jax.model.decoder import Transformer, init_cache, next_token_loss
-from starscream_jax.sharding.apply import batch_sharding, use_layout
-from starscream_jax.sharding.apply import LOGICAL_AXES, activation_spec, param_shardings, param_specs
+from starscream_jax.sharding.apply import (
+    LOGICAL_AXES,
+    activation_spec,
+    batch_sharding,
+    param_shardings,
+    param_specs,
+    use_layout,
+)
+from starscream_jax.sharding.layouts import ACTIVATION_NAMES, LAYOUTS, WEIGHT_NAMES, get_layout
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 GOLDEN_MODEL = "llama3-70b"
@@ -134,6 +140,16 @@ def test_with_rules_changes_only_the_named_rules():
     assert layout.activations.lookup("batch") == (True, ("data",))
     assert layout.activations.lookup("heads") == (True, ("gpu",))
     assert layout.params == get_layout("starscream_tp").params
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"activations": {"bacth": "data"}}, r"activations rules of layout starscream_tp have no logical name\(s\) \['bacth'\]"),
+    ({"param": {"embed": "xcd"}}, r"layout starscream_tp has no rule table 'param'; change one of params, weights"),
+])
+def test_with_rules_refuses_a_name_or_table_the_layout_lacks(changes, message):
+    """A typo would otherwise leave the layout unchanged without a word."""
+    with pytest.raises(ShardingRuleError, match=message):
+        get_layout("starscream_tp").with_rules(**changes)
 
 
 # Principles, on compiled programs.

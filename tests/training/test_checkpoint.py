@@ -6,8 +6,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from starscream_jax.training.checkpoint import CheckpointStore, abstract_arrays
 from starscream_jax.errors import StarscreamError
+from starscream_jax.training.checkpoint import CheckpointStore, abstract_arrays
 
 
 def make_mesh(shape):

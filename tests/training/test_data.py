@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from starscream_jax.training import data
 from starscream_jax.errors import StarscreamError
+from starscream_jax.training import data
 
 
 @settings(max_examples=50, deadline=None)

@@ -7,19 +7,18 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from starscream_jax.cli import main as cli
+from starscream_jax.errors import StarscreamError
+from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.model.config import load_model_config
+from starscream_jax.model.decoder import Transformer, cache_shardings
+from starscream_jax.sharding.apply import use_layout
+from starscream_jax.sharding.layouts import get_layout
 from starscream_jax.training import data
 from starscream_jax.training.checkpoint import CheckpointStore
-from starscream_jax.model.config import load_model_config
-from starscream_jax.errors import StarscreamError
-from starscream_jax.model.decoder import cache_shardings
-from starscream_jax.training.generate import generate
-from starscream_jax.training.steps import Sampling, choose_token
-from starscream_jax.sharding.layouts import get_layout
-from starscream_jax.hardware.mesh import build_mesh
-from starscream_jax.model.decoder import Transformer
-from starscream_jax.sharding.apply import use_layout
 from starscream_jax.training.config import TrainConfig
+from starscream_jax.training.generate import generate
 from starscream_jax.training.loop import initial_state, run_description
+from starscream_jax.training.steps import Sampling, choose_token
 
 PROMPT = np.tile(data.encode("ROMEO:"), (4, 1))
 

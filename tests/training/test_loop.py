@@ -9,15 +9,15 @@ import pytest
 from flax import nnx
 
 from starscream_jax.cli import main as cli
+from starscream_jax.errors import StarscreamError
+from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.sharding.apply import param_shardings
+from starscream_jax.sharding.layouts import get_layout
 from starscream_jax.training import data
 from starscream_jax.training.checkpoint import restore_model
-from starscream_jax.errors import StarscreamError
-from starscream_jax.sharding.layouts import get_layout
-from starscream_jax.hardware.mesh import build_mesh
-from starscream_jax.training.metrics import read_metrics
-from starscream_jax.sharding.apply import param_shardings
 from starscream_jax.training.config import TrainConfig
 from starscream_jax.training.loop import train
+from starscream_jax.training.metrics import read_metrics
 
 SMALL = TrainConfig(steps=6, batch_size=8, seq_len=32, warmup_steps=2, eval_every=3, eval_batches=1,
                     checkpoint_every=2, log_every=2)
