@@ -152,7 +152,7 @@ def format_table(results: dict[str, dict]) -> str:
         "rings pass every byte over inter-GPU links). On the CPU backend bfloat16 moves as float32 and a",
         "reduce-scatter runs as all-reduce + slice, so bytes and compiled memory are up to 2x a GPU's (gradient",
         "reduce-scatters 4x); intensity is computed from each matmul's shape at the model's dtype. The estimate is the",
-        "cost model's (starscream_jax.costmodel): matmul rooflines and collective latency + bytes / bus bandwidth.",
+        "cost model's (starscream_jax.analysis.costmodel): matmul rooflines and collective latency + bytes / bus bandwidth.",
     ]
     for name, result in results.items():
         for principle in PRINCIPLES:
