@@ -139,6 +139,9 @@ def step_program(settings: Settings, layout: Layout, mesh, config: ModelConfig |
     """(the phase's jitted step from `training.steps`, its abstract arguments) for a model of `config` (default:
     `settings.config`). Call inside `use_layout(layout, mesh)`."""
     config = config or settings.config
+    if settings.cache < settings.seq:
+        raise StarscreamError(f"a KV cache of {settings.cache} positions cannot hold {settings.seq} tokens; give "
+                              f"cache_length {settings.seq} or more")
     graphdef, args = abstract_args(config, layout, mesh, settings.phase, settings.batch, settings.seq,
                                    settings.training, settings.cache)
     if settings.phase == "train":
@@ -155,10 +158,10 @@ def compile_step(settings: Settings, layout_name: str, mesh) -> CompiledStep:
     layout = get_layout(layout_name)
     with use_layout(layout, mesh):
         step, args = step_program(settings, layout, mesh)
-        outputs = jax.eval_shape(step, *args)
-        lowered = step.lower(*args)
+        traced = step.trace(*args)
+        lowered = traced.lower()
         compiled = lowered.compile(compiler_options=COMPILER_OPTIONS)
-    return CompiledStep(layout, args, outputs, compiled, layer_loop_ops(compiled.as_text(), settings.layers),
+    return CompiledStep(layout, args, traced.out_info, compiled, layer_loop_ops(compiled.as_text(), settings.layers),
                         lowered.as_text(debug_info=True))
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from starscream_jax.analysis.compile import Settings, compile_step, make_settings
+from starscream_jax.errors import StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model.decoder import create_sharded_model
 from starscream_jax.training.config import TrainConfig
@@ -60,3 +61,9 @@ def test_inspect_compiles_the_prefill_and_decode_steps_that_generate_ran(mesh, s
                           "starscream_decode", mesh).compiled
     assert program_text(prefill) == program_text(ran.prefill_program)
     assert program_text(decode) == program_text(ran.decode_program)
+
+
+def test_a_cache_shorter_than_the_prompt_is_refused_before_compiling(mesh):
+    settings = dataclasses.replace(make_settings("tiny", "prefill", 8, 16, "starscream_tp", 4), cache_length=8)
+    with pytest.raises(StarscreamError, match="a KV cache of 8 positions cannot hold 16 tokens"):
+        compile_step(settings, "starscream_tp", mesh)

@@ -198,27 +198,27 @@ def test_collectives_inside_async_wrappers_and_fusions_are_found_once():
 
 
 def loop_module(trip_count_config: str) -> str:
-    loops = f"""%inner_body (s: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {{
-  %s = (s32[], f32[8,8]{{1,0}}) parameter(0)
+    loops = """%inner_body (s: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {
+  %s = (s32[], f32[8,8]{1,0}) parameter(0)
   %si = s32[] get-tuple-element(%s), index=0
-  %sv = f32[8,8]{{1,0}} get-tuple-element(%s), index=1
-  %ar = f32[8,8]{{1,0}} all-reduce(%sv), channel_id=1, replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add
-  ROOT %st = (s32[], f32[8,8]{{1,0}}) tuple(%si, %ar)
-}}
+  %sv = f32[8,8]{1,0} get-tuple-element(%s), index=1
+  %ar = f32[8,8]{1,0} all-reduce(%sv), channel_id=1, replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add
+  ROOT %st = (s32[], f32[8,8]{1,0}) tuple(%si, %ar)
+}
 
-%cond (c: (s32[], f32[8,8])) -> pred[] {{
-  %c = (s32[], f32[8,8]{{1,0}}) parameter(0)
+%cond (c: (s32[], f32[8,8])) -> pred[] {
+  %c = (s32[], f32[8,8]{1,0}) parameter(0)
   ROOT %true = pred[] constant(true)
-}}
+}
 
-%outer_body (t: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {{
-  %t = (s32[], f32[8,8]{{1,0}}) parameter(0)
+%outer_body (t: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {
+  %t = (s32[], f32[8,8]{1,0}) parameter(0)
   %ti = s32[] get-tuple-element(%t), index=0
-  %tv = f32[8,8]{{1,0}} get-tuple-element(%t), index=1
-  %d = f32[8,8]{{1,0}} dot(%tv, %tv), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
-  %it = (s32[], f32[8,8]{{1,0}}) tuple(%ti, %d)
-  ROOT %w = (s32[], f32[8,8]{{1,0}}) while(%it), condition=%cond, body=%inner_body, backend_config={{"known_trip_count":{{"n":"3"}}}}
-}}
+  %tv = f32[8,8]{1,0} get-tuple-element(%t), index=1
+  %d = f32[8,8]{1,0} dot(%tv, %tv), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %it = (s32[], f32[8,8]{1,0}) tuple(%ti, %d)
+  ROOT %w = (s32[], f32[8,8]{1,0}) while(%it), condition=%cond, body=%inner_body, backend_config={"known_trip_count":{"n":"3"}}
+}
 """
     return module(
         "%zero = s32[] constant(0)",
