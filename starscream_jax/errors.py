@@ -15,3 +15,8 @@ class PresetError(StarscreamError):
 
 class ShardingRuleError(StarscreamError):
     """A layout cannot place a tensor: unknown logical name, missing mesh axis, axis reused, or indivisible dimension."""
+
+
+class CheckpointError(StarscreamError):
+    """A model directory (config.json, safetensors files and their index, tokenizer files) is missing, corrupt or
+    describes a model this library does not implement."""

@@ -16,7 +16,12 @@ from ..resources import data_dir
 @dataclass(frozen=True)
 class ModelConfig:
     """A Llama-family decoder. d_model D, n_heads H query heads of head_dim, n_kv_heads K (H % K == 0), d_ff F,
-    n_experts E (0 = dense MLP) with experts_per_token routed per token."""
+    n_experts E (0 = dense MLP) with experts_per_token routed per token.
+
+    qkv_bias: biases on the q, k and v projections (Qwen2). qk_norm: RMSNorm of each query and key head over
+    head_dim before the rotary embedding (Qwen3). rope_scaling "llama3": Llama 3.1's frequency-dependent stretch of
+    the rotary wavelengths by rope_factor between rope_original_max_len / rope_low_freq_factor and
+    rope_original_max_len / rope_high_freq_factor ("" = plain rotary embedding)."""
 
     name: str
     vocab_size: int
@@ -34,6 +39,13 @@ class ModelConfig:
     experts_per_token: int = 2
     dtype: str = "float32"
     remat: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: str = ""
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
@@ -46,6 +58,8 @@ class ModelConfig:
             raise PresetError(f"model {self.name}: dtype {self.dtype!r}; use 'float32' or 'bfloat16'")
         if self.head_dim % 2:
             raise PresetError(f"model {self.name}: head_dim {self.head_dim} must be even for rotary embeddings")
+        if self.rope_scaling not in ("", "llama3"):
+            raise PresetError(f"model {self.name}: rope_scaling {self.rope_scaling!r}; use '' (none) or 'llama3'")
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -53,7 +67,7 @@ class ModelConfig:
     def num_params(self) -> int:
         """Parameter count (embedding and head counted once each unless tied)."""
         d, f, h, k, hd = self.d_model, self.d_ff, self.n_heads, self.n_kv_heads, self.head_dim
-        attention = d * hd * (2 * h + 2 * k)
+        attention = d * hd * (2 * h + 2 * k) + (hd * (h + 2 * k) if self.qkv_bias else 0) + (2 * hd if self.qk_norm else 0)
         mlp = 3 * d * f * max(1, self.n_experts) + (d * self.n_experts if self.n_experts else 0)
         embeddings = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.n_layers * (attention + mlp + 2 * d) + embeddings + d

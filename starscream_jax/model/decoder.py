@@ -42,10 +42,28 @@ def rms_norm(x_BSD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
     return scale(normed, scale_D, ("norm",), "norm scale").astype(x_BSD.dtype)
 
 
-def rope(x_BSNE: jax.Array, positions_BS: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding (rotate-half form) of queries or keys at integer positions."""
+def rope_frequencies(c: ModelConfig) -> jax.Array:
+    """The rotary embedding's angular frequency of each of the head_dim / 2 pairs [E/2] float32: theta^(-2i/E),
+    stretched as Llama 3.1 does when `c.rope_scaling == "llama3"`: wavelengths longer than
+    original_max_len / low_freq_factor divided by `rope_factor`, shorter than original_max_len / high_freq_factor
+    kept, those between blended smoothly."""
+    half = c.head_dim // 2
+    inv_freq = c.rope_theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if c.rope_scaling != "llama3":
+        return inv_freq
+    wavelength = 2 * jnp.pi / inv_freq
+    blend = (c.rope_original_max_len / wavelength - c.rope_low_freq_factor) / (
+        c.rope_high_freq_factor - c.rope_low_freq_factor)
+    blended = (1 - blend) * inv_freq / c.rope_factor + blend * inv_freq
+    long_waves = wavelength > c.rope_original_max_len / c.rope_low_freq_factor
+    short_waves = wavelength < c.rope_original_max_len / c.rope_high_freq_factor
+    return jnp.where(long_waves, inv_freq / c.rope_factor, jnp.where(short_waves, inv_freq, blended))
+
+
+def rope(x_BSNE: jax.Array, positions_BS: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary position embedding (rotate-half form) of queries or keys at integer positions, with the angular
+    frequencies `inv_freq` [E/2] of `rope_frequencies`."""
     half = x_BSNE.shape[-1] // 2
-    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angles = positions_BS[..., None].astype(jnp.float32) * inv_freq  # [B, S, E/2]
     cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
     x1, x2 = x_BSNE[..., :half].astype(jnp.float32), x_BSNE[..., half:].astype(jnp.float32)
@@ -64,6 +82,13 @@ class LayerStack(nnx.Module):
         self.wk = param(_normal(rngs, (L, D, K, E), D), ("layers", "embed", "kv_heads", "head_dim"))
         self.wv = param(_normal(rngs, (L, D, K, E), D), ("layers", "embed", "kv_heads", "head_dim"))
         self.wo = param(_normal(rngs, (L, H, E, D), H * E), ("layers", "heads", "head_dim", "embed"))
+        if c.qkv_bias:
+            self.bq = param(jnp.zeros((L, H, E)), ("layers", "heads", "head_dim"))
+            self.bk = param(jnp.zeros((L, K, E)), ("layers", "kv_heads", "head_dim"))
+            self.bv = param(jnp.zeros((L, K, E)), ("layers", "kv_heads", "head_dim"))
+        if c.qk_norm:
+            self.q_norm = param(jnp.ones((L, E)), ("layers", "norm"))
+            self.k_norm = param(jnp.ones((L, E)), ("layers", "norm"))
         self.mlp_norm = param(jnp.ones((L, D)), ("layers", "norm"))
         if c.n_experts:
             X = c.n_experts
@@ -129,6 +154,8 @@ class Transformer(nnx.Module):
 
 def _layer_weight_names(c: ModelConfig) -> list[str]:
     names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
+    names += ["bq", "bk", "bv"] if c.qkv_bias else []
+    names += ["q_norm", "k_norm"] if c.qk_norm else []
     return names + (["router"] if c.n_experts else [])
 
 
@@ -156,7 +183,14 @@ def _block(c: ModelConfig, x_BSD, w, positions_BS, layer_cache, cache_index):
     q_BSHE = _project("q", "bsd,dhe->bshe", h_BSD, wq_DHE, ATTN_Q)
     k_BSKE = _project("k", "bsd,dke->bske", h_BSD, wk_DKE, ATTN_KV)
     v_BSKE = _project("v", "bsd,dke->bske", h_BSD, wv_DKE, ATTN_KV)
-    q_BSHE, k_BSKE = rope(q_BSHE, positions_BS, c.rope_theta), rope(k_BSKE, positions_BS, c.rope_theta)
+    if c.qkv_bias:
+        q_BSHE, k_BSKE, v_BSKE = (_add_bias(x, w[key], names) for x, key, names in (
+            (q_BSHE, "bq", ("heads", "head_dim")), (k_BSKE, "bk", ("kv_heads", "head_dim")),
+            (v_BSKE, "bv", ("kv_heads", "head_dim"))))
+    if c.qk_norm:
+        q_BSHE, k_BSKE = rms_norm(q_BSHE, w["q_norm"], c.norm_eps), rms_norm(k_BSKE, w["k_norm"], c.norm_eps)
+    inv_freq = rope_frequencies(c)
+    q_BSHE, k_BSKE = rope(q_BSHE, positions_BS, inv_freq), rope(k_BSKE, positions_BS, inv_freq)
     with jax.named_scope("attention"):
         attended_BSHE, layer_cache = attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, layer_cache, cache_index)
         attended_BSHE = constrain(attended_BSHE, ("batch", "seq", "heads", "head_dim"), "attention output")
@@ -165,6 +199,12 @@ def _block(c: ModelConfig, x_BSD, w, positions_BS, layer_cache, cache_index):
     h_BSD = rms_norm(x_BSD, w["mlp_norm"], c.norm_eps)
     mlp_BSD = _moe_mlp(c, h_BSD, w) if c.n_experts else _dense_mlp(c, h_BSD, w)
     return x_BSD + mlp_BSD, layer_cache
+
+
+def _add_bias(x_BSNE, bias_NE, names: tuple[str, ...]):
+    """x [B, S, N, E] plus a projection's bias [N, E], the bias used as `weight` places it (`scale` of ones: its
+    gradient summed over the token axes as a weight's is)."""
+    return x_BSNE + scale(jnp.ones_like(x_BSNE), bias_NE.astype(x_BSNE.dtype), names, "bias")
 
 
 def _dense_mlp(c: ModelConfig, h_BSD, w):

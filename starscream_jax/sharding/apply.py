@@ -160,13 +160,14 @@ _summed_once.defvjp(_summed_once_forward, _summed_once_gradient)
 
 
 def scale(x: jax.Array, value: jax.Array, names: LogicalNames, tensor: str = "scale") -> jax.Array:
-    """x [..., D] times the weight `value` [D] (a norm scale), the weight used as `weight` places it (its gradient
-    summed likewise). A weight typed `reduced` is taken only by dot_general, so it multiplies through an einsum,
-    which XLA compiles back into an elementwise multiply."""
+    """x [..., *value.shape] times the weight `value` (a norm scale [D], or [N, E]), the weight used as `weight`
+    places it (its gradient summed likewise). A weight typed `reduced` is taken only by dot_general, so it multiplies
+    through an einsum, which XLA compiles back into an elementwise multiply."""
     used = weight(value, names, tensor=tensor)
     if not jax.typeof(used).sharding.spec.reduced:
         return x * used
-    return jnp.einsum("...d,d->...d", x, used, precision=jax.lax.Precision.HIGHEST)
+    letters = "abcdefgh"[:value.ndim]
+    return jnp.einsum(f"...{letters},{letters}->...{letters}", x, used, precision=jax.lax.Precision.HIGHEST)
 
 
 def token_mean(x: jax.Array, names: LogicalNames, tensor: str = "token mean") -> jax.Array:
@@ -208,7 +209,7 @@ def param(value: jax.Array, names: LogicalNames) -> nnx.Param:
     return nnx.Param(value, **{LOGICAL_AXES: tuple(names)})
 
 
-def _path_name(path) -> str:
+def path_name(path) -> str:
     return "/".join(str(getattr(p, "key", p)) for p in path)
 
 
@@ -227,9 +228,9 @@ def param_specs(state: nnx.State, layout: Layout | str, mesh) -> nnx.State:
         if names is None:
             if len(shape) == 0:
                 return PartitionSpec()
-            raise ShardingRuleError(f"{_path_name(path)} {tuple(shape)} has no logical axis names; create it with "
+            raise ShardingRuleError(f"{path_name(path)} {tuple(shape)} has no logical axis names; create it with "
                                     f"starscream_jax.param(value, names)")
-        return resolve(names, tuple(shape), layout.params, mesh, _path_name(path), f"param rules of {layout.name}")
+        return resolve(names, tuple(shape), layout.params, mesh, path_name(path), f"param rules of {layout.name}")
 
     return jax.tree.map_with_path(spec_of, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

@@ -1,0 +1,279 @@
+"""Hugging Face checkpoints in and out: safetensors files (one, or shards with `model.safetensors.index.json`).
+
+Loading is streamed and sharded: every parameter is built with `jax.make_array_from_callback`, whose callback reads
+from the safetensors file only the byte ranges of the slice one device holds (safetensors' lazy slicing), converts it
+to the parameter dtype and hands it to that device. A process reads only its own devices' slices, no device holds
+a tensor it does not own, and the host holds one slice at a time on top of what the devices keep.
+
+Our parameters stack the layers (and experts) on leading axes and keep heads and head_dim apart ([L, D, H, E]); a
+checkpoint holds one [H * E, D] matrix per layer. `SOURCES` says, per parameter, which tensor each layer comes from
+and how its axes map onto ours; loading and export both read it, so they are each other's inverse.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from ..errors import CheckpointError
+from ..sharding.apply import param_shardings, path_name
+from .config import ModelConfig
+from .decoder import Transformer
+from .hf_config import CONFIG_FILE, hf_config_from_model, model_config_from_hf
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+DTYPES = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16}
+"""safetensors dtype -> numpy dtype, for the floating dtypes a parameter can be converted from."""
+SAVED_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+DEFAULT_SHARD_BYTES = 5 << 30
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one parameter comes from. `template` names the checkpoint tensor of one layer (and expert);
+    `stacked` leading axes of ours (0, layers, or layers and experts) index those tensors. The tensor is viewed with
+    dimension `split[0]` cut into (outer, split[1]) (e.g. [H * E, D] as [H, E, D]); our per-layer axes are that
+    view's axes in the order `order` (ours = view.transpose(order))."""
+
+    template: str
+    stacked: int = 0
+    order: tuple[int, ...] = (0,)
+    split: tuple[int, int] | None = None
+
+    def tensor_names(self, shape: tuple[int, ...]) -> list[str]:
+        """Every checkpoint tensor this parameter (of `shape`) reads, layer by layer (expert by expert)."""
+        return [self.name(*index) for index in np.ndindex(*shape[:self.stacked])]
+
+    def name(self, layer: int = 0, expert: int = 0) -> str:
+        return self.template.format(layer=layer, expert=expert)
+
+    def tensor_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The checkpoint tensor's shape for our parameter of `shape`."""
+        view = self.view_shape(shape[self.stacked:])
+        if self.split is None:
+            return view
+        dim = self.split[0]
+        return view[:dim] + (view[dim] * view[dim + 1],) + view[dim + 2:]
+
+    def view_shape(self, per_layer: tuple[int, ...]) -> tuple[int, ...]:
+        view = [0] * len(per_layer)
+        for ours, theirs in enumerate(self.order):
+            view[theirs] = per_layer[ours]
+        return tuple(view)
+
+
+def sources(config: ModelConfig) -> dict[str, Source]:
+    """Our parameter path ("layers/wq") -> its Source, for `config`."""
+    E = config.head_dim
+    layer = "model.layers.{layer}."
+    table = {
+        "embedding": Source("model.embed_tokens.weight", order=(0, 1)),
+        "final_norm": Source("model.norm.weight"),
+        "layers/attn_norm": Source(layer + "input_layernorm.weight", 1),
+        "layers/wq": Source(layer + "self_attn.q_proj.weight", 1, (2, 0, 1), (0, E)),
+        "layers/wk": Source(layer + "self_attn.k_proj.weight", 1, (2, 0, 1), (0, E)),
+        "layers/wv": Source(layer + "self_attn.v_proj.weight", 1, (2, 0, 1), (0, E)),
+        "layers/wo": Source(layer + "self_attn.o_proj.weight", 1, (1, 2, 0), (1, E)),
+        "layers/mlp_norm": Source(layer + "post_attention_layernorm.weight", 1),
+    }
+    if not config.tie_embeddings:
+        table["lm_head"] = Source("lm_head.weight", order=(1, 0))
+    if config.qkv_bias:
+        for ours, theirs in (("bq", "q"), ("bk", "k"), ("bv", "v")):
+            table[f"layers/{ours}"] = Source(layer + f"self_attn.{theirs}_proj.bias", 1, (0, 1), (0, E))
+    if config.qk_norm:
+        table["layers/q_norm"] = Source(layer + "self_attn.q_norm.weight", 1)
+        table["layers/k_norm"] = Source(layer + "self_attn.k_norm.weight", 1)
+    if config.n_experts:
+        expert = layer + "block_sparse_moe.experts.{expert}."
+        table["layers/router"] = Source(layer + "block_sparse_moe.gate.weight", 1, (1, 0))
+        table["layers/w_gate"] = Source(expert + "w1.weight", 2, (1, 0))
+        table["layers/w_up"] = Source(expert + "w3.weight", 2, (1, 0))
+        table["layers/w_down"] = Source(expert + "w2.weight", 2, (1, 0))
+    else:
+        table["layers/w_gate"] = Source(layer + "mlp.gate_proj.weight", 1, (1, 0))
+        table["layers/w_up"] = Source(layer + "mlp.up_proj.weight", 1, (1, 0))
+        table["layers/w_down"] = Source(layer + "mlp.down_proj.weight", 1, (1, 0))
+    return table
+
+
+class CheckpointReader:
+    """The safetensors files of a model directory, opened lazily; `weight_map` says which file holds each tensor."""
+
+    def __init__(self, model_dir: str | Path):
+        self.model_dir = Path(model_dir)
+        index_path, single_path = self.model_dir / INDEX_FILE, self.model_dir / SINGLE_FILE
+        if index_path.is_file():
+            try:
+                self.weight_map = dict(json.loads(index_path.read_text())["weight_map"])
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise CheckpointError(f"{index_path} is not a safetensors index ({err!r}); fix or replace it") from None
+        elif single_path.is_file():
+            self.weight_map = {name: SINGLE_FILE for name in self._open(SINGLE_FILE).keys()}
+        else:
+            raise CheckpointError(f"{self.model_dir} holds neither {INDEX_FILE} nor {SINGLE_FILE}; pass a Hugging "
+                                  "Face model directory with its safetensors weights")
+        self._handles: dict[str, object] = {}
+
+    def _open(self, file: str):
+        path = self.model_dir / file
+        if not path.is_file():
+            raise CheckpointError(f"shard {path} is missing; copy the complete checkpoint (see {INDEX_FILE})")
+        try:
+            return safe_open(path, framework="np")
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{path} is not a readable safetensors file ({err}); download it again") from None
+
+    def file_of(self, name: str) -> str:
+        if name not in self.weight_map:
+            raise CheckpointError(f"tensor {name} is in no file of {self.model_dir}; the checkpoint is incomplete "
+                                  "or is not of the model config.json describes")
+        return self.weight_map[name]
+
+    def tensor(self, name: str):
+        """The lazy safetensors slice of tensor `name` (index it with slices to read those bytes only)."""
+        file = self.file_of(name)
+        if file not in self._handles:
+            self._handles[file] = self._open(file)
+        return self._handles[file].get_slice(name)
+
+    def check(self, name: str, shape: tuple[int, ...]) -> None:
+        """A clear error when tensor `name` is missing, not of `shape`, or of a dtype a parameter cannot take."""
+        tensor, where = self.tensor(name), f"tensor {name} in {self.model_dir / self.file_of(name)}"
+        if tuple(tensor.get_shape()) != tuple(shape):
+            raise CheckpointError(f"{where} has shape {tuple(tensor.get_shape())}, but config.json implies "
+                                  f"{tuple(shape)}; the weights do not match config.json")
+        if tensor.get_dtype() not in DTYPES:
+            raise CheckpointError(f"{where} is stored as {tensor.get_dtype()}, which cannot be converted to a "
+                                  f"floating parameter; expected one of {', '.join(DTYPES)}")
+
+    def read(self, source: Source, index: tuple[slice, ...], shape: tuple[int, ...], dtype) -> np.ndarray:
+        """Our parameter's block `index` (slices of `shape`), read layer by layer from the checkpoint."""
+        bounds = [slice(*s.indices(n)) for s, n in zip(index, shape)]
+        stacked, per_layer = bounds[:source.stacked], bounds[source.stacked:]
+        if not stacked:
+            return self._read_one(source, source.name(), per_layer, dtype)
+        blocks = [self._read_one(source, source.name(*at), per_layer, dtype)
+                  for at in np.ndindex(*(s.stop - s.start for s in stacked))
+                  for at in [tuple(s.start + i for s, i in zip(stacked, at))]]
+        return np.stack(blocks).reshape(tuple(s.stop - s.start for s in stacked) + blocks[0].shape)
+
+    def _read_one(self, source: Source, name: str, ours: list[slice], dtype) -> np.ndarray:
+        """One tensor's bytes for our per-layer slices `ours`: the view's slices, the split dimension read as one
+        contiguous range of whole outer rows and cut to the inner slice after."""
+        view = [slice(None)] * len(ours)
+        for axis, theirs in enumerate(source.order):
+            view[theirs] = ours[axis]
+        if source.split is None:
+            block = self.tensor(name)[tuple(view)]
+        else:
+            dim, inner = source.split
+            outer, cut = view[dim], view[dim + 1]
+            read = view[:dim] + [slice(outer.start * inner, outer.stop * inner)] + view[dim + 2:]
+            block = self.tensor(name)[tuple(read)]
+            block = block.reshape(block.shape[:dim] + (outer.stop - outer.start, inner) + block.shape[dim + 1:])
+            block = block[(slice(None),) * (dim + 1) + (cut,)]
+        return block.transpose(source.order).astype(dtype)
+
+
+def load_hf_model(model_dir: str | Path, layout, mesh, dtype: str | None = None,
+                  config: ModelConfig | None = None) -> Transformer:
+    """The Transformer of a Hugging Face model directory, each parameter (float32) built shard by shard straight
+    into `layout`'s params placement on `mesh`. `dtype` sets the compute dtype; `config` replaces config.json's."""
+    config = config or model_config_from_hf(model_dir)
+    if dtype is not None:
+        config = config.replace(dtype=dtype)
+    reader = CheckpointReader(model_dir)
+    table = sources(config)
+    graphdef, abstract, rest = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))), nnx.Param, ...)
+    shardings = param_shardings(abstract, layout, mesh)
+
+    leaves = jax.tree.leaves(shardings, is_leaf=lambda node: isinstance(node, jax.sharding.Sharding))
+    loaded = [(path, _load_param(reader, table[path_name(path)], variable, sharding))
+              for (path, variable), sharding in zip(nnx.to_flat_state(abstract), leaves)]
+    return nnx.merge(graphdef, nnx.from_flat_state(loaded), rest)
+
+
+def _load_param(reader: CheckpointReader, source: Source, variable: nnx.Variable, sharding) -> nnx.Variable:
+    """`variable` (abstract) holding the global array read from the checkpoint, each device's shard read alone."""
+    shape = tuple(variable.shape)
+    for name in source.tensor_names(shape):
+        reader.check(name, source.tensor_shape(shape))
+    array = jax.make_array_from_callback(shape, sharding,
+                                         lambda index: reader.read(source, index, shape, variable.dtype))
+    return variable.replace(array)
+
+
+def export_hf_model(model: Transformer, out_dir: str | Path, dtype: str = "float32", *,
+                    tokenizer_dir: str | Path | None = None, source_config: dict | None = None,
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[Path]:
+    """Write `model` as a Hugging Face model directory: safetensors shards of at most `max_shard_bytes` (one
+    `model.safetensors` when it fits, else numbered shards and `model.safetensors.index.json`), `config.json`
+    (keeping `source_config`'s other fields, such as token ids) and the tokenizer files of `tokenizer_dir`.
+
+    Tensors are gathered one layer at a time, so the host holds one shard's worth at most. Every process must call
+    this; process 0 writes. Returns the files written."""
+    if dtype not in SAVED_DTYPES:
+        raise CheckpointError(f"export dtype {dtype!r}; use one of {', '.join(SAVED_DTYPES)}")
+    out, config, writing = Path(out_dir), model.config, jax.process_index() == 0
+    params = {path_name(path): variable.get_value() for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    plan = _shard_plan(config, params, np.dtype(SAVED_DTYPES[dtype]).itemsize, max_shard_bytes)
+    files = [SINGLE_FILE] if len(plan) == 1 else [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
+                                                    for i in range(len(plan))]
+    if writing:
+        out.mkdir(parents=True, exist_ok=True)
+    for file, tensors in zip(files, plan):
+        shard = {name: _gathered(params[path], source, at).astype(SAVED_DTYPES[dtype])
+                 for name, path, source, at in tensors}
+        if writing:
+            save_file(shard, out / file, metadata={"format": "pt"})
+    if not writing:
+        return []
+    written = [out / file for file in files]
+    if len(plan) > 1:
+        weight_map = {name: file for file, tensors in zip(files, plan) for name, *_ in tensors}
+        total = sum(math.prod(params[path].shape) for path in params) * np.dtype(SAVED_DTYPES[dtype]).itemsize
+        (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                 indent=2) + "\n")
+        written.append(out / INDEX_FILE)
+    (out / CONFIG_FILE).write_text(json.dumps(hf_config_from_model(config, dtype, source_config), indent=2) + "\n")
+    written.append(out / CONFIG_FILE)
+    for name in TOKENIZER_FILES:
+        if tokenizer_dir is not None and (Path(tokenizer_dir) / name).is_file():
+            written.append(Path(shutil.copyfile(Path(tokenizer_dir) / name, out / name)))
+    return written
+
+
+def _shard_plan(config: ModelConfig, params: dict, itemsize: int, max_shard_bytes: int) -> list[list[tuple]]:
+    """The tensors of each shard, in checkpoint order: [(name, our path, source, stacked index)], a new shard begun
+    whenever the next tensor would take the current one past `max_shard_bytes`."""
+    plan, size = [[]], 0
+    for path, source in sources(config).items():
+        shape = params[path].shape
+        tensor_bytes = math.prod(source.tensor_shape(shape)) * itemsize
+        for at in np.ndindex(*shape[:source.stacked]):
+            if plan[-1] and size + tensor_bytes > max_shard_bytes:
+                plan.append([])
+                size = 0
+            plan[-1].append((source.name(*at), path, source, at))
+            size += tensor_bytes
+    return plan
+
+
+def _gathered(array: jax.Array, source: Source, at: tuple[int, ...]) -> np.ndarray:
+    """The checkpoint tensor of layer (expert) `at` of our parameter `array`, on the host of every process."""
+    block = np.asarray(multihost_utils.process_allgather(array[at] if at else array, tiled=True))
+    view = block.transpose(np.argsort(source.order))
+    return view.reshape(source.tensor_shape(array.shape))

@@ -1,0 +1,130 @@
+"""Hugging Face `config.json` <-> `ModelConfig`, for the Llama, Mistral, Qwen2, Qwen3 and Mixtral families.
+
+Reading accepts both spellings of the rotary settings (`rope_theta` and `rope_scaling`, or the newer
+`rope_parameters`). A field that would change the computation and that the decoder does not implement (another
+rope type, an attention or MLP bias, a different activation, ...) is a `CheckpointError` naming the field and its
+value, never a quietly different model. A sliding window no shorter than the sequences run is full causal
+attention: the window becomes the model's `max_seq_len`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import CheckpointError
+from .config import ModelConfig
+
+FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM"}
+"""model_type -> the architecture name config.json gives it."""
+CONFIG_FILE = "config.json"
+QKV_BIAS = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "mixtral": False}
+"""Whether each family's q, k, v projections carry biases when config.json does not say (`attention_bias`)."""
+
+
+def read_hf_config(model_dir: str | Path) -> dict:
+    """The parsed `config.json` of a checkpoint directory."""
+    path = Path(model_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found; pass a Hugging Face model directory holding config.json")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path} is not valid JSON ({err}); fix or replace the file") from None
+
+
+def model_config_from_hf(model_dir: str | Path, **overrides) -> ModelConfig:
+    """The ModelConfig that `model_dir/config.json` describes (keyword overrides win, e.g. dtype="bfloat16")."""
+    raw = read_hf_config(model_dir)
+    where = f"{Path(model_dir) / CONFIG_FILE}"
+    family = raw.get("model_type")
+    if family not in FAMILIES:
+        raise CheckpointError(f"{where}: model_type {family!r} is not supported; supported: {', '.join(FAMILIES)}")
+    _refuse_unimplemented(raw, family, where)
+    heads = raw["num_attention_heads"]
+    fields = dict(
+        name=Path(model_dir).resolve().name, vocab_size=raw["vocab_size"], d_model=raw["hidden_size"],
+        n_layers=raw["num_hidden_layers"], n_heads=heads, n_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, d_ff=raw["intermediate_size"],
+        max_seq_len=_max_seq_len(raw), norm_eps=raw.get("rms_norm_eps", 1e-6),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=bool(raw.get("attention_bias", QKV_BIAS[family])), qk_norm=family == "qwen3",
+        **_rope_fields(raw, where))
+    if family == "mixtral":
+        fields.update(n_experts=raw["num_local_experts"], experts_per_token=raw["num_experts_per_tok"])
+    return ModelConfig(**{**fields, **overrides})
+
+
+def _refuse_unimplemented(raw: dict, family: str, where: str) -> None:
+    """A CheckpointError for the first field whose value would make the reference compute something else."""
+    unsupported = {
+        "hidden_act": lambda v: v not in ("silu", None),
+        "mlp_bias": lambda v: bool(v),
+        "attention_bias": lambda v: v is not None and bool(v) != QKV_BIAS[family],
+        "use_sliding_window": lambda v: bool(v) and family in ("qwen2", "qwen3"),
+        "pretraining_tp": lambda v: v not in (None, 1),
+        "router_jitter_noise": lambda v: bool(v),
+        "layer_types": lambda v: any(kind != "full_attention" for kind in v or ()),
+    }
+    for field, refused in unsupported.items():
+        if field in raw and refused(raw[field]):
+            raise CheckpointError(f"{where}: {field} = {raw[field]!r} is not implemented for {family}; only the "
+                                  f"computation of the standard {FAMILIES[family]} is")
+
+
+def _max_seq_len(raw: dict) -> int:
+    """max_position_embeddings, cut to an active sliding window (inside the window attention is fully causal)."""
+    length = raw.get("max_position_embeddings", 2048)
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+    return min(length, window) if window else length
+
+
+def _rope_fields(raw: dict, where: str) -> dict:
+    """rope_theta and the llama3 scaling fields, from `rope_parameters` or `rope_theta` + `rope_scaling`."""
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return {"rope_theta": float(theta)}
+    if kind != "llama3":
+        raise CheckpointError(f"{where}: rope type {kind!r} is not implemented; supported: default, llama3")
+    return {"rope_theta": float(theta), "rope_scaling": "llama3", "rope_factor": float(rope["factor"]),
+            "rope_low_freq_factor": float(rope["low_freq_factor"]),
+            "rope_high_freq_factor": float(rope["high_freq_factor"]),
+            "rope_original_max_len": int(rope["original_max_position_embeddings"])}
+
+
+def family_of(config: ModelConfig) -> str:
+    """The model_type whose computation `config` is: mixtral (experts), qwen3 (q/k norms), qwen2 (q/k/v biases),
+    mistral (head_dim other than d_model / heads) or llama."""
+    if config.n_experts:
+        return "mixtral"
+    if config.qk_norm:
+        return "qwen3"
+    if config.qkv_bias:
+        return "qwen2"
+    return "mistral" if config.head_dim * config.n_heads != config.d_model else "llama"
+
+
+def hf_config_from_model(config: ModelConfig, dtype: str, extra: dict | None = None) -> dict:
+    """config.json for `config`, its tensors stored as `dtype`; `extra` (e.g. the source's token ids) is kept
+    where it does not contradict."""
+    family = family_of(config)
+    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling == "llama3":
+        rope = {"rope_type": "llama3", "rope_theta": config.rope_theta, "factor": config.rope_factor,
+                "low_freq_factor": config.rope_low_freq_factor, "high_freq_factor": config.rope_high_freq_factor,
+                "original_max_position_embeddings": config.rope_original_max_len}
+    written = {
+        "architectures": [FAMILIES[family]], "model_type": family, "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model, "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads, "head_dim": config.head_dim, "intermediate_size": config.d_ff,
+        "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps, "hidden_act": "silu",
+        "tie_word_embeddings": config.tie_embeddings, "attention_bias": config.qkv_bias,
+        "rope_theta": config.rope_theta, "rope_scaling": None if rope["rope_type"] == "default" else rope,
+        "torch_dtype": dtype, "dtype": dtype, "sliding_window": None, "use_sliding_window": False,
+    }
+    if family == "mixtral":
+        written.update(num_local_experts=config.n_experts, num_experts_per_tok=config.experts_per_token)
+    kept = {key: value for key, value in (extra or {}).items() if key not in written and key != "rope_parameters"}
+    return {**kept, **written}
