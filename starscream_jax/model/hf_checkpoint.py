@@ -273,7 +273,8 @@ def _shard_plan(config: ModelConfig, params: dict, itemsize: int, max_shard_byte
 
 
 def _gathered(array: jax.Array, source: Source, at: tuple[int, ...]) -> np.ndarray:
-    """The checkpoint tensor of layer (expert) `at` of our parameter `array`, on the host of every process."""
+    """The checkpoint tensor of layer (expert) `at` of our parameter `array`, on the host of every process, in C
+    order (safetensors writes an array's buffer as it lies)."""
     block = np.asarray(multihost_utils.process_allgather(array[at] if at else array, tiled=True))
     view = block.transpose(np.argsort(source.order))
-    return view.reshape(source.tensor_shape(array.shape))
+    return np.ascontiguousarray(view.reshape(source.tensor_shape(array.shape)))

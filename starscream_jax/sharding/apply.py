@@ -68,7 +68,8 @@ def constrain(x: jax.Array, names: LogicalNames, tensor: str = "activation") -> 
     return x if spec is None else reshard(x, spec)
 
 
-def weight(value: jax.Array, names: LogicalNames, dtype=None, tensor: str = "weight") -> jax.Array:
+def weight(value: jax.Array, names: LogicalNames, dtype=None, tensor: str = "weight",
+           summed_over: frozenset[str] | None = None) -> jax.Array:
     """A weight as a matmul uses it: cast to `dtype` first (fewer bytes to move), then resharded from its stored
     placement to the layout's `weights` rules (an all-gather inside the GPU under starscream_tp).
 
@@ -76,6 +77,8 @@ def weight(value: jax.Array, names: LogicalNames, dtype=None, tensor: str = "wei
     split the tokens both inside GPUs (xcd) and across them (data), the sum runs in two stages: a reduce-scatter
     inside each GPU into the stored placement, then an all-reduce of that shard (1/xcd of the bytes) across GPUs,
     where XLA would run one all-reduce over both levels at once. Otherwise XLA's one reduction stays on one level.
+    `summed_over` replaces the token axes where the gradient also sums over other axes (a per-head scale applied to
+    heads split over GPUs).
     """
     if dtype is not None:
         value = value.astype(dtype)
@@ -84,7 +87,7 @@ def weight(value: jax.Array, names: LogicalNames, dtype=None, tensor: str = "wei
         return value
     spec = resolve(names, value.shape, current.layout.weights, current.mesh, tensor,
                    f"weight rules of {current.layout.name}")
-    summed_over = _token_axes(current) - spec_axes(spec)
+    summed_over = (_token_axes(current) if summed_over is None else summed_over) - spec_axes(spec)
     if not _inside_and_across_gpus(summed_over, current.mesh):
         return reshard(value, spec)
     return _weight_at_use(value, spec, jax.typeof(value).sharding.spec, summed_over)
@@ -161,9 +164,11 @@ _summed_once.defvjp(_summed_once_forward, _summed_once_gradient)
 
 def scale(x: jax.Array, value: jax.Array, names: LogicalNames, tensor: str = "scale") -> jax.Array:
     """x [..., *value.shape] times the weight `value` (a norm scale [D], or [N, E]), the weight used as `weight`
-    places it (its gradient summed likewise). A weight typed `reduced` is taken only by dot_general, so it multiplies
-    through an einsum, which XLA compiles back into an elementwise multiply."""
-    used = weight(value, names, tensor=tensor)
+    places it, its gradient summed over the mesh axes that split x's leading dimensions. A weight typed `reduced`
+    is taken only by dot_general, so it multiplies through an einsum, which XLA compiles back into an elementwise
+    multiply."""
+    leading = jax.typeof(x).sharding.spec[:x.ndim - value.ndim] if active() is not None else ()
+    used = weight(value, names, tensor=tensor, summed_over=frozenset(a for entry in leading for a in axes_of(entry)))
     if not jax.typeof(used).sharding.spec.reduced:
         return x * used
     letters = "abcdefgh"[:value.ndim]

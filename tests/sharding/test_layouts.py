@@ -1,8 +1,9 @@
 """The six layouts: their tables, golden files of every parameter's spec for Llama 3 70B on an 8 x 8 mesh, and the
 principles read from compiled train and decode steps.
 
-Golden files: tests/sharding/golden/llama3-70b_8x8_<layout>.json hold, for every parameter of models/llama3-70b.toml, its
-shape, logical axes and PartitionSpec on a (data, gpu, xcd) = (1, 8, 8) mesh, computed from abstract shapes only
+Golden files: tests/sharding/golden/<model>_8x8_<layout>.json hold, for every parameter of models/llama3-70b.toml,
+models/qwen2.5-72b.toml (q, k, v biases) and models/qwen3-32b.toml (q and k norms), its shape, logical axes and
+PartitionSpec on a (data, gpu, xcd) = (1, 8, 8) mesh, computed from abstract shapes only
 (`nnx.eval_shape` and `param_specs` on an AbstractMesh: nothing is allocated). After an intended change to a layout or
 to the model, regenerate them from the repository root and review the diff:
 
@@ -44,22 +45,23 @@ from starscream_jax.sharding.layouts import ACTIVATION_NAMES, LAYOUTS, WEIGHT_NA
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 GOLDEN_MODEL = "llama3-70b"
+GOLDEN_MODELS = (GOLDEN_MODEL, "qwen2.5-72b", "qwen3-32b")
 GOLDEN_MESH = (1, 8, 8)
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 """The programs are compiled only to be read, so LLVM optimisation would only add compile time."""
 
 
-def golden_path(layout: str) -> Path:
-    return GOLDEN_DIR / f"{GOLDEN_MODEL}_{GOLDEN_MESH[1]}x{GOLDEN_MESH[2]}_{layout}.json"
+def golden_path(layout: str, model: str = GOLDEN_MODEL) -> Path:
+    return GOLDEN_DIR / f"{model}_{GOLDEN_MESH[1]}x{GOLDEN_MESH[2]}_{layout}.json"
 
 
 def spec_as_json(spec: P) -> list:
     return [list(entry) if isinstance(entry, tuple) else entry for entry in spec]
 
 
-def golden_specs(layout: str) -> dict:
+def golden_specs(layout: str, model: str = GOLDEN_MODEL) -> dict:
     """{"model", "mesh", "layout", "params": {path: {"shape", "logical_axes", "spec"}}}, from abstract shapes."""
-    config = load_model_config(GOLDEN_MODEL)
+    config = load_model_config(model)
     state = nnx.state(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))), nnx.Param)
     mesh = AbstractMesh(GOLDEN_MESH, AXES)
     specs = param_specs(state, layout, mesh)
@@ -68,7 +70,7 @@ def golden_specs(layout: str) -> dict:
         params["/".join(map(str, path))] = {"shape": list(variable.shape),
                                             "logical_axes": list(variable.get_metadata(LOGICAL_AXES)),
                                             "spec": spec_as_json(spec)}
-    return {"model": GOLDEN_MODEL, "mesh": dict(zip(AXES, GOLDEN_MESH)), "layout": layout, "params": params}
+    return {"model": model, "mesh": dict(zip(AXES, GOLDEN_MESH)), "layout": layout, "params": params}
 
 
 def _is_spec(node) -> bool:
@@ -84,20 +86,23 @@ def golden_text(golden: dict) -> str:
 
 def regenerate() -> list[Path]:
     GOLDEN_DIR.mkdir(exist_ok=True)
-    paths = [golden_path(layout) for layout in LAYOUTS]
-    for layout, path in zip(LAYOUTS, paths):
-        path.write_text(golden_text(golden_specs(layout)))
+    paths = []
+    for model in GOLDEN_MODELS:
+        for layout in LAYOUTS:
+            paths.append(golden_path(layout, model))
+            paths[-1].write_text(golden_text(golden_specs(layout, model)))
     return paths
 
 
+@pytest.mark.parametrize("model", GOLDEN_MODELS)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_every_parameter_spec_matches_its_golden_file(layout):
-    stored = json.loads(golden_path(layout).read_text())
-    current = golden_specs(layout)
+def test_every_parameter_spec_matches_its_golden_file(layout, model):
+    stored = json.loads(golden_path(layout, model).read_text())
+    current = golden_specs(layout, model)
     assert stored["params"].keys() == current["params"].keys()
     changed = {path: (stored["params"][path], entry) for path, entry in current["params"].items()
                if stored["params"][path] != entry}
-    assert not changed, f"specs differ from {golden_path(layout).name} (stored, now): {changed}; if intended, " \
+    assert not changed, f"specs differ from {golden_path(layout, model).name} (stored, now): {changed}; " \
                         f"run `python -m tests.sharding.test_layouts --regenerate` and review the diff"
     assert stored == current
 
@@ -116,6 +121,12 @@ def test_golden_files_hold_what_each_layout_promises():
     assert specs["starscream_fsdp"]["lm_head"]["spec"] == ["xcd", None]
     assert specs["starscream_tp"]["layers/attn_norm"] == {"shape": [80, 8192], "logical_axes": ["layers", "norm"],
                                                           "spec": [None, None]}
+    biases = json.loads(golden_path("starscream_tp", "qwen2.5-72b").read_text())["params"]
+    assert biases["layers/bq"]["spec"] == [None, "gpu", None]  # heads over GPUs, like the q projection's
+    assert json.loads(golden_path("flat_tp", "qwen2.5-72b").read_text())["params"]["layers/bk"]["spec"] == \
+        [None, "gpu", None]  # 8 kv heads: copied over xcd, like wk
+    norms = json.loads(golden_path("starscream_tp", "qwen3-32b").read_text())["params"]
+    assert norms["layers/q_norm"] == {"shape": [64, 128], "logical_axes": ["layers", "norm"], "spec": [None, None]}
 
 
 def test_every_layout_has_a_rule_for_every_name():
