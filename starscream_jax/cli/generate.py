@@ -1,16 +1,20 @@
-"""`starscream generate`: text from a training checkpoint, prefilled under one layout and decoded under another
-(`starscream_jax.training.generate`). Tokens are bytes (`starscream_jax.training.data`)."""
+"""`starscream generate`: text from a training checkpoint or a Hugging Face model directory, prefilled under one
+layout and decoded under another (`starscream_jax.training.generate`), with the model's tokenizer (bytes for the
+demo's runs), stopping at its EOS."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import numpy as np
 
 from ..hardware.distributed import is_main_process
-from ..training import data
+from ..model.hf_checkpoint import load_hf_model
 from ..training.checkpoint import restore_model
+from ..training.config import TrainConfig
 from ..training.generate import DEFAULT_DECODE_LAYOUT, DEFAULT_PREFILL_LAYOUT, batch_multiple, generate
 from ..training.steps import Sampling
+from ..training.tokenizer import TOKENIZER_FILE, load_tokenizer
 from .arguments import add_distributed_arguments, add_mesh_arguments, initialize_from_args, mesh_from_args
 from .train import DEFAULT_GPUS, DEFAULT_PRESET
 
@@ -22,9 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("generation")
     group.add_argument("--checkpoint", default="runs/train/checkpoints",
                        help="checkpoint directory of a training run (RUN_DIR/checkpoints)")
+    group.add_argument("--model-dir", metavar="HF_DIR",
+                       help="a Hugging Face model directory (config.json, safetensors, tokenizer) instead of "
+                            "--checkpoint")
     group.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     group.add_argument("--prompt", default="ROMEO:\n", help="text to continue")
-    group.add_argument("--max-new-tokens", type=int, default=200, help="tokens (bytes) to generate per sample")
+    group.add_argument("--max-new-tokens", type=int, default=200,
+                       help="most tokens to generate per sample (fewer when every sample reaches EOS)")
     group.add_argument("--samples", type=int,
                        help="continuations of the prompt, decoded as one batch (default: the smallest batch the "
                             "layouts can split)")
@@ -38,21 +46,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """`starscream generate`: restore the checkpoint, generate, print each sample and the tokens/s. Returns 0."""
+    """`starscream generate`: load the model, generate, print each sample and the tokens/s. Returns 0."""
     initialize_from_args(args)
     echo = print if is_main_process() else (lambda *_: None)
     _, mesh = mesh_from_args(args)
-    model, description = restore_model(args.checkpoint, args.prefill_layout, mesh, args.step, args.dtype)
+    model, source, tokenizer = load_for_generation(args, mesh)
     samples = args.samples or batch_multiple((args.prefill_layout, args.decode_layout), mesh)
-    prompt = np.tile(data.encode(args.prompt), (samples, 1))
+    prompt = np.tile(tokenizer.encode(args.prompt), (samples, 1))
     sampling = Sampling(top_p=None if args.greedy else args.top_p, temperature=args.temperature, seed=args.seed)
-    result = generate(model, prompt, args.max_new_tokens, sampling, mesh, args.prefill_layout, args.decode_layout)
-    echo(f"{model.config.name} from step {description['step']} on mesh {dict(mesh.shape)}; prefill "
-         f"{args.prefill_layout}, decode {args.decode_layout}")
+    result = generate(model, prompt, args.max_new_tokens, sampling, mesh, args.prefill_layout, args.decode_layout,
+                      stop_token=tokenizer.eos_id)
+    echo(f"{model.config.name} from {source} on mesh {dict(mesh.shape)}; prefill {args.prefill_layout}, decode "
+         f"{args.decode_layout}")
     shown_rows = result.tokens[:1] if args.greedy else result.tokens  # greedy rows are all the same
     for index, row in enumerate(shown_rows):
         echo(f"--- sample {index}")
-        echo(args.prompt + data.decode(row))
+        echo(args.prompt + tokenizer.decode(until_stop(row, tokenizer.eos_id)))
     echo(f"prefill {result.prefill_tokens_per_s:,.0f} tokens/s, decode {result.decode_tokens_per_s:,.0f} tokens/s "
-         f"({samples} x {args.max_new_tokens} new tokens)")
+         f"({samples} x {result.tokens.shape[1]} new tokens)")
     return 0
+
+
+def load_for_generation(args: argparse.Namespace, mesh):
+    """(model placed by the prefill layout, where it came from, its tokenizer) from --model-dir or --checkpoint."""
+    if args.model_dir:
+        model = load_hf_model(args.model_dir, args.prefill_layout, mesh, dtype=args.dtype)
+        has_tokenizer = (Path(args.model_dir) / TOKENIZER_FILE).is_file()
+        return model, args.model_dir, load_tokenizer(args.model_dir if has_tokenizer else None)
+    model, description = restore_model(args.checkpoint, args.prefill_layout, mesh, args.step, args.dtype)
+    run_config = TrainConfig.from_dict(description["train_config"])
+    return model, f"step {description['step']}", load_tokenizer(run_config.tokenizer_dir())
+
+
+def until_stop(row: np.ndarray, stop_token: int | None) -> np.ndarray:
+    """`row` up to (not including) its first `stop_token`."""
+    stops = np.flatnonzero(row == stop_token) if stop_token is not None else []
+    return row[:stops[0]] if len(stops) else row

@@ -30,7 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `starscream inspect`: the (simulated) mesh, model, layouts, phase, shapes, output."""
     add_mesh_arguments(parser, default_preset=DEFAULT_PRESET, default_gpus=DEFAULT_GPUS, default_simulate=True)
     group = parser.add_argument_group("inspection")
-    group.add_argument("--model", default=DEFAULT_MODEL, help="model configuration: a name in models/ or a TOML path")
+    group.add_argument("--model", default=DEFAULT_MODEL,
+                       help="model configuration: a name in models/, a TOML path or a Hugging Face model directory "
+                            "(its config.json; no weights are read)")
     group.add_argument("--layout", default=None,
                        help="comma-separated layouts (default: flat_tp,starscream_tp; flat_tp,starscream_decode "
                             "for decode)")

@@ -1,4 +1,4 @@
-"""The `starscream` command: topology, train, generate, inspect, plan.
+"""The `starscream` command: topology, train, generate, export, inspect, plan.
 
 Importing JAX (as every module here does) does not start its backend: `prepare_simulation` decides the devices (the
 simulated CPU mesh, or the GPUs JAX finds) after the arguments are read and before anything touches a device.
@@ -9,13 +9,14 @@ import argparse
 import sys
 
 from ..errors import StarscreamError
-from . import generate, inspect, plan, topology, train
+from . import export, generate, inspect, plan, topology, train
 from .arguments import prepare_simulation
 
 SUBCOMMANDS = {
     "topology": (topology, "print the topology and which device sits at each (gpu, xcd)"),
     "train": (train, "train a model under a layout (default: tiny Llama, simulated 2 x 4 mesh)"),
     "generate": (generate, "generate text from a checkpoint with prefill and decode layouts"),
+    "export": (export, "write a training run's parameters as a Hugging Face model directory"),
     "inspect": (inspect, "compile layouts side by side and check the three principles"),
     "plan": (plan, "choose a layout per phase with the cost model"),
 }

@@ -21,7 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `starscream plan`: the (simulated) mesh, model, phases, candidate layouts, shapes, output."""
     add_mesh_arguments(parser, default_preset=DEFAULT_PRESET, default_gpus=DEFAULT_GPUS, default_simulate=True)
     group = parser.add_argument_group("planning")
-    group.add_argument("--model", default=DEFAULT_MODEL, help="model configuration: a name in models/ or a TOML path")
+    group.add_argument("--model", default=DEFAULT_MODEL,
+                       help="model configuration: a name in models/, a TOML path or a Hugging Face model directory "
+                            "(its config.json; no weights are read)")
     group.add_argument("--phases", default=",".join(PHASES), help="comma-separated phases to plan")
     group.add_argument("--layout", default=",".join(LAYOUTS), help="comma-separated candidate layouts (default: all)")
     group.add_argument("--batch", type=int, default=None,

@@ -44,7 +44,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="steps between checkpoints (one is always saved at the end)")
     group.add_argument("--log-every", type=int, default=defaults.log_every, help="steps between metric records")
     group.add_argument("--run-dir", default=defaults.run_dir, help="metrics, plot and checkpoints go here")
-    group.add_argument("--data", default=defaults.data, help="training text (byte-level tokens)")
+    group.add_argument("--data", nargs="+", default=[defaults.data], metavar="FILE",
+                       help="training files: .txt (one document each) or .jsonl (a 'text' or chat 'messages' field "
+                            "per line); byte-level tokens unless a tokenizer is given")
+    group.add_argument("--init", default=defaults.init, metavar="HF_DIR",
+                       help="start from this Hugging Face model directory (config.json, safetensors, tokenizer) "
+                            "instead of random weights; it replaces --model")
+    group.add_argument("--tokenizer", default=defaults.tokenizer, metavar="DIR",
+                       help="directory with tokenizer.json (default: --init's, else byte-level)")
+    group.add_argument("--token-cache", default=defaults.token_cache, metavar="DIR",
+                       help="tokenized data files are cached here")
     group.add_argument("--resume", action="store_true",
                        help="continue from the latest checkpoint in --run-dir (start fresh when there is none)")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -53,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The TrainConfig that the parsed arguments describe."""
     fields = {field.name for field in dataclasses.fields(TrainConfig)}
-    return TrainConfig(**{name: value for name, value in vars(args).items() if name in fields})
+    values = {name: value for name, value in vars(args).items() if name in fields}
+    return TrainConfig(**{**values, "data": ",".join(args.data)})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
     topology, mesh = mesh_from_args(args)
     config = config_from_args(args)
     echo = print if is_main_process() else (lambda *_: None)
-    echo(f"{config.model} on mesh {dict(mesh.shape)} ({topology.preset.name}), layout {config.layout}, "
-         f"{config.steps} steps of {config.batch_size} x {config.seq_len} tokens")
+    echo(f"{config.init or config.model} on mesh {dict(mesh.shape)} ({topology.preset.name}), layout "
+         f"{config.layout}, {config.steps} steps of {config.batch_size} x {config.seq_len} tokens")
     result = train(config, mesh, resume=args.resume, show_progress=not args.no_progress)
     print_layout_summary(inspect_compiled(result.compiled_step, mesh).to_dict(), config.layout, echo)
     return 0

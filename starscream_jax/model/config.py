@@ -90,13 +90,18 @@ def list_model_configs() -> list[str]:
 
 
 def load_model_config(name_or_path: str | Path, **overrides) -> ModelConfig:
-    """Reads models/<name>.toml, or a TOML file at a path in the same format; keyword overrides win."""
+    """Reads models/<name>.toml, a TOML file at a path in the same format, or the config.json of a Hugging Face
+    model directory (`hf_config`); keyword overrides win."""
     path = Path(name_or_path)
+    if (path / "config.json").is_file():
+        from .hf_config import model_config_from_hf  # it builds on this module
+
+        return model_config_from_hf(path, **overrides)
     if not path.is_file():
         path = data_dir("models") / f"{name_or_path}.toml"
     if not path.is_file():
-        raise PresetError(f"unknown model {str(name_or_path)!r}; give a file path or one of "
-                          f"{', '.join(list_model_configs())}")
+        raise PresetError(f"unknown model {str(name_or_path)!r}; give a file path, a model directory holding "
+                          f"config.json, or one of {', '.join(list_model_configs())}")
     try:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as err:

@@ -1,7 +1,9 @@
 """What decides a training run's numbers: `TrainConfig`, whose defaults are README's main command."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import StarscreamError
 from ..model.config import ModelConfig, load_model_config
@@ -31,11 +33,31 @@ class TrainConfig:
     log_every: int = 10
     run_dir: str = "runs/train"
     data: str = str(DEFAULT_CORPUS)
+    init: str = ""
+    tokenizer: str = ""
+    token_cache: str = "runs/token-cache"
+
+    @classmethod
+    def from_dict(cls, values: dict) -> TrainConfig:
+        """The TrainConfig a run description saved (`dataclasses.asdict`); fields this version lacks are dropped."""
+        known = {field.name for field in dataclasses.fields(cls)}
+        return cls(**{name: value for name, value in values.items() if name in known})
+
+    def data_files(self) -> list[str]:
+        """The training files: `data` holds one path, or several separated by commas."""
+        return [path for path in self.data.split(",") if path]
+
+    def tokenizer_dir(self) -> str | None:
+        """Where the tokenizer comes from: `tokenizer`, else `init` when it holds a tokenizer.json, else None (the
+        byte-level tokenizer)."""
+        if self.tokenizer:
+            return self.tokenizer
+        return self.init if self.init and (Path(self.init) / "tokenizer.json").is_file() else None
 
     def model_config(self) -> ModelConfig:
-        """The model this run trains: `model` at the run's compute dtype, with rematerialization when `remat`; its
-        max_seq_len must hold `seq_len`."""
-        config = load_model_config(self.model, dtype=self.dtype)
+        """The model this run trains: `init`'s config.json, else `model`, at the run's compute dtype, with
+        rematerialization when `remat`; its max_seq_len must hold `seq_len`."""
+        config = load_model_config(self.init or self.model, dtype=self.dtype)
         if self.remat:
             config = config.replace(remat=True)
         if self.seq_len > config.max_seq_len:

@@ -28,6 +28,7 @@ from .steps import Sampling, decode_step, prefill_step
 
 DEFAULT_PREFILL_LAYOUT = "starscream_tp"
 DEFAULT_DECODE_LAYOUT = "starscream_decode"
+STOP_CHECK_EVERY = 16
 
 
 @dataclass
@@ -48,13 +49,15 @@ def place_params(params, layout, mesh):
 
 
 def generate(model, prompt_BP, max_new_tokens: int, sampling: Sampling = Sampling(), mesh=None,
-             prefill_layout=DEFAULT_PREFILL_LAYOUT, decode_layout=DEFAULT_DECODE_LAYOUT) -> Generation:
+             prefill_layout=DEFAULT_PREFILL_LAYOUT, decode_layout=DEFAULT_DECODE_LAYOUT,
+             stop_token: int | None = None) -> Generation:
     """Continue each row of `prompt_BP` (int tokens, numpy or jax) by `max_new_tokens` tokens.
 
     Parameters are held in the model's compute dtype, as inference reads them. With `mesh`, prefill runs under
     `prefill_layout` and decoding under `decode_layout`, parameters and KV cache placed by each in turn; without,
     everything runs unsharded on one device. B must be divisible by the mesh axes that the layouts split the batch
-    over. Returns the new tokens [B, N] and each phase's tokens/s.
+    over. Returns the new tokens [B, N] and each phase's tokens/s. With `stop_token` (EOS), decoding stops once
+    every row has produced it (checked every STOP_CHECK_EVERY tokens, so N may exceed the first EOS).
     """
     config = model.config
     batch, prompt_length = np.shape(prompt_BP)
@@ -93,16 +96,21 @@ def generate(model, prompt_BP, max_new_tokens: int, sampling: Sampling = Samplin
         compiled_decode = decode_step(graphdef, sampling).lower(params, rest, cache, token_B,
                                                                 jnp.int32(prompt_length)).compile()
         started = time.perf_counter()
+        stopped_B = token_B == stop_token if stop_token is not None else None
         for position in range(prompt_length, cache_length - 1):
             token_B, cache = compiled_decode(params, rest, cache, token_B, jnp.int32(position))
             new_tokens.append(token_B)
+            if stop_token is not None:
+                stopped_B = stopped_B | (token_B == stop_token)
+                if len(new_tokens) % STOP_CHECK_EVERY == 0 and bool(jnp.all(stopped_B)):
+                    break
         tokens_BN = jnp.stack(new_tokens, axis=1)
         if mesh is not None:  # replicated, so that every process can read all rows
             tokens_BN = jax.device_put(tokens_BN, NamedSharding(mesh, PartitionSpec()))
         tokens = np.asarray(jax.device_get(tokens_BN))
         decode_seconds = time.perf_counter() - started
 
-    decoded_count = batch * (max_new_tokens - 1)
+    decoded_count = batch * (len(new_tokens) - 1)
     return Generation(tokens=tokens, prefill_tokens_per_s=batch * prompt_length / prefill_seconds,
                       decode_tokens_per_s=decoded_count / decode_seconds if decoded_count else math.nan,
                       prefill_program=compiled_prefill, decode_program=compiled_decode)

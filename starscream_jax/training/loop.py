@@ -20,19 +20,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
+import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
 from ..errors import StarscreamError
 from ..hardware.distributed import is_main_process
 from ..model.decoder import create_sharded_model
+from ..model.hf_checkpoint import load_hf_model
 from ..sharding.apply import batch_sharding, use_layout
 from ..sharding.layouts import get_layout
 from . import data
 from .checkpoint import CheckpointStore
 from .config import TrainConfig
+from .corpus import load_token_stream
 from .metrics import MetricsLog, format_loss, plot_losses, read_metrics
 from .steps import eval_step, make_optimizer, train_step
+from .tokenizer import ByteTokenizer, load_tokenizer
 
 EVAL_SEED = 0  # validation windows do not depend on --seed, so runs with different seeds compare
 
@@ -51,15 +55,32 @@ class TrainResult:
 
 
 def initial_state(config: TrainConfig, model_config, layout, mesh):
-    """(graphdef, params, rest, optimizer, opt_state) of a fresh run, created already sharded by the layout.
+    """(graphdef, params, rest, optimizer, opt_state) of a fresh run, created already sharded by the layout (or
+    loaded so from the Hugging Face checkpoint `config.init`).
 
     params: the model's nnx.Param state (float32); rest: its other state; opt_state: sharded like the params.
     Call inside `use_layout(layout, mesh)`.
     """
-    model = create_sharded_model(model_config, layout, mesh, config.seed)
+    if config.init:
+        model = load_hf_model(config.init, layout, mesh, config=model_config)
+    else:
+        model = create_sharded_model(model_config, layout, mesh, config.seed)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     optimizer = make_optimizer(config, params)
     return graphdef, params, rest, optimizer, jax.jit(optimizer.init)(params)
+
+
+def training_tokens(config: TrainConfig, model_config) -> np.ndarray:
+    """The packed tokens of the run's data files: bytes of text files for the byte-level tokenizer (the demo), else
+    tokenized once into `config.token_cache` (`corpus`). The tokenizer must fit the model's vocabulary."""
+    tokenizer = load_tokenizer(config.tokenizer_dir())
+    if tokenizer.vocab_size > model_config.vocab_size:
+        raise StarscreamError(f"the tokenizer has {tokenizer.vocab_size} tokens but model {model_config.name} only "
+                              f"{model_config.vocab_size}; pass the model's own tokenizer (--tokenizer DIR)")
+    files = config.data_files()
+    if isinstance(tokenizer, ByteTokenizer) and all(Path(path).suffix != ".jsonl" for path in files):
+        return np.concatenate([data.load_corpus(path) for path in files])
+    return load_token_stream(files, tokenizer, config.token_cache)
 
 
 def run_description(config: TrainConfig, model_config, mesh, step: int) -> dict:
@@ -133,7 +154,7 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, stop_at_step: int 
     say = echo if main_process else (lambda *_: None)
     model_config = config.model_config()
     layout = get_layout(config.layout)
-    train_tokens, validation_tokens = data.split_corpus(data.load_corpus(config.data))
+    train_tokens, validation_tokens = data.split_corpus(training_tokens(config, model_config))
     # Rows hold seq_len + 1 tokens: the model reads the first seq_len and predicts the last seq_len.
     train_batches = data.TokenBatches(train_tokens, config.batch_size, config.seq_len + 1, config.seed)
     eval_batches = data.TokenBatches(validation_tokens, config.batch_size, config.seq_len + 1, EVAL_SEED)
@@ -145,7 +166,7 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, stop_at_step: int 
         store.close()
         raise StarscreamError(f"{run_dir} already holds checkpoints up to step {start_step}; pass --resume to "
                               "continue that run, or choose another --run-dir")
-    say(f"unigram entropy of the training bytes: {format_loss(unigram_nats)}")
+    say(f"unigram entropy of the training tokens: {format_loss(unigram_nats)}")
     last_step = config.steps if stop_at_step is None else min(stop_at_step, config.steps)
 
     with use_layout(layout, mesh), store:
@@ -198,5 +219,5 @@ def report_run(config: TrainConfig, losses, unigram_nats: float, checkpoint_dir,
     metrics_path = run_dir / "metrics.jsonl"
     if metrics_path.is_file():
         plot_path = plot_losses(read_metrics(metrics_path), run_dir / "loss.png", reference_nats=unigram_nats,
-                                title=f"{config.model} under {config.layout}")
+                                title=f"{config.init or config.model} under {config.layout}")
         say(f"metrics {metrics_path}, plot {plot_path}, checkpoints {checkpoint_dir}")

@@ -1,0 +1,55 @@
+"""`starscream export`: a training run's parameters written as a Hugging Face model directory (safetensors shards and
+their index, config.json, the tokenizer files of the run's tokenizer), readable by other tools
+(`starscream_jax.model.hf_checkpoint.export_hf_model`)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..hardware.distributed import is_main_process
+from ..model.hf_checkpoint import DEFAULT_SHARD_BYTES, SAVED_DTYPES, export_hf_model
+from ..model.hf_config import read_hf_config
+from ..training.checkpoint import CheckpointStore, restore_model
+from ..training.config import TrainConfig
+from .arguments import add_distributed_arguments, add_mesh_arguments, initialize_from_args, mesh_from_args
+from .format import format_bytes
+from .train import DEFAULT_GPUS, DEFAULT_PRESET
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `starscream export` (mesh, multi-process, run, output)."""
+    add_mesh_arguments(parser, default_preset=DEFAULT_PRESET, default_gpus=DEFAULT_GPUS, default_simulate=None)
+    add_distributed_arguments(parser)
+    group = parser.add_argument_group("export")
+    group.add_argument("--checkpoint", required=True, metavar="RUN_DIR",
+                       help="a training run's directory (or its checkpoints directory)")
+    group.add_argument("--out", required=True, metavar="HF_DIR", help="the model directory to write")
+    group.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    group.add_argument("--dtype", default="float32", choices=tuple(SAVED_DTYPES), help="dtype of the saved tensors")
+    group.add_argument("--shard-size", type=float, default=DEFAULT_SHARD_BYTES / 2**30, metavar="GIB",
+                       help="largest safetensors file, in GiB")
+    group.add_argument("--layout", help="layout to gather the parameters from (default: the run's)")
+
+
+def checkpoint_dir(path: str) -> Path:
+    """RUN_DIR/checkpoints when `path` is a run directory, else `path`."""
+    return Path(path) / "checkpoints" if (Path(path) / "checkpoints").is_dir() else Path(path)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`starscream export`: restore the run's parameters, write the model directory, list its files. Returns 0."""
+    initialize_from_args(args)
+    echo = print if is_main_process() else (lambda *_: None)
+    _, mesh = mesh_from_args(args)
+    directory = checkpoint_dir(args.checkpoint)
+    with CheckpointStore(directory, must_exist=True) as store:
+        layout = args.layout or store.restore_meta(args.step)["layout"]
+    model, description = restore_model(directory, layout, mesh, args.step)
+    run_config = TrainConfig.from_dict(description["train_config"])
+    written = export_hf_model(model, args.out, args.dtype, tokenizer_dir=run_config.tokenizer_dir(),
+                              source_config=read_hf_config(run_config.init) if run_config.init else None,
+                              max_shard_bytes=int(args.shard_size * 2**30))
+    echo(f"{model.config.name} from step {description['step']} of {directory} written to {args.out}:")
+    for path in written:
+        echo(f"  {path.name} ({format_bytes(path.stat().st_size)})")
+    return 0
