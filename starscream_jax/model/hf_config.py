@@ -19,7 +19,8 @@ FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2
 """model_type -> the architecture name config.json gives it."""
 CONFIG_FILE = "config.json"
 QKV_BIAS = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "mixtral": False}
-"""Whether each family's q, k, v projections carry biases when config.json does not say (`attention_bias`)."""
+"""Whether each family's q, k, v projections carry biases (Qwen2's always do, whatever `attention_bias` says; in
+the others `attention_bias` would add them to the output projection too, which is refused)."""
 
 
 def read_hf_config(model_dir: str | Path) -> dict:
@@ -48,7 +49,7 @@ def model_config_from_hf(model_dir: str | Path, **overrides) -> ModelConfig:
         head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, d_ff=raw["intermediate_size"],
         max_seq_len=_max_seq_len(raw), norm_eps=raw.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=bool(raw.get("attention_bias", QKV_BIAS[family])), qk_norm=family == "qwen3",
+        qkv_bias=QKV_BIAS[family], qk_norm=family == "qwen3",
         **_rope_fields(raw, where))
     if family == "mixtral":
         fields.update(n_experts=raw["num_local_experts"], experts_per_token=raw["num_experts_per_tok"])
@@ -60,7 +61,7 @@ def _refuse_unimplemented(raw: dict, family: str, where: str) -> None:
     unsupported = {
         "hidden_act": lambda v: v not in ("silu", None),
         "mlp_bias": lambda v: bool(v),
-        "attention_bias": lambda v: v is not None and bool(v) != QKV_BIAS[family],
+        "attention_bias": lambda v: bool(v) and not QKV_BIAS[family],
         "use_sliding_window": lambda v: bool(v) and family in ("qwen2", "qwen3"),
         "pretraining_tp": lambda v: v not in (None, 1),
         "router_jitter_noise": lambda v: bool(v),

@@ -1,0 +1,99 @@
+"""config.json -> ModelConfig for each family, both spellings of the rotary settings, refusals of what the decoder
+does not compute, and config.json written back."""
+import json
+import math
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from starscream_jax.errors import CheckpointError
+from starscream_jax.model.config import load_model_config
+from starscream_jax.model.decoder import rope_frequencies
+from starscream_jax.model.hf_config import family_of, hf_config_from_model, model_config_from_hf
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "hf"
+LLAMA_3_1_8B = {  # the fields of Llama 3.1 8B's config.json (older spelling: rope_theta beside rope_scaling)
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "hidden_act": "silu",
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "torch_dtype": "bfloat16",
+}
+
+
+def model_dir(tmp_path, **fields) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_3_1_8B, **fields}))
+    return tmp_path
+
+
+def test_llama_3_1_8b(tmp_path):
+    config = model_config_from_hf(model_dir(tmp_path))
+    assert (config.d_model, config.n_heads, config.n_kv_heads, config.head_dim, config.d_ff) == (4096, 32, 8, 128,
+                                                                                               14336)
+    assert (config.rope_scaling, config.rope_factor, config.rope_original_max_len) == ("llama3", 8.0, 8192)
+    assert config.num_params() == 8_030_261_248  # Llama 3.1 8B's published parameter count
+
+
+@pytest.mark.parametrize("family, features", [
+    ("llama", {"tie_embeddings": True, "rope_scaling": "llama3", "qkv_bias": False, "qk_norm": False}),
+    ("mistral", {"head_dim": 16, "d_model": 64, "qkv_bias": False}),
+    ("qwen2", {"qkv_bias": True, "qk_norm": False}),
+    ("qwen3", {"qk_norm": True, "qkv_bias": False, "head_dim": 16}),
+    ("mixtral", {"n_experts": 4, "experts_per_token": 2}),
+])
+def test_each_fixture_family_reads_with_its_features(family, features):
+    config = model_config_from_hf(FIXTURES / family)
+    assert {name: getattr(config, name) for name in features} == features
+    assert family_of(config) == family
+    assert load_model_config(FIXTURES / family) == config  # what inspect and plan --model HF_DIR read
+
+
+def test_llama3_rope_scaling_stretches_only_the_long_wavelengths(tmp_path):
+    """Wavelengths under original / high_freq_factor are kept, over original / low_freq_factor divided by factor."""
+    config = model_config_from_hf(model_dir(tmp_path))
+    plain = np.asarray(rope_frequencies(config.replace(rope_scaling="")))
+    scaled = np.asarray(rope_frequencies(config))
+    wavelength = 2 * math.pi / plain
+    np.testing.assert_allclose(scaled[wavelength < 8192 / 4], plain[wavelength < 8192 / 4])
+    np.testing.assert_allclose(scaled[wavelength > 8192], plain[wavelength > 8192] / 8, rtol=1e-6)
+    between = (wavelength > 8192 / 4) & (wavelength < 8192)
+    assert between.any() and np.all(scaled[between] < plain[between]) and np.all(scaled[between] > plain[between] / 8)
+    assert scaled.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"model_type": "gemma2"}, r"model_type 'gemma2' is not supported; supported: llama, mistral, qwen2, qwen3"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope type 'yarn' is not implemented"),
+    ({"mlp_bias": True}, r"mlp_bias = True is not implemented for llama"),
+    ({"hidden_act": "gelu"}, r"hidden_act = 'gelu' is not implemented for llama"),
+    ({"attention_bias": True}, r"attention_bias = True is not implemented for llama"),
+    ({"model_type": "qwen2", "use_sliding_window": True}, r"use_sliding_window = True is not implemented for qwen2"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, r"layer_types = .* is not implemented"),
+])
+def test_fields_that_would_change_the_computation_are_refused(tmp_path, fields, message):
+    with pytest.raises(CheckpointError, match=message):
+        model_config_from_hf(model_dir(tmp_path, **fields))
+
+
+def test_a_sliding_window_becomes_the_longest_sequence(tmp_path):
+    """Mistral 7B v0.1: within its 4096-token window attention is fully causal, so the model runs up to 4096."""
+    config = model_config_from_hf(model_dir(tmp_path, model_type="mistral", sliding_window=4096))
+    assert config.max_seq_len == 4096
+
+
+def test_a_missing_or_broken_config_is_named(tmp_path):
+    with pytest.raises(CheckpointError, match="config.json not found"):
+        model_config_from_hf(tmp_path)
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(CheckpointError, match="config.json is not valid JSON"):
+        model_config_from_hf(tmp_path)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mixtral"])
+def test_config_json_written_back_reads_as_the_same_model(family, tmp_path):
+    config = model_config_from_hf(FIXTURES / family)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_from_model(config, "float32")))
+    assert model_config_from_hf(tmp_path).replace(name=config.name) == config
