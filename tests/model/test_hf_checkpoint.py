@@ -19,10 +19,10 @@ from safetensors.numpy import load_file, save_file
 
 from starscream_jax.errors import CheckpointError, ShardingRuleError
 from starscream_jax.hardware.mesh import build_mesh
-from starscream_jax.model.decoder import next_token_loss
+from starscream_jax.model.decoder import Transformer, next_token_loss
 from starscream_jax.model.hf_checkpoint import INDEX_FILE, export_hf_model, load_hf_model
 from starscream_jax.model.hf_config import model_config_from_hf
-from starscream_jax.sharding.apply import batch_sharding, use_layout
+from starscream_jax.sharding.apply import batch_sharding, param_shardings, use_layout
 from starscream_jax.sharding.layouts import LAYOUTS
 from starscream_jax.training.generate import batch_multiple, generate
 from starscream_jax.training.steps import Sampling
@@ -180,28 +180,30 @@ def test_a_layout_that_cannot_place_the_model_says_why():
         load_hf_model(FIXTURES / "qwen2", "starscream_tp", mesh_of("1x2x4"), config=config)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_gradients_of_biases_and_qk_norms_match_the_unsharded_model(family):
+def test_gradients_of_biases_and_qk_norms_match_the_unsharded_model():
     """starscream_tp on (2, 2, 2) splits the tokens inside and across GPUs, where a weight's gradient is summed in
-    two stages (`weight`): the biases and q/k norm scales go through it like the matrices."""
-    tokens = reference(family)["input_ids"]
+    two stages (`weight`): the q/k/v biases and the per-head q/k norm scales (whose gradient also sums over the
+    heads split across GPUs) go through it like the matrices. One model with both (Qwen3's fixture plus biases),
+    random, against its unsharded gradients."""
+    config = model_config_from_hf(FIXTURES / "qwen3").replace(qkv_bias=True)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(1)  # biases and norm scales away from their zeros and ones too
+    params = jax.tree.map_with_path(lambda path, x: rng.normal("norm" in jax.tree_util.keystr(path), 0.3, x.shape)
+                                    .astype(np.float32), params)
+    tokens = reference("qwen3")["input_ids"]
 
-    def loss_and_grads(model, tokens_BS):
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        return jax.value_and_grad(lambda p: next_token_loss(nnx.merge(graphdef, p, rest), tokens_BS))(params)
+    def loss_and_grads(params, tokens_BS):
+        return jax.value_and_grad(lambda p: next_token_loss(nnx.merge(graphdef, p), tokens_BS))(params)
 
-    one_device = mesh_of("1x1x1")
-    with use_layout("starscream_tp", one_device):
-        expected_loss, expected = jax.jit(loss_and_grads)(load_hf_model(FIXTURES / family, "starscream_tp",
-                                                                        one_device), tokens)
+    expected_loss, expected = jax.jit(loss_and_grads, compiler_options=FAST_COMPILE)(params, tokens)
     mesh = mesh_of("2x2x2")
-    model = load_hf_model(FIXTURES / family, "starscream_tp", mesh)
     with use_layout("starscream_tp", mesh):
         loss, grads = jax.jit(loss_and_grads, compiler_options=FAST_COMPILE)(
-            model, jax.device_put(tokens, batch_sharding("starscream_tp", mesh, len(tokens))))
-    new_weights = {"bq", "bk", "bv"} if family == "qwen2" else {"q_norm", "k_norm"}
-    assert new_weights <= set(grads["layers"].keys())
+            jax.device_put(params, param_shardings(params, "starscream_tp", mesh)),
+            jax.device_put(tokens, batch_sharding("starscream_tp", mesh, len(tokens))))
+    assert {"bq", "bk", "bv", "q_norm", "k_norm"} <= set(grads["layers"].keys())
     assert abs(float(loss) - float(expected_loss)) <= 2e-5
     for (path, gradient), (_, wanted) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(expected)):
+        assert float(np.max(np.abs(wanted.get_value()))) > 1e-3, path  # every gradient is informative
         error = float(np.max(np.abs(np.asarray(gradient.get_value()) - np.asarray(wanted.get_value()))))
         assert error <= 2e-5, (path, error)

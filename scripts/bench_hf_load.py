@@ -1,0 +1,152 @@
+"""Streamed, sharded loading of a Hugging Face checkpoint: time, GB/s and peak host memory against the checkpoint.
+
+Writes a random bfloat16 checkpoint of a model configuration (default Llama 3.2 1B: 2.5 GB in 1 GB shards, written
+tensor by tensor), then, in a fresh process on simulated CPU devices, loads it into a layout's shards
+(`load_hf_model`) and reports the load time, the checkpoint bytes per second, the bytes read from the files (each
+device's slices; replicated tensors are read once per device), the bytes the devices hold (float32 parameters; on a
+simulated mesh they live in host memory too) and the peak resident memory above what the process held before
+loading. Host memory beyond the devices' own bytes is the loader's overhead.
+
+    python scripts/bench_hf_load.py --dir /tmp/llama3.2-1b-random --mesh 2x4 --layout starscream_tp
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def write_checkpoint(model: str, directory: Path, shard_gib: float) -> None:
+    """A random bfloat16 checkpoint of `model` in `directory`, built one tensor at a time."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    from starscream_jax.model.config import load_model_config
+    from starscream_jax.model.hf_checkpoint import INDEX_FILE, sources
+    from starscream_jax.model.hf_config import hf_config_from_model
+
+    config = load_model_config(model)
+    shapes = _param_shapes(config)
+    rng = np.random.default_rng(0)
+    directory.mkdir(parents=True, exist_ok=True)
+    shard, shard_bytes, weight_map, files = {}, 0, {}, []
+
+    def flush():
+        nonlocal shard, shard_bytes
+        name = f"model-{len(files) + 1:05d}.safetensors"
+        save_file(shard, directory / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        files.append(name)
+        shard, shard_bytes = {}, 0
+
+    for path, source in sources(config).items():
+        shape = source.tensor_shape(shapes[path])
+        for name in source.tensor_names(shapes[path]):
+            tensor = (rng.standard_normal(shape, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+            if shard and shard_bytes + tensor.nbytes > shard_gib * 2**30:
+                flush()
+            shard[name] = tensor
+            shard_bytes += tensor.nbytes
+    flush()
+    total = sum((directory / name).stat().st_size for name in files)
+    (directory / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (directory / "config.json").write_text(json.dumps(hf_config_from_model(config, "bfloat16"), indent=2))
+
+
+def _param_shapes(config) -> dict[str, tuple[int, ...]]:
+    from flax import nnx
+
+    from starscream_jax.model.decoder import Transformer
+    from starscream_jax.sharding.apply import path_name
+
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    return {path_name(path): tuple(v.shape) for path, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param))}
+
+
+def measure(directory: Path, mesh_shape: str, layout: str) -> dict:
+    """Load `directory` into `layout` on a simulated mesh (run in a fresh process); the figures as a dict."""
+    import jax
+
+    from starscream_jax.hardware.mesh import build_mesh
+    from starscream_jax.model import hf_checkpoint
+
+    read_bytes = 0
+    read_one = hf_checkpoint.CheckpointReader._read_one
+
+    def counting(self, source, name, ours, dtype):
+        nonlocal read_bytes
+        block = read_one(self, source, name, ours, dtype)
+        read_bytes += block.size * np.dtype(hf_checkpoint.DTYPES[self.tensor(name).get_dtype()]).itemsize
+        return block
+
+    hf_checkpoint.CheckpointReader._read_one = counting
+    mesh = build_mesh(mesh_shape)
+    before = _resident_bytes()
+    started = time.perf_counter()
+    model = hf_checkpoint.load_hf_model(directory, layout, mesh)
+    leaves = jax.tree.leaves(model)
+    jax.block_until_ready(leaves)
+    seconds = time.perf_counter() - started
+    checkpoint = sum(path.stat().st_size for path in directory.glob("*.safetensors"))
+    device_bytes = sum(shard.data.nbytes for leaf in leaves for shard in leaf.addressable_shards)
+    peak_above = _peak_resident_bytes() - before
+    return {"checkpoint_bytes": checkpoint, "seconds": seconds, "gb_per_s": checkpoint / seconds / 1e9,
+            "read_bytes": read_bytes, "device_bytes": device_bytes, "peak_host_above_start": peak_above,
+            "loader_overhead": peak_above - device_bytes, "mesh": mesh_shape, "layout": layout}
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_resident_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama3.2-1b", help="model configuration to write a checkpoint of")
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/starscream-bench-checkpoint"))
+    parser.add_argument("--mesh", default="2x4", help="GPUSxPARTITIONS of the simulated mesh")
+    parser.add_argument("--layout", default="starscream_tp")
+    parser.add_argument("--shard-gib", type=float, default=1.0)
+    parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    parser.add_argument("--measure-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.measure_only:
+        print(json.dumps(measure(args.dir, args.mesh, args.layout)))
+        return 0
+    if not (args.dir / "config.json").is_file():
+        started = time.perf_counter()
+        write_checkpoint(args.model, args.dir, args.shard_gib)
+        print(f"wrote {args.dir} in {time.perf_counter() - started:.0f} s")
+    gpus, partitions = map(int, args.mesh.split("x"))
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={gpus * partitions}",
+           "JAX_PLATFORMS": "cpu"}
+    child = subprocess.run([sys.executable, __file__, "--measure-only", "--dir", str(args.dir), "--mesh", args.mesh,
+                            "--layout", args.layout], env=env, capture_output=True, text=True, check=True)
+    figures = json.loads(child.stdout.strip().splitlines()[-1])
+    gib = 2**30
+    print(f"{args.model} checkpoint {figures['checkpoint_bytes'] / gib:.2f} GiB (bfloat16) -> {args.layout} on a "
+          f"simulated {args.mesh} mesh: {figures['seconds']:.1f} s, {figures['gb_per_s']:.2f} GB/s")
+    print(f"  read from the files: {figures['read_bytes'] / gib:.2f} GiB "
+          f"({figures['read_bytes'] / figures['checkpoint_bytes']:.2f} x the checkpoint)")
+    print(f"  held by the devices (float32): {figures['device_bytes'] / gib:.2f} GiB; peak host memory above the "
+          f"start: {figures['peak_host_above_start'] / gib:.2f} GiB; beyond the devices' own bytes: "
+          f"{figures['loader_overhead'] / gib:.2f} GiB ({figures['loader_overhead'] / figures['checkpoint_bytes']:.1%}"
+          f" of the checkpoint)")
+    if args.out:
+        args.out.write_text(json.dumps(figures, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
