@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -80,35 +80,62 @@ def measure(directory: Path, mesh_shape: str, layout: str) -> dict:
     read_bytes = 0
     read_one = hf_checkpoint.CheckpointReader._read_one
 
-    def counting(self, source, name, ours, dtype):
+    def counting(self, source, name, ours):
         nonlocal read_bytes
-        block = read_one(self, source, name, ours, dtype)
-        read_bytes += block.size * np.dtype(hf_checkpoint.DTYPES[self.tensor(name).get_dtype()]).itemsize
+        block = read_one(self, source, name, ours)
+        read_bytes += block.nbytes
         return block
 
     hf_checkpoint.CheckpointReader._read_one = counting
     mesh = build_mesh(mesh_shape)
-    before = _resident_bytes()
-    started = time.perf_counter()
-    model = hf_checkpoint.load_hf_model(directory, layout, mesh)
-    leaves = jax.tree.leaves(model)
-    jax.block_until_ready(leaves)
-    seconds = time.perf_counter() - started
+    sampler = AnonymousMemoryPeak()
+    started, cpu_started = time.perf_counter(), time.process_time()
+    with sampler:
+        model = hf_checkpoint.load_hf_model(directory, layout, mesh)
+        leaves = jax.tree.leaves(model)
+        jax.block_until_ready(leaves)
+    seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
     checkpoint = sum(path.stat().st_size for path in directory.glob("*.safetensors"))
     device_bytes = sum(shard.data.nbytes for leaf in leaves for shard in leaf.addressable_shards)
-    peak_above = _peak_resident_bytes() - before
-    return {"checkpoint_bytes": checkpoint, "seconds": seconds, "gb_per_s": checkpoint / seconds / 1e9,
-            "read_bytes": read_bytes, "device_bytes": device_bytes, "peak_host_above_start": peak_above,
-            "loader_overhead": peak_above - device_bytes, "mesh": mesh_shape, "layout": layout}
+    return {"checkpoint_bytes": checkpoint, "seconds": seconds, "cpu_seconds": cpu_seconds,
+            "gb_per_s": checkpoint / seconds / 1e9, "gb_per_cpu_s": checkpoint / cpu_seconds / 1e9,
+            "read_bytes": read_bytes, "device_bytes": device_bytes, "peak_anonymous_above_start": sampler.peak,
+            "loader_overhead": sampler.peak - device_bytes, "peak_rss_above_start": sampler.peak_rss,
+            "mesh": mesh_shape, "layout": layout}
 
 
-def _resident_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+class AnonymousMemoryPeak:
+    """The peak, above its value on entry, of the process' anonymous resident memory (RssAnon: what the program
+    allocated, not the checkpoint's file pages that safetensors maps) and of its whole resident set, sampled every
+    5 ms by a thread."""
+
+    def __enter__(self):
+        self._start, self._start_rss = _status("RssAnon"), _status("VmRSS")
+        self.peak = self.peak_rss = 0
+        self._running = True
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while self._running:
+            self.peak = max(self.peak, _status("RssAnon") - self._start)
+            self.peak_rss = max(self.peak_rss, _status("VmRSS") - self._start_rss)
+            time.sleep(0.005)
+        self.peak = max(self.peak, _status("RssAnon") - self._start)
+
+    def __exit__(self, *exc_info):
+        self._running = False
+        self._thread.join()
 
 
-def _peak_resident_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def _status(field: str) -> int:
+    """A memory field of /proc/self/status, in bytes."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,13 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     figures = json.loads(child.stdout.strip().splitlines()[-1])
     gib = 2**30
     print(f"{args.model} checkpoint {figures['checkpoint_bytes'] / gib:.2f} GiB (bfloat16) -> {args.layout} on a "
-          f"simulated {args.mesh} mesh: {figures['seconds']:.1f} s, {figures['gb_per_s']:.2f} GB/s")
+          f"simulated {args.mesh} mesh: {figures['seconds']:.1f} s ({figures['gb_per_s']:.2f} GB/s), "
+          f"{figures['cpu_seconds']:.1f} s of CPU ({figures['gb_per_cpu_s']:.2f} GB per CPU second)")
     print(f"  read from the files: {figures['read_bytes'] / gib:.2f} GiB "
           f"({figures['read_bytes'] / figures['checkpoint_bytes']:.2f} x the checkpoint)")
-    print(f"  held by the devices (float32): {figures['device_bytes'] / gib:.2f} GiB; peak host memory above the "
-          f"start: {figures['peak_host_above_start'] / gib:.2f} GiB; beyond the devices' own bytes: "
-          f"{figures['loader_overhead'] / gib:.2f} GiB ({figures['loader_overhead'] / figures['checkpoint_bytes']:.1%}"
-          f" of the checkpoint)")
+    print(f"  held by the devices (float32): {figures['device_bytes'] / gib:.2f} GiB; peak allocated host memory "
+          f"above the start: {figures['peak_anonymous_above_start'] / gib:.2f} GiB, of which beyond the devices' own "
+          f"bytes: {figures['loader_overhead'] / 2**20:.0f} MiB "
+          f"({figures['loader_overhead'] / figures['checkpoint_bytes']:.1%} of the checkpoint); resident set with "
+          f"the mapped checkpoint pages: {figures['peak_rss_above_start'] / gib:.2f} GiB")
     if args.out:
         args.out.write_text(json.dumps(figures, indent=2) + "\n")
     return 0

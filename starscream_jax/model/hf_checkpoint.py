@@ -1,9 +1,10 @@
 """Hugging Face checkpoints in and out: safetensors files (one, or shards with `model.safetensors.index.json`).
 
-Loading is streamed and sharded: every parameter is built with `jax.make_array_from_callback`, whose callback reads
-from the safetensors file only the byte ranges of the slice one device holds (safetensors' lazy slicing), converts it
-to the parameter dtype and hands it to that device. A process reads only its own devices' slices, no device holds
-a tensor it does not own, and the host holds one slice at a time on top of what the devices keep.
+Loading is streamed and sharded: every parameter is assembled from per-device arrays
+(`jax.make_array_from_single_device_arrays`); each distinct slice that this process' devices hold is read from the
+safetensors file (only its byte ranges: safetensors' lazy slicing), converted to the parameter dtype, placed on the
+devices that hold it and dropped. A process reads only its own devices' slices, no device holds a tensor it does not
+own, and the host holds one slice at a time on top of what the devices keep.
 
 Our parameters stack the layers (and experts) on leading axes and keep heads and head_dim apart ([L, D, H, E]); a
 checkpoint holds one [H * E, D] matrix per layer. `SOURCES` says, per parameter, which tensor each layer comes from
@@ -160,19 +161,20 @@ class CheckpointReader:
                                   f"floating parameter; expected one of {', '.join(DTYPES)}")
 
     def read(self, source: Source, index: tuple[slice, ...], shape: tuple[int, ...], dtype) -> np.ndarray:
-        """Our parameter's block `index` (slices of `shape`), read layer by layer from the checkpoint."""
+        """Our parameter's block `index` (slices of `shape`) in `dtype`, read layer by layer from the checkpoint and
+        converted and transposed in one copy into the block."""
         bounds = [slice(*s.indices(n)) for s, n in zip(index, shape)]
         stacked, per_layer = bounds[:source.stacked], bounds[source.stacked:]
-        if not stacked:
-            return self._read_one(source, source.name(), per_layer, dtype)
-        blocks = [self._read_one(source, source.name(*at), per_layer, dtype)
-                  for at in np.ndindex(*(s.stop - s.start for s in stacked))
-                  for at in [tuple(s.start + i for s, i in zip(stacked, at))]]
-        return np.stack(blocks).reshape(tuple(s.stop - s.start for s in stacked) + blocks[0].shape)
+        block = np.empty(tuple(s.stop - s.start for s in bounds), dtype)
+        layers = block.reshape((-1,) + block.shape[source.stacked:])
+        for position, at in enumerate(np.ndindex(*block.shape[:source.stacked])):
+            layers[position] = self._read_one(source, source.name(*(s.start + i for s, i in zip(stacked, at))),
+                                              per_layer)
+        return block
 
-    def _read_one(self, source: Source, name: str, ours: list[slice], dtype) -> np.ndarray:
-        """One tensor's bytes for our per-layer slices `ours`: the view's slices, the split dimension read as one
-        contiguous range of whole outer rows and cut to the inner slice after."""
+    def _read_one(self, source: Source, name: str, ours: list[slice]) -> np.ndarray:
+        """One tensor's bytes for our per-layer slices `ours`, in our axis order (a view, in the stored dtype): the
+        view's slices, the split dimension read as one contiguous range of whole outer rows and cut after."""
         view = [slice(None)] * len(ours)
         for axis, theirs in enumerate(source.order):
             view[theirs] = ours[axis]
@@ -185,7 +187,7 @@ class CheckpointReader:
             block = self.tensor(name)[tuple(read)]
             block = block.reshape(block.shape[:dim] + (outer.stop - outer.start, inner) + block.shape[dim + 1:])
             block = block[(slice(None),) * (dim + 1) + (cut,)]
-        return block.transpose(source.order).astype(dtype)
+        return block.transpose(source.order)
 
 
 def load_hf_model(model_dir: str | Path, layout, mesh, dtype: str | None = None,
@@ -207,13 +209,21 @@ def load_hf_model(model_dir: str | Path, layout, mesh, dtype: str | None = None,
 
 
 def _load_param(reader: CheckpointReader, source: Source, variable: nnx.Variable, sharding) -> nnx.Variable:
-    """`variable` (abstract) holding the global array read from the checkpoint, each device's shard read alone."""
+    """`variable` (abstract) holding the global array read from the checkpoint: each distinct block this process'
+    devices hold is read once, placed on every device that holds it, and dropped before the next is read."""
     shape = tuple(variable.shape)
     for name in source.tensor_names(shape):
         reader.check(name, source.tensor_shape(shape))
-    array = jax.make_array_from_callback(shape, sharding,
-                                         lambda index: reader.read(source, index, shape, variable.dtype))
-    return variable.replace(array)
+    devices_of_block: dict[tuple, list] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        bounds = tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
+        devices_of_block.setdefault(tuple((s.start, s.stop) for s in bounds), []).append((device, bounds))
+    shards = {}
+    for holders in devices_of_block.values():
+        block = reader.read(source, holders[0][1], shape, variable.dtype)
+        shards.update({device: jax.device_put(block, device) for device, _ in holders})
+    ordered = [shards[device] for device in sharding.addressable_devices_indices_map(shape)]
+    return variable.replace(jax.make_array_from_single_device_arrays(shape, sharding, ordered))
 
 
 def export_hf_model(model: Transformer, out_dir: str | Path, dtype: str = "float32", *,
