@@ -207,3 +207,30 @@ def test_gradients_of_biases_and_qk_norms_match_the_unsharded_model():
         assert float(np.max(np.abs(wanted.get_value()))) > 1e-3, path  # every gradient is informative
         error = float(np.max(np.abs(np.asarray(gradient.get_value()) - np.asarray(wanted.get_value()))))
         assert error <= 2e-5, (path, error)
+
+
+def equivalence_table() -> str:
+    """README's table: per family, the largest logit difference against the reference over every layout on each
+    mesh, and whether greedy generation (prefill starscream_tp, decode starscream_decode, 1 x 2 x 4) matched."""
+    rows = ["| family | " + " | ".join(f"mesh {name}" for name in MESHES) + " | 20 greedy tokens |",
+            "|---|" + "---|" * (len(MESHES) + 1)]
+    for family in FAMILIES:
+        worst = [max(equivalence_errors(family, [mesh]).values()) for mesh in MESHES]
+        try:
+            test_greedy_generation_gives_the_reference_tokens(family)
+            greedy = "equal"
+        except AssertionError:
+            greedy = "differ"
+        rows.append(f"| {family} | " + " | ".join(f"{error:.1e}" for error in worst) + f" | {greedy} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    import os
+    import sys
+
+    if "--table" not in sys.argv:
+        sys.exit("usage: XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.model.test_hf_checkpoint "
+                 "--table")
+    assert "device_count=8" in os.environ.get("XLA_FLAGS", ""), "set XLA_FLAGS (see the usage line)"
+    print(equivalence_table())
