@@ -9,16 +9,20 @@ The public API, in the order data flows through it:
                   `shared_input` (one input of several matmuls, its gradient summed once), `create_sharded`
                   (a module created already sharded);
   collectives     hierarchical collectives for per-device code inside `jax.shard_map`;
-  the proof       `check_compiled`: the three principles judged on a compiled program.
+  the proof       `check_compiled`: the three principles judged on a compiled program;
+  checkpoints     `load_hf_model` (a Hugging Face model directory read straight into a layout's shards),
+                  `export_hf_model`, `model_config_from_hf`.
 Outside `use_layout` every annotation is the identity, so an annotated model also runs unsharded.
 """
 from .analysis.principles import Check, check_compiled
-from .errors import PresetError, ShardingRuleError, StarscreamError, TopologyError
+from .errors import CheckpointError, PresetError, ShardingRuleError, StarscreamError, TopologyError
 from .hardware.axes import AXES
 from .hardware.mesh import build_mesh, build_topology_mesh
 from .hardware.presets import list_presets, load_preset
 from .hardware.simulation import simulate_cpu_devices
 from .hardware.topology import Topology, parse_override
+from .model.hf_checkpoint import export_hf_model, load_hf_model
+from .model.hf_config import model_config_from_hf
 from .sharding.apply import constrain, create_sharded, einsum, param, shared_input, use_layout, weight
 from .sharding.collectives import (
                                    all_gather_inside_gpu,
@@ -31,10 +35,11 @@ from .sharding.collectives import (
 from .sharding.layouts import LAYOUTS, Layout, get_layout
 
 __all__ = [
-    "AXES", "Check", "LAYOUTS", "Layout", "PresetError", "ShardingRuleError", "StarscreamError", "Topology",
-    "TopologyError", "all_gather_inside_gpu", "all_reduce_across_gpus", "build_mesh", "build_topology_mesh",
-    "check_compiled", "constrain", "create_sharded", "einsum", "get_layout", "hierarchical_all_gather",
-    "hierarchical_all_reduce", "hierarchical_psum", "list_presets", "load_preset", "param", "parse_override",
-    "reduce_scatter_inside_gpu", "shared_input", "simulate_cpu_devices", "use_layout", "weight",
+    "AXES", "Check", "CheckpointError", "LAYOUTS", "Layout", "PresetError", "ShardingRuleError", "StarscreamError",
+    "Topology", "TopologyError", "all_gather_inside_gpu", "all_reduce_across_gpus", "build_mesh",
+    "build_topology_mesh", "check_compiled", "constrain", "create_sharded", "einsum", "export_hf_model", "get_layout",
+    "hierarchical_all_gather", "hierarchical_all_reduce", "hierarchical_psum", "list_presets", "load_hf_model",
+    "load_preset", "model_config_from_hf", "param", "parse_override", "reduce_scatter_inside_gpu", "shared_input",
+    "simulate_cpu_devices", "use_layout", "weight",
 ]
 __version__ = "0.1.0"
