@@ -109,9 +109,9 @@ class CompiledStep:
 
 def make_settings(model: str, phase: str, batch: int | None, seq: int | None, layouts: str, layers: int,
                   dump_hlo: Path | None = None) -> Settings:
-    """Checked Settings: `model` a name in models/ or a TOML path, `batch` / `seq` None for the phase's defaults,
-    `layouts` comma-separated names, `layers` the compiled depth (at least 2). The default sequence length is
-    capped at the model's max_seq_len."""
+    """Checked Settings: `model` a name in models/, a TOML path or a Hugging Face model directory (its config.json),
+    `batch` / `seq` None for the phase's defaults, `layouts` comma-separated names, `layers` the compiled depth (at
+    least 2). The default sequence length is capped at the model's max_seq_len."""
     if phase not in PHASES:
         raise StarscreamError(f"phase {phase!r}: expected one of {', '.join(PHASES)}")
     if layers < 2:

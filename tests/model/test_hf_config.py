@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from starscream_jax.analysis.compile import make_settings
 from starscream_jax.errors import CheckpointError
 from starscream_jax.model.config import load_model_config
 from starscream_jax.model.decoder import rope_frequencies
@@ -48,7 +49,9 @@ def test_each_fixture_family_reads_with_its_features(family, features):
     config = model_config_from_hf(FIXTURES / family)
     assert {name: getattr(config, name) for name in features} == features
     assert family_of(config) == family
-    assert load_model_config(FIXTURES / family) == config  # what inspect and plan --model HF_DIR read
+    assert load_model_config(FIXTURES / family) == config
+    settings = make_settings(str(FIXTURES / family), "train", 8, 32, "starscream_tp", 2)  # inspect / plan --model
+    assert settings.config == config.replace(n_layers=2) and settings.full_layers == config.n_layers
 
 
 def test_llama3_rope_scaling_stretches_only_the_long_wavelengths(tmp_path):
