@@ -201,10 +201,14 @@ def load_hf_model(model_dir: str | Path, layout, mesh, dtype: str | None = None,
     table = sources(config)
     graphdef, abstract, rest = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))), nnx.Param, ...)
     shardings = param_shardings(abstract, layout, mesh)
-
+    variables = nnx.to_flat_state(abstract)
+    for path, variable in variables:  # every tensor checked before any device is written
+        source = table[path_name(path)]
+        for name in source.tensor_names(tuple(variable.shape)):
+            reader.check(name, source.tensor_shape(tuple(variable.shape)))
     leaves = jax.tree.leaves(shardings, is_leaf=lambda node: isinstance(node, jax.sharding.Sharding))
     loaded = [(path, _load_param(reader, table[path_name(path)], variable, sharding))
-              for (path, variable), sharding in zip(nnx.to_flat_state(abstract), leaves)]
+              for (path, variable), sharding in zip(variables, leaves)]
     return nnx.merge(graphdef, nnx.from_flat_state(loaded), rest)
 
 
@@ -212,8 +216,6 @@ def _load_param(reader: CheckpointReader, source: Source, variable: nnx.Variable
     """`variable` (abstract) holding the global array read from the checkpoint: each distinct block this process'
     devices hold is read once, placed on every device that holds it, and dropped before the next is read."""
     shape = tuple(variable.shape)
-    for name in source.tensor_names(shape):
-        reader.check(name, source.tensor_shape(shape))
     devices_of_block: dict[tuple, list] = {}
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         bounds = tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
