@@ -67,7 +67,8 @@ class ModelConfig:
     def num_params(self) -> int:
         """Parameter count (embedding and head counted once each unless tied)."""
         d, f, h, k, hd = self.d_model, self.d_ff, self.n_heads, self.n_kv_heads, self.head_dim
-        attention = d * hd * (2 * h + 2 * k) + (hd * (h + 2 * k) if self.qkv_bias else 0) + (2 * hd if self.qk_norm else 0)
+        attention = d * hd * (2 * h + 2 * k)
+        attention += (hd * (h + 2 * k) if self.qkv_bias else 0) + (2 * hd if self.qk_norm else 0)
         mlp = 3 * d * f * max(1, self.n_experts) + (d * self.n_experts if self.n_experts else 0)
         embeddings = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.n_layers * (attention + mlp + 2 * d) + embeddings + d

@@ -240,7 +240,8 @@ def export_hf_model(model: Transformer, out_dir: str | Path, dtype: str = "float
     if dtype not in SAVED_DTYPES:
         raise CheckpointError(f"export dtype {dtype!r}; use one of {', '.join(SAVED_DTYPES)}")
     out, config, writing = Path(out_dir), model.config, jax.process_index() == 0
-    params = {path_name(path): variable.get_value() for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    params = {path_name(path): variable.get_value()
+              for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     plan = _shard_plan(config, params, np.dtype(SAVED_DTYPES[dtype]).itemsize, max_shard_bytes)
     files = [SINGLE_FILE] if len(plan) == 1 else [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
                                                     for i in range(len(plan))]
