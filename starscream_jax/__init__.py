@@ -9,9 +9,13 @@ The public API, in the order data flows through it:
                   `shared_input` (one input of several matmuls, its gradient summed once), `create_sharded`
                   (a module created already sharded);
   collectives     hierarchical collectives for per-device code inside `jax.shard_map`;
-  the proof       `check_compiled`: the three principles judged on a compiled program.
+  Flax models     `in_vocabulary` (a layout under your logical names, `MAXTEXT`'s or a dict), `flax_rules` (a
+                  rule table for Flax's `logical_axis_rules`), `weights_at_use` (Flax layers' weights gathered at
+                  use), `derive` (the partition-aware layout of a GPU-level rule table);
+  the proof       `check`: any jitted step judged by the three principles; `check_compiled`: a compiled program.
 Outside `use_layout` every annotation is the identity, so an annotated model also runs unsharded.
 """
+from .analysis.check import StepCheck, check
 from .analysis.principles import Check, check_compiled
 from .errors import PresetError, ShardingRuleError, StarscreamError, TopologyError
 from .hardware.axes import AXES
@@ -19,7 +23,7 @@ from .hardware.mesh import build_mesh, build_topology_mesh
 from .hardware.presets import list_presets, load_preset
 from .hardware.simulation import simulate_cpu_devices
 from .hardware.topology import Topology, parse_override
-from .sharding.apply import constrain, create_sharded, einsum, param, shared_input, use_layout, weight
+from .sharding.apply import activation_spec, constrain, create_sharded, einsum, param, shared_input, use_layout, weight
 from .sharding.collectives import (
                                    all_gather_inside_gpu,
                                    all_reduce_across_gpus,
@@ -28,13 +32,14 @@ from .sharding.collectives import (
                                    hierarchical_psum,
                                    reduce_scatter_inside_gpu,
 )
+from .sharding.flax_rules import MAXTEXT, STARSCREAM, flax_rules, in_vocabulary, weights_at_use
 from .sharding.layouts import LAYOUTS, Layout, get_layout
 
 __all__ = [
-    "AXES", "Check", "LAYOUTS", "Layout", "PresetError", "ShardingRuleError", "StarscreamError", "Topology",
+    "AXES", "Check", "activation_spec", "LAYOUTS", "Layout", "MAXTEXT", "PresetError", "STARSCREAM", "StepCheck", "ShardingRuleError", "StarscreamError", "Topology",
     "TopologyError", "all_gather_inside_gpu", "all_reduce_across_gpus", "build_mesh", "build_topology_mesh",
-    "check_compiled", "constrain", "create_sharded", "einsum", "get_layout", "hierarchical_all_gather",
-    "hierarchical_all_reduce", "hierarchical_psum", "list_presets", "load_preset", "param", "parse_override",
-    "reduce_scatter_inside_gpu", "shared_input", "simulate_cpu_devices", "use_layout", "weight",
+    "check", "check_compiled", "constrain", "create_sharded", "einsum", "flax_rules", "get_layout", "hierarchical_all_gather",
+    "hierarchical_all_reduce", "hierarchical_psum", "in_vocabulary", "list_presets", "load_preset", "param", "parse_override",
+    "reduce_scatter_inside_gpu", "shared_input", "simulate_cpu_devices", "use_layout", "weight", "weights_at_use",
 ]
 __version__ = "0.1.0"
