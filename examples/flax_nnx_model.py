@@ -82,7 +82,7 @@ class Block(nnx.Module):
 class Transformer(nnx.Module):
     """tokens [B, S] int32 -> logits [B, S, V]."""
 
-    def __init__(self, vocab: int = 64, d_model: int = 32, heads: int = 4, head_dim: int = 8, d_ff: int = 64,
+    def __init__(self, vocab: int = 64, d_model: int = 32, heads: int = 8, head_dim: int = 4, d_ff: int = 64,
                  layers: int = 2, *, rngs: nnx.Rngs):
         self.embed = nnx.Embed(vocab, d_model, embedding_init=init(("vocab", "embed"), nnx.initializers.normal(1.0)),
                                rngs=rngs)
