@@ -11,7 +11,7 @@ bytes by scope, collectives, kernel shapes and the verdicts.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ..errors import StarscreamError
 from ..hardware.axes import XCD
 from ..sharding.apply import active, logical_names, param_shardings, use_layout
-from ..sharding.flax_rules import in_vocabulary
+from ..sharding.flax_rules import VocabularyLike, in_vocabulary
 from ..sharding.layouts import Layout, get_layout
 from .compile import COMPILER_OPTIONS, REFERENCE
 from .format import clip, format_bytes
@@ -45,7 +45,7 @@ class StepCheck(Check):
 
 
 def check(step: Callable, *args: Any, mesh: Mesh, layout: Layout | str | None = None,
-          reference: Layout | str | None = REFERENCE, vocabulary: Mapping[str, str] | None = None,
+          reference: Layout | str | None = REFERENCE, vocabulary: VocabularyLike | None = None,
           token_dims: tuple[int, ...] | None = None, gpus_per_node: int | None = None) -> StepCheck:
     """Compile `step(*args)` under `layout` (default: the active one) on `mesh` and judge it (see the module).
 

@@ -5,7 +5,8 @@ metadata (`nnx.with_partitioning(init, ("embed", "mlp"))`, or a layer's `kernel_
 `nn.with_logical_partitioning`, activations in `nn.with_logical_constraint`. A vocabulary maps those names to this
 library's (`embed`, `mlp`, `heads`, `kv_heads`, `head_dim`, `vocab`, `norm`, `layers`, `experts`, `batch`,
 `attn_batch`, `seq`): `STARSCREAM` is the identity, `MAXTEXT` MaxText's names (`activation_batch`,
-`activation_length`, `activation_embed`, `kv`, `exp`, ...), and any dict {your name: library name} is a vocabulary.
+`activation_length`, `activation_embed`, `kv`, `exp`, ...), any dict {your name: library name} is a vocabulary, and a
+`Vocabulary` maps weights' and activations' names apart.
 
   `in_vocabulary(layout, vocabulary)`  the layout with every rule also under your names (yours first), so that
                                        `create_sharded`, `use_layout`, `constrain` and `weight` read your names;
@@ -21,6 +22,7 @@ library's (`embed`, `mlp`, `heads`, `kv_heads`, `head_dim`, `vocab`, `norm`, `la
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import jax
 from flax import nnx
@@ -34,32 +36,54 @@ from .rules import Rules
 STARSCREAM: dict[str, str] = {name: name for name in dict.fromkeys((*WEIGHT_NAMES, *ACTIVATION_NAMES))}
 """This library's own names."""
 
-MAXTEXT: dict[str, str] = {
-    "layers": "layers", "embed": "embed", "mlp": "mlp", "heads": "heads", "q_heads": "heads",
-    "kv_heads": "kv_heads", "kv": "head_dim", "kv_head_dim": "head_dim", "vocab": "vocab", "norm": "norm",
-    "exp": "experts",
-    "activation_batch": "batch", "activation_embed_and_logits_batch": "batch", "activation_kv_batch": "attn_batch",
-    "activation_length": "seq", "activation_q_length": "seq", "activation_kv_length": "seq",
-    "activation_embed": "embed", "activation_mlp": "mlp", "activation_heads": "heads",
-    "activation_kv_heads": "kv_heads", "activation_kv": "head_dim", "activation_kv_head_dim": "head_dim",
-    "activation_vocab": "vocab", "activation_exp": "experts",
-}
+@dataclass(frozen=True)
+class Vocabulary:
+    """A model's logical names mapped to the library's, separately for weights (the params and weights tables) and
+    activations, for a vocabulary that names a dimension differently in each (MaxText's `embed` and
+    `activation_embed`). A plain dict {your name: library name} serves every table."""
+
+    weights: Mapping[str, str]
+    activations: Mapping[str, str]
+
+
+MAXTEXT = Vocabulary(
+    weights={"layers": "layers", "embed": "embed", "mlp": "mlp", "heads": "heads", "q_heads": "heads",
+             "kv_heads": "kv_heads", "kv": "head_dim", "kv_head_dim": "head_dim", "vocab": "vocab", "norm": "norm",
+             "exp": "experts"},
+    activations={"activation_batch": "batch", "activation_embed_and_logits_batch": "batch",
+                 "activation_kv_batch": "attn_batch", "activation_length": "seq", "activation_q_length": "seq",
+                 "activation_kv_length": "seq", "activation_embed": "embed", "activation_mlp": "mlp",
+                 "activation_heads": "heads", "activation_kv_heads": "kv_heads", "activation_kv": "head_dim",
+                 "activation_kv_head_dim": "head_dim", "activation_vocab": "vocab", "activation_exp": "experts"},
+)
 """MaxText's logical names (its base.yml `logical_axis_rules`), mapped to this library's."""
+VocabularyLike = Vocabulary | Mapping[str, str]
+
+
+def _for_table(vocabulary: VocabularyLike, table: str) -> Mapping[str, str]:
+    """The part of `vocabulary` that names the dimensions of `table`'s tensors."""
+    if not isinstance(vocabulary, Vocabulary):
+        return vocabulary
+    return vocabulary.activations if table == "activations" else vocabulary.weights
+
 
 FLAX_TABLES = (*RULE_TABLES, "use")
 
 
-def in_vocabulary(layout: Layout | str, vocabulary: Mapping[str, str] = STARSCREAM) -> Layout:
+def in_vocabulary(layout: Layout | str, vocabulary: VocabularyLike = STARSCREAM) -> Layout:
     """`layout` whose rule tables also answer to the names of `vocabulary` ({your name: library name}): each of your
     names gets the rule of the library name it maps to, ahead of the library's own rules (yours win where a name is
     both). A name mapped to a name no layout knows is an error."""
     layout = get_layout(layout)
-    unknown = sorted(f"{yours} -> {ours}" for yours, ours in vocabulary.items() if ours not in STARSCREAM)
+    named = {kind: _for_table(vocabulary, kind) for kind in RULE_TABLES}
+    unknown = sorted({f"{yours} -> {ours}" for names in named.values() for yours, ours in names.items()
+                      if ours not in STARSCREAM})
     if unknown:
         raise ShardingRuleError(f"vocabulary maps to names no layout knows: {', '.join(unknown)}; map each name to "
                                 f"one of {', '.join(STARSCREAM)}")
-    tables = {kind: _renamed(getattr(layout, kind), vocabulary) for kind in RULE_TABLES}
-    replicated_ok = layout.replicated_ok | {yours for yours, ours in vocabulary.items() if ours in layout.replicated_ok}
+    tables = {kind: _renamed(getattr(layout, kind), named[kind]) for kind in RULE_TABLES}
+    replicated_ok = layout.replicated_ok | {yours for names in named.values() for yours, ours in names.items()
+                                            if ours in layout.replicated_ok}
     return Layout(layout.name, layout.description, **tables, replicated_ok=frozenset(replicated_ok))
 
 
@@ -71,7 +95,7 @@ def _renamed(rules: Rules, vocabulary: Mapping[str, str]) -> Rules:
 
 
 def flax_rules(layout: Layout | str, table: str = "params",
-               vocabulary: Mapping[str, str] = STARSCREAM) -> tuple[tuple[str, MeshAxes], ...]:
+               vocabulary: VocabularyLike = STARSCREAM) -> tuple[tuple[str, MeshAxes], ...]:
     """The layout's `table` as the (logical name, mesh axes) pairs Flax's `logical_axis_rules` contexts take, under
     the names of `vocabulary` only (each name once, so Flax's Linen and NNX resolvers read it alike).
 
@@ -82,8 +106,9 @@ def flax_rules(layout: Layout | str, table: str = "params",
         raise ShardingRuleError(f"no rule table {table!r}; choose one of {', '.join(FLAX_TABLES)}")
     layout = get_layout(layout)
     if table != "use":
-        return _pairs(getattr(layout, table), vocabulary)
-    weights, activations = _pairs(layout.weights, vocabulary), _pairs(layout.activations, vocabulary)
+        return _pairs(getattr(layout, table), _for_table(vocabulary, table))
+    weights = _pairs(layout.weights, _for_table(vocabulary, "weights"))
+    activations = _pairs(layout.activations, _for_table(vocabulary, "activations"))
     clashes = sorted(name for name, axes in weights if dict(activations).get(name, axes) != axes)
     if clashes:
         raise ShardingRuleError(f"layout {layout.name} places weights and activations named {clashes} differently, so "

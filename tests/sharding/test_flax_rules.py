@@ -31,7 +31,7 @@ def specs_of(names, layout, mesh):
 @pytest.mark.parametrize("layout", ["starscream_tp", "flat_tp", "starscream_decode"])
 def test_maxtext_names_get_the_placement_of_the_library_names(layout):
     mesh = build_mesh("2x4")
-    library = {key: tuple(MAXTEXT[name] for name in logical) for key, logical in MAXTEXT_NAMES.items()}
+    library = {key: tuple(MAXTEXT.weights[name] for name in logical) for key, logical in MAXTEXT_NAMES.items()}
     assert specs_of(MAXTEXT_NAMES, in_vocabulary(layout, MAXTEXT), mesh) == specs_of(library, layout, mesh)
 
 
