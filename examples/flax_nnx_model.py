@@ -33,6 +33,7 @@ from starscream_jax import (
     weights_at_use,
 )
 
+TOKENS = ("activation_batch", "activation_length")
 RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
 HEADS = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
 HIDDEN = ("activation_batch", "activation_length", "activation_mlp")
@@ -98,12 +99,17 @@ class Transformer(nnx.Module):
         return self.head(self.final_norm(x_BSD), out_sharding=placed(LOGITS, B, S, self.head.out_features))
 
 
-def loss_fn(model: Transformer, tokens_BS: jax.Array) -> jax.Array:
-    """Mean next-token cross entropy (nats), the weights taken as the layout uses them. The one-hot targets are placed
-    like the logits (vocabulary split as the layout splits it), so the loss is computed where the logits live."""
-    logits_BSV = weights_at_use(model)(tokens_BS[:, :-1])
+def next_token_loss(logits_BSV: jax.Array, tokens_BS: jax.Array) -> jax.Array:
+    """Mean cross entropy (nats) of logits [B, S - 1, V] against the next tokens. The one-hot targets are placed like
+    the logits (vocabulary split as the layout splits it), so the loss is computed where the logits live."""
     targets_BSV = constrain(jax.nn.one_hot(tokens_BS[:, 1:], logits_BSV.shape[-1]), LOGITS)
     return jnp.mean(jax.nn.logsumexp(logits_BSV, axis=-1) - jnp.sum(logits_BSV * targets_BSV, axis=-1))
+
+
+def loss_fn(model: Transformer, tokens_BS: jax.Array) -> jax.Array:
+    """The next-token loss of tokens [B, S], the weights taken as the layout uses them (`weights_at_use`)."""
+    tokens_BS = constrain(tokens_BS, TOKENS)
+    return next_token_loss(weights_at_use(model)(tokens_BS[:, :-1]), tokens_BS)
 
 
 def train_step(model: Transformer, optimizer: nnx.Optimizer, tokens_BS: jax.Array) -> jax.Array:

@@ -130,14 +130,19 @@ def weights_at_use(model: nnx.Module) -> nnx.Module:
     """A view of `model` whose named parameters are as a matmul uses them under the active layout (`weight`): a
     layout that stores a weight split inside the GPU gathers it here, and its gradient is reduce-scattered inside the
     GPU before it is summed across GPUs. Call it in the loss function, on the model being differentiated; the
-    original parameters receive the gradients. Identity outside `use_layout`."""
-    if active() is None:
+    original parameters receive the gradients. Identity outside `use_layout`.
+
+    Parameters named by one of the layout's `replicated_ok` names (norm scales) are left as they are: Flax's norms
+    multiply by them elementwise, which a weight typed for the two-stage reduction cannot enter (`apply.scale` is
+    the library's form), so XLA sums their gradients itself, over every token axis at once."""
+    current = active()
+    if current is None:
         return model
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def at_use(path, variable):
         names = logical_names(variable)
-        if names is None:
+        if names is None or current.layout.replicated_ok & set(names):
             return variable
         return variable.replace(weight(variable.get_value(), names, tensor=path_name(path)))
 
