@@ -1,0 +1,67 @@
+"""`check`: a user's own jitted step (Flax NNX layers, MaxText's names) judged as the built-in model is judged."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import optax
+import pytest
+from flax import nnx
+
+import starscream_jax as ss
+from starscream_jax.analysis.compile import compile_step, make_settings
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "flax_nnx_model.py"
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("flax_nnx_model", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["flax_nnx_model"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+example = load_example()
+
+
+def checked(layout_name: str, mesh):
+    layout = ss.in_vocabulary(layout_name, ss.MAXTEXT)
+    model = ss.create_sharded(lambda: example.Transformer(rngs=nnx.Rngs(0)), layout, mesh)
+    with ss.use_layout(layout, mesh):
+        optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+        return ss.check(nnx.jit(example.train_step), model, optimizer, example.batches(0, batch=8, seq=9),
+                        mesh=mesh, vocabulary=ss.MAXTEXT)
+
+
+def verdicts(principles: dict) -> dict[str, bool]:
+    return {name: verdict["ok"] for name, verdict in principles.items()}
+
+
+def test_a_flax_model_gets_the_verdicts_the_built_in_model_gets():
+    mesh = ss.build_mesh("2x4")
+    settings = make_settings("tiny", "train", 8, 32, "flat_tp,starscream_tp,gpu_tp", 2)
+    steps = {name: compile_step(settings, name, mesh) for name in settings.layouts}
+    built_in = {name: verdicts(ss.check_compiled(steps[name].compiled, mesh, reference=steps["gpu_tp"].compiled,
+                                                 args=steps[name].args, replicated_ok={"*norm*"}).principles)
+                for name in ("flat_tp", "starscream_tp")}
+    checks = {name: checked(name, mesh) for name in ("flat_tp", "starscream_tp")}
+    flax_model = {name: verdicts(result.principles) for name, result in checks.items()}
+    assert flax_model["starscream_tp"] == built_in["starscream_tp"] == dict.fromkeys(built_in["starscream_tp"], True)
+    assert not flax_model["flat_tp"]["hierarchical_collectives"] and not built_in["flat_tp"]["hierarchical_collectives"]
+    assert checks["flat_tp"].report.bytes_by_scope()["flat"] > 0 == checks["starscream_tp"].report.bytes_by_scope()[
+        "flat"]
+    table = checks["starscream_tp"].table()
+    assert "step under starscream_tp on mesh data 1 x gpu 2 x xcd 4" in table
+    assert "principles (kernel shapes against gpu_tp)" in table
+    assert "3 hierarchical collectives" in table and "FAIL" not in table
+
+
+def test_a_step_that_is_not_jitted_is_refused():
+    mesh = ss.build_mesh("2x4")
+    with pytest.raises(ss.StarscreamError, match="wrap it with jax.jit or nnx.jit"):
+        ss.check(example.train_step, mesh=mesh, layout="starscream_tp")
+
+
+def test_a_step_without_a_layout_is_refused():
+    with pytest.raises(ss.StarscreamError, match="call it inside use_layout"):
+        ss.check(nnx.jit(example.train_step), mesh=ss.build_mesh("2x4"))
