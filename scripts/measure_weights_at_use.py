@@ -66,8 +66,8 @@ def row(name: str, result) -> str:
     sent = result.report.bytes_by_scope()
     memory = result.report.memory
     verdicts = "/".join("ok" if v["ok"] else "FAIL" for v in result.principles.values())
-    return (f"  {name:<9} intra-GPU {format_bytes(sent['intra_gpu']):>10}  inter-GPU {format_bytes(sent['inter_gpu']):>10}"
-            f"  flat {format_bytes(sent['flat']):>10}  temp {format_bytes(memory.temp_bytes):>10}  "
+    return (f"  {name:<9} intra-GPU {format_bytes(sent['intra_gpu']):>10}  "
+            f"inter-GPU {format_bytes(sent['inter_gpu']):>10}  flat {format_bytes(sent['flat']):>10}  temp {format_bytes(memory.temp_bytes):>10}  "
             f"principles {verdicts}")
 
 

@@ -32,14 +32,17 @@ from .sharding.collectives import (
                                    hierarchical_psum,
                                    reduce_scatter_inside_gpu,
 )
-from .sharding.flax_rules import MAXTEXT, STARSCREAM, flax_rules, in_vocabulary, weights_at_use
+from .sharding.derive import derive
+from .sharding.flax_rules import MAXTEXT, STARSCREAM, Vocabulary, flax_rules, in_vocabulary, weights_at_use
 from .sharding.layouts import LAYOUTS, Layout, get_layout
 
 __all__ = [
-    "AXES", "Check", "activation_spec", "LAYOUTS", "Layout", "MAXTEXT", "PresetError", "STARSCREAM", "StepCheck", "ShardingRuleError", "StarscreamError", "Topology",
-    "TopologyError", "all_gather_inside_gpu", "all_reduce_across_gpus", "build_mesh", "build_topology_mesh",
-    "check", "check_compiled", "constrain", "create_sharded", "einsum", "flax_rules", "get_layout", "hierarchical_all_gather",
-    "hierarchical_all_reduce", "hierarchical_psum", "in_vocabulary", "list_presets", "load_preset", "param", "parse_override",
-    "reduce_scatter_inside_gpu", "shared_input", "simulate_cpu_devices", "use_layout", "weight", "weights_at_use",
+    "AXES", "Check", "LAYOUTS", "Layout", "MAXTEXT", "PresetError", "STARSCREAM", "ShardingRuleError",
+    "StarscreamError", "StepCheck", "Topology", "TopologyError", "Vocabulary", "activation_spec",
+    "all_gather_inside_gpu", "all_reduce_across_gpus", "build_mesh", "build_topology_mesh", "check", "check_compiled",
+    "constrain", "create_sharded", "derive", "einsum", "flax_rules", "get_layout", "hierarchical_all_gather",
+    "hierarchical_all_reduce", "hierarchical_psum", "in_vocabulary", "list_presets", "load_preset", "param",
+    "parse_override", "reduce_scatter_inside_gpu", "shared_input", "simulate_cpu_devices", "use_layout", "weight",
+    "weights_at_use",
 ]
 __version__ = "0.1.0"

@@ -44,20 +44,21 @@ def derive(rules: Layout | str | Mapping[str, Table], mesh, *, decode: bool = Fa
     dict or (logical name, mesh axes) pairs. See the module for the mapping and for what is refused."""
     missing = [axis for axis in AXES if axis not in mesh.shape]
     if missing:
-        raise ShardingRuleError(f"derive places layouts on a mesh with axes {AXES}; this mesh lacks {missing}: build it "
-                                "with build_mesh")
+        raise ShardingRuleError(f"derive places layouts on a mesh with axes {AXES}; this mesh lacks {missing}: "
+                                "build it with build_mesh")
     params, activations = _tables(rules)
     roles = _roles(params, activations)
     if "tensor" in roles and "fsdp" in roles:
-        raise ShardingRuleError("derive: tensor and fsdp both want the gpu axis (one on the weights, one on the batch); "
-                                "derive each alone, or keep fsdp on data")
+        raise ShardingRuleError("derive: tensor and fsdp both want the gpu axis (one on the weights, one on the "
+                                "batch); derive each alone, or keep fsdp on data")
     if decode and "tensor" not in roles:
         raise ShardingRuleError("derive: the decode variant keeps tensor-parallel weights still over GPUs, and these "
                                 "rules have no tensor axis; derive the training layout instead")
     stored = {n: _on_gpus(params.get(n, ()), n, weight=True) for n in WEIGHT_NAMES}
     if stored[STORAGE] not in ((), (XCD,)):
-        raise ShardingRuleError(f"derive: {STORAGE!r} is split over {params[STORAGE]} at the GPU level, which leaves no "
-                                "weight dimension for the partitions of a GPU to split; keep embed unsplit (or on fsdp)")
+        raise ShardingRuleError(f"derive: {STORAGE!r} is split over {params[STORAGE]} at the GPU level, which leaves "
+                                "no weight dimension for the partitions of a GPU to split; keep embed unsplit (or on "
+                                "fsdp)")
     stored[STORAGE] = (XCD,)
     placed = {n: _on_gpus(activations.get(n, ()), n, weight=False) for n in ACTIVATION_NAMES}
     for token_name in TOKENS:
