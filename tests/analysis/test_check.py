@@ -24,13 +24,13 @@ def load_example():
 example = load_example()
 
 
-def checked(layout_name: str, mesh):
+def checked(layout_name: str, mesh, reference="gpu_tp"):
     layout = ss.in_vocabulary(layout_name, ss.MAXTEXT)
     model = ss.create_sharded(lambda: example.Transformer(rngs=nnx.Rngs(0)), layout, mesh)
     with ss.use_layout(layout, mesh):
         optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
         return ss.check(nnx.jit(example.train_step), model, optimizer, example.batches(0, batch=8, seq=9),
-                        mesh=mesh, vocabulary=ss.MAXTEXT)
+                        mesh=mesh, vocabulary=ss.MAXTEXT, reference=reference)
 
 
 def verdicts(principles: dict) -> dict[str, bool]:
@@ -65,3 +65,15 @@ def test_a_step_that_is_not_jitted_is_refused():
 def test_a_step_without_a_layout_is_refused():
     with pytest.raises(ss.StarscreamError, match="call it inside use_layout"):
         ss.check(nnx.jit(example.train_step), mesh=ss.build_mesh("2x4"))
+
+
+def test_with_a_data_axis_only_the_norm_scales_gradient_is_summed_flat():
+    """Flax's RMSNorm multiplies by its scale elementwise, so `weights_at_use` leaves the scales' gradients to XLA,
+    which sums them over data and xcd at once; every other collective stays inside a GPU or across GPUs."""
+    result = checked("starscream_tp", ss.build_mesh("4x2", data=2), reference=None)
+    flat = [c for c in result.report.collectives if c.scope == "flat"]
+    norm_bytes = 5 * 32 * 4  # 2 blocks x 2 norms + the final norm, d_model 32, float32
+    scalar_bytes = 4  # the loss, a mean over every token
+    assert flat and all(c.kind == "all-reduce" for c in flat)
+    assert sum(c.buffer_bytes for c in flat) <= norm_bytes + scalar_bytes
+    assert result.principles["shape_preservation"]["unpaired"] and result.principles["no_redundancy"]["ok"]
