@@ -1,19 +1,23 @@
 """`check(step, *args, mesh=...)`: any user's jitted step compiled under a layout and judged by the three principles.
 
 The step (`jax.jit` or `nnx.jit`) is traced with its arguments (arrays, ShapeDtypeStructs, NNX modules and
-optimizers: nothing runs) under the active layout (`use_layout`, or `layout=`), compiled, read (`report`) and judged
-(`principles`) against the same step traced under `reference` (default gpu_tp: the NNX variables among the arguments
-placed by that layout's params rules, from their logical names, everything else as it was given). Parameters whose
+optimizers, Linen parameters: nothing runs) under the active layout (`use_layout`, or `layout=`), compiled, read
+(`report`) and judged (`principles`) against the same step traced under `reference` (default gpu_tp: the NNX variables
+and Linen parameters among the arguments placed by that layout's params rules, from their logical names, everything
+else as it was given). Arguments holding Linen parameters are traced under Linen's rule context too, with each
+layout's "use" table (`flax_rules`). Parameters whose
 logical names include one of the layout's `replicated_ok` names (norm scales), and their optimizer moments, may be
 replicated over `xcd`. `StepCheck.table()` prints what `starscream inspect` prints for the built-in model: memory,
 bytes by scope, collectives, kernel shapes and the verdicts.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -21,8 +25,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ..errors import StarscreamError
 from ..hardware.axes import XCD
 from ..sharding.apply import active, logical_names, param_shardings, use_layout
-from ..sharding.flax_rules import VocabularyLike, in_vocabulary
+from ..sharding.flax_rules import STARSCREAM, VocabularyLike, flax_rules, in_vocabulary
 from ..sharding.layouts import Layout, get_layout
+from ..sharding.rules import resolve
 from .compile import COMPILER_OPTIONS, REFERENCE
 from .format import clip, format_bytes
 from .principles import Check, check_principles
@@ -55,7 +60,7 @@ def check(step: Callable, *args: Any, mesh: Mesh, layout: Layout | str | None = 
     which each device holds a copy to principle 2.
     """
     layout = _layout_of(layout if vocabulary is None or layout is None else in_vocabulary(layout, vocabulary), mesh)
-    with use_layout(layout, mesh):
+    with _tracing_under(layout, mesh, args, vocabulary):
         traced = _traced(step, args)
         lowered = traced.lower()
         compiled = lowered.compile(compiler_options=COMPILER_OPTIONS)
@@ -65,13 +70,28 @@ def check(step: Callable, *args: Any, mesh: Mesh, layout: Layout | str | None = 
     reference_report = None
     if reference is not None:
         reference = get_layout(reference) if vocabulary is None else in_vocabulary(reference, vocabulary)
-        with use_layout(reference, mesh):
+        with _tracing_under(reference, mesh, args, vocabulary):
             reference_compiled = _traced(step, placed(args, reference, mesh)).lower().compile(
                 compiler_options=COMPILER_OPTIONS)
         reference_report = inspect_compiled(reference_compiled, mesh, gpus_per_node=gpus_per_node)
     allowed = _replicated_ok(args, traced, layout.replicated_ok)
     verdicts = check_principles(report, reference_report, replicated_ok=allowed)
     return StepCheck(report, verdicts, layout.name, None if reference is None else reference.name)
+
+
+@contextlib.contextmanager
+def _tracing_under(layout: Layout, mesh: Mesh, args: tuple, vocabulary: VocabularyLike | None):
+    """`use_layout(layout, mesh)`, and for arguments holding Linen parameters (`nn.with_logical_partitioning`
+    boxes) also Linen's rule context with the layout's "use" table (`flax_rules`)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(use_layout(layout, mesh))
+        if any(isinstance(leaf, nn.LogicallyPartitioned) for leaf in jax.tree.leaves(args, is_leaf=_is_box)):
+            stack.enter_context(nn.logical_axis_rules(flax_rules(layout, "use", vocabulary or STARSCREAM)))
+        yield
+
+
+def _is_box(node) -> bool:
+    return isinstance(node, nn.LogicallyPartitioned)
 
 
 def _layout_of(layout: Layout | str | None, mesh: Mesh) -> Layout:
@@ -97,8 +117,9 @@ def _traced(step: Callable, args: tuple) -> Any:
 
 
 def placed(args: tuple, layout: Layout, mesh: Mesh) -> tuple:
-    """`args` as abstract values: the NNX variables with logical names placed by `layout`'s params rules, every other
-    array as it was given (an array not placed on `mesh` replicated over it)."""
+    """`args` as abstract values: the NNX variables and Linen parameters with logical names placed by `layout`'s
+    params rules, every other array as it was given (an array not placed on `mesh` replicated over it)."""
+    args = jax.tree.map(lambda node: _placed_box(node, layout, mesh) if _is_box(node) else node, args, is_leaf=_is_box)
     graphdef, named, rest = nnx.split(list(args), _named, ...)
     shardings = param_shardings(named, layout, mesh)
 
@@ -115,6 +136,14 @@ def placed(args: tuple, layout: Layout, mesh: Mesh) -> tuple:
     named = jax.tree.map(abstract, named, shardings, is_leaf=is_variable)
     rest = jax.tree.map(abstract, rest, is_leaf=is_variable)
     return tuple(nnx.merge(graphdef, named, rest))
+
+
+def _placed_box(box: nn.LogicallyPartitioned, layout: Layout, mesh: Mesh) -> nn.LogicallyPartitioned:
+    """A Linen parameter's value as a ShapeDtypeStruct placed by `layout`'s params rules for its logical names."""
+    value = box.value
+    spec = resolve(tuple(box.names), tuple(value.shape), layout.params, mesh, f"Linen parameter {tuple(box.names)}",
+                   f"param rules of {layout.name}")
+    return box.replace_boxed(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=NamedSharding(mesh, spec)))
 
 
 def _named(_path, node) -> bool:
