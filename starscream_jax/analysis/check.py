@@ -31,7 +31,7 @@ from ..sharding.rules import resolve
 from .compile import COMPILER_OPTIONS, REFERENCE
 from .format import clip, format_bytes
 from .principles import Check, check_principles
-from .report import MatmulReport, inspect_compiled
+from .report import MatmulReport, Report, inspect_compiled
 
 SHOWN_VIOLATIONS = 3
 LINE_WIDTH = 120
@@ -74,7 +74,8 @@ def check(step: Callable, *args: Any, mesh: Mesh, layout: Layout | str | None = 
             reference_compiled = _traced(step, placed(args, reference, mesh)).lower().compile(
                 compiler_options=COMPILER_OPTIONS)
         reference_report = inspect_compiled(reference_compiled, mesh, gpus_per_node=gpus_per_node)
-    allowed = _replicated_ok(args, traced, layout.replicated_ok)
+    report, named = _named(report, args, traced)
+    allowed = _replicated_ok(args, layout.replicated_ok) if named else set()
     verdicts = check_principles(report, reference_report, replicated_ok=allowed)
     return StepCheck(report, verdicts, layout.name, None if reference is None else reference.name)
 
@@ -157,23 +158,39 @@ def _on_mesh(value, mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def _replicated_ok(args: tuple, traced, names: frozenset[str]) -> Callable[[str], bool]:
-    """Whether an input or output (named as the report names it) may be replicated over xcd: it has the shape of a
-    variable whose logical names include one of `names` and is small enough to be one (any array of a shape no
-    other variable has)."""
-    graphdef, state = nnx.split(list(args))
-    variables = jax.tree.leaves(state, is_leaf=lambda node: isinstance(node, nnx.Variable))
-    allowed, others = set(), set()
-    for variable in variables:
-        if not isinstance(variable, nnx.Variable) or not hasattr(variable.get_value(), "shape"):
-            continue
-        shape = tuple(variable.get_value().shape)
-        (allowed if names & set(logical_names(variable) or ()) else others).add(shape)
-    shapes = {}
-    for prefix, info in (("", traced.args_info), ("output/", traced.out_info)):
-        for path, leaf in jax.tree_util.tree_flatten_with_path(info)[0]:
-            shapes[prefix + jax.tree_util.keystr(path, simple=True, separator="/")] = tuple(leaf.shape)
-    return lambda name: shapes.get(name) in allowed - others
+def _named(report, args: tuple, traced) -> tuple[Report, frozenset[str]]:
+    """`report` with its inputs and outputs named by where they live in `args` ("0/blocks/0/q/kernel": argument 0's
+    variable; "output/1/opt_state/mu/..." its update; "output/result/0" the step's own result), and the names of the
+    variables whose logical names make them `replicated_ok`. Names stay as the program gives them when the program's
+    arguments do not line up with `args` (a step that takes other than NNX objects and arrays)."""
+    _, state = nnx.split(list(args))
+    leaves = [("/".join(str(key) for key in path), leaf) for path, leaf in nnx.to_flat_state(state)]
+    shapes = [tuple(_array(leaf).shape) for _, leaf in leaves]
+    if [tuple(info.shape) for info in jax.tree.leaves(traced.args_info)] != shapes:
+        return report, frozenset()
+    names = [name for name, _ in leaves]
+    outputs = [tuple(info.shape) for info in jax.tree.leaves(traced.out_info)]
+    variables = [i for i, (_, leaf) in enumerate(leaves) if isinstance(leaf, nnx.Variable)]
+    updated = len(variables) if outputs[: len(variables)] == [shapes[i] for i in variables] else 0
+    output_names = ["output/" + names[i] for i in variables[:updated]]
+    output_names += [f"output/result/{i}" for i in range(len(outputs) - updated)]
+    renamed = dataclasses.replace(
+        report, inputs=[dataclasses.replace(entry, name=name) for entry, name in zip(report.inputs, names)],
+        outputs=[dataclasses.replace(entry, name=name) for entry, name in zip(report.outputs, output_names)])
+    return renamed, frozenset(names)
+
+
+def _array(leaf):
+    return leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+
+
+def _replicated_ok(args: tuple, names: frozenset[str]) -> set[str]:
+    """The input and output names (as `_named` gives them) of the variables whose logical names include one of
+    `names` (norm scales, and the optimizer's moments of them)."""
+    _, state = nnx.split(list(args))
+    allowed = {"/".join(str(key) for key in path) for path, leaf in nnx.to_flat_state(state)
+               if isinstance(leaf, nnx.Variable) and names & set(logical_names(leaf) or ())}
+    return allowed | {"output/" + name for name in allowed}
 
 
 def _scope_cells(report) -> dict[str, str]:

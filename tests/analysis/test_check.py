@@ -38,6 +38,8 @@ def test_a_flax_model_under_the_flat_layout_fails_as_the_built_in_model_does():
     result = checked("flat_tp", ss.build_mesh("2x4"), reference=None)
     assert not result.ok and not result.principles["hierarchical_collectives"]["ok"]
     assert result.report.bytes_by_scope()["flat"] > 0
+    names = {entry.name for entry in (*result.report.inputs, *result.report.outputs)}
+    assert {"0/blocks/0/q/kernel", "1/opt_state/0/mu/blocks/0/q/kernel", "output/0/blocks/0/q/kernel"} <= names
     table = result.table()
     assert "step under flat_tp on mesh data 1 x gpu 2 x xcd 4" in table
     assert "3 hierarchical collectives" in table and "hierarchical_collectives: " in table
