@@ -59,3 +59,13 @@ def test_the_derived_layout_passes_the_principles_on_the_built_in_model():
     verdicts = check_principles(report, inspect_compiled(reference.compiled, mesh), replicated_ok={"*norm*"})
     assert all(verdict["ok"] for verdict in verdicts.values()), verdicts
     assert report.bytes_by_scope()["intra_gpu"] > 0
+
+
+def test_context_and_expert_axes_stay_on_gpus_and_the_batch_goes_over_partitions(mesh):
+    rules = {"params": {"experts": "expert"},
+             "activations": {"batch": "data", "attn_batch": "data", "seq": "context", "experts": "expert"}}
+    derived = derive(rules, mesh)
+    assert derived.params.lookup("experts")[1] == ("gpu",) and derived.params.lookup("embed")[1] == ("xcd",)
+    assert derived.weights.lookup("embed")[1] == ()
+    assert derived.activations.lookup("seq")[1] == ("gpu",)
+    assert derived.activations.lookup("batch")[1] == ("data", "xcd")
