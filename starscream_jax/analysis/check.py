@@ -5,10 +5,9 @@ optimizers, Linen parameters: nothing runs) under the active layout (`use_layout
 (`report`) and judged (`principles`) against the same step traced under `reference` (default gpu_tp: the NNX variables
 and Linen parameters among the arguments placed by that layout's params rules, from their logical names, everything
 else as it was given). Arguments holding Linen parameters are traced under Linen's rule context too, with each
-layout's "use" table (`flax_rules`). Parameters whose
-logical names include one of the layout's `replicated_ok` names (norm scales), and their optimizer moments, may be
-replicated over `xcd`. `StepCheck.table()` prints what `starscream inspect` prints for the built-in model: memory,
-bytes by scope, collectives, kernel shapes and the verdicts.
+layout's "use" table (`flax_rules`). Parameters whose logical names include one of the layout's `replicated_ok` names
+(norm scales), and their optimizer moments, may be replicated over `xcd`. `StepCheck.table()` prints what `starscream
+inspect` prints for the built-in model: memory, bytes by scope, collectives, kernel shapes and the verdicts.
 """
 from __future__ import annotations
 
@@ -74,8 +73,8 @@ def check(step: Callable, *args: Any, mesh: Mesh, layout: Layout | str | None = 
             reference_compiled = _traced(step, placed(args, reference, mesh)).lower().compile(
                 compiler_options=COMPILER_OPTIONS)
         reference_report = inspect_compiled(reference_compiled, mesh, gpus_per_node=gpus_per_node)
-    report, named = _named(report, args, traced)
-    allowed = _replicated_ok(args, layout.replicated_ok) if named else set()
+    report, renamed = _with_argument_names(report, args, traced)
+    allowed = _replicated_ok(args, layout.replicated_ok) if renamed else set()
     verdicts = check_principles(report, reference_report, replicated_ok=allowed)
     return StepCheck(report, verdicts, layout.name, None if reference is None else reference.name)
 
@@ -121,7 +120,7 @@ def placed(args: tuple, layout: Layout, mesh: Mesh) -> tuple:
     """`args` as abstract values: the NNX variables and Linen parameters with logical names placed by `layout`'s
     params rules, every other array as it was given (an array not placed on `mesh` replicated over it)."""
     args = jax.tree.map(lambda node: _placed_box(node, layout, mesh) if _is_box(node) else node, args, is_leaf=_is_box)
-    graphdef, named, rest = nnx.split(list(args), _named, ...)
+    graphdef, named, rest = nnx.split(list(args), _has_logical_names, ...)
     shardings = param_shardings(named, layout, mesh)
 
     def abstract(node, sharding=None):
@@ -147,7 +146,7 @@ def _placed_box(box: nn.LogicallyPartitioned, layout: Layout, mesh: Mesh) -> nn.
     return box.replace_boxed(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=NamedSharding(mesh, spec)))
 
 
-def _named(_path, node) -> bool:
+def _has_logical_names(_path, node) -> bool:
     return isinstance(node, nnx.Variable) and logical_names(node) is not None
 
 
@@ -158,16 +157,16 @@ def _on_mesh(value, mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def _named(report, args: tuple, traced) -> tuple[Report, frozenset[str]]:
+def _with_argument_names(report: Report, args: tuple, traced) -> tuple[Report, bool]:
     """`report` with its inputs and outputs named by where they live in `args` ("0/blocks/0/q/kernel": argument 0's
-    variable; "output/1/opt_state/mu/..." its update; "output/result/0" the step's own result), and the names of the
-    variables whose logical names make them `replicated_ok`. Names stay as the program gives them when the program's
-    arguments do not line up with `args` (a step that takes other than NNX objects and arrays)."""
+    variable; "output/1/opt_state/mu/..." its update; "output/result/0" the step's own result), and whether it was
+    renamed: names stay as the program gives them when its arguments do not line up with `args` (a step that takes
+    other than NNX objects and arrays)."""
     _, state = nnx.split(list(args))
     leaves = [("/".join(str(key) for key in path), leaf) for path, leaf in nnx.to_flat_state(state)]
     shapes = [tuple(_array(leaf).shape) for _, leaf in leaves]
     if [tuple(info.shape) for info in jax.tree.leaves(traced.args_info)] != shapes:
-        return report, frozenset()
+        return report, False
     names = [name for name, _ in leaves]
     outputs = [tuple(info.shape) for info in jax.tree.leaves(traced.out_info)]
     variables = [i for i, (_, leaf) in enumerate(leaves) if isinstance(leaf, nnx.Variable)]
@@ -177,7 +176,7 @@ def _named(report, args: tuple, traced) -> tuple[Report, frozenset[str]]:
     renamed = dataclasses.replace(
         report, inputs=[dataclasses.replace(entry, name=name) for entry, name in zip(report.inputs, names)],
         outputs=[dataclasses.replace(entry, name=name) for entry, name in zip(report.outputs, output_names)])
-    return renamed, frozenset(names)
+    return renamed, True
 
 
 def _array(leaf):
@@ -185,8 +184,8 @@ def _array(leaf):
 
 
 def _replicated_ok(args: tuple, names: frozenset[str]) -> set[str]:
-    """The input and output names (as `_named` gives them) of the variables whose logical names include one of
-    `names` (norm scales, and the optimizer's moments of them)."""
+    """The input and output names (as `_with_argument_names` gives them) of the variables whose logical names include
+    one of `names` (norm scales, and the optimizer's moments of them)."""
     _, state = nnx.split(list(args))
     allowed = {"/".join(str(key) for key in path) for path, leaf in nnx.to_flat_state(state)
                if isinstance(leaf, nnx.Variable) and names & set(logical_names(leaf) or ())}
@@ -201,8 +200,9 @@ def _scope_cells(report) -> dict[str, str]:
 
 
 def _kernel(matmul: MatmulReport) -> str:
-    return f"{matmul.op_name.split('/')[-2] if '/' in matmul.op_name else matmul.name}: " \
-           f"{matmul.batch}x{matmul.m}x{matmul.k}x{matmul.n}"
+    """"op: batch x M x K x N", the op read from the matmul's op_name (its scope just above the primitive)."""
+    op = matmul.op_name.split("/")[-2] if "/" in matmul.op_name else matmul.name
+    return f"{op}: {matmul.batch}x{matmul.m}x{matmul.k}x{matmul.n}"
 
 
 def format_check(result: StepCheck) -> str:
