@@ -4,8 +4,9 @@ The transformer of examples/flax_nnx_model.py (Flax's own layers, MaxText's name
 twice on each mesh, from the same sharded model and optimizer: once with the loss taking the weights through
 `weights_at_use` (the gather inside the GPU and the two-stage gradient reduction), once with the model called as it
 is (the rules alone: the parameters stored as the layout stores them, JAX's sharding propagation choosing how to use
-them and how to reduce their gradients). For each it prints `check`'s figures: memory per device, collective bytes
-per device by scope, and the three verdicts; then the ratios of the plain program's bytes to the gathered one's.
+them and how to reduce their gradients). For each it prints `check`'s figures: compiled temporaries per device,
+collective bytes per device inside GPUs and over inter-GPU links (flat collectives included, as `starscream inspect`
+counts them), and the three verdicts; then the ratios of the plain program's bytes to the gathered one's.
 
     python scripts/measure_weights_at_use.py [--d-model 512 --d-ff 2048 --heads 8 --layers 2 --batch 16 --seq 256]
 """
@@ -62,12 +63,21 @@ def measure(example, mesh_name: str, args) -> dict:
     return results
 
 
-def row(name: str, result) -> str:
+def link_bytes(result) -> dict[str, float]:
+    """Bytes per device per step as `starscream inspect` counts them: inter-GPU includes the flat collectives' (a flat
+    ring passes every byte over inter-GPU links)."""
     sent = result.report.bytes_by_scope()
+    return {"intra_gpu": sent["intra_gpu"], "inter_gpu": sent["inter_gpu"] + sent["inter_node"] + sent["flat"],
+            "flat": sent["flat"]}
+
+
+def row(name: str, result) -> str:
+    sent = link_bytes(result)
     memory = result.report.memory
     verdicts = "/".join("ok" if v["ok"] else "FAIL" for v in result.principles.values())
     return (f"  {name:<9} intra-GPU {format_bytes(sent['intra_gpu']):>10}  "
-            f"inter-GPU {format_bytes(sent['inter_gpu']):>10}  flat {format_bytes(sent['flat']):>10}  temp {format_bytes(memory.temp_bytes):>10}  "
+            f"inter-GPU {format_bytes(sent['inter_gpu']):>10}  of which flat {format_bytes(sent['flat']):>10}  "
+            f"temp {format_bytes(memory.temp_bytes):>10}  "
             f"principles {verdicts}")
 
 
@@ -89,7 +99,7 @@ def main() -> None:
         print(f"mesh {mesh_name} (data x gpu x xcd), train step, collective bytes per device per step:")
         for name, result in results.items():
             print(row(name, result))
-        gathered, plain = (results[n].report.bytes_by_scope() for n in ("gathered", "plain"))
+        gathered, plain = (link_bytes(results[n]) for n in ("gathered", "plain"))
         for scope in ("intra_gpu", "inter_gpu", "flat"):
             if gathered[scope]:
                 print(f"  plain / gathered, {scope}: {plain[scope] / gathered[scope]:.2f}x")
