@@ -7,8 +7,8 @@ are placed by name through the `out_sharding` argument Flax's layers take (`acti
 layout. Nothing else in the model knows about sharding: `nnx.Embed`, `nnx.RMSNorm`, `nnx.Einsum`,
 `nnx.Linear` and `nnx.dot_product_attention` as Flax ships them.
 
-What the layout adds is three lines in `main`: the layout in MaxText's names (`in_vocabulary`), the model created
-already sharded (`create_sharded`), and, in the loss, `weights_at_use(model)`, which gathers each weight inside the GPU
+What the layout adds is three lines: in `main`, the layout in MaxText's names (`in_vocabulary`) and the model created
+already sharded (`create_sharded`); in the loss, `weights_at_use(model)`, which gathers each weight inside the GPU
 as Flax's layers read it and reduces its gradient in two stages (see README, "Your own Flax model").
 
     python examples/flax_nnx_model.py        # trains a few steps on 2 simulated GPUs x 4 partitions, then checks
