@@ -11,10 +11,10 @@ import json
 from pathlib import Path
 
 from ..analysis.compile import PHASES, Settings, make_settings
-from ..analysis.format import clip, format_bytes, format_seconds
 from ..analysis.layout_report import PRINCIPLES, inspect_layouts
 from ..errors import StarscreamError
 from .arguments import add_mesh_arguments, mesh_from_args, prepare_simulation
+from .format import clip, format_bytes, format_seconds
 
 DEFAULT_LAYOUTS = {"train": "flat_tp,starscream_tp", "prefill": "flat_tp,starscream_tp",
                    "decode": "flat_tp,starscream_decode"}

@@ -6,12 +6,12 @@ import argparse
 import json
 
 from ..analysis.compile import PHASES, make_settings
-from ..analysis.format import clip, format_bytes, format_seconds
 from ..analysis.layout_report import PRINCIPLES
 from ..analysis.plan import REMAT, plan_phase
 from ..errors import StarscreamError
 from ..sharding.layouts import LAYOUTS
 from .arguments import add_mesh_arguments, mesh_from_args, prepare_simulation
+from .format import clip, format_bytes, format_seconds
 from .inspect import DEFAULT_GPUS, DEFAULT_LAYERS, DEFAULT_MODEL, DEFAULT_PRESET
 
 REASON_WIDTH = 100

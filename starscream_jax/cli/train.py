@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ..analysis.format import format_bytes
 from ..analysis.report import SCOPES, inspect_compiled
 from ..hardware.distributed import is_main_process
 from ..sharding.layouts import LAYOUTS
 from ..training.config import TrainConfig
 from ..training.loop import train
 from .arguments import add_distributed_arguments, add_mesh_arguments, initialize_from_args, mesh_from_args
+from .format import format_bytes
 
 DEFAULT_PRESET = "mi300x-qpx-nps1"
 DEFAULT_GPUS = 2
