@@ -211,7 +211,6 @@ def param(value: jax.Array, names: LogicalNames) -> nnx.Param:
 
 
 def path_name(path) -> str:
-    """A pytree path as "layers/wq"."""
     return "/".join(str(getattr(p, "key", p)) for p in path)
 
 
