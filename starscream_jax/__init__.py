@@ -9,11 +9,15 @@ The public API, in the order data flows through it:
                   `shared_input` (one input of several matmuls, its gradient summed once), `create_sharded`
                   (a module created already sharded);
   collectives     hierarchical collectives for per-device code inside `jax.shard_map`;
-  the proof       `check_compiled`: the three principles judged on a compiled program;
+  Flax models     `in_vocabulary` (a layout under your logical names, `MAXTEXT`'s or a dict), `flax_rules` (a
+                  rule table for Flax's `logical_axis_rules`), `weights_at_use` (Flax layers' weights gathered at
+                  use), `derive` (the partition-aware layout of a GPU-level rule table);
+  the proof       `check`: any jitted step judged by the three principles; `check_compiled`: a compiled program;
   checkpoints     `load_hf_model` (a Hugging Face model directory read straight into a layout's shards),
                   `export_hf_model`, `model_config_from_hf`.
 Outside `use_layout` every annotation is the identity, so an annotated model also runs unsharded.
 """
+from .analysis.check import StepCheck, check
 from .analysis.principles import Check, check_compiled
 from .errors import CheckpointError, PresetError, ShardingRuleError, StarscreamError, TopologyError
 from .hardware.axes import AXES
@@ -23,7 +27,7 @@ from .hardware.simulation import simulate_cpu_devices
 from .hardware.topology import Topology, parse_override
 from .model.hf_checkpoint import export_hf_model, load_hf_model
 from .model.hf_config import model_config_from_hf
-from .sharding.apply import constrain, create_sharded, einsum, param, shared_input, use_layout, weight
+from .sharding.apply import activation_spec, constrain, create_sharded, einsum, param, shared_input, use_layout, weight
 from .sharding.collectives import (
                                    all_gather_inside_gpu,
                                    all_reduce_across_gpus,
@@ -32,14 +36,17 @@ from .sharding.collectives import (
                                    hierarchical_psum,
                                    reduce_scatter_inside_gpu,
 )
+from .sharding.derive import derive
+from .sharding.flax_rules import MAXTEXT, STARSCREAM, Vocabulary, flax_rules, in_vocabulary, weights_at_use
 from .sharding.layouts import LAYOUTS, Layout, get_layout
 
 __all__ = [
-    "AXES", "Check", "CheckpointError", "LAYOUTS", "Layout", "PresetError", "ShardingRuleError", "StarscreamError",
-    "Topology", "TopologyError", "all_gather_inside_gpu", "all_reduce_across_gpus", "build_mesh",
-    "build_topology_mesh", "check_compiled", "constrain", "create_sharded", "einsum", "export_hf_model", "get_layout",
-    "hierarchical_all_gather", "hierarchical_all_reduce", "hierarchical_psum", "list_presets", "load_hf_model",
-    "load_preset", "model_config_from_hf", "param", "parse_override", "reduce_scatter_inside_gpu", "shared_input",
-    "simulate_cpu_devices", "use_layout", "weight",
+    "AXES", "Check", "CheckpointError", "LAYOUTS", "Layout", "MAXTEXT", "PresetError", "STARSCREAM",
+    "ShardingRuleError", "StarscreamError", "StepCheck", "Topology", "TopologyError", "Vocabulary",
+    "activation_spec", "all_gather_inside_gpu", "all_reduce_across_gpus", "build_mesh", "build_topology_mesh",
+    "check", "check_compiled", "constrain", "create_sharded", "derive", "einsum", "export_hf_model", "flax_rules",
+    "get_layout", "hierarchical_all_gather", "hierarchical_all_reduce", "hierarchical_psum", "in_vocabulary",
+    "list_presets", "load_hf_model", "load_preset", "model_config_from_hf", "param", "parse_override",
+    "reduce_scatter_inside_gpu", "shared_input", "simulate_cpu_devices", "use_layout", "weight", "weights_at_use",
 ]
 __version__ = "0.1.0"

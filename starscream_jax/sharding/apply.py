@@ -23,6 +23,8 @@ from .layouts import Layout, get_layout
 from .rules import LogicalNames, resolve
 
 LOGICAL_AXES = "logical_axes"
+FLAX_METADATA = "out_sharding"
+"""Where Flax NNX keeps a variable's logical names (`nnx.with_partitioning`, a layer's `kernel_metadata`)."""
 
 
 @dataclass(frozen=True)
@@ -218,23 +220,35 @@ def path_name(path) -> str:
     return "/".join(str(getattr(p, "key", p)) for p in path)
 
 
+def logical_names(variable) -> LogicalNames | None:
+    """A variable's logical names: this library's `logical_axes` metadata, else Flax's `out_sharding`; None for an
+    unnamed variable (or a plain array)."""
+    if not hasattr(variable, "get_metadata"):
+        return None
+    names = variable.get_metadata(LOGICAL_AXES, None)
+    if names is None:
+        names = variable.get_metadata(FLAX_METADATA, None)
+    return None if names is None else tuple(names)
+
+
 def param_specs(state: nnx.State, layout: Layout | str, mesh) -> nnx.State:
     """PartitionSpec of every variable in `state` under the layout's `params` rules (optimizer state included).
 
+    Logical names are read from `logical_axes` (`param`) or Flax's `out_sharding` metadata (`logical_names`).
     Variables without logical names are scalars (step counters); anything else unnamed is an error, because an
     unnamed tensor would be silently replicated.
     """
     layout = get_layout(layout)
 
     def spec_of(path, variable):
-        names = variable.get_metadata(LOGICAL_AXES, None) if hasattr(variable, "get_metadata") else None
+        names = logical_names(variable)
         shape = getattr(variable, "shape", None) or jnp.shape(variable.get_value() if hasattr(variable, "get_value")
                                                               else variable)
         if names is None:
             if len(shape) == 0:
                 return PartitionSpec()
             raise ShardingRuleError(f"{path_name(path)} {tuple(shape)} has no logical axis names; create it with "
-                                    f"starscream_jax.param(value, names)")
+                                    f"starscream_jax.param(value, names) or nnx.with_partitioning(init, names)")
         return resolve(names, tuple(shape), layout.params, mesh, path_name(path), f"param rules of {layout.name}")
 
     return jax.tree.map_with_path(spec_of, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -250,14 +264,15 @@ def create_sharded(factory, layout: Layout | str, mesh):
     """Builds the module `factory()` with every parameter created already sharded by the layout's params rules.
 
     The full model is never materialised on one device: parameters are initialised inside jit with those output
-    shardings. `factory` takes no arguments (close over config and rngs seed).
+    shardings. `factory` takes no arguments (close over config and rngs seed). Flax's own placement of variables
+    with `out_sharding` metadata as they are created is turned off here: the layout places them.
     """
-    abstract = nnx.eval_shape(factory)
-    graphdef, abstract_state = nnx.split(abstract)
-    shardings = param_shardings(abstract_state, layout, mesh)
-
-    with jax.set_mesh(mesh):
-        state = jax.jit(lambda: nnx.state(factory()), out_shardings=shardings)()
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(factory)
+        graphdef, abstract_state = nnx.split(abstract)
+        shardings = param_shardings(abstract_state, layout, mesh)
+        with jax.set_mesh(mesh):
+            state = jax.jit(lambda: nnx.state(factory()), out_shardings=shardings)()
     return nnx.merge(graphdef, state)
 
 

@@ -69,7 +69,8 @@ def test_an_unnamed_parameter_is_an_error_not_a_silent_replica():
             self.w = nnx.Param(jnp.ones((4, 8)))
 
     with pytest.raises(ShardingRuleError, match=r"^w \(4, 8\) has no logical axis names; create it with "
-                                                r"starscream_jax.param\(value, names\)$"):
+                                                r"starscream_jax.param\(value, names\) or "
+                                                r"nnx.with_partitioning\(init, names\)$"):
         param_specs(nnx.state(Unnamed()), "gpu_tp", ABSTRACT_2x4)
 
 

@@ -1,0 +1,150 @@
+"""Layouts for models written with Flax's own layers and logical-axis annotations.
+
+A Flax model names its dimensions in its own vocabulary: NNX variables carry logical names in their `out_sharding`
+metadata (`nnx.with_partitioning(init, ("embed", "mlp"))`, or a layer's `kernel_metadata`), Linen parameters in
+`nn.with_logical_partitioning`, activations in `nn.with_logical_constraint`. A vocabulary maps those names to this
+library's (`embed`, `mlp`, `heads`, `kv_heads`, `head_dim`, `vocab`, `norm`, `layers`, `experts`, `batch`,
+`attn_batch`, `seq`): `STARSCREAM` is the identity, `MAXTEXT` MaxText's names (`activation_batch`,
+`activation_length`, `activation_embed`, `kv`, `exp`, ...), any dict {your name: library name} is a vocabulary, and a
+`Vocabulary` maps weights' and activations' names apart.
+
+  `in_vocabulary(layout, vocabulary)`  the layout with every rule also under your names (yours first), so that
+                                       `create_sharded`, `use_layout`, `constrain` and `weight` read your names;
+  `flax_rules(layout, table, vocabulary)`  a rule table as the (name, mesh axes) pairs `nnx.logical_axis_rules` and
+                                       `nn.logical_axis_rules` take: "params" (at rest), "weights" (at use),
+                                       "activations", or "use" (weights and activations together, for Linen's
+                                       apply, where parameters are constrained to their rule as they are read);
+  `weights_at_use(model)`              the model with every named parameter as a matmul uses it (`apply.weight`):
+                                       gathered inside the GPU and its gradient reduced in two stages. Flax's layers
+                                       read their kernels themselves and never call `weight`; this one call in the
+                                       loss function gives them what `weight` gives this library's layers.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import jax
+from flax import nnx
+
+from ..errors import ShardingRuleError
+from ..hardware.axes import MeshAxes
+from .apply import active, logical_names, path_name, weight
+from .layouts import ACTIVATION_NAMES, RULE_TABLES, WEIGHT_NAMES, Layout, get_layout
+from .rules import Rules
+
+STARSCREAM: dict[str, str] = {name: name for name in dict.fromkeys((*WEIGHT_NAMES, *ACTIVATION_NAMES))}
+"""This library's own names."""
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """A model's logical names mapped to the library's, separately for weights (the params and weights tables) and
+    activations, for a vocabulary that names a dimension differently in each (MaxText's `embed` and
+    `activation_embed`). A plain dict {your name: library name} serves every table."""
+
+    weights: Mapping[str, str]
+    activations: Mapping[str, str]
+
+
+MAXTEXT = Vocabulary(
+    weights={"layers": "layers", "embed": "embed", "mlp": "mlp", "heads": "heads", "q_heads": "heads",
+             "kv_heads": "kv_heads", "kv": "head_dim", "kv_head_dim": "head_dim", "vocab": "vocab", "norm": "norm",
+             "exp": "experts"},
+    activations={"activation_batch": "batch", "activation_embed_and_logits_batch": "batch",
+                 "activation_kv_batch": "attn_batch", "activation_length": "seq", "activation_q_length": "seq",
+                 "activation_kv_length": "seq", "activation_embed": "embed", "activation_mlp": "mlp",
+                 "activation_heads": "heads", "activation_kv_heads": "kv_heads", "activation_kv": "head_dim",
+                 "activation_kv_head_dim": "head_dim", "activation_vocab": "vocab", "activation_exp": "experts"},
+)
+"""MaxText's logical names (its base.yml `logical_axis_rules`), mapped to this library's."""
+VocabularyLike = Vocabulary | Mapping[str, str]
+
+
+def _for_table(vocabulary: VocabularyLike, table: str) -> Mapping[str, str]:
+    """The part of `vocabulary` that names the dimensions of `table`'s tensors."""
+    if not isinstance(vocabulary, Vocabulary):
+        return vocabulary
+    return vocabulary.activations if table == "activations" else vocabulary.weights
+
+
+FLAX_TABLES = (*RULE_TABLES, "use")
+
+
+def in_vocabulary(layout: Layout | str, vocabulary: VocabularyLike = STARSCREAM) -> Layout:
+    """`layout` whose rule tables also answer to the names of `vocabulary` ({your name: library name}): each of your
+    names gets the rule of the library name it maps to, ahead of the library's own rules (yours win where a name is
+    both). A name mapped to a name no layout knows is an error."""
+    layout = get_layout(layout)
+    named = {kind: _for_table(vocabulary, kind) for kind in RULE_TABLES}
+    unknown = sorted({f"{yours} -> {ours}" for names in named.values() for yours, ours in names.items()
+                      if ours not in STARSCREAM})
+    if unknown:
+        raise ShardingRuleError(f"vocabulary maps to names no layout knows: {', '.join(unknown)}; map each name to "
+                                f"one of {', '.join(STARSCREAM)}")
+    tables = {kind: _renamed(getattr(layout, kind), named[kind]) for kind in RULE_TABLES}
+    replicated_ok = layout.replicated_ok | {yours for names in named.values() for yours, ours in names.items()
+                                            if ours in layout.replicated_ok}
+    return Layout(layout.name, layout.description, **tables, replicated_ok=frozenset(replicated_ok))
+
+
+def _renamed(rules: Rules, vocabulary: Mapping[str, str]) -> Rules:
+    yours = tuple((name, rules.lookup(ours)[1] or None) for name, ours in vocabulary.items()
+                  if rules.lookup(ours)[0] and name != ours)
+    may_replicate = {name for name, ours in vocabulary.items() if ours in rules.may_replicate}
+    return Rules(yours + rules.table, rules.may_replicate | frozenset(may_replicate))
+
+
+def flax_rules(layout: Layout | str, table: str = "params",
+               vocabulary: VocabularyLike = STARSCREAM) -> tuple[tuple[str, MeshAxes], ...]:
+    """The layout's `table` as the (logical name, mesh axes) pairs Flax's `logical_axis_rules` contexts take, under
+    the names of `vocabulary` only (each name once, so Flax's Linen and NNX resolvers read it alike).
+
+    "use" is the weights table and the activations table together, for Linen's apply (it constrains each parameter
+    to its rule as a module reads it, so the weights are gathered at use); a name the two tables place differently
+    is an error there: give weights and activations distinct names (as MaxText's `activation_*` do)."""
+    if table not in FLAX_TABLES:
+        raise ShardingRuleError(f"no rule table {table!r}; choose one of {', '.join(FLAX_TABLES)}")
+    layout = get_layout(layout)
+    if table != "use":
+        return _pairs(getattr(layout, table), _for_table(vocabulary, table))
+    weights = _pairs(layout.weights, _for_table(vocabulary, "weights"))
+    activations = _pairs(layout.activations, _for_table(vocabulary, "activations"))
+    clashes = sorted(name for name, axes in weights if dict(activations).get(name, axes) != axes)
+    if clashes:
+        raise ShardingRuleError(f"layout {layout.name} places weights and activations named {clashes} differently, so "
+                                "one Flax rule table cannot hold both; use a vocabulary whose activation names differ "
+                                "from its weight names (MAXTEXT) or the 'weights' and 'activations' tables apart")
+    return tuple(dict([*activations, *weights]).items())
+
+
+def _pairs(rules: Rules, vocabulary: Mapping[str, str]) -> tuple[tuple[str, MeshAxes], ...]:
+    pairs = []
+    for name, ours in vocabulary.items():
+        found, axes = rules.lookup(ours)
+        if found:
+            pairs.append((name, None if not axes else axes[0] if len(axes) == 1 else axes))
+    return tuple(pairs)
+
+
+def weights_at_use(model: nnx.Module) -> nnx.Module:
+    """A view of `model` whose named parameters are as a matmul uses them under the active layout (`weight`): a
+    layout that stores a weight split inside the GPU gathers it here, and its gradient is reduce-scattered inside the
+    GPU before it is summed across GPUs. Call it in the loss function, on the model being differentiated; the
+    original parameters receive the gradients. Identity outside `use_layout`.
+
+    Parameters named by one of the layout's `replicated_ok` names (norm scales) are left as they are: Flax's norms
+    multiply by them elementwise, which a weight typed for the two-stage reduction cannot enter (`apply.scale` is
+    the library's form), so XLA sums their gradients itself, over every token axis at once."""
+    current = active()
+    if current is None:
+        return model
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def at_use(path, variable):
+        names = logical_names(variable)
+        if names is None or current.layout.replicated_ok & set(names):
+            return variable
+        return variable.replace(weight(variable.get_value(), names, tensor=path_name(path)))
+
+    used = jax.tree.map_with_path(at_use, params, is_leaf=lambda node: isinstance(node, nnx.Variable))
+    return nnx.merge(graphdef, used, rest)

@@ -1,0 +1,64 @@
+"""Layouts for Flax models: a model in MaxText's names is placed as one in the library's names, Flax's own resolver
+reads the exported rule tables alike, and a table Flax cannot hold is refused."""
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from starscream_jax.errors import ShardingRuleError
+from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.sharding.apply import param_specs
+from starscream_jax.sharding.flax_rules import MAXTEXT, STARSCREAM, flax_rules, in_vocabulary
+
+MAXTEXT_NAMES = {"q": ("embed", "heads", "kv"), "o": ("heads", "kv", "embed"), "up": ("embed", "mlp"),
+                 "table": ("vocab", "embed"), "scale": ("norm",)}
+SHAPES = {"q": (32, 8, 4), "o": (8, 4, 32), "up": (32, 64), "table": (64, 32), "scale": (32,)}
+
+
+class Named(nnx.Module):
+    """One Flax-annotated variable per entry of `names` (logical names in `out_sharding` metadata)."""
+
+    def __init__(self, names: dict):
+        for key, logical in names.items():
+            setattr(self, key, nnx.Param(nnx.initializers.zeros_init()(None, SHAPES[key]), out_sharding=logical))
+
+
+def specs_of(names, layout, mesh):
+    with nnx.use_eager_sharding(False):
+        state = nnx.state(nnx.eval_shape(lambda: Named(names)))
+    return dict(param_specs(state, layout, mesh).items())
+
+
+@pytest.mark.parametrize("layout", ["starscream_tp", "flat_tp", "starscream_decode"])
+def test_maxtext_names_get_the_placement_of_the_library_names(layout):
+    mesh = build_mesh("2x4")
+    library = {key: tuple(MAXTEXT.weights[name] for name in logical) for key, logical in MAXTEXT_NAMES.items()}
+    assert specs_of(MAXTEXT_NAMES, in_vocabulary(layout, MAXTEXT), mesh) == specs_of(library, layout, mesh)
+
+
+def test_flax_resolves_the_exported_params_table_as_the_layout_does():
+    mesh = build_mesh("2x4")
+    with nnx.use_eager_sharding(False):
+        state = nnx.state(nnx.eval_shape(lambda: Named(MAXTEXT_NAMES)))
+    with nnx.logical_axis_rules(flax_rules("starscream_tp", "params", MAXTEXT)):
+        flax_specs = {key: variable.get_value() for key, variable in nnx.get_partition_spec(state).items()}
+    ours = dict(param_specs(state, in_vocabulary("starscream_tp", MAXTEXT), mesh).items())
+    assert flax_specs == ours
+    assert ours["q"] == PartitionSpec("xcd", "gpu", None)
+
+
+def test_every_exported_name_appears_once():
+    for table in ("params", "weights", "activations", "use"):
+        names = [name for name, _ in flax_rules("starscream_tp", table, MAXTEXT)]
+        assert len(names) == len(set(names)) > 0
+
+
+def test_a_use_table_that_would_place_one_name_two_ways_is_refused():
+    layout = in_vocabulary("starscream_tp").with_rules(activations={"embed": "xcd"})
+    with pytest.raises(ShardingRuleError, match=r"places weights and activations named \['embed'\] differently"):
+        flax_rules(layout, "use", STARSCREAM)
+    assert dict(flax_rules(layout, "use", MAXTEXT))["activation_embed"] == "xcd"
+
+
+def test_a_vocabulary_naming_an_unknown_library_name_is_refused():
+    with pytest.raises(ShardingRuleError, match="model_dim -> hidden"):
+        in_vocabulary("starscream_tp", {"model_dim": "hidden"})
