@@ -77,6 +77,17 @@ def expert_outputs(h_TD, gates_TK, experts_TK, w_gate_XDF, w_up_XDF, w_down_XFD,
     return jnp.einsum("tkd,tk->td", unsorted_TKD, gates_TK.astype(unsorted_TKD.dtype))
 
 
+def dense_experts(h_TD, gates_TK, experts_TK, w_gate_XDF, w_up_XDF, w_down_XFD) -> jax.Array:
+    """[T, D]: the same sum as `expert_outputs`, computed densely (every expert on every token, weighted by its
+    gate, 0 where not chosen): X / k times the routed FLOPs. The reference the routed block is tested and measured
+    against."""
+    gates_TX = jnp.sum(jax.nn.one_hot(experts_TK, w_gate_XDF.shape[0], dtype=jnp.float32) * gates_TK[..., None], 1)
+    gate_TXF = jnp.einsum("td,xdf->txf", h_TD, w_gate_XDF)
+    up_TXF = jnp.einsum("td,xdf->txf", h_TD, w_up_XDF)
+    hidden_TXF = jax.nn.silu(gate_TXF) * up_TXF * gates_TX.astype(h_TD.dtype)[..., None]
+    return jnp.einsum("txf,xfd->td", hidden_TXF, w_down_XFD)
+
+
 def load_balance(experts_TK: jax.Array, probabilities_TX: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(assignments per expert [X], summed router probability per expert [X]) of these tokens, float32."""
     counts_X = jnp.zeros(probabilities_TX.shape[-1:], jnp.float32).at[experts_TK.reshape(-1)].add(1.0)
