@@ -51,7 +51,8 @@ The layouts (X partitions per GPU, Y GPUs):
   flat_ep            the chiplet-oblivious expert parallelism: experts over every partition (gpu, xcd), attention
                      as flat_tp, tokens whole on every device; the combine is one all-reduce over all partitions.
                      Experts that do not divide over every partition go over the longest leading part of (gpu, xcd)
-                     that divides them, their hidden dimension over the rest.
+                     that divides them, their hidden dimension over the rest; so do query heads (Mixtral's and
+                     Qwen3's 32 over 64 partitions: over the GPUs, each copied on every partition of its GPU).
 Layouts that split the sequence (the _cp pair) run attention without a KV cache only (`Layout.splits_sequence`).
 Every layout maps `data` to the batch (pure data parallelism across GPU groups or nodes).
 """
@@ -108,13 +109,15 @@ MAY_REPLICATE = frozenset({"kv_heads", "experts", "expert_mlp"})
 dimension of the tensor took them: kv heads fewer than the devices, experts fewer than the GPUs."""
 
 
-def _rules(names: tuple[str, ...], mapping: dict[str, MeshAxes]) -> Rules:
-    return Rules(tuple((n, mapping.get(n)) for n in names), may_replicate=MAY_REPLICATE)
+def _rules(names: tuple[str, ...], mapping: dict[str, MeshAxes], may_replicate: frozenset[str]) -> Rules:
+    return Rules(tuple((n, mapping.get(n)) for n in names), may_replicate=may_replicate)
 
 
-def _layout(name: str, description: str, params: dict, activations: dict, weights: dict | None = None) -> Layout:
-    return Layout(name, description, _rules(WEIGHT_NAMES, params),
-                  _rules(WEIGHT_NAMES, {**params, **(weights or {})}), _rules(ACTIVATION_NAMES, activations))
+def _layout(name: str, description: str, params: dict, activations: dict, weights: dict | None = None,
+            may_replicate: frozenset[str] = MAY_REPLICATE) -> Layout:
+    return Layout(name, description, _rules(WEIGHT_NAMES, params, may_replicate),
+                  _rules(WEIGHT_NAMES, {**params, **(weights or {})}, may_replicate),
+                  _rules(ACTIVATION_NAMES, activations, may_replicate))
 
 
 FLAT = (GPU, XCD)
@@ -154,7 +157,8 @@ LAYOUTS: dict[str, Layout] = {
                 activations={"batch": (DATA, XCD), "attn_batch": (DATA, XCD), **_TP_WEIGHTS(GPU)}),
         _layout("flat_ep", "experts over every partition, attention as flat_tp (the chiplet-oblivious baseline)",
                 params={**_TP_WEIGHTS(FLAT), "experts": FLAT},
-                activations={"batch": DATA, "attn_batch": DATA, **_TP_WEIGHTS(FLAT)}),
+                activations={"batch": DATA, "attn_batch": DATA, **_TP_WEIGHTS(FLAT)},
+                may_replicate=MAY_REPLICATE | {"heads"}),
     )
 }
 
