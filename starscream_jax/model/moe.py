@@ -166,9 +166,9 @@ def _per_device(c: ModelConfig, placement: _Placement, h_BSD, router_DX, weights
         weights[name] = hierarchical_all_gather(weights[name], axes, EMBED_DIM[name])
     batch, seq, d_model = h_BSD.shape
     h_TD = h_BSD.reshape(batch * seq, d_model)
-    if placement.combine:  # typed as differing over the experts' axes before any use, so its gradient sums there
-        h_TD = jax.lax.pcast(h_TD, placement.combine, to="varying")
     gates_TK, experts_TK, probabilities_TX = route(h_TD, router_DX, c.experts_per_token, c.normalize_gates)
+    if placement.combine:  # typed as differing over the experts' axes before the experts use it: its gradient sums
+        h_TD = jax.lax.pcast(h_TD, placement.combine, to="varying")  # there (the gather by expert would not say so)
     first_expert = jax.lax.axis_index(placement.experts) * weights["w_gate"].shape[0] if placement.experts else 0
     out_TD = expert_outputs(h_TD, gates_TK, experts_TK, weights["w_gate"], weights["w_up"], weights["w_down"],
                             first_expert)
