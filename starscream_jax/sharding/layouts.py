@@ -162,6 +162,9 @@ LAYOUTS: dict[str, Layout] = {
     )
 }
 
+EXPERT_LAYOUTS = ("starscream_ep", "flat_ep")
+"""The layouts made for a mixture of experts (a dense model they place as starscream_tp and flat_tp do)."""
+
 PHASE_DEFAULTS = {"train": "starscream_tp", "prefill": "starscream_tp", "decode": "starscream_decode"}
 
 
