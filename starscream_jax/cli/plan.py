@@ -45,13 +45,20 @@ def run(args: argparse.Namespace) -> int:
         raise StarscreamError(f"--phases {args.phases!r}: expected some of {', '.join(PHASES)}, separated by commas")
     prepare_simulation(args)
     topology, mesh = mesh_from_args(args)
-    experts = load_model_config(args.model).n_experts
-    layouts = args.layout or ",".join(name for name in LAYOUTS if experts or name not in EXPERT_LAYOUTS)
+    layouts = candidate_layouts(args.model, args.layout)
     plans = {phase: plan_phase(make_settings(args.model, phase, args.batch, args.seq, layouts, args.layers),
                                topology, mesh)
              for phase in phases}
     print(json.dumps(plans, indent=2) if args.json else format_plans(plans))
     return 0
+
+
+def candidate_layouts(model: str, layouts: str | None) -> str:
+    """`layouts` as given, or by default every layout, the expert layouts only for a mixture-of-experts `model`."""
+    if layouts:
+        return layouts
+    experts = load_model_config(model).n_experts
+    return ",".join(name for name in LAYOUTS if experts or name not in EXPERT_LAYOUTS)
 
 
 def format_plans(plans: dict[str, dict]) -> str:
