@@ -1,5 +1,6 @@
-"""The routed (dropless) mixture-of-experts block: a router, tokens grouped by expert through grouped matmuls
-(`jax.lax.ragged_dot`), and the results combined with the gates. Shape letters as in `names`; A = T x k assignments.
+"""The routed (dropless) mixture-of-experts block: a router, tokens grouped by expert through grouped matmuls (tiles
+of rows by expert through batched matmuls), and the results combined with the gates. Shape letters as in `names`;
+A = T x k assignments, N tiles of M rows.
 
 Each token goes to the k experts with the largest router probabilities (a softmax over all X experts' logits); its
 gates are those k probabilities, divided by their sum when `normalize_gates` (Mixtral, Qwen3-MoE: equal to a softmax
@@ -56,25 +57,46 @@ def expert_outputs(h_TD, gates_TK, experts_TK, w_gate_XDF, w_up_XDF, w_down_XFD,
     """[T, D]: the sum over each token's assignments to experts first_expert .. first_expert + X_local - 1 (the
     experts whose weights [X_local, ...] are given) of gate x SwiGLU expert(token); other assignments add nothing.
 
-    The assignments are sorted by expert (those to other experts last) and run as grouped matmuls over the local
-    experts' row groups; the buffer holds all T x k assignments, so none is ever dropped."""
+    A grouped matmul in tiles: the assignments are sorted by expert, each local expert's rows padded to whole tiles
+    of M rows (`tile_rows`), and every tile [M, D] runs through its expert's weights as one batched matmul
+    [N, M, D] x [N, D, F] (the weights gathered per tile). N = ceil(T k / M) + X_local tiles hold every assignment
+    whichever experts they chose, so none is dropped; the FLOPs are those of the routed rows plus at most
+    X_local x M padding rows (and of all T x k rows on a device that holds some of the experts, whose share of the
+    rows is known only at run time)."""
     tokens, k = experts_TK.shape
-    local_experts = w_gate_XDF.shape[0]
+    local_experts, d_model, _ = w_gate_XDF.shape
+    rows = tokens * k
+    tile = tile_rows(rows, local_experts)
+    tiles = -(-rows // tile) + local_experts
     expert_A = experts_TK.reshape(-1) - first_expert
-    is_local_A = (expert_A >= 0) & (expert_A < local_experts)
-    group_A = jnp.where(is_local_A, expert_A, local_experts)
+    group_A = jnp.where((expert_A >= 0) & (expert_A < local_experts), expert_A, local_experts)
     order_A = jnp.argsort(group_A, stable=True)
-    group_sizes_X = jnp.bincount(group_A, length=local_experts + 1)[:local_experts].astype(jnp.int32)
-    x_AD = h_TD[order_A // k]
+    sorted_group_A = group_A[order_A]
+    sizes_X = jnp.bincount(group_A, length=local_experts + 1)[:local_experts]
+    padded_X = -(-sizes_X // tile) * tile
+    expert_of_row_A = jnp.minimum(sorted_group_A, local_experts - 1)
+    row_in_group_A = jnp.arange(rows) - (jnp.cumsum(sizes_X) - sizes_X)[expert_of_row_A]
+    destination_A = jnp.where(sorted_group_A < local_experts,
+                              (jnp.cumsum(padded_X) - padded_X)[expert_of_row_A] + row_in_group_A, tiles * tile)
+    x_RD = jnp.zeros((tiles * tile, d_model), h_TD.dtype).at[destination_A].set(h_TD[order_A // k], mode="drop")
+    x_NMD = x_RD.reshape(tiles, tile, d_model)
+    tile_expert_N = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded_X), jnp.arange(tiles) * tile, side="right"),
+                                local_experts - 1)
     with jax.named_scope("gate"):
-        gate_AF = jax.lax.ragged_dot(x_AD, w_gate_XDF, group_sizes_X)
+        gate_NMF = jnp.einsum("nmd,ndf->nmf", x_NMD, w_gate_XDF[tile_expert_N])
     with jax.named_scope("up"):
-        up_AF = jax.lax.ragged_dot(x_AD, w_up_XDF, group_sizes_X)
+        up_NMF = jnp.einsum("nmd,ndf->nmf", x_NMD, w_up_XDF[tile_expert_N])
     with jax.named_scope("down"):
-        out_AD = jax.lax.ragged_dot(jax.nn.silu(gate_AF) * up_AF, w_down_XFD, group_sizes_X)
-    out_AD = jnp.where(is_local_A[order_A][:, None], out_AD, 0)
-    unsorted_TKD = out_AD[jnp.argsort(order_A)].reshape(tokens, k, -1)
+        out_NMD = jnp.einsum("nmf,nfd->nmd", jax.nn.silu(gate_NMF) * up_NMF, w_down_XFD[tile_expert_N])
+    out_AD = out_NMD.reshape(-1, d_model).at[destination_A].get(mode="fill", fill_value=0)
+    unsorted_TKD = out_AD[jnp.argsort(order_A)].reshape(tokens, k, d_model)
     return jnp.einsum("tkd,tk->td", unsorted_TKD, gates_TK.astype(unsorted_TKD.dtype))
+
+
+def tile_rows(rows: int, experts: int) -> int:
+    """Rows M per tile of the grouped matmul: the largest power of two up to 512 whose padding (at most `experts`
+    x M rows) stays within a quarter of the `rows` assigned (8 at least)."""
+    return max(8, min(512, 1 << max(0, (rows // (4 * experts)).bit_length() - 1)))
 
 
 def dense_experts(h_TD, gates_TK, experts_TK, w_gate_XDF, w_up_XDF, w_down_XFD) -> jax.Array:
@@ -82,10 +104,13 @@ def dense_experts(h_TD, gates_TK, experts_TK, w_gate_XDF, w_up_XDF, w_down_XFD) 
     gate, 0 where not chosen): X / k times the routed FLOPs. The reference the routed block is tested and measured
     against."""
     gates_TX = jnp.sum(jax.nn.one_hot(experts_TK, w_gate_XDF.shape[0], dtype=jnp.float32) * gates_TK[..., None], 1)
-    gate_TXF = jnp.einsum("td,xdf->txf", h_TD, w_gate_XDF)
-    up_TXF = jnp.einsum("td,xdf->txf", h_TD, w_up_XDF)
+    with jax.named_scope("gate"):
+        gate_TXF = jnp.einsum("td,xdf->txf", h_TD, w_gate_XDF)
+    with jax.named_scope("up"):
+        up_TXF = jnp.einsum("td,xdf->txf", h_TD, w_up_XDF)
     hidden_TXF = jax.nn.silu(gate_TXF) * up_TXF * gates_TX.astype(h_TD.dtype)[..., None]
-    return jnp.einsum("txf,xfd->td", hidden_TXF, w_down_XFD)
+    with jax.named_scope("down"):
+        return jnp.einsum("txf,xfd->td", hidden_TXF, w_down_XFD)
 
 
 def load_balance(experts_TK: jax.Array, probabilities_TX: jax.Array) -> tuple[jax.Array, jax.Array]:
