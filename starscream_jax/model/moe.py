@@ -5,7 +5,8 @@ A = T x k assignments, N tiles of M rows.
 Each token goes to the k experts with the largest router probabilities (a softmax over all X experts' logits); its
 gates are those k probabilities, divided by their sum when `normalize_gates` (Mixtral, Qwen3-MoE: equal to a softmax
 over the k chosen logits) or as they are (Switch-style routers). No token is dropped: every assignment is computed,
-so the block's FLOPs are the routed count, k / X of running every expert on every token.
+in tiles whose FLOPs are the routed count plus padding (`expert_outputs`), k / X of running every expert on every
+token.
 
 Under a layout the block runs per device (`jax.shard_map` over the layout's mesh), because a grouped matmul works on
 the tokens and experts a device holds:
