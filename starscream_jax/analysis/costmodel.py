@@ -9,6 +9,8 @@ the model's full depth (reference/theory.md has the formulas and their sources).
   preset's bandwidths are RCCL / NCCL bus bandwidths, which already fold in the ring formulas' factors. Inside a GPU
   every partition group has the GPU's fabric; across GPUs (and nodes) the X partitions of a GPU run X rings at once
   over the same links, so each gets 1/X of the GPU's bandwidth. Flat collectives get the measured flat figure.
+  Every kind is priced so, by its bytes from `report.ring_bytes_per_device`: an all-to-all (ragged or not) by the
+  (p-1)/p of its (send) buffer that leaves each device.
 - Step: `serial` (compute then communication, no overlap: an upper bound) and `overlapped` (the larger of the two:
   a lower bound). Tokens per second use the serial time.
 

@@ -4,7 +4,8 @@ The input is what `jax.jit(f).lower(*args).compile().as_text()` prints: the prog
 partitioning, so every shape here is a per-device shape.
 
 What is read:
-- Collectives (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute), in their synchronous form or as
+- Collectives (all-reduce, all-gather, reduce-scatter, all-to-all, ragged-all-to-all, collective-permute), in their
+  synchronous form or as
   an asynchronous `-start` / `-done` pair (read from the `-start`, counted once), also inside fusions, async wrappers,
   called computations and loop bodies. Their result shapes and their replica groups (or the source-target pairs of a
   collective-permute), as lists of partition ids.
@@ -39,7 +40,8 @@ import numpy as np
 
 from starscream_jax.errors import StarscreamError
 
-COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+                    "collective-permute")
 GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
 ATTENTION_TARGET_PREFIX = "__cudnn$fmha"
 
@@ -77,7 +79,9 @@ class ArrayShape:
 class Collective:
     """One collective instruction.
 
-    `results` are the arrays it produces on one device (several when XLA combined collectives into one).
+    `results` are the arrays it produces on one device (several when XLA combined collectives into one); for a
+    ragged-all-to-all, whose result is a receive buffer sized for the worst case, the array it sends (its first
+    operand, of which the rows its send sizes name leave the device: all of them at most).
     `groups` are the replica groups as partition ids; for a collective-permute `groups` is empty and
     `source_target_pairs` holds the (source, target) partition ids instead. `count` is how many times it runs per call
     of the program.
@@ -242,6 +246,8 @@ class _ProgramReader:
             results = results[len(results) // 2 :]
         elif inst.opcode == "collective-permute-start":
             results = results[1:2]
+        elif kind == "ragged-all-to-all":
+            results = parse_shapes(self.types[inst.operands[0]])[:1]
         pairs_text = _attribute(inst.attrs, "source_target_pairs")
         groups_text = _attribute(inst.attrs, "replica_groups")
         return Collective(

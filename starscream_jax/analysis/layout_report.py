@@ -34,8 +34,9 @@ import numpy as np
 from flax import nnx
 
 from ..errors import ShardingRuleError
-from ..hardware.axes import XCD
-from ..sharding.apply import LOGICAL_AXES, use_layout
+from ..hardware.axes import XCD, spec_axes
+from ..model.names import TOKENS
+from ..sharding.apply import LOGICAL_AXES, activation_spec, use_layout
 from .compile import REFERENCE, CompiledStep, Settings, abstract_args, abstract_cache, compile_step
 from .costmodel import estimate_step, matmul_work
 from .principles import check_principles, reads_once_per_gpu
@@ -64,10 +65,20 @@ def inspect_layouts(settings: Settings, topology, mesh, refused: dict[str, str] 
             (settings.dump_hlo / f"{name}_{settings.phase}.hlo.txt").write_text(step.compiled.as_text())
     token_dims = (settings.batch, 1 if settings.phase == "decode" else settings.seq)
     reports = {name: inspect_compiled(step.compiled, mesh, args=step.args, gpus_per_node=topology.gpus_per_node,
-                                      lowered_text=step.lowered_text, token_dims=token_dims, outputs=step.outputs)
+                                      lowered_text=step.lowered_text, token_dims=token_dims, outputs=step.outputs,
+                                      tokens_per_device=tokens_per_device(step.layout, mesh, token_dims))
                for name, step in steps.items()}
     return {name: layout_result(settings, topology, mesh, steps[name], reports[name], reports[REFERENCE])
             for name in settings.layouts if name in steps}
+
+
+def tokens_per_device(layout, mesh, token_dims: tuple[int, int]) -> int:
+    """The tokens each device's matmuls work on: the (batch, seq) tokens over the mesh axes the layout splits them
+    over (read from its rules, not guessed from the matmuls' shapes, which a d_model equal to the sequence length
+    would mislead)."""
+    with use_layout(layout, mesh):
+        spec = activation_spec(TOKENS, token_dims, "tokens")
+    return math.prod(token_dims) // math.prod(mesh.shape[axis] for axis in spec_axes(spec))
 
 
 @dataclasses.dataclass(frozen=True)

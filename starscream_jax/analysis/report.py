@@ -215,9 +215,10 @@ def ring_bytes_per_device(kind: str, buffer_bytes: int, group_size: int) -> floa
     """Bytes one device sends for one collective, by the ring formulas (reference/theory.md).
 
     `buffer_bytes` is the full buffer: the gathered result of an all-gather, the unscattered operand of a
-    reduce-scatter, the operand of an all-reduce, all-to-all or collective-permute.
-    all-gather and reduce-scatter: (p-1)/p x buffer; all-reduce: 2(p-1)/p x buffer; all-to-all: (p-1)/p x buffer;
-    collective-permute: the buffer.
+    reduce-scatter, the operand of an all-reduce, all-to-all or collective-permute, the send buffer of a
+    ragged-all-to-all. all-gather and reduce-scatter: (p-1)/p x buffer; all-reduce: 2(p-1)/p x buffer; all-to-all:
+    (p-1)/p x buffer; ragged-all-to-all: (p-1)/p x its send buffer (what leaves when the rows are spread evenly over
+    the peers: the rows actually sent are known only at run time); collective-permute: the buffer.
     """
     if kind == "collective-permute":
         return float(buffer_bytes)

@@ -9,7 +9,8 @@ from ..analysis.compile import PHASES, make_settings
 from ..analysis.layout_report import PRINCIPLES
 from ..analysis.plan import REMAT, plan_phase
 from ..errors import StarscreamError
-from ..sharding.layouts import LAYOUTS
+from ..model.config import load_model_config
+from ..sharding.layouts import EXPERT_LAYOUTS, LAYOUTS
 from .arguments import add_mesh_arguments, mesh_from_args, prepare_simulation
 from .format import clip, format_bytes, format_seconds
 from .inspect import DEFAULT_GPUS, DEFAULT_LAYERS, DEFAULT_MODEL, DEFAULT_PRESET
@@ -25,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="model configuration: a name in models/, a TOML path or a Hugging Face model directory "
                             "(its config.json; no weights are read)")
     group.add_argument("--phases", default=",".join(PHASES), help="comma-separated phases to plan")
-    group.add_argument("--layout", default=",".join(LAYOUTS), help="comma-separated candidate layouts (default: all)")
+    group.add_argument("--layout", default=None, help="comma-separated candidate layouts (default: all; the expert "
+                       "layouts only for a mixture-of-experts model)")
     group.add_argument("--batch", type=int, default=None,
                        help="sequences per step, every phase (default: 8 for train and prefill, 64 for decode)")
     group.add_argument("--seq", type=int, default=None,
@@ -45,11 +47,20 @@ def run(args: argparse.Namespace) -> int:
         raise StarscreamError(f"--phases {args.phases!r}: expected some of {', '.join(PHASES)}, separated by commas")
     prepare_simulation(args)
     topology, mesh = mesh_from_args(args)
-    plans = {phase: plan_phase(make_settings(args.model, phase, args.batch, args.seq, args.layout, args.layers),
+    layouts = candidate_layouts(args.model, args.layout)
+    plans = {phase: plan_phase(make_settings(args.model, phase, args.batch, args.seq, layouts, args.layers),
                                topology, mesh)
              for phase in phases}
     print(json.dumps(plans, indent=2) if args.json else format_plans(plans))
     return 0
+
+
+def candidate_layouts(model: str, layouts: str | None) -> str:
+    """`layouts` as given, or by default every layout, the expert layouts only for a mixture-of-experts `model`."""
+    if layouts:
+        return layouts
+    experts = load_model_config(model).n_experts
+    return ",".join(name for name in LAYOUTS if experts or name not in EXPERT_LAYOUTS)
 
 
 def format_plans(plans: dict[str, dict]) -> str:

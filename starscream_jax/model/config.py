@@ -15,8 +15,11 @@ from ..resources import data_dir
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-family decoder. d_model D, n_heads H query heads of head_dim, n_kv_heads K (H % K == 0), d_ff F,
-    n_experts E (0 = dense MLP) with experts_per_token routed per token.
+    """A Llama-family decoder. d_model D, n_heads H query heads of head_dim, n_kv_heads K (H % K == 0), d_ff F (each
+    expert's hidden width in a mixture of experts), n_experts X (0 = dense MLP) with experts_per_token routed per
+    token: their gates are the router's softmax probabilities of the chosen experts, renormalised to sum to one when
+    `normalize_gates` (Mixtral; Qwen3-MoE's norm_topk_prob); `load_balance_weight` times the load-balancing loss is
+    added to the training loss (`moe.routed_mlp`).
 
     qkv_bias: biases on the q, k and v projections (Qwen2). qk_norm: RMSNorm of each query and key head over
     head_dim before the rotary embedding (Qwen3). rope_scaling "llama3": Llama 3.1's frequency-dependent stretch of
@@ -37,6 +40,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     n_experts: int = 0
     experts_per_token: int = 2
+    normalize_gates: bool = True
+    load_balance_weight: float = 0.0
     dtype: str = "float32"
     remat: bool = False
     qkv_bias: bool = False
@@ -54,6 +59,9 @@ class ModelConfig:
         if self.n_experts and not 0 < self.experts_per_token <= self.n_experts:
             raise PresetError(f"model {self.name}: experts_per_token {self.experts_per_token} must be in "
                               f"1..n_experts ({self.n_experts})")
+        if self.load_balance_weight < 0:
+            raise PresetError(f"model {self.name}: load_balance_weight {self.load_balance_weight} is negative; give "
+                              f"0 (off) or a small positive weight such as 0.01")
         if self.dtype not in ("float32", "bfloat16"):
             raise PresetError(f"model {self.name}: dtype {self.dtype!r}; use 'float32' or 'bfloat16'")
         if self.head_dim % 2:

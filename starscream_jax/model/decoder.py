@@ -4,7 +4,8 @@ Shape letters as in `names`. Layers are stacked on a leading `layers` axis and r
 time does not grow with depth. Under `use_layout(layout, mesh)` every weight, activation and the KV cache is placed by
 the layout; outside it the same code runs unsharded. Each projection runs under `jax.named_scope` with its name (q, k,
 v, o, gate, up, down, router, logits; embed and attention for the per-device ops), so the compiled program's op names,
-and the inspector's keys, read as the model does.
+and the inspector's keys, read as the model does. A mixture-of-experts model routes each token to its experts
+(`moe.routed_mlp`).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from ..sharding.apply import (
 )
 from ..sharding.layouts import Layout
 from .config import ModelConfig
+from .moe import routed_mlp
 from .names import ATTN_KV, ATTN_Q, KV_CACHE, LOGITS, RESIDUAL, TOKENS
 from .ops import attention, cross_entropy, embed_lookup
 
@@ -93,9 +95,9 @@ class LayerStack(nnx.Module):
         if c.n_experts:
             X = c.n_experts
             self.router = param(_normal(rngs, (L, D, X), D), ("layers", "embed", "experts"))
-            self.w_gate = param(_normal(rngs, (L, X, D, F), D), ("layers", "experts", "embed", "mlp"))
-            self.w_up = param(_normal(rngs, (L, X, D, F), D), ("layers", "experts", "embed", "mlp"))
-            self.w_down = param(_normal(rngs, (L, X, F, D), F), ("layers", "experts", "mlp", "embed"))
+            self.w_gate = param(_normal(rngs, (L, X, D, F), D), ("layers", "experts", "embed", "expert_mlp"))
+            self.w_up = param(_normal(rngs, (L, X, D, F), D), ("layers", "experts", "embed", "expert_mlp"))
+            self.w_down = param(_normal(rngs, (L, X, F, D), F), ("layers", "experts", "expert_mlp", "embed"))
         else:
             self.w_gate = param(_normal(rngs, (L, D, F), D), ("layers", "embed", "mlp"))
             self.w_up = param(_normal(rngs, (L, D, F), D), ("layers", "embed", "mlp"))
@@ -116,9 +118,10 @@ class Transformer(nnx.Module):
                                  ("embed", "vocab"))
 
     def __call__(self, tokens_BS: jax.Array, *, positions_BS: jax.Array | None = None,
-                 cache: dict | None = None, cache_index: jax.Array | int = 0):
+                 cache: dict | None = None, cache_index: jax.Array | int = 0, with_load_balance: bool = False):
         """tokens [B, S] -> logits [B, S, V] float32, or (logits, cache) with a KV cache {"k", "v"} of
-        [L, B, T, K, E] each, the new keys and values written at `cache_index`."""
+        [L, B, T, K, E] each, the new keys and values written at `cache_index`. `with_load_balance` adds the
+        mixture of experts' load-balancing loss (mean over layers; 0 for a dense model) as a last result."""
         c = self.config
         dtype = jnp.dtype(c.dtype)
         if positions_BS is None:
@@ -127,7 +130,7 @@ class Transformer(nnx.Module):
             table_VD = weight(self.embedding[...], ("vocab", "embed"), dtype, "embedding")
             x_BSD = embed_lookup(table_VD, tokens_BS, out=RESIDUAL)
         stacked = {name: getattr(self.layers, name)[...] for name in _layer_weight_names(c)}
-        x_BSD, new_cache = self._run_layers(x_BSD, stacked, positions_BS, cache, cache_index)
+        x_BSD, (new_cache, balance_L) = self._run_layers(x_BSD, stacked, positions_BS, cache, cache_index)
         x_BSD = rms_norm(x_BSD, self.final_norm[...], c.norm_eps)
         with jax.named_scope("logits"):
             if c.tie_embeddings:
@@ -136,7 +139,9 @@ class Transformer(nnx.Module):
                 head_DV = weight(self.lm_head[...], ("embed", "vocab"), dtype, "lm_head")
                 logits_BSV = einsum("bsd,dv->bsv", x_BSD, head_DV, out=LOGITS, tensor="logits")
             logits_BSV = logits_BSV.astype(jnp.float32)
-        return logits_BSV if cache is None else (logits_BSV, new_cache)
+        results = (logits_BSV,) + (() if cache is None else (new_cache,))
+        results += (jnp.mean(balance_L),) if with_load_balance else ()
+        return results if len(results) > 1 else logits_BSV
 
     def _run_layers(self, x_BSD, stacked, positions_BS, cache, cache_index):
         c = self.config
@@ -144,8 +149,7 @@ class Transformer(nnx.Module):
 
         def block(x_BSD, layer):
             w, layer_cache = layer
-            x_BSD, layer_cache = _block(c, x_BSD, w, positions_BS, layer_cache, cache_index)
-            return x_BSD, layer_cache
+            return _block(c, x_BSD, w, positions_BS, layer_cache, cache_index)
 
         if c.remat:
             block = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
@@ -173,7 +177,8 @@ def _project(scope: str, subscripts: str, x: jax.Array, w: jax.Array, out: tuple
 
 
 def _block(c: ModelConfig, x_BSD, w, positions_BS, layer_cache, cache_index):
-    """One pre-norm block: x + attention(norm(x)), then + mlp(norm(x)). x [B, S, D] placed by RESIDUAL."""
+    """One pre-norm block: x + attention(norm(x)), then + mlp(norm(x)). x [B, S, D] placed by RESIDUAL. Returns
+    (x, (the layer's cache, its load-balancing loss: 0 for a dense MLP))."""
     dtype = jnp.dtype(c.dtype)
     h_BSD = rms_norm(x_BSD, w["attn_norm"], c.norm_eps)
     wq_DHE = _used("q", w, "wq", ("embed", "heads", "head_dim"), dtype)
@@ -197,8 +202,11 @@ def _block(c: ModelConfig, x_BSD, w, positions_BS, layer_cache, cache_index):
     wo_HED = _used("o", w, "wo", ("heads", "head_dim", "embed"), dtype)
     x_BSD = x_BSD + _project("o", "bshe,hed->bsd", attended_BSHE, wo_HED, RESIDUAL)
     h_BSD = rms_norm(x_BSD, w["mlp_norm"], c.norm_eps)
-    mlp_BSD = _moe_mlp(c, h_BSD, w) if c.n_experts else _dense_mlp(c, h_BSD, w)
-    return x_BSD + mlp_BSD, layer_cache
+    if c.n_experts:
+        mlp_BSD, balance = routed_mlp(c, h_BSD, w)
+    else:
+        mlp_BSD, balance = _dense_mlp(c, h_BSD, w), jnp.zeros((), jnp.float32)
+    return x_BSD + mlp_BSD, (layer_cache, balance)
 
 
 def _add_bias(x_BSNE, bias_NE, names: tuple[str, ...]):
@@ -219,26 +227,6 @@ def _dense_mlp(c: ModelConfig, h_BSD, w):
     return _project("down", "bsf,fd->bsd", jax.nn.silu(gate_BSF) * up_BSF, w_down_FD, RESIDUAL)
 
 
-def _moe_mlp(c: ModelConfig, h_BSD, w):
-    """Top-k routed SwiGLU experts, computed densely (every expert sees every token, weighted by its gate, zero for
-    unrouted experts): exact and simple; FLOPs are n_experts / experts_per_token times a routed implementation."""
-    dtype = jnp.dtype(c.dtype)
-    router_DX = _used("router", w, "router", ("embed", "experts"), jnp.float32)
-    logits_BSX = _project("router", "bsd,dx->bsx", h_BSD.astype(jnp.float32), router_DX, ("batch", "seq", "experts"))
-    top_values, top_index = jax.lax.top_k(logits_BSX, c.experts_per_token)
-    top_gates = jax.nn.softmax(top_values, axis=-1)
-    chosen = top_index[..., None] == jnp.arange(c.n_experts)  # [B, S, k, X]
-    gates_BSX = jnp.sum(jnp.where(chosen, top_gates[..., None], 0.0), axis=-2).astype(dtype)
-    names = ("experts", "embed", "mlp")
-    w_gate_XDF, w_up_XDF = _used("gate", w, "w_gate", names, dtype), _used("up", w, "w_up", names, dtype)
-    h_BSD = shared_input(h_BSD, [w_gate_XDF, w_up_XDF])
-    gate_BSXF = _project("gate", "bsd,xdf->bsxf", h_BSD, w_gate_XDF, ("batch", "seq", "experts", "mlp"))
-    up_BSXF = _project("up", "bsd,xdf->bsxf", h_BSD, w_up_XDF, ("batch", "seq", "experts", "mlp"))
-    hidden_BSXF = jax.nn.silu(gate_BSXF) * up_BSXF * gates_BSX[..., None]
-    w_down_XFD = _used("down", w, "w_down", ("experts", "mlp", "embed"), dtype)
-    return _project("down", "bsxf,xfd->bsd", hidden_BSXF, w_down_XFD, RESIDUAL)
-
-
 def init_cache(config: ModelConfig, batch: int, max_len: int) -> dict:
     """An empty KV cache {"k", "v"}: [L, B, T, K, E] each, in the compute dtype, placed by the active layout
     (kv heads over gpu and batch over xcd under the starscream layouts)."""
@@ -256,12 +244,15 @@ def cache_shardings(config: ModelConfig, batch: int, length: int, layout: Layout
 
 
 def next_token_loss(model: Transformer, tokens_BS: jax.Array) -> jax.Array:
-    """Mean cross entropy (nats) of predicting tokens[:, 1:] from tokens[:, :-1]; vocab-parallel under a layout.
-    tokens [B, S + 1] int32, placed like a token batch (`batch_sharding`)."""
-    logits_BSV = model(tokens_BS[:, :-1])
+    """Mean cross entropy (nats) of predicting tokens[:, 1:] from tokens[:, :-1]; vocab-parallel under a layout;
+    plus `load_balance_weight` times the load-balancing loss for a mixture of experts. tokens [B, S + 1] int32,
+    placed like a token batch (`batch_sharding`)."""
+    logits_BSV, balance = model(tokens_BS[:, :-1], with_load_balance=True)
     targets_BS = constrain(tokens_BS[:, 1:], TOKENS, "targets")
     with jax.named_scope("loss"):
-        return token_mean(cross_entropy(logits_BSV, targets_BS), TOKENS)
+        loss = token_mean(cross_entropy(logits_BSV, targets_BS), TOKENS)
+    weight = model.config.load_balance_weight
+    return loss + weight * balance if weight else loss
 
 
 def create_sharded_model(config: ModelConfig, layout: Layout | str, mesh, seed: int = 0) -> Transformer:

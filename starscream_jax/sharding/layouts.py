@@ -5,7 +5,8 @@ A layout has three rule tables over the mesh axes ('data', 'gpu', 'xcd'):
   weights      weights at the moment a matmul uses them (a difference from `params` = an all-gather just before use,
                whose transpose in the backward pass is a reduce-scatter of the weight gradient),
   activations  activations, logits and the KV cache.
-Logical names: layers, vocab, embed, heads, kv_heads, head_dim, mlp, experts, norm (weights); batch (tokens of the
+Logical names: layers, vocab, embed, heads, kv_heads, head_dim, mlp, experts, expert_mlp (an expert's hidden
+dimension), norm (weights); batch (tokens of the
 residual stream and MLP), attn_batch (tokens inside attention and the KV cache), seq, and the weight names
 (activations).
 
@@ -38,6 +39,20 @@ The layouts (X partitions per GPU, Y GPUs):
                      holds a stretch of every sequence, attention gathers keys and values inside the GPU, weights
                      are gathered inside the GPU. For training and uncached prefill of sequences too few to split the
                      batch over the partitions.
+  starscream_ep      expert parallelism for mixture-of-experts models: experts over gpu, tokens over xcd (and data);
+                     each expert weight's other dimension (embed) over xcd at rest, gathered inside the GPU at use,
+                     its gradient reduce-scattered there. Attention and the rest as starscream_tp. The residual
+                     stream is whole on every GPU (tensor-parallel attention leaves it so), so the tokens need no
+                     dispatch: each partition runs the tokens of its batch shard that chose its GPU's experts, and
+                     the combine sums the partial outputs across GPUs between same-index partitions (inter-GPU,
+                     B/X tokens). Where the experts are fewer than the GPUs (or do not divide over them), each
+                     expert is whole on every GPU and its hidden dimension (expert_mlp) goes over gpu instead:
+                     tensor parallelism inside every expert, with the same collectives.
+  flat_ep            the chiplet-oblivious expert parallelism: experts over every partition (gpu, xcd), attention
+                     as flat_tp, tokens whole on every device; the combine is one all-reduce over all partitions.
+                     Experts that do not divide over every partition go over the longest leading part of (gpu, xcd)
+                     that divides them, their hidden dimension over the rest; so do query heads (Mixtral's and
+                     Qwen3's 32 over 64 partitions: over the GPUs, each copied on every partition of its GPU).
 Layouts that split the sequence (the _cp pair) run attention without a KV cache only (`Layout.splits_sequence`).
 Every layout maps `data` to the batch (pure data parallelism across GPU groups or nodes).
 """
@@ -49,7 +64,7 @@ from ..errors import ShardingRuleError
 from ..hardware.axes import AXES, DATA, GPU, XCD, MeshAxes
 from .rules import Rules
 
-WEIGHT_NAMES = ("layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "experts", "norm")
+WEIGHT_NAMES = ("layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "experts", "expert_mlp", "norm")
 ACTIVATION_NAMES = ("layers", "batch", "attn_batch", "seq", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp",
                     "experts")
 RULE_TABLES = ("params", "weights", "activations")
@@ -89,17 +104,25 @@ class Layout:
         return replace(self, **updated)
 
 
-def _rules(names: tuple[str, ...], mapping: dict[str, MeshAxes]) -> Rules:
-    return Rules(tuple((n, mapping.get(n)) for n in names), may_replicate=frozenset({"kv_heads"}))
+MAY_REPLICATE = frozenset({"kv_heads", "experts", "expert_mlp"})
+"""Names that fall back to fewer mesh axes (replicated on purpose) where theirs do not divide them or an earlier
+dimension of the tensor took them: kv heads fewer than the devices, experts fewer than the GPUs."""
 
 
-def _layout(name: str, description: str, params: dict, activations: dict, weights: dict | None = None) -> Layout:
-    return Layout(name, description, _rules(WEIGHT_NAMES, params),
-                  _rules(WEIGHT_NAMES, {**params, **(weights or {})}), _rules(ACTIVATION_NAMES, activations))
+def _rules(names: tuple[str, ...], mapping: dict[str, MeshAxes], may_replicate: frozenset[str]) -> Rules:
+    return Rules(tuple((n, mapping.get(n)) for n in names), may_replicate=may_replicate)
+
+
+def _layout(name: str, description: str, params: dict, activations: dict, weights: dict | None = None,
+            may_replicate: frozenset[str] = MAY_REPLICATE) -> Layout:
+    return Layout(name, description, _rules(WEIGHT_NAMES, params, may_replicate),
+                  _rules(WEIGHT_NAMES, {**params, **(weights or {})}, may_replicate),
+                  _rules(ACTIVATION_NAMES, activations, may_replicate))
 
 
 FLAT = (GPU, XCD)
-_TP_WEIGHTS = lambda axes: {"vocab": axes, "heads": axes, "kv_heads": axes, "mlp": axes}  # noqa: E731
+_TP_WEIGHTS = lambda axes: {  # noqa: E731
+    "vocab": axes, "heads": axes, "kv_heads": axes, "mlp": axes, "expert_mlp": axes}
 ALL_TOKENS = AXES
 
 LAYOUTS: dict[str, Layout] = {
@@ -129,8 +152,18 @@ LAYOUTS: dict[str, Layout] = {
         _layout("starscream_cp", "TP over GPUs, the sequence over partitions (long sequences, train and prefill)",
                 params={**_TP_WEIGHTS(GPU), "embed": XCD}, weights={"embed": None},
                 activations={"batch": DATA, "attn_batch": DATA, "seq": XCD, **_TP_WEIGHTS(GPU)}),
+        _layout("starscream_ep", "experts over GPUs, tokens and weight storage over partitions (mixture of experts)",
+                params={**_TP_WEIGHTS(GPU), "experts": GPU, "embed": XCD}, weights={"embed": None},
+                activations={"batch": (DATA, XCD), "attn_batch": (DATA, XCD), **_TP_WEIGHTS(GPU)}),
+        _layout("flat_ep", "experts over every partition, attention as flat_tp (the chiplet-oblivious baseline)",
+                params={**_TP_WEIGHTS(FLAT), "experts": FLAT},
+                activations={"batch": DATA, "attn_batch": DATA, **_TP_WEIGHTS(FLAT)},
+                may_replicate=MAY_REPLICATE | {"heads"}),
     )
 }
+
+EXPERT_LAYOUTS = ("starscream_ep", "flat_ep")
+"""The layouts made for a mixture of experts (a dense model they place as starscream_tp and flat_tp do)."""
 
 PHASE_DEFAULTS = {"train": "starscream_tp", "prefill": "starscream_tp", "decode": "starscream_decode"}
 

@@ -6,7 +6,9 @@ tensor's logical names gives its PartitionSpec, or a ShardingRuleError naming th
   - the table maps to a mesh axis the mesh lacks,
   - one mesh axis would shard two dimensions of the tensor,
   - the mesh axes do not divide the dimension. Only names listed in `may_replicate` (e.g. kv heads fewer than
-    devices) fall back to the longest leading part of their axes that divides, i.e. are replicated on purpose.
+    devices) fall back to the longest leading part of their axes that divides, i.e. are replicated on purpose;
+    such a name also leaves out the axes an earlier dimension of the tensor took (an expert's hidden dimension
+    takes the GPUs only where the experts are too few to).
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ def resolve(names: LogicalNames, shape: tuple[int, ...], rules: Rules, mesh, ten
     used: dict[str, str] = {}
     spec = []
     for name, size in zip(names, shape):
-        axes = _resolve_dim(name, size, rules, mesh, where, table_name)
+        axes = _resolve_dim(name, size, rules, mesh, where, table_name, frozenset(used))
         for axis in axes:
             if axis in used:
                 raise ShardingRuleError(
@@ -63,10 +65,13 @@ def resolve(names: LogicalNames, shape: tuple[int, ...], rules: Rules, mesh, ten
     return PartitionSpec(*spec)
 
 
-def _resolve_dim(name: str | None, size: int, rules: Rules, mesh, where: str, table_name: str) -> tuple[str, ...]:
+def _resolve_dim(name: str | None, size: int, rules: Rules, mesh, where: str, table_name: str,
+                 taken: frozenset[str]) -> tuple[str, ...]:
     if name is None:
         return ()
     found, axes = rules.lookup(name)
+    if name in rules.may_replicate:
+        axes = tuple(axis for axis in axes if axis not in taken)
     if not found:
         raise ShardingRuleError(f"{where}: unknown logical name {name!r} in the {table_name}; known names: "
                                 f"{', '.join(rules.names())}; add a rule for it or rename the dimension")

@@ -35,7 +35,7 @@ from .checkpoint import CheckpointStore
 from .config import TrainConfig
 from .corpus import load_token_stream
 from .metrics import MetricsLog, format_loss, plot_losses, read_metrics
-from .steps import eval_step, make_optimizer, train_step
+from .steps import eval_step, load_balance_step, make_optimizer, train_step
 from .tokenizer import ByteTokenizer, load_tokenizer
 
 EVAL_SEED = 0  # validation windows do not depend on --seed, so runs with different seeds compare
@@ -128,9 +128,10 @@ class LossLog:
         self._pending.clear()
         self.restart_clock()
 
-    def add_eval(self, step: int, loss: float, say) -> None:
+    def add_eval(self, step: int, loss: float, say, load_balance: float | None = None) -> None:
         self.eval_losses.append((step, loss))
-        self.metrics_log.write({"step": step, "eval_loss": loss})
+        balance = {} if load_balance is None else {"load_balance": load_balance}
+        self.metrics_log.write({"step": step, "eval_loss": loss, **balance})
         message = f"step {step}: validation loss {format_loss(loss)}"
         if self.progress.disable:
             say(message)
@@ -180,8 +181,10 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, stop_at_step: int 
         compiled_step = train_step(graphdef, optimizer).lower(
             params, opt_state, rest, train_batches.global_batch(start_step, token_sharding)).compile()
 
-        def evaluate(params) -> float:
-            losses = [evaluate_batch(params, rest, eval_batches.global_batch(index, token_sharding))
+        balance_batch = load_balance_step(graphdef) if model_config.load_balance_weight else None
+
+        def evaluate(params, step=evaluate_batch) -> float:
+            losses = [step(params, rest, eval_batches.global_batch(index, token_sharding))
                       for index in range(config.eval_batches)]
             return float(sum(jax.device_get(losses)) / len(losses))
 
@@ -199,7 +202,8 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, stop_at_step: int 
                 if step % config.log_every == 0 or step == last_step:
                     log.flush()
                 if step % config.eval_every == 0 or step == last_step:
-                    log.add_eval(step, evaluate(params), say)
+                    balance = None if balance_batch is None else evaluate(params, balance_batch)
+                    log.add_eval(step, evaluate(params), say, balance)
                     log.restart_clock()
             progress.close()
         if saved_step != last_step:

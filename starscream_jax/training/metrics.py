@@ -1,7 +1,9 @@
 """Training metrics: JSON lines on disk, a loss plot (PNG) and losses printed in nats and bits.
 
 Each record is one JSON object per line, for example {"step": 10, "loss": 2.9, "tokens_per_s": 51000.0}; evaluation
-records carry "eval_loss" instead of "loss". Losses are natural-log cross-entropies (nats per token).
+records carry "eval_loss" instead of "loss" (and, for a mixture of experts trained with a load-balancing weight, the
+validation batches' "load_balance": 1 when the experts share the tokens evenly). Losses are natural-log
+cross-entropies (nats per token).
 """
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ them, and is traced under the active layout (`use_layout`), which places every a
   train    (params, opt_state, rest, tokens [B, S + 1]) -> (params, opt_state, loss): value_and_grad of
            `next_token_loss`, then `make_optimizer`'s update (global-norm clipping, AdamW with the weight-decay mask).
            params and opt_state are donated and come back placed as they went in.
-  eval     (params, rest, tokens [B, S + 1]) -> loss.
+  eval     (params, rest, tokens [B, S + 1]) -> loss; `load_balance_step` likewise -> a mixture of experts'
+           load-balancing loss.
   prefill  (params, rest, prompt [B, P]) -> (first new token [B], cache): the prompt through the model into a fresh
            KV cache {"k", "v"} of [L, B, T, K, E] (T = cache_length), and the token chosen from its last logits.
   decode   (params, rest, cache, token [B], position) -> (next token [B], cache): one token per sequence at
@@ -64,6 +65,18 @@ def train_step(graphdef, optimizer: optax.GradientTransformation):
 def eval_step(graphdef):
     """The jitted evaluation step: (params, rest, tokens [B, S + 1]) -> mean next-token loss (nats)."""
     return jax.jit(functools.partial(_loss, graphdef=graphdef))
+
+
+def load_balance_step(graphdef):
+    """The jitted load-balancing loss of a mixture of experts: (params, rest, tokens [B, S + 1]) -> the mean over
+    layers of the router's load-balancing loss on tokens[:, :-1] (`moe.balance_loss`: 1 when even), the term the
+    training loss adds times `load_balance_weight`; 0 when that weight is 0 (the term is not computed)."""
+
+    @jax.jit
+    def step(params, rest, tokens_BS):
+        return nnx.merge(graphdef, params, rest)(tokens_BS[:, :-1], with_load_balance=True)[1]
+
+    return step
 
 
 def _loss(params, rest, tokens_BS, graphdef):

@@ -412,3 +412,17 @@ def test_shapes_and_element_sizes():
 def test_text_without_computations_is_an_error():
     with pytest.raises(StarscreamError, match="no HLO computation"):
         parse_hlo("not a program")
+
+
+def test_ragged_all_to_all_is_read_with_the_buffer_it_sends():
+    """Its result is a receive buffer sized for the worst case; what it moves is its first operand."""
+    text = module(
+        "%out = bf16[64,16]{1,0} parameter(1)",
+        "%sizes = s32[4]{0} parameter(2)",
+        "ROOT %r = bf16[64,16]{1,0} ragged-all-to-all(%p, %out, %sizes, %sizes, %sizes, %sizes), channel_id=1, "
+        "replica_groups={{0,2,4,6},{1,3,5,7}}",
+    )
+    (exchange,) = parse_hlo(text).collectives
+    assert exchange.kind == "ragged-all-to-all"
+    assert exchange.groups == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert exchange.results == (ArrayShape("f32", (8, 8)),)

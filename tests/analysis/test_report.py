@@ -122,6 +122,7 @@ def test_ring_formulas():
     assert ring_bytes_per_device("reduce-scatter", 65536, 4) == 49152
     assert ring_bytes_per_device("all-reduce", 65536, 8) == 114688
     assert ring_bytes_per_device("all-to-all", 1000, 2) == 500
+    assert ring_bytes_per_device("ragged-all-to-all", 1000, 4) == 750
     assert ring_bytes_per_device("collective-permute", 1000, 2) == 1000
 
 

@@ -102,3 +102,9 @@ def test_plan_is_a_subcommand():
     args = build_parser().parse_args(["plan", "--model", "tiny"])
     assert args.run is plan_command.run
     assert Topology.from_preset(args.default_preset).preset.name == "mi300x-cpx-nps1"
+
+
+def test_the_expert_layouts_are_candidates_by_default_only_for_a_mixture_of_experts():
+    assert "starscream_ep" not in plan_command.candidate_layouts("tiny", None).split(",")
+    assert {"starscream_ep", "flat_ep"} <= set(plan_command.candidate_layouts("tiny-moe", None).split(","))
+    assert plan_command.candidate_layouts("tiny", "flat_ep") == "flat_ep"

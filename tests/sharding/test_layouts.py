@@ -1,4 +1,4 @@
-"""The six layouts: their tables, golden files of every parameter's spec for Llama 3 70B on an 8 x 8 mesh, and the
+"""The layouts: their tables, golden files of every parameter's spec for Llama 3 70B on an 8 x 8 mesh, and the
 principles read from compiled train and decode steps.
 
 Golden files: tests/sharding/golden/<model>_8x8_<layout>.json hold, for every parameter of models/llama3-70b.toml,
@@ -117,6 +117,7 @@ def test_golden_files_hold_what_each_layout_promises():
     assert specs["starscream_tp"]["layers/wk"]["spec"] == [None, "xcd", "gpu", None]
     assert specs["starscream_decode"] == specs["starscream_tp"] == specs["starscream_cp"]
     assert specs["flat_cp"] == specs["flat_fsdp"]
+    assert specs["starscream_ep"] == specs["starscream_tp"] and specs["flat_ep"] == specs["flat_tp"]  # no experts
     assert specs["flat_fsdp"]["embedding"]["spec"] == [None, ["gpu", "xcd"]]
     assert specs["starscream_fsdp"]["lm_head"]["spec"] == ["xcd", None]
     assert specs["starscream_tp"]["layers/attn_norm"] == {"shape": [80, 8192], "logical_axes": ["layers", "norm"],

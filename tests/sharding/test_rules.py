@@ -80,3 +80,13 @@ def test_fallback_keeps_a_leading_part_of_the_rule_in_its_order():
     rules = Rules((("kv_heads", ("xcd", "gpu")),), may_replicate=frozenset({"kv_heads"}))
     assert resolve(("kv_heads",), (6,), rules, MESH) == P(None)
     assert resolve(("kv_heads",), (4,), rules, MESH) == P("xcd")
+
+
+@pytest.mark.parametrize("experts,spec", [(4, P("gpu", None)), (2, P("gpu", None)), (1, P(None, "gpu"))])
+def test_a_may_replicate_name_leaves_out_the_axes_an_earlier_dimension_took(experts, spec):
+    """An expert's hidden dimension goes over the GPUs only where the experts cannot (here: one expert)."""
+    rules = Rules((("experts", "gpu"), ("expert_mlp", "gpu")), may_replicate=frozenset({"experts", "expert_mlp"}))
+    assert resolve(("experts", "expert_mlp"), (experts, 8), rules, MESH) == spec
+    strict = Rules(rules.table)
+    with pytest.raises(ShardingRuleError, match="would shard both 'experts' and 'expert_mlp'"):
+        resolve(("experts", "expert_mlp"), (2, 8), strict, MESH)

@@ -130,3 +130,18 @@ def test_command_learns_below_the_unigram_entropy_and_reports(tmp_path, capsys, 
     model, _ = restore_model(run_dir / "checkpoints", "starscream_tp", build_mesh("1x2x4"))
     assert model.config.dtype == "bfloat16"
     assert {str(leaf.dtype) for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))} == {"float32"}
+
+
+
+def test_an_evaluation_record_carries_the_load_balancing_loss_when_given(tmp_path):
+    from tqdm import tqdm
+
+    from starscream_jax.training.loop import LossLog
+    from starscream_jax.training.metrics import MetricsLog
+
+    with MetricsLog(tmp_path / "metrics.jsonl") as metrics_log:
+        log = LossLog(metrics_log, tqdm(disable=True), tokens_per_step=1)
+        log.add_eval(3, 2.5, print, load_balance=1.25)
+        log.add_eval(6, 2.0, print)
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 3, "eval_loss": 2.5, "load_balance": 1.25},
+                                                         {"step": 6, "eval_loss": 2.0}]

@@ -1,0 +1,208 @@
+"""The routed mixture-of-experts block against the dense one it replaced, timed side by side on one accelerator.
+
+Two measurements, each a ratio taken within one run:
+  layer  one MoE layer of Mixtral 8x7B's shape (D 4096, F 14336, 8 experts, 2 per token) on T tokens, forward and
+         backward (gradients of the tokens and every weight), bfloat16: the routed block (`moe.routed_mlp`), the dense
+         block (every expert on every token, weighted by its gate: `moe.dense_experts`), and a dense SwiGLU GEMM of
+         the routed block's total shape (T x k rows through one expert's weights: the same FLOPs in one matmul). Each
+         row's TFLOP/s counts the routed FLOPs (6 x T x k x 3 x D x F, forward and backward), so they compare
+         directly; the target is routed >= half the GEMM's.
+  step   a whole training step (`training.steps.train_step`: AdamW, clipping) of the many-expert model (Qwen3-30B-A3B's
+         shape cut to a few layers) with the routed block and with the dense block; the FLOP-proportional speed-up is
+         `flops_per_token` of the dense model (every expert counted) over the routed one's, and the measured speed-up
+         should reach it within 30%.
+Method: each program jitted and compiled first, then the candidates alternate over rounds of N timed calls each; the
+median of the round means is reported.
+
+    python scripts/bench_moe.py --out moe.json        # on a GPU
+    python scripts/bench_moe.py --quick               # a tiny smoke test on CPU
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from starscream_jax.model import decoder, moe
+from starscream_jax.model.config import load_model_config
+from starscream_jax.training.config import TrainConfig
+from starscream_jax.training.steps import make_optimizer, train_step
+
+
+def dense_block(c, h_BSD, w):
+    """The dense block on the same routing, with the routed block's signature (`moe.routed_mlp`)."""
+    dtype = jnp.dtype(c.dtype)
+    h_TD = h_BSD.reshape(-1, h_BSD.shape[-1])
+    gates, experts, _ = moe.route(h_TD, w["router"], c.experts_per_token, c.normalize_gates)
+    weights = [w[name].astype(dtype) for name in moe.EXPERT_WEIGHTS]
+    return moe.dense_experts(h_TD, gates, experts, *weights).reshape(h_BSD.shape), jnp.zeros((), jnp.float32)
+
+
+def gemm_block(c, h_BSD, w):
+    """A dense SwiGLU MLP on T x k rows (each token repeated k times) through expert 0's weights: the routed
+    block's FLOPs as one matmul per projection."""
+    dtype = jnp.dtype(c.dtype)
+    rows_AD = jnp.repeat(h_BSD.reshape(-1, h_BSD.shape[-1]), c.experts_per_token, axis=0)
+    gate, up, down = (w[name][0].astype(dtype) for name in moe.EXPERT_WEIGHTS)
+    return (jax.nn.silu(rows_AD @ gate) * (rows_AD @ up)) @ down, jnp.zeros((), jnp.float32)
+
+
+def layer_program(block, c):
+    """(h, weights) -> gradients of sum(block(h)^2) with respect to h and every weight, jitted."""
+    def loss(h, w):
+        out = block(c, h, w)[0].astype(jnp.float32)
+        return jnp.mean(out * out)
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+def kernels(compiled) -> dict[str, int]:
+    """How many instructions of the compiled program are ragged dots, gemm / fused custom-calls and plain dots, by
+    kind (what the accelerator actually runs the grouped matmuls as)."""
+    counts: dict[str, int] = {}
+    for line in compiled.as_text().splitlines():
+        target = re.search(r'custom_call_target="([^"]+)"', line)
+        kind = target.group(1) if target else next((op for op in (" ragged-dot(", " dot(") if op in line), None)
+        if kind:
+            counts[kind.strip(" (")] = counts.get(kind.strip(" ("), 0) + 1
+    return counts
+
+
+def timed(programs: dict, args: dict, rounds: int, calls: int) -> dict[str, dict]:
+    """Compile each program (a jitted function, or an already compiled one), then alternate them over `rounds` of
+    `calls` timed calls; median round mean (s), and the kernels each ran."""
+    compile_s, means, ran = {}, {name: [] for name in programs}, {}
+    for name, program in list(programs.items()):
+        start = time.perf_counter()
+        if hasattr(program, "lower"):
+            programs[name] = program = program.lower(*args[name]).compile()
+        jax.block_until_ready(program(*args[name]))
+        compile_s[name] = time.perf_counter() - start
+        ran[name] = kernels(program)
+    for _ in range(rounds):
+        for name, program in programs.items():
+            jax.block_until_ready(program(*args[name]))
+            start = time.perf_counter()
+            for _ in range(calls):
+                result = program(*args[name])
+            jax.block_until_ready(result)
+            means[name].append((time.perf_counter() - start) / calls)
+    return {name: {"seconds": statistics.median(means[name]), "rounds": means[name],
+                   "compile_and_first_call_s": compile_s[name], "kernels": ran[name]} for name in programs}
+
+
+def layer_benchmark(tokens: int, quick: bool, rounds: int, calls: int) -> dict:
+    c = load_model_config("tiny-moe" if quick else "mixtral-8x7b", dtype="bfloat16")
+    D, F, X, k = c.d_model, c.d_ff, c.n_experts, c.experts_per_token
+    key = jax.random.key(0)
+    keys = jax.random.split(key, 5)
+    w = {"router": jax.random.normal(keys[0], (D, X), jnp.float32) * D ** -0.5,
+         "w_gate": jax.random.normal(keys[1], (X, D, F), jnp.bfloat16) * D ** -0.5,
+         "w_up": jax.random.normal(keys[2], (X, D, F), jnp.bfloat16) * D ** -0.5,
+         "w_down": jax.random.normal(keys[3], (X, F, D), jnp.bfloat16) * F ** -0.5}
+    h = jax.random.normal(keys[4], (1, tokens, D), jnp.bfloat16)
+    programs = {"routed": layer_program(moe.routed_mlp, c), "dense": layer_program(dense_block, c),
+                "gemm": layer_program(gemm_block, c)}
+    results = timed(programs, dict.fromkeys(programs, (h, w)), rounds, calls)
+    routed_flops = 3 * 2 * tokens * k * 3 * D * F
+    for row in results.values():
+        row["tflops_of_routed_flops"] = routed_flops / row["seconds"] / 1e12
+    _, experts, _ = moe.route(h[0], w["router"], k, True)
+    counts = np.bincount(np.asarray(experts).reshape(-1), minlength=X)
+    return {"model": c.name, "tokens": tokens, "d_model": D, "d_ff": F, "experts": X, "experts_per_token": k,
+            "routed_flops": routed_flops, "assignments_per_expert": counts.tolist(), "rows": results,
+            "routed_over_gemm_tflops": results["routed"]["tflops_of_routed_flops"]
+            / results["gemm"]["tflops_of_routed_flops"],
+            "dense_over_routed_time": results["dense"]["seconds"] / results["routed"]["seconds"]}
+
+
+def step_benchmark(layers: int, batch: int, seq: int, quick: bool, rounds: int, calls: int) -> dict:
+    c = load_model_config("tiny-moe" if quick else "qwen3-30b-a3b", n_layers=layers, load_balance_weight=0.0,
+                          dtype="bfloat16")
+    tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, c.vocab_size, jnp.int32)
+    programs, args = {}, {}
+    for name, block in (("routed", moe.routed_mlp), ("dense", dense_block)):
+        decoder.routed_mlp = block  # the decoder's MoE block, for this program's trace
+        graphdef, params, rest = nnx.split(decoder.Transformer(c, rngs=nnx.Rngs(0)), nnx.Param, ...)
+        optimizer = make_optimizer(TrainConfig(), params)
+        args[name] = (params, optimizer.init(params), rest, tokens)
+        # The whole step (new parameters and optimizer state, and the loss), without donation so that each timed
+        # call can take the same arguments; compiled here, while the decoder holds this block.
+        whole_step = jax.jit(functools.partial(lambda s, *a: s(*a), train_step(graphdef, optimizer)))
+        programs[name] = whole_step.lower(*args[name]).compile()
+    decoder.routed_mlp = moe.routed_mlp
+    results = timed(programs, args, rounds, calls)
+    routed_flops = c.flops_per_token(seq)
+    dense_flops = c.replace(experts_per_token=c.n_experts).flops_per_token(seq)
+    expected = dense_flops / routed_flops
+    measured = results["dense"]["seconds"] / results["routed"]["seconds"]
+    for name, flops in (("routed", routed_flops), ("dense", dense_flops)):
+        results[name]["tokens_per_s"] = batch * seq / results[name]["seconds"]
+        results[name]["tflops"] = flops * batch * seq / results[name]["seconds"] / 1e12
+    return {"model": c.name, "layers": layers, "batch": batch, "seq": seq, "rows": results,
+            "flop_proportional_speedup": expected, "measured_speedup": measured,
+            "measured_over_flop_proportional": measured / expected}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens through the MoE layer (default 8192)")
+    parser.add_argument("--layers", type=int, default=4, help="layers of the many-expert model's step (default 4)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences in the step (default 1: at 4, the routed "
+                        "step's expanded ragged dots outgrew an H200's 141 GB)")
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke test)")
+    parser.add_argument("--out", type=Path, help="write every figure as JSON here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.tokens, args.layers, args.batch, args.seq, args.rounds, args.calls = 64, 2, 2, 16, 1, 1
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = jax.devices()[0]
+    result = {"command": "python scripts/bench_moe.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "jax": jax.__version__, "device": device.device_kind, "platform": device.platform}
+    result["layer"] = layer_benchmark(args.tokens, args.quick, args.rounds, args.calls)
+    layer = result["layer"]
+    print(f"MoE layer {layer['model']} x {layer['tokens']} tokens, forward + backward, TFLOP/s of routed FLOPs:")
+    for name, row in layer["rows"].items():
+        print(f"  {name:7s} {row['seconds'] * 1e3:9.2f} ms  {row['tflops_of_routed_flops']:8.1f} TFLOP/s")
+    print(f"  routed / GEMM TFLOP/s {layer['routed_over_gemm_tflops']:.3f} (target >= 0.5); "
+          f"dense / routed time {layer['dense_over_routed_time']:.2f}")
+    write(args.out, result)
+    result["step"] = step_benchmark(args.layers, args.batch, args.seq, args.quick, args.rounds, args.calls)
+    step = result["step"]
+    print(f"training step {step['model']}, {step['layers']} layers, {step['batch']} x {step['seq']} tokens:")
+    for name, row in step["rows"].items():
+        print(f"  {name:7s} {row['seconds'] * 1e3:9.2f} ms  {row['tokens_per_s']:10,.0f} tokens/s  "
+              f"{row['tflops']:8.1f} TFLOP/s")
+    print(f"  speed-up {step['measured_speedup']:.2f} of a FLOP-proportional {step['flop_proportional_speedup']:.2f} "
+          f"({step['measured_over_flop_proportional']:.2f}; target >= 0.7)")
+    write(args.out, result)
+    return 0
+
+
+def write(path: Path | None, result: dict) -> None:
+    """The figures so far as JSON at `path` (after each part, so that a part that fails leaves the others)."""
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

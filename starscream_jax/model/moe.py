@@ -1,0 +1,218 @@
+"""The routed (dropless) mixture-of-experts block: a router, tokens grouped by expert through grouped matmuls (tiles
+of rows by expert through batched matmuls), and the results combined with the gates. Shape letters as in `names`;
+A = T x k assignments, N tiles of M rows.
+
+Each token goes to the k experts with the largest router probabilities (a softmax over all X experts' logits); its
+gates are those k probabilities, divided by their sum when `normalize_gates` (Mixtral, Qwen3-MoE: equal to a softmax
+over the k chosen logits) or as they are (Switch-style routers). No token is dropped: every assignment is computed,
+in tiles whose FLOPs are the routed count plus padding (`expert_outputs`), k / X of running every expert on every
+token.
+
+Under a layout the block runs per device (`jax.shard_map` over the layout's mesh), because a grouped matmul works on
+the tokens and experts a device holds:
+  tokens    the residual stream as the layout places it (RESIDUAL), gathered over the axes that split its embed dim;
+  weights   the expert weights as stored (`params` rules), their embed dimension gathered inside the shard map over the
+            axes that split it (inside the GPU under the starscream layouts; the gradient is reduce-scattered there),
+            their experts and hidden (expert_mlp) dimensions left split; the router gathered whole (it is small);
+  compute   each device routes its own tokens and runs those that chose its experts through its share of them;
+  combine   the partial outputs summed over the mesh axes that split the experts and their hidden dimension: an
+            all-reduce across GPUs between same-index partitions under starscream_ep, over every partition under
+            flat_ep, over the GPUs (as the dense MLP's) under the tensor-parallel layouts.
+A layout whose tokens and experts share a mesh axis would leave assignments to other devices' experts uncomputed;
+it is refused. The optional load-balancing loss (Switch Transformer form) is X * sum_x f_x * P_x, with f_x the share
+of the T x k assignments that expert x got and P_x its mean router probability: 1 when the load is even.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from ..errors import ShardingRuleError
+from ..hardware.axes import dim_axes, spec_axes
+from ..sharding.apply import activation_spec, active, constrain
+from ..sharding.collectives import hierarchical_all_gather, hierarchical_psum
+from .config import ModelConfig
+from .names import RESIDUAL
+
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+EMBED_DIM = {"w_gate": 1, "w_up": 1, "w_down": 2}
+"""Which dimension of each expert weight ([X, D, F], [X, D, F], [X, F, D]) is embed."""
+
+
+def route(h_TD: jax.Array, router_DX: jax.Array, k: int, normalize_gates: bool):
+    """(gates [T, k] float32, experts [T, k] int32, router probabilities [T, X] float32) of tokens h [T, D]."""
+    with jax.named_scope("router"):
+        logits_TX = jnp.einsum("td,dx->tx", h_TD.astype(jnp.float32), router_DX.astype(jnp.float32))
+    probabilities_TX = jax.nn.softmax(logits_TX, axis=-1)
+    gates_TK, experts_TK = jax.lax.top_k(probabilities_TX, k)
+    if normalize_gates:
+        gates_TK = gates_TK / jnp.sum(gates_TK, axis=-1, keepdims=True)
+    return gates_TK, experts_TK, probabilities_TX
+
+
+def expert_outputs(h_TD, gates_TK, experts_TK, w_gate_XDF, w_up_XDF, w_down_XFD, first_expert=0) -> jax.Array:
+    """[T, D]: the sum over each token's assignments to experts first_expert .. first_expert + X_local - 1 (the
+    experts whose weights [X_local, ...] are given) of gate x SwiGLU expert(token); other assignments add nothing.
+
+    A grouped matmul in tiles: the assignments are sorted by expert, each local expert's rows padded to whole tiles
+    of M rows (`tile_rows`), and every tile [M, D] runs through its expert's weights as one batched matmul
+    [N, M, D] x [N, D, F] (the weights gathered per tile). N = ceil(T k / M) + X_local tiles hold every assignment
+    whichever experts they chose, so none is dropped; the FLOPs are those of the routed rows plus at most
+    X_local x M padding rows (and of all T x k rows on a device that holds some of the experts, whose share of the
+    rows is known only at run time)."""
+    tokens, k = experts_TK.shape
+    local_experts, d_model, _ = w_gate_XDF.shape
+    rows = tokens * k
+    tile = tile_rows(rows, local_experts)
+    tiles = -(-rows // tile) + local_experts
+    expert_A = experts_TK.reshape(-1) - first_expert
+    group_A = jnp.where((expert_A >= 0) & (expert_A < local_experts), expert_A, local_experts)
+    order_A = jnp.argsort(group_A, stable=True)
+    sorted_group_A = group_A[order_A]
+    sizes_X = jnp.bincount(group_A, length=local_experts + 1)[:local_experts]
+    padded_X = -(-sizes_X // tile) * tile
+    expert_of_row_A = jnp.minimum(sorted_group_A, local_experts - 1)
+    row_in_group_A = jnp.arange(rows) - (jnp.cumsum(sizes_X) - sizes_X)[expert_of_row_A]
+    destination_A = jnp.where(sorted_group_A < local_experts,
+                              (jnp.cumsum(padded_X) - padded_X)[expert_of_row_A] + row_in_group_A, tiles * tile)
+    x_RD = jnp.zeros((tiles * tile, d_model), h_TD.dtype).at[destination_A].set(h_TD[order_A // k], mode="drop")
+    x_NMD = x_RD.reshape(tiles, tile, d_model)
+    tile_expert_N = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded_X), jnp.arange(tiles) * tile, side="right"),
+                                local_experts - 1)
+    with jax.named_scope("gate"):
+        gate_NMF = jnp.einsum("nmd,ndf->nmf", x_NMD, w_gate_XDF[tile_expert_N])
+    with jax.named_scope("up"):
+        up_NMF = jnp.einsum("nmd,ndf->nmf", x_NMD, w_up_XDF[tile_expert_N])
+    with jax.named_scope("down"):
+        out_NMD = jnp.einsum("nmf,nfd->nmd", jax.nn.silu(gate_NMF) * up_NMF, w_down_XFD[tile_expert_N])
+    out_AD = out_NMD.reshape(-1, d_model).at[destination_A].get(mode="fill", fill_value=0)
+    unsorted_TKD = out_AD[jnp.argsort(order_A)].reshape(tokens, k, d_model)
+    return jnp.einsum("tkd,tk->td", unsorted_TKD, gates_TK.astype(unsorted_TKD.dtype))
+
+
+def tile_rows(rows: int, experts: int) -> int:
+    """Rows M per tile of the grouped matmul: the largest power of two up to 512 whose padding (at most `experts`
+    x M rows) stays within a quarter of the `rows` assigned (8 at least)."""
+    return max(8, min(512, 1 << max(0, (rows // (4 * experts)).bit_length() - 1)))
+
+
+def dense_experts(h_TD, gates_TK, experts_TK, w_gate_XDF, w_up_XDF, w_down_XFD) -> jax.Array:
+    """[T, D]: the same sum as `expert_outputs`, computed densely (every expert on every token, weighted by its
+    gate, 0 where not chosen): X / k times the routed FLOPs. The reference the routed block is tested and measured
+    against."""
+    gates_TX = jnp.sum(jax.nn.one_hot(experts_TK, w_gate_XDF.shape[0], dtype=jnp.float32) * gates_TK[..., None], 1)
+    with jax.named_scope("gate"):
+        gate_TXF = jnp.einsum("td,xdf->txf", h_TD, w_gate_XDF)
+    with jax.named_scope("up"):
+        up_TXF = jnp.einsum("td,xdf->txf", h_TD, w_up_XDF)
+    hidden_TXF = jax.nn.silu(gate_TXF) * up_TXF * gates_TX.astype(h_TD.dtype)[..., None]
+    with jax.named_scope("down"):
+        return jnp.einsum("txf,xfd->td", hidden_TXF, w_down_XFD)
+
+
+def load_balance(experts_TK: jax.Array, probabilities_TX: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(assignments per expert [X], summed router probability per expert [X]) of these tokens, float32."""
+    counts_X = jnp.zeros(probabilities_TX.shape[-1:], jnp.float32).at[experts_TK.reshape(-1)].add(1.0)
+    return counts_X, jnp.sum(probabilities_TX, axis=0)
+
+
+def balance_loss(counts_X: jax.Array, probability_sums_X: jax.Array, k: int) -> jax.Array:
+    """The load-balancing loss X * sum_x f_x P_x from the assignment counts and summed router probabilities of
+    tokens routed to `k` experts each."""
+    assignments = jnp.sum(counts_X)
+    return counts_X.shape[0] * jnp.sum(counts_X / assignments * probability_sums_X / (assignments / k))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+    """Mesh axes the per-device block works with: those that split the tokens' embed dim, the router's dims and
+    each expert weight's embed dim (gathered on entry), the tokens (batch and seq: the load-balancing statistics are
+    summed over them), the experts (which experts a device holds) and the experts with their hidden dim (the
+    partial outputs are summed over them)."""
+
+    token_embed: tuple[str, ...] = ()
+    router: tuple[tuple[str, ...], ...] = ()
+    weight_embed: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    tokens: tuple[str, ...] = ()
+    experts: tuple[str, ...] = ()
+    combine: tuple[str, ...] = ()
+
+
+def routed_mlp(c: ModelConfig, h_BSD: jax.Array, w: dict) -> tuple[jax.Array, jax.Array]:
+    """(the block's output [B, S, D] placed by RESIDUAL, the load-balancing loss of these tokens: a float32 scalar).
+
+    `w` holds one layer's router [D, X] and expert weights w_gate / w_up [X, D, F], w_down [X, F, D] as stored."""
+    dtype = jnp.dtype(c.dtype)
+    weights = {name: w[name].astype(dtype) for name in EXPERT_WEIGHTS}
+    if active() is None:
+        return _per_device(c, _Placement(), h_BSD, w["router"], weights)
+    h_BSD = constrain(h_BSD, RESIDUAL, "moe input")
+    token_spec = activation_spec(RESIDUAL, h_BSD.shape, "moe input")
+    specs = {name: jax.typeof(value).sharding.spec for name, value in weights.items()}
+    router_spec = jax.typeof(w["router"]).sharding.spec
+    placement = _Placement(
+        token_embed=dim_axes(token_spec, 2),
+        router=tuple(dim_axes(router_spec, dim) for dim in range(2)),
+        weight_embed=tuple((name, dim_axes(specs[name], EMBED_DIM[name])) for name in EXPERT_WEIGHTS),
+        tokens=(*dim_axes(token_spec, 0), *dim_axes(token_spec, 1)),
+        experts=dim_axes(specs["w_gate"], 0),
+        combine=_combine_axes(specs["w_gate"], token_spec),
+    )
+    mapped = jax.shard_map(functools.partial(_per_device, c, placement), in_specs=(token_spec, router_spec, specs),
+                           out_specs=(token_spec, PartitionSpec()))
+    out_BSD, balance = mapped(h_BSD, w["router"], weights)
+    return constrain(out_BSD, RESIDUAL, "moe output"), balance
+
+
+def _combine_axes(expert_spec: PartitionSpec, token_spec: PartitionSpec) -> tuple[str, ...]:
+    """The mesh axes that split the experts or their hidden dimension (w_gate [X, D, F]), over which the partial
+    outputs are summed; refused where the tokens are split over one of them too."""
+    axes = (*dim_axes(expert_spec, 0), *dim_axes(expert_spec, 2))
+    shared = sorted(set(axes) & spec_axes(token_spec))
+    if shared:
+        raise ShardingRuleError(
+            f"the layout splits both the tokens ({token_spec}) and the experts or their hidden dimension "
+            f"({expert_spec}) over mesh axes {shared}, so tokens would never meet the experts on other devices; "
+            f"map 'experts' and 'expert_mlp' to axes the 'batch' and 'seq' rules do not use")
+    return axes
+
+
+def _per_device(c: ModelConfig, placement: _Placement, h_BSD, router_DX, weights):
+    """The block on the tokens and experts one device holds (the whole block outside a layout): gather the
+    dimensions `placement` names, route, run the local experts, sum the partial outputs over the combine axes and
+    the load-balancing statistics over the token axes."""
+    h_BSD = hierarchical_all_gather(h_BSD, placement.token_embed, 2)
+    for dim, axes in enumerate(placement.router):
+        router_DX = hierarchical_all_gather(router_DX, axes, dim)
+    for name, axes in placement.weight_embed:
+        weights[name] = hierarchical_all_gather(weights[name], axes, EMBED_DIM[name])
+    batch, seq, d_model = h_BSD.shape
+    h_TD = h_BSD.reshape(batch * seq, d_model)
+    gates_TK, experts_TK, probabilities_TX = route(h_TD, router_DX, c.experts_per_token, c.normalize_gates)
+    if placement.combine:  # typed as differing over the experts' axes before the experts use it: its gradient sums
+        h_TD = jax.lax.pcast(h_TD, placement.combine, to="varying")  # there (the gather by expert would not say so)
+    first_expert = jax.lax.axis_index(placement.experts) * weights["w_gate"].shape[0] if placement.experts else 0
+    out_TD = expert_outputs(h_TD, gates_TK, experts_TK, weights["w_gate"], weights["w_up"], weights["w_down"],
+                            first_expert)
+    if placement.combine:
+        out_TD = jax.lax.psum(out_TD, placement.combine)
+    if placement.token_embed:  # the device's share of the embed dim, as the tokens came in
+        share = d_model // jax.lax.axis_size(placement.token_embed)
+        out_TD = jax.lax.dynamic_slice_in_dim(out_TD, jax.lax.axis_index(placement.token_embed) * share, share, 1)
+    return out_TD.reshape(batch, seq, -1), _balance(c, placement, experts_TK, probabilities_TX)
+
+
+def _balance(c: ModelConfig, placement: _Placement, experts_TK, probabilities_TX) -> jax.Array:
+    """The load-balancing loss of every device's tokens (0 when its weight is 0: nothing is computed). The
+    statistics are summed over the token axes; the loss, the same on every device but computed from a router
+    gathered over other axes too, is averaged over those (a scalar) so that it is one value everywhere."""
+    if not c.load_balance_weight:
+        return jnp.zeros((), jnp.float32)
+    statistics = hierarchical_psum(load_balance(experts_TK, probabilities_TX), placement.tokens)
+    balance = balance_loss(*statistics, c.experts_per_token)
+    gathered = tuple(axis for axes in placement.router for axis in axes if axis not in placement.tokens)
+    return hierarchical_psum(balance, gathered, reduction=jax.lax.pmean)
