@@ -12,11 +12,17 @@ from pathlib import Path
 from ..errors import PresetError
 from ..resources import data_dir
 
+REMAT_POLICIES = ("none", "dots", "full")
+"""What the backward pass keeps of each layer's forward: everything ("none": nothing recomputed), the outputs of the
+projection matmuls ("dots": norms, rotary, attention and activations recomputed), or only the layer's input ("full":
+the whole layer recomputed)."""
+
 
 @dataclass(frozen=True)
 class ModelConfig:
     """A Llama-family decoder. d_model D, n_heads H query heads of head_dim, n_kv_heads K (H % K == 0), d_ff F,
-    n_experts E (0 = dense MLP) with experts_per_token routed per token."""
+    n_experts E (0 = dense MLP) with experts_per_token routed per token; `remat` one of REMAT_POLICIES (True / False
+    are read as "full" / "none")."""
 
     name: str
     vocab_size: int
@@ -33,9 +39,13 @@ class ModelConfig:
     n_experts: int = 0
     experts_per_token: int = 2
     dtype: str = "float32"
-    remat: bool = False
+    remat: str = "none"
 
     def __post_init__(self):
+        if isinstance(self.remat, bool):  # older configurations and checkpoints say true / false
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
+        if self.remat not in REMAT_POLICIES:
+            raise PresetError(f"model {self.name}: remat policy {self.remat!r}; use one of {', '.join(REMAT_POLICIES)}")
         if self.n_heads % self.n_kv_heads:
             raise PresetError(f"model {self.name}: n_heads {self.n_heads} is not a multiple of n_kv_heads "
                               f"{self.n_kv_heads}; grouped-query attention needs whole groups")
