@@ -43,6 +43,15 @@ DECODE_CACHE_COPIES = 1.5
 """KV caches the decode step holds beside its donated input (see the module docstring)."""
 
 
+def format_bytes(count: float) -> str:
+    """A byte count with a binary unit: '512 B', '1.5 KiB', '3.2 MiB', '2.0 GiB'."""
+    for unit in ("B", "KiB", "MiB"):
+        if count < 1024:
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} GiB"
+
+
 def shard_elements(spec: PartitionSpec | None, shape: tuple[int, ...], mesh) -> int:
     """Elements of one device's shard of a tensor of `shape` placed by `spec` (None: whole)."""
     return math.prod(NamedSharding(mesh, spec or PartitionSpec()).shard_shape(shape))

@@ -38,7 +38,7 @@ from ..model.config import REMAT_POLICIES
 from ..sharding.apply import batch_sharding
 from .compile import Settings
 from .layout_report import PRINCIPLES, ResultCache, inspect_layouts, memory_per_device
-from .memory import gpu_memory
+from .memory import format_bytes, gpu_memory
 
 REMAT_COST = {"none": 1.0, "dots": 1.0, "full": 4 / 3}
 """Matmul work of a training step under each remat policy, relative to none: full reruns the forward (a third of
@@ -131,9 +131,8 @@ def _sized(settings: Settings, topology, mesh, base: Candidate) -> list[dict]:
             entry["lower_bound_s"] = lower_bound(settings, topology, candidate, persistent)
             if not entry["fits"]:
                 over = memory["total"] - topology.hbm_bytes
-                entry.update(status="does not fit", reason=f"needs {memory['total'] / GIB:.1f} GiB of "
-                                                           f"{topology.hbm_bytes / GIB:.1f} GiB (over by "
-                                                           f"{over / GIB:.1f} GiB)")
+                entry.update(status="does not fit", reason=f"needs {format_bytes(memory['total'])} of "
+                                                           f"{format_bytes(topology.hbm_bytes)} (over by {format_bytes(over)})")
             entries.append(entry)
     return entries
 
@@ -237,18 +236,17 @@ def advice(settings: Settings, topology, meshes: dict, entries: list[dict]) -> l
     memory, hbm = smallest["memory"], topology.hbm_bytes
     persistent = memory["params"] + memory["optimizer_state"] + memory["kv_cache"] + memory.get("gradients", 0.0)
     transient = memory["total"] - persistent
-    lines = [f"the smallest candidate, {smallest['name']}, needs {memory['total'] / GIB:.1f} GiB per device of "
-             f"{hbm / GIB:.1f} GiB"]
+    lines = [f"the smallest candidate, {smallest['name']}, needs {format_bytes(memory['total'])} per device of "
+             f"{format_bytes(hbm)}"]
     gpus = topology.gpus_per_node * topology.nodes
     if transient < hbm:
         needed = math.ceil(gpus * persistent / (hbm - transient))
         lines.append(f"more GPUs: about {needed} GPUs would hold its parameters, optimizer state and gradients "
-                     f"({persistent * gpus / GIB:.0f} GiB in all) beside its {transient / GIB:.1f} GiB of "
-                     "activations per device")
+                     f"({format_bytes(persistent * gpus)} in all) beside its {format_bytes(transient)} of activations per device")
     if settings.phase != "decode":
         shorter = _shorter_sequence(settings, topology, meshes[smallest["candidate"].data], smallest)
         if shorter is not None:
-            lines.append(f"a shorter sequence: --seq {shorter[0]} fits ({shorter[1] / GIB:.1f} GiB)")
+            lines.append(f"a shorter sequence: --seq {shorter[0]} fits ({format_bytes(shorter[1])})")
     lines.append("a smaller micro-batch: every micro-batch count down to 1 sequence was tried (see the candidates)"
                  if settings.phase == "train" else "a smaller batch: --batch fewer sequences")
     return lines

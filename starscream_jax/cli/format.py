@@ -1,13 +1,7 @@
 """Numbers as the commands print them."""
+from ..analysis.memory import format_bytes
 
-
-def format_bytes(count: float) -> str:
-    """A byte count with a binary unit: '512 B', '1.5 KiB', '3.2 MiB', '2.0 GiB'."""
-    for unit in ("B", "KiB", "MiB"):
-        if count < 1024:
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    return f"{count:.1f} GiB"
+__all__ = ["clip", "format_bytes", "format_seconds"]
 
 
 def format_seconds(value: float) -> str:

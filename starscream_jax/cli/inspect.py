@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..analysis.compile import PHASES, Settings, make_settings
 from ..analysis.layout_report import PRINCIPLES, inspect_layouts
-from ..errors import StarscreamError
+from ..errors import ShardingRuleError, StarscreamError
 from ..model.config import REMAT_POLICIES
 from .arguments import add_cache_arguments, add_mesh_arguments, mesh_from_args, prepare_simulation, result_cache
 from .format import clip, format_bytes, format_seconds
@@ -65,12 +65,16 @@ def run(args: argparse.Namespace) -> int:
     topology, mesh = mesh_from_args(args)
     refused: dict[str, str] = {}
     results = inspect_layouts(settings, topology, mesh, refused, result_cache(args))
+    if not results:
+        raise ShardingRuleError("no layout asked for can place the model on this mesh: " + "; ".join(
+            f"{name}: {reason}" for name, reason in refused.items()))
     if args.plot is not None:
         from ..analysis.plots import plot_layouts
 
-        plot_layouts(results, mesh, args.plot)
+        plot_layouts(results, mesh, topology, args.plot)
     if args.json:
-        print(json.dumps({**results, "refused": refused}, indent=2))
+        cannot_place = {name: {"layout": name, "cannot_place": reason} for name, reason in refused.items()}
+        print(json.dumps({**results, **cannot_place}, indent=2))
     else:
         print(format_table(results, refused) + (f"\nplot: {args.plot}" if args.plot else ""))
     return 0
@@ -154,9 +158,6 @@ def format_table(results: dict[str, dict], refused: dict[str, str] | None = None
     """The side-by-side table of `inspect_layouts`' results (one column per layout), then the notes, the layouts
     the mesh cannot place with the reason, and the first violations of each failed principle."""
     refused = refused or {}
-    if not results:
-        return "\n".join(["no layout asked for can place the model on this mesh:"]
-                         + [clip(f"  {name}: {reason}", LINE_WIDTH) for name, reason in refused.items()])
     first = next(iter(results.values()))
     lines = [*_header(first), ""]
     columns = {name: _rows(result) for name, result in results.items()}

@@ -59,18 +59,20 @@ def run(args: argparse.Namespace) -> int:
     plans = {}
     for phase in phases:
         settings = make_settings(args.model, phase, args.batch, args.seq, args.layout, args.layers)
-        with tqdm(desc=f"plan {phase}", unit="candidate", file=sys.stderr, disable=None, dynamic_ncols=True) as bar:
+        with tqdm(desc=f"plan {phase}", unit="candidate", file=sys.stderr, dynamic_ncols=True) as bar:
             plans[phase] = plan_phase(settings, topology, cache=cache, progress=_progress(bar))
         plans[phase]["commands"] = commands(plans[phase], args, topology)
     generate = generate_command(plans, args, topology)
+    if generate is not None:
+        plans["decode"]["commands"].append(generate)
     if args.plot is not None:
         from ..analysis.plots import plot_plans
 
         plot_plans(plans, args.plot)
     if args.json:
-        print(json.dumps({**plans, "generate": generate}, indent=2))
+        print(json.dumps(plans, indent=2))
     else:
-        print(format_plans(plans, generate) + (f"\nplot: {args.plot}" if args.plot else ""))
+        print(format_plans(plans) + (f"\nplot: {args.plot}" if args.plot else ""))
     return 0
 
 
@@ -121,7 +123,7 @@ def generate_command(plans: dict, args: argparse.Namespace, topology) -> str | N
             f"RUN_DIR/checkpoints --prefill-layout {prefill['layout']} --decode-layout {decode['layout']}")
 
 
-def format_plans(plans: dict[str, dict], generate: str | None = None) -> str:
+def format_plans(plans: dict[str, dict]) -> str:
     """One table per phase (candidates that compiled, fastest first, the chosen marked *), then why the others
     lost, advice when nothing fits, and the commands."""
     lines = []
@@ -130,8 +132,6 @@ def format_plans(plans: dict[str, dict], generate: str | None = None) -> str:
     lines.append("plan: " + ", ".join(f"{phase} {plan['choice'] or 'nothing fits'}" for phase, plan in plans.items()))
     for plan in plans.values():
         lines += [f"  {command}" for command in plan.get("commands", [])]
-    if generate:
-        lines.append(f"  {generate}")
     return "\n".join(lines)
 
 
