@@ -50,14 +50,14 @@ PRINCIPLES = ("shape_preservation", "no_redundancy", "hierarchical_collectives")
 
 
 def inspect_layouts(settings: Settings, topology, mesh, refused: dict[str, str] | None = None,
-                    cache: ResultCache | None = None) -> dict[str, dict]:
+                    cache: ResultCache | None = None, reference: bool = True) -> dict[str, dict]:
     """Compile every layout of `settings` and gpu_tp on `mesh`; {layout name: result} (see `layout_result`).
 
     A layout that cannot place the model on the mesh raises its ShardingRuleError, unless `refused` is given: then
     the error's message is recorded there under the layout's name and the layout left out. When gpu_tp, the
     reference of principle 1, cannot place the model either, the others are still compiled and judged by principles
-    2 and 3 only (principle 1 is then None). `cache` returns results compiled before for the same settings and mesh
-    without compiling again, and keeps the new ones."""
+    2 and 3 only; `reference=False` skips compiling it (the planner's choice: half the compiles). `cache` returns
+    results compiled before for the same settings and mesh without compiling again, and keeps the new ones."""
     results = {}
     for name in settings.layouts:
         cached = cache.get(settings, topology, mesh, name) if cache is not None else None
@@ -67,7 +67,7 @@ def inspect_layouts(settings: Settings, topology, mesh, refused: dict[str, str] 
     if not missing:
         return results
     steps = {}
-    for name in dict.fromkeys((*missing, REFERENCE)):
+    for name in dict.fromkeys((*missing, REFERENCE) if reference else missing):
         try:
             steps[name] = compile_step(settings, name, mesh)
         except ShardingRuleError as err:

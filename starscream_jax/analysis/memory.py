@@ -82,6 +82,17 @@ def activation_bytes(config: ModelConfig, layout, mesh, batch: int, seq: int) ->
     }
 
 
+def matmul_flops(config: ModelConfig, layout, mesh, batch: int, seq: int) -> float:
+    """Forward FLOPs per device of the projection matmuls of every layer and of the head, for `batch` x `seq` tokens:
+    2 x the device's tokens x its share of each weight at use (attention's score matmuls not counted)."""
+    layout = get_layout(layout)
+    with use_layout(layout, mesh):
+        tokens = local_elements(RESIDUAL, (batch, seq, config.d_model), mesh) / config.d_model
+        head = resolve(("embed", "vocab"), (config.d_model, config.vocab_size), layout.weights, mesh, "head at use")
+        head_elements = shard_elements(head, (config.d_model, config.vocab_size), mesh)
+    return 2 * tokens * (config.n_layers * _layer_weight_elements(config, layout, mesh) + head_elements)
+
+
 def _layer_weight_elements(c: ModelConfig, layout, mesh) -> float:
     """Elements per device of one layer's weights as the matmuls use them (the layout's weight rules at use)."""
     experts = max(1, c.n_experts)

@@ -11,8 +11,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..analysis.compile import PHASES, make_settings
-from ..analysis.layout_report import PRINCIPLES
-from ..analysis.plan import plan_phase
+from ..analysis.plan import JUDGED, plan_phase
 from ..errors import StarscreamError
 from ..sharding.layouts import LAYOUTS
 from .arguments import add_cache_arguments, add_mesh_arguments, mesh_from_args, prepare_simulation, result_cache
@@ -140,7 +139,8 @@ def _phase_lines(plan: dict) -> list[str]:
              f"{plan['partitions_per_gpu']} partitions, {format_bytes(plan['hbm_per_device'])} HBM per device; "
              f"{plan['compiled']} compiled of {len(plan['candidates'])} candidates in {plan['elapsed_s']:.0f} s"]
     compiled = [entry for entry in plan["candidates"] if entry["estimate"] is not None]
-    header = ("  candidate", "step (serial)", "matmuls", "collectives", "tokens/s", "memory/device", "principles")
+    header = ("  candidate", "step (serial)", "matmuls", "collectives", "tokens/s", "memory/device",
+              "principles 2, 3")
     rows = [header] + [_row(entry) for entry in compiled]
     widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
     lines += ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
@@ -163,7 +163,7 @@ def _phase_lines(plan: dict) -> list[str]:
 def _row(entry: dict) -> tuple[str, ...]:
     estimate = entry["estimate"]
     marker = "* " if entry["status"] == "chosen" else "  "
-    kept = sum(entry["principles"].values())
+    verdicts = " ".join("ok" if entry["principles"][name] else "FAIL" for name in JUDGED)
     return (marker + entry["name"], format_seconds(estimate["serial_s"]), format_seconds(estimate["compute_s"]),
             format_seconds(estimate["total_communication_s"]), f"{estimate['tokens_per_s']:,.0f}",
-            format_bytes(entry["memory"]["total"]), f"{kept}/{len(PRINCIPLES)}")
+            format_bytes(entry["memory"]["total"]), verdicts)

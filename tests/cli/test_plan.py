@@ -63,6 +63,8 @@ def test_every_candidate_is_judged_and_the_choice_is_the_fastest_compiled(plans)
     assert train["runner_up"] in {entry["name"] for entry in compiled} - {fastest["name"]} | {None}
     for entry in train["candidates"]:
         assert entry["status"] == "chosen" or entry["reason"]
+    for entry in compiled:  # the bound that prunes never exceeds what compiling gives
+        assert 0 < entry["lower_bound_s"] <= entry["estimate"]["compute_s"]
     meshes = {(entry["mesh"]["data"], entry["mesh"]["gpu"]) for entry in train["candidates"]}
     assert meshes == {(1, 2), (2, 1)}
     searched = {(entry["micro_batches"], entry["remat"]) for entry in train["candidates"] if entry["memory"]}
@@ -147,8 +149,8 @@ def test_a_shorter_sequence_is_advised_when_it_would_fit(monkeypatch):
 def test_a_candidate_whose_bound_exceeds_the_best_found_is_pruned(monkeypatch, tmp_path):
     real = planner.lower_bound
 
-    def bound(settings, topology, candidate, persistent):
-        return 1e9 if candidate.layout == "gpu_tp" else real(settings, topology, candidate, persistent)
+    def bound(settings, topology, mesh, candidate, persistent):
+        return 1e9 if candidate.layout == "gpu_tp" else real(settings, topology, mesh, candidate, persistent)
 
     monkeypatch.setattr(planner, "lower_bound", bound)
     settings = make_settings("tiny", "decode", 8, 32, "starscream_decode,gpu_tp", layers=2)
