@@ -18,7 +18,7 @@ from .arguments import add_cache_arguments, add_mesh_arguments, mesh_from_args, 
 from .format import clip, format_bytes, format_seconds
 from .inspect import DEFAULT_GPUS, DEFAULT_LAYERS, DEFAULT_MODEL, DEFAULT_PRESET
 
-REASON_WIDTH = 110
+REASON_WIDTH = 160
 SHOWN_LOSERS = 12
 
 
