@@ -46,6 +46,26 @@ def memory_rows(measured: list[dict]) -> list[dict]:
     return rows
 
 
+def step_rows(measured: list[dict]) -> list[dict]:
+    """The cost model's estimate of each measured step, compiled here on simulated devices of the h200 preset."""
+    from starscream_jax.analysis.compile import make_settings
+    from starscream_jax.analysis.layout_report import inspect_layouts
+    from starscream_jax.hardware.mesh import build_topology_mesh
+
+    rows = []
+    for case in measured:
+        gpus = case["mesh"]["data"] * case["mesh"]["gpu"]
+        topology, mesh = build_topology_mesh("h200", gpus=gpus, data=case["mesh"]["data"], simulate=True)
+        settings = make_settings(case["model"], case["phase"], case["batch"], case["seq"], case["layout"], 2)
+        estimate = inspect_layouts(settings, topology, mesh, reference=False)[case["layout"]]["estimate"]
+        rows.append({"name": case["name"], "measured_s": case["step_s"], "estimated_s": estimate["serial_s"],
+                     "ratio": estimate["serial_s"] / case["step_s"], "estimate": estimate})
+        print(f"{case['name']:24} measured {case['step_s'] * 1e3:8.1f} ms  estimated {estimate['serial_s'] * 1e3:8.1f} ms"
+              f"  (matmuls {estimate['compute_s'] * 1e3:.1f}, collectives {estimate['total_communication_s'] * 1e3:.1f})"
+              f"  ratio {rows[-1]['ratio']:.2f}", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--measured", type=Path, default=MEASURED)
@@ -58,6 +78,8 @@ def main(argv=None) -> int:
     result = {"command": "python " + " ".join(sys.argv), "measured": str(args.measured)}
     if "memory" in args.parts:
         result["memory"] = memory_rows(measured["memory"])
+    if "steps" in args.parts:
+        result["steps"] = step_rows(measured["steps"])
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     return 0
