@@ -8,7 +8,8 @@ the model's full depth (reference/theory.md has the formulas and their sources).
 - Collective: the latency floor of its scope plus its ring bytes per device over the bus bandwidth of its scope. The
   preset's bandwidths are RCCL / NCCL bus bandwidths, which already fold in the ring formulas' factors. Inside a GPU
   every partition group has the GPU's fabric; across GPUs (and nodes) the X partitions of a GPU run X rings at once
-  over the same links, so each gets 1/X of the GPU's bandwidth. Flat collectives get the measured flat figure.
+  over the same links, so each gets 1/X of the GPU's bandwidth. Flat collectives get the measured flat figures
+  (bandwidth and latency floor of a 64-rank ring).
 - Step: `serial` (compute then communication, no overlap: an upper bound) and `overlapped` (the larger of the two:
   a lower bound). Tokens per second use the serial time.
 - Measured chips: where `meshes/measured/<chip>.json` exists (H200: `scripts/measure_costmodel.py`), a matmul runs
@@ -125,7 +126,7 @@ def link_costs(topology) -> dict[str, LinkCost]:
         "intra_gpu": LinkCost(chip.intra_gpu_latency, chip.intra_gpu_bandwidth),
         "inter_gpu": LinkCost(chip.inter_gpu_latency, chip.inter_gpu_bandwidth / sharing),
         "inter_node": LinkCost(chip.inter_node_latency, chip.inter_node_bandwidth / sharing),
-        "flat": LinkCost(max(chip.intra_gpu_latency, chip.inter_gpu_latency), chip.flat_bandwidth),
+        "flat": LinkCost(chip.flat_latency, chip.flat_bandwidth),
     }
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from starscream_jax.analysis.compile import make_settings
 from starscream_jax.analysis.layout_report import memory_per_device
-from starscream_jax.analysis.memory import activation_bytes, format_bytes, gpu_memory, matmul_flops
+from starscream_jax.analysis.memory import activation_bytes, gpu_memory, matmul_flops
 from starscream_jax.hardware.mesh import build_topology_mesh
 from starscream_jax.model.config import load_model_config
 from starscream_jax.sharding.layouts import get_layout
@@ -51,6 +51,3 @@ def test_matmul_flops_divide_by_the_devices_that_split_the_work():
                                         + 3 * config.d_model * config.d_ff) + config.d_model * config.vocab_size)
     assert split == pytest.approx(per_token * 8 * 64 / 8)
 
-
-def test_bytes_print_with_binary_units():
-    assert [format_bytes(n) for n in (512, 1536, 3 * 2**20, 2 * 2**30)] == ["512 B", "1.5 KiB", "3.0 MiB", "2.0 GiB"]
