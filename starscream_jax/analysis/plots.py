@@ -188,7 +188,7 @@ def plot_plans(plans: dict[str, dict], path: Path | str) -> Path:
                        label="does not fit (at its lower bound)")
         ax.axvline(points["hbm_gib"], color="black", linestyle="--", label="HBM per device")
         ax.set(title=plans[phase]["model"] + f": {phase}", xlabel="memory per device (GiB, GPU estimate)",
-               ylabel="step (ms, serial)", yscale="log")
+               ylabel="step (ms, serial)", xscale="log", yscale="log")
         ax.legend(fontsize=7)
     figure.tight_layout()
     return _save(figure, path)

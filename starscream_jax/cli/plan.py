@@ -113,11 +113,16 @@ def commands(plan: dict, args: argparse.Namespace, topology) -> list[str]:
 
 
 def generate_command(plans: dict, args: argparse.Namespace, topology) -> str | None:
-    """`starscream generate` with the planned prefill and decode layouts, on the decode plan's mesh (generation
-    runs both phases on one mesh)."""
-    prefill, decode = (_chosen(plans[phase]) if phase in plans else None for phase in ("prefill", "decode"))
-    if prefill is None or decode is None:
+    """`starscream generate` on the decode plan's mesh (generation runs both phases on one mesh) with the chosen
+    decode layout and the fastest prefill candidate compiled on that same mesh."""
+    decode = _chosen(plans["decode"]) if "decode" in plans else None
+    if decode is None or "prefill" not in plans:
         return None
+    same_mesh = [entry for entry in plans["prefill"]["candidates"]
+                 if entry["estimate"] is not None and entry["mesh"] == decode["mesh"]]
+    if not same_mesh:
+        return None
+    prefill = min(same_mesh, key=lambda entry: entry["estimate"]["serial_s"])
     return (f"starscream generate {_mesh_flags(args, topology, decode['mesh']['data'])} --checkpoint "
             f"RUN_DIR/checkpoints --prefill-layout {prefill['layout']} --decode-layout {decode['layout']}")
 

@@ -193,3 +193,17 @@ def test_plan_is_a_subcommand():
     args = build_parser().parse_args(["plan", "--model", "tiny"])
     assert args.run is plan_command.run
     assert Topology.from_preset(args.default_preset).preset.name == "mi300x-cpx-nps1"
+
+
+def test_generate_takes_the_fastest_prefill_on_the_decode_plans_mesh():
+    def entry(layout, data, serial, status):
+        return {"layout": layout, "mesh": {"data": data, "gpu": 8 // data}, "status": status,
+                "estimate": {"serial_s": serial}}
+
+    plans = {"prefill": {"candidates": [entry("flat_tp", 8, 0.5, "chosen"), entry("starscream_tp", 1, 1.5, "slower"),
+                                        entry("flat_tp", 1, 9.0, "slower")]},
+             "decode": {"candidates": [entry("starscream_decode", 1, 0.02, "chosen")]}}
+    args = parse("--preset", "mi300x-cpx-nps1", "--gpus", "8")
+    command = plan_command.generate_command(plans, args, Topology.from_preset("mi300x-cpx-nps1", gpus=8))
+    assert command.endswith("--prefill-layout starscream_tp --decode-layout starscream_decode")
+    assert "--data-parallel" not in command
