@@ -39,6 +39,7 @@ from flax import nnx
 
 from ..errors import ShardingRuleError
 from ..hardware.axes import XCD
+from ..resources import data_dir
 from ..sharding.apply import LOGICAL_AXES, use_layout
 from ..sharding.layouts import get_layout
 from .compile import REFERENCE, CompiledStep, Settings, abstract_args, abstract_cache, compile_step
@@ -93,9 +94,11 @@ def inspect_layouts(settings: Settings, topology, mesh, refused: dict[str, str] 
 
 @functools.cache
 def _source_digest() -> str:
-    """A digest of the package's source: a cached result never outlives a change to the code that produced it."""
+    """A digest of the package's source and the hardware data (presets, measurements): a cached result never
+    outlives a change to the code or the figures that produced it."""
     digest = hashlib.sha256()
-    for path in sorted(Path(__file__).resolve().parent.parent.rglob("*.py")):
+    package = sorted(Path(__file__).resolve().parent.parent.rglob("*.py"))
+    for path in package + sorted(path for path in data_dir("meshes").rglob("*") if path.is_file()):
         digest.update(path.read_bytes())
     return digest.hexdigest()
 

@@ -43,7 +43,6 @@ from .memory import format_bytes, gpu_memory, matmul_flops
 REMAT_COST = {"none": 1.0, "dots": 1.0, "full": 4 / 3}
 """Matmul work of a training step under each remat policy, relative to none: full reruns the forward (a third of
 forward + backward); dots recomputes only elementwise work and attention, which the bound leaves out."""
-GIB = 2 ** 30
 JUDGED = ("no_redundancy", "hierarchical_collectives")
 """The principles the planner reports. Principle 1 needs gpu_tp compiled beside every candidate as its reference;
 the planner skips that (half the compiles) and `starscream inspect` of the chosen candidate judges it."""
