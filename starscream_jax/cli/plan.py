@@ -143,7 +143,8 @@ def _phase_lines(plan: dict) -> list[str]:
     lines = [f"{plan['phase']}: {plan['model']}, batch {plan['batch']} x seq {plan['seq']} on {plan['gpus']} GPUs x "
              f"{plan['partitions_per_gpu']} partitions, {format_bytes(plan['hbm_per_device'])} HBM per device; "
              f"{plan['compiled']} compiled of {len(plan['candidates'])} candidates in {plan['elapsed_s']:.0f} s"]
-    compiled = [entry for entry in plan["candidates"] if entry["estimate"] is not None]
+    compiled = sorted((entry for entry in plan["candidates"] if entry["estimate"] is not None),
+                      key=lambda entry: entry["estimate"]["serial_s"])
     header = ("  candidate", "step (serial)", "matmuls", "collectives", "tokens/s", "memory/device",
               "principles 2, 3")
     rows = [header] + [_row(entry) for entry in compiled]
