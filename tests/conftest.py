@@ -7,12 +7,15 @@ hardware those tests are skipped with a reason that names what they need.
 import functools
 import os
 import re
+import tempfile
 
 import pytest
 
 
 def pytest_configure(config):
-    """Chooses the platform from the marker expression, before any test module imports jax."""
+    """Chooses the platform from the marker expression, before any test module imports jax; compiled results that
+    `inspect` and `plan` keep go to a fresh directory of this run, never the user's cache."""
+    os.environ["STARSCREAM_CACHE"] = tempfile.mkdtemp(prefix="starscream-compiled-")
     accelerator_run = re.search(r"(?<!not )\b(gpu|rocm)\b", config.getoption("markexpr") or "")
     if not accelerator_run:
         os.environ["JAX_PLATFORMS"] = "cpu"

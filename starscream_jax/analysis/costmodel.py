@@ -8,11 +8,16 @@ the model's full depth (reference/theory.md has the formulas and their sources).
 - Collective: the latency floor of its scope plus its ring bytes per device over the bus bandwidth of its scope. The
   preset's bandwidths are RCCL / NCCL bus bandwidths, which already fold in the ring formulas' factors. Inside a GPU
   every partition group has the GPU's fabric; across GPUs (and nodes) the X partitions of a GPU run X rings at once
-  over the same links, so each gets 1/X of the GPU's bandwidth. Flat collectives get the measured flat figure.
-  Every kind is priced so, by its bytes from `report.ring_bytes_per_device`: an all-to-all (ragged or not) by the
-  (p-1)/p of its (send) buffer that leaves each device.
+  over the same links, so each gets 1/X of the GPU's bandwidth. Flat collectives get the measured flat figures
+  (bandwidth and latency floor of a 64-rank ring). Every kind is priced so, by its bytes from
+  `report.ring_bytes_per_device`: an all-to-all (ragged or not) by the (p-1)/p of its (send) buffer that leaves each
+  device.
 - Step: `serial` (compute then communication, no overlap: an upper bound) and `overlapped` (the larger of the two:
   a lower bound). Tokens per second use the serial time.
+- Measured chips: where `meshes/measured/<chip>.json` exists (H200: `scripts/measure_costmodel.py`), a matmul runs
+  at the efficiency measured for the nearest measured shape (log distance in M, K, N; the shape's batch folded into
+  M) instead of at peak, and a collective between GPUs at the bus bandwidth measured for its kind at the nearest
+  buffer size (log-interpolated) instead of the preset's figure; `Measurements` reads the file.
 
 The figures come from programs compiled for simulated CPU devices, which move bfloat16 as float32 and run a
 reduce-scatter as an all-reduce plus a slice: communication is overstated up to 2x (4x for reduce-scatters), more
@@ -21,9 +26,14 @@ for the layouts that reduce-scatter (starscream_tp, the FSDP pair), so compariso
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
 from typing import Any
 
+import numpy as np
+
+from ..resources import data_dir
 from .report import SCOPES
 
 LINK_SCOPES = tuple(scope for scope in SCOPES if scope != "local")
@@ -72,6 +82,44 @@ class StepEstimate:
                 "serial_s": self.serial_s, "overlapped_s": self.overlapped_s, "tokens_per_s": self.tokens_per_s}
 
 
+@dataclasses.dataclass(frozen=True)
+class Measurements:
+    """Matmul efficiency per shape (rows of m, k, n, efficiency against the chip's peak) and collective bus bandwidth
+    per kind and buffer size (rows of kind, bytes, bus_bandwidth), measured on one chip."""
+
+    matmul: tuple[tuple[int, int, int, float], ...]
+    collectives: dict[str, tuple[tuple[float, float], ...]]
+
+    def efficiency(self, m: int, k: int, n: int) -> float:
+        """The measured efficiency of the nearest measured shape (log distance)."""
+        target = np.log([m, k, n])
+        shapes = np.log([row[:3] for row in self.matmul])
+        return self.matmul[int(np.argmin(((shapes - target) ** 2).sum(axis=1)))][3]
+
+    def bus_bandwidth(self, kind: str, buffer_bytes: float) -> float | None:
+        """The bus bandwidth measured for `kind` ("all-reduce", ...), log-interpolated at `buffer_bytes` (clamped
+        to the measured sizes); None for a kind not measured."""
+        rows = self.collectives.get(kind)
+        if not rows:
+            return None
+        sizes, bandwidths = zip(*rows)
+        return float(np.exp(np.interp(np.log(max(buffer_bytes, 1)), np.log(sizes), np.log(bandwidths))))
+
+
+@functools.cache
+def measurements(chip: str) -> Measurements | None:
+    """The measurements of `chip` in meshes/measured/<chip>.json, or None when it has none."""
+    path = data_dir("meshes") / "measured" / f"{chip}.json"
+    if not path.is_file():
+        return None
+    raw = json.loads(path.read_text())
+    collectives: dict[str, list] = {}
+    for row in raw["collectives"]:
+        collectives.setdefault(row["kind"].replace("_", "-"), []).append((row["bytes"], row["bus_bandwidth"]))
+    return Measurements(tuple((r["m"], r["k"], r["n"], r["efficiency"]) for r in raw["matmul"]),
+                        {kind: tuple(sorted(rows)) for kind, rows in collectives.items()})
+
+
 def link_costs(topology) -> dict[str, LinkCost]:
     """LinkCost per collective scope for `topology` (a collective of one member, scope "local", costs nothing)."""
     chip, sharing = topology.preset.chip, topology.partitions_per_gpu
@@ -80,7 +128,7 @@ def link_costs(topology) -> dict[str, LinkCost]:
         "intra_gpu": LinkCost(chip.intra_gpu_latency, chip.intra_gpu_bandwidth),
         "inter_gpu": LinkCost(chip.inter_gpu_latency, chip.inter_gpu_bandwidth / sharing),
         "inter_node": LinkCost(chip.inter_node_latency, chip.inter_node_bandwidth / sharing),
-        "flat": LinkCost(max(chip.intra_gpu_latency, chip.inter_gpu_latency), chip.flat_bandwidth),
+        "flat": LinkCost(chip.flat_latency, chip.flat_bandwidth),
     }
 
 
@@ -90,10 +138,25 @@ def matmul_work(batch: int, m: int, k: int, n: int, itemsize: int) -> tuple[int,
     return 2 * batch * m * k * n, itemsize * batch * (m * k + k * n + m * n)
 
 
-def matmul_seconds(matmul: dict[str, Any], peak_flops: float, hbm_bandwidth: float, itemsize: int) -> float:
-    """Roofline seconds of one run of a local matmul {"batch", "m", "k", "n"} on one partition."""
+def matmul_seconds(matmul: dict[str, Any], peak_flops: float, hbm_bandwidth: float, itemsize: int,
+                   measured: Measurements | None = None) -> float:
+    """Roofline seconds of one run of a local matmul {"batch", "m", "k", "n"} on one partition, at the measured
+    efficiency of its shape when `measured` is given."""
     flops, moved = matmul_work(matmul["batch"], matmul["m"], matmul["k"], matmul["n"], itemsize)
+    if measured is not None:
+        peak_flops *= measured.efficiency(matmul["batch"] * matmul["m"], matmul["k"], matmul["n"])
     return max(flops / peak_flops, moved / hbm_bandwidth)
+
+
+def collective_seconds(collective: dict[str, Any], cost: LinkCost, measured: Measurements | None) -> float:
+    """Seconds of one run of a collective: its ring bytes per device over the bus bandwidth measured for its kind
+    and buffer size (between GPUs, where measured), else the scope's latency floor plus bytes over its bandwidth."""
+    bandwidth = None
+    if measured is not None and collective["scope"] != "intra_gpu":
+        bandwidth = measured.bus_bandwidth(collective["kind"], collective["buffer_bytes"])
+    if bandwidth is None:
+        return cost.seconds(collective["bytes_per_device"])
+    return max(cost.latency, collective["bytes_per_device"] / bandwidth)
 
 
 def estimate_step(result: dict[str, Any], topology, itemsize: int) -> StepEstimate:
@@ -101,8 +164,9 @@ def estimate_step(result: dict[str, Any], topology, itemsize: int) -> StepEstima
     matmuls with their full-depth runs, its collectives with their scope, count and whether they run in the layer
     loop. `itemsize`: bytes per element of the compute dtype."""
     compute = memory_bound = 0.0
+    measured = measurements(topology.preset.chip.name)
     for matmul in result["matmuls"]:
-        seconds = matmul_seconds(matmul, topology.peak_flops, topology.hbm_bandwidth, itemsize)
+        seconds = matmul_seconds(matmul, topology.peak_flops, topology.hbm_bandwidth, itemsize, measured)
         compute += seconds * matmul["full_depth_runs"]
         if matmul["below_ridge"]:
             memory_bound += seconds * matmul["full_depth_runs"]
@@ -113,6 +177,6 @@ def estimate_step(result: dict[str, Any], topology, itemsize: int) -> StepEstima
         if collective["scope"] == "local":
             continue
         runs = collective["count"] * (depth if collective["in_layer_loop"] else 1)
-        communication[collective["scope"]] += runs * costs[collective["scope"]].seconds(collective["bytes_per_device"])
+        communication[collective["scope"]] += runs * collective_seconds(collective, costs[collective["scope"]], measured)
     tokens = result["batch"] * (1 if result["phase"] == "decode" else result["seq"])
     return StepEstimate(compute, memory_bound, communication, tokens)

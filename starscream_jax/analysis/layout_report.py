@@ -26,7 +26,11 @@ compared with the preset's ridge point (peak FLOP/s over HBM bytes/s of one part
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -36,7 +40,9 @@ from flax import nnx
 from ..errors import ShardingRuleError
 from ..hardware.axes import XCD, spec_axes
 from ..model.names import TOKENS
+from ..resources import data_dir
 from ..sharding.apply import LOGICAL_AXES, activation_spec, use_layout
+from ..sharding.layouts import get_layout
 from .compile import REFERENCE, CompiledStep, Settings, abstract_args, abstract_cache, compile_step
 from .costmodel import estimate_step, matmul_work
 from .principles import check_principles, reads_once_per_gpu
@@ -45,20 +51,32 @@ from .report import SCOPES, inspect_compiled
 PRINCIPLES = ("shape_preservation", "no_redundancy", "hierarchical_collectives")
 
 
-def inspect_layouts(settings: Settings, topology, mesh, refused: dict[str, str] | None = None) -> dict[str, dict]:
+def inspect_layouts(settings: Settings, topology, mesh, refused: dict[str, str] | None = None,
+                    cache: ResultCache | None = None, reference: bool = True) -> dict[str, dict]:
     """Compile every layout of `settings` and gpu_tp on `mesh`; {layout name: result} (see `layout_result`).
 
     A layout that cannot place the model on the mesh raises its ShardingRuleError, unless `refused` is given: then
-    the error's message is recorded there under the layout's name and the layout left out (never gpu_tp, the
-    reference every verdict needs)."""
+    the error's message is recorded there under the layout's name and the layout left out. When gpu_tp, the
+    reference of principle 1, cannot place the model either, the others are still compiled and judged by principles
+    2 and 3 only; `reference=False` skips compiling it (the planner's choice: half the compiles). `cache` returns
+    results compiled before for the same settings and mesh without compiling again, and keeps the new ones."""
+    results = {}
+    for name in settings.layouts:
+        cached = cache.get(settings, topology, mesh, name) if cache is not None else None
+        if cached is not None:
+            results[name] = cached
+    missing = [name for name in settings.layouts if name not in results]
+    if not missing:
+        return results
     steps = {}
-    for name in dict.fromkeys((*settings.layouts, REFERENCE)):
+    for name in dict.fromkeys((*missing, REFERENCE) if reference else missing):
         try:
             steps[name] = compile_step(settings, name, mesh)
         except ShardingRuleError as err:
-            if refused is None or name == REFERENCE:
+            if refused is None:
                 raise
-            refused[name] = str(err)
+            if name in missing:
+                refused[name] = str(err)
     if settings.dump_hlo is not None:
         settings.dump_hlo.mkdir(parents=True, exist_ok=True)
         for name, step in steps.items():
@@ -68,8 +86,53 @@ def inspect_layouts(settings: Settings, topology, mesh, refused: dict[str, str] 
                                       lowered_text=step.lowered_text, token_dims=token_dims, outputs=step.outputs,
                                       tokens_per_device=tokens_per_device(step.layout, mesh, token_dims))
                for name, step in steps.items()}
-    return {name: layout_result(settings, topology, mesh, steps[name], reports[name], reports[REFERENCE])
-            for name in settings.layouts if name in steps}
+    for name in missing:
+        if name in steps:
+            results[name] = layout_result(settings, topology, mesh, steps[name], reports[name], reports.get(REFERENCE))
+            if cache is not None:
+                cache.put(settings, topology, mesh, name, results[name])
+    return {name: results[name] for name in settings.layouts if name in results}
+
+
+@functools.cache
+def _source_digest() -> str:
+    """A digest of the package's source and the hardware data (presets, measurements): a cached result never
+    outlives a change to the code or the figures that produced it."""
+    digest = hashlib.sha256()
+    package = sorted(Path(__file__).resolve().parent.parent.rglob("*.py"))
+    for path in package + sorted(path for path in data_dir("meshes").rglob("*") if path.is_file()):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+class ResultCache:
+    """Results of `layout_result` kept as JSON files in `directory`, one per (model, compiled depth, phase, shapes,
+    remat policy, training and sampling settings, preset, mesh shape, layout rules, package and JAX versions): a
+    second `plan`, or an `inspect` of a planned candidate, reads them instead of compiling."""
+
+    def __init__(self, directory: Path | str):
+        self.directory = Path(directory)
+
+    def _path(self, settings: Settings, topology, mesh, layout: str) -> Path:
+        key = json.dumps({"config": dataclasses.asdict(settings.config), "full_layers": settings.full_layers,
+                          "phase": settings.phase, "batch": settings.batch, "seq": settings.seq,
+                          "cache": settings.cache, "training": dataclasses.asdict(settings.training),
+                          "sampling": dataclasses.asdict(settings.sampling), "topology": topology.describe(),
+                          "mesh": dict(mesh.shape), "layout": repr(get_layout(layout)),
+                          "reference": repr(get_layout(REFERENCE)), "source": _source_digest(), "jax": jax.__version__},
+                         sort_keys=True, default=str)
+        return self.directory / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+    def get(self, settings: Settings, topology, mesh, layout: str) -> dict | None:
+        path = self._path(settings, topology, mesh, layout)
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def put(self, settings: Settings, topology, mesh, layout: str, result: dict) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self._path(settings, topology, mesh, layout)
+        partial = path.with_suffix(".tmp")
+        partial.write_text(json.dumps(result))
+        partial.replace(path)
 
 
 def tokens_per_device(layout, mesh, token_dims: tuple[int, int]) -> int:
@@ -210,7 +273,7 @@ def principles(settings: Settings, step: CompiledStep, report, reference, partit
     allowed = (replicated_ok_names(step.args, step.layout.replicated_ok)
                | replicated_ok_names(step.outputs, step.layout.replicated_ok, prefix="output/"))
     verdicts = check_principles(report, reference, replicated_ok=allowed)
-    if settings.phase == "decode":
+    if settings.phase == "decode" and reference is not None:
         verdicts["shape_preservation"] = reads_once_per_gpu(report.matmuls, reference.matmuls, partitions)
     return verdicts
 

@@ -1,70 +1,277 @@
-"""The planner: a layout for each phase (train, prefill, decode), chosen with the cost model.
+"""The planner: for each phase (train, prefill, decode), the fastest configuration that fits a partition's memory.
 
-For each phase every candidate layout is compiled as `starscream inspect` compiles it (`layout_report.inspect_layouts`:
-simulated devices, abstract inputs, a few layers) and once more one layer deeper, which gives the growth of the
-compiler's temporary memory per layer. Each is then
-  - estimated by `costmodel.estimate_step` (matmul rooflines + collectives, full depth),
-  - sized: parameters, optimizer state and KV cache per device at full depth, plus the temporaries extrapolated to
-    full depth (temp at L layers + (N - L) x growth per layer),
-  - judged by the three principles, as `starscream inspect` judges them.
-The plan for the phase is the layout with the shortest serial step among those that fit the partition's HBM. A layout
-that cannot place the model on the mesh (a batch smaller than the devices it must split over, say) is listed with the
-reason. Every layer of these models is alike, so the layout chosen for a phase is the choice for each of its layers.
-The memory figures come from the CPU compile, which holds bfloat16 temporaries as float32 and stores attention's score
-matrix (a fused GPU kernel does not): they overstate what a GPU needs.
+A candidate is a mesh shape, a layout and, in training, a number of gradient-accumulation micro-batches and a remat
+policy:
+  mesh       every factorisation of the GPUs into `data` x `gpu` (the layout's tensor / expert parallelism over
+             `gpu`, data parallelism over `data`; the partitions of each GPU stay the `xcd` axis);
+  layout     each layout asked for (default: all);
+  training   micro-batches n dividing the batch (the step runs n micro-batches of batch / n sequences, gradients
+             accumulated) and remat policies none, dots, full (`model.config.REMAT_POLICIES`).
+Every candidate is judged, in order, and none raises:
+  cannot place   the layout cannot place the model's tensors on that mesh (the resolver's reason);
+  does not fit   the GPU memory estimate (`analysis.memory.gpu_memory`: persistent state exact, activations
+                 counted from shapes and placements) exceeds the partition's HBM (by how much);
+  dominated      another candidate of the same mesh and layout fits with no more micro-batches and no more
+                 recomputation, so it is at least as fast by the cost model (its matmuls and collectives scale with
+                 the micro-batches, recomputation only adds);
+  pruned         the cost model's lower bound for it (the FLOPs at peak over every device, or the bytes every device
+                 must read in decode; or, once one candidate of its mesh and layout is compiled, that one's matmul
+                 time scaled by recomputation) is already above the best step compiled;
+  compiled       the rest, compiled as `starscream inspect` compiles them (`layout_report.inspect_layouts`, with
+                 the result cache) and estimated by `costmodel.estimate_step`; with n micro-batches the step is n
+                 compiled micro-steps (each one's matmuls and collectives, the gradient reduction included, as the
+                 accumulating step runs them; the optimizer update, counted n times, is elementwise and costs the
+                 model nothing).
+The choice is the compiled candidate with the shortest serial step; the runner-up and every other candidate are
+listed with the reason they lost. When nothing fits, `advice` says what would: more GPUs, a shorter sequence.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import math
+import time
+from typing import Any, Callable
 
-from .compile import Settings, compile_step
-from .layout_report import PRINCIPLES, inspect_layouts
+from ..errors import ShardingRuleError
+from ..hardware.mesh import build_topology_mesh
+from ..model.config import REMAT_POLICIES
+from ..sharding.apply import batch_sharding
+from .compile import Settings
+from .format import format_bytes
+from .layout_report import ResultCache, inspect_layouts, memory_per_device
+from .memory import gpu_memory, matmul_flops
 
-REMAT = "+remat"
-"""Suffix of a candidate that recomputes each layer's activations in the backward pass."""
+REMAT_COST = {"none": 1.0, "dots": 1.0, "full": 4 / 3}
+"""Matmul work of a training step under each remat policy, relative to none: full reruns the forward (a third of
+forward + backward); dots recomputes only elementwise work and attention, which the bound leaves out."""
+JUDGED = ("no_redundancy", "hierarchical_collectives")
+"""The principles the planner reports. Principle 1 needs gpu_tp compiled beside every candidate as its reference;
+the planner skips that (half the compiles) and `starscream inspect` of the chosen candidate judges it."""
 
 
-def plan_phase(settings: Settings, topology, mesh) -> dict[str, Any]:
-    """{"phase", "model", "batch", "seq", "hbm_per_device", "candidates": {layout: candidate}, "refused": {layout:
-    reason}, "choice": the fastest layout that fits, or None}; a candidate holds the cost model's "estimate",
-    "memory_per_device" at full depth, "fits" and the principle verdicts ("principles": {name: ok}).
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One configuration: `layout` on a mesh of `data` x `gpu` GPUs (x the partitions of each), in training with
+    `micro_batches` accumulated micro-batches and remat policy `remat`."""
 
-    In training, a layout that does not fit is tried again with rematerialization (each layer's activations
-    recomputed in the backward pass instead of kept), as the candidate "<layout>+remat"."""
+    layout: str
+    data: int
+    gpu: int
+    micro_batches: int = 1
+    remat: str = "none"
+
+    @property
+    def name(self) -> str:
+        text = f"{self.layout} data {self.data} x gpu {self.gpu}"
+        if self.micro_batches > 1:
+            text += f", {self.micro_batches} micro-batches"
+        return text + (f", remat {self.remat}" if self.remat != "none" else "")
+
+    def dominates(self, other: Candidate) -> bool:
+        """Same mesh and layout, no more micro-batches and no more recomputation, and not the same candidate."""
+        order = REMAT_POLICIES.index
+        return (self != other and (self.layout, self.data) == (other.layout, other.data)
+                and self.micro_batches <= other.micro_batches and order(self.remat) <= order(other.remat))
+
+
+def divisors(count: int) -> list[int]:
+    return [d for d in range(1, count + 1) if count % d == 0]
+
+
+def plan_phase(settings: Settings, topology, *, cache: ResultCache | None = None,
+               progress: Callable[[int, int, float], None] | None = None) -> dict[str, Any]:
+    """The plan of one phase (see the module docstring) over the mesh shapes of `topology`'s GPUs and the layouts of
+    `settings` (its batch, sequence and compiled depth). `progress(compiled or pruned, to judge, seconds)` is called
+    as the search goes. Returns {"phase", "model", "batch", "seq", "gpus", "hbm_per_device", "candidates": [entry],
+    "choice", "runner_up" (names or None), "advice": [lines], "compiled", "elapsed_s"}; an entry holds "name",
+    "layout", "mesh", "micro_batches", "remat", "status" (chosen, runner-up, slower, does not fit, cannot place,
+    dominated, pruned), "reason", "memory" (the GPU estimate by component, bytes per device), "fits",
+    "lower_bound_s", and when compiled "estimate" (serial_s etc., all micro-batches) and "principles"."""
+    start = time.perf_counter()
+    gpus = topology.gpus_per_node * topology.nodes
+    meshes = {data: build_topology_mesh(topology, data=data, simulate=True)[1] for data in divisors(gpus)}
+    entries = [entry for data, mesh in meshes.items() for layout in settings.layouts
+               for entry in _sized(settings, topology, mesh, Candidate(layout, data, gpus // data))]
+    fitting = [entry for entry in entries if entry["fits"]]
+    for entry in fitting:
+        better = next((other for other in fitting if other["candidate"].dominates(entry["candidate"])), None)
+        if better is not None:
+            entry.update(status="dominated", reason=f"{better['name']} fits with no more micro-batches and no more "
+                                                    "recomputation")
+    to_judge = [entry for entry in fitting if entry["status"] is None]
+    compiled = _search(settings, topology, meshes, to_judge, cache, progress, start)
+    _rank(compiled)
+    choice = compiled[0]["name"] if compiled else None
+    return {"phase": settings.phase, "model": settings.config.name, "dtype": settings.config.dtype,
+            "batch": settings.batch, "seq": settings.seq, "gpus": gpus, "partitions_per_gpu": topology.partitions_per_gpu, "hbm_per_device": topology.hbm_bytes,
+            "candidates": [_public(entry) for entry in entries], "choice": choice,
+            "runner_up": compiled[1]["name"] if len(compiled) > 1 else None,
+            "advice": [] if choice else advice(settings, topology, meshes, entries),
+            "compiled": len(compiled), "elapsed_s": time.perf_counter() - start}
+
+
+def _sized(settings: Settings, topology, mesh, base: Candidate) -> list[dict]:
+    """The entries of one mesh and layout, one per micro-batch count and remat policy (train) or one, each with
+    its GPU memory estimate and fit, or a single "cannot place" entry per micro-batch count."""
+    training = settings.phase == "train"
+    entries = []
+    try:
+        persistent = memory_per_device(settings, base.layout, mesh, None, topology.hbm_bytes)
+    except ShardingRuleError as err:
+        return [_entry(base, "cannot place", str(err))]
+    full_model = settings.config.replace(n_layers=settings.full_layers)
+    for micro_batches in divisors(settings.batch) if training else [1]:
+        for remat in REMAT_POLICIES if training else ("none",):
+            candidate = dataclasses.replace(base, micro_batches=micro_batches, remat=remat)
+            try:
+                batch_sharding(base.layout, mesh, settings.batch // micro_batches)
+                memory = gpu_memory(full_model.replace(remat=remat), base.layout, mesh, settings.phase,
+                                    settings.batch, settings.seq, persistent, micro_batches)
+            except ShardingRuleError as err:
+                entries.append(_entry(candidate, "cannot place", str(err)))
+                break
+            entry = _entry(candidate, None, "", memory=memory, fits=memory["total"] <= topology.hbm_bytes)
+            entry["lower_bound_s"] = lower_bound(settings, topology, mesh, candidate, persistent)
+            if not entry["fits"]:
+                over = memory["total"] - topology.hbm_bytes
+                entry.update(status="does not fit", reason=f"needs {format_bytes(memory['total'])} of "
+                                                           f"{format_bytes(topology.hbm_bytes)} (over by {format_bytes(over)})")
+            entries.append(entry)
+    return entries
+
+
+def _entry(candidate: Candidate, status: str | None, reason: str, **fields) -> dict:
+    return {"candidate": candidate, "name": candidate.name, "layout": candidate.layout,
+            "mesh": {"data": candidate.data, "gpu": candidate.gpu}, "micro_batches": candidate.micro_batches,
+            "remat": candidate.remat, "status": status, "reason": reason, "memory": None, "fits": False,
+            "lower_bound_s": None, "estimate": None, "principles": None, **fields}
+
+
+def lower_bound(settings: Settings, topology, mesh, candidate: Candidate, persistent: dict) -> float:
+    """Seconds the cost model cannot go below for this candidate, from shapes alone: the projection and head matmuls
+    each device runs (its tokens times its share of each weight at use, `memory.matmul_flops`; train 3x the
+    forward, scaled by recomputation) at peak FLOP/s, and in decode at least the bytes each device must read once
+    (its parameters and KV cache) at HBM bandwidth. Attention's own matmuls are left out, so the figure stays
+    below the compiled estimate."""
+    config = settings.config.replace(n_layers=settings.full_layers)
+    rows = settings.batch // candidate.micro_batches
+    flops = candidate.micro_batches * matmul_flops(config, candidate.layout, mesh, rows,
+                                                   1 if settings.phase == "decode" else settings.seq)
+    if settings.phase == "train":
+        flops *= 3 * REMAT_COST[candidate.remat]
+    compute = flops / topology.peak_flops
+    reads = (persistent["params"] + (persistent["kv_cache"] or 0)) / topology.hbm_bandwidth
+    return max(compute, reads) if settings.phase == "decode" else compute
+
+
+def _search(settings: Settings, topology, meshes: dict, to_judge: list[dict], cache, progress, start) -> list[dict]:
+    """Compile the entries in order of their lower bound, pruning those whose bound exceeds the best step found;
+    returns the compiled entries."""
+    compiled, remaining, best = [], list(to_judge), math.inf
+    while remaining:
+        entry = min(remaining, key=lambda e: _bound(e, compiled))
+        remaining.remove(entry)
+        bound = _bound(entry, compiled)
+        if bound >= best:
+            entry.update(status="pruned", reason=f"the cost model's lower bound, {bound * 1e3:.1f} ms, is above the "
+                                                 f"best step found, {best * 1e3:.1f} ms")
+        else:
+            _compile(settings, topology, meshes[entry["candidate"].data], entry, cache)
+            if entry["estimate"] is not None:
+                compiled.append(entry)
+                best = min(best, entry["estimate"]["serial_s"])
+        if progress is not None:
+            progress(len(to_judge) - len(remaining), len(to_judge), time.perf_counter() - start)
+    return compiled
+
+
+def _bound(entry: dict, compiled: list[dict]) -> float:
+    """The entry's lower bound, raised to a compiled sibling's (same mesh and layout) matmul time scaled by
+    recomputation when there is one."""
+    candidate = entry["candidate"]
+    siblings = [other["estimate"]["compute_s"] * REMAT_COST[candidate.remat] / REMAT_COST[other["remat"]]
+                for other in compiled if (other["layout"], other["mesh"]) == (entry["layout"], entry["mesh"])]
+    return max([entry["lower_bound_s"], *siblings])
+
+
+def _compile(settings: Settings, topology, mesh, entry: dict, cache) -> None:
+    """Compile one micro-step of the entry and record its estimate for the whole step, or why it cannot place."""
+    candidate = entry["candidate"]
+    micro = dataclasses.replace(settings, config=settings.config.replace(remat=candidate.remat),
+                                batch=settings.batch // candidate.micro_batches, layouts=(candidate.layout,))
     refused: dict[str, str] = {}
-    candidates = _candidates(settings, topology, mesh, refused)
-    too_big = tuple(name for name, candidate in candidates.items() if not candidate["fits"])
-    if settings.phase == "train" and too_big and not settings.config.remat:
-        remat = dataclasses.replace(settings, config=settings.config.replace(remat=True), layouts=too_big)
-        candidates |= {f"{name}{REMAT}": candidate for name, candidate in _candidates(remat, topology, mesh).items()}
-    fitting = [name for name, candidate in candidates.items() if candidate["fits"]]
-    choice = min(fitting, key=lambda name: candidates[name]["estimate"]["serial_s"], default=None)
-    return {"phase": settings.phase, "model": settings.config.name, "batch": settings.batch, "seq": settings.seq,
-            "hbm_per_device": topology.hbm_bytes, "candidates": candidates, "refused": refused, "choice": choice}
+    results = inspect_layouts(micro, topology, mesh, refused, cache, reference=False)
+    if candidate.layout in refused:
+        entry.update(status="cannot place", reason=refused[candidate.layout])
+        return
+    result = results[candidate.layout]
+    entry["estimate"] = accumulated(result["estimate"], candidate.micro_batches)
+    entry["principles"] = {name: result["principles"][name]["ok"] for name in JUDGED}
 
 
-def _candidates(settings: Settings, topology, mesh, refused: dict[str, str] | None = None) -> dict[str, dict]:
-    """Each layout of `settings` that places the model: its estimate, memory at full depth, fit and verdicts."""
-    results = inspect_layouts(settings, topology, mesh, refused)
-    deeper = dataclasses.replace(settings, config=settings.config.replace(n_layers=settings.layers + 1))
-    candidates = {}
-    for name, result in results.items():
-        compiled_temp = result["memory_per_device"]["compiled"]["temp_bytes"]
-        growth = _temp_bytes(compile_step(deeper, name, mesh)) - compiled_temp
-        memory = full_depth_memory(result["memory_per_device"], settings.full_layers, settings.layers, growth)
-        candidates[name] = {"estimate": result["estimate"], "memory_per_device": memory,
-                            "fits": memory <= topology.hbm_bytes,
-                            "principles": {p: result["principles"][p]["ok"] for p in PRINCIPLES}}
-    return candidates
+def accumulated(estimate: dict, micro_batches: int) -> dict:
+    """A micro-step's estimate (`StepEstimate.to_dict`) scaled to `micro_batches` of them: times multiply, tokens
+    per step too, so tokens per second stay the micro-step's."""
+    scaled = {key: value * micro_batches for key, value in estimate.items()
+              if key in ("compute_s", "memory_bound_s", "total_communication_s", "serial_s", "overlapped_s", "tokens")}
+    communication = {scope: seconds * micro_batches for scope, seconds in estimate["communication_s"].items()}
+    return {**estimate, **scaled, "communication_s": communication, "micro_batches": micro_batches}
 
 
-def full_depth_memory(memory: dict[str, Any], full_layers: int, compiled_layers: int, temp_per_layer: float) -> float:
-    """Bytes per device at full depth: the persistent arrays (exact at full depth) plus the compiled temporaries
-    extrapolated from `compiled_layers` to `full_layers` at `temp_per_layer` (never below the compiled figure)."""
-    temp = memory["compiled"]["temp_bytes"] + (full_layers - compiled_layers) * max(temp_per_layer, 0.0)
-    return memory["persistent"] + temp
+def _rank(compiled: list[dict]) -> None:
+    """Sort the compiled entries fastest first and mark them chosen, runner-up or slower (by how much)."""
+    compiled.sort(key=lambda entry: entry["estimate"]["serial_s"])
+    for index, entry in enumerate(compiled):
+        ratio = entry["estimate"]["serial_s"] / compiled[0]["estimate"]["serial_s"]
+        status = "chosen" if index == 0 else "runner-up" if index == 1 else "slower"
+        entry.update(status=status, reason="" if index == 0 else f"{ratio:.2f}x the chosen step")
 
 
-def _temp_bytes(step) -> int:
-    return step.compiled.memory_analysis().temp_size_in_bytes
+def _public(entry: dict) -> dict:
+    return {key: value for key, value in entry.items() if key != "candidate"}
+
+
+def advice(settings: Settings, topology, meshes: dict, entries: list[dict]) -> list[str]:
+    """What would fit when nothing does: the smallest candidate's need, the GPUs that would hold it, and the
+    longest sequence (halving) at which it fits."""
+    sized = [entry for entry in entries if entry["memory"] is not None]
+    if not sized:
+        reasons = {entry["reason"] for entry in entries}
+        return [f"no layout can place the model on any mesh of {topology.gpus_per_node * topology.nodes} GPUs; "
+                f"the resolver says: {sorted(reasons)[0]}"]
+    smallest = min(sized, key=lambda entry: entry["memory"]["total"])
+    memory, hbm = smallest["memory"], topology.hbm_bytes
+    persistent = memory["params"] + memory["optimizer_state"] + memory["kv_cache"] + memory.get("gradients", 0.0)
+    transient = memory["total"] - persistent
+    lines = [f"the smallest candidate, {smallest['name']}, needs {format_bytes(memory['total'])} per device of "
+             f"{format_bytes(hbm)}"]
+    gpus = topology.gpus_per_node * topology.nodes
+    if transient < hbm:
+        needed = math.ceil(gpus * persistent / (hbm - transient))
+        lines.append(f"more GPUs: about {needed} GPUs would hold its parameters, optimizer state and gradients "
+                     f"({format_bytes(persistent * gpus)} in all) beside its {format_bytes(transient)} of activations per device")
+    if settings.phase != "decode":
+        shorter = _shorter_sequence(settings, topology, meshes[smallest["candidate"].data], smallest)
+        if shorter is not None:
+            lines.append(f"a shorter sequence: --seq {shorter[0]} fits ({format_bytes(shorter[1])})")
+    lines.append("a smaller micro-batch: every micro-batch count down to 1 sequence was tried (see the candidates)"
+                 if settings.phase == "train" else "a smaller batch: --batch fewer sequences")
+    return lines
+
+
+def _shorter_sequence(settings: Settings, topology, mesh, entry: dict) -> tuple[int, float] | None:
+    """(seq, bytes) of the longest halving of the sequence at which `entry`'s configuration fits, or None."""
+    candidate = entry["candidate"]
+    full_model = settings.config.replace(n_layers=settings.full_layers, remat=candidate.remat)
+    persistent = {key: entry["memory"][key] for key in ("params", "optimizer_state", "kv_cache")}
+    seq = settings.seq // 2
+    while seq >= 2:
+        try:
+            memory = gpu_memory(full_model, candidate.layout, mesh, settings.phase, settings.batch, seq, persistent,
+                                candidate.micro_batches)
+        except ShardingRuleError:
+            return None
+        if memory["total"] <= topology.hbm_bytes:
+            return seq, memory["total"]
+        seq //= 2
+    return None

@@ -3,7 +3,10 @@ launch, and what they build. Importing JAX starts no backend, so `prepare_simula
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
+from ..analysis.layout_report import ResultCache
 from ..errors import StarscreamError
 from ..hardware.distributed import initialize
 from ..hardware.mesh import build_topology_mesh, resolve_topology
@@ -109,3 +112,21 @@ def initialize_from_args(args: argparse.Namespace) -> bool:
             f"{args.process_id}; expected all three together; pass each one, or none with --distributed"
         )
     return initialize(args.coordinator, args.num_processes, args.process_id)
+
+
+CACHE_ENV = "STARSCREAM_CACHE"
+DEFAULT_CACHE = Path.home() / ".cache" / "starscream" / "compiled"
+
+
+def add_cache_arguments(group) -> None:
+    """--cache-dir and --no-cache: where `inspect` and `plan` keep compiled results."""
+    group.add_argument("--cache-dir", type=Path, default=None,
+                       help=f"where compiled results are kept (default: ${CACHE_ENV} or {DEFAULT_CACHE})")
+    group.add_argument("--no-cache", action="store_true", help="compile afresh, reading no kept result")
+
+
+def result_cache(args: argparse.Namespace) -> ResultCache | None:
+    """The compiled-result cache the arguments name (None with --no-cache)."""
+    if args.no_cache:
+        return None
+    return ResultCache(args.cache_dir or os.environ.get(CACHE_ENV) or DEFAULT_CACHE)

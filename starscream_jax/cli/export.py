@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..analysis.format import format_bytes
 from ..hardware.distributed import is_main_process
 from ..model.hf_checkpoint import DEFAULT_SHARD_BYTES, SAVED_DTYPES, export_hf_model
 from ..model.hf_config import read_hf_config
 from ..training.checkpoint import CheckpointStore, restore_model
 from ..training.config import TrainConfig
 from .arguments import add_distributed_arguments, add_mesh_arguments, initialize_from_args, mesh_from_args
-from .format import format_bytes
 from .train import DEFAULT_GPUS, DEFAULT_PRESET
 
 

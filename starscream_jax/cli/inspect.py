@@ -7,14 +7,16 @@ principle; --json holds them all).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
 from ..analysis.compile import PHASES, Settings, make_settings
+from ..analysis.format import clip, format_bytes, format_seconds
 from ..analysis.layout_report import PRINCIPLES, inspect_layouts
-from ..errors import StarscreamError
-from .arguments import add_mesh_arguments, mesh_from_args, prepare_simulation
-from .format import clip, format_bytes, format_seconds
+from ..errors import ShardingRuleError, StarscreamError
+from ..model.config import REMAT_POLICIES
+from .arguments import add_cache_arguments, add_mesh_arguments, mesh_from_args, prepare_simulation, result_cache
 
 DEFAULT_LAYOUTS = {"train": "flat_tp,starscream_tp", "prefill": "flat_tp,starscream_tp",
                    "decode": "flat_tp,starscream_decode"}
@@ -44,7 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "4096 prefill, 8192 decode)")
     group.add_argument("--layers", type=int, default=DEFAULT_LAYERS,
                        help="layers to compile (at least 2); figures are scaled to the model's full depth")
+    group.add_argument("--remat-policy", default="none", choices=REMAT_POLICIES,
+                       help="train: what the backward pass keeps of each layer (none, dots: the matmul outputs, full)")
     group.add_argument("--json", action="store_true", help="print one JSON object with a key per layout")
+    group.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+                       help="draw, per layout, bytes moved between devices, bytes by scope and the matmuls on a "
+                            "roofline")
+    add_cache_arguments(group)
     group.add_argument("--dump-hlo", type=Path, default=None, metavar="DIR",
                        help="write each compiled program's HLO text to DIR")
 
@@ -57,15 +65,28 @@ def run(args: argparse.Namespace) -> int:
     prepare_simulation(args)
     settings = settings_from_args(args)
     topology, mesh = mesh_from_args(args)
-    results = inspect_layouts(settings, topology, mesh)
-    print(json.dumps(results, indent=2) if args.json else format_table(results))
+    refused: dict[str, str] = {}
+    results = inspect_layouts(settings, topology, mesh, refused, result_cache(args))
+    if not results:
+        raise ShardingRuleError("no layout asked for can place the model on this mesh: " + "; ".join(
+            f"{name}: {reason}" for name, reason in refused.items()))
+    if args.plot is not None:
+        from ..analysis.plots import plot_layouts
+
+        plot_layouts(results, mesh, topology, args.plot)
+    if args.json:
+        cannot_place = {name: {"layout": name, "cannot_place": reason} for name, reason in refused.items()}
+        print(json.dumps({**results, **cannot_place}, indent=2))
+    else:
+        print(format_table(results, refused) + (f"\nplot: {args.plot}" if args.plot else ""))
     return 0
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """The checked Settings of the parsed arguments."""
-    return make_settings(args.model, args.phase, args.batch, args.seq, args.layout or DEFAULT_LAYOUTS[args.phase],
-                         args.layers, args.dump_hlo)
+    settings = make_settings(args.model, args.phase, args.batch, args.seq,
+                             args.layout or DEFAULT_LAYOUTS[args.phase], args.layers, args.dump_hlo)
+    return dataclasses.replace(settings, config=settings.config.replace(remat=args.remat_policy))
 
 
 def _figure(value: float | None, form: str) -> str:
@@ -135,9 +156,10 @@ def _header(result: dict) -> list[str]:
     ]
 
 
-def format_table(results: dict[str, dict]) -> str:
-    """The side-by-side table of `inspect_layouts`' results (one column per layout), then the notes and the first
-    violations of each failed principle."""
+def format_table(results: dict[str, dict], refused: dict[str, str] | None = None) -> str:
+    """The side-by-side table of `inspect_layouts`' results (one column per layout), then the notes, the layouts
+    the mesh cannot place with the reason, and the first violations of each failed principle."""
+    refused = refused or {}
     first = next(iter(results.values()))
     lines = [*_header(first), ""]
     columns = {name: _rows(result) for name, result in results.items()}
@@ -156,6 +178,8 @@ def format_table(results: dict[str, dict]) -> str:
         "reduce-scatters 4x); intensity is computed from each matmul's shape at the model's dtype. The estimate is the",
         "cost model's (starscream_jax.analysis.costmodel): matmul rooflines and collective latency + bytes / bus bandwidth.",
     ]
+    lines += [clip(f"{name}: cannot place the model on this mesh: {reason}", LINE_WIDTH)
+              for name, reason in refused.items()]
     for name, result in results.items():
         for principle in PRINCIPLES:
             violations = result["principles"][principle]["violations"]

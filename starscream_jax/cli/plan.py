@@ -1,21 +1,26 @@
-"""`starscream plan`: choose a layout per phase with the cost model (`starscream_jax.analysis.plan`), print the table
-of candidates for each phase and the commands that use the plan."""
+"""`starscream plan`: search mesh shapes, layouts, micro-batches and remat policies per phase
+(`starscream_jax.analysis.plan`), print each phase's candidates with the reason each lost, what would fit when
+nothing does, and the commands that run the plan."""
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
 
 from ..analysis.compile import PHASES, make_settings
-from ..analysis.layout_report import PRINCIPLES
-from ..analysis.plan import REMAT, plan_phase
+from ..analysis.format import clip, format_bytes, format_seconds
+from ..analysis.plan import JUDGED, plan_phase
 from ..errors import StarscreamError
 from ..model.config import load_model_config
 from ..sharding.layouts import EXPERT_LAYOUTS, LAYOUTS
-from .arguments import add_mesh_arguments, mesh_from_args, prepare_simulation
-from .format import clip, format_bytes, format_seconds
+from .arguments import add_cache_arguments, add_mesh_arguments, mesh_from_args, prepare_simulation, result_cache
 from .inspect import DEFAULT_GPUS, DEFAULT_LAYERS, DEFAULT_MODEL, DEFAULT_PRESET
 
-REASON_WIDTH = 100
+REASON_WIDTH = 160
+SHOWN_LOSERS = 12
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,25 +39,97 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="tokens per sequence, every phase (default: 2048 train, 4096 prefill, 8192 decode)")
     group.add_argument("--layers", type=int, default=DEFAULT_LAYERS, help="layers to compile (at least 2)")
     group.add_argument("--json", action="store_true", help="print one JSON object with a key per phase")
+    group.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+                       help="draw each candidate's step time and memory, the chosen one marked")
+    add_cache_arguments(group)
 
 
 def run(args: argparse.Namespace) -> int:
-    """`starscream plan`: plan every phase asked for and print the table (or JSON). Returns 0."""
+    """`starscream plan`: plan every phase asked for and print the tables (or JSON). Returns 0."""
     if not args.simulate:
         raise StarscreamError("--no-simulate given, but plan always compiles on simulated CPU devices; drop "
                               "--no-simulate (the preset supplies the hardware figures)")
+    if args.data_parallel != 1:
+        raise StarscreamError(f"--data-parallel {args.data_parallel}: plan searches every data x gpu split of the "
+                              "GPUs itself; drop --data-parallel")
     phases = [phase.strip() for phase in args.phases.split(",") if phase.strip()]
     unknown = [phase for phase in phases if phase not in PHASES]
     if unknown or not phases:
         raise StarscreamError(f"--phases {args.phases!r}: expected some of {', '.join(PHASES)}, separated by commas")
     prepare_simulation(args)
-    topology, mesh = mesh_from_args(args)
-    layouts = candidate_layouts(args.model, args.layout)
-    plans = {phase: plan_phase(make_settings(args.model, phase, args.batch, args.seq, layouts, args.layers),
-                               topology, mesh)
-             for phase in phases}
-    print(json.dumps(plans, indent=2) if args.json else format_plans(plans))
+    topology, _ = mesh_from_args(args)
+    cache = result_cache(args)
+    plans = {}
+    for phase in phases:
+        settings = make_settings(args.model, phase, args.batch, args.seq, candidate_layouts(args.model, args.layout),
+                                 args.layers)
+        with tqdm(desc=f"plan {phase}", unit="candidate", file=sys.stderr, dynamic_ncols=True) as bar:
+            plans[phase] = plan_phase(settings, topology, cache=cache, progress=_progress(bar))
+        plans[phase]["commands"] = commands(plans[phase], args, topology)
+    generate = generate_command(plans, args, topology)
+    if generate is not None:
+        plans["decode"]["commands"].append(generate)
+    if args.plot is not None:
+        from ..analysis.plots import plot_plans
+
+        plot_plans(plans, args.plot)
+    if args.json:
+        print(json.dumps(plans, indent=2))
+    else:
+        print(format_plans(plans) + (f"\nplot: {args.plot}" if args.plot else ""))
     return 0
+
+
+def _progress(bar):
+    def update(done: int, total: int, elapsed: float) -> None:
+        bar.total = total
+        bar.n = done
+        bar.set_postfix_str(f"{done} of {total} judged, {elapsed:.0f} s")
+        bar.refresh()
+
+    return update
+
+
+def _mesh_flags(args: argparse.Namespace, topology, data: int) -> str:
+    flags = f"--preset {topology.preset.name} --gpus {topology.gpus_per_node}"
+    if topology.nodes > 1:
+        flags += f" --nodes {topology.nodes}"
+    return flags + (f" --data-parallel {data}" if data > 1 else "")
+
+
+def _chosen(plan: dict) -> dict | None:
+    return next((entry for entry in plan["candidates"] if entry["status"] == "chosen"), None)
+
+
+def commands(plan: dict, args: argparse.Namespace, topology) -> list[str]:
+    """The command lines that run the phase's plan (train), or check it (`inspect` of the chosen candidate)."""
+    chosen = _chosen(plan)
+    if chosen is None:
+        return []
+    mesh = _mesh_flags(args, topology, chosen["mesh"]["data"])
+    shape = f"--model {plan['model']} --layout {chosen['layout']}"
+    micro = plan["batch"] // chosen["micro_batches"]
+    inspect = (f"starscream inspect {mesh} {shape} --phase {plan['phase']} --batch {micro} --seq {plan['seq']}"
+               + (f" --remat-policy {chosen['remat']}" if chosen["remat"] != "none" else ""))
+    if plan["phase"] != "train":
+        return [inspect]
+    return [f"starscream train {mesh} {shape} --batch-size {plan['batch']} --seq-len {plan['seq']} --grad-accum "
+            f"{chosen['micro_batches']} --remat-policy {chosen['remat']} --dtype {plan['dtype']}", inspect]
+
+
+def generate_command(plans: dict, args: argparse.Namespace, topology) -> str | None:
+    """`starscream generate` on the decode plan's mesh (generation runs both phases on one mesh) with the chosen
+    decode layout and the fastest prefill candidate compiled on that same mesh."""
+    decode = _chosen(plans["decode"]) if "decode" in plans else None
+    if decode is None or "prefill" not in plans:
+        return None
+    same_mesh = [entry for entry in plans["prefill"]["candidates"]
+                 if entry["estimate"] is not None and entry["mesh"] == decode["mesh"]]
+    if not same_mesh:
+        return None
+    prefill = min(same_mesh, key=lambda entry: entry["estimate"]["serial_s"])
+    return (f"starscream generate {_mesh_flags(args, topology, decode['mesh']['data'])} --checkpoint "
+            f"RUN_DIR/checkpoints --prefill-layout {prefill['layout']} --decode-layout {decode['layout']}")
 
 
 def candidate_layouts(model: str, layouts: str | None) -> str:
@@ -64,43 +141,48 @@ def candidate_layouts(model: str, layouts: str | None) -> str:
 
 
 def format_plans(plans: dict[str, dict]) -> str:
-    """One table per phase (the chosen layout marked *), then the commands that use the plan."""
+    """One table per phase (candidates that compiled, fastest first, the chosen marked *), then why the others
+    lost, advice when nothing fits, and the commands."""
     lines = []
     for plan in plans.values():
-        lines.append(f"{plan['phase']}: {plan['model']}, batch {plan['batch']} x seq {plan['seq']}, "
-                     f"{format_bytes(plan['hbm_per_device'])} HBM per device")
-        header = ("  layout", "step (serial)", "matmuls", "collectives", "tokens/s", "memory/device", "principles")
-        rows = [header] + [_row(name, candidate, name == plan["choice"])
-                           for name, candidate in sorted(plan["candidates"].items(),
-                                                         key=lambda item: item[1]["estimate"]["serial_s"])]
-        widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
-        lines += ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
-        lines += [f"  {name}: cannot place the model: {clip(reason, REASON_WIDTH)}" for name, reason in plan["refused"].items()]
-        lines.append("")
-    lines.append("plan: " + ", ".join(f"{phase} {plan['choice'] or 'none fits'}" for phase, plan in plans.items()))
-    commands = _commands({phase: plan["choice"] for phase, plan in plans.items()})
-    lines += [f"  {command}" for command in commands]
+        lines += _phase_lines(plan)
+    lines.append("plan: " + ", ".join(f"{phase} {plan['choice'] or 'nothing fits'}" for phase, plan in plans.items()))
+    for plan in plans.values():
+        lines += [f"  {command}" for command in plan.get("commands", [])]
     return "\n".join(lines)
 
 
-def _row(name: str, candidate: dict, chosen: bool) -> tuple[str, ...]:
-    estimate = candidate["estimate"]
-    memory = format_bytes(candidate["memory_per_device"]) + ("" if candidate["fits"] else " (too big)")
-    kept = sum(candidate["principles"].values())
-    return (("* " if chosen else "  ") + name, format_seconds(estimate["serial_s"]),
-            format_seconds(estimate["compute_s"]), format_seconds(estimate["total_communication_s"]),
-            f"{estimate['tokens_per_s']:,.0f}", memory,
-            f"{kept}/{len(PRINCIPLES)}")
+def _phase_lines(plan: dict) -> list[str]:
+    lines = [f"{plan['phase']}: {plan['model']}, batch {plan['batch']} x seq {plan['seq']} on {plan['gpus']} GPUs x "
+             f"{plan['partitions_per_gpu']} partitions, {format_bytes(plan['hbm_per_device'])} HBM per device; "
+             f"{plan['compiled']} compiled of {len(plan['candidates'])} candidates in {plan['elapsed_s']:.0f} s"]
+    compiled = sorted((entry for entry in plan["candidates"] if entry["estimate"] is not None),
+                      key=lambda entry: entry["estimate"]["serial_s"])
+    header = ("  candidate", "step (serial)", "matmuls", "collectives", "tokens/s", "memory/device",
+              "principles 2, 3")
+    rows = [header] + [_row(entry) for entry in compiled]
+    widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
+    lines += ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    losers = [entry for entry in plan["candidates"] if entry["estimate"] is None]
+    by_status: dict[str, list[dict]] = {}
+    for entry in losers:
+        by_status.setdefault(entry["status"], []).append(entry)
+    for status, entries in by_status.items():
+        lines.append(f"  {status} ({len(entries)}):")
+        lines += [f"    {entry['name']}: {clip(entry['reason'], REASON_WIDTH)}" for entry in entries[:SHOWN_LOSERS]]
+        if len(entries) > SHOWN_LOSERS:
+            lines.append(f"    ... and {len(entries) - SHOWN_LOSERS} more (--json lists them all)")
+    if plan["advice"]:
+        lines.append("  nothing fits; what would:")
+        lines += [f"    {line}" for line in plan["advice"]]
+    lines.append("")
+    return lines
 
 
-def _commands(choices: dict[str, str | None]) -> list[str]:
-    """The command lines that use the chosen layouts."""
-    commands = []
-    if choices.get("train"):
-        layout = choices["train"].removesuffix(REMAT)
-        commands.append(f"starscream train --layout {layout}" + (" --remat" if layout != choices["train"] else ""))
-    if choices.get("prefill") and choices.get("decode"):
-        commands.append(f"starscream generate --prefill-layout {choices['prefill']} "
-                        f"--decode-layout {choices['decode']}")
-    return commands
-
+def _row(entry: dict) -> tuple[str, ...]:
+    estimate = entry["estimate"]
+    marker = "* " if entry["status"] == "chosen" else "  "
+    verdicts = " ".join("ok" if entry["principles"][name] else "FAIL" for name in JUDGED)
+    return (marker + entry["name"], format_seconds(estimate["serial_s"]), format_seconds(estimate["compute_s"]),
+            format_seconds(estimate["total_communication_s"]), f"{estimate['tokens_per_s']:,.0f}",
+            format_bytes(entry["memory"]["total"]), verdicts)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from ..hardware.distributed import is_main_process
 from ..hardware.mesh import device_table
@@ -14,6 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_mesh_arguments(parser)
     add_distributed_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+                        help="draw the GPUs and their partitions with device ids and mesh coordinates")
 
 
 def run(args) -> int:
@@ -27,6 +30,10 @@ def run(args) -> int:
     if not is_main_process():
         return 0
     rows = [gpu_row for plane in device_table(mesh) for gpu_row in plane]
+    if args.plot is not None:
+        from ..analysis.plots import plot_topology
+
+        plot_topology(topology, mesh, args.plot)
     if args.json:
         summary = {**topology.describe(), "mesh": {"axes": list(mesh.axis_names), "shape": list(mesh.devices.shape)},
                    "devices": rows}
@@ -35,6 +42,8 @@ def run(args) -> int:
     _print_header(topology)
     print(f"mesh axes {tuple(mesh.axis_names)} shape {tuple(mesh.devices.shape)}; device ids:")
     _print_device_table(rows, gpus_per_data=mesh.devices.shape[1])
+    if args.plot is not None:
+        print(f"plot: {args.plot}")
     return 0
 
 

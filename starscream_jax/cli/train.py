@@ -6,13 +6,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from ..analysis.format import format_bytes
 from ..analysis.report import SCOPES, inspect_compiled
 from ..hardware.distributed import is_main_process
+from ..model.config import REMAT_POLICIES
 from ..sharding.layouts import LAYOUTS
 from ..training.config import TrainConfig
 from ..training.loop import train
 from .arguments import add_distributed_arguments, add_mesh_arguments, initialize_from_args, mesh_from_args
-from .format import format_bytes
 
 DEFAULT_PRESET = "mi300x-qpx-nps1"
 DEFAULT_GPUS = 2
@@ -28,8 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--layout", default=defaults.layout, help=f"layout by name ({', '.join(LAYOUTS)})")
     group.add_argument("--dtype", default=defaults.dtype, choices=("float32", "bfloat16"),
                        help="compute dtype; parameters and optimizer state stay float32")
-    group.add_argument("--remat", action="store_true",
-                       help="recompute each layer's activations in the backward pass instead of keeping them")
+    group.add_argument("--remat-policy", dest="remat", default=defaults.remat, choices=REMAT_POLICIES,
+                       help="what the backward pass keeps of each layer: everything (none), the matmul outputs "
+                            "(dots) or only the layer's input (full), recomputing the rest")
+    group.add_argument("--remat", dest="remat", action="store_const", const="full",
+                       help="the same as --remat-policy full")
+    group.add_argument("--grad-accum", type=int, default=defaults.grad_accum, metavar="N",
+                       help="accumulate gradients over N micro-batches of batch-size / N sequences per step")
     group.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps in the whole run")
     group.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per step (global)")
     group.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens (bytes) per sequence")

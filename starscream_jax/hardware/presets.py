@@ -21,7 +21,7 @@ MEMORY_MODES = ("NPS1", "NPS2", "NPS4")
 CHIP_FIELDS = (
     "xcds", "gpus_per_node", "peak_bf16_flops", "hbm_bytes", "hbm_bandwidth", "intra_gpu_bandwidth",
     "intra_gpu_latency", "inter_gpu_bandwidth", "inter_gpu_link_bandwidth", "inter_gpu_latency", "flat_bandwidth",
-    "inter_node_bandwidth", "inter_node_latency",
+    "flat_latency", "inter_node_bandwidth", "inter_node_latency",
 )
 PRESET_FIELDS = ("name", "chip", "compute_mode", "memory_mode")
 _PRESET_NAME = re.compile(r"^([a-z0-9]+)-([a-z]px)-(nps\d)$")
@@ -47,6 +47,7 @@ class Chip:
     inter_gpu_link_bandwidth: float
     inter_gpu_latency: float
     flat_bandwidth: float
+    flat_latency: float
     inter_node_bandwidth: float
     inter_node_latency: float
     modes: tuple[tuple[str, tuple[str, ...]], ...]

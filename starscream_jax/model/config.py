@@ -12,6 +12,11 @@ from pathlib import Path
 from ..errors import PresetError
 from ..resources import data_dir
 
+REMAT_POLICIES = ("none", "dots", "full")
+"""What the backward pass keeps of each layer's forward: everything ("none": nothing recomputed), the outputs of the
+projection matmuls ("dots": norms, rotary, attention and activations recomputed), or only the layer's input ("full":
+the whole layer recomputed)."""
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -24,7 +29,9 @@ class ModelConfig:
     qkv_bias: biases on the q, k and v projections (Qwen2). qk_norm: RMSNorm of each query and key head over
     head_dim before the rotary embedding (Qwen3). rope_scaling "llama3": Llama 3.1's frequency-dependent stretch of
     the rotary wavelengths by rope_factor between rope_original_max_len / rope_low_freq_factor and
-    rope_original_max_len / rope_high_freq_factor ("" = plain rotary embedding)."""
+    rope_original_max_len / rope_high_freq_factor ("" = plain rotary embedding).
+
+    remat: one of REMAT_POLICIES (True / False are read as "full" / "none")."""
 
     name: str
     vocab_size: int
@@ -43,7 +50,7 @@ class ModelConfig:
     normalize_gates: bool = True
     load_balance_weight: float = 0.0
     dtype: str = "float32"
-    remat: bool = False
+    remat: str = "none"
     qkv_bias: bool = False
     qk_norm: bool = False
     rope_scaling: str = ""
@@ -53,6 +60,10 @@ class ModelConfig:
     rope_original_max_len: int = 8192
 
     def __post_init__(self):
+        if isinstance(self.remat, bool):  # older configurations and checkpoints say true / false
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
+        if self.remat not in REMAT_POLICIES:
+            raise PresetError(f"model {self.name}: remat policy {self.remat!r}; use one of {', '.join(REMAT_POLICIES)}")
         if self.n_heads % self.n_kv_heads:
             raise PresetError(f"model {self.name}: n_heads {self.n_heads} is not a multiple of n_kv_heads "
                               f"{self.n_kv_heads}; grouped-query attention needs whole groups")

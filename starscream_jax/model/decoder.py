@@ -32,6 +32,11 @@ from .moe import routed_mlp
 from .names import ATTN_KV, ATTN_Q, KV_CACHE, LOGITS, RESIDUAL, TOKENS
 from .ops import attention, cross_entropy, embed_lookup
 
+CHECKPOINT_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                       "full": jax.checkpoint_policies.nothing_saveable}
+"""The jax.checkpoint policy of each remat policy but "none" (config.REMAT_POLICIES): "dots" keeps the projections'
+outputs (matmuls without batch dimensions; attention's batched score matmuls are recomputed)."""
+
 
 def _normal(rngs: nnx.Rngs, shape, fan_in: int) -> jax.Array:
     return jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in ** -0.5
@@ -151,8 +156,8 @@ class Transformer(nnx.Module):
             w, layer_cache = layer
             return _block(c, x_BSD, w, positions_BS, layer_cache, cache_index)
 
-        if c.remat:
-            block = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
+        if c.remat != "none":
+            block = jax.checkpoint(block, policy=CHECKPOINT_POLICIES[c.remat])
         return jax.lax.scan(block, x_BSD, (stacked, cache))
 
 

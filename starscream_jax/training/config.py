@@ -17,7 +17,8 @@ class TrainConfig:
     model: str = "tiny"
     layout: str = "starscream_tp"
     dtype: str = "float32"
-    remat: bool = False
+    remat: str = "none"
+    grad_accum: int = 1
     steps: int = 300
     batch_size: int = 16
     seq_len: int = 64
@@ -55,11 +56,14 @@ class TrainConfig:
         return self.init if self.init and (Path(self.init) / "tokenizer.json").is_file() else None
 
     def model_config(self) -> ModelConfig:
-        """The model this run trains: `init`'s config.json, else `model`, at the run's compute dtype, with
-        rematerialization when `remat`; its max_seq_len must hold `seq_len`."""
+        """The model this run trains: `init`'s config.json, else `model`, at the run's compute dtype, with the remat
+        policy `remat`; its max_seq_len must hold `seq_len`, and `grad_accum` must split `batch_size` evenly."""
         config = load_model_config(self.init or self.model, dtype=self.dtype)
-        if self.remat:
-            config = config.replace(remat=True)
+        if self.remat != "none":
+            config = config.replace(remat=self.remat)
+        if self.grad_accum < 1 or self.batch_size % self.grad_accum:
+            raise StarscreamError(f"--grad-accum {self.grad_accum} does not split --batch-size {self.batch_size} "
+                                  "into equal micro-batches; pass a divisor of the batch size")
         if self.seq_len > config.max_seq_len:
             raise StarscreamError(f"--seq-len {self.seq_len} exceeds model {config.name}'s max_seq_len "
                                   f"{config.max_seq_len}; pass --seq-len {config.max_seq_len} or less")

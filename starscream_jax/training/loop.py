@@ -178,7 +178,7 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, stop_at_step: int 
             params, opt_state = store.restore(start_step, params, opt_state)
             say(f"resumed from {store.directory} at step {start_step} of {config.steps}")
         evaluate_batch = eval_step(graphdef)
-        compiled_step = train_step(graphdef, optimizer).lower(
+        compiled_step = train_step(graphdef, optimizer, config.grad_accum).lower(
             params, opt_state, rest, train_batches.global_batch(start_step, token_sharding)).compile()
 
         balance_batch = load_balance_step(graphdef) if model_config.load_balance_weight else None

@@ -7,7 +7,9 @@ them, and is traced under the active layout (`use_layout`), which places every a
 
   train    (params, opt_state, rest, tokens [B, S + 1]) -> (params, opt_state, loss): value_and_grad of
            `next_token_loss`, then `make_optimizer`'s update (global-norm clipping, AdamW with the weight-decay mask).
-           params and opt_state are donated and come back placed as they went in.
+           params and opt_state are donated and come back placed as they went in. With gradient accumulation over
+           n micro-batches (rows i, i + n, i + 2n, ... form micro-batch i, so each device keeps its own rows), the
+           mean of the n micro-batches' gradients (float32, placed like the parameters) is the big batch's.
   eval     (params, rest, tokens [B, S + 1]) -> loss; `load_balance_step` likewise -> a mixture of experts'
            load-balancing loss.
   prefill  (params, rest, prompt [B, P]) -> (first new token [B], cache): the prompt through the model into a fresh
@@ -50,16 +52,44 @@ def make_optimizer(config: TrainConfig, params) -> optax.GradientTransformation:
     )
 
 
-def train_step(graphdef, optimizer: optax.GradientTransformation):
-    """The jitted training step (see the module docstring); params and opt_state are donated."""
+def train_step(graphdef, optimizer: optax.GradientTransformation, grad_accum: int = 1):
+    """The jitted training step (see the module docstring), accumulating gradients over `grad_accum` micro-batches;
+    params and opt_state are donated."""
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, opt_state, rest, tokens_BS):
-        loss, grads = jax.value_and_grad(_loss)(params, rest, tokens_BS, graphdef)
+        loss, grads = accumulated_gradients(params, rest, tokens_BS, graphdef, grad_accum)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
     return step
+
+
+def accumulated_gradients(params, rest, tokens_BS, graphdef, micro_batches: int = 1):
+    """(mean loss, mean gradients) over `micro_batches` equal micro-batches of tokens [B, S + 1], one at a time
+    (one micro-batch: plain value_and_grad). Gradients are float32 and placed like `params`.
+
+    Micro-batch i holds rows i, i + n, ... (n = micro_batches): the rows [B] split as [B / n, n] keep each device's
+    rows on it, and the scan runs over the second dimension."""
+    if micro_batches == 1:
+        return jax.value_and_grad(_loss)(params, rest, tokens_BS, graphdef)
+    rows, width = tokens_BS.shape
+    if rows % micro_batches:
+        raise StarscreamError(f"{micro_batches} micro-batches cannot split a batch of {rows} sequences; pass a "
+                              "divisor of the batch size")
+    spec = jax.typeof(tokens_BS).sharding.spec
+    batch_axes = spec[0] if len(spec) else None
+    tokens_MNS = jnp.reshape(tokens_BS, (rows // micro_batches, micro_batches, width),
+                             out_sharding=PartitionSpec(batch_axes, None, None) if batch_axes else None)
+    tokens_NMS = jnp.swapaxes(tokens_MNS, 0, 1)
+
+    def accumulate(total, micro_tokens_MS):
+        loss, grads = jax.value_and_grad(_loss)(params, rest, micro_tokens_MS, graphdef)
+        return jax.tree.map(jnp.add, total, (loss, grads)), None
+
+    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    (loss, grads), _ = jax.lax.scan(accumulate, zeros, tokens_NMS)
+    return jax.tree.map(lambda total: total / micro_batches, (loss, grads))
 
 
 def eval_step(graphdef):

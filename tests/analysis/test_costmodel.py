@@ -71,3 +71,25 @@ def test_serial_and_overlapped_bounds():
     as_dict = estimate.to_dict()
     assert as_dict["total_communication_s"] == 1.5 and as_dict["serial_s"] == 3.5
     assert StepEstimate(0.0, 0.0, {}, 10).tokens_per_s == math.inf
+
+
+def test_measured_chips_run_matmuls_at_the_nearest_measured_efficiency_and_collectives_at_measured_bandwidth():
+    from starscream_jax.analysis.costmodel import LinkCost, collective_seconds, matmul_seconds, measurements
+
+    h200 = measurements("h200")
+    assert measurements("mi300x") is None  # no AMD measurement: the preset's figures alone
+    row = h200.matmul[-1]
+    assert h200.efficiency(*row[:3]) == row[3]
+    assert h200.efficiency(row[0] + 1, row[1], row[2]) == row[3]  # nearest in log space
+    shape = {"batch": 1, "m": row[0], "k": row[1], "n": row[2]}
+    at_peak = matmul_seconds(shape, 989e12, 4.8e12, 2)
+    assert matmul_seconds(shape, 989e12, 4.8e12, 2, h200) == pytest.approx(at_peak / row[3])
+    sizes = sorted(h200.collectives["all-reduce"])
+    (small, slow), (large, fast) = sizes[-2], sizes[-1]
+    middle = (small * large) ** 0.5
+    assert h200.bus_bandwidth("all-reduce", middle) == pytest.approx((slow * fast) ** 0.5)
+    assert h200.bus_bandwidth("all-to-all", middle) is None
+    collective = {"scope": "inter_gpu", "kind": "all-reduce", "buffer_bytes": large, "bytes_per_device": large}
+    assert collective_seconds(collective, LinkCost(1e-6, 1.0), h200) == pytest.approx(large / fast)
+    assert collective_seconds({**collective, "scope": "intra_gpu"}, LinkCost(1e-6, 1e9), h200) == \
+        pytest.approx(1e-6 + large / 1e9)

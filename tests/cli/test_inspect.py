@@ -8,8 +8,6 @@ import argparse
 import io
 import json
 import re
-import subprocess
-import sys
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -282,6 +280,21 @@ def test_a_model_file_on_two_nodes_counts_inter_node_bytes_as_inter_gpu(tmp_path
     assert scopes["inter_node"] > 0 and scopes["flat"] == 0
     assert starscream["bytes_per_device"]["inter_gpu"] == pytest.approx(scopes["inter_gpu"] + scopes["inter_node"])
     assert verdicts(starscream)["hierarchical_collectives"]
+
+
+def test_a_layout_the_mesh_cannot_place_is_listed_and_the_others_are_judged(tmp_path):
+    """4 sequences cannot be split over 8 partitions (starscream_tp) but gpu_tp places them: its column is printed,
+    starscream_tp is listed with the resolver's reason, and --json carries both."""
+    argv = ("--model", "tiny", "--topology", "2x8", "--phase", "decode", "--seq", "32", "--batch", "4",
+            "--layout", "starscream_tp,gpu_tp", "--cache-dir", str(tmp_path))
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        assert inspect_command.run(parse(*argv)) == 0
+    table = printed.getvalue()
+    assert "gpu_tp" in table.splitlines()[4]
+    assert "starscream_tp: cannot place the model on this mesh: kv cache" in table
+    report = inspect_json(*argv)
+    assert "not divisible" in report["starscream_tp"]["cannot_place"] and "principles" in report["gpu_tp"]
 
 
 @pytest.mark.parametrize("argv, error, message", [

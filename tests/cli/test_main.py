@@ -60,6 +60,12 @@ def test_readable_table(topology_command):
     ]
 
 
+def test_plot_is_written_beside_the_table(topology_command, tmp_path):
+    status, out, _ = topology_command("--topology", "2x4", "--simulate", "--plot", str(tmp_path / "mesh.png"))
+    assert status == 0 and out.splitlines()[-1] == f"plot: {tmp_path / 'mesh.png'}"
+    assert (tmp_path / "mesh.png").stat().st_size > 10_000
+
+
 def test_preview_mode_is_marked(topology_command):
     _, out, _ = topology_command("--preset", "mi355x-cpx-nps2", "--gpus", "2", "--simulate")
     assert out.startswith("AMD Instinct MI355X (mi355x-cpx-nps2): CPX + NPS2 (preview mode), 1 node(s) x 2 GPUs")

@@ -1,6 +1,6 @@
-"""`starscream plan` on the tiny model over a simulated 2 GPU x 4 partition mesh: the choice follows the cost model
-and the memory limit, layouts the mesh cannot place are listed with the reason, and training falls back to
-rematerialization when nothing fits."""
+"""`starscream plan` on the tiny model over a simulated 2 GPU x 4 partition mesh: the search over mesh shapes,
+layouts, micro-batches and remat policies; every losing candidate's reason; advice when nothing fits; the result
+cache; the commands; the plot."""
 import argparse
 import dataclasses
 import io
@@ -9,16 +9,18 @@ from contextlib import redirect_stdout
 
 import pytest
 
+from starscream_jax.analysis import plan as planner
 from starscream_jax.analysis.compile import make_settings
-from starscream_jax.analysis.plan import full_depth_memory, plan_phase
+from starscream_jax.analysis.layout_report import ResultCache
+from starscream_jax.analysis.plan import Candidate, accumulated, plan_phase
+from starscream_jax.analysis.plots import plan_plot_data
 from starscream_jax.cli import plan as plan_command
 from starscream_jax.errors import StarscreamError
-from starscream_jax.hardware.mesh import build_topology_mesh
 from starscream_jax.hardware.topology import Topology
 
 MESH_ARGS = ("--preset", "mi300x-qpx-nps1", "--gpus", "2")
-SHAPES = ("--batch", "8", "--seq", "32")
-CANDIDATES = "flat_tp,starscream_tp,starscream_decode,flat_fsdp"
+SHAPES = ("--batch", "4", "--seq", "16")
+STATUSES = {"chosen", "runner-up", "slower", "does not fit", "cannot place", "dominated", "pruned"}
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -35,61 +37,150 @@ def plan(*argv: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def plans():
-    return json.loads(plan("--phases", "train,decode", "--layout", CANDIDATES, "--json"))
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("compiled")
 
 
-def test_the_choice_is_the_fastest_layout_that_fits(plans):
-    for phase in ("train", "decode"):
-        candidates = plans[phase]["candidates"]
-        fitting = {name: c["estimate"]["serial_s"] for name, c in candidates.items() if c["fits"]}
-        assert plans[phase]["choice"] == min(fitting, key=fitting.get)
-        for candidate in candidates.values():
-            assert candidate["memory_per_device"] > 0 and candidate["estimate"]["serial_s"] > 0
-            assert set(candidate["principles"]) == {"shape_preservation", "no_redundancy", "hierarchical_collectives"}
+@pytest.fixture(scope="module")
+def plot_path(tmp_path_factory):
+    return tmp_path_factory.mktemp("plot") / "plan.png"
 
 
-def test_a_layout_the_mesh_cannot_place_is_listed_with_the_reason():
-    """flat_fsdp splits the batch over all 8 devices: 4 sequences cannot be, and the resolver's message says why."""
-    result = json.loads(plan("--phases", "decode", "--layout", "starscream_decode,flat_fsdp", "--batch", "4",
-                             "--json"))["decode"]
-    assert set(result["candidates"]) == {"starscream_decode"} and set(result["refused"]) == {"flat_fsdp"}
-    assert "not divisible" in result["refused"]["flat_fsdp"]
+@pytest.fixture(scope="module")
+def plans(cache_dir, plot_path):
+    """train, 4 sequences, over starscream_tp and flat_fsdp: flat_fsdp splits the batch over all 8 devices and
+    starscream_tp on data 2 x gpu 1 over data x xcd (8), so neither can place 4 sequences; one candidate compiles."""
+    return json.loads(plan("--phases", "train", "--layout", "starscream_tp,flat_fsdp", "--json", "--cache-dir",
+                           str(cache_dir), "--plot", str(plot_path)))
 
 
-def test_memory_at_full_depth_adds_the_temporaries_of_the_missing_layers():
-    memory = {"persistent": 1000, "compiled": {"temp_bytes": 300}}
-    assert full_depth_memory(memory, full_layers=10, compiled_layers=2, temp_per_layer=50) == 1700
-    assert full_depth_memory(memory, full_layers=10, compiled_layers=2, temp_per_layer=-5) == 1300
+def test_every_candidate_is_judged_and_the_choice_is_the_fastest_compiled(plans):
+    train = plans["train"]
+    assert {entry["status"] for entry in train["candidates"]} <= STATUSES
+    compiled = [entry for entry in train["candidates"] if entry["estimate"] is not None]
+    fastest = min(compiled, key=lambda entry: entry["estimate"]["serial_s"])
+    assert train["choice"] == fastest["name"] and fastest["status"] == "chosen" and fastest["fits"]
+    assert train["runner_up"] in {entry["name"] for entry in compiled} - {fastest["name"]} | {None}
+    for entry in train["candidates"]:
+        assert entry["status"] == "chosen" or entry["reason"]
+    for entry in compiled:  # the bound that prunes never exceeds what compiling gives
+        assert 0 < entry["lower_bound_s"] <= entry["estimate"]["compute_s"]
+    meshes = {(entry["mesh"]["data"], entry["mesh"]["gpu"]) for entry in train["candidates"]}
+    assert meshes == {(1, 2), (2, 1)}
+    searched = {(entry["micro_batches"], entry["remat"]) for entry in train["candidates"] if entry["memory"]}
+    assert {(1, "none"), (1, "dots"), (1, "full")} <= searched
 
 
-def test_training_that_fits_nowhere_is_retried_with_remat_and_may_still_fit_nowhere():
-    topology, mesh = build_topology_mesh("mi300x-qpx-nps1:2", simulate=True)
-    chip = dataclasses.replace(topology.preset.chip, hbm_bytes=1.0)
-    tiny_hbm = dataclasses.replace(topology, preset=dataclasses.replace(topology.preset, chip=chip))
+def test_a_layout_the_mesh_cannot_place_is_a_refused_candidate_with_the_resolvers_reason(plans):
+    refused = [entry for entry in plans["train"]["candidates"] if entry["status"] == "cannot place"]
+    assert {(entry["layout"], entry["mesh"]["data"]) for entry in refused if entry["micro_batches"] == 1} == {
+        ("flat_fsdp", 1), ("flat_fsdp", 2), ("starscream_tp", 2)}
+    assert all("not divisible" in entry["reason"] for entry in refused)
+
+
+def test_more_recomputation_or_more_micro_batches_is_dominated_when_less_fits(plans):
+    dominated = [entry for entry in plans["train"]["candidates"] if entry["status"] == "dominated"]
+    assert dominated and all(entry["remat"] != "none" or entry["micro_batches"] > 1 for entry in dominated)
+
+
+def test_a_second_plan_reads_the_cache_and_compiles_nothing(plans, cache_dir, monkeypatch):
+    def no_compiling(*_):
+        raise AssertionError("compiled although the result was cached")
+
+    monkeypatch.setattr("starscream_jax.analysis.layout_report.compile_step", no_compiling)
+    again = json.loads(plan("--phases", "train", "--layout", "starscream_tp,flat_fsdp", "--json", "--cache-dir",
+                            str(cache_dir)))
+    assert again["train"]["choice"] == plans["train"]["choice"]
+    assert [e["estimate"] for e in again["train"]["candidates"]] == [e["estimate"] for e in plans["train"]["candidates"]]
+
+
+def test_the_commands_run_the_chosen_configuration(plans):
+    chosen = next(entry for entry in plans["train"]["candidates"] if entry["status"] == "chosen")
+    train_command = plans["train"]["commands"][0]
+    assert train_command.startswith("starscream train --preset mi300x-qpx-nps1 --gpus 2")
+    assert f"--layout {chosen['layout']}" in train_command
+    assert f"--grad-accum {chosen['micro_batches']} --remat-policy {chosen['remat']}" in train_command
+    assert ("--data-parallel 2" in train_command) == (chosen["mesh"]["data"] == 2)
+    assert plan_command.format_plans(plans).count(train_command) == 1
+
+
+def test_the_plot_is_drawn_from_the_candidates(plans, plot_path):
+    data = plan_plot_data(plans)["train"]
+    compiled = [entry for entry in plans["train"]["candidates"] if entry["estimate"] is not None]
+    assert sorted(point[2] for point in data["compiled"]) == sorted(e["estimate"]["serial_s"] * 1e3 for e in compiled)
+    assert [point[0] for point in data["compiled"] if point[3]] == [plans["train"]["choice"]]
+    assert plot_path.stat().st_size > 10_000
+
+
+def _tiny_hbm(hbm_bytes: float) -> Topology:
+    topology = Topology.from_preset("mi300x-qpx-nps1", gpus=2)
+    chip = dataclasses.replace(topology.preset.chip, hbm_bytes=hbm_bytes * topology.partitions_per_gpu)
+    return dataclasses.replace(topology, preset=dataclasses.replace(topology.preset, chip=chip))
+
+
+def test_when_nothing_fits_the_advice_says_what_would_with_numbers(monkeypatch):
+    monkeypatch.setattr(planner, "_compile", lambda *_: pytest.fail("nothing fits, so nothing is compiled"))
     settings = make_settings("tiny", "train", 8, 32, "starscream_tp", layers=2)
-    result = plan_phase(settings, tiny_hbm, mesh)
-    assert set(result["candidates"]) == {"starscream_tp", "starscream_tp+remat"}
-    recomputed, kept = result["candidates"]["starscream_tp+remat"], result["candidates"]["starscream_tp"]
-    assert recomputed["estimate"]["compute_s"] > kept["estimate"]["compute_s"]
+    sized = [e for e in plan_phase(settings, _tiny_hbm(1e5))["candidates"] if e["memory"]]
+    memory = min(sized, key=lambda e: e["memory"]["total"])["memory"]
+    persistent = sum(memory[key] for key in ("params", "optimizer_state", "kv_cache", "gradients"))
+    result = plan_phase(settings, _tiny_hbm(memory["total"] - persistent / 2))
+    assert result["choice"] is None and result["compiled"] == 0
+    assert {entry["status"] for entry in result["candidates"]} <= {"does not fit", "cannot place"}
+    assert "needs" in result["candidates"][0]["reason"] and "over by" in result["candidates"][0]["reason"]
+    advice = "\n".join(result["advice"])
+    assert "the smallest candidate" in advice and "more GPUs: about 4 GPUs" in advice
+
+
+def test_a_shorter_sequence_is_advised_when_it_would_fit(monkeypatch):
+    """With room for the persistent state and a quarter of the activations at 256 tokens, nothing fits at 256 and
+    the advice names a shorter sequence that does (the memory estimate needs no compiling)."""
+    monkeypatch.setattr(planner, "_compile", lambda *_: pytest.fail("nothing fits, so nothing is compiled"))
+    settings = make_settings("tiny", "train", 8, 256, "starscream_tp", layers=2)
+    sized = [e for e in plan_phase(settings, _tiny_hbm(1e5))["candidates"] if e["memory"]]
+    memory = min(sized, key=lambda e: e["memory"]["total"])["memory"]
+    persistent = sum(memory[key] for key in ("params", "optimizer_state", "kv_cache", "gradients"))
+    result = plan_phase(settings, _tiny_hbm(persistent + (memory["total"] - persistent) / 3))
     assert result["choice"] is None
+    shorter = [line for line in result["advice"] if line.startswith("a shorter sequence: --seq ")]
+    assert shorter and int(shorter[0].split()[4]) < 256
 
 
-def test_table_marks_the_choice_and_gives_the_commands(plans):
-    table = plan_command.format_plans(plans)
-    for phase in ("train", "decode"):
-        assert f"* {plans[phase]['choice']}" in table
-    assert f"starscream train --layout {plans['train']['choice']}" in table
-    assert "starscream generate" not in table  # no prefill was planned
-    assert plan_command.format_plans({"prefill": {**plans["decode"], "phase": "prefill"}, "decode": plans["decode"]})\
-        .endswith(f"starscream generate --prefill-layout {plans['decode']['choice']} "
-                  f"--decode-layout {plans['decode']['choice']}")
+def test_a_candidate_whose_bound_exceeds_the_best_found_is_pruned(monkeypatch, tmp_path):
+    real = planner.lower_bound
+
+    def bound(settings, topology, mesh, candidate, persistent):
+        return 1e9 if candidate.layout == "gpu_tp" else real(settings, topology, mesh, candidate, persistent)
+
+    monkeypatch.setattr(planner, "lower_bound", bound)
+    settings = make_settings("tiny", "decode", 8, 32, "starscream_decode,gpu_tp", layers=2)
+    result = plan_phase(settings, Topology.from_preset("mi300x-qpx-nps1", gpus=2), cache=ResultCache(tmp_path))
+    pruned = [entry for entry in result["candidates"] if entry["status"] == "pruned"]
+    assert pruned and all(entry["layout"] == "gpu_tp" and "lower bound" in entry["reason"] for entry in pruned)
+
+
+def test_a_step_of_n_micro_batches_costs_n_micro_steps():
+    estimate = {"compute_s": 1.0, "memory_bound_s": 0.5, "communication_s": {"inter_gpu": 0.25},
+                "total_communication_s": 0.25, "serial_s": 1.25, "overlapped_s": 1.0, "tokens": 100,
+                "tokens_per_s": 80.0}
+    four = accumulated(estimate, 4)
+    assert four["serial_s"] == 5.0 and four["communication_s"] == {"inter_gpu": 1.0} and four["tokens"] == 400
+    assert four["tokens_per_s"] == 80.0
+
+
+def test_domination_needs_the_same_mesh_and_layout_and_no_more_of_either_cost():
+    kept = Candidate("starscream_tp", 1, 2, micro_batches=2, remat="none")
+    assert kept.dominates(Candidate("starscream_tp", 1, 2, micro_batches=4, remat="full"))
+    assert not kept.dominates(Candidate("starscream_tp", 1, 2, micro_batches=1, remat="full"))
+    assert not kept.dominates(Candidate("starscream_tp", 2, 1, micro_batches=4, remat="full"))
+    assert not kept.dominates(kept)
 
 
 @pytest.mark.parametrize("argv, message", [
     (("--phases", "training"), "expected some of train, prefill, decode"),
     (("--no-simulate",), "plan always compiles on simulated CPU devices"),
     (("--layout", "starscream"), "unknown layout 'starscream'"),
+    (("--data-parallel", "2"), "plan searches every data x gpu split"),
 ])
 def test_bad_arguments_are_clear_errors(argv, message):
     with pytest.raises(StarscreamError, match=message):
@@ -108,3 +199,17 @@ def test_the_expert_layouts_are_candidates_by_default_only_for_a_mixture_of_expe
     assert "starscream_ep" not in plan_command.candidate_layouts("tiny", None).split(",")
     assert {"starscream_ep", "flat_ep"} <= set(plan_command.candidate_layouts("tiny-moe", None).split(","))
     assert plan_command.candidate_layouts("tiny", "flat_ep") == "flat_ep"
+
+
+def test_generate_takes_the_fastest_prefill_on_the_decode_plans_mesh():
+    def entry(layout, data, serial, status):
+        return {"layout": layout, "mesh": {"data": data, "gpu": 8 // data}, "status": status,
+                "estimate": {"serial_s": serial}}
+
+    plans = {"prefill": {"candidates": [entry("flat_tp", 8, 0.5, "chosen"), entry("starscream_tp", 1, 1.5, "slower"),
+                                        entry("flat_tp", 1, 9.0, "slower")]},
+             "decode": {"candidates": [entry("starscream_decode", 1, 0.02, "chosen")]}}
+    args = parse("--preset", "mi300x-cpx-nps1", "--gpus", "8")
+    command = plan_command.generate_command(plans, args, Topology.from_preset("mi300x-cpx-nps1", gpus=8))
+    assert command.endswith("--prefill-layout starscream_tp --decode-layout starscream_decode")
+    assert "--data-parallel" not in command

@@ -66,11 +66,11 @@ def test_resumed_run_repeats_the_uninterrupted_losses_step_for_step(runs, mesh_2
 def test_rematerialized_run_follows_the_kept_activations_run(runs, tmp_path, mesh_2x4):
     """--remat recomputes each layer in the backward pass: the same losses, up to float32 rounding."""
     _, whole, _ = runs
-    recomputed = quiet_train(small_run(tmp_path, "remat", remat=True), mesh_2x4)
+    recomputed = quiet_train(small_run(tmp_path, "remat", remat="full"), mesh_2x4)
     np.testing.assert_allclose([loss for _, loss in recomputed.losses], [loss for _, loss in whole.losses],
                                rtol=1e-5)
     _, description = restore_model(tmp_path / "remat" / "checkpoints", "starscream_tp", mesh_2x4)
-    assert description["model_config"]["remat"] is True
+    assert description["model_config"]["remat"] == "full"
 
 
 def test_checkpoint_moves_to_another_mesh_and_layout_bit_identical(runs):

@@ -1,7 +1,7 @@
 """JSON lines metrics, the loss plot and loss formatting."""
 import math
 
-from starscream_jax.cli.format import format_bytes
+from starscream_jax.analysis.format import format_bytes
 from starscream_jax.training import metrics
 
 

@@ -1,12 +1,79 @@
-"""The steps' definitions: the load-balancing loss a mixture of experts reports is the term its training loss adds."""
+"""The train step with gradient accumulation: n micro-batches give the big batch's gradients and update, sharded
+(starscream_tp on a simulated 2 GPU x 4 partition mesh) and unsharded; remat policies change memory, not results; the
+load-balancing loss a mixture of experts reports is the term its training loss adds."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from starscream_jax.errors import StarscreamError
+from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model.config import load_model_config
-from starscream_jax.model.decoder import Transformer, next_token_loss
-from starscream_jax.training.steps import load_balance_step
+from starscream_jax.model.decoder import Transformer, create_sharded_model, next_token_loss
+from starscream_jax.sharding.apply import batch_sharding, use_layout
+from starscream_jax.training.config import TrainConfig
+from starscream_jax.training.steps import accumulated_gradients, load_balance_step, make_optimizer, train_step
+
+CONFIG = load_model_config("tiny").replace(n_layers=2)
+
+
+def _state(config=CONFIG):
+    return nnx.split(Transformer(config, rngs=nnx.Rngs(0)), nnx.Param, ...)
+
+
+def _tokens(batch=8, seq=16):
+    return jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, CONFIG.vocab_size, dtype=jnp.int32)
+
+
+def _assert_close(actual, expected, rtol=2e-5, atol=2e-6):
+    for got, want in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=rtol, atol=atol)
+
+
+GRADIENT = jax.jit(accumulated_gradients, static_argnums=(3, 4))
+
+
+def test_accumulated_gradients_equal_the_big_batch_gradients_unsharded():
+    graphdef, params, rest = _state()
+    tokens = _tokens()
+    _assert_close(GRADIENT(params, rest, tokens, graphdef, 4), GRADIENT(params, rest, tokens, graphdef, 1))
+
+
+def test_accumulated_step_updates_like_the_big_batch_step_under_a_layout():
+    """Sharded under starscream_tp (tokens over xcd, heads over gpu), 2 micro-batches of 4 sequences: the same new
+    parameters, optimizer state and loss as one step over the 8, and the parameters stay placed as they were."""
+    mesh = build_mesh("2x4")
+    with use_layout("starscream_tp", mesh):
+        graphdef, params, rest = nnx.split(create_sharded_model(CONFIG, "starscream_tp", mesh, 0), nnx.Param, ...)
+        optimizer = make_optimizer(TrainConfig(), params)
+        tokens = jax.device_put(_tokens(), batch_sharding("starscream_tp", mesh, 8))
+        results = {}
+        for micro_batches in (1, 2):
+            copies = jax.tree.map(jnp.copy, (params, jax.jit(optimizer.init)(params)))
+            results[micro_batches] = train_step(graphdef, optimizer, micro_batches)(*copies, rest, tokens)
+    _assert_close(results[2], results[1])
+    for new, old in zip(jax.tree.leaves(results[2][0]), jax.tree.leaves(params)):
+        assert new.sharding == old.sharding
+
+
+def test_a_grad_accum_that_does_not_split_the_batch_is_refused():
+    with pytest.raises(StarscreamError, match="--grad-accum 3 does not split --batch-size 16"):
+        TrainConfig(grad_accum=3).model_config()
+
+
+def test_remat_policies_give_the_same_gradients():
+    graphdef, params, rest = _state()
+    tokens = _tokens()
+    kept = GRADIENT(params, rest, tokens, graphdef, 1)
+    for policy in ("dots", "full"):
+        recomputing, _, _ = _state(CONFIG.replace(remat=policy))
+        _assert_close(GRADIENT(params, rest, tokens, recomputing, 1), kept)
+
+
+def test_an_unknown_remat_policy_is_refused():
+    with pytest.raises(StarscreamError, match="remat policy 'some'"):
+        CONFIG.replace(remat="some")
 
 
 def test_the_reported_load_balancing_loss_is_what_the_training_loss_adds():

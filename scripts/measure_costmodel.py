@@ -1,0 +1,238 @@
+"""Measurements the cost model is checked against, on the GPUs present (written for one or two NVIDIA H200s):
+
+  matmul       bf16 [M, K] x [K, N] on one GPU over a grid of shapes: seconds and TFLOP/s per shape, and the
+               efficiency against the preset's peak (what `costmodel` reads from benchmarks/results/).
+  collectives  all-reduce, all-gather and reduce-scatter over the GPUs present (two), per message size: seconds and
+               bus bandwidth (NCCL's definition: all-reduce moves 2 (n - 1) / n of the buffer per device, the others
+               (n - 1) / n); on one GPU, a device-to-device copy (the HBM bandwidth a collective inside a GPU sees).
+  memory       `compiled.memory_analysis()` of the steps `starscream train` and `generate` run (training.steps), for
+               Llama 3.2 1B and Llama 3 8B at full depth on one GPU, per remat policy (train) and cache length
+               (decode): arguments, outputs, aliased and temporary bytes.
+  steps        measured seconds per step of the training step (Llama 3.2 1B, 8 x 2048, bf16 compute, float32 state)
+               on one GPU and on two (data parallel, FSDP, tensor parallel), and of the decode step on one.
+
+Each part writes what it measured as soon as it has it, so a run cut short keeps the parts before. Figures go to
+--out as one JSON object with the command, date, JAX version and devices.
+
+    PYTHONUNBUFFERED=1 python scripts/measure_costmodel.py --out benchmarks/results/h200_costmodel.json
+    python scripts/measure_costmodel.py --quick --out /tmp/smoke.json        # CPU smoke run (tiny shapes)
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+MATMUL_M = (64, 256, 1024, 4096, 16384)
+MATMUL_KN = (1024, 2048, 4096, 8192, 16384)
+COLLECTIVE_BYTES = tuple(2 ** power for power in range(12, 31, 2))  # 4 KiB .. 1 GiB
+MEMORY_CASES = (  # (model, phase, batch, seq (train) or cache length (decode), remat)
+    ("llama3.2-1b", "train", 8, 2048, "none"), ("llama3.2-1b", "train", 8, 2048, "full"),
+    ("llama3.2-1b", "decode", 64, 8192, "none"), ("llama3-8b", "train", 2, 2048, "none"),
+    ("llama3-8b", "train", 4, 2048, "full"), ("llama3-8b", "decode", 64, 8192, "none"),
+    ("llama3.2-1b", "train", 8, 2048, "dots"),
+)
+STEP_CASES = (  # (name, phase, layout, data, gpus, batch, seq)
+    ("1 GPU", "train", "starscream_tp", 1, 1, 8, 2048),
+    ("2 GPUs data parallel", "train", "starscream_tp", 2, 2, 8, 2048),
+    ("2 GPUs FSDP", "train", "starscream_fsdp", 1, 2, 8, 2048),
+    ("2 GPUs tensor parallel", "train", "starscream_tp", 1, 2, 8, 2048),
+    ("1 GPU decode", "decode", "starscream_decode", 1, 1, 64, 8192),
+)
+
+
+def timed(function, *args, repeats: int) -> float:
+    """Seconds per call of a compiled `function(*args)` after one warm-up call (calls queue back to back)."""
+    import jax
+
+    jax.block_until_ready(function(*args))
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = function(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / repeats
+
+
+def measure_matmuls(peak_flops: float, quick: bool):
+    import jax
+    import jax.numpy as jnp
+
+    dims, kns = ((64, 256), (256, 512)) if quick else (MATMUL_M, MATMUL_KN)
+    matmul = jax.jit(lambda a, b: a @ b)
+    for m in dims:
+        for k in kns:
+            for n in kns:
+                a = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
+                b = jax.random.normal(jax.random.key(1), (k, n), jnp.bfloat16)
+                flops = 2 * m * k * n
+                seconds = timed(matmul, a, b, repeats=max(3, min(200, int(2e12 / flops))))
+                yield {"m": m, "k": k, "n": n, "seconds": seconds, "tflops": flops / seconds / 1e12,
+                       "efficiency": flops / seconds / peak_flops}
+
+
+def measure_collectives(quick: bool):
+    """Bus bandwidth per kind and size over every device present (a copy on one device)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devices = jax.devices()
+    count = len(devices)
+    mesh = Mesh(np.asarray(devices), ("d",))
+    kinds = {
+        "all_reduce": (lambda x: jax.lax.psum(x, "d"), 2 * (count - 1) / count),
+        "all_gather": (lambda x: jax.lax.all_gather(x, "d", tiled=True), (count - 1) / count),
+        "reduce_scatter": (lambda x: jax.lax.psum_scatter(x, "d", tiled=True), (count - 1) / count),
+    }
+    for size in COLLECTIVE_BYTES[:3] if quick else COLLECTIVE_BYTES:
+        elements = size // 2
+        if count == 1:
+            x = jnp.ones((elements,), jnp.bfloat16)
+            seconds = timed(jax.jit(lambda x: x * 1), x, repeats=20)
+            yield {"kind": "copy", "devices": 1, "bytes": size, "seconds": seconds, "bus_bandwidth": 2 * size / seconds}
+            continue
+        for kind, (collective, factor) in kinds.items():
+            per_device = elements // count if kind == "all_gather" else elements
+            x = jax.device_put(jnp.ones((per_device * count,), jnp.bfloat16), NamedSharding(mesh, PartitionSpec("d")))
+            function = jax.jit(jax.shard_map(collective, mesh=mesh, in_specs=PartitionSpec("d"),
+                                             out_specs=PartitionSpec("d"), check_vma=False))
+            seconds = timed(function, x, repeats=20)
+            buffer = size  # the all-reduced buffer, the gathered result, the scattered input
+            yield {"kind": kind, "devices": count, "bytes": buffer, "seconds": seconds,
+                   "bus_bandwidth": buffer * factor / seconds}
+
+
+def compile_case(model: str, phase: str, batch: int, seq: int, remat: str, layout: str, mesh):
+    """(compiled step, its abstract arguments, Settings) of one phase at full depth on `mesh`, compiled for the
+    devices present (the step of training.steps, as analysis.compile builds it)."""
+    from starscream_jax.analysis.compile import make_settings, step_program
+    from starscream_jax.model.config import load_model_config
+    from starscream_jax.sharding.apply import use_layout
+    from starscream_jax.sharding.layouts import get_layout
+
+    layers = load_model_config(model).n_layers
+    settings = make_settings(model, phase, batch, seq, layout, layers)
+    settings = dataclasses.replace(settings, config=settings.config.replace(remat=remat))
+    with use_layout(get_layout(layout), mesh):
+        step, args = step_program(settings, get_layout(layout), mesh)
+        return step.lower(*args).compile(), args, settings
+
+
+def measure_memory(quick: bool):
+    import jax
+
+    from starscream_jax.hardware.mesh import build_topology_mesh
+
+    _, mesh = build_topology_mesh("cpu" if quick else "h200", gpus=1, devices=jax.devices()[:1])
+    cases = (("tiny", "train", 8, 64, "none"), ("tiny", "decode", 8, 64, "none")) if quick else MEMORY_CASES
+    for model, phase, batch, seq, remat in cases:
+        start = time.perf_counter()
+        compiled, _, _ = compile_case(model, phase, batch, seq, remat, "starscream_tp", mesh)
+        memory = compiled.memory_analysis()
+        yield {"model": model, "phase": phase, "batch": batch, "seq": seq, "remat": remat, "layout": "starscream_tp",
+               "mesh": dict(mesh.shape), "compile_s": time.perf_counter() - start,
+               "argument_bytes": memory.argument_size_in_bytes, "output_bytes": memory.output_size_in_bytes,
+               "alias_bytes": memory.alias_size_in_bytes, "temp_bytes": memory.temp_size_in_bytes,
+               "peak_bytes": memory.argument_size_in_bytes + memory.output_size_in_bytes
+               - memory.alias_size_in_bytes + memory.temp_size_in_bytes}
+
+
+def measure_steps(quick: bool):
+    """Seconds per step of each STEP_CASES row the devices present allow, on real arrays."""
+    import jax
+    from flax import nnx
+
+    from starscream_jax.hardware.mesh import build_topology_mesh
+    from starscream_jax.model.decoder import create_sharded_model
+    from starscream_jax.sharding.apply import use_layout
+    from starscream_jax.sharding.layouts import get_layout
+
+    for name, phase, layout, data, gpus, batch, seq in STEP_CASES:
+        if gpus > len(jax.devices()):
+            continue
+        model = "tiny" if quick else "llama3.2-1b"
+        batch, seq = (8, 32) if quick else (batch, seq)
+        _, mesh = build_topology_mesh("cpu:1" if quick else "h200", gpus=gpus, data=data, devices=jax.devices()[:gpus])
+        compiled, args, settings = compile_case(model, phase, batch, seq, "none", layout, mesh)
+        with use_layout(get_layout(layout), mesh):
+            _, params, rest = nnx.split(create_sharded_model(settings.config, layout, mesh, 0), nnx.Param, ...)
+            concrete = _concrete(args, params, rest)
+        steps = 3 if quick else (10 if phase == "train" else 50)
+        state = concrete
+        for index in range(2 + steps):
+            if index == 2:
+                jax.block_until_ready(state)
+                start = time.perf_counter()
+            state = _advance(compiled, phase, state)
+        jax.block_until_ready(state)
+        seconds = (time.perf_counter() - start) / steps
+        tokens = batch * (seq if phase == "train" else 1)
+        yield {"name": name, "model": model, "phase": phase, "layout": layout, "mesh": dict(mesh.shape),
+               "batch": batch, "seq": seq, "step_s": seconds, "tokens_per_s": tokens / seconds}
+
+
+def _concrete(args, params, rest):
+    """Real arrays for the abstract arguments: the model's parameters (cast like the abstract ones), zeros for the
+    optimizer state and cache, ones for the tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    def fill(abstract):
+        return jax.device_put(jnp.ones(abstract.shape, abstract.dtype) if abstract.dtype == jnp.int32
+                              else jnp.zeros(abstract.shape, abstract.dtype), abstract.sharding)
+
+    cast = jax.tree.map(lambda real, abstract: real.astype(abstract.dtype), params, args.params)
+    filled = jax.tree.map(fill, args._replace(params=None, rest=None))
+    return filled._replace(params=cast, rest=rest)
+
+
+def _advance(compiled, phase: str, state):
+    if phase == "train":
+        params, opt_state, loss = compiled(state.params, state.opt_state, state.rest, state.tokens)
+        return state._replace(params=params, opt_state=opt_state)
+    token, cache = compiled(state.params, state.rest, state.cache, state.token, state.position)
+    return state._replace(cache=cache, token=token)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")
+    parser.add_argument("--parts", default="matmul,collectives,steps,memory", help="comma-separated parts to run")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 peak for the efficiency column")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes on CPU: a smoke run of the script")
+    args = parser.parse_args(argv)
+    if args.quick:
+        from starscream_jax.hardware.simulation import simulate_cpu_devices
+        simulate_cpu_devices(2)
+    import jax
+
+    result = {"command": "python " + " ".join(sys.argv), "date": datetime.datetime.now(datetime.UTC).isoformat(),
+              "jax": jax.__version__, "devices": [str(device.device_kind) for device in jax.devices()],
+              "peak_flops": args.peak_tflops * 1e12}
+    measures = {"matmul": lambda: measure_matmuls(args.peak_tflops * 1e12, args.quick),
+                "collectives": lambda: measure_collectives(args.quick),
+                "steps": lambda: measure_steps(args.quick), "memory": lambda: measure_memory(args.quick)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for part in args.parts.split(","):
+        start = time.perf_counter()
+        result[part] = []
+        try:
+            for row in measures[part]():  # written row by row: a run cut short keeps what it measured
+                result[part].append(row)
+                print(json.dumps(row), flush=True)
+                args.out.write_text(json.dumps(result, indent=1))
+        except Exception as err:  # one failed part must not lose the others' figures
+            result[part + "_error"] = f"{type(err).__name__}: {err}"
+            print(f"{part} failed: {result[part + '_error']}", flush=True)
+        print(f"{part}: {time.perf_counter() - start:.1f} s", flush=True)
+        args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""What a GPU would hold for one step, per device, at full depth: the planner's memory figure.
+
+The CPU compile's memory analysis is no guide to a GPU's: the CPU backend keeps bfloat16 values as float32 and
+stores attention's whole score matrix, which a fused GPU attention kernel never does. This estimate counts instead,
+from the model's shapes and the layout's placement of each tensor (the activation rules give every tensor's shard):
+
+  persistent   parameters, optimizer state and KV cache, exact (`layout_report.memory_per_device`).
+  gradients    train: one float32 copy of the parameters, placed like them.
+  saved        train: what the backward pass keeps of each layer's forward, per layer x layers, by remat policy:
+               none  the residual in and out of each half, q / k / v before and after rotary, the attention output,
+                     gate / up / their product (compute dtype), the normalised residuals and the gate's activation
+                     (float32), and the layer's weights cast to the compute dtype;
+               dots  the layer's input and the outputs of its projection matmuls;
+               full  the layer's input alone.
+  working      train: the larger of the step's logits (float32) and one layer's forward as `none` keeps it (the
+               layer recomputed or running); they are not live at once.
+               prefill: the larger of the logits and one layer's activations (the new KV cache is persistent).
+               decode: the logits, and one and a half further KV caches: the layer loop writes a new cache beside
+               the donated one and holds half as much again in flight (read from H200 compiles of Llama 3.2 1B and
+               Llama 3 8B decode steps, where it is 1.57x and 1.53x the cache).
+  micro-batch  train with gradient accumulation: the saved and working activations are one micro-batch's.
+
+H200 memory_analysis() of the same programs (benchmarks/results/h200_costmodel.json) is what this is checked
+against (`scripts/compare_costmodel.py`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ..model.config import ModelConfig
+from ..model.names import ATTN_KV, ATTN_Q, LOGITS, RESIDUAL
+from ..sharding.apply import activation_spec, use_layout
+from ..sharding.layouts import get_layout
+from ..sharding.rules import resolve
+
+MLP_HIDDEN = ("batch", "seq", "mlp")
+FLOAT32 = 4
+DECODE_CACHE_COPIES = 1.5
+"""KV caches the decode step holds beside its donated input (see the module docstring)."""
+
+
+
+def shard_elements(spec: PartitionSpec | None, shape: tuple[int, ...], mesh) -> int:
+    """Elements of one device's shard of a tensor of `shape` placed by `spec` (None: whole)."""
+    return math.prod(NamedSharding(mesh, spec or PartitionSpec()).shard_shape(shape))
+
+
+def local_elements(names: tuple, shape: tuple[int, ...], mesh) -> int:
+    """Elements of one device's shard of a tensor of `shape` placed by the active layout's activation rules."""
+    return shard_elements(activation_spec(names, shape), shape, mesh)
+
+
+def activation_bytes(config: ModelConfig, layout, mesh, batch: int, seq: int) -> dict[str, float]:
+    """Bytes per device of one layer's activations for `batch` x `seq` tokens: {"none", "dots", "full"} (what each
+    remat policy keeps of a layer) and "logits" (float32)."""
+    c, itemsize, layout = config, np.dtype(config.dtype).itemsize, get_layout(layout)
+    with use_layout(layout, mesh):
+        residual = local_elements(RESIDUAL, (batch, seq, c.d_model), mesh)
+        queries = local_elements(ATTN_Q, (batch, seq, c.n_heads, c.head_dim), mesh)
+        keys = local_elements(ATTN_KV, (batch, seq, c.n_kv_heads, c.head_dim), mesh)
+        hidden = local_elements(MLP_HIDDEN, (batch, seq, c.d_ff), mesh) * max(1, c.n_experts)
+        logits = local_elements(LOGITS, (batch, seq, c.vocab_size), mesh)
+        weights = _layer_weight_elements(c, layout, mesh)
+    return {
+        "none": itemsize * (4 * residual + 3 * queries + 5 * keys + 3 * hidden + weights)
+        + FLOAT32 * (2 * residual + hidden),
+        "dots": itemsize * (3 * residual + queries + 2 * keys + 2 * hidden),
+        "full": itemsize * residual,
+        "logits": FLOAT32 * logits,
+    }
+
+
+def matmul_flops(config: ModelConfig, layout, mesh, batch: int, seq: int) -> float:
+    """Forward FLOPs per device of the projection matmuls of every layer and of the head, for `batch` x `seq` tokens:
+    2 x the device's tokens x its share of each weight at use (attention's score matmuls not counted)."""
+    layout = get_layout(layout)
+    with use_layout(layout, mesh):
+        tokens = local_elements(RESIDUAL, (batch, seq, config.d_model), mesh) / config.d_model
+        head = resolve(("embed", "vocab"), (config.d_model, config.vocab_size), layout.weights, mesh, "head at use")
+        head_elements = shard_elements(head, (config.d_model, config.vocab_size), mesh)
+    return 2 * tokens * (config.n_layers * _layer_weight_elements(config, layout, mesh) + head_elements)
+
+
+def _layer_weight_elements(c: ModelConfig, layout, mesh) -> float:
+    """Elements per device of one layer's weights as the matmuls use them (the layout's weight rules at use)."""
+    experts = max(1, c.n_experts)
+    shapes = {("embed", "heads", "head_dim"): (c.d_model, c.n_heads, c.head_dim),
+              ("embed", "kv_heads", "head_dim"): (c.d_model, c.n_kv_heads, c.head_dim),
+              ("heads", "head_dim", "embed"): (c.n_heads, c.head_dim, c.d_model),
+              ("embed", "mlp"): (c.d_model, c.d_ff * experts), ("mlp", "embed"): (c.d_ff * experts, c.d_model)}
+    counts = {("embed", "kv_heads", "head_dim"): 2, ("embed", "mlp"): 2}
+    total = 0.0
+    for names, shape in shapes.items():
+        spec = resolve(names, shape, layout.weights, mesh, "weight at use")
+        total += counts.get(names, 1) * shard_elements(spec, shape, mesh)
+    return total
+
+
+def gpu_memory(config: ModelConfig, layout, mesh, phase: str, batch: int, seq: int, persistent: dict[str, Any],
+               micro_batches: int = 1) -> dict[str, float]:
+    """{component: bytes per device} and "total" for a GPU running the step (see the module docstring).
+    `config` at full depth with its remat policy; `persistent` the exact params / optimizer_state / kv_cache bytes;
+    `micro_batches` the gradient-accumulation steps (train)."""
+    layers = config.n_layers
+    rows = batch // micro_batches
+    one_layer = activation_bytes(config, layout, mesh, rows, seq if phase != "decode" else 1)
+    parts = {"params": persistent["params"], "optimizer_state": persistent.get("optimizer_state") or 0.0,
+             "kv_cache": persistent.get("kv_cache") or 0.0}
+    if phase == "train":
+        parts["gradients"] = persistent["params"]
+        parts["saved_activations"] = layers * one_layer[config.remat]
+        parts["working"] = max(one_layer["logits"], one_layer["none"])
+    elif phase == "prefill":
+        parts["working"] = max(one_layer["logits"], one_layer["none"])
+    else:
+        parts["working"] = one_layer["logits"] + DECODE_CACHE_COPIES * parts["kv_cache"]
+    parts["total"] = sum(parts.values())
+    return parts
