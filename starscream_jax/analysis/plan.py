@@ -28,7 +28,8 @@ REMAT = "+remat"
 def plan_phase(settings: Settings, topology, mesh) -> dict[str, Any]:
     """{"phase", "model", "batch", "seq", "hbm_per_device", "candidates": {layout: candidate}, "refused": {layout:
     reason}, "choice": the fastest layout that fits, or None}; a candidate holds the cost model's "estimate",
-    "memory_per_device" at full depth, "fits" and the principle verdicts ("principles": {name: ok}).
+    "memory_per_device" at full depth, "fits", the principle verdicts ("principles": {name: ok}) and the bytes per
+    device its copies over xcd hold ("copied_bytes", principle 2's figures).
 
     In training, a layout that does not fit is tried again with rematerialization (each layer's activations
     recomputed in the backward pass instead of kept), as the candidate "<layout>+remat"."""
@@ -55,7 +56,8 @@ def _candidates(settings: Settings, topology, mesh, refused: dict[str, str] | No
         memory = full_depth_memory(result["memory_per_device"], settings.full_layers, settings.layers, growth)
         candidates[name] = {"estimate": result["estimate"], "memory_per_device": memory,
                             "fits": memory <= topology.hbm_bytes,
-                            "principles": {p: result["principles"][p]["ok"] for p in PRINCIPLES}}
+                            "principles": {p: result["principles"][p]["ok"] for p in PRINCIPLES},
+                            "copied_bytes": result["principles"]["no_redundancy"]["copied_bytes"]}
     return candidates
 
 
