@@ -68,7 +68,8 @@ def check_principles(
 
     Returns {"shape_preservation", "no_redundancy", "hierarchical_collectives"}, each {"ok": bool, "violations":
     [one line per offending op, input or collective]}; shape_preservation also lists as "unpaired" the layout's
-    matmuls that have no counterpart in the reference (all of them when `reference` is None), which are not judged.
+    matmuls that have no counterpart in the reference (all of them when `reference` is None) and the fused attention
+    kernels, which are not judged.
 
     1. shape_preservation: each op keeps per device at least the weight-side elements of the reference, summed over
        its matmuls per direction (`weight_side_elements`, from each report's `tokens_per_device`): a layout may
@@ -118,7 +119,7 @@ def weight_side_elements(matmuls: list[MatmulReport], tokens_per_device: int) ->
 
 def _shape_preservation(report: Report, reference: Report | None) -> dict[str, Any]:
     if reference is None:
-        return {"ok": True, "violations": [], "unpaired": [m.name for m in report.matmuls]}
+        return {"ok": True, "violations": [], "unpaired": [m.name for m in (*report.matmuls, *report.attention)]}
     elements = weight_side_elements(report.matmuls, report.tokens_per_device)
     reference_elements = weight_side_elements(reference.matmuls, reference.tokens_per_device)
     violations = []
@@ -132,7 +133,7 @@ def _shape_preservation(report: Report, reference: Report | None) -> dict[str, A
                 f"reference's {reference_held:g} at {reference.tokens_per_device} tokens: its local kernels shrank"
             )
     unpaired = [m.name for m in report.matmuls if matmul_key(m.op_name) not in reference_elements]
-    return {"ok": not violations, "violations": violations, "unpaired": unpaired}
+    return {"ok": not violations, "violations": violations, "unpaired": unpaired + [a.name for a in report.attention]}
 
 
 def reads_once_per_gpu(matmuls: list[MatmulReport], reference_matmuls: list[MatmulReport],

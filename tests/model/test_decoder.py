@@ -13,7 +13,7 @@ import optax
 import pytest
 from flax import nnx
 
-from starscream_jax.errors import ShardingRuleError
+from starscream_jax.errors import ShardingRuleError, StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model.config import load_model_config
 from starscream_jax.model.decoder import Transformer, create_sharded_model, init_cache, next_token_loss
@@ -296,3 +296,23 @@ def test_batch_sharding_checks_divisibility():
     with pytest.raises(ShardingRuleError, match=r"token batch \(6, 1\) .* 'batch' of size 6 is not "
                                                  r"divisible .* in the activation rules of flat_fsdp"):
         batch_sharding("flat_fsdp", mesh, 6)
+
+
+@pytest.mark.parametrize("index, new_tokens", [(7, 2), (8, 1), (0, 9), (-1, 1)])
+def test_a_write_past_the_end_of_the_kv_cache_is_an_error(index, new_tokens):
+    """A cache of 8 positions holds positions 0-7: writing past it (or before it) is refused, not clamped onto the
+    last slots, when the model is called directly as well as under jit with the index known."""
+    config, graphdef, params, _ = reference("tiny")
+    model = nnx.merge(graphdef, params)
+    cache = init_cache(config, 2, 8)
+    tokens_BS = np.zeros((2, new_tokens), np.int32)
+    with pytest.raises(StarscreamError, match="into a KV cache of 8 positions"):
+        model(tokens_BS, cache=cache, cache_index=index)
+    with pytest.raises(StarscreamError, match="into a KV cache of 8 positions"):
+        jax.jit(lambda t, c: model(t, cache=c, cache_index=index))(tokens_BS, cache)
+
+
+def test_a_write_that_ends_at_the_last_slot_of_the_kv_cache_is_allowed():
+    config, graphdef, params, _ = reference("tiny")
+    logits, _ = nnx.merge(graphdef, params)(np.zeros((2, 2), np.int32), cache=init_cache(config, 2, 8), cache_index=6)
+    assert logits.shape == (2, 2, config.vocab_size)
