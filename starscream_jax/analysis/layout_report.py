@@ -65,10 +65,19 @@ def inspect_layouts(settings: Settings, topology, mesh, refused: dict[str, str] 
             (settings.dump_hlo / f"{name}_{settings.phase}.hlo.txt").write_text(step.compiled.as_text())
     token_dims = (settings.batch, 1 if settings.phase == "decode" else settings.seq)
     reports = {name: inspect_compiled(step.compiled, mesh, args=step.args, gpus_per_node=topology.gpus_per_node,
-                                      lowered_text=step.lowered_text, token_dims=token_dims, outputs=step.outputs)
+                                      lowered_text=step.lowered_text, token_dims=token_dims, outputs=step.outputs,
+                                      tokens_per_device=tokens_per_device(step.layout, mesh, token_dims))
                for name, step in steps.items()}
     return {name: layout_result(settings, topology, mesh, steps[name], reports[name], reports[REFERENCE])
             for name in settings.layouts if name in steps}
+
+
+def tokens_per_device(layout, mesh, token_dims: tuple[int, int]) -> int:
+    """The tokens each device's matmuls work on, from the step's (batch, seq) and the mesh axes the layout's `batch`
+    and `seq` activation rules split them over (the residual stream's and the MLP's tokens)."""
+    batch, seq = token_dims
+    ways = [math.prod(mesh.shape[axis] for axis in layout.activations.lookup(name)[1]) for name in ("batch", "seq")]
+    return batch // ways[0] * (seq // ways[1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +114,7 @@ def layout_result(settings: Settings, topology, mesh, step: CompiledStep, report
         "batch": settings.batch,
         "seq": settings.seq,
         "layers": {"compiled": settings.layers, "full": settings.full_layers},
+        "tokens_per_device": report.tokens_per_device,
         "mesh": {"axes": list(mesh.axis_names), "shape": list(mesh.devices.shape)},
         "principles": principles(settings, step, report, reference, mesh.shape[XCD], working_set(memory)),
         "bytes_per_device": bytes_per_device(report.collectives, depth),

@@ -38,6 +38,16 @@ BATCH_LAYOUTS = [name for name, layout in LAYOUTS.items() if not layout.splits_s
 below on sequences their axes divide."""
 CASES = [("tiny", mesh, layout) for mesh in MESHES for layout in BATCH_LAYOUTS]
 CASES += [("tiny-moe", "1x2x4", layout) for layout in BATCH_LAYOUTS]
+CASES += [("tiny-tied", "1x2x4", layout) for layout in BATCH_LAYOUTS]
+TIED = "tiny-tied"
+"""The tiny model with its output head tied to the embedding table (as Llama 3.2 1B ties them)."""
+
+
+def config_of(name: str):
+    """The model configuration of a case: a file in models/, or TIED."""
+    if name == TIED:
+        return load_model_config("tiny").replace(name=TIED, tie_embeddings=True)
+    return load_model_config(name)
 
 
 def mesh_of(name: str):
@@ -106,7 +116,7 @@ def sample_tokens(config) -> np.ndarray:
 def reference(config_name: str):
     """The unsharded model's (config, graphdef, params, outputs), computed on one device with no layout active and
     kept as host (numpy) arrays, so comparing with them and placing them on a mesh compiles nothing."""
-    config = load_model_config(config_name)
+    config = config_of(config_name)
     graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
     (logits, loss, grads, stepped), generated = jit(whole_case, graphdef, config)(params, sample_tokens(config))
     outputs = {"logits": logits, "loss": loss, "grads": grads, "stepped": stepped, "generated": generated}
@@ -195,11 +205,12 @@ def test_prefill_under_starscream_tp_then_decode_under_starscream_decode(config_
     np.testing.assert_array_equal(generated, reference(config_name)[3]["generated"])
 
 
-@pytest.mark.parametrize("config_name", ["tiny", "tiny-moe"])
+@pytest.mark.parametrize("config_name", ["tiny", "tiny-moe", TIED])
 def test_reference_outputs_are_informative(config_name):
     """The checks above can fail: the step moves every parameter by far more than the tolerance, and greedy
     decoding does not repeat one token."""
-    _, _, params, outputs = reference(config_name)
+    config, _, params, outputs = reference(config_name)
+    assert ("lm_head" in params) != config.tie_embeddings  # a tied model has no head of its own
     moved = errors_by_path(outputs["stepped"], params)
     assert min(moved.values()) > 10 * FP32_TOLERANCE, min(moved.items(), key=lambda item: item[1])
     assert len(np.unique(outputs["generated"])) > NEW_TOKENS
