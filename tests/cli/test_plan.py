@@ -9,6 +9,7 @@ from contextlib import redirect_stdout
 
 import pytest
 
+from starscream_jax.analysis import plan as plan_module
 from starscream_jax.analysis.compile import make_settings
 from starscream_jax.analysis.plan import full_depth_memory, plan_phase
 from starscream_jax.cli import plan as plan_command
@@ -39,14 +40,28 @@ def plans():
     return json.loads(plan("--phases", "train,decode", "--layout", CANDIDATES, "--json"))
 
 
-def test_the_choice_is_the_fastest_layout_that_fits(plans):
+def test_every_candidate_is_estimated_sized_and_judged(plans):
     for phase in ("train", "decode"):
         candidates = plans[phase]["candidates"]
-        fitting = {name: c["estimate"]["serial_s"] for name, c in candidates.items() if c["fits"]}
-        assert plans[phase]["choice"] == min(fitting, key=fitting.get)
+        assert candidates[plans[phase]["choice"]]["fits"]
         for candidate in candidates.values():
             assert candidate["memory_per_device"] > 0 and candidate["estimate"]["serial_s"] > 0
             assert set(candidate["principles"]) == {"shape_preservation", "no_redundancy", "hierarchical_collectives"}
+            assert set(candidate["copied_bytes"]) == {"inputs", "outputs", "activations"}
+
+
+def test_the_choice_is_the_fastest_of_the_layouts_that_fit(monkeypatch):
+    """Three made-up candidates: the fastest (0.5 s) does not fit, so the 1 s one is chosen over the 2 s one."""
+    def candidate(seconds: float, fits: bool) -> dict:
+        return {"estimate": {"serial_s": seconds}, "fits": fits}
+
+    made_up = {"slow": candidate(2.0, True), "chosen": candidate(1.0, True), "too_big": candidate(0.5, False)}
+    monkeypatch.setattr(plan_module, "_candidates", lambda *args, **kwargs: dict(made_up))
+    settings = make_settings("tiny", "decode", 8, 32, "starscream_decode", layers=2)
+    topology = Topology.from_preset("mi300x-qpx-nps1", gpus=2)
+    assert plan_phase(settings, topology, None)["choice"] == "chosen"
+    made_up["chosen"]["fits"] = False
+    assert plan_phase(settings, topology, None)["choice"] == "slow"
 
 
 def test_a_layout_the_mesh_cannot_place_is_listed_with_the_reason():
