@@ -100,7 +100,7 @@ class Depth:
 
 def layout_result(settings: Settings, topology, mesh, step: CompiledStep, report, reference) -> dict[str, Any]:
     """The JSON-ready result of one layout: settings, mesh, principles, bytes, memory, collectives, matmuls, inputs,
-    activations, and the cost model's estimate of the full-depth step (`costmodel.estimate_step`)."""
+    outputs, activations, and the cost model's estimate of the full-depth step (`costmodel.estimate_step`)."""
     itemsize = np.dtype(settings.config.dtype).itemsize
     depth = Depth(settings.layers, settings.full_layers, step.loop_ops)
     matmuls = [matmul_entry(m, depth, itemsize, topology.ridge_point) for m in report.matmuls]
@@ -116,7 +116,7 @@ def layout_result(settings: Settings, topology, mesh, step: CompiledStep, report
         "layers": {"compiled": settings.layers, "full": settings.full_layers},
         "tokens_per_device": report.tokens_per_device,
         "mesh": {"axes": list(mesh.axis_names), "shape": list(mesh.devices.shape)},
-        "principles": principles(settings, step, report, reference, mesh.shape[XCD], working_set(memory)),
+        "principles": principles(settings, step, report, reference, mesh.shape[XCD]),
         "bytes_per_device": bytes_per_device(report.collectives, depth),
         "collectives_per_layer": collectives_per_layer(report.collectives, depth),
         "memory_per_device": memory,
@@ -125,6 +125,7 @@ def layout_result(settings: Settings, topology, mesh, step: CompiledStep, report
                         for c in report.collectives],
         "matmuls": matmuls,
         "inputs": [dataclasses.asdict(entry) for entry in report.inputs],
+        "outputs": [dataclasses.asdict(entry) for entry in report.outputs],
         "activations": [dataclasses.asdict(entry) for entry in report.activations],
     }
     result["estimate"] = estimate_step(result, topology, itemsize).to_dict()
@@ -205,20 +206,14 @@ def kernel_intensity(matmuls: list[dict], ridge_point: float, dtype: str) -> dic
     }
 
 
-def working_set(memory: dict[str, Any]) -> float:
-    """The step's working set per device, against which principle 2 weighs copies: the persistent state at full
-    depth (parameters, optimizer state, KV cache) plus the compiled program's temporaries."""
-    return memory["persistent"] + (memory["compiled"]["temp_bytes"] if memory["compiled"] else 0)
-
-
-def principles(settings: Settings, step: CompiledStep, report, reference, partitions: int,
-               working_set_bytes: float) -> dict[str, dict]:
+def principles(settings: Settings, step: CompiledStep, report, reference, partitions: int) -> dict[str, dict]:
     """The three verdicts. Replicated inputs are allowed for parameters (and their optimizer state) whose logical
-    names include one of the layout's `replicated_ok` names. A copy is large against `working_set_bytes` (see
-    `check_principles`). Decode judges principle 1 by bytes read (`reads_once_per_gpu`) instead of kernel shapes."""
+    names include one of the layout's `replicated_ok` names. A copy is large against the compiled step's working set
+    (see `check_principles`). Decode judges principle 1 by bytes read (`reads_once_per_gpu`) instead of kernel
+    shapes."""
     allowed = (replicated_ok_names(step.args, step.layout.replicated_ok)
                | replicated_ok_names(step.outputs, step.layout.replicated_ok, prefix="output/"))
-    verdicts = check_principles(report, reference, replicated_ok=allowed, working_set_bytes=working_set_bytes)
+    verdicts = check_principles(report, reference, replicated_ok=allowed)
     if settings.phase == "decode":
         verdicts["shape_preservation"] = reads_once_per_gpu(report.matmuls, reference.matmuls, partitions)
     return verdicts

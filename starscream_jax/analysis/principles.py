@@ -52,8 +52,9 @@ def check_compiled(compiled: Any, mesh: Mesh, *, reference: Any = None, args: An
 
 
 LARGE_SHARE = 0.01
-"""Principle 2's default rule: a copy is large when each device holds more of it than this share of the step's
-working set per device."""
+"""Principle 2's default rule: a copy is large when each device holds more of it than this share of the compiled
+step's working set per device (a copy of 1% of a partition's working set is more than the rounding of memory
+planning; below it, removing the copy changes no verdict of fit)."""
 
 
 def check_principles(
@@ -62,7 +63,6 @@ def check_principles(
     *,
     replicated_ok: set[str] | Callable[[str], bool] = frozenset(),
     large_bytes: float | None = None,
-    working_set_bytes: float | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Judge a layout's report against the three principles; `reference` is the gpu_tp program's report.
 
@@ -79,15 +79,16 @@ def check_principles(
        replicated over `xcd`, unless its name is allowed by `replicated_ok`: a callable taking the name, or a set of
        names or fnmatch patterns ("*/scale"); and no large activation is replicated over `xcd` or held there as
        whole-size partial sums (when the report has activations, see `inspect_activations`). Large: each device
-       holds more than `large_bytes` of it; by default `LARGE_SHARE` of the step's working set per device
-       (`working_set_bytes`, else the compiled program's arguments, outputs and temporaries from `report.memory`).
+       holds more than `large_bytes` of it; by default `LARGE_SHARE` of the step's working set per device: the
+       compiled program's arguments, outputs and temporaries (`report.memory`), so that copies and the state they
+       are weighed against come from the same program, at the same depth.
        The verdict also states "threshold_bytes" and "copied_bytes" (per device, the bytes of all copies, large or
        not, beyond the 1/xcd share a split would hold: {"inputs", "outputs", "activations"}).
     3. hierarchical_collectives: no collective has scope "flat" or "unknown" (a kind the reader does not know, or no
        replica groups): each violation says why.
     """
     if large_bytes is None:
-        large_bytes = LARGE_SHARE * (_working_set(report) if working_set_bytes is None else working_set_bytes)
+        large_bytes = LARGE_SHARE * _working_set(report)
     return {
         "shape_preservation": _shape_preservation(report, reference),
         "no_redundancy": _no_redundancy(report, replicated_ok, large_bytes),
