@@ -53,8 +53,7 @@ def check_compiled(compiled: Any, mesh: Mesh, *, reference: Any = None, args: An
 
 LARGE_SHARE = 0.01
 """Principle 2's default rule: a copy is large when each device holds more of it than this share of the compiled
-step's working set per device (a copy of 1% of a partition's working set is more than the rounding of memory
-planning; below it, removing the copy changes no verdict of fit)."""
+step's working set per device (its arguments, outputs and temporaries)."""
 
 
 def check_principles(
@@ -196,6 +195,8 @@ def _no_redundancy(
 
 
 def _how_held(entry) -> str:
+    """How an activation sits over xcd: whole partial sums on each partition, or copies (with the axes, if any, over
+    which each copy is itself a partial sum)."""
     if XCD in entry.unreduced:
         return f"held whole as {entry.replication_xcd} partial sums"
     partial = f" (partial sums over {entry.unreduced})" if entry.unreduced else ""
