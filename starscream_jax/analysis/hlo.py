@@ -268,6 +268,8 @@ class _ProgramReader:
             results = results[1:2]
         elif kind in ("send", "recv"):
             results = results[:1]
+        elif kind == "ragged-all-to-all":  # its result is a receive buffer sized for the worst case: read what it sends
+            results = parse_shapes(self.types[inst.operands[0]])[:1]
         pairs_text = (_attribute(inst.attrs, "source_target_pairs")
                       or _attribute(inst.attrs, "_xla_send_recv_source_target_pairs"))
         groups_text = _attribute(inst.attrs, "replica_groups")

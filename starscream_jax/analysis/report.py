@@ -235,7 +235,8 @@ def ring_bytes_per_device(kind: str, buffer_bytes: int, group_size: int) -> floa
     """Bytes one device sends for one collective, by the ring formulas (the alpha-beta model of collectives).
 
     `buffer_bytes` is the full buffer: the gathered result of an all-gather, the unscattered operand of a
-    reduce-scatter, the result of any other kind (for a ragged all-to-all, its whole output buffer, an upper bound).
+    reduce-scatter, the result of any other kind (for a ragged all-to-all, the array it sends, all of whose rows leave
+    the device at most: an upper bound).
     all-gather, reduce-scatter, all-to-all and ragged all-to-all: (p-1)/p x buffer; all-reduce: 2(p-1)/p x buffer;
     collective-permute, collective-broadcast and send: the buffer; recv: nothing (its send is counted); a kind the
     reader does not know: the buffer.

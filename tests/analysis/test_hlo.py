@@ -415,11 +415,12 @@ def test_text_without_computations_is_an_error():
 
 
 def test_every_collective_kind_is_read_with_its_groups_and_result():
+    """A ragged all-to-all's array is what it sends (its first operand), not its worst-case receive buffer."""
     text = module(
         "%a2a = f32[8,8]{1,0} all-to-all(%p), channel_id=1, replica_groups={{0,4},{1,5},{2,6},{3,7}}, dimensions={0}",
-        "%o = f32[8,8]{1,0} parameter(1)",
+        "%o = f32[16,8]{1,0} parameter(1)",
         "%s = s64[2]{0} parameter(2)",
-        "%ragged = f32[8,8]{1,0} ragged-all-to-all(%p, %o, %s, %s, %s, %s), channel_id=2, "
+        "%ragged = f32[16,8]{1,0} ragged-all-to-all(%p, %o, %s, %s, %s, %s), channel_id=2, "
         "replica_groups=[4,2]<=[2,4]T(1,0)",
         "%bcast = f32[8,8]{1,0} collective-broadcast(%p), channel_id=3, replica_groups={{0,1,2,3},{4,5,6,7}}",
         "%t = token[] after-all()",
