@@ -38,7 +38,7 @@ from .hlo import instructions_in_loops
 
 PHASES = ("train", "prefill", "decode")
 DEFAULT_SHAPES = {"train": (8, 2048), "prefill": (8, 4096), "decode": (64, 8192)}
-"""(batch, seq) per phase: the token counts of reference/h200_kernel_shapes.md."""
+"""(batch, seq) per phase: the token counts of the first H200 kernel-shape measurement."""
 REFERENCE = "gpu_tp"
 """The layout whose kernel shapes principle 1 compares against."""
 COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}

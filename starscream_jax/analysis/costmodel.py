@@ -1,6 +1,6 @@
 """A cost model of one compiled step: the roofline time of every local matmul and the alpha-beta time of every
 collective, from what `starscream inspect` read in the compiled program and the preset's hardware figures, scaled to
-the model's full depth (reference/theory.md has the formulas and their sources).
+the model's full depth.
 
 - Matmul [batch, M, K, N] on one partition: max(2 batch M K N / peak FLOP/s, bytes / HBM bytes/s), with the operands
   and result at the compute dtype. Tile and wave quantization, and every op that is not a matmul (norms, rotary,
@@ -9,7 +9,8 @@ the model's full depth (reference/theory.md has the formulas and their sources).
   preset's bandwidths are RCCL / NCCL bus bandwidths, which already fold in the ring formulas' factors. Inside a GPU
   every partition group has the GPU's fabric; across GPUs (and nodes) the X partitions of a GPU run X rings at once
   over the same links, so each gets 1/X of the GPU's bandwidth. Flat collectives get the measured flat figures
-  (bandwidth and latency floor of a 64-rank ring). Every kind is priced so, by its bytes from
+  (bandwidth and latency floor of a 64-rank ring), and so do collectives of unknown scope (the reader could not tell
+  their members: they are priced as the slowest kind). Every kind is priced so, by its bytes from
   `report.ring_bytes_per_device`: an all-to-all (ragged or not) by the (p-1)/p of its (send) buffer that leaves each
   device.
 - Step: `serial` (compute then communication, no overlap: an upper bound) and `overlapped` (the larger of the two:
@@ -129,6 +130,7 @@ def link_costs(topology) -> dict[str, LinkCost]:
         "inter_gpu": LinkCost(chip.inter_gpu_latency, chip.inter_gpu_bandwidth / sharing),
         "inter_node": LinkCost(chip.inter_node_latency, chip.inter_node_bandwidth / sharing),
         "flat": LinkCost(chip.flat_latency, chip.flat_bandwidth),
+        "unknown": LinkCost(chip.flat_latency, chip.flat_bandwidth),
     }
 
 

@@ -4,11 +4,14 @@ The input is what `jax.jit(f).lower(*args).compile().as_text()` prints: the prog
 partitioning, so every shape here is a per-device shape.
 
 What is read:
-- Collectives (all-reduce, all-gather, reduce-scatter, all-to-all, ragged-all-to-all, collective-permute), in their
-  synchronous form or as
-  an asynchronous `-start` / `-done` pair (read from the `-start`, counted once), also inside fusions, async wrappers,
-  called computations and loop bodies. Their result shapes and their replica groups (or the source-target pairs of a
-  collective-permute), as lists of partition ids.
+- Collectives: every instruction that the compiler made a collective, whatever its kind: the kinds of
+  `COLLECTIVE_KINDS` (all-reduce, all-gather, reduce-scatter, all-to-all, ragged-all-to-all, collective-broadcast,
+  collective-permute, send, recv) and any other instruction that carries replica groups, source-target pairs or a
+  channel id (its kind is then not in `COLLECTIVE_KINDS`, and the report calls it unknown rather than drop it). Each
+  in its synchronous form or as an asynchronous `-start` / `-done` pair (read from the `-start`, counted once), also
+  inside fusions, async wrappers, called computations and loop bodies. Their result shapes and their replica groups
+  (or the source-target pairs of a collective-permute, send or recv), as lists of partition ids; `grouped` says
+  whether the instruction printed any, so a collective without them is never mistaken for a local one.
 - Matmuls: every `dot`, every `convolution` that is a matmul in disguise (1x1 window, no feature groups) and every
   cuBLAS gemm custom-call, as per-device (batch, M, K, N).
 - Attention: custom-calls to cuDNN's fused attention (targets starting with `__cudnn$fmha`).
@@ -41,7 +44,9 @@ import numpy as np
 from starscream_jax.errors import StarscreamError
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
-                    "collective-permute")
+                    "collective-broadcast", "collective-permute", "send", "recv")
+"""The collective kinds whose groups and bytes the reader understands; others are read as unknown collectives."""
+_COLLECTIVE_ATTRIBUTES = re.compile(r"\b(?:replica_groups|source_target_pairs|channel_id)=")
 GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
 ATTENTION_TARGET_PREFIX = "__cudnn$fmha"
 
@@ -82,9 +87,10 @@ class Collective:
     `results` are the arrays it produces on one device (several when XLA combined collectives into one); for a
     ragged-all-to-all, whose result is a receive buffer sized for the worst case, the array it sends (its first
     operand, of which the rows its send sizes name leave the device: all of them at most).
-    `groups` are the replica groups as partition ids; for a collective-permute `groups` is empty and
-    `source_target_pairs` holds the (source, target) partition ids instead. `count` is how many times it runs per call
-    of the program.
+    `groups` are the replica groups as partition ids; for a collective-permute, send or recv `groups` is empty and
+    `source_target_pairs` holds the (source, target) partition ids instead. `grouped` is False when the instruction
+    printed neither (then nothing says which partitions it joins). `count` is how many times it runs per call of the
+    program.
     """
 
     name: str
@@ -94,6 +100,12 @@ class Collective:
     groups: list[list[int]]
     source_target_pairs: list[tuple[int, int]]
     count: int
+    grouped: bool = True
+
+    @property
+    def known(self) -> bool:
+        """Whether the kind is one of `COLLECTIVE_KINDS`."""
+        return self.kind in COLLECTIVE_KINDS
 
     @property
     def result_bytes(self) -> int:
@@ -182,15 +194,25 @@ def parse_replica_groups(text: str, num_partitions: int) -> list[list[int]]:
     """Replica groups from the text that follows `replica_groups=` (any of the three forms), as partition ids."""
     text = text.lstrip()
     if text.startswith("mesh["):
-        return _mesh_groups(text)
-    if text.startswith("["):
-        return _iota_groups(text)
-    if text.startswith("{"):
-        groups = _int_lists(_braced(text))
-        return groups if groups else [list(range(num_partitions))]
-    raise StarscreamError(
-        f"replica groups {text[:60]!r} are in no known form; expected {{{{0,1}},...}}, [G,S]<=[N] or mesh[...] {{...}}"
-    )
+        groups = _mesh_groups(text)
+    elif text.startswith("["):
+        groups = _iota_groups(text)
+    elif text.startswith("{"):
+        groups = _int_lists(_braced(text)) or [list(range(num_partitions))]
+    else:
+        raise StarscreamError(f"replica groups {text[:60]!r} are in no known form; expected {{{{0,1}},...}}, "
+                              "[G,S]<=[N] or mesh[...] {...}")
+    _check_ids(groups, num_partitions, f"replica groups {text[:60]!r}")
+    return groups
+
+
+def _check_ids(groups: list[list[int]], num_partitions: int, what: str) -> None:
+    """Every id a partition id of the program, none twice in one group; StarscreamError otherwise."""
+    for group in groups:
+        if any(not 0 <= member < num_partitions for member in group) or len(set(group)) != len(group):
+            raise StarscreamError(f"{what} name partitions {group}, but the program has {num_partitions} partitions "
+                                  f"(ids 0-{num_partitions - 1}, each once per group); the text is damaged or was cut "
+                                  "from another program: pass the whole compiled text")
 
 
 def parse_hlo(text: str) -> HloProgram:
@@ -231,7 +253,7 @@ class _ProgramReader:
 
     def _record(self, inst: _Instruction, times: int) -> None:
         kind = inst.opcode.removesuffix("-start")
-        if kind in COLLECTIVE_KINDS:
+        if _is_collective(inst, kind):
             _add(self.collectives, inst.name, times, lambda: self._collective(inst, kind))
         elif inst.opcode in ("dot", "convolution") or (
             inst.opcode == "custom-call" and _target(inst.attrs).startswith(GEMM_TARGETS)
@@ -246,18 +268,24 @@ class _ProgramReader:
             results = results[len(results) // 2 :]
         elif inst.opcode == "collective-permute-start":
             results = results[1:2]
-        elif kind == "ragged-all-to-all":
+        elif kind in ("send", "recv"):
+            results = results[:1]
+        elif kind == "ragged-all-to-all":  # its result is a receive buffer sized for the worst case: read what it sends
             results = parse_shapes(self.types[inst.operands[0]])[:1]
-        pairs_text = _attribute(inst.attrs, "source_target_pairs")
+        pairs_text = (_attribute(inst.attrs, "source_target_pairs")
+                      or _attribute(inst.attrs, "_xla_send_recv_source_target_pairs"))
         groups_text = _attribute(inst.attrs, "replica_groups")
+        pairs = [] if pairs_text is None else [tuple(p) for p in _int_lists(_braced(pairs_text))]
+        _check_ids([list(pair) for pair in pairs], self.num_partitions, "source-target pairs")
         return Collective(
             name=inst.name,
             kind=kind,
             op_name=_op_name(inst.attrs),
             results=results,
             groups=[] if groups_text is None else parse_replica_groups(groups_text, self.num_partitions),
-            source_target_pairs=[] if pairs_text is None else [tuple(p) for p in _int_lists(_braced(pairs_text))],
+            source_target_pairs=pairs,
             count=0,
+            grouped=groups_text is not None or pairs_text is not None,
         )
 
     def _operand(self, inst: _Instruction, index: int) -> ArrayShape:
@@ -280,6 +308,14 @@ class _ProgramReader:
         return AttentionCall(
             inst.name, _op_name(inst.attrs), _target(inst.attrs), operands, parse_shapes(inst.result_type), count=0
         )
+
+
+def _is_collective(inst: _Instruction, kind: str) -> bool:
+    """A collective of a known kind, or any other instruction carrying replica groups, source-target pairs or a
+    channel id (the `-done` halves of asynchronous pairs excepted: their `-start` is the one read)."""
+    if inst.opcode.endswith(("-done", "-update")):
+        return False
+    return kind in COLLECTIVE_KINDS or _COLLECTIVE_ATTRIBUTES.search(inst.attrs) is not None
 
 
 def instructions_in_loops(text: str, trip_count: int) -> frozenset[str]:
@@ -419,7 +455,10 @@ def _callees(attrs: str) -> Iterator[str]:
         yield from (name.strip().lstrip("%") for name in names.split(",") if name.strip())
 
 
-def _iota_ids(reshape: list[int], transpose: list[int] | None) -> np.ndarray:
+def _iota_ids(reshape: list[int], transpose: list[int] | None, text: str) -> np.ndarray:
+    if transpose and sorted(transpose) != list(range(len(reshape))):
+        raise StarscreamError(f"iota ids in {text[:60]!r}: T{tuple(transpose)} is not a permutation of the "
+                              f"{len(reshape)} dimensions {reshape}; the text is damaged")
     ids = np.arange(math.prod(reshape)).reshape(reshape)
     return ids.transpose(transpose) if transpose else ids
 
@@ -432,9 +471,11 @@ def _iota_groups(text: str) -> list[list[int]]:
     match = _IOTA_GROUPS.match(text)
     if match is None:
         raise StarscreamError(f"iota replica groups {text[:60]!r} do not read as [G,S]<=[dims]T(perm)")
-    num_groups, group_size = _numbers(match.group(1))
-    ids = _iota_ids(_numbers(match.group(2)), _numbers(match.group(3)) or None)
-    return ids.reshape(num_groups, group_size).tolist()
+    shape, reshape, transpose = _numbers(match.group(1)), _numbers(match.group(2)), _numbers(match.group(3))
+    if len(shape) != 2 or math.prod(shape) != math.prod(reshape):
+        raise StarscreamError(f"iota replica groups {text[:60]!r}: {' x '.join(map(str, shape))} groups and members "
+                              f"do not hold the {math.prod(reshape)} ids of {reshape}; the text is damaged")
+    return _iota_ids(reshape, transpose or None, text).reshape(shape).tolist()
 
 
 def _mesh_groups(text: str) -> list[list[int]]:
@@ -453,9 +494,12 @@ def _mesh_groups(text: str) -> list[list[int]]:
         for factor, key in _axis_factors(size, [(pre, sub) for a, pre, sub in grouped if a == axis]):
             factor_sizes.append(factor)
             factor_keys.append((axis, key))
+    if math.prod(factor_sizes) != math.prod(size for _, size in axes):
+        raise StarscreamError(f"mesh replica groups {text[:80]!r}: the sub-axes do not divide their mesh axes; the "
+                              "text is damaged")
     group_dims = [factor_keys.index((axis, pre)) for axis, pre, _ in grouped]
     other_dims = [i for i in range(len(factor_keys)) if i not in group_dims]
-    ids = _mesh_device_ids(match.group(2), math.prod(factor_sizes))
+    ids = _mesh_device_ids(match.group(2), math.prod(factor_sizes), text)
     ordered = ids.reshape(factor_sizes).transpose(other_dims + group_dims)
     return ordered.reshape(-1, math.prod(factor_sizes[i] for i in group_dims)).tolist()
 
@@ -477,14 +521,20 @@ def _axis_factors(size: int, subaxes: list[tuple[int | None, int | None]]) -> li
     return factors
 
 
-def _mesh_device_ids(text: str | None, count: int) -> np.ndarray:
-    if text is None:
+def _mesh_device_ids(ids_text: str | None, count: int, text: str) -> np.ndarray:
+    """The mesh's `count` devices as partition ids, from its `device_ids=` text (None: 0..count-1)."""
+    if ids_text is None:
         return np.arange(count)
-    text = text.strip()
-    if text.startswith("["):
-        reshape, _, transpose = text[1:].partition("]")
-        return _iota_ids(_numbers(reshape), _numbers(transpose.strip("T()")) or None).reshape(-1)
-    return np.array(_numbers(text))
+    ids_text = ids_text.strip()
+    if ids_text.startswith("["):
+        reshape, _, transpose = ids_text[1:].partition("]")
+        ids = _iota_ids(_numbers(reshape), _numbers(transpose.strip("T()")) or None, text).reshape(-1)
+    else:
+        ids = np.array(_numbers(ids_text))
+    if ids.size != count:
+        raise StarscreamError(f"mesh replica groups {text[:80]!r} list {ids.size} device ids for a mesh of {count} "
+                              "devices; the text is damaged")
+    return ids
 
 
 def _dot_numbers(inst: _Instruction) -> dict[str, list[int]]:

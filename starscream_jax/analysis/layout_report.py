@@ -15,7 +15,8 @@ judged by bytes read instead of kernel shapes (`principles.reads_once_per_gpu`).
 Bytes per device per step are the ring-formula bytes of `report`. "inter_gpu" counts every byte that crosses the
 inter-GPU links: collectives over one partition of each GPU (of one node or of several) and flat collectives, whose
 rings run through partitions of several GPUs at once, so each of their inter-GPU links carries the full per-device
-volume and sets their pace. "flat" is that flat part alone.
+volume and sets their pace; collectives of unknown scope are counted there too, since nothing shows they stay inside
+a GPU. "flat" is the flat part alone, "unknown" the unknown part.
 
 The CPU backend computes and moves bfloat16 values as float32, and runs a reduce-scatter as an all-reduce followed by a
 slice (which the reader counts as an all-reduce), so collective bytes and compiled memory are up to twice what a
@@ -144,6 +145,14 @@ def tokens_per_device(layout, mesh, token_dims: tuple[int, int]) -> int:
     return math.prod(token_dims) // math.prod(mesh.shape[axis] for axis in spec_axes(spec))
 
 
+def tokens_per_device(layout, mesh, token_dims: tuple[int, int]) -> int:
+    """The tokens each device's matmuls work on, from the step's (batch, seq) and the mesh axes the layout's `batch`
+    and `seq` activation rules split them over (the residual stream's and the MLP's tokens)."""
+    batch, seq = token_dims
+    ways = [math.prod(mesh.shape[axis] for axis in layout.activations.lookup(name)[1]) for name in ("batch", "seq")]
+    return batch // ways[0] * (seq // ways[1])
+
+
 @dataclasses.dataclass(frozen=True)
 class Depth:
     """Scales the compiled program to the full depth: an op in the layer loop runs `compiled` times per compiled
@@ -164,10 +173,11 @@ class Depth:
 
 def layout_result(settings: Settings, topology, mesh, step: CompiledStep, report, reference) -> dict[str, Any]:
     """The JSON-ready result of one layout: settings, mesh, principles, bytes, memory, collectives, matmuls, inputs,
-    activations, and the cost model's estimate of the full-depth step (`costmodel.estimate_step`)."""
+    outputs, activations, and the cost model's estimate of the full-depth step (`costmodel.estimate_step`)."""
     itemsize = np.dtype(settings.config.dtype).itemsize
     depth = Depth(settings.layers, settings.full_layers, step.loop_ops)
     matmuls = [matmul_entry(m, depth, itemsize, topology.ridge_point) for m in report.matmuls]
+    memory = memory_per_device(settings, step.layout, mesh, report.memory, topology.hbm_bytes)
     result = {
         "layout": step.layout.name,
         "description": step.layout.description,
@@ -177,16 +187,18 @@ def layout_result(settings: Settings, topology, mesh, step: CompiledStep, report
         "batch": settings.batch,
         "seq": settings.seq,
         "layers": {"compiled": settings.layers, "full": settings.full_layers},
+        "tokens_per_device": report.tokens_per_device,
         "mesh": {"axes": list(mesh.axis_names), "shape": list(mesh.devices.shape)},
         "principles": principles(settings, step, report, reference, mesh.shape[XCD]),
         "bytes_per_device": bytes_per_device(report.collectives, depth),
         "collectives_per_layer": collectives_per_layer(report.collectives, depth),
-        "memory_per_device": memory_per_device(settings, step.layout, mesh, report.memory, topology.hbm_bytes),
+        "memory_per_device": memory,
         "kernel_intensity": kernel_intensity(matmuls, topology.ridge_point, settings.config.dtype),
         "collectives": [{**dataclasses.asdict(c), "in_layer_loop": c.name in step.loop_ops}
                         for c in report.collectives],
         "matmuls": matmuls,
         "inputs": [dataclasses.asdict(entry) for entry in report.inputs],
+        "outputs": [dataclasses.asdict(entry) for entry in report.outputs],
         "activations": [dataclasses.asdict(entry) for entry in report.activations],
     }
     result["estimate"] = estimate_step(result, topology, itemsize).to_dict()
@@ -194,9 +206,10 @@ def layout_result(settings: Settings, topology, mesh, step: CompiledStep, report
 
 
 def _link_totals(by_scope: dict[str, float]) -> dict[str, float]:
-    """inter_gpu (every byte over inter-GPU links, flat included), intra_gpu and flat, from bytes by scope."""
-    return {"inter_gpu": by_scope["inter_gpu"] + by_scope["inter_node"] + by_scope["flat"],
-            "intra_gpu": by_scope["intra_gpu"], "flat": by_scope["flat"]}
+    """inter_gpu (every byte over inter-GPU links, flat and unknown included), intra_gpu, flat and unknown, from bytes
+    by scope."""
+    return {"inter_gpu": by_scope["inter_gpu"] + by_scope["inter_node"] + by_scope["flat"] + by_scope["unknown"],
+            "intra_gpu": by_scope["intra_gpu"], "flat": by_scope["flat"], "unknown": by_scope["unknown"]}
 
 
 def bytes_per_device(collectives, depth: Depth) -> dict[str, Any]:
@@ -268,8 +281,9 @@ def kernel_intensity(matmuls: list[dict], ridge_point: float, dtype: str) -> dic
 
 def principles(settings: Settings, step: CompiledStep, report, reference, partitions: int) -> dict[str, dict]:
     """The three verdicts. Replicated inputs are allowed for parameters (and their optimizer state) whose logical
-    names include one of the layout's `replicated_ok` names. Decode judges principle 1 by bytes read
-    (`reads_once_per_gpu`) instead of kernel shapes."""
+    names include one of the layout's `replicated_ok` names. A copy is large against the compiled step's working set
+    (see `check_principles`). Decode judges principle 1 by bytes read (`reads_once_per_gpu`) instead of kernel
+    shapes."""
     allowed = (replicated_ok_names(step.args, step.layout.replicated_ok)
                | replicated_ok_names(step.outputs, step.layout.replicated_ok, prefix="output/"))
     verdicts = check_principles(report, reference, replicated_ok=allowed)

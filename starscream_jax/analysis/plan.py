@@ -86,7 +86,8 @@ def plan_phase(settings: Settings, topology, *, cache: ResultCache | None = None
     "choice", "runner_up" (names or None), "advice": [lines], "compiled", "elapsed_s"}; an entry holds "name",
     "layout", "mesh", "micro_batches", "remat", "status" (chosen, runner-up, slower, does not fit, cannot place,
     dominated, pruned), "reason", "memory" (the GPU estimate by component, bytes per device), "fits",
-    "lower_bound_s", and when compiled "estimate" (serial_s etc., all micro-batches) and "principles"."""
+    "lower_bound_s", and when compiled "estimate" (serial_s etc., all micro-batches), "principles" and
+    "copied_bytes" (what its copies over xcd hold per device, principle 2's figures)."""
     start = time.perf_counter()
     gpus = topology.gpus_per_node * topology.nodes
     meshes = {data: build_topology_mesh(topology, data=data, simulate=True)[1] for data in divisors(gpus)}
@@ -144,7 +145,7 @@ def _entry(candidate: Candidate, status: str | None, reason: str, **fields) -> d
     return {"candidate": candidate, "name": candidate.name, "layout": candidate.layout,
             "mesh": {"data": candidate.data, "gpu": candidate.gpu}, "micro_batches": candidate.micro_batches,
             "remat": candidate.remat, "status": status, "reason": reason, "memory": None, "fits": False,
-            "lower_bound_s": None, "estimate": None, "principles": None, **fields}
+            "lower_bound_s": None, "estimate": None, "principles": None, "copied_bytes": None, **fields}
 
 
 def lower_bound(settings: Settings, topology, mesh, candidate: Candidate, persistent: dict) -> float:
@@ -207,6 +208,7 @@ def _compile(settings: Settings, topology, mesh, entry: dict, cache) -> None:
     result = results[candidate.layout]
     entry["estimate"] = accumulated(result["estimate"], candidate.micro_batches)
     entry["principles"] = {name: result["principles"][name]["ok"] for name in JUDGED}
+    entry["copied_bytes"] = result["principles"]["no_redundancy"]["copied_bytes"]
 
 
 def accumulated(estimate: dict, micro_batches: int) -> dict:

@@ -15,6 +15,7 @@ from typing import Any
 
 from jax.sharding import Mesh
 
+from ..hardware.axes import XCD
 from .report import MatmulReport, Report, inspect_compiled, matmul_key
 
 
@@ -50,35 +51,57 @@ def check_compiled(compiled: Any, mesh: Mesh, *, reference: Any = None, args: An
     return Check(report, check_principles(report, reference_report, replicated_ok=replicated_ok))
 
 
+LARGE_SHARE = 0.01
+"""Principle 2's default rule: a copy is large when each device holds more of it than this share of the compiled
+step's working set per device (its arguments, outputs and temporaries)."""
+
+
 def check_principles(
     report: Report,
     reference: Report | None,
     *,
     replicated_ok: set[str] | Callable[[str], bool] = frozenset(),
-    large_bytes: int = 1 << 20,
+    large_bytes: float | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Judge a layout's report against the three principles; `reference` is the gpu_tp program's report.
 
     Returns {"shape_preservation", "no_redundancy", "hierarchical_collectives"}, each {"ok": bool, "violations":
     [one line per offending op, input or collective]}; shape_preservation also lists as "unpaired" the layout's
-    matmuls that have no counterpart in the reference (all of them when `reference` is None), which are not judged.
+    matmuls that have no counterpart in the reference (all of them when `reference` is None) and the fused attention
+    kernels, which are not judged.
 
     1. shape_preservation: each op keeps per device at least the weight-side elements of the reference, summed over
        its matmuls per direction (`weight_side_elements`, from each report's `tokens_per_device`): a layout may
        divide only the tokens. Ops that the reference lacks are listed as unpaired. Kernels whose work is split
        into several matmuls of the same op under the layout alone are not told apart from one whole kernel.
-    2. no_redundancy: no input or output array of more than `large_bytes` bytes (the persistent state a step reads
-       and leaves behind) is replicated over `xcd`, unless its name is
-       allowed by `replicated_ok`: a callable taking the name, or a set of names or fnmatch patterns ("*/scale");
-       and no activation of which each device holds more than `large_bytes` (when the report has them, see
-       `inspect_activations`): the copies waste that much on each of the other partitions of the GPU.
-    3. hierarchical_collectives: no collective has scope "flat".
+    2. no_redundancy: no large input or output array (the persistent state a step reads and leaves behind) is
+       replicated over `xcd`, unless its name is allowed by `replicated_ok`: a callable taking the name, or a set of
+       names or fnmatch patterns ("*/scale"); and no large activation is replicated over `xcd` or held there as
+       whole-size partial sums (when the report has activations, see `inspect_activations`). Large: each device
+       holds more than `large_bytes` of it; by default `LARGE_SHARE` of the step's working set per device: the
+       compiled program's arguments, outputs and temporaries (`report.memory`), so that copies and the state they
+       are weighed against come from the same program, at the same depth.
+       The verdict also states "threshold_bytes" and "copied_bytes" (per device, the bytes of all copies, large or
+       not, beyond the 1/xcd share a split would hold: {"inputs", "outputs", "activations"}).
+    3. hierarchical_collectives: no collective has scope "flat" or "unknown" (a kind the reader does not know, or no
+       replica groups): each violation says why.
     """
+    if large_bytes is None:
+        large_bytes = LARGE_SHARE * _working_set(report)
     return {
         "shape_preservation": _shape_preservation(report, reference),
         "no_redundancy": _no_redundancy(report, replicated_ok, large_bytes),
         "hierarchical_collectives": _hierarchical_collectives(report),
     }
+
+
+def _working_set(report: Report) -> float:
+    """Bytes per device of the compiled program: arguments, outputs not aliased to them, temporaries (0 when the
+    report has no memory figures, so every copy counts as large)."""
+    memory = report.memory
+    if memory is None:
+        return 0.0
+    return memory.argument_bytes + memory.output_bytes - memory.alias_bytes + memory.temp_bytes
 
 
 def weight_side_elements(matmuls: list[MatmulReport], tokens_per_device: int) -> dict[tuple[str, bool], float]:
@@ -96,7 +119,7 @@ def weight_side_elements(matmuls: list[MatmulReport], tokens_per_device: int) ->
 
 def _shape_preservation(report: Report, reference: Report | None) -> dict[str, Any]:
     if reference is None:
-        return {"ok": True, "violations": [], "unpaired": [m.name for m in report.matmuls]}
+        return {"ok": True, "violations": [], "unpaired": [m.name for m in (*report.matmuls, *report.attention)]}
     elements = weight_side_elements(report.matmuls, report.tokens_per_device)
     reference_elements = weight_side_elements(reference.matmuls, reference.tokens_per_device)
     violations = []
@@ -110,7 +133,7 @@ def _shape_preservation(report: Report, reference: Report | None) -> dict[str, A
                 f"reference's {reference_held:g} at {reference.tokens_per_device} tokens: its local kernels shrank"
             )
     unpaired = [m.name for m in report.matmuls if matmul_key(m.op_name) not in reference_elements]
-    return {"ok": not violations, "violations": violations, "unpaired": unpaired}
+    return {"ok": not violations, "violations": violations, "unpaired": unpaired + [a.name for a in report.attention]}
 
 
 def reads_once_per_gpu(matmuls: list[MatmulReport], reference_matmuls: list[MatmulReport],
@@ -143,34 +166,53 @@ def reads_once_per_gpu(matmuls: list[MatmulReport], reference_matmuls: list[Matm
 
 
 def _no_redundancy(
-    report: Report, replicated_ok: set[str] | Callable[[str], bool], large_bytes: int
+    report: Report, replicated_ok: set[str] | Callable[[str], bool], large_bytes: float
 ) -> dict[str, Any]:
     def allowed(name: str) -> bool:
         if callable(replicated_ok):
             return replicated_ok(name)
         return any(fnmatchcase(name, pattern) for pattern in replicated_ok)
 
+    arrays = [entry for entry in (*report.inputs, *report.outputs) if not allowed(entry.name)]
     violations = [
-        f"{'output' if entry.name.startswith('output/') else 'input'} {entry.name} {entry.shape} ({entry.bytes} "
-        f"bytes, spec {entry.spec}) is replicated {entry.replication_xcd}x over xcd"
-        for entry in (*report.inputs, *report.outputs)
-        if entry.replication_xcd > 1 and entry.bytes > large_bytes and not allowed(entry.name)
+        f"{'output' if entry.name.startswith('output/') else 'input'} {entry.name} {entry.shape} ({entry.shard_bytes} "
+        f"bytes per device, spec {entry.spec}) is replicated {entry.replication_xcd}x over xcd"
+        for entry in arrays
+        if entry.replication_xcd > 1 and entry.shard_bytes > large_bytes
     ]
     violations += [
         f"activation {entry.name or '(unnamed)'} {entry.shape} {entry.dtype} ({entry.shard_bytes} bytes per device, "
-        f"spec {entry.spec}{', unreduced ' + str(entry.unreduced) if entry.unreduced else ''}) is replicated "
-        f"{entry.replication_xcd}x over xcd ({entry.count} value(s))"
+        f"spec {entry.spec}) is {_how_held(entry)} over xcd ({entry.count} value(s))"
         for entry in report.activations
         if entry.replication_xcd > 1 and entry.shard_bytes > large_bytes
     ]
-    return {"ok": not violations, "violations": violations}
+    copied = {
+        "inputs": _copied_bytes(entry for entry in arrays if not entry.name.startswith("output/")),
+        "outputs": _copied_bytes(entry for entry in arrays if entry.name.startswith("output/")),
+        "activations": _copied_bytes(report.activations),
+    }
+    return {"ok": not violations, "violations": violations, "threshold_bytes": large_bytes, "copied_bytes": copied}
+
+
+def _how_held(entry) -> str:
+    """How an activation sits over xcd: whole partial sums on each partition, or copies (with the axes, if any, over
+    which each copy is itself a partial sum)."""
+    if XCD in entry.unreduced:
+        return f"held whole as {entry.replication_xcd} partial sums"
+    partial = f" (partial sums over {entry.unreduced})" if entry.unreduced else ""
+    return f"replicated {entry.replication_xcd}x{partial}"
+
+
+def _copied_bytes(entries) -> float:
+    """Per device, the bytes held beyond the 1/xcd share a split over xcd would hold, each entry once per value."""
+    return sum(entry.shard_bytes * (1 - 1 / entry.replication_xcd) * getattr(entry, "count", 1) for entry in entries)
 
 
 def _hierarchical_collectives(report: Report) -> dict[str, Any]:
     violations = [
-        f"{c.kind} {c.name} ({c.op_name}) spans several xcds and several GPUs at once: groups {c.groups[:2]}"
+        f"{c.kind} {c.name} ({c.op_name or 'no op name'}) is {c.scope}: {c.reason}; groups {c.groups[:2]}"
         + (" ..." if len(c.groups) > 2 else "")
         for c in report.collectives
-        if c.scope == "flat"
+        if c.scope in ("flat", "unknown")
     ]
     return {"ok": not violations, "violations": violations}

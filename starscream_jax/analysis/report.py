@@ -27,17 +27,20 @@ from ..hardware.axes import GPU, XCD
 from .hlo import Collective, Dot, parse_hlo
 from .stablehlo import sharded_values
 
-SCOPES = ("local", "intra_gpu", "inter_gpu", "inter_node", "flat")
+SCOPES = ("local", "intra_gpu", "inter_gpu", "inter_node", "flat", "unknown")
 """Collective scopes, narrowest first: one device; partitions of one GPU; one partition from each of several GPUs of
-one node; the same across nodes; partitions of one GPU together with other GPUs (neither hierarchical level)."""
+one node; the same across nodes; partitions of one GPU together with other GPUs, or one partition from each GPU at
+different partition indices (neither hierarchical level); a collective whose kind or groups the reader does not know
+(never assumed narrow)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveReport:
     """One collective: its widest group's scope, the full buffer it works on, and ring-formula bytes per device.
 
-    `groups` holds the replica groups as partition ids (for a collective-permute, its source-target pairs).
-    `bytes_per_device` is for one run; the program runs it `count` times per call.
+    `groups` holds the replica groups as partition ids (for a collective-permute, send or recv, its source-target
+    pairs). `bytes_per_device` is for one run; the program runs it `count` times per call. `reason` says why the
+    scope is "flat" or "unknown" (empty otherwise).
     """
 
     name: str
@@ -49,6 +52,7 @@ class CollectiveReport:
     buffer_bytes: int
     bytes_per_device: float
     count: int
+    reason: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +107,9 @@ class InputReport:
 class ActivationReport:
     """One activation of the program (a value whose shape starts with the token dimensions): its op name, global
     shape and PartitionSpec-like placement (the mesh axes of each dimension, and `unreduced` axes holding partial
-    sums), global bytes and bytes per device, how many devices along `xcd` hold the same data (1 = split over all of
-    xcd), and how many values of the program share all of these (`count`)."""
+    sums), global bytes and bytes per device (a partial sum is whole on each device that holds a part of it), how many
+    devices along `xcd` hold the same data or whole-size partial sums of it (1 = split over all of xcd), and how many
+    values of the program share all of these (`count`)."""
 
     name: str
     shape: list[int]
@@ -181,24 +186,38 @@ class _Placement:
             self.node = np.array([device.process_index for device in mesh.devices.flat])
 
     def scope(self, group: Iterable[int]) -> str:
+        return self.describe(group)[0]
+
+    def describe(self, group: Iterable[int]) -> tuple[str, str]:
+        """(scope, why it is "flat"; empty for the other scopes) of one group of partition ids."""
         members = np.array(sorted(set(group)), dtype=int)
         if len(members) <= 1:
-            return "local"
+            return "local", ""
         if members.max() >= self.size:
             raise TopologyError(
                 f"replica group {members.tolist()} names partition {members.max()} but the mesh has {self.size} "
                 "devices; inspect the program with the mesh it was compiled for"
             )
-        spans_xcd = len(set(self.xcd[members])) > 1
-        spans_gpu = len(set(self.gpu[members])) > 1
-        if spans_xcd and spans_gpu:
-            return "flat"
-        if spans_xcd:
-            return "intra_gpu"
-        return "inter_node" if len(set(self.node[members])) > 1 else "inter_gpu"
+        xcds, gpus = self.xcd[members], self.gpu[members]
+        if len(set(xcds)) == 1:
+            return ("inter_node" if len(set(self.node[members])) > 1 else "inter_gpu"), ""
+        if len(set(gpus)) == 1:
+            return "intra_gpu", ""
+        if len(set(gpus)) == len(members):
+            return "flat", (f"takes one partition from each of GPUs {sorted(set(gpus.tolist()))} but at different "
+                            f"partition indices {sorted(set(xcds.tolist()))}: its traffic enters and leaves each "
+                            "package at a different die, so it loads the on-package fabric and the inter-GPU links at "
+                            "once")
+        return "flat", (f"holds several partitions of one GPU (xcds {sorted(set(xcds.tolist()))}) together with other "
+                        f"GPUs ({sorted(set(gpus.tolist()))}): one ring over both links")
+
+    def widest(self, groups: list[list[int]]) -> tuple[str, str]:
+        """(scope, reason) of the widest of `groups`."""
+        return max((self.describe(group) for group in groups), key=lambda found: SCOPES.index(found[0]),
+                   default=("local", ""))
 
     def widest_scope(self, groups: list[list[int]]) -> str:
-        return max((self.scope(group) for group in groups), key=SCOPES.index, default="local")
+        return self.widest(groups)[0]
 
 
 def classify_scope(group: Iterable[int], mesh: Mesh, *, gpus_per_node: int | None = None) -> str:
@@ -206,24 +225,30 @@ def classify_scope(group: Iterable[int], mesh: Mesh, *, gpus_per_node: int | Non
 
     intra_gpu: every member on one physical GPU (same coordinates on all axes but xcd). inter_gpu: every member on the
     same xcd of different GPUs; inter_node when those GPUs are on different nodes (`gpus_per_node` consecutive GPUs per
-    node, else the devices' process_index). flat: the group spans several xcds and several GPUs. local: one member.
+    node, else the devices' process_index). flat: the group spans several xcds and several GPUs, including one
+    partition of each GPU at different partition indices (see `_Placement.describe`). local: one member.
     """
     return _Placement(mesh, gpus_per_node).scope(group)
 
 
 def ring_bytes_per_device(kind: str, buffer_bytes: int, group_size: int) -> float:
-    """Bytes one device sends for one collective, by the ring formulas (reference/theory.md).
+    """Bytes one device sends for one collective, by the ring formulas (the alpha-beta model of collectives).
 
     `buffer_bytes` is the full buffer: the gathered result of an all-gather, the unscattered operand of a
-    reduce-scatter, the operand of an all-reduce, all-to-all or collective-permute, the send buffer of a
-    ragged-all-to-all. all-gather and reduce-scatter: (p-1)/p x buffer; all-reduce: 2(p-1)/p x buffer; all-to-all:
-    (p-1)/p x buffer; ragged-all-to-all: (p-1)/p x its send buffer (what leaves when the rows are spread evenly over
-    the peers: the rows actually sent are known only at run time); collective-permute: the buffer.
+    reduce-scatter, the result of any other kind (for a ragged all-to-all, the array it sends, all of whose rows leave
+    the device at most: an upper bound).
+    all-gather, reduce-scatter, all-to-all and ragged all-to-all: (p-1)/p x buffer; all-reduce: 2(p-1)/p x buffer;
+    collective-permute, collective-broadcast and send: the buffer; recv: nothing (its send is counted); a kind the
+    reader does not know: the buffer.
     """
-    if kind == "collective-permute":
-        return float(buffer_bytes)
+    if kind == "recv":
+        return 0.0
     share = (group_size - 1) / group_size
-    return (2 * share if kind == "all-reduce" else share) * buffer_bytes
+    if kind == "all-reduce":
+        return 2 * share * buffer_bytes
+    if kind in ("all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all"):
+        return share * buffer_bytes
+    return float(buffer_bytes)
 
 
 def inspect_compiled(
@@ -338,16 +363,22 @@ def _collective_report(collective: Collective, placement: _Placement) -> Collect
     groups = [list(pair) for pair in collective.source_target_pairs] or collective.groups
     group_size = max((len(group) for group in groups), default=1)
     buffer_bytes = collective.result_bytes * (group_size if collective.kind == "reduce-scatter" else 1)
+    scope, reason = placement.widest(groups)
+    if not collective.known:
+        scope, reason = "unknown", f"its kind {collective.kind!r} is not one the reader understands"
+    elif not collective.grouped:
+        scope, reason = "unknown", "it prints no replica groups or source-target pairs, so its members are unknown"
     return CollectiveReport(
         name=collective.name,
         kind=collective.kind,
         op_name=collective.op_name,
-        scope=placement.widest_scope(groups),
+        scope=scope,
         groups=groups,
         group_size=group_size,
         buffer_bytes=buffer_bytes,
         bytes_per_device=ring_bytes_per_device(collective.kind, buffer_bytes, group_size),
         count=collective.count,
+        reason=reason,
     )
 
 

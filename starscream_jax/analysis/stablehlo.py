@@ -10,7 +10,7 @@ global shape, which the compiled per-device program no longer shows.
     #loc37 = loc("bsd,df->bsf/dot_general"(#loc30))
 
 Each dimension lists the mesh axes that split it (a sub-axis `"xcd":(1)2` splits by its size, 2); `unreduced` axes hold
-partial sums (each device a different part, not a copy). Values inside `sdy.manual_computation` bodies (shard_map)
+partial sums: each device a whole-size buffer of its own part of the sum, as much memory as a copy. Values inside `sdy.manual_computation` bodies (shard_map)
 have per-device shapes and are skipped, and so are those of the helpers through which a scan reads and writes one
 layer of a stacked array (`dynamic_index_in_dim`, `dynamic_update_index_in_dim`): they are that layer's slice with a
 leading axis of one, a copy of a value the loop body shows, and for a weight its shape can mimic an activation's.
@@ -56,9 +56,8 @@ class ShardedValue:
 
     def split(self, axis: str, size: int) -> int:
         """How many ways the value is divided over mesh `axis` of `size` devices: by a dimension split over it (the
-        sub-axis factor when only part of it is used), or `size` when it holds partial sums there."""
-        if axis in self.unreduced:
-            return size
+        sub-axis factor when only part of it is used). Partial sums over `axis` divide nothing: each device there
+        holds a whole-size buffer of its own partial sum, so the axis holds `size` full-size copies of the memory."""
         factors = [factor or size for dim in self.dims for name, factor in dim if name == axis]
         return math.prod(factors) if factors else 1
 

@@ -95,7 +95,9 @@ def _figure(value: float | None, form: str) -> str:
 
 
 def _verdict(verdict: dict) -> str:
-    return "ok" if verdict["ok"] else f"FAIL ({len(verdict['violations'])})"
+    """"ok" or "FAIL (violations)", followed by how many ops went unjudged when some did."""
+    unjudged = f", {len(verdict['unpaired'])} unjudged" if verdict.get("unpaired") else ""
+    return ("ok" if verdict["ok"] else f"FAIL ({len(verdict['violations'])})") + unjudged
 
 
 def _rows(result: dict) -> list[tuple[str, str]]:
@@ -115,6 +117,9 @@ def _rows(result: dict) -> list[tuple[str, str]]:
         rows.append((f"  compiled temp ({compiled_layers} layers)", format_bytes(memory["compiled"]["temp_bytes"])))
     copied = [entry["shard_bytes"] for entry in result["activations"] if entry["replication_xcd"] > 1]
     rows.append(("  largest activation copied over xcd", format_bytes(max(copied)) if copied else "none"))
+    redundancy = result["principles"]["no_redundancy"]
+    rows.append(("  activation copies (large above)", f"{format_bytes(redundancy['copied_bytes']['activations'])} "
+                 f"({format_bytes(redundancy['threshold_bytes'])})"))
     rows += [
         ("bytes per device per step", ""),
         ("  inter-GPU per layer", format_bytes(sent["per_layer"]["inter_gpu"])),
@@ -122,7 +127,8 @@ def _rows(result: dict) -> list[tuple[str, str]]:
         ("  intra-GPU per layer", format_bytes(sent["per_layer"]["intra_gpu"])),
         (f"  inter-GPU, {full} layers", format_bytes(sent["inter_gpu"])),
         (f"  intra-GPU, {full} layers", format_bytes(sent["intra_gpu"])),
-        ("collectives per layer", " / ".join(f"{counts[scope]:g}" for scope in ("intra_gpu", "inter_gpu", "flat"))),
+        ("collectives per layer", " / ".join(f"{counts[scope]:g}"
+                                             for scope in ("intra_gpu", "inter_gpu", "flat", "unknown"))),
         (f"kernel intensity ({intensity['dtype']}, FLOP/B)", ""),
         ("  smallest", _figure(intensity["smallest"], "{:.0f}")),
         ("  FLOP-weighted", _figure(intensity["flop_weighted"], "{:.0f}")),
@@ -172,8 +178,10 @@ def format_table(results: dict[str, dict], refused: dict[str, str] | None = None
         lines.append(f"{label:<{label_width}}{cells}".rstrip())
     lines += [
         "",
-        "collectives per layer: intra-GPU / inter-GPU / flat. Inter-GPU bytes include the flat collectives' (their",
-        "rings pass every byte over inter-GPU links). On the CPU backend bfloat16 moves as float32 and a",
+        "collectives per layer: intra-GPU / inter-GPU / flat / unknown. Inter-GPU bytes include the flat and unknown",
+        "collectives' (flat rings pass every byte over inter-GPU links). Activation copies: bytes per device held",
+        "beyond a split over xcd; a copy is large above 1% of the step's working set. Unjudged: ops principle 1 could",
+        "not compare with gpu_tp's, listed below. On the CPU backend bfloat16 moves as float32 and a",
         "reduce-scatter runs as all-reduce + slice, so bytes and compiled memory are up to 2x a GPU's (gradient",
         "reduce-scatters 4x); intensity is computed from each matmul's shape at the model's dtype. The estimate is the",
         "cost model's (starscream_jax.analysis.costmodel): matmul rooflines and collective latency + bytes / bus bandwidth.",
@@ -186,4 +194,8 @@ def format_table(results: dict[str, dict], refused: dict[str, str] | None = None
             if violations:
                 lines.append(f"{name} {principle}: {len(violations)} violation(s), e.g.")
                 lines += [clip(f"  {line}", LINE_WIDTH) for line in violations[:SHOWN_VIOLATIONS]]
+        unpaired = result["principles"]["shape_preservation"].get("unpaired")
+        if unpaired:
+            lines.append(clip(f"{name} shape_preservation: {len(unpaired)} op(s) unjudged (no gpu_tp counterpart): "
+                              + ", ".join(unpaired), LINE_WIDTH))
     return "\n".join(lines)

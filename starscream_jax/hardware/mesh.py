@@ -7,6 +7,7 @@ expose it. The mesh always has the three axes ('data', 'gpu', 'xcd'), Explicit, 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 
 import jax
@@ -17,7 +18,7 @@ from jax.sharding import AxisType, Mesh
 from ..errors import TopologyError
 from . import detect
 from .axes import AXES
-from .presets import Preset, load_chip, load_preset, preset_for
+from .presets import Preset, list_presets, load_chip, load_preset, preset_for
 from .simulation import DEFAULT_SIMULATED, simulate_cpu_devices
 from .topology import MODE_FOR_PARTITIONS, Topology, override_from_env, parse_override
 
@@ -50,17 +51,42 @@ def _platform(device) -> str:
     return "rocm" if "rocm" in version or device.platform == "rocm" else device.platform
 
 
+ROCM_CHIPS = {"gfx942": "mi300x", "gfx950": "mi355x"}
+"""The chip file of each GPU architecture a preset describes. Other parts of one architecture (MI300A, MI325X on
+gfx942; MI350X on gfx950) have other figures and are refused by name."""
+_PART_NAME = re.compile(r"\b(mi\d{3}[a-z]*)\b")
+_FIXES = ("give the topology explicitly (STARSCREAM_TOPOLOGY=PRESET:GPUS uses that preset's figures knowingly) or "
+          "add a chip file to meshes/chips/")
+
+
 def _rocm_chip(device) -> str:
-    """"mi355x" for gfx950 devices, else "mi300x"."""
-    kind = f"{getattr(device, 'compute_capability', '')} {getattr(device, 'device_kind', '')}".lower()
-    return "mi355x" if "gfx95" in kind or "mi355" in kind else "mi300x"
+    """The chip of a ROCm device, by its architecture (compute_capability) and product name (device_kind):
+    "mi300x" or "mi355x"; TopologyError naming the presets for any other part."""
+    kind = str(getattr(device, "device_kind", ""))
+    arch = str(getattr(device, "compute_capability", "")).lower().split(":")[0]
+    chip = ROCM_CHIPS.get(arch)
+    named = _PART_NAME.search(kind.lower())
+    if chip is None or (named is not None and named.group(1) != chip):
+        raise TopologyError(f"detected {kind or 'an AMD GPU'} ({arch or 'unknown architecture'}), which no preset "
+                            f"describes (known: {', '.join(list_presets())}); {_FIXES}")
+    return chip
+
+
+def _other_gpu_preset(device) -> Preset:
+    """The preset of a GPU that is not ROCm's: h200 for an H200; TopologyError naming the presets otherwise."""
+    kind = device.device_kind
+    if "h200" not in kind.lower():
+        raise TopologyError(f"detected {kind}, which no preset describes (known: {', '.join(list_presets())}); "
+                            f"{_FIXES}")
+    return load_preset("h200")
 
 
 def detect_topology(devices: Sequence | None = None, groups: Sequence[Sequence] | None = None) -> Topology:
     """The topology of the devices JAX sees (default: all of them), one node per process.
 
     ROCm: the compute and memory mode and the partitions per GPU from sysfs (`detect.detect_rocm_topology`).
-    CPU: the cpu preset, one device per GPU. Other GPUs: one device per GPU (H200 figures for H100/H200).
+    CPU: the cpu preset, one device per GPU. Other GPUs: one device per GPU, an H200 with its preset; a GPU that no
+    preset describes is a TopologyError (see `_rocm_chip`, `_other_gpu_preset`).
     `groups` (devices per physical GPU, given by the user) replace the partition and GPU counts.
     """
     devices = list(devices or jax.devices())
@@ -71,8 +97,10 @@ def detect_topology(devices: Sequence | None = None, groups: Sequence[Sequence] 
         preset = _rocm_preset(_rocm_chip(devices[0]), found)
         partitions = len(found.groups[0])
     else:
-        kind = devices[0].device_kind.lower()
-        preset = load_preset("h200" if platform != "cpu" and ("h200" in kind or "h100" in kind) else "cpu")
+        if platform == "rocm":  # no KFD partitions to read: whole GPUs
+            preset = preset_for(_rocm_chip(devices[0]), "SPX", "NPS1")
+        else:
+            preset = load_preset("cpu") if platform == "cpu" else _other_gpu_preset(devices[0])
         partitions = 1
     if groups is not None:
         return Topology(preset, nodes=processes, gpus_per_node=len(groups) // processes,

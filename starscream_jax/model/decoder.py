@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from ..errors import StarscreamError
 from ..sharding.apply import (
     activation_spec,
     constrain,
@@ -125,10 +126,13 @@ class Transformer(nnx.Module):
     def __call__(self, tokens_BS: jax.Array, *, positions_BS: jax.Array | None = None,
                  cache: dict | None = None, cache_index: jax.Array | int = 0, with_load_balance: bool = False):
         """tokens [B, S] -> logits [B, S, V] float32, or (logits, cache) with a KV cache {"k", "v"} of
-        [L, B, T, K, E] each, the new keys and values written at `cache_index`. `with_load_balance` adds the
-        mixture of experts' load-balancing loss (mean over layers; 0 for a dense model) as a last result."""
+        [L, B, T, K, E] each, the new keys and values written at `cache_index` (StarscreamError when they would not
+        fit, see `_check_cache_room`). `with_load_balance` adds the mixture of experts' load-balancing loss (mean over
+        layers; 0 for a dense model) as a last result."""
         c = self.config
         dtype = jnp.dtype(c.dtype)
+        if cache is not None:
+            _check_cache_room(cache, cache_index, tokens_BS.shape[1])
         if positions_BS is None:
             positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]) + cache_index, tokens_BS.shape)
         with jax.named_scope("embed"):
@@ -159,6 +163,18 @@ class Transformer(nnx.Module):
         if c.remat != "none":
             block = jax.checkpoint(block, policy=CHECKPOINT_POLICIES[c.remat])
         return jax.lax.scan(block, x_BSD, (stacked, cache))
+
+
+def _check_cache_room(cache: dict, cache_index, new_tokens: int) -> None:
+    """A write of `new_tokens` at `cache_index` must end inside the cache's T positions: XLA would clamp it onto the
+    last slots. Checked whenever the index is known at trace time (a traced one is bounded by its caller, as the
+    generation loop bounds it)."""
+    length = cache["k"].shape[2]
+    index = None if isinstance(cache_index, jax.core.Tracer) else int(cache_index)
+    if new_tokens > length or (index is not None and not 0 <= index <= length - new_tokens):
+        at = "" if index is None else f" at position {index}"
+        raise StarscreamError(f"cannot write {new_tokens} token(s){at} into a KV cache of {length} positions; "
+                              f"make the cache longer (init_cache max_len) or stop generating at position {length}")
 
 
 def _layer_weight_names(c: ModelConfig) -> list[str]:

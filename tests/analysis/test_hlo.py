@@ -414,15 +414,62 @@ def test_text_without_computations_is_an_error():
         parse_hlo("not a program")
 
 
-def test_ragged_all_to_all_is_read_with_the_buffer_it_sends():
-    """Its result is a receive buffer sized for the worst case; what it moves is its first operand."""
+def test_every_collective_kind_is_read_with_its_groups_and_result():
+    """A ragged all-to-all's array is what it sends (its first operand), not its worst-case receive buffer."""
     text = module(
-        "%out = bf16[64,16]{1,0} parameter(1)",
-        "%sizes = s32[4]{0} parameter(2)",
-        "ROOT %r = bf16[64,16]{1,0} ragged-all-to-all(%p, %out, %sizes, %sizes, %sizes, %sizes), channel_id=1, "
-        "replica_groups={{0,2,4,6},{1,3,5,7}}",
+        "%a2a = f32[8,8]{1,0} all-to-all(%p), channel_id=1, replica_groups={{0,4},{1,5},{2,6},{3,7}}, dimensions={0}",
+        "%o = f32[16,8]{1,0} parameter(1)",
+        "%s = s64[2]{0} parameter(2)",
+        "%ragged = f32[16,8]{1,0} ragged-all-to-all(%p, %o, %s, %s, %s, %s), channel_id=2, "
+        "replica_groups=[4,2]<=[2,4]T(1,0)",
+        "%bcast = f32[8,8]{1,0} collective-broadcast(%p), channel_id=3, replica_groups={{0,1,2,3},{4,5,6,7}}",
+        "%t = token[] after-all()",
+        "%send = (f32[8,8]{1,0}, u32[], token[]) send(%p, %t), channel_id=4, "
+        'frontend_attributes={_xla_send_recv_source_target_pairs="{{0,4},{4,0}}"}',
+        "%send-done = token[] send-done(%send), channel_id=4",
+        "%recv = (f32[8,8]{1,0}, u32[], token[]) recv(%t), channel_id=5, "
+        'frontend_attributes={_xla_send_recv_source_target_pairs="{{0,4},{4,0}}"}',
+        "%recv-done = (f32[8,8]{1,0}, token[]) recv-done(%recv), channel_id=5",
+        "ROOT %future = f32[8,8]{1,0} all-to-all-v9(%p), channel_id=6, replica_groups={{0,1}}",
     )
-    (exchange,) = parse_hlo(text).collectives
-    assert exchange.kind == "ragged-all-to-all"
-    assert exchange.groups == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    assert exchange.results == (ArrayShape("f32", (8, 8)),)
+    found = [(c.kind, c.known, c.grouped, c.groups or c.source_target_pairs, c.results)
+             for c in parse_hlo(text).collectives]
+    shape = (ArrayShape("f32", (8, 8)),)
+    assert found == [
+        ("all-to-all", True, True, [[0, 4], [1, 5], [2, 6], [3, 7]], shape),
+        ("ragged-all-to-all", True, True, [[0, 4], [1, 5], [2, 6], [3, 7]], shape),
+        ("collective-broadcast", True, True, [[0, 1, 2, 3], [4, 5, 6, 7]], shape),
+        ("send", True, True, [(0, 4), (4, 0)], shape),
+        ("recv", True, True, [(0, 4), (4, 0)], shape),
+        ("all-to-all-v9", False, True, [[0, 1]], shape),
+    ]
+
+
+def test_a_collective_without_groups_says_so():
+    text = module("ROOT %ar = f32[8,8]{1,0} all-reduce(%p), channel_id=1, to_apply=%add")
+    (collective,) = parse_hlo(text).collectives
+    assert (collective.groups, collective.grouped) == ([], False)
+
+
+@pytest.mark.parametrize(
+    "groups_text, message",
+    [
+        ("[2,4]<=[6]", "do not hold the 6 ids"),
+        ("[4,4]<=[16]", "the program has 8 partitions"),
+        ("[2,4]<=[2,4]T(0,2)", "not a permutation"),
+        ("{{0,1},{2,9}}", "the program has 8 partitions"),
+        ("{{0,0}}", "each once per group"),
+        ("mesh['a'=4,'b'=4] {'a'}", "the program has 8 partitions"),
+        ("mesh['a'=2,'b'=4], device_ids=(0,1,2,3) {'a'}", "list 4 device ids for a mesh of 8"),
+        ("mesh['a'=8] {'a':(2)3}", "sub-axes do not divide"),
+    ],
+)
+def test_malformed_replica_groups_are_clear_errors(groups_text, message):
+    with pytest.raises(StarscreamError, match=message):
+        parse_replica_groups(groups_text, 8)
+
+
+def test_source_target_pairs_outside_the_program_are_an_error():
+    text = module("ROOT %cp = f32[8,8]{1,0} collective-permute(%p), channel_id=1, source_target_pairs={{0,8}}")
+    with pytest.raises(StarscreamError, match="source-target pairs"):
+        parse_hlo(text)

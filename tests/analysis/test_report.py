@@ -451,3 +451,47 @@ def test_args_that_do_not_match_the_program_are_an_error():
     mesh, args, compiled = compiled_mlp(2, 4, "starscream")
     with pytest.raises(TopologyError, match="args hold 2 arrays but the program takes 3"):
         inspect_compiled(compiled, mesh, args=args[:2])
+
+
+def collective_program(line: str) -> str:
+    """A 2x4-partition program whose entry runs one collective `line` on %p = f32[8,8]."""
+    return ("HloModule test, num_partitions=8\n\n%add (x: f32[], y: f32[]) -> f32[] {\n  %x = f32[] parameter(0)\n"
+            "  %y = f32[] parameter(1)\n  ROOT %sum = f32[] add(%x, %y)\n}\n\n"
+            f"ENTRY %main (p: f32[8,8]) -> f32[8,8] {{\n  %p = f32[8,8]{{1,0}} parameter(0)\n  ROOT {line}\n}}\n")
+
+
+@pytest.mark.parametrize("line, scope, bytes_per_device, reason", [
+    # all-to-all over one partition of each GPU: 256 bytes, half of them leave the device
+    ("%c = f32[8,8]{1,0} all-to-all(%p), channel_id=1, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}",
+     "inter_gpu", 128.0, ""),
+    ("%c = f32[8,8]{1,0} ragged-all-to-all(%p, %p, %p, %p, %p, %p), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}",
+     "intra_gpu", 192.0, ""),
+    ("%c = f32[8,8]{1,0} all-to-all(%p), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}",
+     "flat", 224.0, "several partitions of one GPU"),
+    ("%c = f32[8,8]{1,0} all-reduce(%p), channel_id=1, to_apply=%add", "unknown", 0.0, "no replica groups"),
+    ("%c = f32[8,8]{1,0} all-to-all-v9(%p), channel_id=1, replica_groups={{0,1}}", "unknown", 256.0,
+     "kind 'all-to-all-v9'"),
+])
+def test_every_collective_has_a_scope_and_bytes_and_the_unknown_ones_fail_principle_3(line, scope,
+                                                                                     bytes_per_device, reason):
+    report = inspect_text(collective_program(line), make_mesh(2, 4))
+    (collective,) = report.collectives
+    assert (collective.scope, collective.bytes_per_device) == (scope, bytes_per_device)
+    assert reason in collective.reason
+    verdict = check_principles(report, None)["hierarchical_collectives"]
+    assert verdict["ok"] == (scope in ("inter_gpu", "intra_gpu"))
+    assert all(reason in line for line in verdict["violations"])
+
+
+def test_one_partition_per_gpu_at_different_indices_is_flat_and_says_why():
+    """Partition 0 is xcd 0 of GPU 0 and partition 5 is xcd 1 of GPU 1: one of each GPU, on different dies."""
+    mesh = make_mesh(2, 4)
+    assert classify_scope([0, 5], mesh) == "flat"
+    report = inspect_text(collective_program(
+        "%c = f32[8,8]{1,0} all-reduce(%p), channel_id=1, replica_groups={{0,5},{1,4},{2,7},{3,6}}, to_apply=%add"),
+        mesh)
+    (collective,) = report.collectives
+    assert collective.scope == "flat"
+    assert "one partition from each of GPUs [0, 1] but at different partition indices" in collective.reason
+    assert "at different partition indices" in check_principles(report, None)["hierarchical_collectives"][
+        "violations"][0]

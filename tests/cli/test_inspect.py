@@ -75,6 +75,30 @@ def test_starscream_tp_keeps_the_three_principles_in_train_and_prefill(phase, re
     assert verdicts(results["starscream_tp"]) == ALL_OK, results["starscream_tp"]["principles"]
 
 
+@pytest.mark.parametrize("phase, tokens", [("train", {"flat_tp": 8 * 256, "starscream_tp": 8 // PARTITIONS * 256}),
+                                           ("decode", {"flat_tp": 16, "starscream_decode": 16, "starscream_tp": 2})])
+def test_tokens_per_device_are_the_known_ones(phase, tokens, request):
+    """Batch and sequence over the axes of the layout's rules: starscream_tp splits the batch over the 8 xcds."""
+    results = request.getfixturevalue(phase)
+    assert {name: result["tokens_per_device"] for name, result in results.items()} == tokens
+
+
+def test_redundancy_states_its_rule_and_the_copies_bytes(train):
+    """Copies are large above 1% of the compiled step's working set (arguments, outputs not aliased to them,
+    temporaries); the bytes of every copy are reported, large or not, and flat_tp's partial sums count whole on every
+    device."""
+    for result in train.values():
+        verdict, memory = result["principles"]["no_redundancy"], result["memory_per_device"]["compiled"]
+        working_set = (memory["argument_bytes"] + memory["output_bytes"] - memory["alias_bytes"]
+                       + memory["temp_bytes"])
+        assert verdict["threshold_bytes"] == pytest.approx(0.01 * working_set)
+    flat, starscream = (train[name]["principles"]["no_redundancy"]["copied_bytes"]
+                        for name in ("flat_tp", "starscream_tp"))
+    assert flat["activations"] > 10 * starscream["activations"]
+    partial = [entry for entry in train["flat_tp"]["activations"] if "xcd" in entry["unreduced"]]
+    assert partial and all(entry["shard_bytes"] * PARTITIONS * 8 > entry["bytes"] for entry in partial)
+
+
 def test_starscream_decode_keeps_the_three_principles_in_decode(decode):
     assert verdicts(decode["starscream_decode"]) == ALL_OK, decode["starscream_decode"]["principles"]
 
@@ -91,12 +115,17 @@ def test_flat_tp_visibly_fails_redundancy_and_hierarchy(phase, request):
     flat = request.getfixturevalue(phase)["flat_tp"]
     assert verdicts(flat) == {"shape_preservation": False, "no_redundancy": False, "hierarchical_collectives": False}
     redundant = " ".join(flat["principles"]["no_redundancy"]["violations"])
-    assert "params/layers/wk/value" in redundant and "params/layers/wv/value" in redundant
-    if phase != "train":
-        # the KV cache: an input of decode, and what prefill leaves behind (its result (token, cache))
-        cache = "cache" if phase == "decode" else "output/1"
-        assert f"{cache}/k " in redundant and f"{cache}/v " in redundant
-    assert all("spans several xcds and several GPUs" in line
+    copied = {entry["name"] for entry in flat["inputs"] if entry["replication_xcd"] == PARTITIONS}
+    assert {"params/layers/wk/value", "params/layers/wv/value"} <= copied
+    assert flat["principles"]["no_redundancy"]["copied_bytes"]["inputs"] > 0
+    if phase != "decode":  # the residual stream, whole on each partition
+        assert "activation " in redundant
+    if phase == "decode":
+        assert "cache/k " in redundant and "cache/v " in redundant
+    if phase == "prefill":  # what prefill leaves behind (its result (token, cache)): the cache, copied
+        outputs = {entry["name"]: entry["replication_xcd"] for entry in flat["outputs"]}
+        assert outputs["output/1/k"] == outputs["output/1/v"] == PARTITIONS
+    assert all("is flat: holds several partitions of one GPU" in line
                for line in flat["principles"]["hierarchical_collectives"]["violations"])
 
 
@@ -243,6 +272,15 @@ def test_table_puts_layouts_side_by_side_with_verdicts(train):
     assert re.search(r"^  3 hierarchical collectives\s+FAIL \(\d+\)\s+ok$", table, re.MULTILINE)
     assert re.search(r"^  inter-GPU per layer\s+\S+ [KMG]?i?B\s+\S+ [KMG]?i?B$", table, re.MULTILINE)
     assert "flat_tp no_redundancy:" in table and "starscream_tp no_redundancy:" not in table
+
+
+def test_the_table_shows_unjudged_ops_and_says_the_verdict_left_them_out(train):
+    """An op principle 1 could not pair with gpu_tp's is counted in the verdict cell and listed by name."""
+    result = json.loads(json.dumps(train["starscream_tp"]))
+    result["principles"]["shape_preservation"]["unpaired"] = ["custom-call.7", "dot.12"]
+    table = inspect_command.format_table({"starscream_tp": result})
+    assert re.search(r"^  1 kernel shapes\s+ok, 2 unjudged$", table, re.MULTILINE)
+    assert "starscream_tp shape_preservation: 2 op(s) unjudged (no gpu_tp counterpart): custom-call.7, dot.12" in table
 
 
 def flat_figures(figures: dict, prefix: str = "") -> dict[str, float]:

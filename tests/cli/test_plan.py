@@ -65,6 +65,7 @@ def test_every_candidate_is_judged_and_the_choice_is_the_fastest_compiled(plans)
         assert entry["status"] == "chosen" or entry["reason"]
     for entry in compiled:  # the bound that prunes never exceeds what compiling gives
         assert 0 < entry["lower_bound_s"] <= entry["estimate"]["compute_s"]
+        assert set(entry["copied_bytes"]) == {"inputs", "outputs", "activations"}
     meshes = {(entry["mesh"]["data"], entry["mesh"]["gpu"]) for entry in train["candidates"]}
     assert meshes == {(1, 2), (2, 1)}
     searched = {(entry["micro_batches"], entry["remat"]) for entry in train["candidates"] if entry["memory"]}

@@ -13,6 +13,7 @@ from fixtures.sysfs import (
     cpu_node,
     gpu_nodes,
     mi300x_node,
+    published_nodes,
     unique_id,
     write_machine,
     write_modes,
@@ -300,3 +301,31 @@ def test_gpu_node_without_location_is_an_error(tmp_path):
     (root / KFD_NODES / "4" / "properties").write_text("simd_count 152\ndomain 0\ndrm_render_minor 130\n")
     with pytest.raises(TopologyError, match=r"nodes/4/properties has no location_id; a GPU node needs"):
         detect_rocm_topology(root, env={})
+
+
+# A published capture of a real MI300X node in CPX mode (fixtures/kfd/README.md).
+
+PUBLISHED_CPX_BUSES = ["0000:05:00", "0000:27:00", "0000:47:00", "0000:65:00", "0000:85:00", "0000:a7:00",
+                       "0000:c7:00", "0000:e5:00"]
+"""The buses of its location_ids (1280 = 0x0500, 9984 = 0x2700, ... 58624 = 0xe500), read by hand."""
+
+
+def test_published_cpx_capture_groups_eight_partitions_per_gpu_by_pci_bus(tmp_path):
+    """Its first seven GPUs (nodes 2-57): KFD node 2 + 8 g + p is partition p of GPU g, the partition read from
+    location_id bits 2:0 as this driver writes it."""
+    nodes = published_nodes("mi300x_cpx_k8s_device_plugin")
+    topology = detect_rocm_topology(write_machine(tmp_path, nodes[:2 + 7 * 8]), env={})
+    assert [group[0].gpu_id for group in topology.groups] == PUBLISHED_CPX_BUSES[:7]
+    assert [[(p.kfd_node, p.partition, p.num_xcc) for p in group] for group in topology.groups] == [
+        [(2 + 8 * gpu + partition, partition, 1) for partition in range(8)] for gpu in range(7)]
+    assert [p.hip_ordinal for group in topology.groups for p in group] == list(range(56))
+    assert (topology.compute_mode, topology.memory_mode) == (None, None)
+
+
+def test_published_cpx_capture_with_a_partition_missing_names_the_gpu_and_partition(tmp_path):
+    """The whole capture: the GPU at bus 0xe5 shows partitions 0-6 only."""
+    nodes = published_nodes("mi300x_cpx_k8s_device_plugin")
+    assert sum(node["simd_count"] > 0 for node in nodes) == 63
+    with pytest.raises(TopologyError, match=r"GPU 0000:e5:00 shows partitions \[0, 1, 2, 3, 4, 5, 6\] in KFD sysfs, "
+                                            r"expected 0-7 as GPU 0000:05:00 does; partition\(s\) \[7\] missing"):
+        detect_rocm_topology(write_machine(tmp_path, nodes), env={})

@@ -320,7 +320,7 @@ def test_rocm_mode_the_driver_does_not_report_follows_from_the_partitions(sysfs)
 def test_rocm_detected_mode_the_chip_lacks_names_the_valid_pairs(sysfs):
     sysfs["result"] = fake_detection([[0, 1, 2, 3]], compute_mode="QPX", memory_mode="NPS4")
     with pytest.raises(PresetError, match=r"MI355X cannot run QPX\+NPS4; valid compute\+memory pairs: SPX\+NPS1"):
-        detect_topology(fake_devices(1, 4, compute_capability="gfx950"))
+        detect_topology(fake_devices(1, 4, device_kind="AMD Instinct MI355X", compute_capability="gfx950"))
 
 
 def test_rocm_ragged_partitions_are_an_error(sysfs):
@@ -383,3 +383,23 @@ def test_mesh_across_two_processes_reduces_over_gpu_and_xcd():
     assert command_report["mesh"] == {"axes": ["data", "gpu", "xcd"], "shape": [1, 4, 2]}
     assert command_report["devices"] == reports[0]["devices"][0]
     assert '"mesh"' not in second
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"device_kind": "AMD Instinct MI250X", "compute_capability": "gfx90a"}, "AMD Instinct MI250X"),
+    ({"device_kind": "AMD Instinct MI325X", "compute_capability": "gfx942"}, "AMD Instinct MI325X"),
+    ({"device_kind": "AMD Instinct MI300A", "compute_capability": "gfx942"}, "AMD Instinct MI300A"),
+    ({"device_kind": "NVIDIA H100 80GB HBM3", "platform": "gpu", "client": FakeClient("PJRT C API\ncuda 12080")},
+     "NVIDIA H100 80GB HBM3"),
+])
+def test_a_gpu_no_preset_describes_is_named_with_the_presets(sysfs, fields, named):
+    """Neither another chip's figures nor a silent fallback: an MI250X, an MI325X or MI300A (same architecture as the
+    MI300X, other figures) and an H100 are refused with the presets listed."""
+    sysfs["result"] = fake_detection([[0, 1, 2, 3]])
+    with pytest.raises(TopologyError, match=rf"detected {named}.*which no preset describes \(known: cpu, h200, "):
+        detect_topology(fake_devices(1, 4, **fields))
+
+
+def test_a_rocm_gpu_without_kfd_partitions_is_its_chips_whole_gpu(sysfs):
+    topology = detect_topology(fake_devices(1, 4))
+    assert (topology.preset.name, topology.partitions_per_gpu) == ("mi300x-spx-nps1", 1)

@@ -13,7 +13,7 @@ import optax
 import pytest
 from flax import nnx
 
-from starscream_jax.errors import ShardingRuleError
+from starscream_jax.errors import ShardingRuleError, StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model.config import load_model_config
 from starscream_jax.model.decoder import Transformer, create_sharded_model, init_cache, next_token_loss
@@ -39,6 +39,16 @@ below on sequences their axes divide."""
 CASES = [("tiny", mesh, layout) for mesh in MESHES for layout in BATCH_LAYOUTS if layout not in EXPERT_LAYOUTS]
 CASES += [("tiny-moe", "1x2x4", layout) for layout in BATCH_LAYOUTS if layout != "flat_ep"]
 """flat_ep's attention is flat_tp's and its MoE block is checked in test_moe."""
+CASES += [("tiny-tied", "1x2x4", layout) for layout in BATCH_LAYOUTS if layout not in EXPERT_LAYOUTS]
+TIED = "tiny-tied"
+"""The tiny model with its output head tied to the embedding table (as Llama 3.2 1B ties them)."""
+
+
+def config_of(name: str):
+    """The model configuration of a case: a file in models/, or TIED."""
+    if name == TIED:
+        return load_model_config("tiny").replace(name=TIED, tie_embeddings=True)
+    return load_model_config(name)
 
 
 def mesh_of(name: str):
@@ -107,7 +117,7 @@ def sample_tokens(config) -> np.ndarray:
 def reference(config_name: str):
     """The unsharded model's (config, graphdef, params, outputs), computed on one device with no layout active and
     kept as host (numpy) arrays, so comparing with them and placing them on a mesh compiles nothing."""
-    config = load_model_config(config_name)
+    config = config_of(config_name)
     graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
     (logits, loss, grads, stepped), generated = jit(whole_case, graphdef, config)(params, sample_tokens(config))
     outputs = {"logits": logits, "loss": loss, "grads": grads, "stepped": stepped, "generated": generated}
@@ -196,11 +206,12 @@ def test_prefill_under_starscream_tp_then_decode_under_starscream_decode(config_
     np.testing.assert_array_equal(generated, reference(config_name)[3]["generated"])
 
 
-@pytest.mark.parametrize("config_name", ["tiny", "tiny-moe"])
+@pytest.mark.parametrize("config_name", ["tiny", "tiny-moe", TIED])
 def test_reference_outputs_are_informative(config_name):
     """The checks above can fail: the step moves every parameter by far more than the tolerance, and greedy
     decoding does not repeat one token."""
-    _, _, params, outputs = reference(config_name)
+    config, _, params, outputs = reference(config_name)
+    assert ("lm_head" in params) != config.tie_embeddings  # a tied model has no head of its own
     moved = errors_by_path(outputs["stepped"], params)
     assert min(moved.values()) > 10 * FP32_TOLERANCE, min(moved.items(), key=lambda item: item[1])
     assert len(np.unique(outputs["generated"])) > NEW_TOKENS
@@ -297,3 +308,23 @@ def test_batch_sharding_checks_divisibility():
     with pytest.raises(ShardingRuleError, match=r"token batch \(6, 1\) .* 'batch' of size 6 is not "
                                                  r"divisible .* in the activation rules of flat_fsdp"):
         batch_sharding("flat_fsdp", mesh, 6)
+
+
+@pytest.mark.parametrize("index, new_tokens", [(7, 2), (8, 1), (0, 9), (-1, 1)])
+def test_a_write_past_the_end_of_the_kv_cache_is_an_error(index, new_tokens):
+    """A cache of 8 positions holds positions 0-7: writing past it (or before it) is refused, not clamped onto the
+    last slots, when the model is called directly as well as under jit with the index known."""
+    config, graphdef, params, _ = reference("tiny")
+    model = nnx.merge(graphdef, params)
+    cache = init_cache(config, 2, 8)
+    tokens_BS = np.zeros((2, new_tokens), np.int32)
+    with pytest.raises(StarscreamError, match="into a KV cache of 8 positions"):
+        model(tokens_BS, cache=cache, cache_index=index)
+    with pytest.raises(StarscreamError, match="into a KV cache of 8 positions"):
+        jax.jit(lambda t, c: model(t, cache=c, cache_index=index))(tokens_BS, cache)
+
+
+def test_a_write_that_ends_at_the_last_slot_of_the_kv_cache_is_allowed():
+    config, graphdef, params, _ = reference("tiny")
+    logits, _ = nnx.merge(graphdef, params)(np.zeros((2, 2), np.int32), cache=init_cache(config, 2, 8), cache_index=6)
+    assert logits.shape == (2, 2, config.vocab_size)

@@ -1,6 +1,10 @@
 """Applying a layout: parameter specs (optimizer state included), the activation and weight helpers, sharded
-creation, and a property test over random small models and meshes: each one shards and matches the unsharded model,
-or is refused with a ShardingRuleError, never another exception."""
+creation, and a property test over random small models and meshes (most of them placeable): each one shards and
+matches the unsharded model, or is refused with a ShardingRuleError whose stated reason is checked true, never
+another exception."""
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -196,7 +200,14 @@ MESH_SHAPES = [(1, 1, 2), (1, 2, 2), (1, 2, 4), (2, 2, 2), (1, 4, 2), (1, 1, 8),
 
 @st.composite
 def model_configs(draw) -> ModelConfig:
-    """Small Llama configurations whose sizes are mostly, not always, multiples of a power of two."""
+    """Small Llama configurations: most (4 in 5) with every size a multiple of 8, which every mesh here divides; the
+    rest with sizes mostly, not always, multiples of a power of two."""
+    if draw(st.integers(0, 4)) > 0:
+        n_kv_heads = 8
+        return ModelConfig(name="aligned", vocab_size=8 * draw(st.integers(1, 6)), d_model=8 * draw(st.integers(1, 3)),
+                           n_layers=1, n_heads=n_kv_heads * draw(st.sampled_from([1, 2])), n_kv_heads=n_kv_heads,
+                           head_dim=2 * draw(st.integers(1, 4)), d_ff=8 * draw(st.integers(1, 4)))
+
     def size(multiples_of: int, most: int) -> int:
         return draw(st.integers(1, most).map(lambda n: n * multiples_of) | st.integers(1, most * multiples_of))
 
@@ -204,6 +215,28 @@ def model_configs(draw) -> ModelConfig:
     return ModelConfig(name="random", vocab_size=size(8, 6), d_model=size(8, 3), n_layers=1,
                        n_heads=n_kv_heads * draw(st.sampled_from([1, 2, 3, 4])), n_kv_heads=n_kv_heads,
                        head_dim=2 * draw(st.integers(1, 4)), d_ff=size(8, 4))
+
+
+INDIVISIBLE = re.compile(r"dimension '(\w+)' of size (\d+) is not divisible by mesh axes \(([^)]*)\) \(size (\d+)\)")
+UNEVEN_HEADS = re.compile(r"(\d+) query heads over (\d+) devices gives (\d+) per device, which splits groups of (\d+)")
+
+
+def check_refusal(message: str, config: ModelConfig, mesh, sizes: set[int]) -> None:
+    """A refusal must state a fact about this model and mesh that is true: a dimension of one of the model's sizes
+    that the named mesh axes (of the product named) do not divide, or query heads whose per-device share splits
+    the groups that share a kv head."""
+    indivisible, uneven = INDIVISIBLE.search(message), UNEVEN_HEADS.search(message)
+    if indivisible:
+        size, axes, axes_size = int(indivisible[2]), re.findall(r"'(\w+)'", indivisible[3]), int(indivisible[4])
+        assert size in sizes, (size, sizes, message)
+        assert axes_size == math.prod(mesh.shape[axis] for axis in axes), message
+        assert size % axes_size != 0, message
+    elif uneven:
+        heads, devices, local, group = map(int, uneven.groups())
+        assert (heads, group) == (config.n_heads, config.n_heads // config.n_kv_heads), message
+        assert local == heads // devices and local % group and group % local, message
+    else:
+        raise AssertionError(f"refused for a reason the test cannot check: {message}")
 
 
 def random_params(config: ModelConfig):
@@ -221,10 +254,13 @@ def forward_and_loss(graphdef, params, tokens_BS):
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=model_configs(), mesh_shape=st.sampled_from(MESH_SHAPES), layout=st.sampled_from(list(LAYOUTS)),
-       batch=st.sampled_from([2, 4, 8]))
-def test_random_models_shard_and_match_or_are_refused_with_a_sharding_rule_error(config, mesh_shape, layout, batch):
+       batch=st.sampled_from([2, 4, 8, 8, 8]))
+def test_random_models_shard_and_match_or_are_refused_for_a_true_reason(config, mesh_shape, layout, batch):
+    """Each case either matches the unsharded model or is refused with a ShardingRuleError whose stated reason
+    `check_refusal` finds true; `--hypothesis-show-statistics` shows how many cases of each kind ran."""
     graphdef, params = random_params(config)
-    tokens = np.random.default_rng(1).integers(0, config.vocab_size, (batch, 6), dtype=np.int32)
+    seq = 8
+    tokens = np.random.default_rng(1).integers(0, config.vocab_size, (batch, seq), dtype=np.int32)
     expected_logits, expected_loss = jax.jit(lambda p, t: forward_and_loss(graphdef, p, t),
                                              compiler_options=FAST_COMPILE)(params, tokens)
     data, gpu, xcd = mesh_shape
@@ -234,9 +270,25 @@ def test_random_models_shard_and_match_or_are_refused_with_a_sharding_rule_error
         with use_layout(layout, mesh):
             logits, loss = jax.jit(lambda p, t: forward_and_loss(graphdef, p, t),
                                    compiler_options=FAST_COMPILE)(placed, tokens)
-    except ShardingRuleError:
-        event("refused with a ShardingRuleError")
+    except ShardingRuleError as refusal:
+        sizes = {config.vocab_size, config.d_model, config.n_heads, config.n_kv_heads, config.head_dim, config.d_ff,
+                 batch, seq, seq - 1}
+        check_refusal(str(refusal), config, mesh, sizes)
+        event(f"{config.name} model refused")
         return
-    event("sharded")
+    event(f"{config.name} model sharded")
     np.testing.assert_allclose(logits, expected_logits, rtol=0, atol=FP32_TOLERANCE)
     np.testing.assert_allclose(loss, expected_loss, rtol=0, atol=FP32_TOLERANCE)
+
+
+def test_a_refusal_with_a_false_reason_is_caught():
+    """The refusal check can fail: a claim that 16 is not divisible by 8, or a size the model does not have."""
+    config, mesh = ModelConfig(name="aligned", vocab_size=16, d_model=8, n_layers=1, n_heads=8, n_kv_heads=8,
+                               head_dim=2, d_ff=8), build_mesh("2x4")
+    true = "dimension 'mlp' of size 6 is not divisible by mesh axes ('gpu', 'xcd') (size 8) of rule 'mlp'"
+    check_refusal(true, config, mesh, {6, 8})
+    for false in (true.replace("size 6", "size 16"), true.replace("(size 8)", "(size 4)")):
+        with pytest.raises(AssertionError):
+            check_refusal(false, config, mesh, {6, 8, 16})
+    with pytest.raises(AssertionError):
+        check_refusal(true, config, mesh, {8})

@@ -234,7 +234,7 @@ def test_starscream_decode_on_many_tokens_copies_the_mlp_hidden_over_xcd(mesh_na
     output [B, S, H, E] into wo) are whole on each partition of a GPU. At one token per sequence that is a few hundred
     KiB; over a training batch it is the largest tensor."""
     report = structure_report("starscream_decode", mesh_name, "train")
-    verdict = check_principles(report, None)
+    verdict = check_principles(report, None, large_bytes=1 << 20)
     assert verdict["hierarchical_collectives"]["ok"], verdict["hierarchical_collectives"]["violations"]
     copied = [entry for entry in report.activations if entry.replication_xcd > 1 and entry.shard_bytes > 1 << 20]
     config = structure_config()
@@ -247,7 +247,7 @@ def test_starscream_decode_on_many_tokens_copies_the_mlp_hidden_over_xcd(mesh_na
 @pytest.mark.parametrize("mesh_name,program", [(mesh, program) for mesh in STRUCTURE_MESHES
                                                for program in ("train", "decode")])
 def test_flat_tp_spans_both_axes_in_one_collective(mesh_name, program):
-    verdict = check_principles(structure_report("flat_tp", mesh_name, program), None)
+    verdict = check_principles(structure_report("flat_tp", mesh_name, program), None, large_bytes=1 << 20)
     assert not verdict["hierarchical_collectives"]["ok"]
     if program == "train":  # the residual stream [B, S, D] is whole on every partition
         assert any(line.startswith("activation ") for line in verdict["no_redundancy"]["violations"])
