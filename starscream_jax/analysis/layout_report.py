@@ -145,14 +145,6 @@ def tokens_per_device(layout, mesh, token_dims: tuple[int, int]) -> int:
     return math.prod(token_dims) // math.prod(mesh.shape[axis] for axis in spec_axes(spec))
 
 
-def tokens_per_device(layout, mesh, token_dims: tuple[int, int]) -> int:
-    """The tokens each device's matmuls work on, from the step's (batch, seq) and the mesh axes the layout's `batch`
-    and `seq` activation rules split them over (the residual stream's and the MLP's tokens)."""
-    batch, seq = token_dims
-    ways = [math.prod(mesh.shape[axis] for axis in layout.activations.lookup(name)[1]) for name in ("batch", "seq")]
-    return batch // ways[0] * (seq // ways[1])
-
-
 @dataclasses.dataclass(frozen=True)
 class Depth:
     """Scales the compiled program to the full depth: an op in the layer loop runs `compiled` times per compiled
