@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding
 
 from starscream_jax import MAXTEXT, build_mesh, check, flax_rules, simulate_cpu_devices
 
@@ -82,12 +82,17 @@ def create_sharded(layout: str, mesh: Mesh, x_BSD: jax.Array):
     return jax.jit(Block().init, out_shardings=shardings)(jax.random.key(0), x_BSD)
 
 
-def batch(step: int, mesh: Mesh | None = None, shape=(16, 8, 32)):
-    """Inputs and targets [B, S, D]: the target is a fixed random linear map of the input, then tanh."""
+BATCH_NAMES = ("activation_batch", "activation_length", "activation_embed")
+
+
+def batch(step: int, mesh: Mesh | None = None, layout: str = "starscream_tp", shape=(16, 8, 32)):
+    """Inputs and targets [B, S, D]: the target is a fixed random linear map of the input, then tanh. With a mesh,
+    placed as the layout places the residual stream (tokens split, not copied on every partition)."""
     x_BSD = jax.random.normal(jax.random.fold_in(jax.random.key(1), step), shape)
     target_BSD = jnp.tanh(x_BSD @ jax.random.normal(jax.random.key(2), shape[-1:] * 2) * shape[-1] ** -0.5)
     if mesh is not None:
-        x_BSD, target_BSD = jax.device_put((x_BSD, target_BSD), NamedSharding(mesh, PartitionSpec()))
+        spec = nn.logical_to_mesh_axes(BATCH_NAMES, flax_rules(layout, "activations", MAXTEXT))
+        x_BSD, target_BSD = jax.device_put((x_BSD, target_BSD), NamedSharding(mesh, spec))
     return x_BSD, target_BSD
 
 
@@ -103,9 +108,9 @@ def main(layout: str = "starscream_tp", steps: int = 6):
         train_step = make_train_step(optimizer)
         losses = []
         for i in range(steps):
-            params, opt_state, loss = train_step(params, opt_state, *batch(i, mesh))
+            params, opt_state, loss = train_step(params, opt_state, *batch(i, mesh, layout))
             losses.append(float(loss))
-        verdict = check(train_step, params, opt_state, *batch(0, mesh), mesh=mesh, layout=layout, vocabulary=MAXTEXT)
+        verdict = check(train_step, params, opt_state, *batch(0, mesh, layout), mesh=mesh, layout=layout, vocabulary=MAXTEXT)
     return losses, verdict
 
 

@@ -32,7 +32,8 @@ def test_the_built_in_layouts_are_derived_from_their_gpu_level_tables(mesh, rule
 
 
 def test_a_tensor_axis_is_read_like_gpu(mesh):
-    tensor = {"params": {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"},
+    tensor = {"params": {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "expert_mlp": "tensor",
+                         "vocab": "tensor"},
               "activations": {"batch": "data", "attn_batch": "data", "heads": "tensor", "kv_heads": "tensor",
                               "mlp": "tensor", "vocab": "tensor"}}
     assert tables(derive(tensor, mesh)) == tables(LAYOUTS["starscream_tp"])
