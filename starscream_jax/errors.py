@@ -15,3 +15,17 @@ class PresetError(StarscreamError):
 
 class ShardingRuleError(StarscreamError):
     """A layout cannot place a tensor: unknown logical name, missing mesh axis, axis reused, or indivisible dimension."""
+
+
+class CheckpointError(StarscreamError):
+    """A checkpoint cannot be restored (damaged files), or resuming from it would contradict the run."""
+
+
+class RunStopped(StarscreamError):
+    """A training run stopped before its last step (a non-finite loss, or Ctrl-C); its checkpoints are intact.
+
+    `exit_status` is the status the command exits with (130 after Ctrl-C, as a shell reports an interrupt)."""
+
+    def __init__(self, message: str, exit_status: int = 1):
+        super().__init__(message)
+        self.exit_status = exit_status

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..checks import finite_number, whole_number
 from ..errors import StarscreamError
 from ..model.config import ModelConfig, load_model_config
 from .data import DEFAULT_CORPUS
@@ -32,6 +33,20 @@ class TrainConfig:
     run_dir: str = "runs/train"
     data: str = str(DEFAULT_CORPUS)
 
+    def __post_init__(self):
+        """Every count and rate is checked here, so that no run starts (or compiles) with a value it cannot use."""
+        for field in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "checkpoint_every",
+                      "log_every"):
+            whole_number(getattr(self, field), flag(field))
+        whole_number(self.warmup_steps, flag("warmup_steps"), minimum=0)
+        whole_number(self.seed, flag("seed"), minimum=0)
+        finite_number(self.learning_rate, flag("learning_rate"), positive=True)
+        finite_number(self.clip_norm, flag("clip_norm"), positive=True)
+        finite_number(self.weight_decay, flag("weight_decay"))
+        if not 0 <= finite_number(self.final_learning_rate_fraction, "final_learning_rate_fraction") <= 1:
+            raise StarscreamError(f"final_learning_rate_fraction {self.final_learning_rate_fraction}: must be in "
+                                  "[0, 1] (the final learning rate as a fraction of the peak)")
+
     def model_config(self) -> ModelConfig:
         """The model this run trains: `model` at the run's compute dtype, with rematerialization when `remat`; its
         max_seq_len must hold `seq_len`."""
@@ -42,3 +57,8 @@ class TrainConfig:
             raise StarscreamError(f"--seq-len {self.seq_len} exceeds model {config.name}'s max_seq_len "
                                   f"{config.max_seq_len}; pass --seq-len {config.max_seq_len} or less")
         return config
+
+
+def flag(field: str) -> str:
+    """The command-line flag of a TrainConfig field: "batch_size" -> "--batch-size"."""
+    return "--" + field.replace("_", "-")
