@@ -11,7 +11,14 @@ from ..training import data
 from ..training.checkpoint import restore_model
 from ..training.generate import DEFAULT_DECODE_LAYOUT, DEFAULT_PREFILL_LAYOUT, batch_multiple, generate
 from ..training.steps import Sampling
-from .arguments import add_distributed_arguments, add_mesh_arguments, initialize_from_args, mesh_from_args
+from .arguments import (
+    add_distributed_arguments,
+    add_mesh_arguments,
+    count,
+    initialize_from_args,
+    mesh_from_args,
+    step_number,
+)
 from .train import DEFAULT_GPUS, DEFAULT_PRESET
 
 
@@ -22,10 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("generation")
     group.add_argument("--checkpoint", default="runs/train/checkpoints",
                        help="checkpoint directory of a training run (RUN_DIR/checkpoints)")
-    group.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    group.add_argument("--step", type=step_number, help="checkpoint step (default: the latest)")
     group.add_argument("--prompt", default="ROMEO:\n", help="text to continue")
-    group.add_argument("--max-new-tokens", type=int, default=200, help="tokens (bytes) to generate per sample")
-    group.add_argument("--samples", type=int,
+    group.add_argument("--max-new-tokens", type=count, default=200, help="tokens (bytes) to generate per sample")
+    group.add_argument("--samples", type=count,
                        help="continuations of the prompt, decoded as one batch (default: the smallest batch the "
                             "layouts can split)")
     group.add_argument("--greedy", action="store_true", help="argmax decoding instead of top-p sampling")
@@ -39,20 +46,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """`starscream generate`: restore the checkpoint, generate, print each sample and the tokens/s. Returns 0."""
+    sampling = Sampling(top_p=None if args.greedy else args.top_p, temperature=args.temperature, seed=args.seed)
+    prompt_tokens = data.encode(args.prompt)
     initialize_from_args(args)
     echo = print if is_main_process() else (lambda *_: None)
     _, mesh = mesh_from_args(args)
     model, description = restore_model(args.checkpoint, args.prefill_layout, mesh, args.step, args.dtype)
     samples = args.samples or batch_multiple((args.prefill_layout, args.decode_layout), mesh)
-    prompt = np.tile(data.encode(args.prompt), (samples, 1))
-    sampling = Sampling(top_p=None if args.greedy else args.top_p, temperature=args.temperature, seed=args.seed)
+    prompt = np.tile(prompt_tokens, (samples, 1))
     result = generate(model, prompt, args.max_new_tokens, sampling, mesh, args.prefill_layout, args.decode_layout)
     echo(f"{model.config.name} from step {description['step']} on mesh {dict(mesh.shape)}; prefill "
          f"{args.prefill_layout}, decode {args.decode_layout}")
     shown_rows = result.tokens[:1] if args.greedy else result.tokens  # greedy rows are all the same
     for index, row in enumerate(shown_rows):
         echo(f"--- sample {index}")
-        echo(args.prompt + data.decode(row))
+        echo(data.decode(np.concatenate([prompt_tokens, row])))
     echo(f"prefill {result.prefill_tokens_per_s:,.0f} tokens/s, decode {result.decode_tokens_per_s:,.0f} tokens/s "
          f"({samples} x {args.max_new_tokens} new tokens)")
     return 0

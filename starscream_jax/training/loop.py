@@ -196,6 +196,8 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, allow_changes=(), 
         if store.latest_step() and not resume:
             raise StarscreamError(f"{run_dir} already holds checkpoints up to step {store.latest_step()}; pass "
                                   "--resume to continue that run, or choose another --run-dir")
+        if resume and store.latest_step():
+            check_resume_early(store, config, model_config, allow_changes)
         say(f"unigram entropy of the training bytes: {format_loss(unigram_nats)}")
         token_sharding = batch_sharding(layout, mesh, config.batch_size)
         program = compile_train_step(config, model_config, layout, mesh, token_sharding, device_memory_bytes)
@@ -260,6 +262,19 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, allow_changes=(), 
     if log.losses:
         report_run(config, log.losses, unigram_nats, store.directory, say)
     return TrainResult(log.losses, log.eval_losses, params, opt_state, unigram_nats, program.compiled)
+
+
+def check_resume_early(store: CheckpointStore, config: TrainConfig, model_config, allow_changes) -> None:
+    """Refuses a contradicting resume before anything is compiled, from the newest checkpoint's description when
+    it reads (a damaged checkpoint is dealt with when restoring)."""
+    step = store.latest_step()
+    try:
+        with store.reporting_damage(step):
+            saved = store.restore_meta(step)
+    except CheckpointError:
+        return
+    check_resumable(saved, model_config)
+    resume_changes(saved, config, step, allow_changes)
 
 
 def resume_advice(saved_step: int) -> str:

@@ -78,7 +78,8 @@ def test_a_tiny_nucleus_is_greedy():
 
 @pytest.mark.parametrize("options, message", [
     ({"top_p": 1.5}, "top-p 1.5 is outside"),
-    ({"temperature": 0.0}, "temperature 0.0 must be positive"),
+    ({"temperature": 0.0}, "--temperature 0.0: must be a finite number above zero"),
+    ({"temperature": float("nan")}, "--temperature nan: must be a finite number above zero"),
 ])
 def test_bad_sampling_options_are_refused(options, message):
     with pytest.raises(StarscreamError, match=message):
