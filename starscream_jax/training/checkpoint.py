@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 from pathlib import Path
 
 import jax
@@ -125,6 +126,7 @@ class CheckpointStore:
         except StarscreamError:
             raise
         except Exception as error:  # orbax and tensorstore raise many types (KeyError, ValueError, OSError, ...)
+            _quiet_reads_left_behind()
             raise CheckpointError(f"checkpoint step {step} in {self.directory} is damaged: "
                                   f"{describe_damage(error)}") from error
 
@@ -173,12 +175,31 @@ class CheckpointStore:
         self.close()
 
 
+def _quiet_reads_left_behind() -> None:
+    """After a failed restore, tensorstore may finish the reads it still had in flight and hand them to orbax's
+    event loop, closed by then; Python would print that as an ignored exception with a traceback. Only that
+    message is dropped; any other unraisable exception reaches the previous hook."""
+    previous_hook = sys.unraisablehook
+    if getattr(previous_hook, "drops_closed_loop", False):
+        return
+
+    def hook(unraisable):
+        if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+            previous_hook(unraisable)
+
+    hook.drops_closed_loop = True
+    sys.unraisablehook = hook
+
+
 def describe_damage(error: Exception) -> str:
     """What a failed restore says, shortened to the damaged file and the first words of the reason."""
-    message = str(error).splitlines()[0] if str(error) else type(error).__name__
+    message = (str(error).splitlines() or [""])[0].split(" [tensorstore_spec")[0]
     found = FILE_IN_ERROR.findall(message)
-    reason = message.split(": Error")[0][:120]
-    return f"{found[-1]} ({reason})" if found else f"{type(error).__name__}: {message[:200]}"
+    if not found:
+        return f"{type(error).__name__}: {message[:200]}"
+    status, _, rest = message.partition(": ")
+    detail = rest.rpartition(f'{found[-1]}": ')[2] if f'{found[-1]}": ' in rest else ""
+    return f"{found[-1]} ({status}{': ' + detail[:120] if detail else ''})"
 
 
 def abstract_model_state(config: ModelConfig, layout, mesh):

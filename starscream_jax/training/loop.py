@@ -102,9 +102,6 @@ def resume_changes(saved: dict, config: TrainConfig, start_step: int, allow_chan
     if config.steps < start_step:
         raise CheckpointError(f"--steps {config.steps} is below step {start_step} of the checkpoint in "
                               f"{config.run_dir}; pass --steps {saved['train_config']['steps']} (the run's) or more")
-    unknown = sorted(set(allow_changes) - set(CHANGEABLE))
-    if unknown:
-        raise StarscreamError(f"--allow-change {','.join(unknown)}: expected some of {', '.join(CHANGEABLE)}")
     saved_config = saved["train_config"]
     differences = {name: (saved_config.get(name), value) for name, value in dataclasses.asdict(config).items()
                    if name in CHANGEABLE and saved_config.get(name) != value}
@@ -182,6 +179,9 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, allow_changes=(), 
     say = echo if main_process else (lambda *_: None)
     model_config = config.model_config()
     writable_directory(config.run_dir, "--run-dir")
+    unknown = sorted(set(allow_changes) - set(CHANGEABLE))
+    if unknown:
+        raise StarscreamError(f"--allow-change {','.join(unknown)}: expected some of {', '.join(CHANGEABLE)}")
     layout = get_layout(config.layout)
     train_tokens, validation_tokens = data.split_corpus(data.load_corpus(config.data))
     # Rows hold seq_len + 1 tokens: the model reads the first seq_len and predicts the last seq_len.

@@ -8,8 +8,6 @@ import argparse
 import io
 import json
 import re
-import subprocess
-import sys
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -286,6 +284,8 @@ def test_a_model_file_on_two_nodes_counts_inter_node_bytes_as_inter_gpu(tmp_path
 
 @pytest.mark.parametrize("argv, error, message", [
     (("--layers", "1"), StarscreamError, "--layers 2 or more"),
+    (("--layers", "5"), StarscreamError, "--layers 5 exceeds model tiny's 4 layers; pass --layers 4 or fewer"),
+    (("--dump-hlo", __file__), StarscreamError, f"--dump-hlo {__file__}: {__file__} is a file, not a directory"),
     (("--no-simulate",), StarscreamError, "drop --no-simulate"),
     (("--layout", "flat_tp,nope"), ShardingRuleError, "unknown layout 'nope'"),
     (("--seq", "300"), StarscreamError, "max_seq_len 256"),
