@@ -65,15 +65,16 @@ class CheckpointStore:
         Returns whether a save started (every `save_every` steps, or when forced). The write finishes in the
         background; `wait()` or `close()` blocks until it is on disk.
         """
-        return self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardSave(params),
-                opt_state=ocp.args.StandardSave(opt_state),
-                meta=ocp.args.JsonSave(meta),
-            ),
-            force=force,
-        )
+        with self.reporting_write_failure():
+            return self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardSave(params),
+                    opt_state=ocp.args.StandardSave(opt_state),
+                    meta=ocp.args.JsonSave(meta),
+                ),
+                force=force,
+            )
 
     def should_save(self, step: int) -> bool:
         """Whether `save(step, ...)` without `force` would save."""
@@ -128,7 +129,7 @@ class CheckpointStore:
         except Exception as error:  # orbax and tensorstore raise many types (KeyError, ValueError, OSError, ...)
             _quiet_reads_left_behind()
             raise CheckpointError(f"checkpoint step {step} in {self.directory} is damaged: "
-                                  f"{describe_damage(error)}") from error
+                                  f"{describe_storage_error(error)}") from error
 
     def restore_checked(self, step: int, params_target, opt_state_target=None):
         """(description, params, opt_state) of `step`, as `restore_meta` and `restore` give them, under
@@ -162,17 +163,36 @@ class CheckpointStore:
 
     def wait(self) -> None:
         """Block until every started save is on disk."""
-        self._manager.wait_until_finished()
+        with self.reporting_write_failure():
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
         """Finish pending saves and release the manager's threads."""
-        self._manager.close()
+        with self.reporting_write_failure():
+            self._manager.close()
+
+    @contextlib.contextmanager
+    def reporting_write_failure(self):
+        """Within it, a save that failed (now, or in the background: a full disk, a directory gone) raises
+        `CheckpointError` naming the file and the newest complete checkpoint, from which --resume continues."""
+        try:
+            yield
+        except StarscreamError:
+            raise
+        except Exception as error:  # orbax re-raises the background writer's error, of any type
+            raise CheckpointError(f"writing a checkpoint in {self.directory} failed: {describe_storage_error(error)}; "
+                                  f"free space (or fix the directory) and rerun with --resume, which "
+                                  f"{resume_point(self.latest_step())}") from error
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc_info):
         self.close()
+
+
+def resume_point(step: int | None) -> str:
+    return "starts afresh (no checkpoint is complete)" if step is None else f"continues from step {step}"
 
 
 def _quiet_reads_left_behind() -> None:
@@ -191,8 +211,8 @@ def _quiet_reads_left_behind() -> None:
     sys.unraisablehook = hook
 
 
-def describe_damage(error: Exception) -> str:
-    """What a failed restore says, shortened to the damaged file and the first words of the reason."""
+def describe_storage_error(error: Exception) -> str:
+    """What a failed read or write says, shortened to the file and the reason."""
     message = (str(error).splitlines() or [""])[0].split(" [tensorstore_spec")[0]
     found = FILE_IN_ERROR.findall(message)
     if not found:

@@ -1,5 +1,6 @@
 """Orbax checkpoints: save interval, retention, metadata, restoring under another mesh and sharding, falling back
 past damaged checkpoints, and a save killed at chosen points."""
+import errno
 import os
 import re
 import shutil
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from orbax.checkpoint._src.path import async_path
 
 from starscream_jax.errors import CheckpointError, StarscreamError
 from starscream_jax.training.checkpoint import CheckpointStore, abstract_arrays
@@ -188,3 +190,20 @@ def test_a_save_killed_midway_leaves_the_earlier_checkpoint_whole(tmp_path, kill
         assert store.save(2, params, params, {"step": 2})
         store.wait()
         assert store.restore_meta() == {"step": 2}
+
+
+def test_a_full_disk_is_one_error_naming_the_checkpoint_to_resume_from(tmp_path, monkeypatch):
+    params = saved_steps_1_and_2(tmp_path)
+
+    async def disk_full(path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(async_path, "write_text", disk_full)
+    with pytest.raises(CheckpointError, match=r"writing a checkpoint in .* failed: .*No space left on device.*; free "
+                                              r"space .* rerun with --resume, which continues from step 2"):
+        with CheckpointStore(tmp_path, save_every=1) as store:
+            store.save(3, params, params, {"step": 3})
+            store.wait()
+    monkeypatch.undo()
+    with CheckpointStore(tmp_path) as store:
+        assert store.all_steps() == [1, 2] and store.restore_meta() == {"step": 2}
