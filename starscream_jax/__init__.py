@@ -13,7 +13,7 @@ The public API, in the order data flows through it:
 Outside `use_layout` every annotation is the identity, so an annotated model also runs unsharded.
 """
 from .analysis.principles import Check, check_compiled
-from .errors import PresetError, ShardingRuleError, StarscreamError, TopologyError
+from .errors import CheckpointError, PresetError, RunStopped, ShardingRuleError, StarscreamError, TopologyError
 from .hardware.axes import AXES
 from .hardware.mesh import build_mesh, build_topology_mesh
 from .hardware.presets import list_presets, load_preset
@@ -31,8 +31,8 @@ from .sharding.collectives import (
 from .sharding.layouts import LAYOUTS, Layout, get_layout
 
 __all__ = [
-    "AXES", "Check", "LAYOUTS", "Layout", "PresetError", "ShardingRuleError", "StarscreamError", "Topology",
-    "TopologyError", "all_gather_inside_gpu", "all_reduce_across_gpus", "build_mesh", "build_topology_mesh",
+    "AXES", "Check", "CheckpointError", "LAYOUTS", "Layout", "PresetError", "RunStopped", "ShardingRuleError",
+    "StarscreamError", "Topology", "TopologyError", "all_gather_inside_gpu", "all_reduce_across_gpus", "build_mesh", "build_topology_mesh",
     "check_compiled", "constrain", "create_sharded", "einsum", "get_layout", "hierarchical_all_gather",
     "hierarchical_all_reduce", "hierarchical_psum", "list_presets", "load_preset", "param", "parse_override",
     "reduce_scatter_inside_gpu", "shared_input", "simulate_cpu_devices", "use_layout", "weight",

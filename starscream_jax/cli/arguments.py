@@ -78,7 +78,7 @@ def _topology_from_args(args) -> Topology | None:
         return _check_gpus_per_node(args, Topology.from_preset(args.preset, gpus=args.default_gpus))
     override = override_from_env()
     if override is not None or args.default_preset is None or args.grouping or not _simulating(args):
-        return override and _check_gpus_per_node(args, override)
+        return None if override is None else _check_gpus_per_node(args, override)
     return _check_gpus_per_node(args, Topology.from_preset(args.default_preset, gpus=args.default_gpus))
 
 

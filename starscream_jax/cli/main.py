@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"starscream {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"starscream {args.command}: interrupted before anything was saved", file=sys.stderr)
+        print(f"starscream {args.command}: interrupted; nothing was saved", file=sys.stderr)
         return 130
 
 

@@ -205,12 +205,8 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, allow_changes=(), 
         opt_state = jax.device_put(opt_state, program.opt_state_shardings)
         start_step, changes = 0, []
         if resume:
-            restored = store.restore_newest_intact(params, opt_state, say)
-            if restored is not None:
-                start_step, saved, params, opt_state = restored
-                check_resumable(saved, model_config)
-                changes = resume_changes(saved, config, start_step, allow_changes)
-                say(f"resumed from {store.directory} at step {start_step} of {config.steps}")
+            start_step, params, opt_state, changes = resumed_state(store, config, model_config, params, opt_state,
+                                                                   allow_changes, say)
         evaluate_batch = eval_step(graphdef)
 
         def evaluate(params) -> float:
@@ -262,6 +258,20 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, allow_changes=(), 
     if log.losses:
         report_run(config, log.losses, unigram_nats, store.directory, say)
     return TrainResult(log.losses, log.eval_losses, params, opt_state, unigram_nats, program.compiled)
+
+
+def resumed_state(store: CheckpointStore, config: TrainConfig, model_config, params, opt_state, allow_changes,
+                  say) -> tuple[int, object, object, list[dict]]:
+    """(step, params, opt_state, changes) of the newest intact checkpoint, checked against the run; the given fresh
+    `params` and `opt_state` (also the restore targets) at step 0 when there is no checkpoint."""
+    restored = store.restore_newest_intact(params, opt_state, say)
+    if restored is None:
+        return 0, params, opt_state, []
+    step, saved, params, opt_state = restored
+    check_resumable(saved, model_config)
+    changes = resume_changes(saved, config, step, allow_changes)
+    say(f"resumed from {store.directory} at step {step} of {config.steps}")
+    return step, params, opt_state, changes
 
 
 def check_resume_early(store: CheckpointStore, config: TrainConfig, model_config, allow_changes) -> None:

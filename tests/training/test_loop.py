@@ -40,6 +40,12 @@ def mesh_2x4():
 
 
 @pytest.fixture(scope="module")
+def one_device():
+    """For the fault tests that need no sharding: a single-device mesh compiles several times faster."""
+    return build_mesh("1x1")
+
+
+@pytest.fixture(scope="module")
 def runs(tmp_path_factory, mesh_2x4):
     """An uninterrupted 6-step run and the same run stopped after step 3, checkpointed at steps 2 and 3.
 
@@ -156,8 +162,8 @@ def test_resume_sets_a_damaged_checkpoint_aside_and_continues_exactly_with_a_rec
     corpus_copy = tmp_path / "corpus.txt"
     shutil.copy(SMALL.data, corpus_copy)
     said = []
-    resumed = train(dataclasses.replace(SMALL, run_dir=str(run_dir), data=str(corpus_copy)), mesh_2x4, resume=True,
-                    allow_changes=("data",), show_progress=False, echo=said.append)
+    resumed = train(dataclasses.replace(SMALL, run_dir=str(run_dir), data=str(corpus_copy), eval_every=100), mesh_2x4,
+                    resume=True, allow_changes=("data",), show_progress=False, echo=said.append)
 
     assert resumed.losses == whole.losses[4:]
     assert re.search(r"checkpoint step 6 in .* is damaged: .*/checkpoints/6/(params|opt_state)/d/\w+ .*moved aside "
@@ -195,18 +201,18 @@ def test_a_run_directory_in_use_is_refused(tmp_path, mesh_2x4):
     assert sorted(path.name for path in (tmp_path / "shared").iterdir()) == []
 
 
-def test_a_non_finite_loss_stops_the_run_and_no_checkpoint_holds_non_finite_weights(tmp_path, mesh_2x4):
+def test_a_non_finite_loss_stops_the_run_and_no_checkpoint_holds_non_finite_weights(tmp_path, one_device):
     config = small_run(tmp_path, "diverged", learning_rate=1e30, checkpoint_every=1)  # Adam steps by ~lr
     with pytest.raises(RunStopped, match=r"(loss is (nan|inf) at step \d|parameters after step \d are not finite)"):
-        quiet_train(config, mesh_2x4)
+        quiet_train(config, one_device)
     with CheckpointStore(tmp_path / "diverged" / "checkpoints") as store:
         saved_steps = store.all_steps()
     for step in saved_steps:
-        model, _ = restore_model(tmp_path / "diverged" / "checkpoints", "starscream_tp", mesh_2x4, step)
+        model, _ = restore_model(tmp_path / "diverged" / "checkpoints", "starscream_tp", one_device, step)
         assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(tmp_path, mesh_2x4, monkeypatch):
+def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(tmp_path, one_device, monkeypatch):
     add = loop.LossLog.add
 
     def add_then_press_ctrl_c_at_step_3(self, step, value):
@@ -216,7 +222,7 @@ def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(tmp_path, mesh_2x4, mo
 
     monkeypatch.setattr(loop.LossLog, "add", add_then_press_ctrl_c_at_step_3)
     with pytest.raises(RunStopped, match="interrupted at step 3 .*rerun with --resume") as stopped:
-        quiet_train(small_run(tmp_path, "interrupted", checkpoint_every=5), mesh_2x4)
+        quiet_train(small_run(tmp_path, "interrupted", checkpoint_every=5, eval_every=100), one_device)
     assert stopped.value.exit_status == 130
     with CheckpointStore(tmp_path / "interrupted" / "checkpoints") as store:
         assert store.all_steps() == [3]
@@ -234,8 +240,8 @@ def test_second_ctrl_c_exits_at_once(monkeypatch, capsys):
     assert "Ctrl-C again exits at once" in capsys.readouterr().err
 
 
-def test_a_step_too_big_for_the_devices_is_refused_before_allocation(tmp_path, mesh_2x4, monkeypatch):
+def test_a_step_too_big_for_the_devices_is_refused_before_allocation(tmp_path, one_device, monkeypatch):
     monkeypatch.setattr(loop, "initial_state", None)  # a call would fail: nothing may be allocated
     with pytest.raises(StarscreamError, match=r"the training step needs \d+\.\d\d GiB per device, more than the 0\.00 "
                                               r"GiB each device has; options: .*--batch-size"):
-        quiet_train(small_run(tmp_path, "big", remat=True), mesh_2x4, device_memory_bytes=1)
+        quiet_train(small_run(tmp_path, "big", remat=True), one_device, device_memory_bytes=1)
