@@ -358,14 +358,16 @@ def fitting_options(config: TrainConfig, model_config, layout, mesh, token_shard
 
 class StopRequests:
     """Within it, the first Ctrl-C (SIGINT) asks the loop to stop after the current step (`requested`), which then
-    saves a checkpoint; a second one exits at once (status 130). Outside the main thread it changes nothing."""
+    saves a checkpoint; a second one exits at once (status 130). Outside the main thread, or where SIGINT is ignored
+    (a job started in the background by a script), it changes nothing."""
 
     def __init__(self):
         self.requested = False
         self._previous_handler = None
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        if in_main_thread and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # ignored (nohup &): keep so
             self._previous_handler = signal.signal(signal.SIGINT, self._on_interrupt)
         return self
 
