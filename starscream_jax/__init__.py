@@ -19,7 +19,7 @@ Outside `use_layout` every annotation is the identity, so an annotated model als
 """
 from .analysis.check import StepCheck, check
 from .analysis.principles import Check, check_compiled
-from .errors import CheckpointError, PresetError, ShardingRuleError, StarscreamError, TopologyError
+from .errors import CheckpointError, PresetError, RunStopped, ShardingRuleError, StarscreamError, TopologyError
 from .hardware.axes import AXES
 from .hardware.mesh import build_mesh, build_topology_mesh
 from .hardware.presets import list_presets, load_preset
@@ -41,7 +41,7 @@ from .sharding.flax_rules import MAXTEXT, STARSCREAM, Vocabulary, flax_rules, in
 from .sharding.layouts import LAYOUTS, Layout, get_layout
 
 __all__ = [
-    "AXES", "Check", "CheckpointError", "LAYOUTS", "Layout", "MAXTEXT", "PresetError", "STARSCREAM",
+    "AXES", "Check", "CheckpointError", "LAYOUTS", "Layout", "MAXTEXT", "PresetError", "RunStopped", "STARSCREAM",
     "ShardingRuleError", "StarscreamError", "StepCheck", "Topology", "TopologyError", "Vocabulary",
     "activation_spec", "all_gather_inside_gpu", "all_reduce_across_gpus", "build_mesh", "build_topology_mesh",
     "check", "check_compiled", "constrain", "create_sharded", "derive", "einsum", "export_hf_model", "flax_rules",

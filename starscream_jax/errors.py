@@ -18,5 +18,16 @@ class ShardingRuleError(StarscreamError):
 
 
 class CheckpointError(StarscreamError):
-    """A model directory (config.json, safetensors files and their index, tokenizer files) is missing, corrupt or
-    describes a model this library does not implement."""
+    """A checkpoint cannot be restored (damaged files), or resuming from it would contradict the run; or a model
+    directory (config.json, safetensors files and their index, tokenizer files) is missing, corrupt or describes a
+    model this library does not implement."""
+
+
+class RunStopped(StarscreamError):
+    """A training run stopped before its last step (a non-finite loss, or Ctrl-C); its checkpoints are intact.
+
+    `exit_status` is the status the command exits with (130 after Ctrl-C, as a shell reports an interrupt)."""
+
+    def __init__(self, message: str, exit_status: int = 1):
+        super().__init__(message)
+        self.exit_status = exit_status

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ..checks import writable_directory
 from ..errors import StarscreamError
 from ..model.config import ModelConfig, load_model_config
 from ..model.decoder import Transformer, cache_shardings
@@ -118,6 +119,11 @@ def make_settings(model: str, phase: str, batch: int | None, seq: int | None, la
         raise StarscreamError(f"--layers {layers}: per-layer figures are read from the compiled layer loop, "
                               "which XLA removes at one layer; pass --layers 2 or more")
     full = load_model_config(model)
+    if layers > full.n_layers:
+        raise StarscreamError(f"--layers {layers} exceeds model {full.name}'s {full.n_layers} layers; pass --layers "
+                              f"{full.n_layers} or fewer")
+    if dump_hlo is not None:
+        writable_directory(dump_hlo, "--dump-hlo")
     default_batch, default_seq = DEFAULT_SHAPES[phase]
     batch = default_batch if batch is None else batch
     seq = min(default_seq, full.max_seq_len) if seq is None else seq

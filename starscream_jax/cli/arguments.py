@@ -3,11 +3,13 @@ launch, and what they build. Importing JAX starts no backend, so `prepare_simula
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 
 from ..analysis.layout_report import ResultCache
-from ..errors import StarscreamError
+from ..checks import whole_number
+from ..errors import StarscreamError, TopologyError
 from ..hardware.distributed import initialize
 from ..hardware.mesh import build_topology_mesh, resolve_topology
 from ..hardware.presets import list_presets
@@ -21,6 +23,24 @@ def device_ids(text: str) -> list[int]:
         return [int(part) for part in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated device ids, e.g. 0,1") from None
+
+
+def count(text: str) -> int:
+    """A whole number of at least 1, as the command line gives it (--samples, --max-new-tokens)."""
+    return _whole_number(text, minimum=1)
+
+
+def step_number(text: str) -> int:
+    """A whole number of at least 0, as the command line gives it (--step)."""
+    return _whole_number(text, minimum=0)
+
+
+def _whole_number(text: str, minimum: int) -> int:
+    try:
+        return whole_number(int(text), "value", minimum)
+    except ValueError as error:  # int() failed, or StarscreamError (a ValueError) from whole_number
+        message = str(error) if isinstance(error, StarscreamError) else f"{text!r}: expected a whole number"
+        raise argparse.ArgumentTypeError(message) from None
 
 
 def add_mesh_arguments(parser: argparse.ArgumentParser, *, default_preset: str | None = None,
@@ -56,13 +76,23 @@ def _topology_from_args(args) -> Topology | None:
     """--topology, --preset, $STARSCREAM_TOPOLOGY or the command's default preset (None: detect); --gpus and
     --nodes are applied later."""
     if args.topology:
-        return parse_override(args.topology)
+        return _check_gpus_per_node(args, parse_override(args.topology))
     if args.preset:
-        return Topology.from_preset(args.preset, gpus=args.default_gpus)
+        return _check_gpus_per_node(args, Topology.from_preset(args.preset, gpus=args.default_gpus))
     override = override_from_env()
     if override is not None or args.default_preset is None or args.grouping or not _simulating(args):
-        return override
-    return Topology.from_preset(args.default_preset, gpus=args.default_gpus)
+        return None if override is None else _check_gpus_per_node(args, override)
+    return _check_gpus_per_node(args, Topology.from_preset(args.default_preset, gpus=args.default_gpus))
+
+
+def _check_gpus_per_node(args, topology: Topology) -> Topology:
+    """`topology`, when --gpus (GPUs per node) is within what one node of its preset holds."""
+    per_node = topology.preset.chip.gpus_per_node
+    if args.gpus is not None and args.gpus > per_node:
+        raise TopologyError(f"--gpus {args.gpus} exceeds the {per_node} GPUs per node of {topology.preset.name}; "
+                            f"--gpus counts GPUs per node: to span nodes pass --nodes {math.ceil(args.gpus / per_node)} "
+                            f"--gpus {per_node} or fewer")
+    return topology
 
 
 def _simulating(args) -> bool:

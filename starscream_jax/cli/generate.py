@@ -15,7 +15,14 @@ from ..training.config import TrainConfig
 from ..training.generate import DEFAULT_DECODE_LAYOUT, DEFAULT_PREFILL_LAYOUT, batch_multiple, generate
 from ..training.steps import Sampling
 from ..training.tokenizer import TOKENIZER_FILE, load_tokenizer
-from .arguments import add_distributed_arguments, add_mesh_arguments, initialize_from_args, mesh_from_args
+from .arguments import (
+    add_distributed_arguments,
+    add_mesh_arguments,
+    count,
+    initialize_from_args,
+    mesh_from_args,
+    step_number,
+)
 from .train import DEFAULT_GPUS, DEFAULT_PRESET
 
 
@@ -29,11 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model-dir", metavar="HF_DIR",
                        help="a Hugging Face model directory (config.json, safetensors, tokenizer) instead of "
                             "--checkpoint")
-    group.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    group.add_argument("--step", type=step_number, help="checkpoint step (default: the latest)")
     group.add_argument("--prompt", default="ROMEO:\n", help="text to continue")
-    group.add_argument("--max-new-tokens", type=int, default=200,
+    group.add_argument("--max-new-tokens", type=count, default=200,
                        help="most tokens to generate per sample (fewer when every sample reaches EOS)")
-    group.add_argument("--samples", type=int,
+    group.add_argument("--samples", type=count,
                        help="continuations of the prompt, decoded as one batch (default: the smallest batch the "
                             "layouts can split)")
     group.add_argument("--greedy", action="store_true", help="argmax decoding instead of top-p sampling")
@@ -47,13 +54,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """`starscream generate`: load the model, generate, print each sample and the tokens/s. Returns 0."""
+    sampling = Sampling(top_p=None if args.greedy else args.top_p, temperature=args.temperature, seed=args.seed)
     initialize_from_args(args)
     echo = print if is_main_process() else (lambda *_: None)
     _, mesh = mesh_from_args(args)
     model, source, tokenizer = load_for_generation(args, mesh)
     samples = args.samples or batch_multiple((args.prefill_layout, args.decode_layout), mesh)
-    prompt = np.tile(tokenizer.encode(args.prompt), (samples, 1))
-    sampling = Sampling(top_p=None if args.greedy else args.top_p, temperature=args.temperature, seed=args.seed)
+    prompt_tokens = tokenizer.encode(args.prompt)
+    prompt = np.tile(prompt_tokens, (samples, 1))
     result = generate(model, prompt, args.max_new_tokens, sampling, mesh, args.prefill_layout, args.decode_layout,
                       stop_token=tokenizer.eos_id)
     echo(f"{model.config.name} from {source} on mesh {dict(mesh.shape)}; prefill {args.prefill_layout}, decode "
@@ -61,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     shown_rows = result.tokens[:1] if args.greedy else result.tokens  # greedy rows are all the same
     for index, row in enumerate(shown_rows):
         echo(f"--- sample {index}")
-        echo(args.prompt + tokenizer.decode(until_stop(row, tokenizer.eos_id)))
+        echo(tokenizer.decode(np.concatenate([prompt_tokens, until_stop(row, tokenizer.eos_id)])))
     echo(f"prefill {result.prefill_tokens_per_s:,.0f} tokens/s, decode {result.decode_tokens_per_s:,.0f} tokens/s "
          f"({samples} x {result.tokens.shape[1]} new tokens)")
     return 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import StarscreamError
+from ..errors import RunStopped, StarscreamError
 from . import export, generate, inspect, plan, topology, train
 from .arguments import prepare_simulation
 
@@ -38,9 +38,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prepare_simulation(args)
         return args.run(args)
+    except RunStopped as stopped:
+        print(f"starscream {args.command}: {stopped}", file=sys.stderr)
+        return stopped.exit_status
     except StarscreamError as err:
         print(f"starscream {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"starscream {args.command}: interrupted; nothing was saved", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from ..hardware.distributed import is_main_process
 from ..model.config import REMAT_POLICIES
 from ..sharding.layouts import LAYOUTS
 from ..training.config import TrainConfig
-from ..training.loop import train
+from ..training.loop import CHANGEABLE, train
 from .arguments import add_distributed_arguments, add_mesh_arguments, initialize_from_args, mesh_from_args
 
 DEFAULT_PRESET = "mi300x-qpx-nps1"
@@ -61,7 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--token-cache", default=defaults.token_cache, metavar="DIR",
                        help="tokenized data files are cached here")
     group.add_argument("--resume", action="store_true",
-                       help="continue from the latest checkpoint in --run-dir (start fresh when there is none)")
+                       help="continue from the newest intact checkpoint in --run-dir (start fresh when there is none)")
+    group.add_argument("--allow-change", type=lambda text: [name.strip().replace("-", "_") for name in text.split(",")], default=[],
+                       metavar="FIELDS", help="with --resume: settings that may differ from the run's, recorded with "
+                                              f"its checkpoints (some of {','.join(CHANGEABLE)})")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -74,13 +77,14 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run(args: argparse.Namespace) -> int:
     """`starscream train`: join the processes, build the mesh, train, print the summary. Returns 0."""
+    config = config_from_args(args)
     initialize_from_args(args)
     topology, mesh = mesh_from_args(args)
-    config = config_from_args(args)
     echo = print if is_main_process() else (lambda *_: None)
     echo(f"{config.init or config.model} on mesh {dict(mesh.shape)} ({topology.preset.name}), layout "
          f"{config.layout}, {config.steps} steps of {config.batch_size} x {config.seq_len} tokens")
-    result = train(config, mesh, resume=args.resume, show_progress=not args.no_progress)
+    result = train(config, mesh, resume=args.resume, allow_changes=args.allow_change,
+                   device_memory_bytes=topology.hbm_bytes, show_progress=not args.no_progress)
     print_layout_summary(inspect_compiled(result.compiled_step, mesh).to_dict(), config.layout, echo)
     return 0
 

@@ -9,6 +9,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..checks import finite_number, whole_number
 from ..errors import PresetError
 from ..resources import data_dir
 
@@ -64,6 +65,7 @@ class ModelConfig:
             object.__setattr__(self, "remat", "full" if self.remat else "none")
         if self.remat not in REMAT_POLICIES:
             raise PresetError(f"model {self.name}: remat policy {self.remat!r}; use one of {', '.join(REMAT_POLICIES)}")
+        self._check_field_types()
         if self.n_heads % self.n_kv_heads:
             raise PresetError(f"model {self.name}: n_heads {self.n_heads} is not a multiple of n_kv_heads "
                               f"{self.n_kv_heads}; grouped-query attention needs whole groups")
@@ -79,6 +81,19 @@ class ModelConfig:
             raise PresetError(f"model {self.name}: head_dim {self.head_dim} must be even for rotary embeddings")
         if self.rope_scaling not in ("", "llama3"):
             raise PresetError(f"model {self.name}: rope_scaling {self.rope_scaling!r}; use '' (none) or 'llama3'")
+
+    def _check_field_types(self) -> None:
+        """Sizes are whole numbers of at least 1 (n_experts at least 0), rope_theta and norm_eps positive numbers,
+        the flags booleans: a file with a wrong type or sign is refused before anything is built from it."""
+        for field in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "max_seq_len",
+                      "experts_per_token"):
+            whole_number(getattr(self, field), f"model {self.name}: {field}")
+        whole_number(self.n_experts, f"model {self.name}: n_experts", minimum=0)
+        for field in ("rope_theta", "norm_eps"):
+            finite_number(getattr(self, field), f"model {self.name}: {field}", positive=True)
+        for field in ("tie_embeddings", "qkv_bias", "qk_norm", "normalize_gates"):
+            if not isinstance(getattr(self, field), bool):
+                raise PresetError(f"model {self.name}: {field} {getattr(self, field)!r}; use true or false")
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)

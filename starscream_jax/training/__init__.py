@@ -1,2 +1,3 @@
 """Running a model: the one definition of each step (`steps`), the run's configuration (`config`), the training loop
-(`loop`), generation (`generate`), data (`data`), checkpoints (`checkpoint`) and metrics (`metrics`)."""
+(`loop`), generation (`generate`), data (`data`), checkpoints (`checkpoint`), metrics (`metrics`) and the
+run directory's lock (`lock`)."""

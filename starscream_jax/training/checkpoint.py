@@ -4,21 +4,33 @@ A checkpoint stores global arrays, not shards: restoring takes an abstract targe
 wanted now), so a run saved under one mesh and layout restores under any other mesh and layout with every value
 bit-identical. Saves are asynchronous (orbax writes in a background thread while training continues); every process
 of a multi-process run must call `save` and `restore` together.
+
+A save is first written to a temporary directory and renamed when complete, so a process killed mid-save leaves the
+earlier checkpoints whole. A checkpoint damaged afterwards (a truncated or missing file, bad metadata, a half-deleted
+directory) fails to restore with a `CheckpointError` naming its step and file; `restore_newest_intact` moves such a
+checkpoint aside to `<step>.damaged` (never deleting it) and falls back to the next older one.
 """
 from __future__ import annotations
 
+import contextlib
+import re
+import sys
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from ..errors import StarscreamError
+from ..errors import CheckpointError, StarscreamError
+from ..hardware.distributed import is_main_process
 from ..model.config import ModelConfig
 from ..model.decoder import Transformer
 from ..sharding.apply import param_shardings
 
 ITEM_NAMES = ("params", "opt_state", "meta")
+DAMAGED_SUFFIX = ".damaged"
+FILE_IN_ERROR = re.compile(r'(?:local file "|File )(/[^"\s]+)')
+"""The file named by a tensorstore or orbax error message ('local file "/x/y"', 'File /x/y not found')."""
 
 
 def abstract_arrays(tree):
@@ -53,23 +65,32 @@ class CheckpointStore:
         Returns whether a save started (every `save_every` steps, or when forced). The write finishes in the
         background; `wait()` or `close()` blocks until it is on disk.
         """
-        return self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardSave(params),
-                opt_state=ocp.args.StandardSave(opt_state),
-                meta=ocp.args.JsonSave(meta),
-            ),
-            force=force,
-        )
+        with self.reporting_write_failure():
+            return self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardSave(params),
+                    opt_state=ocp.args.StandardSave(opt_state),
+                    meta=ocp.args.JsonSave(meta),
+                ),
+                force=force,
+            )
+
+    def should_save(self, step: int) -> bool:
+        """Whether `save(step, ...)` without `force` would save."""
+        return self._manager.should_save(step)
 
     def latest_step(self) -> int | None:
         """The newest step with a complete checkpoint, or None when there is none."""
         return self._manager.latest_step()
 
+    def all_steps(self) -> list[int]:
+        """The steps of the complete checkpoints, oldest first."""
+        return sorted(self._manager.all_steps())
+
     def require_step(self, step: int | None = None) -> int:
         """`step`, or the latest one when None; a clear error when the directory holds no such checkpoint."""
-        available_steps = list(self._manager.all_steps())
+        available_steps = self.all_steps()
         chosen_step = self.latest_step() if step is None else step
         if chosen_step is None or chosen_step not in available_steps:
             raise StarscreamError(
@@ -98,19 +119,121 @@ class CheckpointStore:
         restored = self._manager.restore(self.require_step(step), args=ocp.args.Composite(**items))
         return restored["params"], restored["opt_state"] if opt_state_target is not None else None
 
+    @contextlib.contextmanager
+    def reporting_damage(self, step: int):
+        """Within it, a failure to read checkpoint `step` raises `CheckpointError` naming the step and the file."""
+        try:
+            yield
+        except StarscreamError:
+            raise
+        except Exception as error:  # orbax and tensorstore raise many types (KeyError, ValueError, OSError, ...)
+            _quiet_reads_left_behind()
+            raise CheckpointError(f"checkpoint step {step} in {self.directory} is damaged: "
+                                  f"{describe_storage_error(error)}") from error
+
+    def restore_checked(self, step: int, params_target, opt_state_target=None):
+        """(description, params, opt_state) of `step`, as `restore_meta` and `restore` give them, under
+        `reporting_damage`."""
+        with self.reporting_damage(step):
+            return (self.restore_meta(step), *self.restore(step, params_target, opt_state_target))
+
+    def restore_newest_intact(self, params_target, opt_state_target, say):
+        """(step, description, params, opt_state) of the newest checkpoint that restores, or None when there is no
+        checkpoint. Each newer damaged one is reported through `say` and moved aside to `<step>.damaged`, so that
+        the run saves that step afresh; when every checkpoint is damaged, a `CheckpointError` lists them."""
+        damaged = []
+        for step in reversed(self.all_steps()):
+            try:
+                return (step, *self.restore_checked(step, params_target, opt_state_target))
+            except CheckpointError as error:
+                damaged.append(str(error))
+                say(f"{error}; moved aside to {self._set_aside(step).name}, trying the previous checkpoint")
+        if damaged:
+            raise CheckpointError(f"no intact checkpoint in {self.directory} ({'; '.join(damaged)}); start afresh "
+                                  "with another --run-dir")
+        return None
+
+    def _set_aside(self, step: int) -> Path:
+        """Renames checkpoint `step` to `<step>.damaged` (kept for inspection; orbax no longer lists it)."""
+        aside = self.directory / f"{step}{DAMAGED_SUFFIX}"
+        if is_main_process():
+            (self.directory / str(step)).rename(aside)
+        self._manager.reload()
+        return aside
+
     def wait(self) -> None:
         """Block until every started save is on disk."""
-        self._manager.wait_until_finished()
+        with self.reporting_write_failure():
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
         """Finish pending saves and release the manager's threads."""
-        self._manager.close()
+        with self.reporting_write_failure():
+            self._manager.close()
+
+    @contextlib.contextmanager
+    def reporting_write_failure(self):
+        """Within it, a save that failed (now, or in the background: a full disk, a directory gone) raises
+        `CheckpointError` naming the file and the newest complete checkpoint, from which --resume continues."""
+        try:
+            yield
+        except StarscreamError:
+            raise
+        except Exception as error:  # orbax re-raises the background writer's error, of any type
+            raise CheckpointError(f"writing a checkpoint in {self.directory} failed: {describe_storage_error(error)}; "
+                                  f"free space (or fix the directory) and rerun with --resume, which "
+                                  f"{resume_point(self.latest_step())}") from error
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc_info):
         self.close()
+
+
+def resume_point(step: int | None) -> str:
+    return "starts afresh (no checkpoint is complete)" if step is None else f"continues from step {step}"
+
+
+def _quiet_reads_left_behind() -> None:
+    """After a failed restore, tensorstore may finish the reads it still had in flight and hand them to orbax's
+    event loop, closed by then; Python would print that as an ignored exception with a traceback. Only that
+    message is dropped; any other unraisable exception reaches the previous hook."""
+    previous_hook = sys.unraisablehook
+    if getattr(previous_hook, "drops_closed_loop", False):
+        return
+
+    def hook(unraisable):
+        if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+            previous_hook(unraisable)
+
+    hook.drops_closed_loop = True
+    sys.unraisablehook = hook
+
+
+def describe_storage_error(error: Exception) -> str:
+    """What a failed read or write says, shortened to the file and the reason."""
+    message = (str(error).splitlines() or [""])[0].split(" [tensorstore_spec")[0]
+    found = FILE_IN_ERROR.findall(message)
+    if not found:
+        return f"{type(error).__name__}: {message[:200]}"
+    status, _, rest = message.partition(": ")
+    detail = rest.rpartition(f'{found[-1]}": ')[2] if f'{found[-1]}": ' in rest else ""
+    return f"{found[-1]} ({status}{': ' + detail[:120] if detail else ''})"
+
+
+def abstract_model_state(config: ModelConfig, layout, mesh):
+    """(graphdef, params, rest) of a Transformer of `config` with no array allocated: params are
+    jax.ShapeDtypeStruct placed by `layout`'s params rules on `mesh` (a restore or compile target)."""
+    abstract_model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    graphdef, abstract_params, rest = nnx.split(abstract_model, nnx.Param, ...)
+    shardings = param_shardings(abstract_params, layout, mesh)
+    params = jax.tree.map(
+        lambda sharding, variable: variable.replace(
+            jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=sharding)),
+        shardings, abstract_params, is_leaf=lambda node: isinstance(node, nnx.Variable),
+    )
+    return graphdef, params, rest
 
 
 def restore_model(directory: str | Path, layout, mesh, step: int | None = None, dtype: str | None = None):
@@ -121,17 +244,16 @@ def restore_model(directory: str | Path, layout, mesh, step: int | None = None, 
     """
     with CheckpointStore(directory, must_exist=True) as store:
         chosen_step = store.require_step(step)
-        description = store.restore_meta(chosen_step)
-        config = ModelConfig(**description["model_config"])
-        if dtype is not None:
-            config = config.replace(dtype=dtype)
-        abstract_model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-        graphdef, abstract_params, rest = nnx.split(abstract_model, nnx.Param, ...)
-        shardings = param_shardings(abstract_params, layout, mesh)
-        params_target = jax.tree.map(
-            lambda sharding, variable: variable.replace(
-                jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=sharding)),
-            shardings, abstract_params, is_leaf=lambda node: isinstance(node, nnx.Variable),
-        )
-        params, _ = store.restore(chosen_step, params_target)
+        try:
+            with store.reporting_damage(chosen_step):
+                description = store.restore_meta(chosen_step)
+                config = ModelConfig(**description["model_config"])
+                if dtype is not None:
+                    config = config.replace(dtype=dtype)
+                graphdef, params_target, rest = abstract_model_state(config, layout, mesh)
+                params, _ = store.restore(chosen_step, params_target)
+        except CheckpointError as error:
+            others = [other for other in store.all_steps() if other != chosen_step]
+            raise CheckpointError(f"{error}; pass --step with one of the other checkpoints {others}" if others
+                                  else f"{error}; no other checkpoint is there: train again") from error
     return nnx.merge(graphdef, params, rest), description

@@ -5,8 +5,9 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..checks import finite_number, whole_number
 from ..errors import StarscreamError
-from ..model.config import ModelConfig, load_model_config
+from ..model.config import REMAT_POLICIES, ModelConfig, load_model_config
 from .data import DEFAULT_CORPUS
 
 
@@ -55,16 +56,39 @@ class TrainConfig:
             return self.tokenizer
         return self.init if self.init and (Path(self.init) / "tokenizer.json").is_file() else None
 
+    def __post_init__(self):
+        """Every count and rate is checked here, so that no run starts (or compiles) with a value it cannot use."""
+        if isinstance(self.remat, bool):  # runs saved before remat policies say true / false
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
+        if self.remat not in REMAT_POLICIES:
+            raise StarscreamError(f"--remat-policy {self.remat!r}: use one of {', '.join(REMAT_POLICIES)}")
+        for field in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_batches",
+                      "checkpoint_every", "log_every"):
+            whole_number(getattr(self, field), flag(field))
+        if self.batch_size % self.grad_accum:
+            raise StarscreamError(f"--grad-accum {self.grad_accum} does not split --batch-size {self.batch_size} "
+                                  "into equal micro-batches; pass a divisor of the batch size")
+        whole_number(self.warmup_steps, flag("warmup_steps"), minimum=0)
+        whole_number(self.seed, flag("seed"), minimum=0)
+        finite_number(self.learning_rate, flag("learning_rate"), positive=True)
+        finite_number(self.clip_norm, flag("clip_norm"), positive=True)
+        finite_number(self.weight_decay, flag("weight_decay"))
+        if not 0 <= finite_number(self.final_learning_rate_fraction, "final_learning_rate_fraction") <= 1:
+            raise StarscreamError(f"final_learning_rate_fraction {self.final_learning_rate_fraction}: must be in "
+                                  "[0, 1] (the final learning rate as a fraction of the peak)")
+
     def model_config(self) -> ModelConfig:
         """The model this run trains: `init`'s config.json, else `model`, at the run's compute dtype, with the remat
-        policy `remat`; its max_seq_len must hold `seq_len`, and `grad_accum` must split `batch_size` evenly."""
+        policy `remat`; its max_seq_len must hold `seq_len`."""
         config = load_model_config(self.init or self.model, dtype=self.dtype)
         if self.remat != "none":
             config = config.replace(remat=self.remat)
-        if self.grad_accum < 1 or self.batch_size % self.grad_accum:
-            raise StarscreamError(f"--grad-accum {self.grad_accum} does not split --batch-size {self.batch_size} "
-                                  "into equal micro-batches; pass a divisor of the batch size")
         if self.seq_len > config.max_seq_len:
             raise StarscreamError(f"--seq-len {self.seq_len} exceeds model {config.name}'s max_seq_len "
                                   f"{config.max_seq_len}; pass --seq-len {config.max_seq_len} or less")
         return config
+
+
+def flag(field: str) -> str:
+    """The command-line flag of a TrainConfig field: "batch_size" -> "--batch-size"."""
+    return "--" + field.replace("_", "-")

@@ -25,8 +25,9 @@ DEFAULT_CORPUS = data_dir("data") / "tinyshakespeare.txt"  # data/README.md says
 
 
 def encode(text: str) -> np.ndarray:
-    """Text -> token ids [n] (uint8): its UTF-8 bytes. Exact inverse of `decode` for any text."""
-    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()
+    """Text -> token ids [n] (uint8): its UTF-8 bytes. Exact inverse of `decode` for any text. Bytes that are not
+    UTF-8, as Python keeps them in command-line arguments (lone surrogates, PEP 383), come back as those bytes."""
+    return np.frombuffer(text.encode("utf-8", errors="surrogateescape"), dtype=np.uint8).copy()
 
 
 def decode(token_ids) -> str:

@@ -3,13 +3,15 @@
 Each record is one JSON object per line, for example {"step": 10, "loss": 2.9, "tokens_per_s": 51000.0}; evaluation
 records carry "eval_loss" instead of "loss" (and, for a mixture of experts trained with a load-balancing weight, the
 validation batches' "load_balance": 1 when the experts share the tokens evenly). Losses are natural-log
-cross-entropies (nats per token).
+cross-entropies (nats per token). A process killed mid-write leaves a partial last line: reading skips it, and
+appending first cuts it off.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from ..errors import StarscreamError
 from .data import nats_to_bits
 
 
@@ -30,6 +32,8 @@ class MetricsLog:
         self._file = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if append:
+                drop_partial_last_line(self.path)
             self._file = self.path.open("a" if append else "w", encoding="utf-8")
 
     def write(self, record: dict) -> None:
@@ -50,10 +54,31 @@ class MetricsLog:
         self.close()
 
 
+def drop_partial_last_line(path: Path) -> None:
+    """Cuts a last line that lacks its newline (a write cut short) off the file at `path`, if it exists."""
+    if not path.is_file():
+        return
+    with path.open("rb+") as metrics_file:
+        content = metrics_file.read()
+        if content and not content.endswith(b"\n"):
+            metrics_file.truncate(content.rfind(b"\n") + 1)
+
+
 def read_metrics(path: str | Path) -> list[dict]:
-    """All records of a JSON lines file, in file order."""
-    with Path(path).open(encoding="utf-8") as metrics_file:
-        return [json.loads(line) for line in metrics_file if line.strip()]
+    """All records of a JSON lines file, in file order; a partial last line (a write cut short) is skipped, any
+    other line that is not JSON is an error naming it."""
+    lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise StarscreamError(f"{path}, line {number}: not a JSON record ({line[:60]!r}); fix or delete "
+                                      "that line") from None
+    return records
 
 
 def last_records_by_step(records: list[dict], key: str) -> list[tuple[int, float]]:

@@ -28,6 +28,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec, reshard
 
+from ..checks import finite_number
 from ..errors import StarscreamError
 from ..hardware.axes import INSIDE_GPU, axes_of
 from ..model.config import ModelConfig
@@ -125,8 +126,7 @@ class Sampling:
     def __post_init__(self):
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise StarscreamError(f"top-p {self.top_p} is outside (0, 1]; pass a value such as 0.9, or --greedy")
-        if self.temperature <= 0.0:
-            raise StarscreamError(f"temperature {self.temperature} must be positive; use --greedy for argmax")
+        finite_number(self.temperature, "--temperature", positive=True)
 
 
 def prefill_step(graphdef, config: ModelConfig, sampling: Sampling, cache_length: int):

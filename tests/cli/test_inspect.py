@@ -337,6 +337,8 @@ def test_a_layout_the_mesh_cannot_place_is_listed_and_the_others_are_judged(tmp_
 
 @pytest.mark.parametrize("argv, error, message", [
     (("--layers", "1"), StarscreamError, "--layers 2 or more"),
+    (("--layers", "5"), StarscreamError, "--layers 5 exceeds model tiny's 4 layers; pass --layers 4 or fewer"),
+    (("--dump-hlo", __file__), StarscreamError, f"--dump-hlo {__file__}: {__file__} is a file, not a directory"),
     (("--no-simulate",), StarscreamError, "drop --no-simulate"),
     (("--layout", "flat_tp,nope"), ShardingRuleError, "unknown layout 'nope'"),
     (("--seq", "300"), StarscreamError, "max_seq_len 256"),

@@ -13,6 +13,7 @@ import pytest
 
 from starscream_jax.cli import main as cli
 from starscream_jax.hardware.topology import OVERRIDE_ENV
+from starscream_jax.training import loop as train_loop
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("starscream")
 
@@ -92,6 +93,8 @@ def test_console_script_error_is_one_line_and_status_2():
     (("--topology", "8x8", "--data-parallel", "3"), "data=3 (--data-parallel) does not divide the 8 GPUs; pick a"),
     (("--topology", "2x8x8", "--simulate"), "a simulated mesh needs 128 CPU devices but JAX already started with 64"),
     (("--coordinator", "localhost:1234"), "got --coordinator localhost:1234 --num-processes None --process-id None"),
+    (("--preset", "mi300x-cpx-nps1", "--gpus", "16"), "--gpus 16 exceeds the 8 GPUs per node of mi300x-cpx-nps1; "
+                                                      "--gpus counts GPUs per node: to span nodes pass --nodes 2"),
 ])
 def test_bad_input_is_one_error_line(topology_command, args, message):
     status, out, err = topology_command(*args)
@@ -111,3 +114,24 @@ def test_importing_the_library_and_the_command_starts_no_jax_backend():
             "print(len(list(pkgutil.walk_packages(starscream_jax.__path__))), xla_bridge.backends_are_initialized())")
     printed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert int(printed[0]) >= 6 and printed[1] == "False"
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--steps", "0"), "--steps 0: must be at least 1; pass 1 or more"),
+    (("--batch-size", "-4"), "--batch-size -4: must be at least 1"),
+    (("--checkpoint-every", "0"), "--checkpoint-every 0: must be at least 1"),
+    (("--learning-rate", "nan"), "--learning-rate nan: must be a finite number above zero"),
+    (("--weight-decay", "-0.1"), "--weight-decay -0.1: must be a finite number zero or more"),
+    (("--run-dir", f"{__file__}/run"), f"--run-dir {__file__}/run: {__file__} is a file, not a directory"),
+    (("--allow-change", "model"), "--allow-change model: expected some of steps,"),
+    (("--gpus", "9"), "--gpus 9 exceeds the 8 GPUs per node of mi300x-qpx-nps1"),
+])
+def test_bad_training_input_is_one_error_line_before_anything_is_compiled(monkeypatch, capsys, tmp_path, args,
+                                                                           message):
+    monkeypatch.setattr(cli, "SUBCOMMANDS", {"train": cli.SUBCOMMANDS["train"]})
+    monkeypatch.setattr(train_loop, "compile_train_step", None)  # a call would fail: nothing may be compiled
+    status = cli.main(["train", "--run-dir", str(tmp_path / "run"), "--no-progress", *args])
+    err = capsys.readouterr().err
+    assert status == 2 and err.startswith("starscream train: error: ") and err.count("\n") == 1
+    assert message in err
+    assert not (tmp_path / "run").exists()

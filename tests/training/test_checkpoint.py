@@ -1,13 +1,26 @@
-"""Orbax checkpoints: save interval, retention, metadata, and restoring under another mesh and sharding."""
+"""Orbax checkpoints: save interval, retention, metadata, restoring under another mesh and sharding, falling back
+past damaged checkpoints, and a save killed at chosen points."""
+import errno
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from orbax.checkpoint._src.path import async_path
 
-from starscream_jax.errors import StarscreamError
+from starscream_jax.errors import CheckpointError, StarscreamError
 from starscream_jax.training.checkpoint import CheckpointStore, abstract_arrays
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_mesh(shape):
@@ -87,3 +100,110 @@ def test_opening_a_missing_directory_for_restore_is_refused(tmp_path):
     with pytest.raises(StarscreamError, match="nowhere does not exist"):
         CheckpointStore(tmp_path / "nowhere", must_exist=True)
     assert not (tmp_path / "nowhere").exists()
+
+
+def saved_steps_1_and_2(directory):
+    """Checkpoints of steps 1 and 2 (the same small trees) in `directory`; returns the trees."""
+    params = place(random_tree(0), make_mesh((1, 2, 4)), P())
+    with CheckpointStore(directory, save_every=1) as store:
+        store.save(1, params, params, {"step": 1})
+        store.save(2, params, params, {"step": 2})
+    return params
+
+
+def truncate_arrays(step_dir):
+    for data_file in step_dir.glob("params/d/*"):
+        data_file.write_bytes(data_file.read_bytes()[:10])
+
+
+@pytest.mark.parametrize("damage, damaged_file", [
+    (truncate_arrays, r"2/params/d/\w+ \(OUT_OF_RANGE"),
+    (lambda step_dir: (step_dir / "meta" / "metadata").unlink(), r"2/meta/metadata"),
+    (lambda step_dir: (step_dir / "params" / "_METADATA").write_text("{bad"), r"JSONDecodeError"),
+    (lambda step_dir: shutil.rmtree(step_dir / "opt_state"), r'KeyError: .*Item "opt_state" was not found'),
+])
+def test_newest_intact_checkpoint_is_restored_past_a_damaged_one(tmp_path, damage, damaged_file):
+    params = saved_steps_1_and_2(tmp_path)
+    damage(tmp_path / "2")
+    said = []
+    with CheckpointStore(tmp_path) as store:
+        step, description, restored_params, _ = store.restore_newest_intact(params, params, said.append)
+        assert store.all_steps() == [1]
+    assert (step, description) == (1, {"step": 1})
+    assert_trees_bit_identical(restored_params, params)
+    assert len(said) == 1 and re.search(rf"checkpoint step 2 in {tmp_path} is damaged: .*{damaged_file}", said[0])
+    assert "moved aside to 2.damaged" in said[0] and (tmp_path / "2.damaged").is_dir()
+
+
+def test_every_checkpoint_damaged_is_an_error_naming_each(tmp_path):
+    params = saved_steps_1_and_2(tmp_path)
+    for step in ("1", "2"):
+        truncate_arrays(tmp_path / step)
+    with CheckpointStore(tmp_path) as store:
+        with pytest.raises(CheckpointError, match=r"no intact checkpoint in .*step 2 .*step 1 .*another --run-dir"):
+            store.restore_newest_intact(params, params, lambda _: None)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["1.damaged", "2.damaged"]
+
+
+KILLED_SAVE = """
+import os, signal, sys
+from orbax.checkpoint._src.path import async_path
+from tests.training.test_checkpoint import saved_steps_1_and_2
+from starscream_jax.training import checkpoint
+
+armed = False
+original = getattr(async_path, sys.argv[2])
+
+async def kill_when_armed(*args, **kwargs):
+    if armed:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return await original(*args, **kwargs)
+
+setattr(async_path, sys.argv[2], kill_when_armed)
+save = checkpoint.CheckpointStore.save
+
+def save_armed_from_step_2(self, step, *args, **kwargs):
+    global armed
+    if step == 2:
+        self.wait()  # step 1 is on disk
+        armed = True
+    return save(self, step, *args, **kwargs)
+
+checkpoint.CheckpointStore.save = save_armed_from_step_2
+saved_steps_1_and_2(sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("kill_point", ["write_text", "rename"])
+def test_a_save_killed_midway_leaves_the_earlier_checkpoint_whole(tmp_path, kill_point):
+    """SIGKILL while step 2 is written (its first file) or just before it is committed (the final rename)."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    killed = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(tmp_path), kill_point], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    params = place(random_tree(0), make_mesh((1, 2, 4)), P())
+    with CheckpointStore(tmp_path, save_every=1) as store:
+        assert store.all_steps() == [1]
+        step, description, restored, _ = store.restore_newest_intact(params, params, print)
+        assert (step, description) == (1, {"step": 1})
+        assert_trees_bit_identical(restored, params)
+        assert store.save(2, params, params, {"step": 2})
+        store.wait()
+        assert store.restore_meta() == {"step": 2}
+
+
+def test_a_full_disk_is_one_error_naming_the_checkpoint_to_resume_from(tmp_path, monkeypatch):
+    params = saved_steps_1_and_2(tmp_path)
+
+    async def disk_full(path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(async_path, "write_text", disk_full)
+    with pytest.raises(CheckpointError, match=r"writing a checkpoint in .* failed: .*No space left on device.*; free "
+                                              r"space .* rerun with --resume, which continues from step 2"):
+        with CheckpointStore(tmp_path, save_every=1) as store:
+            store.save(3, params, params, {"step": 3})
+            store.wait()
+    monkeypatch.undo()
+    with CheckpointStore(tmp_path) as store:
+        assert store.all_steps() == [1, 2] and store.restore_meta() == {"step": 2}

@@ -1,4 +1,6 @@
 """Generation: sharded prefill + decode equals unsharded token for token; the KV cache and top-p are exact."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,7 +80,8 @@ def test_a_tiny_nucleus_is_greedy():
 
 @pytest.mark.parametrize("options, message", [
     ({"top_p": 1.5}, "top-p 1.5 is outside"),
-    ({"temperature": 0.0}, "temperature 0.0 must be positive"),
+    ({"temperature": 0.0}, "--temperature 0.0: must be a finite number above zero"),
+    ({"temperature": float("nan")}, "--temperature nan: must be a finite number above zero"),
 ])
 def test_bad_sampling_options_are_refused(options, message):
     with pytest.raises(StarscreamError, match=message):
@@ -122,13 +125,14 @@ def save_fresh_run(directory, mesh):
 
 def test_command_generates_from_a_checkpoint(tmp_path, generate_command):
     save_fresh_run(tmp_path / "checkpoints", build_mesh("1x2x4"))
-    status, out, _ = generate_command("--checkpoint", str(tmp_path / "checkpoints"), "--prompt", "KING:",
+    not_utf8 = b"KING:\xff".decode("utf-8", errors="surrogateescape")  # as Python reads such bytes from argv
+    status, out, _ = generate_command("--checkpoint", str(tmp_path / "checkpoints"), "--prompt", not_utf8,
                                       "--max-new-tokens", "5", "--top-p", "0.95")
     assert status == 0
     assert out[0] == ("tiny from step 1 on mesh {'data': 1, 'gpu': 2, 'xcd': 4}; prefill starscream_tp, "
                       "decode starscream_decode")
     assert [line for line in out if line.startswith("--- sample")] == [f"--- sample {i}" for i in range(4)]
-    assert sum(line.startswith("KING:") for line in out) == 4
+    assert sum(line.startswith("KING:\ufffd") for line in out) == 4
     assert out[-1].startswith("prefill ") and out[-1].endswith("tokens/s (4 x 5 new tokens)")
 
 
@@ -136,3 +140,21 @@ def test_missing_checkpoint_is_one_error_line(tmp_path, generate_command):
     status, _, err = generate_command("--checkpoint", str(tmp_path / "nothing"))
     assert status == 2
     assert err.startswith("starscream generate: error: checkpoint directory") and err.count("\n") == 1
+
+
+def test_damaged_checkpoint_is_named_in_one_line(tmp_path, generate_command):
+    save_fresh_run(tmp_path / "checkpoints", build_mesh("1x2x4"))
+    for data_file in (tmp_path / "checkpoints" / "1").glob("params/d/*"):
+        data_file.write_bytes(data_file.read_bytes()[:10])
+    status, _, err = generate_command("--checkpoint", str(tmp_path / "checkpoints"))
+    assert status == 2
+    assert re.fullmatch(r"starscream generate: error: checkpoint step 1 in \S+ is damaged: \S+/1/params/d/\w+ \(.*\); "
+                        r"no other checkpoint is there: train again\n", err)
+
+
+@pytest.mark.parametrize("option", [("--samples", "0"), ("--max-new-tokens", "-1"), ("--step", "x")])
+def test_bad_counts_are_refused_before_anything_is_read(option, generate_command, capsys):
+    with pytest.raises(SystemExit) as exited:
+        generate_command(*option)
+    assert exited.value.code == 2
+    assert f"error: argument {option[0]}: " in capsys.readouterr().err

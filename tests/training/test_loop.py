@@ -1,7 +1,9 @@
 """Training: exact resume, checkpoints that move between meshes and layouts, and the command end to end."""
 import dataclasses
+import os
 import re
 import shutil
+import signal
 
 import jax
 import numpy as np
@@ -9,13 +11,14 @@ import pytest
 from flax import nnx
 
 from starscream_jax.cli import main as cli
-from starscream_jax.errors import StarscreamError
+from starscream_jax.errors import CheckpointError, RunStopped, StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.sharding.apply import param_shardings
 from starscream_jax.sharding.layouts import get_layout
-from starscream_jax.training import data
-from starscream_jax.training.checkpoint import restore_model
+from starscream_jax.training import data, loop
+from starscream_jax.training.checkpoint import CheckpointStore, restore_model
 from starscream_jax.training.config import TrainConfig
+from starscream_jax.training.lock import RunLock
 from starscream_jax.training.loop import train
 from starscream_jax.training.metrics import read_metrics
 
@@ -34,6 +37,12 @@ def quiet_train(config, mesh, **options):
 @pytest.fixture(scope="module")
 def mesh_2x4():
     return build_mesh("1x2x4")
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    """For the fault tests that need no sharding: a single-device mesh compiles several times faster."""
+    return build_mesh("1x1")
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +141,6 @@ def test_command_learns_below_the_unigram_entropy_and_reports(tmp_path, capsys, 
     assert {str(leaf.dtype) for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))} == {"float32"}
 
 
-
 def test_an_evaluation_record_carries_the_load_balancing_loss_when_given(tmp_path):
     from tqdm import tqdm
 
@@ -145,3 +153,109 @@ def test_an_evaluation_record_carries_the_load_balancing_loss_when_given(tmp_pat
         log.add_eval(6, 2.0, print)
     assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 3, "eval_loss": 2.5, "load_balance": 1.25},
                                                          {"step": 6, "eval_loss": 2.0}]
+
+
+# Faults: damaged checkpoints, contradicting resumes, a held run directory, non-finite losses, Ctrl-C, no memory.
+
+def damage_arrays(checkpoint_dir):
+    """Truncates every array data file of one checkpoint to 10 bytes, as a full disk or a cut copy leaves them."""
+    for data_file in checkpoint_dir.glob("*/d/*"):
+        data_file.write_bytes(data_file.read_bytes()[:10])
+
+
+def copied_run(root, name, tmp_path):
+    shutil.copytree(root / name, tmp_path / name)
+    return tmp_path / name
+
+
+def test_resume_sets_a_damaged_checkpoint_aside_and_continues_exactly_with_a_recorded_change(runs, tmp_path,
+                                                                                            mesh_2x4):
+    root, whole, _ = runs
+    run_dir = copied_run(root, "whole", tmp_path)
+    damage_arrays(run_dir / "checkpoints" / "6")
+    corpus_copy = tmp_path / "corpus.txt"
+    shutil.copy(SMALL.data, corpus_copy)
+    said = []
+    resumed = train(dataclasses.replace(SMALL, run_dir=str(run_dir), data=str(corpus_copy), eval_every=100), mesh_2x4,
+                    resume=True, allow_changes=("data",), show_progress=False, echo=said.append)
+
+    assert resumed.losses == whole.losses[4:]
+    assert re.search(r"checkpoint step 6 in .* is damaged: .*/checkpoints/6/(params|opt_state)/d/\w+ .*moved aside "
+                     r"to 6\.damaged", "\n".join(said))
+    assert (run_dir / "checkpoints" / "6.damaged").is_dir()
+    _, description = restore_model(run_dir / "checkpoints", "starscream_tp", mesh_2x4)
+    assert description["step"] == 6
+    assert description["changes"] == [{"step": 4, "field": "data", "from": SMALL.data, "to": str(corpus_copy)}]
+
+
+@pytest.mark.parametrize("changes, allowed, message", [
+    ({"steps": 3}, ("steps",), r"--steps 3 is below step 6 of the checkpoint .*; pass --steps 6 \(the run's\) or more"),
+    ({"learning_rate": 0.01, "batch_size": 16}, (),
+     r"--resume contradicts the run .*: --batch-size 16 \(the run has 8\), --learning-rate 0.01 \(the run has 0.003\); "
+     r"pass the run's values, or --allow-change batch_size,learning_rate"),
+])
+def test_contradicting_resume_is_refused_before_compiling_and_keeps_every_checkpoint(runs, tmp_path, mesh_2x4,
+                                                                                    monkeypatch, changes, allowed,
+                                                                                    message):
+    root, _, _ = runs
+    run_dir = copied_run(root, "whole", tmp_path)
+    monkeypatch.setattr(loop, "compile_train_step", None)  # a call would fail: nothing may be compiled
+    with pytest.raises(CheckpointError, match=message):
+        quiet_train(dataclasses.replace(SMALL, run_dir=str(run_dir), **changes), mesh_2x4, resume=True,
+                    allow_changes=allowed)
+    assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == ["4", "6"]
+
+
+def test_a_run_directory_in_use_is_refused(tmp_path, mesh_2x4):
+    config = small_run(tmp_path, "shared")
+    with RunLock(config.run_dir):
+        with pytest.raises(StarscreamError, match=rf"shared is in use by process {os.getpid()} on .*pick another "
+                                                  "--run-dir"):
+            quiet_train(config, mesh_2x4)
+    assert sorted(path.name for path in (tmp_path / "shared").iterdir()) == []
+
+
+def test_a_non_finite_loss_stops_the_run_and_no_checkpoint_holds_non_finite_weights(tmp_path, one_device):
+    config = small_run(tmp_path, "diverged", learning_rate=1e30, checkpoint_every=1)  # Adam steps by ~lr
+    with pytest.raises(RunStopped, match=r"(loss is (nan|inf) at step \d|parameters after step \d are not finite)"):
+        quiet_train(config, one_device)
+    with CheckpointStore(tmp_path / "diverged" / "checkpoints") as store:
+        saved_steps = store.all_steps()
+    for step in saved_steps:
+        model, _ = restore_model(tmp_path / "diverged" / "checkpoints", "starscream_tp", one_device, step)
+        assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(tmp_path, one_device, monkeypatch):
+    add = loop.LossLog.add
+
+    def add_then_press_ctrl_c_at_step_3(self, step, value):
+        add(self, step, value)
+        if step == 3:
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(loop.LossLog, "add", add_then_press_ctrl_c_at_step_3)
+    with pytest.raises(RunStopped, match="interrupted at step 3 .*rerun with --resume") as stopped:
+        quiet_train(small_run(tmp_path, "interrupted", checkpoint_every=5, eval_every=100), one_device)
+    assert stopped.value.exit_status == 130
+    with CheckpointStore(tmp_path / "interrupted" / "checkpoints") as store:
+        assert store.all_steps() == [3]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_second_ctrl_c_exits_at_once(monkeypatch, capsys):
+    exits = []
+    monkeypatch.setattr(loop.os, "_exit", exits.append)
+    with loop.StopRequests() as stop:
+        signal.raise_signal(signal.SIGINT)
+        assert stop.requested and exits == []
+        signal.raise_signal(signal.SIGINT)
+    assert exits == [130]
+    assert "Ctrl-C again exits at once" in capsys.readouterr().err
+
+
+def test_a_step_too_big_for_the_devices_is_refused_before_allocation(tmp_path, one_device, monkeypatch):
+    monkeypatch.setattr(loop, "initial_state", None)  # a call would fail: nothing may be allocated
+    with pytest.raises(StarscreamError, match=r"the training step needs \d+\.\d\d GiB per device, more than the 0\.00 "
+                                              r"GiB each device has; options: .*--batch-size"):
+        quiet_train(small_run(tmp_path, "big", remat=True), one_device, device_memory_bytes=1)

@@ -1,7 +1,10 @@
 """JSON lines metrics, the loss plot and loss formatting."""
 import math
 
+import pytest
+
 from starscream_jax.analysis.format import format_bytes
+from starscream_jax.errors import StarscreamError
 from starscream_jax.training import metrics
 
 
@@ -47,3 +50,21 @@ def test_plot_is_a_png(tmp_path):
 def test_byte_counts_use_binary_units():
     assert [format_bytes(count) for count in (512, 1536, 3.5 * 2**20, 2**31)] == [
         "512 B", "1.5 KiB", "3.5 MiB", "2.0 GiB"]
+
+
+def test_a_partial_last_line_is_skipped_when_read_and_cut_before_appending(tmp_path):
+    """A process killed mid-write leaves half a record; the plot reads past it and a resumed run appends cleanly."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 3.5}\n{"step": 2, "lo')
+    assert metrics.read_metrics(path) == [{"step": 1, "loss": 3.5}]
+    metrics.plot_losses(metrics.read_metrics(path), tmp_path / "loss.png")
+    with metrics.MetricsLog(path) as log:
+        log.write({"step": 2, "loss": 3.0})
+    assert metrics.read_metrics(path) == [{"step": 1, "loss": 3.5}, {"step": 2, "loss": 3.0}]
+
+
+def test_a_damaged_line_inside_the_file_is_named(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 3.5}\ngarbage\n{"step": 2, "loss": 3.0}\n')
+    with pytest.raises(StarscreamError, match=r"metrics.jsonl, line 2: not a JSON record \('garbage'\)"):
+        metrics.read_metrics(path)

@@ -1,0 +1,44 @@
+"""Checks of single input values, shared by every configuration and command: each returns the value or raises a
+`StarscreamError` that names the value and the fix. `name` is how the user gave the value (a flag such as
+"--steps", or a configuration field such as "model tiny: n_layers")."""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from .errors import StarscreamError
+
+
+def whole_number(value, name: str, minimum: int = 1) -> int:
+    """`value` when it is an int (not a bool) of at least `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise StarscreamError(f"{name} {value!r}: expected a whole number; pass one such as {max(minimum, 1)}")
+    if value < minimum:
+        raise StarscreamError(f"{name} {value}: must be at least {minimum}; pass {minimum} or more")
+    return value
+
+
+def finite_number(value, name: str, *, positive: bool = False) -> float:
+    """`value` when it is a finite real number, not negative (and above zero when `positive`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise StarscreamError(f"{name} {value!r}: expected a number")
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        bound = "above zero" if positive else "zero or more"
+        raise StarscreamError(f"{name} {value}: must be a finite number {bound}")
+    return float(value)
+
+
+def writable_directory(path: str | os.PathLike, name: str) -> Path:
+    """`path` as a Path when it is a directory this process can write into, or can be created as one (its nearest
+    existing ancestor is a writable directory). Nothing is created."""
+    path = Path(path)
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise StarscreamError(f"{name} {path}: {existing} is a file, not a directory; pass a directory path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise StarscreamError(f"{name} {path}: {existing} is not writable by this user; pass a directory you can "
+                              "write to")
+    return path

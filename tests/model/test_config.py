@@ -1,0 +1,33 @@
+"""Model configuration files: a field of the wrong type or sign is refused, naming the model and the field."""
+import pytest
+
+from starscream_jax.errors import StarscreamError
+from starscream_jax.model.config import list_model_configs, load_model_config
+
+TINY = (
+    'name = "broken"\nvocab_size = 256\nd_model = 128\nn_layers = 4\nn_heads = 8\nn_kv_heads = 4\nhead_dim = 16\n'
+    "d_ff = 384\n"
+)
+
+
+@pytest.mark.parametrize("change, message", [
+    ("n_layers = 0", "model broken: n_layers 0: must be at least 1"),
+    ("d_model = -128", "model broken: d_model -128: must be at least 1"),
+    ("n_kv_heads = 0", "model broken: n_kv_heads 0: must be at least 1"),
+    ('d_ff = "384"', "model broken: d_ff '384': expected a whole number"),
+    ("head_dim = 16.0", "model broken: head_dim 16.0: expected a whole number"),
+    ("norm_eps = -1e-5", "model broken: norm_eps -1e-05: must be a finite number above zero"),
+    ("n_experts = -1", "model broken: n_experts -1: must be at least 0"),
+    ('tie_embeddings = "yes"', "model broken: tie_embeddings 'yes'; use true or false"),
+])
+def test_fields_of_the_wrong_type_or_sign_are_refused(tmp_path, change, message):
+    field = change.split(" = ")[0]
+    lines = [line for line in TINY.splitlines() if not line.startswith(field + " ")] + [change]
+    path = tmp_path / "broken.toml"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(StarscreamError, match=message):
+        load_model_config(path)
+
+
+def test_every_shipped_model_passes_the_checks():
+    assert all(load_model_config(name).n_layers >= 1 for name in list_model_configs())
