@@ -13,8 +13,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from ..hardware.axes import dim_axes
 from ..sharding.apply import (
     activation_spec,
+    active,
     constrain,
     create_sharded,
     einsum,
@@ -149,13 +151,7 @@ def _block(c: ModelConfig, x_BSD, w, positions_BS, layer_cache, cache_index):
     """One pre-norm block: x + attention(norm(x)), then + mlp(norm(x)). x [B, S, D] placed by RESIDUAL."""
     dtype = jnp.dtype(c.dtype)
     h_BSD = rms_norm(x_BSD, w["attn_norm"], c.norm_eps)
-    wq_DHE = _used("q", w, "wq", ("embed", "heads", "head_dim"), dtype)
-    wk_DKE = _used("k", w, "wk", ("embed", "kv_heads", "head_dim"), dtype)
-    wv_DKE = _used("v", w, "wv", ("embed", "kv_heads", "head_dim"), dtype)
-    h_BSD = shared_input(h_BSD, [wq_DHE, wk_DKE, wv_DKE])
-    q_BSHE = _project("q", "bsd,dhe->bshe", h_BSD, wq_DHE, ATTN_Q)
-    k_BSKE = _project("k", "bsd,dke->bske", h_BSD, wk_DKE, ATTN_KV)
-    v_BSKE = _project("v", "bsd,dke->bske", h_BSD, wv_DKE, ATTN_KV)
+    q_BSHE, k_BSKE, v_BSKE = _qkv(c, h_BSD, w)
     q_BSHE, k_BSKE = rope(q_BSHE, positions_BS, c.rope_theta), rope(k_BSKE, positions_BS, c.rope_theta)
     with jax.named_scope("attention"):
         attended_BSHE, layer_cache = attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, layer_cache, cache_index)
@@ -167,14 +163,66 @@ def _block(c: ModelConfig, x_BSD, w, positions_BS, layer_cache, cache_index):
     return x_BSD + mlp_BSD, layer_cache
 
 
+def _same_split(stored: list[jax.Array], dimension: int) -> bool:
+    """Whether the stored weights `stored` split dimension `dimension` over the same mesh axes (always, unsharded)."""
+    if active() is None:
+        return True
+    return len({dim_axes(jax.typeof(value).sharding.spec, dimension) for value in stored}) == 1
+
+
+def _qkv(c: ModelConfig, h_BSD, w):
+    """Queries [B, S, H, E] (placed by ATTN_Q), keys and values [B, S, K, E] (ATTN_KV) of the normed residual h.
+
+    Fused (`c.fuse_projections`): the stored q, k and v weights are stacked by kv head into [D, K, G + 2, E] (each
+    kv head's G query heads, then its key, then its value), used (cast, gathered) as one weight and multiplied in one
+    GEMM. Stacking by kv head keeps the stack local wherever a layout splits query heads and kv heads over the same
+    mesh axes (every layout except flat_tp with fewer kv heads than devices, which copies kv heads); there, and when
+    not fused, three GEMMs run. Either way under the named scope "qkv"."""
+    dtype = jnp.dtype(c.dtype)
+    D, H, E, K = c.d_model, c.n_heads, c.head_dim, c.n_kv_heads
+    G = H // K
+    if not (c.fuse_projections and _same_split([w["wq"], w["wk"], w["wv"]], 1)):
+        wq_DHE = _used("qkv", w, "wq", ("embed", "heads", "head_dim"), dtype)
+        wk_DKE = _used("qkv", w, "wk", ("embed", "kv_heads", "head_dim"), dtype)
+        wv_DKE = _used("qkv", w, "wv", ("embed", "kv_heads", "head_dim"), dtype)
+        h_BSD = shared_input(h_BSD, [wq_DHE, wk_DKE, wv_DKE])
+        return (_project("qkv", "bsd,dhe->bshe", h_BSD, wq_DHE, ATTN_Q),
+                _project("qkv", "bsd,dke->bske", h_BSD, wk_DKE, ATTN_KV),
+                _project("qkv", "bsd,dke->bske", h_BSD, wv_DKE, ATTN_KV))
+    with jax.named_scope("qkv"):
+        stacked_DKCE = jnp.concatenate([w["wq"].reshape(D, K, G, E), w["wk"][:, :, None], w["wv"][:, :, None]], axis=2)
+        w_DKCE = weight(stacked_DKCE, ("embed", "kv_heads", None, "head_dim"), dtype, "wq|wk|wv")
+        qkv_BSKCE = einsum("bsd,dkce->bskce", h_BSD, w_DKCE, (*ATTN_KV[:3], None, ATTN_KV[3]), "qkv")
+    B, S = h_BSD.shape[:2]
+    q_BSHE = constrain(qkv_BSKCE[:, :, :, :G].reshape(B, S, H, E), ATTN_Q, "queries")
+    return q_BSHE, qkv_BSKCE[:, :, :, G], qkv_BSKCE[:, :, :, G + 1]
+
+
+def _gate_up(c: ModelConfig, h_BSD, w, names: tuple[str, ...], subscripts: str, fused_subscripts: str):
+    """The SwiGLU gate and up projections of h [B, S, D]: [B, S, F] each ([B, S, X, F] for experts), over `mlp`.
+
+    Fused (`c.fuse_projections`): the stored gate and up weights are stacked on a new axis right after `embed`
+    ([D, 2, F], or [X, D, 2, F]), which no layout splits, so the stack is local; it is used (cast, gathered) as one
+    weight in one GEMM (`fused_subscripts`, the stack's axis "t"). Otherwise two GEMMs (`subscripts`). `names` are
+    one weight's logical names. Either way under the named scope "gate_up"."""
+    dtype = jnp.dtype(c.dtype)
+    out = ("batch", "seq", "experts", "mlp") if "experts" in names else ("batch", "seq", "mlp")
+    if not c.fuse_projections:
+        w_gate, w_up = _used("gate_up", w, "w_gate", names, dtype), _used("gate_up", w, "w_up", names, dtype)
+        h_BSD = shared_input(h_BSD, [w_gate, w_up])
+        return _project("gate_up", subscripts, h_BSD, w_gate, out), _project("gate_up", subscripts, h_BSD, w_up, out)
+    after_embed = names.index("embed") + 1
+    with jax.named_scope("gate_up"):
+        stacked = jnp.stack([w["w_gate"], w["w_up"]], axis=after_embed)
+        used = weight(stacked, (*names[:after_embed], None, *names[after_embed:]), dtype, "w_gate|w_up")
+        both = einsum(fused_subscripts, h_BSD, used, (*out[:-1], None, out[-1]), "gate_up")
+    return both[..., 0, :], both[..., 1, :]
+
+
 def _dense_mlp(c: ModelConfig, h_BSD, w):
     """SwiGLU: down(silu(h @ gate) * (h @ up)), [B, S, D] -> [B, S, D] with the hidden [B, S, F] over `mlp`."""
     dtype = jnp.dtype(c.dtype)
-    w_gate_DF = _used("gate", w, "w_gate", ("embed", "mlp"), dtype)
-    w_up_DF = _used("up", w, "w_up", ("embed", "mlp"), dtype)
-    h_BSD = shared_input(h_BSD, [w_gate_DF, w_up_DF])
-    gate_BSF = _project("gate", "bsd,df->bsf", h_BSD, w_gate_DF, ("batch", "seq", "mlp"))
-    up_BSF = _project("up", "bsd,df->bsf", h_BSD, w_up_DF, ("batch", "seq", "mlp"))
+    gate_BSF, up_BSF = _gate_up(c, h_BSD, w, ("embed", "mlp"), "bsd,df->bsf", "bsd,dtf->bstf")
     w_down_FD = _used("down", w, "w_down", ("mlp", "embed"), dtype)
     return _project("down", "bsf,fd->bsd", jax.nn.silu(gate_BSF) * up_BSF, w_down_FD, RESIDUAL)
 
@@ -189,11 +237,8 @@ def _moe_mlp(c: ModelConfig, h_BSD, w):
     top_gates = jax.nn.softmax(top_values, axis=-1)
     chosen = top_index[..., None] == jnp.arange(c.n_experts)  # [B, S, k, X]
     gates_BSX = jnp.sum(jnp.where(chosen, top_gates[..., None], 0.0), axis=-2).astype(dtype)
-    names = ("experts", "embed", "mlp")
-    w_gate_XDF, w_up_XDF = _used("gate", w, "w_gate", names, dtype), _used("up", w, "w_up", names, dtype)
-    h_BSD = shared_input(h_BSD, [w_gate_XDF, w_up_XDF])
-    gate_BSXF = _project("gate", "bsd,xdf->bsxf", h_BSD, w_gate_XDF, ("batch", "seq", "experts", "mlp"))
-    up_BSXF = _project("up", "bsd,xdf->bsxf", h_BSD, w_up_XDF, ("batch", "seq", "experts", "mlp"))
+    gate_BSXF, up_BSXF = _gate_up(c, h_BSD, w, ("experts", "embed", "mlp"), "bsd,xdf->bsxf",
+                                  "bsd,xdtf->bsxtf")
     hidden_BSXF = jax.nn.silu(gate_BSXF) * up_BSXF * gates_BSX[..., None]
     w_down_XFD = _used("down", w, "w_down", ("experts", "mlp", "embed"), dtype)
     return _project("down", "bsxf,xfd->bsd", hidden_BSXF, w_down_XFD, RESIDUAL)
