@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+from pathlib import Path
 
+from ..analysis.profile import breakdown_table, time_breakdown
 from ..analysis.report import SCOPES, inspect_compiled
 from ..hardware.distributed import is_main_process
 from ..sharding.layouts import LAYOUTS
@@ -48,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--resume", action="store_true",
                        help="continue from the latest checkpoint in --run-dir (start fresh when there is none)")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
+    group.add_argument("--profile", metavar="DIR",
+                       help="write a JAX profiler trace of a few steps to DIR and, on a GPU, print where a step's "
+                            "time goes (matmuls, attention, collectives, optimizer, other)")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -64,9 +70,23 @@ def run(args: argparse.Namespace) -> int:
     echo = print if is_main_process() else (lambda *_: None)
     echo(f"{config.model} on mesh {dict(mesh.shape)} ({topology.preset.name}), layout {config.layout}, "
          f"{config.steps} steps of {config.batch_size} x {config.seq_len} tokens")
-    result = train(config, mesh, resume=args.resume, show_progress=not args.no_progress)
+    result = train(config, mesh, resume=args.resume, show_progress=not args.no_progress, profile_dir=args.profile)
     print_layout_summary(inspect_compiled(result.compiled_step, mesh).to_dict(), config.layout, echo)
+    if args.profile:
+        print_time_breakdown(args.profile, result, mesh, config.layout, echo)
     return 0
+
+
+def print_time_breakdown(directory: str, result, mesh, layout_name: str, echo) -> None:
+    """The traced steps' device time by category (GPU only: a CPU trace has no device kernels), also written to
+    DIR/time_breakdown.json."""
+    if mesh.devices.flat[0].platform != "gpu":
+        echo(f"profiler trace of {result.profiled_steps} steps in {directory}; the time breakdown reads GPU kernels")
+        return
+    breakdown = time_breakdown(directory, result.profiled_steps, result.compiled_step.as_text())
+    (Path(directory) / "time_breakdown.json").write_text(json.dumps(breakdown, indent=1) + "\n")
+    echo(f"device time per step ({result.profiled_steps} steps traced in {directory}):")
+    echo(breakdown_table({layout_name: breakdown}))
 
 
 def print_layout_summary(summary: dict, layout_name: str, echo) -> None:

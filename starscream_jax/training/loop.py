@@ -48,6 +48,7 @@ class TrainResult:
     opt_state: object
     unigram_entropy_nats: float
     compiled_step: object
+    profiled_steps: int = 0
 
 
 def initial_state(config: TrainConfig, model_config, layout, mesh):
@@ -121,13 +122,19 @@ class LossLog:
         self._interval_start = time.perf_counter()
 
 
+PROFILED_STEPS = 3
+"""Steps a profiled run traces, from its second step on (the first may still wait on autotuning and transfers)."""
+
+
 def train(config: TrainConfig, mesh, *, resume: bool = False, stop_at_step: int | None = None,
-          show_progress: bool = True, echo=print) -> TrainResult:
+          show_progress: bool = True, echo=print, profile_dir: str | Path | None = None) -> TrainResult:
     """Train on `mesh` as `config` says; every process of a multi-process run calls this together.
 
     resume: continue from the latest checkpoint in `run_dir/checkpoints` (start fresh when there is none).
     stop_at_step: stop after this many steps (saving a checkpoint there), as an interrupted run would; the schedule
     still spans `config.steps`. Process 0 alone prints, writes metrics and plots.
+    profile_dir: write a JAX profiler trace (perfetto_trace.json.gz, for `analysis.profile.time_breakdown`) of up to
+    PROFILED_STEPS steps there, from the run's second step on.
     """
     main_process = is_main_process()
     say = echo if main_process else (lambda *_: None)
@@ -147,6 +154,7 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, stop_at_step: int 
                               "continue that run, or choose another --run-dir")
     say(f"unigram entropy of the training bytes: {format_loss(unigram_nats)}")
     last_step = config.steps if stop_at_step is None else min(stop_at_step, config.steps)
+    profiled = range(start_step + 2, min(start_step + 2 + PROFILED_STEPS, last_step + 1)) if profile_dir else range(0)
 
     with use_layout(layout, mesh), store:
         token_sharding = batch_sharding(layout, mesh, config.batch_size)
@@ -171,7 +179,13 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, stop_at_step: int 
             saved_step = start_step
             for step in range(start_step + 1, last_step + 1):
                 tokens = train_batches.global_batch(step - 1, token_sharding)
+                if profiled and step == profiled.start:
+                    jax.block_until_ready(params)
+                    jax.profiler.start_trace(str(profile_dir), create_perfetto_trace=True)
                 params, opt_state, loss = compiled_step(params, opt_state, rest, tokens)
+                if profiled and step == profiled[-1]:
+                    jax.block_until_ready((params, loss))
+                    jax.profiler.stop_trace()
                 log.add(step, loss)
                 if store.save(step, params, opt_state, run_description(config, model_config, mesh, step)):
                     saved_step = step
@@ -187,7 +201,7 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, stop_at_step: int 
 
     if log.losses:
         report_run(config, log.losses, unigram_nats, store.directory, say)
-    return TrainResult(log.losses, log.eval_losses, params, opt_state, unigram_nats, compiled_step)
+    return TrainResult(log.losses, log.eval_losses, params, opt_state, unigram_nats, compiled_step, len(profiled))
 
 
 def report_run(config: TrainConfig, losses, unigram_nats: float, checkpoint_dir, say) -> None:

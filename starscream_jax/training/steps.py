@@ -55,8 +55,9 @@ def train_step(graphdef, optimizer: optax.GradientTransformation):
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, opt_state, rest, tokens_BS):
         loss, grads = jax.value_and_grad(_loss)(params, rest, tokens_BS, graphdef)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        with jax.named_scope("optimizer"):
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
 
     return step
 
