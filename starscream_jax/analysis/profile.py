@@ -3,7 +3,8 @@
 `jax.profiler.start_trace(directory, create_perfetto_trace=True)` writes `perfetto_trace.json.gz` (Chrome trace
 format) under `directory/plugins/profile/<run>/`. Its device processes ("/device:GPU:0", ...) hold one thread per
 stream, whose events are the kernels that ran, each with its duration and, in `args`, the HLO instruction that
-launched it (`hlo_op`). Each kernel falls in one category:
+launched it (`hlo_op`; a command buffer's name for kernels XLA runs as a CUDA graph, whose kernels are named after
+their instruction instead). Each kernel falls in one category:
 
   matmuls      cuBLAS / cuBLASLt / Triton GEMMs (an HLO dot or a GEMM custom call or fusion)
   attention    cuDNN's fused attention (custom calls whose target names fmha / sdpa)
@@ -43,7 +44,8 @@ def latest_trace(directory: str | Path) -> Path:
 
 
 def hlo_categories(hlo_text: str) -> dict[str, str]:
-    """Category of every instruction of a compiled program's text, by its name (see the module docstring)."""
+    """Category of every instruction of a compiled program's text, by its name (see the module docstring), and by
+    the name its kernel carries ("loop_add_fusion.2" runs as kernel "loop_add_fusion_2")."""
     categories = {}
     for line in hlo_text.splitlines():
         match = _INSTRUCTION.match(line)
@@ -52,8 +54,9 @@ def hlo_categories(hlo_text: str) -> dict[str, str]:
         name, opcode = match.groups()
         target = re.search(r'custom_call_target="([^"]+)"', line)
         op_name = re.search(r'op_name="([^"]+)"', line)
-        categories[name] = _category(opcode, target.group(1) if target else "", line if "kind=kCustom" in line
-                                     else "", op_name.group(1) if op_name else "")
+        category = _category(opcode, target.group(1) if target else "", line if "kind=kCustom" in line else "",
+                             op_name.group(1) if op_name else "")
+        categories[name] = categories[name.replace(".", "_")] = category
     return categories
 
 
@@ -70,10 +73,11 @@ def _category(opcode: str, target: str, custom_fusion: str, op_name: str) -> str
 
 
 def _kernel_category(name: str, hlo_op: str, categories: dict[str, str]) -> str:
-    if hlo_op in categories:
-        by_hlo = categories[hlo_op]
-        if by_hlo != "other":
-            return by_hlo
+    """By the launching instruction, or by the kernel's own name where kernels run inside a command buffer (a CUDA
+    graph, whose events name the buffer as `hlo_op`)."""
+    for key in (hlo_op, name):
+        if categories.get(key, "other") != "other":
+            return categories[key]
     if _COLLECTIVE.search(name) or _COLLECTIVE.search(hlo_op):
         return "collectives"
     if _ATTENTION.search(name):

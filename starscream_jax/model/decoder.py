@@ -119,14 +119,19 @@ class Transformer(nnx.Module):
         c = self.config
         positions_BS = constrain(positions_BS, ("attn_batch", "seq"), "positions")
 
-        def block(x_BSD, layer):
-            w, layer_cache = layer
-            x_BSD, layer_cache = _block(c, x_BSD, w, positions_BS, layer_cache, cache_index)
-            return x_BSD, layer_cache
+        def block(x_BSD, w):
+            return _block(c, x_BSD, w, positions_BS), None
+
+        def cached_block(carry, layer):
+            x_BSD, cache = carry
+            w, index = layer
+            return _block(c, x_BSD, w, positions_BS, (cache, index, cache_index)), None
 
         if c.remat:
             block = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
-        return jax.lax.scan(block, x_BSD, (stacked, cache))
+        if cache is None:
+            return jax.lax.scan(block, x_BSD, stacked)[0], None
+        return jax.lax.scan(cached_block, (x_BSD, cache), (stacked, jnp.arange(c.n_layers)))[0]
 
 
 def _layer_weight_names(c: ModelConfig) -> list[str]:
@@ -147,20 +152,49 @@ def _project(scope: str, subscripts: str, x: jax.Array, w: jax.Array, out: tuple
         return einsum(subscripts, x, w, out, scope)
 
 
-def _block(c: ModelConfig, x_BSD, w, positions_BS, layer_cache, cache_index):
-    """One pre-norm block: x + attention(norm(x)), then + mlp(norm(x)). x [B, S, D] placed by RESIDUAL."""
+def _block(c: ModelConfig, x_BSD, w, positions_BS, cached=None):
+    """One pre-norm block: x + attention(norm(x)), then + mlp(norm(x)). x [B, S, D] placed by RESIDUAL.
+
+    cached: None, or (cache, layer, cache_index): the KV cache of every layer ([L, B, T, K, E] each), this block's
+    layer index and the position of the first new token. The new keys and values are written into the cache in
+    place (`write_cache`) and attention reads this layer's part. Returns (x, cache) when cached, else x."""
     dtype = jnp.dtype(c.dtype)
     h_BSD = rms_norm(x_BSD, w["attn_norm"], c.norm_eps)
     q_BSHE, k_BSKE, v_BSKE = _qkv(c, h_BSD, w)
     q_BSHE, k_BSKE = rope(q_BSHE, positions_BS, c.rope_theta), rope(k_BSKE, positions_BS, c.rope_theta)
+    cache = layer_cache = None
+    if cached is not None:
+        cache, layer, cache_index = cached
+        cache = write_cache(cache, layer, cache_index, k_BSKE, v_BSKE)
+        layer_cache = {name: cache[name][layer] for name in ("k", "v")}
     with jax.named_scope("attention"):
-        attended_BSHE, layer_cache = attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, layer_cache, cache_index)
+        attended_BSHE = attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, layer_cache)
         attended_BSHE = constrain(attended_BSHE, ("batch", "seq", "heads", "head_dim"), "attention output")
     wo_HED = _used("o", w, "wo", ("heads", "head_dim", "embed"), dtype)
     x_BSD = x_BSD + _project("o", "bshe,hed->bsd", attended_BSHE, wo_HED, RESIDUAL)
     h_BSD = rms_norm(x_BSD, w["mlp_norm"], c.norm_eps)
     mlp_BSD = _moe_mlp(c, h_BSD, w) if c.n_experts else _dense_mlp(c, h_BSD, w)
-    return x_BSD + mlp_BSD, layer_cache
+    return x_BSD + mlp_BSD if cached is None else (x_BSD + mlp_BSD, cache)
+
+
+def write_cache(cache: dict, layer, index, k_BSKE: jax.Array, v_BSKE: jax.Array) -> dict:
+    """The KV cache {"k", "v"} ([L, B, T, K, E] each) with the S new keys and values of `layer` written at positions
+    index .. index + S - 1: a dynamic-update-slice of S positions, which XLA runs in place on a donated cache."""
+    def write(full_LBTKE, new_BSKE):
+        # both placed by KV_CACHE's rules (no-ops inside the model, where they already are)
+        new_1BSKE = constrain(new_BSKE[None].astype(full_LBTKE.dtype), KV_CACHE, "new keys and values")
+        return jax.lax.dynamic_update_slice(constrain(full_LBTKE, KV_CACHE, "kv cache"), new_1BSKE,
+                                            (layer, 0, index, 0, 0))
+
+    return {"k": write(cache["k"], k_BSKE), "v": write(cache["v"], v_BSKE)}
+
+
+def _fuses(c: ModelConfig, h_BSD: jax.Array) -> bool:
+    """Whether projections sharing the input h [B, S, D] run as one GEMM: with `c.fuse_projections`, where each
+    sequence brings more than one position (training, prefill: compute-bound GEMMs). Decode (one position) is bound
+    by reading the weights, and stacking them would copy them every step (read, write, read again), so it runs the
+    stored weights in separate GEMMs."""
+    return c.fuse_projections and h_BSD.shape[1] > 1
 
 
 def _same_split(stored: list[jax.Array], dimension: int) -> bool:
@@ -173,15 +207,15 @@ def _same_split(stored: list[jax.Array], dimension: int) -> bool:
 def _qkv(c: ModelConfig, h_BSD, w):
     """Queries [B, S, H, E] (placed by ATTN_Q), keys and values [B, S, K, E] (ATTN_KV) of the normed residual h.
 
-    Fused (`c.fuse_projections`): the stored q, k and v weights are stacked by kv head into [D, K, G + 2, E] (each
+    Fused (`_fuses`: training and prefill): the stored q, k and v weights are stacked by kv head into [D, K, G + 2, E] (each
     kv head's G query heads, then its key, then its value), used (cast, gathered) as one weight and multiplied in one
     GEMM. Stacking by kv head keeps the stack local wherever a layout splits query heads and kv heads over the same
     mesh axes (every layout except flat_tp with fewer kv heads than devices, which copies kv heads); there, and when
-    not fused, three GEMMs run. Either way under the named scope "qkv"."""
+    not fused (decode), three GEMMs run. Either way under the named scope "qkv"."""
     dtype = jnp.dtype(c.dtype)
     D, H, E, K = c.d_model, c.n_heads, c.head_dim, c.n_kv_heads
     G = H // K
-    if not (c.fuse_projections and _same_split([w["wq"], w["wk"], w["wv"]], 1)):
+    if not (_fuses(c, h_BSD) and _same_split([w["wq"], w["wk"], w["wv"]], 1)):
         wq_DHE = _used("qkv", w, "wq", ("embed", "heads", "head_dim"), dtype)
         wk_DKE = _used("qkv", w, "wk", ("embed", "kv_heads", "head_dim"), dtype)
         wv_DKE = _used("qkv", w, "wv", ("embed", "kv_heads", "head_dim"), dtype)
@@ -201,13 +235,13 @@ def _qkv(c: ModelConfig, h_BSD, w):
 def _gate_up(c: ModelConfig, h_BSD, w, names: tuple[str, ...], subscripts: str, fused_subscripts: str):
     """The SwiGLU gate and up projections of h [B, S, D]: [B, S, F] each ([B, S, X, F] for experts), over `mlp`.
 
-    Fused (`c.fuse_projections`): the stored gate and up weights are stacked on a new axis right after `embed`
+    Fused (`_fuses`: training and prefill): the stored gate and up weights are stacked on a new axis right after `embed`
     ([D, 2, F], or [X, D, 2, F]), which no layout splits, so the stack is local; it is used (cast, gathered) as one
     weight in one GEMM (`fused_subscripts`, the stack's axis "t"). Otherwise two GEMMs (`subscripts`). `names` are
     one weight's logical names. Either way under the named scope "gate_up"."""
     dtype = jnp.dtype(c.dtype)
     out = ("batch", "seq", "experts", "mlp") if "experts" in names else ("batch", "seq", "mlp")
-    if not c.fuse_projections:
+    if not _fuses(c, h_BSD):
         w_gate, w_up = _used("gate_up", w, "w_gate", names, dtype), _used("gate_up", w, "w_up", names, dtype)
         h_BSD = shared_input(h_BSD, [w_gate, w_up])
         return _project("gate_up", subscripts, h_BSD, w_gate, out), _project("gate_up", subscripts, h_BSD, w_up, out)
