@@ -63,8 +63,9 @@ def bytes_read_per_step(params, config, batch: int, cache_length: int) -> dict:
 
 
 def run_batch(graphdef, params, rest, config, layout: str, mesh, batch: int, cache_length: int, warmup: int,
-              steps: int) -> dict:
-    """Compile and time the decode step at one batch size; bytes, bandwidth and tokens/s."""
+              steps: int, profile_dir: Path | None = None) -> dict:
+    """Compile and time the decode step at one batch size; bytes, bandwidth and tokens/s (with `profile_dir`, the
+    device time of 5 more steps by category, `analysis.profile.time_breakdown`)."""
     import jax
     import jax.numpy as jnp
 
@@ -90,12 +91,22 @@ def run_batch(graphdef, params, rest, config, layout: str, mesh, batch: int, cac
         token_B, cache = compiled(params, rest, cache, token_B, position)
     jax.block_until_ready(token_B)
     step_s = (time.perf_counter() - start) / steps
+    breakdown = None
+    if profile_dir is not None:
+        from starscream_jax.analysis.profile import time_breakdown
+
+        jax.profiler.start_trace(str(profile_dir / f"batch{batch}"), create_perfetto_trace=True)
+        for _ in range(5):
+            token_B, cache = compiled(params, rest, cache, token_B, position)
+        jax.block_until_ready(token_B)
+        jax.profiler.stop_trace()
+        breakdown = time_breakdown(profile_dir / f"batch{batch}", 5, compiled.as_text())
     read = bytes_read_per_step(params, config, batch, cache_length)
     total = read["weights"] + read["kv_cache"]
     memory = compiled.memory_analysis()
     return {"batch": batch, "cache_length": cache_length, "compile_s": compile_s, "step_s": step_s,
             "tokens_per_s": batch / step_s, "bytes_per_step": read, "bandwidth_bytes_per_s": total / step_s,
-            "temp_bytes": None if memory is None else int(memory.temp_size_in_bytes)}
+            "temp_bytes": None if memory is None else int(memory.temp_size_in_bytes), "time_breakdown": breakdown}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -110,6 +121,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--peak-bandwidth", type=float, default=H200_HBM_BYTES_PER_S,
                         help="device bandwidth in bytes/s (default: the H200 datasheet's 4.8e12)")
     parser.add_argument("--copy-gigabytes", type=float, default=4.0, help="size of the measured copy")
+    parser.add_argument("--unroll", type=int, default=1, help="layers per iteration of the layer scan")
+    parser.add_argument("--profile-dir", type=Path,
+                        help="trace 5 more steps of each batch here and record their device time by category")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, cache 64, few steps")
     args = parser.parse_args(argv)
@@ -131,13 +145,13 @@ def main(argv=None) -> int:
     from starscream_jax.sharding.apply import use_layout
 
     mesh = build_mesh(gpus=args.gpus)
-    config = load_model_config(args.model, dtype="bfloat16")
+    config = load_model_config(args.model, dtype="bfloat16", scan_unroll=args.unroll)
     with use_layout(args.layout, mesh):
         graphdef, params, rest = nnx.split(create_sharded_model(config, args.layout, mesh), nnx.Param, ...)
     params = jax.tree.map(lambda value: value.astype(jnp.bfloat16), params)  # served weights: bfloat16
     copy = copy_bandwidth(args.copy_gigabytes)
     devices = mesh.devices.size
-    meta = {"model": config.name, "layout": args.layout, "mesh": dict(mesh.shape), "devices": devices,
+    meta = {"model": config.name, "layout": args.layout, "scan_unroll": args.unroll, "mesh": dict(mesh.shape), "devices": devices,
             "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "peak_bandwidth_bytes_per_s": args.peak_bandwidth,
             "copy_bandwidth_bytes_per_s": copy, "warmup": args.warmup, "steps": args.steps,
@@ -150,7 +164,7 @@ def main(argv=None) -> int:
     rows = []
     for batch in args.batches:
         row = run_batch(graphdef, params, rest, config, args.layout, mesh, batch, args.cache, args.warmup,
-                        args.steps)
+                        args.steps, args.profile_dir)
         row["fraction_of_peak"] = row["bandwidth_bytes_per_s"] / (devices * args.peak_bandwidth)
         row["fraction_of_copy"] = row["bandwidth_bytes_per_s"] / (devices * copy)
         rows.append(row)

@@ -130,8 +130,8 @@ class Transformer(nnx.Module):
         if c.remat:
             block = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
         if cache is None:
-            return jax.lax.scan(block, x_BSD, stacked)[0], None
-        return jax.lax.scan(cached_block, (x_BSD, cache), (stacked, jnp.arange(c.n_layers)))[0]
+            return jax.lax.scan(block, x_BSD, stacked, unroll=c.scan_unroll)[0], None
+        return jax.lax.scan(cached_block, (x_BSD, cache), (stacked, jnp.arange(c.n_layers)), unroll=c.scan_unroll)[0]
 
 
 def _layer_weight_names(c: ModelConfig) -> list[str]:
