@@ -17,8 +17,7 @@ from ..resources import data_dir
 class ModelConfig:
     """A Llama-family decoder. d_model D, n_heads H query heads of head_dim, n_kv_heads K (H % K == 0), d_ff F,
     n_experts E (0 = dense MLP) with experts_per_token routed per token. `fuse_projections`: q, k, v in one GEMM and
-    gate, up in one (the weights stay stored apart; see decoder._qkv). `scan_unroll`: layers per iteration of the
-    layer scan (`jax.lax.scan`'s unroll)."""
+    gate, up in one (the weights stay stored apart; see decoder._qkv)."""
 
     name: str
     vocab_size: int
@@ -37,7 +36,6 @@ class ModelConfig:
     dtype: str = "float32"
     remat: bool = False
     fuse_projections: bool = True
-    scan_unroll: int = 1
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
