@@ -26,7 +26,8 @@ BASELINE = {"starscream_tp": "plain JAX TP", "gpu_tp": "plain JAX TP", "flat_tp"
 
 def _source(meta: dict, path: Path) -> str:
     return (f"`{meta['command']}` ({meta['date']}, {meta['devices']} x {meta['device_kind']}, jax {meta['jax']}"
-            + (f", XLA_FLAGS `{meta['xla_flags']}`" if meta.get("xla_flags") else "") + f"; {path.name})")
+            + (f", XLA_FLAGS `{meta['xla_flags']}`" if meta.get("xla_flags") else "") + f"; {path.name})"
+            + (f". Note: {meta['note']}" if meta.get("note") else ""))
 
 
 def _ratio(row: dict) -> str:
