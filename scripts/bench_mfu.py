@@ -73,7 +73,8 @@ def plain_loss(params: dict, tokens_BS1, config, attention_impl: str | None, par
 
     params: {"embedding" [V, D], "final_norm" [D], "layers": {"attn_norm" [L, D], "wq" [L, D, H, E],
     "wk" / "wv" [L, D, K, E], "wo" [L, H, E, D], "mlp_norm" [L, D], "w_gate" / "w_up" [L, D, F],
-    "w_down" [L, F, D]}, and "lm_head" [D, V] unless the embeddings are tied}, float32; matrices are cast to the compute dtype, norm scales stay float32.
+    "w_down" [L, F, D]}, and "lm_head" [D, V] unless the embeddings are tied}, float32; matrices are cast to the
+    compute dtype, norm scales stay float32.
     """
     import jax
     import jax.numpy as jnp

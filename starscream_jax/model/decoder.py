@@ -211,11 +211,11 @@ def _same_split(stored: list[jax.Array], dimension: int) -> bool:
 def _qkv(c: ModelConfig, h_BSD, w):
     """Queries [B, S, H, E] (placed by ATTN_Q), keys and values [B, S, K, E] (ATTN_KV) of the normed residual h.
 
-    Fused (`_fuses`: training and prefill): the stored q, k and v weights are stacked by kv head into [D, K, G + 2, E] (each
-    kv head's G query heads, then its key, then its value), used (cast, gathered) as one weight and multiplied in one
-    GEMM. Stacking by kv head keeps the stack local wherever a layout splits query heads and kv heads over the same
-    mesh axes (every layout except flat_tp with fewer kv heads than devices, which copies kv heads); there, and when
-    not fused (decode), three GEMMs run. Either way under the named scope "qkv"."""
+    Fused (`_fuses`: training and prefill): the stored q, k and v weights are stacked by kv head into
+    [D, K, G + 2, E] (each kv head's G query heads, then its key, then its value), used (cast, gathered) as one
+    weight and multiplied in one GEMM. Stacking by kv head keeps the stack local wherever a layout splits query
+    heads and kv heads over the same mesh axes (every layout except flat_tp with fewer kv heads than devices, which
+    copies kv heads); there, and when not fused (decode), three GEMMs run. Either way under the named scope "qkv"."""
     dtype = jnp.dtype(c.dtype)
     D, H, E, K = c.d_model, c.n_heads, c.head_dim, c.n_kv_heads
     G = H // K
@@ -239,10 +239,10 @@ def _qkv(c: ModelConfig, h_BSD, w):
 def _gate_up(c: ModelConfig, h_BSD, w, names: tuple[str, ...], subscripts: str, fused_subscripts: str):
     """The SwiGLU gate and up projections of h [B, S, D]: [B, S, F] each ([B, S, X, F] for experts), over `mlp`.
 
-    Fused (`_fuses`: training and prefill): the stored gate and up weights are stacked on a new axis right after `embed`
-    ([D, 2, F], or [X, D, 2, F]), which no layout splits, so the stack is local; it is used (cast, gathered) as one
-    weight in one GEMM (`fused_subscripts`, the stack's axis "t"). Otherwise two GEMMs (`subscripts`). `names` are
-    one weight's logical names. Either way under the named scope "gate_up"."""
+    Fused (`_fuses`: training and prefill): the stored gate and up weights are stacked on a new axis right after
+    `embed` ([D, 2, F], or [X, D, 2, F]), which no layout splits, so the stack is local; it is used (cast,
+    gathered) as one weight in one GEMM (`fused_subscripts`, the stack's axis "t"). Otherwise two GEMMs
+    (`subscripts`). `names` are one weight's logical names. Either way under the named scope "gate_up"."""
     dtype = jnp.dtype(c.dtype)
     out = ("batch", "seq", "experts", "mlp") if "experts" in names else ("batch", "seq", "mlp")
     if not _fuses(c, h_BSD):
