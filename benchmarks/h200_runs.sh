@@ -2,8 +2,8 @@
 # The GPU runs behind README's speed tables, batched so that each machine start serves several measurements.
 # Usage (repository root, on a machine with two H200s): bash benchmarks/h200_runs.sh part1|part2|part3 RESULTS_DIR
 # part1: one GPU (decode on GPU 1 beside training on GPU 0), then Llama 3.2 1B and Llama 3 8B tensor parallel on two.
-# part2: decode profiled and unrolled (run as bench_decode.py --unroll 32, since made decode's default), then Llama 3
-# 8B tensor parallel and FSDP on two GPUs (cut off by the call's time limit).
+# part2: decode profiled, and with its layer loop unrolled, then Llama 3 8B tensor parallel and FSDP on two GPUs (cut
+# off by the call's time limit).
 set -u
 export PYTHONUNBUFFERED=1
 part=$1; out=$2
@@ -26,7 +26,7 @@ elif [ "$part" = part2 ]; then
   CUDA_VISIBLE_DEVICES=1 python3 scripts/bench_decode.py --model llama3-8b --batches 1 64 --cache 4096 --steps 30 \
     --profile-dir /tmp/decode_profiles --out "$out/decode_llama3-8b_1gpu_profiled.json"
   CUDA_VISIBLE_DEVICES=1 python3 scripts/bench_decode.py --model llama3-8b --batches 1 64 --cache 4096 --steps 30 \
-    --out "$out/decode_llama3-8b_1gpu.json"
+    --unroll 32 --out "$out/decode_llama3-8b_1gpu_unroll32.json"
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
   python3 scripts/bench_mfu.py --model llama3-8b --gpus 2 --batch-size 2 --warmup 2 --steps 5 --plain tp \
     --layouts starscream_tp --out "$out/mfu_llama3-8b_2gpu_tp.json"

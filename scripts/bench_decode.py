@@ -121,6 +121,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--peak-bandwidth", type=float, default=H200_HBM_BYTES_PER_S,
                         help="device bandwidth in bytes/s (default: the H200 datasheet's 4.8e12)")
     parser.add_argument("--copy-gigabytes", type=float, default=4.0, help="size of the measured copy")
+    parser.add_argument("--unroll", type=int, default=1,
+                        help="layers per iteration of the layer loop (ModelConfig.scan_unroll; the layer count: all)")
     parser.add_argument("--profile-dir", type=Path,
                         help="trace 5 more steps of each batch here and record their device time by category")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -144,13 +146,13 @@ def main(argv=None) -> int:
     from starscream_jax.sharding.apply import use_layout
 
     mesh = build_mesh(gpus=args.gpus)
-    config = load_model_config(args.model, dtype="bfloat16")
+    config = load_model_config(args.model, dtype="bfloat16", scan_unroll=args.unroll)
     with use_layout(args.layout, mesh):
         graphdef, params, rest = nnx.split(create_sharded_model(config, args.layout, mesh), nnx.Param, ...)
     params = jax.tree.map(lambda value: value.astype(jnp.bfloat16), params)  # served weights: bfloat16
     copy = copy_bandwidth(args.copy_gigabytes)
     devices = mesh.devices.size
-    meta = {"model": config.name, "layout": args.layout, "mesh": dict(mesh.shape), "devices": devices,
+    meta = {"model": config.name, "layout": args.layout, "scan_unroll": args.unroll, "mesh": dict(mesh.shape), "devices": devices,
             "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "peak_bandwidth_bytes_per_s": args.peak_bandwidth,
             "copy_bandwidth_bytes_per_s": copy, "warmup": args.warmup, "steps": args.steps,

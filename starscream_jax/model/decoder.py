@@ -130,12 +130,8 @@ class Transformer(nnx.Module):
         if c.remat:
             block = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
         if cache is None:
-            return jax.lax.scan(block, x_BSD, stacked)[0], None
-        # Decode (one position per sequence) unrolls the layer loop: inside a while loop each layer's weights are
-        # copied out of the stacked arrays before its GEMMs read them (6.5 of 12 ms per Llama 3 8B step on an H200,
-        # measured); unrolled, the slices are static and the GEMMs read the weights where they lie.
-        unroll = c.n_layers if x_BSD.shape[1] == 1 else 1
-        return jax.lax.scan(cached_block, (x_BSD, cache), (stacked, jnp.arange(c.n_layers)), unroll=unroll)[0]
+            return jax.lax.scan(block, x_BSD, stacked, unroll=c.scan_unroll)[0], None
+        return jax.lax.scan(cached_block, (x_BSD, cache), (stacked, jnp.arange(c.n_layers)), unroll=c.scan_unroll)[0]
 
 
 def _layer_weight_names(c: ModelConfig) -> list[str]:
