@@ -6,7 +6,8 @@ shapes come from the model configuration (models/<name>.toml, through the model'
 axis names) and the layouts' rules on the topology's mesh:
   matmuls    M = tokens / the mesh axes the `batch` activation rule names; K and N = each weight's dimensions at use
              (the layout's `weights` rules), K over its contracted logical names. q/k/v and gate/up are fused along N
-             (one kernel reading the same input), as a fused implementation runs them.
+             (one kernel reading the same input), as the model runs them in training and prefill (decoder._qkv,
+             decoder._gate_up; decode runs them apart).
   attention  q [B, S, H, E] and k/v [B, T, K, E] per device from the `attn_batch`, `heads` and `kv_heads` activation
              rules; where kv heads are copied (fewer kv heads than devices) each device uses the kv heads its query
              heads share. Prefill is causal self-attention (XLA's implementation, as the model calls

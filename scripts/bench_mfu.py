@@ -7,6 +7,9 @@ bfloat16 compute, float32 parameters and AdamW state, global-norm clipping and j
               with implementation="cudnn" on NVIDIA GPUs, plain data parallelism (batch split over the devices,
               parameters replicated). It starts from the library's initial parameters, so both sides must report
               the same loss at step 0.
+  plain JAX TP / FSDP (`--plain tp fsdp`): the same functions with ordinary sharding annotations
+              (`plain_param_specs`, `with_sharding_constraint`): Megatron tensor parallelism, or every weight stored
+              split and gathered before use.
   library     `starscream_jax.training.loop.initial_state` / `training.steps.train_step` under each layout, on the mesh of the devices
               present (one H200: 1x1x1, where every layout places everything alike; two: 1x2x1).
 
@@ -18,12 +21,16 @@ masking is not discounted). The peak is the H200 datasheet's dense bf16 figure, 
 
     python scripts/bench_mfu.py --out mfu.json                        # every GPU present
     CUDA_VISIBLE_DEVICES=0 python scripts/bench_mfu.py --out mfu1.json
+    python scripts/bench_mfu.py --gpus 2 --plain dp tp --layouts starscream_tp starscream_fsdp
     python scripts/bench_mfu.py --quick --gpus 2                      # CPU smoke run (tiny model)
 """
 from __future__ import annotations
 
 import argparse
+import datetime
+import functools
 import json
+import os
 import re
 import sys
 import time
@@ -56,12 +63,18 @@ def plain_rope(x_BSNE, cos_SE, sin_SE):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BSNE.dtype)
 
 
-def plain_loss(params: dict, tokens_BS1, config, attention_impl: str | None):
+def plain_loss(params: dict, tokens_BS1, config, attention_impl: str | None, parallelism: str = "dp"):
     """Mean next-token cross entropy (nats) of the Llama `config` on tokens [B, S+1] int32.
+
+    parallelism (ordinary sharding annotations, `jax.lax.with_sharding_constraint` on the mesh axis "devices"; the
+    parameters are placed by `plain_param_specs`): "dp" none (data parallelism: the batch placed over the devices);
+    "tp" Megatron tensor parallelism (heads and the MLP hidden over the devices, the residual stream replicated);
+    "fsdp" each weight gathered whole just before its layer uses it (stored split over the devices).
 
     params: {"embedding" [V, D], "final_norm" [D], "layers": {"attn_norm" [L, D], "wq" [L, D, H, E],
     "wk" / "wv" [L, D, K, E], "wo" [L, H, E, D], "mlp_norm" [L, D], "w_gate" / "w_up" [L, D, F],
-    "w_down" [L, F, D]}, and "lm_head" [D, V] unless the embeddings are tied}, float32; matrices are cast to the compute dtype, norm scales stay float32.
+    "w_down" [L, F, D]}, and "lm_head" [D, V] unless the embeddings are tied}, float32; matrices are cast to the
+    compute dtype, norm scales stay float32.
     """
     import jax
     import jax.numpy as jnp
@@ -75,26 +88,74 @@ def plain_loss(params: dict, tokens_BS1, config, attention_impl: str | None):
     cos_SE, sin_SE = jnp.cos(angles_SE), jnp.sin(angles_SE)
     table_VD = params["embedding"].astype(dtype)
     layers = {name: w if "norm" in name else w.astype(dtype) for name, w in params["layers"].items()}
+    place = functools.partial(_plain_place, parallelism)
 
     def block(x_BSD, w):
+        w = {name: place(value, "weight") for name, value in w.items()}
         h = plain_rms_norm(x_BSD, w["attn_norm"], config.norm_eps)
-        q = plain_rope(jnp.einsum("bsd,dhe->bshe", h, w["wq"]), cos_SE, sin_SE)
-        k = plain_rope(jnp.einsum("bsd,dke->bske", h, w["wk"]), cos_SE, sin_SE)
-        v = jnp.einsum("bsd,dke->bske", h, w["wv"])
+        q = place(plain_rope(jnp.einsum("bsd,dhe->bshe", h, w["wq"]), cos_SE, sin_SE), "heads")
+        k = place(plain_rope(jnp.einsum("bsd,dke->bske", h, w["wk"]), cos_SE, sin_SE), "heads")
+        v = place(jnp.einsum("bsd,dke->bske", h, w["wv"]), "heads")
         attended = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl)
-        x_BSD = x_BSD + jnp.einsum("bshe,hed->bsd", attended, w["wo"])
+        x_BSD = place(x_BSD + jnp.einsum("bshe,hed->bsd", place(attended, "heads"), w["wo"]), "residual")
         h = plain_rms_norm(x_BSD, w["mlp_norm"], config.norm_eps)
         hidden = jax.nn.silu(jnp.einsum("bsd,df->bsf", h, w["w_gate"])) * jnp.einsum("bsd,df->bsf", h, w["w_up"])
-        return x_BSD + jnp.einsum("bsf,fd->bsd", hidden, w["w_down"]), None
+        return place(x_BSD + jnp.einsum("bsf,fd->bsd", place(hidden, "hidden"), w["w_down"]), "residual"), None
 
-    x_BSD, _ = jax.lax.scan(block, table_VD[tokens_BS], layers)
+    if config.remat:
+        block = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
+
+    table_VD = place(table_VD, "weight")
+    x_BSD, _ = jax.lax.scan(block, place(table_VD[tokens_BS], "residual"), layers)
     x_BSD = plain_rms_norm(x_BSD, params["final_norm"], config.norm_eps)
     if config.tie_embeddings:
         logits_BSV = jnp.einsum("bsd,vd->bsv", x_BSD, table_VD)
     else:
-        logits_BSV = jnp.einsum("bsd,dv->bsv", x_BSD, params["lm_head"].astype(dtype))
+        logits_BSV = jnp.einsum("bsd,dv->bsv", x_BSD, place(params["lm_head"].astype(dtype), "weight"))
     logits_BSV = logits_BSV.astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS).mean()
+
+
+PLAIN_AXIS = "devices"
+PLAIN_ACTIVATIONS = {"tp": {"heads": (None, None, PLAIN_AXIS, None), "hidden": (None, None, PLAIN_AXIS),
+                            "residual": ()},
+                     "fsdp": {"weight": ()}}
+"""The constraints each plain parallelism puts on activations (by kind) and on weights at use ("weight")."""
+
+
+def _plain_place(parallelism: str, x, kind: str):
+    """`x` constrained to the PartitionSpec `PLAIN_ACTIVATIONS` gives its kind (unchanged where none is given)."""
+    import jax
+    from jax.sharding import PartitionSpec
+
+    spec = PLAIN_ACTIVATIONS.get(parallelism, {}).get(kind)
+    if spec is None or (kind == "weight" and x.ndim < 2):
+        return x
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
+
+
+def plain_param_specs(params: dict, parallelism: str) -> dict:
+    """PartitionSpecs of the plain params dict: replicated ("dp"); Megatron's split ("tp": q/k/v and gate/up by
+    output, o and down by input, the vocabulary of the embedding and head); the embed (d_model) dimension of every
+    matrix ("fsdp")."""
+    import jax
+    from jax.sharding import PartitionSpec
+
+    tp = {"embedding": (PLAIN_AXIS, None), "lm_head": (None, PLAIN_AXIS), "wq": (None, None, PLAIN_AXIS, None),
+          "wk": (None, None, PLAIN_AXIS, None), "wv": (None, None, PLAIN_AXIS, None),
+          "wo": (None, PLAIN_AXIS, None, None), "w_gate": (None, None, PLAIN_AXIS),
+          "w_up": (None, None, PLAIN_AXIS), "w_down": (None, PLAIN_AXIS, None)}
+    fsdp = {"embedding": (None, PLAIN_AXIS), "lm_head": (PLAIN_AXIS, None), "wq": (None, PLAIN_AXIS, None, None),
+            "wk": (None, PLAIN_AXIS, None, None), "wv": (None, PLAIN_AXIS, None, None),
+            "wo": (None, None, None, PLAIN_AXIS), "w_gate": (None, PLAIN_AXIS, None),
+            "w_up": (None, PLAIN_AXIS, None), "w_down": (None, None, PLAIN_AXIS)}
+    table = {"tp": tp, "fsdp": fsdp}.get(parallelism, {})
+
+    def spec(path, _):
+        name = str(getattr(path[-1], "key", path[-1]))
+        return PartitionSpec(*table.get(name, ()))
+
+    return jax.tree_util.tree_map_with_path(spec, params)
 
 
 def plain_optimizer(train_config, params: dict):
@@ -112,18 +173,17 @@ def plain_optimizer(train_config, params: dict):
                        optax.adamw(schedule, weight_decay=train_config.weight_decay, mask=decay_mask))
 
 
-def plain_train_step(config, optimizer, attention_impl: str | None):
+def plain_train_step(config, optimizer, attention_impl: str | None, parallelism: str = "dp"):
     """step(params, opt_state, tokens [B, S+1]) -> (params, opt_state, loss), jitted, params and state donated."""
-    import functools
-
     import jax
     import optax
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, opt_state, tokens_BS1):
-        loss, grads = jax.value_and_grad(plain_loss)(params, tokens_BS1, config, attention_impl)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        loss, grads = jax.value_and_grad(plain_loss)(params, tokens_BS1, config, attention_impl, parallelism)
+        with jax.named_scope("optimizer"):
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
 
     return step
 
@@ -145,11 +205,13 @@ def compiled_summary(text: str, compiled) -> dict:
             "temp_bytes": None if memory is None else int(memory.temp_size_in_bytes)}
 
 
-def timed_run(step, state: tuple, constants: tuple, tokens, warmup: int, steps: int) -> dict:
+def timed_run(step, state: tuple, constants: tuple, tokens, warmup: int, steps: int, profile_dir: Path | None = None,
+              profiled_steps: int = 3) -> dict:
     """Compile `step(*state, *constants, tokens) -> (*state, loss)` (state donated), run warm-up then timed steps.
 
     Returns compile_s, step_s (seconds per timed step), the loss of every step (the first is step 0's: the loss of
-    the initial parameters) and the compiled program's summary."""
+    the initial parameters) and the compiled program's summary. With `profile_dir`, `profiled_steps` more steps run
+    under the JAX profiler and "time_breakdown" holds their device time by category (`analysis.profile`)."""
     import jax
 
     start = time.perf_counter()
@@ -165,32 +227,56 @@ def timed_run(step, state: tuple, constants: tuple, tokens, warmup: int, steps: 
     jax.block_until_ready((state, losses[-1]))
     step_s = (time.perf_counter() - start) / steps
     text = compiled.as_text()
-    return {"compile_s": compile_s, "step_s": step_s, "losses": [float(x) for x in jax.device_get(losses)],
-            **compiled_summary(text, compiled), "hlo": text}
+    result = {"compile_s": compile_s, "step_s": step_s, "losses": [float(x) for x in jax.device_get(losses)],
+              **compiled_summary(text, compiled), "hlo": text}
+    if profile_dir is not None:
+        from starscream_jax.analysis.profile import time_breakdown
+        from starscream_jax.errors import StarscreamError
+
+        jax.profiler.start_trace(str(profile_dir), create_perfetto_trace=True)
+        for _ in range(profiled_steps):
+            *state, loss = compiled(*state, *constants, tokens)
+        jax.block_until_ready((state, loss))
+        jax.profiler.stop_trace()
+        try:
+            result["time_breakdown"] = time_breakdown(profile_dir, profiled_steps, text)
+        except StarscreamError as error:  # the trace stays on disk; the timing must not be lost
+            result["time_breakdown_error"] = str(error)
+    return result
 
 
-def plain_row(library_params, model_config, train_config, mesh, tokens, warmup: int, steps: int) -> dict:
-    """The plain implementation, data parallel over the mesh's devices, from a copy of `library_params`."""
+PLAIN_NAMES = {"dp": "plain JAX", "tp": "plain JAX TP", "fsdp": "plain JAX FSDP"}
+
+
+def plain_row(parallelism: str, library_params, model_config, train_config, mesh, tokens, warmup: int, steps: int,
+              profile_dir: Path | None = None) -> dict:
+    """The plain implementation over the mesh's devices as one flat axis ("dp", "tp" or "fsdp": see `plain_loss`),
+    from a copy of `library_params`. The batch is split over the devices except under "tp"."""
     import jax
     import numpy as np
     from flax import nnx
     from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
     devices = mesh.devices.reshape(-1)
-    plain_mesh = Mesh(np.asarray(devices), ("batch",), axis_types=(AxisType.Auto,))
-    params = jax.device_put(nnx.to_pure_dict(library_params), NamedSharding(plain_mesh, PartitionSpec()))
-    params = jax.tree.map(lambda x: x.copy(), params)  # never the library's buffers: the step donates them
+    plain_mesh = Mesh(np.asarray(devices), (PLAIN_AXIS,), axis_types=(AxisType.Auto,))
+    pure = nnx.to_pure_dict(library_params)
+    shardings = jax.tree.map(lambda spec: NamedSharding(plain_mesh, spec), plain_param_specs(pure, parallelism))
+    params = jax.tree.map(lambda x, sharding: jax.device_put(x, sharding).copy(), pure, shardings)
+    del pure  # never the library's buffers: the step donates its arguments
     optimizer = plain_optimizer(train_config, params)
     opt_state = jax.jit(optimizer.init)(params)
-    tokens = jax.device_put(tokens, NamedSharding(plain_mesh, PartitionSpec("batch", None)))
+    batch_spec = PartitionSpec(None if parallelism == "tp" else PLAIN_AXIS, None)
+    tokens = jax.device_put(tokens, NamedSharding(plain_mesh, batch_spec))
     attention_impl = "cudnn" if on_cuda(devices[0]) else None
-    step = plain_train_step(model_config, optimizer, attention_impl)
-    result = timed_run(step, (params, opt_state), (), tokens, warmup, steps)
-    return {"name": "plain JAX", "mesh": f"DP x{len(devices)}", **result}
+    step = plain_train_step(model_config, optimizer, attention_impl, parallelism)
+    with jax.set_mesh(plain_mesh):
+        result = timed_run(step, (params, opt_state), (), tokens, warmup, steps, profile_dir)
+    return {"name": PLAIN_NAMES[parallelism], "mesh": f"{parallelism.upper()} x{len(devices)}", **result}
 
 
-def layout_row(layout: str, model_config, train_config, mesh, tokens, warmup: int, steps: int) -> dict:
-    """The library's training step (starscream_jax.training.loop.initial_state / training.steps.train_step) under `layout`."""
+def layout_row(layout: str, model_config, train_config, mesh, tokens, warmup: int, steps: int,
+               profile_dir: Path | None = None, name: str | None = None) -> dict:
+    """The library's training step (training.loop.initial_state / training.steps.train_step) under `layout`."""
     import jax
 
     from starscream_jax.sharding.apply import batch_sharding, use_layout
@@ -201,8 +287,8 @@ def layout_row(layout: str, model_config, train_config, mesh, tokens, warmup: in
         graphdef, params, rest, optimizer, opt_state = initial_state(train_config, model_config, layout, mesh)
         train_step = make_train_step(graphdef, optimizer)
         tokens = jax.device_put(tokens, batch_sharding(layout, mesh, train_config.batch_size))
-        result = timed_run(train_step, (params, opt_state), (rest,), tokens, warmup, steps)
-    return {"name": layout, "mesh": "x".join(str(size) for size in mesh.shape.values()), **result}
+        result = timed_run(train_step, (params, opt_state), (rest,), tokens, warmup, steps, profile_dir)
+    return {"name": name or layout, "mesh": "x".join(str(size) for size in mesh.shape.values()), **result}
 
 
 def initial_params(model_config, train_config, layout: str, mesh):
@@ -215,38 +301,48 @@ def initial_params(model_config, train_config, layout: str, mesh):
 
 
 def add_rates(row: dict, tokens_per_step: int, flops_per_token: float, devices: int, peak_flops: float,
-              plain: dict | None) -> dict:
-    """tokens/s, MFU against `devices` x `peak_flops`, and the ratio of tokens/s to the plain row's."""
+              plain_rows: list[dict]) -> dict:
+    """tokens/s, MFU against `devices` x `peak_flops`, and the ratio of tokens/s to each plain row's ("vs_plain":
+    the first plain row's; "vs_plain_by_name": every one's), with the step-0 loss difference from the first."""
     tokens_per_s = tokens_per_step / row["step_s"]
     row["tokens_per_s"] = tokens_per_s
     row["mfu"] = tokens_per_s * flops_per_token / (devices * peak_flops)
-    row["vs_plain"] = None if plain is None else tokens_per_s / plain["tokens_per_s"]
-    row["loss0_minus_plain"] = None if plain is None else row["losses"][0] - plain["losses"][0]
+    row["vs_plain_by_name"] = {plain["name"]: tokens_per_s / plain["tokens_per_s"] for plain in plain_rows}
+    row["vs_plain"] = tokens_per_s / plain_rows[0]["tokens_per_s"] if plain_rows else None
+    row["loss0_minus_plain"] = row["losses"][0] - plain_rows[0]["losses"][0] if plain_rows else None
     return row
 
 
-COLUMNS = (f"{'implementation':<18} {'mesh':<7} {'ms/step':>9} {'tokens/s':>10} {'MFU':>6} {'vs plain':>8} "
+COLUMNS = (f"{'implementation':<24} {'mesh':<7} {'ms/step':>9} {'tokens/s':>10} {'MFU':>6} {'vs plain':>8} "
            f"{'loss@0':>8} {'compile s':>9}  attention calls")
 
 
 def table_line(row: dict) -> str:
-    """One row of the results table."""
+    """One row of the results table ("vs plain": against the first plain row)."""
     ratio = "" if row["vs_plain"] is None else f"{row['vs_plain']:.3f}"
     attention = ", ".join(f"{name} x{count}" for name, count in sorted(row["custom_calls"].items())
                           if "fmha" in name or "attention" in name.lower()) or "none (XLA)"
-    return (f"{row['name']:<18} {row['mesh']:<7} {1e3 * row['step_s']:>9.1f} {row['tokens_per_s']:>10,.0f} "
+    return (f"{row['name']:<24} {row['mesh']:<7} {1e3 * row['step_s']:>9.1f} {row['tokens_per_s']:>10,.0f} "
             f"{100 * row['mfu']:>5.1f}% {ratio:>8} {row['losses'][0]:>8.4f} {row['compile_s']:>9.1f}  {attention}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from starscream_jax.cli.arguments import device_ids
     from starscream_jax.sharding.layouts import LAYOUTS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama3.2-1b", help="model configuration in models/ (or a path)")
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="compute dtype")
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS), metavar="LAYOUT",
+    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS), metavar="LAYOUT",
                         help=f"library layouts to time (default: all: {', '.join(LAYOUTS)})")
+    parser.add_argument("--plain", nargs="+", default=["dp"], choices=list(PLAIN_NAMES),
+                        help="plain JAX baselines, first is the reference of 'vs plain' (default: dp)")
+    parser.add_argument("--unfused", action="store_true",
+                        help="also time each layout with q/k/v and gate/up as separate GEMMs (fuse_projections off)")
+    parser.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass (both sides)")
     parser.add_argument("--gpus", type=int, help="use the first N devices (default: every device present)")
+    parser.add_argument("--grouping", type=device_ids, nargs="+", metavar="IDS",
+                        help="device ids of each physical GPU, e.g. 0,1 (two GPUs as the partitions of one)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step (global)")
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens the model reads per sequence")
     parser.add_argument("--warmup", type=int, default=3, help="steps run after compiling, before the clock starts")
@@ -255,6 +351,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="per-device peak for MFU (default: H200 dense bf16 datasheet figure)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here (rewritten after every row)")
     parser.add_argument("--hlo-dir", type=Path, help="write each compiled step's HLO text here")
+    parser.add_argument("--profile-dir", type=Path,
+                        help="trace 3 more steps of each row here and record their device time by category")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 4 x 32 tokens, 1 + 2 steps")
     args = parser.parse_args(argv)
     if args.quick:
@@ -270,9 +368,9 @@ def main(argv=None) -> int:
     from starscream_jax.model.config import load_model_config
     from starscream_jax.training.config import TrainConfig
 
-    mesh = build_mesh(gpus=args.gpus)
+    mesh = build_mesh(gpus=args.gpus, grouping=args.grouping)
     devices = mesh.devices.size
-    model_config = load_model_config(args.model, dtype=args.dtype)
+    model_config = load_model_config(args.model, dtype=args.dtype, remat=args.remat)
     train_config = TrainConfig(model=args.model, dtype=args.dtype, batch_size=args.batch_size, seq_len=args.seq_len,
                                steps=args.warmup + args.steps + 1)
     tokens = jax.random.randint(jax.random.key(0), (args.batch_size, args.seq_len + 1), 0, model_config.vocab_size)
@@ -284,14 +382,17 @@ def main(argv=None) -> int:
               f"{flops_per_token / 1e9:.3f} GFLOP per token; MFU against {args.peak_tflops:g} TFLOP/s per device")
 
     meta = {"model": model_config.name, "dtype": args.dtype, "batch_size": args.batch_size, "seq_len": args.seq_len,
-            "warmup": args.warmup, "steps": args.steps, "devices": devices, "mesh": dict(mesh.shape),
-            "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__, "flops_per_token": flops_per_token,
+            "remat": args.remat, "warmup": args.warmup, "steps": args.steps, "devices": devices,
+            "mesh": dict(mesh.shape), "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "flops_per_token": flops_per_token,
             "flop_counting": FLOP_COUNTING, "peak_tflops_per_device": args.peak_tflops,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "python " + " ".join(sys.argv)}
     rows: list[dict] = []
 
     def record(row: dict) -> None:
-        add_rates(row, tokens_per_step, flops_per_token, devices, peak, rows[0] if rows else None)
+        add_rates(row, tokens_per_step, flops_per_token, devices, peak,
+                  [r for r in rows if r["name"] in PLAIN_NAMES.values()])
         hlo = row.pop("hlo")
         if args.hlo_dir:
             args.hlo_dir.mkdir(parents=True, exist_ok=True)
@@ -301,17 +402,27 @@ def main(argv=None) -> int:
         if args.out:
             args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
 
+    def profile_dir(name: str) -> Path | None:
+        return None if args.profile_dir is None else args.profile_dir / name.replace(" ", "_")
+
     print(header + "\n" + COLUMNS, flush=True)
-    start_params = initial_params(model_config, train_config, args.layouts[0], mesh)
-    record(plain_row(start_params, model_config, train_config, mesh, tokens, args.warmup, args.steps))
+    start_params = initial_params(model_config, train_config, (args.layouts or ["gpu_tp"])[0], mesh)
+    for parallelism in args.plain:
+        record(plain_row(parallelism, start_params, model_config, train_config, mesh, tokens, args.warmup,
+                         args.steps, profile_dir(PLAIN_NAMES[parallelism])))
     del start_params
+    variants = [(model_config, "")] + ([(model_config.replace(fuse_projections=False), " unfused")]
+                                       if args.unfused else [])
     failed = []
     for layout in args.layouts:
-        try:
-            record(layout_row(layout, model_config, train_config, mesh, tokens, args.warmup, args.steps))
-        except Exception as error:  # one layout that does not compile or run must not lose the others' figures
-            failed.append(layout)
-            print(f"{layout:<18} failed: {type(error).__name__}: {str(error).splitlines()[0][:300]}", flush=True)
+        for config, suffix in variants:
+            try:
+                record(layout_row(layout, config, train_config, mesh, tokens, args.warmup, args.steps,
+                                  profile_dir(layout + suffix), layout + suffix))
+            except Exception as error:  # one layout that does not compile or run must not lose the others' figures
+                failed.append(layout + suffix)
+                print(f"{layout + suffix:<24} failed: {type(error).__name__}: {str(error).splitlines()[0][:300]}",
+                      flush=True)
     return 1 if failed else 0
 
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+from pathlib import Path
 
 from ..analysis.format import format_bytes
+from ..analysis.profile import breakdown_table, time_breakdown
 from ..analysis.report import SCOPES, inspect_compiled
 from ..hardware.distributed import is_main_process
 from ..model.config import REMAT_POLICIES
@@ -66,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        metavar="FIELDS", help="with --resume: settings that may differ from the run's, recorded with "
                                               f"its checkpoints (some of {','.join(CHANGEABLE)})")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
+    group.add_argument("--profile", metavar="DIR",
+                       help="write a JAX profiler trace of a few steps to DIR and, on a GPU, print where a step's "
+                            "time goes (matmuls, attention, collectives, optimizer, other)")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -84,9 +90,24 @@ def run(args: argparse.Namespace) -> int:
     echo(f"{config.init or config.model} on mesh {dict(mesh.shape)} ({topology.preset.name}), layout "
          f"{config.layout}, {config.steps} steps of {config.batch_size} x {config.seq_len} tokens")
     result = train(config, mesh, resume=args.resume, allow_changes=args.allow_change,
-                   device_memory_bytes=topology.hbm_bytes, show_progress=not args.no_progress)
+                   device_memory_bytes=topology.hbm_bytes, show_progress=not args.no_progress,
+                   profile_dir=args.profile)
     print_layout_summary(inspect_compiled(result.compiled_step, mesh).to_dict(), config.layout, echo)
+    if args.profile:
+        print_time_breakdown(args.profile, result, mesh, config.layout, echo)
     return 0
+
+
+def print_time_breakdown(directory: str, result, mesh, layout_name: str, echo) -> None:
+    """The traced steps' device time by category (GPU only: a CPU trace has no device kernels), also written to
+    DIR/time_breakdown.json."""
+    if mesh.devices.flat[0].platform != "gpu":
+        echo(f"profiler trace of {result.profiled_steps} steps in {directory}; the time breakdown reads GPU kernels")
+        return
+    breakdown = time_breakdown(directory, result.profiled_steps, result.compiled_step.as_text())
+    (Path(directory) / "time_breakdown.json").write_text(json.dumps(breakdown, indent=1) + "\n")
+    echo(f"device time per step ({result.profiled_steps} steps traced in {directory}):")
+    echo(breakdown_table({layout_name: breakdown}))
 
 
 def print_layout_summary(summary: dict, layout_name: str, echo) -> None:

@@ -2,9 +2,10 @@
 
 Shape letters as in `names`. Layers are stacked on a leading `layers` axis and run with `jax.lax.scan`, so compile
 time does not grow with depth. Under `use_layout(layout, mesh)` every weight, activation and the KV cache is placed by
-the layout; outside it the same code runs unsharded. Each projection runs under `jax.named_scope` with its name (q, k,
-v, o, gate, up, down, router, logits; embed and attention for the per-device ops), so the compiled program's op names,
-and the inspector's keys, read as the model does. A mixture-of-experts model routes each token to its experts
+the layout; outside it the same code runs unsharded. Each projection runs under `jax.named_scope` with its name (qkv,
+o, gate_up, down, router, logits; embed and attention for the per-device ops; a routed mixture of experts' own gate
+and up), so the compiled program's op names, and the inspector's keys, read as the model does. In training and
+prefill q, k and v run as one GEMM and gate and up as one (`_qkv`, `_gate_up`), from weights stored apart. A mixture-of-experts model routes each token to its experts
 (`moe.routed_mlp`).
 """
 from __future__ import annotations
@@ -15,8 +16,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from ..errors import StarscreamError
+from ..hardware.axes import dim_axes
 from ..sharding.apply import (
     activation_spec,
+    active,
     constrain,
     create_sharded,
     einsum,
@@ -153,16 +156,23 @@ class Transformer(nnx.Module):
         return results if len(results) > 1 else logits_BSV
 
     def _run_layers(self, x_BSD, stacked, positions_BS, cache, cache_index):
+        """The L blocks over x [B, S, D] -> (x, (cache or None, load-balancing loss per layer [L])). The KV cache of
+        every layer travels through the loop whole, each block writing its new keys and values in place."""
         c = self.config
         positions_BS = constrain(positions_BS, ("attn_batch", "seq"), "positions")
 
-        def block(x_BSD, layer):
-            w, layer_cache = layer
-            return _block(c, x_BSD, w, positions_BS, layer_cache, cache_index)
+        def block(carry, layer):
+            x_BSD, cache = carry
+            w, index = layer
+            x_BSD, cache, balance = _block(c, x_BSD, w, positions_BS, None if cache is None else (cache, index,
+                                                                                                  cache_index))
+            return (x_BSD, cache), balance
 
         if c.remat != "none":
             block = jax.checkpoint(block, policy=CHECKPOINT_POLICIES[c.remat])
-        return jax.lax.scan(block, x_BSD, (stacked, cache))
+        (x_BSD, cache), balance_L = jax.lax.scan(block, (x_BSD, cache), (stacked, jnp.arange(c.n_layers)),
+                                                 unroll=c.scan_unroll)
+        return x_BSD, (cache, balance_L)
 
 
 def _check_cache_room(cache: dict, cache_index, new_tokens: int) -> None:
@@ -197,18 +207,16 @@ def _project(scope: str, subscripts: str, x: jax.Array, w: jax.Array, out: tuple
         return einsum(subscripts, x, w, out, scope)
 
 
-def _block(c: ModelConfig, x_BSD, w, positions_BS, layer_cache, cache_index):
-    """One pre-norm block: x + attention(norm(x)), then + mlp(norm(x)). x [B, S, D] placed by RESIDUAL. Returns
-    (x, (the layer's cache, its load-balancing loss: 0 for a dense MLP))."""
+def _block(c: ModelConfig, x_BSD, w, positions_BS, cached=None):
+    """One pre-norm block: x + attention(norm(x)), then + mlp(norm(x)). x [B, S, D] placed by RESIDUAL.
+
+    cached: None, or (cache, layer, cache_index): the KV cache of every layer ([L, B, T, K, E] each), this block's
+    layer index and the position of the first new token. The new keys and values are written into the cache in
+    place (`write_cache`) and attention reads this layer's part. Returns (x, cache or None, the layer's
+    load-balancing loss: 0 for a dense MLP)."""
     dtype = jnp.dtype(c.dtype)
     h_BSD = rms_norm(x_BSD, w["attn_norm"], c.norm_eps)
-    wq_DHE = _used("q", w, "wq", ("embed", "heads", "head_dim"), dtype)
-    wk_DKE = _used("k", w, "wk", ("embed", "kv_heads", "head_dim"), dtype)
-    wv_DKE = _used("v", w, "wv", ("embed", "kv_heads", "head_dim"), dtype)
-    h_BSD = shared_input(h_BSD, [wq_DHE, wk_DKE, wv_DKE])
-    q_BSHE = _project("q", "bsd,dhe->bshe", h_BSD, wq_DHE, ATTN_Q)
-    k_BSKE = _project("k", "bsd,dke->bske", h_BSD, wk_DKE, ATTN_KV)
-    v_BSKE = _project("v", "bsd,dke->bske", h_BSD, wv_DKE, ATTN_KV)
+    q_BSHE, k_BSKE, v_BSKE = _qkv(c, h_BSD, w)
     if c.qkv_bias:
         q_BSHE, k_BSKE, v_BSKE = (_add_bias(x, w[key], names) for x, key, names in (
             (q_BSHE, "bq", ("heads", "head_dim")), (k_BSKE, "bk", ("kv_heads", "head_dim")),
@@ -217,8 +225,13 @@ def _block(c: ModelConfig, x_BSD, w, positions_BS, layer_cache, cache_index):
         q_BSHE, k_BSKE = rms_norm(q_BSHE, w["q_norm"], c.norm_eps), rms_norm(k_BSKE, w["k_norm"], c.norm_eps)
     inv_freq = rope_frequencies(c)
     q_BSHE, k_BSKE = rope(q_BSHE, positions_BS, inv_freq), rope(k_BSKE, positions_BS, inv_freq)
+    cache = layer_cache = None
+    if cached is not None:
+        cache, layer, cache_index = cached
+        cache = write_cache(cache, layer, cache_index, k_BSKE, v_BSKE)
+        layer_cache = {name: cache[name][layer] for name in ("k", "v")}
     with jax.named_scope("attention"):
-        attended_BSHE, layer_cache = attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, layer_cache, cache_index)
+        attended_BSHE = attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, layer_cache)
         attended_BSHE = constrain(attended_BSHE, ("batch", "seq", "heads", "head_dim"), "attention output")
     wo_HED = _used("o", w, "wo", ("heads", "head_dim", "embed"), dtype)
     x_BSD = x_BSD + _project("o", "bshe,hed->bsd", attended_BSHE, wo_HED, RESIDUAL)
@@ -227,7 +240,7 @@ def _block(c: ModelConfig, x_BSD, w, positions_BS, layer_cache, cache_index):
         mlp_BSD, balance = routed_mlp(c, h_BSD, w)
     else:
         mlp_BSD, balance = _dense_mlp(c, h_BSD, w), jnp.zeros((), jnp.float32)
-    return x_BSD + mlp_BSD, (layer_cache, balance)
+    return x_BSD + mlp_BSD, cache, balance
 
 
 def _add_bias(x_BSNE, bias_NE, names: tuple[str, ...]):
@@ -236,14 +249,88 @@ def _add_bias(x_BSNE, bias_NE, names: tuple[str, ...]):
     return x_BSNE + scale(jnp.ones_like(x_BSNE), bias_NE.astype(x_BSNE.dtype), names, "bias")
 
 
+def write_cache(cache: dict, layer, index, k_BSKE: jax.Array, v_BSKE: jax.Array) -> dict:
+    """The KV cache {"k", "v"} ([L, B, T, K, E] each) with the S new keys and values of `layer` written at positions
+    index .. index + S - 1: a dynamic-update-slice of S positions, which XLA runs in place on a donated cache."""
+    def write(full_LBTKE, new_BSKE):
+        # both placed by KV_CACHE's rules (no-ops inside the model, where they already are)
+        new_1BSKE = constrain(new_BSKE[None].astype(full_LBTKE.dtype), KV_CACHE, "new keys and values")
+        return jax.lax.dynamic_update_slice(constrain(full_LBTKE, KV_CACHE, "kv cache"), new_1BSKE,
+                                            (layer, 0, index, 0, 0))
+
+    return {"k": write(cache["k"], k_BSKE), "v": write(cache["v"], v_BSKE)}
+
+
+def _fuses(c: ModelConfig, h_BSD: jax.Array) -> bool:
+    """Whether projections sharing the input h [B, S, D] run as one GEMM: with `c.fuse_projections`, where each
+    sequence brings more than one position (training, prefill: compute-bound GEMMs). Decode (one position) is bound
+    by reading the weights, and stacking them would copy them every step (read, write, read again), so it runs the
+    stored weights in separate GEMMs."""
+    return c.fuse_projections and h_BSD.shape[1] > 1
+
+
+def _same_split(stored: list[jax.Array], dimension: int) -> bool:
+    """Whether the stored weights `stored` split dimension `dimension` over the same mesh axes (always, unsharded)."""
+    if active() is None:
+        return True
+    return len({dim_axes(jax.typeof(value).sharding.spec, dimension) for value in stored}) == 1
+
+
+def _qkv(c: ModelConfig, h_BSD, w):
+    """Queries [B, S, H, E] (placed by ATTN_Q), keys and values [B, S, K, E] (ATTN_KV) of the normed residual h.
+
+    Fused (`_fuses`: training and prefill): the stored q, k and v weights are stacked by kv head into
+    [D, K, G + 2, E] (each kv head's G query heads, then its key, then its value), used (cast, gathered) as one
+    weight and multiplied in one GEMM. Stacking by kv head keeps the stack local wherever a layout splits query
+    heads and kv heads over the same mesh axes (every layout except flat_tp with fewer kv heads than devices, which
+    copies kv heads); there, and when not fused (decode), three GEMMs run. Either way under the named scope "qkv"."""
+    dtype = jnp.dtype(c.dtype)
+    D, H, E, K = c.d_model, c.n_heads, c.head_dim, c.n_kv_heads
+    G = H // K
+    if not (_fuses(c, h_BSD) and _same_split([w["wq"], w["wk"], w["wv"]], 1)):
+        wq_DHE = _used("qkv", w, "wq", ("embed", "heads", "head_dim"), dtype)
+        wk_DKE = _used("qkv", w, "wk", ("embed", "kv_heads", "head_dim"), dtype)
+        wv_DKE = _used("qkv", w, "wv", ("embed", "kv_heads", "head_dim"), dtype)
+        h_BSD = shared_input(h_BSD, [wq_DHE, wk_DKE, wv_DKE])
+        return (_project("qkv", "bsd,dhe->bshe", h_BSD, wq_DHE, ATTN_Q),
+                _project("qkv", "bsd,dke->bske", h_BSD, wk_DKE, ATTN_KV),
+                _project("qkv", "bsd,dke->bske", h_BSD, wv_DKE, ATTN_KV))
+    with jax.named_scope("qkv"):
+        stacked_DKCE = jnp.concatenate([w["wq"].reshape(D, K, G, E), w["wk"][:, :, None], w["wv"][:, :, None]], axis=2)
+        w_DKCE = weight(stacked_DKCE, ("embed", "kv_heads", None, "head_dim"), dtype, "wq|wk|wv")
+        h_BSD = shared_input(h_BSD, [w_DKCE])
+        qkv_BSKCE = einsum("bsd,dkce->bskce", h_BSD, w_DKCE, (*ATTN_KV[:3], None, ATTN_KV[3]), "qkv")
+    B, S = h_BSD.shape[:2]
+    q_BSHE = constrain(qkv_BSKCE[:, :, :, :G].reshape(B, S, H, E), ATTN_Q, "queries")
+    return q_BSHE, qkv_BSKCE[:, :, :, G], qkv_BSKCE[:, :, :, G + 1]
+
+
+def _gate_up(c: ModelConfig, h_BSD, w):
+    """The SwiGLU gate and up projections of h [B, S, D]: [B, S, F] each, over `mlp`.
+
+    Fused (`_fuses`: training and prefill): the stored gate and up weights [D, F] are stacked on a new axis right
+    after `embed` ([D, 2, F]), which no layout splits, so the stack is local; it is used (cast, gathered) as one
+    weight in one GEMM. Otherwise two GEMMs. Either way under the named scope "gate_up". (A routed mixture of
+    experts runs its own grouped gate and up matmuls, `moe.routed_mlp`.)"""
+    dtype = jnp.dtype(c.dtype)
+    names, out = ("embed", "mlp"), ("batch", "seq", "mlp")
+    if not _fuses(c, h_BSD):
+        w_gate, w_up = _used("gate_up", w, "w_gate", names, dtype), _used("gate_up", w, "w_up", names, dtype)
+        h_BSD = shared_input(h_BSD, [w_gate, w_up])
+        return (_project("gate_up", "bsd,df->bsf", h_BSD, w_gate, out),
+                _project("gate_up", "bsd,df->bsf", h_BSD, w_up, out))
+    with jax.named_scope("gate_up"):
+        stacked_DTF = jnp.stack([w["w_gate"], w["w_up"]], axis=1)
+        used_DTF = weight(stacked_DTF, ("embed", None, "mlp"), dtype, "w_gate|w_up")
+        h_BSD = shared_input(h_BSD, [used_DTF])
+        both_BSTF = einsum("bsd,dtf->bstf", h_BSD, used_DTF, ("batch", "seq", None, "mlp"), "gate_up")
+    return both_BSTF[:, :, 0], both_BSTF[:, :, 1]
+
+
 def _dense_mlp(c: ModelConfig, h_BSD, w):
     """SwiGLU: down(silu(h @ gate) * (h @ up)), [B, S, D] -> [B, S, D] with the hidden [B, S, F] over `mlp`."""
     dtype = jnp.dtype(c.dtype)
-    w_gate_DF = _used("gate", w, "w_gate", ("embed", "mlp"), dtype)
-    w_up_DF = _used("up", w, "w_up", ("embed", "mlp"), dtype)
-    h_BSD = shared_input(h_BSD, [w_gate_DF, w_up_DF])
-    gate_BSF = _project("gate", "bsd,df->bsf", h_BSD, w_gate_DF, ("batch", "seq", "mlp"))
-    up_BSF = _project("up", "bsd,df->bsf", h_BSD, w_up_DF, ("batch", "seq", "mlp"))
+    gate_BSF, up_BSF = _gate_up(c, h_BSD, w)
     w_down_FD = _used("down", w, "w_down", ("mlp", "embed"), dtype)
     return _project("down", "bsf,fd->bsd", jax.nn.silu(gate_BSF) * up_BSF, w_down_FD, RESIDUAL)
 

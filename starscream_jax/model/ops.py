@@ -93,15 +93,15 @@ def _sequence_split_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, seq_axes: tu
     return jax.nn.dot_product_attention(q_BSHE, keys, values, mask=mask)
 
 
-def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, cache_index=0):
+def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None):
     """Causal grouped-query attention through `jax.nn.dot_product_attention` (cuDNN's fused kernel on NVIDIA GPUs
-    for training and prefill; the cached path, with its explicit mask, uses XLA's).
+    for training and prefill; the cached path, with its explicit mask, uses XLA's). Returns out [B, S, H, E].
 
-    Without a cache: keys are the S new positions. With a cache {"k", "v"} of [B, T, K, E] (one layer), the new keys
-    are written at `cache_index` and queries attend to every cached position <= their own. Returns
-    (out [B, S, H, E], updated cache or None). Placement: ATTN_Q / ATTN_KV names; the cache uses ATTN_KV's. A layout
-    that splits `seq` runs context-parallel attention without a cache (`_sequence_split_attention`) and is refused
-    with one.
+    Without a cache: keys are the S new positions. With a cache {"k", "v"} of [B, T, K, E] (one layer) that already
+    holds the new keys and values at their positions (the model writes them into its cache of every layer in place,
+    `decoder.write_cache`), queries attend to every cached position <= their own, and k / v are not read.
+    Placement: ATTN_Q / ATTN_KV names; the cache uses ATTN_KV's. A layout that splits `seq` runs context-parallel
+    attention without a cache (`_sequence_split_attention`) and is refused with one.
     """
     n_heads, n_kv = q_BSHE.shape[2], k_BSKE.shape[2]
     group = n_heads // n_kv
@@ -115,15 +115,12 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, c
             if seq_axes:
                 return _sequence_split_attention(q, k_sel, v_sel, pos, seq_axes)
             return _causal_attention(q, k_sel, v_sel)
-        cache_k, cache_v, index = rest
-        cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), index, axis=1)
-        cache_v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), index, axis=1)
+        cache_k, cache_v = rest
         k_sel = _kv_heads_for_local_queries(cache_k, q.shape[2], group, q_axes, kv_axes)
         v_sel = _kv_heads_for_local_queries(cache_v, q.shape[2], group, q_axes, kv_axes)
         key_positions = jnp.arange(cache_k.shape[1])
         mask = key_positions[None, None, None, :] <= pos[:, None, :, None]
-        out = jax.nn.dot_product_attention(q, k_sel.astype(q.dtype), v_sel.astype(q.dtype), mask=mask)
-        return out, cache_k, cache_v
+        return jax.nn.dot_product_attention(q, k_sel.astype(q.dtype), v_sel.astype(q.dtype), mask=mask)
 
     if current is not None:
         q_spec = activation_spec(ATTN_Q, q_BSHE.shape)
@@ -135,13 +132,9 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, c
                 f"cache (prefill, decode) does not support; generate under a layout whose 'seq' rule is None")
     args = [q_BSHE, k_BSKE, v_BSKE, positions_BS]
     names = [ATTN_Q, ATTN_KV, ATTN_KV, POSITIONS]
-    if cache is None:
-        return _run_sharded(local, args, names, [(ATTN_Q, q_BSHE.shape)], "attention"), None
-    index = jnp.asarray(cache_index, jnp.int32)
-    cache_out = (ATTN_KV, cache["k"].shape)
-    out, cache_k, cache_v = _run_sharded(local, [*args, cache["k"], cache["v"], index], [*names, ATTN_KV, ATTN_KV, None],
-                                         [(ATTN_Q, q_BSHE.shape), cache_out, cache_out], "attention")
-    return out, {"k": cache_k, "v": cache_v}
+    if cache is not None:
+        args, names = [*args, cache["k"], cache["v"]], [*names, ATTN_KV, ATTN_KV]
+    return _run_sharded(local, args, names, [(ATTN_Q, q_BSHE.shape)], "attention")
 
 
 def embed_lookup(table_VD, tokens_BS, out: LogicalNames):

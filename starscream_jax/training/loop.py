@@ -66,6 +66,7 @@ class TrainResult:
     opt_state: object
     unigram_entropy_nats: float
     compiled_step: object
+    profiled_steps: int = 0
 
 
 def initial_state(config: TrainConfig, model_config, layout, mesh):
@@ -191,8 +192,13 @@ class LossLog:
         self._interval_start = time.perf_counter()
 
 
+PROFILED_STEPS = 3
+"""Steps a profiled run traces, from its second step on (the first may still wait on autotuning and transfers)."""
+
+
 def train(config: TrainConfig, mesh, *, resume: bool = False, allow_changes=(), stop_at_step: int | None = None,
-          device_memory_bytes: float | None = None, show_progress: bool = True, echo=print) -> TrainResult:
+          device_memory_bytes: float | None = None, show_progress: bool = True, echo=print,
+          profile_dir: str | Path | None = None) -> TrainResult:
     """Train on `mesh` as `config` says; every process of a multi-process run calls this together.
 
     resume: continue from the newest intact checkpoint in `run_dir/checkpoints` (start fresh when there is none);
@@ -201,6 +207,8 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, allow_changes=(), 
     still spans `config.steps`. device_memory_bytes: refuse, before allocating, a step that needs more per device.
     Process 0 alone prints, writes metrics and plots, and holds the run directory's lock. A non-finite loss or
     Ctrl-C raises `RunStopped` once the checkpoints are safe (none holds non-finite weights).
+    profile_dir: write a JAX profiler trace (perfetto_trace.json.gz, for `analysis.profile.time_breakdown`) of up to
+    PROFILED_STEPS steps there, from the run's second step on.
     """
     main_process = is_main_process()
     say = echo if main_process else (lambda *_: None)
@@ -229,11 +237,13 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, allow_changes=(), 
         token_sharding = batch_sharding(layout, mesh, config.batch_size)
         program = compile_train_step(config, model_config, layout, mesh, token_sharding, device_memory_bytes)
         graphdef, params, rest, _, opt_state = initial_state(config, model_config, layout, mesh)
-        opt_state = jax.device_put(opt_state, program.opt_state_shardings)
+        params, opt_state, rest = program.adopt(params, opt_state, rest)
         start_step, changes = 0, []
         if resume:
             start_step, params, opt_state, changes = resumed_state(store, config, model_config, params, opt_state,
                                                                    allow_changes, say)
+            params, opt_state, rest = program.adopt(params, opt_state, rest)
+        profiled = range(start_step + 2, min(start_step + 2 + PROFILED_STEPS, last_step + 1) if profile_dir else 0)
         evaluate_batch = eval_step(graphdef)
 
         balance_batch = load_balance_step(graphdef) if model_config.load_balance_weight else None
@@ -268,7 +278,13 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, allow_changes=(), 
             while step < last_step and not stop.requested:
                 step += 1
                 tokens = train_batches.global_batch(step - 1, token_sharding)
+                if profiled and step == profiled.start:
+                    jax.block_until_ready(params)
+                    jax.profiler.start_trace(str(profile_dir), create_perfetto_trace=True)
                 params, opt_state, loss = program.compiled(params, opt_state, rest, tokens)
+                if profiled and step == profiled[-1]:
+                    jax.block_until_ready((params, loss))
+                    jax.profiler.stop_trace()
                 log.add(step, loss)
                 due_to_save = store.should_save(step)
                 if due_to_save or step % config.log_every == 0 or step == last_step:
@@ -287,7 +303,8 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, allow_changes=(), 
         raise RunStopped(f"interrupted at step {step} (checkpoint saved); rerun with --resume to continue", 130)
     if log.losses:
         report_run(config, log.losses, unigram_nats, store.directory, say)
-    return TrainResult(log.losses, log.eval_losses, params, opt_state, unigram_nats, program.compiled)
+    return TrainResult(log.losses, log.eval_losses, params, opt_state, unigram_nats, program.compiled,
+                       len(profiled))
 
 
 def resumed_state(store: CheckpointStore, config: TrainConfig, model_config, params, opt_state, allow_changes,
@@ -325,6 +342,15 @@ def resume_advice(saved_step: int) -> str:
             "(--allow-change learning_rate)")
 
 
+def as_compiled(tree, like):
+    """`tree`'s arrays, placed as the abstract arrays of `like` (the same arrays in the same order) and in its tree
+    structure."""
+    targets, treedef = jax.tree.flatten(like)
+    return jax.tree.unflatten(treedef, [leaf if getattr(target, "sharding", None) is None
+                                        else jax.device_put(leaf, target.sharding)
+                                        for leaf, target in zip(jax.tree.leaves(tree), targets, strict=True)])
+
+
 @jax.jit
 def all_finite(tree) -> jax.Array:
     """Whether every element of every array of `tree` is finite (a boolean scalar)."""
@@ -333,10 +359,16 @@ def all_finite(tree) -> jax.Array:
 
 @dataclass
 class TrainProgram:
-    """The training step compiled for the run's shapes and shardings, and where it wants the optimizer state."""
+    """The training step compiled for the run's shapes and shardings, and the abstract (params, opt_state, rest) it
+    was compiled for (jax.ShapeDtypeStruct placed as the step wants them)."""
 
     compiled: object
-    opt_state_shardings: object
+    arguments: tuple
+
+    def adopt(self, params, opt_state, rest) -> tuple:
+        """The run's state in the exact tree structure and placement the step was compiled for (a model created
+        sharded, loaded from a checkpoint or restored marks its variables' metadata apart from an abstract one)."""
+        return tuple(as_compiled(tree, like) for tree, like in zip((params, opt_state, rest), self.arguments))
 
 
 def compile_train_step(config: TrainConfig, model_config, layout, mesh, token_sharding,
@@ -352,7 +384,7 @@ def compile_train_step(config: TrainConfig, model_config, layout, mesh, token_sh
         jax.eval_shape(optimizer.init, params))
     tokens = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32, sharding=token_sharding)
     compiled = train_step(graphdef, optimizer, config.grad_accum).lower(params, opt_state, rest, tokens).compile()
-    program = TrainProgram(compiled, jax.tree.map(lambda leaf: leaf.sharding, opt_state))
+    program = TrainProgram(compiled, (params, opt_state, rest))
     needed = step_bytes_per_device(compiled)
     if device_memory_bytes is not None and needed is not None and needed > device_memory_bytes:
         raise StarscreamError(f"the training step needs {needed / 2**30:.2f} GiB per device, more than the "

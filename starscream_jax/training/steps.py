@@ -60,8 +60,9 @@ def train_step(graphdef, optimizer: optax.GradientTransformation, grad_accum: in
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, opt_state, rest, tokens_BS):
         loss, grads = accumulated_gradients(params, rest, tokens_BS, graphdef, grad_accum)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        with jax.named_scope("optimizer"):
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
 
     return step
 

@@ -8,6 +8,7 @@ import pytest
 
 from starscream_jax.errors import ShardingRuleError
 from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.model.decoder import write_cache
 from starscream_jax.model.ops import attention, cross_entropy, embed_lookup
 from starscream_jax.sharding.apply import use_layout, weight
 from starscream_jax.sharding.layouts import get_layout
@@ -28,7 +29,15 @@ def positions(seq: int = S, start: int = 0):
 
 
 def empty_cache(length: int = S, kv_heads: int = K):
-    return {"k": jnp.zeros((B, length, kv_heads, E)), "v": jnp.zeros((B, length, kv_heads, E))}
+    """A one-layer model's KV cache, [1, B, T, K, E] each."""
+    return {"k": jnp.zeros((1, B, length, kv_heads, E)), "v": jnp.zeros((1, B, length, kv_heads, E))}
+
+
+def through_cache(q, k, v, positions_BS, cache, index):
+    """(attention of the new queries through the cache, the cache) after writing the new keys and values at
+    `index`, as the model's layers do."""
+    cache = write_cache(cache, 0, index, k, v)
+    return attention(q, k, v, positions_BS, {name: cache[name][0] for name in cache}), cache
 
 
 def grouped_attention_by_hand(q, k, v):
@@ -42,19 +51,18 @@ def grouped_attention_by_hand(q, k, v):
 
 def test_unsharded_attention_is_grouped_query_causal_attention():
     q, k, v = qkv()
-    out, cache = attention(q, k, v, positions())
-    assert cache is None
+    out = attention(q, k, v, positions())
     np.testing.assert_allclose(out, grouped_attention_by_hand(q, k, v), atol=1e-5)
 
 
 def test_prefill_in_two_chunks_through_the_cache_equals_one_pass():
     q, k, v = qkv()
-    full, _ = attention(q, k, v, positions())
-    first, cache = attention(q[:, :5], k[:, :5], v[:, :5], positions(5), empty_cache(), 0)
-    second, cache = attention(q[:, 5:], k[:, 5:], v[:, 5:], positions(3, start=5), cache, 5)
+    full = attention(q, k, v, positions())
+    first, cache = through_cache(q[:, :5], k[:, :5], v[:, :5], positions(5), empty_cache(), 0)
+    second, cache = through_cache(q[:, 5:], k[:, 5:], v[:, 5:], positions(3, start=5), cache, 5)
     np.testing.assert_allclose(jnp.concatenate([first, second], axis=1), full, atol=1e-5)
-    np.testing.assert_array_equal(cache["k"], k)
-    np.testing.assert_array_equal(cache["v"], v)
+    np.testing.assert_array_equal(cache["k"][0], k)
+    np.testing.assert_array_equal(cache["v"][0], v)
 
 
 def sharded(layout, mesh, function, *args):
@@ -71,18 +79,18 @@ def sharded(layout, mesh, function, *args):
 ])
 def test_sharded_attention_with_and_without_cache_equals_unsharded(layout, topology):
     q, k, v = qkv()
-    expected, _ = attention(q, k, v, positions())
+    expected = attention(q, k, v, positions())
     mesh = build_mesh(topology)
-    out = sharded(layout, mesh, lambda q, k, v: attention(q, k, v, positions())[0], q, k, v)
+    out = sharded(layout, mesh, lambda q, k, v: attention(q, k, v, positions()), q, k, v)
     np.testing.assert_allclose(out, expected, atol=FP32_TOLERANCE)
 
     def last_token_through_cache(q, k, v, cache):
-        _, cache = attention(q[:, :-1], k[:, :-1], v[:, :-1], positions(S - 1), cache, 0)
-        return attention(q[:, -1:], k[:, -1:], v[:, -1:], positions(1, start=S - 1), cache, S - 1)
+        _, cache = through_cache(q[:, :-1], k[:, :-1], v[:, :-1], positions(S - 1), cache, 0)
+        return through_cache(q[:, -1:], k[:, -1:], v[:, -1:], positions(1, start=S - 1), cache, S - 1)
 
     last, cache = sharded(layout, mesh, last_token_through_cache, q, k, v, empty_cache())
     np.testing.assert_allclose(last, expected[:, -1:], atol=FP32_TOLERANCE)
-    np.testing.assert_array_equal(cache["k"], k)
+    np.testing.assert_array_equal(cache["k"][0], k)
 
 
 SEQUENCE_SPLIT = "starscream_cp"
@@ -95,7 +103,7 @@ def test_attention_over_a_split_sequence_and_its_gradient_equal_unsharded():
     weights = jax.random.normal(jax.random.key(1), (B, S, H, E))
 
     def loss(q, k, v):
-        return jnp.sum(attention(q, k, v, positions())[0] * weights)
+        return jnp.sum(attention(q, k, v, positions()) * weights)
 
     expected = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
     got = sharded(SEQUENCE_SPLIT, build_mesh("2x4"), jax.value_and_grad(loss, argnums=(0, 1, 2)), q, k, v)
@@ -108,21 +116,21 @@ def test_attention_with_a_cache_over_a_split_sequence_is_refused():
     refusal = r"layout starscream_cp splits the sequence over \('xcd',\), which attention with a KV cache"
     with pytest.raises(ShardingRuleError, match=refusal):
         sharded(SEQUENCE_SPLIT, build_mesh("2x4"),
-                lambda q, k, v, cache: attention(q, k, v, positions(), cache, 0), q, k, v, empty_cache())
+                lambda q, k, v, cache: through_cache(q, k, v, positions(), cache, 0), q, k, v, empty_cache())
 
 
 def test_query_heads_that_split_a_kv_group_unevenly_are_refused():
     q, k, v = qkv(heads=6, kv_heads=2)
     with pytest.raises(ShardingRuleError, match="6 query heads over 3 devices gives 2 per device, which splits groups "
                                                 "of 3 query heads per kv head unevenly"):
-        sharded("gpu_tp", build_mesh("3x1"), lambda q, k, v: attention(q, k, v, positions())[0], q, k, v)
+        sharded("gpu_tp", build_mesh("3x1"), lambda q, k, v: attention(q, k, v, positions()), q, k, v)
 
 
 def test_kv_heads_on_axes_the_query_heads_do_not_lead_with_are_refused():
     layout = get_layout("gpu_tp").with_rules(activations={"kv_heads": "xcd"})
     q, k, v = qkv(kv_heads=4)
     with pytest.raises(ShardingRuleError, match=r"kv heads sharded over \('xcd',\) but query heads over \('gpu',\)"):
-        sharded(layout, build_mesh("2x4"), lambda q, k, v: attention(q, k, v, positions())[0], q, k, v)
+        sharded(layout, build_mesh("2x4"), lambda q, k, v: attention(q, k, v, positions()), q, k, v)
 
 
 def table_and_tokens():

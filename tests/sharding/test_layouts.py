@@ -232,13 +232,15 @@ def test_starscream_decode_on_many_tokens_copies_the_mlp_hidden_over_xcd(mesh_na
     """Why starscream_decode is for decode only: its weights never move, so the activations do, and those that
     enter a matmul whose weight splits its embed side over xcd (the MLP hidden [B, S, F] into w_down, the attention
     output [B, S, H, E] into wo) are whole on each partition of a GPU. At one token per sequence that is a few hundred
-    KiB; over a training batch it is the largest tensor."""
+    KiB; over a training batch it is the largest tensor. The fused gate/up GEMM's output [B, S, 2, F] is the MLP
+    hidden before its activation, and is whole likewise, as is the gradient of each half ([B, S, 1, F])."""
     report = structure_report("starscream_decode", mesh_name, "train")
     verdict = check_principles(report, None, large_bytes=1 << 20)
     assert verdict["hierarchical_collectives"]["ok"], verdict["hierarchical_collectives"]["violations"]
     copied = [entry for entry in report.activations if entry.replication_xcd > 1 and entry.shard_bytes > 1 << 20]
     config = structure_config()
-    allowed_shapes = ([BATCH, SEQ - 1, config.d_ff], [BATCH, SEQ - 1, config.n_heads, config.head_dim])
+    allowed_shapes = ([BATCH, SEQ - 1, config.d_ff], [BATCH, SEQ - 1, config.n_heads, config.head_dim],
+                      [BATCH, SEQ - 1, 2, config.d_ff], [BATCH, SEQ - 1, 1, config.d_ff])
     assert any(entry.shape == allowed_shapes[0] for entry in copied)
     assert all(entry.shape in allowed_shapes for entry in copied)
     assert len(verdict["no_redundancy"]["violations"]) == len(copied)

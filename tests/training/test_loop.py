@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from starscream_jax.analysis.profile import latest_trace
 from starscream_jax.cli import main as cli
 from starscream_jax.errors import CheckpointError, RunStopped, StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
@@ -80,6 +81,14 @@ def test_rematerialized_run_follows_the_kept_activations_run(runs, tmp_path, mes
                                rtol=1e-5)
     _, description = restore_model(tmp_path / "remat" / "checkpoints", "starscream_tp", mesh_2x4)
     assert description["model_config"]["remat"] == "full"
+
+
+def test_profiled_run_traces_three_steps_and_trains_the_same(runs, tmp_path, mesh_2x4):
+    _, whole, _ = runs
+    profiled = quiet_train(small_run(tmp_path, "profiled"), mesh_2x4, profile_dir=tmp_path / "trace")
+    assert profiled.losses == whole.losses
+    assert profiled.profiled_steps == 3
+    assert latest_trace(tmp_path / "trace").stat().st_size > 0
 
 
 def test_checkpoint_moves_to_another_mesh_and_layout_bit_identical(runs):

@@ -1,0 +1,182 @@
+"""Decode speed against the memory-bandwidth limit: the library's decode step (training.steps.decode_step) timed at
+several batch sizes against a full KV cache, with the fraction of HBM bandwidth it uses.
+
+One decode step reads every weight once (bfloat16, as served; the embedding table only for the B rows it looks up,
+unless it is tied to the head) and the whole KV cache (keys and values of every layer, [L, B, T, K, E] each,
+bfloat16): bytes per step = those bytes, a floor on what the step must move. Bandwidth used = bytes per step / step
+time; its fraction of the device's bandwidth is reported against the datasheet figure (H200: 4.8 TB/s) and against a
+device-to-device copy measured in the same run (bytes read + written / time). tokens/s = batch / step time.
+
+The cache is filled with random values (never zeros) and the step decodes at its last position, so attention covers
+every cached position. Each step is compiled first, warmed up, then timed over `--steps` back-to-back steps (the
+cache donated from each step to the next, the clock stopped once the last token is on hand).
+
+    CUDA_VISIBLE_DEVICES=0 python scripts/bench_decode.py --model llama3-8b --batches 1 64 --cache 4096 --out d.json
+    python scripts/bench_decode.py --quick                          # CPU smoke run (tiny model)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+H200_HBM_BYTES_PER_S = 4.8e12
+
+
+def copy_bandwidth(gigabytes: float, repeats: int = 10) -> float:
+    """Bytes per second of an elementwise pass over a random bfloat16 array of `gigabytes` (bytes read + written)."""
+    import jax
+    import jax.numpy as jnp
+
+    elements = int(gigabytes * 2**30) // 2
+    x = jax.random.normal(jax.random.key(0), (elements,), jnp.bfloat16)
+    step = jax.jit(lambda x: x + 1)
+    jax.block_until_ready(step(x))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(step(x))
+        times.append(time.perf_counter() - start)
+    return 2 * x.nbytes / sorted(times)[len(times) // 2]
+
+
+def bytes_read_per_step(params, config, batch: int, cache_length: int) -> dict:
+    """{"weights", "kv_cache"}: bytes one decode step must read (see the module docstring)."""
+    import jax
+
+    from starscream_jax.sharding.apply import LOGICAL_AXES
+
+    weights = 0
+    for variable in jax.tree.leaves(params, is_leaf=lambda node: hasattr(node, "get_metadata")):
+        value = variable.get_value()
+        names = variable.get_metadata(LOGICAL_AXES)
+        if names == ("vocab", "embed") and not config.tie_embeddings:
+            weights += batch * value.shape[1] * value.dtype.itemsize  # only the looked-up rows
+        else:
+            weights += value.nbytes
+    cache = 2 * config.n_layers * batch * cache_length * config.n_kv_heads * config.head_dim * 2
+    return {"weights": weights, "kv_cache": cache}
+
+
+def run_batch(graphdef, params, rest, config, layout: str, mesh, batch: int, cache_length: int, warmup: int,
+              steps: int, profile_dir: Path | None = None) -> dict:
+    """Compile and time the decode step at one batch size; bytes, bandwidth and tokens/s (with `profile_dir`, the
+    device time of 5 more steps by category, `analysis.profile.time_breakdown`)."""
+    import jax
+    import jax.numpy as jnp
+
+    from starscream_jax.model.decoder import cache_shardings
+    from starscream_jax.sharding.apply import token_sharding, use_layout
+    from starscream_jax.training.steps import Sampling, decode_step
+
+    shardings = cache_shardings(config, batch, cache_length, layout, mesh)
+    shape = (config.n_layers, batch, cache_length, config.n_kv_heads, config.head_dim)
+    fill = jax.jit(lambda key: jax.random.normal(key, shape, jnp.bfloat16), out_shardings=shardings["k"])
+    cache = {"k": fill(jax.random.key(1)), "v": fill(jax.random.key(2))}
+    token_B = jax.device_put(jax.random.randint(jax.random.key(3), (batch,), 0, config.vocab_size, jnp.int32),
+                             token_sharding(layout, mesh, batch))
+    position = jnp.asarray(cache_length - 1, jnp.int32)
+    with use_layout(layout, mesh):
+        start = time.perf_counter()
+        compiled = decode_step(graphdef, Sampling()).lower(params, rest, cache, token_B, position).compile()
+        compile_s = time.perf_counter() - start
+    for index in range(warmup + steps):
+        if index == warmup:
+            jax.block_until_ready((token_B, cache))
+            start = time.perf_counter()
+        token_B, cache = compiled(params, rest, cache, token_B, position)
+    jax.block_until_ready(token_B)
+    step_s = (time.perf_counter() - start) / steps
+    breakdown = None
+    if profile_dir is not None:
+        from starscream_jax.analysis.profile import time_breakdown
+
+        jax.profiler.start_trace(str(profile_dir / f"batch{batch}"), create_perfetto_trace=True)
+        for _ in range(5):
+            token_B, cache = compiled(params, rest, cache, token_B, position)
+        jax.block_until_ready(token_B)
+        jax.profiler.stop_trace()
+        breakdown = time_breakdown(profile_dir / f"batch{batch}", 5, compiled.as_text())
+    read = bytes_read_per_step(params, config, batch, cache_length)
+    total = read["weights"] + read["kv_cache"]
+    memory = compiled.memory_analysis()
+    return {"batch": batch, "cache_length": cache_length, "compile_s": compile_s, "step_s": step_s,
+            "tokens_per_s": batch / step_s, "bytes_per_step": read, "bandwidth_bytes_per_s": total / step_s,
+            "temp_bytes": None if memory is None else int(memory.temp_size_in_bytes), "time_breakdown": breakdown}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama3-8b", help="model configuration in models/ (or a path)")
+    parser.add_argument("--layout", default="starscream_decode", help="layout the decode step runs under")
+    parser.add_argument("--gpus", type=int, default=1, help="devices to use")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64], help="sequences decoded per step")
+    parser.add_argument("--cache", type=int, default=4096, help="KV cache length (positions)")
+    parser.add_argument("--warmup", type=int, default=5, help="steps after compiling, before the clock starts")
+    parser.add_argument("--steps", type=int, default=50, help="timed steps")
+    parser.add_argument("--peak-bandwidth", type=float, default=H200_HBM_BYTES_PER_S,
+                        help="device bandwidth in bytes/s (default: the H200 datasheet's 4.8e12)")
+    parser.add_argument("--copy-gigabytes", type=float, default=4.0, help="size of the measured copy")
+    parser.add_argument("--unroll", type=int, default=1,
+                        help="layers per iteration of the layer loop (ModelConfig.scan_unroll; the layer count: all)")
+    parser.add_argument("--profile-dir", type=Path,
+                        help="trace 5 more steps of each batch here and record their device time by category")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, cache 64, few steps")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.model, args.cache, args.batches, args.warmup, args.steps, args.copy_gigabytes = \
+            "tiny", 64, [1, 4], 1, 2, 0.01
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from starscream_jax.hardware.mesh import build_mesh
+    from starscream_jax.model.config import load_model_config
+    from starscream_jax.model.decoder import create_sharded_model
+    from starscream_jax.sharding.apply import use_layout
+
+    mesh = build_mesh(gpus=args.gpus)
+    config = load_model_config(args.model, dtype="bfloat16", scan_unroll=args.unroll)
+    with use_layout(args.layout, mesh):
+        graphdef, params, rest = nnx.split(create_sharded_model(config, args.layout, mesh), nnx.Param, ...)
+    params = jax.tree.map(lambda value: value.astype(jnp.bfloat16), params)  # served weights: bfloat16
+    copy = copy_bandwidth(args.copy_gigabytes)
+    devices = mesh.devices.size
+    meta = {"model": config.name, "layout": args.layout, "scan_unroll": args.unroll, "mesh": dict(mesh.shape), "devices": devices,
+            "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "peak_bandwidth_bytes_per_s": args.peak_bandwidth,
+            "copy_bandwidth_bytes_per_s": copy, "warmup": args.warmup, "steps": args.steps,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "python " + " ".join(sys.argv)}
+    print(f"{config.name} decode under {args.layout} on {devices} x {meta['device_kind']}, jax {jax.__version__}; "
+          f"measured copy {copy / 1e12:.2f} TB/s, datasheet {args.peak_bandwidth / 1e12:.2f} TB/s", flush=True)
+    print(f"{'batch':>5} {'cache':>6} {'ms/step':>8} {'tokens/s':>10} {'GB/step':>8} {'TB/s':>6} "
+          f"{'of peak':>7} {'of copy':>7}", flush=True)
+    rows = []
+    for batch in args.batches:
+        row = run_batch(graphdef, params, rest, config, args.layout, mesh, batch, args.cache, args.warmup,
+                        args.steps, args.profile_dir)
+        row["fraction_of_peak"] = row["bandwidth_bytes_per_s"] / (devices * args.peak_bandwidth)
+        row["fraction_of_copy"] = row["bandwidth_bytes_per_s"] / (devices * copy)
+        rows.append(row)
+        gigabytes = sum(row["bytes_per_step"].values()) / 1e9
+        print(f"{batch:>5} {args.cache:>6} {1e3 * row['step_s']:>8.2f} {row['tokens_per_s']:>10,.0f} "
+              f"{gigabytes:>8.2f} {row['bandwidth_bytes_per_s'] / 1e12:>6.2f} {row['fraction_of_peak']:>7.1%} "
+              f"{row['fraction_of_copy']:>7.1%}", flush=True)
+        if args.out:
+            args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""README's speed tables, rendered from the stored benchmark results (benchmarks/results/*.json).
+
+Reads what scripts/bench_mfu.py and scripts/bench_decode.py wrote (each file holds its command, date, JAX version and
+device) and prints markdown: training throughput per file (with each library row's ratio to the plain baseline of the
+same parallelism), decode bandwidth, and where a step's time goes (rows traced with --profile-dir). With --readme the
+tables replace what lies between README.md's markers `<!-- speed-tables:start -->` and `<!-- speed-tables:end -->`.
+
+    python scripts/render_tables.py                    # print
+    python scripts/render_tables.py --readme README.md # rewrite README's block
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from starscream_jax.analysis.profile import breakdown_table
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+START, END = "<!-- speed-tables:start -->", "<!-- speed-tables:end -->"
+BASELINE = {"starscream_tp": "plain JAX TP", "gpu_tp": "plain JAX TP", "flat_tp": "plain JAX TP",
+            "starscream_fsdp": "plain JAX FSDP", "flat_fsdp": "plain JAX FSDP"}
+"""The plain baseline each layout is judged against when the file has it (else the first plain row)."""
+
+
+def _source(meta: dict, path: Path) -> str:
+    return (f"`{meta['command']}` ({meta['date']}, {meta['devices']} x {meta['device_kind']}, jax {meta['jax']}"
+            + (f", XLA_FLAGS `{meta['xla_flags']}`" if meta.get("xla_flags") else "") + f"; {path.name})"
+            + (f". Note: {meta['note']}" if meta.get("note") else ""))
+
+
+def _ratio(row: dict) -> str:
+    by_name = row.get("vs_plain_by_name") or {}
+    layout = row["name"].split()[0]
+    baseline = BASELINE.get(layout) if BASELINE.get(layout) in by_name else next(iter(by_name), None)
+    if baseline is None or row["name"] == baseline:
+        return ""
+    return f"{by_name[baseline]:.3f} vs {baseline}"
+
+
+def mfu_table(result: dict, path: Path) -> str:
+    """One training-throughput table."""
+    meta = result["meta"]
+    lines = [f"{meta['model']}, {meta['batch_size']} x {meta['seq_len']} tokens per step"
+             + (", remat" if meta.get("remat") else "") + f": {_source(meta, path)}", "",
+             "| implementation | mesh | ms/step | tokens/s | MFU | ratio |", "|---|---|---|---|---|---|"]
+    lines += [f"| {row['name']} | {row['mesh']} | {1e3 * row['step_s']:.1f} | {row['tokens_per_s']:,.0f} | "
+              f"{100 * row['mfu']:.1f}% | {_ratio(row)} |" for row in result["rows"]]
+    return "\n".join(lines)
+
+
+def decode_table(result: dict, path: Path) -> str:
+    """One decode table."""
+    meta = result["meta"]
+    lines = [f"{meta['model']} decode under {meta['layout']}, measured copy bandwidth "
+             f"{meta['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s: {_source(meta, path)}", "",
+             "| batch | cache | ms/step | tokens/s | GB read/step | TB/s | of 4.8 TB/s | of copy |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        gigabytes = sum(row["bytes_per_step"].values()) / 1e9
+        lines.append(f"| {row['batch']} | {row['cache_length']} | {1e3 * row['step_s']:.2f} | "
+                     f"{row['tokens_per_s']:,.0f} | {gigabytes:.1f} | {row['bandwidth_bytes_per_s'] / 1e12:.2f} | "
+                     f"{100 * row['fraction_of_peak']:.1f}% | {100 * row['fraction_of_copy']:.1f}% |")
+    return "\n".join(lines)
+
+
+def render(directory: Path) -> str:
+    """Every table from the JSON files in `directory`, in file-name order."""
+    blocks = []
+    for path in sorted(directory.glob("*.json")):
+        result = json.loads(path.read_text())
+        rows = result.get("rows", [])
+        if rows and "bytes_per_step" in rows[0]:
+            blocks.append(decode_table(result, path))
+            continue
+        blocks.append(mfu_table(result, path))
+        profiled = {row["name"]: row["time_breakdown"] for row in rows if "time_breakdown" in row}
+        if profiled:
+            blocks.append(f"Device time per step by category ({path.name}, 3 traced steps):\n\n"
+                          + breakdown_table(profiled))
+    return "\n\n".join(blocks)
+
+
+def replace_block(text: str, tables: str) -> str:
+    """`text` with the part between the markers replaced by `tables`."""
+    if START not in text or END not in text:
+        raise SystemExit(f"README lacks the markers {START} ... {END}")
+    head, rest = text.split(START, 1)
+    return f"{head}{START}\n{tables}\n{END}{rest.split(END, 1)[1]}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder of result JSON files")
+    parser.add_argument("--readme", type=Path, help="rewrite this README's speed-table block")
+    args = parser.parse_args(argv)
+    tables = render(args.results)
+    if args.readme:
+        args.readme.write_text(replace_block(args.readme.read_text(), tables))
+    else:
+        print(tables)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""analysis/profile: a profiler trace's device kernels summed by category, read through the compiled program."""
+import gzip
+import json
+
+import pytest
+
+from starscream_jax.analysis.profile import CATEGORIES, breakdown_table, hlo_categories, time_breakdown
+from starscream_jax.errors import StarscreamError
+
+HLO = """
+ENTRY %main {
+  %gemm_fusion_dot.1 = bf16[128,256]{1,0} fusion(bf16[128,64]{1,0} %p0, bf16[64,256]{1,0} %p1), kind=kCustom, calls=%c, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}, metadata={op_name="jit(step)/qkv/dot_general"}
+  %custom-call.2 = (bf16[128,256]{1,0}, s8[0]{0}) custom-call(bf16[128,64]{1,0} %p0, bf16[64,256]{1,0} %p1), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(step)/down/dot_general"}
+  %custom-call.3 = (bf16[2,8,4,16]{3,2,1,0}, u8[0]{0}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax", metadata={op_name="jit(step)/attention/dot_product_attention"}
+  %all-reduce-start.4 = (f32[64]{0}, f32[64]{0}) all-reduce-start(f32[64]{0} %g), replica_groups={{0,1}}, to_apply=%add
+  %loop_fusion.5 = f32[64]{0} fusion(f32[64]{0} %a), kind=kLoop, calls=%f, metadata={op_name="jit(step)/optimizer/mul"}
+  ROOT %loop_fusion.6 = bf16[128,64]{1,0} fusion(bf16[128,64]{1,0} %x), kind=kLoop, calls=%r, metadata={op_name="jit(step)/rope/mul"}
+}
+"""
+
+
+def trace_file(directory, kernels):
+    """A perfetto trace as jax.profiler writes it: a host process, a device process with a stream thread and a
+    summary thread (whose events repeat the kernels and must not be counted)."""
+    events = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+              {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "pid": 2, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7(Compute)"}},
+              {"ph": "M", "pid": 2, "tid": 9, "name": "thread_name", "args": {"name": "XLA Ops"}},
+              {"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": 5000.0, "name": "PjitFunction(step)"}]
+    for name, hlo_op, microseconds in kernels:
+        for tid in (7, 9):
+            events.append({"ph": "X", "pid": 2, "tid": tid, "ts": 0, "dur": microseconds, "name": name,
+                           "args": {"hlo_op": hlo_op}})
+    path = directory / "plugins" / "profile" / "run" / "perfetto_trace.json.gz"
+    path.parent.mkdir(parents=True)
+    with gzip.open(path, "wt") as handle:
+        json.dump({"traceEvents": events}, handle)
+
+
+def test_categories_come_from_the_compiled_program():
+    categories = hlo_categories(HLO)
+    assert categories["loop_fusion_5"] == "optimizer"  # the name its kernel runs under
+    by_instruction = {name: category for name, category in categories.items() if "." in name}
+    assert by_instruction == {"gemm_fusion_dot.1": "matmuls", "custom-call.2": "matmuls", "custom-call.3": "attention",
+                          "all-reduce-start.4": "collectives", "loop_fusion.5": "optimizer",
+                          "loop_fusion.6": "other"}
+
+
+def test_breakdown_sums_stream_kernels_per_step(tmp_path):
+    trace_file(tmp_path, [("triton_gemm_kernel", "gemm_fusion_dot.1", 400.0),
+                          ("sm90_xmma_gemm_bf16", "custom-call.2", 200.0),
+                          ("cudnn_generated_sdpa", "custom-call.3", 300.0),
+                          ("ncclDevKernel_AllReduce_Sum_f32", "all-reduce-start.4", 100.0),
+                          ("loop_fusion_5", "command_buffer_3", 60.0),  # inside a CUDA graph: named after its HLO
+                          ("loop_fusion_6", "loop_fusion.6", 40.0),
+                          ("nvjet_hsh_64x8_gemm", "", 20.0)])  # no HLO op: named a GEMM, counted as one
+    breakdown = time_breakdown(tmp_path, steps=2, hlo_text=HLO)
+    seconds = breakdown["per_step_s"]
+    assert list(seconds) == list(CATEGORIES)
+    expected = {"matmuls": 620e-6, "attention": 300e-6, "collectives": 100e-6, "optimizer": 60e-6, "other": 40e-6}
+    assert seconds == pytest.approx({name: value / 2 for name, value in expected.items()})
+    assert breakdown["devices"] == 1 and breakdown["kernels"] == 7
+    assert breakdown["top_kernels"][0]["name"] == "triton_gemm_kernel"
+    table = breakdown_table({"starscream_tp": breakdown})
+    assert "| starscream_tp | 0.3 ms (55%)" in table and "0.6 ms |" in table
+
+
+def test_a_trace_without_device_kernels_is_a_clear_error(tmp_path):
+    with pytest.raises(StarscreamError, match="no perfetto_trace"):
+        time_breakdown(tmp_path, steps=1)
+    trace_file(tmp_path, [])
+    with pytest.raises(StarscreamError, match="no device kernels"):
+        time_breakdown(tmp_path, steps=1)
