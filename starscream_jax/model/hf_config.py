@@ -49,8 +49,9 @@ def model_config_from_hf(model_dir: str | Path, **overrides) -> ModelConfig:
     fields = dict(
         name=Path(model_dir).resolve().name, vocab_size=raw["vocab_size"], d_model=raw["hidden_size"],
         n_layers=raw["num_hidden_layers"], n_heads=heads, n_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, d_ff=raw[WIDTH_FIELD.get(family, "intermediate_size")],
-        max_seq_len=_max_seq_len(raw), norm_eps=raw.get("rms_norm_eps", 1e-6),
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        d_ff=raw[WIDTH_FIELD.get(family, "intermediate_size")], max_seq_len=_max_seq_len(raw),
+        norm_eps=raw.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=QKV_BIAS[family], qk_norm=family in ("qwen3", "qwen3_moe"),
         **_rope_fields(raw, where))

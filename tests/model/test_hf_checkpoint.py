@@ -101,7 +101,7 @@ def test_greedy_generation_gives_the_reference_tokens(family):
 @pytest.mark.parametrize("family", ["llama", "mixtral", "qwen3_moe"])
 def test_export_then_load_is_bit_identical(family, tmp_path):
     """llama: three shards and an index, tied embeddings; mixtral: one file, experts; qwen3_moe: experts under their
-    own names, q/k norms, ungated-renormalisation. Exported from a 2 x 4 mesh in several shards; every tensor and the
+    own names, q/k norms, gates not renormalised. Exported from a 2 x 4 mesh in several shards; every tensor and the
     configuration read back the same."""
     mesh = mesh_of("1x2x4")
     model = load_hf_model(FIXTURES / family, "starscream_tp", mesh)

@@ -104,7 +104,8 @@ def test_qwen3_30b_a3b_reads_as_the_preset(tmp_path):
     ({"decoder_sparse_step": 2}, r"decoder_sparse_step = 2 is not implemented for qwen3_moe"),
     ({"mlp_only_layers": [0, 5]}, r"mlp_only_layers = \[0, 5\] is not implemented for qwen3_moe"),
     ({"shared_expert_intermediate_size": 512}, r"shared_expert_intermediate_size = 512 is not implemented"),
-    ({"use_sliding_window": True, "sliding_window": 4096}, r"use_sliding_window = True is not implemented for qwen3_moe"),
+    ({"use_sliding_window": True, "sliding_window": 4096}, r"use_sliding_window = True is not implemented for "
+                                                          r"qwen3_moe"),
 ])
 def test_qwen3_moe_features_the_block_lacks_are_refused(tmp_path, fields, message):
     with pytest.raises(CheckpointError, match=message):
