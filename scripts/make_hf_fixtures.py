@@ -44,6 +44,9 @@ FAMILIES = {
     "qwen3": (transformers.Qwen3Config, dict(head_dim=16, attention_bias=False, rope_theta=1000000.0)),
     "mixtral": (transformers.MixtralConfig, dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
                                                  rope_theta=1000000.0)),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(
+        head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+        decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0, use_sliding_window=False)),
 }
 SHARD_SIZE = {"llama": "200KB"}
 """Families saved as several shards with an index (the others as one model.safetensors)."""
@@ -129,8 +132,8 @@ def main() -> None:
     args = parser.parse_args()
     tokenizer_dir = OUT / "tokenizer"
     tokenizer = train_tokenizer(tokenizer_dir)
-    for seed, family in enumerate(args.families):
-        print(json.dumps(build(family, tokenizer_dir, tokenizer, seed)))
+    for family in args.families:
+        print(json.dumps(build(family, tokenizer_dir, tokenizer, seed=list(FAMILIES).index(family))))
     shutil.rmtree(tokenizer_dir)
 
 

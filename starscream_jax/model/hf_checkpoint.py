@@ -30,7 +30,7 @@ from ..errors import CheckpointError
 from ..sharding.apply import param_shardings, path_name
 from .config import ModelConfig
 from .decoder import Transformer
-from .hf_config import CONFIG_FILE, hf_config_from_model, model_config_from_hf
+from .hf_config import CONFIG_FILE, family_of, hf_config_from_model, model_config_from_hf
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -39,6 +39,9 @@ DTYPES = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16}
 """safetensors dtype -> numpy dtype, for the floating dtypes a parameter can be converted from."""
 SAVED_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 DEFAULT_SHARD_BYTES = 5 << 30
+EXPERT_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+                "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+"""model_type -> (the mixture-of-experts block's name, each expert's (gate, up, down) projection names)."""
 
 
 @dataclass(frozen=True)
@@ -98,11 +101,12 @@ def sources(config: ModelConfig) -> dict[str, Source]:
         table["layers/q_norm"] = Source(layer + "self_attn.q_norm.weight", 1)
         table["layers/k_norm"] = Source(layer + "self_attn.k_norm.weight", 1)
     if config.n_experts:
-        expert = layer + "block_sparse_moe.experts.{expert}."
-        table["layers/router"] = Source(layer + "block_sparse_moe.gate.weight", 1, (1, 0))
-        table["layers/w_gate"] = Source(expert + "w1.weight", 2, (1, 0))
-        table["layers/w_up"] = Source(expert + "w3.weight", 2, (1, 0))
-        table["layers/w_down"] = Source(expert + "w2.weight", 2, (1, 0))
+        block, (gate, up, down) = EXPERT_NAMES[family_of(config)]
+        expert = layer + block + ".experts.{expert}."
+        table["layers/router"] = Source(layer + block + ".gate.weight", 1, (1, 0))
+        table["layers/w_gate"] = Source(expert + gate + ".weight", 2, (1, 0))
+        table["layers/w_up"] = Source(expert + up + ".weight", 2, (1, 0))
+        table["layers/w_down"] = Source(expert + down + ".weight", 2, (1, 0))
     else:
         table["layers/w_gate"] = Source(layer + "mlp.gate_proj.weight", 1, (1, 0))
         table["layers/w_up"] = Source(layer + "mlp.up_proj.weight", 1, (1, 0))

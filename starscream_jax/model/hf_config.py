@@ -1,4 +1,4 @@
-"""Hugging Face `config.json` <-> `ModelConfig`, for the Llama, Mistral, Qwen2, Qwen3 and Mixtral families.
+"""Hugging Face `config.json` <-> `ModelConfig`, for the Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE families.
 
 Reading accepts both spellings of the rotary settings (`rope_theta` and `rope_scaling`, or the newer
 `rope_parameters`). A field that would change the computation and that the decoder does not implement (another
@@ -15,12 +15,15 @@ from ..errors import CheckpointError
 from .config import ModelConfig
 
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM"}
+            "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 """model_type -> the architecture name config.json gives it."""
 CONFIG_FILE = "config.json"
-QKV_BIAS = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "mixtral": False}
+QKV_BIAS = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "mixtral": False, "qwen3_moe": False}
 """Whether each family's q, k, v projections carry biases (Qwen2's always do, whatever `attention_bias` says; in
 the others `attention_bias` would add them to the output projection too, which is refused)."""
+WIDTH_FIELD = {"qwen3_moe": "moe_intermediate_size"}
+"""The field holding d_ff where it is not intermediate_size (Qwen3-MoE's intermediate_size is the width of dense
+layers, which only a non-empty mlp_only_layers would have)."""
 
 
 def read_hf_config(model_dir: str | Path) -> dict:
@@ -46,13 +49,19 @@ def model_config_from_hf(model_dir: str | Path, **overrides) -> ModelConfig:
     fields = dict(
         name=Path(model_dir).resolve().name, vocab_size=raw["vocab_size"], d_model=raw["hidden_size"],
         n_layers=raw["num_hidden_layers"], n_heads=heads, n_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, d_ff=raw["intermediate_size"],
-        max_seq_len=_max_seq_len(raw), norm_eps=raw.get("rms_norm_eps", 1e-6),
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        d_ff=raw[WIDTH_FIELD.get(family, "intermediate_size")], max_seq_len=_max_seq_len(raw),
+        norm_eps=raw.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=QKV_BIAS[family], qk_norm=family == "qwen3",
+        qkv_bias=QKV_BIAS[family], qk_norm=family in ("qwen3", "qwen3_moe"),
         **_rope_fields(raw, where))
     if family == "mixtral":
         fields.update(n_experts=raw["num_local_experts"], experts_per_token=raw["num_experts_per_tok"])
+    if family == "qwen3_moe":
+        fields.update(n_experts=raw.get("num_experts") or raw["num_local_experts"],
+                      experts_per_token=raw["num_experts_per_tok"],
+                      normalize_gates=bool(raw.get("norm_topk_prob", False)),
+                      load_balance_weight=float(raw.get("router_aux_loss_coef", 0.0)))
     return ModelConfig(**{**fields, **overrides})
 
 
@@ -62,7 +71,12 @@ def _refuse_unimplemented(raw: dict, family: str, where: str) -> None:
         "hidden_act": lambda v: v not in ("silu", None),
         "mlp_bias": lambda v: bool(v),
         "attention_bias": lambda v: bool(v) and not QKV_BIAS[family],
-        "use_sliding_window": lambda v: bool(v) and family in ("qwen2", "qwen3"),
+        "use_sliding_window": lambda v: bool(v) and family in ("qwen2", "qwen3", "qwen3_moe"),
+        "decoder_sparse_step": lambda v: family == "qwen3_moe" and v != 1,
+        "mlp_only_layers": lambda v: bool(v),
+        "shared_expert_intermediate_size": lambda v: bool(v),
+        "n_shared_experts": lambda v: bool(v),
+        "num_shared_experts": lambda v: bool(v),
         "pretraining_tp": lambda v: v not in (None, 1),
         "router_jitter_noise": lambda v: bool(v),
         "layer_types": lambda v: any(kind != "full_attention" for kind in v or ()),
@@ -96,9 +110,15 @@ def _rope_fields(raw: dict, where: str) -> dict:
 
 
 def family_of(config: ModelConfig) -> str:
-    """The model_type whose computation `config` is: mixtral (experts), qwen3 (q/k norms), qwen2 (q/k/v biases),
-    mistral (head_dim other than d_model / heads) or llama."""
+    """The model_type whose computation `config` is: qwen3_moe (experts and q/k norms), mixtral (experts, gates
+    renormalised), qwen3 (q/k norms), qwen2 (q/k/v biases), mistral (head_dim other than d_model / heads) or llama."""
     if config.n_experts:
+        if config.qk_norm:
+            return "qwen3_moe"
+        if not config.normalize_gates:
+            raise CheckpointError(f"model {config.name}: experts with normalize_gates = false and no q/k norms is "
+                                  "no Hugging Face family; set normalize_gates = true (Mixtral) or qk_norm = true "
+                                  "(Qwen3-MoE)")
         return "mixtral"
     if config.qk_norm:
         return "qwen3"
@@ -127,5 +147,10 @@ def hf_config_from_model(config: ModelConfig, dtype: str, extra: dict | None = N
     }
     if family == "mixtral":
         written.update(num_local_experts=config.n_experts, num_experts_per_tok=config.experts_per_token)
+    if family == "qwen3_moe":
+        del written["intermediate_size"]  # the width of dense layers: the source's is kept
+        written.update(num_experts=config.n_experts, num_experts_per_tok=config.experts_per_token,
+                       moe_intermediate_size=config.d_ff, norm_topk_prob=config.normalize_gates,
+                       router_aux_loss_coef=config.load_balance_weight, decoder_sparse_step=1, mlp_only_layers=[])
     kept = {key: value for key, value in (extra or {}).items() if key not in written and key != "rope_parameters"}
     return {**kept, **written}

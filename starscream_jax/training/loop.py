@@ -5,8 +5,8 @@ tokens) on a simulated MI300X QPX mesh of 2 GPUs x 4 partitions (8 CPU devices) 
 the losses beside the corpus' unigram entropy and a summary of the compiled training step (memory per device,
 collectives by scope). Where JAX finds GPUs it trains on them, on the detected topology.
 
-The step (`steps.train_step`): AdamW (warm-up then cosine decay, no weight decay on norm scales) after global-norm
-clipping; parameters and optimizer state in float32 and placed by the layout's `params` rules; compute in the model's dtype (`--dtype
+The step (`steps.train_step`): AdamW (warm-up then cosine decay, no weight decay on norm scales and biases) after
+global-norm clipping; parameters and optimizer state in float32 and placed by the layout's `params` rules; compute in the model's dtype (`--dtype
 bfloat16` casts each weight as it is used). The batch of step s is a pure function of (seed, s), and each process
 builds only its own devices' shards of it. Checkpoints (orbax) hold parameters, optimizer state and the run's
 description; resuming continues from the latest one exactly as if the run had never stopped.

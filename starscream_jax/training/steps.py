@@ -37,15 +37,23 @@ from ..sharding.apply import LOGICAL_AXES, activation_spec
 from .config import TrainConfig
 
 
+def decays(logical_axes: tuple[str, ...]) -> bool:
+    """Whether weight decay applies to a parameter with these logical axes: to matrices, not to the 1-D parameters
+    (norm scales [.., norm] and q/k/v biases [.., heads, head_dim], one vector of heads * head_dim each). A
+    parameter is 1-D when, leaving out the stacked `layers` axis and counting `head_dim` with its heads, one axis is
+    left."""
+    return len([name for name in logical_axes if name not in ("layers", "head_dim")]) > 1
+
+
 def make_optimizer(config: TrainConfig, params) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW on a warm-up + cosine schedule; parameters whose logical names include
-    "norm" (norm scales) get no weight decay. `params`: the nnx.State the optimizer will update (for the mask)."""
+    """Global-norm clipping, then AdamW on a warm-up + cosine schedule; the 1-D parameters (norm scales and biases,
+    see `decays`) get no weight decay. `params`: the nnx.State the optimizer will update (for the mask)."""
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=config.learning_rate, warmup_steps=config.warmup_steps,
         decay_steps=max(config.steps, config.warmup_steps + 1),
         end_value=config.learning_rate * config.final_learning_rate_fraction,
     )
-    decay_mask = jax.tree.map(lambda variable: "norm" not in variable.get_metadata(LOGICAL_AXES), params,
+    decay_mask = jax.tree.map(lambda variable: decays(variable.get_metadata(LOGICAL_AXES)), params,
                               is_leaf=lambda node: isinstance(node, nnx.Variable))
     return optax.chain(
         optax.clip_by_global_norm(config.clip_norm),

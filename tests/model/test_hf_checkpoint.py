@@ -28,7 +28,7 @@ from starscream_jax.training.generate import batch_multiple, generate
 from starscream_jax.training.steps import Sampling
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "hf"
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 TOLERANCE = 1e-4
 """Largest absolute logit difference allowed against the reference (float32 on both sides; about 5e-6 is seen, 3e-5
 for the llama fixture whose tied N(0, 1) embeddings give logits up to 43)."""
@@ -98,10 +98,11 @@ def test_greedy_generation_gives_the_reference_tokens(family):
     np.testing.assert_array_equal(result.tokens, np.tile(expected["generated_ids"], (rows, 1)))
 
 
-@pytest.mark.parametrize("family", ["llama", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "mixtral", "qwen3_moe"])
 def test_export_then_load_is_bit_identical(family, tmp_path):
-    """llama: three shards and an index, tied embeddings; mixtral: one file, experts. Exported from a 2 x 4 mesh in
-    several shards; every tensor and the configuration read back the same."""
+    """llama: three shards and an index, tied embeddings; mixtral: one file, experts; qwen3_moe: experts under their
+    own names, q/k norms, gates not renormalised. Exported from a 2 x 4 mesh in several shards; every tensor and the
+    configuration read back the same."""
     mesh = mesh_of("1x2x4")
     model = load_hf_model(FIXTURES / family, "starscream_tp", mesh)
     written = export_hf_model(model, tmp_path, tokenizer_dir=FIXTURES / family, max_shard_bytes=150_000,

@@ -43,7 +43,9 @@ def test_llama_3_1_8b(tmp_path):
     ("mistral", {"head_dim": 16, "d_model": 64, "qkv_bias": False}),
     ("qwen2", {"qkv_bias": True, "qk_norm": False}),
     ("qwen3", {"qk_norm": True, "qkv_bias": False, "head_dim": 16}),
-    ("mixtral", {"n_experts": 4, "experts_per_token": 2}),
+    ("mixtral", {"n_experts": 4, "experts_per_token": 2, "normalize_gates": True, "d_ff": 64}),
+    ("qwen3_moe", {"n_experts": 8, "experts_per_token": 2, "normalize_gates": False, "d_ff": 32, "qk_norm": True,
+                   "load_balance_weight": 0.001}),
 ])
 def test_each_fixture_family_reads_with_its_features(family, features):
     config = model_config_from_hf(FIXTURES / family)
@@ -81,6 +83,42 @@ def test_fields_that_would_change_the_computation_are_refused(tmp_path, fields, 
         model_config_from_hf(model_dir(tmp_path, **fields))
 
 
+QWEN3_30B_A3B = {  # the fields of Qwen3-30B-A3B's config.json that differ from Llama 3.1 8B's
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "router_aux_loss_coef": 0.001, "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "rope_scaling": None, "use_sliding_window": False,
+    "sliding_window": None, "max_window_layers": 48, "output_router_logits": False,
+}
+
+
+def test_qwen3_30b_a3b_reads_as_the_preset(tmp_path):
+    """config.json of Qwen3-30B-A3B is the hand-written models/qwen3-30b-a3b.toml, field for field."""
+    config = model_config_from_hf(model_dir(tmp_path, **QWEN3_30B_A3B))
+    preset = load_model_config("qwen3-30b-a3b")
+    assert config.replace(name=preset.name, dtype=preset.dtype) == preset
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"decoder_sparse_step": 2}, r"decoder_sparse_step = 2 is not implemented for qwen3_moe"),
+    ({"mlp_only_layers": [0, 5]}, r"mlp_only_layers = \[0, 5\] is not implemented for qwen3_moe"),
+    ({"shared_expert_intermediate_size": 512}, r"shared_expert_intermediate_size = 512 is not implemented"),
+    ({"use_sliding_window": True, "sliding_window": 4096}, r"use_sliding_window = True is not implemented for "
+                                                          r"qwen3_moe"),
+])
+def test_qwen3_moe_features_the_block_lacks_are_refused(tmp_path, fields, message):
+    with pytest.raises(CheckpointError, match=message):
+        model_config_from_hf(model_dir(tmp_path, **{**QWEN3_30B_A3B, **fields}))
+
+
+def test_experts_that_no_family_computes_are_refused_at_export():
+    """Experts whose gates are not renormalised and without q/k norms are neither Mixtral nor Qwen3-MoE."""
+    config = model_config_from_hf(FIXTURES / "mixtral").replace(normalize_gates=False)
+    with pytest.raises(CheckpointError, match="normalize_gates = false and no q/k norms is no Hugging Face family"):
+        hf_config_from_model(config, "float32")
+
+
 def test_a_sliding_window_becomes_the_longest_sequence(tmp_path):
     """Mistral 7B v0.1: within its 4096-token window attention is fully causal, so the model runs up to 4096."""
     config = model_config_from_hf(model_dir(tmp_path, model_type="mistral", sliding_window=4096))
@@ -95,7 +133,7 @@ def test_a_missing_or_broken_config_is_named(tmp_path):
         model_config_from_hf(tmp_path)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"])
 def test_config_json_written_back_reads_as_the_same_model(family, tmp_path):
     config = model_config_from_hf(FIXTURES / family)
     (tmp_path / "config.json").write_text(json.dumps(hf_config_from_model(config, "float32")))

@@ -90,3 +90,19 @@ def test_the_reported_load_balancing_loss_is_what_the_training_loss_adds():
     balance, added = map(float, reported_and_added(params, rest, tokens))
     assert 0.5 < balance < weighted.n_experts  # 1 when the experts share the tokens evenly
     assert added == pytest.approx(0.5 * balance, rel=1e-4)
+
+
+def test_weight_decay_skips_exactly_the_norm_scales_and_biases():
+    """One AdamW step with zero gradients moves a parameter only by its weight decay: every matrix (experts and
+    router included) shrinks, and the 1-D parameters (norm scales, q/k norms, q/k/v biases) stay as they were. All
+    parameters start at one, so a bias that decayed would move."""
+    config = CONFIG.replace(qkv_bias=True, qk_norm=True, n_experts=2, experts_per_token=1)
+    _, params, _ = _state(config)
+    params = jax.tree.map(jnp.ones_like, params)
+    optimizer = make_optimizer(TrainConfig(warmup_steps=0, weight_decay=0.5), params)
+    updates, _ = optimizer.update(jax.tree.map(jnp.zeros_like, params), optimizer.init(params), params)
+    moved = {path[-1]: bool(jnp.any(update.get_value() != 0)) for path, update in nnx.to_flat_state(updates)}
+    assert {name for name, changed in moved.items() if not changed} == {
+        "attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm", "bq", "bk", "bv"}
+    assert {name for name, changed in moved.items() if changed} == {
+        "embedding", "lm_head", "wq", "wk", "wv", "wo", "router", "w_gate", "w_up", "w_down"}
