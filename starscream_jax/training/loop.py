@@ -48,8 +48,10 @@ from .steps import eval_step, load_balance_step, make_optimizer, train_step
 from .tokenizer import ByteTokenizer, load_tokenizer
 
 EVAL_SEED = 0  # validation windows do not depend on --seed, so runs with different seeds compare
-FREE_TO_CHANGE = ("layout", "remat", "eval_every", "eval_batches", "checkpoint_every", "log_every", "run_dir")
-"""TrainConfig fields a resumed run may change without saying so: they change no number the run computes."""
+FREE_TO_CHANGE = ("layout", "remat", "grad_accum", "eval_every", "eval_batches", "checkpoint_every", "log_every",
+                  "run_dir", "token_cache")
+"""TrainConfig fields a resumed run may change without saying so: they change no number the run computes (micro-batches
+sum to the same gradients; the token cache only stores what the data files give)."""
 CHANGEABLE = tuple(field.name for field in dataclasses.fields(TrainConfig)
                    if field.name not in FREE_TO_CHANGE + ("model", "dtype"))
 """TrainConfig fields a resume changes only with --allow-change (and then records)."""
