@@ -177,7 +177,8 @@ def abstract_args(config: ModelConfig, layout: Layout, mesh, phase: str, batch: 
 
     Call inside `use_layout(layout, mesh)`. train: TrainArgs with tokens [B, S + 1]; prefill: PrefillArgs with the
     prompt [B, S]; decode: DecodeArgs with the KV cache {"k", "v"} of [L, B, T, K, E] each (T = `cache_length`,
-    default S), the token [B] and its position (a scalar). Token batches are placed like the layout's `batch`, the cache by the activation rules;
+    default S), the token [B] and its position (a scalar). Token batches are placed like the layout's `batch`, the
+    cache by the activation rules;
     the optimizer state is `make_optimizer(training)`'s.
     """
     abstract_model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))

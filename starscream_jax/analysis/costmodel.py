@@ -179,6 +179,7 @@ def estimate_step(result: dict[str, Any], topology, itemsize: int) -> StepEstima
         if collective["scope"] == "local":
             continue
         runs = collective["count"] * (depth if collective["in_layer_loop"] else 1)
-        communication[collective["scope"]] += runs * collective_seconds(collective, costs[collective["scope"]], measured)
+        scope = collective["scope"]
+        communication[scope] += runs * collective_seconds(collective, costs[scope], measured)
     tokens = result["batch"] * (1 if result["phase"] == "decode" else result["seq"])
     return StepEstimate(compute, memory_bound, communication, tokens)

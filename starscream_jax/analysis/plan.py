@@ -104,7 +104,8 @@ def plan_phase(settings: Settings, topology, *, cache: ResultCache | None = None
     _rank(compiled)
     choice = compiled[0]["name"] if compiled else None
     return {"phase": settings.phase, "model": settings.config.name, "dtype": settings.config.dtype,
-            "batch": settings.batch, "seq": settings.seq, "gpus": gpus, "partitions_per_gpu": topology.partitions_per_gpu, "hbm_per_device": topology.hbm_bytes,
+            "batch": settings.batch, "seq": settings.seq, "gpus": gpus,
+            "partitions_per_gpu": topology.partitions_per_gpu, "hbm_per_device": topology.hbm_bytes,
             "candidates": [_public(entry) for entry in entries], "choice": choice,
             "runner_up": compiled[1]["name"] if len(compiled) > 1 else None,
             "advice": [] if choice else advice(settings, topology, meshes, entries),
@@ -135,8 +136,9 @@ def _sized(settings: Settings, topology, mesh, base: Candidate) -> list[dict]:
             entry["lower_bound_s"] = lower_bound(settings, topology, mesh, candidate, persistent)
             if not entry["fits"]:
                 over = memory["total"] - topology.hbm_bytes
-                entry.update(status="does not fit", reason=f"needs {format_bytes(memory['total'])} of "
-                                                           f"{format_bytes(topology.hbm_bytes)} (over by {format_bytes(over)})")
+                entry.update(status="does not fit",
+                             reason=f"needs {format_bytes(memory['total'])} of {format_bytes(topology.hbm_bytes)} "
+                                    f"(over by {format_bytes(over)})")
             entries.append(entry)
     return entries
 
@@ -251,7 +253,8 @@ def advice(settings: Settings, topology, meshes: dict, entries: list[dict]) -> l
     if transient < hbm:
         needed = math.ceil(gpus * persistent / (hbm - transient))
         lines.append(f"more GPUs: about {needed} GPUs would hold its parameters, optimizer state and gradients "
-                     f"({format_bytes(persistent * gpus)} in all) beside its {format_bytes(transient)} of activations per device")
+                     f"({format_bytes(persistent * gpus)} in all) beside its {format_bytes(transient)} of activations "
+                     "per device")
     if settings.phase != "decode":
         shorter = _shorter_sequence(settings, topology, meshes[smallest["candidate"].data], smallest)
         if shorter is not None:

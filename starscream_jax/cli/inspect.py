@@ -184,7 +184,8 @@ def format_table(results: dict[str, dict], refused: dict[str, str] | None = None
         "not compare with gpu_tp's, listed below. On the CPU backend bfloat16 moves as float32 and a",
         "reduce-scatter runs as all-reduce + slice, so bytes and compiled memory are up to 2x a GPU's (gradient",
         "reduce-scatters 4x); intensity is computed from each matmul's shape at the model's dtype. The estimate is the",
-        "cost model's (starscream_jax.analysis.costmodel): matmul rooflines and collective latency + bytes / bus bandwidth.",
+        "cost model's (starscream_jax.analysis.costmodel): matmul rooflines and collective latency + bytes / bus "
+        "bandwidth.",
     ]
     lines += [clip(f"{name}: cannot place the model on this mesh: {reason}", LINE_WIDTH)
               for name, reason in refused.items()]

@@ -65,13 +65,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="tokenized data files are cached here")
     group.add_argument("--resume", action="store_true",
                        help="continue from the newest intact checkpoint in --run-dir (start fresh when there is none)")
-    group.add_argument("--allow-change", type=lambda text: [name.strip().replace("-", "_") for name in text.split(",")], default=[],
+    group.add_argument("--allow-change", type=_field_names, default=[],
                        metavar="FIELDS", help="with --resume: settings that may differ from the run's, recorded with "
                                               f"its checkpoints (some of {','.join(CHANGEABLE)})")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
     group.add_argument("--profile", metavar="DIR",
                        help="write a JAX profiler trace of a few steps to DIR and, on a GPU, print where a step's "
                             "time goes (matmuls, attention, collectives, optimizer, other)")
+
+
+def _field_names(text: str) -> list[str]:
+    """TrainConfig field names from a flag's value: 'batch-size,learning_rate' -> ['batch_size', 'learning_rate']."""
+    return [name.strip().replace("-", "_") for name in text.split(",")]
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

@@ -5,8 +5,8 @@ time does not grow with depth. Under `use_layout(layout, mesh)` every weight, ac
 the layout; outside it the same code runs unsharded. Each projection runs under `jax.named_scope` with its name (qkv,
 o, gate_up, down, router, logits; embed and attention for the per-device ops; a routed mixture of experts' own gate
 and up), so the compiled program's op names, and the inspector's keys, read as the model does. In training and
-prefill q, k and v run as one GEMM and gate and up as one (`_qkv`, `_gate_up`), from weights stored apart. A mixture-of-experts model routes each token to its experts
-(`moe.routed_mlp`).
+prefill q, k and v run as one GEMM and gate and up as one (`_qkv`, `_gate_up`), from weights stored apart. A
+mixture-of-experts model routes each token to its experts (`moe.routed_mlp`).
 """
 from __future__ import annotations
 

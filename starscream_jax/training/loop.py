@@ -389,9 +389,9 @@ def compile_train_step(config: TrainConfig, model_config, layout, mesh, token_sh
     program = TrainProgram(compiled, (params, opt_state, rest))
     needed = step_bytes_per_device(compiled)
     if device_memory_bytes is not None and needed is not None and needed > device_memory_bytes:
+        options = fitting_options(config, model_config, layout, mesh, token_sharding, device_memory_bytes)
         raise StarscreamError(f"the training step needs {needed / 2**30:.2f} GiB per device, more than the "
-                              f"{device_memory_bytes / 2**30:.2f} GiB each device has; "
-                              f"{fitting_options(config, model_config, layout, mesh, token_sharding, device_memory_bytes)}")
+                              f"{device_memory_bytes / 2**30:.2f} GiB each device has; {options}")
     return program
 
 
