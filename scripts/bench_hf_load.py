@@ -63,10 +63,10 @@ def write_checkpoint(model: str, directory: Path, shard_gib: float) -> None:
 def _param_shapes(config) -> dict[str, tuple[int, ...]]:
     from flax import nnx
 
-    from starscream_jax.model.decoder import Transformer
+    from starscream_jax.model.decoder import abstract_model
     from starscream_jax.sharding.apply import path_name
 
-    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    abstract = abstract_model(config)
     return {path_name(path): tuple(v.shape) for path, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param))}
 
 

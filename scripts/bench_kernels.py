@@ -35,13 +35,12 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import AbstractMesh
 
 from starscream_jax.hardware.axes import AXES, axes_of
 from starscream_jax.hardware.topology import parse_override
 from starscream_jax.model.config import load_model_config
-from starscream_jax.model.decoder import Transformer
+from starscream_jax.model.decoder import abstract_model
 from starscream_jax.model.names import ATTN_Q
 from starscream_jax.sharding.layouts import Layout, get_layout
 from starscream_jax.sharding.rules import resolve
@@ -126,7 +125,7 @@ def attention_shapes(config, layout: Layout, mesh, batch: int, query_len: int, k
 
 def kernels(config, flat: Layout, hier: Layout, mesh, tokens, prefill, decode) -> list[Kernel]:
     """Every kernel to time, shapes derived from the model and both layouts."""
-    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    model = abstract_model(config)
     head = "embedding" if config.tie_embeddings else "lm_head"      # tied: logits = x @ embedding^T
     matmuls = {**MATMULS, "lm_head": ((head,), ("embed",))}
     found = [Kernel(name, f"{count} tokens", *(matmul_shape(model, *spec, layout, mesh, count)

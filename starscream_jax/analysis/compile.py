@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ..checks import writable_directory
 from ..errors import StarscreamError
 from ..model.config import ModelConfig, load_model_config
-from ..model.decoder import Transformer, cache_shardings
+from ..model.decoder import abstract_model, cache_shardings
 from ..sharding.apply import batch_sharding, param_shardings, token_sharding, use_layout
 from ..sharding.layouts import Layout, get_layout
 from ..training.config import TrainConfig
@@ -181,8 +181,7 @@ def abstract_args(config: ModelConfig, layout: Layout, mesh, phase: str, batch: 
     cache by the activation rules;
     the optimizer state is `make_optimizer(training)`'s.
     """
-    abstract_model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-    graphdef, params, rest = nnx.split(abstract_model, nnx.Param, ...)
+    graphdef, params, rest = nnx.split(abstract_model(config), nnx.Param, ...)
     if phase == "train":
         params = place(params, layout, mesh)
         opt_state = jax.eval_shape(make_optimizer(training, params).init, params)

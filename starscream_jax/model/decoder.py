@@ -363,6 +363,14 @@ def next_token_loss(model: Transformer, tokens_BS: jax.Array) -> jax.Array:
     return loss + weight * balance if weight else loss
 
 
+def abstract_model(config: ModelConfig) -> Transformer:
+    """A Transformer of `config` with no array allocated (jax.ShapeDtypeStruct leaves), its variables marked as
+    `create_sharded` marks them (Flax's own placement off), so abstract and created states have one tree structure
+    and a step compiled for one runs the other."""
+    with nnx.use_eager_sharding(False):
+        return nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+
+
 def create_sharded_model(config: ModelConfig, layout: Layout | str, mesh, seed: int = 0) -> Transformer:
     """A Transformer whose parameters are created already sharded by the layout's params rules."""
     return create_sharded(lambda: Transformer(config, rngs=nnx.Rngs(seed)), layout, mesh)

@@ -29,7 +29,7 @@ from safetensors.numpy import save_file
 from ..errors import CheckpointError
 from ..sharding.apply import param_shardings, path_name
 from .config import ModelConfig
-from .decoder import Transformer
+from .decoder import Transformer, abstract_model
 from .hf_config import CONFIG_FILE, family_of, hf_config_from_model, model_config_from_hf
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -203,7 +203,7 @@ def load_hf_model(model_dir: str | Path, layout, mesh, dtype: str | None = None,
         config = config.replace(dtype=dtype)
     reader = CheckpointReader(model_dir)
     table = sources(config)
-    graphdef, abstract, rest = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))), nnx.Param, ...)
+    graphdef, abstract, rest = nnx.split(abstract_model(config), nnx.Param, ...)
     shardings = param_shardings(abstract, layout, mesh)
     variables = nnx.to_flat_state(abstract)
     for path, variable in variables:  # every tensor checked before any device is written

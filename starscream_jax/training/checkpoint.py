@@ -24,7 +24,7 @@ from flax import nnx
 from ..errors import CheckpointError, StarscreamError
 from ..hardware.distributed import is_main_process
 from ..model.config import ModelConfig
-from ..model.decoder import Transformer
+from ..model.decoder import abstract_model
 from ..sharding.apply import param_shardings
 
 ITEM_NAMES = ("params", "opt_state", "meta")
@@ -225,8 +225,7 @@ def describe_storage_error(error: Exception) -> str:
 def abstract_model_state(config: ModelConfig, layout, mesh):
     """(graphdef, params, rest) of a Transformer of `config` with no array allocated: params are
     jax.ShapeDtypeStruct placed by `layout`'s params rules on `mesh` (a restore or compile target)."""
-    abstract_model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-    graphdef, abstract_params, rest = nnx.split(abstract_model, nnx.Param, ...)
+    graphdef, abstract_params, rest = nnx.split(abstract_model(config), nnx.Param, ...)
     shardings = param_shardings(abstract_params, layout, mesh)
     params = jax.tree.map(
         lambda sharding, variable: variable.replace(
