@@ -206,13 +206,15 @@ def parse_replica_groups(text: str, num_partitions: int) -> list[list[int]]:
     return groups
 
 
-def _check_ids(groups: list[list[int]], num_partitions: int, what: str) -> None:
-    """Every id a partition id of the program, none twice in one group; StarscreamError otherwise."""
+def _check_ids(groups: list[list[int]], num_partitions: int, what: str, distinct: bool = True) -> None:
+    """Every id a partition id of the program and, when `distinct` (replica groups; not source-target pairs, where a
+    partition may send to itself), none twice in one group; StarscreamError otherwise."""
     for group in groups:
-        if any(not 0 <= member < num_partitions for member in group) or len(set(group)) != len(group):
+        if any(not 0 <= member < num_partitions for member in group) or (distinct and len(set(group)) != len(group)):
+            once = ", each once per group" if distinct else ""
             raise StarscreamError(f"{what} name partitions {group}, but the program has {num_partitions} partitions "
-                                  f"(ids 0-{num_partitions - 1}, each once per group); the text is damaged or was cut "
-                                  "from another program: pass the whole compiled text")
+                                  f"(ids 0-{num_partitions - 1}{once}); the text is damaged or was cut from another "
+                                  "program: pass the whole compiled text")
 
 
 def parse_hlo(text: str) -> HloProgram:
@@ -276,7 +278,7 @@ class _ProgramReader:
                       or _attribute(inst.attrs, "_xla_send_recv_source_target_pairs"))
         groups_text = _attribute(inst.attrs, "replica_groups")
         pairs = [] if pairs_text is None else [tuple(p) for p in _int_lists(_braced(pairs_text))]
-        _check_ids([list(pair) for pair in pairs], self.num_partitions, "source-target pairs")
+        _check_ids([list(pair) for pair in pairs], self.num_partitions, "source-target pairs", distinct=False)
         return Collective(
             name=inst.name,
             kind=kind,

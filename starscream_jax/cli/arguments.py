@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from ..analysis.layout_report import ResultCache
-from ..checks import whole_number
+from ..checks import whole_number, writable_directory
 from ..errors import StarscreamError, TopologyError
 from ..hardware.distributed import initialize
 from ..hardware.mesh import build_topology_mesh, resolve_topology
@@ -33,6 +33,20 @@ def count(text: str) -> int:
 def step_number(text: str) -> int:
     """A whole number of at least 0, as the command line gives it (--step)."""
     return _whole_number(text, minimum=0)
+
+
+def output_directory(text: str) -> Path:
+    """A directory this process can write into or create (--cache-dir, --profile), checked as the flag is read."""
+    try:
+        return writable_directory(text, "directory")
+    except StarscreamError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def output_file(text: str) -> Path:
+    """A file path whose directory this process can write into or create (--plot), checked as the flag is read."""
+    output_directory(str(Path(text).parent))
+    return Path(text)
 
 
 def _whole_number(text: str, minimum: int) -> int:
@@ -150,7 +164,7 @@ DEFAULT_CACHE = Path.home() / ".cache" / "starscream" / "compiled"
 
 def add_cache_arguments(group) -> None:
     """--cache-dir and --no-cache: where `inspect` and `plan` keep compiled results."""
-    group.add_argument("--cache-dir", type=Path, default=None,
+    group.add_argument("--cache-dir", type=output_directory, default=None,
                        help=f"where compiled results are kept (default: ${CACHE_ENV} or {DEFAULT_CACHE})")
     group.add_argument("--no-cache", action="store_true", help="compile afresh, reading no kept result")
 

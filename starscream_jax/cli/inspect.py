@@ -16,7 +16,14 @@ from ..analysis.format import clip, format_bytes, format_seconds
 from ..analysis.layout_report import PRINCIPLES, inspect_layouts
 from ..errors import ShardingRuleError, StarscreamError
 from ..model.config import REMAT_POLICIES
-from .arguments import add_cache_arguments, add_mesh_arguments, mesh_from_args, prepare_simulation, result_cache
+from .arguments import (
+    add_cache_arguments,
+    add_mesh_arguments,
+    mesh_from_args,
+    output_file,
+    prepare_simulation,
+    result_cache,
+)
 
 DEFAULT_LAYOUTS = {"train": "flat_tp,starscream_tp", "prefill": "flat_tp,starscream_tp",
                    "decode": "flat_tp,starscream_decode"}
@@ -49,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--remat-policy", default="none", choices=REMAT_POLICIES,
                        help="train: what the backward pass keeps of each layer (none, dots: the matmul outputs, full)")
     group.add_argument("--json", action="store_true", help="print one JSON object with a key per layout")
-    group.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+    group.add_argument("--plot", type=output_file, default=None, metavar="FILE.png",
                        help="draw, per layout, bytes moved between devices, bytes by scope and the matmuls on a "
                             "roofline")
     add_cache_arguments(group)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from tqdm import tqdm
 
@@ -16,7 +15,14 @@ from ..analysis.plan import JUDGED, plan_phase
 from ..errors import StarscreamError
 from ..model.config import load_model_config
 from ..sharding.layouts import EXPERT_LAYOUTS, LAYOUTS
-from .arguments import add_cache_arguments, add_mesh_arguments, mesh_from_args, prepare_simulation, result_cache
+from .arguments import (
+    add_cache_arguments,
+    add_mesh_arguments,
+    mesh_from_args,
+    output_file,
+    prepare_simulation,
+    result_cache,
+)
 from .inspect import DEFAULT_GPUS, DEFAULT_LAYERS, DEFAULT_MODEL, DEFAULT_PRESET
 
 REASON_WIDTH = 160
@@ -39,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="tokens per sequence, every phase (default: 2048 train, 4096 prefill, 8192 decode)")
     group.add_argument("--layers", type=int, default=DEFAULT_LAYERS, help="layers to compile (at least 2)")
     group.add_argument("--json", action="store_true", help="print one JSON object with a key per phase")
-    group.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+    group.add_argument("--plot", type=output_file, default=None, metavar="FILE.png",
                        help="draw each candidate's step time and memory, the chosen one marked")
     add_cache_arguments(group)
 

@@ -3,11 +3,16 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from ..hardware.distributed import is_main_process
 from ..hardware.mesh import device_table
-from .arguments import add_distributed_arguments, add_mesh_arguments, initialize_from_args, mesh_from_args
+from .arguments import (
+    add_distributed_arguments,
+    add_mesh_arguments,
+    initialize_from_args,
+    mesh_from_args,
+    output_file,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_mesh_arguments(parser)
     add_distributed_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+    parser.add_argument("--plot", type=output_file, default=None, metavar="FILE.png",
                         help="draw the GPUs and their partitions with device ids and mesh coordinates")
 
 

@@ -16,7 +16,13 @@ from ..model.config import REMAT_POLICIES
 from ..sharding.layouts import LAYOUTS
 from ..training.config import TrainConfig
 from ..training.loop import CHANGEABLE, train
-from .arguments import add_distributed_arguments, add_mesh_arguments, initialize_from_args, mesh_from_args
+from .arguments import (
+    add_distributed_arguments,
+    add_mesh_arguments,
+    initialize_from_args,
+    mesh_from_args,
+    output_directory,
+)
 
 DEFAULT_PRESET = "mi300x-qpx-nps1"
 DEFAULT_GPUS = 2
@@ -69,9 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        metavar="FIELDS", help="with --resume: settings that may differ from the run's, recorded with "
                                               f"its checkpoints (some of {','.join(CHANGEABLE)})")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
-    group.add_argument("--profile", metavar="DIR",
-                       help="write a JAX profiler trace of a few steps to DIR and, on a GPU, print where a step's "
-                            "time goes (matmuls, attention, collectives, optimizer, other)")
+    group.add_argument("--profile", metavar="DIR", type=output_directory,
+                       help="write a JAX profiler trace of a few steps (from the run's second step; --steps 2 or more) "
+                            "to DIR and, on a GPU, print where a step's time goes (matmuls, attention, collectives, "
+                            "optimizer, other)")
 
 
 def _field_names(text: str) -> list[str]:

@@ -246,6 +246,9 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, allow_changes=(), 
                                                                    allow_changes, say)
             params, opt_state, rest = program.adopt(params, opt_state, rest)
         profiled = range(start_step + 2, min(start_step + 2 + PROFILED_STEPS, last_step + 1) if profile_dir else 0)
+        if profile_dir and not profiled:
+            raise StarscreamError(f"--profile traces from the run's second step on, and this run goes from step "
+                                  f"{start_step} to {last_step}; pass --steps {start_step + 2} or more")
         evaluate_batch = eval_step(graphdef)
 
         balance_batch = load_balance_step(graphdef) if model_config.load_balance_weight else None

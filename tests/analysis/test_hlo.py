@@ -473,3 +473,10 @@ def test_source_target_pairs_outside_the_program_are_an_error():
     text = module("ROOT %cp = f32[8,8]{1,0} collective-permute(%p), channel_id=1, source_target_pairs={{0,8}}")
     with pytest.raises(StarscreamError, match="source-target pairs"):
         parse_hlo(text)
+
+
+def test_a_partition_may_send_to_itself():
+    """A collective-permute pair {0,0} is legal (XLA emits them, in the tiny model's decode plan among others)."""
+    text = module("ROOT %cp = f32[8,8]{1,0} collective-permute(%p), channel_id=1, source_target_pairs={{0,0},{1,2}}")
+    (permute,) = parse_hlo(text).collectives
+    assert permute.source_target_pairs == [(0, 0), (1, 2)]

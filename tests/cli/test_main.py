@@ -135,3 +135,15 @@ def test_bad_training_input_is_one_error_line_before_anything_is_compiled(monkey
     assert status == 2 and err.startswith("starscream train: error: ") and err.count("\n") == 1
     assert message in err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("train", "--profile", f"{__file__}/trace"), f"argument --profile: directory {__file__}/trace: {__file__} is a file"),
+    (("inspect", "--plot", f"{__file__}/x.png"), f"argument --plot: directory {__file__}: {__file__} is a file"),
+    (("plan", "--cache-dir", __file__), f"argument --cache-dir: directory {__file__}: {__file__} is a file"),
+    (("topology", "--plot", f"{__file__}/x.png"), f"argument --plot: directory {__file__}: {__file__} is a file"),
+])
+def test_output_paths_that_cannot_be_written_are_refused_as_the_flags_are_read(capsys, argv, message):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(list(argv))
+    assert exited.value.code == 2 and message in capsys.readouterr().err.splitlines()[-1]
