@@ -371,8 +371,8 @@ class TrainProgram:
     arguments: tuple
 
     def adopt(self, params, opt_state, rest) -> tuple:
-        """The run's state in the exact tree structure and placement the step was compiled for (a model created
-        sharded, loaded from a checkpoint or restored marks its variables' metadata apart from an abstract one)."""
+        """The run's state placed as the step was compiled for (the optimizer state as `eval_shape` of its init
+        placed it, which a fresh init need not match), in the compiled arguments' tree structure."""
         return tuple(as_compiled(tree, like) for tree, like in zip((params, opt_state, rest), self.arguments))
 
 
