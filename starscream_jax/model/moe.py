@@ -1,6 +1,6 @@
 """The routed (dropless) mixture-of-experts block: a router, tokens grouped by expert through grouped matmuls (tiles
-of rows by expert through batched matmuls), and the results combined with the gates. Shape letters as in `names`;
-A = T x k assignments, N tiles of M rows.
+of rows by expert, each tile through its own expert's weights: `grouped_matmul`), and the results combined with the
+gates. Shape letters as in `names`; A = T x k assignments, N tiles of M rows.
 
 Each token goes to the k experts with the largest router probabilities (a softmax over all X experts' logits); its
 gates are those k probabilities, divided by their sum when `normalize_gates` (Mixtral, Qwen3-MoE: equal to a softmax
@@ -36,6 +36,7 @@ from ..hardware.axes import dim_axes, spec_axes
 from ..sharding.apply import activation_spec, active, constrain
 from ..sharding.collectives import hierarchical_all_gather, hierarchical_psum
 from .config import ModelConfig
+from .grouped_matmul import default_implementation, grouped_matmul
 from .names import RESIDUAL
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
@@ -54,16 +55,17 @@ def route(h_TD: jax.Array, router_DX: jax.Array, k: int, normalize_gates: bool):
     return gates_TK, experts_TK, probabilities_TX
 
 
-def expert_outputs(h_TD, gates_TK, experts_TK, w_gate_XDF, w_up_XDF, w_down_XFD, first_expert=0) -> jax.Array:
+def expert_outputs(h_TD, gates_TK, experts_TK, w_gate_XDF, w_up_XDF, w_down_XFD, first_expert=0,
+                   implementation: str | None = None) -> jax.Array:
     """[T, D]: the sum over each token's assignments to experts first_expert .. first_expert + X_local - 1 (the
     experts whose weights [X_local, ...] are given) of gate x SwiGLU expert(token); other assignments add nothing.
 
-    A grouped matmul in tiles: the assignments are sorted by expert, each local expert's rows padded to whole tiles
-    of M rows (`tile_rows`), and every tile [M, D] runs through its expert's weights as one batched matmul
-    [N, M, D] x [N, D, F] (the weights gathered per tile). N = ceil(T k / M) + X_local tiles hold every assignment
-    whichever experts they chose, so none is dropped; the FLOPs are those of the routed rows plus at most
-    X_local x M padding rows (and of all T x k rows on a device that holds some of the experts, whose share of the
-    rows is known only at run time)."""
+    The assignments are sorted by expert into rows R = N tiles x M (`tile_rows`), each local expert's rows padded to
+    whole tiles, and run through the grouped matmul (`grouped_matmul`, its `implementation`: by default the Pallas
+    kernel on a GPU, batched matmuls of the tiles elsewhere). N = ceil(T k / M) + X_local tiles hold every
+    assignment whichever experts they chose, so none is dropped; the FLOPs are those of the local experts' rows
+    plus at most X_local x M padding rows (the Pallas kernel skips the tiles past them; the batched matmuls run all
+    N tiles: the T x k rows on a device that holds some of the experts)."""
     tokens, k = experts_TK.shape
     local_experts, d_model, _ = w_gate_XDF.shape
     rows = tokens * k
@@ -74,30 +76,30 @@ def expert_outputs(h_TD, gates_TK, experts_TK, w_gate_XDF, w_up_XDF, w_down_XFD,
     order_A = jnp.argsort(group_A, stable=True)
     sorted_group_A = group_A[order_A]
     sizes_X = jnp.bincount(group_A, length=local_experts + 1)[:local_experts]
-    padded_X = -(-sizes_X // tile) * tile
+    padded_X = (-(-sizes_X // tile) * tile).astype(jnp.int32)
     expert_of_row_A = jnp.minimum(sorted_group_A, local_experts - 1)
     row_in_group_A = jnp.arange(rows) - (jnp.cumsum(sizes_X) - sizes_X)[expert_of_row_A]
     destination_A = jnp.where(sorted_group_A < local_experts,
                               (jnp.cumsum(padded_X) - padded_X)[expert_of_row_A] + row_in_group_A, tiles * tile)
     x_RD = jnp.zeros((tiles * tile, d_model), h_TD.dtype).at[destination_A].set(h_TD[order_A // k], mode="drop")
-    x_NMD = x_RD.reshape(tiles, tile, d_model)
-    tile_expert_N = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded_X), jnp.arange(tiles) * tile, side="right"),
-                                local_experts - 1)
-    with jax.named_scope("gate"):
-        gate_NMF = jnp.einsum("nmd,ndf->nmf", x_NMD, w_gate_XDF[tile_expert_N])
-    with jax.named_scope("up"):
-        up_NMF = jnp.einsum("nmd,ndf->nmf", x_NMD, w_up_XDF[tile_expert_N])
-    with jax.named_scope("down"):
-        out_NMD = jnp.einsum("nmf,nfd->nmd", jax.nn.silu(gate_NMF) * up_NMF, w_down_XFD[tile_expert_N])
-    out_AD = out_NMD.reshape(-1, d_model).at[destination_A].get(mode="fill", fill_value=0)
+    implementation = implementation or default_implementation()
+
+    def per_expert(name, rows_RK, weights_XKF):
+        with jax.named_scope(name):
+            return grouped_matmul(rows_RK, weights_XKF, padded_X, tile, implementation)
+
+    hidden_RF = jax.nn.silu(per_expert("gate", x_RD, w_gate_XDF)) * per_expert("up", x_RD, w_up_XDF)
+    out_RD = per_expert("down", hidden_RF, w_down_XFD)
+    out_AD = out_RD.at[destination_A].get(mode="fill", fill_value=0)
     unsorted_TKD = out_AD[jnp.argsort(order_A)].reshape(tokens, k, d_model)
     return jnp.einsum("tkd,tk->td", unsorted_TKD, gates_TK.astype(unsorted_TKD.dtype))
 
 
 def tile_rows(rows: int, experts: int) -> int:
-    """Rows M per tile of the grouped matmul: the largest power of two up to 512 whose padding (at most `experts`
-    x M rows) stays within a quarter of the `rows` assigned (8 at least)."""
-    return max(8, min(512, 1 << max(0, (rows // (4 * experts)).bit_length() - 1)))
+    """Rows M per tile of the grouped matmul: the largest power of two up to 128 (a kernel's row block) whose
+    padding (at most `experts` x M rows) stays within a quarter of the `rows` assigned (16 at least: the matrix
+    units' smallest)."""
+    return max(16, min(128, 1 << max(0, (rows // (4 * experts)).bit_length() - 1)))
 
 
 def dense_experts(h_TD, gates_TK, experts_TK, w_gate_XDF, w_up_XDF, w_down_XFD) -> jax.Array:

@@ -1,0 +1,211 @@
+"""The grouped matmul alone on one accelerator: `jax.lax.ragged_dot`, the Pallas kernel (`grouped_matmul`, a few
+block sizes) and a dense GEMM of the same total shape, forward and backward, timed side by side in one run; and the
+kernel's error against a float32 reference.
+
+Shapes: one projection of an MoE layer, T x k rows over G experts (Mixtral 8x7B: 8192 x 2 rows, 4096 -> 14336, 8
+experts; Qwen3-30B-A3B: 2048 x 8 rows, 2048 -> 768, 128 experts), the rows split between experts as a router on
+random data splits them. Every row's TFLOP/s counts the routed FLOPs (2 x rows x K x F forward, twice that
+backward), so the ratios compare directly. Method: each program compiled first, then the candidates alternate over
+rounds of timed calls; the median round is reported.
+
+    python scripts/bench_grouped_matmul.py --out gmm.json      # on a GPU
+    python scripts/bench_grouped_matmul.py --quick             # tiny shapes, the kernels in interpret mode (CPU)
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.model import moe
+from starscream_jax.model.config import load_model_config
+from starscream_jax.model.grouped_matmul import DEFAULT_BLOCKS, grouped_matmul
+from starscream_jax.model.moe import tile_rows
+from starscream_jax.model.names import RESIDUAL
+from starscream_jax.sharding.apply import activation_spec, use_layout
+from starscream_jax.sharding.layouts import get_layout
+from starscream_jax.sharding.rules import resolve
+
+SHAPES = {"mixtral-8x7b": (16384, 4096, 14336, 8), "qwen3-30b-a3b": (16384, 2048, 768, 128)}
+"""name: (rows T x k, K, F, experts)."""
+VARIANTS = {"default": DEFAULT_BLOCKS,
+            "cols256": dataclasses.replace(DEFAULT_BLOCKS, cols=256),
+            "stages4_warps4": dataclasses.replace(DEFAULT_BLOCKS, warps=4, stages=4),
+            "depth32_group16": dataclasses.replace(DEFAULT_BLOCKS, depth=32, group=16)}
+
+
+def group_sizes(rows: int, experts: int, seed=0) -> np.ndarray:
+    """Rows per expert as top-k of a random router splits them: uneven around rows / experts."""
+    shares = np.random.default_rng(seed).dirichlet(np.full(experts, 50.0))
+    sizes = np.floor(shares * rows).astype(np.int64)
+    sizes[0] += rows - sizes.sum()
+    return sizes
+
+
+def tiled(sizes: np.ndarray, tile: int) -> tuple[np.ndarray, int]:
+    """(padded sizes: whole tiles, rows R of the tiled layout: the live tiles plus as many spare as experts)."""
+    padded = -(-sizes // tile) * tile
+    return padded, (-(-sizes.sum() // tile) + len(sizes)) * tile
+
+
+def fwd_bwd(matmul):
+    """x, w, cotangent -> (out, dx, dw) jitted."""
+    def run(x, w, cotangent):
+        out, pullback = jax.vjp(matmul, x, w)
+        return (out, *pullback(cotangent))
+    return jax.jit(run)
+
+
+def timed(programs: dict, args: dict, rounds: int, calls: int) -> dict:
+    """Compile every program, then alternate them over rounds of `calls` timed calls: median round mean (s)."""
+    compiled, means = {}, {name: [] for name in programs}
+    for name, program in programs.items():
+        compiled[name] = program.lower(*args[name]).compile()
+        jax.block_until_ready(compiled[name](*args[name]))
+    for _ in range(rounds):
+        for name, program in compiled.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                result = program(*args[name])
+            jax.block_until_ready(result)
+            means[name].append((time.perf_counter() - start) / calls)
+    return {name: statistics.median(values) for name, values in means.items()}
+
+
+def relative_error(got, expected) -> float:
+    got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
+    return float(np.linalg.norm(got - expected) / np.linalg.norm(expected))
+
+
+def shape_benchmark(name: str, rows: int, depth: int, cols: int, experts: int, tile: int, implementation: str,
+                    variants: dict, rounds: int, calls: int) -> dict:
+    sizes = group_sizes(rows, experts)
+    padded, tiled_rows = tiled(sizes, tile)
+    keys = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(keys[0], (rows, depth), jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (experts, depth, cols), jnp.float32) * depth ** -0.5).astype(jnp.bfloat16)
+    dy = jax.random.normal(keys[2], (rows, cols), jnp.bfloat16)
+    starts = np.concatenate([[0], np.cumsum(padded)[:-1]])
+    destination = np.concatenate([start + np.arange(size) for start, size in zip(starts, sizes)])
+    x_tiled = jnp.zeros((tiled_rows, depth), x.dtype).at[destination].set(x)
+    dy_tiled = jnp.zeros((tiled_rows, cols), dy.dtype).at[destination].set(dy)
+    padded_j, sizes_j = jnp.asarray(padded, jnp.int32), jnp.asarray(sizes, jnp.int32)
+    programs = {"gemm": fwd_bwd(lambda x, w: x @ w[0]),
+                "ragged_dot": fwd_bwd(lambda x, w: jax.lax.ragged_dot(x, w, sizes_j))}
+    args = {"gemm": (x, w, dy), "ragged_dot": (x, w, dy)}
+    for variant, blocks in variants.items():
+        programs[f"pallas_{variant}"] = fwd_bwd(
+            lambda x, w, blocks=blocks: grouped_matmul(x, w, padded_j, tile, implementation, blocks))
+        args[f"pallas_{variant}"] = (x_tiled, w, dy_tiled)
+    seconds = timed(programs, args, rounds, calls)
+    flops = 3 * 2 * rows * depth * cols
+    result = {"rows": rows, "K": depth, "F": cols, "experts": experts, "tile": tile, "group_sizes": sizes.tolist(),
+              "padded_rows": int(padded.sum()), "flops_fwd_bwd": flops,
+              "seconds": seconds, "tflops": {k: flops / s / 1e12 for k, s in seconds.items()},
+              "over_gemm": {k: seconds["gemm"] / s for k, s in seconds.items()}}
+    result["error"] = kernel_error(x_tiled, w, dy_tiled, padded, padded_j, tile, implementation)
+    print(f"{name}: rows {rows}, {depth} -> {cols}, {experts} experts, tile {tile}; forward + backward")
+    for key, value in seconds.items():
+        print(f"  {key:24s} {value * 1e3:8.3f} ms  {result['tflops'][key]:7.1f} TFLOP/s  "
+              f"{result['over_gemm'][key]:.3f} of the GEMM")
+    print(f"  kernel error vs float32 (out, dx, dw): {result['error']}")
+    return result
+
+
+def kernel_error(x_tiled, w, dy_tiled, padded, padded_j, tile, implementation) -> list[float]:
+    """||kernel - float32 reference|| / ||reference|| of out, dx and dw (one matmul per group in float32)."""
+    got = fwd_bwd(lambda x, w: grouped_matmul(x, w, padded_j, tile, implementation))(x_tiled, w, dy_tiled)
+    xf, wf, dyf = (np.asarray(a, np.float32) for a in (x_tiled, w, dy_tiled))
+    out, dx, dw = np.zeros((len(xf), wf.shape[2]), np.float32), np.zeros_like(xf), np.zeros_like(wf)
+    start = 0
+    for g, size in enumerate(padded):
+        rows = slice(start, start + size)
+        out[rows], dx[rows], dw[g] = xf[rows] @ wf[g], dyf[rows] @ wf[g].T, xf[rows].T @ dyf[rows]
+        start += size
+    return [relative_error(a, e) for a, e in zip(got, (out, dx, dw))]
+
+
+def layout_check(implementation: str) -> dict:
+    """The routed block (tiny-moe shapes, bfloat16) under starscream_ep on a mesh of every local device, through
+    the kernel inside the layout's shard map, against the dense reference unsharded: relative error of the output
+    and of every gradient."""
+    c = load_model_config("tiny-moe", dtype="bfloat16")
+    devices = len(jax.devices())
+    mesh = build_mesh(f"{devices}x1")
+    keys = jax.random.split(jax.random.key(2), 5)
+    shapes = {"router": (c.d_model, c.n_experts), "w_gate": (c.n_experts, c.d_model, c.d_ff),
+              "w_up": (c.n_experts, c.d_model, c.d_ff), "w_down": (c.n_experts, c.d_ff, c.d_model)}
+    w = {name: jax.random.normal(key, shape, jnp.float32) * shape[-2] ** -0.5
+         for (name, shape), key in zip(shapes.items(), keys)}
+    h = jax.random.normal(keys[4], (2 * devices, 64, c.d_model), jnp.float32)
+
+    def loss_and_grads(block, h, w):
+        def loss(h, w):
+            out = block(h, w).astype(jnp.float32)
+            return jnp.sum(out * out), out
+        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(h, w)[0][1], jax.grad(
+            lambda h, w: loss(h, w)[0], argnums=(0, 1))(h, w)
+
+    def dense(h, w):
+        h_TD = h.reshape(-1, c.d_model).astype(jnp.bfloat16)
+        gates, experts, _ = moe.route(h_TD, w["router"], c.experts_per_token, c.normalize_gates)
+        weights = [w[name].astype(jnp.bfloat16) for name in moe.EXPERT_WEIGHTS]
+        return moe.dense_experts(h_TD, gates, experts, *weights).reshape(h.shape)
+
+    expected = jax.jit(lambda h, w: loss_and_grads(dense, h, w))(h, w)
+    rules = get_layout("starscream_ep").params
+    names = {"router": ("embed", "experts"), "w_gate": ("experts", "embed", "expert_mlp"),
+             "w_up": ("experts", "embed", "expert_mlp"), "w_down": ("experts", "expert_mlp", "embed")}
+    placed = {name: jax.device_put(value, NamedSharding(mesh, resolve(names[name], value.shape, rules, mesh)))
+              for name, value in w.items()}
+    with use_layout("starscream_ep", mesh):
+        tokens = jax.device_put(h, NamedSharding(mesh, activation_spec(RESIDUAL, h.shape)))
+        program = jax.jit(lambda h, w: loss_and_grads(lambda h, w: moe.routed_mlp(c, h, w)[0], h, w))
+        got = program(tokens, placed)
+        text = program.lower(tokens, placed).compile().as_text()
+    errors = [relative_error(a, e) for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected))]
+    result = {"devices": devices, "relative_errors": errors,
+              "triton_kernels_in_program": text.count("__gpu$xla.gpu.triton")}
+    print(f"starscream_ep on {devices} device(s), routed through the {implementation} kernel vs dense: {result}")
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, kernels in interpret mode (CPU)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    device = jax.devices()[0]
+    result = {"command": "python scripts/bench_grouped_matmul.py " + " ".join(argv or sys.argv[1:]),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "jax": jax.__version__, "device": device.device_kind, "platform": device.platform, "shapes": {}}
+    shapes = {"tiny": (256, 64, 128, 4)} if args.quick else SHAPES
+    implementation = "interpret" if args.quick else "pallas"
+    variants = {"default": DEFAULT_BLOCKS} if args.quick else VARIANTS
+    rounds, calls = (1, 1) if args.quick else (args.rounds, args.calls)
+    result["layout_check"] = layout_check(moe.default_implementation())
+    for name, (rows, depth, cols, experts) in shapes.items():
+        tile = tile_rows(rows, experts)
+        result["shapes"][name] = shape_benchmark(name, rows, depth, cols, experts, tile, implementation, variants,
+                                                 rounds, calls)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""The grouped matmul (its Pallas kernels in interpret mode, and the batched-matmul path) against one matmul per
+group, forward and gradients, with uneven and empty groups and tiles past the live rows; and the routed block run
+through the kernels against the dense reference. (Pallas interpret mode cannot run inside a shard map whose
+manual axes are typed: the layouts' equivalence tests run the batched-matmul path.)"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from starscream_jax.errors import ShardingRuleError
+from starscream_jax.model import moe
+from starscream_jax.model.grouped_matmul import Blocks, grouped_matmul
+from tests.model.test_moe import block_inputs, config, dense_block, loss_and_grads, max_errors
+
+TILE, K, F = 16, 32, 48
+SIZES = (32, 0, 16, 48)
+"""Rows of each group, whole tiles: group 1 is empty; 2 tiles past the 96 live rows."""
+SMALL_BLOCKS = Blocks(cols=16, depth=16, weight_block=16, group=2)
+"""Blocks smaller than the dimensions, so that the kernels loop over columns and depth and order their programs."""
+
+
+def per_group(x_RK, w_GKF):
+    """The reference: one matmul per group on its rows, zeros past the live rows."""
+    starts = np.cumsum((0, *SIZES))
+    outs = [x_RK[start:end] @ w_GKF[g] for g, (start, end) in enumerate(zip(starts[:-1], starts[1:]))]
+    return jnp.concatenate([*outs, jnp.zeros((x_RK.shape[0] - starts[-1], w_GKF.shape[2]))])
+
+
+def inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    x_RK = rng.normal(size=(sum(SIZES) + 2 * TILE, K)).astype(np.float32)
+    return x_RK, rng.normal(size=(len(SIZES), K, F)).astype(np.float32), rng.normal(size=(len(x_RK), F))
+
+
+def output_and_grads(matmul, x_RK, w_GKF, cotangent_RF):
+    """(out, d<out, cotangent>/d(x, w)): the forward and both gradients."""
+    out, pullback = jax.vjp(matmul, x_RK, w_GKF)
+    return out, pullback(cotangent_RF.astype(out.dtype))
+
+
+@pytest.mark.parametrize("implementation", ["interpret", "xla"])
+def test_grouped_matmul_equals_one_matmul_per_group(implementation):
+    x_RK, w_GKF, cotangent_RF = inputs()
+    sizes = jnp.asarray(SIZES, jnp.int32)
+    matmul = functools.partial(lambda x, w: grouped_matmul(x, w, sizes, TILE, implementation, SMALL_BLOCKS))
+    expected = output_and_grads(per_group, x_RK, w_GKF, cotangent_RF)
+    poisoned = x_RK.copy()
+    poisoned[sum(SIZES):] = np.nan  # rows past the live ones: skipped, nothing of them reaches any result
+    got = jax.jit(functools.partial(output_and_grads, matmul))(poisoned, w_GKF, cotangent_RF)
+    errors = max_errors(got, expected)
+    assert max(errors) <= 1e-4, errors
+    assert not np.any(np.asarray(got[1][1][1]))  # the empty group's weight gradient is 0
+    assert np.all(np.asarray(got[0][sum(SIZES):]) == 0) and np.all(np.asarray(got[1][0][sum(SIZES):]) == 0)
+
+
+def test_grouped_matmul_refuses_rows_that_are_not_whole_tiles():
+    x_RK, w_GKF, _ = inputs()
+    with pytest.raises(ShardingRuleError, match="whole tiles of 16"):
+        grouped_matmul(x_RK[:-1], w_GKF, jnp.asarray(SIZES, jnp.int32), TILE, "xla")
+
+
+def test_routed_block_through_the_kernels_equals_the_dense_reference(monkeypatch):
+    """Every expert gets tokens but expert 3, which gets none (an empty group)."""
+    monkeypatch.setattr(moe, "default_implementation", lambda: "interpret")
+    c = config()
+    h, w = block_inputs(tokens=(2, 8))
+    h[..., 0] = 4.0
+    w["router"][0, 3] = -10.0  # no token picks expert 3
+    _, experts, _ = moe.route(h.reshape(-1, h.shape[-1]), w["router"], 2, True)
+    assert 3 not in np.unique(experts) and len(np.unique(experts)) == 3
+    expected = jax.jit(functools.partial(loss_and_grads, dense_block, c))(h, w)
+    got = jax.jit(functools.partial(loss_and_grads, lambda c, h, w: moe.routed_mlp(c, h, w)[0], c))(h, w)
+    assert max(max_errors(got, expected)) <= 2e-5
+
