@@ -159,12 +159,12 @@ def _out_shape(shape, x, *operands) -> jax.ShapeDtypeStruct:
 def _grouped_order(program, row_blocks: int, col_blocks: int, group: int):
     """(row block, column block) of a program numbered in groups of `group` row blocks: down the group's row
     blocks first, then the next column block, so that the programs running at once share few weight and row
-    blocks."""
+    blocks. (lax.div and lax.rem: the operands are not negative, and Triton lowers them, not Python's //.)"""
     per_group = group * col_blocks
-    first_row = (program // per_group) * group
+    first_row = jax.lax.div(program, per_group) * group
     rows_here = jnp.minimum(row_blocks - first_row, group)
-    within = program % per_group
-    return first_row + within % rows_here, within // rows_here
+    within = jax.lax.rem(program, per_group)
+    return first_row + jax.lax.rem(within, rows_here), jax.lax.div(within, rows_here)
 
 
 def _pallas_tiles(x_RK, w_GKF, tile_group_N, live_tiles_1, tile, blocks, transpose, interpret):
@@ -228,8 +228,9 @@ def _weight_kernel(offsets_ref, x_ref, dout_ref, dw_ref, *, tile, depth_block, c
     """One block [depth_block, col_block] of dw[g] = x[g's rows]^T dout[g's rows], summed tile by tile over the
     group's rows only (an empty group writes zeros)."""
     per_group = depth_blocks * col_blocks
-    expert = pl.program_id(0) // per_group
-    depth_index, col_index = _grouped_order(pl.program_id(0) % per_group, depth_blocks, col_blocks, group)
+    expert = jax.lax.div(pl.program_id(0), per_group)
+    depth_index, col_index = _grouped_order(jax.lax.rem(pl.program_id(0), per_group), depth_blocks, col_blocks,
+                                            group)
     depth = pl.ds(pl.multiple_of(depth_index * depth_block, depth_block), depth_block)
     cols = pl.ds(pl.multiple_of(col_index * col_block, col_block), col_block)
     start, end = offsets_ref[expert], offsets_ref[expert + 1]
@@ -238,5 +239,5 @@ def _weight_kernel(offsets_ref, x_ref, dout_ref, dw_ref, *, tile, depth_block, c
         rows = pl.ds(pl.multiple_of(start + index * tile, tile), tile)
         return acc_DC + pl.dot(x_ref[rows, depth], dout_ref[rows, cols], trans_a=True)
 
-    acc_DC = jax.lax.fori_loop(0, (end - start) // tile, step, jnp.zeros((depth_block, col_block), jnp.float32))
+    acc_DC = jax.lax.fori_loop(0, jax.lax.div(end - start, tile), step, jnp.zeros((depth_block, col_block), jnp.float32))
     dw_ref[expert, depth, cols] = acc_DC.astype(dw_ref.dtype)
