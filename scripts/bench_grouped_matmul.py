@@ -196,7 +196,6 @@ def main(argv=None) -> int:
     implementation = "interpret" if args.quick else "pallas"
     variants = {"default": DEFAULT_BLOCKS} if args.quick else VARIANTS
     rounds, calls = (1, 1) if args.quick else (args.rounds, args.calls)
-    result["layout_check"] = layout_check(moe.default_implementation())
     for name, (rows, depth, cols, experts) in shapes.items():
         tile = tile_rows(rows, experts)
         result["shapes"][name] = shape_benchmark(name, rows, depth, cols, experts, tile, implementation, variants,
@@ -204,6 +203,9 @@ def main(argv=None) -> int:
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=1))
+    result["layout_check"] = layout_check(moe.default_implementation())
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
     return 0
 
 

@@ -198,8 +198,8 @@ def _tile_kernel(tile_group_ref, live_tiles_ref, x_ref, w_ref, out_ref, *, tile,
             depth = pl.ds(pl.multiple_of(index * depth_block, depth_block), depth_block)
             x_MD = x_ref[rows, depth]
             if transpose:
-                return acc_MC + pl.dot(x_MD, w_ref[expert, cols, depth], trans_b=True)
-            return acc_MC + pl.dot(x_MD, w_ref[expert, depth, cols])
+                return acc_MC + _dot(x_MD, w_ref[expert, cols, depth], 1, 1)
+            return acc_MC + _dot(x_MD, w_ref[expert, depth, cols], 1, 0)
 
         acc_MC = jax.lax.fori_loop(0, x_ref.shape[1] // depth_block, step,
                                    jnp.zeros((tile, col_block), jnp.float32))
@@ -208,6 +208,12 @@ def _tile_kernel(tile_group_ref, live_tiles_ref, x_ref, w_ref, out_ref, *, tile,
     @pl.when(jnp.logical_not(live))
     def _zero():
         out_ref[rows, cols] = jnp.zeros((tile, col_block), out_ref.dtype)
+
+
+def _dot(a: jax.Array, b: jax.Array, a_contracted: int, b_contracted: int) -> jax.Array:
+    """The float32 product of two 2-D blocks over the dimensions named (a transpose is read, not made)."""
+    return jax.lax.dot_general(a, b, (((a_contracted,), (b_contracted,)), ((), ())),
+                               preferred_element_type=jnp.float32)
 
 
 def _pallas_weight_gradient(x_RK, dout_RF, offsets_G1, tile, blocks, interpret):
@@ -237,7 +243,7 @@ def _weight_kernel(offsets_ref, x_ref, dout_ref, dw_ref, *, tile, depth_block, c
 
     def step(index, acc_DC):
         rows = pl.ds(pl.multiple_of(start + index * tile, tile), tile)
-        return acc_DC + pl.dot(x_ref[rows, depth], dout_ref[rows, cols], trans_a=True)
+        return acc_DC + _dot(x_ref[rows, depth], dout_ref[rows, cols], 0, 0)
 
     acc_DC = jax.lax.fori_loop(0, jax.lax.div(end - start, tile), step, jnp.zeros((depth_block, col_block), jnp.float32))
     dw_ref[expert, depth, cols] = acc_DC.astype(dw_ref.dtype)
