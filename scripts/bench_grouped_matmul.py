@@ -80,7 +80,9 @@ def timed(programs: dict, args: dict, rounds: int, calls: int) -> tuple[dict, di
         except jax.errors.JaxRuntimeError as error:  # e.g. blocks over the shared memory of the chip
             failed[name] = str(error).splitlines()[0]
             continue
+        start = time.perf_counter()
         jax.block_until_ready(compiled[name](*args[name]))
+        print(f"  {name}: compiled, first call {time.perf_counter() - start:.3f} s", flush=True)
         means[name] = []
     for _ in range(rounds):
         for name, program in compiled.items():
