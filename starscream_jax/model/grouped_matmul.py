@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ..errors import ShardingRuleError
+from ..errors import PresetError, StarscreamError
 
 IMPLEMENTATIONS = ("pallas", "interpret", "xla")
 
@@ -34,9 +34,10 @@ IMPLEMENTATIONS = ("pallas", "interpret", "xla")
 @dataclasses.dataclass(frozen=True)
 class Blocks:
     """Block sizes of the Pallas kernels (powers of two; each is cut to the largest power of two that divides its
-    dimension). cols x depth: the output block and the contraction step of the tile kernel; weight_rows: the rows
-    of x^T dy summed per step of the weight-gradient kernel; group: row blocks a column block visits before the next
-    (programs that run together share weights and rows in L2); warps and stages: Triton's launch and pipeline depth."""
+    dimension). cols x depth: the output block and the contraction step of the tile kernel; weight_block: the side
+    of the square block of an expert's weight gradient that one program of the weight-gradient kernel sums (a tile
+    of rows per step); group: row blocks a column block visits before the next (programs that run together share
+    weights and rows in L2); warps and stages: Triton's launch width and pipeline depth."""
 
     cols: int = 128
     depth: int = 64
@@ -124,12 +125,12 @@ def _weight_gradient(x_RK, dout_RF, padded_sizes_G, tile, implementation, blocks
 
 def _check(x_RK, w_GKF, tile, implementation, transpose):
     if implementation not in IMPLEMENTATIONS:
-        raise ShardingRuleError(f"grouped matmul implementation {implementation!r} is unknown; use one of "
-                                f"{', '.join(IMPLEMENTATIONS)}")
+        raise StarscreamError(f"grouped matmul implementation {implementation!r} is unknown; use one of "
+                              f"{', '.join(IMPLEMENTATIONS)}")
     contraction = w_GKF.shape[2 if transpose else 1]
     if x_RK.shape[1] != contraction or x_RK.shape[0] % tile:
-        raise ShardingRuleError(f"grouped matmul of rows {x_RK.shape} and weights {w_GKF.shape}: the rows must be "
-                                f"whole tiles of {tile} and their width the weights' {contraction}")
+        raise StarscreamError(f"grouped matmul of rows {x_RK.shape} and weights {w_GKF.shape}: the rows must be "
+                              f"whole tiles of {tile} and their width the weights' {contraction}")
 
 
 def _block(dim: int, wanted: int) -> int:
@@ -138,8 +139,8 @@ def _block(dim: int, wanted: int) -> int:
     while dim % block and block > 16:
         block //= 2
     if dim % block:
-        raise ShardingRuleError(f"the grouped matmul's dimension {dim} is not a multiple of 16; pad the model's "
-                                f"d_model and expert d_ff to multiples of 16")
+        raise PresetError(f"the grouped matmul's dimension {dim} is not a multiple of 16; use a model whose "
+                          f"d_model and expert d_ff are multiples of 16")
     return block
 
 
@@ -245,5 +246,6 @@ def _weight_kernel(offsets_ref, x_ref, dout_ref, dw_ref, *, tile, depth_block, c
         rows = pl.ds(pl.multiple_of(start + index * tile, tile), tile)
         return acc_DC + _dot(x_ref[rows, depth], dout_ref[rows, cols], 0, 0)
 
-    acc_DC = jax.lax.fori_loop(0, jax.lax.div(end - start, tile), step, jnp.zeros((depth_block, col_block), jnp.float32))
+    acc_DC = jax.lax.fori_loop(0, jax.lax.div(end - start, tile), step,
+                               jnp.zeros((depth_block, col_block), jnp.float32))
     dw_ref[expert, depth, cols] = acc_DC.astype(dw_ref.dtype)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from starscream_jax.errors import ShardingRuleError
+from starscream_jax.errors import PresetError, StarscreamError
 from starscream_jax.model import moe
 from starscream_jax.model.grouped_matmul import Blocks, grouped_matmul
 from tests.model.test_moe import block_inputs, config, dense_block, loss_and_grads, max_errors
@@ -59,7 +59,7 @@ def test_grouped_matmul_equals_one_matmul_per_group(implementation):
 
 def test_grouped_matmul_refuses_rows_that_are_not_whole_tiles():
     x_RK, w_GKF, _ = inputs()
-    with pytest.raises(ShardingRuleError, match="whole tiles of 16"):
+    with pytest.raises(StarscreamError, match="whole tiles of 16"):
         grouped_matmul(x_RK[:-1], w_GKF, jnp.asarray(SIZES, jnp.int32), TILE, "xla")
 
 
@@ -76,3 +76,24 @@ def test_routed_block_through_the_kernels_equals_the_dense_reference(monkeypatch
     got = jax.jit(functools.partial(loss_and_grads, lambda c, h, w: moe.routed_mlp(c, h, w)[0], c))(h, w)
     assert max(max_errors(got, expected)) <= 2e-5
 
+
+
+def test_the_kernel_refuses_a_width_that_is_not_a_multiple_of_16():
+    x_RK, w_GKF, _ = inputs()
+    with pytest.raises(PresetError, match="dimension 24 is not a multiple of 16"):
+        grouped_matmul(x_RK[:, :24], w_GKF[:, :24], jnp.asarray(SIZES, jnp.int32), TILE, "interpret")
+
+
+@pytest.mark.gpu
+def test_the_kernel_on_a_gpu_equals_one_float32_matmul_per_group():
+    """The compiled Triton kernels (bfloat16 in, float32 sums): relative error of the output and both gradients."""
+    x_RK, w_GKF, cotangent_RF = inputs(seed=1)
+    sizes = jnp.asarray(SIZES, jnp.int32)
+    matmul = functools.partial(lambda x, w: grouped_matmul(x, w, sizes, TILE, "pallas", SMALL_BLOCKS))
+    got = jax.jit(functools.partial(output_and_grads, matmul))(
+        *(jnp.asarray(a, jnp.bfloat16) for a in (x_RK, w_GKF, cotangent_RF)))
+    rounded = [np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32) for a in (x_RK, w_GKF, cotangent_RF)]
+    expected = output_and_grads(per_group, *rounded)
+    for actual, reference in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+        actual, reference = np.asarray(actual, np.float32), np.asarray(reference)
+        assert np.linalg.norm(actual - reference) <= 1e-2 * np.linalg.norm(reference)
