@@ -46,6 +46,7 @@ from ..sharding.apply import LOGICAL_AXES, activation_spec, use_layout
 from ..sharding.layouts import get_layout
 from .compile import REFERENCE, CompiledStep, Settings, abstract_args, abstract_cache, compile_step
 from .costmodel import estimate_step, matmul_work
+from .memory import memory_passes
 from .principles import check_principles, reads_once_per_gpu
 from .report import SCOPES, inspect_compiled
 
@@ -193,7 +194,9 @@ def layout_result(settings: Settings, topology, mesh, step: CompiledStep, report
         "outputs": [dataclasses.asdict(entry) for entry in report.outputs],
         "activations": [dataclasses.asdict(entry) for entry in report.activations],
     }
-    result["estimate"] = estimate_step(result, topology, itemsize).to_dict()
+    passes = memory_passes(settings.config.replace(n_layers=settings.full_layers), step.layout, mesh, settings.phase,
+                           settings.batch, settings.seq, memory)
+    result["estimate"] = estimate_step(result, topology, itemsize, passes).to_dict()
     return result
 
 
