@@ -28,10 +28,11 @@ compiled program, the model's shapes and the preset's hardware figures, scaled t
   into their sum, and one optimizer update.
 - Measured chips: where `meshes/measured/<chip>.json` exists (H200: `scripts/measure_costmodel.py`), a matmul above
   the ridge point runs at the efficiency measured for the nearest measured shape (log distance in M, K, N; the
-  shape's batch folded into M) instead of at peak; bytes (memory-bound matmuls, memory passes) move at the copy
-  rate measured on the chip, not the datasheet's bandwidth (the measured small matmuls time a host dispatch of
-  35-45 us per call, not the kernel, so a matmul below the ridge is priced by its bytes); a collective between GPUs runs at the bus bandwidth measured for its kind at
-  the nearest buffer size (log-interpolated) instead of the preset's figure; `Measurements` reads the file.
+  shape's batch folded into M) instead of at peak (one below it is priced by its bytes: the measured small shapes
+  time a host dispatch of 35-45 us per call, not the kernel); bytes (matmuls', memory passes') move at the copy
+  rate measured on the chip (`Measurements.copy_rate`) instead of the datasheet's bandwidth; a collective between
+  GPUs runs at the bus bandwidth measured for its kind at the nearest buffer size (log-interpolated) instead of the
+  preset's figure; `Measurements` reads the file.
 
 The figures come from programs compiled for simulated CPU devices, which move bfloat16 as float32 and run a
 reduce-scatter as an all-reduce plus a slice: communication is overstated up to 2x (4x for reduce-scatters), more
@@ -193,17 +194,13 @@ def matmul_work(batch: int, m: int, k: int, n: int, itemsize: int) -> tuple[int,
 
 def matmul_seconds(matmul: dict[str, Any], peak_flops: float, hbm_bandwidth: float, itemsize: int,
                    measured: Measurements | None = None) -> float:
-    """Roofline seconds of one run of a local matmul {"batch", "m", "k", "n"} on one partition; when `measured` is
-    given, at the measured efficiency of its shape if it is compute-bound, else its bytes at the measured copy rate
-    (where the chip's file has one)."""
+    """Roofline seconds of one run of a local matmul {"batch", "m", "k", "n"} on one partition: max(FLOPs / peak,
+    bytes / `hbm_bandwidth`); with `measured`, a matmul above the ridge point runs at the measured efficiency of its
+    shape (one below it streams its bytes: the measured small shapes time the host's dispatch, not the kernel)."""
     flops, moved = matmul_work(matmul["batch"], matmul["m"], matmul["k"], matmul["n"], itemsize)
-    if measured is None:
-        return max(flops / peak_flops, moved / hbm_bandwidth)
-    rate = measured.copy_rate() or hbm_bandwidth
-    if flops / moved < peak_flops / rate:
-        return max(flops / peak_flops, moved / rate)
-    return max(flops / (peak_flops * measured.efficiency(matmul["batch"] * matmul["m"], matmul["k"], matmul["n"])),
-               moved / rate)
+    if measured is not None and flops / moved >= peak_flops / hbm_bandwidth:
+        peak_flops *= measured.efficiency(matmul["batch"] * matmul["m"], matmul["k"], matmul["n"])
+    return max(flops / peak_flops, moved / hbm_bandwidth)
 
 
 def collective_seconds(collective: dict[str, Any], cost: LinkCost, measured: Measurements | None) -> float:
@@ -228,7 +225,7 @@ def estimate_step(result: dict[str, Any], topology, itemsize: int,
     rate = hbm_rate(topology, measured)
     passes_s = {kind: moved / rate for kind, moved in (passes or {}).items()}
     for matmul in result["matmuls"]:
-        seconds = matmul_seconds(matmul, topology.peak_flops, topology.hbm_bandwidth, itemsize, measured)
+        seconds = matmul_seconds(matmul, topology.peak_flops, rate, itemsize, measured)
         compute += seconds * matmul["full_depth_runs"]
         if matmul["below_ridge"]:
             memory_bound += seconds * matmul["full_depth_runs"]

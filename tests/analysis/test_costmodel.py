@@ -149,7 +149,7 @@ def test_the_step_estimate_is_within_20_percent_of_the_h200_measurement(name, so
 
 
 def test_measured_chips_run_matmuls_at_the_nearest_measured_efficiency_and_collectives_at_measured_bandwidth():
-    from starscream_jax.analysis.costmodel import LinkCost, collective_seconds, matmul_seconds, measurements
+    from starscream_jax.analysis.costmodel import LinkCost, collective_seconds, hbm_rate, matmul_seconds, measurements
 
     h200 = measurements("h200")
     assert measurements("mi300x") is None  # no AMD measurement: the preset's figures alone
@@ -161,8 +161,10 @@ def test_measured_chips_run_matmuls_at_the_nearest_measured_efficiency_and_colle
     assert matmul_seconds(shape, 989e12, 4.8e12, 2, h200) == pytest.approx(at_peak / row[3])
     copy = h200.copy_rate()
     assert copy == max(h200.collectives["copy"])[1] and 2e12 < copy < 4.8e12  # below the datasheet's 4.8 TB/s
-    vector = {"batch": 1, "m": 1, "k": 8192, "n": 8192}  # below the ridge: its bytes at the measured copy rate
-    assert matmul_seconds(vector, 989e12, 4.8e12, 2, h200) == pytest.approx(2 * (8192 + 8192 * 8192 + 8192) / copy)
+    vector = {"batch": 1, "m": 1, "k": 8192, "n": 8192}  # below the ridge: its bytes, no dispatch-bound efficiency
+    assert matmul_seconds(vector, 989e12, copy, 2, h200) == pytest.approx(2 * (8192 + 8192 * 8192 + 8192) / copy)
+    assert hbm_rate(Topology.from_preset("h200"), h200) == copy
+    assert hbm_rate(CPX, measurements("mi300x")) == CPX.hbm_bandwidth
     sizes = sorted(h200.collectives["all-reduce"])
     (small, slow), (large, fast) = sizes[-2], sizes[-1]
     middle = (small * large) ** 0.5
