@@ -1,7 +1,7 @@
 """The cost model beside every stored H200 measurement, on CPU: for each stored memory_analysis() the GPU memory
 estimate (`analysis.memory.gpu_memory`) and for each stored step time the cost model's estimate of the same step
 (compiled here for simulated devices of the h200 preset, `costmodel.estimate_step`), with their ratios. Each row
-names the file it was read from and whether the model's terms were set from it ("set") or not ("heldout").
+names the file it was read from and whether the model's terms were read from it ("set") or not ("heldout").
 
     python scripts/compare_costmodel.py --out benchmarks/results/h200_costmodel_check.json
 """
@@ -21,8 +21,8 @@ STEP_FILES = {"h200_costmodel.json": "set", "h200_steps_inplace_cache.json": "se
 """Stored step times. h200_costmodel.json's decode row timed the program before the cache was written in place
 (superseded by h200_steps_inplace_cache.json's); the two decode_llama3-8b files time today's decode step with the
 layer loop unrolled (`--unroll 32`) and rolled (the profile of the rolled one, benchmarks/NOTES.md run 4, showed
-the copies `memory_passes` counts). Only h200_costmodel_heldout.json's runs were timed after the memory passes'
-kinds were chosen from the others."""
+the copies `memory_passes` counts). h200_costmodel_heldout.json's runs were timed for the check: no term was read
+from them."""
 
 
 def stored_memory() -> list[dict]:

@@ -6,13 +6,16 @@ compiled program, the model's shapes and the preset's hardware figures, scaled t
   and result at the compute dtype. Tile and wave quantization are not counted.
 - Memory passes (`memory_passes`): what the step moves through HBM outside the matmuls, counted from the model's
   shapes and the layout's placement of each tensor (`memory.memory_passes`), priced at the HBM rate (the measured
-  copy rate on a measured chip): the layers' elementwise and reduction passes (norms, rotary, residual adds, the gated MLP's product: reads
-  and writes of each, the backward twice the forward, recomputation once more), the loss over the vocabulary, the
-  training step's casts of the float32 weights, the optimizer update, and the copies the compiled program makes:
+  copy rate on a measured chip): the layers' elementwise and reduction passes (norms, rotary, residual adds, the
+  gated MLP's product: reads and writes of each, the backward twice the forward, recomputation once more), the
+  activations saved for the backward, the loss over the vocabulary, the training step's casts of the float32
+  weights, the optimizer update, and the copies the compiled program makes:
   a rolled layer loop (`ModelConfig.scan_unroll` below the depth) copies each layer's weights out of the stacked
   arrays before its matmuls read them, and XLA's attention over a KV cache reads each layer's keys and values
   through a transposed copy (with the rolled loop also a sliced copy, and the whole cache transposed into and out of
-  the loop: an H200 profile of the decode step, benchmarks/NOTES.md run 4).
+  the loop: an H200 profile of the decode step, benchmarks/NOTES.md run 4). On a measured chip each layer's
+  elementwise passes take at least the floor of its small kernels (`Measurements.layer_floor`, per layer and, in
+  training, per forward and backward's two), which decode at small batches reaches.
 - Collective: the latency floor of its scope plus its ring bytes per device over the bus bandwidth of its scope. The
   preset's bandwidths are RCCL / NCCL bus bandwidths, which already fold in the ring formulas' factors. Inside a GPU
   every partition group has the GPU's fabric; across GPUs (and nodes) the X partitions of a GPU run X rings at once
@@ -130,11 +133,14 @@ class StepEstimate:
 
 @dataclasses.dataclass(frozen=True)
 class Measurements:
-    """Matmul efficiency per shape (rows of m, k, n, efficiency against the chip's peak) and collective bus bandwidth
-    per kind and buffer size (rows of kind, bytes, bus_bandwidth), measured on one chip."""
+    """Matmul efficiency per shape (rows of m, k, n, efficiency against the chip's peak), collective bus bandwidth
+    per kind and buffer size (rows of kind, bytes, bus_bandwidth; kind "copy": one device's HBM copy rate), and
+    `layer_floor`, the seconds a layer's small kernels take when their bytes are negligible (None: not measured),
+    measured on one chip."""
 
     matmul: tuple[tuple[int, int, int, float], ...]
     collectives: dict[str, tuple[tuple[float, float], ...]]
+    layer_floor: float | None = None
 
     def efficiency(self, m: int, k: int, n: int) -> float:
         """The measured efficiency of the nearest measured shape (log distance)."""
@@ -170,7 +176,8 @@ def measurements(chip: str) -> Measurements | None:
     for row in raw["collectives"]:
         collectives.setdefault(row["kind"].replace("_", "-"), []).append((row["bytes"], row["bus_bandwidth"]))
     return Measurements(tuple((r["m"], r["k"], r["n"], r["efficiency"]) for r in raw["matmul"]),
-                        {kind: tuple(sorted(rows)) for kind, rows in collectives.items()})
+                        {kind: tuple(sorted(rows)) for kind, rows in collectives.items()},
+                        raw.get("layer_kernel_floor_s"))
 
 
 def link_costs(topology) -> dict[str, LinkCost]:
@@ -224,6 +231,9 @@ def estimate_step(result: dict[str, Any], topology, itemsize: int,
     measured = measurements(topology.preset.chip.name)
     rate = hbm_rate(topology, measured)
     passes_s = {kind: moved / rate for kind, moved in (passes or {}).items()}
+    if "layers" in passes_s and measured is not None and measured.layer_floor:
+        runs = result["layers"]["full"] * (3 if result["phase"] == "train" else 1)
+        passes_s["layers"] = max(passes_s["layers"], runs * measured.layer_floor)
     for matmul in result["matmuls"]:
         seconds = matmul_seconds(matmul, topology.peak_flops, rate, itemsize, measured)
         compute += seconds * matmul["full_depth_runs"]

@@ -174,3 +174,17 @@ def test_measured_chips_run_matmuls_at_the_nearest_measured_efficiency_and_colle
     assert collective_seconds(collective, LinkCost(1e-6, 1.0), h200) == pytest.approx(large / fast)
     assert collective_seconds({**collective, "scope": "intra_gpu"}, LinkCost(1e-6, 1e9), h200) == \
         pytest.approx(1e-6 + large / 1e9)
+
+
+def test_a_layers_passes_take_at_least_the_measured_floor_of_its_small_kernels():
+    from starscream_jax.analysis.costmodel import hbm_rate, measurements
+
+    h200, topology = measurements("h200"), Topology.from_preset("h200")
+    floor = h200.layer_floor
+    assert 1e-6 < floor < 1e-4
+    decode, train = ({**result(phase), "collectives": []} for phase in ("decode", "train"))
+    tiny, large = {"layers": 1.0}, {"layers": 1e12}
+    assert estimate_step(decode, topology, 2, tiny).passes_s["layers"] == pytest.approx(10 * floor)
+    assert estimate_step(train, topology, 2, tiny).passes_s["layers"] == pytest.approx(3 * 10 * floor)
+    assert estimate_step(decode, topology, 2, large).passes_s["layers"] == pytest.approx(1e12 / hbm_rate(topology, h200))
+    assert estimate_step(decode, CPX, 2, tiny).passes_s["layers"] == pytest.approx(1.0 / CPX.hbm_bandwidth)  # no floor
