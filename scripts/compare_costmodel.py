@@ -77,9 +77,8 @@ def memory_rows(measured: list[dict]) -> list[dict]:
         with use_layout(layout, mesh):
             _, args = abstract_args(config, layout, mesh, case["phase"], case["batch"], case["seq"])
         cache = abstract_cache(config, layout, mesh, case["batch"], case["seq"]) if case["phase"] != "train" else None
-        persistent = {"params": sum(_shard_bytes(x) for x in jax.tree.leaves(args.params)),
-                      "optimizer_state": sum(_shard_bytes(x) for x in jax.tree.leaves(getattr(args, "opt_state", None))),
-                      "kv_cache": sum(_shard_bytes(x) for x in jax.tree.leaves(cache))}
+        groups = {"params": args.params, "optimizer_state": getattr(args, "opt_state", None), "kv_cache": cache}
+        persistent = {name: sum(_shard_bytes(x) for x in jax.tree.leaves(tree)) for name, tree in groups.items()}
         micro_batches = case.get("grad_accum", 1)
         estimate = gpu_memory(config, layout, mesh, case["phase"], case["batch"], case["seq"], persistent,
                               micro_batches)

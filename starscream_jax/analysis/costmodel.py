@@ -4,18 +4,18 @@ compiled program, the model's shapes and the preset's hardware figures, scaled t
 
 - Matmul [batch, M, K, N] on one partition: max(2 batch M K N / peak FLOP/s, bytes / HBM bytes/s), with the operands
   and result at the compute dtype. Tile and wave quantization are not counted.
-- Memory passes (`memory_passes`): what the step moves through HBM outside the matmuls, counted from the model's
-  shapes and the layout's placement of each tensor (`memory.memory_passes`), priced at the HBM rate (the measured
-  copy rate on a measured chip): the layers' elementwise and reduction passes (norms, rotary, residual adds, the
-  gated MLP's product: reads and writes of each, the backward twice the forward, recomputation once more), the
-  activations saved for the backward, the loss over the vocabulary, the training step's casts of the float32
-  weights, the optimizer update, and the copies the compiled program makes:
-  a rolled layer loop (`ModelConfig.scan_unroll` below the depth) copies each layer's weights out of the stacked
-  arrays before its matmuls read them, and XLA's attention over a KV cache reads each layer's keys and values
-  through a transposed copy (with the rolled loop also a sliced copy, and the whole cache transposed into and out of
-  the loop: an H200 profile of the decode step, benchmarks/NOTES.md run 4). On a measured chip each layer's
-  elementwise passes take at least the floor of its small kernels (`Measurements.layer_floor`, per layer and, in
-  training, per forward and backward's two), which decode at small batches reaches.
+- Memory passes: what the step moves through HBM outside the matmuls, counted from the model's shapes and the
+  layout's placement of each tensor (`memory.memory_passes`), priced at the HBM rate (the measured copy rate on a
+  measured chip): the layers' elementwise and reduction passes (norms, rotary, residual adds, the gated MLP's
+  product: reads and writes of each, the backward twice the forward, recomputation once more), the activations
+  saved for the backward, the loss over the vocabulary, the training step's casts of the float32 weights, the
+  optimizer update, and the copies the compiled program makes: a rolled layer loop (`ModelConfig.scan_unroll` below
+  the depth) copies each layer's weights out of the stacked arrays before its matmuls read them, and XLA's attention
+  over a KV cache reads each layer's keys and values through a transposed copy (with the rolled loop also a sliced
+  copy, and the whole cache transposed into and out of the loop: an H200 profile of the decode step,
+  benchmarks/NOTES.md run 4). On a measured chip each layer's elementwise passes take at least the floor of its
+  small kernels (`Measurements.layer_floor`, per layer and, in training, per forward and backward's two), which
+  decode at small batches reaches.
 - Collective: the latency floor of its scope plus its ring bytes per device over the bus bandwidth of its scope. The
   preset's bandwidths are RCCL / NCCL bus bandwidths, which already fold in the ring formulas' factors. Inside a GPU
   every partition group has the GPU's fabric; across GPUs (and nodes) the X partitions of a GPU run X rings at once
@@ -69,16 +69,11 @@ class LinkCost:
         return self.latency + bytes_per_device / self.bandwidth
 
 
-PER_STEP_PASSES = ("update", "accumulate")
-"""Memory passes of a training step that do not repeat with its micro-batches: the optimizer update runs once;
-"accumulate" is one micro-step's addition of its gradients into their sum, counted once per micro-step only when
-there are several (`StepEstimate.accumulated`)."""
-
-
 @dataclasses.dataclass(frozen=True)
 class StepEstimate:
     """Seconds of one full-depth step on one device: matmul time (and the part of it in memory-bound matmuls),
-    memory passes by kind (`memory_passes`, priced) and collective time by scope; `tokens` is what one step
+    memory passes by kind (`memory.memory_passes`, priced; "accumulate" counts only with several micro-batches)
+    and collective time by scope; `tokens` is what one step
     processes across the mesh, `micro_batches` how many micro-steps it runs."""
 
     compute_s: float
