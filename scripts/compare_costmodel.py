@@ -1,6 +1,7 @@
-"""The cost model beside the H200 measurements (benchmarks/results/h200_costmodel.json), on CPU: for each stored
-memory_analysis() the GPU memory estimate (`analysis.memory.gpu_memory`) and for each stored step time the cost
-model's estimate of the same step (compiled here for simulated devices of the h200 preset), with their ratios.
+"""The cost model beside every stored H200 measurement, on CPU: for each stored memory_analysis() the GPU memory
+estimate (`analysis.memory.gpu_memory`) and for each stored step time the cost model's estimate of the same step
+(compiled here for simulated devices of the h200 preset, `costmodel.estimate_step`), with their ratios. Each row
+names the file it was read from and whether the model's terms were read from it ("set") or not ("heldout").
 
     python scripts/compare_costmodel.py --out benchmarks/results/h200_costmodel_check.json
 """
@@ -11,7 +12,50 @@ import json
 import sys
 from pathlib import Path
 
-MEASURED = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "h200_costmodel.json"
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+MEMORY_FILES = {"h200_memory_inplace_cache.json": "set", "h200_costmodel_heldout.json": "heldout"}
+"""Stored memory_analysis() figures: the decode terms were read from the first (the in-place cache's program)."""
+STEP_FILES = {"h200_costmodel.json": "set", "h200_steps_inplace_cache.json": "set",
+              "h200_costmodel_heldout.json": "heldout", "decode_llama3-8b_1gpu.json": "set",
+              "superseded/decode_llama3-8b_1gpu_run2_cache_in_place.json": "set"}
+"""Stored step times. h200_costmodel.json's decode row timed the program before the cache was written in place
+(superseded by h200_steps_inplace_cache.json's); the two decode_llama3-8b files time today's decode step with the
+layer loop unrolled (`--unroll 32`) and rolled (the profile of the rolled one, benchmarks/NOTES.md run 4, showed
+the copies `memory_passes` counts). h200_costmodel_heldout.json's runs were timed for the check: no term was read
+from them."""
+
+
+def stored_memory() -> list[dict]:
+    rows = []
+    for name, role in MEMORY_FILES.items():
+        for case in json.loads((RESULTS / name).read_text())["memory"]:
+            if "error" not in case:
+                rows.append({**case, "source": name, "role": role})
+    return rows
+
+
+def stored_steps() -> list[dict]:
+    """Every stored step time as {name, model, phase, layout, mesh, batch, seq, remat, grad_accum, scan_unroll,
+    step_s, source, role}."""
+    cases = []
+    for name, role in STEP_FILES.items():
+        stored = json.loads((RESULTS / name).read_text())
+        if "steps" in stored:
+            for row in stored["steps"]:
+                if name == "h200_costmodel.json" and row["phase"] == "decode":
+                    continue  # the program before the in-place cache, re-timed in h200_steps_inplace_cache.json
+                cases.append({"remat": "none", "grad_accum": 1, "scan_unroll": 1, **row, "source": name,
+                              "role": role})
+            continue
+        meta = stored["meta"]
+        for row in stored["rows"]:
+            unroll = meta.get("scan_unroll", 1)
+            cases.append({"name": f"{meta['model']} decode batch {row['batch']}"
+                                  + (" unrolled" if unroll > 1 else " rolled"),
+                          "model": meta["model"], "phase": "decode", "layout": meta["layout"], "mesh": meta["mesh"],
+                          "batch": row["batch"], "seq": row["cache_length"], "remat": "none", "grad_accum": 1,
+                          "scan_unroll": unroll, "step_s": row["step_s"], "source": name, "role": role})
+    return cases
 
 
 def memory_rows(measured: list[dict]) -> list[dict]:
@@ -33,53 +77,79 @@ def memory_rows(measured: list[dict]) -> list[dict]:
         with use_layout(layout, mesh):
             _, args = abstract_args(config, layout, mesh, case["phase"], case["batch"], case["seq"])
         cache = abstract_cache(config, layout, mesh, case["batch"], case["seq"]) if case["phase"] != "train" else None
-        persistent = {"params": sum(_shard_bytes(x) for x in jax.tree.leaves(args.params)),
-                      "optimizer_state": sum(_shard_bytes(x) for x in jax.tree.leaves(getattr(args, "opt_state", None))),
-                      "kv_cache": sum(_shard_bytes(x) for x in jax.tree.leaves(cache))}
-        estimate = gpu_memory(config, layout, mesh, case["phase"], case["batch"], case["seq"], persistent)
-        rows.append({**{k: case[k] for k in ("model", "phase", "batch", "seq", "remat")},
-                     "measured_bytes": case["peak_bytes"], "estimated_bytes": estimate["total"],
-                     "ratio": estimate["total"] / case["peak_bytes"], "estimate": estimate})
-        print(f"{case['model']:12} {case['phase']:6} {case['batch']:3} x {case['seq']:5} {case['remat']:5} "
-              f"measured {case['peak_bytes'] / 2**30:7.1f} GiB  estimated {estimate['total'] / 2**30:7.1f} GiB  "
-              f"ratio {rows[-1]['ratio']:.2f}", flush=True)
+        groups = {"params": args.params, "optimizer_state": getattr(args, "opt_state", None), "kv_cache": cache}
+        persistent = {name: sum(_shard_bytes(x) for x in jax.tree.leaves(tree)) for name, tree in groups.items()}
+        micro_batches = case.get("grad_accum", 1)
+        estimate = gpu_memory(config, layout, mesh, case["phase"], case["batch"], case["seq"], persistent,
+                              micro_batches)
+        rows.append({**{k: case[k] for k in ("model", "phase", "batch", "seq", "remat", "source", "role")},
+                     "grad_accum": micro_batches, "measured_bytes": case["peak_bytes"],
+                     "estimated_bytes": estimate["total"], "ratio": estimate["total"] / case["peak_bytes"],
+                     "estimate": estimate})
+        print(f"{case['role']:8} {case['model']:13} {case['phase']:7} {case['batch']:3} x {case['seq']:5} "
+              f"{case['remat']:5} accum {micro_batches}  measured {case['peak_bytes'] / 2**30:7.1f} GiB  "
+              f"estimated {estimate['total'] / 2**30:7.1f} GiB  ratio {rows[-1]['ratio']:.2f}", flush=True)
     return rows
 
 
 def step_rows(measured: list[dict]) -> list[dict]:
-    """The cost model's estimate of each measured step, compiled here on simulated devices of the h200 preset."""
+    """The cost model's estimate of each measured step, compiled here on simulated devices of the h200 preset (with
+    gradient accumulation: one micro-step compiled, `StepEstimate.accumulated`). A step whose layer loop ran
+    unrolled is compiled rolled, since the inspector reads per-layer figures from the loop (its matmuls and
+    collectives are the same), and its memory passes are counted for the unrolled program."""
+    import dataclasses
+
+    import numpy as np
+
     from starscream_jax.analysis.compile import make_settings
+    from starscream_jax.analysis.costmodel import estimate_step
     from starscream_jax.analysis.layout_report import inspect_layouts
+    from starscream_jax.analysis.memory import memory_passes
     from starscream_jax.hardware.mesh import build_topology_mesh
 
     rows = []
     for case in measured:
         gpus = case["mesh"]["data"] * case["mesh"]["gpu"]
         topology, mesh = build_topology_mesh("h200", gpus=gpus, data=case["mesh"]["data"], simulate=True)
-        settings = make_settings(case["model"], case["phase"], case["batch"], case["seq"], case["layout"], 2)
-        estimate = inspect_layouts(settings, topology, mesh, reference=False)[case["layout"]]["estimate"]
-        rows.append({"name": case["name"], "measured_s": case["step_s"], "estimated_s": estimate["serial_s"],
+        micro_batches = case["grad_accum"]
+        settings = make_settings(case["model"], case["phase"], case["batch"] // micro_batches, case["seq"],
+                                 case["layout"], 2)
+        settings = dataclasses.replace(settings, config=settings.config.replace(remat=case["remat"]))
+        result = inspect_layouts(settings, topology, mesh, reference=False)[case["layout"]]
+        config = settings.config.replace(n_layers=settings.full_layers, scan_unroll=case["scan_unroll"])
+        passes = memory_passes(config, case["layout"], mesh, settings.phase, settings.batch, settings.seq,
+                               result["memory_per_device"])
+        micro = estimate_step(result, topology, np.dtype(config.dtype).itemsize, passes)
+        estimate = micro.accumulated(micro_batches).to_dict()
+        rows.append({**{k: case[k] for k in ("name", "model", "phase", "batch", "seq", "remat", "grad_accum",
+                                             "scan_unroll", "mesh", "source", "role")},
+                     "measured_s": case["step_s"], "estimated_s": estimate["serial_s"],
                      "ratio": estimate["serial_s"] / case["step_s"], "estimate": estimate})
-        print(f"{case['name']:24} measured {case['step_s'] * 1e3:8.1f} ms  estimated {estimate['serial_s'] * 1e3:8.1f} ms"
-              f"  (matmuls {estimate['compute_s'] * 1e3:.1f}, collectives {estimate['total_communication_s'] * 1e3:.1f})"
-              f"  ratio {rows[-1]['ratio']:.2f}", flush=True)
+        passes = ", ".join(f"{kind} {seconds * 1e3:.1f}" for kind, seconds in estimate["passes_s"].items()
+                           if kind != "accumulate" or micro_batches > 1)
+        print(f"{case['role']:8} {case['name']:30} measured {case['step_s'] * 1e3:7.2f} ms  estimated "
+              f"{estimate['serial_s'] * 1e3:7.2f} ms  ratio {rows[-1]['ratio']:.2f}  (matmuls "
+              f"{estimate['compute_s'] * 1e3:.1f}, collectives {estimate['total_communication_s'] * 1e3:.1f}, "
+              f"passes {estimate['total_passes_s'] * 1e3:.1f}: {passes})", flush=True)
     return rows
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--measured", type=Path, default=MEASURED)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--parts", default="memory,steps")
     args = parser.parse_args(argv)
     from starscream_jax.hardware.simulation import simulate_cpu_devices
     simulate_cpu_devices(2)
-    measured = json.loads(args.measured.read_text())
-    result = {"command": "python " + " ".join(sys.argv), "measured": str(args.measured)}
+    result = {"command": "python " + " ".join(sys.argv), "memory_files": MEMORY_FILES, "step_files": STEP_FILES}
     if "memory" in args.parts:
-        result["memory"] = memory_rows(measured["memory"])
+        result["memory"] = memory_rows(stored_memory())
     if "steps" in args.parts:
-        result["steps"] = step_rows(measured["steps"])
+        result["steps"] = step_rows(stored_steps())
+    for part in ("memory", "steps"):
+        ratios = [row["ratio"] for row in result.get(part, [])]
+        if ratios:
+            print(f"{part}: estimate / measured from {min(ratios):.2f} to {max(ratios):.2f} over {len(ratios)} runs")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     return 0

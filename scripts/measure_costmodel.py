@@ -10,11 +10,16 @@
                (decode): arguments, outputs, aliased and temporary bytes.
   steps        measured seconds per step of the training step (Llama 3.2 1B, 8 x 2048, bf16 compute, float32 state)
                on one GPU and on two (data parallel, FSDP, tensor parallel), and of the decode step on one.
+  --cases heldout  other programs than those the memory terms were read from (other models, batches, remat
+               policies, gradient accumulation, decode with the layer loop unrolled): memory compiled only, and
+               step times of a few, to check the cost model on programs it was not set from.
 
 Each part writes what it measured as soon as it has it, so a run cut short keeps the parts before. Figures go to
 --out as one JSON object with the command, date, JAX version and devices.
 
     PYTHONUNBUFFERED=1 python scripts/measure_costmodel.py --out benchmarks/results/h200_costmodel.json
+    PYTHONUNBUFFERED=1 python scripts/measure_costmodel.py --parts collectives,memory,steps --cases heldout \
+        --out benchmarks/results/h200_costmodel_heldout.json   # one GPU: the copy rate, held-out programs
     python scripts/measure_costmodel.py --quick --out /tmp/smoke.json        # CPU smoke run (tiny shapes)
 """
 from __future__ import annotations
@@ -30,19 +35,29 @@ from pathlib import Path
 MATMUL_M = (64, 256, 1024, 4096, 16384)
 MATMUL_KN = (1024, 2048, 4096, 8192, 16384)
 COLLECTIVE_BYTES = tuple(2 ** power for power in range(12, 31, 2))  # 4 KiB .. 1 GiB
-MEMORY_CASES = (  # (model, phase, batch, seq (train) or cache length (decode), remat)
-    ("llama3.2-1b", "train", 8, 2048, "none"), ("llama3.2-1b", "train", 8, 2048, "full"),
-    ("llama3.2-1b", "decode", 64, 8192, "none"), ("llama3-8b", "train", 2, 2048, "none"),
-    ("llama3-8b", "train", 4, 2048, "full"), ("llama3-8b", "decode", 64, 8192, "none"),
-    ("llama3.2-1b", "train", 8, 2048, "dots"),
-)
-STEP_CASES = (  # (name, phase, layout, data, gpus, batch, seq)
-    ("1 GPU", "train", "starscream_tp", 1, 1, 8, 2048),
-    ("2 GPUs data parallel", "train", "starscream_tp", 2, 2, 8, 2048),
-    ("2 GPUs FSDP", "train", "starscream_fsdp", 1, 2, 8, 2048),
-    ("2 GPUs tensor parallel", "train", "starscream_tp", 1, 2, 8, 2048),
-    ("1 GPU decode", "decode", "starscream_decode", 1, 1, 64, 8192),
-)
+MEMORY_CASES = {  # (model, phase, batch, seq (train, prefill) or cache length (decode), remat, grad_accum)
+    "set": (("llama3.2-1b", "train", 8, 2048, "none", 1), ("llama3.2-1b", "train", 8, 2048, "full", 1),
+            ("llama3.2-1b", "decode", 64, 8192, "none", 1), ("llama3-8b", "train", 2, 2048, "none", 1),
+            ("llama3-8b", "train", 4, 2048, "full", 1), ("llama3-8b", "decode", 64, 8192, "none", 1),
+            ("llama3.2-1b", "train", 8, 2048, "dots", 1)),
+    "heldout": (("llama3-8b", "train", 1, 2048, "none", 1), ("llama3-8b", "train", 2, 2048, "dots", 1),
+                ("llama3-8b", "train", 8, 2048, "full", 4), ("llama3.2-1b", "train", 16, 2048, "full", 1),
+                ("llama3.2-1b", "train", 16, 2048, "none", 4), ("llama3.2-1b", "prefill", 8, 4096, "none", 1),
+                ("llama3.2-1b", "decode", 32, 4096, "none", 1), ("llama3-8b", "decode", 8, 8192, "none", 1),
+                ("qwen3-30b-a3b", "decode", 16, 4096, "none", 1)),
+}
+STEP_CASES = {  # (name, model, phase, layout, data, gpus, batch, seq, remat, grad_accum, scan_unroll)
+    "set": (("1 GPU", "llama3.2-1b", "train", "starscream_tp", 1, 1, 8, 2048, "none", 1, 1),
+            ("2 GPUs data parallel", "llama3.2-1b", "train", "starscream_tp", 2, 2, 8, 2048, "none", 1, 1),
+            ("2 GPUs FSDP", "llama3.2-1b", "train", "starscream_fsdp", 1, 2, 8, 2048, "none", 1, 1),
+            ("2 GPUs tensor parallel", "llama3.2-1b", "train", "starscream_tp", 1, 2, 8, 2048, "none", 1, 1),
+            ("1 GPU decode", "llama3.2-1b", "decode", "starscream_decode", 1, 1, 64, 8192, "none", 1, 1)),
+    "heldout": (("1 GPU remat full", "llama3.2-1b", "train", "starscream_tp", 1, 1, 8, 2048, "full", 1, 1),
+                ("1 GPU 4 micro-batches", "llama3.2-1b", "train", "starscream_tp", 1, 1, 8, 2048, "none", 4, 1),
+                ("1 GPU decode unrolled", "llama3.2-1b", "decode", "starscream_decode", 1, 1, 64, 8192, "none", 1,
+                 16),
+                ("1 GPU decode batch 1", "llama3.2-1b", "decode", "starscream_decode", 1, 1, 1, 4096, "none", 1, 1)),
+}
 
 
 def timed(function, *args, repeats: int) -> float:
@@ -107,9 +122,11 @@ def measure_collectives(quick: bool):
                    "bus_bandwidth": buffer * factor / seconds}
 
 
-def compile_case(model: str, phase: str, batch: int, seq: int, remat: str, layout: str, mesh):
+def compile_case(model: str, phase: str, batch: int, seq: int, remat: str, layout: str, mesh, grad_accum: int = 1,
+                 scan_unroll: int = 1):
     """(compiled step, its abstract arguments, Settings) of one phase at full depth on `mesh`, compiled for the
-    devices present (the step of training.steps, as analysis.compile builds it)."""
+    devices present (the step of training.steps, as analysis.compile builds it), with `grad_accum` micro-batches
+    (train) and `scan_unroll` layers per trip of the layer loop."""
     from starscream_jax.analysis.compile import make_settings, step_program
     from starscream_jax.model.config import load_model_config
     from starscream_jax.sharding.apply import use_layout
@@ -117,24 +134,33 @@ def compile_case(model: str, phase: str, batch: int, seq: int, remat: str, layou
 
     layers = load_model_config(model).n_layers
     settings = make_settings(model, phase, batch, seq, layout, layers)
-    settings = dataclasses.replace(settings, config=settings.config.replace(remat=remat))
+    settings = dataclasses.replace(settings, config=settings.config.replace(remat=remat, scan_unroll=scan_unroll),
+                                   training=dataclasses.replace(settings.training, batch_size=batch,
+                                                                grad_accum=grad_accum))
     with use_layout(get_layout(layout), mesh):
         step, args = step_program(settings, get_layout(layout), mesh)
         return step.lower(*args).compile(), args, settings
 
 
-def measure_memory(quick: bool):
+def measure_memory(quick: bool, cases: str):
     import jax
 
     from starscream_jax.hardware.mesh import build_topology_mesh
 
     _, mesh = build_topology_mesh("cpu" if quick else "h200", gpus=1, devices=jax.devices()[:1])
-    cases = (("tiny", "train", 8, 64, "none"), ("tiny", "decode", 8, 64, "none")) if quick else MEMORY_CASES
-    for model, phase, batch, seq, remat in cases:
+    quick_cases = (("tiny", "train", 8, 64, "none", 1), ("tiny", "train", 8, 64, "none", 2),
+                   ("tiny", "decode", 8, 64, "none", 1))
+    for model, phase, batch, seq, remat, grad_accum in quick_cases if quick else MEMORY_CASES[cases]:
         start = time.perf_counter()
-        compiled, _, _ = compile_case(model, phase, batch, seq, remat, "starscream_tp", mesh)
+        try:
+            compiled, _, _ = compile_case(model, phase, batch, seq, remat, "starscream_tp", mesh, grad_accum)
+        except Exception as err:  # one case that cannot compile must not lose the others
+            yield {"model": model, "phase": phase, "batch": batch, "seq": seq, "remat": remat,
+                   "grad_accum": grad_accum, "error": f"{type(err).__name__}: {str(err)[:300]}"}
+            continue
         memory = compiled.memory_analysis()
-        yield {"model": model, "phase": phase, "batch": batch, "seq": seq, "remat": remat, "layout": "starscream_tp",
+        yield {"model": model, "phase": phase, "batch": batch, "seq": seq, "remat": remat, "grad_accum": grad_accum,
+               "layout": "starscream_tp",
                "mesh": dict(mesh.shape), "compile_s": time.perf_counter() - start,
                "argument_bytes": memory.argument_size_in_bytes, "output_bytes": memory.output_size_in_bytes,
                "alias_bytes": memory.alias_size_in_bytes, "temp_bytes": memory.temp_size_in_bytes,
@@ -142,7 +168,7 @@ def measure_memory(quick: bool):
                - memory.alias_size_in_bytes + memory.temp_size_in_bytes}
 
 
-def measure_steps(quick: bool):
+def measure_steps(quick: bool, cases: str):
     """Seconds per step of each STEP_CASES row the devices present allow, on real arrays."""
     import jax
     from flax import nnx
@@ -152,13 +178,13 @@ def measure_steps(quick: bool):
     from starscream_jax.sharding.apply import use_layout
     from starscream_jax.sharding.layouts import get_layout
 
-    for name, phase, layout, data, gpus, batch, seq in STEP_CASES:
+    for name, model, phase, layout, data, gpus, batch, seq, remat, grad_accum, unroll in STEP_CASES[cases]:
         if gpus > len(jax.devices()):
             continue
-        model = "tiny" if quick else "llama3.2-1b"
-        batch, seq = (8, 32) if quick else (batch, seq)
+        model = "tiny" if quick else model
+        batch, seq, unroll = (8, 32, 1) if quick else (batch, seq, unroll)
         _, mesh = build_topology_mesh("cpu:1" if quick else "h200", gpus=gpus, data=data, devices=jax.devices()[:gpus])
-        compiled, args, settings = compile_case(model, phase, batch, seq, "none", layout, mesh)
+        compiled, args, settings = compile_case(model, phase, batch, seq, remat, layout, mesh, grad_accum, unroll)
         with use_layout(get_layout(layout), mesh):
             _, params, rest = nnx.split(create_sharded_model(settings.config, layout, mesh, 0), nnx.Param, ...)
             concrete = _concrete(args, params, rest)
@@ -173,7 +199,8 @@ def measure_steps(quick: bool):
         seconds = (time.perf_counter() - start) / steps
         tokens = batch * (seq if phase == "train" else 1)
         yield {"name": name, "model": model, "phase": phase, "layout": layout, "mesh": dict(mesh.shape),
-               "batch": batch, "seq": seq, "step_s": seconds, "tokens_per_s": tokens / seconds}
+               "batch": batch, "seq": seq, "remat": remat, "grad_accum": grad_accum, "scan_unroll": unroll,
+               "step_s": seconds, "tokens_per_s": tokens / seconds}
 
 
 def _concrete(args, params, rest):
@@ -204,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")
     parser.add_argument("--parts", default="matmul,collectives,steps,memory", help="comma-separated parts to run")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 peak for the efficiency column")
+    parser.add_argument("--cases", choices=("set", "heldout"), default="set",
+                        help="the memory and step cases: those the cost model was set from, or held-out ones")
     parser.add_argument("--quick", action="store_true", help="tiny shapes on CPU: a smoke run of the script")
     args = parser.parse_args(argv)
     if args.quick:
@@ -216,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
               "peak_flops": args.peak_tflops * 1e12}
     measures = {"matmul": lambda: measure_matmuls(args.peak_tflops * 1e12, args.quick),
                 "collectives": lambda: measure_collectives(args.quick),
-                "steps": lambda: measure_steps(args.quick), "memory": lambda: measure_memory(args.quick)}
+                "steps": lambda: measure_steps(args.quick, args.cases),
+                "memory": lambda: measure_memory(args.quick, args.cases)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for part in args.parts.split(","):
         start = time.perf_counter()

@@ -5,8 +5,8 @@ layout's shardings; no array is ever allocated, so a 70B model costs nothing) an
 `training.steps` defines, built exactly as training and generation build it, so the judged program is the program
 that runs:
   train    `steps.train_step` with `steps.make_optimizer(settings.training)` (clipping, AdamW, the weight-decay mask)
-           on tokens [B, S + 1]; parameters and optimizer state float32, placed by the layout's params rules, as
-           `starscream train` keeps them.
+           and its `grad_accum` micro-batches on tokens [B, S + 1]; parameters and optimizer state float32, placed
+           by the layout's params rules, as `starscream train` keeps them.
   prefill  `steps.prefill_step` over a prompt [B, S] into a fresh KV cache of T positions (`Settings.cache_length`,
            default S); parameters held in the model's dtype, as `starscream generate` holds them for inference.
   decode   `steps.decode_step`: one new token per sequence [B] against a KV cache of T positions (default S), the
@@ -151,7 +151,7 @@ def step_program(settings: Settings, layout: Layout, mesh, config: ModelConfig |
     graphdef, args = abstract_args(config, layout, mesh, settings.phase, settings.batch, settings.seq,
                                    settings.training, settings.cache)
     if settings.phase == "train":
-        step = train_step(graphdef, make_optimizer(settings.training, args.params))
+        step = train_step(graphdef, make_optimizer(settings.training, args.params), settings.training.grad_accum)
     elif settings.phase == "prefill":
         step = prefill_step(graphdef, config, settings.sampling, settings.cache)
     else:

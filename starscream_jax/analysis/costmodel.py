@@ -1,10 +1,21 @@
-"""A cost model of one compiled step: the roofline time of every local matmul and the alpha-beta time of every
-collective, from what `starscream inspect` read in the compiled program and the preset's hardware figures, scaled to
-the model's full depth.
+"""A cost model of one compiled step: the roofline time of every local matmul, the bytes of the memory-bound passes
+that are not matmuls, and the alpha-beta time of every collective, from what `starscream inspect` read in the
+compiled program, the model's shapes and the preset's hardware figures, scaled to the model's full depth.
 
 - Matmul [batch, M, K, N] on one partition: max(2 batch M K N / peak FLOP/s, bytes / HBM bytes/s), with the operands
-  and result at the compute dtype. Tile and wave quantization, and every op that is not a matmul (norms, rotary,
-  softmax: memory-bound and mostly fused into neighbours), are not counted: the figure is a lower bound of compute.
+  and result at the compute dtype. Tile and wave quantization are not counted.
+- Memory passes: what the step moves through HBM outside the matmuls, counted from the model's shapes and the
+  layout's placement of each tensor (`memory.memory_passes`), priced at the HBM rate (the measured copy rate on a
+  measured chip): the layers' elementwise and reduction passes (norms, rotary, residual adds, the gated MLP's
+  product: reads and writes of each, the backward twice the forward, recomputation once more), the activations
+  saved for the backward, the loss over the vocabulary, the training step's casts of the float32 weights, the
+  optimizer update, and the copies the compiled program makes: a rolled layer loop (`ModelConfig.scan_unroll` below
+  the depth) copies each layer's weights out of the stacked arrays before its matmuls read them, and XLA's attention
+  over a KV cache reads each layer's keys and values through a transposed copy (with the rolled loop also a sliced
+  copy, and the whole cache transposed into and out of the loop: an H200 profile of the decode step,
+  benchmarks/NOTES.md run 4). On a measured chip each layer's elementwise passes take at least the floor of its
+  small kernels (`Measurements.layer_floor`, per layer and, in training, per forward and backward's two), which
+  decode at small batches reaches.
 - Collective: the latency floor of its scope plus its ring bytes per device over the bus bandwidth of its scope. The
   preset's bandwidths are RCCL / NCCL bus bandwidths, which already fold in the ring formulas' factors. Inside a GPU
   every partition group has the GPU's fabric; across GPUs (and nodes) the X partitions of a GPU run X rings at once
@@ -13,12 +24,18 @@ the model's full depth.
   their members: they are priced as the slowest kind). Every kind is priced so, by its bytes from
   `report.ring_bytes_per_device`: an all-to-all (ragged or not) by the (p-1)/p of its (send) buffer that leaves each
   device.
-- Step: `serial` (compute then communication, no overlap: an upper bound) and `overlapped` (the larger of the two:
-  a lower bound). Tokens per second use the serial time.
-- Measured chips: where `meshes/measured/<chip>.json` exists (H200: `scripts/measure_costmodel.py`), a matmul runs
-  at the efficiency measured for the nearest measured shape (log distance in M, K, N; the shape's batch folded into
-  M) instead of at peak, and a collective between GPUs at the bus bandwidth measured for its kind at the nearest
-  buffer size (log-interpolated) instead of the preset's figure; `Measurements` reads the file.
+- Step: `serial` (matmuls, memory passes, then communication, no overlap: an upper bound) and `overlapped` (the
+  larger of computation and communication: a lower bound). Tokens per second use the serial time. With gradient
+  accumulation (`StepEstimate.accumulated`) the step is N micro-steps (matmuls, passes and collectives: the
+  compiled accumulating step reduces the gradients in every micro-step), N additions of a micro-step's gradients
+  into their sum, and one optimizer update.
+- Measured chips: where `meshes/measured/<chip>.json` exists (H200: `scripts/measure_costmodel.py`), a matmul above
+  the ridge point runs at the efficiency measured for the nearest measured shape (log distance in M, K, N; the
+  shape's batch folded into M) instead of at peak (one below it is priced by its bytes: the measured small shapes
+  time a host dispatch of 35-45 us per call, not the kernel); bytes (matmuls', memory passes') move at the copy
+  rate measured on the chip (`Measurements.copy_rate`) instead of the datasheet's bandwidth; a collective between
+  GPUs runs at the bus bandwidth measured for its kind at the nearest buffer size (log-interpolated) instead of the
+  preset's figure; `Measurements` reads the file.
 
 The figures come from programs compiled for simulated CPU devices, which move bfloat16 as float32 and run a
 reduce-scatter as an all-reduce plus a slice: communication is overstated up to 2x (4x for reduce-scatters), more
@@ -54,48 +71,84 @@ class LinkCost:
 
 @dataclasses.dataclass(frozen=True)
 class StepEstimate:
-    """Seconds of one full-depth step on one device: matmul time (and the part of it in memory-bound matmuls) and
-    collective time by scope; `tokens` is what one step processes across the mesh."""
+    """Seconds of one full-depth step on one device: matmul time (and the part of it in memory-bound matmuls),
+    memory passes by kind (`memory.memory_passes`, priced; "accumulate" counts only with several micro-batches)
+    and collective time by scope; `tokens` is what one step
+    processes across the mesh, `micro_batches` how many micro-steps it runs."""
 
     compute_s: float
     memory_bound_s: float
     communication_s: dict[str, float]
     tokens: int
+    passes_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    micro_batches: int = 1
 
     @property
     def total_communication_s(self) -> float:
         return sum(self.communication_s.values())
 
     @property
+    def total_passes_s(self) -> float:
+        """The memory passes the step runs ("accumulate" only with several micro-batches)."""
+        return sum(seconds for kind, seconds in self.passes_s.items()
+                   if kind != "accumulate" or self.micro_batches > 1)
+
+    @property
     def serial_s(self) -> float:
-        return self.compute_s + self.total_communication_s
+        return self.compute_s + self.total_passes_s + self.total_communication_s
 
     @property
     def overlapped_s(self) -> float:
-        return max(self.compute_s, self.total_communication_s)
+        return max(self.compute_s + self.total_passes_s, self.total_communication_s)
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.serial_s if self.serial_s else math.inf
 
+    def accumulated(self, micro_batches: int) -> StepEstimate:
+        """The step of `micro_batches` micro-steps like this one (a step of one micro-batch): matmuls, collectives
+        and the per-micro-step passes times n, the gradients' accumulation n times, the optimizer update once."""
+        if self.micro_batches != 1:
+            raise ValueError("accumulated() scales the estimate of one micro-step")
+        n = micro_batches
+        passes = {kind: seconds * (1 if kind == "update" else n) for kind, seconds in self.passes_s.items()}
+        return StepEstimate(n * self.compute_s, n * self.memory_bound_s,
+                            {scope: n * seconds for scope, seconds in self.communication_s.items()}, n * self.tokens,
+                            passes, n)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> StepEstimate:
+        return cls(**{field.name: values[field.name] for field in dataclasses.fields(cls) if field.name in values})
+
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "total_communication_s": self.total_communication_s,
-                "serial_s": self.serial_s, "overlapped_s": self.overlapped_s, "tokens_per_s": self.tokens_per_s}
+                "total_passes_s": self.total_passes_s, "serial_s": self.serial_s, "overlapped_s": self.overlapped_s,
+                "tokens_per_s": self.tokens_per_s}
 
 
 @dataclasses.dataclass(frozen=True)
 class Measurements:
-    """Matmul efficiency per shape (rows of m, k, n, efficiency against the chip's peak) and collective bus bandwidth
-    per kind and buffer size (rows of kind, bytes, bus_bandwidth), measured on one chip."""
+    """Matmul efficiency per shape (rows of m, k, n, efficiency against the chip's peak), collective bus bandwidth
+    per kind and buffer size (rows of kind, bytes, bus_bandwidth; kind "copy": one device's HBM copy rate), and
+    `layer_floor`, the seconds a layer's small kernels take when their bytes are negligible (None: not measured),
+    measured on one chip."""
 
     matmul: tuple[tuple[int, int, int, float], ...]
     collectives: dict[str, tuple[tuple[float, float], ...]]
+    layer_floor: float | None = None
 
     def efficiency(self, m: int, k: int, n: int) -> float:
         """The measured efficiency of the nearest measured shape (log distance)."""
         target = np.log([m, k, n])
         shapes = np.log([row[:3] for row in self.matmul])
         return self.matmul[int(np.argmin(((shapes - target) ** 2).sum(axis=1)))][3]
+
+    def copy_rate(self) -> float | None:
+        """Bytes read plus written per second by an elementwise pass over HBM: the rate of the largest copy measured
+        (smaller copies time the host's dispatch of one call, a 35-45 us floor that kernels inside one program do
+        not pay); None when the chip's file has none."""
+        rows = self.collectives.get("copy")
+        return max(rows)[1] if rows else None
 
     def bus_bandwidth(self, kind: str, buffer_bytes: float) -> float | None:
         """The bus bandwidth measured for `kind` ("all-reduce", ...), log-interpolated at `buffer_bytes` (clamped
@@ -118,7 +171,8 @@ def measurements(chip: str) -> Measurements | None:
     for row in raw["collectives"]:
         collectives.setdefault(row["kind"].replace("_", "-"), []).append((row["bytes"], row["bus_bandwidth"]))
     return Measurements(tuple((r["m"], r["k"], r["n"], r["efficiency"]) for r in raw["matmul"]),
-                        {kind: tuple(sorted(rows)) for kind, rows in collectives.items()})
+                        {kind: tuple(sorted(rows)) for kind, rows in collectives.items()},
+                        raw.get("layer_kernel_floor_s"))
 
 
 def link_costs(topology) -> dict[str, LinkCost]:
@@ -142,10 +196,11 @@ def matmul_work(batch: int, m: int, k: int, n: int, itemsize: int) -> tuple[int,
 
 def matmul_seconds(matmul: dict[str, Any], peak_flops: float, hbm_bandwidth: float, itemsize: int,
                    measured: Measurements | None = None) -> float:
-    """Roofline seconds of one run of a local matmul {"batch", "m", "k", "n"} on one partition, at the measured
-    efficiency of its shape when `measured` is given."""
+    """Roofline seconds of one run of a local matmul {"batch", "m", "k", "n"} on one partition: max(FLOPs / peak,
+    bytes / `hbm_bandwidth`); with `measured`, a matmul above the ridge point runs at the measured efficiency of its
+    shape (one below it streams its bytes: the measured small shapes time the host's dispatch, not the kernel)."""
     flops, moved = matmul_work(matmul["batch"], matmul["m"], matmul["k"], matmul["n"], itemsize)
-    if measured is not None:
+    if measured is not None and flops / moved >= peak_flops / hbm_bandwidth:
         peak_flops *= measured.efficiency(matmul["batch"] * matmul["m"], matmul["k"], matmul["n"])
     return max(flops / peak_flops, moved / hbm_bandwidth)
 
@@ -161,14 +216,21 @@ def collective_seconds(collective: dict[str, Any], cost: LinkCost, measured: Mea
     return max(cost.latency, collective["bytes_per_device"] / bandwidth)
 
 
-def estimate_step(result: dict[str, Any], topology, itemsize: int) -> StepEstimate:
+def estimate_step(result: dict[str, Any], topology, itemsize: int,
+                  passes: dict[str, float] | None = None) -> StepEstimate:
     """The StepEstimate of one layout's result from `starscream inspect` (`layout_report.layout_result`): its
     matmuls with their full-depth runs, its collectives with their scope, count and whether they run in the layer
-    loop. `itemsize`: bytes per element of the compute dtype."""
+    loop, and the step's memory `passes` ({kind: bytes per device}, `memory.memory_passes`).
+    `itemsize`: bytes per element of the compute dtype."""
     compute = memory_bound = 0.0
     measured = measurements(topology.preset.chip.name)
+    rate = hbm_rate(topology, measured)
+    passes_s = {kind: moved / rate for kind, moved in (passes or {}).items()}
+    if "layers" in passes_s and measured is not None and measured.layer_floor:
+        runs = result["layers"]["full"] * (3 if result["phase"] == "train" else 1)
+        passes_s["layers"] = max(passes_s["layers"], runs * measured.layer_floor)
     for matmul in result["matmuls"]:
-        seconds = matmul_seconds(matmul, topology.peak_flops, topology.hbm_bandwidth, itemsize, measured)
+        seconds = matmul_seconds(matmul, topology.peak_flops, rate, itemsize, measured)
         compute += seconds * matmul["full_depth_runs"]
         if matmul["below_ridge"]:
             memory_bound += seconds * matmul["full_depth_runs"]
@@ -182,4 +244,10 @@ def estimate_step(result: dict[str, Any], topology, itemsize: int) -> StepEstima
         scope = collective["scope"]
         communication[scope] += runs * collective_seconds(collective, costs[scope], measured)
     tokens = result["batch"] * (1 if result["phase"] == "decode" else result["seq"])
-    return StepEstimate(compute, memory_bound, communication, tokens)
+    return StepEstimate(compute, memory_bound, communication, tokens, passes_s)
+
+
+def hbm_rate(topology, measured: Measurements | None) -> float:
+    """Bytes per second (read plus written) of a memory-bound pass on one device: the measured copy rate where the
+    chip has one, else the preset's HBM bandwidth."""
+    return (measured.copy_rate() if measured is not None else None) or topology.hbm_bandwidth

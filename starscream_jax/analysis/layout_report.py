@@ -46,6 +46,7 @@ from ..sharding.apply import LOGICAL_AXES, activation_spec, use_layout
 from ..sharding.layouts import get_layout
 from .compile import REFERENCE, CompiledStep, Settings, abstract_args, abstract_cache, compile_step
 from .costmodel import estimate_step, matmul_work
+from .memory import memory_passes
 from .principles import check_principles, reads_once_per_gpu
 from .report import SCOPES, inspect_compiled
 
@@ -106,6 +107,12 @@ def _source_digest() -> str:
     return digest.hexdigest()
 
 
+def _canonical(value) -> Any:
+    """A key's value JSON cannot write, the same in every process: sets sorted (their order follows the process's
+    string hashing), anything else as text."""
+    return sorted(value) if isinstance(value, (set, frozenset)) else str(value)
+
+
 class ResultCache:
     """Results of `layout_result` kept as JSON files in `directory`, one per (model, compiled depth, phase, shapes,
     remat policy, training and sampling settings, preset, mesh shape, layout rules, package and JAX versions): a
@@ -119,9 +126,10 @@ class ResultCache:
                           "phase": settings.phase, "batch": settings.batch, "seq": settings.seq,
                           "cache": settings.cache, "training": dataclasses.asdict(settings.training),
                           "sampling": dataclasses.asdict(settings.sampling), "topology": topology.describe(),
-                          "mesh": dict(mesh.shape), "layout": repr(get_layout(layout)),
-                          "reference": repr(get_layout(REFERENCE)), "source": _source_digest(), "jax": jax.__version__},
-                         sort_keys=True, default=str)
+                          "mesh": dict(mesh.shape), "layout": dataclasses.asdict(get_layout(layout)),
+                          "reference": dataclasses.asdict(get_layout(REFERENCE)), "source": _source_digest(),
+                          "jax": jax.__version__},
+                         sort_keys=True, default=_canonical)
         return self.directory / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
     def get(self, settings: Settings, topology, mesh, layout: str) -> dict | None:
@@ -193,7 +201,9 @@ def layout_result(settings: Settings, topology, mesh, step: CompiledStep, report
         "outputs": [dataclasses.asdict(entry) for entry in report.outputs],
         "activations": [dataclasses.asdict(entry) for entry in report.activations],
     }
-    result["estimate"] = estimate_step(result, topology, itemsize).to_dict()
+    passes = memory_passes(settings.config.replace(n_layers=settings.full_layers), step.layout, mesh, settings.phase,
+                           settings.batch, settings.seq, memory)
+    result["estimate"] = estimate_step(result, topology, itemsize, passes).to_dict()
     return result
 
 

@@ -5,7 +5,8 @@ stores attention's whole score matrix, which a fused GPU attention kernel never 
 from the model's shapes and the layout's placement of each tensor (the activation rules give every tensor's shard):
 
   persistent   parameters, optimizer state and KV cache, exact (`layout_report.memory_per_device`).
-  gradients    train: one float32 copy of the parameters, placed like them.
+  gradients    train: one float32 copy of the parameters, placed like them; with gradient accumulation two (the
+               running sum and the micro-step's gradients are live at once).
   saved        train: what the backward pass keeps of each layer's forward, per layer x layers, by remat policy:
                none  the residual in and out of each half, q / k / v before and after rotary, the attention output,
                      gate / up / their product (compute dtype), the normalised residuals and the gate's activation
@@ -14,7 +15,9 @@ from the model's shapes and the layout's placement of each tensor (the activatio
                full  the layer's input alone.
   working      train: the larger of the step's logits (float32) and one layer's forward as `none` keeps it (the
                layer recomputed or running); they are not live at once.
-               prefill: the larger of the logits and one layer's activations (the new KV cache is persistent).
+               prefill: the larger of the logits (in the compute dtype and their float32 copy, live at once: an
+               H200 compile of Llama 3.2 1B at 8 x 4096 held both) and one layer's activations (the new KV cache
+               is persistent).
                decode: the logits, and half a KV cache more: the layer loop writes the new keys and values into the
                donated cache in place and holds about half a cache in flight (read from H200 compiles of Llama 3.2
                1B and Llama 3 8B decode steps, batch 64, cache 8192: temporaries 0.54x and 0.52x the cache,
@@ -22,9 +25,13 @@ from the model's shapes and the layout's placement of each tensor (the activatio
                1.53x).
   micro-batch  train with gradient accumulation: the saved and working activations are one micro-batch's.
 
+`memory_passes` counts, from the same shapes and placements, the bytes a step moves through HBM outside its
+matmuls: the cost model's memory-bound term (`costmodel`).
+
 H200 memory_analysis() of the same programs (benchmarks/results/h200_costmodel.json; decode with the in-place cache:
-h200_memory_inplace_cache.json) is what this is checked
-against (`scripts/compare_costmodel.py`).
+h200_memory_inplace_cache.json) is what the terms were read from, and programs held out from that (other models,
+batches, remat policies, gradient accumulation, prefill: h200_costmodel_heldout.json) what they are checked against
+(`scripts/compare_costmodel.py`).
 """
 from __future__ import annotations
 
@@ -67,7 +74,7 @@ def activation_bytes(config: ModelConfig, layout, mesh, batch: int, seq: int) ->
         keys = local_elements(ATTN_KV, (batch, seq, c.n_kv_heads, c.head_dim), mesh)
         hidden = local_elements(MLP_HIDDEN, (batch, seq, c.d_ff), mesh) * max(1, c.n_experts)
         logits = local_elements(LOGITS, (batch, seq, c.vocab_size), mesh)
-        weights = _layer_weight_elements(c, layout, mesh)
+        weights = layer_weight_elements(c, layout, mesh)
     return {
         "none": itemsize * (4 * residual + 3 * queries + 5 * keys + 3 * hidden + weights)
         + FLOAT32 * (2 * residual + hidden),
@@ -85,10 +92,10 @@ def matmul_flops(config: ModelConfig, layout, mesh, batch: int, seq: int) -> flo
         tokens = local_elements(RESIDUAL, (batch, seq, config.d_model), mesh) / config.d_model
         head = resolve(("embed", "vocab"), (config.d_model, config.vocab_size), layout.weights, mesh, "head at use")
         head_elements = shard_elements(head, (config.d_model, config.vocab_size), mesh)
-    return 2 * tokens * (config.n_layers * _layer_weight_elements(config, layout, mesh) + head_elements)
+    return 2 * tokens * (config.n_layers * layer_weight_elements(config, layout, mesh) + head_elements)
 
 
-def _layer_weight_elements(c: ModelConfig, layout, mesh) -> float:
+def layer_weight_elements(c: ModelConfig, layout, mesh) -> float:
     """Elements per device of one layer's weights as the matmuls use them (the layout's weight rules at use)."""
     experts = max(1, c.n_experts)
     shapes = {("embed", "heads", "head_dim"): (c.d_model, c.n_heads, c.head_dim),
@@ -114,12 +121,67 @@ def gpu_memory(config: ModelConfig, layout, mesh, phase: str, batch: int, seq: i
     parts = {"params": persistent["params"], "optimizer_state": persistent.get("optimizer_state") or 0.0,
              "kv_cache": persistent.get("kv_cache") or 0.0}
     if phase == "train":
-        parts["gradients"] = persistent["params"]
+        parts["gradients"] = persistent["params"] * (2 if micro_batches > 1 else 1)
         parts["saved_activations"] = layers * one_layer[config.remat]
         parts["working"] = max(one_layer["logits"], one_layer["none"])
     elif phase == "prefill":
-        parts["working"] = max(one_layer["logits"], one_layer["none"])
+        logits = one_layer["logits"] * (1 + np.dtype(config.dtype).itemsize / FLOAT32)
+        parts["working"] = max(logits, one_layer["none"])
     else:
         parts["working"] = one_layer["logits"] + DECODE_CACHE_COPIES * parts["kv_cache"]
     parts["total"] = sum(parts.values())
     return parts
+
+
+def memory_passes(config: ModelConfig, layout, mesh, phase: str, batch: int, seq: int,
+                  persistent: dict[str, Any]) -> dict[str, float]:
+    """{kind: bytes per device} a step reads and writes through HBM outside its matmuls, for `config` at full depth
+    (its remat policy and layer loop unroll) and `batch` x `seq` tokens (decode: one per sequence, against a cache
+    of `persistent["kv_cache"]` bytes). Each pass reads its inputs and writes its outputs once:
+
+      layers       per layer forward: two norms (read the residual, write the normalised copy), rotary on q and k,
+                   two residual adds (two reads, one write), the gated MLP's product (two reads, one write), in the
+                   compute dtype; training runs the backward (twice the forward's bytes) and recomputes the forward
+                   once more under remat "dots" or "full".
+      saved        train: what the backward pass keeps of each layer's forward (`activation_bytes` by remat
+                   policy), written into the layer loop's stacked outputs by the forward and read by the backward.
+      loss         train: the logits written, read for their maximum and their sum of exponentials, written as
+                   float32 log-probabilities and read back by the backward, which writes their gradient.
+      logits       prefill and decode: the logits written and read by sampling.
+      casts        train: the float32 weights cast to the compute dtype in the forward (again when remat "full"
+                   recomputes it) and their gradients widened to float32 in the backward.
+      update       train: the optimizer reads the gradients twice (clipping's norm, the update), reads and writes
+                   the parameters and the optimizer state.
+      accumulate   train: adding one micro-step's float32 gradients into their sum (read both, write the sum).
+      weight_copies  prefill and decode with a rolled layer loop: each layer's weights copied out of the stacked
+                   arrays (read and write) before the matmuls read them.
+      cache_copies decode: each layer's keys and values read through a transposed copy; with a rolled loop also
+                   sliced out of the carried cache, and the whole cache transposed into and out of the loop.
+                   prefill: the new cache written once.
+    """
+    c, itemsize = config, np.dtype(config.dtype).itemsize
+    rows = 1 if phase == "decode" else seq
+    hidden = c.d_ff * (c.experts_per_token if c.n_experts else 1)
+    with use_layout(get_layout(layout), mesh):
+        residual = local_elements(RESIDUAL, (batch, rows, c.d_model), mesh)
+        queries = local_elements(ATTN_Q, (batch, rows, c.n_heads, c.head_dim), mesh)
+        keys = local_elements(ATTN_KV, (batch, rows, c.n_kv_heads, c.head_dim), mesh)
+        gated = local_elements(MLP_HIDDEN, (batch, rows, hidden), mesh)
+        logits = local_elements(LOGITS, (batch, rows, c.vocab_size), mesh)
+    forward = itemsize * (10 * residual + 2 * queries + 2 * keys + 3 * gated)
+    rolled = c.scan_unroll < c.n_layers
+    if phase == "train":
+        recomputed = c.remat != "none"
+        params = persistent["params"]
+        weights = params / FLOAT32
+        saved = 2 * c.n_layers * activation_bytes(c, layout, mesh, batch, seq)[c.remat]
+        return {"layers": c.n_layers * forward * (3 + recomputed), "saved": saved,
+                "loss": logits * (4 * itemsize + 2 * FLOAT32),
+                "casts": weights * (FLOAT32 + itemsize) * (2 + (c.remat == "full")),
+                "update": 4 * params + 2 * (persistent.get("optimizer_state") or 0.0), "accumulate": 3 * params}
+    cache = persistent.get("kv_cache") or 0.0
+    passes = {"layers": c.n_layers * forward, "logits": 2 * itemsize * logits,
+              "cache_copies": cache if phase == "prefill" else cache * (2 + 4 * rolled)}
+    if rolled:
+        passes["weight_copies"] = 2 * itemsize * c.n_layers * layer_weight_elements(c, get_layout(layout), mesh)
+    return passes

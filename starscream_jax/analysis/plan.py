@@ -19,9 +19,9 @@ Every candidate is judged, in order, and none raises:
                  time scaled by recomputation) is already above the best step compiled;
   compiled       the rest, compiled as `starscream inspect` compiles them (`layout_report.inspect_layouts`, with
                  the result cache) and estimated by `costmodel.estimate_step`; with n micro-batches the step is n
-                 compiled micro-steps (each one's matmuls and collectives, the gradient reduction included, as the
-                 accumulating step runs them; the optimizer update, counted n times, is elementwise and costs the
-                 model nothing).
+                 compiled micro-steps (each one's matmuls, memory passes and collectives, the gradient reduction
+                 included, as the accumulating step runs them), n additions of the micro-step's gradients into
+                 their sum and one optimizer update (`StepEstimate.accumulated`).
 The choice is the compiled candidate with the shortest serial step; the runner-up and every other candidate are
 listed with the reason they lost. When nothing fits, `advice` says what would: more GPUs, a shorter sequence.
 """
@@ -37,6 +37,7 @@ from ..hardware.mesh import build_topology_mesh
 from ..model.config import REMAT_POLICIES
 from ..sharding.apply import batch_sharding
 from .compile import Settings
+from .costmodel import StepEstimate
 from .format import format_bytes
 from .layout_report import ResultCache, inspect_layouts, memory_per_device
 from .memory import gpu_memory, matmul_flops
@@ -214,12 +215,10 @@ def _compile(settings: Settings, topology, mesh, entry: dict, cache) -> None:
 
 
 def accumulated(estimate: dict, micro_batches: int) -> dict:
-    """A micro-step's estimate (`StepEstimate.to_dict`) scaled to `micro_batches` of them: times multiply, tokens
-    per step too, so tokens per second stay the micro-step's."""
-    scaled = {key: value * micro_batches for key, value in estimate.items()
-              if key in ("compute_s", "memory_bound_s", "total_communication_s", "serial_s", "overlapped_s", "tokens")}
-    communication = {scope: seconds * micro_batches for scope, seconds in estimate["communication_s"].items()}
-    return {**estimate, **scaled, "communication_s": communication, "micro_batches": micro_batches}
+    """A micro-step's estimate (`StepEstimate.to_dict`) as the step of `micro_batches` of them
+    (`StepEstimate.accumulated`: n micro-steps, n gradient additions, one optimizer update); tokens per step
+    multiply too."""
+    return StepEstimate.from_dict(estimate).accumulated(micro_batches).to_dict()
 
 
 def _rank(compiled: list[dict]) -> None:

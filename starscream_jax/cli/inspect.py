@@ -143,6 +143,7 @@ def _rows(result: dict) -> list[tuple[str, str]]:
          _figure(intensity["below_ridge_flop_share"], "{:.1%}")),
         ("estimated step, full depth", ""),
         ("  matmuls (roofline)", format_seconds(estimate["compute_s"])),
+        ("  memory passes", format_seconds(estimate["total_passes_s"])),
         ("  collectives", format_seconds(estimate["total_communication_s"])),
         ("  serial / overlapped",
          f"{format_seconds(estimate['serial_s'])} / {format_seconds(estimate['overlapped_s'])}"),

@@ -164,7 +164,7 @@ def _phase_lines(plan: dict) -> list[str]:
              f"{plan['compiled']} compiled of {len(plan['candidates'])} candidates in {plan['elapsed_s']:.0f} s"]
     compiled = sorted((entry for entry in plan["candidates"] if entry["estimate"] is not None),
                       key=lambda entry: entry["estimate"]["serial_s"])
-    header = ("  candidate", "step (serial)", "matmuls", "collectives", "tokens/s", "memory/device",
+    header = ("  candidate", "step (serial)", "matmuls", "memory passes", "collectives", "tokens/s", "memory/device",
               "principles 2, 3")
     rows = [header] + [_row(entry) for entry in compiled]
     widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
@@ -190,5 +190,6 @@ def _row(entry: dict) -> tuple[str, ...]:
     marker = "* " if entry["status"] == "chosen" else "  "
     verdicts = " ".join("ok" if entry["principles"][name] else "FAIL" for name in JUDGED)
     return (marker + entry["name"], format_seconds(estimate["serial_s"]), format_seconds(estimate["compute_s"]),
-            format_seconds(estimate["total_communication_s"]), f"{estimate['tokens_per_s']:,.0f}",
+            format_seconds(estimate["total_passes_s"]), format_seconds(estimate["total_communication_s"]),
+            f"{estimate['tokens_per_s']:,.0f}",
             format_bytes(entry["memory"]["total"]), verdicts)

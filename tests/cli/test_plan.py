@@ -167,6 +167,8 @@ def test_a_step_of_n_micro_batches_costs_n_micro_steps():
     four = accumulated(estimate, 4)
     assert four["serial_s"] == 5.0 and four["communication_s"] == {"inter_gpu": 1.0} and four["tokens"] == 400
     assert four["tokens_per_s"] == 80.0
+    with_update = accumulated({**estimate, "passes_s": {"layers": 0.5, "update": 0.25}}, 4)
+    assert with_update["serial_s"] == 5.0 + 4 * 0.5 + 0.25  # the optimizer update runs once
 
 
 def test_domination_needs_the_same_mesh_and_layout_and_no_more_of_either_cost():
