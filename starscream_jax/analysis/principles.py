@@ -16,7 +16,7 @@ from typing import Any
 from jax.sharding import Mesh
 
 from ..hardware.axes import XCD
-from .report import MatmulReport, Report, inspect_compiled, matmul_key
+from .report import AttentionReport, MatmulReport, Report, inspect_compiled, is_attention_key, matmul_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,13 +67,17 @@ def check_principles(
 
     Returns {"shape_preservation", "no_redundancy", "hierarchical_collectives"}, each {"ok": bool, "violations":
     [one line per offending op, input or collective]}; shape_preservation also lists as "unpaired" the layout's
-    matmuls that have no counterpart in the reference (all of them when `reference` is None) and the fused attention
-    kernels, which are not judged.
+    matmuls and fused attention kernels that have no counterpart in the reference (all of them when `reference` is
+    None), and fused attention kernels whose work the program text does not give, none of which is judged.
 
     1. shape_preservation: each op keeps per device at least the weight-side elements of the reference, summed over
        its matmuls per direction (`weight_side_elements`, from each report's `tokens_per_device`): a layout may
        divide only the tokens. Ops that the reference lacks are listed as unpaired. Kernels whose work is split
        into several matmuls of the same op under the layout alone are not told apart from one whole kernel.
+       Attention is one op per direction (its scores and values matmuls, or its fused kernel): per token it must keep
+       the reference's heads x head_dim x keys, so heads per device equal gpu_tp's heads per GPU and head_dim and the
+       key length stay whole; "attention" gives the smallest ratio of its work per token to the reference's
+       ({"ratio", "ok"}; None when neither program has attention in a scope named "attention").
     2. no_redundancy: no large input or output array (the persistent state a step reads and leaves behind) is
        replicated over `xcd`, unless its name is allowed by `replicated_ok`: a callable taking the name, or a set of
        names or fnmatch patterns ("*/scale"); and no large activation is replicated over `xcd` or held there as
@@ -104,36 +108,60 @@ def _working_set(report: Report) -> float:
     return memory.argument_bytes + memory.output_bytes - memory.alias_bytes + memory.temp_bytes
 
 
-def weight_side_elements(matmuls: list[MatmulReport], tokens_per_device: int) -> dict[tuple[str, bool], float]:
+def weight_side_elements(matmuls: list[MatmulReport], tokens_per_device: int,
+                         attention: list[AttentionReport] = ()) -> dict[tuple[str, bool], float]:
     """Weight-side elements per device of each op and direction (`matmul_key`), summed over its matmuls and runs.
 
     Every matmul of a transformer step, forward, input gradient and weight gradient alike, is tokens x weight, so its
     weight side holds batch x M x K x N / tokens elements whichever operand XLA put first, however it split the
     contraction (split-K) and whichever matmuls of an op it merged (q/k/v, gate/up) or ran in which order.
+    Attention's matmuls (one op per direction, `matmul_key`; with them the fused kernels of `attention` whose work is
+    known) are tokens x (heads x head_dim x keys): per token, the kernel's shape on the weight side.
     """
     work: dict[tuple[str, bool], int] = defaultdict(int)
     for matmul in matmuls:
         work[matmul_key(matmul.op_name)] += matmul.flops // 2 * matmul.count
+    for call in attention:
+        if call.flops is not None:
+            work[matmul_key(call.op_name)] += call.flops // 2 * call.count
     return {key: total / tokens_per_device for key, total in work.items()}
 
 
 def _shape_preservation(report: Report, reference: Report | None) -> dict[str, Any]:
+    judged_attention = [call for call in report.attention if call.flops is not None]
+    unjudged_attention = [call.name for call in report.attention if call.flops is None]
     if reference is None:
-        return {"ok": True, "violations": [], "unpaired": [m.name for m in (*report.matmuls, *report.attention)]}
-    elements = weight_side_elements(report.matmuls, report.tokens_per_device)
-    reference_elements = weight_side_elements(reference.matmuls, reference.tokens_per_device)
+        return {"ok": True, "violations": [], "attention": _attention_summary({}, {}),
+                "unpaired": [m.name for m in report.matmuls] + [call.name for call in report.attention]}
+    elements = weight_side_elements(report.matmuls, report.tokens_per_device, judged_attention)
+    reference_elements = weight_side_elements(reference.matmuls, reference.tokens_per_device, reference.attention)
     violations = []
+    ops = [(m.name, m.op_name) for m in (*report.matmuls, *judged_attention)]
     for (key, backward), held in elements.items():
         reference_held = reference_elements.get((key, backward))
         if reference_held is not None and held < reference_held:
-            names = [m.name for m in report.matmuls if matmul_key(m.op_name) == (key, backward)]
+            names = [name for name, op_name in ops if matmul_key(op_name) == (key, backward)]
             violations.append(
                 f"op {key or '(unnamed)'} ({'backward' if backward else 'forward'}, {', '.join(names)}) has "
                 f"{held:g} weight-side elements per device at {report.tokens_per_device} tokens, fewer than the "
                 f"reference's {reference_held:g} at {reference.tokens_per_device} tokens: its local kernels shrank"
             )
-    unpaired = [m.name for m in report.matmuls if matmul_key(m.op_name) not in reference_elements]
-    return {"ok": not violations, "violations": violations, "unpaired": unpaired + [a.name for a in report.attention]}
+    unpaired = [name for name, op_name in ops if matmul_key(op_name) not in reference_elements]
+    return {"ok": not violations, "violations": violations, "unpaired": unpaired + unjudged_attention,
+            "attention": _attention_summary(elements, reference_elements)}
+
+
+def _attention_summary(layout: dict[tuple[str, bool], float], reference: dict[tuple[str, bool], float],
+                       at_least: bool = True) -> dict[str, Any]:
+    """Principle 1 for attention alone: the smallest (`at_least`: the work per token must reach the reference's)
+    or largest (K/V reads must not exceed it) ratio of the layout's attention figure to the reference's over the
+    attention ops (`matmul_key`) and directions both have; None and ok None when there is none to compare."""
+    ratios = [held / reference[key] for key, held in layout.items()
+              if is_attention_key(key[0]) and reference.get(key)]
+    if not ratios:
+        return {"ratio": None, "ok": None}
+    ratio = min(ratios) if at_least else max(ratios)
+    return {"ratio": ratio, "ok": ratio >= 1 - 1e-9 if at_least else ratio <= 1 + 1e-9}
 
 
 def reads_once_per_gpu(matmuls: list[MatmulReport], reference_matmuls: list[MatmulReport],
@@ -142,27 +170,30 @@ def reads_once_per_gpu(matmuls: list[MatmulReport], reference_matmuls: list[Matm
 
     A decode matmul multiplies a few new tokens (one per sequence; for attention, the query heads that share a kv
     head) with a weight or the cached keys or values, so its smallest dimension counts tokens and the other two are
-    the weight side: each device reads batch x (those two) elements. Summed per op (`matmul_key`), `partitions`
-    times a device's reads is what one GPU reads; it must not exceed what a gpu_tp device reads, which is the GPU's
-    share read once. Matmuls without op_name metadata (the attention kernels on CPU) form one group, "attention".
+    the weight side: each device reads batch x (those two) elements. Summed per op (`matmul_key`: attention's
+    matmuls are one op, those XLA left unnamed named by their neighbours, see `hlo`), `partitions` times a device's
+    reads is what one GPU reads; it must not exceed what a gpu_tp device reads, which is the GPU's share read once.
+    For attention this says every kernel keeps together the query heads that share a kv head: a layout that spreads
+    them over the partitions reads each kv head once per query head.
     """
-    def reads(group) -> dict[str, int]:
-        totals: dict[str, int] = {}
+    def reads(group) -> dict[tuple[str, bool], int]:
+        totals: dict[tuple[str, bool], int] = defaultdict(int)
         for m in group:
-            key = matmul_key(m.op_name)[0] or "attention"
-            weight_side = m.m * m.k * m.n // min(m.m, m.k, m.n)
-            totals[key] = totals.get(key, 0) + m.batch * weight_side * m.count
+            totals[matmul_key(m.op_name)] += m.batch * (m.m * m.k * m.n // min(m.m, m.k, m.n)) * m.count
         return totals
 
     layout_reads, reference_reads = reads(matmuls), reads(reference_matmuls)
     violations = [
-        f"{key}: the {partitions} partitions of a GPU read {partitions * count / reference_reads[key]:.2f}x the "
-        f"weight-side elements gpu_tp reads once per GPU ({partitions} x {count} vs {reference_reads[key]})"
+        f"{key[0] or '(unnamed)'}: the {partitions} partitions of a GPU read "
+        f"{partitions * count / reference_reads[key]:.2f}x the weight-side elements gpu_tp reads once per GPU "
+        f"({partitions} x {count} vs {reference_reads[key]})"
         for key, count in layout_reads.items()
         if key in reference_reads and partitions * count > reference_reads[key]
     ]
-    unpaired = [key for key in layout_reads if key not in reference_reads]
-    return {"ok": not violations, "violations": violations, "unpaired": unpaired}
+    unpaired = [key[0] or "(unnamed)" for key in layout_reads if key not in reference_reads]
+    per_gpu = {key: partitions * count for key, count in layout_reads.items()}
+    return {"ok": not violations, "violations": violations, "unpaired": unpaired,
+            "attention": _attention_summary(per_gpu, reference_reads, at_least=False)}
 
 
 def _no_redundancy(

@@ -107,6 +107,13 @@ def _verdict(verdict: dict) -> str:
     return ("ok" if verdict["ok"] else f"FAIL ({len(verdict['violations'])})") + unjudged
 
 
+def _attention_cell(summary: dict | None) -> str:
+    """Attention's ratio to gpu_tp and whether it passes principle 1, or "-" when it was not compared."""
+    if not summary or summary["ratio"] is None:
+        return "-"
+    return f"{summary['ratio']:.2f} {'ok' if summary['ok'] else 'FAIL'}"
+
+
 def _rows(result: dict) -> list[tuple[str, str]]:
     """(label, cell) rows of one layout's column."""
     full, compiled_layers = result["layers"]["full"], result["layers"]["compiled"]
@@ -150,6 +157,8 @@ def _rows(result: dict) -> list[tuple[str, str]]:
         ("principles", ""),
         ("  1 kernel shapes" + (" (bytes read)" if phase == "decode" else ""),
          _verdict(result["principles"]["shape_preservation"])),
+        ("    attention " + ("K/V reads per GPU" if phase == "decode" else "work per token") + " / gpu_tp",
+         _attention_cell(result["principles"]["shape_preservation"].get("attention"))),
         ("  2 no redundancy over xcd", _verdict(result["principles"]["no_redundancy"])),
         ("  3 hierarchical collectives", _verdict(result["principles"]["hierarchical_collectives"])),
     ]

@@ -129,6 +129,10 @@ def test_flat_tp_visibly_fails_redundancy_and_hierarchy(phase, request):
                for line in flat["principles"]["hierarchical_collectives"]["violations"])
 
 
+ATTENTION = "while/body/closed_call/attention"
+"""The key of decode's attention matmuls (scores and values, named or not: one op)."""
+
+
 def rereads(result: dict) -> dict[str, str]:
     """{op key: violation} of decode's principle 1."""
     return {line.split(":")[0]: line for line in result["principles"]["shape_preservation"]["violations"]}
@@ -137,13 +141,13 @@ def rereads(result: dict) -> dict[str, str]:
 def test_decode_flat_tp_reads_kv_heads_once_per_query_head(decode):
     reread = rereads(decode["flat_tp"])
     # decode runs k and v as separate GEMMs under the one scope "qkv" (decoder._qkv), so they share one key
-    assert set(reread) == {"attention", "while/body/closed_call/qkv/bsd,dke->bske"}
+    assert set(reread) == {ATTENTION, "while/body/closed_call/qkv/bsd,dke->bske"}
     assert all("read 8.00x" in line for line in reread.values())
 
 
 def test_decode_starscream_tp_reads_each_gathered_weight_once_per_partition(decode):
     reread = rereads(decode["starscream_tp"])
-    assert "attention" not in reread
+    assert ATTENTION not in reread
     assert {"while/body/closed_call/gate_up/bsd,df->bsf", "while/body/closed_call/down/bsf,fd->bsd",
             "logits/bsd,dv->bsv"} <= set(reread)
     assert all("read 8.00x" in line for line in reread.values())
