@@ -44,7 +44,16 @@ from ..model.names import TOKENS
 from ..resources import data_dir
 from ..sharding.apply import LOGICAL_AXES, activation_spec, use_layout
 from ..sharding.layouts import get_layout
-from .compile import REFERENCE, CompiledStep, Settings, abstract_args, abstract_cache, compile_step
+from .compile import (
+    REFERENCE,
+    CompiledStep,
+    DecodeArgs,
+    PrefillArgs,
+    Settings,
+    abstract_args,
+    abstract_cache,
+    compile_step,
+)
 from .costmodel import estimate_step, matmul_work
 from .principles import check_principles, reads_once_per_gpu
 from .report import SCOPES, inspect_compiled
@@ -273,15 +282,30 @@ def kernel_intensity(matmuls: list[dict], ridge_point: float, dtype: str) -> dic
 
 def principles(settings: Settings, step: CompiledStep, report, reference, partitions: int) -> dict[str, dict]:
     """The three verdicts. Replicated inputs are allowed for parameters (and their optimizer state) whose logical
-    names include one of the layout's `replicated_ok` names. A copy is large against the compiled step's working set
-    (see `check_principles`). Decode judges principle 1 by bytes read (`reads_once_per_gpu`) instead of kernel
-    shapes."""
+    names include one of the layout's `replicated_ok` names. A copy of the layer stack (the weights with a `layers`
+    axis, their optimizer state, the KV cache) is large against what the layer stack holds, any other against the
+    compiled step's working set (see `check_principles`). Decode judges principle 1 by bytes read
+    (`reads_once_per_gpu`) instead of kernel shapes."""
     allowed = (replicated_ok_names(step.args, step.layout.replicated_ok)
                | replicated_ok_names(step.outputs, step.layout.replicated_ok, prefix="output/"))
-    verdicts = check_principles(report, reference, replicated_ok=allowed)
+    verdicts = check_principles(report, reference, replicated_ok=allowed, layer_stack=layer_stack_names(step))
     if settings.phase == "decode" and reference is not None:
         verdicts["shape_preservation"] = reads_once_per_gpu(report.matmuls, reference.matmuls, partitions)
     return verdicts
+
+
+def layer_stack_names(step: CompiledStep) -> set[str]:
+    """Input and output names (as the report writes them) of the arrays stacked over the layers: the nnx Variables
+    with a `layers` axis (weights, their optimizer state) and the KV cache a decode step reads and a prefill or
+    decode step returns."""
+    layers = frozenset({"layers"})
+    names = replicated_ok_names(step.args, layers) | replicated_ok_names(step.outputs, layers, prefix="output/")
+    caches = {"cache": getattr(step.args, "cache", None), "output/1": step.outputs[1]
+              if isinstance(step.args, (DecodeArgs, PrefillArgs)) else None}
+    for prefix, cache in caches.items():
+        for path, _ in jax.tree_util.tree_flatten_with_path(cache)[0] if cache is not None else []:
+            names.add(prefix + "/" + jax.tree_util.keystr(path, simple=True, separator="/"))
+    return names
 
 
 def replicated_ok_names(args, logical_names: frozenset[str], prefix: str = "") -> set[str]:

@@ -35,7 +35,8 @@ class Check:
 def check_compiled(compiled: Any, mesh: Mesh, *, reference: Any = None, args: Any = None,
                    lowered_text: str | None = None, token_dims: tuple[int, ...] | None = None,
                    replicated_ok: set[str] | Callable[[str], bool] = frozenset(),
-                   gpus_per_node: int | None = None) -> Check:
+                   gpus_per_node: int | None = None,
+                   layer_stack: set[str] | Callable[[str], bool] = frozenset()) -> Check:
     """Read a compiled program over a ('data', 'gpu', 'xcd') `mesh` and judge it by the three principles, in one call.
 
     `compiled` is `jax.jit(f).lower(*args).compile()`, from real or abstract (ShapeDtypeStruct) arguments.
@@ -48,12 +49,15 @@ def check_compiled(compiled: Any, mesh: Mesh, *, reference: Any = None, args: An
     report = inspect_compiled(compiled, mesh, args=args, gpus_per_node=gpus_per_node, lowered_text=lowered_text,
                               token_dims=token_dims)
     reference_report = None if reference is None else inspect_compiled(reference, mesh, gpus_per_node=gpus_per_node)
-    return Check(report, check_principles(report, reference_report, replicated_ok=replicated_ok))
+    return Check(report, check_principles(report, reference_report, replicated_ok=replicated_ok,
+                                          layer_stack=layer_stack))
 
 
 LARGE_SHARE = 0.01
-"""Principle 2's default rule: a copy is large when each device holds more of it than this share of the compiled
-step's working set per device (its arguments, outputs and temporaries)."""
+"""Principle 2's default rule: a copy is large when each device holds more of it than this share of what it is
+weighed against: for an array of the layer stack, the layer stack's state per device (what a layer copies against
+what a layer holds, the same at any compiled depth); for anything else, the compiled step's working set per device
+(its arguments, outputs and temporaries)."""
 
 
 def check_principles(
@@ -62,6 +66,7 @@ def check_principles(
     *,
     replicated_ok: set[str] | Callable[[str], bool] = frozenset(),
     large_bytes: float | None = None,
+    layer_stack: set[str] | Callable[[str], bool] = frozenset(),
 ) -> dict[str, dict[str, Any]]:
     """Judge a layout's report against the three principles; `reference` is the gpu_tp program's report.
 
@@ -82,21 +87,42 @@ def check_principles(
        replicated over `xcd`, unless its name is allowed by `replicated_ok`: a callable taking the name, or a set of
        names or fnmatch patterns ("*/scale"); and no large activation is replicated over `xcd` or held there as
        whole-size partial sums (when the report has activations, see `inspect_activations`). Large: each device
-       holds more than `large_bytes` of it; by default `LARGE_SHARE` of the step's working set per device: the
-       compiled program's arguments, outputs and temporaries (`report.memory`), so that copies and the state they
-       are weighed against come from the same program, at the same depth.
-       The verdict also states "threshold_bytes" and "copied_bytes" (per device, the bytes of all copies, large or
-       not, beyond the 1/xcd share a split would hold: {"inputs", "outputs", "activations"}).
+       holds more than `large_bytes` of it. By default (`LARGE_SHARE`): an input or output of the layer stack
+       (`layer_stack`, names or patterns as `replicated_ok`: arrays with a leading layers dimension, the weights,
+       their optimizer state and the KV cache) is large above 1% of the layer stack's inputs per device, so what a
+       layer copies is weighed against what a layer holds, and two compiled layers judge as the full depth does;
+       anything else above 1% of the step's working set per device: the compiled program's arguments, outputs and
+       temporaries (`report.memory`), which copies of embedding, head and activations share with it.
+       The verdict also states "threshold_bytes" and "layer_threshold_bytes" (None without a layer stack), "rule"
+       (the rule in words) and "copied_bytes" (per device, the bytes of all copies, large or not, beyond the 1/xcd
+       share a split would hold: {"inputs", "outputs", "activations"}).
     3. hierarchical_collectives: no collective has scope "flat" or "unknown" (a kind the reader does not know, or no
        replica groups): each violation says why.
     """
-    if large_bytes is None:
-        large_bytes = LARGE_SHARE * _working_set(report)
+    in_stack = _matcher(layer_stack)
+    large_bytes, layer_bytes, rule = _thresholds(report, large_bytes, in_stack)
     return {
         "shape_preservation": _shape_preservation(report, reference),
-        "no_redundancy": _no_redundancy(report, replicated_ok, large_bytes),
+        "no_redundancy": {**_no_redundancy(report, _matcher(replicated_ok), large_bytes, in_stack, layer_bytes),
+                          "rule": rule},
         "hierarchical_collectives": _hierarchical_collectives(report),
     }
+
+
+def _thresholds(report: Report, large_bytes: float | None,
+                in_stack: Callable[[str], bool]) -> tuple[float, float | None, str]:
+    """(principle 2's threshold, the layer stack's threshold or None, the rule in words); see `check_principles`."""
+    if large_bytes is not None:
+        return large_bytes, None, f"large: above {large_bytes:.0f} bytes per device"
+    large_bytes = LARGE_SHARE * _working_set(report)
+    rule = f"large: above {LARGE_SHARE:.0%} of the step's working set per device ({large_bytes:.0f} bytes)"
+    stack_bytes = sum(entry.shard_bytes for entry in report.inputs if in_stack(entry.name))
+    if not stack_bytes:
+        return large_bytes, None, rule
+    layer_bytes = LARGE_SHARE * stack_bytes
+    return large_bytes, layer_bytes, rule + (
+        f"; an array of the layer stack above {LARGE_SHARE:.0%} of the layer stack's inputs per device "
+        f"({layer_bytes:.0f} bytes): what a layer copies against what a layer holds")
 
 
 def _working_set(report: Report) -> float:
@@ -196,20 +222,30 @@ def reads_once_per_gpu(matmuls: list[MatmulReport], reference_matmuls: list[Matm
             "attention": _attention_summary(per_gpu, reference_reads, at_least=False)}
 
 
-def _no_redundancy(
-    report: Report, replicated_ok: set[str] | Callable[[str], bool], large_bytes: float
-) -> dict[str, Any]:
-    def allowed(name: str) -> bool:
-        if callable(replicated_ok):
-            return replicated_ok(name)
-        return any(fnmatchcase(name, pattern) for pattern in replicated_ok)
+def _matcher(names: set[str] | Callable[[str], bool]) -> Callable[[str], bool]:
+    """A test of array names: the callable itself, or whether a name matches one of the names or fnmatch patterns."""
+    if callable(names):
+        return names
+    return lambda name: any(fnmatchcase(name, pattern) for pattern in names)
+
+
+def _no_redundancy(report: Report, allowed: Callable[[str], bool], large_bytes: float,
+                   in_stack: Callable[[str], bool], layer_bytes: float | None) -> dict[str, Any]:
+    """Principle 2's verdict: copies above `large_bytes`, or above `layer_bytes` for the arrays of the layer stack
+    (`in_stack`) when that is not None."""
+    def stacked(name: str) -> bool:
+        return layer_bytes is not None and in_stack(name)
+
+    def threshold(name: str) -> float:
+        return layer_bytes if stacked(name) else large_bytes
 
     arrays = [entry for entry in (*report.inputs, *report.outputs) if not allowed(entry.name)]
     violations = [
         f"{'output' if entry.name.startswith('output/') else 'input'} {entry.name} {entry.shape} ({entry.shard_bytes} "
         f"bytes per device, spec {entry.spec}) is replicated {entry.replication_xcd}x over xcd"
+        + (" (an array of the layer stack)" if stacked(entry.name) else "")
         for entry in arrays
-        if entry.replication_xcd > 1 and entry.shard_bytes > large_bytes
+        if entry.replication_xcd > 1 and entry.shard_bytes > threshold(entry.name)
     ]
     violations += [
         f"activation {entry.name or '(unnamed)'} {entry.shape} {entry.dtype} ({entry.shard_bytes} bytes per device, "
@@ -222,7 +258,8 @@ def _no_redundancy(
         "outputs": _copied_bytes(entry for entry in arrays if entry.name.startswith("output/")),
         "activations": _copied_bytes(report.activations),
     }
-    return {"ok": not violations, "violations": violations, "threshold_bytes": large_bytes, "copied_bytes": copied}
+    return {"ok": not violations, "violations": violations, "threshold_bytes": large_bytes,
+            "layer_threshold_bytes": layer_bytes, "copied_bytes": copied}
 
 
 def _how_held(entry) -> str:
