@@ -428,6 +428,32 @@ def instructions_in_loops(text: str, trip_count: int) -> frozenset[str]:
     return frozenset(inst.name for name in reached for inst in computations[name])
 
 
+def scope_shares(text: str, scope: str) -> dict[str, float]:
+    """{name: share} of the instructions whose op name has `scope` among its scopes: 1.0, except for a collective XLA
+    combined from several ops (its op name "prefix/(a:b:...)" joins theirs after the scopes they share, one per
+    result): the share of its result bytes whose ops have `scope`. A dot XLA left unnamed is judged by the op name `parse_hlo` gives it."""
+    computations, _ = _split_computations(text)
+    flow = _DataFlow(computations)
+    shares = {}
+    for body in computations.values():
+        for inst in body:
+            op_name = _op_name(inst.attrs) or (flow.nearest_op_name(inst.name) if inst.opcode == "dot" else "")
+            share = _scope_share(op_name, parse_shapes(inst.result_type), scope)
+            if share:
+                shares[inst.name] = share
+    return shares
+
+
+def _scope_share(op_name: str, results: tuple[ArrayShape, ...], scope: str) -> float:
+    """The share of an op's results that belong to `scope` (see `scope_shares`)."""
+    combined = re.fullmatch(r"(.*?/)?\((.*)\)", op_name)
+    parts = combined.group(2).split(":") if combined else []
+    if combined and len(parts) == len(results) > 1 and sum(shape.bytes for shape in results):
+        inside = [scope in re.split(r"[/()]", (combined.group(1) or "") + part) for part in parts]
+        return sum(shape.bytes for shape, chosen in zip(results, inside) if chosen) / sum(s.bytes for s in results)
+    return 1.0 if scope in re.split(r"[/():]", op_name) else 0.0
+
+
 def _add(records: dict, name: str, times: int, build) -> None:
     """Add `times` runs to the record of instruction `name`, building the record on first sight (None: not recorded)."""
     if name not in records:

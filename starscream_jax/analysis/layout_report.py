@@ -157,19 +157,22 @@ def tokens_per_device(layout, mesh, token_dims: tuple[int, int]) -> int:
 @dataclasses.dataclass(frozen=True)
 class Depth:
     """Scales the compiled program to the full depth: an op in the layer loop runs `compiled` times per compiled
-    step and `full` times per full-depth step."""
+    step and `full` times per full-depth step. `loop_ops` maps each op of the layers to the share of its work that
+    is the layers' (1; less for a collective XLA combined from ops inside and outside the layers of an unrolled
+    program, see `compile.layer_loop_ops`)."""
 
     compiled: int
     full: int
-    loop_ops: frozenset[str]
+    loop_ops: dict[str, float]
 
     def per_layer(self, name: str, runs: float) -> float:
         """The share of `runs` (a per-step total of one op) that one layer does; 0 for an op outside the loop."""
-        return runs / self.compiled if name in self.loop_ops else 0.0
+        return runs * self.loop_ops.get(name, 0.0) / self.compiled
 
     def full_depth(self, name: str, runs: float) -> float:
         """`runs` of one op in the compiled step, scaled to the full-depth step."""
-        return runs * self.full / self.compiled if name in self.loop_ops else runs
+        share = self.loop_ops.get(name, 0.0)
+        return runs * (1 - share) + runs * share * self.full / self.compiled
 
 
 def layout_result(settings: Settings, topology, mesh, step: CompiledStep, report, reference) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from starscream_jax.analysis.hlo import (
     parse_hlo,
     parse_replica_groups,
     parse_shapes,
+    scope_shares,
 )
 from starscream_jax.errors import StarscreamError
 
@@ -530,3 +531,20 @@ def test_cudnn_attention_work_is_read_from_a_real_h200_program(layout, batch, he
     assert (forward.target, forward.flops) == ("__cudnn$fmhaSoftmax", 2 * one_matmul)
     assert (backward.target, backward.flops) == ("__cudnn$fmhaSoftmaxBackward", 4 * one_matmul)
     assert forward.operands[1].dims == (batch, 128, kv_heads, 64)
+
+
+def test_scope_shares_split_a_collective_xla_combined_by_its_parts_bytes():
+    """An all-reduce XLA combined from the optimizer's scalar sum and two layer gradients: the layers' share is their
+    bytes' share; a plain op is in the scope or not; a dot XLA left unnamed goes by its neighbour's name."""
+    text = module(
+        "%s = f32[] reduce(%p, %p), dimensions={0,1}, to_apply=%add",
+        "%ar = (f32[], f32[8,8]{1,0}, f32[4,8]{1,0}) all-reduce(%s, %p, %p), channel_id=1, replica_groups={{0,1}}, "
+        "to_apply=%add, metadata={op_name=\"jit(s)/(optimizer/reduce_sum:transpose(jvp())/closed_call/up/dot_general:"
+        "transpose(jvp())/closed_call/down/dot_general)\"}",
+        "%q = f32[8,8]{1,0} copy(%p), metadata={op_name=\"jit(s)/closed_call/qkv/(a/dot_general:b/dot_general)\"}",
+        "%d = f32[8,8]{1,0} dot(%q, %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+        "%o = f32[8,8]{1,0} copy(%p), metadata={op_name=\"jit(s)/logits/dot_general\"}",
+    )
+    shares = scope_shares(text, "closed_call")
+    assert shares["ar"] == pytest.approx((256 + 128) / (4 + 256 + 128))
+    assert shares["q"] == shares["d"] == 1.0 and "o" not in shares and "s" not in shares
