@@ -163,8 +163,8 @@ def collective_seconds(collective: dict[str, Any], cost: LinkCost, measured: Mea
 
 def estimate_step(result: dict[str, Any], topology, itemsize: int) -> StepEstimate:
     """The StepEstimate of one layout's result from `starscream inspect` (`layout_report.layout_result`): its
-    matmuls with their full-depth runs, its collectives with their scope, count and whether they run in the layer
-    loop. `itemsize`: bytes per element of the compute dtype."""
+    matmuls and its collectives (with their scope) with their runs in the full-depth step. `itemsize`: bytes per
+    element of the compute dtype."""
     compute = memory_bound = 0.0
     measured = measurements(topology.preset.chip.name)
     for matmul in result["matmuls"]:
@@ -173,13 +173,11 @@ def estimate_step(result: dict[str, Any], topology, itemsize: int) -> StepEstima
         if matmul["below_ridge"]:
             memory_bound += seconds * matmul["full_depth_runs"]
     costs = link_costs(topology)
-    depth = result["layers"]["full"] / result["layers"]["compiled"]
     communication = dict.fromkeys(LINK_SCOPES, 0.0)
     for collective in result["collectives"]:
         if collective["scope"] == "local":
             continue
-        runs = collective["count"] * (depth if collective["in_layer_loop"] else 1)
         scope = collective["scope"]
-        communication[scope] += runs * collective_seconds(collective, costs[scope], measured)
+        communication[scope] += collective["full_depth_runs"] * collective_seconds(collective, costs[scope], measured)
     tokens = result["batch"] * (1 if result["phase"] == "decode" else result["seq"])
     return StepEstimate(compute, memory_bound, communication, tokens)

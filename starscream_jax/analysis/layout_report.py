@@ -198,8 +198,8 @@ def layout_result(settings: Settings, topology, mesh, step: CompiledStep, report
         "collectives_per_layer": collectives_per_layer(report.collectives, depth),
         "memory_per_device": memory,
         "kernel_intensity": kernel_intensity(matmuls, topology.ridge_point, settings.config.dtype),
-        "collectives": [{**dataclasses.asdict(c), "in_layer_loop": c.name in step.loop_ops}
-                        for c in report.collectives],
+        "collectives": [{**dataclasses.asdict(c), "in_layer_loop": c.name in step.loop_ops,
+                         "full_depth_runs": depth.full_depth(c.name, c.count)} for c in report.collectives],
         "matmuls": matmuls,
         "inputs": [dataclasses.asdict(entry) for entry in report.inputs],
         "outputs": [dataclasses.asdict(entry) for entry in report.outputs],
@@ -258,11 +258,13 @@ def _shard_bytes(leaf) -> int:
 
 
 def matmul_entry(matmul, depth: Depth, itemsize: int, ridge_point: float) -> dict[str, Any]:
-    """One local matmul for the JSON: shape, runs, FLOPs, intensity at the compute dtype, below the ridge or not."""
+    """One local matmul for the JSON: op name (and whether XLA left it unnamed, see `hlo`), shape, runs, FLOPs,
+    intensity at the compute dtype, below the ridge or not."""
     m, k, n = matmul.m, matmul.k, matmul.n
     flops, moved = matmul_work(1, m, k, n, itemsize)
     intensity = flops / moved
-    return {"name": matmul.name, "op_name": matmul.op_name, "batch": matmul.batch, "m": m, "k": k, "n": n,
+    return {"name": matmul.name, "op_name": matmul.op_name, "inferred_name": matmul.inferred_name,
+            "batch": matmul.batch, "m": m, "k": k, "n": n,
             "count": matmul.count, "flops": matmul.flops, "intensity": intensity,
             "below_ridge": intensity < ridge_point, "in_layer_loop": matmul.name in depth.loop_ops,
             "full_depth_runs": depth.full_depth(matmul.name, matmul.count)}
