@@ -75,7 +75,8 @@ def check(step: Callable, *args: Any, mesh: Mesh, layout: Layout | str | None = 
         reference_report = inspect_compiled(reference_compiled, mesh, gpus_per_node=gpus_per_node)
     report, renamed = _with_argument_names(report, args, traced)
     allowed = _replicated_ok(args, layout.replicated_ok) if renamed else set()
-    verdicts = check_principles(report, reference_report, replicated_ok=allowed)
+    layer_stack = _replicated_ok(args, frozenset({"layers"})) if renamed else set()  # stacked over a `layers` axis
+    verdicts = check_principles(report, reference_report, replicated_ok=allowed, layer_stack=layer_stack)
     return StepCheck(report, verdicts, layout.name, None if reference is None else reference.name)
 
 

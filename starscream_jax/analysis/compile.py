@@ -14,7 +14,10 @@ that runs:
 
 Depth: the model is compiled with L layers (`Settings.config.n_layers`, at least 2) in place of its N. The layers run
 as one loop (`jax.lax.scan`) whose body is the same for every layer (`layer_loop_ops` finds it), so per-layer figures
-are what the loop body does in one trip; XLA removes a loop of one trip.
+are what the loop body does in one trip; XLA removes a loop of one trip. A model whose loop is unrolled
+(`ModelConfig.scan_unroll`: all L layers, or several per trip) has no loop of L trips: its layers' ops are those
+whose op names lie in the scan body's scope (`LAYER_SCOPE`), L copies of the body between them, so per-layer
+figures are their sum over L.
 """
 from __future__ import annotations
 
@@ -35,13 +38,15 @@ from ..sharding.apply import batch_sharding, param_shardings, token_sharding, us
 from ..sharding.layouts import Layout, get_layout
 from ..training.config import TrainConfig
 from ..training.steps import Sampling, decode_step, make_optimizer, prefill_step, train_step
-from .hlo import instructions_in_loops
+from .hlo import instructions_in_loops, scope_shares
 
 PHASES = ("train", "prefill", "decode")
 DEFAULT_SHAPES = {"train": (8, 2048), "prefill": (8, 4096), "decode": (64, 8192)}
 """(batch, seq) per phase: the token counts of the first H200 kernel-shape measurement."""
 REFERENCE = "gpu_tp"
 """The layout whose kernel shapes principle 1 compares against."""
+LAYER_SCOPE = "closed_call"
+"""The scope JAX puts the body of `jax.lax.scan` (one decoder layer) under in op names, rolled or unrolled."""
 COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 """The programs are never run: skipping LLVM's optimisation of the CPU code halves compile time and leaves the
 compiled HLO and its memory analysis unchanged."""
@@ -98,13 +103,13 @@ class DecodeArgs(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class CompiledStep:
     """One layout's compiled step, the abstract arguments it was lowered from and its abstract result, its layer-loop
-    instructions and the lowered program's text (with locations: the activations' names)."""
+    instructions (`layer_loop_ops`) and the lowered program's text (with locations: the activations' names)."""
 
     layout: Layout
     args: NamedTuple
     outputs: Any
     compiled: Any
-    loop_ops: frozenset[str]
+    loop_ops: dict[str, float]
     lowered_text: str
 
 
@@ -218,11 +223,16 @@ def place(state, layout, mesh, dtype=None):
                         is_leaf=lambda node: isinstance(node, NamedSharding))
 
 
-def layer_loop_ops(hlo_text: str, layers: int) -> frozenset[str]:
-    """Names of the instructions that run inside the layer loop (the forward scan, and the backward one when
-    training): those under a `while` whose known trip count is `layers`."""
-    found = instructions_in_loops(hlo_text, layers)
+def layer_loop_ops(hlo_text: str, layers: int) -> dict[str, float]:
+    """{name: share of its work that is the layers'} of the instructions that run inside the layer loop (the forward
+    scan, and the backward one when training): those under a `while` whose known trip count is `layers` (share 1).
+    In a program whose loop is unrolled (no such `while`), those whose op names lie in the scan body's scope
+    `LAYER_SCOPE` (each of the L copies of the body runs once), a collective that XLA combined from ops of the
+    layers and ops outside them with the share of its bytes the layers' ops hold (`hlo.scope_shares`); per-layer
+    figures are then as exact as the rolled program's."""
+    found = dict.fromkeys(instructions_in_loops(hlo_text, layers), 1.0) or scope_shares(hlo_text, LAYER_SCOPE)
     if not found:
-        raise StarscreamError(f"the compiled program has no loop of {layers} trips, so per-layer figures cannot be "
-                              "told apart; the model must run its layers with jax.lax.scan")
+        raise StarscreamError(f"the compiled program has no loop of {layers} trips and no op in the scan body's "
+                              f"scope {LAYER_SCOPE!r}, so per-layer figures cannot be told apart; the model must run "
+                              "its layers with jax.lax.scan")
     return found

@@ -219,9 +219,9 @@ def collective_seconds(collective: dict[str, Any], cost: LinkCost, measured: Mea
 def estimate_step(result: dict[str, Any], topology, itemsize: int,
                   passes: dict[str, float] | None = None) -> StepEstimate:
     """The StepEstimate of one layout's result from `starscream inspect` (`layout_report.layout_result`): its
-    matmuls with their full-depth runs, its collectives with their scope, count and whether they run in the layer
-    loop, and the step's memory `passes` ({kind: bytes per device}, `memory.memory_passes`).
-    `itemsize`: bytes per element of the compute dtype."""
+    matmuls and its collectives (with their scope) with their runs in the full-depth step, and the step's memory
+    `passes` ({kind: bytes per device}, `memory.memory_passes`). `itemsize`: bytes per element of the compute
+    dtype."""
     compute = memory_bound = 0.0
     measured = measurements(topology.preset.chip.name)
     rate = hbm_rate(topology, measured)
@@ -235,14 +235,12 @@ def estimate_step(result: dict[str, Any], topology, itemsize: int,
         if matmul["below_ridge"]:
             memory_bound += seconds * matmul["full_depth_runs"]
     costs = link_costs(topology)
-    depth = result["layers"]["full"] / result["layers"]["compiled"]
     communication = dict.fromkeys(LINK_SCOPES, 0.0)
     for collective in result["collectives"]:
         if collective["scope"] == "local":
             continue
-        runs = collective["count"] * (depth if collective["in_layer_loop"] else 1)
         scope = collective["scope"]
-        communication[scope] += runs * collective_seconds(collective, costs[scope], measured)
+        communication[scope] += collective["full_depth_runs"] * collective_seconds(collective, costs[scope], measured)
     tokens = result["batch"] * (1 if result["phase"] == "decode" else result["seq"])
     return StepEstimate(compute, memory_bound, communication, tokens, passes_s)
 

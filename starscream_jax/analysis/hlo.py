@@ -13,8 +13,13 @@ What is read:
   (or the source-target pairs of a collective-permute, send or recv), as lists of partition ids; `grouped` says
   whether the instruction printed any, so a collective without them is never mistaken for a local one.
 - Matmuls: every `dot`, every `convolution` that is a matmul in disguise (1x1 window, no feature groups) and every
-  cuBLAS gemm custom-call, as per-device (batch, M, K, N).
-- Attention: custom-calls to cuDNN's fused attention (targets starting with `__cudnn$fmha`).
+  cuBLAS gemm custom-call, as per-device (batch, M, K, N). XLA drops the op_name metadata of a dot it rewrites (one
+  with a dimension of size 1 it removes or adds: attention's batched matmuls at one kv head or one query per device,
+  every matrix-vector product); such a dot gets the op name of the most deeply scoped named instruction next to it in
+  the data flow (`Dot.inferred_name`): a matmul's inputs and outputs are made and used by the function it belongs to
+  (softmax for attention's), whose ops sit deeper in the named scopes than the code around it.
+- Attention: custom-calls to cuDNN's fused attention (targets starting with `__cudnn$fmha`), with their work read
+  from the operand shapes and the dimension numbers of their backend config.
 
 Replica groups come in three printed forms, all returned as `list[list[int]]`:
 - explicit: `{{0,1},{2,3}}` (an empty `{}` means one group of every partition);
@@ -37,6 +42,7 @@ import dataclasses
 import json
 import math
 import re
+from collections import defaultdict
 from collections.abc import Iterator
 
 import numpy as np
@@ -131,6 +137,7 @@ class Dot:
     out: ArrayShape
     split_k: int
     count: int
+    inferred_name: bool = False
 
     @property
     def flops(self) -> int:
@@ -144,7 +151,13 @@ class Dot:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionCall:
-    """One fused attention kernel (a cuDNN fMHA custom-call), with its operand and result arrays."""
+    """One fused attention kernel (a cuDNN fMHA custom-call), with its operand and result arrays.
+
+    `flops` is its matmul work on one device (None when its backend config gives no dimension numbers): each of its
+    matmuls (two forward: scores and values; four backward) multiplies a query-shaped by a key-shaped array or the
+    score matrix between them, so each does 2 x (batch x heads) x queries x head_dim x keys, read from the queries
+    (operand 0), the keys (operand 1) and the first matmul's dimension numbers (`attention_flops`).
+    """
 
     name: str
     op_name: str
@@ -152,6 +165,7 @@ class AttentionCall:
     operands: tuple[ArrayShape, ...]
     results: tuple[ArrayShape, ...]
     count: int
+    flops: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +254,7 @@ class _ProgramReader:
         self.computations = computations
         self.num_partitions = num_partitions
         self.types = {inst.name: inst.result_type for body in computations.values() for inst in body}
+        self.flow = _DataFlow(computations)
         self.collectives: dict[str, Collective] = {}
         self.dots: dict[str, Dot] = {}
         self.attention: dict[str, AttentionCall] = {}
@@ -303,13 +318,90 @@ class _ProgramReader:
         if dims is None:
             return None
         batch, m, k, n, split_k = dims
-        return Dot(inst.name, _op_name(inst.attrs), batch, m, k, n, lhs, rhs, out, split_k, count=0)
+        op_name = _op_name(inst.attrs)
+        inferred = "" if op_name else self.flow.nearest_op_name(inst.name)
+        return Dot(inst.name, op_name or inferred, batch, m, k, n, lhs, rhs, out, split_k, count=0,
+                   inferred_name=bool(inferred))
 
     def _attention(self, inst: _Instruction) -> AttentionCall:
         operands = tuple(self._operand(inst, index) for index in range(len(inst.operands)))
-        return AttentionCall(
-            inst.name, _op_name(inst.attrs), _target(inst.attrs), operands, parse_shapes(inst.result_type), count=0
-        )
+        return AttentionCall(inst.name, _op_name(inst.attrs), _target(inst.attrs), operands,
+                             parse_shapes(inst.result_type), count=0, flops=attention_flops(inst.attrs, operands))
+
+
+def attention_flops(attrs: str, operands: tuple[ArrayShape, ...]) -> int | None:
+    """Matmul FLOPs of one cuDNN fused attention call from its attributes' backend config and its operands (queries
+    first, keys second): the number of matmuls its config describes (`*_dot_dimension_numbers`: bmm1 and bmm2
+    forward, four gradient matmuls backward), each 2 x batch x M x K x N of the queries against the keys under the
+    first one's dimension numbers (the forward scores' bmm1, the backward dO x V^T with the same shapes). None
+    without them."""
+    config = _backend_config(attrs).get("cudnn_fmha_backend_config", {})
+    numbers = [value for key, value in sorted(config.items()) if key.endswith("dot_dimension_numbers")]
+    first = config.get("bmm1_dot_dimension_numbers") or config.get("bmm2_grad_gemm2_dot_dimension_numbers")
+    if not numbers or first is None or len(operands) < 2:
+        return None
+    queries, keys = operands[0].dims, operands[1].dims
+
+    def dims(key: str) -> list[int]:
+        return [int(v) for v in first.get(key, [])]
+
+    q_batch, q_contract, k_batch, k_contract = (dims(f"{side}_{kind}_dimensions") for side in ("lhs", "rhs")
+                                                for kind in ("batch", "contracting"))
+    batch = math.prod(queries[i] for i in q_batch)
+    m = math.prod(size for i, size in enumerate(queries) if i not in q_batch + q_contract)
+    k = math.prod(queries[i] for i in q_contract)
+    n = math.prod(size for i, size in enumerate(keys) if i not in k_batch + k_contract)
+    return len(numbers) * 2 * batch * m * k * n
+
+
+class _DataFlow:
+    """Which instructions feed and use which, across the program, for naming the ops XLA left unnamed.
+
+    An instruction of a fused computation is connected to the fusion that calls it: a parameter to the fusion's
+    operand at its index, an instruction no other one in its computation uses (the root) to the fusion's users.
+    """
+
+    def __init__(self, computations: dict[str, list[_Instruction]]):
+        self.op_names: dict[str, str] = {}
+        self.neighbours: dict[str, list[str]] = defaultdict(list)
+        fusion_of = {callee: inst for body in computations.values() for inst in body if inst.opcode == "fusion"
+                     for callee in _callees(inst.attrs)}
+        for computation, body in computations.items():
+            names = {inst.name for inst in body}
+            used = set()
+            for inst in body:
+                self.op_names[inst.name] = _op_name(inst.attrs)
+                for operand in inst.operands:
+                    if operand in names:
+                        used.add(operand)
+                        self._connect(inst.name, operand)
+            fusion = fusion_of.get(computation)
+            if fusion is None:
+                continue
+            for inst in body:
+                if inst.opcode == "parameter" and inst.operands and inst.operands[0].isdigit():
+                    index = int(inst.operands[0])
+                    if index < len(fusion.operands):
+                        self._connect(inst.name, fusion.operands[index])
+                elif inst.name not in used:
+                    self._connect(inst.name, fusion.name)
+
+    def _connect(self, a: str, b: str) -> None:
+        self.neighbours[a].append(b)
+        self.neighbours[b].append(a)
+
+    def nearest_op_name(self, name: str, max_steps: int = 4) -> str:
+        """The op name of the most deeply scoped named instruction among the nearest named ones to `name` (through
+        unnamed ones, up to `max_steps` steps away); empty when there is none."""
+        seen, frontier = {name}, [name]
+        for _ in range(max_steps):
+            frontier = [other for current in frontier for other in self.neighbours[current] if other not in seen]
+            seen.update(frontier)
+            named = [self.op_names[other] for other in frontier if self.op_names.get(other)]
+            if named:
+                return max(named, key=lambda op_name: op_name.count("/"))
+            frontier = list(dict.fromkeys(frontier))
+        return ""
 
 
 def _is_collective(inst: _Instruction, kind: str) -> bool:
@@ -334,6 +426,32 @@ def instructions_in_loops(text: str, trip_count: int) -> frozenset[str]:
         reached.add(name)
         pending += [callee for inst in computations[name] for callee in _callees(inst.attrs)]
     return frozenset(inst.name for name in reached for inst in computations[name])
+
+
+def scope_shares(text: str, scope: str) -> dict[str, float]:
+    """{name: share} of the instructions whose op name has `scope` among its scopes: 1.0, except for a collective XLA
+    combined from several ops (its op name "prefix/(a:b:...)" joins theirs after the scopes they share, one per
+    result): the share of its result bytes whose ops have `scope`. A dot XLA left unnamed is judged by the op name `parse_hlo` gives it."""
+    computations, _ = _split_computations(text)
+    flow = _DataFlow(computations)
+    shares = {}
+    for body in computations.values():
+        for inst in body:
+            op_name = _op_name(inst.attrs) or (flow.nearest_op_name(inst.name) if inst.opcode == "dot" else "")
+            share = _scope_share(op_name, parse_shapes(inst.result_type), scope)
+            if share:
+                shares[inst.name] = share
+    return shares
+
+
+def _scope_share(op_name: str, results: tuple[ArrayShape, ...], scope: str) -> float:
+    """The share of an op's results that belong to `scope` (see `scope_shares`)."""
+    combined = re.fullmatch(r"(.*?/)?\((.*)\)", op_name)
+    parts = combined.group(2).split(":") if combined else []
+    if combined and len(parts) == len(results) > 1 and sum(shape.bytes for shape in results):
+        inside = [scope in re.split(r"[/()]", (combined.group(1) or "") + part) for part in parts]
+        return sum(shape.bytes for shape, chosen in zip(results, inside) if chosen) / sum(s.bytes for s in results)
+    return 1.0 if scope in re.split(r"[/():]", op_name) else 0.0
 
 
 def _add(records: dict, name: str, times: int, build) -> None:

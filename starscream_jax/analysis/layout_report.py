@@ -44,7 +44,16 @@ from ..model.names import TOKENS
 from ..resources import data_dir
 from ..sharding.apply import LOGICAL_AXES, activation_spec, use_layout
 from ..sharding.layouts import get_layout
-from .compile import REFERENCE, CompiledStep, Settings, abstract_args, abstract_cache, compile_step
+from .compile import (
+    REFERENCE,
+    CompiledStep,
+    DecodeArgs,
+    PrefillArgs,
+    Settings,
+    abstract_args,
+    abstract_cache,
+    compile_step,
+)
 from .costmodel import estimate_step, matmul_work
 from .memory import memory_passes
 from .principles import check_principles, reads_once_per_gpu
@@ -156,19 +165,22 @@ def tokens_per_device(layout, mesh, token_dims: tuple[int, int]) -> int:
 @dataclasses.dataclass(frozen=True)
 class Depth:
     """Scales the compiled program to the full depth: an op in the layer loop runs `compiled` times per compiled
-    step and `full` times per full-depth step."""
+    step and `full` times per full-depth step. `loop_ops` maps each op of the layers to the share of its work that
+    is the layers' (1; less for a collective XLA combined from ops inside and outside the layers of an unrolled
+    program, see `compile.layer_loop_ops`)."""
 
     compiled: int
     full: int
-    loop_ops: frozenset[str]
+    loop_ops: dict[str, float]
 
     def per_layer(self, name: str, runs: float) -> float:
         """The share of `runs` (a per-step total of one op) that one layer does; 0 for an op outside the loop."""
-        return runs / self.compiled if name in self.loop_ops else 0.0
+        return runs * self.loop_ops.get(name, 0.0) / self.compiled
 
     def full_depth(self, name: str, runs: float) -> float:
         """`runs` of one op in the compiled step, scaled to the full-depth step."""
-        return runs * self.full / self.compiled if name in self.loop_ops else runs
+        share = self.loop_ops.get(name, 0.0)
+        return runs * (1 - share) + runs * share * self.full / self.compiled
 
 
 def layout_result(settings: Settings, topology, mesh, step: CompiledStep, report, reference) -> dict[str, Any]:
@@ -194,8 +206,8 @@ def layout_result(settings: Settings, topology, mesh, step: CompiledStep, report
         "collectives_per_layer": collectives_per_layer(report.collectives, depth),
         "memory_per_device": memory,
         "kernel_intensity": kernel_intensity(matmuls, topology.ridge_point, settings.config.dtype),
-        "collectives": [{**dataclasses.asdict(c), "in_layer_loop": c.name in step.loop_ops}
-                        for c in report.collectives],
+        "collectives": [{**dataclasses.asdict(c), "in_layer_loop": c.name in step.loop_ops,
+                         "full_depth_runs": depth.full_depth(c.name, c.count)} for c in report.collectives],
         "matmuls": matmuls,
         "inputs": [dataclasses.asdict(entry) for entry in report.inputs],
         "outputs": [dataclasses.asdict(entry) for entry in report.outputs],
@@ -256,11 +268,13 @@ def _shard_bytes(leaf) -> int:
 
 
 def matmul_entry(matmul, depth: Depth, itemsize: int, ridge_point: float) -> dict[str, Any]:
-    """One local matmul for the JSON: shape, runs, FLOPs, intensity at the compute dtype, below the ridge or not."""
+    """One local matmul for the JSON: op name (and whether XLA left it unnamed, see `hlo`), shape, runs, FLOPs,
+    intensity at the compute dtype, below the ridge or not."""
     m, k, n = matmul.m, matmul.k, matmul.n
     flops, moved = matmul_work(1, m, k, n, itemsize)
     intensity = flops / moved
-    return {"name": matmul.name, "op_name": matmul.op_name, "batch": matmul.batch, "m": m, "k": k, "n": n,
+    return {"name": matmul.name, "op_name": matmul.op_name, "inferred_name": matmul.inferred_name,
+            "batch": matmul.batch, "m": m, "k": k, "n": n,
             "count": matmul.count, "flops": matmul.flops, "intensity": intensity,
             "below_ridge": intensity < ridge_point, "in_layer_loop": matmul.name in depth.loop_ops,
             "full_depth_runs": depth.full_depth(matmul.name, matmul.count)}
@@ -283,15 +297,30 @@ def kernel_intensity(matmuls: list[dict], ridge_point: float, dtype: str) -> dic
 
 def principles(settings: Settings, step: CompiledStep, report, reference, partitions: int) -> dict[str, dict]:
     """The three verdicts. Replicated inputs are allowed for parameters (and their optimizer state) whose logical
-    names include one of the layout's `replicated_ok` names. A copy is large against the compiled step's working set
-    (see `check_principles`). Decode judges principle 1 by bytes read (`reads_once_per_gpu`) instead of kernel
-    shapes."""
+    names include one of the layout's `replicated_ok` names. A copy of the layer stack (the weights with a `layers`
+    axis, their optimizer state, the KV cache) is large against what the layer stack holds, any other against the
+    compiled step's working set (see `check_principles`). Decode judges principle 1 by bytes read
+    (`reads_once_per_gpu`) instead of kernel shapes."""
     allowed = (replicated_ok_names(step.args, step.layout.replicated_ok)
                | replicated_ok_names(step.outputs, step.layout.replicated_ok, prefix="output/"))
-    verdicts = check_principles(report, reference, replicated_ok=allowed)
+    verdicts = check_principles(report, reference, replicated_ok=allowed, layer_stack=layer_stack_names(step))
     if settings.phase == "decode" and reference is not None:
         verdicts["shape_preservation"] = reads_once_per_gpu(report.matmuls, reference.matmuls, partitions)
     return verdicts
+
+
+def layer_stack_names(step: CompiledStep) -> set[str]:
+    """Input and output names (as the report writes them) of the arrays stacked over the layers: the nnx Variables
+    with a `layers` axis (weights, their optimizer state) and the KV cache a decode step reads and a prefill or
+    decode step returns."""
+    layers = frozenset({"layers"})
+    names = replicated_ok_names(step.args, layers) | replicated_ok_names(step.outputs, layers, prefix="output/")
+    caches = {"cache": getattr(step.args, "cache", None), "output/1": step.outputs[1]
+              if isinstance(step.args, (DecodeArgs, PrefillArgs)) else None}
+    for prefix, cache in caches.items():
+        for path, _ in jax.tree_util.tree_flatten_with_path(cache)[0] if cache is not None else []:
+            names.add(prefix + "/" + jax.tree_util.keystr(path, simple=True, separator="/"))
+    return names
 
 
 def replicated_ok_names(args, logical_names: frozenset[str], prefix: str = "") -> set[str]:

@@ -81,10 +81,8 @@ def traffic_matrix(result: dict, devices: int) -> np.ndarray:
     """[devices, devices] bytes device i sends device j in one full-depth step (partition ids in mesh order), from
     the collectives of one `inspect` result."""
     matrix = np.zeros((devices, devices))
-    depth = result["layers"]["full"] / result["layers"]["compiled"]
     for collective in result["collectives"]:
-        runs = collective["count"] * (depth if collective["in_layer_loop"] else 1)
-        sent = collective["bytes_per_device"] * runs
+        sent = collective["bytes_per_device"] * collective["full_depth_runs"]
         if collective["kind"] == "collective-permute":
             for source, target in collective["groups"]:
                 matrix[source, target] += sent

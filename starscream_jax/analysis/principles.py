@@ -16,7 +16,7 @@ from typing import Any
 from jax.sharding import Mesh
 
 from ..hardware.axes import XCD
-from .report import MatmulReport, Report, inspect_compiled, matmul_key
+from .report import AttentionReport, MatmulReport, Report, inspect_compiled, is_attention_key, matmul_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +35,8 @@ class Check:
 def check_compiled(compiled: Any, mesh: Mesh, *, reference: Any = None, args: Any = None,
                    lowered_text: str | None = None, token_dims: tuple[int, ...] | None = None,
                    replicated_ok: set[str] | Callable[[str], bool] = frozenset(),
-                   gpus_per_node: int | None = None) -> Check:
+                   gpus_per_node: int | None = None,
+                   layer_stack: set[str] | Callable[[str], bool] = frozenset()) -> Check:
     """Read a compiled program over a ('data', 'gpu', 'xcd') `mesh` and judge it by the three principles, in one call.
 
     `compiled` is `jax.jit(f).lower(*args).compile()`, from real or abstract (ShapeDtypeStruct) arguments.
@@ -48,12 +49,15 @@ def check_compiled(compiled: Any, mesh: Mesh, *, reference: Any = None, args: An
     report = inspect_compiled(compiled, mesh, args=args, gpus_per_node=gpus_per_node, lowered_text=lowered_text,
                               token_dims=token_dims)
     reference_report = None if reference is None else inspect_compiled(reference, mesh, gpus_per_node=gpus_per_node)
-    return Check(report, check_principles(report, reference_report, replicated_ok=replicated_ok))
+    return Check(report, check_principles(report, reference_report, replicated_ok=replicated_ok,
+                                          layer_stack=layer_stack))
 
 
 LARGE_SHARE = 0.01
-"""Principle 2's default rule: a copy is large when each device holds more of it than this share of the compiled
-step's working set per device (its arguments, outputs and temporaries)."""
+"""Principle 2's default rule: a copy is large when each device holds more of it than this share of what it is
+weighed against: for an array of the layer stack, the layer stack's state per device (what a layer copies against
+what a layer holds, the same at any compiled depth); for anything else, the compiled step's working set per device
+(its arguments, outputs and temporaries)."""
 
 
 def check_principles(
@@ -62,37 +66,63 @@ def check_principles(
     *,
     replicated_ok: set[str] | Callable[[str], bool] = frozenset(),
     large_bytes: float | None = None,
+    layer_stack: set[str] | Callable[[str], bool] = frozenset(),
 ) -> dict[str, dict[str, Any]]:
     """Judge a layout's report against the three principles; `reference` is the gpu_tp program's report.
 
     Returns {"shape_preservation", "no_redundancy", "hierarchical_collectives"}, each {"ok": bool, "violations":
     [one line per offending op, input or collective]}; shape_preservation also lists as "unpaired" the layout's
-    matmuls that have no counterpart in the reference (all of them when `reference` is None) and the fused attention
-    kernels, which are not judged.
+    matmuls and fused attention kernels that have no counterpart in the reference (all of them when `reference` is
+    None), and fused attention kernels whose work the program text does not give, none of which is judged.
 
     1. shape_preservation: each op keeps per device at least the weight-side elements of the reference, summed over
        its matmuls per direction (`weight_side_elements`, from each report's `tokens_per_device`): a layout may
        divide only the tokens. Ops that the reference lacks are listed as unpaired. Kernels whose work is split
        into several matmuls of the same op under the layout alone are not told apart from one whole kernel.
+       Attention is one op per direction (its scores and values matmuls, or its fused kernel): per token it must keep
+       the reference's heads x head_dim x keys, so heads per device equal gpu_tp's heads per GPU and head_dim and the
+       key length stay whole; "attention" gives the smallest ratio of its work per token to the reference's
+       ({"ratio", "ok"}; None when neither program has attention in a scope named "attention").
     2. no_redundancy: no large input or output array (the persistent state a step reads and leaves behind) is
        replicated over `xcd`, unless its name is allowed by `replicated_ok`: a callable taking the name, or a set of
        names or fnmatch patterns ("*/scale"); and no large activation is replicated over `xcd` or held there as
        whole-size partial sums (when the report has activations, see `inspect_activations`). Large: each device
-       holds more than `large_bytes` of it; by default `LARGE_SHARE` of the step's working set per device: the
-       compiled program's arguments, outputs and temporaries (`report.memory`), so that copies and the state they
-       are weighed against come from the same program, at the same depth.
-       The verdict also states "threshold_bytes" and "copied_bytes" (per device, the bytes of all copies, large or
-       not, beyond the 1/xcd share a split would hold: {"inputs", "outputs", "activations"}).
+       holds more than `large_bytes` of it. By default (`LARGE_SHARE`): an input or output of the layer stack
+       (`layer_stack`, names or patterns as `replicated_ok`: arrays with a leading layers dimension, the weights,
+       their optimizer state and the KV cache) is large above 1% of the layer stack's inputs per device, so what a
+       layer copies is weighed against what a layer holds, and two compiled layers judge as the full depth does;
+       anything else above 1% of the step's working set per device: the compiled program's arguments, outputs and
+       temporaries (`report.memory`), which copies of embedding, head and activations share with it.
+       The verdict also states "threshold_bytes" and "layer_threshold_bytes" (None without a layer stack), "rule"
+       (the rule in words) and "copied_bytes" (per device, the bytes of all copies, large or not, beyond the 1/xcd
+       share a split would hold: {"inputs", "outputs", "activations"}).
     3. hierarchical_collectives: no collective has scope "flat" or "unknown" (a kind the reader does not know, or no
        replica groups): each violation says why.
     """
-    if large_bytes is None:
-        large_bytes = LARGE_SHARE * _working_set(report)
+    in_stack = _matcher(layer_stack)
+    large_bytes, layer_bytes, rule = _thresholds(report, large_bytes, in_stack)
     return {
         "shape_preservation": _shape_preservation(report, reference),
-        "no_redundancy": _no_redundancy(report, replicated_ok, large_bytes),
+        "no_redundancy": {**_no_redundancy(report, _matcher(replicated_ok), large_bytes, in_stack, layer_bytes),
+                          "rule": rule},
         "hierarchical_collectives": _hierarchical_collectives(report),
     }
+
+
+def _thresholds(report: Report, large_bytes: float | None,
+                in_stack: Callable[[str], bool]) -> tuple[float, float | None, str]:
+    """(principle 2's threshold, the layer stack's threshold or None, the rule in words); see `check_principles`."""
+    if large_bytes is not None:
+        return large_bytes, None, f"large: above {large_bytes:.0f} bytes per device"
+    large_bytes = LARGE_SHARE * _working_set(report)
+    rule = f"large: above {LARGE_SHARE:.0%} of the step's working set per device ({large_bytes:.0f} bytes)"
+    stack_bytes = sum(entry.shard_bytes for entry in report.inputs if in_stack(entry.name))
+    if not stack_bytes:
+        return large_bytes, None, rule
+    layer_bytes = LARGE_SHARE * stack_bytes
+    return large_bytes, layer_bytes, rule + (
+        f"; an array of the layer stack above {LARGE_SHARE:.0%} of the layer stack's inputs per device "
+        f"({layer_bytes:.0f} bytes): what a layer copies against what a layer holds")
 
 
 def _working_set(report: Report) -> float:
@@ -104,36 +134,60 @@ def _working_set(report: Report) -> float:
     return memory.argument_bytes + memory.output_bytes - memory.alias_bytes + memory.temp_bytes
 
 
-def weight_side_elements(matmuls: list[MatmulReport], tokens_per_device: int) -> dict[tuple[str, bool], float]:
+def weight_side_elements(matmuls: list[MatmulReport], tokens_per_device: int,
+                         attention: list[AttentionReport] = ()) -> dict[tuple[str, bool], float]:
     """Weight-side elements per device of each op and direction (`matmul_key`), summed over its matmuls and runs.
 
     Every matmul of a transformer step, forward, input gradient and weight gradient alike, is tokens x weight, so its
     weight side holds batch x M x K x N / tokens elements whichever operand XLA put first, however it split the
     contraction (split-K) and whichever matmuls of an op it merged (q/k/v, gate/up) or ran in which order.
+    Attention's matmuls (one op per direction, `matmul_key`; with them the fused kernels of `attention` whose work is
+    known) are tokens x (heads x head_dim x keys): per token, the kernel's shape on the weight side.
     """
     work: dict[tuple[str, bool], int] = defaultdict(int)
     for matmul in matmuls:
         work[matmul_key(matmul.op_name)] += matmul.flops // 2 * matmul.count
+    for call in attention:
+        if call.flops is not None:
+            work[matmul_key(call.op_name)] += call.flops // 2 * call.count
     return {key: total / tokens_per_device for key, total in work.items()}
 
 
 def _shape_preservation(report: Report, reference: Report | None) -> dict[str, Any]:
+    judged_attention = [call for call in report.attention if call.flops is not None]
+    unjudged_attention = [call.name for call in report.attention if call.flops is None]
     if reference is None:
-        return {"ok": True, "violations": [], "unpaired": [m.name for m in (*report.matmuls, *report.attention)]}
-    elements = weight_side_elements(report.matmuls, report.tokens_per_device)
-    reference_elements = weight_side_elements(reference.matmuls, reference.tokens_per_device)
+        return {"ok": True, "violations": [], "attention": _attention_summary({}, {}),
+                "unpaired": [m.name for m in report.matmuls] + [call.name for call in report.attention]}
+    elements = weight_side_elements(report.matmuls, report.tokens_per_device, judged_attention)
+    reference_elements = weight_side_elements(reference.matmuls, reference.tokens_per_device, reference.attention)
     violations = []
+    ops = [(m.name, m.op_name) for m in (*report.matmuls, *judged_attention)]
     for (key, backward), held in elements.items():
         reference_held = reference_elements.get((key, backward))
         if reference_held is not None and held < reference_held:
-            names = [m.name for m in report.matmuls if matmul_key(m.op_name) == (key, backward)]
+            names = [name for name, op_name in ops if matmul_key(op_name) == (key, backward)]
             violations.append(
                 f"op {key or '(unnamed)'} ({'backward' if backward else 'forward'}, {', '.join(names)}) has "
                 f"{held:g} weight-side elements per device at {report.tokens_per_device} tokens, fewer than the "
                 f"reference's {reference_held:g} at {reference.tokens_per_device} tokens: its local kernels shrank"
             )
-    unpaired = [m.name for m in report.matmuls if matmul_key(m.op_name) not in reference_elements]
-    return {"ok": not violations, "violations": violations, "unpaired": unpaired + [a.name for a in report.attention]}
+    unpaired = [name for name, op_name in ops if matmul_key(op_name) not in reference_elements]
+    return {"ok": not violations, "violations": violations, "unpaired": unpaired + unjudged_attention,
+            "attention": _attention_summary(elements, reference_elements)}
+
+
+def _attention_summary(layout: dict[tuple[str, bool], float], reference: dict[tuple[str, bool], float],
+                       at_least: bool = True) -> dict[str, Any]:
+    """Principle 1 for attention alone: the smallest (`at_least`: the work per token must reach the reference's)
+    or largest (K/V reads must not exceed it) ratio of the layout's attention figure to the reference's over the
+    attention ops (`matmul_key`) and directions both have; None and ok None when there is none to compare."""
+    ratios = [held / reference[key] for key, held in layout.items()
+              if is_attention_key(key[0]) and reference.get(key)]
+    if not ratios:
+        return {"ratio": None, "ok": None}
+    ratio = min(ratios) if at_least else max(ratios)
+    return {"ratio": ratio, "ok": ratio >= 1 - 1e-9 if at_least else ratio <= 1 + 1e-9}
 
 
 def reads_once_per_gpu(matmuls: list[MatmulReport], reference_matmuls: list[MatmulReport],
@@ -142,43 +196,56 @@ def reads_once_per_gpu(matmuls: list[MatmulReport], reference_matmuls: list[Matm
 
     A decode matmul multiplies a few new tokens (one per sequence; for attention, the query heads that share a kv
     head) with a weight or the cached keys or values, so its smallest dimension counts tokens and the other two are
-    the weight side: each device reads batch x (those two) elements. Summed per op (`matmul_key`), `partitions`
-    times a device's reads is what one GPU reads; it must not exceed what a gpu_tp device reads, which is the GPU's
-    share read once. Matmuls without op_name metadata (the attention kernels on CPU) form one group, "attention".
+    the weight side: each device reads batch x (those two) elements. Summed per op (`matmul_key`: attention's
+    matmuls are one op, those XLA left unnamed named by their neighbours, see `hlo`), `partitions` times a device's
+    reads is what one GPU reads; it must not exceed what a gpu_tp device reads, which is the GPU's share read once.
+    For attention this says every kernel keeps together the query heads that share a kv head: a layout that spreads
+    them over the partitions reads each kv head once per query head.
     """
-    def reads(group) -> dict[str, int]:
-        totals: dict[str, int] = {}
+    def reads(group) -> dict[tuple[str, bool], int]:
+        totals: dict[tuple[str, bool], int] = defaultdict(int)
         for m in group:
-            key = matmul_key(m.op_name)[0] or "attention"
-            weight_side = m.m * m.k * m.n // min(m.m, m.k, m.n)
-            totals[key] = totals.get(key, 0) + m.batch * weight_side * m.count
+            totals[matmul_key(m.op_name)] += m.batch * (m.m * m.k * m.n // min(m.m, m.k, m.n)) * m.count
         return totals
 
     layout_reads, reference_reads = reads(matmuls), reads(reference_matmuls)
     violations = [
-        f"{key}: the {partitions} partitions of a GPU read {partitions * count / reference_reads[key]:.2f}x the "
-        f"weight-side elements gpu_tp reads once per GPU ({partitions} x {count} vs {reference_reads[key]})"
+        f"{key[0] or '(unnamed)'}: the {partitions} partitions of a GPU read "
+        f"{partitions * count / reference_reads[key]:.2f}x the weight-side elements gpu_tp reads once per GPU "
+        f"({partitions} x {count} vs {reference_reads[key]})"
         for key, count in layout_reads.items()
         if key in reference_reads and partitions * count > reference_reads[key]
     ]
-    unpaired = [key for key in layout_reads if key not in reference_reads]
-    return {"ok": not violations, "violations": violations, "unpaired": unpaired}
+    unpaired = [key[0] or "(unnamed)" for key in layout_reads if key not in reference_reads]
+    per_gpu = {key: partitions * count for key, count in layout_reads.items()}
+    return {"ok": not violations, "violations": violations, "unpaired": unpaired,
+            "attention": _attention_summary(per_gpu, reference_reads, at_least=False)}
 
 
-def _no_redundancy(
-    report: Report, replicated_ok: set[str] | Callable[[str], bool], large_bytes: float
-) -> dict[str, Any]:
-    def allowed(name: str) -> bool:
-        if callable(replicated_ok):
-            return replicated_ok(name)
-        return any(fnmatchcase(name, pattern) for pattern in replicated_ok)
+def _matcher(names: set[str] | Callable[[str], bool]) -> Callable[[str], bool]:
+    """A test of array names: the callable itself, or whether a name matches one of the names or fnmatch patterns."""
+    if callable(names):
+        return names
+    return lambda name: any(fnmatchcase(name, pattern) for pattern in names)
+
+
+def _no_redundancy(report: Report, allowed: Callable[[str], bool], large_bytes: float,
+                   in_stack: Callable[[str], bool], layer_bytes: float | None) -> dict[str, Any]:
+    """Principle 2's verdict: copies above `large_bytes`, or above `layer_bytes` for the arrays of the layer stack
+    (`in_stack`) when that is not None."""
+    def stacked(name: str) -> bool:
+        return layer_bytes is not None and in_stack(name)
+
+    def threshold(name: str) -> float:
+        return layer_bytes if stacked(name) else large_bytes
 
     arrays = [entry for entry in (*report.inputs, *report.outputs) if not allowed(entry.name)]
     violations = [
         f"{'output' if entry.name.startswith('output/') else 'input'} {entry.name} {entry.shape} ({entry.shard_bytes} "
         f"bytes per device, spec {entry.spec}) is replicated {entry.replication_xcd}x over xcd"
+        + (" (an array of the layer stack)" if stacked(entry.name) else "")
         for entry in arrays
-        if entry.replication_xcd > 1 and entry.shard_bytes > large_bytes
+        if entry.replication_xcd > 1 and entry.shard_bytes > threshold(entry.name)
     ]
     violations += [
         f"activation {entry.name or '(unnamed)'} {entry.shape} {entry.dtype} ({entry.shard_bytes} bytes per device, "
@@ -191,7 +258,8 @@ def _no_redundancy(
         "outputs": _copied_bytes(entry for entry in arrays if entry.name.startswith("output/")),
         "activations": _copied_bytes(report.activations),
     }
-    return {"ok": not violations, "violations": violations, "threshold_bytes": large_bytes, "copied_bytes": copied}
+    return {"ok": not violations, "violations": violations, "threshold_bytes": large_bytes,
+            "layer_threshold_bytes": layer_bytes, "copied_bytes": copied}
 
 
 def _how_held(entry) -> str:

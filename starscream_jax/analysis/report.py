@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -60,7 +61,8 @@ class MatmulReport:
     """One local matmul: out[batch, M, N] = lhs[batch, M, K] @ rhs[batch, K, N] on one device.
 
     `intensity` is FLOPs per byte of the two operands and the result; `below_ridge` says whether that is under the
-    device's peak FLOP/s over HBM bytes/s (None when those were not given).
+    device's peak FLOP/s over HBM bytes/s (None when those were not given). `inferred_name`: XLA left the matmul
+    without an op name and `op_name` is its nearest named neighbour's (see `hlo`).
     """
 
     name: str
@@ -75,17 +77,20 @@ class MatmulReport:
     intensity: float
     below_ridge: bool | None
     count: int
+    inferred_name: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionReport:
-    """One fused attention kernel (cuDNN fMHA) and the per-device shapes of its operands (q, k, v, ...)."""
+    """One fused attention kernel (cuDNN fMHA), the per-device shapes of its operands (q, k, v, ...) and its matmul
+    FLOPs per run (None when the program text does not give them; see `hlo.attention_flops`)."""
 
     name: str
     op_name: str
     target: str
     operand_shapes: list[list[int]]
     count: int
+    flops: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,7 +355,8 @@ def inspect_text(
         collectives=[_collective_report(collective, placement) for collective in program.collectives],
         matmuls=matmuls,
         attention=[
-            AttentionReport(call.name, call.op_name, call.target, [list(s.dims) for s in call.operands], call.count)
+            AttentionReport(call.name, call.op_name, call.target, [list(s.dims) for s in call.operands], call.count,
+                            call.flops)
             for call in program.attention
         ],
         inputs=[],
@@ -397,6 +403,7 @@ def _matmul_report(dot: Dot, ridge: float | None) -> MatmulReport:
         intensity=intensity,
         below_ridge=None if ridge is None else intensity < ridge,
         count=dot.count,
+        inferred_name=dot.inferred_name,
     )
 
 
@@ -475,17 +482,38 @@ def replication(sharding: jax.sharding.Sharding, shape: tuple[int, ...], mesh: M
     return mesh.shape[axis] // max(len(shards) for shards in shards_per_line.values())
 
 
+ATTENTION_SCOPE = "attention"
+"""The named scope (the model's, or one a user puts around an attention call) whose matmuls form one kernel."""
+
+
 def matmul_key(op_name: str) -> tuple[str, bool]:
     """(key, backward) of a matmul's op_name metadata, such as "jit(step)/transpose(jvp(mlp))/dot_general".
 
     The key drops the outermost jit(...) and the final primitive name (which XLA may rewrite, e.g. to "transpose"),
     and unwraps "transpose(...)" from each scope, so a backward matmul shares its key with the forward one it
-    differentiates; `backward` says whether any scope was a transpose.
+    differentiates; `backward` says whether any scope was a transpose. Inside a scope named `ATTENTION_SCOPE`
+    (also wrapped, as "jvp(attention)") the key ends at that scope: attention's matmuls (scores and values, or one
+    fused kernel) are one op, however XLA split, merged or named them.
     """
     scopes = op_scopes(op_name)[:-1]
     backward = any(scope.startswith("transpose(") for scope in scopes)
     unwrapped = [scope[len("transpose(") : -1] if scope.startswith("transpose(") else scope for scope in scopes]
+    attention = [index for index, scope in enumerate(unwrapped) if _bare_scope(scope) == ATTENTION_SCOPE]
+    if attention:
+        unwrapped = unwrapped[: attention[0] + 1]
     return "/".join(unwrapped), backward
+
+
+def is_attention_key(key: str) -> bool:
+    """Whether a `matmul_key` key is attention's (it ends at a scope named `ATTENTION_SCOPE`)."""
+    return _bare_scope(key.rpartition("/")[2]) == ATTENTION_SCOPE
+
+
+def _bare_scope(scope: str) -> str:
+    """A scope without the transformations wrapped around it: "transpose(jvp(attention))" -> "attention"."""
+    while (wrapped := re.fullmatch(r"[\w.]+\((.+)\)", scope)) is not None:
+        scope = wrapped.group(1)
+    return scope
 
 
 def infer_tokens_per_device(matmuls: list[MatmulReport]) -> int | None:

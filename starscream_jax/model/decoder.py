@@ -130,12 +130,11 @@ class Transformer(nnx.Module):
                  cache: dict | None = None, cache_index: jax.Array | int = 0, with_load_balance: bool = False):
         """tokens [B, S] -> logits [B, S, V] float32, or (logits, cache) with a KV cache {"k", "v"} of
         [L, B, T, K, E] each, the new keys and values written at `cache_index` (StarscreamError when they would not
-        fit, see `_check_cache_room`). `with_load_balance` adds the mixture of experts' load-balancing loss (mean over
-        layers; 0 for a dense model) as a last result."""
+        fit; every logit NaN when a traced index would not, see `_cache_room`). `with_load_balance` adds the mixture
+        of experts' load-balancing loss (mean over layers; 0 for a dense model) as a last result."""
         c = self.config
         dtype = jnp.dtype(c.dtype)
-        if cache is not None:
-            _check_cache_room(cache, cache_index, tokens_BS.shape[1])
+        fits = None if cache is None else _cache_room(cache, cache_index, tokens_BS.shape[1])
         if positions_BS is None:
             positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]) + cache_index, tokens_BS.shape)
         with jax.named_scope("embed"):
@@ -151,6 +150,8 @@ class Transformer(nnx.Module):
                 head_DV = weight(self.lm_head[...], ("embed", "vocab"), dtype, "lm_head")
                 logits_BSV = einsum("bsd,dv->bsv", x_BSD, head_DV, out=LOGITS, tensor="logits")
             logits_BSV = logits_BSV.astype(jnp.float32)
+            if fits is not None:
+                logits_BSV = jnp.where(fits, logits_BSV, jnp.nan)
         results = (logits_BSV,) + (() if cache is None else (new_cache,))
         results += (jnp.mean(balance_L),) if with_load_balance else ()
         return results if len(results) > 1 else logits_BSV
@@ -175,16 +176,21 @@ class Transformer(nnx.Module):
         return x_BSD, (cache, balance_L)
 
 
-def _check_cache_room(cache: dict, cache_index, new_tokens: int) -> None:
-    """A write of `new_tokens` at `cache_index` must end inside the cache's T positions: XLA would clamp it onto the
-    last slots. Checked whenever the index is known at trace time (a traced one is bounded by its caller, as the
-    generation loop bounds it)."""
+def _cache_room(cache: dict, cache_index, new_tokens: int) -> jax.Array | None:
+    """Whether a write of `new_tokens` at `cache_index` ends inside the cache's T positions (XLA would clamp it onto
+    the last slots). An index known at trace time is checked at once (StarscreamError; returns None). A traced one
+    (decode inside jit) cannot be: the result is a traced bool, False for a write that would not fit, with which
+    the model makes every logit NaN, so that the clamped write is seen by whoever reads the step's output (the
+    generation loop bounds the index itself)."""
     length = cache["k"].shape[2]
     index = None if isinstance(cache_index, jax.core.Tracer) else int(cache_index)
     if new_tokens > length or (index is not None and not 0 <= index <= length - new_tokens):
         at = "" if index is None else f" at position {index}"
         raise StarscreamError(f"cannot write {new_tokens} token(s){at} into a KV cache of {length} positions; "
                               f"make the cache longer (init_cache max_len) or stop generating at position {length}")
+    if index is not None:
+        return None
+    return (cache_index >= 0) & (cache_index <= length - new_tokens)
 
 
 def _layer_weight_names(c: ModelConfig) -> list[str]:

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from starscream_jax.analysis.compile import Settings, compile_step, make_settings
+from starscream_jax.analysis.layout_report import PRINCIPLES, inspect_layouts
 from starscream_jax.errors import StarscreamError
-from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.hardware.mesh import build_mesh, build_topology_mesh
 from starscream_jax.model.decoder import create_sharded_model
 from starscream_jax.training.config import TrainConfig
 from starscream_jax.training.generate import generate
@@ -67,3 +68,23 @@ def test_a_cache_shorter_than_the_prompt_is_refused_before_compiling(mesh):
     settings = dataclasses.replace(make_settings("tiny", "prefill", 8, 16, "starscream_tp", 4), cache_length=8)
     with pytest.raises(StarscreamError, match="a KV cache of 8 positions cannot hold 16 tokens"):
         compile_step(settings, "starscream_tp", mesh)
+
+
+def test_an_unrolled_layer_loop_gives_the_rolled_loops_per_layer_bytes_and_verdicts():
+    """Decode with scan_unroll = layers has no layer loop: the layers' ops are read from the scan body's scope.
+    Per-layer and full-depth bytes, the three verdicts and attention's ratio equal the rolled program's. (Training
+    compiles too slowly for this suite; there XLA combines the optimizer's sums with layer gradients, which
+    `test_hlo`'s scope-share test covers.)"""
+    topology, mesh = build_topology_mesh("mi300x-qpx-nps1", gpus=2, simulate=True)
+    settings = make_settings("tiny", "decode", 8, 32, "flat_tp,starscream_decode", layers=2)
+    rolled = inspect_layouts(settings, topology, mesh)
+    unrolled = inspect_layouts(dataclasses.replace(settings, config=settings.config.replace(scan_unroll=2)),
+                               topology, mesh)
+    for name in rolled:
+        for figure in ("per_layer", "outside_layers", "by_scope"):
+            assert unrolled[name]["bytes_per_device"][figure] == pytest.approx(rolled[name]["bytes_per_device"][figure])
+        assert all(unrolled[name]["principles"][p]["ok"] == rolled[name]["principles"][p]["ok"] for p in PRINCIPLES)
+        assert unrolled[name]["collectives_per_layer"] == rolled[name]["collectives_per_layer"]
+        assert (unrolled[name]["principles"]["shape_preservation"]["attention"]
+                == pytest.approx(rolled[name]["principles"]["shape_preservation"]["attention"]))
+        assert any(m["in_layer_loop"] for m in unrolled[name]["matmuls"])

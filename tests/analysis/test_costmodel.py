@@ -40,15 +40,15 @@ def test_matmul_seconds_is_the_roofline(m, k, n, bound):
 
 def result(phase="train"):
     """A layout's result as `starscream inspect` writes it, with one matmul and three collectives; 2 of 10 layers
-    compiled, so what runs in the layer loop counts 5 times."""
+    compiled, so what runs in the layer loop counts 5 times (the runs each entry gives)."""
     return {
         "phase": phase, "batch": 4, "seq": 128, "layers": {"compiled": 2, "full": 10},
         "matmuls": [{"batch": 1, "m": 512, "k": 1024, "n": 1024, "below_ridge": False, "full_depth_runs": 10},
                     {"batch": 1, "m": 1, "k": 1024, "n": 1024, "below_ridge": True, "full_depth_runs": 1}],
         "collectives": [
-            {"scope": "inter_gpu", "bytes_per_device": 1e6, "count": 2, "in_layer_loop": True},
-            {"scope": "intra_gpu", "bytes_per_device": 4e6, "count": 1, "in_layer_loop": False},
-            {"scope": "local", "bytes_per_device": 0.0, "count": 3, "in_layer_loop": True},
+            {"scope": "inter_gpu", "bytes_per_device": 1e6, "count": 2, "full_depth_runs": 10},
+            {"scope": "intra_gpu", "bytes_per_device": 4e6, "count": 1, "full_depth_runs": 1},
+            {"scope": "local", "bytes_per_device": 0.0, "count": 3, "full_depth_runs": 15},
         ],
     }
 

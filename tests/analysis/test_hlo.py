@@ -3,6 +3,8 @@
 The expected groups of the iota and mesh-axis snippets are the members XLA itself runs those collectives over (an
 all-gather of the partition id, executed on simulated CPU devices).
 """
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,9 +19,11 @@ from starscream_jax.analysis.hlo import (
     parse_hlo,
     parse_replica_groups,
     parse_shapes,
+    scope_shares,
 )
 from starscream_jax.errors import StarscreamError
 
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "hlo"
 REDUCER = """%add (x: f32[], y: f32[]) -> f32[] {
   %x = f32[] parameter(0)
   %y = f32[] parameter(1)
@@ -480,3 +484,67 @@ def test_a_partition_may_send_to_itself():
     text = module("ROOT %cp = f32[8,8]{1,0} collective-permute(%p), channel_id=1, source_target_pairs={{0,0},{1,2}}")
     (permute,) = parse_hlo(text).collectives
     assert permute.source_target_pairs == [(0, 0), (1, 2)]
+
+
+def test_a_dot_xla_left_unnamed_takes_its_deepest_named_neighbours_op_name():
+    """XLA drops the op name of a dot whose size-1 dimensions it rewrites (attention at one kv head per device); the
+    dot's inputs and result are made and used inside attention (softmax), deeper in the scopes than the rope output."""
+    program = parse_hlo(module(
+        "%q = f32[8,16,1]{2,1,0} concatenate(%p, %p), dimensions={0}, metadata={op_name=\"jit(s)/body/concatenate\"}",
+        "%k = f32[8,16,32]{2,1,0} copy(%p), metadata={op_name=\"jit(s)/body/attention/shard_map/dynamic_slice\"}",
+        "%scores = f32[8,1,32]{2,1,0} dot(%q, %k), lhs_batch_dims={0}, lhs_contracting_dims={1}, "
+        "rhs_batch_dims={0}, rhs_contracting_dims={1}",
+        "%peak = f32[8,1]{1,0} reduce(%scores, %p), dimensions={2}, to_apply=%add, "
+        "metadata={op_name=\"jit(s)/body/attention/shard_map/vmap()/reduce_max\"}",
+        "%named = f32[8,8]{1,0} dot(%p, %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}, "
+        "metadata={op_name=\"jit(s)/body/o/dot_general\"}",
+    ))
+    scores, named = program.dots
+    assert scores.op_name == "jit(s)/body/attention/shard_map/vmap()/reduce_max" and scores.inferred_name
+    assert named.op_name == "jit(s)/body/o/dot_general" and not named.inferred_name
+
+
+def test_a_dot_fused_without_a_name_is_named_through_its_fusion():
+    fused = (
+        "%fused (param_0: f32[8,8], param_1: f32[8,8]) -> f32[8,8] {\n"
+        "  %param_0 = f32[8,8]{1,0} parameter(0)\n  %param_1 = f32[8,8]{1,0} parameter(1)\n"
+        "  ROOT %dot.1 = f32[8,8]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}\n"
+        "}\n"
+    )
+    program = parse_hlo(module(
+        "%x = f32[8,8]{1,0} copy(%p), metadata={op_name=\"jit(s)/transpose(jvp())/attention/vmap()/mul\"}",
+        "%f = f32[8,8]{1,0} fusion(%x, %p), kind=kCustom, calls=%fused",
+        computations=fused,
+    ))
+    (dot,) = program.dots
+    assert dot.op_name == "jit(s)/transpose(jvp())/attention/vmap()/mul" and dot.inferred_name
+
+
+@pytest.mark.parametrize("layout, batch, heads, kv_heads", [
+    ("gpu_tp", 4, 8, 2), ("starscream_tp", 1, 8, 2), ("flat_tp", 4, 1, 1)])
+def test_cudnn_attention_work_is_read_from_a_real_h200_program(layout, batch, heads, kv_heads):
+    """Forward: scores and values, 2 x (batch x heads) x 128 queries x 64 head_dim x 128 keys each; backward: four
+    such matmuls. The programs are tests/fixtures/hlo (compiled on an H200, GQA of `heads` over `kv_heads`)."""
+    text = (FIXTURES / f"cudnn_attention_{layout}.hlo.txt").read_text()
+    forward, backward = parse_hlo(text).attention
+    one_matmul = 2 * batch * heads * 128 * 64 * 128
+    assert (forward.target, forward.flops) == ("__cudnn$fmhaSoftmax", 2 * one_matmul)
+    assert (backward.target, backward.flops) == ("__cudnn$fmhaSoftmaxBackward", 4 * one_matmul)
+    assert forward.operands[1].dims == (batch, 128, kv_heads, 64)
+
+
+def test_scope_shares_split_a_collective_xla_combined_by_its_parts_bytes():
+    """An all-reduce XLA combined from the optimizer's scalar sum and two layer gradients: the layers' share is their
+    bytes' share; a plain op is in the scope or not; a dot XLA left unnamed goes by its neighbour's name."""
+    text = module(
+        "%s = f32[] reduce(%p, %p), dimensions={0,1}, to_apply=%add",
+        "%ar = (f32[], f32[8,8]{1,0}, f32[4,8]{1,0}) all-reduce(%s, %p, %p), channel_id=1, replica_groups={{0,1}}, "
+        "to_apply=%add, metadata={op_name=\"jit(s)/(optimizer/reduce_sum:transpose(jvp())/closed_call/up/dot_general:"
+        "transpose(jvp())/closed_call/down/dot_general)\"}",
+        "%q = f32[8,8]{1,0} copy(%p), metadata={op_name=\"jit(s)/closed_call/qkv/(a/dot_general:b/dot_general)\"}",
+        "%d = f32[8,8]{1,0} dot(%q, %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+        "%o = f32[8,8]{1,0} copy(%p), metadata={op_name=\"jit(s)/logits/dot_general\"}",
+    )
+    shares = scope_shares(text, "closed_call")
+    assert shares["ar"] == pytest.approx((256 + 128) / (4 + 256 + 128))
+    assert shares["q"] == shares["d"] == 1.0 and "o" not in shares and "s" not in shares

@@ -1,10 +1,15 @@
 """`check_compiled`, the public one-call check: any compiled program and its gpu_tp twin -> the three verdicts."""
+from pathlib import Path
+
+import jax
 import pytest
 
 import starscream_jax as ss
 from starscream_jax.analysis.compile import compile_step, make_settings
-from starscream_jax.analysis.principles import check_principles
-from starscream_jax.analysis.report import ActivationReport, MemoryReport, Report
+from starscream_jax.analysis.principles import check_principles, reads_once_per_gpu
+from starscream_jax.analysis.report import ActivationReport, MemoryReport, Report, inspect_compiled, inspect_text
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "hlo"
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +54,44 @@ def test_a_copy_is_large_against_the_steps_working_set_not_a_fixed_size():
     assert small["ok"] and not large["ok"]
     assert small["threshold_bytes"] == pytest.approx(0.01 * (1600 << 20))
     assert small["copied_bytes"]["activations"] == large["copied_bytes"]["activations"] == (1792 << 10) * 7 / 8
+
+
+@pytest.fixture(scope="module")
+def decode_programs():
+    mesh = ss.build_mesh("2x4")
+    settings = make_settings("tiny", "decode", 8, 32, "flat_tp,starscream_decode,gpu_tp", 2)
+    return mesh, {name: compile_step(settings, name, mesh) for name in settings.layouts}
+
+
+@pytest.mark.parametrize("phase, layout, ratio, ok", [
+    ("train", "flat_tp", 0.25, False), ("train", "starscream_tp", 1.0, True),
+    ("decode", "flat_tp", 2.0, False), ("decode", "starscream_decode", 1.0, True)])
+def test_attention_is_judged_and_flat_tp_with_more_partitions_than_kv_heads_fails_it(request, phase, layout, ratio,
+                                                                                      ok):
+    """Tiny: 8 query heads sharing 4 kv heads on 2 GPUs x 4 partitions. In training flat_tp keeps 1 query head per
+    device where gpu_tp keeps 4 per GPU (a quarter of the work per token); in decode the 4 partitions of a GPU each
+    read a copy of the kv head their query heads share (2 query heads per kv head on a GPU: twice gpu_tp's reads).
+    XLA leaves flat_tp's attention matmuls unnamed (one head per device); they are judged all the same."""
+    mesh, steps = request.getfixturevalue("programs" if phase == "train" else "decode_programs")
+    reference, report = (inspect_compiled(steps[name].compiled, mesh) for name in ("gpu_tp", layout))
+    if phase == "decode":
+        verdict = reads_once_per_gpu(report.matmuls, reference.matmuls, mesh.shape["xcd"])
+    else:
+        verdict = check_principles(report, reference)["shape_preservation"]
+    assert verdict["attention"] == {"ratio": pytest.approx(ratio), "ok": ok}
+    attention_violations = [line for line in verdict["violations"] if "/attention " in line or "/attention:" in line]
+    assert len(attention_violations) == (0 if ok else 1 if phase == "decode" else 2)  # train: forward and backward
+    assert not [op for op in verdict["unpaired"] if "attention" in op]
+
+
+def test_fused_attention_kernels_are_judged_from_their_operand_shapes():
+    """cuDNN's fused attention, compiled on an H200 (tests/fixtures/hlo): the batch split over 4 partitions keeps
+    gpu_tp's heads per device (ok), one query head per device does not."""
+    mesh = jax.make_mesh((1, 1, 1), ("data", "gpu", "xcd"), devices=jax.devices()[:1])
+    tokens = {"gpu_tp": 4 * 128, "starscream_tp": 128, "flat_tp": 4 * 128}
+    reports = {name: inspect_text((FIXTURES / f"cudnn_attention_{name}.hlo.txt").read_text(), mesh,
+                                  tokens_per_device=count) for name, count in tokens.items()}
+    for name, ok in (("starscream_tp", True), ("flat_tp", False)):
+        verdict = check_principles(reports[name], reports["gpu_tp"])["shape_preservation"]
+        assert verdict["ok"] is ok and verdict["attention"]["ok"] is ok and verdict["unpaired"] == []
+        assert verdict["attention"]["ratio"] == pytest.approx(1.0 if ok else 1 / 8)

@@ -289,7 +289,8 @@ def test_activations_need_both_the_lowered_text_and_the_token_dims():
 def test_without_reference_no_matmul_is_judged():
     report = mlp_report(2, 4, "flat")
     verdict = check_principles(report, None)["shape_preservation"]
-    assert verdict == {"ok": True, "violations": [], "unpaired": [m.name for m in report.matmuls]}
+    assert verdict == {"ok": True, "violations": [], "unpaired": [m.name for m in report.matmuls],
+                       "attention": {"ratio": None, "ok": None}}
 
 
 def test_report_is_json_serialisable_with_memory_and_bytes_by_scope():
@@ -431,7 +432,7 @@ def test_gpu_matmuls_merged_weight_first_and_split_keep_starscream_tp_kernels():
     reference, starscream = gpu_step_report("gpu_tp"), gpu_step_report("starscream_tp")
     assert (reference.tokens_per_device, starscream.tokens_per_device) == (256, 128)
     verdict = check_principles(starscream, reference)["shape_preservation"]
-    assert verdict == {"ok": True, "violations": [], "unpaired": []}
+    assert verdict == {"ok": True, "violations": [], "unpaired": [], "attention": {"ratio": None, "ok": None}}
 
 
 def test_gpu_matmuls_of_flat_tp_shrink_every_op():

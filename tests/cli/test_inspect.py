@@ -99,6 +99,23 @@ def test_redundancy_states_its_rule_and_the_copies_bytes(train):
     assert partial and all(entry["shard_bytes"] * PARTITIONS * 8 > entry["bytes"] for entry in partial)
 
 
+@pytest.mark.parametrize("phase, hierarchical", [("train", "starscream_tp"), ("decode", "starscream_decode")])
+def test_copies_of_the_layer_stack_are_weighed_against_what_the_layer_stack_holds(phase, hierarchical, request):
+    """At 2 compiled layers flat_tp's copied kv weights (and their optimizer moments) are under 1% of the step's
+    working set, which the embedding and head dominate, but not under 1% of what the layer stack holds per device:
+    they are flagged, as they would be at the model's 80 layers. The hierarchical layout stays clean."""
+    results = request.getfixturevalue(phase)
+    flat, clean = (results[name]["principles"]["no_redundancy"] for name in ("flat_tp", hierarchical))
+    stack_inputs = sum(entry["shard_bytes"] for entry in results["flat_tp"]["inputs"]
+                       if "/layers/" in entry["name"] or entry["name"].startswith("cache/"))
+    assert flat["layer_threshold_bytes"] == pytest.approx(0.01 * stack_inputs)
+    assert flat["layer_threshold_bytes"] < flat["threshold_bytes"]
+    flagged = {line.split()[1] for line in flat["violations"] if line.endswith("(an array of the layer stack)")}
+    assert {"params/layers/wk/value", "params/layers/wv/value"} <= flagged
+    assert "what a layer copies against what a layer holds" in flat["rule"]
+    assert clean["ok"] and clean["violations"] == []
+
+
 def test_starscream_decode_keeps_the_three_principles_in_decode(decode):
     assert verdicts(decode["starscream_decode"]) == ALL_OK, decode["starscream_decode"]["principles"]
 
@@ -129,6 +146,10 @@ def test_flat_tp_visibly_fails_redundancy_and_hierarchy(phase, request):
                for line in flat["principles"]["hierarchical_collectives"]["violations"])
 
 
+ATTENTION = "while/body/closed_call/attention"
+"""The key of decode's attention matmuls (scores and values, named or not: one op)."""
+
+
 def rereads(result: dict) -> dict[str, str]:
     """{op key: violation} of decode's principle 1."""
     return {line.split(":")[0]: line for line in result["principles"]["shape_preservation"]["violations"]}
@@ -137,13 +158,13 @@ def rereads(result: dict) -> dict[str, str]:
 def test_decode_flat_tp_reads_kv_heads_once_per_query_head(decode):
     reread = rereads(decode["flat_tp"])
     # decode runs k and v as separate GEMMs under the one scope "qkv" (decoder._qkv), so they share one key
-    assert set(reread) == {"attention", "while/body/closed_call/qkv/bsd,dke->bske"}
+    assert set(reread) == {ATTENTION, "while/body/closed_call/qkv/bsd,dke->bske"}
     assert all("read 8.00x" in line for line in reread.values())
 
 
 def test_decode_starscream_tp_reads_each_gathered_weight_once_per_partition(decode):
     reread = rereads(decode["starscream_tp"])
-    assert "attention" not in reread
+    assert ATTENTION not in reread
     assert {"while/body/closed_call/gate_up/bsd,df->bsf", "while/body/closed_call/down/bsf,fd->bsd",
             "logits/bsd,dv->bsv"} <= set(reread)
     assert all("read 8.00x" in line for line in reread.values())

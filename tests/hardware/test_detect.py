@@ -2,6 +2,7 @@
 (fixtures/sysfs.py) and amd-smi JSON in the shape amd-smi prints (fixtures/amd_smi/)."""
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from fixtures.sysfs import (
     KFD_NODES,
     MI300X_BUSES,
     cpu_node,
+    gpu_node,
     gpu_nodes,
     mi300x_node,
     published_nodes,
@@ -329,3 +331,29 @@ def test_published_cpx_capture_with_a_partition_missing_names_the_gpu_and_partit
     with pytest.raises(TopologyError, match=r"GPU 0000:e5:00 shows partitions \[0, 1, 2, 3, 4, 5, 6\] in KFD sysfs, "
                                             r"expected 0-7 as GPU 0000:05:00 does; partition\(s\) \[7\] missing"):
         detect_rocm_topology(write_machine(tmp_path, nodes), env={})
+
+
+# Published rocm-smi output of four MI300X GPUs in SPX mode (fixtures/rocm_smi/README.md).
+
+def rocm_smi_facts(name: str) -> dict[str, dict[int, str]]:
+    """{field: {GPU index: value}} of the "GPU[i] : field: value" lines of a rocm-smi capture."""
+    facts: dict[str, dict[int, str]] = {}
+    for line in (Path(__file__).parent / "fixtures" / "rocm_smi" / name).read_text().splitlines():
+        found = re.fullmatch(r"GPU\[(\d+)\]\s*: ([^:]+):\s*(.*)", line)
+        if found:
+            facts.setdefault(found.group(2), {})[int(found.group(1))] = found.group(3).strip()
+    return facts
+
+
+def test_published_spx_rocm_smi_output_is_detected_as_four_whole_gpus(tmp_path):
+    facts = rocm_smi_facts("mi300x_spx_x4_rocm_smi_a.txt")
+    buses = [facts["PCI Bus"][gpu].removesuffix(".0") for gpu in range(4)]
+    modes = {(facts["Compute Partition"][gpu], facts["Memory Partition"][gpu]) for gpu in range(4)}
+    assert modes == {("SPX", "NPS1")}
+    nodes = [{**gpu_node(bus, gpu, 0, 1), "device_id": int(facts["Device ID"][gpu], 16),
+              "unique_id": int(facts["Unique ID"][gpu], 16)} for gpu, bus in enumerate(buses)]
+    topology = detect_rocm_topology(write_machine(tmp_path, [cpu_node(), cpu_node(), *nodes], modes.pop()), env={})
+    assert [group[0].gpu_id for group in topology.groups] == ["0000:26:00", "0000:46:00", "0000:65:00", "0000:85:00"]
+    assert [[(p.kfd_node, p.partition, p.num_xcc) for p in group] for group in topology.groups] == [
+        [(2 + gpu, 0, 8)] for gpu in range(4)]
+    assert (topology.compute_mode, topology.memory_mode) == ("SPX", "NPS1")

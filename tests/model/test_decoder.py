@@ -328,3 +328,15 @@ def test_a_write_that_ends_at_the_last_slot_of_the_kv_cache_is_allowed():
     config, graphdef, params, _ = reference("tiny")
     logits, _ = nnx.merge(graphdef, params)(np.zeros((2, 2), np.int32), cache=init_cache(config, 2, 8), cache_index=6)
     assert logits.shape == (2, 2, config.vocab_size)
+
+
+@pytest.mark.parametrize("index, new_tokens, fits", [(6, 2, True), (7, 2, False), (8, 1, False), (-1, 1, False)])
+def test_a_traced_index_that_would_write_past_the_kv_cache_poisons_the_logits(index, new_tokens, fits):
+    """Decode inside jit with the index a tracer: the write cannot be refused while tracing, and XLA would clamp it
+    onto the last slots; every logit of such a step is NaN instead, so the caller sees it. A write that fits is
+    untouched."""
+    config, graphdef, params, _ = reference("tiny")
+    model = nnx.merge(graphdef, params)
+    step = jax.jit(lambda tokens, cache, at: model(tokens, cache=cache, cache_index=at))
+    logits, _ = step(np.zeros((2, new_tokens), np.int32), init_cache(config, 2, 8), jnp.int32(index))
+    assert bool(jnp.all(jnp.isfinite(logits))) if fits else bool(jnp.all(jnp.isnan(logits)))
