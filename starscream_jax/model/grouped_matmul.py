@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..errors import PresetError, StarscreamError
+from ..sharding.apply import compute_device
 
 IMPLEMENTATIONS = ("pallas", "interpret", "xla")
 
@@ -144,8 +145,46 @@ def _block(dim: int, wanted: int) -> int:
     return block
 
 
-def _compiler_params(blocks: Blocks):
-    return plgpu.CompilerParams(num_warps=blocks.warps, num_stages=blocks.stages)
+def _compiler_params(blocks: Blocks, stages: int):
+    return plgpu.CompilerParams(num_warps=blocks.warps, num_stages=stages)
+
+
+SHARED_MEMORY_BYTES = {"9.0": 232448, "10.0": 232448, "8.0": 166912, "8.7": 166912, "8.6": 101376, "8.9": 101376,
+                       "12.0": 101376, "gfx942": 65536, "gfx950": 163840}
+"""Shared memory (LDS on AMD) one kernel program may use, by CUDA compute capability or AMD architecture: the
+opt-in maximum per thread block in the CUDA C++ Programming Guide's table of compute capabilities
+(https://docs.nvidia.com/cuda/cuda-c-programming-guide/#features-and-technical-specifications; 227 KiB on the H200
+is also what Triton reported there) and the LDS per compute unit in ROCm's table of AMD GPU specifications
+(https://rocm.docs.amd.com/en/latest/reference/gpu-specs.html: 64 KiB on gfx942, MI300X; 160 KiB on gfx950, MI355X).
+Other devices get 48 KiB, what every CUDA device gives without opting in."""
+
+
+def shared_memory_bytes(device) -> int:
+    """The shared memory one program may use on `device` (`SHARED_MEMORY_BYTES`)."""
+    capability = str(getattr(device, "compute_capability", "")).lower().split(":")[0]
+    return SHARED_MEMORY_BYTES.get(capability, 49152)
+
+
+def _fitted(blocks: Blocks, depth_block: int, col_block: int, bytes_per_stage, interpret: bool):
+    """(depth block, column block, pipeline stages) of a kernel whose blocks take bytes_per_stage(depth_block,
+    col_block) of shared memory per stage (Triton keeps one copy of them per stage: 4 stages of a 128-row bf16
+    weight-gradient step asked for 256 KiB of the H200's 227 KiB): `blocks.stages` and the blocks given where they
+    fit the device's shared memory, else fewer stages first, then the larger block halved."""
+    stages = blocks.stages
+    if interpret:
+        return depth_block, col_block, stages
+    available = shared_memory_bytes(compute_device())
+    while bytes_per_stage(depth_block, col_block) * stages > available:
+        if stages > 1:
+            stages -= 1
+        elif max(depth_block, col_block) > 16:
+            depth_block, col_block = ((depth_block // 2, col_block) if depth_block >= col_block
+                                      else (depth_block, col_block // 2))
+        else:
+            raise StarscreamError(f"the grouped matmul's smallest blocks need {bytes_per_stage(16, 16)} bytes of "
+                                  f"shared memory, more than the {available} this GPU gives one kernel; use fewer "
+                                  f"rows per tile")
+    return depth_block, col_block, stages
 
 
 def _out_shape(shape, x, *operands) -> jax.ShapeDtypeStruct:
@@ -171,13 +210,15 @@ def _grouped_order(program, row_blocks: int, col_blocks: int, group: int):
 def _pallas_tiles(x_RK, w_GKF, tile_group_N, live_tiles_1, tile, blocks, transpose, interpret):
     rows, depth = x_RK.shape
     cols = w_GKF.shape[1] if transpose else w_GKF.shape[2]
-    col_block, depth_block = _block(cols, blocks.cols), _block(depth, blocks.depth)
+    depth_block, col_block, stages = _fitted(
+        blocks, _block(depth, blocks.depth), _block(cols, blocks.cols),
+        lambda depth_block, col_block: (tile + col_block) * depth_block * x_RK.dtype.itemsize, interpret)
     tiles = rows // tile
     kernel = functools.partial(_tile_kernel, tile=tile, col_block=col_block, depth_block=depth_block, tiles=tiles,
                                col_blocks=cols // col_block, group=blocks.group, transpose=transpose)
     return pl.pallas_call(kernel, out_shape=_out_shape((rows, cols), x_RK, w_GKF, tile_group_N),
                           grid=(tiles * (cols // col_block),), interpret=interpret,
-                          compiler_params=None if interpret else _compiler_params(blocks),
+                          compiler_params=None if interpret else _compiler_params(blocks, stages),
                           name="grouped_matmul_t" if transpose else "grouped_matmul")(
         tile_group_N, live_tiles_1, x_RK, w_GKF)
 
@@ -220,13 +261,15 @@ def _dot(a: jax.Array, b: jax.Array, a_contracted: int, b_contracted: int) -> ja
 def _pallas_weight_gradient(x_RK, dout_RF, offsets_G1, tile, blocks, interpret):
     depth, cols = x_RK.shape[1], dout_RF.shape[1]
     groups = offsets_G1.shape[0] - 1
-    depth_block, col_block = _block(depth, blocks.weight_block), _block(cols, blocks.weight_block)
+    depth_block, col_block, stages = _fitted(
+        blocks, _block(depth, blocks.weight_block), _block(cols, blocks.weight_block),
+        lambda depth_block, col_block: tile * (depth_block + col_block) * x_RK.dtype.itemsize, interpret)
     per_group = (depth // depth_block) * (cols // col_block)
     kernel = functools.partial(_weight_kernel, tile=tile, depth_block=depth_block, col_block=col_block,
                                depth_blocks=depth // depth_block, col_blocks=cols // col_block, group=blocks.group)
     return pl.pallas_call(kernel, out_shape=_out_shape((groups, depth, cols), x_RK, dout_RF, offsets_G1),
                           grid=(groups * per_group,), interpret=interpret,
-                          compiler_params=None if interpret else _compiler_params(blocks),
+                          compiler_params=None if interpret else _compiler_params(blocks, stages),
                           name="grouped_matmul_dw")(offsets_G1, x_RK, dout_RF)
 
 

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec, reshard
 
 from ..errors import ShardingRuleError
 from ..hardware.axes import axes_of, dim_axes
-from ..sharding.apply import activation_spec, active
+from ..sharding.apply import activation_spec, active, compute_device
 from ..sharding.collectives import hierarchical_all_gather, hierarchical_psum
 from ..sharding.rules import LogicalNames
 from .names import ATTN_KV, ATTN_Q, LOGITS, POSITIONS, TOKENS
@@ -65,8 +65,7 @@ def _check_head_split(n_heads: int, n_kv: int, q_axes, kv_axes, mesh_shape: dict
 
 def _on_cuda() -> bool:
     """Whether the active mesh (or, with none, the default device) is an NVIDIA GPU, where cuDNN runs."""
-    current = active()
-    device = current.mesh.devices.flat[0] if current is not None else jax.devices()[0]
+    device = compute_device()
     return device.platform == "gpu" and "cuda" in device.client.platform_version.lower()
 
 

@@ -55,6 +55,12 @@ def active() -> ActiveLayout | None:
     return _ACTIVE.get()
 
 
+def compute_device():
+    """The device a traced computation compiles for: the first of the active layout's mesh, else JAX's default."""
+    current = active()
+    return current.mesh.devices.flat[0] if current is not None else jax.devices()[0]
+
+
 def activation_spec(names: LogicalNames, shape, tensor: str = "activation") -> PartitionSpec | None:
     """The PartitionSpec the active layout gives an activation, or None outside `use_layout`."""
     current = active()

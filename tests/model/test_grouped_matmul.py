@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 
 from starscream_jax.errors import PresetError, StarscreamError
+from starscream_jax.model import grouped_matmul as kernels
 from starscream_jax.model import moe
 from starscream_jax.model.grouped_matmul import Blocks, grouped_matmul
 from tests.model.test_moe import block_inputs, config, dense_block, loss_and_grads, max_errors
 
-pytestmark = pytest.mark.filterwarnings("error::DeprecationWarning")  # a Pallas API on its way out fails here first
+pytestmark = pytest.mark.filterwarnings(  # a Pallas API on its way out fails here first; the Triton backend's own
+    "error:(?!The Pallas Triton backend is deprecated):DeprecationWarning")  # notice (JAX 0.11) is the README's
 
 TILE, K, F = 16, 32, 48
 SIZES = (32, 0, 16, 48)
@@ -82,6 +84,42 @@ def test_the_kernel_refuses_a_width_that_is_not_a_multiple_of_16():
     x_RK, w_GKF, _ = inputs()
     with pytest.raises(PresetError, match="dimension 24 is not a multiple of 16"):
         grouped_matmul(x_RK[:, :24], w_GKF[:, :24], jnp.asarray(SIZES, jnp.int32), TILE, "interpret")
+
+
+class Device:
+    """A device as JAX describes it: its compute capability (CUDA) or architecture (ROCm)."""
+
+    def __init__(self, compute_capability):
+        self.compute_capability = compute_capability
+
+
+@pytest.mark.parametrize(("capability", "expected"), [("9.0", 232448), ("gfx942:sramecc+:xnack-", 65536),
+                                                      ("gfx950", 163840), ("7.5", 49152)])
+def test_shared_memory_is_read_from_the_devices_architecture(capability, expected):
+    assert kernels.shared_memory_bytes(Device(capability)) == expected
+
+
+def weight_step_bytes(tile, itemsize):
+    return lambda depth_block, col_block: tile * (depth_block + col_block) * itemsize
+
+
+@pytest.mark.parametrize(("capability", "itemsize", "wanted", "expected"), [
+    ("9.0", 2, 3, (128, 128, 3)),   # bf16 on an H200: 3 x 64 KiB fit its 227 KiB
+    ("9.0", 2, 4, (128, 128, 3)),   # 4 x 64 KiB asked for 256 KiB there: Triton refused it
+    ("9.0", 4, 3, (128, 128, 1)),   # float32: 2 x 128 KiB would be the 256 KiB Triton refused
+    ("gfx942", 4, 3, (64, 64, 1)),  # float32 on an MI300X's 64 KiB: one stage of 64-wide blocks
+])
+def test_kernel_blocks_are_cut_to_the_devices_shared_memory(monkeypatch, capability, itemsize, wanted, expected):
+    monkeypatch.setattr(kernels, "compute_device", lambda: Device(capability))
+    got = kernels._fitted(Blocks(stages=wanted), 128, 128, weight_step_bytes(128, itemsize), interpret=False)
+    assert got == expected
+    assert weight_step_bytes(128, itemsize)(*got[:2]) * got[2] <= kernels.shared_memory_bytes(Device(capability))
+
+
+def test_blocks_that_cannot_fit_any_device_are_a_clear_error(monkeypatch):
+    monkeypatch.setattr(kernels, "compute_device", lambda: Device("gfx942"))
+    with pytest.raises(StarscreamError, match="smallest blocks need 524288 bytes of shared memory, more than the 65536"):
+        kernels._fitted(Blocks(), 128, 128, weight_step_bytes(4096, 4), interpret=False)
 
 
 @pytest.mark.gpu
