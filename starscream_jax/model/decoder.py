@@ -1,12 +1,12 @@
 """A Llama-family decoder in Flax NNX whose every tensor carries logical axis names.
 
-Shape letters as in `names`. Layers are stacked on a leading `layers` axis and run with `jax.lax.scan`, so compile
-time does not grow with depth. Under `use_layout(layout, mesh)` every weight, activation and the KV cache is placed by
-the layout; outside it the same code runs unsharded. Each projection runs under `jax.named_scope` with its name (qkv,
-o, gate_up, down, router, logits; embed and attention for the per-device ops; a routed mixture of experts' own gate
-and up), so the compiled program's op names, and the inspector's keys, read as the model does. In training and
-prefill q, k and v run as one GEMM and gate and up as one (`_qkv`, `_gate_up`), from weights stored apart. A
-mixture-of-experts model routes each token to its experts (`moe.routed_mlp`).
+Shape letters as in `names`. Layers are stacked on a leading `layers` axis and run with `jax.lax.scan`, so compile time
+does not grow with depth; decode unrolls that loop (`layers_per_trip`). Under `use_layout(layout, mesh)` every weight,
+activation and the KV cache is placed by the layout; outside it the same code runs unsharded. Each projection runs under
+`jax.named_scope` with its name (qkv, o, gate_up, down, router, logits; embed and attention for the per-device ops; a
+routed mixture of experts' own gate and up), so the compiled program's op names, and the inspector's keys, read as the
+model does. In training and prefill q, k and v run as one GEMM and gate and up as one (`_qkv`, `_gate_up`), from weights
+stored apart. A mixture-of-experts model routes each token to its experts (`moe.routed_mlp`).
 """
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ class Transformer(nnx.Module):
         with jax.named_scope("embed"):
             table_VD = weight(self.embedding[...], ("vocab", "embed"), dtype, "embedding")
             x_BSD = embed_lookup(table_VD, tokens_BS, out=RESIDUAL)
-        stacked = {name: getattr(self.layers, name)[...] for name in _layer_weight_names(c)}
+        stacked = _layer_weights(c, self.layers)
         x_BSD, (new_cache, balance_L) = self._run_layers(x_BSD, stacked, positions_BS, cache, cache_index)
         x_BSD = rms_norm(x_BSD, self.final_norm[...], c.norm_eps)
         with jax.named_scope("logits"):
@@ -171,8 +171,17 @@ class Transformer(nnx.Module):
         if c.remat != "none":
             block = jax.checkpoint(block, policy=CHECKPOINT_POLICIES[c.remat])
         (x_BSD, cache), balance_L = jax.lax.scan(block, (x_BSD, cache), (stacked, jnp.arange(c.n_layers)),
-                                                 unroll=c.scan_unroll)
+                                                 unroll=layers_per_trip(c, decoding=cache is not None
+                                                                        and x_BSD.shape[1] == 1))
         return x_BSD, (cache, balance_L)
+
+
+def layers_per_trip(c: ModelConfig, decoding: bool) -> int:
+    """Layers per iteration of the layer loop: `c.scan_unroll`, or when it is 0 every layer in decode (`decoding`:
+    one new position per sequence against a KV cache) and one otherwise (see ModelConfig)."""
+    if c.scan_unroll:
+        return c.scan_unroll
+    return c.n_layers if decoding else 1
 
 
 def _check_cache_room(cache: dict, cache_index, new_tokens: int) -> None:
@@ -192,6 +201,21 @@ def _layer_weight_names(c: ModelConfig) -> list[str]:
     names += ["bq", "bk", "bv"] if c.qkv_bias else []
     names += ["q_norm", "k_norm"] if c.qk_norm else []
     return names + (["router"] if c.n_experts else [])
+
+
+CAST_ONCE = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "bq", "bk", "bv"})
+"""The stacked layer weights used in the compute dtype: the projections' matrices and biases (norm scales and a
+mixture of experts' router are used in float32)."""
+
+
+def _layer_weights(c: ModelConfig, layers: LayerStack) -> dict:
+    """Every stacked layer weight [L, ...] by name, those of CAST_ONCE cast to the compute dtype here, once per step
+    before the layer loop, as stored (not gathered): each layer then slices and gathers its weights in that dtype,
+    where casting inside the loop would copy each layer's float32 slice out of the stack first. A weight's
+    gradient is the same either way (each layer's slice is used once)."""
+    dtype = jnp.dtype(c.dtype)
+    return {name: getattr(layers, name)[...].astype(dtype) if name in CAST_ONCE else getattr(layers, name)[...]
+            for name in _layer_weight_names(c)}
 
 
 def _used(scope: str, weights: dict, key: str, names: tuple[str, ...], dtype) -> jax.Array:

@@ -65,6 +65,18 @@ def test_prefill_in_two_chunks_through_the_cache_equals_one_pass():
     np.testing.assert_array_equal(cache["v"][0], v)
 
 
+def test_decode_sees_the_cache_up_to_its_position_only():
+    """One new position per sequence reads a prefix of the cache (key_value_seq_lengths): the slots after each row's
+    position hold random keys and values that must not count."""
+    q, k, v = qkv()
+    position_B = jnp.arange(B) % (S - 1)  # rows at positions 0 .. S - 2, never the last slot
+    out_B1HE = attention(q[:, :1], k[:, :1], v[:, :1], position_B[:, None], {"k": k, "v": v})
+    for row, position in enumerate(np.asarray(position_B)):
+        keys_THE, values_THE = (jnp.repeat(x[row, :position + 1], H // K, axis=1) for x in (k, v))
+        weights_HT = jax.nn.softmax(jnp.einsum("he,the->ht", q[row, 0], keys_THE) / np.sqrt(E), axis=-1)
+        np.testing.assert_allclose(out_B1HE[row, 0], jnp.einsum("ht,the->he", weights_HT, values_THE), atol=1e-5)
+
+
 def sharded(layout, mesh, function, *args):
     with use_layout(layout, mesh):
         return jax.jit(function)(*args)
