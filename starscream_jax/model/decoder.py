@@ -129,9 +129,9 @@ class Transformer(nnx.Module):
     def __call__(self, tokens_BS: jax.Array, *, positions_BS: jax.Array | None = None,
                  cache: dict | None = None, cache_index: jax.Array | int = 0, with_load_balance: bool = False):
         """tokens [B, S] -> logits [B, S, V] float32, or (logits, cache) with a KV cache {"k", "v"} of
-        [L, B, T, K, E] each, the new keys and values written at `cache_index` (StarscreamError when they would not
-        fit, see `_check_cache_room`). `with_load_balance` adds the mixture of experts' load-balancing loss (mean over
-        layers; 0 for a dense model) as a last result."""
+        [L, B, T, K, E] each (or L arrays of [B, T, K, E] each, `split_cache`), the new keys and values written at
+        `cache_index` (StarscreamError when they would not fit, see `_check_cache_room`). `with_load_balance` adds
+        the mixture of experts' load-balancing loss (mean over layers; 0 for a dense model) as a last result."""
         c = self.config
         dtype = jnp.dtype(c.dtype)
         if cache is not None:
@@ -157,9 +157,12 @@ class Transformer(nnx.Module):
 
     def _run_layers(self, x_BSD, stacked, positions_BS, cache, cache_index):
         """The L blocks over x [B, S, D] -> (x, (cache or None, load-balancing loss per layer [L])). The KV cache of
-        every layer travels through the loop whole, each block writing its new keys and values in place."""
+        every layer travels through the loop whole, each block writing its new keys and values in place (a cache
+        held per layer runs the layers one after another, `_run_layers_apart`)."""
         c = self.config
         positions_BS = constrain(positions_BS, ("attn_batch", "seq"), "positions")
+        if cache is not None and held_per_layer(cache):
+            return self._run_layers_apart(x_BSD, stacked, positions_BS, cache, cache_index)
 
         def block(carry, layer):
             x_BSD, cache = carry
@@ -175,6 +178,33 @@ class Transformer(nnx.Module):
                                                                         and x_BSD.shape[1] == 1))
         return x_BSD, (cache, balance_L)
 
+    def _run_layers_apart(self, x_BSD, stacked, positions_BS, cache, cache_index):
+        """The L blocks one after another (no loop in the program) with a KV cache held per layer
+        ({"k", "v"}: L arrays of [B, T, K, E] each, `split_cache`): each block writes its new keys and values into
+        its own cache array in place, and attention reads that array whole, where a layer's part of a stacked cache
+        is copied out before a library call (cuDNN's attention) can read it. -> (x, (cache, balance [L]))."""
+        keys, values, balances = [], [], []
+        for layer in range(self.config.n_layers):
+            w = {name: value[layer] for name, value in stacked.items()}
+            layer_cache = {"k": cache["k"][layer], "v": cache["v"][layer]}
+            x_BSD, layer_cache, balance = _block(self.config, x_BSD, w, positions_BS, (layer_cache, None, cache_index))
+            keys.append(layer_cache["k"])
+            values.append(layer_cache["v"])
+            balances.append(balance)
+        return x_BSD, ({"k": tuple(keys), "v": tuple(values)}, jnp.stack(balances))
+
+
+def held_per_layer(cache: dict) -> bool:
+    """Whether a KV cache is held as one array per layer ([B, T, K, E] each, `split_cache`) rather than stacked."""
+    return isinstance(cache["k"], (list, tuple))
+
+
+def split_cache(cache: dict) -> dict:
+    """A stacked KV cache ({"k", "v"}: [L, B, T, K, E] each) as one array per layer: {"k", "v"}: L arrays of
+    [B, T, K, E] (copies; call once, as generation does before its decode loop)."""
+    return {name: tuple(constrain(layer_BTKE, ATTN_KV, "kv cache") for layer_BTKE in stacked_LBTKE)
+            for name, stacked_LBTKE in cache.items()}
+
 
 def layers_per_trip(c: ModelConfig, decoding: bool) -> int:
     """Layers per iteration of the layer loop: `c.scan_unroll`, or when it is 0 every layer in decode (`decoding`:
@@ -188,7 +218,7 @@ def _check_cache_room(cache: dict, cache_index, new_tokens: int) -> None:
     """A write of `new_tokens` at `cache_index` must end inside the cache's T positions: XLA would clamp it onto the
     last slots. Checked whenever the index is known at trace time (a traced one is bounded by its caller, as the
     generation loop bounds it)."""
-    length = cache["k"].shape[2]
+    length = cache["k"][0].shape[1] if held_per_layer(cache) else cache["k"].shape[2]
     index = None if isinstance(cache_index, jax.core.Tracer) else int(cache_index)
     if new_tokens > length or (index is not None and not 0 <= index <= length - new_tokens):
         at = "" if index is None else f" at position {index}"
@@ -235,9 +265,9 @@ def _block(c: ModelConfig, x_BSD, w, positions_BS, cached=None):
     """One pre-norm block: x + attention(norm(x)), then + mlp(norm(x)). x [B, S, D] placed by RESIDUAL.
 
     cached: None, or (cache, layer, cache_index): the KV cache of every layer ([L, B, T, K, E] each), this block's
-    layer index and the position of the first new token. The new keys and values are written into the cache in
-    place (`write_cache`) and attention reads this layer's part. Returns (x, cache or None, the layer's
-    load-balancing loss: 0 for a dense MLP)."""
+    layer index and the position of the first new token; or (this layer's cache, [B, T, K, E] each, None,
+    cache_index). The new keys and values are written into the cache in place (`write_cache`) and attention reads
+    this layer's part. Returns (x, cache or None, the layer's load-balancing loss: 0 for a dense MLP)."""
     dtype = jnp.dtype(c.dtype)
     h_BSD = rms_norm(x_BSD, w["attn_norm"], c.norm_eps)
     q_BSHE, k_BSKE, v_BSKE = _qkv(c, h_BSD, w)
@@ -253,7 +283,7 @@ def _block(c: ModelConfig, x_BSD, w, positions_BS, cached=None):
     if cached is not None:
         cache, layer, cache_index = cached
         cache = write_cache(cache, layer, cache_index, k_BSKE, v_BSKE)
-        layer_cache = {name: cache[name][layer] for name in ("k", "v")}
+        layer_cache = cache if layer is None else {name: cache[name][layer] for name in ("k", "v")}
     with jax.named_scope("attention"):
         attended_BSHE = attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, layer_cache)
         attended_BSHE = constrain(attended_BSHE, ("batch", "seq", "heads", "head_dim"), "attention output")
@@ -275,12 +305,17 @@ def _add_bias(x_BSNE, bias_NE, names: tuple[str, ...]):
 
 def write_cache(cache: dict, layer, index, k_BSKE: jax.Array, v_BSKE: jax.Array) -> dict:
     """The KV cache {"k", "v"} ([L, B, T, K, E] each) with the S new keys and values of `layer` written at positions
-    index .. index + S - 1: a dynamic-update-slice of S positions, which XLA runs in place on a donated cache."""
-    def write(full_LBTKE, new_BSKE):
-        # both placed by KV_CACHE's rules (no-ops inside the model, where they already are)
-        new_1BSKE = constrain(new_BSKE[None].astype(full_LBTKE.dtype), KV_CACHE, "new keys and values")
-        return jax.lax.dynamic_update_slice(constrain(full_LBTKE, KV_CACHE, "kv cache"), new_1BSKE,
-                                            (layer, 0, index, 0, 0))
+    index .. index + S - 1: a dynamic-update-slice of S positions, which XLA runs in place on a donated cache. With
+    `layer` None, `cache` is one layer's ([B, T, K, E] each)."""
+    one_layer = layer is None
+    names = ATTN_KV if one_layer else KV_CACHE
+    start = (0, index, 0, 0) if one_layer else (layer, 0, index, 0, 0)
+
+    def write(full, new_BSKE):
+        # both placed by the cache's rules (no-ops inside the model, where they already are)
+        new = new_BSKE.astype(full.dtype) if one_layer else new_BSKE[None].astype(full.dtype)
+        return jax.lax.dynamic_update_slice(constrain(full, names, "kv cache"),
+                                            constrain(new, names, "new keys and values"), start)
 
     return {"k": write(cache["k"], k_BSKE), "v": write(cache["v"], v_BSKE)}
 

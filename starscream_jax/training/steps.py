@@ -15,7 +15,8 @@ them, and is traced under the active layout (`use_layout`), which places every a
   prefill  (params, rest, prompt [B, P]) -> (first new token [B], cache): the prompt through the model into a fresh
            KV cache {"k", "v"} of [L, B, T, K, E] (T = cache_length), and the token chosen from its last logits.
   decode   (params, rest, cache, token [B], position) -> (next token [B], cache): one token per sequence at
-           `position` of the cache (donated).
+           `position` of the cache (donated; stacked, or held per layer as generation holds it when decode runs no
+           layer loop, `decoder.split_cache`), compiled with DECODE_COMPILER_OPTIONS.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from flax import nnx
 from starscream_jax.errors import StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model.config import load_model_config
-from starscream_jax.model.decoder import Transformer, create_sharded_model, next_token_loss
+from starscream_jax.model.decoder import Transformer, create_sharded_model, init_cache, next_token_loss, split_cache
 from starscream_jax.sharding.apply import batch_sharding, use_layout
 from starscream_jax.training.config import TrainConfig
 from starscream_jax.training.steps import (
@@ -101,8 +101,28 @@ def test_decode_unrolls_the_layer_loop_and_prefill_and_training_keep_it_rolled()
     optimizer = make_optimizer(TrainConfig(), params)
     assert _layer_loops(train_step(graphdef, optimizer), params, optimizer.init(params), rest, _tokens()) == 2
     unrolled_next, _ = decode(params, rest, jax.tree.map(jnp.copy, cache), token_B, 4)
-    rolled_next, _ = rolled_decode(params, rest, cache, token_B, 4)
+    rolled_next, _ = rolled_decode(params, rest, jax.tree.map(jnp.copy, cache), token_B, 4)
     np.testing.assert_array_equal(unrolled_next, rolled_next)
+
+
+def test_decode_with_a_cache_held_per_layer_equals_decode_with_the_stacked_cache():
+    """Generation holds the cache per layer (`split_cache`) when decode runs no layer loop: same logits, same cache
+    written, and no loop in the program."""
+    graphdef, params, rest = _state()
+    cache = jax.jit(lambda: init_cache(CONFIG, 2, 8))()
+    cache = jax.tree.map(lambda zeros: jax.random.normal(jax.random.key(2), zeros.shape), cache)  # random history
+    token_B1 = _tokens(batch=2, seq=1)[:, :1]
+
+    @jax.jit
+    def forward(params, cache):
+        return nnx.merge(graphdef, params, rest)(token_B1, cache=cache, cache_index=5)
+
+    stacked_logits, stacked_cache = forward(params, cache)
+    apart_logits, apart_cache = forward(params, split_cache(cache))
+    np.testing.assert_allclose(apart_logits, stacked_logits, rtol=1e-6, atol=1e-6)
+    for name in ("k", "v"):
+        np.testing.assert_array_equal(np.stack(apart_cache[name]), stacked_cache[name])
+    assert _layer_loops(decode_step(graphdef, Sampling()), params, rest, split_cache(cache), token_B1[:, 0], 5) == 0
 
 
 def test_an_unknown_remat_policy_is_refused():
