@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind README's speed tables, batched so that each machine start serves several measurements.
 # Usage (repository root): bash benchmarks/h200_runs.sh part1|part2|part3|part6 RESULTS_DIR (two H200s), or
-# bash benchmarks/h200_runs.sh part4 RESULTS_DIR BASE_TREE | part5|part7 RESULTS_DIR (one H200; BASE_TREE: a copy of the tree
+# bash benchmarks/h200_runs.sh part4|part8 RESULTS_DIR BASE_TREE | part5|part7 RESULTS_DIR (one H200; BASE_TREE: a copy of the tree
 # before part4's change)
 # part1: one GPU (decode on GPU 1 beside training on GPU 0), then Llama 3.2 1B and Llama 3 8B tensor parallel on two.
 # part2: decode profiled, and with its layer loop unrolled, then Llama 3 8B tensor parallel and FSDP on two GPUs (cut
@@ -62,6 +62,13 @@ elif [ "$part" = part7 ]; then
   # the decode step's own compiler options, no XLA_FLAGS), profiled.
   timeout 150 python3 scripts/bench_decode.py --model llama3-8b --batches 1 64 --cache 4096 --steps 30 \
     --profile-dir /tmp/decode_profiles --out "$out/decode_llama3-8b_1gpu.json"
+elif [ "$part" = part8 ]; then
+  # part8, one H200: the 1B training step with the target's logit picked as a masked sum (no scatter in the loss's
+  # gradient), beside the tree before that change (BASE_TREE), each beside its own plain JAX run.
+  base=$3
+  timeout 90 python3 scripts/bench_mfu.py --layouts starscream_tp --plain dp --out "$out/mfu_llama3.2-1b_1gpu.json"
+  (cd "$base" && PYTHONPATH=$PWD timeout 90 python3 scripts/bench_mfu.py --layouts starscream_tp --plain dp \
+    --out "$out/mfu_llama3.2-1b_1gpu_take_along_axis.json")
 elif [ "$part" = part6 ]; then
   # part6, two H200s: Llama 3 8B, one parallelism per process so that each ends inside its own limit.
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92

@@ -192,10 +192,11 @@ def cross_entropy(logits_BSV, targets_BS):
         peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
         peak = hierarchical_psum(peak, vocab_axes, jax.lax.pmax)
         total = jnp.sum(jnp.exp(logits - peak[..., None]), axis=-1)
+        # the target's logit as a masked sum (0 where the target is in another device's shard): its gradient is an
+        # elementwise select that fuses with the softmax's, where take_along_axis's is a scatter into a float32
+        # [B, S, V] array written and read again
         ids = targets - _offset(vocab_axes, logits.shape[-1])
-        inside = (ids >= 0) & (ids < logits.shape[-1])
-        picked = jnp.take_along_axis(logits, jnp.clip(ids, 0, logits.shape[-1] - 1)[..., None], axis=-1)[..., 0]
-        picked = jnp.where(inside, picked, 0.0)
+        picked = jnp.sum(jnp.where(jnp.arange(logits.shape[-1]) == ids[..., None], logits, 0.0), axis=-1)
         total, picked = hierarchical_psum(total, vocab_axes), hierarchical_psum(picked, vocab_axes)
         return jnp.log(total) + peak - picked
 

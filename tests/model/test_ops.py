@@ -185,3 +185,14 @@ def test_vocab_parallel_cross_entropy_and_its_gradient_equal_optax(layout):
     np.testing.assert_allclose(loss, expected_loss, atol=FP32_TOLERANCE)
     np.testing.assert_allclose(grad, expected_grad, atol=FP32_TOLERANCE)
     assert cross_entropy(logits, targets).shape == (B, S)
+
+
+def test_cross_entropy_gradient_is_not_a_scatter_over_the_logits():
+    """The target's logit is picked as a masked sum, so the compiled gradient holds no scatter (which would write a
+    [B, S, V] float32 array and read it again), and it equals optax's."""
+    logits = 3 * jax.random.normal(jax.random.key(3), (B, S, V))
+    targets = jax.random.randint(jax.random.key(4), (B, S), 0, V)
+    gradient = jax.jit(jax.grad(lambda x: jnp.mean(cross_entropy(x, targets))))
+    assert " scatter(" not in gradient.lower(logits).compile().as_text()
+    expected = jax.grad(lambda x: jnp.mean(optax.softmax_cross_entropy_with_integer_labels(x, targets)))(logits)
+    np.testing.assert_allclose(gradient(logits), expected, atol=1e-7)
