@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU runs behind README's speed tables, batched so that each machine start serves several measurements.
-# Usage (repository root, on a machine with two H200s): bash benchmarks/h200_runs.sh part1|part2|part3 RESULTS_DIR
+# Usage (repository root): bash benchmarks/h200_runs.sh part1|part2|part3|part6 RESULTS_DIR (two H200s), or
+# bash benchmarks/h200_runs.sh part4|part8 RESULTS_DIR BASE_TREE | part5|part7 RESULTS_DIR (one H200; BASE_TREE: a copy of the tree
+# before part4's change)
 # part1: one GPU (decode on GPU 1 beside training on GPU 0), then Llama 3.2 1B and Llama 3 8B tensor parallel on two.
 # part2: decode profiled, and with its layer loop unrolled, then Llama 3 8B tensor parallel and FSDP on two GPUs (cut
 # off by the call's time limit).
@@ -32,8 +34,50 @@ elif [ "$part" = part2 ]; then
     --layouts starscream_tp --out "$out/mfu_llama3-8b_2gpu_tp.json"
   python3 scripts/bench_mfu.py --model llama3-8b --grouping 0,1 --batch-size 2 --warmup 2 --steps 5 --plain fsdp \
     --layouts starscream_fsdp --out "$out/mfu_llama3-8b_2gpu_fsdp.json"
+elif [ "$part" = part4 ]; then
+  # part4, one H200: decode as generation now runs it (layer loop unrolled, cuDNN attention on the cache) profiled;
+  # the 1B training step with the layer weights cast to bfloat16 once per step, beside the tree before that change
+  # (each beside its own plain JAX run); then cuBLAS in place of XLA's Triton GEMMs, for decode and training.
+  base=$3
+  timeout 150 python3 scripts/bench_decode.py --model llama3-8b --batches 1 64 --cache 4096 --steps 30 \
+    --profile-dir /tmp/decode_profiles --out "$out/decode_llama3-8b_1gpu.json"
+  timeout 90 python3 scripts/bench_mfu.py --layouts starscream_tp --plain dp --out "$out/mfu_llama3.2-1b_1gpu.json"
+  (cd "$base" && PYTHONPATH=$PWD timeout 90 python3 scripts/bench_mfu.py --layouts starscream_tp --plain dp \
+    --out "$out/mfu_llama3.2-1b_1gpu_cast_in_loop.json")
+  export XLA_FLAGS=--xla_gpu_enable_triton_gemm=false
+  timeout 120 python3 scripts/bench_decode.py --model llama3-8b --batches 1 64 --cache 4096 --steps 30 \
+    --out "$out/decode_llama3-8b_1gpu_cublas.json"
+  timeout 90 python3 scripts/bench_mfu.py --layouts starscream_tp --plain dp \
+    --out "$out/mfu_llama3.2-1b_1gpu_cublas.json"
+elif [ "$part" = part5 ]; then
+  # part5, one H200 (run twice: decode attention as multiplies and sums, then cuDNN's with XLA's dynamic-slice
+  # fusion): decode as the tree runs it, profiled, then the same with cuBLAS GEMMs.
+  timeout 150 python3 scripts/bench_decode.py --model llama3-8b --batches 1 64 --cache 4096 --steps 30 \
+    --profile-dir /tmp/decode_profiles --out "$out/decode_llama3-8b_1gpu.json"
+  XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 150 python3 scripts/bench_decode.py --model llama3-8b \
+    --batches 1 64 --cache 4096 --steps 30 --profile-dir /tmp/decode_profiles_cublas \
+    --out "$out/decode_llama3-8b_1gpu_cublas.json"
+elif [ "$part" = part7 ]; then
+  # part7, one H200: decode as the library now runs it (cache held per layer, cuDNN attention, cuBLAS GEMMs set by
+  # the decode step's own compiler options, no XLA_FLAGS), profiled.
+  timeout 150 python3 scripts/bench_decode.py --model llama3-8b --batches 1 64 --cache 4096 --steps 30 \
+    --profile-dir /tmp/decode_profiles --out "$out/decode_llama3-8b_1gpu.json"
+elif [ "$part" = part8 ]; then
+  # part8, one H200: the 1B training step with the target's logit picked as a masked sum (no scatter in the loss's
+  # gradient), beside the tree before that change (BASE_TREE), each beside its own plain JAX run.
+  base=$3
+  timeout 90 python3 scripts/bench_mfu.py --layouts starscream_tp --plain dp --out "$out/mfu_llama3.2-1b_1gpu.json"
+  (cd "$base" && PYTHONPATH=$PWD timeout 90 python3 scripts/bench_mfu.py --layouts starscream_tp --plain dp \
+    --out "$out/mfu_llama3.2-1b_1gpu_take_along_axis.json")
+elif [ "$part" = part6 ]; then
+  # part6, two H200s: Llama 3 8B, one parallelism per process so that each ends inside its own limit.
+  export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
+  timeout 200 python3 scripts/bench_mfu.py --model llama3-8b --grouping 0,1 --batch-size 2 --warmup 2 --steps 5 \
+    --plain fsdp --layouts starscream_fsdp --out "$out/mfu_llama3-8b_2gpu_fsdp.json"
+  timeout 200 python3 scripts/bench_mfu.py --model llama3-8b --gpus 2 --batch-size 2 --warmup 2 --steps 5 \
+    --plain tp --layouts starscream_tp --out "$out/mfu_llama3-8b_2gpu_tp.json"
 else
-  # part3 (not run yet: no device time left): the 8B runs part2 did not reach, and collective matmul for TP.
+  # part3 (not run: superseded by part5): the 8B runs part2 did not reach, and collective matmul for TP.
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
   python3 scripts/bench_mfu.py --model llama3-8b --gpus 2 --batch-size 2 --warmup 2 --steps 5 --plain tp \
     --layouts starscream_tp --out "$out/mfu_llama3-8b_2gpu_tp.json"

@@ -4,8 +4,9 @@ several batch sizes against a full KV cache, with the fraction of HBM bandwidth 
 One decode step reads every weight once (bfloat16, as served; the embedding table only for the B rows it looks up,
 unless it is tied to the head) and the whole KV cache (keys and values of every layer, [L, B, T, K, E] each,
 bfloat16): bytes per step = those bytes, a floor on what the step must move. Bandwidth used = bytes per step / step
-time; its fraction of the device's bandwidth is reported against the datasheet figure (H200: 4.8 TB/s) and against a
-device-to-device copy measured in the same run (bytes read + written / time). tokens/s = batch / step time.
+time; its fraction of the device's bandwidth is reported against the datasheet figure (H200: 4.8 TB/s), against a
+device-to-device copy measured in the same run (bytes read + written / time) and against a sum over the same array
+(bytes read / time). tokens/s = batch / step time.
 
 The cache is filled with random values (never zeros) and the step decodes at its last position, so attention covers
 every cached position. Each step is compiled first, warmed up, then timed over `--steps` back-to-back steps (the
@@ -27,21 +28,46 @@ from pathlib import Path
 H200_HBM_BYTES_PER_S = 4.8e12
 
 
-def copy_bandwidth(gigabytes: float, repeats: int = 10) -> float:
-    """Bytes per second of an elementwise pass over a random bfloat16 array of `gigabytes` (bytes read + written)."""
+def measured_bandwidth(gigabytes: float, repeats: int = 10) -> dict:
+    """Bytes per second of two passes over a random bfloat16 array of `gigabytes`, median of `repeats`: "copy", an
+    elementwise pass (bytes read + written), and "read", a sum (bytes read; a decode step mostly reads)."""
     import jax
     import jax.numpy as jnp
 
     elements = int(gigabytes * 2**30) // 2
     x = jax.random.normal(jax.random.key(0), (elements,), jnp.bfloat16)
-    step = jax.jit(lambda x: x + 1)
-    jax.block_until_ready(step(x))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    rates = {}
+    for name, step, moved in (("copy", jax.jit(lambda x: x + 1), 2 * x.nbytes),
+                              ("read", jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32)), x.nbytes)):
         jax.block_until_ready(step(x))
-        times.append(time.perf_counter() - start)
-    return 2 * x.nbytes / sorted(times)[len(times) // 2]
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(step(x))
+            times.append(time.perf_counter() - start)
+        rates[name] = moved / sorted(times)[len(times) // 2]
+    return rates
+
+
+def check_decode_attention(batch: int = 4, length: int = 4096, heads: int = 32, kv_heads: int = 8,
+                           head_dim: int = 128) -> float:
+    """Relative error (||out - ref|| / ||ref||) of the model's decode attention (`ops._cached_attention`, one query
+    per row against a bfloat16 cache, each row at its own position) against float32 attention with an explicit mask,
+    on random inputs: the check that the kernels the step runs compute the same function."""
+    import jax
+    import jax.numpy as jnp
+
+    from starscream_jax.model.ops import _cached_attention
+
+    keys = jax.random.split(jax.random.key(4), 4)
+    q = jax.random.normal(keys[0], (batch, 1, heads, head_dim), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (batch, length, kv_heads, head_dim), jnp.bfloat16) for key in keys[1:3])
+    positions = jax.random.randint(keys[3], (batch, 1), 0, length, jnp.int32)
+    out = jax.jit(_cached_attention)(q, k, v, positions).astype(jnp.float32)
+    mask = jnp.arange(length)[None, None, None, :] <= positions[:, None, :, None]
+    ref = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla"))(
+        *(x.astype(jnp.float32) for x in (q, k, v)))
+    return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
 
 
 def bytes_read_per_step(params, config, batch: int, cache_length: int) -> dict:
@@ -69,7 +95,7 @@ def run_batch(graphdef, params, rest, config, layout: str, mesh, batch: int, cac
     import jax
     import jax.numpy as jnp
 
-    from starscream_jax.model.decoder import cache_shardings
+    from starscream_jax.model.decoder import cache_shardings, layers_per_trip, split_cache
     from starscream_jax.sharding.apply import token_sharding, use_layout
     from starscream_jax.training.steps import Sampling, decode_step
 
@@ -77,6 +103,9 @@ def run_batch(graphdef, params, rest, config, layout: str, mesh, batch: int, cac
     shape = (config.n_layers, batch, cache_length, config.n_kv_heads, config.head_dim)
     fill = jax.jit(lambda key: jax.random.normal(key, shape, jnp.bfloat16), out_shardings=shardings["k"])
     cache = {"k": fill(jax.random.key(1)), "v": fill(jax.random.key(2))}
+    if layers_per_trip(config, decoding=True) == config.n_layers:  # held per layer, as generation holds it
+        with use_layout(layout, mesh):
+            cache = jax.jit(split_cache)(cache)
     token_B = jax.device_put(jax.random.randint(jax.random.key(3), (batch,), 0, config.vocab_size, jnp.int32),
                              token_sharding(layout, mesh, batch))
     position = jnp.asarray(cache_length - 1, jnp.int32)
@@ -101,10 +130,13 @@ def run_batch(graphdef, params, rest, config, layout: str, mesh, batch: int, cac
         jax.block_until_ready(token_B)
         jax.profiler.stop_trace()
         breakdown = time_breakdown(profile_dir / f"batch{batch}", 5, compiled.as_text())
+        (profile_dir / f"batch{batch}.hlo.txt").write_text(compiled.as_text())
     read = bytes_read_per_step(params, config, batch, cache_length)
     total = read["weights"] + read["kv_cache"]
     memory = compiled.memory_analysis()
-    return {"batch": batch, "cache_length": cache_length, "compile_s": compile_s, "step_s": step_s,
+    text = compiled.as_text()
+    return {"batch": batch, "fused_attention_calls": text.count('custom_call_target="__cudnn$fmha'),
+            "cache_length": cache_length, "compile_s": compile_s, "step_s": step_s,
             "tokens_per_s": batch / step_s, "bytes_per_step": read, "bandwidth_bytes_per_s": total / step_s,
             "temp_bytes": None if memory is None else int(memory.temp_size_in_bytes), "time_breakdown": breakdown}
 
@@ -121,8 +153,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--peak-bandwidth", type=float, default=H200_HBM_BYTES_PER_S,
                         help="device bandwidth in bytes/s (default: the H200 datasheet's 4.8e12)")
     parser.add_argument("--copy-gigabytes", type=float, default=4.0, help="size of the measured copy")
-    parser.add_argument("--unroll", type=int, default=1,
-                        help="layers per iteration of the layer loop (ModelConfig.scan_unroll; the layer count: all)")
+    parser.add_argument("--unroll", type=int, default=0,
+                        help="layers per iteration of the layer loop (ModelConfig.scan_unroll; default 0: the "
+                             "library's, every layer in decode)")
     parser.add_argument("--profile-dir", type=Path,
                         help="trace 5 more steps of each batch here and record their device time by category")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -150,29 +183,35 @@ def main(argv=None) -> int:
     with use_layout(args.layout, mesh):
         graphdef, params, rest = nnx.split(create_sharded_model(config, args.layout, mesh), nnx.Param, ...)
     params = jax.tree.map(lambda value: value.astype(jnp.bfloat16), params)  # served weights: bfloat16
-    copy = copy_bandwidth(args.copy_gigabytes)
+    measured = measured_bandwidth(args.copy_gigabytes)
+    copy = measured["copy"]
     devices = mesh.devices.size
-    meta = {"model": config.name, "layout": args.layout, "scan_unroll": args.unroll, "mesh": dict(mesh.shape), "devices": devices,
-            "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
+    meta = {"model": config.name, "layout": args.layout, "scan_unroll": args.unroll, "mesh": dict(mesh.shape),
+            "devices": devices, "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "peak_bandwidth_bytes_per_s": args.peak_bandwidth,
-            "copy_bandwidth_bytes_per_s": copy, "warmup": args.warmup, "steps": args.steps,
+            "copy_bandwidth_bytes_per_s": copy, "read_bandwidth_bytes_per_s": measured["read"],
+            "decode_attention_relative_error": check_decode_attention(), "warmup": args.warmup, "steps": args.steps,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "python " + " ".join(sys.argv)}
     print(f"{config.name} decode under {args.layout} on {devices} x {meta['device_kind']}, jax {jax.__version__}; "
-          f"measured copy {copy / 1e12:.2f} TB/s, datasheet {args.peak_bandwidth / 1e12:.2f} TB/s", flush=True)
+          f"measured copy {copy / 1e12:.2f} TB/s, read {measured['read'] / 1e12:.2f} TB/s, datasheet "
+          f"{args.peak_bandwidth / 1e12:.2f} TB/s; decode attention vs float32 reference: relative error "
+          f"{meta['decode_attention_relative_error']:.1e}", flush=True)
     print(f"{'batch':>5} {'cache':>6} {'ms/step':>8} {'tokens/s':>10} {'GB/step':>8} {'TB/s':>6} "
-          f"{'of peak':>7} {'of copy':>7}", flush=True)
+          f"{'of peak':>7} {'of copy':>7} {'of read':>7} cuDNN attention calls", flush=True)
     rows = []
     for batch in args.batches:
         row = run_batch(graphdef, params, rest, config, args.layout, mesh, batch, args.cache, args.warmup,
                         args.steps, args.profile_dir)
         row["fraction_of_peak"] = row["bandwidth_bytes_per_s"] / (devices * args.peak_bandwidth)
         row["fraction_of_copy"] = row["bandwidth_bytes_per_s"] / (devices * copy)
+        row["fraction_of_read"] = row["bandwidth_bytes_per_s"] / (devices * measured["read"])
         rows.append(row)
         gigabytes = sum(row["bytes_per_step"].values()) / 1e9
         print(f"{batch:>5} {args.cache:>6} {1e3 * row['step_s']:>8.2f} {row['tokens_per_s']:>10,.0f} "
               f"{gigabytes:>8.2f} {row['bandwidth_bytes_per_s'] / 1e12:>6.2f} {row['fraction_of_peak']:>7.1%} "
-              f"{row['fraction_of_copy']:>7.1%}", flush=True)
+              f"{row['fraction_of_copy']:>7.1%} {row['fraction_of_read']:>7.1%} {row['fused_attention_calls']}",
+              flush=True)
         if args.out:
             args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     return 0

@@ -53,23 +53,29 @@ def mfu_table(result: dict, path: Path) -> str:
 def decode_table(result: dict, path: Path) -> str:
     """One decode table."""
     meta = result["meta"]
+    read = meta.get("read_bandwidth_bytes_per_s")
     lines = [f"{meta['model']} decode under {meta['layout']}, measured copy bandwidth "
-             f"{meta['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s: {_source(meta, path)}", "",
-             "| batch | cache | ms/step | tokens/s | GB read/step | TB/s | of 4.8 TB/s | of copy |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"{meta['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s"
+             + ("" if read is None else f", read {read / 1e12:.2f} TB/s") + f": {_source(meta, path)}", "",
+             "| batch | cache | ms/step | tokens/s | GB read/step | TB/s | of 4.8 TB/s | of copy | of read |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         gigabytes = sum(row["bytes_per_step"].values()) / 1e9
+        of_read = f"{100 * row['fraction_of_read']:.1f}%" if "fraction_of_read" in row else "not measured"
         lines.append(f"| {row['batch']} | {row['cache_length']} | {1e3 * row['step_s']:.2f} | "
                      f"{row['tokens_per_s']:,.0f} | {gigabytes:.1f} | {row['bandwidth_bytes_per_s'] / 1e12:.2f} | "
-                     f"{100 * row['fraction_of_peak']:.1f}% | {100 * row['fraction_of_copy']:.1f}% |")
+                     f"{100 * row['fraction_of_peak']:.1f}% | {100 * row['fraction_of_copy']:.1f}% | {of_read} |")
     return "\n".join(lines)
 
 
 def render(directory: Path) -> str:
-    """Every table from the JSON files in `directory`, in file-name order."""
+    """Every table from the JSON files in `directory` that bench_mfu.py or bench_decode.py wrote (a "meta" and
+    "rows"; other measurements stored beside them are left out), in file-name order."""
     blocks = []
     for path in sorted(directory.glob("*.json")):
         result = json.loads(path.read_text())
+        if not isinstance(result, dict) or "meta" not in result:
+            continue
         rows = result.get("rows", [])
         if rows and "bytes_per_step" in rows[0]:
             blocks.append(decode_table(result, path))

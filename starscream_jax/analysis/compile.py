@@ -142,8 +142,9 @@ def make_settings(model: str, phase: str, batch: int | None, seq: int | None, la
         raise StarscreamError(f"--layout {layouts!r} names no layout; give names separated by commas")
     for name in names:
         get_layout(name)
-    return Settings(full.replace(n_layers=layers), full.n_layers, phase, batch, seq, tuple(dict.fromkeys(names)),
-                    dump_hlo)
+    # the per-layer figures read the rolled layer loop (`layer_loop_ops`), so decode is compiled rolled here too
+    return Settings(full.replace(n_layers=layers, scan_unroll=full.scan_unroll or 1), full.n_layers, phase, batch,
+                    seq, tuple(dict.fromkeys(names)), dump_hlo)
 
 
 def step_program(settings: Settings, layout: Layout, mesh, config: ModelConfig | None = None):

@@ -35,10 +35,11 @@ class ModelConfig:
     remat: one of REMAT_POLICIES (True / False are read as "full" / "none").
 
     fuse_projections: q, k, v in one GEMM and gate, up in one (the weights stay stored apart; see decoder._qkv).
-    scan_unroll: layers per iteration of the layer loop (`jax.lax.scan`'s unroll). Rolled (1), XLA copies each
-    layer's weights out of the stacked arrays before its GEMMs read them: half a Llama 3 8B decode step on an H200
-    (6.5 of 12 ms), which unrolling all layers removes (6.55 ms). The inspector's per-layer accounting reads the
-    rolled loop, so 1 is the default."""
+    scan_unroll: layers per iteration of the layer loop (`jax.lax.scan`'s unroll); 0 (the default) unrolls every
+    layer in decode (one new position per sequence against a KV cache) and runs the rolled loop (1) otherwise. Rolled,
+    XLA copies each layer's weights out of the stacked arrays before its GEMMs read them: half a Llama 3 8B decode
+    step on an H200 (6.5 of 12 ms), which unrolling removes (6.55 ms). Training and prefill keep the rolled loop:
+    their GEMMs are compute-bound, and the compile time of a rolled loop does not grow with depth."""
 
     name: str
     vocab_size: int
@@ -66,7 +67,7 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
     fuse_projections: bool = True
-    scan_unroll: int = 1
+    scan_unroll: int = 0
 
     def __post_init__(self):
         if isinstance(self.remat, bool):  # older configurations and checkpoints say true / false
@@ -99,7 +100,7 @@ class ModelConfig:
         whole_number(self.n_experts, f"model {self.name}: n_experts", minimum=0)
         for field in ("rope_theta", "norm_eps"):
             finite_number(getattr(self, field), f"model {self.name}: {field}", positive=True)
-        whole_number(self.scan_unroll, f"model {self.name}: scan_unroll")
+        whole_number(self.scan_unroll, f"model {self.name}: scan_unroll", minimum=0)
         for field in ("tie_embeddings", "qkv_bias", "qk_norm", "normalize_gates", "fuse_projections"):
             if not isinstance(getattr(self, field), bool):
                 raise PresetError(f"model {self.name}: {field} {getattr(self, field)!r}; use true or false")

@@ -1,12 +1,12 @@
 """A Llama-family decoder in Flax NNX whose every tensor carries logical axis names.
 
-Shape letters as in `names`. Layers are stacked on a leading `layers` axis and run with `jax.lax.scan`, so compile
-time does not grow with depth. Under `use_layout(layout, mesh)` every weight, activation and the KV cache is placed by
-the layout; outside it the same code runs unsharded. Each projection runs under `jax.named_scope` with its name (qkv,
-o, gate_up, down, router, logits; embed and attention for the per-device ops; a routed mixture of experts' own gate
-and up), so the compiled program's op names, and the inspector's keys, read as the model does. In training and
-prefill q, k and v run as one GEMM and gate and up as one (`_qkv`, `_gate_up`), from weights stored apart. A
-mixture-of-experts model routes each token to its experts (`moe.routed_mlp`).
+Shape letters as in `names`. Layers are stacked on a leading `layers` axis and run with `jax.lax.scan`, so compile time
+does not grow with depth; decode unrolls that loop (`layers_per_trip`). Under `use_layout(layout, mesh)` every weight,
+activation and the KV cache is placed by the layout; outside it the same code runs unsharded. Each projection runs under
+`jax.named_scope` with its name (qkv, o, gate_up, down, router, logits; embed and attention for the per-device ops; a
+routed mixture of experts' own gate and up), so the compiled program's op names, and the inspector's keys, read as the
+model does. In training and prefill q, k and v run as one GEMM and gate and up as one (`_qkv`, `_gate_up`), from weights
+stored apart. A mixture-of-experts model routes each token to its experts (`moe.routed_mlp`).
 """
 from __future__ import annotations
 
@@ -129,9 +129,10 @@ class Transformer(nnx.Module):
     def __call__(self, tokens_BS: jax.Array, *, positions_BS: jax.Array | None = None,
                  cache: dict | None = None, cache_index: jax.Array | int = 0, with_load_balance: bool = False):
         """tokens [B, S] -> logits [B, S, V] float32, or (logits, cache) with a KV cache {"k", "v"} of
-        [L, B, T, K, E] each, the new keys and values written at `cache_index` (StarscreamError when they would not
-        fit; every logit NaN when a traced index would not, see `_cache_room`). `with_load_balance` adds the mixture
-        of experts' load-balancing loss (mean over layers; 0 for a dense model) as a last result."""
+        [L, B, T, K, E] each (or L arrays of [B, T, K, E] each, `split_cache`), the new keys and values written at
+        `cache_index` (StarscreamError when they would not fit; every logit NaN when a traced index would not, see
+        `_cache_room`). `with_load_balance` adds the mixture of experts' load-balancing loss (mean over layers; 0 for
+        a dense model) as a last result."""
         c = self.config
         dtype = jnp.dtype(c.dtype)
         fits = None if cache is None else _cache_room(cache, cache_index, tokens_BS.shape[1])
@@ -140,7 +141,7 @@ class Transformer(nnx.Module):
         with jax.named_scope("embed"):
             table_VD = weight(self.embedding[...], ("vocab", "embed"), dtype, "embedding")
             x_BSD = embed_lookup(table_VD, tokens_BS, out=RESIDUAL)
-        stacked = {name: getattr(self.layers, name)[...] for name in _layer_weight_names(c)}
+        stacked = _layer_weights(c, self.layers)
         x_BSD, (new_cache, balance_L) = self._run_layers(x_BSD, stacked, positions_BS, cache, cache_index)
         x_BSD = rms_norm(x_BSD, self.final_norm[...], c.norm_eps)
         with jax.named_scope("logits"):
@@ -158,9 +159,12 @@ class Transformer(nnx.Module):
 
     def _run_layers(self, x_BSD, stacked, positions_BS, cache, cache_index):
         """The L blocks over x [B, S, D] -> (x, (cache or None, load-balancing loss per layer [L])). The KV cache of
-        every layer travels through the loop whole, each block writing its new keys and values in place."""
+        every layer travels through the loop whole, each block writing its new keys and values in place (a cache
+        held per layer runs the layers one after another, `_run_layers_apart`)."""
         c = self.config
         positions_BS = constrain(positions_BS, ("attn_batch", "seq"), "positions")
+        if cache is not None and held_per_layer(cache):
+            return self._run_layers_apart(x_BSD, stacked, positions_BS, cache, cache_index)
 
         def block(carry, layer):
             x_BSD, cache = carry
@@ -172,8 +176,44 @@ class Transformer(nnx.Module):
         if c.remat != "none":
             block = jax.checkpoint(block, policy=CHECKPOINT_POLICIES[c.remat])
         (x_BSD, cache), balance_L = jax.lax.scan(block, (x_BSD, cache), (stacked, jnp.arange(c.n_layers)),
-                                                 unroll=c.scan_unroll)
+                                                 unroll=layers_per_trip(c, decoding=cache is not None
+                                                                        and x_BSD.shape[1] == 1))
         return x_BSD, (cache, balance_L)
+
+    def _run_layers_apart(self, x_BSD, stacked, positions_BS, cache, cache_index):
+        """The L blocks one after another (no loop in the program) with a KV cache held per layer
+        ({"k", "v"}: L arrays of [B, T, K, E] each, `split_cache`): each block writes its new keys and values into
+        its own cache array in place, and attention reads that array whole, where a layer's part of a stacked cache
+        is copied out before a library call (cuDNN's attention) can read it. -> (x, (cache, balance [L]))."""
+        keys, values, balances = [], [], []
+        for layer in range(self.config.n_layers):
+            w = {name: value[layer] for name, value in stacked.items()}
+            layer_cache = {"k": cache["k"][layer], "v": cache["v"][layer]}
+            x_BSD, layer_cache, balance = _block(self.config, x_BSD, w, positions_BS, (layer_cache, None, cache_index))
+            keys.append(layer_cache["k"])
+            values.append(layer_cache["v"])
+            balances.append(balance)
+        return x_BSD, ({"k": tuple(keys), "v": tuple(values)}, jnp.stack(balances))
+
+
+def held_per_layer(cache: dict) -> bool:
+    """Whether a KV cache is held as one array per layer ([B, T, K, E] each, `split_cache`) rather than stacked."""
+    return isinstance(cache["k"], (list, tuple))
+
+
+def split_cache(cache: dict) -> dict:
+    """A stacked KV cache ({"k", "v"}: [L, B, T, K, E] each) as one array per layer: {"k", "v"}: L arrays of
+    [B, T, K, E] (copies; call once, as generation does before its decode loop)."""
+    return {name: tuple(constrain(layer_BTKE, ATTN_KV, "kv cache") for layer_BTKE in stacked_LBTKE)
+            for name, stacked_LBTKE in cache.items()}
+
+
+def layers_per_trip(c: ModelConfig, decoding: bool) -> int:
+    """Layers per iteration of the layer loop: `c.scan_unroll`, or when it is 0 every layer in decode (`decoding`:
+    one new position per sequence against a KV cache) and one otherwise (see ModelConfig)."""
+    if c.scan_unroll:
+        return c.scan_unroll
+    return c.n_layers if decoding else 1
 
 
 def _cache_room(cache: dict, cache_index, new_tokens: int) -> jax.Array | None:
@@ -182,7 +222,7 @@ def _cache_room(cache: dict, cache_index, new_tokens: int) -> jax.Array | None:
     (decode inside jit) cannot be: the result is a traced bool, False for a write that would not fit, with which
     the model makes every logit NaN, so that the clamped write is seen by whoever reads the step's output (the
     generation loop bounds the index itself)."""
-    length = cache["k"].shape[2]
+    length = cache["k"][0].shape[1] if held_per_layer(cache) else cache["k"].shape[2]
     index = None if isinstance(cache_index, jax.core.Tracer) else int(cache_index)
     if new_tokens > length or (index is not None and not 0 <= index <= length - new_tokens):
         at = "" if index is None else f" at position {index}"
@@ -198,6 +238,21 @@ def _layer_weight_names(c: ModelConfig) -> list[str]:
     names += ["bq", "bk", "bv"] if c.qkv_bias else []
     names += ["q_norm", "k_norm"] if c.qk_norm else []
     return names + (["router"] if c.n_experts else [])
+
+
+CAST_ONCE = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "bq", "bk", "bv"})
+"""The stacked layer weights used in the compute dtype: the projections' matrices and biases (norm scales and a
+mixture of experts' router are used in float32)."""
+
+
+def _layer_weights(c: ModelConfig, layers: LayerStack) -> dict:
+    """Every stacked layer weight [L, ...] by name, those of CAST_ONCE cast to the compute dtype here, once per step
+    before the layer loop, as stored (not gathered): each layer then slices and gathers its weights in that dtype,
+    where casting inside the loop would copy each layer's float32 slice out of the stack first. A weight's
+    gradient is the same either way (each layer's slice is used once)."""
+    dtype = jnp.dtype(c.dtype)
+    return {name: getattr(layers, name)[...].astype(dtype) if name in CAST_ONCE else getattr(layers, name)[...]
+            for name in _layer_weight_names(c)}
 
 
 def _used(scope: str, weights: dict, key: str, names: tuple[str, ...], dtype) -> jax.Array:
@@ -217,9 +272,9 @@ def _block(c: ModelConfig, x_BSD, w, positions_BS, cached=None):
     """One pre-norm block: x + attention(norm(x)), then + mlp(norm(x)). x [B, S, D] placed by RESIDUAL.
 
     cached: None, or (cache, layer, cache_index): the KV cache of every layer ([L, B, T, K, E] each), this block's
-    layer index and the position of the first new token. The new keys and values are written into the cache in
-    place (`write_cache`) and attention reads this layer's part. Returns (x, cache or None, the layer's
-    load-balancing loss: 0 for a dense MLP)."""
+    layer index and the position of the first new token; or (this layer's cache, [B, T, K, E] each, None,
+    cache_index). The new keys and values are written into the cache in place (`write_cache`) and attention reads
+    this layer's part. Returns (x, cache or None, the layer's load-balancing loss: 0 for a dense MLP)."""
     dtype = jnp.dtype(c.dtype)
     h_BSD = rms_norm(x_BSD, w["attn_norm"], c.norm_eps)
     q_BSHE, k_BSKE, v_BSKE = _qkv(c, h_BSD, w)
@@ -235,7 +290,7 @@ def _block(c: ModelConfig, x_BSD, w, positions_BS, cached=None):
     if cached is not None:
         cache, layer, cache_index = cached
         cache = write_cache(cache, layer, cache_index, k_BSKE, v_BSKE)
-        layer_cache = {name: cache[name][layer] for name in ("k", "v")}
+        layer_cache = cache if layer is None else {name: cache[name][layer] for name in ("k", "v")}
     with jax.named_scope("attention"):
         attended_BSHE = attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, layer_cache)
         attended_BSHE = constrain(attended_BSHE, ("batch", "seq", "heads", "head_dim"), "attention output")
@@ -257,12 +312,17 @@ def _add_bias(x_BSNE, bias_NE, names: tuple[str, ...]):
 
 def write_cache(cache: dict, layer, index, k_BSKE: jax.Array, v_BSKE: jax.Array) -> dict:
     """The KV cache {"k", "v"} ([L, B, T, K, E] each) with the S new keys and values of `layer` written at positions
-    index .. index + S - 1: a dynamic-update-slice of S positions, which XLA runs in place on a donated cache."""
-    def write(full_LBTKE, new_BSKE):
-        # both placed by KV_CACHE's rules (no-ops inside the model, where they already are)
-        new_1BSKE = constrain(new_BSKE[None].astype(full_LBTKE.dtype), KV_CACHE, "new keys and values")
-        return jax.lax.dynamic_update_slice(constrain(full_LBTKE, KV_CACHE, "kv cache"), new_1BSKE,
-                                            (layer, 0, index, 0, 0))
+    index .. index + S - 1: a dynamic-update-slice of S positions, which XLA runs in place on a donated cache. With
+    `layer` None, `cache` is one layer's ([B, T, K, E] each)."""
+    one_layer = layer is None
+    names = ATTN_KV if one_layer else KV_CACHE
+    start = (0, index, 0, 0) if one_layer else (layer, 0, index, 0, 0)
+
+    def write(full, new_BSKE):
+        # both placed by the cache's rules (no-ops inside the model, where they already are)
+        new = new_BSKE.astype(full.dtype) if one_layer else new_BSKE[None].astype(full.dtype)
+        return jax.lax.dynamic_update_slice(constrain(full, names, "kv cache"),
+                                            constrain(new, names, "new keys and values"), start)
 
     return {"k": write(cache["k"], k_BSKE), "v": write(cache["v"], v_BSKE)}
 

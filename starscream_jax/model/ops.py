@@ -81,6 +81,27 @@ def _causal_attention(q_BSHE, k_BTKE, v_BTKE):
     return jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, is_causal=True)
 
 
+def _cached_attention(q_BSHE, cache_k_BTKE, cache_v_BTKE, positions_BS):
+    """Attention of the queries at `positions` [B, S] to a cache [B, T, K, E] of one layer: each query sees the
+    cached positions up to its own. Decode (S = 1): the positions a query sees are a prefix of the cache, given as
+    `key_value_seq_lengths` [B] (position + 1), which cuDNN's fused kernel takes on NVIDIA GPUs (reading the cache
+    with its strides, no transpose, no [B, H, 1, T] mask); XLA's form elsewhere. Prefill into a cache (S > 1): XLA's
+    form with an explicit [B, 1, S, T] mask."""
+    k_BTKE, v_BTKE = cache_k_BTKE.astype(q_BSHE.dtype), cache_v_BTKE.astype(q_BSHE.dtype)
+    if q_BSHE.shape[1] == 1:
+        lengths_B = positions_BS[:, 0] + 1
+        if _on_cuda() and q_BSHE.dtype in (jnp.bfloat16, jnp.float16):
+            try:
+                return jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, key_value_seq_lengths=lengths_B,
+                                                    implementation="cudnn")
+            except NotImplementedError:
+                pass
+        return jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, key_value_seq_lengths=lengths_B)
+    key_positions = jnp.arange(cache_k_BTKE.shape[1])
+    mask = key_positions[None, None, None, :] <= positions_BS[:, None, :, None]
+    return jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, mask=mask)
+
+
 def _sequence_split_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, seq_axes: tuple[str, ...]):
     """Causal attention of this device's stretch of the sequence (context parallelism): the keys and values of the
     whole sequence, and their positions, are all-gathered over the mesh axes that split it, one axis at a time from
@@ -94,7 +115,8 @@ def _sequence_split_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, seq_axes: tu
 
 def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None):
     """Causal grouped-query attention through `jax.nn.dot_product_attention` (cuDNN's fused kernel on NVIDIA GPUs
-    for training and prefill; the cached path, with its explicit mask, uses XLA's). Returns out [B, S, H, E].
+    in training and decode; prefill into a KV cache, with its explicit mask, uses XLA's; see `_cached_attention`).
+    Returns out [B, S, H, E].
 
     Without a cache: keys are the S new positions. With a cache {"k", "v"} of [B, T, K, E] (one layer) that already
     holds the new keys and values at their positions (the model writes them into its cache of every layer in place,
@@ -117,9 +139,7 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None):
         cache_k, cache_v = rest
         k_sel = _kv_heads_for_local_queries(cache_k, q.shape[2], group, q_axes, kv_axes)
         v_sel = _kv_heads_for_local_queries(cache_v, q.shape[2], group, q_axes, kv_axes)
-        key_positions = jnp.arange(cache_k.shape[1])
-        mask = key_positions[None, None, None, :] <= pos[:, None, :, None]
-        return jax.nn.dot_product_attention(q, k_sel.astype(q.dtype), v_sel.astype(q.dtype), mask=mask)
+        return _cached_attention(q, k_sel, v_sel, pos)
 
     if current is not None:
         q_spec = activation_spec(ATTN_Q, q_BSHE.shape)
@@ -171,10 +191,11 @@ def cross_entropy(logits_BSV, targets_BS):
         peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
         peak = hierarchical_psum(peak, vocab_axes, jax.lax.pmax)
         total = jnp.sum(jnp.exp(logits - peak[..., None]), axis=-1)
+        # the target's logit as a masked sum (0 where the target is in another device's shard): its gradient is an
+        # elementwise select that fuses with the softmax's, where take_along_axis's is a scatter into a float32
+        # [B, S, V] array written and read again
         ids = targets - _offset(vocab_axes, logits.shape[-1])
-        inside = (ids >= 0) & (ids < logits.shape[-1])
-        picked = jnp.take_along_axis(logits, jnp.clip(ids, 0, logits.shape[-1] - 1)[..., None], axis=-1)[..., 0]
-        picked = jnp.where(inside, picked, 0.0)
+        picked = jnp.sum(jnp.where(jnp.arange(logits.shape[-1]) == ids[..., None], logits, 0.0), axis=-1)
         total, picked = hierarchical_psum(total, vocab_axes), hierarchical_psum(picked, vocab_axes)
         return jnp.log(total) + peak - picked
 

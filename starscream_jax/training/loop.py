@@ -108,11 +108,12 @@ def run_description(config: TrainConfig, model_config, mesh, step: int, changes:
 
 
 def check_resumable(saved: dict, model_config) -> None:
-    """The checkpoint must hold the model being trained (rematerialization may change: it recomputes the same).
-    Fields a checkpoint from an older version lacks take their defaults, which are the model it trained."""
+    """The checkpoint must hold the model being trained (rematerialization and the layer loop's unrolling may change:
+    they compute the same; a checkpoint saved when scan_unroll defaulted to 1 resumes under today's 0). Fields a
+    checkpoint from an older version lacks take their defaults, which are the model it trained."""
     known = {field.name for field in dataclasses.fields(ModelConfig)}
     saved_model = ModelConfig(**{name: value for name, value in saved["model_config"].items() if name in known})
-    if saved_model.replace(remat="none") != model_config.replace(remat="none"):
+    if saved_model.replace(remat="none", scan_unroll=0) != model_config.replace(remat="none", scan_unroll=0):
         raise CheckpointError(
             f"the checkpoint holds model {saved['model_config']}, but this run builds "
             f"{dataclasses.asdict(model_config)}; resume with the same --model and --dtype, or pick another --run-dir"

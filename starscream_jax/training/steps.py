@@ -15,7 +15,8 @@ them, and is traced under the active layout (`use_layout`), which places every a
   prefill  (params, rest, prompt [B, P]) -> (first new token [B], cache): the prompt through the model into a fresh
            KV cache {"k", "v"} of [L, B, T, K, E] (T = cache_length), and the token chosen from its last logits.
   decode   (params, rest, cache, token [B], position) -> (next token [B], cache): one token per sequence at
-           `position` of the cache (donated).
+           `position` of the cache (donated; stacked, or held per layer as generation holds it when decode runs no
+           layer loop, `decoder.split_cache`), compiled with DECODE_COMPILER_OPTIONS.
 """
 from __future__ import annotations
 
@@ -151,10 +152,16 @@ def prefill_step(graphdef, config: ModelConfig, sampling: Sampling, cache_length
     return step
 
 
+DECODE_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+"""XLA options of the decode step (ignored off NVIDIA GPUs): its GEMMs, one row per sequence, run as cuBLAS calls
+rather than XLA's Triton GEMM fusions, which on an H200 read the weights more slowly and copy each layer's o weight
+out of the stacked array first (Llama 3 8B, batch 1: 6.1 ms per step against 6.5; benchmarks/NOTES.md)."""
+
+
 def decode_step(graphdef, sampling: Sampling):
     """The jitted decode step (see the module docstring); the cache is donated."""
 
-    @functools.partial(jax.jit, donate_argnums=(2,))
+    @functools.partial(jax.jit, donate_argnums=(2,), compiler_options=DECODE_COMPILER_OPTIONS)
     def step(params, rest, cache, token_B, position):
         model = nnx.merge(graphdef, params, rest)
         logits_BSV, cache = model(token_B[:, None], cache=cache, cache_index=position)

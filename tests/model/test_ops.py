@@ -65,6 +65,18 @@ def test_prefill_in_two_chunks_through_the_cache_equals_one_pass():
     np.testing.assert_array_equal(cache["v"][0], v)
 
 
+def test_decode_sees_the_cache_up_to_its_position_only():
+    """One new position per sequence reads a prefix of the cache (key_value_seq_lengths): the slots after each row's
+    position hold random keys and values that must not count."""
+    q, k, v = qkv()
+    position_B = jnp.arange(B) % (S - 1)  # rows at positions 0 .. S - 2, never the last slot
+    out_B1HE = attention(q[:, :1], k[:, :1], v[:, :1], position_B[:, None], {"k": k, "v": v})
+    for row, position in enumerate(np.asarray(position_B)):
+        keys_THE, values_THE = (jnp.repeat(x[row, :position + 1], H // K, axis=1) for x in (k, v))
+        weights_HT = jax.nn.softmax(jnp.einsum("he,the->ht", q[row, 0], keys_THE) / np.sqrt(E), axis=-1)
+        np.testing.assert_allclose(out_B1HE[row, 0], jnp.einsum("ht,the->he", weights_HT, values_THE), atol=1e-5)
+
+
 def sharded(layout, mesh, function, *args):
     with use_layout(layout, mesh):
         return jax.jit(function)(*args)
@@ -173,3 +185,14 @@ def test_vocab_parallel_cross_entropy_and_its_gradient_equal_optax(layout):
     np.testing.assert_allclose(loss, expected_loss, atol=FP32_TOLERANCE)
     np.testing.assert_allclose(grad, expected_grad, atol=FP32_TOLERANCE)
     assert cross_entropy(logits, targets).shape == (B, S)
+
+
+def test_cross_entropy_gradient_is_not_a_scatter_over_the_logits():
+    """The target's logit is picked as a masked sum, so the compiled gradient holds no scatter (which would write a
+    [B, S, V] float32 array and read it again), and it equals optax's."""
+    logits = 3 * jax.random.normal(jax.random.key(3), (B, S, V))
+    targets = jax.random.randint(jax.random.key(4), (B, S), 0, V)
+    gradient = jax.jit(jax.grad(lambda x: jnp.mean(cross_entropy(x, targets))))
+    assert " scatter(" not in gradient.lower(logits).compile().as_text()
+    expected = jax.grad(lambda x: jnp.mean(optax.softmax_cross_entropy_with_integer_labels(x, targets)))(logits)
+    np.testing.assert_allclose(gradient(logits), expected, atol=1e-7)

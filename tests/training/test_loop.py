@@ -14,6 +14,7 @@ from starscream_jax.analysis.profile import latest_trace
 from starscream_jax.cli import main as cli
 from starscream_jax.errors import CheckpointError, RunStopped, StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.model.config import load_model_config
 from starscream_jax.sharding.apply import param_shardings
 from starscream_jax.sharding.layouts import get_layout
 from starscream_jax.training import data, loop
@@ -110,6 +111,16 @@ def test_resume_under_another_mesh_and_layout_continues_the_same_run(runs):
     assert [step for step, _ in moved.losses] == [3, 4, 5, 6]
     np.testing.assert_allclose([loss for _, loss in moved.losses], [loss for _, loss in whole.losses[2:]],
                                rtol=1e-5)
+
+
+def test_a_checkpoint_differing_only_in_remat_or_loop_unrolling_is_resumable():
+    """remat and scan_unroll change how the model is computed, not what: a checkpoint saved with other values (as
+    every one saved when scan_unroll defaulted to 1) resumes; another width does not."""
+    config = load_model_config("tiny")
+    saved = {"model_config": dataclasses.asdict(config.replace(remat="full", scan_unroll=1))}
+    loop.check_resumable(saved, config)
+    with pytest.raises(CheckpointError, match="the checkpoint holds model"):
+        loop.check_resumable({"model_config": dataclasses.asdict(config.replace(d_ff=2 * config.d_ff))}, config)
 
 
 def test_existing_checkpoints_need_resume(runs, mesh_2x4):

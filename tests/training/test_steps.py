@@ -1,6 +1,8 @@
 """The train step with gradient accumulation: n micro-batches give the big batch's gradients and update, sharded
 (starscream_tp on a simulated 2 GPU x 4 partition mesh) and unsharded; remat policies change memory, not results; the
 load-balancing loss a mixture of experts reports is the term its training loss adds."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,10 +12,18 @@ from flax import nnx
 from starscream_jax.errors import StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model.config import load_model_config
-from starscream_jax.model.decoder import Transformer, create_sharded_model, next_token_loss
+from starscream_jax.model.decoder import Transformer, create_sharded_model, init_cache, next_token_loss, split_cache
 from starscream_jax.sharding.apply import batch_sharding, use_layout
 from starscream_jax.training.config import TrainConfig
-from starscream_jax.training.steps import accumulated_gradients, load_balance_step, make_optimizer, train_step
+from starscream_jax.training.steps import (
+    Sampling,
+    accumulated_gradients,
+    decode_step,
+    load_balance_step,
+    make_optimizer,
+    prefill_step,
+    train_step,
+)
 
 CONFIG = load_model_config("tiny").replace(n_layers=2)
 
@@ -69,6 +79,50 @@ def test_remat_policies_give_the_same_gradients():
     for policy in ("dots", "full"):
         recomputing, _, _ = _state(CONFIG.replace(remat=policy))
         _assert_close(GRADIENT(params, rest, tokens, recomputing, 1), kept)
+
+
+def _layer_loops(step, *args) -> int:
+    """How many `while` loops the compiled step runs (the layer loop, forward and backward, is its only one)."""
+    return len(re.findall(r"\bwhile\(", step.lower(*args).compile().as_text()))
+
+
+def test_decode_unrolls_the_layer_loop_and_prefill_and_training_keep_it_rolled():
+    """scan_unroll 0 (the default): decode runs without a loop, prefill and the train step with the rolled one (the
+    train step: one forward, one backward); scan_unroll 1 rolls decode too, and decode gives the same next token
+    either way."""
+    graphdef, params, rest = _state()
+    rolled_graphdef, _, _ = _state(CONFIG.replace(scan_unroll=1))
+    prompt_BP = _tokens(batch=2, seq=4)[:, :4]
+    token_B, cache = prefill_step(graphdef, CONFIG, Sampling(), 8)(params, rest, prompt_BP)
+    decode, rolled_decode = decode_step(graphdef, Sampling()), decode_step(rolled_graphdef, Sampling())
+    assert _layer_loops(decode, params, rest, cache, token_B, 4) == 0
+    assert _layer_loops(rolled_decode, params, rest, cache, token_B, 4) == 1
+    assert _layer_loops(prefill_step(graphdef, CONFIG, Sampling(), 8), params, rest, prompt_BP) == 1
+    optimizer = make_optimizer(TrainConfig(), params)
+    assert _layer_loops(train_step(graphdef, optimizer), params, optimizer.init(params), rest, _tokens()) == 2
+    unrolled_next, _ = decode(params, rest, jax.tree.map(jnp.copy, cache), token_B, 4)
+    rolled_next, _ = rolled_decode(params, rest, jax.tree.map(jnp.copy, cache), token_B, 4)
+    np.testing.assert_array_equal(unrolled_next, rolled_next)
+
+
+def test_decode_with_a_cache_held_per_layer_equals_decode_with_the_stacked_cache():
+    """Generation holds the cache per layer (`split_cache`) when decode runs no layer loop: same logits, same cache
+    written, and no loop in the program."""
+    graphdef, params, rest = _state()
+    cache = jax.jit(lambda: init_cache(CONFIG, 2, 8))()
+    cache = jax.tree.map(lambda zeros: jax.random.normal(jax.random.key(2), zeros.shape), cache)  # random history
+    token_B1 = _tokens(batch=2, seq=1)[:, :1]
+
+    @jax.jit
+    def forward(params, cache):
+        return nnx.merge(graphdef, params, rest)(token_B1, cache=cache, cache_index=5)
+
+    stacked_logits, stacked_cache = forward(params, cache)
+    apart_logits, apart_cache = forward(params, split_cache(cache))
+    np.testing.assert_allclose(apart_logits, stacked_logits, rtol=1e-6, atol=1e-6)
+    for name in ("k", "v"):
+        np.testing.assert_array_equal(np.stack(apart_cache[name]), stacked_cache[name])
+    assert _layer_loops(decode_step(graphdef, Sampling()), params, rest, split_cache(cache), token_B1[:, 0], 5) == 0
 
 
 def test_an_unknown_remat_policy_is_refused():
