@@ -20,6 +20,9 @@ What is read:
   (softmax for attention's), whose ops sit deeper in the named scopes than the code around it.
 - Attention: custom-calls to cuDNN's fused attention (targets starting with `__cudnn$fmha`), with their work read
   from the operand shapes and the dimension numbers of their backend config.
+- Kernels: custom-calls of kernels written for the program (Pallas's Triton and Mosaic backends, `KERNEL_TARGETS`),
+  with their name and operand shapes. Their work is not in the text (a grouped matmul's live rows are known only at
+  run time), so they are read to be listed as work no principle judged, never to be dropped.
 
 Replica groups come in three printed forms, all returned as `list[list[int]]`:
 - explicit: `{{0,1},{2,3}}` (an empty `{}` means one group of every partition);
@@ -55,12 +58,17 @@ COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", 
 _COLLECTIVE_ATTRIBUTES = re.compile(r"\b(?:replica_groups|source_target_pairs|channel_id)=")
 GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
 ATTENTION_TARGET_PREFIX = "__cudnn$fmha"
+KERNEL_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call", "mosaic_gpu", "tpu_custom_call")
+"""Custom-call targets of kernels a program brings along (Pallas on NVIDIA and AMD GPUs through Triton, on NVIDIA
+through Mosaic GPU, on TPUs)."""
 
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([<=\d,]*)\]")
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 _OPCODE = re.compile(r"\s*([\w\-]+)\(")
 _NUM_PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
+_KERNEL_NAME = re.compile(r'\bname\\?"?\s*[=:]\s*\\?"([\w.\-]+)')
+"""The kernel's name in a custom-call's backend config (`name = "k"`, `name="k"` or `"name":"k"`)."""
 _OP_NAME = re.compile(r'\bop_name="((?:[^"\\]|\\.)*)"')
 _TARGET = re.compile(r'\bcustom_call_target="([^"]*)"')
 _CALLEE = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
@@ -169,6 +177,20 @@ class AttentionCall:
 
 
 @dataclasses.dataclass(frozen=True)
+class KernelCall:
+    """One custom kernel (`KERNEL_TARGETS`): its target, the name its backend config gives it ('' when none) and its
+    operand and result arrays."""
+
+    name: str
+    op_name: str
+    target: str
+    kernel: str
+    operands: tuple[ArrayShape, ...]
+    results: tuple[ArrayShape, ...]
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
 class HloProgram:
     """Everything `parse_hlo` reads from one program, each list in execution order of first appearance."""
 
@@ -176,6 +198,7 @@ class HloProgram:
     collectives: list[Collective]
     dots: list[Dot]
     attention: list[AttentionCall]
+    kernels: list[KernelCall] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,6 +267,7 @@ def parse_hlo(text: str) -> HloProgram:
         collectives=list(reader.collectives.values()),
         dots=list(reader.dots.values()),
         attention=list(reader.attention.values()),
+        kernels=list(reader.kernels.values()),
     )
 
 
@@ -258,6 +282,7 @@ class _ProgramReader:
         self.collectives: dict[str, Collective] = {}
         self.dots: dict[str, Dot] = {}
         self.attention: dict[str, AttentionCall] = {}
+        self.kernels: dict[str, KernelCall] = {}
 
     def visit(self, computation: str, times: int) -> None:
         for inst in self.computations.get(computation, []):
@@ -278,6 +303,8 @@ class _ProgramReader:
             _add(self.dots, inst.name, times, lambda: self._dot(inst))
         elif inst.opcode == "custom-call" and _target(inst.attrs).startswith(ATTENTION_TARGET_PREFIX):
             _add(self.attention, inst.name, times, lambda: self._attention(inst))
+        elif inst.opcode == "custom-call" and _target(inst.attrs).startswith(KERNEL_TARGETS):
+            _add(self.kernels, inst.name, times, lambda: self._kernel(inst))
 
     def _collective(self, inst: _Instruction, kind: str) -> Collective:
         results = parse_shapes(inst.result_type)
@@ -327,6 +354,13 @@ class _ProgramReader:
         operands = tuple(self._operand(inst, index) for index in range(len(inst.operands)))
         return AttentionCall(inst.name, _op_name(inst.attrs), _target(inst.attrs), operands,
                              parse_shapes(inst.result_type), count=0, flops=attention_flops(inst.attrs, operands))
+
+
+    def _kernel(self, inst: _Instruction) -> KernelCall:
+        operands = tuple(self._operand(inst, index) for index in range(len(inst.operands)))
+        name = _KERNEL_NAME.search(inst.attrs)
+        return KernelCall(inst.name, _op_name(inst.attrs), _target(inst.attrs), name.group(1) if name else "",
+                          operands, parse_shapes(inst.result_type), count=0)
 
 
 def attention_flops(attrs: str, operands: tuple[ArrayShape, ...]) -> int | None:
@@ -431,7 +465,8 @@ def instructions_in_loops(text: str, trip_count: int) -> frozenset[str]:
 def scope_shares(text: str, scope: str) -> dict[str, float]:
     """{name: share} of the instructions whose op name has `scope` among its scopes: 1.0, except for a collective XLA
     combined from several ops (its op name "prefix/(a:b:...)" joins theirs after the scopes they share, one per
-    result): the share of its result bytes whose ops have `scope`. A dot XLA left unnamed is judged by the op name `parse_hlo` gives it."""
+    result): the share of its result bytes whose ops have `scope`. A dot XLA left unnamed is judged by the op name
+    `parse_hlo` gives it."""
     computations, _ = _split_computations(text)
     flow = _DataFlow(computations)
     shares = {}

@@ -94,6 +94,19 @@ class AttentionReport:
 
 
 @dataclasses.dataclass(frozen=True)
+class KernelReport:
+    """One custom kernel of the program (`hlo.KernelCall`: a Pallas kernel, say): its name, target and per-device
+    operand shapes. Its work is not in the program text, so no principle judges it; the report lists it."""
+
+    name: str
+    op_name: str
+    target: str
+    kernel: str
+    operand_shapes: list[list[int]]
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
 class InputReport:
     """One input array: global shape, PartitionSpec (as a list, None when not a NamedSharding), global and per-device
     bytes, and how many devices along `xcd` and along `gpu` hold the same shard (1 = sharded over all of that axis)."""
@@ -155,6 +168,7 @@ class Report:
     tokens_per_device: int | None = None
     activations: list[ActivationReport] = dataclasses.field(default_factory=list)
     outputs: list[InputReport] = dataclasses.field(default_factory=list)
+    kernels: list[KernelReport] = dataclasses.field(default_factory=list)
 
     def bytes_by_scope(self) -> dict[str, float]:
         """Bytes each device moves per call of the program, summed by collective scope."""
@@ -359,6 +373,8 @@ def inspect_text(
                             call.flops)
             for call in program.attention
         ],
+        kernels=[KernelReport(call.name, call.op_name, call.target, call.kernel, [list(s.dims) for s in call.operands],
+                              call.count) for call in program.kernels],
         inputs=[],
         memory=None,
         tokens_per_device=tokens_per_device or infer_tokens_per_device(matmuls),

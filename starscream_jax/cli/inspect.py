@@ -216,6 +216,6 @@ def format_table(results: dict[str, dict], refused: dict[str, str] | None = None
                 lines += [clip(f"  {line}", LINE_WIDTH) for line in violations[:SHOWN_VIOLATIONS]]
         unpaired = result["principles"]["shape_preservation"].get("unpaired")
         if unpaired:
-            lines.append(clip(f"{name} shape_preservation: {len(unpaired)} op(s) unjudged (no gpu_tp counterpart): "
-                              + ", ".join(unpaired), LINE_WIDTH))
+            lines.append(clip(f"{name} shape_preservation: {len(unpaired)} op(s) unjudged (no gpu_tp counterpart, or "
+                              "work the program text does not show): " + ", ".join(unpaired), LINE_WIDTH))
     return "\n".join(lines)

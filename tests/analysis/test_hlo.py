@@ -403,6 +403,26 @@ def test_cudnn_attention_custom_call_is_recorded():
     assert program.dots == []
 
 
+@pytest.mark.parametrize("target", ["__gpu$xla.gpu.triton", "triton_kernel_call_ffi", "mosaic_gpu_v2"])
+def test_a_custom_kernel_is_read_as_work_the_text_does_not_show(target):
+    """A Pallas kernel (the grouped matmul on a GPU): listed with its name and operands, never taken for a dot or
+    dropped. (The instruction is written in the form XLA prints custom-calls in; its backend config as Pallas's
+    Triton lowering fills it, with the name of the `pallas_call`.)"""
+    program = dot_program(
+        "%tiles = s32[40]{0} parameter(1)",
+        "%x = bf16[5120,4096]{1,0} parameter(2)",
+        "%w = bf16[8,4096,14336]{2,1,0} parameter(3)",
+        f'%gmm = bf16[5120,14336]{{1,0}} custom-call(%tiles, %x, %w), custom_call_target="{target}", '
+        'backend_config={name = "grouped_matmul", ir = "", num_stages = 3 : i32, num_warps = 8 : i32}, '
+        'metadata={op_name="jit(step)/moe/gate/pallas_call"}',
+    )
+    (kernel,) = program.kernels
+    assert (kernel.target, kernel.kernel) == (target, "grouped_matmul")
+    assert kernel.op_name == "jit(step)/moe/gate/pallas_call"
+    assert [shape.dims for shape in kernel.operands] == [(40,), (5120, 4096), (8, 4096, 14336)]
+    assert (program.dots, program.attention, kernel.count) == ([], [], 1)
+
+
 def test_shapes_and_element_sizes():
     assert parse_shapes("(bf16[2,3]{1,0}, (f32[4]{0}, s8[]), token[])") == (
         ArrayShape("bf16", (2, 3)),

@@ -1,4 +1,5 @@
 """`check_compiled`, the public one-call check: any compiled program and its gpu_tp twin -> the three verdicts."""
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -7,7 +8,14 @@ import pytest
 import starscream_jax as ss
 from starscream_jax.analysis.compile import compile_step, make_settings
 from starscream_jax.analysis.principles import check_principles, reads_once_per_gpu
-from starscream_jax.analysis.report import ActivationReport, MemoryReport, Report, inspect_compiled, inspect_text
+from starscream_jax.analysis.report import (
+    ActivationReport,
+    KernelReport,
+    MemoryReport,
+    Report,
+    inspect_compiled,
+    inspect_text,
+)
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "hlo"
 
@@ -54,6 +62,17 @@ def test_a_copy_is_large_against_the_steps_working_set_not_a_fixed_size():
     assert small["ok"] and not large["ok"]
     assert small["threshold_bytes"] == pytest.approx(0.01 * (1600 << 20))
     assert small["copied_bytes"]["activations"] == large["copied_bytes"]["activations"] == (1792 << 10) * 7 / 8
+
+
+def test_a_custom_kernel_is_listed_as_unjudged_work_beside_judged_matmuls():
+    """A Pallas kernel's work is not in the program text: the verdict cannot weigh it, so it says so by name, with
+    or without a reference."""
+    kernel = KernelReport(name="custom-call.3", op_name="jit(step)/moe/gate/pallas_call", target="__gpu$xla.gpu.triton",
+                          kernel="grouped_matmul", operand_shapes=[[40], [5120, 4096], [8, 4096, 14336]], count=1)
+    report = Report({"data": 1, "gpu": 1, "xcd": 1}, [], [], [], [], None, tokens_per_device=4096, kernels=[kernel])
+    for reference in (None, dataclasses.replace(report, kernels=[])):
+        verdict = check_principles(report, reference)["shape_preservation"]
+        assert verdict["unpaired"] == ["custom-call.3 (grouped_matmul: a custom kernel)"]
 
 
 @pytest.fixture(scope="module")
