@@ -174,3 +174,8 @@ def result_cache(args: argparse.Namespace) -> ResultCache | None:
     if args.no_cache:
         return None
     return ResultCache(args.cache_dir or os.environ.get(CACHE_ENV) or DEFAULT_CACHE)
+
+
+def checkpoint_dir(path: str) -> Path:
+    """RUN_DIR/checkpoints when `path` is a training run's directory, else `path` (a checkpoints directory)."""
+    return Path(path) / "checkpoints" if (Path(path) / "checkpoints").is_dir() else Path(path)

@@ -4,7 +4,6 @@ their index, config.json, the tokenizer files of the run's tokenizer), readable 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from ..analysis.format import format_bytes
 from ..hardware.distributed import is_main_process
@@ -12,7 +11,13 @@ from ..model.hf_checkpoint import DEFAULT_SHARD_BYTES, SAVED_DTYPES, export_hf_m
 from ..model.hf_config import read_hf_config
 from ..training.checkpoint import CheckpointStore, restore_model
 from ..training.config import TrainConfig
-from .arguments import add_distributed_arguments, add_mesh_arguments, initialize_from_args, mesh_from_args
+from .arguments import (
+    add_distributed_arguments,
+    add_mesh_arguments,
+    checkpoint_dir,
+    initialize_from_args,
+    mesh_from_args,
+)
 from .train import DEFAULT_GPUS, DEFAULT_PRESET
 
 
@@ -29,11 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shard-size", type=float, default=DEFAULT_SHARD_BYTES / 2**30, metavar="GIB",
                        help="largest safetensors file, in GiB")
     group.add_argument("--layout", help="layout to gather the parameters from (default: the run's)")
-
-
-def checkpoint_dir(path: str) -> Path:
-    """RUN_DIR/checkpoints when `path` is a run directory, else `path`."""
-    return Path(path) / "checkpoints" if (Path(path) / "checkpoints").is_dir() else Path(path)
 
 
 def run(args: argparse.Namespace) -> int:

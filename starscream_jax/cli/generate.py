@@ -18,6 +18,7 @@ from ..training.tokenizer import TOKENIZER_FILE, load_tokenizer
 from .arguments import (
     add_distributed_arguments,
     add_mesh_arguments,
+    checkpoint_dir,
     count,
     initialize_from_args,
     mesh_from_args,
@@ -32,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_distributed_arguments(parser)
     group = parser.add_argument_group("generation")
     group.add_argument("--checkpoint", default="runs/train/checkpoints",
-                       help="checkpoint directory of a training run (RUN_DIR/checkpoints)")
+                       help="a training run's directory (or its checkpoints directory)")
     group.add_argument("--model-dir", metavar="HF_DIR",
                        help="a Hugging Face model directory (config.json, safetensors, tokenizer) instead of "
                             "--checkpoint")
@@ -81,7 +82,7 @@ def load_for_generation(args: argparse.Namespace, mesh):
         model = load_hf_model(args.model_dir, args.prefill_layout, mesh, dtype=args.dtype)
         has_tokenizer = (Path(args.model_dir) / TOKENIZER_FILE).is_file()
         return model, args.model_dir, load_tokenizer(args.model_dir if has_tokenizer else None)
-    model, description = restore_model(args.checkpoint, args.prefill_layout, mesh, args.step, args.dtype)
+    model, description = restore_model(checkpoint_dir(args.checkpoint), args.prefill_layout, mesh, args.step, args.dtype)
     run_config = TrainConfig.from_dict(description["train_config"])
     return model, f"step {description['step']}", load_tokenizer(run_config.tokenizer_dir())
 

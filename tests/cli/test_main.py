@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from starscream_jax.cli import main as cli
+from starscream_jax.cli.arguments import checkpoint_dir
 from starscream_jax.hardware.topology import OVERRIDE_ENV
 from starscream_jax.training import loop as train_loop
 
@@ -147,3 +148,12 @@ def test_output_paths_that_cannot_be_written_are_refused_as_the_flags_are_read(c
     with pytest.raises(SystemExit) as exited:
         cli.main(list(argv))
     assert exited.value.code == 2 and message in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_generate_and_export_take_a_run_directory_or_its_checkpoints(tmp_path):
+    """`--checkpoint` names what `train` made: the run directory (with checkpoints/ in it) or that checkpoints
+    directory itself."""
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    assert checkpoint_dir(str(tmp_path / "run")) == tmp_path / "run" / "checkpoints"
+    assert checkpoint_dir(str(tmp_path / "run" / "checkpoints")) == tmp_path / "run" / "checkpoints"
+    assert checkpoint_dir(str(tmp_path / "missing")) == tmp_path / "missing"
