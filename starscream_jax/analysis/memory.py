@@ -18,11 +18,14 @@ from the model's shapes and the layout's placement of each tensor (the activatio
                prefill: the larger of the logits (in the compute dtype and their float32 copy, live at once: an
                H200 compile of Llama 3.2 1B at 8 x 4096 held both) and one layer's activations (the new KV cache
                is persistent).
-               decode: the logits, and half a KV cache more: the layer loop writes the new keys and values into the
-               donated cache in place and holds about half a cache in flight (read from H200 compiles of Llama 3.2
-               1B and Llama 3 8B decode steps, batch 64, cache 8192: temporaries 0.54x and 0.52x the cache,
-               benchmarks/results/h200_memory_inplace_cache.json; before the in-place write they were 1.57x and
-               1.53x).
+               decode: the logits, and with a stacked cache half a KV cache more: the layer loop writes the new keys
+               and values into the donated cache in place and holds about half a cache in flight (read from H200
+               compiles of Llama 3.2 1B and Llama 3 8B decode steps, batch 64, cache 8192: temporaries 0.54x and
+               0.52x the cache, benchmarks/results/h200_memory_inplace_cache.json; before the in-place write they
+               were 1.57x and 1.53x). With the cache one array per layer (generation's decode, no layer loop)
+               nothing of it: each layer's array is updated in place (Llama 3 8B, cache 4096: temporaries 34 MB at
+               batch 1 and 86 MB at batch 64 against caches of 0.5 and 34 GB,
+               benchmarks/results/decode_llama3-8b_1gpu.json).
   micro-batch  train with gradient accumulation: the saved and working activations are one micro-batch's.
 
 `memory_passes` counts, from the same shapes and placements, the bytes a step moves through HBM outside its
@@ -51,7 +54,7 @@ from ..sharding.rules import resolve
 MLP_HIDDEN = ("batch", "seq", "mlp")
 FLOAT32 = 4
 DECODE_CACHE_COPIES = 0.55
-"""KV caches the decode step holds beside its donated input (see the module docstring)."""
+"""KV caches the decode step holds beside its donated input when the cache is stacked (see the module docstring)."""
 
 
 
@@ -112,10 +115,11 @@ def layer_weight_elements(c: ModelConfig, layout, mesh) -> float:
 
 
 def gpu_memory(config: ModelConfig, layout, mesh, phase: str, batch: int, seq: int, persistent: dict[str, Any],
-               micro_batches: int = 1) -> dict[str, float]:
+               micro_batches: int = 1, cache_per_layer: bool = False) -> dict[str, float]:
     """{component: bytes per device} and "total" for a GPU running the step (see the module docstring).
     `config` at full depth with its remat policy; `persistent` the exact params / optimizer_state / kv_cache bytes;
-    `micro_batches` the gradient-accumulation steps (train)."""
+    `micro_batches` the gradient-accumulation steps (train); `cache_per_layer` whether decode holds the KV cache as
+    one array per layer."""
     layers = config.n_layers
     rows = batch // micro_batches
     one_layer = activation_bytes(config, layout, mesh, rows, seq if phase != "decode" else 1)
@@ -129,7 +133,7 @@ def gpu_memory(config: ModelConfig, layout, mesh, phase: str, batch: int, seq: i
         logits = one_layer["logits"] * (1 + np.dtype(config.dtype).itemsize / FLOAT32)
         parts["working"] = max(logits, one_layer["none"])
     else:
-        parts["working"] = one_layer["logits"] + DECODE_CACHE_COPIES * parts["kv_cache"]
+        parts["working"] = one_layer["logits"] + (0 if cache_per_layer else DECODE_CACHE_COPIES) * parts["kv_cache"]
     parts["total"] = sum(parts.values())
     return parts
 

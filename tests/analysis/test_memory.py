@@ -108,3 +108,19 @@ def test_matmul_flops_divide_by_the_devices_that_split_the_work():
                                         + 3 * config.d_model * config.d_ff) + config.d_model * config.vocab_size)
     assert split == pytest.approx(per_token * 8 * 64 / 8)
 
+
+
+def test_decode_with_the_cache_per_layer_holds_no_part_of_it_in_flight():
+    """Llama 3 8B decode as generation runs it (decode_llama3-8b_1gpu.json, one H200): the compiled step held its
+    weights, its cache and temporaries of 34 MB (batch 1) and 86 MB (batch 64); the stacked cache's term (half a
+    cache in flight) would overstate batch 64's by 17 GB."""
+    _, mesh = build_topology_mesh("h200", gpus=1, simulate=True)
+    stored = json.loads((RESULTS / "decode_llama3-8b_1gpu.json").read_text())
+    config = load_model_config(stored["meta"]["model"])
+    for row in stored["rows"]:
+        persistent = {"params": row["bytes_per_step"]["weights"], "kv_cache": row["bytes_per_step"]["kv_cache"]}
+        measured = persistent["params"] + persistent["kv_cache"] + row["temp_bytes"]
+        per_layer, stacked = (gpu_memory(config, "starscream_decode", mesh, "decode", row["batch"], row["cache_length"],
+                                         persistent, cache_per_layer=held) for held in (True, False))
+        assert per_layer["total"] == pytest.approx(measured, rel=0.01)
+    assert stacked["total"] > 1.3 * measured  # batch 64
