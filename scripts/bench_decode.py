@@ -95,7 +95,7 @@ def run_batch(graphdef, params, rest, config, layout: str, mesh, batch: int, cac
     import jax
     import jax.numpy as jnp
 
-    from starscream_jax.model.decoder import cache_shardings, layers_per_trip, split_cache
+    from starscream_jax.model.decoder import cache_shardings, decode_holds_cache_per_layer, split_cache
     from starscream_jax.sharding.apply import token_sharding, use_layout
     from starscream_jax.training.steps import Sampling, decode_step
 
@@ -103,7 +103,7 @@ def run_batch(graphdef, params, rest, config, layout: str, mesh, batch: int, cac
     shape = (config.n_layers, batch, cache_length, config.n_kv_heads, config.head_dim)
     fill = jax.jit(lambda key: jax.random.normal(key, shape, jnp.bfloat16), out_shardings=shardings["k"])
     cache = {"k": fill(jax.random.key(1)), "v": fill(jax.random.key(2))}
-    if layers_per_trip(config, decoding=True) == config.n_layers:  # held per layer, as generation holds it
+    if decode_holds_cache_per_layer(config):  # held per layer, as generation holds it
         with use_layout(layout, mesh):
             cache = jax.jit(split_cache)(cache)
     token_B = jax.device_put(jax.random.randint(jax.random.key(3), (batch,), 0, config.vocab_size, jnp.int32),

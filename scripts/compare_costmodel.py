@@ -1,7 +1,8 @@
 """The cost model beside every stored H200 measurement, on CPU: for each stored memory_analysis() the GPU memory
 estimate (`analysis.memory.gpu_memory`) and for each stored step time the cost model's estimate of the same step
 (compiled here for simulated devices of the h200 preset, `costmodel.estimate_step`), with their ratios. Each row
-names the file it was read from and whether the model's terms were read from it ("set") or not ("heldout").
+names the file it was read from and whether the model's terms were read from it ("set"), or not: timed for the check
+("heldout"), or timed after the terms were set, of a program they were not read from ("new").
 
     python scripts/compare_costmodel.py --out benchmarks/results/h200_costmodel_check.json
 """
@@ -16,13 +17,22 @@ RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 MEMORY_FILES = {"h200_memory_inplace_cache.json": "set", "h200_costmodel_heldout.json": "heldout"}
 """Stored memory_analysis() figures: the decode terms were read from the first (the in-place cache's program)."""
 STEP_FILES = {"h200_costmodel.json": "set", "h200_steps_inplace_cache.json": "set",
-              "h200_costmodel_heldout.json": "heldout", "decode_llama3-8b_1gpu.json": "set",
-              "superseded/decode_llama3-8b_1gpu_run2_cache_in_place.json": "set"}
+              "h200_costmodel_heldout.json": "heldout",
+              "superseded/decode_llama3-8b_1gpu_run4_unrolled_xla_attention.json": "set",
+              "superseded/decode_llama3-8b_1gpu_run2_cache_in_place.json": "set",
+              "decode_llama3-8b_1gpu.json": "new"}
 """Stored step times. h200_costmodel.json's decode row timed the program before the cache was written in place
-(superseded by h200_steps_inplace_cache.json's); the two decode_llama3-8b files time today's decode step with the
-layer loop unrolled (`--unroll 32`) and rolled (the profile of the rolled one, benchmarks/NOTES.md run 4, showed
-the copies `memory_passes` counts). h200_costmodel_heldout.json's runs were timed for the check: no term was read
-from them."""
+(superseded by h200_steps_inplace_cache.json's); the two superseded decode_llama3-8b files time the decode step of
+runs 2 and 4 (benchmarks/NOTES.md) with the layer loop rolled and unrolled (`--unroll 32`), XLA's attention over a
+stacked cache (the profile of the rolled one, run 4, showed the copies `memory.decode_cache_copies` counts).
+h200_costmodel_heldout.json's runs were timed for the check: no term was read from them. decode_llama3-8b_1gpu.json
+(run 9) times the decode step generation runs today (`CURRENT_DECODE`)."""
+CURRENT_DECODE = frozenset({"decode_llama3-8b_1gpu.json"})
+"""The stored decode runs of the program generation runs today: no layer loop (`scan_unroll` 0), the KV cache one
+array per layer, attention through cuDNN. They are checked as `inspect` and `plan` judge decode (the cache's form
+from the model, the attention from the preset's chip, `memory.reads_cache_in_place`). Every other stored decode run
+predates cuDNN's decode attention (run 6): each is checked as the program it was, XLA's attention over a stacked
+cache."""
 
 
 def stored_memory() -> list[dict]:
@@ -50,8 +60,8 @@ def stored_steps() -> list[dict]:
         meta = stored["meta"]
         for row in stored["rows"]:
             unroll = meta.get("scan_unroll", 1)
-            cases.append({"name": f"{meta['model']} decode batch {row['batch']}"
-                                  + (" unrolled" if unroll > 1 else " rolled"),
+            program = "no loop" if name in CURRENT_DECODE else "unrolled" if unroll > 1 else "rolled"
+            cases.append({"name": f"{meta['model']} decode batch {row['batch']} {program}",
                           "model": meta["model"], "phase": "decode", "layout": meta["layout"], "mesh": meta["mesh"],
                           "batch": row["batch"], "seq": row["cache_length"], "remat": "none", "grad_accum": 1,
                           "scan_unroll": unroll, "step_s": row["step_s"], "source": name, "role": role})
@@ -94,9 +104,8 @@ def memory_rows(measured: list[dict]) -> list[dict]:
 
 def step_rows(measured: list[dict]) -> list[dict]:
     """The cost model's estimate of each measured step, compiled here on simulated devices of the h200 preset (with
-    gradient accumulation: one micro-step compiled, `StepEstimate.accumulated`). A step whose layer loop ran
-    unrolled is compiled rolled, since the inspector reads per-layer figures from the loop (its matmuls and
-    collectives are the same), and its memory passes are counted for the unrolled program."""
+    gradient accumulation: one micro-step compiled, `StepEstimate.accumulated`) as it ran: its layer loop's unroll,
+    and in decode its cache's form and attention (`CURRENT_DECODE`), which its memory passes follow."""
     import dataclasses
 
     import numpy as np
@@ -104,7 +113,7 @@ def step_rows(measured: list[dict]) -> list[dict]:
     from starscream_jax.analysis.compile import make_settings
     from starscream_jax.analysis.costmodel import estimate_step
     from starscream_jax.analysis.layout_report import inspect_layouts
-    from starscream_jax.analysis.memory import memory_passes
+    from starscream_jax.analysis.memory import memory_passes, reads_cache_in_place
     from starscream_jax.hardware.mesh import build_topology_mesh
 
     rows = []
@@ -114,15 +123,19 @@ def step_rows(measured: list[dict]) -> list[dict]:
         micro_batches = case["grad_accum"]
         settings = make_settings(case["model"], case["phase"], case["batch"] // micro_batches, case["seq"],
                                  case["layout"], 2)
-        settings = dataclasses.replace(settings, config=settings.config.replace(remat=case["remat"]))
+        current = case["source"] in CURRENT_DECODE
+        settings = dataclasses.replace(settings, config=settings.config.replace(
+            remat=case["remat"], scan_unroll=case["scan_unroll"]), cache_per_layer=None if current else False)
         result = inspect_layouts(settings, topology, mesh, reference=False)[case["layout"]]
-        config = settings.config.replace(n_layers=settings.full_layers, scan_unroll=case["scan_unroll"])
+        config = settings.config.replace(n_layers=settings.full_layers)
+        in_place = current and reads_cache_in_place(topology.preset.chip, config.dtype)
         passes = memory_passes(config, case["layout"], mesh, settings.phase, settings.batch, settings.seq,
-                               result["memory_per_device"])
+                               result["memory_per_device"], settings.holds_cache_per_layer, in_place)
         micro = estimate_step(result, topology, np.dtype(config.dtype).itemsize, passes)
         estimate = micro.accumulated(micro_batches).to_dict()
         rows.append({**{k: case[k] for k in ("name", "model", "phase", "batch", "seq", "remat", "grad_accum",
                                              "scan_unroll", "mesh", "source", "role")},
+                     "cache_per_layer": settings.holds_cache_per_layer, "cache_read_in_place": in_place,
                      "measured_s": case["step_s"], "estimated_s": estimate["serial_s"],
                      "ratio": estimate["serial_s"] / case["step_s"], "estimate": estimate})
         passes = ", ".join(f"{kind} {seconds * 1e3:.1f}" for kind, seconds in estimate["passes_s"].items()

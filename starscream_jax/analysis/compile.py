@@ -10,14 +10,17 @@ that runs:
   prefill  `steps.prefill_step` over a prompt [B, S] into a fresh KV cache of T positions (`Settings.cache_length`,
            default S); parameters held in the model's dtype, as `starscream generate` holds them for inference.
   decode   `steps.decode_step`: one new token per sequence [B] against a KV cache of T positions (default S), the
-           token's position an input of the step.
+           token's position an input of the step; the cache held as generation holds it: one array per layer when
+           decode runs no layer loop (`ModelConfig.scan_unroll` 0, the default:
+           `decoder.decode_holds_cache_per_layer`), else stacked.
 
-Depth: the model is compiled with L layers (`Settings.config.n_layers`, at least 2) in place of its N. The layers run
-as one loop (`jax.lax.scan`) whose body is the same for every layer (`layer_loop_ops` finds it), so per-layer figures
-are what the loop body does in one trip; XLA removes a loop of one trip. A model whose loop is unrolled
-(`ModelConfig.scan_unroll`: all L layers, or several per trip) has no loop of L trips: its layers' ops are those
-whose op names lie in the scan body's scope (`LAYER_SCOPE`), L copies of the body between them, so per-layer
-figures are their sum over L.
+Depth: the model is compiled with L layers (`Settings.config.n_layers`, at least 2) in place of its N, with the
+model's own `scan_unroll`. Training and prefill run the layers as one loop (`jax.lax.scan`) whose body is the same
+for every layer (`layer_loop_ops` finds it), so per-layer figures are what the loop body does in one trip; XLA
+removes a loop of one trip. A program with no loop of L trips (decode by default, whose layers run one after another
+each with its own cache array, `Transformer._run_layers_apart`; or any phase with `scan_unroll` unrolling all L
+layers or several per trip) has its layers' ops under the layer scope (`LAYER_SCOPE`), L copies of one layer's
+between them, so per-layer figures are their sum over L, equal to the rolled loop's.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ..checks import writable_directory
 from ..errors import StarscreamError
 from ..model.config import ModelConfig, load_model_config
-from ..model.decoder import abstract_model, cache_shardings
+from ..model.decoder import LAYER_SCOPE, abstract_model, cache_shardings, decode_holds_cache_per_layer
 from ..sharding.apply import batch_sharding, param_shardings, token_sharding, use_layout
 from ..sharding.layouts import Layout, get_layout
 from ..training.config import TrainConfig
@@ -45,8 +48,6 @@ DEFAULT_SHAPES = {"train": (8, 2048), "prefill": (8, 4096), "decode": (64, 8192)
 """(batch, seq) per phase: the token counts of the first H200 kernel-shape measurement."""
 REFERENCE = "gpu_tp"
 """The layout whose kernel shapes principle 1 compares against."""
-LAYER_SCOPE = "closed_call"
-"""The scope JAX puts the body of `jax.lax.scan` (one decoder layer) under in op names, rolled or unrolled."""
 COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 """The programs are never run: skipping LLVM's optimisation of the CPU code halves compile time and leaves the
 compiled HLO and its memory analysis unchanged."""
@@ -56,7 +57,8 @@ compiled HLO and its memory analysis unchanged."""
 class Settings:
     """What to compile: `config` has the compiled depth (`layers`), `full_layers` is the model's own depth;
     `training` sets the train step's optimizer and `sampling` the prefill and decode steps' choice of token;
-    `cache_length` is the KV cache's length in prefill and decode (None: `seq`)."""
+    `cache_length` is the KV cache's length in prefill and decode (None: `seq`); `cache_per_layer` whether decode
+    holds the cache as one array per layer (None: as generation holds it for the full-depth model)."""
 
     config: ModelConfig
     full_layers: int
@@ -68,10 +70,20 @@ class Settings:
     training: TrainConfig = TrainConfig()
     sampling: Sampling = Sampling()
     cache_length: int | None = None
+    cache_per_layer: bool | None = None
 
     @property
     def layers(self) -> int:
         return self.config.n_layers
+
+    @property
+    def holds_cache_per_layer(self) -> bool:
+        """Whether the compiled decode step takes its KV cache as one array per layer (never in train, prefill)."""
+        if self.phase != "decode":
+            return False
+        if self.cache_per_layer is not None:
+            return self.cache_per_layer
+        return decode_holds_cache_per_layer(self.config.replace(n_layers=self.full_layers))
 
     @property
     def cache(self) -> int:
@@ -142,9 +154,8 @@ def make_settings(model: str, phase: str, batch: int | None, seq: int | None, la
         raise StarscreamError(f"--layout {layouts!r} names no layout; give names separated by commas")
     for name in names:
         get_layout(name)
-    # the per-layer figures read the rolled layer loop (`layer_loop_ops`), so decode is compiled rolled here too
-    return Settings(full.replace(n_layers=layers, scan_unroll=full.scan_unroll or 1), full.n_layers, phase, batch,
-                    seq, tuple(dict.fromkeys(names)), dump_hlo)
+    return Settings(full.replace(n_layers=layers), full.n_layers, phase, batch, seq, tuple(dict.fromkeys(names)),
+                    dump_hlo)
 
 
 def step_program(settings: Settings, layout: Layout, mesh, config: ModelConfig | None = None):
@@ -155,7 +166,7 @@ def step_program(settings: Settings, layout: Layout, mesh, config: ModelConfig |
         raise StarscreamError(f"a KV cache of {settings.cache} positions cannot hold {settings.seq} tokens; give "
                               f"cache_length {settings.seq} or more")
     graphdef, args = abstract_args(config, layout, mesh, settings.phase, settings.batch, settings.seq,
-                                   settings.training, settings.cache)
+                                   settings.training, settings.cache, settings.holds_cache_per_layer)
     if settings.phase == "train":
         step = train_step(graphdef, make_optimizer(settings.training, args.params), settings.training.grad_accum)
     elif settings.phase == "prefill":
@@ -178,14 +189,14 @@ def compile_step(settings: Settings, layout_name: str, mesh) -> CompiledStep:
 
 
 def abstract_args(config: ModelConfig, layout: Layout, mesh, phase: str, batch: int, seq: int,
-                  training: TrainConfig = TrainConfig(), cache_length: int | None = None) -> tuple[Any, tuple]:
+                  training: TrainConfig = TrainConfig(), cache_length: int | None = None,
+                  per_layer_cache: bool = False) -> tuple[Any, tuple]:
     """(graphdef, the step's arguments as ShapeDtypeStructs with the layout's shardings) for a model of `config`.
 
     Call inside `use_layout(layout, mesh)`. train: TrainArgs with tokens [B, S + 1]; prefill: PrefillArgs with the
-    prompt [B, S]; decode: DecodeArgs with the KV cache {"k", "v"} of [L, B, T, K, E] each (T = `cache_length`,
-    default S), the token [B] and its position (a scalar). Token batches are placed like the layout's `batch`, the
-    cache by the activation rules;
-    the optimizer state is `make_optimizer(training)`'s.
+    prompt [B, S]; decode: DecodeArgs with the KV cache (`abstract_cache`: T = `cache_length`, default S; one
+    array per layer with `per_layer_cache`), the token [B] and its position (a scalar). Token batches are placed
+    like the layout's `batch`, the cache by the activation rules; the optimizer state is `make_optimizer(training)`'s.
     """
     graphdef, params, rest = nnx.split(abstract_model(config), nnx.Param, ...)
     if phase == "train":
@@ -197,18 +208,25 @@ def abstract_args(config: ModelConfig, layout: Layout, mesh, phase: str, batch: 
     if phase == "prefill":
         prompt = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=batch_sharding(layout, mesh, batch))
         return graphdef, PrefillArgs(params, rest, prompt)
-    cache = abstract_cache(config, layout, mesh, batch, cache_length or seq)
+    cache = abstract_cache(config, layout, mesh, batch, cache_length or seq, per_layer_cache)
     token = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=token_sharding(layout, mesh, batch))
     position = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
     return graphdef, DecodeArgs(params, rest, cache, token, position)
 
 
-def abstract_cache(config: ModelConfig, layout: Layout, mesh, batch: int, length: int) -> dict:
+def abstract_cache(config: ModelConfig, layout: Layout, mesh, batch: int, length: int,
+                   per_layer: bool = False) -> dict:
     """The KV cache {"k", "v"} of [L, B, T, K, E] (T = `length`) in the compute dtype as ShapeDtypeStructs placed by
-    `layout` (`decoder.cache_shardings`, as `decoder.init_cache` places it)."""
-    shape = (config.n_layers, batch, length, config.n_kv_heads, config.head_dim)
-    return {name: jax.ShapeDtypeStruct(shape, jnp.dtype(config.dtype), sharding=sharding)
-            for name, sharding in cache_shardings(config, batch, length, layout, mesh).items()}
+    `layout` (`decoder.cache_shardings`, as `decoder.init_cache` places it); with `per_layer`, {"k", "v"}: L
+    arrays of [B, T, K, E] each, placed as `decoder.split_cache` places them (generation's decode cache)."""
+    shape = (batch, length, config.n_kv_heads, config.head_dim)
+    dtype = jnp.dtype(config.dtype)
+    shardings = cache_shardings(config, batch, length, layout, mesh, per_layer)
+    if per_layer:
+        return {name: tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for _ in range(config.n_layers))
+                for name, sharding in shardings.items()}
+    return {name: jax.ShapeDtypeStruct((config.n_layers, *shape), dtype, sharding=sharding)
+            for name, sharding in shardings.items()}
 
 
 def place(state, layout, mesh, dtype=None):
@@ -227,13 +245,13 @@ def place(state, layout, mesh, dtype=None):
 def layer_loop_ops(hlo_text: str, layers: int) -> dict[str, float]:
     """{name: share of its work that is the layers'} of the instructions that run inside the layer loop (the forward
     scan, and the backward one when training): those under a `while` whose known trip count is `layers` (share 1).
-    In a program whose loop is unrolled (no such `while`), those whose op names lie in the scan body's scope
-    `LAYER_SCOPE` (each of the L copies of the body runs once), a collective that XLA combined from ops of the
-    layers and ops outside them with the share of its bytes the layers' ops hold (`hlo.scope_shares`); per-layer
-    figures are then as exact as the rolled program's."""
+    In a program with no such loop (decode with its cache per layer, or an unrolled loop), those whose op names lie in
+    the layer scope `LAYER_SCOPE` (each of the L copies of the layer runs once), a collective that XLA combined from
+    ops of the layers and ops outside them with the share of its bytes the layers' ops hold (`hlo.scope_shares`);
+    per-layer figures are then as exact as the rolled program's."""
     found = dict.fromkeys(instructions_in_loops(hlo_text, layers), 1.0) or scope_shares(hlo_text, LAYER_SCOPE)
     if not found:
-        raise StarscreamError(f"the compiled program has no loop of {layers} trips and no op in the scan body's "
+        raise StarscreamError(f"the compiled program has no loop of {layers} trips and no op in the layer "
                               f"scope {LAYER_SCOPE!r}, so per-layer figures cannot be told apart; the model must run "
-                              "its layers with jax.lax.scan")
+                              "its layers with jax.lax.scan or under that scope")
     return found

@@ -9,11 +9,12 @@ compiled program, the model's shapes and the preset's hardware figures, scaled t
   measured chip): the layers' elementwise and reduction passes (norms, rotary, residual adds, the gated MLP's
   product: reads and writes of each, the backward twice the forward, recomputation once more), the activations
   saved for the backward, the loss over the vocabulary, the training step's casts of the float32 weights, the
-  optimizer update, and the copies the compiled program makes: a rolled layer loop (`ModelConfig.scan_unroll` below
-  the depth) copies each layer's weights out of the stacked arrays before its matmuls read them, and XLA's attention
-  over a KV cache reads each layer's keys and values through a transposed copy (with the rolled loop also a sliced
-  copy, and the whole cache transposed into and out of the loop: an H200 profile of the decode step,
-  benchmarks/NOTES.md run 4). On a measured chip each layer's elementwise passes take at least the floor of its
+  optimizer update, and the copies the program makes: a rolled layer loop copies each layer's weights out of the
+  stacked arrays before its matmuls read them, and decode copies its KV cache by the program's form
+  (`memory.decode_cache_copies`: XLA's attention reads a transposed copy, a stacked cache is sliced for a rolled loop
+  or a library call, a rolled loop transposes the whole cache; cuDNN's attention on the per-layer cache generation
+  decodes with copies nothing; H200 profiles of the decode step, benchmarks/NOTES.md runs 4, 6 and 9). On a
+  measured chip each layer's elementwise passes take at least the floor of its
   small kernels (`Measurements.layer_floor`, per layer and, in training, per forward and backward's two), which
   decode at small batches reaches.
 - Collective: the latency floor of its scope plus its ring bytes per device over the bus bandwidth of its scope. The

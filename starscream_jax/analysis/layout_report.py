@@ -55,7 +55,7 @@ from .compile import (
     compile_step,
 )
 from .costmodel import estimate_step, matmul_work
-from .memory import memory_passes
+from .memory import memory_passes, reads_cache_in_place
 from .principles import check_principles, reads_once_per_gpu
 from .report import SCOPES, inspect_compiled
 
@@ -124,8 +124,8 @@ def _canonical(value) -> Any:
 
 class ResultCache:
     """Results of `layout_result` kept as JSON files in `directory`, one per (model, compiled depth, phase, shapes,
-    remat policy, training and sampling settings, preset, mesh shape, layout rules, package and JAX versions): a
-    second `plan`, or an `inspect` of a planned candidate, reads them instead of compiling."""
+    remat policy, decode cache form, training and sampling settings, preset, mesh shape, layout rules, package and
+    JAX versions): a second `plan`, or an `inspect` of a planned candidate, reads them instead of compiling."""
 
     def __init__(self, directory: Path | str):
         self.directory = Path(directory)
@@ -133,7 +133,8 @@ class ResultCache:
     def _path(self, settings: Settings, topology, mesh, layout: str) -> Path:
         key = json.dumps({"config": dataclasses.asdict(settings.config), "full_layers": settings.full_layers,
                           "phase": settings.phase, "batch": settings.batch, "seq": settings.seq,
-                          "cache": settings.cache, "training": dataclasses.asdict(settings.training),
+                          "cache": settings.cache, "cache_per_layer": settings.holds_cache_per_layer,
+                          "training": dataclasses.asdict(settings.training),
                           "sampling": dataclasses.asdict(settings.sampling), "topology": topology.describe(),
                           "mesh": dict(mesh.shape), "layout": dataclasses.asdict(get_layout(layout)),
                           "reference": dataclasses.asdict(get_layout(REFERENCE)), "source": _source_digest(),
@@ -214,7 +215,8 @@ def layout_result(settings: Settings, topology, mesh, step: CompiledStep, report
         "activations": [dataclasses.asdict(entry) for entry in report.activations],
     }
     passes = memory_passes(settings.config.replace(n_layers=settings.full_layers), step.layout, mesh, settings.phase,
-                           settings.batch, settings.seq, memory)
+                           settings.batch, settings.seq, memory, settings.holds_cache_per_layer,
+                           reads_cache_in_place(topology.preset.chip, settings.config.dtype))
     result["estimate"] = estimate_step(result, topology, itemsize, passes).to_dict()
     return result
 

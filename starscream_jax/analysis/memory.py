@@ -18,11 +18,14 @@ from the model's shapes and the layout's placement of each tensor (the activatio
                prefill: the larger of the logits (in the compute dtype and their float32 copy, live at once: an
                H200 compile of Llama 3.2 1B at 8 x 4096 held both) and one layer's activations (the new KV cache
                is persistent).
-               decode: the logits, and half a KV cache more: the layer loop writes the new keys and values into the
-               donated cache in place and holds about half a cache in flight (read from H200 compiles of Llama 3.2
-               1B and Llama 3 8B decode steps, batch 64, cache 8192: temporaries 0.54x and 0.52x the cache,
-               benchmarks/results/h200_memory_inplace_cache.json; before the in-place write they were 1.57x and
-               1.53x).
+               decode: the logits, and with a stacked cache half a KV cache more: the layer loop writes the new keys
+               and values into the donated cache in place and holds about half a cache in flight (read from H200
+               compiles of Llama 3.2 1B and Llama 3 8B decode steps, batch 64, cache 8192: temporaries 0.54x and
+               0.52x the cache, benchmarks/results/h200_memory_inplace_cache.json; before the in-place write they
+               were 1.57x and 1.53x). With the cache one array per layer (generation's decode, no layer loop)
+               nothing of it: each layer's array is updated in place (Llama 3 8B, cache 4096: temporaries 34 MB at
+               batch 1 and 86 MB at batch 64 against caches of 0.5 and 34 GB,
+               benchmarks/results/decode_llama3-8b_1gpu.json).
   micro-batch  train with gradient accumulation: the saved and working activations are one micro-batch's.
 
 `memory_passes` counts, from the same shapes and placements, the bytes a step moves through HBM outside its
@@ -42,6 +45,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..model.config import ModelConfig
+from ..model.decoder import layers_per_trip
 from ..model.names import ATTN_KV, ATTN_Q, LOGITS, RESIDUAL
 from ..sharding.apply import activation_spec, use_layout
 from ..sharding.layouts import get_layout
@@ -50,7 +54,7 @@ from ..sharding.rules import resolve
 MLP_HIDDEN = ("batch", "seq", "mlp")
 FLOAT32 = 4
 DECODE_CACHE_COPIES = 0.55
-"""KV caches the decode step holds beside its donated input (see the module docstring)."""
+"""KV caches the decode step holds beside its donated input when the cache is stacked (see the module docstring)."""
 
 
 
@@ -111,10 +115,11 @@ def layer_weight_elements(c: ModelConfig, layout, mesh) -> float:
 
 
 def gpu_memory(config: ModelConfig, layout, mesh, phase: str, batch: int, seq: int, persistent: dict[str, Any],
-               micro_batches: int = 1) -> dict[str, float]:
+               micro_batches: int = 1, cache_per_layer: bool = False) -> dict[str, float]:
     """{component: bytes per device} and "total" for a GPU running the step (see the module docstring).
     `config` at full depth with its remat policy; `persistent` the exact params / optimizer_state / kv_cache bytes;
-    `micro_batches` the gradient-accumulation steps (train)."""
+    `micro_batches` the gradient-accumulation steps (train); `cache_per_layer` whether decode holds the KV cache as
+    one array per layer."""
     layers = config.n_layers
     rows = batch // micro_batches
     one_layer = activation_bytes(config, layout, mesh, rows, seq if phase != "decode" else 1)
@@ -128,13 +133,13 @@ def gpu_memory(config: ModelConfig, layout, mesh, phase: str, batch: int, seq: i
         logits = one_layer["logits"] * (1 + np.dtype(config.dtype).itemsize / FLOAT32)
         parts["working"] = max(logits, one_layer["none"])
     else:
-        parts["working"] = one_layer["logits"] + DECODE_CACHE_COPIES * parts["kv_cache"]
+        parts["working"] = one_layer["logits"] + (0 if cache_per_layer else DECODE_CACHE_COPIES) * parts["kv_cache"]
     parts["total"] = sum(parts.values())
     return parts
 
 
-def memory_passes(config: ModelConfig, layout, mesh, phase: str, batch: int, seq: int,
-                  persistent: dict[str, Any]) -> dict[str, float]:
+def memory_passes(config: ModelConfig, layout, mesh, phase: str, batch: int, seq: int, persistent: dict[str, Any],
+                  cache_per_layer: bool = False, cache_read_in_place: bool = False) -> dict[str, float]:
     """{kind: bytes per device} a step reads and writes through HBM outside its matmuls, for `config` at full depth
     (its remat policy and layer loop unroll) and `batch` x `seq` tokens (decode: one per sequence, against a cache
     of `persistent["kv_cache"]` bytes). Each pass reads its inputs and writes its outputs once:
@@ -155,9 +160,12 @@ def memory_passes(config: ModelConfig, layout, mesh, phase: str, batch: int, seq
       accumulate   train: adding one micro-step's float32 gradients into their sum (read both, write the sum).
       weight_copies  prefill and decode with a rolled layer loop: each layer's weights copied out of the stacked
                    arrays (read and write) before the matmuls read them.
-      cache_copies decode: each layer's keys and values read through a transposed copy; with a rolled loop also
-                   sliced out of the carried cache, and the whole cache transposed into and out of the loop.
-                   prefill: the new cache written once.
+      cache_copies decode, each a read and a write of the whole cache (`decode_cache_copies`); prefill: the new
+                   cache written once.
+
+    The decode program is `config`'s (a layer loop unless `layers_per_trip` is every layer) with the KV cache one
+    array per layer when `cache_per_layer` (as generation holds it without a loop, `decoder.split_cache`), and
+    attention reading each layer's cache in place when `cache_read_in_place` (`reads_cache_in_place`).
     """
     c, itemsize = config, np.dtype(config.dtype).itemsize
     rows = 1 if phase == "decode" else seq
@@ -169,7 +177,7 @@ def memory_passes(config: ModelConfig, layout, mesh, phase: str, batch: int, seq
         gated = local_elements(MLP_HIDDEN, (batch, rows, hidden), mesh)
         logits = local_elements(LOGITS, (batch, rows, c.vocab_size), mesh)
     forward = itemsize * (10 * residual + 2 * queries + 2 * keys + 3 * gated)
-    rolled = c.scan_unroll < c.n_layers
+    rolled = not cache_per_layer and layers_per_trip(c, decoding=phase == "decode") < c.n_layers
     if phase == "train":
         recomputed = c.remat != "none"
         params = persistent["params"]
@@ -181,7 +189,31 @@ def memory_passes(config: ModelConfig, layout, mesh, phase: str, batch: int, seq
                 "update": 4 * params + 2 * (persistent.get("optimizer_state") or 0.0), "accumulate": 3 * params}
     cache = persistent.get("kv_cache") or 0.0
     passes = {"layers": c.n_layers * forward, "logits": 2 * itemsize * logits,
-              "cache_copies": cache if phase == "prefill" else cache * (2 + 4 * rolled)}
+              "cache_copies": cache if phase == "prefill" else cache * decode_cache_copies(rolled, cache_per_layer,
+                                                                                          cache_read_in_place)}
     if rolled:
         passes["weight_copies"] = 2 * itemsize * c.n_layers * layer_weight_elements(c, get_layout(layout), mesh)
     return passes
+
+
+def decode_cache_copies(rolled: bool, cache_per_layer: bool, read_in_place: bool) -> int:
+    """How many times a decode step reads and writes its whole KV cache outside attention, by what the program does
+    (H200 profiles of Llama 3 8B decode, benchmarks/NOTES.md runs 4, 6 and 9):
+      2  a transposed copy of each layer's keys and values for XLA's attention (not when it reads the cache in
+         place, `read_in_place`: cuDNN's fused kernel);
+      2  each layer's slice copied out of a stacked cache ([L, B, T, K, E]): by a rolled layer loop, which carries
+         the cache, or before a library call (cuDNN) can read it; none when the cache is one array per layer;
+      2  a rolled loop's whole cache transposed into and out of the loop.
+    Measured: rolled with XLA's attention (6), no loop over a stacked cache with XLA's attention (2) or cuDNN's (2),
+    per-layer arrays with cuDNN's (0). Not measured: a rolled loop with cuDNN's (4), per-layer arrays with XLA's (2)."""
+    through_xla = 0 if read_in_place else 2
+    sliced = 2 if not cache_per_layer and (rolled or read_in_place) else 0
+    return through_xla + sliced + (2 if rolled else 0)
+
+
+def reads_cache_in_place(chip, dtype) -> bool:
+    """Whether decode's attention reads each layer's KV cache where it lies on `chip` (a `hardware.presets.Chip`):
+    the model calls cuDNN's fused attention on NVIDIA GPUs for bfloat16 and float16 (`model.ops._cached_attention`),
+    which takes the cache with its strides. XLA's attention (on other chips, and in the programs the inspector
+    compiles for CPU devices) reads a transposed copy."""
+    return chip.vendor == "nvidia" and str(np.dtype(dtype)) in ("bfloat16", "float16")

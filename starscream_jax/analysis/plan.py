@@ -129,7 +129,8 @@ def _sized(settings: Settings, topology, mesh, base: Candidate) -> list[dict]:
             try:
                 batch_sharding(base.layout, mesh, settings.batch // micro_batches)
                 memory = gpu_memory(full_model.replace(remat=remat), base.layout, mesh, settings.phase,
-                                    settings.batch, settings.seq, persistent, micro_batches)
+                                    settings.batch, settings.seq, persistent, micro_batches,
+                                    settings.holds_cache_per_layer)
             except ShardingRuleError as err:
                 entries.append(_entry(candidate, "cannot place", str(err)))
                 break
@@ -272,7 +273,7 @@ def _shorter_sequence(settings: Settings, topology, mesh, entry: dict) -> tuple[
     while seq >= 2:
         try:
             memory = gpu_memory(full_model, candidate.layout, mesh, settings.phase, settings.batch, seq, persistent,
-                                candidate.micro_batches)
+                                candidate.micro_batches, settings.holds_cache_per_layer)
         except ShardingRuleError:
             return None
         if memory["total"] <= topology.hbm_bytes:

@@ -32,6 +32,8 @@ class Chip:
     """Whole-GPU figures of one chip (bandwidths in bytes/s, latencies in s, FLOP/s dense bf16).
 
     modes: the valid (compute mode, memory modes) pairs, e.g. (("SPX", ("NPS1",)), ("DPX", ("NPS1", "NPS2"))).
+    vendor: the chip's maker ("nvidia", "amd"; "" when not given), which decides the libraries the model's kernels
+    call there (decode attention through cuDNN on NVIDIA, `analysis.memory.reads_cache_in_place`).
     """
 
     name: str
@@ -51,6 +53,7 @@ class Chip:
     inter_node_bandwidth: float
     inter_node_latency: float
     modes: tuple[tuple[str, tuple[str, ...]], ...]
+    vendor: str = ""
 
     def memory_modes(self, compute_mode: str) -> tuple[str, ...]:
         """The memory modes this chip runs with `compute_mode` (none for a compute mode it lacks)."""
@@ -136,7 +139,7 @@ def load_chip(name: str, directory: Path | str | None = None) -> Chip:
         raise PresetError(f"{path}: [modes] lists {', '.join(too_many)} but xcds = {raw['xcds']}; a compute mode "
                           f"cannot have more partitions than the chip has XCDs")
     fields = {f: raw[f] for f in CHIP_FIELDS}
-    return Chip(name=raw["name"], description=raw["description"], modes=modes, **fields)
+    return Chip(name=raw["name"], description=raw["description"], modes=modes, vendor=raw.get("vendor", ""), **fields)
 
 
 def check_mode(chip: Chip, compute_mode: str, memory_mode: str) -> None:

@@ -36,6 +36,10 @@ from .moe import routed_mlp
 from .names import ATTN_KV, ATTN_Q, KV_CACHE, LOGITS, RESIDUAL, TOKENS
 from .ops import attention, cross_entropy, embed_lookup
 
+LAYER_SCOPE = "closed_call"
+"""The scope of one layer's ops in the compiled program's op names: JAX puts the body of `jax.lax.scan` under it
+(rolled or unrolled), and `Transformer._run_layers_apart` puts each layer's block under it too, so a reader of the
+program (`analysis.compile.layer_loop_ops`) finds the layers' ops alike in every form decode compiles to."""
 CHECKPOINT_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
                        "full": jax.checkpoint_policies.nothing_saveable}
 """The jax.checkpoint policy of each remat policy but "none" (config.REMAT_POLICIES): "dots" keeps the projections'
@@ -184,12 +188,15 @@ class Transformer(nnx.Module):
         """The L blocks one after another (no loop in the program) with a KV cache held per layer
         ({"k", "v"}: L arrays of [B, T, K, E] each, `split_cache`): each block writes its new keys and values into
         its own cache array in place, and attention reads that array whole, where a layer's part of a stacked cache
-        is copied out before a library call (cuDNN's attention) can read it. -> (x, (cache, balance [L]))."""
+        is copied out before a library call (cuDNN's attention) can read it. Each layer runs under the named scope
+        LAYER_SCOPE, as a layer of the scan does. -> (x, (cache, balance [L]))."""
         keys, values, balances = [], [], []
         for layer in range(self.config.n_layers):
-            w = {name: value[layer] for name, value in stacked.items()}
-            layer_cache = {"k": cache["k"][layer], "v": cache["v"][layer]}
-            x_BSD, layer_cache, balance = _block(self.config, x_BSD, w, positions_BS, (layer_cache, None, cache_index))
+            with jax.named_scope(LAYER_SCOPE):
+                w = {name: value[layer] for name, value in stacked.items()}
+                layer_cache = {"k": cache["k"][layer], "v": cache["v"][layer]}
+                x_BSD, layer_cache, balance = _block(self.config, x_BSD, w, positions_BS,
+                                                     (layer_cache, None, cache_index))
             keys.append(layer_cache["k"])
             values.append(layer_cache["v"])
             balances.append(balance)
@@ -206,6 +213,12 @@ def split_cache(cache: dict) -> dict:
     [B, T, K, E] (copies; call once, as generation does before its decode loop)."""
     return {name: tuple(constrain(layer_BTKE, ATTN_KV, "kv cache") for layer_BTKE in stacked_LBTKE)
             for name, stacked_LBTKE in cache.items()}
+
+
+def decode_holds_cache_per_layer(c: ModelConfig) -> bool:
+    """Whether generation holds the KV cache per layer (`split_cache`) while decoding: when decode runs no layer loop
+    (`layers_per_trip` is every layer), so that each layer's attention reads its own array in place."""
+    return layers_per_trip(c, decoding=True) == c.n_layers
 
 
 def layers_per_trip(c: ModelConfig, decoding: bool) -> int:
@@ -409,11 +422,14 @@ def init_cache(config: ModelConfig, batch: int, max_len: int) -> dict:
     return {"k": constrain(zeros_LBTKE, KV_CACHE, "kv cache"), "v": constrain(zeros_LBTKE, KV_CACHE, "kv cache")}
 
 
-def cache_shardings(config: ModelConfig, batch: int, length: int, layout: Layout | str, mesh) -> dict:
-    """{"k", "v"}: the NamedSharding `layout` gives a KV cache of [L, B, T, K, E] (T = `length`) on `mesh`."""
-    shape = (config.n_layers, batch, length, config.n_kv_heads, config.head_dim)
+def cache_shardings(config: ModelConfig, batch: int, length: int, layout: Layout | str, mesh,
+                    per_layer: bool = False) -> dict:
+    """{"k", "v"}: the NamedSharding `layout` gives a KV cache of [L, B, T, K, E] (T = `length`) on `mesh`, or with
+    `per_layer` one layer's array of it [B, T, K, E] as `split_cache` places it."""
+    shape = (batch, length, config.n_kv_heads, config.head_dim)
     with use_layout(layout, mesh):
-        spec = activation_spec(KV_CACHE, shape, "kv cache")
+        spec = (activation_spec(ATTN_KV, shape, "kv cache") if per_layer
+                else activation_spec(KV_CACHE, (config.n_layers, *shape), "kv cache"))
     return {name: NamedSharding(mesh, spec) for name in ("k", "v")}
 
 

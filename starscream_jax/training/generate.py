@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import StarscreamError
-from ..model.decoder import cache_shardings, layers_per_trip, split_cache
+from ..model.decoder import cache_shardings, decode_holds_cache_per_layer, split_cache
 from ..sharding.apply import batch_sharding, param_shardings, token_sharding, use_layout
 from ..sharding.layouts import get_layout
 from .steps import Sampling, decode_step, prefill_step
@@ -92,7 +92,7 @@ def generate(model, prompt_BP, max_new_tokens: int, sampling: Sampling = Samplin
             params = place_params(params, decode_layout, mesh)
             cache = jax.device_put(cache, cache_shardings(config, batch, cache_length, decode_layout, mesh))
             token_B = jax.device_put(token_B, token_sharding(decode_layout, mesh, batch))
-        if layers_per_trip(config, decoding=True) == config.n_layers:  # decode runs no layer loop
+        if decode_holds_cache_per_layer(config):  # decode runs no layer loop
             cache = jax.jit(split_cache)(cache)
         new_tokens = [token_B]
         compiled_decode = decode_step(graphdef, sampling).lower(params, rest, cache, token_B,

@@ -50,18 +50,23 @@ def test_a_different_optimizer_is_a_different_program(mesh):
         compile_step(other, "starscream_tp", mesh).compiled)
 
 
-@pytest.mark.parametrize("sampling", [Sampling(), Sampling(top_p=0.9, temperature=0.8, seed=3)])
-def test_inspect_compiles_the_prefill_and_decode_steps_that_generate_ran(mesh, sampling):
+@pytest.mark.parametrize("sampling, scan_unroll", [(Sampling(), 0), (Sampling(top_p=0.9, temperature=0.8, seed=3), 1)])
+def test_inspect_compiles_the_prefill_and_decode_steps_that_generate_ran(mesh, sampling, scan_unroll):
+    """scan_unroll 0 (the default): decode runs no layer loop and takes the KV cache as one array per layer, as
+    generation holds it after prefill; scan_unroll 1: the rolled loop over the stacked cache."""
     settings = make_settings("tiny", "prefill", 8, 6, "starscream_tp", 4)
-    model = create_sharded_model(settings.config.replace(dtype="bfloat16"), "starscream_tp", mesh)
+    config = settings.config.replace(dtype="bfloat16", scan_unroll=scan_unroll)
+    model = create_sharded_model(config, "starscream_tp", mesh)
     prompt_BP = np.arange(8 * 6).reshape(8, 6) % 256
     ran = generate(model, prompt_BP, 5, sampling, mesh, "starscream_tp", "starscream_decode")
     settings = dataclasses.replace(settings, config=model.config, sampling=sampling, cache_length=11)
     prefill = compile_step(settings, "starscream_tp", mesh).compiled
     decode = compile_step(dataclasses.replace(settings, phase="decode", seq=11, cache_length=None),
-                          "starscream_decode", mesh).compiled
+                          "starscream_decode", mesh)
+    assert isinstance(decode.args.cache["k"], tuple) == (scan_unroll == 0)
+    assert (" while(" in program_text(decode.compiled)) == (scan_unroll == 1)
     assert program_text(prefill) == program_text(ran.prefill_program)
-    assert program_text(decode) == program_text(ran.decode_program)
+    assert program_text(decode.compiled) == program_text(ran.decode_program)
 
 
 def test_a_cache_shorter_than_the_prompt_is_refused_before_compiling(mesh):
@@ -70,16 +75,21 @@ def test_a_cache_shorter_than_the_prompt_is_refused_before_compiling(mesh):
         compile_step(settings, "starscream_tp", mesh)
 
 
-def test_an_unrolled_layer_loop_gives_the_rolled_loops_per_layer_bytes_and_verdicts():
-    """Decode with scan_unroll = layers has no layer loop: the layers' ops are read from the scan body's scope.
-    Per-layer and full-depth bytes, the three verdicts and attention's ratio equal the rolled program's. (Training
-    compiles too slowly for this suite; there XLA combines the optimizer's sums with layer gradients, which
-    `test_hlo`'s scope-share test covers.)"""
+@pytest.mark.parametrize("unroll, per_layer_cache", [(0, True), (2, False)])
+def test_decode_without_a_layer_loop_gives_the_rolled_loops_per_layer_bytes_and_verdicts(unroll, per_layer_cache):
+    """Decode as generation runs it (scan_unroll 0: no layer loop, the KV cache one array per layer, each layer
+    under the layer scope) and with the scan unrolled over a stacked cache: the layers' ops are read from the layer
+    scope. Per-layer and full-depth bytes, the three verdicts and attention's ratio equal the rolled program's
+    (scan_unroll 1, stacked cache). (Training compiles too slowly for this suite; there XLA combines the
+    optimizer's sums with layer gradients, which `test_hlo`'s scope-share test covers.)"""
     topology, mesh = build_topology_mesh("mi300x-qpx-nps1", gpus=2, simulate=True)
     settings = make_settings("tiny", "decode", 8, 32, "flat_tp,starscream_decode", layers=2)
-    rolled = inspect_layouts(settings, topology, mesh)
-    unrolled = inspect_layouts(dataclasses.replace(settings, config=settings.config.replace(scan_unroll=2)),
-                               topology, mesh)
+    assert settings.config.scan_unroll == 0 and settings.holds_cache_per_layer  # what inspect compiles by default
+    rolled = inspect_layouts(dataclasses.replace(settings, config=settings.config.replace(scan_unroll=1)),
+                             topology, mesh)
+    unrolled_settings = dataclasses.replace(settings, config=settings.config.replace(scan_unroll=unroll))
+    assert unrolled_settings.holds_cache_per_layer == per_layer_cache
+    unrolled = inspect_layouts(unrolled_settings, topology, mesh)
     for name in rolled:
         for figure in ("per_layer", "outside_layers", "by_scope"):
             assert unrolled[name]["bytes_per_device"][figure] == pytest.approx(rolled[name]["bytes_per_device"][figure])

@@ -13,8 +13,10 @@ from starscream_jax.analysis.memory import (
     layer_weight_elements,
     matmul_flops,
     memory_passes,
+    reads_cache_in_place,
 )
 from starscream_jax.hardware.mesh import build_topology_mesh
+from starscream_jax.hardware.presets import load_chip
 from starscream_jax.model.config import load_model_config
 from starscream_jax.sharding.layouts import get_layout
 
@@ -65,13 +67,35 @@ def test_memory_passes_follow_the_program_remat_policy_and_layer_loop():
     assert full["casts"] == none["casts"] * 3 / 2
     doubled = memory_passes(config, "starscream_tp", mesh, "train", 32, 64, persistent)
     assert doubled["layers"] == pytest.approx(2 * none["layers"]) and doubled["loss"] == pytest.approx(2 * none["loss"])
-    rolled = memory_passes(config, "starscream_decode", mesh, "decode", 16, 64, persistent)
-    unrolled = memory_passes(config.replace(scan_unroll=config.n_layers), "starscream_decode", mesh, "decode", 16, 64,
-                             persistent)
-    assert (rolled["cache_copies"], unrolled["cache_copies"]) == (6 * 4096, 2 * 4096)
     layer_weights = layer_weight_elements(config, get_layout("starscream_decode"), mesh)
+    rolled = memory_passes(config.replace(scan_unroll=1), "starscream_decode", mesh, "decode", 16, 64, persistent)
     assert rolled["weight_copies"] == 2 * 4 * config.n_layers * layer_weights  # tiny computes in float32
-    assert "weight_copies" not in unrolled
+
+
+@pytest.mark.parametrize("scan_unroll, per_layer, in_place, copies", [
+    (1, False, False, 6),  # rolled over a stacked cache, XLA's attention: sliced, transposed per layer and whole
+    (0, False, False, 2),  # no loop (scan_unroll 0 in decode), stacked cache: XLA's attention's transposed copy
+    (0, False, True, 2),  # no loop, stacked cache, cuDNN: each layer's slice copied out for the library call
+    (0, True, True, 0),  # as generation decodes on NVIDIA: per-layer arrays read in place
+    (0, True, False, 2),  # per-layer arrays through XLA's attention (other chips)
+])
+def test_decode_cache_copies_follow_the_program(scan_unroll, per_layer, in_place, copies):
+    """The decode step's whole-cache copies by its layer loop, its cache's form and its attention (benchmarks/NOTES.md
+    runs 4, 6 and 9 profiled the first four on an H200); weights are copied out of their stacks only by a loop."""
+    _, mesh = build_topology_mesh("mi300x-qpx-nps1", gpus=2, simulate=True)
+    config = load_model_config("tiny").replace(scan_unroll=scan_unroll)
+    persistent = {"params": 1000.0, "kv_cache": 4096.0}
+    passes = memory_passes(config, "starscream_decode", mesh, "decode", 16, 64, persistent, per_layer, in_place)
+    assert passes["cache_copies"] == copies * 4096
+    assert ("weight_copies" in passes) == (scan_unroll == 1)
+
+
+def test_decode_attention_reads_the_cache_in_place_where_the_model_calls_cudnn():
+    """ops._cached_attention calls cuDNN on NVIDIA GPUs for 16-bit inputs, XLA's attention otherwise."""
+    h200, mi300x, cpu = (load_chip(name) for name in ("h200", "mi300x", "cpu"))
+    assert reads_cache_in_place(h200, "bfloat16") and reads_cache_in_place(h200, "float16")
+    assert not reads_cache_in_place(h200, "float32")
+    assert not reads_cache_in_place(mi300x, "bfloat16") and not reads_cache_in_place(cpu, "bfloat16")
 
 
 def test_matmul_flops_divide_by_the_devices_that_split_the_work():
@@ -84,3 +108,19 @@ def test_matmul_flops_divide_by_the_devices_that_split_the_work():
                                         + 3 * config.d_model * config.d_ff) + config.d_model * config.vocab_size)
     assert split == pytest.approx(per_token * 8 * 64 / 8)
 
+
+
+def test_decode_with_the_cache_per_layer_holds_no_part_of_it_in_flight():
+    """Llama 3 8B decode as generation runs it (decode_llama3-8b_1gpu.json, one H200): the compiled step held its
+    weights, its cache and temporaries of 34 MB (batch 1) and 86 MB (batch 64); the stacked cache's term (half a
+    cache in flight) would overstate batch 64's by 17 GB."""
+    _, mesh = build_topology_mesh("h200", gpus=1, simulate=True)
+    stored = json.loads((RESULTS / "decode_llama3-8b_1gpu.json").read_text())
+    config = load_model_config(stored["meta"]["model"])
+    for row in stored["rows"]:
+        persistent = {"params": row["bytes_per_step"]["weights"], "kv_cache": row["bytes_per_step"]["kv_cache"]}
+        measured = persistent["params"] + persistent["kv_cache"] + row["temp_bytes"]
+        per_layer, stacked = (gpu_memory(config, "starscream_decode", mesh, "decode", row["batch"], row["cache_length"],
+                                         persistent, cache_per_layer=held) for held in (True, False))
+        assert per_layer["total"] == pytest.approx(measured, rel=0.01)
+    assert stacked["total"] > 1.3 * measured  # batch 64

@@ -138,7 +138,8 @@ def test_flat_tp_visibly_fails_redundancy_and_hierarchy(phase, request):
     if phase != "decode":  # the residual stream, whole on each partition
         assert "activation " in redundant
     if phase == "decode":
-        assert "cache/k " in redundant and "cache/v " in redundant
+        # the cache as generation holds it in decode: one array per layer (decoder.split_cache)
+        assert all(f"cache/{name}/{layer} " in redundant for name in "kv" for layer in (0, 1))
     if phase == "prefill":  # what prefill leaves behind (its result (token, cache)): the cache, copied
         outputs = {entry["name"]: entry["replication_xcd"] for entry in flat["outputs"]}
         assert outputs["output/1/k"] == outputs["output/1/v"] == PARTITIONS
@@ -146,8 +147,9 @@ def test_flat_tp_visibly_fails_redundancy_and_hierarchy(phase, request):
                for line in flat["principles"]["hierarchical_collectives"]["violations"])
 
 
-ATTENTION = "while/body/closed_call/attention"
-"""The key of decode's attention matmuls (scores and values, named or not: one op)."""
+ATTENTION = "closed_call/attention"
+"""The key of decode's attention matmuls (scores and values, named or not: one op), in the layer scope of the program
+generation runs (no layer loop)."""
 
 
 def rereads(result: dict) -> dict[str, str]:
@@ -158,14 +160,14 @@ def rereads(result: dict) -> dict[str, str]:
 def test_decode_flat_tp_reads_kv_heads_once_per_query_head(decode):
     reread = rereads(decode["flat_tp"])
     # decode runs k and v as separate GEMMs under the one scope "qkv" (decoder._qkv), so they share one key
-    assert set(reread) == {ATTENTION, "while/body/closed_call/qkv/bsd,dke->bske"}
+    assert set(reread) == {ATTENTION, "closed_call/qkv/bsd,dke->bske"}
     assert all("read 8.00x" in line for line in reread.values())
 
 
 def test_decode_starscream_tp_reads_each_gathered_weight_once_per_partition(decode):
     reread = rereads(decode["starscream_tp"])
     assert ATTENTION not in reread
-    assert {"while/body/closed_call/gate_up/bsd,df->bsf", "while/body/closed_call/down/bsf,fd->bsd",
+    assert {"closed_call/gate_up/bsd,df->bsf", "closed_call/down/bsf,fd->bsd",
             "logits/bsd,dv->bsv"} <= set(reread)
     assert all("read 8.00x" in line for line in reread.values())
 

@@ -53,8 +53,8 @@ def test_each_fixture_family_reads_with_its_features(family, features):
     assert family_of(config) == family
     assert load_model_config(FIXTURES / family) == config
     settings = make_settings(str(FIXTURES / family), "train", 8, 32, "starscream_tp", 2)  # inspect / plan --model
-    # the inspector compiles the rolled layer loop (scan_unroll 1), whatever the model's setting
-    assert settings.config == config.replace(n_layers=2, scan_unroll=1) and settings.full_layers == config.n_layers
+    # the inspector compiles the model as it runs (its own scan_unroll), at the compiled depth
+    assert settings.config == config.replace(n_layers=2) and settings.full_layers == config.n_layers
 
 
 def test_llama3_rope_scaling_stretches_only_the_long_wavelengths(tmp_path):
