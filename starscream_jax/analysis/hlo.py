@@ -158,8 +158,20 @@ class Dot:
 
 
 @dataclasses.dataclass(frozen=True)
-class AttentionCall:
-    """One fused attention kernel (a cuDNN fMHA custom-call), with its operand and result arrays.
+class CustomCall:
+    """One custom-call the reader understands: its target and operand and result arrays."""
+
+    name: str
+    op_name: str
+    target: str
+    operands: tuple[ArrayShape, ...]
+    results: tuple[ArrayShape, ...]
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall(CustomCall):
+    """One fused attention kernel (a cuDNN fMHA custom-call).
 
     `flops` is its matmul work on one device (None when its backend config gives no dimension numbers): each of its
     matmuls (two forward: scores and values; four backward) multiplies a query-shaped by a key-shaped array or the
@@ -167,27 +179,14 @@ class AttentionCall:
     (operand 0), the keys (operand 1) and the first matmul's dimension numbers (`attention_flops`).
     """
 
-    name: str
-    op_name: str
-    target: str
-    operands: tuple[ArrayShape, ...]
-    results: tuple[ArrayShape, ...]
-    count: int
     flops: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelCall:
-    """One custom kernel (`KERNEL_TARGETS`): its target, the name its backend config gives it ('' when none) and its
-    operand and result arrays."""
+class KernelCall(CustomCall):
+    """One custom kernel (`KERNEL_TARGETS`), with the name its backend config gives it ('' when none)."""
 
-    name: str
-    op_name: str
-    target: str
-    kernel: str
-    operands: tuple[ArrayShape, ...]
-    results: tuple[ArrayShape, ...]
-    count: int
+    kernel: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,12 +354,11 @@ class _ProgramReader:
         return AttentionCall(inst.name, _op_name(inst.attrs), _target(inst.attrs), operands,
                              parse_shapes(inst.result_type), count=0, flops=attention_flops(inst.attrs, operands))
 
-
     def _kernel(self, inst: _Instruction) -> KernelCall:
         operands = tuple(self._operand(inst, index) for index in range(len(inst.operands)))
         name = _KERNEL_NAME.search(inst.attrs)
-        return KernelCall(inst.name, _op_name(inst.attrs), _target(inst.attrs), name.group(1) if name else "",
-                          operands, parse_shapes(inst.result_type), count=0)
+        return KernelCall(inst.name, _op_name(inst.attrs), _target(inst.attrs), operands, parse_shapes(inst.result_type),
+                          count=0, kernel=name.group(1) if name else "")
 
 
 def attention_flops(attrs: str, operands: tuple[ArrayShape, ...]) -> int | None:
