@@ -122,6 +122,10 @@ def _read_modes(raw_modes, path: Path) -> tuple[tuple[str, tuple[str, ...]], ...
     return modes
 
 
+VENDORS = ("", "nvidia", "amd")
+"""A chip file's `vendor` values: it decides which vendor libraries the model's kernels call (cuDNN on NVIDIA)."""
+
+
 def load_chip(name: str, directory: Path | str | None = None) -> Chip:
     """Reads `directory`/chips/<name>.toml (default: meshes/chips/)."""
     path = _meshes(directory) / "chips" / f"{name}.toml"
@@ -138,8 +142,11 @@ def load_chip(name: str, directory: Path | str | None = None) -> Chip:
     if too_many:
         raise PresetError(f"{path}: [modes] lists {', '.join(too_many)} but xcds = {raw['xcds']}; a compute mode "
                           f"cannot have more partitions than the chip has XCDs")
+    vendor = raw.get("vendor", "")
+    if vendor not in VENDORS:
+        raise PresetError(f"{path}: vendor = {vendor!r}; use one of {', '.join(map(repr, VENDORS))} (or leave it out)")
     fields = {f: raw[f] for f in CHIP_FIELDS}
-    return Chip(name=raw["name"], description=raw["description"], modes=modes, vendor=raw.get("vendor", ""), **fields)
+    return Chip(name=raw["name"], description=raw["description"], modes=modes, vendor=vendor, **fields)
 
 
 def check_mode(chip: Chip, compute_mode: str, memory_mode: str) -> None:

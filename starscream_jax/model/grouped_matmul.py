@@ -47,6 +47,17 @@ class Blocks:
     warps: int = 8
     stages: int = 3
 
+    def __post_init__(self):
+        sizes = {"cols": self.cols, "depth": self.depth, "weight_block": self.weight_block}
+        wrong = [f"{name} = {value!r}" for name, value in sizes.items()
+                 if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1)]
+        wrong += [f"{name} = {value!r}" for name, value in
+                  {"group": self.group, "warps": self.warps, "stages": self.stages}.items()
+                  if isinstance(value, bool) or not isinstance(value, int) or value < 1]
+        if wrong:
+            raise StarscreamError(f"grouped-matmul Blocks {', '.join(wrong)}: cols, depth and weight_block are powers "
+                                  f"of two of at least 16, group, warps and stages whole numbers of at least 1")
+
 
 DEFAULT_BLOCKS = Blocks()
 

@@ -169,6 +169,7 @@ CHIP_FILE = "chips/mi300x.toml"
     (CHIP_FILE, 'CPX = ["NPS1", "NPS4"]', 'CPX = ["NPS1", "NPS8"]',
      r"mi300x\.toml: unknown memory mode\(s\) \['NPS8'\] in \[modes\]; use NPS1, NPS2, NPS4"),
     (CHIP_FILE, "xcds = 8 ", "xcds = 4 ", r"mi300x\.toml: \[modes\] lists CPX but xcds = 4; a compute mode cannot"),
+    (CHIP_FILE, 'vendor = "amd"', 'vendor = "AMD Inc."', r"mi300x\.toml: vendor = 'AMD Inc\.'; use one of '', 'nvidia'"),
 ])
 def test_malformed_file_names_the_file_and_the_fix(preset_dir, file, old, new, message):
     _edit(preset_dir / file, old, new)
