@@ -69,34 +69,32 @@ def _on_cuda() -> bool:
     return device.platform == "gpu" and "cuda" in device.client.platform_version.lower()
 
 
-def _causal_attention(q_BSHE, k_BTKE, v_BTKE):
-    """Causal attention of one device's shards. On NVIDIA GPUs with bf16 / fp16 inputs, cuDNN's fused flash
-    attention (`jax.nn.dot_product_attention` picks XLA's unfused form, [B, H, S, T] scores in memory, unless told);
-    XLA's form elsewhere, and for shapes cuDNN refuses (it raises NotImplementedError while tracing)."""
+def _fused_attention(q_BSHE, k_BTKE, v_BTKE, **options):
+    """`jax.nn.dot_product_attention(q, k, v, **options)` through cuDNN's fused flash attention on NVIDIA GPUs with
+    bf16 / fp16 inputs (JAX picks XLA's unfused form, [B, H, S, T] scores in memory, unless told); XLA's form
+    elsewhere, and for shapes cuDNN refuses (it raises NotImplementedError while tracing)."""
     if _on_cuda() and q_BSHE.dtype in (jnp.bfloat16, jnp.float16):
         try:
-            return jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, is_causal=True, implementation="cudnn")
+            return jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, implementation="cudnn", **options)
         except NotImplementedError:
             pass
-    return jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, is_causal=True)
+    return jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, **options)
+
+
+def _causal_attention(q_BSHE, k_BTKE, v_BTKE):
+    """Causal attention of one device's shards (`_fused_attention`)."""
+    return _fused_attention(q_BSHE, k_BTKE, v_BTKE, is_causal=True)
 
 
 def _cached_attention(q_BSHE, cache_k_BTKE, cache_v_BTKE, positions_BS):
     """Attention of the queries at `positions` [B, S] to a cache [B, T, K, E] of one layer: each query sees the
     cached positions up to its own. Decode (S = 1): the positions a query sees are a prefix of the cache, given as
     `key_value_seq_lengths` [B] (position + 1), which cuDNN's fused kernel takes on NVIDIA GPUs (reading the cache
-    with its strides, no transpose, no [B, H, 1, T] mask); XLA's form elsewhere. Prefill into a cache (S > 1): XLA's
+    with its strides, no transpose, no [B, H, 1, T] mask; `_fused_attention`). Prefill into a cache (S > 1): XLA's
     form with an explicit [B, 1, S, T] mask."""
     k_BTKE, v_BTKE = cache_k_BTKE.astype(q_BSHE.dtype), cache_v_BTKE.astype(q_BSHE.dtype)
     if q_BSHE.shape[1] == 1:
-        lengths_B = positions_BS[:, 0] + 1
-        if _on_cuda() and q_BSHE.dtype in (jnp.bfloat16, jnp.float16):
-            try:
-                return jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, key_value_seq_lengths=lengths_B,
-                                                    implementation="cudnn")
-            except NotImplementedError:
-                pass
-        return jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, key_value_seq_lengths=lengths_B)
+        return _fused_attention(q_BSHE, k_BTKE, v_BTKE, key_value_seq_lengths=positions_BS[:, 0] + 1)
     key_positions = jnp.arange(cache_k_BTKE.shape[1])
     mask = key_positions[None, None, None, :] <= positions_BS[:, None, :, None]
     return jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, mask=mask)
