@@ -201,6 +201,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES),
+                        help="projection shapes to time (default all)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, kernels in interpret mode (CPU)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -208,7 +210,7 @@ def main(argv=None) -> int:
     result = {"command": "python scripts/bench_grouped_matmul.py " + " ".join(argv or sys.argv[1:]),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "jax": jax.__version__, "device": device.device_kind, "platform": device.platform, "shapes": {}}
-    shapes = {"tiny": (256, 64, 128, 4)} if args.quick else SHAPES
+    shapes = {"tiny": (256, 64, 128, 4)} if args.quick else {name: SHAPES[name] for name in args.shapes}
     implementation = "interpret" if args.quick else "pallas"
     variants = {"default": DEFAULT_BLOCKS} if args.quick else VARIANTS
     rounds, calls = (1, 1) if args.quick else (args.rounds, args.calls)

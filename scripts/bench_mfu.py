@@ -106,7 +106,7 @@ def plain_loss(params: dict, tokens_BS1, config, attention_impl: str | None, par
         block = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
 
     table_VD = place(table_VD, "weight")
-    x_BSD, _ = jax.lax.scan(block, place(table_VD[tokens_BS], "residual"), layers)
+    x_BSD, _ = jax.lax.scan(block, place(table_VD[tokens_BS], "residual"), layers, unroll=config.scan_unroll or 1)
     x_BSD = plain_rms_norm(x_BSD, params["final_norm"], config.norm_eps)
     if config.tie_embeddings:
         logits_BSV = jnp.einsum("bsd,vd->bsv", x_BSD, table_VD)
@@ -249,9 +249,10 @@ PLAIN_NAMES = {"dp": "plain JAX", "tp": "plain JAX TP", "fsdp": "plain JAX FSDP"
 
 
 def plain_row(parallelism: str, library_params, model_config, train_config, mesh, tokens, warmup: int, steps: int,
-              profile_dir: Path | None = None) -> dict:
+              profile_dir: Path | None = None, suffix: str = "") -> dict:
     """The plain implementation over the mesh's devices as one flat axis ("dp", "tp" or "fsdp": see `plain_loss`),
-    from a copy of `library_params`. The batch is split over the devices except under "tp"."""
+    from a copy of `library_params`. The batch is split over the devices except under "tp". Named
+    PLAIN_NAMES[parallelism] + `suffix`."""
     import jax
     import numpy as np
     from flax import nnx
@@ -271,7 +272,7 @@ def plain_row(parallelism: str, library_params, model_config, train_config, mesh
     step = plain_train_step(model_config, optimizer, attention_impl, parallelism)
     with jax.set_mesh(plain_mesh):
         result = timed_run(step, (params, opt_state), (), tokens, warmup, steps, profile_dir)
-    return {"name": PLAIN_NAMES[parallelism], "mesh": f"{parallelism.upper()} x{len(devices)}", **result}
+    return {"name": PLAIN_NAMES[parallelism] + suffix, "mesh": f"{parallelism.upper()} x{len(devices)}", **result}
 
 
 def layout_row(layout: str, model_config, train_config, mesh, tokens, warmup: int, steps: int,
@@ -340,6 +341,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--unfused", action="store_true",
                         help="also time each layout with q/k/v and gate/up as separate GEMMs (fuse_projections off)")
     parser.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass (both sides)")
+    parser.add_argument("--unroll", type=int, nargs="+", default=[], metavar="N",
+                        help="also time every row with N layers per trip of the layer loop (ModelConfig.scan_unroll; "
+                             "N = the model's layers: no loop), both sides")
     parser.add_argument("--gpus", type=int, help="use the first N devices (default: every device present)")
     parser.add_argument("--grouping", type=device_ids, nargs="+", metavar="IDS",
                         help="device ids of each physical GPU, e.g. 0,1 (two GPUs as the partitions of one)")
@@ -382,7 +386,7 @@ def main(argv=None) -> int:
               f"{flops_per_token / 1e9:.3f} GFLOP per token; MFU against {args.peak_tflops:g} TFLOP/s per device")
 
     meta = {"model": model_config.name, "dtype": args.dtype, "batch_size": args.batch_size, "seq_len": args.seq_len,
-            "remat": args.remat, "warmup": args.warmup, "steps": args.steps, "devices": devices,
+            "remat": args.remat, "unroll": args.unroll, "warmup": args.warmup, "steps": args.steps, "devices": devices,
             "mesh": dict(mesh.shape), "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "flops_per_token": flops_per_token,
             "flop_counting": FLOP_COUNTING, "peak_tflops_per_device": args.peak_tflops,
@@ -407,12 +411,13 @@ def main(argv=None) -> int:
 
     print(header + "\n" + COLUMNS, flush=True)
     start_params = initial_params(model_config, train_config, (args.layouts or ["gpu_tp"])[0], mesh)
+    loops = [(model_config, "")] + [(model_config.replace(scan_unroll=n), f" unroll {n}") for n in args.unroll]
     for parallelism in args.plain:
-        record(plain_row(parallelism, start_params, model_config, train_config, mesh, tokens, args.warmup,
-                         args.steps, profile_dir(PLAIN_NAMES[parallelism])))
+        for config, suffix in loops:
+            record(plain_row(parallelism, start_params, config, train_config, mesh, tokens, args.warmup,
+                             args.steps, profile_dir(PLAIN_NAMES[parallelism] + suffix), suffix))
     del start_params
-    variants = [(model_config, "")] + ([(model_config.replace(fuse_projections=False), " unfused")]
-                                       if args.unfused else [])
+    variants = loops + ([(model_config.replace(fuse_projections=False), " unfused")] if args.unfused else [])
     failed = []
     for layout in args.layouts:
         for config, suffix in variants:

@@ -79,9 +79,10 @@ def kernels(compiled) -> dict[str, int]:
     return counts
 
 
-def timed(programs: dict, args: dict, rounds: int, calls: int) -> dict[str, dict]:
+def timed(programs: dict, args: dict, rounds: int, calls: int, profile_dir: Path | None = None) -> dict[str, dict]:
     """Compile each program (a jitted function, or an already compiled one), then alternate them over `rounds` of
-    `calls` timed calls; median round mean (s), and the kernels each ran."""
+    `calls` timed calls; median round mean (s), and the kernels each ran. With `profile_dir`, each program's device
+    time by category over 3 more traced calls (`analysis.profile.time_breakdown`)."""
     compile_s, means, ran = {}, {name: [] for name in programs}, {}
     for name, program in list(programs.items()):
         start = time.perf_counter()
@@ -98,11 +99,31 @@ def timed(programs: dict, args: dict, rounds: int, calls: int) -> dict[str, dict
                 result = program(*args[name])
             jax.block_until_ready(result)
             means[name].append((time.perf_counter() - start) / calls)
-    return {name: {"seconds": statistics.median(means[name]), "rounds": means[name],
-                   "compile_and_first_call_s": compile_s[name], "kernels": ran[name]} for name in programs}
+    results = {name: {"seconds": statistics.median(means[name]), "rounds": means[name],
+                      "compile_and_first_call_s": compile_s[name], "kernels": ran[name]} for name in programs}
+    if profile_dir is not None:
+        for name, program in programs.items():
+            results[name]["time_breakdown"] = traced(program, args[name], profile_dir / name)
+    return results
 
 
-def layer_benchmark(tokens: int, quick: bool, rounds: int, calls: int) -> dict:
+def traced(program, args: tuple, directory: Path, calls: int = 3) -> dict:
+    """Device time of `calls` calls of a compiled `program` by category (`analysis.profile.time_breakdown`); the
+    program's compiled text is written beside the trace (program.hlo.txt)."""
+    from starscream_jax.analysis.profile import time_breakdown
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "program.hlo.txt").write_text(program.as_text())
+
+    jax.profiler.start_trace(str(directory), create_perfetto_trace=True)
+    for _ in range(calls):
+        result = program(*args)
+    jax.block_until_ready(result)
+    jax.profiler.stop_trace()
+    return time_breakdown(directory, calls, program.as_text())
+
+
+def layer_benchmark(tokens: int, quick: bool, rounds: int, calls: int, profile_dir: Path | None = None) -> dict:
     c = load_model_config("tiny-moe" if quick else "mixtral-8x7b", dtype="bfloat16")
     D, F, X, k = c.d_model, c.d_ff, c.n_experts, c.experts_per_token
     key = jax.random.key(0)
@@ -114,7 +135,7 @@ def layer_benchmark(tokens: int, quick: bool, rounds: int, calls: int) -> dict:
     h = jax.random.normal(keys[4], (1, tokens, D), jnp.bfloat16)
     programs = {"routed": layer_program(moe.routed_mlp, c), "dense": layer_program(dense_block, c),
                 "gemm": layer_program(gemm_block, c)}
-    results = timed(programs, dict.fromkeys(programs, (h, w)), rounds, calls)
+    results = timed(programs, dict.fromkeys(programs, (h, w)), rounds, calls, profile_dir)
     routed_flops = 3 * 2 * tokens * k * 3 * D * F
     for row in results.values():
         row["tflops_of_routed_flops"] = routed_flops / row["seconds"] / 1e12
@@ -127,7 +148,8 @@ def layer_benchmark(tokens: int, quick: bool, rounds: int, calls: int) -> dict:
             "dense_over_routed_time": results["dense"]["seconds"] / results["routed"]["seconds"]}
 
 
-def step_benchmark(layers: int, batch: int, seq: int, quick: bool, rounds: int, calls: int) -> dict:
+def step_benchmark(layers: int, batch: int, seq: int, quick: bool, rounds: int, calls: int,
+                   profile_dir: Path | None = None) -> dict:
     c = load_model_config("tiny-moe" if quick else "qwen3-30b-a3b", n_layers=layers, load_balance_weight=0.0,
                           dtype="bfloat16")
     tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, c.vocab_size, jnp.int32)
@@ -146,7 +168,7 @@ def step_benchmark(layers: int, batch: int, seq: int, quick: bool, rounds: int, 
         gradients = jax.jit(functools.partial(accumulated_gradients, graphdef=graphdef))
         programs[f"{name}_gradients"] = gradients.lower(*args[f"{name}_gradients"]).compile()
     decoder.routed_mlp = moe.routed_mlp
-    results = timed(programs, args, rounds, calls)
+    results = timed(programs, args, rounds, calls, profile_dir)
     routed_flops = c.flops_per_token(seq)
     dense_flops = c.replace(experts_per_token=c.n_experts).flops_per_token(seq)
     expected = dense_flops / routed_flops
@@ -170,6 +192,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--parts", nargs="+", choices=("layer", "step"), default=["layer", "step"],
+                        help="which measurements to run (default both)")
+    parser.add_argument("--profile-dir", type=Path,
+                        help="trace 3 more calls of each program here and record its device time by category")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke test)")
     parser.add_argument("--out", type=Path, help="write every figure as JSON here")
     args = parser.parse_args(argv)
@@ -184,7 +210,17 @@ def main(argv=None) -> int:
     result = {"command": "python scripts/bench_moe.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "jax": jax.__version__, "device": device.device_kind, "platform": device.platform}
-    result["layer"] = layer_benchmark(args.tokens, args.quick, args.rounds, args.calls)
+    if "layer" in args.parts:
+        report_layer(result, args)
+    if "step" in args.parts:
+        report_step(result, args)
+    return 0
+
+
+def report_layer(result: dict, args) -> None:
+    """The MoE layer's measurement into `result` (printed, and written to --out)."""
+    result["layer"] = layer_benchmark(args.tokens, args.quick, args.rounds, args.calls,
+                                      args.profile_dir and args.profile_dir / "layer")
     layer = result["layer"]
     print(f"MoE layer {layer['model']} x {layer['tokens']} tokens, forward + backward, TFLOP/s of routed FLOPs:")
     for name, row in layer["rows"].items():
@@ -192,7 +228,12 @@ def main(argv=None) -> int:
     print(f"  routed / GEMM TFLOP/s {layer['routed_over_gemm_tflops']:.3f} (target >= 0.5); "
           f"dense / routed time {layer['dense_over_routed_time']:.2f}")
     write(args.out, result)
-    result["step"] = step_benchmark(args.layers, args.batch, args.seq, args.quick, args.rounds, args.calls)
+
+
+def report_step(result: dict, args) -> None:
+    """The whole training step's measurement into `result` (printed, and written to --out)."""
+    result["step"] = step_benchmark(args.layers, args.batch, args.seq, args.quick, args.rounds, args.calls,
+                                    args.profile_dir and args.profile_dir / "step")
     step = result["step"]
     print(f"training step {step['model']}, {step['layers']} layers, {step['batch']} x {step['seq']} tokens:")
     for name, row in step["rows"].items():
@@ -203,7 +244,6 @@ def main(argv=None) -> int:
     print(f"  loss and gradients alone (no optimizer update): speed-up {step['gradients_speedup']:.2f} "
           f"({step['gradients_over_flop_proportional']:.2f} of the FLOP-proportional)")
     write(args.out, result)
-    return 0
 
 
 def write(path: Path | None, result: dict) -> None:

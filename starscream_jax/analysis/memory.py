@@ -177,7 +177,7 @@ def memory_passes(config: ModelConfig, layout, mesh, phase: str, batch: int, seq
         gated = local_elements(MLP_HIDDEN, (batch, rows, hidden), mesh)
         logits = local_elements(LOGITS, (batch, rows, c.vocab_size), mesh)
     forward = itemsize * (10 * residual + 2 * queries + 2 * keys + 3 * gated)
-    rolled = not cache_per_layer and layers_per_trip(c, decoding=phase == "decode") < c.n_layers
+    rolled = not cache_per_layer and layers_per_trip(c) < c.n_layers
     if phase == "train":
         recomputed = c.remat != "none"
         params = persistent["params"]

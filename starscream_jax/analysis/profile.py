@@ -29,7 +29,9 @@ from ..errors import StarscreamError
 
 CATEGORIES = ("matmuls", "attention", "collectives", "optimizer", "other")
 _COLLECTIVE = re.compile(r"all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|nccl", re.I)
-_ATTENTION = re.compile(r"fmha|sdpa|flash|fprop.*attn|dot_product_attention", re.I)
+_ATTENTION = re.compile(r"fmha|sdpa|flash|fprop.*attn|dot_product_attention|dot_do_o|convert_dq", re.I)
+"""Attention kernels by name: XLA's and cuDNN's fused kernels, and the helpers cuDNN's backward pass launches beside
+its flash kernel (the dO . O row sums, dQ's cast to 16 bits)."""
 _GEMM = re.compile(r"gemm|xmma|nvjet|cutlass|cublas|matmul|triton_gemm|__cublas", re.I)
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\S.*?\s([\w\-]+)\(")
 

@@ -1,7 +1,7 @@
 """A Llama-family decoder in Flax NNX whose every tensor carries logical axis names.
 
-Shape letters as in `names`. Layers are stacked on a leading `layers` axis and run with `jax.lax.scan`, so compile time
-does not grow with depth; decode unrolls that loop (`layers_per_trip`). Under `use_layout(layout, mesh)` every weight,
+Shape letters as in `names`. Layers are stacked on a leading `layers` axis and run one after another with no loop in
+the program, or with `jax.lax.scan` when `ModelConfig.scan_unroll` asks for a rolled loop (`layers_per_trip`). Under `use_layout(layout, mesh)` every weight,
 activation and the KV cache is placed by the layout; outside it the same code runs unsharded. Each projection runs under
 `jax.named_scope` with its name (qkv, o, gate_up, down, router, logits; embed and attention for the per-device ops; a
 routed mixture of experts' own gate and up), so the compiled program's op names, and the inspector's keys, read as the
@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
 from ..errors import StarscreamError
-from ..hardware.axes import dim_axes
+from ..hardware.axes import axes_of, dim_axes
 from ..sharding.apply import (
     activation_spec,
     active,
@@ -167,7 +168,7 @@ class Transformer(nnx.Module):
         held per layer runs the layers one after another, `_run_layers_apart`)."""
         c = self.config
         positions_BS = constrain(positions_BS, ("attn_batch", "seq"), "positions")
-        if cache is not None and held_per_layer(cache):
+        if (cache is not None and held_per_layer(cache)) or (cache is None and layers_per_trip(c) >= c.n_layers):
             return self._run_layers_apart(x_BSD, stacked, positions_BS, cache, cache_index)
 
         def block(carry, layer):
@@ -180,27 +181,44 @@ class Transformer(nnx.Module):
         if c.remat != "none":
             block = jax.checkpoint(block, policy=CHECKPOINT_POLICIES[c.remat])
         (x_BSD, cache), balance_L = jax.lax.scan(block, (x_BSD, cache), (stacked, jnp.arange(c.n_layers)),
-                                                 unroll=layers_per_trip(c, decoding=cache is not None
-                                                                        and x_BSD.shape[1] == 1))
+                                                 unroll=layers_per_trip(c))
         return x_BSD, (cache, balance_L)
 
     def _run_layers_apart(self, x_BSD, stacked, positions_BS, cache, cache_index):
-        """The L blocks one after another (no loop in the program) with a KV cache held per layer
-        ({"k", "v"}: L arrays of [B, T, K, E] each, `split_cache`): each block writes its new keys and values into
-        its own cache array in place, and attention reads that array whole, where a layer's part of a stacked cache
-        is copied out before a library call (cuDNN's attention) can read it. Each layer runs under the named scope
-        LAYER_SCOPE, as a layer of the scan does. -> (x, (cache, balance [L]))."""
+        """The L blocks one after another (no loop in the program), with no KV cache (training and prefill without
+        a layer loop) or one held per layer ({"k", "v"}: L arrays of [B, T, K, E] each, `split_cache`): each block
+        writes its new keys and values into its own cache array in place, and attention reads that array whole,
+        where a layer's part of a stacked cache is copied out before a library call (cuDNN's attention) can read it.
+        Without a loop nothing a layer saves for the backward pass is stacked (a rolled loop writes each layer's
+        saved activations into [L, ...] arrays and copies them out again). Each layer runs under the named scope
+        LAYER_SCOPE, as a layer of the scan does. -> (x, (cache or None, balance [L]))."""
+        c = self.config
+
+        def block(x_BSD, w, layer_cache):
+            return _block(c, x_BSD, w, positions_BS, None if layer_cache is None else (layer_cache, None, cache_index))
+
+        if c.remat != "none":
+            block = jax.checkpoint(block, policy=CHECKPOINT_POLICIES[c.remat])
         keys, values, balances = [], [], []
-        for layer in range(self.config.n_layers):
+        for layer, w in enumerate(_unstacked(stacked, c.n_layers)):
             with jax.named_scope(LAYER_SCOPE):
-                w = {name: value[layer] for name, value in stacked.items()}
-                layer_cache = {"k": cache["k"][layer], "v": cache["v"][layer]}
-                x_BSD, layer_cache, balance = _block(self.config, x_BSD, w, positions_BS,
-                                                     (layer_cache, None, cache_index))
-            keys.append(layer_cache["k"])
-            values.append(layer_cache["v"])
+                layer_cache = None if cache is None else {"k": cache["k"][layer], "v": cache["v"][layer]}
+                x_BSD, layer_cache, balance = block(x_BSD, w, layer_cache)
+            if layer_cache is not None:
+                keys.append(layer_cache["k"])
+                values.append(layer_cache["v"])
             balances.append(balance)
-        return x_BSD, ({"k": tuple(keys), "v": tuple(values)}, jnp.stack(balances))
+        new_cache = None if cache is None else {"k": tuple(keys), "v": tuple(values)}
+        return x_BSD, (new_cache, jnp.stack(balances))
+
+
+def _unstacked(stacked: dict, n_layers: int) -> list[dict]:
+    """Each layer's weights {name: [...]} from the stacked ones {name: [L, ...]}, split apart in one op per weight
+    (whose gradient is one concatenation of the layers' gradients, where indexing each layer would pad every
+    layer's gradient to the stack's shape and add the L of them)."""
+    parts = {name: [part.reshape(part.shape[1:]) for part in jnp.split(value, n_layers)]
+             for name, value in stacked.items()}
+    return [{name: layers[index] for name, layers in parts.items()} for index in range(n_layers)]
 
 
 def held_per_layer(cache: dict) -> bool:
@@ -218,15 +236,13 @@ def split_cache(cache: dict) -> dict:
 def decode_holds_cache_per_layer(c: ModelConfig) -> bool:
     """Whether generation holds the KV cache per layer (`split_cache`) while decoding: when decode runs no layer loop
     (`layers_per_trip` is every layer), so that each layer's attention reads its own array in place."""
-    return layers_per_trip(c, decoding=True) == c.n_layers
+    return layers_per_trip(c) >= c.n_layers
 
 
-def layers_per_trip(c: ModelConfig, decoding: bool) -> int:
-    """Layers per iteration of the layer loop: `c.scan_unroll`, or when it is 0 every layer in decode (`decoding`:
-    one new position per sequence against a KV cache) and one otherwise (see ModelConfig)."""
-    if c.scan_unroll:
-        return c.scan_unroll
-    return c.n_layers if decoding else 1
+def layers_per_trip(c: ModelConfig) -> int:
+    """Layers per iteration of the layer loop, in every phase: `c.scan_unroll`, or when it is 0 every layer (no
+    loop; see ModelConfig)."""
+    return c.scan_unroll or c.n_layers
 
 
 def _cache_room(cache: dict, cache_index, new_tokens: int) -> jax.Array | None:
@@ -276,9 +292,51 @@ def _used(scope: str, weights: dict, key: str, names: tuple[str, ...], dtype) ->
 
 
 def _project(scope: str, subscripts: str, x: jax.Array, w: jax.Array, out: tuple[str, ...]) -> jax.Array:
-    """One projection `einsum(subscripts, x, w)` placed by `out`, under the named scope `scope`."""
+    """One projection `einsum(subscripts, x, w)` of x [B, S, ...] placed by `out` ([B, S, ...]), under the named
+    scope `scope`; where XLA:GPU would run it as a multiply and a reduction (`_reduced_by_xla`), on rows padded
+    with zeros (`_padded_matmul`)."""
     with jax.named_scope(scope):
+        if _reduced_by_xla(x, w):
+            return _padded_matmul(subscripts, x, w, out, scope)
         return einsum(subscripts, x, w, out, scope)
+
+
+XLA_GPU_SMALL_DOT_ELEMENTS = 10_000_000
+"""XLA:GPU's algebraic simplifier rewrites a matmul whose left side is a single row (once size-1 dimensions are
+dropped) into a multiply and a reduction when its two sides together hold fewer elements than this per device (its
+dot strength reduction; the threshold is fixed in XLA's GPU algebraic simplifier). In decode at batch 1 that is
+the k and v projections of grouped-query attention (Llama 3 8B: 4096 x 1024), which then read their weights at
+0.8 TB/s on an H200 against 3.6 TB/s as cuBLAS GEMMs (benchmarks/NOTES.md runs 9 and 12)."""
+PADDED_ROWS = 8
+"""The rows a one-row projection is padded to: XLA pads a GEMM's rows to a multiple of 8 for the tensor cores
+itself (a kernel of its own), so padding to 8 here does both in one."""
+
+
+def _reduced_by_xla(x: jax.Array, w: jax.Array) -> bool:
+    """Whether each device holds one row of x [B, 1, ...] and x and w together fewer than
+    XLA_GPU_SMALL_DOT_ELEMENTS elements per device."""
+    x_local, w_local = _local_shape(x), _local_shape(w)
+    return (x.shape[1] == 1 and x_local[0] == 1
+            and int(np.prod(x_local)) + int(np.prod(w_local)) < XLA_GPU_SMALL_DOT_ELEMENTS)
+
+
+def _local_shape(x: jax.Array) -> tuple[int, ...]:
+    """The shape of the part of x each device holds under the active layout (x's shape outside one)."""
+    current = active()
+    if current is None:
+        return x.shape
+    partitions = jax.typeof(x).sharding.spec.partitions
+    return tuple(size // int(np.prod([current.mesh.shape[axis] for axis in axes_of(partitions[dim])]))
+                 if dim < len(partitions) else size for dim, size in enumerate(x.shape))
+
+
+def _padded_matmul(subscripts: str, x: jax.Array, w: jax.Array, out: tuple[str, ...], scope: str) -> jax.Array:
+    """`einsum(subscripts, x, w)` for x [B, 1, ...], computed on x with zero rows appended ([B, PADDED_ROWS, ...])
+    and the first row kept, so that XLA runs a GEMM where one row would be a multiply and a reduction
+    (`_reduced_by_xla`); the optimization barrier keeps XLA from folding the zero rows away. The extra rows cost
+    nothing measurable where the weights' bytes bound the step."""
+    padded = jax.lax.optimization_barrier(jnp.pad(x, [(0, 0), (0, PADDED_ROWS - 1)] + [(0, 0)] * (x.ndim - 2)))
+    return einsum(subscripts, padded, w, out, scope)[:, :1]
 
 
 def _block(c: ModelConfig, x_BSD, w, positions_BS, cached=None):

@@ -152,10 +152,11 @@ def prefill_step(graphdef, config: ModelConfig, sampling: Sampling, cache_length
     return step
 
 
-DECODE_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
-"""XLA options of the decode step (ignored off NVIDIA GPUs): its GEMMs, one row per sequence, run as cuBLAS calls
-rather than XLA's Triton GEMM fusions, which on an H200 read the weights more slowly and copy each layer's o weight
-out of the stacked array first (Llama 3 8B, batch 1: 6.1 ms per step against 6.5; benchmarks/NOTES.md)."""
+DECODE_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}
+"""XLA options of the decode step (ignored off GPUs): its GEMMs, one row per sequence, run as cuBLAS calls rather
+than XLA's Triton GEMM fusions, which on an H200 read the weights more slowly and copy each layer's o weight out of
+the stacked array first (Llama 3 8B, batch 1: 6.1 ms per step against 6.5; benchmarks/NOTES.md); and XLA does not
+merge GEMMs that share an input (q, k and v) into one, which would concatenate their weights in every step."""
 
 
 def decode_step(graphdef, sampling: Sampling):

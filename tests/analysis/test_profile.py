@@ -65,6 +65,16 @@ def test_breakdown_sums_stream_kernels_per_step(tmp_path):
     assert "| starscream_tp | 0.3 ms (55%)" in table and "0.6 ms |" in table
 
 
+def test_cudnn_attention_backward_helpers_count_as_attention(tmp_path):
+    # kernels of cuDNN's attention backward pass that run inside a CUDA graph, where only their names tell
+    trace_file(tmp_path, [("cudnn_generated_fort_native_sdpa_sm90_flash_bprop", "command_buffer_1", 50.0),
+                          ("cudnn::fusion::compute_dot_do_o_specialized", "command_buffer_1", 30.0),
+                          ("cudnn::fusion::convert_dq_to_16bits", "command_buffer_1", 20.0),
+                          ("loop_fusion_6", "command_buffer_1", 10.0)])
+    seconds = time_breakdown(tmp_path, steps=1, hlo_text=HLO)["per_step_s"]
+    assert seconds["attention"] == pytest.approx(100e-6) and seconds["other"] == pytest.approx(10e-6)
+
+
 def test_a_trace_without_device_kernels_is_a_clear_error(tmp_path):
     with pytest.raises(StarscreamError, match="no perfetto_trace"):
         time_breakdown(tmp_path, steps=1)

@@ -325,7 +325,10 @@ def test_full_depth_figures_do_not_depend_on_the_compiled_depth(train):
     two = train["flat_tp"]
     assert three["layers"] == {"compiled": 3, "full": 80}
     assert flat_figures(two["bytes_per_device"]) == pytest.approx(flat_figures(three["bytes_per_device"]))
-    assert flat_figures(two["collectives_per_layer"]) == pytest.approx(flat_figures(three["collectives_per_layer"]))
+    # a collective XLA combined from ops inside and outside the layers (the program has no layer loop) counts for the
+    # layers by its parts' bytes, and what XLA combines shifts a little with the depth
+    assert flat_figures(two["collectives_per_layer"]) == pytest.approx(flat_figures(three["collectives_per_layer"]),
+                                                                       rel=1e-3)
     assert two["kernel_intensity"] == pytest.approx(three["kernel_intensity"])
     memory_two, memory_three = two["memory_per_device"], three["memory_per_device"]
     assert memory_two["params"] == memory_three["params"]

@@ -4,6 +4,7 @@ Each (config, mesh, layout) case compiles one program once (a train step, then a
 only the errors against the unsharded run, which every test of that case reads. Programs are jitted from fresh
 closures inside `use_layout`, because the active layout is read at trace time and is not part of jit's cache key.
 """
+import contextlib
 import functools
 
 import jax
@@ -340,3 +341,39 @@ def test_a_traced_index_that_would_write_past_the_kv_cache_poisons_the_logits(in
     step = jax.jit(lambda tokens, cache, at: model(tokens, cache=cache, cache_index=at))
     logits, _ = step(np.zeros((2, new_tokens), np.int32), init_cache(config, 2, 8), jnp.int32(index))
     assert bool(jnp.all(jnp.isfinite(logits))) if fits else bool(jnp.all(jnp.isnan(logits)))
+
+
+@pytest.mark.parametrize("mesh_name, layout, batch", [("1x1x1", None, 1), ("1x2x4", "starscream_fsdp", 8)])
+def test_one_row_decode_projections_run_on_padded_rows_and_compute_the_same(mesh_name, layout, batch, monkeypatch):
+    """A decode step whose devices each hold one sequence (batch 1; batch 8 split over 8 devices) runs its small
+    projections on rows padded with zeros (decoder._padded_matmul, which an optimization barrier keeps in the
+    program) and computes the logits it computes without them."""
+    from starscream_jax.model import decoder
+
+    config, graphdef, params, _ = reference("tiny")
+    tokens_BS = sample_tokens(config)[:batch, :1]
+    mesh = mesh_of(mesh_name)
+
+    def decode(padding: bool):
+        monkeypatch.setattr(decoder, "XLA_GPU_SMALL_DOT_ELEMENTS", 10_000_000 if padding else 0)
+        with contextlib.ExitStack() as stack:
+            if layout:
+                stack.enter_context(use_layout(layout, mesh))
+            step = jit(lambda p, t: nnx.merge(graphdef, p)(t, cache=init_cache(config, batch, 4), cache_index=2)[0])
+            return step.lower(params, tokens_BS).as_text().count("optimization_barrier"), step(params, tokens_BS)
+
+    (barriers, padded), (none, plain) = decode(True), decode(False)
+    # q, k, v, o, gate, up, down: every tiny weight is small (the layer's body is lowered once per layer or once)
+    assert none == 0 and barriers > 0 and barriers % 7 == 0
+    np.testing.assert_allclose(np.asarray(padded), np.asarray(plain), atol=FP32_TOLERANCE)
+
+
+def test_only_projections_xla_would_reduce_are_padded():
+    """Llama 3 8B at batch 1: k and v (4096 x 1024 weights) are padded, q (4096 x 4096) is not, nor any at batch 2."""
+    from starscream_jax.model.decoder import _reduced_by_xla
+
+    def reduced(batch: int, weight_shape) -> bool:
+        return _reduced_by_xla(jax.ShapeDtypeStruct((batch, 1, 4096), jnp.bfloat16),
+                               jax.ShapeDtypeStruct(weight_shape, jnp.bfloat16))
+
+    assert reduced(1, (4096, 8, 128)) and not reduced(1, (4096, 32, 128)) and not reduced(2, (4096, 8, 128))

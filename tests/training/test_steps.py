@@ -86,10 +86,10 @@ def _layer_loops(step, *args) -> int:
     return len(re.findall(r"\bwhile\(", step.lower(*args).compile().as_text()))
 
 
-def test_decode_unrolls_the_layer_loop_and_prefill_and_training_keep_it_rolled():
-    """scan_unroll 0 (the default): decode runs without a loop, prefill and the train step with the rolled one (the
-    train step: one forward, one backward); scan_unroll 1 rolls decode too, and decode gives the same next token
-    either way."""
+def test_no_phase_runs_a_layer_loop_unless_asked_and_both_forms_compute_the_same():
+    """scan_unroll 0 (the default): decode, prefill and the train step run without a layer loop; scan_unroll 1 rolls
+    each (the train step: one forward loop, one backward). Decode gives the same next token and the train step the
+    same loss and parameters either way."""
     graphdef, params, rest = _state()
     rolled_graphdef, _, _ = _state(CONFIG.replace(scan_unroll=1))
     prompt_BP = _tokens(batch=2, seq=4)[:, :4]
@@ -97,12 +97,21 @@ def test_decode_unrolls_the_layer_loop_and_prefill_and_training_keep_it_rolled()
     decode, rolled_decode = decode_step(graphdef, Sampling()), decode_step(rolled_graphdef, Sampling())
     assert _layer_loops(decode, params, rest, cache, token_B, 4) == 0
     assert _layer_loops(rolled_decode, params, rest, cache, token_B, 4) == 1
-    assert _layer_loops(prefill_step(graphdef, CONFIG, Sampling(), 8), params, rest, prompt_BP) == 1
+    assert _layer_loops(prefill_step(graphdef, CONFIG, Sampling(), 8), params, rest, prompt_BP) == 0
+    assert _layer_loops(prefill_step(rolled_graphdef, CONFIG, Sampling(), 8), params, rest, prompt_BP) == 1
     optimizer = make_optimizer(TrainConfig(), params)
-    assert _layer_loops(train_step(graphdef, optimizer), params, optimizer.init(params), rest, _tokens()) == 2
+    train, rolled_train = train_step(graphdef, optimizer), train_step(rolled_graphdef, optimizer)
+    assert _layer_loops(train, params, optimizer.init(params), rest, _tokens()) == 0
+    assert _layer_loops(rolled_train, params, optimizer.init(params), rest, _tokens()) == 2
     unrolled_next, _ = decode(params, rest, jax.tree.map(jnp.copy, cache), token_B, 4)
     rolled_next, _ = rolled_decode(params, rest, jax.tree.map(jnp.copy, cache), token_B, 4)
     np.testing.assert_array_equal(unrolled_next, rolled_next)
+    stepped, _, loss = train(*jax.tree.map(jnp.copy, (params, optimizer.init(params))), rest, _tokens())
+    rolled_stepped, _, rolled_loss = rolled_train(*jax.tree.map(jnp.copy, (params, optimizer.init(params))), rest,
+                                                  _tokens())
+    np.testing.assert_allclose(loss, rolled_loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(stepped), jax.tree.leaves(rolled_stepped)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
 
 
 def test_decode_with_a_cache_held_per_layer_equals_decode_with_the_stacked_cache():
