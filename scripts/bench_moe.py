@@ -149,7 +149,7 @@ def layer_benchmark(tokens: int, quick: bool, rounds: int, calls: int, profile_d
 
 
 def step_benchmark(layers: int, batch: int, seq: int, quick: bool, rounds: int, calls: int,
-                   profile_dir: Path | None = None) -> dict:
+                   profile_dir: Path | None = None, grad_accum: int = 1) -> dict:
     c = load_model_config("tiny-moe" if quick else "qwen3-30b-a3b", n_layers=layers, load_balance_weight=0.0,
                           dtype="bfloat16")
     tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, c.vocab_size, jnp.int32)
@@ -161,11 +161,11 @@ def step_benchmark(layers: int, batch: int, seq: int, quick: bool, rounds: int, 
         args[name] = (params, optimizer.init(params), rest, tokens)
         # The whole step (new parameters and optimizer state, and the loss), without donation so that each timed
         # call can take the same arguments; compiled here, while the decoder holds this block.
-        whole_step = jax.jit(functools.partial(lambda s, *a: s(*a), train_step(graphdef, optimizer)))
+        whole_step = jax.jit(functools.partial(lambda s, *a: s(*a), train_step(graphdef, optimizer, grad_accum)))
         programs[name] = whole_step.lower(*args[name]).compile()
         # The loss and its gradients alone (the step without the optimizer's update).
         args[f"{name}_gradients"] = (params, rest, tokens)
-        gradients = jax.jit(functools.partial(accumulated_gradients, graphdef=graphdef))
+        gradients = jax.jit(functools.partial(accumulated_gradients, graphdef=graphdef, micro_batches=grad_accum))
         programs[f"{name}_gradients"] = gradients.lower(*args[f"{name}_gradients"]).compile()
     decoder.routed_mlp = moe.routed_mlp
     results = timed(programs, args, rounds, calls, profile_dir)
@@ -178,7 +178,7 @@ def step_benchmark(layers: int, batch: int, seq: int, quick: bool, rounds: int, 
         flops = routed_flops if name.startswith("routed") else dense_flops
         row["tokens_per_s"] = batch * seq / row["seconds"]
         row["tflops"] = flops * batch * seq / row["seconds"] / 1e12
-    return {"model": c.name, "layers": layers, "batch": batch, "seq": seq, "rows": results,
+    return {"model": c.name, "layers": layers, "batch": batch, "seq": seq, "grad_accum": grad_accum, "rows": results,
             "flop_proportional_speedup": expected, "measured_speedup": measured,
             "measured_over_flop_proportional": measured / expected,
             "gradients_speedup": gradients, "gradients_over_flop_proportional": gradients / expected}
@@ -190,6 +190,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=4, help="layers of the many-expert model's step (default 4)")
     parser.add_argument("--batch", type=int, default=1, help="sequences in the step (default 1)")
     parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--grad-accum", type=int, default=1,
+                        help="micro-batches the step's sequences are split into, one optimizer update per step")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--parts", nargs="+", choices=("layer", "step"), default=["layer", "step"],
@@ -233,9 +235,10 @@ def report_layer(result: dict, args) -> None:
 def report_step(result: dict, args) -> None:
     """The whole training step's measurement into `result` (printed, and written to --out)."""
     result["step"] = step_benchmark(args.layers, args.batch, args.seq, args.quick, args.rounds, args.calls,
-                                    args.profile_dir and args.profile_dir / "step")
+                                    args.profile_dir and args.profile_dir / "step", args.grad_accum)
     step = result["step"]
-    print(f"training step {step['model']}, {step['layers']} layers, {step['batch']} x {step['seq']} tokens:")
+    print(f"training step {step['model']}, {step['layers']} layers, {step['batch']} x {step['seq']} tokens"
+          f" in {step['grad_accum']} micro-batch(es):")
     for name, row in step["rows"].items():
         print(f"  {name:17s} {row['seconds'] * 1e3:9.2f} ms  {row['tokens_per_s']:10,.0f} tokens/s  "
               f"{row['tflops']:8.1f} TFLOP/s")

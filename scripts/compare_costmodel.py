@@ -20,14 +20,17 @@ STEP_FILES = {"h200_costmodel.json": "set", "h200_steps_inplace_cache.json": "se
               "h200_costmodel_heldout.json": "heldout",
               "superseded/decode_llama3-8b_1gpu_run4_unrolled_xla_attention.json": "set",
               "superseded/decode_llama3-8b_1gpu_run2_cache_in_place.json": "set",
-              "decode_llama3-8b_1gpu.json": "new"}
+              "superseded/decode_llama3-8b_1gpu_run9_cache_per_layer.json": "new",
+              "decode_llama3-8b_1gpu.json": "new", "mfu_llama3.2-1b_1gpu.json": "new"}
 """Stored step times. h200_costmodel.json's decode row timed the program before the cache was written in place
 (superseded by h200_steps_inplace_cache.json's); the two superseded decode_llama3-8b files time the decode step of
 runs 2 and 4 (benchmarks/NOTES.md) with the layer loop rolled and unrolled (`--unroll 32`), XLA's attention over a
 stacked cache (the profile of the rolled one, run 4, showed the copies `memory.decode_cache_copies` counts).
-h200_costmodel_heldout.json's runs were timed for the check: no term was read from them. decode_llama3-8b_1gpu.json
-(run 9) times the decode step generation runs today (`CURRENT_DECODE`)."""
-CURRENT_DECODE = frozenset({"decode_llama3-8b_1gpu.json"})
+h200_costmodel_heldout.json's runs were timed for the check: no term was read from them. The run 9 and run 13 decode
+files time the decode step generation runs (`CURRENT_DECODE`; run 13 with k and v on padded rows), and
+mfu_llama3.2-1b_1gpu.json (run 12) the library's training step with and without the layer loop (bench_mfu.py's
+library rows: "unroll N" in a row's name is its scan_unroll; plain JAX's rows are not the library's program)."""
+CURRENT_DECODE = frozenset({"decode_llama3-8b_1gpu.json", "superseded/decode_llama3-8b_1gpu_run9_cache_per_layer.json"})
 """The stored decode runs of the program generation runs today: no layer loop (`scan_unroll` 0), the KV cache one
 array per layer, attention through cuDNN. They are checked as `inspect` and `plan` judge decode (the cache's form
 from the model, the attention from the preset's chip, `memory.reads_cache_in_place`). Every other stored decode run
@@ -58,6 +61,9 @@ def stored_steps() -> list[dict]:
                               "role": role})
             continue
         meta = stored["meta"]
+        if "seq_len" in meta:  # a training run of bench_mfu.py
+            cases += training_cases(name, role, meta, stored["rows"])
+            continue
         for row in stored["rows"]:
             unroll = meta.get("scan_unroll", 1)
             program = "no loop" if name in CURRENT_DECODE else "unrolled" if unroll > 1 else "rolled"
@@ -65,6 +71,20 @@ def stored_steps() -> list[dict]:
                           "model": meta["model"], "phase": "decode", "layout": meta["layout"], "mesh": meta["mesh"],
                           "batch": row["batch"], "seq": row["cache_length"], "remat": "none", "grad_accum": 1,
                           "scan_unroll": unroll, "step_s": row["step_s"], "source": name, "role": role})
+    return cases
+
+
+def training_cases(name: str, role: str, meta: dict, rows: list[dict]) -> list[dict]:
+    """The library's rows of one bench_mfu.py file (layout name, optionally " unroll N") as step cases."""
+    cases = []
+    for row in rows:
+        layout, _, unroll = row["name"].partition(" unroll ")
+        if layout.startswith("plain") or " " in layout:
+            continue
+        cases.append({"name": f"{meta['model']} train {row['name']}", "model": meta["model"], "phase": "train",
+                      "layout": layout, "mesh": meta["mesh"], "batch": meta["batch_size"], "seq": meta["seq_len"],
+                      "remat": "full" if meta.get("remat") else "none", "grad_accum": 1,
+                      "scan_unroll": int(unroll or 0), "step_s": row["step_s"], "source": name, "role": role})
     return cases
 
 

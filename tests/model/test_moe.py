@@ -220,3 +220,23 @@ def test_the_compiled_block_does_the_routed_flops_plus_tile_padding():
 
     assert routed_flops <= expert_flops(routed_block) <= 1.25 * routed_flops
     assert expert_flops(dense_block) == 4 * routed_flops
+
+
+def test_permute_rows_gradient_is_the_gather_by_its_inverse():
+    """A partial permutation of rows (two rows of x go nowhere, two rows of y are padding) differentiated through
+    its own rule equals the transpose JAX derives for the plain gather (a scatter-add)."""
+    from starscream_jax.model.moe import permute_rows
+
+    x_ND = jax.random.normal(jax.random.key(0), (6, 3))
+    index_M = jnp.array([4, 6, 0, 2, 6, 5], jnp.int32)  # 6 (out of range): padding rows
+    inverse_N = jnp.array([2, 6, 3, 6, 0, 5], jnp.int32)  # rows 1 and 3 of x are taken by no row
+    weights_MD = jax.random.normal(jax.random.key(1), (6, 3))
+
+    def loss(permute, x_ND):
+        return jnp.sum(jnp.sin(permute(x_ND)) * weights_MD)
+
+    plain = functools.partial(jnp.take, indices=index_M, axis=0, mode="fill", fill_value=0)
+    ours = functools.partial(permute_rows, index_M=index_M, inverse_N=inverse_N)
+    np.testing.assert_array_equal(ours(x_ND), plain(x_ND))
+    np.testing.assert_allclose(jax.grad(functools.partial(loss, ours))(x_ND),
+                               jax.grad(functools.partial(loss, plain))(x_ND), rtol=1e-6)
