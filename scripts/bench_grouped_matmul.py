@@ -43,6 +43,7 @@ SHAPES = {"mixtral-8x7b": (16384, 4096, 14336, 8), "qwen3-30b-a3b": (16384, 2048
 VARIANTS = {"default": DEFAULT_BLOCKS,
             "cols256": dataclasses.replace(DEFAULT_BLOCKS, cols=256),
             "warps4": dataclasses.replace(DEFAULT_BLOCKS, warps=4),
+            "warps8": dataclasses.replace(DEFAULT_BLOCKS, warps=8),
             "depth128_weight64": dataclasses.replace(DEFAULT_BLOCKS, depth=128, weight_block=64)}
 """Block sizes tried beside the default (a variant whose kernels do not fit the chip's shared memory is recorded as
 such and left out of the timings)."""

@@ -141,3 +141,21 @@ def test_the_kernel_on_a_gpu_equals_one_float32_matmul_per_group():
 def test_bad_block_sizes_are_one_clear_error(blocks):
     with pytest.raises(StarscreamError, match="grouped-matmul Blocks .*powers of two of at least 16"):
         Blocks(**blocks)
+
+
+def test_operands_of_two_dtypes_are_promoted_as_a_matmul_promotes_them():
+    """float32 rows against bfloat16 weights (the kernels multiply blocks of one dtype): the result is the float32
+    matmul of the bfloat16 weights' values, and each gradient comes back in its operand's dtype."""
+    x_RK, w_GKF, cotangent_RF = inputs()
+    sizes = jnp.asarray(SIZES, jnp.int32)
+    w_bf16 = jnp.asarray(w_GKF, jnp.bfloat16)
+    matmul = functools.partial(lambda x, w: grouped_matmul(x, w, sizes, TILE, "interpret", SMALL_BLOCKS))
+    out, (dx, dw) = jax.jit(functools.partial(output_and_grads, matmul))(x_RK, w_bf16, cotangent_RF)
+    assert out.dtype == dx.dtype == jnp.float32 and dw.dtype == jnp.bfloat16
+    expected = output_and_grads(per_group, x_RK, np.asarray(w_bf16, np.float32), cotangent_RF)
+    assert max(max_errors((out, dx), expected[:1] + (expected[1][0],))) <= 1e-4
+
+
+def test_warps_follow_the_tile_unless_given():
+    assert kernels.warps_for(Blocks(), 128) == 8 and kernels.warps_for(Blocks(), 32) == 4
+    assert kernels.warps_for(Blocks(warps=2), 128) == 2
