@@ -41,6 +41,7 @@ from starscream_jax.sharding.rules import resolve
 SHAPES = {"mixtral-8x7b": (16384, 4096, 14336, 8), "qwen3-30b-a3b": (16384, 2048, 768, 128)}
 """name: (rows T x k, K, F, experts)."""
 VARIANTS = {"default": DEFAULT_BLOCKS,
+            "cols128": dataclasses.replace(DEFAULT_BLOCKS, cols=128),
             "cols256": dataclasses.replace(DEFAULT_BLOCKS, cols=256),
             "warps4": dataclasses.replace(DEFAULT_BLOCKS, warps=4),
             "warps8": dataclasses.replace(DEFAULT_BLOCKS, warps=8),

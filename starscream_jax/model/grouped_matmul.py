@@ -38,9 +38,10 @@ class Blocks:
     dimension). cols x depth: the output block and the contraction step of the tile kernel; weight_block: the side
     of the square block of an expert's weight gradient that one program of the weight-gradient kernel sums (a tile
     of rows per step); group: row blocks a column block visits before the next (programs that run together share
-    weights and rows in L2); warps and stages: Triton's launch width and pipeline depth (warps None: `warps_for`)."""
+    weights and rows in L2); warps and stages: Triton's launch width and pipeline depth. cols and warps None: by the
+    tile (`cols_and_warps`)."""
 
-    cols: int = 128
+    cols: int | None = None
     depth: int = 64
     weight_block: int = 128
     group: int = 8
@@ -48,15 +49,16 @@ class Blocks:
     stages: int = 3
 
     def __post_init__(self):
-        sizes = {"cols": self.cols, "depth": self.depth, "weight_block": self.weight_block}
+        sizes = {"cols": 128 if self.cols is None else self.cols, "depth": self.depth,
+                 "weight_block": self.weight_block}
         wrong = [f"{name} = {value!r}" for name, value in sizes.items()
                  if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1)]
         wrong += [f"{name} = {value!r}" for name, value in
-                  {"group": self.group, "warps": self.warps or 1, "stages": self.stages}.items()
+                  {"group": self.group, "warps": 1 if self.warps is None else self.warps, "stages": self.stages}.items()
                   if isinstance(value, bool) or not isinstance(value, int) or value < 1]
         if wrong:
             raise StarscreamError(f"grouped-matmul Blocks {', '.join(wrong)}: cols, depth and weight_block are powers "
-                                  f"of two of at least 16, group, warps (or None) and stages whole numbers of at least 1")
+                                  f"of two of at least 16 (cols or None), group, warps (or None) and stages whole numbers of at least 1")
 
 
 DEFAULT_BLOCKS = Blocks()
@@ -163,15 +165,18 @@ def _block(dim: int, wanted: int) -> int:
     return block
 
 
-def warps_for(blocks: Blocks, tile: int) -> int:
-    """Triton warps per program: `blocks.warps`, or by default 8 for tiles of 128 rows or more and 4 below. Measured
-    on an H200 (benchmarks/results/gmm_h200*.json, forward and backward against a GEMM of the same shape): Mixtral's
-    128-row tiles 0.78 of the GEMM with 8 warps, 0.74 with 4; Qwen3-30B-A3B's 32-row tiles 0.60 with 8, 0.72 with 4."""
-    return blocks.warps or (8 if tile >= 128 else 4)
+def cols_and_warps(blocks: Blocks, tile: int) -> tuple[int, int]:
+    """(output columns per program, Triton warps per program): `blocks.cols` and `blocks.warps`, or by default 128
+    columns and 8 warps for tiles of 128 rows or more, 256 columns and 4 warps below. Measured on an H200
+    (benchmarks/results/gmm_h200*.json and superseded/, forward and backward against a GEMM of the same shape):
+    Mixtral's 128-row tiles 0.78 of the GEMM with 128 x 8, 0.76 with 256 columns, 0.74 with 4 warps; Qwen3-30B-A3B's
+    32-row tiles, over four runs, 0.57 to 0.65 with 128 x 8, 0.65 to 0.72 with 128 x 4, 0.69 to 0.79 with 256 x 4."""
+    small = tile < 128
+    return blocks.cols or (256 if small else 128), blocks.warps or (4 if small else 8)
 
 
 def _compiler_params(blocks: Blocks, stages: int, tile: int):
-    return plgpu.CompilerParams(num_warps=warps_for(blocks, tile), num_stages=stages)
+    return plgpu.CompilerParams(num_warps=cols_and_warps(blocks, tile)[1], num_stages=stages)
 
 
 SHARED_MEMORY_BYTES = {"9.0": 232448, "10.0": 232448, "8.0": 166912, "8.7": 166912, "8.6": 101376, "8.9": 101376,
@@ -236,7 +241,7 @@ def _pallas_tiles(x_RK, w_GKF, tile_group_N, live_tiles_1, tile, blocks, transpo
     rows, depth = x_RK.shape
     cols = w_GKF.shape[1] if transpose else w_GKF.shape[2]
     depth_block, col_block, stages = _fitted(
-        blocks, _block(depth, blocks.depth), _block(cols, blocks.cols),
+        blocks, _block(depth, blocks.depth), _block(cols, cols_and_warps(blocks, tile)[0]),
         lambda depth_block, col_block: (tile + col_block) * depth_block * x_RK.dtype.itemsize, interpret)
     tiles = rows // tile
     kernel = functools.partial(_tile_kernel, tile=tile, col_block=col_block, depth_block=depth_block, tiles=tiles,

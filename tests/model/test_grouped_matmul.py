@@ -137,7 +137,7 @@ def test_the_kernel_on_a_gpu_equals_one_float32_matmul_per_group():
         assert np.linalg.norm(actual - reference) <= 1e-2 * np.linalg.norm(reference)
 
 
-@pytest.mark.parametrize("blocks", [{"cols": 0}, {"depth": 24}, {"weight_block": 8}, {"stages": 0}, {"warps": 2.5}])
+@pytest.mark.parametrize("blocks", [{"cols": 0}, {"depth": 24}, {"weight_block": 8}, {"stages": 0}, {"warps": 2.5}, {"warps": 0}])
 def test_bad_block_sizes_are_one_clear_error(blocks):
     with pytest.raises(StarscreamError, match="grouped-matmul Blocks .*powers of two of at least 16"):
         Blocks(**blocks)
@@ -156,6 +156,6 @@ def test_operands_of_two_dtypes_are_promoted_as_a_matmul_promotes_them():
     assert max(max_errors((out, dx), expected[:1] + (expected[1][0],))) <= 1e-4
 
 
-def test_warps_follow_the_tile_unless_given():
-    assert kernels.warps_for(Blocks(), 128) == 8 and kernels.warps_for(Blocks(), 32) == 4
-    assert kernels.warps_for(Blocks(warps=2), 128) == 2
+def test_columns_and_warps_follow_the_tile_unless_given():
+    assert kernels.cols_and_warps(Blocks(), 128) == (128, 8) and kernels.cols_and_warps(Blocks(), 32) == (256, 4)
+    assert kernels.cols_and_warps(Blocks(cols=64, warps=2), 128) == (64, 2)
