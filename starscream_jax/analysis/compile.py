@@ -15,12 +15,13 @@ that runs:
            `decoder.decode_holds_cache_per_layer`), else stacked.
 
 Depth: the model is compiled with L layers (`Settings.config.n_layers`, at least 2) in place of its N, with the
-model's own `scan_unroll`. Training and prefill run the layers as one loop (`jax.lax.scan`) whose body is the same
-for every layer (`layer_loop_ops` finds it), so per-layer figures are what the loop body does in one trip; XLA
-removes a loop of one trip. A program with no loop of L trips (decode by default, whose layers run one after another
-each with its own cache array, `Transformer._run_layers_apart`; or any phase with `scan_unroll` unrolling all L
-layers or several per trip) has its layers' ops under the layer scope (`LAYER_SCOPE`), L copies of one layer's
-between them, so per-layer figures are their sum over L, equal to the rolled loop's.
+model's own `scan_unroll`. By default no phase runs a layer loop: the layers run one after another
+(`Transformer._run_layers_apart`; a prefill into a stacked cache through a fully unrolled scan), their ops under the
+layer scope (`LAYER_SCOPE`), L copies of one layer's, so per-layer figures are their sum over L. With `scan_unroll`
+1 (or any number of layers per trip below L) the layers run as one loop (`jax.lax.scan`) whose body is the same for
+every layer (`layer_loop_ops` finds it), and per-layer figures are what the body does in one trip. Which of the two
+the program holds is told by the settings (`runs_layer_loop`), not guessed from the program: a loop of L trips
+inside a layer (an MoE block looping over its 2 local experts, compiled at L = 2) would otherwise pass for it.
 """
 from __future__ import annotations
 
@@ -36,7 +37,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ..checks import writable_directory
 from ..errors import StarscreamError
 from ..model.config import ModelConfig, load_model_config
-from ..model.decoder import LAYER_SCOPE, abstract_model, cache_shardings, decode_holds_cache_per_layer
+from ..model.decoder import (
+    LAYER_SCOPE,
+    abstract_model,
+    cache_shardings,
+    decode_holds_cache_per_layer,
+    layers_per_trip,
+)
 from ..sharding.apply import batch_sharding, param_shardings, token_sharding, use_layout
 from ..sharding.layouts import Layout, get_layout
 from ..training.config import TrainConfig
@@ -184,8 +191,16 @@ def compile_step(settings: Settings, layout_name: str, mesh) -> CompiledStep:
         traced = step.trace(*args)
         lowered = traced.lower()
         compiled = lowered.compile(compiler_options=COMPILER_OPTIONS)
-    return CompiledStep(layout, args, traced.out_info, compiled, layer_loop_ops(compiled.as_text(), settings.layers),
+    return CompiledStep(layout, args, traced.out_info, compiled,
+                        layer_loop_ops(compiled.as_text(), settings.layers, runs_layer_loop(settings)),
                         lowered.as_text(debug_info=True))
+
+
+def runs_layer_loop(settings: Settings) -> bool:
+    """Whether the compiled step runs its layers as a rolled loop (`jax.lax.scan` with fewer layers per trip than it
+    has: `decoder.layers_per_trip`), rather than one after another; decode with its cache held per layer never
+    loops."""
+    return layers_per_trip(settings.config) < settings.config.n_layers and not settings.holds_cache_per_layer
 
 
 def abstract_args(config: ModelConfig, layout: Layout, mesh, phase: str, batch: int, seq: int,
@@ -242,16 +257,18 @@ def place(state, layout, mesh, dtype=None):
                         is_leaf=lambda node: isinstance(node, NamedSharding))
 
 
-def layer_loop_ops(hlo_text: str, layers: int) -> dict[str, float]:
-    """{name: share of its work that is the layers'} of the instructions that run inside the layer loop (the forward
-    scan, and the backward one when training): those under a `while` whose known trip count is `layers` (share 1).
-    In a program with no such loop (decode with its cache per layer, or an unrolled loop), those whose op names lie in
-    the layer scope `LAYER_SCOPE` (each of the L copies of the layer runs once), a collective that XLA combined from
-    ops of the layers and ops outside them with the share of its bytes the layers' ops hold (`hlo.scope_shares`);
-    per-layer figures are then as exact as the rolled program's."""
-    found = dict.fromkeys(instructions_in_loops(hlo_text, layers), 1.0) or scope_shares(hlo_text, LAYER_SCOPE)
+def layer_loop_ops(hlo_text: str, layers: int, rolled: bool) -> dict[str, float]:
+    """{name: share of its work that is the layers'} of the instructions of the layers. `rolled` (the program runs
+    a layer loop, `runs_layer_loop`): those inside it (the forward scan, and the backward one when training), under
+    a `while` whose known trip count is `layers` (share 1). Otherwise those whose op names lie in the layer scope
+    `LAYER_SCOPE` (each of the L copies of the layer runs once), a collective that XLA combined from ops of the
+    layers and ops outside them with the share of its bytes the layers' ops hold (`hlo.scope_shares`); per-layer
+    figures are then as exact as the rolled program's."""
+    found = (dict.fromkeys(instructions_in_loops(hlo_text, layers), 1.0) if rolled
+             else scope_shares(hlo_text, LAYER_SCOPE))
     if not found:
-        raise StarscreamError(f"the compiled program has no loop of {layers} trips and no op in the layer "
-                              f"scope {LAYER_SCOPE!r}, so per-layer figures cannot be told apart; the model must run "
-                              "its layers with jax.lax.scan or under that scope")
+        where = f"no loop of {layers} trips" if rolled else f"no op in the layer scope {LAYER_SCOPE!r}"
+        raise StarscreamError(f"the compiled program has {where}, so per-layer figures cannot be told apart; the "
+                              "model must run its layers with jax.lax.scan (scan_unroll below its depth) or each "
+                              "under that scope")
     return found

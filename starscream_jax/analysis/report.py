@@ -508,16 +508,18 @@ def matmul_key(op_name: str) -> tuple[str, bool]:
     The key drops the outermost jit(...) and the final primitive name (which XLA may rewrite, e.g. to "transpose"),
     and unwraps "transpose(...)" from each scope, so a backward matmul shares its key with the forward one it
     differentiates; `backward` says whether any scope was a transpose. Inside a scope named `ATTENTION_SCOPE`
-    (also wrapped, as "jvp(attention)") the key ends at that scope: attention's matmuls (scores and values, or one
-    fused kernel) are one op, however XLA split, merged or named them.
+    (also wrapped, as "jvp(attention)") the key ends at that scope and `backward` is False: attention's matmuls
+    (scores and values, forward and backward, or fused kernels) are one op, however XLA split, merged or named
+    them. XLA leaves some of them unnamed, and the name a dot then gets from its neighbours (`hlo`) can carry the
+    other direction's scope: in a program without a layer loop one backward dot per layer of gpu_tp's step came
+    out named as a forward one, which per direction made flat_tp's attention 1/12 of gpu_tp's where it is 1/8.
     """
     scopes = op_scopes(op_name)[:-1]
-    backward = any(scope.startswith("transpose(") for scope in scopes)
     unwrapped = [scope[len("transpose(") : -1] if scope.startswith("transpose(") else scope for scope in scopes]
     attention = [index for index, scope in enumerate(unwrapped) if _bare_scope(scope) == ATTENTION_SCOPE]
     if attention:
-        unwrapped = unwrapped[: attention[0] + 1]
-    return "/".join(unwrapped), backward
+        return "/".join(unwrapped[: attention[0] + 1]), False
+    return "/".join(unwrapped), any(scope.startswith("transpose(") for scope in scopes)
 
 
 def is_attention_key(key: str) -> bool:

@@ -98,3 +98,19 @@ def test_decode_without_a_layer_loop_gives_the_rolled_loops_per_layer_bytes_and_
         assert (unrolled[name]["principles"]["shape_preservation"]["attention"]
                 == pytest.approx(rolled[name]["principles"]["shape_preservation"]["attention"]))
         assert any(m["in_layer_loop"] for m in unrolled[name]["matmuls"])
+
+
+def test_the_settings_say_whether_a_layer_loop_runs_not_a_loop_of_the_right_trip_count():
+    """A program without a layer loop may hold a loop of L trips of its own (an MoE block looping over its 2 local
+    experts, compiled at L = 2): its layers are then read from the layer scope, never from that loop."""
+    from starscream_jax.analysis.compile import layer_loop_ops, runs_layer_loop
+    from tests.analysis.test_hlo import loop_module
+
+    text = loop_module(', backend_config={"known_trip_count":{"n":"4"}}')  # an inner loop of 3 trips
+    assert "ar" in layer_loop_ops(text, 3, rolled=True)
+    with pytest.raises(StarscreamError, match="no op in the layer scope"):
+        layer_loop_ops(text, 3, rolled=False)
+    settings = make_settings("tiny", "train", 8, 32, "gpu_tp", 2)
+    rolled = dataclasses.replace(settings, config=settings.config.replace(scan_unroll=1))
+    decode = make_settings("tiny", "decode", 8, 32, "gpu_tp", 2)
+    assert not runs_layer_loop(settings) and runs_layer_loop(rolled) and not runs_layer_loop(decode)

@@ -329,6 +329,12 @@ def test_matmul_key_unwraps_transposes_and_drops_jit_and_primitive():
     assert matmul_key("") == ("", False)
 
 
+def test_attention_is_one_op_whatever_direction_its_dots_were_named_for():
+    forward = "jit(step)/jvp(closed_call)/attention/shard_map/vmap()/convert_element_type"
+    backward = "jit(step)/transpose(jvp(closed_call))/attention/shard_map/vmap()/mul"
+    assert matmul_key(forward) == matmul_key(backward) == ("jvp(closed_call)/attention", False)
+
+
 def test_decode_reads_each_weight_once_per_gpu_or_is_flagged():
     """A gpu_tp device reads its GPU's share of a weight once: 4 tokens x (1024 x 256). Split over 4 partitions
     along the weight, each reads a quarter (once per GPU: ok); gathered so that each reads the whole share, the GPU
