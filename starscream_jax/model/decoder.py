@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from ..errors import StarscreamError
-from ..hardware.axes import axes_of, dim_axes
+from ..hardware.axes import dim_axes
 from ..sharding.apply import (
     activation_spec,
     active,
@@ -322,12 +322,9 @@ def _reduced_by_xla(x: jax.Array, w: jax.Array) -> bool:
 
 def _local_shape(x: jax.Array) -> tuple[int, ...]:
     """The shape of the part of x each device holds under the active layout (x's shape outside one)."""
-    current = active()
-    if current is None:
+    if active() is None:
         return x.shape
-    partitions = jax.typeof(x).sharding.spec.partitions
-    return tuple(size // int(np.prod([current.mesh.shape[axis] for axis in axes_of(partitions[dim])]))
-                 if dim < len(partitions) else size for dim, size in enumerate(x.shape))
+    return jax.typeof(x).sharding.shard_shape(x.shape)
 
 
 def _padded_matmul(subscripts: str, x: jax.Array, w: jax.Array, out: tuple[str, ...], scope: str) -> jax.Array:
