@@ -1,8 +1,9 @@
 """A Llama-family decoder in Flax NNX whose every tensor carries logical axis names.
 
 Shape letters as in `names`. Layers are stacked on a leading `layers` axis and run one after another with no loop in
-the program, or with `jax.lax.scan` when `ModelConfig.scan_unroll` asks for a rolled loop (`layers_per_trip`). Under `use_layout(layout, mesh)` every weight,
-activation and the KV cache is placed by the layout; outside it the same code runs unsharded. Each projection runs under
+the program, or with `jax.lax.scan` when `ModelConfig.scan_unroll` asks for a rolled loop (`layers_per_trip`). Under
+`use_layout(layout, mesh)` every weight, activation and the KV cache is placed by the layout; outside it the same code
+runs unsharded. Each projection runs under
 `jax.named_scope` with its name (qkv, o, gate_up, down, router, logits; embed and attention for the per-device ops; a
 routed mixture of experts' own gate and up), so the compiled program's op names, and the inspector's keys, read as the
 model does. In training and prefill q, k and v run as one GEMM and gate and up as one (`_qkv`, `_gate_up`), from weights

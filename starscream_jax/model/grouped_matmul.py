@@ -58,7 +58,8 @@ class Blocks:
                   if isinstance(value, bool) or not isinstance(value, int) or value < 1]
         if wrong:
             raise StarscreamError(f"grouped-matmul Blocks {', '.join(wrong)}: cols, depth and weight_block are powers "
-                                  f"of two of at least 16 (cols or None), group, warps (or None) and stages whole numbers of at least 1")
+                                  "of two of at least 16 (cols or None), group, warps (or None) and stages whole "
+                                  "numbers of at least 1")
 
 
 DEFAULT_BLOCKS = Blocks()

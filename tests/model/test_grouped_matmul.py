@@ -137,7 +137,8 @@ def test_the_kernel_on_a_gpu_equals_one_float32_matmul_per_group():
         assert np.linalg.norm(actual - reference) <= 1e-2 * np.linalg.norm(reference)
 
 
-@pytest.mark.parametrize("blocks", [{"cols": 0}, {"depth": 24}, {"weight_block": 8}, {"stages": 0}, {"warps": 2.5}, {"warps": 0}])
+@pytest.mark.parametrize("blocks", [{"cols": 0}, {"depth": 24}, {"weight_block": 8}, {"stages": 0}, {"warps": 2.5},
+                                    {"warps": 0}])
 def test_bad_block_sizes_are_one_clear_error(blocks):
     with pytest.raises(StarscreamError, match="grouped-matmul Blocks .*powers of two of at least 16"):
         Blocks(**blocks)
