@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs behind README's speed tables, batched so that each machine start serves several measurements.
-# Usage (repository root): bash benchmarks/h200_runs.sh part1|part2|part3|part6 RESULTS_DIR (two H200s), or
+# Usage (repository root): bash benchmarks/h200_runs.sh part1|part2|part3|part6|part9 RESULTS_DIR (two H200s), or
 # bash benchmarks/h200_runs.sh part4|part8 RESULTS_DIR BASE_TREE | part5|part7 RESULTS_DIR (one H200; BASE_TREE: a copy of the tree
 # before part4's change)
 # part1: one GPU (decode on GPU 1 beside training on GPU 0), then Llama 3.2 1B and Llama 3 8B tensor parallel on two.
@@ -69,6 +69,12 @@ elif [ "$part" = part8 ]; then
   timeout 90 python3 scripts/bench_mfu.py --layouts starscream_tp --plain dp --out "$out/mfu_llama3.2-1b_1gpu.json"
   (cd "$base" && PYTHONPATH=$PWD timeout 90 python3 scripts/bench_mfu.py --layouts starscream_tp --plain dp \
     --out "$out/mfu_llama3.2-1b_1gpu_take_along_axis.json")
+elif [ "$part" = part9 ]; then
+  # part9, two H200s (not yet run): the 1B comparisons of part1 again now that no phase runs a layer loop (each side
+  # also with its rolled loop, --unroll 1), then part6's Llama 3 8B runs.
+  timeout 240 python3 scripts/bench_mfu.py --gpus 2 --plain dp tp --layouts starscream_tp starscream_fsdp --unroll 1 \
+    --out "$out/mfu_llama3.2-1b_2gpu.json"
+  bash "$0" part6 "$out"
 elif [ "$part" = part6 ]; then
   # part6, two H200s: Llama 3 8B, one parallelism per process so that each ends inside its own limit.
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
