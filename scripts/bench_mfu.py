@@ -328,7 +328,7 @@ def table_line(row: dict) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from starscream_jax.cli.arguments import device_ids
+    from starscream_jax.cli.arguments import count, device_ids
     from starscream_jax.sharding.layouts import LAYOUTS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -341,7 +341,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--unfused", action="store_true",
                         help="also time each layout with q/k/v and gate/up as separate GEMMs (fuse_projections off)")
     parser.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass (both sides)")
-    parser.add_argument("--unroll", type=int, nargs="+", default=[], metavar="N",
+    parser.add_argument("--unroll", type=count, nargs="+", default=[], metavar="N",
                         help="also time every row with N layers per trip of the layer loop (ModelConfig.scan_unroll; "
                              "N = the model's layers: no loop), both sides")
     parser.add_argument("--gpus", type=int, help="use the first N devices (default: every device present)")

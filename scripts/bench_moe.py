@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from starscream_jax.cli.arguments import count
 from starscream_jax.model import decoder, moe
 from starscream_jax.model.config import load_model_config
 from starscream_jax.training.config import TrainConfig
@@ -190,7 +191,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=4, help="layers of the many-expert model's step (default 4)")
     parser.add_argument("--batch", type=int, default=1, help="sequences in the step (default 1)")
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--grad-accum", type=int, default=1,
+    parser.add_argument("--grad-accum", type=count, default=1,
                         help="micro-batches the step's sequences are split into, one optimizer update per step")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=5)
@@ -201,6 +202,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke test)")
     parser.add_argument("--out", type=Path, help="write every figure as JSON here")
     args = parser.parse_args(argv)
+    if args.batch % args.grad_accum:
+        parser.error(f"--grad-accum {args.grad_accum} does not divide --batch {args.batch}: pass a divisor")
     if args.quick:
         args.tokens, args.layers, args.batch, args.seq, args.rounds, args.calls = 64, 2, 2, 16, 1, 1
     return args

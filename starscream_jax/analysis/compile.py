@@ -42,7 +42,7 @@ from ..model.decoder import (
     abstract_model,
     cache_shardings,
     decode_holds_cache_per_layer,
-    layers_per_trip,
+    rolls_layers,
 )
 from ..sharding.apply import batch_sharding, param_shardings, token_sharding, use_layout
 from ..sharding.layouts import Layout, get_layout
@@ -197,10 +197,9 @@ def compile_step(settings: Settings, layout_name: str, mesh) -> CompiledStep:
 
 
 def runs_layer_loop(settings: Settings) -> bool:
-    """Whether the compiled step runs its layers as a rolled loop (`jax.lax.scan` with fewer layers per trip than it
-    has: `decoder.layers_per_trip`), rather than one after another; decode with its cache held per layer never
-    loops."""
-    return layers_per_trip(settings.config) < settings.config.n_layers and not settings.holds_cache_per_layer
+    """Whether the compiled step runs its layers as a rolled loop (`decoder.rolls_layers`: decode with its cache held
+    per layer never does)."""
+    return rolls_layers(settings.config, settings.holds_cache_per_layer)
 
 
 def abstract_args(config: ModelConfig, layout: Layout, mesh, phase: str, batch: int, seq: int,

@@ -45,7 +45,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..model.config import ModelConfig
-from ..model.decoder import layers_per_trip
+from ..model.decoder import rolls_layers
 from ..model.names import ATTN_KV, ATTN_Q, LOGITS, RESIDUAL
 from ..sharding.apply import activation_spec, use_layout
 from ..sharding.layouts import get_layout
@@ -177,7 +177,7 @@ def memory_passes(config: ModelConfig, layout, mesh, phase: str, batch: int, seq
         gated = local_elements(MLP_HIDDEN, (batch, rows, hidden), mesh)
         logits = local_elements(LOGITS, (batch, rows, c.vocab_size), mesh)
     forward = itemsize * (10 * residual + 2 * queries + 2 * keys + 3 * gated)
-    rolled = not cache_per_layer and layers_per_trip(c) < c.n_layers
+    rolled = rolls_layers(c, cache_per_layer)
     if phase == "train":
         recomputed = c.remat != "none"
         params = persistent["params"]

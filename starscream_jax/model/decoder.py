@@ -3,10 +3,9 @@
 Shape letters as in `names`. Layers are stacked on a leading `layers` axis and run one after another with no loop in
 the program, or with `jax.lax.scan` when `ModelConfig.scan_unroll` asks for a rolled loop (`layers_per_trip`). Under
 `use_layout(layout, mesh)` every weight, activation and the KV cache is placed by the layout; outside it the same code
-runs unsharded. Each projection runs under
-`jax.named_scope` with its name (qkv, o, gate_up, down, router, logits; embed and attention for the per-device ops; a
-routed mixture of experts' own gate and up), so the compiled program's op names, and the inspector's keys, read as the
-model does. In training and prefill q, k and v run as one GEMM and gate and up as one (`_qkv`, `_gate_up`), from weights
+runs unsharded. Each projection runs under `jax.named_scope` with its name (qkv, o, gate_up, down, router, logits;
+embed and attention for the per-device ops; a routed mixture of experts' own gate and up), so the compiled program's
+op names, and the inspector's keys, read as the model does. In training and prefill q, k and v run as one GEMM and gate and up as one (`_qkv`, `_gate_up`), from weights
 stored apart. A mixture-of-experts model routes each token to its experts (`moe.routed_mlp`).
 """
 from __future__ import annotations
@@ -164,12 +163,13 @@ class Transformer(nnx.Module):
         return results if len(results) > 1 else logits_BSV
 
     def _run_layers(self, x_BSD, stacked, positions_BS, cache, cache_index):
-        """The L blocks over x [B, S, D] -> (x, (cache or None, load-balancing loss per layer [L])). The KV cache of
-        every layer travels through the loop whole, each block writing its new keys and values in place (a cache
-        held per layer runs the layers one after another, `_run_layers_apart`)."""
+        """The L blocks over x [B, S, D] -> (x, (cache or None, load-balancing loss per layer [L])). Without a
+        cache and without a rolled loop (`rolls_layers`), or with a cache held per layer, one after another
+        (`_run_layers_apart`); otherwise a `jax.lax.scan`, a stacked KV cache travelling through it whole, each block
+        writing its new keys and values in place."""
         c = self.config
         positions_BS = constrain(positions_BS, ("attn_batch", "seq"), "positions")
-        if (cache is not None and held_per_layer(cache)) or (cache is None and layers_per_trip(c) >= c.n_layers):
+        if held_per_layer(cache) or (cache is None and not rolls_layers(c)):
             return self._run_layers_apart(x_BSD, stacked, positions_BS, cache, cache_index)
 
         def block(carry, layer):
@@ -222,9 +222,10 @@ def _unstacked(stacked: dict, n_layers: int) -> list[dict]:
     return [{name: layers[index] for name, layers in parts.items()} for index in range(n_layers)]
 
 
-def held_per_layer(cache: dict) -> bool:
-    """Whether a KV cache is held as one array per layer ([B, T, K, E] each, `split_cache`) rather than stacked."""
-    return isinstance(cache["k"], (list, tuple))
+def held_per_layer(cache: dict | None) -> bool:
+    """Whether a KV cache is held as one array per layer ([B, T, K, E] each, `split_cache`) rather than stacked
+    (False for no cache)."""
+    return cache is not None and isinstance(cache["k"], (list, tuple))
 
 
 def split_cache(cache: dict) -> dict:
@@ -236,8 +237,14 @@ def split_cache(cache: dict) -> dict:
 
 def decode_holds_cache_per_layer(c: ModelConfig) -> bool:
     """Whether generation holds the KV cache per layer (`split_cache`) while decoding: when decode runs no layer loop
-    (`layers_per_trip` is every layer), so that each layer's attention reads its own array in place."""
-    return layers_per_trip(c) >= c.n_layers
+    (`rolls_layers`), so that each layer's attention reads its own array in place."""
+    return not rolls_layers(c)
+
+
+def rolls_layers(c: ModelConfig, cache_per_layer: bool = False) -> bool:
+    """Whether the model runs its layers as a rolled loop (`jax.lax.scan` with fewer layers per trip than it has,
+    `layers_per_trip`) rather than one after another; never with a KV cache held per layer (`cache_per_layer`)."""
+    return layers_per_trip(c) < c.n_layers and not cache_per_layer
 
 
 def layers_per_trip(c: ModelConfig) -> int:
@@ -316,9 +323,10 @@ itself (a kernel of its own), so padding to 8 here does both in one."""
 def _reduced_by_xla(x: jax.Array, w: jax.Array) -> bool:
     """Whether each device holds one row of x [B, 1, ...] and x and w together fewer than
     XLA_GPU_SMALL_DOT_ELEMENTS elements per device."""
+    if x.shape[1] != 1:
+        return False
     x_local, w_local = _local_shape(x), _local_shape(w)
-    return (x.shape[1] == 1 and x_local[0] == 1
-            and int(np.prod(x_local)) + int(np.prod(w_local)) < XLA_GPU_SMALL_DOT_ELEMENTS)
+    return x_local[0] == 1 and int(np.prod(x_local)) + int(np.prod(w_local)) < XLA_GPU_SMALL_DOT_ELEMENTS
 
 
 def _local_shape(x: jax.Array) -> tuple[int, ...]:
