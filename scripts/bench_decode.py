@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import json
 import os
 import sys
@@ -90,16 +89,12 @@ def bytes_read_per_step(params, config, batch: int, cache_length: int) -> dict:
 
 
 def run_batch(graphdef, params, rest, config, layout: str, mesh, batch: int, cache_length: int, warmup: int,
-              steps: int, profile_dir: Path | None = None, projections: str | None = None) -> dict:
-    """Compile and time the decode step at one batch size, its few-row projections run by `projections` (a
-    `few_rows` implementation; None: the library's default); bytes, bandwidth and tokens/s (with `profile_dir`, the
+              steps: int, profile_dir: Path | None = None) -> dict:
+    """Compile and time the decode step at one batch size; bytes, bandwidth and tokens/s (with `profile_dir`, the
     device time of 5 more steps by category, `analysis.profile.time_breakdown`)."""
-    import contextlib
-
     import jax
     import jax.numpy as jnp
 
-    from starscream_jax.model import few_rows
     from starscream_jax.model.decoder import cache_shardings, decode_holds_cache_per_layer, split_cache
     from starscream_jax.sharding.apply import token_sharding, use_layout
     from starscream_jax.training.steps import Sampling, decode_step
@@ -114,9 +109,7 @@ def run_batch(graphdef, params, rest, config, layout: str, mesh, batch: int, cac
     token_B = jax.device_put(jax.random.randint(jax.random.key(3), (batch,), 0, config.vocab_size, jnp.int32),
                              token_sharding(layout, mesh, batch))
     position = jnp.asarray(cache_length - 1, jnp.int32)
-    with use_layout(layout, mesh), (few_rows.use_implementation(projections) if projections
-                                    else contextlib.nullcontext()):
-        projections = few_rows.implementation()
+    with use_layout(layout, mesh):
         start = time.perf_counter()
         compiled = decode_step(graphdef, Sampling()).lower(params, rest, cache, token_B, position).compile()
         compile_s = time.perf_counter() - start
@@ -131,7 +124,6 @@ def run_batch(graphdef, params, rest, config, layout: str, mesh, batch: int, cac
     if profile_dir is not None:
         from starscream_jax.analysis.profile import time_breakdown
 
-        profile_dir = profile_dir / projections
         jax.profiler.start_trace(str(profile_dir / f"batch{batch}"), create_perfetto_trace=True)
         for _ in range(5):
             token_B, cache = compiled(params, rest, cache, token_B, position)
@@ -143,7 +135,7 @@ def run_batch(graphdef, params, rest, config, layout: str, mesh, batch: int, cac
     total = read["weights"] + read["kv_cache"]
     memory = compiled.memory_analysis()
     text = compiled.as_text()
-    return {"batch": batch, "projections": projections, "fused_attention_calls": text.count('custom_call_target="__cudnn$fmha'),
+    return {"batch": batch, "fused_attention_calls": text.count('custom_call_target="__cudnn$fmha'),
             "cache_length": cache_length, "compile_s": compile_s, "step_s": step_s,
             "tokens_per_s": batch / step_s, "bytes_per_step": read, "bandwidth_bytes_per_s": total / step_s,
             "temp_bytes": None if memory is None else int(memory.temp_size_in_bytes), "time_breakdown": breakdown}
@@ -164,9 +156,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--unroll", type=int, default=0,
                         help="layers per iteration of the layer loop (ModelConfig.scan_unroll; default 0: the "
                              "library's, every layer in decode)")
-    parser.add_argument("--projections", nargs="+", choices=["pallas", "xla"],
-                        help="run each batch with each of these few-row projection implementations, side by side "
-                             "(model.few_rows; default: the library's, the Pallas kernel on NVIDIA GPUs)")
     parser.add_argument("--profile-dir", type=Path,
                         help="trace 5 more steps of each batch here and record their device time by category")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -208,18 +197,18 @@ def main(argv=None) -> int:
           f"measured copy {copy / 1e12:.2f} TB/s, read {measured['read'] / 1e12:.2f} TB/s, datasheet "
           f"{args.peak_bandwidth / 1e12:.2f} TB/s; decode attention vs float32 reference: relative error "
           f"{meta['decode_attention_relative_error']:.1e}", flush=True)
-    print(f"{'batch':>5} {'projections':>11} {'cache':>6} {'ms/step':>8} {'tokens/s':>10} {'GB/step':>8} {'TB/s':>6} "
+    print(f"{'batch':>5} {'cache':>6} {'ms/step':>8} {'tokens/s':>10} {'GB/step':>8} {'TB/s':>6} "
           f"{'of peak':>7} {'of copy':>7} {'of read':>7} cuDNN attention calls", flush=True)
     rows = []
-    for batch, projections in itertools.product(args.batches, args.projections or [None]):
+    for batch in args.batches:
         row = run_batch(graphdef, params, rest, config, args.layout, mesh, batch, args.cache, args.warmup,
-                        args.steps, args.profile_dir, projections)
+                        args.steps, args.profile_dir)
         row["fraction_of_peak"] = row["bandwidth_bytes_per_s"] / (devices * args.peak_bandwidth)
         row["fraction_of_copy"] = row["bandwidth_bytes_per_s"] / (devices * copy)
         row["fraction_of_read"] = row["bandwidth_bytes_per_s"] / (devices * measured["read"])
         rows.append(row)
         gigabytes = sum(row["bytes_per_step"].values()) / 1e9
-        print(f"{batch:>5} {row['projections']:>11} {args.cache:>6} {1e3 * row['step_s']:>8.2f} {row['tokens_per_s']:>10,.0f} "
+        print(f"{batch:>5} {args.cache:>6} {1e3 * row['step_s']:>8.2f} {row['tokens_per_s']:>10,.0f} "
               f"{gigabytes:>8.2f} {row['bandwidth_bytes_per_s'] / 1e12:>6.2f} {row['fraction_of_peak']:>7.1%} "
               f"{row['fraction_of_copy']:>7.1%} {row['fraction_of_read']:>7.1%} {row['fused_attention_calls']}",
               flush=True)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from ..errors import StarscreamError
 from ..hardware.axes import dim_axes
@@ -32,7 +32,6 @@ from ..sharding.apply import (
     weight,
 )
 from ..sharding.layouts import Layout
-from . import few_rows
 from .config import ModelConfig
 from .moe import routed_mlp
 from .names import ATTN_KV, ATTN_Q, KV_CACHE, LOGITS, RESIDUAL, TOKENS
@@ -305,50 +304,9 @@ def _project(scope: str, subscripts: str, x: jax.Array, w: jax.Array, out: tuple
     scope `scope`; where XLA:GPU would run it as a multiply and a reduction (`_reduced_by_xla`), on rows padded
     with zeros (`_padded_matmul`)."""
     with jax.named_scope(scope):
-        few_rows = _few_rows_project(subscripts, x, w, out)
-        if few_rows is not None:
-            return few_rows
         if _reduced_by_xla(x, w):
             return _padded_matmul(subscripts, x, w, out, scope)
         return einsum(subscripts, x, w, out, scope)
-
-
-def _few_rows_project(subscripts: str, x: jax.Array, w: jax.Array, out: tuple[str, ...]) -> jax.Array | None:
-    """`einsum(subscripts, x, w)` through the few-rows kernel (`few_rows.few_rows_matmul`) for x [B, 1, C...] and
-    w [C..., N...] (C contracted) where it applies: its implementation is not "xla" (by default: on NVIDIA GPUs),
-    each device holds at most few_rows.MAX_ROWS rows, and each device's product is whole and already placed as the
-    layout places `out` (no contracted dimension split, so the program's collectives are the einsum's: none).
-    None elsewhere."""
-    implementation = few_rows.implementation()
-    inputs, result = subscripts.split("->")
-    x_letters, w_letters = inputs.split(",")
-    contracted = len(x_letters) - 2
-    if (implementation == "xla" or x.shape[1] != 1 or _local_shape(x)[0] > few_rows.MAX_ROWS
-            or w_letters[:contracted] != x_letters[2:] or result != x_letters[:2] + w_letters[contracted:]):
-        return None
-
-    def local(x_BSC, w_CN):
-        rows_MK = x_BSC.reshape(x_BSC.shape[0], -1)
-        out_MN = few_rows.few_rows_matmul(rows_MK, w_CN.reshape(rows_MK.shape[1], -1), implementation)
-        return out_MN.reshape(x_BSC.shape[:2] + w_CN.shape[contracted:])
-
-    current = active()
-    if current is None:
-        return local(x, w)
-    x_spec, w_spec = (jax.typeof(operand).sharding.spec for operand in (x, w))
-    x_dims, w_dims = _splitting_axes(x_spec, x.ndim, current.mesh), _splitting_axes(w_spec, w.ndim, current.mesh)
-    wanted = activation_spec(out, x.shape[:2] + w.shape[contracted:], "projection")
-    if (any(x_dims[1:]) or any(w_dims[:contracted])
-            or x_dims[:2] + w_dims[contracted:] != _splitting_axes(wanted, x.ndim - contracted + w.ndim - contracted,
-                                                                   current.mesh)):
-        return None
-    return jax.shard_map(local, mesh=current.mesh, in_specs=(x_spec, w_spec), out_specs=wanted, check_vma=False)(x, w)
-
-
-def _splitting_axes(spec: PartitionSpec, ndim: int, mesh) -> list[tuple[str, ...]]:
-    """For each of `ndim` dimensions, the mesh axes of more than one device that split it under `spec`."""
-    partitions = PartitionSpec(*spec.partitions)  # the dimensions alone (a weight at use is typed `reduced` too)
-    return [tuple(axis for axis in dim_axes(partitions, dimension) if mesh.shape[axis] > 1) for dimension in range(ndim)]
 
 
 XLA_GPU_SMALL_DOT_ELEMENTS = 10_000_000

@@ -218,13 +218,13 @@ def _fitted(blocks: Blocks, depth_block: int, col_block: int, bytes_per_stage, i
     return depth_block, col_block, stages
 
 
-def kernel_output(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
-    """A kernel's output of `shape` and `dtype`, typed (inside a shard map) as varying over every manual mesh axis
+def _out_shape(shape, x, *operands) -> jax.ShapeDtypeStruct:
+    """A kernel's output of `shape` and x's dtype, typed (inside a shard map) as varying over every manual mesh axis
     that an operand varies over."""
-    varying = frozenset().union(*map(_varying_axes, operands))
+    varying = frozenset().union(*map(_varying_axes, (x, *operands)))
     if not varying:
-        return jax.ShapeDtypeStruct(shape, dtype)
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
+        return jax.ShapeDtypeStruct(shape, x.dtype)
+    return jax.ShapeDtypeStruct(shape, x.dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
 
 
 def _grouped_order(program, row_blocks: int, col_blocks: int, group: int):
@@ -247,7 +247,7 @@ def _pallas_tiles(x_RK, w_GKF, tile_group_N, live_tiles_1, tile, blocks, transpo
     tiles = rows // tile
     kernel = functools.partial(_tile_kernel, tile=tile, col_block=col_block, depth_block=depth_block, tiles=tiles,
                                col_blocks=cols // col_block, group=blocks.group, transpose=transpose)
-    return pl.pallas_call(kernel, out_shape=kernel_output((rows, cols), x_RK.dtype, x_RK, w_GKF, tile_group_N),
+    return pl.pallas_call(kernel, out_shape=_out_shape((rows, cols), x_RK, w_GKF, tile_group_N),
                           grid=(tiles * (cols // col_block),), interpret=interpret,
                           compiler_params=None if interpret else _compiler_params(blocks, stages, tile),
                           name="grouped_matmul_t" if transpose else "grouped_matmul")(
@@ -298,7 +298,7 @@ def _pallas_weight_gradient(x_RK, dout_RF, offsets_G1, tile, blocks, interpret):
     per_group = (depth // depth_block) * (cols // col_block)
     kernel = functools.partial(_weight_kernel, tile=tile, depth_block=depth_block, col_block=col_block,
                                depth_blocks=depth // depth_block, col_blocks=cols // col_block, group=blocks.group)
-    return pl.pallas_call(kernel, out_shape=kernel_output((groups, depth, cols), x_RK.dtype, x_RK, dout_RF, offsets_G1),
+    return pl.pallas_call(kernel, out_shape=_out_shape((groups, depth, cols), x_RK, dout_RF, offsets_G1),
                           grid=(groups * per_group,), interpret=interpret,
                           compiler_params=None if interpret else _compiler_params(blocks, stages, tile),
                           name="grouped_matmul_dw")(offsets_G1, x_RK, dout_RF)

@@ -63,7 +63,7 @@ def _check_head_split(n_heads: int, n_kv: int, q_axes, kv_axes, mesh_shape: dict
                                 f"per-device share divides or is divided by {group}")
 
 
-def on_cuda() -> bool:
+def _on_cuda() -> bool:
     """Whether the active mesh (or, with none, the default device) is an NVIDIA GPU, where cuDNN runs."""
     device = compute_device()
     return device.platform == "gpu" and "cuda" in device.client.platform_version.lower()
@@ -73,7 +73,7 @@ def _fused_attention(q_BSHE, k_BTKE, v_BTKE, **options):
     """`jax.nn.dot_product_attention(q, k, v, **options)` through cuDNN's fused flash attention on NVIDIA GPUs with
     bf16 / fp16 inputs (JAX picks XLA's unfused form, [B, H, S, T] scores in memory, unless told); XLA's form
     elsewhere, and for shapes cuDNN refuses (it raises NotImplementedError while tracing)."""
-    if on_cuda() and q_BSHE.dtype in (jnp.bfloat16, jnp.float16):
+    if _on_cuda() and q_BSHE.dtype in (jnp.bfloat16, jnp.float16):
         try:
             return jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, implementation="cudnn", **options)
         except NotImplementedError:
