@@ -1,12 +1,14 @@
-"""README's speed tables, rendered from the stored benchmark results (benchmarks/results/*.json).
+"""The docs' speed tables, rendered from the stored benchmark results (benchmarks/results/*.json).
 
 Reads what scripts/bench_mfu.py and scripts/bench_decode.py wrote (each file holds its command, date, JAX version and
 device) and prints markdown: training throughput per file (with each library row's ratio to the plain baseline of the
-same parallelism), decode bandwidth, and where a step's time goes (rows traced with --profile-dir). With --readme the
-tables replace what lies between README.md's markers `<!-- speed-tables:start -->` and `<!-- speed-tables:end -->`.
+same parallelism) and where a step's time goes (rows traced with --profile-dir), and decode bandwidth. Each kind of
+table lives in the docs page that holds its markers, `<!-- speed-tables:start KIND -->` and
+`<!-- speed-tables:end KIND -->` (KIND: training or decode); with --write the tables replace what lies between them
+in every page of --pages that holds them.
 
-    python scripts/render_tables.py                    # print
-    python scripts/render_tables.py --readme README.md # rewrite README's block
+    python scripts/render_tables.py           # print
+    python scripts/render_tables.py --write   # rewrite the tables in README.md and docs/*.md
 """
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ from pathlib import Path
 
 from starscream_jax.analysis.profile import breakdown_table
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-START, END = "<!-- speed-tables:start -->", "<!-- speed-tables:end -->"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+KINDS = ("training", "decode")
+"""The kinds of table, each kept between its own pair of markers."""
 BASELINE = {"starscream_tp": "plain JAX TP", "gpu_tp": "plain JAX TP", "flat_tp": "plain JAX TP",
             "starscream_fsdp": "plain JAX FSDP", "flat_fsdp": "plain JAX FSDP"}
 """The plain baseline each layout is judged against when the file has it (else the first plain row)."""
@@ -68,44 +72,77 @@ def decode_table(result: dict, path: Path) -> str:
     return "\n".join(lines)
 
 
-def render(directory: Path) -> str:
+def start_marker(kind: str) -> str:
+    return f"<!-- speed-tables:start {kind} -->"
+
+
+def end_marker(kind: str) -> str:
+    return f"<!-- speed-tables:end {kind} -->"
+
+
+def render(directory: Path) -> dict[str, str]:
     """Every table from the JSON files in `directory` that bench_mfu.py or bench_decode.py wrote (a "meta" and
-    "rows"; other measurements stored beside them are left out), in file-name order."""
-    blocks = []
+    "rows"; other measurements stored beside them are left out), in file-name order, by kind."""
+    blocks: dict[str, list[str]] = {kind: [] for kind in KINDS}
     for path in sorted(directory.glob("*.json")):
         result = json.loads(path.read_text())
         if not isinstance(result, dict) or "meta" not in result:
             continue
         rows = result.get("rows", [])
         if rows and "bytes_per_step" in rows[0]:
-            blocks.append(decode_table(result, path))
+            blocks["decode"].append(decode_table(result, path))
             continue
-        blocks.append(mfu_table(result, path))
+        blocks["training"].append(mfu_table(result, path))
         profiled = {row["name"]: row["time_breakdown"] for row in rows if "time_breakdown" in row}
         if profiled:
-            blocks.append(f"Device time per step by category ({path.name}, 3 traced steps):\n\n"
-                          + breakdown_table(profiled))
-    return "\n\n".join(blocks)
+            blocks["training"].append(f"Device time per step by category ({path.name}, 3 traced steps):\n\n"
+                                      + breakdown_table(profiled))
+    return {kind: "\n\n".join(found) for kind, found in blocks.items()}
 
 
-def replace_block(text: str, tables: str) -> str:
-    """`text` with the part between the markers replaced by `tables`."""
-    if START not in text or END not in text:
-        raise SystemExit(f"README lacks the markers {START} ... {END}")
-    head, rest = text.split(START, 1)
-    return f"{head}{START}\n{tables}\n{END}{rest.split(END, 1)[1]}"
+def replace_blocks(text: str, tables: dict[str, str]) -> tuple[str, set[str]]:
+    """`text` with the part between each kind's markers replaced by its tables, and the kinds it held."""
+    held = set()
+    for kind, table in tables.items():
+        start, end = start_marker(kind), end_marker(kind)
+        if start not in text:
+            continue
+        head, rest = text.split(start, 1)
+        if end not in rest:
+            raise SystemExit(f"{start} has no {end} after it; add the end marker")
+        text = f"{head}{start}\n{table}\n{end}{rest.split(end, 1)[1]}"
+        held.add(kind)
+    return text, held
+
+
+def write_pages(pages: list[Path], tables: dict[str, str]) -> None:
+    """Rewrites the tables in each page that holds their markers; a kind with tables that no page holds is an
+    error naming the markers to add."""
+    held = set()
+    for page in pages:
+        text, found = replace_blocks(page.read_text(), tables)
+        if found:
+            page.write_text(text)
+        held |= found
+    missing = [kind for kind, table in tables.items() if table and kind not in held]
+    if missing:
+        raise SystemExit(f"no page holds the {', '.join(missing)} tables; add "
+                         + " and ".join(f"{start_marker(kind)} ... {end_marker(kind)}" for kind in missing)
+                         + " to the page that should show them")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder of result JSON files")
-    parser.add_argument("--readme", type=Path, help="rewrite this README's speed-table block")
+    parser.add_argument("--write", action="store_true", help="rewrite the tables in the pages that hold them")
+    parser.add_argument("--pages", type=Path, nargs="+", help="the pages --write looks in (default: README.md and "
+                        "docs/*.md)")
     args = parser.parse_args(argv)
     tables = render(args.results)
-    if args.readme:
-        args.readme.write_text(replace_block(args.readme.read_text(), tables))
+    if args.write:
+        write_pages(args.pages or [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))], tables)
     else:
-        print(tables)
+        print("\n\n".join(table for table in tables.values() if table))
     return 0
 
 

@@ -1,4 +1,5 @@
-"""scripts/render_tables.py: README's speed tables from stored results, each library row against its baseline."""
+"""scripts/render_tables.py: the docs' speed tables from stored results, each library row against its baseline, each
+kind of table written into the page that holds its markers."""
 import importlib.util
 import json
 from pathlib import Path
@@ -28,14 +29,28 @@ def test_each_layout_is_judged_against_the_plain_baseline_of_its_parallelism(ren
             row("starscream_tp", 88.2, **{"plain JAX": 0.882, "plain JAX TP": 0.98}),
             row("starscream_fsdp", 99.0, **{"plain JAX": 0.99, "plain JAX TP": 1.1})]
     (tmp_path / "mfu.json").write_text(json.dumps({"meta": META, "rows": rows}))
-    text = render.render(tmp_path)
+    text = render.render(tmp_path)["training"]
     assert "| starscream_tp | 1x2x1 | 185.8 | 88 | 40.0% | 0.980 vs plain JAX TP |" in text
     assert "| starscream_fsdp | 1x2x1 | 165.5 | 99 | 40.0% | 0.990 vs plain JAX |" in text
     assert "| plain JAX | 1x2x1 | 163.8 | 100 | 40.0% |  |" in text
 
 
-def test_the_readme_block_is_replaced_between_its_markers(render):
-    readme = f"intro\n{render.START}\nold table\n{render.END}\nrest\n"
-    assert render.replace_block(readme, "new") == f"intro\n{render.START}\nnew\n{render.END}\nrest\n"
-    with pytest.raises(SystemExit, match="markers"):
-        render.replace_block("no markers", "new")
+def test_each_kind_of_table_replaces_the_block_between_its_own_markers(render):
+    training, decode = (f"{render.start_marker(kind)}\nold\n{render.end_marker(kind)}"
+                        for kind in ("training", "decode"))
+    text, held = render.replace_blocks(f"intro\n{training}\nmiddle\n{decode}\nrest\n",
+                                       {"training": "new training", "decode": "new decode"})
+    assert held == {"training", "decode"}
+    assert text == (f"intro\n{render.start_marker('training')}\nnew training\n{render.end_marker('training')}\n"
+                    f"middle\n{render.start_marker('decode')}\nnew decode\n{render.end_marker('decode')}\nrest\n")
+    with pytest.raises(SystemExit, match="end marker"):
+        render.replace_blocks(f"{render.start_marker('decode')}\nno end", {"decode": "new"})
+
+
+def test_tables_that_no_page_holds_are_an_error_naming_the_markers(render, tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(f"{render.start_marker('training')}\n{render.end_marker('training')}\n")
+    render.write_pages([page], {"training": "new", "decode": ""})  # no decode tables: no page needs the markers
+    assert "new" in page.read_text()
+    with pytest.raises(SystemExit, match="speed-tables:start decode"):
+        render.write_pages([page], {"training": "new", "decode": "decode table"})
