@@ -42,3 +42,15 @@ def writable_directory(path: str | os.PathLike, name: str) -> Path:
         raise StarscreamError(f"{name} {path}: {existing} is not writable by this user; pass a directory you can "
                               "write to")
     return path
+
+
+def of_type(value, kinds: type | tuple[type, ...], name: str, expected: str):
+    """`value` when it is an instance of `kinds`; else a StarscreamError saying what `name` should be."""
+    if not isinstance(value, kinds):
+        raise StarscreamError(f"{name} {_short(value)} ({type(value).__name__}): expected {expected}")
+    return value
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -4,8 +4,6 @@ demo's runs), stopping at its EOS."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
-
 import numpy as np
 
 from ..hardware.distributed import is_main_process
@@ -14,7 +12,7 @@ from ..training.checkpoint import restore_model
 from ..training.config import TrainConfig
 from ..training.generate import DEFAULT_DECODE_LAYOUT, DEFAULT_PREFILL_LAYOUT, batch_multiple, generate
 from ..training.steps import Sampling
-from ..training.tokenizer import TOKENIZER_FILE, load_tokenizer
+from ..training.tokenizer import model_dir_tokenizer, tokenizer_for_model
 from .arguments import (
     add_distributed_arguments,
     add_mesh_arguments,
@@ -80,11 +78,11 @@ def load_for_generation(args: argparse.Namespace, mesh):
     """(model placed by the prefill layout, where it came from, its tokenizer) from --model-dir or --checkpoint."""
     if args.model_dir:
         model = load_hf_model(args.model_dir, args.prefill_layout, mesh, dtype=args.dtype)
-        has_tokenizer = (Path(args.model_dir) / TOKENIZER_FILE).is_file()
-        return model, args.model_dir, load_tokenizer(args.model_dir if has_tokenizer else None)
+        return model, args.model_dir, model_dir_tokenizer(args.model_dir, model.config)
     model, description = restore_model(checkpoint_dir(args.checkpoint), args.prefill_layout, mesh, args.step, args.dtype)
     run_config = TrainConfig.from_dict(description["train_config"])
-    return model, f"step {description['step']}", load_tokenizer(run_config.tokenizer_dir())
+    tokenizer = tokenizer_for_model(run_config.tokenizer_dir(), model.config, trained_weights=False)
+    return model, f"step {description['step']}", tokenizer
 
 
 def until_stop(row: np.ndarray, stop_token: int | None) -> np.ndarray:

@@ -15,7 +15,8 @@ import numpy as np
 from jax._src import distributed
 from jax.sharding import AxisType, Mesh
 
-from ..errors import TopologyError
+from ..checks import of_type, whole_number
+from ..errors import StarscreamError, TopologyError
 from . import detect
 from .axes import AXES
 from .presets import Preset, list_presets, load_chip, load_preset, preset_for
@@ -221,6 +222,7 @@ def build_topology_mesh(topology: Topology | str | None = None, *, gpus: int | N
     grouping: device ids per physical GPU, e.g. [[0, 1], [2, 3]], in place of detection.
     devices: the devices to use (default: all). simulate: build on simulated CPU devices.
     """
+    _check_options(topology, gpus, nodes, data)
     if simulate:
         topology, devices = _simulated(topology, gpus, nodes, grouping, devices)
     devices = list(devices or jax.devices())
@@ -228,6 +230,18 @@ def build_topology_mesh(topology: Topology | str | None = None, *, gpus: int | N
     topology = resolve_topology(topology, gpus=gpus, nodes=nodes, devices=devices, groups=groups)
     chosen = _choose_gpus(groups or physical_gpu_groups(devices, topology), topology, devices)
     return topology, _mesh(chosen, topology, data)
+
+
+def _check_options(topology, gpus, nodes, data) -> None:
+    """A TopologyError naming the first argument of `build_topology_mesh` that is of the wrong kind."""
+    try:
+        of_type(topology, (Topology, str, type(None)), "topology",
+                "a Topology, an override string such as '2x4' or 'mi300x-cpx-nps1:4', or None")
+        for name, value in (("gpus", gpus), ("nodes", nodes), ("data", data)):
+            if value is not None:
+                whole_number(value, name, minimum=-2**63)  # the kind only: each value's range is checked with it
+    except StarscreamError as error:
+        raise TopologyError(str(error)) from None
 
 
 def _simulated(topology, gpus, nodes, grouping, devices) -> tuple:

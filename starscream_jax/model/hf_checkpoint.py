@@ -23,9 +23,11 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from ..checks import of_type
 from ..errors import CheckpointError
 from ..sharding.apply import param_shardings, path_name
 from .config import ModelConfig
@@ -39,6 +41,9 @@ DTYPES = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16}
 """safetensors dtype -> numpy dtype, for the floating dtypes a parameter can be converted from."""
 SAVED_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 DEFAULT_SHARD_BYTES = 5 << 30
+EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+"""Checkpoint tensors that are buffers recomputed from config.json, not weights (older Llama exports hold them)."""
 EXPERT_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
                 "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 """model_type -> (the mixture-of-experts block's name, each expert's (gate, up, down) projection names)."""
@@ -83,7 +88,7 @@ def sources(config: ModelConfig) -> dict[str, Source]:
     E = config.head_dim
     layer = "model.layers.{layer}."
     table = {
-        "embedding": Source("model.embed_tokens.weight", order=(0, 1)),
+        "embedding": Source(EMBEDDING, order=(0, 1)),
         "final_norm": Source("model.norm.weight"),
         "layers/attn_norm": Source(layer + "input_layernorm.weight", 1),
         "layers/wq": Source(layer + "self_attn.q_proj.weight", 1, (2, 0, 1), (0, E)),
@@ -93,7 +98,7 @@ def sources(config: ModelConfig) -> dict[str, Source]:
         "layers/mlp_norm": Source(layer + "post_attention_layernorm.weight", 1),
     }
     if not config.tie_embeddings:
-        table["lm_head"] = Source("lm_head.weight", order=(1, 0))
+        table["lm_head"] = Source(HEAD, order=(1, 0))
     if config.qkv_bias:
         for ours, theirs in (("bq", "q"), ("bk", "k"), ("bv", "v")):
             table[f"layers/{ours}"] = Source(layer + f"self_attn.{theirs}_proj.bias", 1, (0, 1), (0, E))
@@ -121,16 +126,34 @@ class CheckpointReader:
         self.model_dir = Path(model_dir)
         index_path, single_path = self.model_dir / INDEX_FILE, self.model_dir / SINGLE_FILE
         if index_path.is_file():
-            try:
-                self.weight_map = dict(json.loads(index_path.read_text())["weight_map"])
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise CheckpointError(f"{index_path} is not a safetensors index ({err!r}); fix or replace it") from None
+            self.weight_map = _read_weight_map(index_path)
         elif single_path.is_file():
             self.weight_map = {name: SINGLE_FILE for name in self._open(SINGLE_FILE).keys()}
         else:
             raise CheckpointError(f"{self.model_dir} holds neither {INDEX_FILE} nor {SINGLE_FILE}; pass a Hugging "
                                   "Face model directory with its safetensors weights")
         self._handles: dict[str, object] = {}
+
+    def check_tensor_set(self, expected: set[str]) -> None:
+        """A clear error unless the checkpoint holds exactly the tensors `expected` (besides rotary buffers, and a
+        tied checkpoint's lm_head.weight when it equals the embedding): a config.json describing fewer layers,
+        experts or projections than the weights hold would otherwise drop the rest silently."""
+        held = {name for name in self.weight_map if not name.endswith(IGNORED_SUFFIXES)}
+        missing, extra = sorted(expected - held), sorted(held - expected)
+        if extra == [HEAD] and self._head_is_the_embedding():
+            extra = []
+        if missing or extra:
+            listed = "; ".join(f"{kind} {len(names)} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+                               for kind, names in (("missing", missing), ("unexpected", extra)) if names)
+            raise CheckpointError(f"the tensors of {self.model_dir} do not match its {CONFIG_FILE}: {listed}; the "
+                                  "weights and config.json come from different models: pair them again")
+
+    def _head_is_the_embedding(self) -> bool:
+        head, embedding = self.tensor(HEAD), self.tensor(EMBEDDING)
+        rows = head.get_shape()[0]
+        return head.get_shape() == embedding.get_shape() and all(
+            np.array_equal(head[start:min(start + 4096, rows)], embedding[start:min(start + 4096, rows)])
+            for start in range(0, rows, 4096))
 
     def _open(self, file: str):
         path = self.model_dir / file
@@ -191,13 +214,40 @@ class CheckpointReader:
             block = self.tensor(name)[tuple(read)]
             block = block.reshape(block.shape[:dim] + (outer.stop - outer.start, inner) + block.shape[dim + 1:])
             block = block[(slice(None),) * (dim + 1) + (cut,)]
+        if not np.isfinite(block).all():
+            raise CheckpointError(f"tensor {name} in {self.model_dir / self.file_of(name)} holds {_nonfinite(block)}; "
+                                  "the checkpoint is damaged: download or export it again")
         return block.transpose(source.order)
+
+
+def _nonfinite(block: np.ndarray) -> str:
+    """"3 NaN and 1 infinite values": what is not finite in `block`."""
+    nans = int(np.isnan(block).sum())
+    return f"{nans} NaN and {int((~np.isfinite(block)).sum()) - nans} infinite values"
+
+
+def _read_weight_map(path: Path) -> dict[str, str]:
+    """The tensor -> file map of a safetensors index, checked to be one."""
+    try:
+        weight_map = json.loads(path.read_bytes().decode("utf-8"))["weight_map"]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path} is not a safetensors index ({type(err).__name__}: {err}); fix or replace "
+                              "it") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{path}: weight_map is not an object of tensor name -> file name; fix or replace it")
+    return weight_map
 
 
 def load_hf_model(model_dir: str | Path, layout, mesh, dtype: str | None = None,
                   config: ModelConfig | None = None) -> Transformer:
     """The Transformer of a Hugging Face model directory, each parameter (float32) built shard by shard straight
-    into `layout`'s params placement on `mesh`. `dtype` sets the compute dtype; `config` replaces config.json's."""
+    into `layout`'s params placement on `mesh`. `dtype` sets the compute dtype; `config` replaces config.json's.
+
+    Before any device is written, the checkpoint must hold exactly the tensors the configuration describes, each of
+    its shape and a floating dtype; each block read is checked finite (a NaN is a CheckpointError naming the
+    tensor, not a model that generates nothing)."""
+    of_type(mesh, Mesh, "mesh", "a jax.sharding.Mesh, as starscream_jax.build_mesh gives")
+    of_type(config, (ModelConfig, type(None)), "config", "a ModelConfig or None (read config.json)")
     config = config or model_config_from_hf(model_dir)
     if dtype is not None:
         config = config.replace(dtype=dtype)
@@ -206,10 +256,11 @@ def load_hf_model(model_dir: str | Path, layout, mesh, dtype: str | None = None,
     graphdef, abstract, rest = nnx.split(abstract_model(config), nnx.Param, ...)
     shardings = param_shardings(abstract, layout, mesh)
     variables = nnx.to_flat_state(abstract)
-    for path, variable in variables:  # every tensor checked before any device is written
-        source = table[path_name(path)]
-        for name in source.tensor_names(tuple(variable.shape)):
-            reader.check(name, source.tensor_shape(tuple(variable.shape)))
+    expected = {name: table[path_name(path)].tensor_shape(tuple(variable.shape)) for path, variable in variables
+                for name in table[path_name(path)].tensor_names(tuple(variable.shape))}
+    reader.check_tensor_set(set(expected))
+    for name, shape in expected.items():
+        reader.check(name, shape)
     leaves = jax.tree.leaves(shardings, is_leaf=lambda node: isinstance(node, jax.sharding.Sharding))
     loaded = [(path, _load_param(reader, table[path_name(path)], variable, sharding))
               for (path, variable), sharding in zip(variables, leaves)]

@@ -32,9 +32,40 @@ def read_hf_config(model_dir: str | Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path} not found; pass a Hugging Face model directory holding config.json")
     try:
-        return json.loads(path.read_text())
+        raw = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise CheckpointError(f"{path}: byte {err.start} is not UTF-8; config.json must be UTF-8 JSON") from None
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{path} is not valid JSON ({err}); fix or replace the file") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(raw).__name__}, not an object of model fields; fix or "
+                              "replace the file")
+    return raw
+
+
+def _whole(raw: dict, field: str, where: str, default=None) -> int:
+    """config.json's `field` when it is a positive whole number; `default` when absent (or null) and a default is
+    given, else a CheckpointError naming the field."""
+    value = raw.get(field)
+    if value is None and default is not None:
+        return default
+    if value is None:
+        raise CheckpointError(f"{where} lacks {field!r}; a Hugging Face config.json gives it as a whole number")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CheckpointError(f"{where}: {field} = {value!r}; expected a whole number of at least 1")
+    return value
+
+
+def _number(raw: dict, field: str, where: str, default: float | None) -> float:
+    """config.json's `field` as a float (finite, above zero), `default` when absent (an error when None)."""
+    value = raw.get(field, default)
+    if value is None and default is not None:
+        return default
+    if value is None:
+        raise CheckpointError(f"{where} lacks {field!r}; give it as a number")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise CheckpointError(f"{where}: {field} = {value!r}; expected a finite number above zero")
+    return float(value)
 
 
 def model_config_from_hf(model_dir: str | Path, **overrides) -> ModelConfig:
@@ -42,27 +73,40 @@ def model_config_from_hf(model_dir: str | Path, **overrides) -> ModelConfig:
     raw = read_hf_config(model_dir)
     where = f"{Path(model_dir) / CONFIG_FILE}"
     family = raw.get("model_type")
-    if family not in FAMILIES:
+    if not isinstance(family, str) or family not in FAMILIES:
         raise CheckpointError(f"{where}: model_type {family!r} is not supported; supported: {', '.join(FAMILIES)}")
-    _refuse_unimplemented(raw, family, where)
-    heads = raw["num_attention_heads"]
+    try:
+        _refuse_unimplemented(raw, family, where)
+        fields = _model_fields(raw, family, where)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:  # a nested field of the wrong shape
+        raise CheckpointError(f"{where}: malformed field ({type(err).__name__}: {err}); fix or replace the "
+                              "file") from None
+    return ModelConfig(**{**fields, "name": Path(model_dir).resolve().name, **overrides})
+
+
+def _model_fields(raw: dict, family: str, where: str) -> dict:
+    """ModelConfig's fields (but the name) from a parsed config.json of `family`, each value checked."""
+    heads, d_model = _whole(raw, "num_attention_heads", where), _whole(raw, "hidden_size", where)
     fields = dict(
-        name=Path(model_dir).resolve().name, vocab_size=raw["vocab_size"], d_model=raw["hidden_size"],
-        n_layers=raw["num_hidden_layers"], n_heads=heads, n_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-        d_ff=raw[WIDTH_FIELD.get(family, "intermediate_size")], max_seq_len=_max_seq_len(raw),
-        norm_eps=raw.get("rms_norm_eps", 1e-6),
+        vocab_size=_whole(raw, "vocab_size", where), d_model=d_model,
+        n_layers=_whole(raw, "num_hidden_layers", where), n_heads=heads,
+        n_kv_heads=_whole(raw, "num_key_value_heads", where, heads),
+        head_dim=_whole(raw, "head_dim", where, d_model // heads),
+        d_ff=_whole(raw, WIDTH_FIELD.get(family, "intermediate_size"), where), max_seq_len=_max_seq_len(raw, where),
+        norm_eps=_number(raw, "rms_norm_eps", where, 1e-6),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=QKV_BIAS[family], qk_norm=family in ("qwen3", "qwen3_moe"),
         **_rope_fields(raw, where))
     if family == "mixtral":
-        fields.update(n_experts=raw["num_local_experts"], experts_per_token=raw["num_experts_per_tok"])
+        fields.update(n_experts=_whole(raw, "num_local_experts", where),
+                      experts_per_token=_whole(raw, "num_experts_per_tok", where))
     if family == "qwen3_moe":
-        fields.update(n_experts=raw.get("num_experts") or raw["num_local_experts"],
-                      experts_per_token=raw["num_experts_per_tok"],
+        experts = raw.get("num_experts") and _whole(raw, "num_experts", where)
+        fields.update(n_experts=experts or _whole(raw, "num_local_experts", where),
+                      experts_per_token=_whole(raw, "num_experts_per_tok", where),
                       normalize_gates=bool(raw.get("norm_topk_prob", False)),
-                      load_balance_weight=float(raw.get("router_aux_loss_coef", 0.0)))
-    return ModelConfig(**{**fields, **overrides})
+                      load_balance_weight=float(raw.get("router_aux_loss_coef") or 0.0))
+    return fields
 
 
 def _refuse_unimplemented(raw: dict, family: str, where: str) -> None:
@@ -87,26 +131,30 @@ def _refuse_unimplemented(raw: dict, family: str, where: str) -> None:
                                   f"computation of the standard {FAMILIES[family]} is")
 
 
-def _max_seq_len(raw: dict) -> int:
+def _max_seq_len(raw: dict, where: str) -> int:
     """max_position_embeddings, cut to an active sliding window (inside the window attention is fully causal)."""
-    length = raw.get("max_position_embeddings", 2048)
-    window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+    length = _whole(raw, "max_position_embeddings", where, 2048)
+    window = _whole(raw, "sliding_window", where, 0) if raw.get("use_sliding_window", True) else None
     return min(length, window) if window else length
 
 
 def _rope_fields(raw: dict, where: str) -> dict:
     """rope_theta and the llama3 scaling fields, from `rope_parameters` or `rope_theta` + `rope_scaling`."""
-    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise CheckpointError(f"{where}: rope settings {rope!r} are not an object; give rope_scaling as "
+                              "{\"rope_type\": ..., ...} or null")
+    theta = _number(rope, "rope_theta", where, _number(raw, "rope_theta", where, 10000.0))
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default":
-        return {"rope_theta": float(theta)}
+        return {"rope_theta": theta}
     if kind != "llama3":
         raise CheckpointError(f"{where}: rope type {kind!r} is not implemented; supported: default, llama3")
-    return {"rope_theta": float(theta), "rope_scaling": "llama3", "rope_factor": float(rope["factor"]),
-            "rope_low_freq_factor": float(rope["low_freq_factor"]),
-            "rope_high_freq_factor": float(rope["high_freq_factor"]),
-            "rope_original_max_len": int(rope["original_max_position_embeddings"])}
+    scaling = f"{where} (rope settings)"
+    return {"rope_theta": theta, "rope_scaling": "llama3", "rope_factor": _number(rope, "factor", scaling, None),
+            "rope_low_freq_factor": _number(rope, "low_freq_factor", scaling, None),
+            "rope_high_freq_factor": _number(rope, "high_freq_factor", scaling, None),
+            "rope_original_max_len": _whole(rope, "original_max_position_embeddings", scaling)}
 
 
 def family_of(config: ModelConfig) -> str:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..checks import finite_number, whole_number
-from ..errors import StarscreamError
+from ..errors import CheckpointError, StarscreamError
 from ..model.config import REMAT_POLICIES, ModelConfig, load_model_config
 from .data import DEFAULT_CORPUS
 
@@ -80,6 +80,10 @@ class TrainConfig:
     def model_config(self) -> ModelConfig:
         """The model this run trains: `init`'s config.json, else `model`, at the run's compute dtype, with the remat
         policy `remat`; its max_seq_len must hold `seq_len`."""
+        if self.init and not (Path(self.init) / "config.json").is_file():
+            found = "is not a directory" if not Path(self.init).is_dir() else "holds no config.json"
+            raise CheckpointError(f"--init {self.init} {found}; pass a Hugging Face model directory (config.json, "
+                                  "safetensors weights, tokenizer)")
         config = load_model_config(self.init or self.model, dtype=self.dtype)
         if self.remat != "none":
             config = config.replace(remat=self.remat)

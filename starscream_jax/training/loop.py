@@ -45,7 +45,7 @@ from .corpus import load_token_stream
 from .lock import RunLock
 from .metrics import MetricsLog, format_loss, plot_losses, read_metrics
 from .steps import eval_step, load_balance_step, make_optimizer, train_step
-from .tokenizer import ByteTokenizer, load_tokenizer
+from .tokenizer import ByteTokenizer, tokenizer_for_model
 
 EVAL_SEED = 0  # validation windows do not depend on --seed, so runs with different seeds compare
 FREE_TO_CHANGE = ("layout", "remat", "grad_accum", "eval_every", "eval_batches", "checkpoint_every", "log_every",
@@ -90,10 +90,7 @@ def initial_state(config: TrainConfig, model_config, layout, mesh):
 def training_tokens(config: TrainConfig, model_config) -> np.ndarray:
     """The packed tokens of the run's data files: bytes of text files for the byte-level tokenizer (the demo), else
     tokenized once into `config.token_cache` (`corpus`). The tokenizer must fit the model's vocabulary."""
-    tokenizer = load_tokenizer(config.tokenizer_dir())
-    if tokenizer.vocab_size > model_config.vocab_size:
-        raise StarscreamError(f"the tokenizer has {tokenizer.vocab_size} tokens but model {model_config.name} only "
-                              f"{model_config.vocab_size}; pass the model's own tokenizer (--tokenizer DIR)")
+    tokenizer = tokenizer_for_model(config.tokenizer_dir(), model_config, trained_weights=bool(config.init))
     files = config.data_files()
     if isinstance(tokenizer, ByteTokenizer) and all(Path(path).suffix != ".jsonl" for path in files):
         return np.concatenate([data.load_corpus(path) for path in files])

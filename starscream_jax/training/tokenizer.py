@@ -16,6 +16,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from ..errors import CheckpointError, StarscreamError
+from ..model.config import ModelConfig
 from . import data
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -101,12 +102,19 @@ def _template_error(message: str):
 
 
 def _read_json(path: Path) -> dict:
+    """The JSON object in `path` ({} when there is no such file)."""
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text())
+        settings = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise CheckpointError(f"{path}: byte {err.start} is not UTF-8; the file must be UTF-8 JSON") from None
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{path} is not valid JSON ({err}); fix or replace the file") from None
+    if not isinstance(settings, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(settings).__name__}, not an object of settings; fix or "
+                              "replace the file")
+    return settings
 
 
 def _token_text(entry) -> str | None:
@@ -117,3 +125,29 @@ def _token_text(entry) -> str | None:
 def load_tokenizer(directory: str | Path | None) -> ByteTokenizer | HFTokenizer:
     """The tokenizer of `directory` (holding tokenizer.json), or the byte-level one when None."""
     return ByteTokenizer() if directory is None else HFTokenizer(directory)
+
+
+def tokenizer_for_model(directory: str | Path | None, config: ModelConfig, *,
+                        trained_weights: bool) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer of `directory` (None: byte-level), checked against the model it feeds: every id it gives must
+    be a row of the model's embedding, and the byte tokenizer serves trained weights (a model directory, a
+    checkpoint to fine-tune) only when they were made for it (vocabulary 256); random weights take any tokenizer
+    that fits. The one check wherever a tokenizer meets a model (train, generate, serving)."""
+    tokenizer = load_tokenizer(directory)
+    source = "the byte-level tokenizer" if directory is None else f"the tokenizer of {directory}"
+    if tokenizer.vocab_size > config.vocab_size:
+        raise StarscreamError(f"{source} has {tokenizer.vocab_size} tokens but model {config.name} only "
+                              f"{config.vocab_size}: its ids would fall outside the embedding; pass the model's own "
+                              "tokenizer (--tokenizer DIR, or a model directory holding its tokenizer.json)")
+    if directory is None and trained_weights and config.vocab_size != ByteTokenizer.vocab_size:
+        raise StarscreamError(f"model {config.name} (vocabulary {config.vocab_size}) comes without a "
+                              f"{TOKENIZER_FILE}, and the byte-level tokenizer is only for models made for it "
+                              f"(vocabulary {ByteTokenizer.vocab_size}); put the model's {TOKENIZER_FILE} and "
+                              f"{TOKENIZER_CONFIG_FILE} in its directory, or pass --tokenizer DIR")
+    return tokenizer
+
+
+def model_dir_tokenizer(model_dir: str | Path, config: ModelConfig) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer of a Hugging Face model directory holding `config`'s weights, by `tokenizer_for_model`."""
+    has_tokenizer = (Path(model_dir) / TOKENIZER_FILE).is_file()
+    return tokenizer_for_model(model_dir if has_tokenizer else None, config, trained_weights=True)

@@ -403,3 +403,13 @@ def test_a_gpu_no_preset_describes_is_named_with_the_presets(sysfs, fields, name
 def test_a_rocm_gpu_without_kfd_partitions_is_its_chips_whole_gpu(sysfs):
     topology = detect_topology(fake_devices(1, 4))
     assert (topology.preset.name, topology.partitions_per_gpu) == ("mi300x-spx-nps1", 1)
+
+
+@pytest.mark.parametrize("topology, options, message", [
+    (12345, {}, r"topology 12345 \(int\): expected a Topology, an override string"),
+    ("2x4", {"gpus": "2"}, r"gpus '2': expected a whole number"),
+    ("2x4", {"data": 1.0}, r"data 1.0: expected a whole number"),
+])
+def test_arguments_of_the_wrong_kind_are_named(topology, options, message):
+    with pytest.raises(TopologyError, match=message):
+        build_mesh(topology, **options)

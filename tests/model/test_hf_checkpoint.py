@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from starscream_jax.errors import CheckpointError, ShardingRuleError
+from starscream_jax.errors import CheckpointError, ShardingRuleError, StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model.decoder import Transformer, next_token_loss
 from starscream_jax.model.hf_checkpoint import INDEX_FILE, export_hf_model, load_hf_model
@@ -163,8 +163,71 @@ def test_a_tensor_missing_from_the_index_names_the_tensor(broken_copy):
     index = json.loads((broken_copy / INDEX_FILE).read_text())
     del index["weight_map"]["model.norm.weight"]
     (broken_copy / INDEX_FILE).write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match="tensor model.norm.weight is in no file"):
+    with pytest.raises(CheckpointError, match=r"do not match its config.json: missing 1 \(model.norm.weight\)"):
         load_hf_model(broken_copy, "starscream_tp", mesh_of("1x2x4"))
+
+
+def test_a_config_with_fewer_layers_than_the_weights_is_refused(broken_copy):
+    config = json.loads((broken_copy / "config.json").read_text())
+    (broken_copy / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    with pytest.raises(CheckpointError, match=r"unexpected 9 \(model.layers.1.input_layernorm.weight, "):
+        load_hf_model(broken_copy, "starscream_tp", mesh_of("1x1x1"))
+
+
+def test_an_unexpected_tensor_is_refused(broken_copy):
+    shard = broken_copy / "model-00003-of-00003.safetensors"
+    rewrite(shard, lambda tensors: tensors.update({"model.extra.weight": np.ones(4, np.float32)}))
+    index = json.loads((broken_copy / INDEX_FILE).read_text())
+    index["weight_map"]["model.extra.weight"] = shard.name
+    (broken_copy / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"unexpected 1 \(model.extra.weight\)"):
+        load_hf_model(broken_copy, "starscream_tp", mesh_of("1x1x1"))
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_a_tied_checkpoints_lm_head_is_accepted_only_when_it_is_the_embedding(broken_copy, same):
+    shard = broken_copy / "model-00001-of-00003.safetensors"
+    embedding = load_file(shard)["model.embed_tokens.weight"]
+    rewrite(shard, lambda tensors: tensors.update({"lm_head.weight": embedding if same else embedding * 2}))
+    index = json.loads((broken_copy / INDEX_FILE).read_text())
+    index["weight_map"]["lm_head.weight"] = shard.name
+    (broken_copy / INDEX_FILE).write_text(json.dumps(index))
+    if same:
+        assert load_hf_model(broken_copy, "starscream_tp", mesh_of("1x1x1")).config.tie_embeddings
+    else:
+        with pytest.raises(CheckpointError, match=r"unexpected 1 \(lm_head.weight\)"):
+            load_hf_model(broken_copy, "starscream_tp", mesh_of("1x1x1"))
+
+
+@pytest.mark.parametrize("value, found", [(np.nan, "1 NaN and 0 infinite"), (-np.inf, "0 NaN and 1 infinite")])
+def test_a_non_finite_weight_is_refused_at_load(broken_copy, value, found):
+    shard = broken_copy / "model-00002-of-00003.safetensors"
+    name = sorted(load_file(shard))[-1]
+
+    def poison(tensors):
+        tensors[name] = tensors[name].copy()
+        tensors[name].flat[5] = value
+    rewrite(shard, poison)
+    with pytest.raises(CheckpointError, match=rf"tensor {name} in .*00002-of-00003.safetensors holds {found} values"):
+        load_hf_model(broken_copy, "starscream_tp", mesh_of("1x2x4"))
+
+
+@pytest.mark.parametrize("index, message", [
+    ({"weight_map": ["a", "b"]}, "weight_map is not an object"),
+    ([1], r"is not a safetensors index \(TypeError"),
+    ({"metadata": {}}, r"is not a safetensors index \(KeyError"),
+])
+def test_a_malformed_index_is_named(broken_copy, index, message):
+    (broken_copy / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=message):
+        load_hf_model(broken_copy, "starscream_tp", mesh_of("1x1x1"))
+
+
+def test_arguments_of_the_wrong_kind_are_named():
+    with pytest.raises(StarscreamError, match=r"mesh None \(NoneType\): expected a jax.sharding.Mesh"):
+        load_hf_model(FIXTURES / "llama", "starscream_tp", None)
+    with pytest.raises(StarscreamError, match=r"config 'llama' \(str\): expected a ModelConfig"):
+        load_hf_model(FIXTURES / "llama", "starscream_tp", mesh_of("1x1x1"), config="llama")
 
 
 def test_a_truncated_shard_names_the_file(broken_copy):

@@ -139,3 +139,37 @@ def test_config_json_written_back_reads_as_the_same_model(family, tmp_path):
     config = model_config_from_hf(FIXTURES / family)
     (tmp_path / "config.json").write_text(json.dumps(hf_config_from_model(config, "float32")))
     assert model_config_from_hf(tmp_path).replace(name=config.name) == config
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[1, 2]", "holds a JSON list, not an object"),
+    ('"llama"', "holds a JSON str, not an object"),
+    ("{}", "model_type None is not supported"),
+    (json.dumps({"model_type": ["llama"]}), "model_type \\['llama'\\] is not supported"),
+])
+def test_a_config_that_is_not_an_object_of_fields_is_named(tmp_path, text, message):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=message):
+        model_config_from_hf(tmp_path)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"hidden_size": None}, "lacks 'hidden_size'"),
+    ({"num_hidden_layers": "32"}, "num_hidden_layers = '32'; expected a whole number"),
+    ({"vocab_size": 0}, "vocab_size = 0; expected a whole number"),
+    ({"num_key_value_heads": 2.5}, "num_key_value_heads = 2.5"),
+    ({"rms_norm_eps": "tiny"}, "rms_norm_eps = 'tiny'; expected a finite number"),
+    ({"rope_scaling": [8.0]}, "rope settings \\[8.0\\] are not an object"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks 'low_freq_factor'"),
+    ({"layer_types": 3}, "malformed field \\(TypeError"),
+])
+def test_a_missing_or_mistyped_field_is_named(tmp_path, fields, message):
+    with pytest.raises(CheckpointError, match=message):
+        model_config_from_hf(model_dir(tmp_path, **fields))
+
+
+def test_a_config_that_is_not_utf8_is_named(tmp_path):
+    text = json.dumps({**LLAMA_3_1_8B, "name": "caf\xe9"}, ensure_ascii=False)
+    (tmp_path / "config.json").write_bytes(text.encode("latin-1"))
+    with pytest.raises(CheckpointError, match="is not UTF-8"):
+        model_config_from_hf(tmp_path)

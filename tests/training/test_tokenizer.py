@@ -7,7 +7,15 @@ import numpy as np
 import pytest
 
 from starscream_jax.errors import CheckpointError, StarscreamError
-from starscream_jax.training.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from starscream_jax.model.config import load_model_config
+from starscream_jax.model.hf_config import model_config_from_hf
+from starscream_jax.training.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    load_tokenizer,
+    model_dir_tokenizer,
+    tokenizer_for_model,
+)
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "hf" / "llama"
 
@@ -59,3 +67,31 @@ def test_missing_or_inconsistent_tokenizer_files_are_clear_errors(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({}))
     with pytest.raises(StarscreamError, match="has no chat_template"):
         HFTokenizer(tmp_path).render_chat([{"role": "user", "content": "hi"}])
+
+
+def test_a_tokenizer_meets_a_model_only_when_its_ids_fit_and_bytes_only_where_made_for_them():
+    tiny, llama = load_model_config("tiny"), model_config_from_hf(FIXTURE)
+    assert isinstance(tokenizer_for_model(None, tiny, trained_weights=True), ByteTokenizer)
+    assert isinstance(tokenizer_for_model(None, llama, trained_weights=False), ByteTokenizer)  # random weights
+    assert tokenizer_for_model(FIXTURE, llama, trained_weights=True).vocab_size == 384
+    with pytest.raises(StarscreamError, match="has 384 tokens but model tiny only 256"):
+        tokenizer_for_model(FIXTURE, tiny, trained_weights=False)
+    with pytest.raises(StarscreamError, match=r"comes without a tokenizer.json, and the byte-level tokenizer is only"):
+        tokenizer_for_model(None, llama, trained_weights=True)
+
+
+def test_a_model_directory_without_its_tokenizer_is_refused(tmp_path):
+    shutil.copy(FIXTURE / "config.json", tmp_path)
+    with pytest.raises(StarscreamError, match="vocabulary 384\\) comes without a tokenizer.json"):
+        model_dir_tokenizer(tmp_path, model_config_from_hf(tmp_path))
+    shutil.copy(FIXTURE / "tokenizer.json", tmp_path)
+    assert model_dir_tokenizer(tmp_path, model_config_from_hf(tmp_path)).vocab_size == 384
+
+
+@pytest.mark.parametrize("content, message", [(b"[1]", "holds a JSON list, not an object"),
+                                              (b'{"eos_token": "\xe9"}', "byte 15 is not UTF-8")])
+def test_a_tokenizer_config_that_is_not_an_object_is_named(tmp_path, content, message):
+    shutil.copy(FIXTURE / "tokenizer.json", tmp_path)
+    (tmp_path / "tokenizer_config.json").write_bytes(content)
+    with pytest.raises(CheckpointError, match=message):
+        HFTokenizer(tmp_path)
