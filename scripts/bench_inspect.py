@@ -1,4 +1,4 @@
-"""Time `starscream inspect` as the README runs it: Llama 3 70B on MI300X CPX, 8 GPUs x 8 partitions, simulated.
+"""Time `starscream inspect` as docs/proving.md runs it: Llama 3 70B on MI300X CPX, 8 GPUs x 8 partitions, simulated.
 
 Each command runs in a fresh process, as a user would start it (jax starts, the simulated devices are set up, every
 layout and the gpu_tp reference are compiled), and the script prints the command, its table and its wall-clock time.

@@ -16,7 +16,7 @@ from starscream_jax.model.grouped_matmul import Blocks, grouped_matmul
 from tests.model.test_moe import block_inputs, config, dense_block, loss_and_grads, max_errors
 
 pytestmark = pytest.mark.filterwarnings(  # a Pallas API on its way out fails here first; the Triton backend's own
-    "error:(?!The Pallas Triton backend is deprecated):DeprecationWarning")  # notice (JAX 0.11) is the README's
+    "error:(?!The Pallas Triton backend is deprecated):DeprecationWarning")  # notice (JAX 0.11): docs/layouts.md
 
 TILE, K, F = 16, 32, 48
 SIZES = (32, 0, 16, 48)

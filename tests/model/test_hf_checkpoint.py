@@ -274,8 +274,9 @@ def test_gradients_of_biases_and_qk_norms_match_the_unsharded_model():
 
 
 def equivalence_table() -> str:
-    """README's table: per family, the largest logit difference against the reference over every layout on each
-    mesh, and whether greedy generation (prefill starscream_tp, decode starscream_decode, 1 x 2 x 4) matched."""
+    """docs/hugging_face.md's table: per family, the largest logit difference against the reference over every
+    layout on each mesh, and whether greedy generation (prefill starscream_tp, decode starscream_decode, 1 x 2 x 4)
+    matched."""
     rows = ["| family | " + " | ".join(f"mesh {name}" for name in MESHES) + " | 20 greedy tokens |",
             "|---|" + "---|" * (len(MESHES) + 1)]
     for family in FAMILIES:
