@@ -1,6 +1,7 @@
-"""The documentation: README.md, docs/*.md and benchmarks/NOTES.md. Every relative link resolves (the file exists,
-and an anchor names a heading of the page it points to, as GitHub spells heading anchors), prose keeps to 120
-columns outside tables, images and code, and README's Python quickstart runs and passes the three principles."""
+"""The documentation: README.md, docs/*.md and benchmarks/NOTES.md. Every relative link resolves (the file exists, and
+an anchor names a heading of the page it points to, as GitHub spells heading anchors), README links every docs page,
+prose keeps to 120 columns outside tables, images and code, and README's Python quickstart runs and passes the three
+principles."""
 import contextlib
 import io
 import re
@@ -63,6 +64,12 @@ def test_every_relative_link_resolves(page):
         elif fragment and linked.suffix == ".md" and fragment not in anchors(linked):
             broken.append(f"{page.name}:{number}: {target} (no heading with anchor #{fragment} in {linked.name})")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    linked = {(ROOT / target.partition("#")[0]).resolve() for _, target in relative_links(ROOT / "README.md")}
+    unlinked = [page.name for page in PAGES if page.parent == ROOT / "docs" and page.resolve() not in linked]
+    assert not unlinked, f"docs pages missing from README's Documentation list: {', '.join(unlinked)}"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))

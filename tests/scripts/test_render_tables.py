@@ -54,3 +54,10 @@ def test_tables_that_no_page_holds_are_an_error_naming_the_markers(render, tmp_p
     assert "new" in page.read_text()
     with pytest.raises(SystemExit, match="speed-tables:start decode"):
         render.write_pages([page], {"training": "new", "decode": "decode table"})
+
+
+def test_the_docs_show_the_stored_results_as_rendered_now(render):
+    pages = [render.ROOT / "README.md", *sorted((render.ROOT / "docs").glob("*.md"))]
+    tables = render.render(render.RESULTS)
+    stale = [page.name for page in pages if render.replace_blocks(page.read_text(), tables)[0] != page.read_text()]
+    assert not stale, f"{', '.join(stale)}: speed tables out of date; run python scripts/render_tables.py --write"
