@@ -1,7 +1,7 @@
 """The documentation: README.md, docs/*.md and benchmarks/NOTES.md. Every relative link resolves (the file exists, and
-an anchor names a heading of the page it points to, as GitHub spells heading anchors), README links every docs page,
-prose keeps to 120 columns outside tables, images and code, and README's Python quickstart runs and passes the three
-principles."""
+an anchor names a heading of the page it points to, as GitHub spells heading anchors), README links every docs page
+and lists every subcommand, prose keeps to 120 columns outside tables, images and code, and README's Python
+quickstart runs and passes the three principles."""
 import contextlib
 import io
 import re
@@ -78,6 +78,14 @@ def test_prose_keeps_to_120_columns(page):
             if len(line) > WIDTH and not line.startswith(("|", "!["))]
     assert not long, f"lines over {WIDTH} columns outside tables, images and code (rewrap them):\n" + "\n".join(long)
 
+
+
+def test_the_readme_lists_every_subcommand():
+    from starscream_jax.cli.main import SUBCOMMANDS
+
+    text = (ROOT / "README.md").read_text()
+    listed = re.findall(r"^\| `(\w+)` \|", text.split("The `starscream` command", 1)[1].split("\n\n", 2)[1], re.M)
+    assert listed == list(SUBCOMMANDS), f"README's subcommand table lists {listed}; the command has {list(SUBCOMMANDS)}"
 
 def test_the_anchor_of_a_heading_is_githubs():
     assert anchor("Quick start (a fresh machine with Python 3.11+ and make)") == (
