@@ -15,12 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 from starscream_jax.analysis.profile import breakdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+WIDTH = 120
+"""The docs' line width: each table's caption is wrapped to it (table rows are not)."""
 KINDS = ("training", "decode")
 """The kinds of table, each kept between its own pair of markers."""
 BASELINE = {"starscream_tp": "plain JAX TP", "gpu_tp": "plain JAX TP", "flat_tp": "plain JAX TP",
@@ -32,6 +35,10 @@ def _source(meta: dict, path: Path) -> str:
     return (f"`{meta['command']}` ({meta['date']}, {meta['devices']} x {meta['device_kind']}, jax {meta['jax']}"
             + (f", XLA_FLAGS `{meta['xla_flags']}`" if meta.get("xla_flags") else "") + f"; {path.name})"
             + (f". Note: {meta['note']}" if meta.get("note") else ""))
+
+
+def _caption(text: str) -> str:
+    return textwrap.fill(text, WIDTH, break_long_words=False, break_on_hyphens=False)
 
 
 def _ratio(row: dict) -> str:
@@ -46,8 +53,8 @@ def _ratio(row: dict) -> str:
 def mfu_table(result: dict, path: Path) -> str:
     """One training-throughput table."""
     meta = result["meta"]
-    lines = [f"{meta['model']}, {meta['batch_size']} x {meta['seq_len']} tokens per step"
-             + (", remat" if meta.get("remat") else "") + f": {_source(meta, path)}", "",
+    lines = [_caption(f"{meta['model']}, {meta['batch_size']} x {meta['seq_len']} tokens per step"
+                      + (", remat" if meta.get("remat") else "") + f": {_source(meta, path)}"), "",
              "| implementation | mesh | ms/step | tokens/s | MFU | ratio |", "|---|---|---|---|---|---|"]
     lines += [f"| {row['name']} | {row['mesh']} | {1e3 * row['step_s']:.1f} | {row['tokens_per_s']:,.0f} | "
               f"{100 * row['mfu']:.1f}% | {_ratio(row)} |" for row in result["rows"]]
@@ -58,9 +65,9 @@ def decode_table(result: dict, path: Path) -> str:
     """One decode table."""
     meta = result["meta"]
     read = meta.get("read_bandwidth_bytes_per_s")
-    lines = [f"{meta['model']} decode under {meta['layout']}, measured copy bandwidth "
-             f"{meta['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s"
-             + ("" if read is None else f", read {read / 1e12:.2f} TB/s") + f": {_source(meta, path)}", "",
+    lines = [_caption(f"{meta['model']} decode under {meta['layout']}, measured copy bandwidth "
+                      f"{meta['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s"
+                      + ("" if read is None else f", read {read / 1e12:.2f} TB/s") + f": {_source(meta, path)}"), "",
              "| batch | cache | ms/step | tokens/s | GB read/step | TB/s | of 4.8 TB/s | of copy | of read |",
              "|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:

@@ -13,19 +13,16 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "NOTES.md"]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^\s*(```|~~~)")
-GENERATED = re.compile(r"<!-- speed-tables:(start|end) \w+ -->")
 WIDTH = 120
 
 
 def prose(page: Path) -> list[tuple[int, str]]:
-    """(line number, line) of the page outside code blocks and the tables render_tables.py writes."""
-    lines, fenced, generated = [], False, False
+    """(line number, line) of the page outside code blocks."""
+    lines, fenced = [], False
     for number, line in enumerate(page.read_text().splitlines(), start=1):
         if FENCE.match(line):
             fenced = not fenced
-        elif GENERATED.search(line):
-            generated = "start" in line
-        elif not (fenced or generated):
+        elif not fenced:
             lines.append((number, line))
     return lines
 
