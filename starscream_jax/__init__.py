@@ -2,6 +2,7 @@
 
 The public API, in the order data flows through it:
   the mesh        `build_mesh` / `build_topology_mesh` (each physical GPU one row of a ('data', 'gpu', 'xcd') mesh),
+                  `auto_axes` (the mesh with Auto axes, for models written for Flax's GSPMD guide),
                   `simulate_cpu_devices`, `Topology`, `parse_override`, `list_presets`, `load_preset`, `AXES`;
   layouts         `get_layout`, `LAYOUTS`, `Layout`, and `use_layout` to make one active while tracing;
   annotations     `param` (a parameter with logical axis names), `constrain` (an activation placed by name),
@@ -11,7 +12,8 @@ The public API, in the order data flows through it:
   collectives     hierarchical collectives for per-device code inside `jax.shard_map`;
   Flax models     `in_vocabulary` (a layout under your logical names, `MAXTEXT`'s or a dict), `flax_rules` (a
                   rule table for Flax's `logical_axis_rules`), `weights_at_use` (Flax layers' weights gathered at
-                  use), `derive` (the partition-aware layout of a GPU-level rule table);
+                  use), `derive` (the partition-aware layout of a GPU-level rule table), `cross_entropy` (a loss
+                  on vocabulary-split logits) and `embed_lookup` (rows of a vocabulary-split table);
   the proof       `check`: any jitted step judged by the three principles; `check_compiled`: a compiled program;
   checkpoints     `load_hf_model` (a Hugging Face model directory read straight into a layout's shards),
                   `export_hf_model`, `model_config_from_hf`.
@@ -21,12 +23,13 @@ from .analysis.check import StepCheck, check
 from .analysis.principles import Check, check_compiled
 from .errors import CheckpointError, PresetError, RunStopped, ShardingRuleError, StarscreamError, TopologyError
 from .hardware.axes import AXES
-from .hardware.mesh import build_mesh, build_topology_mesh
+from .hardware.mesh import auto_axes, build_mesh, build_topology_mesh
 from .hardware.presets import list_presets, load_preset
 from .hardware.simulation import simulate_cpu_devices
 from .hardware.topology import Topology, parse_override
 from .model.hf_checkpoint import export_hf_model, load_hf_model
 from .model.hf_config import model_config_from_hf
+from .model.ops import cross_entropy, embed_lookup
 from .sharding.apply import activation_spec, constrain, create_sharded, einsum, param, shared_input, use_layout, weight
 from .sharding.collectives import (
                                    all_gather_inside_gpu,
@@ -43,7 +46,7 @@ from .sharding.layouts import LAYOUTS, Layout, get_layout
 __all__ = [
     "AXES", "Check", "CheckpointError", "LAYOUTS", "Layout", "MAXTEXT", "PresetError", "RunStopped", "STARSCREAM",
     "ShardingRuleError", "StarscreamError", "StepCheck", "Topology", "TopologyError", "Vocabulary",
-    "activation_spec", "all_gather_inside_gpu", "all_reduce_across_gpus", "build_mesh", "build_topology_mesh",
+    "activation_spec", "all_gather_inside_gpu", "auto_axes", "cross_entropy", "embed_lookup", "all_reduce_across_gpus", "build_mesh", "build_topology_mesh",
     "check", "check_compiled", "constrain", "create_sharded", "derive", "einsum", "export_hf_model", "flax_rules",
     "get_layout", "hierarchical_all_gather", "hierarchical_all_reduce", "hierarchical_psum", "in_vocabulary",
     "list_presets", "load_hf_model", "load_preset", "model_config_from_hf", "param", "parse_override",

@@ -12,8 +12,9 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.hardware.mesh import auto_axes, build_mesh
 from starscream_jax.sharding.apply import create_sharded, use_layout
+from starscream_jax.sharding.flax_rules import in_vocabulary
 
 FP32_TOLERANCE = 2e-5
 """Largest absolute difference between sharded and unsharded float32 results (see tests/model/test_decoder.py)."""
@@ -139,3 +140,34 @@ def test_the_flax_example_scripts_train_and_pass_the_check():
         assert losses[-1] < losses[0], example.__name__
         assert verdict.ok, (example.__name__, verdict.principles)
         assert verdict.reference == "gpu_tp" and not verdict.principles["shape_preservation"]["unpaired"]
+
+
+gspmd_gpt = load_example("gspmd_gpt")  # the model file imports nothing of this library
+flax_gspmd_train = load_example("flax_gspmd_train")
+GSPMD_CONFIGS = {"1x2x4": gspmd_gpt.Config(heads=8, d_ff=64, layers=1),
+                 "2x2x2": gspmd_gpt.Config(heads=8, d_ff=64, layers=1, fused_qkv=False)}
+"""Fused q/k/v on one mesh, three projections on the other."""
+GSPMD_TOKENS = gspmd_gpt.batch(0)
+
+
+def gspmd_loss_and_grads(model, tokens_BS):
+    loss, grads = nnx.value_and_grad(gspmd_gpt.loss_fn)(model, tokens_BS)
+    return loss, nnx.state(grads)
+
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+def test_a_gspmd_style_model_matches_its_unsharded_run_unchanged(mesh_name):
+    """The GSPMD-guide model (biases, LayerNorm with bias, tied embedding with `attend`, optax's loss) placed on an
+    Auto mesh by starscream_tp in its own names: the parameters are stored as the layout stores them, and the loss
+    and every gradient equal the unsharded run's."""
+    config = GSPMD_CONFIGS[mesh_name]
+    with nnx.use_eager_sharding(False):
+        expected = nnx.jit(gspmd_loss_and_grads)(gspmd_gpt.GPT(config, nnx.Rngs(0)), GSPMD_TOKENS)
+    mesh = auto_axes(mesh_of(mesh_name))
+    layout = in_vocabulary("starscream_tp", flax_gspmd_train.VOCABULARY)
+    model = create_sharded(lambda: gspmd_gpt.GPT(config, nnx.Rngs(0)), layout, mesh)
+    assert model.embed.embedding.sharding.spec == P("gpu", "xcd")
+    assert model.blocks[0].up.kernel.sharding.spec == P("xcd", "gpu")
+    with use_layout(layout, mesh):
+        loss, grads = nnx.jit(gspmd_loss_and_grads)(model, GSPMD_TOKENS)
+    assert_close((loss, grads), expected)

@@ -298,6 +298,12 @@ def _mesh(chosen: list[list], topology: Topology, data: int):
     return Mesh(grid, AXES, axis_types=(AxisType.Explicit,) * len(AXES))
 
 
+def auto_axes(mesh: Mesh) -> Mesh:
+    """The same devices and axes with every axis Auto: XLA's sharding propagation places the arrays between the
+    model's constraints, as models written for Flax's GSPMD guide (Linen's or NNX's logical constraints) expect."""
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
 def device_table(mesh) -> list[list[list[int]]]:
     """Device ids at each (data, gpu, xcd) of the mesh."""
     return [[[int(d.id) for d in row] for row in plane] for plane in mesh.devices]

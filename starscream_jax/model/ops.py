@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec, reshard
+from jax.sharding import PartitionSpec
 
 from ..errors import ShardingRuleError
 from ..hardware.axes import axes_of, dim_axes
-from ..sharding.apply import activation_spec, active, compute_device
+from ..sharding.apply import activation_spec, active, compute_device, placed_as, weight, weight_spec
 from ..sharding.collectives import hierarchical_all_gather, hierarchical_psum
 from ..sharding.rules import LogicalNames
-from .names import ATTN_KV, ATTN_Q, LOGITS, POSITIONS, TOKENS
+from .names import ATTN_KV, ATTN_Q, LOGITS, POSITIONS, RESIDUAL, TOKENS
 
 
 def _offset(axes: tuple[str, ...], local_size: int):
@@ -35,7 +35,7 @@ def _run_sharded(local_fn, args, names: list[LogicalNames | None], outs: list[tu
     out_specs = tuple(activation_spec(n, shape, tensor) for n, shape in outs)
     fn = jax.shard_map(lambda *a: local_fn(*a, specs=specs), in_specs=tuple(specs),
                        out_specs=out_specs[0] if len(outs) == 1 else out_specs)
-    return fn(*[reshard(a, s) for a, s in zip(args, specs)])
+    return fn(*[placed_as(a, s) for a, s in zip(args, specs)])
 
 
 def _kv_heads_for_local_queries(kv_BTKE, local_heads: int, group: int, q_axes, kv_axes):
@@ -154,20 +154,26 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None):
     return _run_sharded(local, args, names, [(ATTN_Q, q_BSHE.shape)], "attention")
 
 
-def embed_lookup(table_VD, tokens_BS, out: LogicalNames):
-    """Rows of the embedding table for each token: [B, S] -> [B, S, D]. Vocab-parallel: each device looks up the
-    tokens in its vocab shard (zeros elsewhere) and a psum over the vocab axes completes the rows. `table_VD` is
-    the weight as used (see `sharding.weight`); its embed placement must equal `out`'s."""
+def embed_lookup(table_VD, tokens_BS, out: LogicalNames = RESIDUAL):
+    """The rows of an embedding table [V, D] for tokens [B, S] int: [B, S, D], placed by the active layout's rule
+    for `out` (default ("batch", "seq", "embed")); `jnp.take` outside a layout.
+
+    Vocabulary-parallel, for a table whose V is split (over `gpu` under starscream_tp): each device looks its tokens
+    up in its own rows (zeros for tokens in another device's rows) and a psum over the vocabulary's mesh axes, one
+    axis at a time, completes them; no [B, S, V] one-hot and no gather of the table. The table may come as stored
+    (`create_sharded`; its D split inside the GPU) or as used (`weight`): one stored otherwise than the layout uses
+    it is first taken as `weight(table, ("vocab", "embed"))` does, gathered inside the GPU, its gradient summed back
+    into the stored shards. Explicit and Auto mesh axes alike."""
     current = active()
     if current is None:
         return jnp.take(table_VD, tokens_BS, axis=0)
-    table_type = jax.typeof(table_VD).sharding.spec  # may be `reduced` over the token axes (see sharding.weight)
-    table_spec = tuple(table_type.partitions) + (None,) * (2 - len(table_type.partitions))
     out_spec = activation_spec(out, (*tokens_BS.shape, table_VD.shape[1]), "embedding")
+    table_VD, table_spec = _table_at_use(table_VD, axes_of(out_spec[2]))
     tokens_spec = PartitionSpec(out_spec[0], out_spec[1])
-    vocab_axes = axes_of(table_spec[0])
-    if axes_of(table_spec[1]) != axes_of(out_spec[2]):
-        raise ShardingRuleError(f"embedding table at use shards embed over {table_spec[1]} but the residual stream "
+    vocab, embed = table_spec.partitions
+    vocab_axes = axes_of(vocab)
+    if axes_of(embed) != axes_of(out_spec[2]):
+        raise ShardingRuleError(f"embedding table at use shards embed over {embed} but the residual stream "
                                 f"over {out_spec[2]}; make the weight and activation rules for 'embed' agree")
 
     def local(table, tokens):
@@ -176,13 +182,33 @@ def embed_lookup(table_VD, tokens_BS, out: LogicalNames):
         rows = jnp.take(table, jnp.clip(ids, 0, table.shape[0] - 1), axis=0) * inside[..., None].astype(table.dtype)
         return hierarchical_psum(rows, vocab_axes)
 
-    fn = jax.shard_map(local, in_specs=(table_type.update(partitions=table_spec), tokens_spec), out_specs=out_spec)
-    return fn(table_VD, reshard(tokens_BS, tokens_spec))
+    fn = jax.shard_map(local, in_specs=(table_spec, tokens_spec), out_specs=out_spec)
+    return fn(table_VD, placed_as(tokens_BS, tokens_spec))
+
+
+def _table_at_use(table_VD, embed_axes: tuple[str, ...]):
+    """(table, its PartitionSpec as shard_map takes it): on Explicit axes the table's own type (it may be `reduced`
+    over the token axes, see `sharding.weight`), through `weight` first when its D is placed otherwise than the
+    residual stream's; on Auto axes always through `weight`, placed as the layout's weights rules say."""
+    names = ("vocab", "embed")
+    if active().auto:
+        used = weight(table_VD, names, tensor="embedding table")
+        return used, weight_spec(names, table_VD.shape, "embedding table")
+    spec = jax.typeof(table_VD).sharding.spec
+    if not spec.reduced and dim_axes(spec, 1) != embed_axes:
+        table_VD = weight(table_VD, names, tensor="embedding table")
+        spec = jax.typeof(table_VD).sharding.spec
+    return table_VD, spec.update(partitions=tuple(spec.partitions) + (None,) * (2 - len(spec.partitions)))
 
 
 def cross_entropy(logits_BSV, targets_BS):
-    """Per-token cross entropy in nats, [B, S], computed where the logits live: max and sum of exponentials are
-    reduced over the vocab axes (pmax / psum of [B, S] values), never gathering the [B, S, V] logits."""
+    """Per-token cross entropy in nats, [B, S], of logits [B, S, V] against integer labels [B, S]: forward and
+    gradient those of `optax.softmax_cross_entropy_with_integer_labels` on the whole logits.
+
+    Computed where the layout places the logits (("batch", "seq", "vocab"): V split over `gpu` under starscream_tp):
+    the max and the sum of exponentials are reduced over the vocabulary's mesh axes (pmax / psum of [B, S] values,
+    one axis at a time), and the label's logit is a masked sum on the device that holds it; the [B, S, V] logits are
+    never gathered and no [B, S, V] one-hot is built. Explicit and Auto mesh axes alike; plain outside a layout."""
     def local(logits, targets, *, specs):
         vocab_axes = dim_axes(specs[0], 2)
         logits = logits.astype(jnp.float32)

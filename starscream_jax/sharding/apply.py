@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec, reshard
+from jax.sharding import AxisType, NamedSharding, PartitionSpec, reshard
 
 from ..errors import ShardingRuleError
 from ..hardware.axes import INSIDE_GPU, axes_of, spec_axes
-from .layouts import Layout, get_layout
+from .layouts import Layout, flax_table, get_layout
 from .rules import LogicalNames, resolve
 
 LOGICAL_AXES = "logical_axes"
@@ -32,19 +32,47 @@ class ActiveLayout:
     layout: Layout
     mesh: jax.sharding.Mesh
 
+    @property
+    def auto(self) -> bool:
+        """Whether the mesh's axes are Auto: arrays carry no placement in their types and XLA's sharding
+        propagation places everything between the constraints (the helpers then constrain, never reshard)."""
+        return is_auto(self.mesh)
+
 
 _ACTIVE: contextvars.ContextVar[ActiveLayout | None] = contextvars.ContextVar("starscream_layout", default=None)
+
+
+def is_auto(mesh: jax.sharding.Mesh) -> bool:
+    """True for a mesh whose axes are all Auto, False for all Explicit; a mix is an error."""
+    types = set(mesh.axis_types)
+    if types == {AxisType.Auto}:
+        return True
+    if types == {AxisType.Explicit}:
+        return False
+    raise ShardingRuleError(f"mesh axes {mesh.axis_names} are of types {[t.name for t in mesh.axis_types]}; a layout "
+                            "needs them all Explicit (build_mesh) or all Auto (auto_axes(mesh))")
 
 
 @contextlib.contextmanager
 def use_layout(layout: Layout | str, mesh):
     """Makes `layout` on `mesh` the active layout (and `mesh` JAX's mesh) for code traced inside the block.
 
+    On a mesh with Auto axes (`auto_axes(mesh)`, for models written for Flax's GSPMD guide) the layout is also
+    installed as Flax's logical-axis rules (`nnx.logical_axis_rules`, which Linen's `nn.with_logical_constraint` and
+    `nn.logical_axis_rules` share): the layout's weights-at-use and activation tables in one (`flax_table(layout,
+    "use")`, every name of the layout's tables, yours too after `in_vocabulary`), so each logical constraint of the
+    model places its activation as the layout does; parameters are placed at rest by `create_sharded`.
+
     The layout is read while tracing and is not part of jit's cache key: a function jitted once and called under
     two layouts with equally placed arguments reuses the first trace. Jit (or lower) afresh inside each block."""
-    token = _ACTIVE.set(ActiveLayout(get_layout(layout), mesh))
+    current = ActiveLayout(get_layout(layout), mesh)
+    rules = flax_table(current.layout, "use") if current.auto else None
+    token = _ACTIVE.set(current)
     try:
-        with jax.set_mesh(mesh):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(jax.set_mesh(mesh))
+            if rules is not None:
+                stack.enter_context(nnx.logical_axis_rules(rules))
             yield
     finally:
         _ACTIVE.reset(token)
@@ -73,7 +101,22 @@ def activation_spec(names: LogicalNames, shape, tensor: str = "activation") -> P
 def constrain(x: jax.Array, names: LogicalNames, tensor: str = "activation") -> jax.Array:
     """Reshards activation `x` to the active layout's placement of its logical `names` (identity when none)."""
     spec = activation_spec(names, x.shape, tensor)
-    return x if spec is None else reshard(x, spec)
+    return x if spec is None else placed_as(x, spec)
+
+
+def placed_as(x: jax.Array, spec: PartitionSpec) -> jax.Array:
+    """`x` placed by `spec` on the active mesh: resharded on Explicit axes, a sharding constraint on Auto axes."""
+    current = active()
+    if current.auto:
+        return jax.lax.with_sharding_constraint(x, NamedSharding(current.mesh, spec))
+    return reshard(x, spec)
+
+
+def weight_spec(names: LogicalNames, shape, tensor: str = "weight") -> PartitionSpec:
+    """The PartitionSpec the active layout's `weights` rules give a weight of `shape` as a matmul uses it."""
+    current = active()
+    return resolve(names, tuple(shape), current.layout.weights, current.mesh, tensor,
+                   f"weight rules of {current.layout.name}")
 
 
 def weight(value: jax.Array, names: LogicalNames, dtype=None, tensor: str = "weight",
@@ -93,12 +136,33 @@ def weight(value: jax.Array, names: LogicalNames, dtype=None, tensor: str = "wei
     current = active()
     if current is None:
         return value
-    spec = resolve(names, value.shape, current.layout.weights, current.mesh, tensor,
-                   f"weight rules of {current.layout.name}")
+    spec = weight_spec(names, value.shape, tensor)
+    if current.auto:
+        stored = resolve(names, value.shape, current.layout.params, current.mesh, tensor,
+                         f"param rules of {current.layout.name}")
+        return _constrained_at_use(value, NamedSharding(current.mesh, spec), NamedSharding(current.mesh, stored))
     summed_over = (_token_axes(current) if summed_over is None else summed_over) - spec_axes(spec)
     if not _inside_and_across_gpus(summed_over, current.mesh):
         return reshard(value, spec)
     return _weight_at_use(value, spec, jax.typeof(value).sharding.spec, summed_over)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _constrained_at_use(value, use: NamedSharding, stored: NamedSharding):
+    """On Auto axes: `value` constrained to its placement at use; its gradient constrained to the stored placement,
+    so XLA sums it straight into the stored shards (a reduce-scatter inside the GPU) rather than whole."""
+    return jax.lax.with_sharding_constraint(value, use)
+
+
+def _constrained_at_use_forward(value, use, stored):
+    return _constrained_at_use(value, use, stored), None
+
+
+def _constrained_gradient(use, stored, _, gradient):
+    return (jax.lax.with_sharding_constraint(gradient, stored),)
+
+
+_constrained_at_use.defvjp(_constrained_at_use_forward, _constrained_gradient)
 
 
 def _token_axes(current: ActiveLayout) -> frozenset[str]:
@@ -143,8 +207,9 @@ def shared_input(x: jax.Array, used_by: list[jax.Array]) -> jax.Array:
     input gradient is a partial sum over those axes. Typed `reduced` there, `x` receives them unreduced; autodiff
     adds them locally and one all-reduce (or reduce-scatter) sums the total, where XLA would reduce each matmul's
     gradient on its own (q, k and v: three times the bytes). Identity outside `use_layout`, and where the weights
-    do not all split the same axes (kv heads fewer than the partitions the query heads are split over)."""
-    if active() is None:
+    do not all split the same axes (kv heads fewer than the partitions the query heads are split over), and on Auto
+    axes (XLA's propagation chooses the reductions there)."""
+    if active() is None or active().auto:
         return x
     spec = jax.typeof(x).sharding.spec
     split = {spec_axes(jax.typeof(w).sharding.spec) - spec_axes(spec) for w in used_by}
@@ -175,6 +240,8 @@ def scale(x: jax.Array, value: jax.Array, names: LogicalNames, tensor: str = "sc
     places it, its gradient summed over the mesh axes that split x's leading dimensions. A weight typed `reduced`
     is taken only by dot_general, so it multiplies through an einsum, which XLA compiles back into an elementwise
     multiply."""
+    if active() is not None and active().auto:
+        return x * weight(value, names, tensor=tensor)
     leading = jax.typeof(x).sharding.spec[:x.ndim - value.ndim] if active() is not None else ()
     used = weight(value, names, tensor=tensor, summed_over=frozenset(a for entry in leading for a in axes_of(entry)))
     if not jax.typeof(used).sharding.spec.reduced:
@@ -195,7 +262,7 @@ def token_mean(x: jax.Array, names: LogicalNames, tensor: str = "token mean") ->
     if spec is None:
         return jnp.mean(x)
     batch_axes = axes_of(spec[0])
-    if not _inside_and_across_gpus(spec_axes(spec), active().mesh):
+    if active().auto or not _inside_and_across_gpus(spec_axes(spec), active().mesh):
         return jnp.mean(x)
     per_sequence = jnp.mean(x, axis=tuple(range(1, x.ndim)))
     across_gpus = tuple(axis for axis in batch_axes if axis != INSIDE_GPU)
@@ -212,6 +279,8 @@ def einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, out: LogicalNames, t
         sizes.update(zip(letters, operand.shape))
     shape = tuple(sizes[letter] for letter in result)
     spec = activation_spec(out, shape, tensor)
+    if spec is not None and active().auto:
+        return placed_as(jnp.einsum(subscripts, lhs, rhs), spec)
     return jnp.einsum(subscripts, lhs, rhs, out_sharding=spec)
 
 

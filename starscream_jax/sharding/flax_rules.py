@@ -28,9 +28,8 @@ import jax
 from flax import nnx
 
 from ..errors import ShardingRuleError
-from ..hardware.axes import MeshAxes
 from .apply import active, logical_names, path_name, weight
-from .layouts import ACTIVATION_NAMES, RULE_TABLES, WEIGHT_NAMES, Layout, get_layout
+from .layouts import ACTIVATION_NAMES, RULE_TABLES, WEIGHT_NAMES, FlaxRules, Layout, flax_table, get_layout
 from .rules import Rules
 
 STARSCREAM: dict[str, str] = {name: name for name in dict.fromkeys((*WEIGHT_NAMES, *ACTIVATION_NAMES))}
@@ -67,9 +66,6 @@ def _for_table(vocabulary: VocabularyLike, table: str) -> Mapping[str, str]:
     return vocabulary.activations if table == "activations" else vocabulary.weights
 
 
-FLAX_TABLES = (*RULE_TABLES, "use")
-
-
 def in_vocabulary(layout: Layout | str, vocabulary: VocabularyLike = STARSCREAM) -> Layout:
     """`layout` whose rule tables also answer to the names of `vocabulary` ({your name: library name}): each of your
     names gets the rule of the library name it maps to, ahead of the library's own rules (yours win where a name is
@@ -77,10 +73,10 @@ def in_vocabulary(layout: Layout | str, vocabulary: VocabularyLike = STARSCREAM)
     layout = get_layout(layout)
     named = {kind: _for_table(vocabulary, kind) for kind in RULE_TABLES}
     unknown = sorted({f"{yours} -> {ours}" for names in named.values() for yours, ours in names.items()
-                      if ours not in STARSCREAM})
+                      if ours is not None and ours not in STARSCREAM})
     if unknown:
         raise ShardingRuleError(f"vocabulary maps to names no layout knows: {', '.join(unknown)}; map each name to "
-                                f"one of {', '.join(STARSCREAM)}")
+                                f"one of {', '.join(STARSCREAM)}, or to None for a dimension never split")
     tables = {kind: _renamed(getattr(layout, kind), named[kind]) for kind in RULE_TABLES}
     replicated_ok = layout.replicated_ok | {yours for names in named.values() for yours, ours in names.items()
                                             if ours in layout.replicated_ok}
@@ -88,42 +84,20 @@ def in_vocabulary(layout: Layout | str, vocabulary: VocabularyLike = STARSCREAM)
 
 
 def _renamed(rules: Rules, vocabulary: Mapping[str, str]) -> Rules:
-    yours = tuple((name, rules.lookup(ours)[1] or None) for name, ours in vocabulary.items()
-                  if rules.lookup(ours)[0] and name != ours)
+    yours = tuple((name, None if ours is None else rules.lookup(ours)[1] or None) for name, ours in vocabulary.items()
+                  if (ours is None or rules.lookup(ours)[0]) and name != ours)
     may_replicate = {name for name, ours in vocabulary.items() if ours in rules.may_replicate}
     return Rules(yours + rules.table, rules.may_replicate | frozenset(may_replicate))
 
 
-def flax_rules(layout: Layout | str, table: str = "params",
-               vocabulary: VocabularyLike = STARSCREAM) -> tuple[tuple[str, MeshAxes], ...]:
+def flax_rules(layout: Layout | str, table: str = "params", vocabulary: VocabularyLike = STARSCREAM) -> FlaxRules:
     """The layout's `table` as the (logical name, mesh axes) pairs Flax's `logical_axis_rules` contexts take, under
     the names of `vocabulary` only (each name once, so Flax's Linen and NNX resolvers read it alike).
 
-    "use" is the weights table and the activations table together, for Linen's apply (it constrains each parameter
-    to its rule as a module reads it, so the weights are gathered at use); a name the two tables place differently
-    is an error there: give weights and activations distinct names (as MaxText's `activation_*` do)."""
-    if table not in FLAX_TABLES:
-        raise ShardingRuleError(f"no rule table {table!r}; choose one of {', '.join(FLAX_TABLES)}")
-    layout = get_layout(layout)
-    if table != "use":
-        return _pairs(getattr(layout, table), _for_table(vocabulary, table))
-    weights = _pairs(layout.weights, _for_table(vocabulary, "weights"))
-    activations = _pairs(layout.activations, _for_table(vocabulary, "activations"))
-    clashes = sorted(name for name, axes in weights if dict(activations).get(name, axes) != axes)
-    if clashes:
-        raise ShardingRuleError(f"layout {layout.name} places weights and activations named {clashes} differently, so "
-                                "one Flax rule table cannot hold both; use a vocabulary whose activation names differ "
-                                "from its weight names (MAXTEXT) or the 'weights' and 'activations' tables apart")
-    return tuple(dict([*activations, *weights]).items())
-
-
-def _pairs(rules: Rules, vocabulary: Mapping[str, str]) -> tuple[tuple[str, MeshAxes], ...]:
-    pairs = []
-    for name, ours in vocabulary.items():
-        found, axes = rules.lookup(ours)
-        if found:
-            pairs.append((name, None if not axes else axes[0] if len(axes) == 1 else axes))
-    return tuple(pairs)
+    "params" (at rest), "weights" (at use), "activations", or "use": the weights table and the activations table
+    together, for a step where one context places both (see `layouts.flax_table`); a name the two place differently
+    is an error there."""
+    return flax_table(get_layout(layout), table, {kind: _for_table(vocabulary, kind) for kind in RULE_TABLES})
 
 
 def weights_at_use(model: nnx.Module) -> nnx.Module:

@@ -175,3 +175,41 @@ def get_layout(name: str | Layout) -> Layout:
     if name not in LAYOUTS:
         raise ShardingRuleError(f"unknown layout {name!r}; choose one of {', '.join(LAYOUTS)}")
     return LAYOUTS[name]
+
+
+FLAX_TABLES = (*RULE_TABLES, "use")
+FlaxRules = tuple[tuple[str, MeshAxes], ...]
+"""A rule table as the (logical name, mesh axes) pairs Flax's `logical_axis_rules` contexts take."""
+
+
+def flax_table(layout: Layout, table: str, names: dict[str, dict[str, str | None]] | None = None) -> FlaxRules:
+    """`layout`'s `table` (one of FLAX_TABLES) as (name, mesh axes) pairs, each name once, so that Flax's Linen and
+    NNX resolvers read it alike. `names` gives per rule table {exported name: the layout's name} (default: every
+    name the table knows, as itself; a name mapped to None is never split).
+
+    "use" is the weights table and the activations table together: what a step reads where one context places both
+    (Linen's apply constrains each parameter to its rule as a module reads it, and activations are constrained by
+    name). A name the two tables place differently is an error there: give weights and activations distinct names
+    (as MaxText's `activation_*` do)."""
+    if table not in FLAX_TABLES:
+        raise ShardingRuleError(f"no rule table {table!r}; choose one of {', '.join(FLAX_TABLES)}")
+    if table != "use":
+        return _pairs(getattr(layout, table), None if names is None else names[table])
+    weights = _pairs(layout.weights, None if names is None else names["weights"])
+    activations = _pairs(layout.activations, None if names is None else names["activations"])
+    clashes = sorted(name for name, axes in weights if dict(activations).get(name, axes) != axes)
+    if clashes:
+        raise ShardingRuleError(f"layout {layout.name} places weights and activations named {clashes} differently, so "
+                                "one Flax rule table cannot hold both; use a vocabulary whose activation names differ "
+                                "from its weight names (MAXTEXT) or the 'weights' and 'activations' tables apart")
+    return tuple(dict([*activations, *weights]).items())
+
+
+def _pairs(rules: Rules, names: dict[str, str | None] | None) -> FlaxRules:
+    names = {name: name for name in rules.names()} if names is None else names
+    pairs = []
+    for name, ours in names.items():
+        found, axes = (True, ()) if ours is None else rules.lookup(ours)
+        if found:
+            pairs.append((name, None if not axes else axes[0] if len(axes) == 1 else axes))
+    return tuple(pairs)

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from starscream_jax.errors import ShardingRuleError
-from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.hardware.mesh import auto_axes, build_mesh
 from starscream_jax.model.decoder import write_cache
 from starscream_jax.model.ops import attention, cross_entropy, embed_lookup
 from starscream_jax.sharding.apply import use_layout, weight
@@ -162,18 +162,38 @@ def test_vocab_parallel_embedding_lookup_equals_take(layout):
 
 
 def test_embedding_placed_unlike_the_residual_stream_is_refused():
-    """starscream_decode keeps the residual stream's embed over xcd; a table used with embed whole does not fit."""
+    """starscream_decode keeps the residual stream's embed over xcd; weight rules that use the table with embed
+    whole do not fit it."""
     table, tokens = table_and_tokens()
-    mesh = build_mesh("2x4")
-    table = jax.device_put(table, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("gpu", None)))
+    layout = get_layout("starscream_decode").with_rules(weights={"embed": None})
     with pytest.raises(ShardingRuleError, match="embedding table at use shards embed over None but the residual "
                                                 "stream over xcd"):
-        sharded("starscream_decode", mesh, lambda t, x: embed_lookup(t, x, out=("batch", "seq", "embed")),
+        sharded(layout, build_mesh("2x4"), lambda t, x: embed_lookup(t, x, out=("batch", "seq", "embed")),
                 table, tokens)
 
 
-@pytest.mark.parametrize("layout", ["flat_tp", "starscream_tp"])
-def test_vocab_parallel_cross_entropy_and_its_gradient_equal_optax(layout):
+def test_a_table_as_stored_is_taken_as_the_layout_uses_it():
+    """A table passed as create_sharded stores it (embed over xcd) is gathered inside the GPU first, as `weight`
+    gathers it: the rows equal take's, forward and gradient, on Explicit and on Auto axes, and the gradient is
+    placed like the stored table."""
+    table, tokens = table_and_tokens()
+    mesh = build_mesh("2x4")
+
+    def summed(table_VD, tokens_BS):
+        return jnp.sum(jnp.sin(embed_lookup(table_VD, tokens_BS)))
+
+    expected = jax.value_and_grad(lambda t: jnp.sum(jnp.sin(jnp.take(t, tokens, axis=0))))(table)
+    for on in (mesh, auto_axes(mesh)):
+        stored = jax.device_put(table, jax.sharding.NamedSharding(on, jax.sharding.PartitionSpec("gpu", "xcd")))
+        value, grad = sharded("starscream_tp", on, jax.value_and_grad(summed), stored, tokens)
+        np.testing.assert_allclose(value, expected[0], rtol=1e-6)
+        np.testing.assert_allclose(grad, expected[1], atol=1e-6)
+        assert grad.sharding.spec == jax.sharding.PartitionSpec("gpu", "xcd")
+
+
+@pytest.mark.parametrize("layout,mesh", [("flat_tp", build_mesh("2x4")), ("starscream_tp", build_mesh("2x4")),
+                                         ("starscream_tp", auto_axes(build_mesh("2x4")))], ids=["flat", "tp", "auto"])
+def test_vocab_parallel_cross_entropy_and_its_gradient_equal_optax(layout, mesh):
     logits = 3 * jax.random.normal(jax.random.key(3), (B, S, V))
     targets = jax.random.randint(jax.random.key(4), (B, S), 0, V)
 
@@ -181,7 +201,7 @@ def test_vocab_parallel_cross_entropy_and_its_gradient_equal_optax(layout):
         return jax.value_and_grad(lambda x: jnp.mean(loss_fn(x, targets)))
 
     expected_loss, expected_grad = mean_loss(optax.softmax_cross_entropy_with_integer_labels)(logits)
-    loss, grad = sharded(layout, build_mesh("2x4"), mean_loss(cross_entropy), logits)
+    loss, grad = sharded(layout, mesh, mean_loss(cross_entropy), logits)
     np.testing.assert_allclose(loss, expected_loss, atol=FP32_TOLERANCE)
     np.testing.assert_allclose(grad, expected_grad, atol=FP32_TOLERANCE)
     assert cross_entropy(logits, targets).shape == (B, S)

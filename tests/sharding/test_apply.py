@@ -10,16 +10,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import flax.linen as nn
 from flax import nnx
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from jax.sharding import AbstractMesh
+from flax.core import spmd as flax_spmd
+from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
 from starscream_jax.analysis.report import inspect_compiled
 from starscream_jax.errors import ShardingRuleError
 from starscream_jax.hardware.axes import AXES
-from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.hardware.mesh import auto_axes, build_mesh
 from starscream_jax.model.config import ModelConfig
 from starscream_jax.model.decoder import Transformer, next_token_loss
 from starscream_jax.sharding.apply import (
@@ -111,6 +113,35 @@ def test_use_layout_is_active_only_inside_its_block():
             assert active().layout.name == "flat_tp"
         assert active().layout.name == "starscream_tp"
     assert active() is None
+
+
+def test_on_auto_axes_the_layout_is_installed_as_flax_logical_axis_rules():
+    """Inside use_layout on an Auto mesh, Flax's logical constraints place activations by the layout (weights at
+    use and activations in one table); the helpers constrain instead of resharding; outside, no rules remain."""
+    mesh = auto_axes(build_mesh("2x4"))
+    x, w = jnp.ones((8, 16)), jnp.ones((16, 32))
+
+    def step(x_BD, w_DF):
+        h_BF = einsum("bd,df->bf", nn.with_logical_constraint(x_BD, ("batch", "embed")), weight(w_DF, ("embed", "mlp")),
+                      out=("batch", "mlp"))
+        return h_BF, constrain(h_BF, ("batch", None))
+
+    with use_layout("starscream_tp", mesh):
+        rules = dict(flax_spmd.get_logical_axis_rules())
+        hidden, constrained = jax.jit(step)(x, w)
+    assert (rules["batch"], rules["embed"], rules["mlp"]) == (("data", "xcd"), None, "gpu")
+    assert hidden.sharding.is_equivalent_to(jax.NamedSharding(mesh, P(("data", "xcd"), "gpu")), 2)
+    assert constrained.sharding.is_equivalent_to(jax.NamedSharding(mesh, P(("data", "xcd"))), 2)
+    assert flax_spmd.get_logical_axis_rules() == ()
+
+
+def test_a_mesh_mixing_auto_and_explicit_axes_is_refused():
+    mesh = build_mesh("2x4")
+    mixed = jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Explicit, AxisType.Auto,
+                                                                         AxisType.Auto))
+    with pytest.raises(ShardingRuleError, match="all Explicit .build_mesh. or all Auto .auto_axes"):
+        with use_layout("starscream_tp", mixed):
+            pass
 
 
 def test_weights_are_gathered_inside_the_gpu_before_use_and_outputs_placed_by_einsum():

@@ -1,0 +1,42 @@
+"""Trains examples/gspmd_gpt.py, a model written for Flax's GSPMD guide, under a starscream layout, unchanged.
+
+The model file imports nothing of this library. What placing it takes is here, from the public API only: a mesh with
+Auto axes (`auto_axes`), the layout in the model's names (`in_vocabulary`: its `hidden` is the library's `mlp`, its
+`length` the `seq`, its fused `qkv` dimension never split), the model created already sharded (`create_sharded`),
+and the step jitted inside `use_layout`, which installs the layout as Flax's logical-axis rules. `check` then judges
+what XLA's sharding propagation made of it (see docs/flax_models.md for what it finds and the one-line fixes).
+
+    python examples/flax_gspmd_train.py      # trains a few steps on 2 simulated GPUs x 4 partitions, then checks
+"""
+from __future__ import annotations
+
+import optax
+from flax import nnx
+
+import gspmd_gpt
+from starscream_jax import auto_axes, build_mesh, check, create_sharded, in_vocabulary, simulate_cpu_devices, use_layout
+
+VOCABULARY = {"hidden": "mlp", "length": "seq", "qkv": None}
+"""The model's logical names that are not the library's ({its name: the library's}; None: never split)."""
+
+
+def main(layout: str = "starscream_tp", steps: int = 6, config: gspmd_gpt.Config = gspmd_gpt.Config(),
+         mesh_shape: str = "2x4"):
+    """Trains the model under `layout` on simulated GPUs x partitions (`mesh_shape`); returns the losses and
+    `check`'s verdict on the train step."""
+    simulate_cpu_devices(8)
+    mesh = auto_axes(build_mesh(mesh_shape))
+    placed = in_vocabulary(layout, VOCABULARY)
+    model = create_sharded(lambda: gspmd_gpt.GPT(config, nnx.Rngs(0)), placed, mesh)
+    with use_layout(placed, mesh):
+        optimizer = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+        step = nnx.jit(gspmd_gpt.train_step)
+        losses = [float(step(model, optimizer, gspmd_gpt.batch(i))) for i in range(steps)]
+        verdict = check(step, model, optimizer, gspmd_gpt.batch(0), mesh=mesh, vocabulary=VOCABULARY)
+    return losses, verdict
+
+
+if __name__ == "__main__":
+    losses, verdict = main()
+    print("losses", " ".join(f"{loss:.3f}" for loss in losses))
+    print(verdict.table())
