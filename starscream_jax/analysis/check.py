@@ -7,7 +7,8 @@ and Linen parameters among the arguments placed by that layout's params rules, f
 else as it was given). Arguments holding Linen parameters are traced under Linen's rule context too, with each
 layout's "use" table (`flax_rules`). Parameters whose logical names include one of the layout's `replicated_ok` names
 (norm scales), and their optimizer moments, may be replicated over `xcd`. `StepCheck.table()` prints what `starscream
-inspect` prints for the built-in model: memory, bytes by scope, collectives, kernel shapes and the verdicts.
+inspect` prints for the built-in model: memory, bytes by scope, collectives, kernel shapes and the verdicts, and which
+params rules placed the step's parameters (`placement`), naming those without logical names.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from ..sharding.layouts import Layout, get_layout
 from ..sharding.rules import resolve
 from .compile import COMPILER_OPTIONS, REFERENCE
 from .format import clip, format_bytes
+from .placement import ParameterPlacement, format_placements, parameter_placements
 from .principles import Check, check_principles
 from .report import MatmulReport, Report, inspect_compiled
 
@@ -42,6 +44,13 @@ class StepCheck(Check):
 
     layout: str = ""
     reference: str | None = None
+    placements: tuple[ParameterPlacement, ...] = ()
+    """Each parameter among the step's arguments with the params rules that placed it, or none (no logical names:
+    left as given, out of the layout's reach)."""
+
+    def unnamed(self) -> tuple[str, ...]:
+        """The paths of the parameters without logical names."""
+        return tuple(placement.path for placement in self.placements if not placement.named)
 
     def table(self) -> str:
         """The verdicts and figures as lines of text, then the first violations of each failed principle."""
@@ -77,7 +86,8 @@ def check(step: Callable, *args: Any, mesh: Mesh, layout: Layout | str | None = 
     allowed = _replicated_ok(args, layout.replicated_ok) if renamed else set()
     layer_stack = _replicated_ok(args, frozenset({"layers"})) if renamed else set()  # stacked over a `layers` axis
     verdicts = check_principles(report, reference_report, replicated_ok=allowed, layer_stack=layer_stack)
-    return StepCheck(report, verdicts, layout.name, None if reference is None else reference.name)
+    return StepCheck(report, verdicts, layout.name, None if reference is None else reference.name,
+                     parameter_placements(args, layout))
 
 
 @contextlib.contextmanager
@@ -221,6 +231,7 @@ def format_check(result: StepCheck) -> str:
     rows += [("local matmuls", f"{len(report.matmuls)} at {report.tokens_per_device} tokens per device"),
              ("  smallest (batch x M x K x N)",
               _kernel(min(report.matmuls, key=lambda m: m.flops)) if report.matmuls else "-"),
+             *format_placements(result.placements),
              ("principles" + (f" (kernel shapes against {result.reference})" if result.reference else ""), "")]
     labels = {"shape_preservation": "1 kernel shapes", "no_redundancy": f"2 no redundancy over {XCD}",
               "hierarchical_collectives": "3 hierarchical collectives"}
@@ -229,7 +240,7 @@ def format_check(result: StepCheck) -> str:
         rows.append((f"  {label}", "ok" if verdict["ok"] else f"FAIL ({len(verdict['violations'])})"))
     width = max(len(label) for label, _ in rows)
     lines = [f"step under {result.layout} on mesh {axes}", ""]
-    lines += [f"{label:<{width}}  {cell}".rstrip() for label, cell in rows]
+    lines += [clip(f"{label:<{width}}  {cell}".rstrip(), LINE_WIDTH) for label, cell in rows]
     for key in labels:
         violations = result.principles[key]["violations"]
         if violations:

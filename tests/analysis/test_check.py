@@ -1,5 +1,6 @@
 """`check`: a user's own jitted step (Flax NNX layers, MaxText's names) judged as the built-in model is judged."""
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -43,6 +44,10 @@ def test_a_flax_model_under_the_flat_layout_fails_as_the_built_in_model_does():
     table = result.table()
     assert "step under flat_tp on mesh data 1 x gpu 2 x xcd 4" in table
     assert "3 hierarchical collectives" in table and "hierarchical_collectives: " in table
+    placed = {placement.path: placement.rules for placement in result.placements}
+    assert placed["0/blocks/0/q/kernel"] == ("embed -> whole", "heads -> (gpu, xcd)", "kv -> whole")
+    assert result.unnamed() == ()
+    assert re.search(r"^without logical names \(left replicated\) +none$", table, re.MULTILINE)
 
 
 def test_a_step_that_is_not_jitted_is_refused():
