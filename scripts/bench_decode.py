@@ -9,8 +9,13 @@ device-to-device copy measured in the same run (bytes read + written / time) and
 (bytes read / time). tokens/s = batch / step time.
 
 The cache is filled with random values (never zeros) and the step decodes at its last position, so attention covers
-every cached position. Each step is compiled first, warmed up, then timed over `--steps` back-to-back steps (the
-cache donated from each step to the next, the clock stopped once the last token is on hand).
+every cached position. Each step is compiled first, warmed up, then timed over `--steps` back-to-back steps
+(`harness.timed_steps`: the cache donated from each step to the next, the clock stopped once the last token is on
+hand).
+
+Where torch and a CUDA GPU are present (`--no-torch` leaves it out, `--quick` skips it), the gpt-fast-style peer of
+scripts/torch_peers.py decodes at the same batches against the same cache length, its bytes counted alike; its rows
+are stored as "peer_rows" and each library row's tokens/s over the peer's at its batch is "vs_torch".
 
     CUDA_VISIBLE_DEVICES=0 python scripts/bench_decode.py --model llama3-8b --batches 1 64 --cache 4096 --out d.json
     python scripts/bench_decode.py --quick                          # CPU smoke run (tiny model)
@@ -18,12 +23,11 @@ cache donated from each step to the next, the clock stopped once the last token 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import sys
 import time
 from pathlib import Path
+
+from starscream_jax.benchmarks import harness
 
 H200_HBM_BYTES_PER_S = 4.8e12
 
@@ -39,12 +43,7 @@ def measured_bandwidth(gigabytes: float, repeats: int = 10) -> dict:
     rates = {}
     for name, step, moved in (("copy", jax.jit(lambda x: x + 1), 2 * x.nbytes),
                               ("read", jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32)), x.nbytes)):
-        jax.block_until_ready(step(x))
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(step(x))
-            times.append(time.perf_counter() - start)
+        times = [harness.seconds_per_call(step, (x,), warmup=1, calls=1) for _ in range(repeats)]
         rates[name] = moved / sorted(times)[len(times) // 2]
     return rates
 
@@ -113,24 +112,19 @@ def run_batch(graphdef, params, rest, config, layout: str, mesh, batch: int, cac
         start = time.perf_counter()
         compiled = decode_step(graphdef, Sampling()).lower(params, rest, cache, token_B, position).compile()
         compile_s = time.perf_counter() - start
-    for index in range(warmup + steps):
-        if index == warmup:
-            jax.block_until_ready((token_B, cache))
-            start = time.perf_counter()
-        token_B, cache = compiled(params, rest, cache, token_B, position)
-    jax.block_until_ready(token_B)
-    step_s = (time.perf_counter() - start) / steps
+
+    def advance(state):
+        token_B, cache = compiled(params, rest, state[1], state[0], position)
+        return (token_B, cache), token_B
+
+    timed = harness.timed_steps(advance, (token_B, cache), warmup=warmup, steps=steps)
+    step_s = timed.seconds_per_step
     breakdown = None
     if profile_dir is not None:
-        from starscream_jax.analysis.profile import time_breakdown
-
-        jax.profiler.start_trace(str(profile_dir / f"batch{batch}"), create_perfetto_trace=True)
-        for _ in range(5):
-            token_B, cache = compiled(params, rest, cache, token_B, position)
-        jax.block_until_ready(token_B)
-        jax.profiler.stop_trace()
-        breakdown = time_breakdown(profile_dir / f"batch{batch}", 5, compiled.as_text())
-        (profile_dir / f"batch{batch}.hlo.txt").write_text(compiled.as_text())
+        text = compiled.as_text()
+        breakdown = harness.traced_breakdown(advance, timed.state, steps=5, directory=profile_dir / f"batch{batch}",
+                                             hlo_text=text)[1]
+        (profile_dir / f"batch{batch}.hlo.txt").write_text(text)
     read = bytes_read_per_step(params, config, batch, cache_length)
     total = read["weights"] + read["kv_cache"]
     memory = compiled.memory_analysis()
@@ -141,15 +135,26 @@ def run_batch(graphdef, params, rest, config, layout: str, mesh, batch: int, cac
             "temp_bytes": None if memory is None else int(memory.temp_size_in_bytes), "time_breakdown": breakdown}
 
 
+def peer_rows(peers, config, args, library_rows: list[dict], devices: int) -> list[dict]:
+    """The PyTorch peer's rows (`torch_peers.decode_benchmark`, gpt-fast's manner) at the same batches and cache,
+    each with its bandwidth fractions; every library row gains "vs_torch", its tokens/s over the peer's at its
+    batch."""
+    rows = peers.decode_benchmark(config, args.batches, args.cache, warmup=args.warmup, steps=args.steps,
+                                  device=args.torch_device)
+    for row in rows:
+        row["fraction_of_peak"] = row["bandwidth_bytes_per_s"] / args.peak_bandwidth
+    for row, peer in zip(library_rows, rows):
+        row["vs_torch"] = row["tokens_per_s"] / peer["tokens_per_s"]
+    return rows
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="llama3-8b", help="model configuration in models/ (or a path)")
+    harness.add_model_arguments(parser, model="llama3-8b")
     parser.add_argument("--layout", default="starscream_decode", help="layout the decode step runs under")
     parser.add_argument("--gpus", type=int, default=1, help="devices to use")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64], help="sequences decoded per step")
     parser.add_argument("--cache", type=int, default=4096, help="KV cache length (positions)")
-    parser.add_argument("--warmup", type=int, default=5, help="steps after compiling, before the clock starts")
-    parser.add_argument("--steps", type=int, default=50, help="timed steps")
     parser.add_argument("--peak-bandwidth", type=float, default=H200_HBM_BYTES_PER_S,
                         help="device bandwidth in bytes/s (default: the H200 datasheet's 4.8e12)")
     parser.add_argument("--copy-gigabytes", type=float, default=4.0, help="size of the measured copy")
@@ -158,12 +163,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "library's, every layer in decode)")
     parser.add_argument("--profile-dir", type=Path,
                         help="trace 5 more steps of each batch here and record their device time by category")
-    parser.add_argument("--out", type=Path, help="write the results as JSON here")
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, cache 64, few steps")
+    parser.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time the PyTorch peer (scripts/torch_peers.py) where torch and a CUDA GPU are "
+                             "present (default: on; --quick skips it)")
+    parser.add_argument("--torch-device", default="cuda", choices=("cuda", "cpu"),
+                        help="where the PyTorch peer runs (cpu: a check of the peer on a machine without a GPU)")
+    harness.add_run_arguments(parser, warmup=5, steps=50,
+                              quick="tiny model at 2 layers, cache 64, batches 1 and 4, 1 + 2 steps, no PyTorch peer")
     args = parser.parse_args(argv)
     if args.quick:
-        args.model, args.cache, args.batches, args.warmup, args.steps, args.copy_gigabytes = \
-            "tiny", 64, [1, 4], 1, 2, 0.01
+        args.model, args.layers, args.cache, args.batches, args.warmup, args.steps, args.copy_gigabytes = \
+            "tiny", 2, 64, [1, 4], 1, 2, 0.01
     return args
 
 
@@ -174,32 +184,32 @@ def main(argv=None) -> int:
     from flax import nnx
 
     from starscream_jax.hardware.mesh import build_mesh
-    from starscream_jax.model.config import load_model_config
     from starscream_jax.model.decoder import create_sharded_model
     from starscream_jax.sharding.apply import use_layout
 
     mesh = build_mesh(gpus=args.gpus)
-    config = load_model_config(args.model, dtype="bfloat16", scan_unroll=args.unroll)
+    config = harness.model_config(args, dtype="bfloat16", scan_unroll=args.unroll)
     with use_layout(args.layout, mesh):
         graphdef, params, rest = nnx.split(create_sharded_model(config, args.layout, mesh), nnx.Param, ...)
     params = jax.tree.map(lambda value: value.astype(jnp.bfloat16), params)  # served weights: bfloat16
     measured = measured_bandwidth(args.copy_gigabytes)
     copy = measured["copy"]
     devices = mesh.devices.size
+    info = harness.run_info(__file__, argv)
     meta = {"model": config.name, "layout": args.layout, "scan_unroll": args.unroll, "mesh": dict(mesh.shape),
-            "devices": devices, "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
-            "xla_flags": os.environ.get("XLA_FLAGS", ""), "peak_bandwidth_bytes_per_s": args.peak_bandwidth,
+            "devices": devices, "peak_bandwidth_bytes_per_s": args.peak_bandwidth,
             "copy_bandwidth_bytes_per_s": copy, "read_bandwidth_bytes_per_s": measured["read"],
-            "decode_attention_relative_error": check_decode_attention(), "warmup": args.warmup, "steps": args.steps,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python " + " ".join(sys.argv)}
-    print(f"{config.name} decode under {args.layout} on {devices} x {meta['device_kind']}, jax {jax.__version__}; "
+            "decode_attention_relative_error": check_decode_attention(*QUICK_ATTENTION_CHECK if args.quick else ()),
+            "warmup": args.warmup, "steps": args.steps, **info.as_dict()}
+    print(f"{config.name} decode under {args.layout} on {devices} x {info.device_kind}, jax {info.jax}; "
           f"measured copy {copy / 1e12:.2f} TB/s, read {measured['read'] / 1e12:.2f} TB/s, datasheet "
           f"{args.peak_bandwidth / 1e12:.2f} TB/s; decode attention vs float32 reference: relative error "
           f"{meta['decode_attention_relative_error']:.1e}", flush=True)
-    print(f"{'batch':>5} {'cache':>6} {'ms/step':>8} {'tokens/s':>10} {'GB/step':>8} {'TB/s':>6} "
-          f"{'of peak':>7} {'of copy':>7} {'of read':>7} cuDNN attention calls", flush=True)
-    rows = []
+    header = (f"{'':<26} {'batch':>5} {'cache':>6} {'ms/step':>8} {'tokens/s':>10} {'GB/step':>8} {'TB/s':>6} "
+              f"{'of peak':>7} {'of copy':>7} {'of read':>7} {'vs torch':>8} cuDNN attention calls")
+    print(header, flush=True)
+    result = {"meta": meta, "rows": []}
+    rows = result["rows"]
     for batch in args.batches:
         row = run_batch(graphdef, params, rest, config, args.layout, mesh, batch, args.cache, args.warmup,
                         args.steps, args.profile_dir)
@@ -207,14 +217,39 @@ def main(argv=None) -> int:
         row["fraction_of_copy"] = row["bandwidth_bytes_per_s"] / (devices * copy)
         row["fraction_of_read"] = row["bandwidth_bytes_per_s"] / (devices * measured["read"])
         rows.append(row)
-        gigabytes = sum(row["bytes_per_step"].values()) / 1e9
-        print(f"{batch:>5} {args.cache:>6} {1e3 * row['step_s']:>8.2f} {row['tokens_per_s']:>10,.0f} "
-              f"{gigabytes:>8.2f} {row['bandwidth_bytes_per_s'] / 1e12:>6.2f} {row['fraction_of_peak']:>7.1%} "
-              f"{row['fraction_of_copy']:>7.1%} {row['fraction_of_read']:>7.1%} {row['fused_attention_calls']}",
-              flush=True)
-        if args.out:
-            args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+        print(row_line(args.layout, row), flush=True)
+        harness.write_json(args.out, result)
+    peers, skipped = harness.torch_peers(args.torch_device) if args.torch and not args.quick else (
+        None, "PyTorch peer skipped: " + ("--quick" if args.quick else "--no-torch"))
+    if peers is None:
+        print(skipped, flush=True)
+        return 0
+    del params, rest  # the peer's own weights and caches take their place on the GPU
+    result["peer_rows"] = peer_rows(peers, config, args, rows, devices)
+    for row in result["peer_rows"]:
+        print(row_line(row["name"], row), flush=True)
+    print("library vs torch, tokens/s: " + ", ".join(f"batch {row['batch']} {row['vs_torch']:.3f}x" for row in rows),
+          flush=True)
+    harness.write_json(args.out, result)
     return 0
+
+
+QUICK_ATTENTION_CHECK = (2, 64, 4, 2, 16)
+"""check_decode_attention's (batch, length, heads, kv_heads, head_dim) in a --quick run."""
+
+
+def row_line(name: str, row: dict) -> str:
+    """One table line: a library row (its bandwidth fractions, ratio to the peer, cuDNN calls) or a peer's."""
+    gigabytes = sum(row["bytes_per_step"].values()) / 1e9
+
+    def percent(key: str) -> str:
+        return f"{row[key]:>7.1%}" if key in row else f"{'':>7}"
+
+    ratio = f"{row['vs_torch']:>8.3f}" if "vs_torch" in row else f"{'':>8}"
+    return (f"{name:<26} {row['batch']:>5} {row['cache_length']:>6} {1e3 * row['step_s']:>8.2f} "
+            f"{row['tokens_per_s']:>10,.0f} {gigabytes:>8.2f} {row['bandwidth_bytes_per_s'] / 1e12:>6.2f} "
+            f"{percent('fraction_of_peak')} {percent('fraction_of_copy')} {percent('fraction_of_read')} {ratio} "
+            f"{row.get('fused_attention_calls', '')}")
 
 
 if __name__ == "__main__":

@@ -10,32 +10,40 @@ bfloat16 compute, float32 parameters and AdamW state, global-norm clipping and j
   plain JAX TP / FSDP (`--plain tp fsdp`): the same functions with ordinary sharding annotations
               (`plain_param_specs`, `with_sharding_constraint`): Megatron tensor parallelism, or every weight stored
               split and gathered before use.
-  library     `starscream_jax.training.loop.initial_state` / `training.steps.train_step` under each layout, on the mesh of the devices
-              present (one H200: 1x1x1, where every layout places everything alike; two: 1x2x1).
+  library     `starscream_jax.training.loop.initial_state` / `training.steps.train_step` under each layout, on the
+              mesh of the devices present (one H200: 1x1x1, where every layout places everything alike; two: 1x2x1).
+  PyTorch     (where torch and a CUDA GPU are present; `--no-torch` leaves it out, `--quick` skips it): the
+              torchtitan-style peer of scripts/torch_peers.py on one GPU, from a copy of the same initial
+              parameters, on the same tokens; its step-0 loss is checked against plain JAX's (printed and stored as
+              "step0_check") and every row's ratio to it is "vs_torch".
 
-Each step is compiled first, then run `--warmup` times, then `--steps` times on the clock (the clock stops once the
-last loss and the state are on hand). tokens/s = batch x seq_len x steps / seconds. MFU = tokens/s x FLOPs per token
-/ (devices x peak), with FLOPs per token from `ModelConfig.flops_per_token(seq_len)`: 6 x the matmul parameters
-(embedding-as-head counted once) + 12 x layers x seq_len x heads x head_dim for attention (PaLM's accounting: causal
-masking is not discounted). The peak is the H200 datasheet's dense bf16 figure, 989 TFLOP/s, unless --peak-tflops.
+Each step is compiled first, then run `--warmup` times, then `--steps` times on the clock (`harness.timed_steps`:
+the clock stops once the last loss and the state are on hand). tokens/s = batch x seq_len x steps / seconds. MFU =
+tokens/s x FLOPs per token / (devices x peak), with FLOPs per token from `ModelConfig.flops_per_token(seq_len)`: 6 x
+the matmul parameters (embedding-as-head counted once) + 12 x layers x seq_len x heads x head_dim for attention
+(PaLM's accounting: causal masking is not discounted). The peak is the H200 datasheet's dense bf16 figure, 989
+TFLOP/s, unless --peak-tflops. Every row's step-0 loss must agree with the first row's within STEP0_LOSS_TOLERANCE,
+or the run exits 1 (the rows are stored all the same). `--compile-only` compiles each row and runs nothing: the
+compile time of a deep model with and without the layer loop (`--unroll 1` adds the rolled loop's rows).
 
     python scripts/bench_mfu.py --out mfu.json                        # every GPU present
     CUDA_VISIBLE_DEVICES=0 python scripts/bench_mfu.py --out mfu1.json
     python scripts/bench_mfu.py --gpus 2 --plain dp tp --layouts starscream_tp starscream_fsdp
-    python scripts/bench_mfu.py --quick --gpus 2                      # CPU smoke run (tiny model)
+    python scripts/bench_mfu.py --model llama3-8b --batch-size 1 --plain --layouts starscream_tp --unroll 1 \\
+        --compile-only                                                # compile s, no loop and rolled loop
+    python scripts/bench_mfu.py --quick                               # CPU smoke run (tiny model)
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
-import os
 import re
 import sys
 import time
 from collections import Counter
 from pathlib import Path
+
+from starscream_jax.benchmarks import harness
 
 H200_BF16_PEAK_TFLOPS = 989.0
 FLOP_COUNTING = ("6 x matmul parameters (tied embedding counted once, as the head) + 12 x layers x seq_len x heads x "
@@ -206,40 +214,36 @@ def compiled_summary(text: str, compiled) -> dict:
 
 
 def timed_run(step, state: tuple, constants: tuple, tokens, warmup: int, steps: int, profile_dir: Path | None = None,
-              profiled_steps: int = 3) -> dict:
-    """Compile `step(*state, *constants, tokens) -> (*state, loss)` (state donated), run warm-up then timed steps.
+              profiled_steps: int = 3, compile_only: bool = False) -> dict:
+    """Compile `step(*state, *constants, tokens) -> (*state, loss)` (state donated), run warm-up then timed steps
+    (`harness.timed_steps`).
 
     Returns compile_s, step_s (seconds per timed step), the loss of every step (the first is step 0's: the loss of
-    the initial parameters) and the compiled program's summary. With `profile_dir`, `profiled_steps` more steps run
-    under the JAX profiler and "time_breakdown" holds their device time by category (`analysis.profile`)."""
+    the initial parameters) and the compiled program's summary; with `compile_only`, compile_s and the summary
+    alone. With `profile_dir`, `profiled_steps` more steps run under the JAX profiler and "time_breakdown" holds
+    their device time by category (`harness.traced_breakdown`)."""
     import jax
 
     start = time.perf_counter()
     compiled = step.lower(*state, *constants, tokens).compile()
     compile_s = time.perf_counter() - start
-    losses = []
-    for index in range(warmup + steps):
-        if index == warmup:
-            jax.block_until_ready(state)
-            start = time.perf_counter()
-        *state, loss = compiled(*state, *constants, tokens)
-        losses.append(loss)
-    jax.block_until_ready((state, losses[-1]))
-    step_s = (time.perf_counter() - start) / steps
     text = compiled.as_text()
-    result = {"compile_s": compile_s, "step_s": step_s, "losses": [float(x) for x in jax.device_get(losses)],
-              **compiled_summary(text, compiled), "hlo": text}
+    result = {"compile_s": compile_s, **compiled_summary(text, compiled), "hlo": text}
+    if compile_only:
+        return result
+
+    def advance(state):
+        *state, loss = compiled(*state, *constants, tokens)
+        return tuple(state), loss
+
+    timed = harness.timed_steps(advance, tuple(state), warmup=warmup, steps=steps)
+    result.update(step_s=timed.seconds_per_step, losses=[float(x) for x in jax.device_get(timed.outputs)])
     if profile_dir is not None:
-        from starscream_jax.analysis.profile import time_breakdown
         from starscream_jax.errors import StarscreamError
 
-        jax.profiler.start_trace(str(profile_dir), create_perfetto_trace=True)
-        for _ in range(profiled_steps):
-            *state, loss = compiled(*state, *constants, tokens)
-        jax.block_until_ready((state, loss))
-        jax.profiler.stop_trace()
         try:
-            result["time_breakdown"] = time_breakdown(profile_dir, profiled_steps, text)
+            result["time_breakdown"] = harness.traced_breakdown(advance, timed.state, steps=profiled_steps,
+                                                                directory=profile_dir, hlo_text=text)[1]
         except StarscreamError as error:  # the trace stays on disk; the timing must not be lost
             result["time_breakdown_error"] = str(error)
     return result
@@ -249,7 +253,7 @@ PLAIN_NAMES = {"dp": "plain JAX", "tp": "plain JAX TP", "fsdp": "plain JAX FSDP"
 
 
 def plain_row(parallelism: str, library_params, model_config, train_config, mesh, tokens, warmup: int, steps: int,
-              profile_dir: Path | None = None, suffix: str = "") -> dict:
+              profile_dir: Path | None = None, suffix: str = "", compile_only: bool = False) -> dict:
     """The plain implementation over the mesh's devices as one flat axis ("dp", "tp" or "fsdp": see `plain_loss`),
     from a copy of `library_params`. The batch is split over the devices except under "tp". Named
     PLAIN_NAMES[parallelism] + `suffix`."""
@@ -271,12 +275,13 @@ def plain_row(parallelism: str, library_params, model_config, train_config, mesh
     attention_impl = "cudnn" if on_cuda(devices[0]) else None
     step = plain_train_step(model_config, optimizer, attention_impl, parallelism)
     with jax.set_mesh(plain_mesh):
-        result = timed_run(step, (params, opt_state), (), tokens, warmup, steps, profile_dir)
+        result = timed_run(step, (params, opt_state), (), tokens, warmup, steps, profile_dir,
+                           compile_only=compile_only)
     return {"name": PLAIN_NAMES[parallelism] + suffix, "mesh": f"{parallelism.upper()} x{len(devices)}", **result}
 
 
 def layout_row(layout: str, model_config, train_config, mesh, tokens, warmup: int, steps: int,
-               profile_dir: Path | None = None, name: str | None = None) -> dict:
+               profile_dir: Path | None = None, name: str | None = None, compile_only: bool = False) -> dict:
     """The library's training step (training.loop.initial_state / training.steps.train_step) under `layout`."""
     import jax
 
@@ -288,7 +293,8 @@ def layout_row(layout: str, model_config, train_config, mesh, tokens, warmup: in
         graphdef, params, rest, optimizer, opt_state = initial_state(train_config, model_config, layout, mesh)
         train_step = make_train_step(graphdef, optimizer)
         tokens = jax.device_put(tokens, batch_sharding(layout, mesh, train_config.batch_size))
-        result = timed_run(train_step, (params, opt_state), (rest,), tokens, warmup, steps, profile_dir)
+        result = timed_run(train_step, (params, opt_state), (rest,), tokens, warmup, steps, profile_dir,
+                           compile_only=compile_only)
     return {"name": name or layout, "mesh": "x".join(str(size) for size in mesh.shape.values()), **result}
 
 
@@ -314,17 +320,63 @@ def add_rates(row: dict, tokens_per_step: int, flops_per_token: float, devices: 
     return row
 
 
-COLUMNS = (f"{'implementation':<24} {'mesh':<7} {'ms/step':>9} {'tokens/s':>10} {'MFU':>6} {'vs plain':>8} "
-           f"{'loss@0':>8} {'compile s':>9}  attention calls")
+def add_peer_ratio(row: dict, peer: dict | None) -> None:
+    """"vs_torch": the row's tokens/s over the PyTorch peer's (where the run has one)."""
+    if peer is not None and peer is not row:
+        row["vs_torch"] = row["tokens_per_s"] / peer["tokens_per_s"]
+
+
+def attention_calls(row: dict) -> str:
+    """The fused attention a row's program calls: its cuDNN custom calls and their counts, "none (XLA)" without
+    any, or what the row names itself (a PyTorch peer: "SDPA")."""
+    if "attention" in row:
+        return row["attention"]
+    return ", ".join(f"{name} x{count}" for name, count in sorted(row["custom_calls"].items())
+                     if "fmha" in name or "attention" in name.lower()) or "none (XLA)"
+
+
+COLUMNS = (f"{'implementation':<26} {'mesh':<7} {'ms/step':>9} {'tokens/s':>10} {'MFU':>6} {'vs plain':>8} "
+           f"{'vs torch':>8} {'loss@0':>8} {'compile s':>9}  attention calls")
 
 
 def table_line(row: dict) -> str:
-    """One row of the results table ("vs plain": against the first plain row)."""
+    """One row of the results table ("vs plain": against the first plain row; a compiled-only row shows its
+    compile time alone)."""
+    if "step_s" not in row:
+        return (f"{row['name']:<26} {row['mesh']:<7} {'':>9} {'':>10} {'':>6} {'':>8} {'':>8} {'':>8} "
+                f"{row['compile_s']:>9.1f}  {attention_calls(row)}")
     ratio = "" if row["vs_plain"] is None else f"{row['vs_plain']:.3f}"
-    attention = ", ".join(f"{name} x{count}" for name, count in sorted(row["custom_calls"].items())
-                          if "fmha" in name or "attention" in name.lower()) or "none (XLA)"
-    return (f"{row['name']:<24} {row['mesh']:<7} {1e3 * row['step_s']:>9.1f} {row['tokens_per_s']:>10,.0f} "
-            f"{100 * row['mfu']:>5.1f}% {ratio:>8} {row['losses'][0]:>8.4f} {row['compile_s']:>9.1f}  {attention}")
+    peer = f"{row['vs_torch']:.3f}" if "vs_torch" in row else ""
+    return (f"{row['name']:<26} {row['mesh']:<7} {1e3 * row['step_s']:>9.1f} {row['tokens_per_s']:>10,.0f} "
+            f"{100 * row['mfu']:>5.1f}% {ratio:>8} {peer:>8} {row['losses'][0]:>8.4f} {row['compile_s']:>9.1f}  "
+            f"{attention_calls(row)}")
+
+
+def torch_row(library_params, model_config, train_config, tokens, warmup: int, steps: int, peers,
+              device: str) -> dict:
+    """The PyTorch peer (`torch_peers.train_benchmark`, torchtitan's manner) on one GPU, from a copy of the
+    library's initial parameters, on the same tokens."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    params = jax.tree.map(np.asarray, jax.device_get(nnx.to_pure_dict(library_params)))
+    result = peers.train_benchmark(params, model_config, train_config, np.asarray(jax.device_get(tokens)),
+                                   warmup=warmup, steps=steps, device=device)
+    return {"name": peers.TRAIN_NAME, "mesh": f"1 {device}", "devices": 1, **result}
+
+
+def step0_check(row: dict, plain: dict) -> dict:
+    """Whether `row` (the PyTorch peer) starts from the plain JAX loss at step 0 (the same initial weights and
+    tokens) within STEP0_LOSS_TOLERANCE nats."""
+    difference = row["losses"][0] - plain["losses"][0]
+    return {"peer": row["name"], "reference": plain["name"], "peer_loss0": row["losses"][0],
+            "reference_loss0": plain["losses"][0], "difference": difference,
+            "tolerance": STEP0_LOSS_TOLERANCE, "agrees": abs(difference) <= STEP0_LOSS_TOLERANCE}
+
+
+STEP0_LOSS_TOLERANCE = 1e-2
+"""Nats: bfloat16 compute, the same sums in another order (PyTorch's kernels, XLA's fusions)."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -332,35 +384,47 @@ def parse_args(argv=None) -> argparse.Namespace:
     from starscream_jax.sharding.layouts import LAYOUTS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="llama3.2-1b", help="model configuration in models/ (or a path)")
+    harness.add_model_arguments(parser, model="llama3.2-1b")
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="compute dtype")
     parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS), metavar="LAYOUT",
                         help=f"library layouts to time (default: all: {', '.join(LAYOUTS)})")
-    parser.add_argument("--plain", nargs="+", default=["dp"], choices=list(PLAIN_NAMES),
-                        help="plain JAX baselines, first is the reference of 'vs plain' (default: dp)")
+    parser.add_argument("--plain", nargs="*", default=["dp"], choices=list(PLAIN_NAMES),
+                        help="plain JAX baselines, first is the reference of 'vs plain' (default: dp; none: no "
+                             "plain rows)")
+    parser.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time the PyTorch peer (scripts/torch_peers.py) where torch and a CUDA GPU are "
+                             "present (default: on; --quick skips it)")
+    parser.add_argument("--torch-device", default="cuda", choices=("cuda", "cpu"),
+                        help="where the PyTorch peer runs (cpu: a check of the peer and its step-0 loss on a machine "
+                             "without a GPU, tiny shapes only)")
     parser.add_argument("--unfused", action="store_true",
                         help="also time each layout with q/k/v and gate/up as separate GEMMs (fuse_projections off)")
     parser.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass (both sides)")
     parser.add_argument("--unroll", type=count, nargs="+", default=[], metavar="N",
                         help="also time every row with N layers per trip of the layer loop (ModelConfig.scan_unroll; "
-                             "N = the model's layers: no loop), both sides")
-    parser.add_argument("--gpus", type=int, help="use the first N devices (default: every device present)")
+                             "1: a rolled loop; the default rows run no loop), both sides")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="compile every row and report its compile time, run nothing (the PyTorch peer, which "
+                             "compiles on its first step, is left out)")
+    parser.add_argument("--gpus", type=int, help="use the first N devices (default: every device present; --quick: 2)")
     parser.add_argument("--grouping", type=device_ids, nargs="+", metavar="IDS",
                         help="device ids of each physical GPU, e.g. 0,1 (two GPUs as the partitions of one)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step (global)")
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens the model reads per sequence")
-    parser.add_argument("--warmup", type=int, default=3, help="steps run after compiling, before the clock starts")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS,
                         help="per-device peak for MFU (default: H200 dense bf16 datasheet figure)")
-    parser.add_argument("--out", type=Path, help="write the results as JSON here (rewritten after every row)")
     parser.add_argument("--hlo-dir", type=Path, help="write each compiled step's HLO text here")
     parser.add_argument("--profile-dir", type=Path,
                         help="trace 3 more steps of each row here and record their device time by category")
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 4 x 32 tokens, 1 + 2 steps")
+    harness.add_run_arguments(parser, warmup=3, steps=10,
+                              quick="tiny model at 2 layers, 4 x 32 tokens, 2 devices, one layout, 1 + 2 steps, "
+                                    "no PyTorch peer")
     args = parser.parse_args(argv)
     if args.quick:
-        args.model, args.batch_size, args.seq_len, args.warmup, args.steps = "tiny", 4, 32, 1, 2
+        args.model, args.layers, args.batch_size, args.seq_len, args.warmup, args.steps = "tiny", 2, 4, 32, 1, 2
+        args.gpus = args.gpus or 2
+        if "--layouts" not in (argv if argv is not None else sys.argv[1:]):
+            args.layouts = args.layouts[:1]
     return args
 
 
@@ -369,66 +433,87 @@ def main(argv=None) -> int:
     import jax
 
     from starscream_jax.hardware.mesh import build_mesh
-    from starscream_jax.model.config import load_model_config
     from starscream_jax.training.config import TrainConfig
 
     mesh = build_mesh(gpus=args.gpus, grouping=args.grouping)
     devices = mesh.devices.size
-    model_config = load_model_config(args.model, dtype=args.dtype, remat=args.remat)
+    model_config = harness.model_config(args, dtype=args.dtype, remat=args.remat)
     train_config = TrainConfig(model=args.model, dtype=args.dtype, batch_size=args.batch_size, seq_len=args.seq_len,
                                steps=args.warmup + args.steps + 1)
     tokens = jax.random.randint(jax.random.key(0), (args.batch_size, args.seq_len + 1), 0, model_config.vocab_size)
     flops_per_token = model_config.flops_per_token(args.seq_len)
     tokens_per_step = args.batch_size * args.seq_len
     peak = args.peak_tflops * 1e12
+    info = harness.run_info(__file__, argv)
     header = (f"{model_config.name} ({args.dtype}), {args.batch_size} x {args.seq_len} tokens per step, "
-              f"{devices} x {jax.devices()[0].device_kind}, jax {jax.__version__}; "
+              f"{devices} x {info.device_kind}, jax {info.jax}; "
               f"{flops_per_token / 1e9:.3f} GFLOP per token; MFU against {args.peak_tflops:g} TFLOP/s per device")
-
     meta = {"model": model_config.name, "dtype": args.dtype, "batch_size": args.batch_size, "seq_len": args.seq_len,
             "remat": args.remat, "unroll": args.unroll, "warmup": args.warmup, "steps": args.steps, "devices": devices,
-            "mesh": dict(mesh.shape), "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
-            "xla_flags": os.environ.get("XLA_FLAGS", ""), "flops_per_token": flops_per_token,
-            "flop_counting": FLOP_COUNTING, "peak_tflops_per_device": args.peak_tflops,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python " + " ".join(sys.argv)}
-    rows: list[dict] = []
+            "mesh": dict(mesh.shape), "flops_per_token": flops_per_token, "flop_counting": FLOP_COUNTING,
+            "peak_tflops_per_device": args.peak_tflops, "compile_only": args.compile_only, **info.as_dict()}
+    result = {"meta": meta, "rows": []}
+    rows = result["rows"]
 
     def record(row: dict) -> None:
-        add_rates(row, tokens_per_step, flops_per_token, devices, peak,
-                  [r for r in rows if r["name"] in PLAIN_NAMES.values()])
-        hlo = row.pop("hlo")
-        if args.hlo_dir:
+        row["attention"] = attention_calls(row)
+        if not args.compile_only:
+            add_rates(row, tokens_per_step, flops_per_token, row.get("devices", devices), peak,
+                      [r for r in rows if r["name"] in PLAIN_NAMES.values()])
+            add_peer_ratio(row, next((r for r in rows if r["name"] == peers.TRAIN_NAME), None) if peers else None)
+        hlo = row.pop("hlo", None)
+        if args.hlo_dir and hlo:
             args.hlo_dir.mkdir(parents=True, exist_ok=True)
             (args.hlo_dir / f"{devices}gpu_{row['name'].replace(' ', '_')}.hlo.txt").write_text(hlo)
         rows.append(row)
         print(table_line(row), flush=True)
-        if args.out:
-            args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+        harness.write_json(args.out, result)
 
     def profile_dir(name: str) -> Path | None:
         return None if args.profile_dir is None else args.profile_dir / name.replace(" ", "_")
 
     print(header + "\n" + COLUMNS, flush=True)
-    start_params = initial_params(model_config, train_config, (args.layouts or ["gpu_tp"])[0], mesh)
+    peers, skipped = harness.torch_peers(args.torch_device) if args.torch and not args.quick and not args.compile_only \
+        else (None, "PyTorch peer skipped: " + ("--quick" if args.quick else "--compile-only" if args.compile_only
+                                                else "--no-torch"))
+    if skipped:
+        print(skipped, flush=True)
     loops = [(model_config, "")] + [(model_config.replace(scan_unroll=n), f" unroll {n}") for n in args.unroll]
-    for parallelism in args.plain:
-        for config, suffix in loops:
-            record(plain_row(parallelism, start_params, config, train_config, mesh, tokens, args.warmup,
-                             args.steps, profile_dir(PLAIN_NAMES[parallelism] + suffix), suffix))
-    del start_params
+    if args.plain or peers is not None:
+        start_params = initial_params(model_config, train_config, (args.layouts or ["gpu_tp"])[0], mesh)
+        for parallelism in args.plain:
+            for config, suffix in loops:
+                record(plain_row(parallelism, start_params, config, train_config, mesh, tokens, args.warmup,
+                                 args.steps, profile_dir(PLAIN_NAMES[parallelism] + suffix), suffix,
+                                 args.compile_only))
+        if peers is not None:
+            record(torch_row(start_params, model_config, train_config, tokens, args.warmup, args.steps, peers,
+                             args.torch_device))
+            if rows[0]["name"] in PLAIN_NAMES.values():
+                result["step0_check"] = step0_check(rows[-1], rows[0])
+                check = result["step0_check"]
+                print(f"step-0 loss: {check['peer']} {check['peer_loss0']:.4f}, {check['reference']} "
+                      f"{check['reference_loss0']:.4f}, difference {check['difference']:+.2e} "
+                      f"({'agrees' if check['agrees'] else 'DISAGREES'} within {STEP0_LOSS_TOLERANCE} nats)",
+                      flush=True)
+                harness.write_json(args.out, result)
+        del start_params
     variants = loops + ([(model_config.replace(fuse_projections=False), " unfused")] if args.unfused else [])
     failed = []
     for layout in args.layouts:
         for config, suffix in variants:
             try:
                 record(layout_row(layout, config, train_config, mesh, tokens, args.warmup, args.steps,
-                                  profile_dir(layout + suffix), layout + suffix))
+                                  profile_dir(layout + suffix), layout + suffix, args.compile_only))
             except Exception as error:  # one layout that does not compile or run must not lose the others' figures
                 failed.append(layout + suffix)
-                print(f"{layout + suffix:<24} failed: {type(error).__name__}: {str(error).splitlines()[0][:300]}",
+                print(f"{layout + suffix:<26} failed: {type(error).__name__}: {str(error).splitlines()[0][:300]}",
                       flush=True)
-    return 1 if failed else 0
+    apart = [row["name"] for row in rows if abs(row.get("loss0_minus_plain") or 0.0) > STEP0_LOSS_TOLERANCE]
+    if apart:
+        print(f"step-0 loss differs from {rows[0]['name']}'s by more than {STEP0_LOSS_TOLERANCE} nats: "
+              f"{', '.join(apart)}", flush=True)
+    return 1 if failed or apart else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,36 @@
+"""Every benchmark script's --quick run on CPU: it exits 0 and stores its figures as JSON with the run's metadata,
+the command recorded as it was given."""
+import importlib.util
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+BENCHMARKS = ("bench_decode", "bench_mfu")
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def metadata(result: dict) -> dict:
+    """The run metadata of a result: under "meta" where the script keeps its rows beside it, else at the top."""
+    return result.get("meta", result)
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_quick_run_stores_its_figures_and_the_command_it_was_given(name, tmp_path, capsys):
+    out = tmp_path / f"{name}.json"
+    argv = ["--quick", "--out", str(out)]
+    assert load(name).main(argv) == 0
+    result = json.loads(out.read_text())
+    meta = metadata(result)
+    assert meta["command"] == shlex.join(["python", f"scripts/{name}.py", *argv])
+    assert meta["platform"] == "cpu" and meta["jax"] and meta["date"].startswith("20")
+    assert len(result) > 1  # figures beside the metadata
+    assert "PyTorch peer skipped" in capsys.readouterr().out or name not in ("bench_mfu", "bench_decode")
