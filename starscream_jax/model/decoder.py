@@ -14,10 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import StarscreamError
 from ..hardware.axes import dim_axes
+from ..sharding.collectives import hierarchical_all_gather
 from ..sharding.apply import (
     activation_spec,
     active,
@@ -25,6 +26,7 @@ from ..sharding.apply import (
     create_sharded,
     einsum,
     param,
+    placed_as,
     scale,
     shared_input,
     token_mean,
@@ -34,7 +36,7 @@ from ..sharding.apply import (
 from ..sharding.layouts import Layout
 from .config import ModelConfig
 from .moe import routed_mlp
-from .names import ATTN_KV, ATTN_Q, KV_CACHE, LOGITS, RESIDUAL, TOKENS
+from .names import ATTN_KV, ATTN_Q, CACHE, KV_CACHE, LOGITS, RESIDUAL, TOKENS
 from .ops import attention, cross_entropy, embed_lookup
 
 LAYER_SCOPE = "closed_call"
@@ -231,7 +233,7 @@ def held_per_layer(cache: dict | None) -> bool:
 def split_cache(cache: dict) -> dict:
     """A stacked KV cache ({"k", "v"}: [L, B, T, K, E] each) as one array per layer: {"k", "v"}: L arrays of
     [B, T, K, E] (copies; call once, as generation does before its decode loop)."""
-    return {name: tuple(constrain(layer_BTKE, ATTN_KV, "kv cache") for layer_BTKE in stacked_LBTKE)
+    return {name: tuple(constrain(layer_BTKE, CACHE, "kv cache") for layer_BTKE in stacked_LBTKE)
             for name, stacked_LBTKE in cache.items()}
 
 
@@ -369,7 +371,8 @@ def _block(c: ModelConfig, x_BSD, w, positions_BS, cached=None):
         cache = write_cache(cache, layer, cache_index, k_BSKE, v_BSKE)
         layer_cache = cache if layer is None else {name: cache[name][layer] for name in ("k", "v")}
     with jax.named_scope("attention"):
-        attended_BSHE = attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, layer_cache)
+        attended_BSHE = attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, layer_cache,
+                                  None if cached is None else cached[2])
         attended_BSHE = constrain(attended_BSHE, ("batch", "seq", "heads", "head_dim"), "attention output")
     wo_HED = _used("o", w, "wo", ("heads", "head_dim", "embed"), dtype)
     x_BSD = x_BSD + _project("o", "bshe,hed->bsd", attended_BSHE, wo_HED, RESIDUAL)
@@ -390,9 +393,12 @@ def _add_bias(x_BSNE, bias_NE, names: tuple[str, ...]):
 def write_cache(cache: dict, layer, index, k_BSKE: jax.Array, v_BSKE: jax.Array) -> dict:
     """The KV cache {"k", "v"} ([L, B, T, K, E] each) with the S new keys and values of `layer` written at positions
     index .. index + S - 1: a dynamic-update-slice of S positions, which XLA runs in place on a donated cache. With
-    `layer` None, `cache` is one layer's ([B, T, K, E] each)."""
+    `layer` None, `cache` is one layer's ([B, T, K, E] each). Where the layout splits the cache's positions
+    (`cache_seq`), each device writes the new positions it owns into its own slots (`_write_owned`)."""
     one_layer = layer is None
-    names = ATTN_KV if one_layer else KV_CACHE
+    names = CACHE if one_layer else KV_CACHE
+    if cache_split_axes(cache["k"].shape[-4:]):
+        return {name: _write_owned(cache[name], layer, index, new) for name, new in (("k", k_BSKE), ("v", v_BSKE))}
     start = (0, index, 0, 0) if one_layer else (layer, 0, index, 0, 0)
 
     def write(full, new_BSKE):
@@ -402,6 +408,39 @@ def write_cache(cache: dict, layer, index, k_BSKE: jax.Array, v_BSKE: jax.Array)
                                             constrain(new, names, "new keys and values"), start)
 
     return {"k": write(cache["k"], k_BSKE), "v": write(cache["v"], v_BSKE)}
+
+
+def cache_split_axes(shape_BTKE: tuple[int, ...]) -> tuple[str, ...]:
+    """The mesh axes the active layout splits a cache's positions over (`cache_seq`; () outside a layout)."""
+    spec = activation_spec(CACHE, shape_BTKE, "kv cache")
+    return () if spec is None else dim_axes(spec, 1)
+
+
+def _write_owned(full: jax.Array, layer, index, new_BSKE: jax.Array) -> jax.Array:
+    """`write_cache` of one array (full: [L, B, T, K, E], or [B, T, K, E] with `layer` None) whose positions are
+    split over the `cache_seq` axes: each device keeps the new positions index + s it owns (names.CACHE: those
+    congruent to its index modulo the number of parts) and scatters them into its slots; the others are dropped.
+    New keys split over the sequence (prefill under a sequence split) are first gathered over its axes, inside the
+    GPU first (attention gathers the same keys). A scatter into the donated cache, in place."""
+    names = CACHE if layer is None else KV_CACHE
+    cache_spec = activation_spec(names, full.shape, "kv cache")
+    new_spec = activation_spec(ATTN_KV, new_BSKE.shape, "new keys and values")
+    cache_axes = dim_axes(cache_spec, names.index("cache_seq"))
+    seq_axes = dim_axes(new_spec, 1)
+    layer = jnp.int32(0) if layer is None else layer
+
+    def local(cache, new, layer, index):
+        new = hierarchical_all_gather(new, seq_axes, dimension=1).astype(cache.dtype)
+        parts, mine = jax.lax.axis_size(cache_axes), jax.lax.axis_index(cache_axes)
+        positions_S = index + jnp.arange(new.shape[1])
+        slots_S = jnp.where(positions_S % parts == mine, positions_S // parts, cache.shape[-3])  # past the end: dropped
+        if cache.ndim == 4:
+            return cache.at[:, slots_S].set(new, mode="drop")
+        return cache.at[layer, :, slots_S].set(jnp.swapaxes(new, 0, 1), mode="drop")
+
+    write = jax.shard_map(local, in_specs=(cache_spec, new_spec, PartitionSpec(), PartitionSpec()),
+                          out_specs=cache_spec)
+    return write(placed_as(full, cache_spec), placed_as(new_BSKE, new_spec), layer, jnp.asarray(index, jnp.int32))
 
 
 def _fuses(c: ModelConfig, h_BSD: jax.Array) -> bool:
@@ -492,7 +531,7 @@ def cache_shardings(config: ModelConfig, batch: int, length: int, layout: Layout
     `per_layer` one layer's array of it [B, T, K, E] as `split_cache` places it."""
     shape = (batch, length, config.n_kv_heads, config.head_dim)
     with use_layout(layout, mesh):
-        spec = (activation_spec(ATTN_KV, shape, "kv cache") if per_layer
+        spec = (activation_spec(CACHE, shape, "kv cache") if per_layer
                 else activation_spec(KV_CACHE, (config.n_layers, *shape), "kv cache"))
     return {name: NamedSharding(mesh, spec) for name in ("k", "v")}
 

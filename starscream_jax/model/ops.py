@@ -11,11 +11,12 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from ..errors import ShardingRuleError
-from ..hardware.axes import axes_of, dim_axes
+from ..hardware.axes import axes_of, dim_axes, spec_axes
 from ..sharding.apply import activation_spec, active, compute_device, placed_as, weight, weight_spec
 from ..sharding.collectives import hierarchical_all_gather, hierarchical_psum
 from ..sharding.rules import LogicalNames
-from .names import ATTN_KV, ATTN_Q, LOGITS, POSITIONS, RESIDUAL, TOKENS
+from .names import ATTN_KV, ATTN_Q, CACHE, LOGITS, POSITIONS, RESIDUAL, TOKENS
+from .split_k import merge_partials, partial_attention, strided_positions
 
 
 def _offset(axes: tuple[str, ...], local_size: int):
@@ -111,7 +112,7 @@ def _sequence_split_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, seq_axes: tu
     return jax.nn.dot_product_attention(q_BSHE, keys, values, mask=mask)
 
 
-def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None):
+def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, cache_index=None):
     """Causal grouped-query attention through `jax.nn.dot_product_attention` (cuDNN's fused kernel on NVIDIA GPUs
     in training and decode; prefill into a KV cache, with its explicit mask, uses XLA's; see `_cached_attention`).
     Returns out [B, S, H, E].
@@ -119,8 +120,10 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None):
     Without a cache: keys are the S new positions. With a cache {"k", "v"} of [B, T, K, E] (one layer) that already
     holds the new keys and values at their positions (the model writes them into its cache of every layer in place,
     `decoder.write_cache`), queries attend to every cached position <= their own, and k / v are not read.
-    Placement: ATTN_Q / ATTN_KV names; the cache uses ATTN_KV's. A layout that splits `seq` runs context-parallel
-    attention without a cache (`_sequence_split_attention`) and is refused with one.
+    Placement: ATTN_Q / ATTN_KV names; the cache uses CACHE's. A layout that splits `seq` runs context-parallel
+    attention (`_sequence_split_attention`); with a cache only from its start (`cache_index` 0: a prefill, the cache
+    holding nothing before the new keys). A layout that splits the cache's positions (`cache_seq`) and not the
+    queries' attends split-K (`_split_k_attention`).
     """
     n_heads, n_kv = q_BSHE.shape[2], k_BSKE.shape[2]
     group = n_heads // n_kv
@@ -128,7 +131,7 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None):
 
     def local(q, k, v, pos, *rest, specs):
         q_axes, kv_axes, seq_axes = dim_axes(specs[0], 2), dim_axes(specs[1], 2), dim_axes(specs[0], 1)
-        if cache is None:
+        if cache is None or seq_axes:
             k_sel = _kv_heads_for_local_queries(k, q.shape[2], group, q_axes, kv_axes)
             v_sel = _kv_heads_for_local_queries(v, q.shape[2], group, q_axes, kv_axes)
             if seq_axes:
@@ -137,21 +140,53 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None):
         cache_k, cache_v = rest
         k_sel = _kv_heads_for_local_queries(cache_k, q.shape[2], group, q_axes, kv_axes)
         v_sel = _kv_heads_for_local_queries(cache_v, q.shape[2], group, q_axes, kv_axes)
+        if cache_axes := dim_axes(specs[4], 1):
+            return _split_k_attention(q, k_sel, v_sel, pos, cache_axes)
         return _cached_attention(q, k_sel, v_sel, pos)
 
     if current is not None:
         q_spec = activation_spec(ATTN_Q, q_BSHE.shape)
         kv_spec = activation_spec(ATTN_KV, k_BSKE.shape)
         _check_head_split(n_heads, n_kv, axes_of(q_spec[2]), axes_of(kv_spec[2]), dict(current.mesh.shape))
-        if cache is not None and axes_of(q_spec[1]):
-            raise ShardingRuleError(
-                f"layout {current.layout.name} splits the sequence over {axes_of(q_spec[1])}, which attention with a KV "
-                f"cache (prefill, decode) does not support; generate under a layout whose 'seq' rule is None")
+        if cache is not None:
+            _check_cache_split(q_spec, activation_spec(CACHE, cache["k"].shape), cache_index, current.layout.name)
     args = [q_BSHE, k_BSKE, v_BSKE, positions_BS]
     names = [ATTN_Q, ATTN_KV, ATTN_KV, POSITIONS]
     if cache is not None:
-        args, names = [*args, cache["k"], cache["v"]], [*names, ATTN_KV, ATTN_KV]
+        args, names = [*args, cache["k"], cache["v"]], [*names, CACHE, CACHE]
     return _run_sharded(local, args, names, [(ATTN_Q, q_BSHE.shape)], "attention")
+
+
+def _check_cache_split(q_spec, cache_spec, cache_index, layout: str) -> None:
+    """Attention with a cache under a layout that splits the queries' sequence runs from the new keys alone, so only
+    from the cache's start; split-K needs every query whole on the devices that split the cache's positions."""
+    seq_axes, cache_axes = axes_of(q_spec[1]), axes_of(cache_spec[1])
+    if seq_axes and (isinstance(cache_index, jax.core.Tracer) or cache_index != 0):
+        raise ShardingRuleError(
+            f"layout {layout} splits the sequence over {seq_axes}, whose attention with a KV cache starts at its first "
+            f"position only (a whole prompt's prefill), not at {cache_index}; prefill the prompt in one step, or "
+            f"under a layout that splits the batch")
+    if seq_axes and set(seq_axes) != set(cache_axes):
+        raise ShardingRuleError(
+            f"layout {layout} splits the sequence over {seq_axes} but the KV cache's positions over "
+            f"{cache_axes or 'no axis'}; give 'cache_seq' the axes of 'seq' so prefill writes the cache in place")
+    shared = set(cache_axes) & spec_axes(q_spec)
+    if not seq_axes and shared:
+        raise ShardingRuleError(
+            f"layout {layout} splits the KV cache's positions and the queries over {sorted(shared)}; split-K "
+            f"attention needs each query whole where the cache is split: map 'cache_seq' to other axes")
+
+
+def _split_k_attention(q_BSHE, cache_k_BTKE, cache_v_BTKE, positions_BS, cache_axes: tuple[str, ...]):
+    """Attention of the queries to this device's slots of a cache whose positions are split over `cache_axes`
+    (strided order, names.CACHE), merged with the other devices' parts (`split_k.merge_partials`: one collective
+    per axis, inside the GPU first). Each query sees the positions up to its own."""
+    parts, mine = jax.lax.axis_size(cache_axes), jax.lax.axis_index(cache_axes)
+    key_positions_T = strided_positions(cache_k_BTKE.shape[1], parts, mine)
+    visible_BST = key_positions_T[None, None, :] <= positions_BS[:, :, None]
+    with jax.named_scope("split_k"):
+        part = partial_attention(q_BSHE, cache_k_BTKE, cache_v_BTKE, visible_BST)
+        return merge_partials(part, cache_axes).out.astype(q_BSHE.dtype)
 
 
 def embed_lookup(table_VD, tokens_BS, out: LogicalNames = RESIDUAL):

@@ -57,6 +57,12 @@ def partial_attention(q_BSHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array,
     return PartialAttention(out_BSKGE.reshape(B, S, H, E), max_BSKG.reshape(B, S, H), sum_BSKG.reshape(B, S, H))
 
 
+def strided_positions(slots: int, parts: int, mine) -> jax.Array:
+    """The sequence positions [slots] of device `mine`'s slots in a KV cache whose positions are split over `parts`
+    devices in strided order (model.names.CACHE): mine, mine + parts, mine + 2 parts, ..."""
+    return mine + parts * jnp.arange(slots)
+
+
 def combine_partials(parts: PartialAttention) -> PartialAttention:
     """The exact merge of n parts whose fields are stacked on a leading axis (out [n, ..., E], max / sum [n, ...])
     -> the merged PartialAttention (no leading axis): out the whole softmax's output, max and sum those of all the

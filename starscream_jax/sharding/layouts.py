@@ -6,9 +6,8 @@ A layout has three rule tables over the mesh axes ('data', 'gpu', 'xcd'):
                whose transpose in the backward pass is a reduce-scatter of the weight gradient),
   activations  activations, logits and the KV cache.
 Logical names: layers, vocab, embed, heads, kv_heads, head_dim, mlp, experts, expert_mlp (an expert's hidden
-dimension), norm (weights); batch (tokens of the
-residual stream and MLP), attn_batch (tokens inside attention and the KV cache), seq, and the weight names
-(activations).
+dimension), norm (weights); batch (tokens of the residual stream and MLP), attn_batch (tokens inside attention and
+the KV cache), seq (the step's positions), cache_seq (the KV cache's positions), and the weight names (activations).
 
 The layouts (X partitions per GPU, Y GPUs):
   flat_tp            the chiplet-oblivious baseline: heads / kv heads / mlp / vocab over (gpu, xcd) = X*Y-way TP;
@@ -53,11 +52,19 @@ The layouts (X partitions per GPU, Y GPUs):
                      Experts that do not divide over every partition go over the longest leading part of (gpu, xcd)
                      that divides them, their hidden dimension over the rest; so do query heads (Mixtral's and
                      Qwen3's 32 over 64 partitions: over the GPUs, each copied on every partition of its GPU).
-Layouts that split the sequence (the _cp pair) run attention without a KV cache only (`Layout.splits_sequence`).
+Layouts that split the sequence (the _cp pair) split their KV cache's positions the same way (`cache_seq`), which
+prefill writes from the keys its attention gathers and split-K decode reads (`model.split_k`).
 Every layout maps `data` to the batch (pure data parallelism across GPU groups or nodes).
+
+Any batch on any mesh (`fit_batch`): where the batch axes of a layout do not divide the batch, the longest leading
+part of them that does splits it, and each axis left over goes to the positions instead: the step's sequence (`seq`,
+training and prefill, as starscream_cp splits it) and the KV cache's positions (`cache_seq`: split-K decode, each
+partition attending to its 1/X of every sequence's cache). The `data` axis is the exception: a batch too small for the
+data-parallel groups is computed whole by each group (a stated replication across GPUs, never inside one).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from ..errors import ShardingRuleError
@@ -65,8 +72,8 @@ from ..hardware.axes import AXES, DATA, GPU, XCD, MeshAxes
 from .rules import Rules
 
 WEIGHT_NAMES = ("layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "experts", "expert_mlp", "norm")
-ACTIVATION_NAMES = ("layers", "batch", "attn_batch", "seq", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp",
-                    "experts")
+ACTIVATION_NAMES = ("layers", "batch", "attn_batch", "seq", "cache_seq", "vocab", "embed", "heads", "kv_heads",
+                    "head_dim", "mlp", "experts")
 RULE_TABLES = ("params", "weights", "activations")
 
 
@@ -148,10 +155,10 @@ LAYOUTS: dict[str, Layout] = {
                 activations={"batch": ALL_TOKENS, "attn_batch": ALL_TOKENS}),
         _layout("flat_cp", "context parallelism over every partition, weights fully sharded, flat collectives",
                 params={"embed": FLAT}, weights={"embed": None},
-                activations={"batch": DATA, "attn_batch": DATA, "seq": FLAT}),
+                activations={"batch": DATA, "attn_batch": DATA, "seq": FLAT, "cache_seq": FLAT}),
         _layout("starscream_cp", "TP over GPUs, the sequence over partitions (long sequences, train and prefill)",
                 params={**_TP_WEIGHTS(GPU), "embed": XCD}, weights={"embed": None},
-                activations={"batch": DATA, "attn_batch": DATA, "seq": XCD, **_TP_WEIGHTS(GPU)}),
+                activations={"batch": DATA, "attn_batch": DATA, "seq": XCD, "cache_seq": XCD, **_TP_WEIGHTS(GPU)}),
         _layout("starscream_ep", "experts over GPUs, tokens and weight storage over partitions (mixture of experts)",
                 params={**_TP_WEIGHTS(GPU), "experts": GPU, "embed": XCD}, weights={"embed": None},
                 activations={"batch": (DATA, XCD), "attn_batch": (DATA, XCD), **_TP_WEIGHTS(GPU)}),
@@ -213,3 +220,72 @@ def _pairs(rules: Rules, names: dict[str, str | None] | None) -> FlaxRules:
         if found:
             pairs.append((name, None if not axes else axes[0] if len(axes) == 1 else axes))
     return tuple(pairs)
+
+
+def fit_batch(layout: Layout | str, mesh, batch: int, positions: int | None) -> Layout:
+    """The layout that places `batch` sequences of `positions` tokens on `mesh` (1: decode; None: a prefill, which
+    pads its prompt to a multiple of the sequence split itself, `positions_multiple`): `layout` itself where its
+    batch axes divide the batch, else the variant the module docstring describes (named `<layout>+seq` when the
+    step's sequence takes axes, `<layout>+split_k` when only the cache's positions do, `+data` added when the data
+    groups hold copies). A ShardingRuleError names the sequence length to use where the sequence split does not
+    divide `positions` (training)."""
+    layout = get_layout(layout)
+    prefill = positions is None
+    positions = 2 if prefill else positions
+    if batch < 1 or positions < 1:
+        raise ShardingRuleError(f"a batch of {batch} sequences of {positions} tokens; both must be at least 1")
+    changes: dict[str, MeshAxes] = {}
+    dropped: set[str] = set()
+    for name in ("batch", "attn_batch"):
+        axes = layout.activations.lookup(name)[1]
+        kept = _dividing_prefix(axes, mesh, batch)
+        if kept != axes:
+            changes[name] = kept or None
+            dropped.update(axes[len(kept):])
+    left_over = _in_mesh_order(tuple(dropped - {DATA}))
+    # the residual stream's sequence takes the axes its embed dimension leaves (starscream_decode splits embed)
+    to_seq = tuple(axis for axis in left_over if axis not in layout.activations.lookup("embed")[1])
+    seq_axes = _in_mesh_order(layout.activations.lookup("seq")[1] + to_seq) if positions > 1 else ()
+    cache_axes = _in_mesh_order(layout.activations.lookup("cache_seq")[1] + left_over)
+    if seq_axes != layout.activations.lookup("seq")[1]:
+        changes["seq"] = seq_axes or None  # decode: one token per sequence, whole on the partitions of its cache
+    if not changes:
+        return layout
+    changes["cache_seq"] = cache_axes or None
+    split = math.prod(mesh.shape[axis] for axis in seq_axes)
+    if positions % split and not prefill:
+        raise ShardingRuleError(
+            f"layout {layout.name} places a batch of {batch} by splitting each sequence over {seq_axes} ({split} "
+            f"parts), which {positions} tokens do not divide; use {-(-positions // split) * split} tokens per "
+            f"sequence or a batch that is a multiple of {_batch_multiple(layout, mesh)}")
+    suffix = ("+seq" if seq_axes else "+split_k") if left_over or "seq" in changes else ""
+    suffix += "+data" if DATA in dropped else ""
+    where = f"positions over {seq_axes or cache_axes}" if seq_axes or cache_axes else "copied"
+    return replace(layout.with_rules(activations=changes), name=layout.name + suffix,
+                   description=f"{layout.description}; a batch of {batch} with its {where}")
+
+
+def positions_multiple(layout: Layout | str, mesh, name: str = "seq") -> int:
+    """The number of parts `layout` splits the positions into on `mesh`: of a step's sequence (`seq`, which a
+    prefill pads its prompt to a multiple of), or of the KV cache (`cache_seq`, a multiple of which its length must
+    be)."""
+    return math.prod(mesh.shape[axis] for axis in get_layout(layout).activations.lookup(name)[1])
+
+
+def _dividing_prefix(axes: tuple[str, ...], mesh, size: int) -> tuple[str, ...]:
+    """The longest leading part of `axes` whose mesh sizes multiply to a divisor of `size`."""
+    for keep in range(len(axes), -1, -1):
+        if size % math.prod(mesh.shape[axis] for axis in axes[:keep]) == 0:
+            return axes[:keep]
+    return ()
+
+
+def _in_mesh_order(axes: tuple[str, ...]) -> tuple[str, ...]:
+    """`axes` without repeats, outermost first (data, gpu, xcd), as a PartitionSpec entry lists them."""
+    return tuple(axis for axis in AXES if axis in axes)
+
+
+def _batch_multiple(layout: Layout, mesh) -> int:
+    """The smallest batch `layout`'s batch axes split without a fallback."""
+    return math.lcm(*(math.prod(mesh.shape[axis] for axis in layout.activations.lookup(name)[1])
+                      for name in ("batch", "attn_batch")))

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ..errors import StarscreamError
 from ..model.decoder import cache_shardings, decode_holds_cache_per_layer, split_cache
 from ..sharding.apply import batch_sharding, param_shardings, token_sharding, use_layout
-from ..sharding.layouts import get_layout
+from ..sharding.layouts import Layout, fit_batch, get_layout, positions_multiple
 from .steps import Sampling, decode_step, prefill_step
 
 DEFAULT_PREFILL_LAYOUT = "starscream_tp"
@@ -55,21 +55,23 @@ def generate(model, prompt_BP, max_new_tokens: int, sampling: Sampling = Samplin
 
     Parameters are held in the model's compute dtype, as inference reads them. With `mesh`, prefill runs under
     `prefill_layout` and decoding under `decode_layout`, parameters and KV cache placed by each in turn; without,
-    everything runs unsharded on one device. B must be divisible by the mesh axes that the layouts split the batch
-    over. Returns the new tokens [B, N] and each phase's tokens/s. With `stop_token` (EOS), decoding stops once
+    everything runs unsharded on one device. Any B >= 1 places (`fit_generation`): where B is smaller than the
+    layouts' batch split, prefill splits each prompt over the partitions and decode attends split-K to a cache split
+    by position the same way, so the cache stays where prefill wrote it. Returns the new tokens [B, N] and each phase's tokens/s. With `stop_token` (EOS), decoding stops once
     every row has produced it (checked every STOP_CHECK_EVERY tokens, so N may exceed the first EOS).
     """
     config = model.config
     batch, prompt_length = np.shape(prompt_BP)
-    cache_length = prompt_length + max_new_tokens
+    end = cache_length = prompt_length + max_new_tokens
     if prompt_length < 1 or max_new_tokens < 1:
         raise StarscreamError(f"prompt of {prompt_length} tokens and {max_new_tokens} new tokens; both must be at "
                               "least 1")
-    if cache_length > config.max_seq_len:
+    if end > config.max_seq_len:
         raise StarscreamError(f"prompt {prompt_length} + {max_new_tokens} new tokens exceed model {config.name}'s "
                               f"max_seq_len {config.max_seq_len}; generate fewer tokens or shorten the prompt")
     if mesh is not None:
-        _check_cache_layouts(prefill_layout, decode_layout)
+        prefill_layout, decode_layout = fit_generation(prefill_layout, decode_layout, mesh, batch)
+        cache_length = generation_cache_length(end, prefill_layout, decode_layout, mesh)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     params = jax.tree.map(lambda array: array.astype(config.dtype), params)  # held as the matmuls read them
     prompt = jnp.asarray(prompt_BP, jnp.int32)
@@ -99,7 +101,7 @@ def generate(model, prompt_BP, max_new_tokens: int, sampling: Sampling = Samplin
                                                                 jnp.int32(prompt_length)).compile()
         started = time.perf_counter()
         stopped_B = token_B == stop_token if stop_token is not None else None
-        for position in range(prompt_length, cache_length - 1):
+        for position in range(prompt_length, end - 1):
             token_B, cache = compiled_decode(params, rest, cache, token_B, jnp.int32(position))
             new_tokens.append(token_B)
             if stop_token is not None:
@@ -118,13 +120,26 @@ def generate(model, prompt_BP, max_new_tokens: int, sampling: Sampling = Samplin
                       prefill_program=compiled_prefill, decode_program=compiled_decode)
 
 
-def _check_cache_layouts(*layouts) -> None:
-    """Generation keeps a KV cache, which a layout that splits the sequence (context parallelism) cannot hold."""
-    for layout in map(get_layout, layouts):
-        if layout.splits_sequence:
-            raise StarscreamError(f"layout {layout.name} splits the sequence over the partitions (context parallelism) "
-                                  f"and cannot hold the KV cache generation needs; prefill with "
-                                  f"{DEFAULT_PREFILL_LAYOUT} and decode with {DEFAULT_DECODE_LAYOUT}")
+def fit_generation(prefill_layout, decode_layout, mesh, batch: int) -> tuple[Layout, Layout]:
+    """The prefill and decode layouts that place `batch` sequences on `mesh` (`layouts.fit_batch`: a sequence split
+    for prefill and split-K decode where the batch is smaller than the split). Both must split the cache's positions
+    over the same axes: the slots of a cache split by position are in an order of its own (names.CACHE)."""
+    prefill, decode = fit_batch(prefill_layout, mesh, batch, None), fit_batch(decode_layout, mesh, batch, 1)
+    written, read = (layout.activations.lookup("cache_seq")[1] for layout in (prefill, decode))
+    if written != read:
+        raise StarscreamError(
+            f"a batch of {batch}: prefill under {prefill.name} splits the KV cache's positions over "
+            f"{written or 'no axis'}, decode under {decode.name} over {read or 'no axis'}; prefill with "
+            f"{DEFAULT_PREFILL_LAYOUT} and decode with {DEFAULT_DECODE_LAYOUT}, or another pair that agree")
+    return prefill, decode
+
+
+def generation_cache_length(end: int, prefill_layout, decode_layout, mesh) -> int:
+    """The KV cache's length for `end` positions: `end` rounded up to a multiple of the parts the layouts split
+    the cache's positions and the prompt into (`layouts.positions_multiple`); the slots past `end` are never read."""
+    multiple = math.lcm(positions_multiple(prefill_layout, mesh), positions_multiple(prefill_layout, mesh, "cache_seq"),
+                        positions_multiple(decode_layout, mesh, "cache_seq"))
+    return -(-end // multiple) * multiple
 
 
 def batch_multiple(layouts, mesh) -> int:

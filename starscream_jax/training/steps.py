@@ -13,7 +13,8 @@ them, and is traced under the active layout (`use_layout`), which places every a
   eval     (params, rest, tokens [B, S + 1]) -> loss; `load_balance_step` likewise -> a mixture of experts'
            load-balancing loss.
   prefill  (params, rest, prompt [B, P]) -> (first new token [B], cache): the prompt through the model into a fresh
-           KV cache {"k", "v"} of [L, B, T, K, E] (T = cache_length), and the token chosen from its last logits.
+           KV cache {"k", "v"} of [L, B, T, K, E] (T = cache_length), and the token chosen from its last logits;
+           padded to a multiple of the sequence split where the layout splits the sequence (`_padded_prompt`).
   decode   (params, rest, cache, token [B], position) -> (next token [B], cache): one token per sequence at
            `position` of the cache (donated; stacked, or held per layer as generation holds it when decode runs no
            layer loop, `decoder.split_cache`), compiled with DECODE_COMPILER_OPTIONS.
@@ -31,10 +32,11 @@ from jax.sharding import PartitionSpec, reshard
 
 from ..checks import finite_number
 from ..errors import StarscreamError
-from ..hardware.axes import INSIDE_GPU, axes_of
+from ..hardware.axes import INSIDE_GPU, axes_of, dim_axes
 from ..model.config import ModelConfig
 from ..model.decoder import init_cache, next_token_loss
-from ..sharding.apply import LOGICAL_AXES, activation_spec
+from ..sharding.apply import LOGICAL_AXES, activation_spec, active
+from ..sharding.layouts import positions_multiple
 from .config import TrainConfig
 
 
@@ -146,10 +148,28 @@ def prefill_step(graphdef, config: ModelConfig, sampling: Sampling, cache_length
     def step(params, rest, prompt_BP):
         model = nnx.merge(graphdef, params, rest)
         cache = init_cache(config, prompt_BP.shape[0], cache_length)
-        logits_BPV, cache = model(prompt_BP, cache=cache, cache_index=0)
-        return choose_token(logits_BPV[:, -1], prompt_BP.shape[1], sampling), cache
+        logits_BPV, cache = model(_padded_prompt(prompt_BP), cache=cache, cache_index=0)
+        return choose_token(_last_real(logits_BPV, prompt_BP.shape[1]), prompt_BP.shape[1], sampling), cache
 
     return step
+
+
+def _padded_prompt(prompt_BP: jax.Array) -> jax.Array:
+    """The prompt [B, P] with zeros appended up to a multiple of the parts the active layout splits the sequence
+    into (`layouts.positions_multiple`; P itself where none). The padding follows every real position, so causal
+    attention keeps it from them; its keys land in cache slots that decode overwrites before reading them."""
+    current = active()
+    parts = 1 if current is None else positions_multiple(current.layout, current.mesh)
+    return jnp.pad(prompt_BP, ((0, 0), (0, -prompt_BP.shape[1] % parts)))
+
+
+def _last_real(logits_BPV: jax.Array, length: int) -> jax.Array:
+    """The logits [B, V] of position `length - 1`, as a sum that keeps only that position: where the layout splits
+    the positions, a reduction of [B, V] values over their axes, where slicing would gather every position's."""
+    if active() is None or not dim_axes(jax.typeof(logits_BPV).sharding.spec, 1):
+        return logits_BPV[:, length - 1]
+    last_P = jnp.arange(logits_BPV.shape[1]) == length - 1
+    return jnp.sum(jnp.where(last_P[None, :, None], logits_BPV, 0.0), axis=1)
 
 
 DECODE_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}

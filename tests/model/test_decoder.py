@@ -254,14 +254,6 @@ def test_context_parallel_training_matches_and_only_starscream_cp_stays_hierarch
     assert verdict["ok"] == (layout == "starscream_cp"), verdict["violations"]
 
 
-def test_context_parallel_layouts_refuse_generation_with_a_kv_cache():
-    config, graphdef, params, _ = reference("tiny")
-    mesh = mesh_of("1x2x4")
-    placed, prompt = on_mesh(params, "starscream_cp", mesh, sample_tokens(config)[:, :PROMPT])
-    with use_layout("starscream_cp", mesh), pytest.raises(ShardingRuleError, match="does not support"):
-        jit(prefill, graphdef, config)(placed, prompt)
-
-
 def test_remat_recomputes_each_layers_matmuls_in_the_backward_pass():
     """With remat the gradient program runs every forward matmul of the layer loop a second time (a third of the
     loop's matmuls more), and gives the same gradients."""

@@ -23,8 +23,8 @@ from starscream_jax.model.decoder import Transformer, next_token_loss
 from starscream_jax.model.hf_checkpoint import INDEX_FILE, export_hf_model, load_hf_model
 from starscream_jax.model.hf_config import model_config_from_hf
 from starscream_jax.sharding.apply import batch_sharding, param_shardings, use_layout
-from starscream_jax.sharding.layouts import LAYOUTS
-from starscream_jax.training.generate import batch_multiple, generate
+from starscream_jax.sharding.layouts import LAYOUTS, fit_batch
+from starscream_jax.training.generate import generate
 from starscream_jax.training.steps import Sampling
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "hf"
@@ -32,7 +32,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 TOLERANCE = 1e-4
 """Largest absolute logit difference allowed against the reference (float32 on both sides; about 5e-6 is seen, 3e-5
 for the llama fixture whose tied N(0, 1) embeddings give logits up to 43)."""
-MESHES = {"1x1x1": (1, 1, 1), "1x2x4": (1, 2, 4), "2x2x2": (2, 2, 2)}
+MESHES = {"1x1x1": (1, 1, 1), "1x2x4": (1, 2, 4), "2x2x2": (2, 2, 2), "1x2x8": (1, 2, 8)}
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
@@ -86,16 +86,34 @@ def test_logits_equal_the_reference_on_every_layout_with_a_data_axis(family):
     assert max(errors.values()) <= TOLERANCE, errors
 
 
+ANY_BATCH = {"llama": ("1x2x4", 1), "mistral": ("2x2x2", 3), "qwen2": ("1x2x8", 5), "qwen3": ("1x1x1", 2),
+             "mixtral": ("1x2x8", 2), "qwen3_moe": ("2x2x2", 1)}
+"""A mesh and a batch per family, together every mesh and batches 1, 2, 3 and 5: fewer sequences than the (data x)
+xcd split of the batch, so prefill splits each 9-token prompt over the partitions (padded to a multiple of them)
+and decode attends split-K; batch 5 on 2 x 8 partitions and 3 on a data axis of 2 leave parts of the batch split
+unused as well."""
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_generation_gives_the_reference_tokens(family):
-    """Prefill under starscream_tp and decode under starscream_decode (KV cache) on 2 GPUs x 4 partitions."""
-    expected, mesh = reference(family), mesh_of("1x2x4")
+def test_greedy_generation_of_any_batch_gives_the_reference_tokens(family):
+    """Prefill under starscream_tp and decode under starscream_decode, as `generate` fits them to the batch."""
+    expected, (mesh_name, rows) = reference(family), ANY_BATCH[family]
+    mesh = mesh_of(mesh_name)
     model = load_hf_model(FIXTURES / family, "starscream_tp", mesh)
-    rows = batch_multiple(("starscream_tp", "starscream_decode"), mesh)
     prompt = np.tile(expected["prompt_ids"], (rows, 1))
     result = generate(model, prompt, len(expected["generated_ids"]), Sampling(top_p=None), mesh)
     assert len(expected["generated_ids"]) == 20 and len(set(expected["generated_ids"].tolist())) > 1
     np.testing.assert_array_equal(result.tokens, np.tile(expected["generated_ids"], (rows, 1)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_of_a_batch_split_by_sequence_equal_the_reference(family):
+    """starscream_tp fitted to each family's batch of ANY_BATCH (each sequence of 16 tokens over the partitions)."""
+    expected, (mesh_name, rows) = reference(family), ANY_BATCH[family]
+    mesh = mesh_of(mesh_name)
+    layout = fit_batch("starscream_tp", mesh, rows, expected["input_ids"].shape[1])
+    logits = logits_under(FIXTURES / family, layout, mesh, expected["input_ids"][:rows])
+    assert np.max(np.abs(logits - expected["logits"][:rows])) <= TOLERANCE
 
 
 @pytest.mark.parametrize("family", ["llama", "mixtral", "qwen3_moe"])

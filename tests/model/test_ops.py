@@ -11,7 +11,7 @@ from starscream_jax.hardware.mesh import auto_axes, build_mesh
 from starscream_jax.model.decoder import write_cache
 from starscream_jax.model.ops import attention, cross_entropy, embed_lookup
 from starscream_jax.sharding.apply import use_layout, weight
-from starscream_jax.sharding.layouts import get_layout
+from starscream_jax.sharding.layouts import fit_batch, get_layout
 
 FP32_TOLERANCE = 2e-5
 """Largest absolute difference between a sharded and the unsharded float32 result (see tests/model/test_decoder.py)."""
@@ -37,7 +37,7 @@ def through_cache(q, k, v, positions_BS, cache, index):
     """(attention of the new queries through the cache, the cache) after writing the new keys and values at
     `index`, as the model's layers do."""
     cache = write_cache(cache, 0, index, k, v)
-    return attention(q, k, v, positions_BS, {name: cache[name][0] for name in cache}), cache
+    return attention(q, k, v, positions_BS, {name: cache[name][0] for name in cache}, index), cache
 
 
 def grouped_attention_by_hand(q, k, v):
@@ -123,12 +123,37 @@ def test_attention_over_a_split_sequence_and_its_gradient_equal_unsharded():
         np.testing.assert_allclose(actual, wanted, atol=FP32_TOLERANCE)
 
 
-def test_attention_with_a_cache_over_a_split_sequence_is_refused():
+def test_a_split_sequence_writes_its_cache_split_by_position_and_later_chunks_are_refused():
+    """A prompt split over the 4 partitions attends as unsharded and leaves the cache in strided order (partition i
+    holds positions i and i + 4); a second chunk, which would need the keys cached before it, is refused."""
     q, k, v = qkv()
-    refusal = r"layout starscream_cp splits the sequence over \('xcd',\), which attention with a KV cache"
+    mesh = build_mesh("2x4")
+    out, cache = sharded(SEQUENCE_SPLIT, mesh, lambda q, k, v, cache: through_cache(q, k, v, positions(), cache, 0),
+                         q, k, v, empty_cache())
+    np.testing.assert_allclose(out, attention(q, k, v, positions()), atol=FP32_TOLERANCE)
+    np.testing.assert_array_equal(cache["k"][0], k[:, [0, 4, 1, 5, 2, 6, 3, 7]])
+    refusal = r"layout starscream_cp splits the sequence over \('xcd',\), whose attention with a KV cache starts at"
     with pytest.raises(ShardingRuleError, match=refusal):
-        sharded(SEQUENCE_SPLIT, build_mesh("2x4"),
-                lambda q, k, v, cache: through_cache(q, k, v, positions(), cache, 0), q, k, v, empty_cache())
+        sharded(SEQUENCE_SPLIT, mesh, lambda q, k, v, cache: through_cache(q, k, v, positions(4, 4), cache, 4),
+                q[:, :4], k[:, :4], v[:, :4], empty_cache())
+
+
+def test_split_k_decode_over_a_cache_split_by_position_equals_unsharded():
+    """Fewer sequences than partitions: the cache's positions over the 4 partitions of each GPU (strided), the last
+    position's query attending split-K."""
+    batch = 3
+    q, k, v = (x[:batch] for x in qkv())
+    layout = fit_batch("starscream_decode", build_mesh("2x4"), batch, 1)
+    assert layout.name == "starscream_decode+split_k"
+
+    def last_token(q, k, v, cache):
+        _, cache = through_cache(q[:, :-1], k[:, :-1], v[:, :-1], positions(S - 1)[:batch], cache, 0)
+        return through_cache(q[:, -1:], k[:, -1:], v[:, -1:], positions(1, start=S - 1)[:batch], cache, S - 1)
+
+    cache = {name: array[:, :batch] for name, array in empty_cache().items()}
+    last, cache = sharded(layout, build_mesh("2x4"), last_token, q, k, v, cache)
+    np.testing.assert_allclose(last, attention(q, k, v, positions()[:batch])[:, -1:], atol=FP32_TOLERANCE)
+    np.testing.assert_array_equal(cache["k"][0], k[:, [0, 4, 1, 5, 2, 6, 3, 7]])
 
 
 def test_query_heads_that_split_a_kv_group_unevenly_are_refused():
