@@ -57,8 +57,9 @@ def generate(model, prompt_BP, max_new_tokens: int, sampling: Sampling = Samplin
     `prefill_layout` and decoding under `decode_layout`, parameters and KV cache placed by each in turn; without,
     everything runs unsharded on one device. Any B >= 1 places (`fit_generation`): where B is smaller than the
     layouts' batch split, prefill splits each prompt over the partitions and decode attends split-K to a cache split
-    by position the same way, so the cache stays where prefill wrote it. Returns the new tokens [B, N] and each phase's tokens/s. With `stop_token` (EOS), decoding stops once
-    every row has produced it (checked every STOP_CHECK_EVERY tokens, so N may exceed the first EOS).
+    by position the same way, so the cache stays where prefill wrote it. Returns the new tokens [B, N] and each
+    phase's tokens/s. With `stop_token` (EOS), decoding stops once every row has produced it (checked every
+    STOP_CHECK_EVERY tokens, so N may exceed the first EOS).
     """
     config = model.config
     batch, prompt_length = np.shape(prompt_BP)
