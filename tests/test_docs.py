@@ -1,8 +1,9 @@
 """The documentation: README.md, docs/*.md and benchmarks/NOTES.md. Every relative link resolves (the file exists, and
 an anchor names a heading of the page it points to, as GitHub spells heading anchors), README links every docs page
-and lists every subcommand, prose keeps to 120 columns outside tables, images and code, and README's Python
-quickstart runs and passes the three principles."""
+and lists every subcommand, every name of the package's code the pages give exists, prose keeps to 120 columns
+outside tables, images and code, and README's Python quickstart runs and passes the three principles."""
 import contextlib
+import importlib
 import io
 import re
 from pathlib import Path
@@ -14,6 +15,14 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benc
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^\s*(```|~~~)")
 WIDTH = 120
+CODE_NAME = re.compile(r"`((?:[A-Za-z_]\w*\.)+[A-Za-z_]\w*)`")
+FILE_SUFFIXES = {"py", "json", "jsonl", "toml", "cfg", "md", "png", "log", "sh", "xml", "conf", "safetensors",
+                 "damaged"}
+"""A backticked `a.b` ending in one of these is a file name, not code."""
+PACKAGE = ROOT / "starscream_jax"
+MODULES = [".".join(path.relative_to(ROOT).parent.parts if path.name == "__init__.py"
+                   else path.relative_to(ROOT).with_suffix("").parts) for path in PACKAGE.rglob("*.py")]
+"""Every module and package of the package by dotted name, read from the files (nothing imported)."""
 
 
 def prose(page: Path) -> list[tuple[int, str]]:
@@ -50,6 +59,37 @@ def relative_links(page: Path) -> list[tuple[int, str]]:
             if not re.match(r"[a-z]+:", target)]
 
 
+def source(module: str) -> str:
+    path = ROOT / module.replace(".", "/")
+    return (path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).read_text()
+
+
+def owner(head: str) -> str | None:
+    """The one module `head` names: a dotted path from `starscream_jax`, its last parts (`decoder`, `model.ops`), or
+    a class defined at the top of exactly one module (`ModelConfig`); None when it names none or several."""
+    modules = [module for module in MODULES if module == head or module.endswith("." + head)]
+    if not modules and head.isidentifier() and head[0].isupper():
+        modules = [module for module in MODULES
+                   if re.search(rf"^class {head}\b", source(module), re.M)]
+    return modules[0] if len(modules) == 1 else None
+
+
+def resolve(name: str):
+    """The package's object that `name` (`decoder.split_cache`, `ModelConfig.scan_unroll`) names, None when its head
+    names no module or class of the package (another library's names, say); AttributeError when the rest is gone."""
+    parts = name.split(".")
+    for split in range(len(parts), 0, -1):
+        module = owner(".".join(parts[:split]))
+        if module is None:
+            continue
+        found = importlib.import_module(module)
+        rest = parts[split:] if module.endswith(".".join(parts[:split])) else parts
+        for attribute in rest:
+            found = getattr(found, attribute)
+        return found
+    return None
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
 def test_every_relative_link_resolves(page):
     broken = []
@@ -69,20 +109,37 @@ def test_every_docs_page_is_linked_from_the_readme():
     assert not unlinked, f"docs pages missing from README's Documentation list: {', '.join(unlinked)}"
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
-def test_prose_keeps_to_120_columns(page):
-    long = [f"{page.name}:{number}: {len(line)} columns" for number, line in prose(page)
-            if len(line) > WIDTH and not line.startswith(("|", "!["))]
-    assert not long, f"lines over {WIDTH} columns outside tables, images and code (rewrap them):\n" + "\n".join(long)
-
-
-
 def test_the_readme_lists_every_subcommand():
     from starscream_jax.cli.main import SUBCOMMANDS
 
     text = (ROOT / "README.md").read_text()
     listed = re.findall(r"^\| `(\w+)` \|", text.split("The `starscream` command", 1)[1].split("\n\n", 2)[1], re.M)
     assert listed == list(SUBCOMMANDS), f"README's subcommand table lists {listed}; the command has {list(SUBCOMMANDS)}"
+
+
+def test_every_name_the_docs_give_the_code_exists():
+    """Names in the docs that point into the package (`decoder.split_cache`, `steps.DECODE_COMPILER_OPTIONS`) name
+    what is there; benchmarks/NOTES.md is history and keeps the names of its day, as do the rendered tables' notes."""
+    missing = []
+    for page in PAGES[:-1]:
+        text = re.sub(r"<!-- speed-tables:start (\w+) -->.*?<!-- speed-tables:end \1 -->", "", page.read_text(),
+                      flags=re.S)
+        for name in sorted(set(CODE_NAME.findall(text))):
+            if name.rsplit(".", 1)[1] in FILE_SUFFIXES:
+                continue
+            try:
+                resolve(name)
+            except AttributeError as error:
+                missing.append(f"{page.name}: `{name}` ({error})")
+    assert not missing, "names the code no longer has:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
+def test_prose_keeps_to_120_columns(page):
+    long = [f"{page.name}:{number}: {len(line)} columns" for number, line in prose(page)
+            if len(line) > WIDTH and not line.startswith(("|", "!["))]
+    assert not long, f"lines over {WIDTH} columns outside tables, images and code (rewrap them):\n" + "\n".join(long)
+
 
 def test_the_anchor_of_a_heading_is_githubs():
     assert anchor("Quick start (a fresh machine with Python 3.11+ and make)") == (
@@ -95,6 +152,17 @@ def test_a_broken_link_is_found(tmp_path):
     page.write_text("# Title\n\n[there](missing.md) [here](#title) [gone](#nowhere)\n```\n[code](skipped.md)\n```\n")
     assert relative_links(page) == [(3, "missing.md"), (3, "#title"), (3, "#nowhere")]
     assert anchors(page) == {"title"}
+
+
+def test_a_name_is_resolved_in_the_package_or_left_alone():
+    from starscream_jax.model import decoder
+
+    assert resolve("decoder.split_cache") is decoder.split_cache
+    assert resolve("model.decoder.split_cache") is decoder.split_cache
+    assert resolve("ModelConfig.scan_unroll") is not None
+    assert resolve("jax.shard_map") is None
+    with pytest.raises(AttributeError):
+        resolve("decoder.no_such_function")
 
 
 def test_the_readme_quickstart_runs_and_passes_the_principles():
