@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from pathlib import Path
 
 from .errors import StarscreamError
@@ -54,3 +55,17 @@ def of_type(value, kinds: type | tuple[type, ...], name: str, expected: str):
 def _short(value) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def created_directory(path: str | os.PathLike, name: str) -> Path:
+    """`path`, created (with its parents) when missing, once a file could be written in it: a directory on a
+    read-only or pseudo file system (/proc, /sys) is a StarscreamError naming it, not an OSError later."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise StarscreamError(f"{name} {path}: cannot write there ({error.strerror or error}); pass a directory on "
+                              "a writable file system") from None
+    return path

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..analysis.layout_report import ResultCache
 from ..checks import whole_number, writable_directory
 from ..errors import StarscreamError, TopologyError
-from ..hardware.distributed import initialize
+from ..hardware.distributed import DEFAULT_JOIN_TIMEOUT, initialize
 from ..hardware.mesh import build_topology_mesh, resolve_topology
 from ..hardware.presets import list_presets
 from ..hardware.simulation import DEFAULT_SIMULATED, accelerator_present, simulate_cpu_devices
@@ -141,6 +141,8 @@ def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--process-id", type=int, metavar="I", help="this process' index, 0..N-1")
     group.add_argument("--distributed", action="store_true",
                        help="join the cluster that jax detects from the environment (SLURM, Open MPI, Kubernetes)")
+    group.add_argument("--join-timeout", type=count, default=DEFAULT_JOIN_TIMEOUT, metavar="SECONDS",
+                       help="how long each process waits for the others to join before naming the missing one")
 
 
 def initialize_from_args(args: argparse.Namespace) -> bool:
@@ -148,14 +150,53 @@ def initialize_from_args(args: argparse.Namespace) -> bool:
     explicit_values = (args.coordinator, args.num_processes, args.process_id)
     if all(value is None for value in explicit_values):
         if args.distributed:
-            return initialize()
+            return initialize(join_timeout=args.join_timeout)
         return False
     if any(value is None for value in explicit_values):
         raise StarscreamError(
             f"got --coordinator {args.coordinator} --num-processes {args.num_processes} --process-id "
             f"{args.process_id}; expected all three together; pass each one, or none with --distributed"
         )
-    return initialize(args.coordinator, args.num_processes, args.process_id)
+    return initialize(args.coordinator, args.num_processes, args.process_id, args.join_timeout)
+
+
+EXCLUSIVE = (
+    ("distributed", "coordinator", "--distributed detects the coordinator from the environment"),
+    ("distributed", "num_processes", "--distributed detects the process count from the environment"),
+    ("distributed", "process_id", "--distributed detects each process' id from the environment"),
+    ("topology", "preset", "--topology gives the whole topology (PRESET:GPUS names a preset in it)"),
+)
+"""(flag, flag, why only one is honoured): pairs of the shared arguments that contradict each other, as dests."""
+
+
+def explicit_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The dests of the options `argv` gives explicitly (even at their default values), for a parser with one
+    level of subcommands: `argv` parsed again with every default suppressed."""
+    for action in _all_actions(parser):
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv))) - {"command"}
+
+
+def _all_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    actions = list(parser._actions)  # argparse keeps no public list of a parser's actions
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            actions += [nested for sub in action.choices.values() for nested in _all_actions(sub)]
+    return actions
+
+
+def refuse_contradictions(given: set[str], pairs, option_names: dict[str, str]) -> None:
+    """A StarscreamError for the first pair of (dest, dest, why) given together: one of them would be ignored."""
+    for first, second, why in pairs:
+        if first in given and second in given:
+            raise StarscreamError(f"{option_names[first]} contradicts {option_names[second]} ({why}); pass only "
+                                  "one of them")
+
+
+def option_names(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """dest -> its longest option string, over every subcommand."""
+    return {action.dest: max(action.option_strings, key=len) for action in _all_actions(parser)
+            if action.option_strings}
 
 
 CACHE_ENV = "STARSCREAM_CACHE"

@@ -4,10 +4,13 @@ their index, config.json, the tokenizer files of the run's tokenizer), readable 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ..analysis.format import format_bytes
 from ..hardware.distributed import is_main_process
-from ..model.hf_checkpoint import DEFAULT_SHARD_BYTES, SAVED_DTYPES, export_hf_model
+from ..checks import finite_number
+from ..errors import StarscreamError
+from ..model.hf_checkpoint import DEFAULT_SHARD_BYTES, SAVED_DTYPES, check_export_target, export_hf_model
 from ..model.hf_config import read_hf_config
 from ..training.checkpoint import CheckpointStore, restore_model
 from ..training.config import TrainConfig
@@ -31,9 +34,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--out", required=True, metavar="HF_DIR", help="the model directory to write")
     group.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     group.add_argument("--dtype", default="float32", choices=tuple(SAVED_DTYPES), help="dtype of the saved tensors")
-    group.add_argument("--shard-size", type=float, default=DEFAULT_SHARD_BYTES / 2**30, metavar="GIB",
+    group.add_argument("--shard-size", type=shard_size, default=DEFAULT_SHARD_BYTES / 2**30, metavar="GIB",
                        help="largest safetensors file, in GiB")
+    group.add_argument("--replace", action="store_true",
+                       help="replace whatever --out holds, entirely (without it a non-empty --out is refused)")
     group.add_argument("--layout", help="layout to gather the parameters from (default: the run's)")
+
+
+def shard_size(text: str) -> float:
+    """--shard-size: a finite number of GiB above zero."""
+    try:
+        return finite_number(float(text), "--shard-size", positive=True)
+    except ValueError as error:  # float() failed, or StarscreamError (a ValueError) from finite_number
+        message = str(error) if isinstance(error, StarscreamError) else f"{text!r}: expected a number of GiB"
+        raise argparse.ArgumentTypeError(message) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,13 +56,14 @@ def run(args: argparse.Namespace) -> int:
     echo = print if is_main_process() else (lambda *_: None)
     _, mesh = mesh_from_args(args)
     directory = checkpoint_dir(args.checkpoint)
+    check_export_target(Path(args.out), args.replace, reads=[directory])
     with CheckpointStore(directory, must_exist=True) as store:
         layout = args.layout or store.restore_meta(args.step)["layout"]
     model, description = restore_model(directory, layout, mesh, args.step)
     run_config = TrainConfig.from_dict(description["train_config"])
     written = export_hf_model(model, args.out, args.dtype, tokenizer_dir=run_config.tokenizer_dir(),
                               source_config=read_hf_config(run_config.init) if run_config.init else None,
-                              max_shard_bytes=int(args.shard_size * 2**30))
+                              max_shard_bytes=max(1, int(args.shard_size * 2**30)), replace=args.replace)
     echo(f"{model.config.name} from step {description['step']} of {directory} written to {args.out}:")
     for path in written:
         echo(f"  {path.name} ({format_bytes(path.stat().st_size)})")

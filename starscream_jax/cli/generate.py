@@ -4,6 +4,7 @@ demo's runs), stopping at its EOS."""
 from __future__ import annotations
 
 import argparse
+
 import numpy as np
 
 from ..hardware.distributed import is_main_process
@@ -23,6 +24,16 @@ from .arguments import (
     step_number,
 )
 from .train import DEFAULT_GPUS, DEFAULT_PRESET
+
+
+EXCLUSIVE = (
+    ("model_dir", "checkpoint", "--model-dir loads a Hugging Face directory instead of a run's checkpoint"),
+    ("model_dir", "step", "--step picks a checkpoint of a run; a model directory holds one model"),
+    ("greedy", "top_p", "greedy decoding takes the most likely token; nothing is sampled"),
+    ("greedy", "temperature", "greedy decoding takes the most likely token; nothing is sampled"),
+    ("greedy", "seed", "greedy decoding draws no random numbers"),
+)
+"""(flag, flag, why only one is honoured), as dests."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

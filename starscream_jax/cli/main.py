@@ -10,7 +10,7 @@ import sys
 
 from ..errors import RunStopped, StarscreamError
 from . import export, generate, inspect, plan, topology, train
-from .arguments import prepare_simulation
+from .arguments import EXCLUSIVE, explicit_options, option_names, prepare_simulation, refuse_contradictions
 
 SUBCOMMANDS = {
     "topology": (topology, "print the topology and which device sits at each (gpu, xcd)"),
@@ -20,7 +20,8 @@ SUBCOMMANDS = {
     "inspect": (inspect, "compile layouts side by side and check the three principles"),
     "plan": (plan, "choose a layout per phase with the cost model"),
 }
-"""name -> (module with add_arguments(parser) and run(args) -> exit code, one-line help)"""
+"""name -> (module with add_arguments(parser), run(args) -> exit code and optionally EXCLUSIVE: pairs of its flags
+that contradict each other, one-line help)"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,8 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
+        module = SUBCOMMANDS[args.command][0]
+        refuse_contradictions(explicit_options(build_parser(), argv), EXCLUSIVE + getattr(module, "EXCLUSIVE", ()),
+                              option_names(parser))
         prepare_simulation(args)
         return args.run(args)
     except RunStopped as stopped:

@@ -26,6 +26,11 @@ from .arguments import (
 
 DEFAULT_PRESET = "mi300x-qpx-nps1"
 DEFAULT_GPUS = 2
+EXCLUSIVE = (
+    ("remat_full", "remat", "--remat is --remat-policy full"),
+    ("init", "model", "--init's config.json is the model"),
+)
+"""(flag, flag, why only one is honoured), as dests."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,8 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--remat-policy", dest="remat", default=defaults.remat, choices=REMAT_POLICIES,
                        help="what the backward pass keeps of each layer: everything (none), the matmul outputs "
                             "(dots) or only the layer's input (full), recomputing the rest")
-    group.add_argument("--remat", dest="remat", action="store_const", const="full",
-                       help="the same as --remat-policy full")
+    group.add_argument("--remat", dest="remat_full", action="store_true", help="the same as --remat-policy full")
     group.add_argument("--grad-accum", type=int, default=defaults.grad_accum, metavar="N",
                        help="accumulate gradients over N micro-batches of batch-size / N sequences per step")
     group.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps in the whole run")
@@ -90,7 +94,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The TrainConfig that the parsed arguments describe."""
     fields = {field.name for field in dataclasses.fields(TrainConfig)}
     values = {name: value for name, value in vars(args).items() if name in fields}
-    return TrainConfig(**{**values, "data": ",".join(args.data)})
+    return TrainConfig(**{**values, "data": ",".join(args.data), "remat": "full" if args.remat_full else args.remat})
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,8 +29,8 @@ from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from ..checks import of_type
-from ..errors import CheckpointError
+from ..checks import created_directory, of_type, whole_number, writable_directory
+from ..errors import CheckpointError, StarscreamError
 from ..sharding.apply import param_shardings, path_name
 from .config import ModelConfig
 from .decoder import Transformer, abstract_model
@@ -285,43 +287,101 @@ def _load_param(reader: CheckpointReader, source: Source, variable: nnx.Variable
 
 def export_hf_model(model: Transformer, out_dir: str | Path, dtype: str = "float32", *,
                     tokenizer_dir: str | Path | None = None, source_config: dict | None = None,
-                    max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[Path]:
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, replace: bool = False) -> list[Path]:
     """Write `model` as a Hugging Face model directory: safetensors shards of at most `max_shard_bytes` (one
     `model.safetensors` when it fits, else numbered shards and `model.safetensors.index.json`), `config.json`
     (keeping `source_config`'s other fields, such as token ids) and the tokenizer files of `tokenizer_dir`.
 
-    Tensors are gathered one layer at a time, so the host holds one shard's worth at most. Every process must call
-    this; process 0 writes. Returns the files written."""
+    The files are written into a fresh directory beside `out_dir` and moved into place whole, so `out_dir` holds
+    either its old content or the complete export, never a mix. An `out_dir` holding anything is refused unless
+    `replace`, which replaces it entirely (`check_export_target`). Tensors are gathered one layer at a time, so the
+    host holds one shard's worth at most. Every process must call this; process 0 writes. Returns the files
+    written (their final paths)."""
     if dtype not in SAVED_DTYPES:
         raise CheckpointError(f"export dtype {dtype!r}; use one of {', '.join(SAVED_DTYPES)}")
+    whole_number(max_shard_bytes, "max_shard_bytes (--shard-size)")
     out, config, writing = Path(out_dir), model.config, jax.process_index() == 0
+    check_export_target(out, replace, reads=[tokenizer_dir] if tokenizer_dir else [])
     params = {path_name(path): variable.get_value()
               for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     plan = _shard_plan(config, params, np.dtype(SAVED_DTYPES[dtype]).itemsize, max_shard_bytes)
     files = [SINGLE_FILE] if len(plan) == 1 else [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
                                                     for i in range(len(plan))]
-    if writing:
-        out.mkdir(parents=True, exist_ok=True)
-    for file, tensors in zip(files, plan):
-        shard = {name: _gathered(params[path], source, at).astype(SAVED_DTYPES[dtype])
-                 for name, path, source, at in tensors}
-        if writing:
-            save_file(shard, out / file, metadata={"format": "pt"})
-    if not writing:
-        return []
-    written = [out / file for file in files]
-    if len(plan) > 1:
-        weight_map = {name: file for file, tensors in zip(files, plan) for name, *_ in tensors}
-        total = sum(math.prod(params[path].shape) for path in params) * np.dtype(SAVED_DTYPES[dtype]).itemsize
-        (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                 indent=2) + "\n")
-        written.append(out / INDEX_FILE)
-    (out / CONFIG_FILE).write_text(json.dumps(hf_config_from_model(config, dtype, source_config), indent=2) + "\n")
-    written.append(out / CONFIG_FILE)
-    for name in TOKENIZER_FILES:
-        if tokenizer_dir is not None and (Path(tokenizer_dir) / name).is_file():
-            written.append(Path(shutil.copyfile(Path(tokenizer_dir) / name, out / name)))
-    return written
+    staging = _staging_directory(out) if writing else None
+    try:
+        for file, tensors in zip(files, plan):
+            shard = {name: _gathered(params[path], source, at).astype(SAVED_DTYPES[dtype])
+                     for name, path, source, at in tensors}
+            if writing:
+                save_file(shard, staging / file, metadata={"format": "pt"})
+        if not writing:
+            return []
+        if len(plan) > 1:
+            weight_map = {name: file for file, tensors in zip(files, plan) for name, *_ in tensors}
+            total = sum(math.prod(params[path].shape) for path in params) * np.dtype(SAVED_DTYPES[dtype]).itemsize
+            (staging / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
+                                                          "weight_map": weight_map}, indent=2) + "\n")
+        (staging / CONFIG_FILE).write_text(json.dumps(hf_config_from_model(config, dtype, source_config),
+                                                      indent=2) + "\n")
+        for name in TOKENIZER_FILES:
+            if tokenizer_dir is not None and (Path(tokenizer_dir) / name).is_file():
+                shutil.copyfile(Path(tokenizer_dir) / name, staging / name)
+        names = sorted(path.name for path in staging.iterdir())
+        _publish(staging, out)
+    except BaseException:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return [out / name for name in names]
+
+
+def check_export_target(out: Path, replace: bool, reads=()) -> None:
+    """A CheckpointError unless `out` can take an export: a directory path (or none yet) whose parent is writable,
+    empty unless `replace`, and, when replaced, neither the working directory, the home directory, nor a
+    directory holding any path in `reads` (what the export reads: the checkpoint, the tokenizer)."""
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"export target {out} is a file; pass a directory path for --out")
+    try:
+        writable_directory(out.parent if not out.exists() else out, "export target")
+    except StarscreamError as error:
+        raise CheckpointError(str(error)) from None
+    held = sorted(path.name for path in out.iterdir()) if out.is_dir() else []
+    if held and not replace:
+        listed = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+        raise CheckpointError(f"export target {out} already holds {len(held)} files ({listed}); pass --replace "
+                              "(replace=True) to replace it entirely, or a new or empty directory")
+    resolved = out.resolve()
+    guarded = [Path.cwd(), Path.home(), *(Path(path) for path in reads)]
+    inside = next((path for path in guarded if path.resolve().is_relative_to(resolved)), None)
+    if out.exists() and inside is not None:
+        raise CheckpointError(f"export target {out} holds {inside}, which replacing it would delete; choose "
+                              "another --out")
+
+
+def _staging_directory(out: Path) -> Path:
+    """A fresh, empty directory beside `out` (same file system, so moving it into place is one rename)."""
+    try:
+        created_directory(out.parent, "export target's parent")
+    except StarscreamError as error:
+        raise CheckpointError(str(error)) from None
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+
+
+def _publish(staging: Path, out: Path) -> None:
+    """Move the complete `staging` directory to `out` (whatever `out` held is deleted after), with the modes a new
+    directory and its files get under the umask (mkdtemp and safetensors create them private)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in staging.iterdir():
+        path.chmod(0o666 & ~umask)
+    staging.chmod(0o777 & ~umask)
+    previous = None
+    if out.exists():
+        previous = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        out.rename(previous / out.name)
+    staging.rename(out)
+    if previous is not None:
+        shutil.rmtree(previous)
 
 
 def _shard_plan(config: ModelConfig, params: dict, itemsize: int, max_shard_bytes: int) -> list[list[tuple]]:

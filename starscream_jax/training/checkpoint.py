@@ -153,6 +153,11 @@ class CheckpointStore:
                                   "with another --run-dir")
         return None
 
+    def damaged(self) -> list[str]:
+        """The names of the checkpoints set aside as damaged (`<step>.damaged`), oldest first."""
+        return sorted((path.name for path in self.directory.glob(f"*{DAMAGED_SUFFIX}")),
+                      key=lambda name: int(name.removesuffix(DAMAGED_SUFFIX)) if name[0].isdigit() else -1)
+
     def _set_aside(self, step: int) -> Path:
         """Renames checkpoint `step` to `<step>.damaged` (kept for inspection; orbax no longer lists it)."""
         aside = self.directory / f"{step}{DAMAGED_SUFFIX}"

@@ -27,25 +27,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
-from ..checks import writable_directory
+from ..checks import created_directory, of_type, writable_directory
 from ..errors import CheckpointError, RunStopped, StarscreamError
 from ..hardware.distributed import is_main_process
 from ..model.config import ModelConfig
 from ..model.decoder import create_sharded_model
 from ..model.hf_checkpoint import load_hf_model
 from ..sharding.apply import batch_sharding, use_layout
-from ..sharding.layouts import get_layout
+from ..sharding.layouts import Layout, get_layout
 from . import data
 from .checkpoint import CheckpointStore, abstract_model_state
 from .config import TrainConfig, flag
-from .corpus import load_token_stream
+from .corpus import DataFingerprint, load_token_stream
 from .lock import RunLock
 from .metrics import MetricsLog, format_loss, plot_losses, read_metrics
 from .steps import eval_step, load_balance_step, make_optimizer, train_step
-from .tokenizer import ByteTokenizer, tokenizer_for_model
+from .tokenizer import tokenizer_for_model
 
 EVAL_SEED = 0  # validation windows do not depend on --seed, so runs with different seeds compare
 FREE_TO_CHANGE = ("layout", "remat", "grad_accum", "eval_every", "eval_batches", "checkpoint_every", "log_every",
@@ -87,39 +87,46 @@ def initial_state(config: TrainConfig, model_config, layout, mesh):
     return graphdef, params, rest, optimizer, jax.jit(optimizer.init)(params)
 
 
-def training_tokens(config: TrainConfig, model_config) -> np.ndarray:
-    """The packed tokens of the run's data files: bytes of text files for the byte-level tokenizer (the demo), else
-    tokenized once into `config.token_cache` (`corpus`). The tokenizer must fit the model's vocabulary."""
+def training_tokens(config: TrainConfig, model_config) -> tuple[np.ndarray, list[DataFingerprint]]:
+    """(the packed tokens of the run's data files, each file's content fingerprint): the bytes of text files for
+    the byte-level tokenizer (the demo), else tokenized once into `config.token_cache` (`corpus`). The tokenizer
+    must fit the model (`tokenizer_for_model`)."""
     tokenizer = tokenizer_for_model(config.tokenizer_dir(), model_config, trained_weights=bool(config.init))
-    files = config.data_files()
-    if isinstance(tokenizer, ByteTokenizer) and all(Path(path).suffix != ".jsonl" for path in files):
-        return np.concatenate([data.load_corpus(path) for path in files])
-    return load_token_stream(files, tokenizer, config.token_cache)
+    return load_token_stream(config.data_files(), tokenizer, config.token_cache)
 
 
-def run_description(config: TrainConfig, model_config, mesh, step: int, changes: list[dict] = ()) -> dict:
-    """The JSON saved with each checkpoint: enough for `starscream generate` to rebuild the model, and the changes
-    resumes made to the run's TrainConfig ({"step", "field", "from", "to"}, oldest first)."""
+def run_description(config: TrainConfig, model_config, mesh, step: int, changes: list[dict] = (),
+                    data_files: list[DataFingerprint] = ()) -> dict:
+    """The JSON saved with each checkpoint: enough for `starscream generate` to rebuild the model, the content
+    fingerprint of each data file, and the changes resumes made to the run's TrainConfig ({"step", "field",
+    "from", "to"}, oldest first)."""
     return {"step": step, "model_config": dataclasses.asdict(model_config), "layout": config.layout,
-            "mesh_shape": dict(mesh.shape), "train_config": dataclasses.asdict(config), "changes": list(changes)}
+            "mesh_shape": dict(mesh.shape), "train_config": dataclasses.asdict(config), "changes": list(changes),
+            "data_files": [fingerprint.to_dict() for fingerprint in data_files]}
 
 
 def check_resumable(saved: dict, model_config) -> None:
     """The checkpoint must hold the model being trained (rematerialization and the layer loop's unrolling may change:
     they compute the same; a checkpoint saved when scan_unroll defaulted to 1 resumes under today's 0). Fields a
-    checkpoint from an older version lacks take their defaults, which are the model it trained."""
+    checkpoint from an older version lacks take their defaults, which are the model it trained. A refusal names
+    each differing field."""
     known = {field.name for field in dataclasses.fields(ModelConfig)}
     saved_model = ModelConfig(**{name: value for name, value in saved["model_config"].items() if name in known})
-    if saved_model.replace(remat="none", scan_unroll=0) != model_config.replace(remat="none", scan_unroll=0):
-        raise CheckpointError(
-            f"the checkpoint holds model {saved['model_config']}, but this run builds "
-            f"{dataclasses.asdict(model_config)}; resume with the same --model and --dtype, or pick another --run-dir"
-        )
+    ours, theirs = (dataclasses.asdict(config.replace(remat="none", scan_unroll=0, name=""))
+                    for config in (model_config, saved_model))
+    differing = [f"{name} {ours[name]!r} (the checkpoint's {theirs[name]!r})" for name in ours
+                 if ours[name] != theirs[name]]
+    if differing:
+        raise CheckpointError(f"the checkpoint holds another model than this run builds: {', '.join(differing)}; "
+                              "resume with the run's --model (or --init) and --dtype, or pick another --run-dir")
 
 
-def resume_changes(saved: dict, config: TrainConfig, start_step: int, allow_changes=()) -> list[dict]:
+def resume_changes(saved: dict, config: TrainConfig, start_step: int, allow_changes=(),
+                   data_files: list[DataFingerprint] = ()) -> list[dict]:
     """The run's recorded changes plus this resume's: each TrainConfig field (other than FREE_TO_CHANGE and the
     model, checked by `check_resumable`) that differs from the checkpoint's, as {"step", "field", "from", "to"}.
+    The data is compared by content where the checkpoint holds its fingerprints (a file moved is the same data, a
+    file changed in place is not), else by path.
 
     A difference whose field is not in `allow_changes` is refused, naming each; so are fewer --steps than the
     checkpoint has done, which no flag allows.
@@ -129,7 +136,10 @@ def resume_changes(saved: dict, config: TrainConfig, start_step: int, allow_chan
                               f"{config.run_dir}; pass --steps {saved['train_config']['steps']} (the run's) or more")
     saved_config = saved["train_config"]
     differences = {name: (saved_config.get(name), value) for name, value in dataclasses.asdict(config).items()
-                   if name in CHANGEABLE and saved_config.get(name) != value}
+                   if name in CHANGEABLE and name != "data" and saved_config.get(name) != value}
+    data_change = _data_difference(saved, config, data_files)
+    if data_change is not None:
+        differences["data"] = data_change
     refused = [name for name in differences if name not in allow_changes]
     if refused:
         listed = ", ".join(f"{flag(name)} {differences[name][1]} (the run has {differences[name][0]})"
@@ -138,6 +148,22 @@ def resume_changes(saved: dict, config: TrainConfig, start_step: int, allow_chan
                               f"or --allow-change {','.join(refused)} to change it (recorded with the checkpoints)")
     new = [{"step": start_step, "field": name, "from": old, "to": value} for name, (old, value) in differences.items()]
     return list(saved.get("changes", [])) + new
+
+
+def _data_difference(saved: dict, config: TrainConfig, data_files: list[DataFingerprint]) -> tuple | None:
+    """(the run's data, this resume's) when they differ: by content when the checkpoint holds the data files'
+    fingerprints, else by path."""
+    if not saved.get("data_files") or not data_files:
+        before = saved["train_config"].get("data")
+        return None if before == config.data else (before, config.data)
+    before = [DataFingerprint(**entry) for entry in saved["data_files"]]
+    if len(before) == len(data_files) and all(old.same_content(new) for old, new in zip(before, data_files)):
+        return None
+    return _describe(before), _describe(data_files)
+
+
+def _describe(files: list[DataFingerprint]) -> str:
+    return ",".join(f"{entry.path} ({entry.size} bytes, sha256 {entry.sha256[:12]})" for entry in files)
 
 
 class LossLog:
@@ -196,6 +222,62 @@ PROFILED_STEPS = 3
 """Steps a profiled run traces, from its second step on (the first may still wait on autotuning and transfers)."""
 
 
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run computes, settled and checked before anything is compiled or written: the model, the layout,
+    the batches (rows of seq_len + 1 tokens: the model reads the first seq_len and predicts the last seq_len),
+    where tokens are placed, the steps to run and the data files' fingerprints."""
+
+    config: TrainConfig
+    model_config: ModelConfig
+    layout: Layout
+    mesh: object
+    token_sharding: NamedSharding
+    train_batches: data.TokenBatches
+    eval_batches: data.TokenBatches
+    unigram_nats: float
+    data_files: list[DataFingerprint]
+    last_step: int
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.config.run_dir)
+
+    def description(self, step: int, changes: list[dict]) -> dict:
+        return run_description(self.config, self.model_config, self.mesh, step, changes, self.data_files)
+
+
+@dataclass
+class RunState:
+    """Where the run is: the last step done and its state (params and opt_state as the compiled step takes them,
+    rest: the model's other state), the newest step saved, and the changes resumes recorded."""
+
+    step: int
+    params: object
+    opt_state: object
+    rest: object
+    saved_step: int
+    changes: list[dict]
+
+
+@dataclass(frozen=True)
+class ProfileWindow:
+    """The steps a profiled run traces into `directory`: from `steps.start` to `steps[-1]`."""
+
+    directory: Path
+    steps: range
+
+    def before_step(self, step: int, state: RunState) -> None:
+        if step == self.steps.start:
+            jax.block_until_ready(state.params)
+            jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
+
+    def after_step(self, step: int, outputs) -> None:
+        if step == self.steps[-1]:
+            jax.block_until_ready(outputs)
+            jax.profiler.stop_trace()
+
+
 def train(config: TrainConfig, mesh, *, resume: bool = False, allow_changes=(), stop_at_step: int | None = None,
           device_memory_bytes: float | None = None, show_progress: bool = True, echo=print,
           profile_dir: str | Path | None = None) -> TrainResult:
@@ -209,132 +291,209 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, allow_changes=(), 
     Ctrl-C raises `RunStopped` once the checkpoints are safe (none holds non-finite weights).
     profile_dir: write a JAX profiler trace (perfetto_trace.json.gz, for `analysis.profile.time_breakdown`) of up to
     PROFILED_STEPS steps there, from the run's second step on.
+
+    The outline: plan (validate, read the data) -> check the run directory's checkpoints -> compile from shaped
+    inputs -> the starting state (fresh or resumed) -> run the steps -> report.
     """
     main_process = is_main_process()
     say = echo if main_process else (lambda *_: None)
+    plan = plan_run(config, mesh, allow_changes, stop_at_step, resume)
+    if main_process:
+        created_directory(plan.run_dir, "--run-dir")
+    with RunLock(plan.run_dir, say, enabled=main_process), use_layout(plan.layout, mesh), \
+            CheckpointStore(plan.run_dir / "checkpoints", save_every=config.checkpoint_every) as store:
+        check_checkpoints(store, plan, resume, allow_changes)
+        say(f"unigram entropy of the training tokens: {format_loss(plan.unigram_nats)}")
+        program = compile_train_step(config, plan.model_config, plan.layout, mesh, plan.token_sharding,
+                                     device_memory_bytes)
+        state = starting_state(store, plan, program, resume, allow_changes, say)
+        profile = profile_window(profile_dir, state.step, plan.last_step)
+        progress = tqdm(total=config.steps, initial=state.step, unit="step", desc=f"train {plan.layout.name}",
+                        disable=not (show_progress and main_process), file=sys.stderr, dynamic_ncols=True)
+        with MetricsLog(plan.run_dir / "metrics.jsonl", enabled=main_process, keep_through=state.step) as metrics, \
+                StopRequests() as stop:
+            log = LossLog(metrics, progress, config.batch_size * config.seq_len)
+            run_steps(plan, program, state, store, log, stop, profile, say)
+            progress.close()
+        if state.saved_step != state.step:
+            save_checkpoint(store, plan, state, force=True)
+    if stop.requested:
+        raise RunStopped(f"interrupted at step {state.step} (checkpoint saved); rerun with --resume to continue", 130)
+    if log.losses:
+        report_run(config, log.losses, plan.unigram_nats, store.directory, say)
+    return TrainResult(log.losses, log.eval_losses, state.params, state.opt_state, plan.unigram_nats,
+                       program.compiled, len(profile.steps) if profile else 0)
+
+
+def plan_run(config: TrainConfig, mesh, allow_changes, stop_at_step: int | None, resume: bool) -> RunPlan:
+    """The run's RunPlan, every flag and file checked (nothing is compiled or written yet)."""
+    of_type(mesh, Mesh, "mesh", "a jax.sharding.Mesh, as starscream_jax.build_mesh gives")
     model_config = config.model_config()
     writable_directory(config.run_dir, "--run-dir")
     unknown = sorted(set(allow_changes) - set(CHANGEABLE))
     if unknown:
         raise StarscreamError(f"--allow-change {','.join(unknown)}: expected some of {', '.join(CHANGEABLE)}")
+    if allow_changes and not resume:
+        raise StarscreamError(f"--allow-change {','.join(allow_changes)} changes a resumed run; it needs --resume "
+                              "(a fresh run takes its settings from the flags)")
     layout = get_layout(config.layout)
-    train_tokens, validation_tokens = data.split_corpus(training_tokens(config, model_config))
-    # Rows hold seq_len + 1 tokens: the model reads the first seq_len and predicts the last seq_len.
-    train_batches = data.TokenBatches(train_tokens, config.batch_size, config.seq_len + 1, config.seed)
-    eval_batches = data.TokenBatches(validation_tokens, config.batch_size, config.seq_len + 1, EVAL_SEED)
-    unigram_nats = data.unigram_entropy_nats(train_tokens)
-    run_dir = Path(config.run_dir)
-    last_step = config.steps if stop_at_step is None else min(stop_at_step, config.steps)
-
-    with RunLock(run_dir, say, enabled=main_process), use_layout(layout, mesh), \
-            CheckpointStore(run_dir / "checkpoints", save_every=config.checkpoint_every) as store:
-        if store.latest_step() and not resume:
-            raise StarscreamError(f"{run_dir} already holds checkpoints up to step {store.latest_step()}; pass "
-                                  "--resume to continue that run, or choose another --run-dir")
-        if resume and store.latest_step():
-            check_resume_early(store, config, model_config, allow_changes)
-        say(f"unigram entropy of the training tokens: {format_loss(unigram_nats)}")
-        token_sharding = batch_sharding(layout, mesh, config.batch_size)
-        program = compile_train_step(config, model_config, layout, mesh, token_sharding, device_memory_bytes)
-        graphdef, params, rest, _, opt_state = initial_state(config, model_config, layout, mesh)
-        params, opt_state, rest = program.adopt(params, opt_state, rest)
-        start_step, changes = 0, []
-        if resume:
-            start_step, params, opt_state, changes = resumed_state(store, config, model_config, params, opt_state,
-                                                                   allow_changes, say)
-            params, opt_state, rest = program.adopt(params, opt_state, rest)
-        profiled = range(start_step + 2, min(start_step + 2 + PROFILED_STEPS, last_step + 1) if profile_dir else 0)
-        if profile_dir and not profiled:
-            raise StarscreamError(f"--profile traces from the run's second step on, and this run goes from step "
-                                  f"{start_step} to {last_step}; pass --steps {start_step + 2} or more")
-        evaluate_batch = eval_step(graphdef)
-
-        balance_batch = load_balance_step(graphdef) if model_config.load_balance_weight else None
-
-        def evaluate(params, step=evaluate_batch) -> float:
-            losses = [step(params, rest, eval_batches.global_batch(index, token_sharding))
-                      for index in range(config.eval_batches)]
-            return float(sum(jax.device_get(losses)) / len(losses))
-
-        def save(step: int, force: bool = False) -> bool:
-            """Save `step` when due (or forced), after checking that its parameters are finite."""
-            if not (force or store.should_save(step)):
-                return False
-            if not bool(all_finite(params)):
-                raise RunStopped(f"the parameters after step {step} are not finite; nothing was saved there, and "
-                                 f"{resume_advice(saved_step)}")
-            return store.save(step, params, opt_state, run_description(config, model_config, mesh, step, changes),
-                              force=force)
-
-        def require_finite(nonfinite) -> None:
-            if nonfinite is not None:
-                step, what, value = nonfinite
-                raise RunStopped(f"{what} is {value} at step {step}; the run stopped without saving it, and "
-                                 f"{resume_advice(saved_step)}")
-
-        progress = tqdm(total=config.steps, initial=start_step, unit="step", desc=f"train {layout.name}",
-                        disable=not (show_progress and main_process), file=sys.stderr, dynamic_ncols=True)
-        with MetricsLog(run_dir / "metrics.jsonl", enabled=main_process, append=bool(start_step)) as metrics_log, \
-                StopRequests() as stop:
-            log = LossLog(metrics_log, progress, config.batch_size * config.seq_len)
-            step = saved_step = start_step
-            while step < last_step and not stop.requested:
-                step += 1
-                tokens = train_batches.global_batch(step - 1, token_sharding)
-                if profiled and step == profiled.start:
-                    jax.block_until_ready(params)
-                    jax.profiler.start_trace(str(profile_dir), create_perfetto_trace=True)
-                params, opt_state, loss = program.compiled(params, opt_state, rest, tokens)
-                if profiled and step == profiled[-1]:
-                    jax.block_until_ready((params, loss))
-                    jax.profiler.stop_trace()
-                log.add(step, loss)
-                due_to_save = store.should_save(step)
-                if due_to_save or step % config.log_every == 0 or step == last_step:
-                    require_finite(log.flush())
-                if due_to_save and save(step):
-                    saved_step = step
-                if step % config.eval_every == 0 or step == last_step:
-                    balance = None if balance_batch is None else evaluate(params, balance_batch)
-                    require_finite(log.add_eval(step, evaluate(params), say, balance))
-                    log.restart_clock()
-            require_finite(log.flush())
-            progress.close()
-        if saved_step != step:
-            save(step, force=True)
-    if stop.requested:
-        raise RunStopped(f"interrupted at step {step} (checkpoint saved); rerun with --resume to continue", 130)
-    if log.losses:
-        report_run(config, log.losses, unigram_nats, store.directory, say)
-    return TrainResult(log.losses, log.eval_losses, params, opt_state, unigram_nats, program.compiled,
-                       len(profiled))
+    token_sharding = batch_sharding(layout, mesh, config.batch_size)
+    check_micro_batches(config, layout, mesh, token_sharding)
+    tokens, data_files = training_tokens(config, model_config)
+    train_tokens, validation_tokens = data.split_corpus(tokens)
+    rows = config.seq_len + 1
+    return RunPlan(config, model_config, layout, mesh, token_sharding,
+                   data.TokenBatches(train_tokens, config.batch_size, rows, config.seed),
+                   data.TokenBatches(validation_tokens, config.batch_size, rows, EVAL_SEED),
+                   data.unigram_entropy_nats(train_tokens), data_files,
+                   config.steps if stop_at_step is None else min(stop_at_step, config.steps))
 
 
-def resumed_state(store: CheckpointStore, config: TrainConfig, model_config, params, opt_state, allow_changes,
-                  say) -> tuple[int, object, object, list[dict]]:
-    """(step, params, opt_state, changes) of the newest intact checkpoint, checked against the run; the given fresh
-    `params` and `opt_state` (also the restore targets) at step 0 when there is no checkpoint."""
-    restored = store.restore_newest_intact(params, opt_state, say)
-    if restored is None:
-        return 0, params, opt_state, []
-    step, saved, params, opt_state = restored
-    check_resumable(saved, model_config)
-    changes = resume_changes(saved, config, step, allow_changes)
-    say(f"resumed from {store.directory} at step {step} of {config.steps}")
-    return step, params, opt_state, changes
+def check_micro_batches(config: TrainConfig, layout, mesh, token_sharding: NamedSharding) -> None:
+    """Each of --grad-accum's micro-batches must split over the devices the batch is split over."""
+    axes = token_sharding.spec[0] or ()
+    shards = math.prod(mesh.shape[axis] for axis in ((axes,) if isinstance(axes, str) else axes))
+    micro_batch = config.batch_size // config.grad_accum
+    if micro_batch % shards:
+        raise StarscreamError(f"--grad-accum {config.grad_accum} makes micro-batches of {micro_batch} sequences, "
+                              f"which the {shards} batch shards of {layout.name} on mesh {dict(mesh.shape)} cannot "
+                              f"split; pass a --grad-accum that leaves a multiple of {shards} sequences per "
+                              "micro-batch")
 
 
-def check_resume_early(store: CheckpointStore, config: TrainConfig, model_config, allow_changes) -> None:
-    """Refuses a contradicting resume before anything is compiled, from the newest checkpoint's description when
-    it reads (a damaged checkpoint is dealt with when restoring)."""
-    step = store.latest_step()
+def check_checkpoints(store: CheckpointStore, plan: RunPlan, resume: bool, allow_changes) -> None:
+    """Refuses, before anything is compiled: a fresh run over a run's checkpoints, a run directory whose every
+    checkpoint was set aside as damaged (resuming would silently start afresh over its metrics), and a resume
+    that contradicts the newest checkpoint's description (when it reads; damage is dealt with when restoring)."""
+    latest = store.latest_step()
+    if latest and not resume:
+        raise StarscreamError(f"{plan.run_dir} already holds checkpoints up to step {latest}; pass --resume to "
+                              "continue that run, or choose another --run-dir")
+    damaged = store.damaged()
+    if latest is None and damaged:
+        raise CheckpointError(f"{store.directory} holds only damaged checkpoints ({', '.join(damaged)}): nothing "
+                              "to resume, and starting afresh would replace the run's metrics; choose another "
+                              "--run-dir (or delete that checkpoints directory to start this run afresh)")
+    if not (resume and latest):
+        return
     try:
-        with store.reporting_damage(step):
-            saved = store.restore_meta(step)
+        with store.reporting_damage(latest):
+            saved = store.restore_meta(latest)
     except CheckpointError:
         return
-    check_resumable(saved, model_config)
-    resume_changes(saved, config, step, allow_changes)
+    check_resumable(saved, plan.model_config)
+    resume_changes(saved, plan.config, latest, allow_changes, plan.data_files)
+
+
+def starting_state(store: CheckpointStore, plan: RunPlan, program: TrainProgram, resume: bool, allow_changes,
+                   say) -> RunState:
+    """Step 0's state (created already sharded, or loaded from --init), or with `resume` the newest intact
+    checkpoint's, checked against the run; placed as the compiled step takes it."""
+    _, params, rest, _, opt_state = initial_state(plan.config, plan.model_config, plan.layout, plan.mesh)
+    params, opt_state, rest = program.adopt(params, opt_state, rest)
+    restored = store.restore_newest_intact(params, opt_state, say) if resume else None
+    if restored is None:
+        return RunState(0, params, opt_state, rest, 0, [])
+    step, saved, params, opt_state = restored
+    check_resumable(saved, plan.model_config)
+    changes = resume_changes(saved, plan.config, step, allow_changes, plan.data_files)
+    require_finite_checkpoint(params, f"checkpoint step {step} in {store.directory}")
+    say(f"resumed from {store.directory} at step {step} of {plan.config.steps}")
+    params, opt_state, rest = program.adopt(params, opt_state, rest)
+    return RunState(step, params, opt_state, rest, step, changes)
+
+
+def require_finite_checkpoint(params, where: str) -> None:
+    """A CheckpointError naming the parameters of a restored checkpoint that are not finite."""
+    if bool(all_finite(params)):
+        return
+    flags = jax.device_get(jax.tree.map(lambda leaf: jnp.all(jnp.isfinite(leaf)), params))
+    bad = [jax.tree_util.keystr(path) for path, finite in jax.tree_util.tree_leaves_with_path(flags) if not finite]
+    if bad:
+        raise CheckpointError(f"{where} holds non-finite parameters ({', '.join(bad[:3])}); it is damaged: "
+                              "resume from another --run-dir or train afresh")
+
+
+def profile_window(profile_dir: str | Path | None, start_step: int, last_step: int) -> ProfileWindow | None:
+    """The steps to trace (None without --profile): PROFILED_STEPS from the run's second step."""
+    if profile_dir is None:
+        return None
+    steps = range(start_step + 2, min(start_step + 2 + PROFILED_STEPS, last_step + 1))
+    if not steps:
+        raise StarscreamError(f"--profile traces from the run's second step on, and this run goes from step "
+                              f"{start_step} to {last_step}; pass --steps {start_step + 2} or more")
+    return ProfileWindow(Path(profile_dir), steps)
+
+
+def run_steps(plan: RunPlan, program: TrainProgram, state: RunState, store: CheckpointStore, log: LossLog,
+              stop: StopRequests, profile: ProfileWindow | None, say) -> None:
+    """Steps from state.step + 1 to plan.last_step (or a stop request), updating `state`: each step's loss
+    logged, checkpoints saved when due, validation every eval_every steps and at the end."""
+    config = plan.config
+    evaluate = Evaluation.of(plan, program)
+    while state.step < plan.last_step and not stop.requested:
+        state.step += 1
+        tokens = plan.train_batches.global_batch(state.step - 1, plan.token_sharding)
+        if profile:
+            profile.before_step(state.step, state)
+        state.params, state.opt_state, loss = program.compiled(state.params, state.opt_state, state.rest, tokens)
+        if profile:
+            profile.after_step(state.step, (state.params, loss))
+        log.add(state.step, loss)
+        due_to_save = store.should_save(state.step)
+        if due_to_save or state.step % config.log_every == 0 or state.step == plan.last_step:
+            stop_if_not_finite(log.flush(), state)
+        if due_to_save and save_checkpoint(store, plan, state):
+            state.saved_step = state.step
+        if state.step % config.eval_every == 0 or state.step == plan.last_step:
+            loss, balance = evaluate(state)
+            stop_if_not_finite(log.add_eval(state.step, loss, say, balance), state)
+            log.restart_clock()
+    stop_if_not_finite(log.flush(), state)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """The validation loss (and a mixture of experts' load-balancing loss) over eval_batches batches."""
+
+    plan: RunPlan
+    loss_step: object
+    balance_step: object | None
+
+    @classmethod
+    def of(cls, plan: RunPlan, program: TrainProgram) -> Evaluation:
+        graphdef = program.graphdef
+        balance = load_balance_step(graphdef) if plan.model_config.load_balance_weight else None
+        return cls(plan, eval_step(graphdef), balance)
+
+    def __call__(self, state: RunState) -> tuple[float, float | None]:
+        balance = None if self.balance_step is None else self.mean(self.balance_step, state)
+        return self.mean(self.loss_step, state), balance
+
+    def mean(self, step, state: RunState) -> float:
+        batches = self.plan.eval_batches
+        values = [step(state.params, state.rest, batches.global_batch(index, self.plan.token_sharding))
+                  for index in range(self.plan.config.eval_batches)]
+        return float(sum(jax.device_get(values)) / len(values))
+
+
+def save_checkpoint(store: CheckpointStore, plan: RunPlan, state: RunState, force: bool = False) -> bool:
+    """Save state.step when due (or forced), after checking that its parameters are finite; whether it saved."""
+    if not (force or store.should_save(state.step)):
+        return False
+    if not bool(all_finite(state.params)):
+        raise RunStopped(f"the parameters after step {state.step} are not finite; nothing was saved there, and "
+                         f"{resume_advice(state.saved_step)}")
+    return store.save(state.step, state.params, state.opt_state, plan.description(state.step, state.changes),
+                      force=force)
+
+
+def stop_if_not_finite(nonfinite: tuple[int, str, float] | None, state: RunState) -> None:
+    """RunStopped for a (step, what, value) that LossLog found not finite."""
+    if nonfinite is not None:
+        step, what, value = nonfinite
+        raise RunStopped(f"{what} is {value} at step {step}; the run stopped without saving it, and "
+                         f"{resume_advice(state.saved_step)}")
 
 
 def resume_advice(saved_step: int) -> str:
@@ -362,11 +521,12 @@ def all_finite(tree) -> jax.Array:
 
 @dataclass
 class TrainProgram:
-    """The training step compiled for the run's shapes and shardings, and the abstract (params, opt_state, rest) it
-    was compiled for (jax.ShapeDtypeStruct placed as the step wants them)."""
+    """The training step compiled for the run's shapes and shardings, the abstract (params, opt_state, rest) it
+    was compiled for (jax.ShapeDtypeStruct placed as the step wants them) and the model's graphdef."""
 
     compiled: object
     arguments: tuple
+    graphdef: object
 
     def adopt(self, params, opt_state, rest) -> tuple:
         """The run's state placed as the step was compiled for (the optimizer state as `eval_shape` of its init
@@ -387,7 +547,7 @@ def compile_train_step(config: TrainConfig, model_config, layout, mesh, token_sh
         jax.eval_shape(optimizer.init, params))
     tokens = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32, sharding=token_sharding)
     compiled = train_step(graphdef, optimizer, config.grad_accum).lower(params, opt_state, rest, tokens).compile()
-    program = TrainProgram(compiled, (params, opt_state, rest))
+    program = TrainProgram(compiled, (params, opt_state, rest), graphdef)
     needed = step_bytes_per_device(compiled)
     if device_memory_bytes is not None and needed is not None and needed > device_memory_bytes:
         options = fitting_options(config, model_config, layout, mesh, token_sharding, device_memory_bytes)

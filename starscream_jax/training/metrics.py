@@ -3,12 +3,14 @@
 Each record is one JSON object per line, for example {"step": 10, "loss": 2.9, "tokens_per_s": 51000.0}; evaluation
 records carry "eval_loss" instead of "loss" (and, for a mixture of experts trained with a load-balancing weight, the
 validation batches' "load_balance": 1 when the experts share the tokens evenly). Losses are natural-log
-cross-entropies (nats per token). A process killed mid-write leaves a partial last line: reading skips it, and
-appending first cuts it off.
+cross-entropies (nats per token); a value that is not finite is written as null, so that every line stays JSON.
+A process killed mid-write leaves a partial last line: reading skips it, and appending first cuts it off.
 """
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
 
 from ..errors import StarscreamError
@@ -21,25 +23,29 @@ def format_loss(nats: float) -> str:
 
 
 class MetricsLog:
-    """Writes records to a JSON lines file, after what it holds (`append`) or replacing it.
+    """Appends records to a JSON lines file, after the records it holds (all of them, or those of steps up to
+    `keep_through`: a resumed run keeps what led to its checkpoint and writes the steps it replays once; 0 starts
+    the file afresh).
 
     With `enabled=False` (processes other than 0) it writes nothing.
     """
 
-    def __init__(self, path: str | Path, enabled: bool = True, append: bool = True):
+    def __init__(self, path: str | Path, enabled: bool = True, keep_through: int | None = None):
         self.path = Path(path)
         self.enabled = enabled
         self._file = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if append:
-                drop_partial_last_line(self.path)
-            self._file = self.path.open("a" if append else "w", encoding="utf-8")
+            keep_records_through(self.path, keep_through)
+            self._file = self.path.open("a", encoding="utf-8")
 
     def write(self, record: dict) -> None:
-        """Append one record (a flat dict of JSON-serializable values) and flush it to disk."""
+        """Append one record (a flat dict of JSON-serializable values; non-finite floats become null) and flush it
+        to disk."""
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
+            finite = {key: None if isinstance(value, float) and not math.isfinite(value) else value
+                      for key, value in record.items()}
+            self._file.write(json.dumps(finite, allow_nan=False) + "\n")
             self._file.flush()
 
     def close(self) -> None:
@@ -54,14 +60,27 @@ class MetricsLog:
         self.close()
 
 
-def drop_partial_last_line(path: Path) -> None:
-    """Cuts a last line that lacks its newline (a write cut short) off the file at `path`, if it exists."""
+def keep_records_through(path: Path, last_step: int | None) -> None:
+    """Rewrites the file at `path` (if it exists) keeping the records of steps up to `last_step` (None: every
+    one), in order; a partial last line (a write cut short) goes too. The new content replaces the old in one
+    rename."""
     if not path.is_file():
         return
-    with path.open("rb+") as metrics_file:
-        content = metrics_file.read()
-        if content and not content.endswith(b"\n"):
-            metrics_file.truncate(content.rfind(b"\n") + 1)
+    kept = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+            if line.endswith("\n") and (last_step is None or _step_of(line) <= last_step)]
+    partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
+    partial.write_text("".join(kept), encoding="utf-8")
+    partial.replace(path)
+
+
+def _step_of(line: str) -> float:
+    """The step of one record line; a line that is not a JSON record with a step is kept (-inf), for
+    `read_metrics` to name."""
+    try:
+        step = json.loads(line).get("step")
+    except (json.JSONDecodeError, AttributeError):
+        return -math.inf
+    return step if isinstance(step, int) else -math.inf
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -82,8 +101,8 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 def last_records_by_step(records: list[dict], key: str) -> list[tuple[int, float]]:
-    """(step, value) of `key`, keeping the last record of each step (a resumed run rewrites the steps it replays)."""
-    value_by_step = {record["step"]: record[key] for record in records if key in record}
+    """(step, value) of `key`, keeping the last record of each step; null (non-finite) values are left out."""
+    value_by_step = {record["step"]: record[key] for record in records if record.get(key) is not None}
     return sorted(value_by_step.items())
 
 

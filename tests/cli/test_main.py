@@ -5,6 +5,7 @@ the 64 devices; the other tests call `cli.main` in this process (64 simulated de
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from starscream_jax.hardware.topology import OVERRIDE_ENV
 from starscream_jax.training import loop as train_loop
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("starscream")
+HF_FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "hf" / "llama"
 
 
 def run_console_script(*args):
@@ -126,6 +128,21 @@ def test_importing_the_library_and_the_command_starts_no_jax_backend():
     (("--run-dir", f"{__file__}/run"), f"--run-dir {__file__}/run: {__file__} is a file, not a directory"),
     (("--allow-change", "model"), "--allow-change model: expected some of steps,"),
     (("--gpus", "9"), "--gpus 9 exceeds the 8 GPUs per node of mi300x-qpx-nps1"),
+    (("--grad-accum", "16"), "--grad-accum 16 makes micro-batches of 1 sequences, which the 4 batch shards of "
+                             "starscream_tp on mesh {'data': 1, 'gpu': 2, 'xcd': 4} cannot split"),
+    (("--allow-change", "steps"), "--allow-change steps changes a resumed run; it needs --resume"),
+    (("--init", "/nonexistent/model"), "--init /nonexistent/model is not a directory; pass a Hugging Face model"),
+    (("--data", str(HF_FIXTURE / "config.json")), "config.json is a JSON file; write one JSON object per line"),
+    (("--init", str(HF_FIXTURE), "--tokenizer", str(HF_FIXTURE), "--model", "tiny"),
+     "--init contradicts --model (--init's config.json is the model); pass only one of them"),
+    (("--remat", "--remat-policy", "none"), "--remat contradicts --remat-policy (--remat is --remat-policy full)"),
+    (("--topology", "2x4", "--preset", "mi300x-cpx-nps1"), "--topology contradicts --preset"),
+    (("--distributed", "--coordinator", "localhost:1234"), "--distributed contradicts --coordinator"),
+    (("--coordinator", "localhost", "--num-processes", "2", "--process-id", "0"),
+     "--coordinator localhost: expected HOST:PORT, such as localhost:1234"),
+    (("--coordinator", "localhost:1234", "--num-processes", "0", "--process-id", "0"),
+     "--num-processes 0: must be at least 1"),
+    (("--run-dir", "/proc/starscream/run"), "--run-dir /proc/starscream/run: cannot write there"),
 ])
 def test_bad_training_input_is_one_error_line_before_anything_is_compiled(monkeypatch, capsys, tmp_path, args,
                                                                            message):
@@ -148,6 +165,43 @@ def test_output_paths_that_cannot_be_written_are_refused_as_the_flags_are_read(c
     with pytest.raises(SystemExit) as exited:
         cli.main(list(argv))
     assert exited.value.code == 2 and message in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_a_model_directory_without_its_tokenizer_is_refused_before_anything_is_compiled(monkeypatch, capsys,
+                                                                                        tmp_path):
+    """A 384-token model is not fine-tuned on byte ids: its tokenizer.json is missing."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(HF_FIXTURE, model_dir)
+    (model_dir / "tokenizer.json").unlink()
+    monkeypatch.setattr(train_loop, "compile_train_step", None)
+    status = cli.main(["train", "--run-dir", str(tmp_path / "run"), "--no-progress", "--init", str(model_dir)])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1
+    assert "model model (vocabulary 384) comes without a tokenizer.json" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("generate", "--model-dir", "m", "--checkpoint", "runs/x"), "--model-dir contradicts --checkpoint"),
+    (("generate", "--model-dir", "m", "--step", "3"), "--model-dir contradicts --step"),
+    (("generate", "--greedy", "--top-p", "0.9"), "--greedy contradicts --top-p (greedy decoding takes"),
+    (("generate", "--greedy", "--temperature", "0.8"), "--greedy contradicts --temperature"),
+    (("export", "--checkpoint", "runs/x", "--out", "y", "--distributed", "--process-id", "1"),
+     "--distributed contradicts --process-id"),
+])
+def test_contradicting_flags_are_one_error_line(capsys, argv, message):
+    """Each pair is refused even when one of the values given is the default (which the parser alone cannot
+    tell from a flag left out)."""
+    assert cli.main(list(argv)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and err.startswith(f"starscream {argv[0]}: error: ")
+
+
+@pytest.mark.parametrize("size", ["0", "-1", "inf"])
+def test_a_shard_size_that_is_not_a_positive_number_is_refused(capsys, size):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["export", "--checkpoint", "x", "--out", "y", "--shard-size", size])
+    assert exited.value.code == 2
+    assert "argument --shard-size: --shard-size" in capsys.readouterr().err.splitlines()[-1]
 
 
 def test_generate_and_export_take_a_run_directory_or_its_checkpoints(tmp_path):

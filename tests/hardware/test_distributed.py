@@ -78,3 +78,16 @@ def test_two_processes_train_like_one_with_the_same_global_mesh(tmp_path):
     assert [step for step, _ in two_processes] == [1, 2, 3]
     np.testing.assert_allclose([loss for _, loss in two_processes], [loss for _, loss in one_process.losses],
                                rtol=1e-5)
+
+
+def test_a_process_that_never_joins_is_named_after_the_join_timeout():
+    """Process 0 waits for process 1, process 1 (of another run) for a coordinator that is not there: each says
+    which process is missing and exits with status 2 instead of waiting without a word."""
+    lonely = [subprocess.Popen([sys.executable, "-c", "from starscream_jax.hardware.distributed import initialize; "
+                                f"initialize('localhost:{free_port()}', 2, {process_id}, join_timeout=2)"],
+                               env={**os.environ, "JAX_PLATFORMS": "cpu"}, stderr=subprocess.PIPE, text=True)
+              for process_id in (0, 1)]
+    errors = [process.communicate(timeout=120)[1] for process in lonely]
+    assert [process.returncode for process in lonely] == [2, 2]
+    assert "error: process 1 did not join localhost:" in errors[0] and "(this is process 0)" in errors[0]
+    assert "error: process 0 (the coordinator at localhost:" in errors[1] and "does not answer within 2 s" in errors[1]

@@ -317,3 +317,71 @@ if __name__ == "__main__":
                  "--table")
     assert "device_count=8" in os.environ.get("XLA_FLAGS", ""), "set XLA_FLAGS (see the usage line)"
     print(equivalence_table())
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    return load_hf_model(FIXTURES / "llama", "starscream_tp", mesh_of("1x1x1"))
+
+
+@pytest.fixture
+def older_export(tmp_path):
+    """A directory holding another model: sharded weights with their index and a foreign tokenizer."""
+    out = tmp_path / "model"
+    shutil.copytree(FIXTURES / "qwen2", out)
+    for name in ("model-00001-of-00002.safetensors", INDEX_FILE):
+        (out / name).write_text("{}")
+    (out / "vocab.txt").write_text("foreign")
+    return out
+
+
+def test_exporting_into_a_directory_that_holds_a_model_is_refused_and_changes_nothing(small_model, older_export):
+    before = {path.name: path.read_bytes() for path in older_export.iterdir()}
+    with pytest.raises(CheckpointError, match=r"already holds 10 files \(config.json, .*pass --replace"):
+        export_hf_model(small_model, older_export, tokenizer_dir=FIXTURES / "llama")
+    assert {path.name: path.read_bytes() for path in older_export.iterdir()} == before
+
+
+def test_replacing_an_export_leaves_nothing_of_the_old_one(small_model, older_export):
+    written = export_hf_model(small_model, older_export, tokenizer_dir=FIXTURES / "llama", replace=True,
+                              max_shard_bytes=150_000)
+    assert sorted(path.name for path in older_export.iterdir()) == sorted(path.name for path in written) == [
+        "config.json", "generation_config.json", "model-00001-of-00003.safetensors",
+        "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors", INDEX_FILE, "tokenizer.json",
+        "tokenizer_config.json"]
+    assert [path.name for path in older_export.parent.iterdir()] == ["model"]  # no staging directory left
+    assert all_tensors(older_export).keys() == all_tensors(FIXTURES / "llama").keys()
+
+
+def test_a_failed_export_leaves_the_target_as_it_was(small_model, older_export, monkeypatch):
+    before = {path.name: path.read_bytes() for path in older_export.iterdir()}
+    monkeypatch.setattr("starscream_jax.model.hf_checkpoint.save_file", lambda *_, **__: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        export_hf_model(small_model, older_export, replace=True)
+    assert {path.name: path.read_bytes() for path in older_export.iterdir()} == before
+    assert [path.name for path in older_export.parent.iterdir()] == ["model"]
+
+
+def test_exported_files_take_the_modes_of_the_umask(small_model, tmp_path):
+    import os
+    previous = os.umask(0o022)
+    try:
+        export_hf_model(small_model, tmp_path / "out", tokenizer_dir=FIXTURES / "llama")
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755
+    assert {path.stat().st_mode & 0o777 for path in (tmp_path / "out").iterdir()} == {0o644}
+
+
+def test_export_targets_and_shard_sizes_that_cannot_work_are_named(small_model, tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="export target .*file is a file; pass a directory path"):
+        export_hf_model(small_model, tmp_path / "file")
+    for size in (0, -5):
+        with pytest.raises(StarscreamError, match=rf"max_shard_bytes \(--shard-size\) {size}: must be at least 1"):
+            export_hf_model(small_model, tmp_path / "out", max_shard_bytes=size)
+    tokenizer = tmp_path / "holder" / "tokenizer"
+    shutil.copytree(FIXTURES / "llama", tokenizer)
+    with pytest.raises(CheckpointError, match=r"holds .*tokenizer, which replacing it would delete"):
+        export_hf_model(small_model, tmp_path / "holder", tokenizer_dir=tokenizer, replace=True)
+    assert not (tmp_path / "out").exists() and (tokenizer / "config.json").is_file()

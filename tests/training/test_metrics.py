@@ -68,3 +68,24 @@ def test_a_damaged_line_inside_the_file_is_named(tmp_path):
     path.write_text('{"step": 1, "loss": 3.5}\ngarbage\n{"step": 2, "loss": 3.0}\n')
     with pytest.raises(StarscreamError, match=r"metrics.jsonl, line 2: not a JSON record \('garbage'\)"):
         metrics.read_metrics(path)
+
+
+def test_a_resumed_log_keeps_the_steps_up_to_its_checkpoint_and_writes_replayed_ones_once(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(f'{{"step": {step}, "loss": 3.0}}\n' for step in range(1, 7)) + '{"step": 7, "lo')
+    with metrics.MetricsLog(path, keep_through=4) as log:
+        log.write({"step": 5, "loss": 2.0})
+    assert [(record["step"], record["loss"]) for record in metrics.read_metrics(path)] == [
+        (1, 3.0), (2, 3.0), (3, 3.0), (4, 3.0), (5, 2.0)]
+    with metrics.MetricsLog(path, keep_through=0) as log:
+        log.write({"step": 1, "loss": 1.0})
+    assert metrics.read_metrics(path) == [{"step": 1, "loss": 1.0}]
+
+
+def test_values_that_are_not_finite_are_written_as_json_null_and_left_out_of_the_plot(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    with metrics.MetricsLog(path) as log:
+        log.write({"step": 1, "loss": 2.0})
+        log.write({"step": 2, "loss": float("nan"), "tokens_per_s": float("inf")})
+    assert path.read_text().splitlines()[1] == '{"step": 2, "loss": null, "tokens_per_s": null}'
+    assert metrics.last_records_by_step(metrics.read_metrics(path), "loss") == [(1, 2.0)]
