@@ -1,7 +1,7 @@
 """The documentation: README.md, docs/*.md and benchmarks/NOTES.md. Every relative link resolves (the file exists, and
 an anchor names a heading of the page it points to, as GitHub spells heading anchors), README links every docs page
-and lists every subcommand, every name of the package's code the pages give exists, prose keeps to 120 columns
-outside tables, images and code, and README's Python quickstart runs and passes the three principles."""
+and lists every subcommand, every path and every name of the package's code the pages give exists, prose keeps to
+120 columns outside tables, images and code, and README's Python quickstart runs and passes the three principles."""
 import contextlib
 import importlib
 import io
@@ -15,6 +15,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benc
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^\s*(```|~~~)")
 WIDTH = 120
+REPO_PATH = re.compile(r"`((?:starscream_jax|scripts|tests|examples|meshes|models|benchmarks|docs|data)/[\w./-]*)`")
 CODE_NAME = re.compile(r"`((?:[A-Za-z_]\w*\.)+[A-Za-z_]\w*)`")
 FILE_SUFFIXES = {"py", "json", "jsonl", "toml", "cfg", "md", "png", "log", "sh", "xml", "conf", "safetensors",
                  "damaged"}
@@ -132,6 +133,14 @@ def test_every_name_the_docs_give_the_code_exists():
             except AttributeError as error:
                 missing.append(f"{page.name}: `{name}` ({error})")
     assert not missing, "names the code no longer has:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("page", PAGES[:-1], ids=lambda page: str(page.relative_to(ROOT)))
+def test_every_path_in_the_repository_a_page_names_exists(page):
+    """A backticked path from the repository's root (`scripts/bench_mfu.py`, `tests/fixtures/hf/`) is there;
+    benchmarks/NOTES.md, the history, keeps the paths of its day."""
+    missing = [path for path in sorted(set(REPO_PATH.findall(page.read_text()))) if not (ROOT / path).exists()]
+    assert not missing, f"{page.name} names paths that are not in the repository: {', '.join(missing)}"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
