@@ -4,30 +4,57 @@ The model file imports nothing of this library. What placing it takes is here, f
 Auto axes (`auto_axes`), the layout in the model's names (`in_vocabulary`: its `hidden` is the library's `mlp`, its
 `length` the `seq`, its fused `qkv` dimension never split), the model created already sharded (`create_sharded`),
 and the step jitted inside `use_layout`, which installs the layout as Flax's logical-axis rules. `check` then judges
-what XLA's sharding propagation made of it (see docs/flax_models.md for what it finds and the one-line fixes).
+what XLA's sharding propagation made of it.
 
-    python examples/flax_gspmd_train.py      # trains a few steps on 2 simulated GPUs x 4 partitions, then checks
+Under starscream_tp it finds one flat collective: XLA partitions `nnx.Embed`'s gather from the table stored split
+(vocabulary over GPUs, embed over partitions) against tokens split over partitions with a collective-permute
+between partitions of different GPUs. `WithVocabularyParallelLookup` is the one-line fix, the lookup through
+`embed_lookup` (docs/flax_models.md).
+
+    python examples/flax_gspmd_train.py          # trains a few steps on 2 simulated GPUs x 4 partitions, checks
+    python examples/flax_gspmd_train.py --fixed  # the same with the one-line fix
 """
 from __future__ import annotations
 
+import sys
+
+import jax
 import optax
 from flax import nnx
 
 import gspmd_gpt
-from starscream_jax import auto_axes, build_mesh, check, create_sharded, in_vocabulary, simulate_cpu_devices, use_layout
+from starscream_jax import (
+    auto_axes,
+    build_mesh,
+    check,
+    create_sharded,
+    embed_lookup,
+    in_vocabulary,
+    simulate_cpu_devices,
+    use_layout,
+)
 
 VOCABULARY = {"hidden": "mlp", "length": "seq", "qkv": None}
 """The model's logical names that are not the library's ({its name: the library's}; None: never split)."""
 
 
+class WithVocabularyParallelLookup(gspmd_gpt.GPT):
+    """The model with its token lookup through `embed_lookup`: each partition looks its tokens up in its GPU's
+    rows of the table and one all-reduce across GPUs completes them (hierarchical, and the same rows)."""
+
+    def embed_tokens(self, tokens_BS: jax.Array) -> jax.Array:
+        return embed_lookup(self.embed.embedding[...], tokens_BS)
+
+
 def main(layout: str = "starscream_tp", steps: int = 6, config: gspmd_gpt.Config = gspmd_gpt.Config(),
-         mesh_shape: str = "2x4"):
-    """Trains the model under `layout` on simulated GPUs x partitions (`mesh_shape`); returns the losses and
-    `check`'s verdict on the train step."""
+         fixed: bool = False, topology: str = "2x4", data: int = 1):
+    """Trains the model (`fixed`: with the one-line fix) under `layout` on simulated GPUs x partitions (`topology`,
+    `data` of them in data-parallel groups); returns the losses and `check`'s verdict on the train step."""
     simulate_cpu_devices(8)
-    mesh = auto_axes(build_mesh(mesh_shape))
+    mesh = auto_axes(build_mesh(topology, data=data))
     placed = in_vocabulary(layout, VOCABULARY)
-    model = create_sharded(lambda: gspmd_gpt.GPT(config, nnx.Rngs(0)), placed, mesh)
+    model_type = WithVocabularyParallelLookup if fixed else gspmd_gpt.GPT
+    model = create_sharded(lambda: model_type(config, nnx.Rngs(0)), placed, mesh)
     with use_layout(placed, mesh):
         optimizer = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
         step = nnx.jit(gspmd_gpt.train_step)
@@ -37,6 +64,6 @@ def main(layout: str = "starscream_tp", steps: int = 6, config: gspmd_gpt.Config
 
 
 if __name__ == "__main__":
-    losses, verdict = main()
+    losses, verdict = main(fixed="--fixed" in sys.argv)
     print("losses", " ".join(f"{loss:.3f}" for loss in losses))
     print(verdict.table())

@@ -16,9 +16,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
-from starscream_jax import MAXTEXT, build_mesh, check, flax_rules, simulate_cpu_devices
+from starscream_jax import MAXTEXT, auto_axes, build_mesh, check, flax_rules, simulate_cpu_devices
 
 RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
 HEADS = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
@@ -67,11 +67,6 @@ def make_train_step(optimizer: optax.GradientTransformation):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
     return train_step
-
-
-def auto_axes(mesh: Mesh) -> Mesh:
-    """The same devices and axes with every axis Auto, as Linen's `with_sharding_constraint`s need."""
-    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
 def create_sharded(layout: str, mesh: Mesh, x_BSD: jax.Array):

@@ -9,7 +9,8 @@ layout. Nothing else in the model knows about sharding: `nnx.Embed`, `nnx.RMSNor
 
 What the layout adds is three lines: in `main`, the layout in MaxText's names (`in_vocabulary`) and the model created
 already sharded (`create_sharded`); in the loss, `weights_at_use(model)`, which gathers each weight inside the GPU
-as Flax's layers read it and reduces its gradient in two stages (see README, "Your own Flax model").
+as Flax's layers read it and reduces its gradient in two stages; and what explicit sharding itself asks for: the
+`out_sharding` of each layer and the loss on vocabulary-split logits (`cross_entropy`; docs/flax_models.md).
 
     python examples/flax_nnx_model.py        # trains a few steps on 2 simulated GPUs x 4 partitions, then checks
 """
@@ -27,6 +28,7 @@ from starscream_jax import (
     check,
     constrain,
     create_sharded,
+    cross_entropy,
     in_vocabulary,
     simulate_cpu_devices,
     use_layout,
@@ -100,10 +102,9 @@ class Transformer(nnx.Module):
 
 
 def next_token_loss(logits_BSV: jax.Array, tokens_BS: jax.Array) -> jax.Array:
-    """Mean cross entropy (nats) of logits [B, S - 1, V] against the next tokens. The one-hot targets are placed like
-    the logits (vocabulary split as the layout splits it), so the loss is computed where the logits live."""
-    targets_BSV = constrain(jax.nn.one_hot(tokens_BS[:, 1:], logits_BSV.shape[-1]), LOGITS)
-    return jnp.mean(jax.nn.logsumexp(logits_BSV, axis=-1) - jnp.sum(logits_BSV * targets_BSV, axis=-1))
+    """Mean cross entropy (nats) of logits [B, S - 1, V] against the next tokens, computed where the vocabulary-split
+    logits live (`cross_entropy`: optax's gathers from them, which explicit sharding refuses)."""
+    return jnp.mean(cross_entropy(logits_BSV, tokens_BS[:, 1:]))
 
 
 def loss_fn(model: Transformer, tokens_BS: jax.Array) -> jax.Array:

@@ -104,8 +104,12 @@ class GPT(nnx.Module):
         self.blocks = nnx.List([Block(config, rngs) for _ in range(config.layers)])
         self.ln_f = layer_norm(config, rngs)
 
+    def embed_tokens(self, tokens_BS: jax.Array) -> jax.Array:
+        """The rows of the embedding table for tokens [B, S]: [B, S, D]."""
+        return self.embed(tokens_BS)
+
     def __call__(self, tokens_BS: jax.Array) -> jax.Array:
-        x_BSD = nn.with_logical_constraint(self.embed(tokens_BS), RESIDUAL)
+        x_BSD = nn.with_logical_constraint(self.embed_tokens(tokens_BS), RESIDUAL)
         for block in self.blocks:
             x_BSD = block(x_BSD)
         return nn.with_logical_constraint(self.embed.attend(self.ln_f(x_BSD)), LOGITS)

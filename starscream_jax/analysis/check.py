@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ..errors import StarscreamError
 from ..hardware.axes import XCD
 from ..sharding.apply import active, logical_names, param_shardings, use_layout
-from ..sharding.flax_rules import STARSCREAM, VocabularyLike, flax_rules, in_vocabulary
+from ..sharding.flax_rules import VocabularyLike, flax_rules, in_vocabulary
 from ..sharding.layouts import Layout, get_layout
 from ..sharding.rules import resolve
 from .compile import COMPILER_OPTIONS, REFERENCE
@@ -68,7 +68,7 @@ def check(step: Callable, *args: Any, mesh: Mesh, layout: Layout | str | None = 
     which each device holds a copy to principle 2.
     """
     layout = _layout_of(layout if vocabulary is None or layout is None else in_vocabulary(layout, vocabulary), mesh)
-    with _tracing_under(layout, mesh, args, vocabulary):
+    with _tracing_under(layout, mesh, args):
         traced = _traced(step, args)
         lowered = traced.lower()
         compiled = lowered.compile(compiler_options=COMPILER_OPTIONS)
@@ -78,7 +78,7 @@ def check(step: Callable, *args: Any, mesh: Mesh, layout: Layout | str | None = 
     reference_report = None
     if reference is not None:
         reference = get_layout(reference) if vocabulary is None else in_vocabulary(reference, vocabulary)
-        with _tracing_under(reference, mesh, args, vocabulary):
+        with _tracing_under(reference, mesh, args):
             reference_compiled = _traced(step, placed(args, reference, mesh)).lower().compile(
                 compiler_options=COMPILER_OPTIONS)
         reference_report = inspect_compiled(reference_compiled, mesh, gpus_per_node=gpus_per_node)
@@ -91,13 +91,13 @@ def check(step: Callable, *args: Any, mesh: Mesh, layout: Layout | str | None = 
 
 
 @contextlib.contextmanager
-def _tracing_under(layout: Layout, mesh: Mesh, args: tuple, vocabulary: VocabularyLike | None):
+def _tracing_under(layout: Layout, mesh: Mesh, args: tuple):
     """`use_layout(layout, mesh)`, and for arguments holding Linen parameters (`nn.with_logical_partitioning`
     boxes) also Linen's rule context with the layout's "use" table (`flax_rules`)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(use_layout(layout, mesh))
         if any(isinstance(leaf, nn.LogicallyPartitioned) for leaf in jax.tree.leaves(args, is_leaf=_is_box)):
-            stack.enter_context(nn.logical_axis_rules(flax_rules(layout, "use", vocabulary or STARSCREAM)))
+            stack.enter_context(nn.logical_axis_rules(flax_rules(layout, "use")))
         yield
 
 

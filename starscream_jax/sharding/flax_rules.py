@@ -90,14 +90,16 @@ def _renamed(rules: Rules, vocabulary: Mapping[str, str]) -> Rules:
     return Rules(yours + rules.table, rules.may_replicate | frozenset(may_replicate))
 
 
-def flax_rules(layout: Layout | str, table: str = "params", vocabulary: VocabularyLike = STARSCREAM) -> FlaxRules:
+def flax_rules(layout: Layout | str, table: str = "params", vocabulary: VocabularyLike | None = None) -> FlaxRules:
     """The layout's `table` as the (logical name, mesh axes) pairs Flax's `logical_axis_rules` contexts take, under
-    the names of `vocabulary` only (each name once, so Flax's Linen and NNX resolvers read it alike).
+    the names of `vocabulary` only (default: every name the layout's table knows, yours too after `in_vocabulary`),
+    each name once, so Flax's Linen and NNX resolvers read it alike.
 
     "params" (at rest), "weights" (at use), "activations", or "use": the weights table and the activations table
     together, for a step where one context places both (see `layouts.flax_table`); a name the two place differently
     is an error there."""
-    return flax_table(get_layout(layout), table, {kind: _for_table(vocabulary, kind) for kind in RULE_TABLES})
+    names = None if vocabulary is None else {kind: _for_table(vocabulary, kind) for kind in RULE_TABLES}
+    return flax_table(get_layout(layout), table, names)
 
 
 def weights_at_use(model: nnx.Module) -> nnx.Module:
