@@ -45,10 +45,10 @@ def writable_directory(path: str | os.PathLike, name: str) -> Path:
     return path
 
 
-def of_type(value, kinds: type | tuple[type, ...], name: str, expected: str):
-    """`value` when it is an instance of `kinds`; else a StarscreamError saying what `name` should be."""
+def of_type(value, kinds: type | tuple[type, ...], name: str, expected: str, error=StarscreamError):
+    """`value` when it is an instance of `kinds`; else `error` (a StarscreamError) saying what `name` should be."""
     if not isinstance(value, kinds):
-        raise StarscreamError(f"{name} {_short(value)} ({type(value).__name__}): expected {expected}")
+        raise error(f"{name} {_short(value)} ({type(value).__name__}): expected {expected}")
     return value
 
 

@@ -12,6 +12,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..checks import of_type
 from ..errors import PresetError
 from ..resources import data_dir
 
@@ -162,6 +163,7 @@ def load_preset(name: str, directory: Path | str | None = None) -> Preset:
     A name of the form CHIP-MODE-NPSn whose chip exists but whose pair the chip cannot run ("mi300x-spx-nps4")
     names the chip's valid pairs.
     """
+    of_type(name, str, "preset", f"a preset name ({', '.join(list_presets(directory))})", PresetError)
     path = _meshes(directory) / f"{name}.toml"
     if not path.is_file():
         _check_name_of_missing_preset(name, directory)

@@ -9,6 +9,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from ..checks import of_type
 from ..errors import StarscreamError, TopologyError
 from .presets import PARTITIONS_PER_MODE, Preset, list_presets, load_preset
 
@@ -122,6 +123,7 @@ def parse_override(text: str) -> Topology:
     A bare shape uses the cpu preset's figures; partitions of 1, 2, 4 or 8 map to SPX, DPX, QPX, CPX.
     Anything else raises one TopologyError that quotes the text and the accepted forms.
     """
+    of_type(text, str, "topology override", "a string such as '8x8', '2x8x8' or 'mi300x-cpx-nps1:4'", TopologyError)
     text = text.strip().lower()
     try:
         return _parse(text)

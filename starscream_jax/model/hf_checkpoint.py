@@ -297,6 +297,7 @@ def export_hf_model(model: Transformer, out_dir: str | Path, dtype: str = "float
     `replace`, which replaces it entirely (`check_export_target`). Tensors are gathered one layer at a time, so the
     host holds one shard's worth at most. Every process must call this; process 0 writes. Returns the files
     written (their final paths)."""
+    of_type(model, Transformer, "model", "a Transformer (load_hf_model or restore_model gives one)", CheckpointError)
     if dtype not in SAVED_DTYPES:
         raise CheckpointError(f"export dtype {dtype!r}; use one of {', '.join(SAVED_DTYPES)}")
     whole_number(max_shard_bytes, "max_shard_bytes (--shard-size)")

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding, PartitionSpec, reshard
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, reshard
 
+from ..checks import of_type
 from ..errors import ShardingRuleError
 from ..hardware.axes import INSIDE_GPU, axes_of, spec_axes
 from .layouts import Layout, flax_table, get_layout
@@ -65,6 +66,7 @@ def use_layout(layout: Layout | str, mesh):
 
     The layout is read while tracing and is not part of jit's cache key: a function jitted once and called under
     two layouts with equally placed arguments reuses the first trace. Jit (or lower) afresh inside each block."""
+    of_type(mesh, Mesh, "mesh", "a jax.sharding.Mesh, as starscream_jax.build_mesh gives", ShardingRuleError)
     current = ActiveLayout(get_layout(layout), mesh)
     rules = flax_table(current.layout, "use") if current.auto else None
     token = _ACTIVE.set(current)

@@ -18,8 +18,11 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from ..errors import CheckpointError, StarscreamError
 from ..hardware.distributed import is_main_process
@@ -133,9 +136,11 @@ class CheckpointStore:
 
     def restore_checked(self, step: int, params_target, opt_state_target=None):
         """(description, params, opt_state) of `step`, as `restore_meta` and `restore` give them, under
-        `reporting_damage`."""
+        `reporting_damage`; parameters that are not finite are damage too (training never saves them)."""
         with self.reporting_damage(step):
-            return (self.restore_meta(step), *self.restore(step, params_target, opt_state_target))
+            restored = (self.restore_meta(step), *self.restore(step, params_target, opt_state_target))
+        require_finite_checkpoint(restored[1], f"checkpoint step {step} in {self.directory}")
+        return restored
 
     def restore_newest_intact(self, params_target, opt_state_target, say):
         """(step, description, params, opt_state) of the newest checkpoint that restores, or None when there is no
@@ -185,6 +190,7 @@ class CheckpointStore:
         except StarscreamError:
             raise
         except Exception as error:  # orbax re-raises the background writer's error, of any type
+            _quiet_reads_left_behind()
             raise CheckpointError(f"writing a checkpoint in {self.directory} failed: {describe_storage_error(error)}; "
                                   f"free space (or fix the directory) and rerun with --resume, which "
                                   f"{resume_point(self.latest_step())}") from error
@@ -227,6 +233,35 @@ def describe_storage_error(error: Exception) -> str:
     return f"{found[-1]} ({status}{': ' + detail[:120] if detail else ''})"
 
 
+@jax.jit
+def _finite_flags(leaves: list) -> jax.Array:
+    return jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves])
+
+
+def finite_flags(tree) -> np.ndarray:
+    """Whether each array leaf of `tree` is finite, [leaves] bool on the host; computed where the arrays lie (under
+    their mesh, which the scalar results need on an Explicit mesh)."""
+    leaves = jax.tree.leaves(tree)
+    meshes = {leaf.sharding.mesh for leaf in leaves if isinstance(getattr(leaf, "sharding", None), NamedSharding)}
+    with jax.set_mesh(meshes.pop()) if len(meshes) == 1 else contextlib.nullcontext():
+        return np.asarray(_finite_flags(leaves))
+
+
+def all_finite(tree) -> bool:
+    """Whether every element of every array of `tree` is finite."""
+    return bool(finite_flags(tree).all())
+
+
+def require_finite_checkpoint(params, where: str) -> None:
+    """A CheckpointError naming the parameters of a restored checkpoint that are not finite."""
+    flags = finite_flags(params)
+    bad = [jax.tree_util.keystr(path) for (path, _), finite in zip(jax.tree_util.tree_leaves_with_path(params), flags)
+           if not finite]
+    if bad:
+        raise CheckpointError(f"{where} holds non-finite parameters ({', '.join(bad[:3])}); it is damaged: "
+                              "resume from another --run-dir or train afresh")
+
+
 def abstract_model_state(config: ModelConfig, layout, mesh):
     """(graphdef, params, rest) of a Transformer of `config` with no array allocated: params are
     jax.ShapeDtypeStruct placed by `layout`'s params rules on `mesh` (a restore or compile target)."""
@@ -256,6 +291,7 @@ def restore_model(directory: str | Path, layout, mesh, step: int | None = None, 
                     config = config.replace(dtype=dtype)
                 graphdef, params_target, rest = abstract_model_state(config, layout, mesh)
                 params, _ = store.restore(chosen_step, params_target)
+            require_finite_checkpoint(params, f"checkpoint step {chosen_step} in {store.directory}")
         except CheckpointError as error:
             others = [other for other in store.all_steps() if other != chosen_step]
             raise CheckpointError(f"{error}; pass --step with one of the other checkpoints {others}" if others

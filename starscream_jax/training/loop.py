@@ -39,7 +39,7 @@ from ..model.hf_checkpoint import load_hf_model
 from ..sharding.apply import batch_sharding, use_layout
 from ..sharding.layouts import Layout, get_layout
 from . import data
-from .checkpoint import CheckpointStore, abstract_model_state
+from .checkpoint import CheckpointStore, abstract_model_state, all_finite
 from .config import TrainConfig, flag
 from .corpus import DataFingerprint, load_token_stream
 from .lock import RunLock
@@ -397,21 +397,9 @@ def starting_state(store: CheckpointStore, plan: RunPlan, program: TrainProgram,
     step, saved, params, opt_state = restored
     check_resumable(saved, plan.model_config)
     changes = resume_changes(saved, plan.config, step, allow_changes, plan.data_files)
-    require_finite_checkpoint(params, f"checkpoint step {step} in {store.directory}")
     say(f"resumed from {store.directory} at step {step} of {plan.config.steps}")
     params, opt_state, rest = program.adopt(params, opt_state, rest)
     return RunState(step, params, opt_state, rest, step, changes)
-
-
-def require_finite_checkpoint(params, where: str) -> None:
-    """A CheckpointError naming the parameters of a restored checkpoint that are not finite."""
-    if bool(all_finite(params)):
-        return
-    flags = jax.device_get(jax.tree.map(lambda leaf: jnp.all(jnp.isfinite(leaf)), params))
-    bad = [jax.tree_util.keystr(path) for path, finite in jax.tree_util.tree_leaves_with_path(flags) if not finite]
-    if bad:
-        raise CheckpointError(f"{where} holds non-finite parameters ({', '.join(bad[:3])}); it is damaged: "
-                              "resume from another --run-dir or train afresh")
 
 
 def profile_window(profile_dir: str | Path | None, start_step: int, last_step: int) -> ProfileWindow | None:
@@ -481,7 +469,7 @@ def save_checkpoint(store: CheckpointStore, plan: RunPlan, state: RunState, forc
     """Save state.step when due (or forced), after checking that its parameters are finite; whether it saved."""
     if not (force or store.should_save(state.step)):
         return False
-    if not bool(all_finite(state.params)):
+    if not all_finite(state.params):
         raise RunStopped(f"the parameters after step {state.step} are not finite; nothing was saved there, and "
                          f"{resume_advice(state.saved_step)}")
     return store.save(state.step, state.params, state.opt_state, plan.description(state.step, state.changes),
@@ -511,12 +499,6 @@ def as_compiled(tree, like):
     return jax.tree.unflatten(treedef, [leaf if getattr(target, "sharding", None) is None
                                         else jax.device_put(leaf, target.sharding)
                                         for leaf, target in zip(jax.tree.leaves(tree), targets, strict=True)])
-
-
-@jax.jit
-def all_finite(tree) -> jax.Array:
-    """Whether every element of every array of `tree` is finite (a boolean scalar)."""
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]))
 
 
 @dataclass

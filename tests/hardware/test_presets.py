@@ -176,3 +176,8 @@ def test_malformed_file_names_the_file_and_the_fix(preset_dir, file, old, new, m
     with pytest.raises(PresetError, match=message) as caught:
         load_preset("mi300x-cpx-nps1", preset_dir)
     assert "\n" not in str(caught.value)
+
+
+def test_a_preset_name_that_is_not_text_is_named():
+    with pytest.raises(PresetError, match=r"preset None \(NoneType\): expected a preset name \(cpu, "):
+        load_preset(None)

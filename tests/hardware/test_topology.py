@@ -103,3 +103,8 @@ def test_describe_is_a_json_ready_summary():
 def test_topology_is_hashable_and_compares_by_value():
     assert hash(parse_override("mi300x-cpx-nps1:4")) == hash(Topology.from_preset("mi300x-cpx-nps1", gpus=4))
     assert parse_override("2x4") != parse_override("4x2")
+
+
+def test_an_override_that_is_not_text_is_named():
+    with pytest.raises(TopologyError, match=r"topology override 5 \(int\): expected a string such as '8x8'"):
+        parse_override(5)

@@ -374,6 +374,8 @@ def test_exported_files_take_the_modes_of_the_umask(small_model, tmp_path):
 
 
 def test_export_targets_and_shard_sizes_that_cannot_work_are_named(small_model, tmp_path):
+    with pytest.raises(CheckpointError, match=r"model 'llama' \(str\): expected a Transformer"):
+        export_hf_model("llama", tmp_path / "out")
     (tmp_path / "file").write_text("x")
     with pytest.raises(CheckpointError, match="export target .*file is a file; pass a directory path"):
         export_hf_model(small_model, tmp_path / "file")

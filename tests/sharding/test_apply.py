@@ -323,3 +323,9 @@ def test_a_refusal_with_a_false_reason_is_caught():
             check_refusal(false, config, mesh, {6, 8, 16})
     with pytest.raises(AssertionError):
         check_refusal(true, config, mesh, {8})
+
+
+def test_use_layout_names_a_mesh_of_the_wrong_kind():
+    with pytest.raises(ShardingRuleError, match=r"mesh None \(NoneType\): expected a jax.sharding.Mesh"):
+        with use_layout("starscream_tp", None):
+            pass

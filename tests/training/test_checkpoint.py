@@ -207,3 +207,18 @@ def test_a_full_disk_is_one_error_naming_the_checkpoint_to_resume_from(tmp_path,
     monkeypatch.undo()
     with CheckpointStore(tmp_path) as store:
         assert store.all_steps() == [1, 2] and store.restore_meta() == {"step": 2}
+
+
+def test_a_checkpoint_holding_non_finite_parameters_is_damage_set_aside(tmp_path):
+    """Training never saves non-finite parameters: a checkpoint holding them was damaged afterwards."""
+    params = saved_steps_1_and_2(tmp_path)
+    poisoned = jax.tree.map(lambda leaf: jax.device_put(np.full(leaf.shape, np.nan, leaf.dtype), leaf.sharding),
+                            params)
+    with CheckpointStore(tmp_path, save_every=1) as store:
+        store.save(3, poisoned, params, {"step": 3})
+    said = []
+    with CheckpointStore(tmp_path) as store:
+        with pytest.raises(CheckpointError, match=r"step 3 in .* holds non-finite parameters \(\['embed'\], "):
+            store.restore_checked(3, params, params)
+        assert store.restore_newest_intact(params, params, said.append)[0] == 2
+    assert "moved aside to 3.damaged" in said[0]
