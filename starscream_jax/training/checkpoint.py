@@ -13,6 +13,8 @@ checkpoint aside to `<step>.damaged` (never deleting it) and falls back to the n
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import re
 import sys
 from pathlib import Path
@@ -60,6 +62,7 @@ class CheckpointStore:
             enable_async_checkpointing=async_save,
             create=not must_exist,
         )
+        _quiet_orbax_tracebacks()
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEM_NAMES)
 
     def save(self, step: int, params, opt_state, meta: dict, force: bool = False) -> bool:
@@ -204,6 +207,25 @@ class CheckpointStore:
 
 def resume_point(step: int | None) -> str:
     return "starts afresh (no checkpoint is complete)" if step is None else f"continues from step {step}"
+
+
+class _OrbaxTracebacks(logging.Filter):
+    """Drops the tracebacks orbax logs from its background threads when a save or restore fails (a full disk
+    gives hundreds of lines): orbax raises that error again in the caller, where `reporting_write_failure` and
+    `reporting_damage` state it in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+_ORBAX_TRACEBACKS = _OrbaxTracebacks()
+
+
+def _quiet_orbax_tracebacks() -> None:
+    """Installs `_OrbaxTracebacks` on absl's logger (which orbax logs through; once) and the closed event loop's
+    message filter."""
+    logging.getLogger("absl").addFilter(_ORBAX_TRACEBACKS)
+    _quiet_reads_left_behind()
 
 
 def _quiet_reads_left_behind() -> None:

@@ -192,18 +192,21 @@ def test_a_save_killed_midway_leaves_the_earlier_checkpoint_whole(tmp_path, kill
         assert store.restore_meta() == {"step": 2}
 
 
-def test_a_full_disk_is_one_error_naming_the_checkpoint_to_resume_from(tmp_path, monkeypatch):
+def test_a_full_disk_is_one_error_naming_the_checkpoint_to_resume_from(tmp_path, monkeypatch, caplog):
+    """...and only that line: orbax's background threads log no traceback of it."""
     params = saved_steps_1_and_2(tmp_path)
 
     async def disk_full(path, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     monkeypatch.setattr(async_path, "write_text", disk_full)
+    monkeypatch.setattr(async_path, "write_bytes", disk_full)
     with pytest.raises(CheckpointError, match=r"writing a checkpoint in .* failed: .*No space left on device.*; free "
                                               r"space .* rerun with --resume, which continues from step 2"):
         with CheckpointStore(tmp_path, save_every=1) as store:
             store.save(3, params, params, {"step": 3})
             store.wait()
+    assert not [record.getMessage() for record in caplog.records if record.exc_info]
     monkeypatch.undo()
     with CheckpointStore(tmp_path) as store:
         assert store.all_steps() == [1, 2] and store.restore_meta() == {"step": 2}
