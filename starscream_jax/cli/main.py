@@ -1,4 +1,4 @@
-"""The `starscream` command: topology, train, generate, export, inspect, plan.
+"""The `starscream` command: topology, train, generate, serve, export, inspect, plan.
 
 Importing JAX (as every module here does) does not start its backend: `prepare_simulation` decides the devices (the
 simulated CPU mesh, or the GPUs JAX finds) after the arguments are read and before anything touches a device.
@@ -9,13 +9,14 @@ import argparse
 import sys
 
 from ..errors import RunStopped, StarscreamError
-from . import export, generate, inspect, plan, topology, train
+from . import export, generate, inspect, plan, serve, topology, train
 from .arguments import EXCLUSIVE, explicit_options, option_names, prepare_simulation, refuse_contradictions
 
 SUBCOMMANDS = {
     "topology": (topology, "print the topology and which device sits at each (gpu, xcd)"),
     "train": (train, "train a model under a layout (default: tiny Llama, simulated 2 x 4 mesh)"),
     "generate": (generate, "generate text from a checkpoint with prefill and decode layouts"),
+    "serve": (serve, "serve a model over an OpenAI-compatible HTTP API (continuous batching, paged KV cache)"),
     "export": (export, "write a training run's parameters as a Hugging Face model directory"),
     "inspect": (inspect, "compile layouts side by side and check the three principles"),
     "plan": (plan, "choose a layout per phase with the cost model"),

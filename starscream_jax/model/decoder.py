@@ -36,8 +36,9 @@ from ..sharding.apply import (
 from ..sharding.layouts import Layout
 from .config import ModelConfig
 from .moe import routed_mlp
-from .names import ATTN_KV, ATTN_Q, CACHE, KV_CACHE, LOGITS, RESIDUAL, TOKENS
+from .names import ATTN_KV, ATTN_Q, CACHE, KV_CACHE, LOGITS, POSITIONS, RESIDUAL, TOKENS
 from .ops import attention, cross_entropy, embed_lookup
+from .paged import PagedCache, PagedLayer, paged_attention, with_layers
 
 LAYER_SCOPE = "closed_call"
 """The scope of one layer's ops in the compiled program's op names: JAX puts the body of `jax.lax.scan` under it
@@ -141,28 +142,54 @@ class Transformer(nnx.Module):
         `_cache_room`). `with_load_balance` adds the mixture of experts' load-balancing loss (mean over layers; 0 for
         a dense model) as a last result."""
         c = self.config
-        dtype = jnp.dtype(c.dtype)
         fits = None if cache is None else _cache_room(cache, cache_index, tokens_BS.shape[1])
         if positions_BS is None:
             positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]) + cache_index, tokens_BS.shape)
-        with jax.named_scope("embed"):
-            table_VD = weight(self.embedding[...], ("vocab", "embed"), dtype, "embedding")
-            x_BSD = embed_lookup(table_VD, tokens_BS, out=RESIDUAL)
+        table_VD, x_BSD = self._embed(tokens_BS)
         stacked = _layer_weights(c, self.layers)
         x_BSD, (new_cache, balance_L) = self._run_layers(x_BSD, stacked, positions_BS, cache, cache_index)
+        logits_BSV = self._logits(x_BSD, table_VD)
+        if fits is not None:
+            logits_BSV = jnp.where(fits, logits_BSV, jnp.nan)
+        results = (logits_BSV,) + (() if cache is None else (new_cache,))
+        results += (jnp.mean(balance_L),) if with_load_balance else ()
+        return results if len(results) > 1 else logits_BSV
+
+    def paged(self, tokens_BS: jax.Array, positions_BS: jax.Array, last_B: jax.Array,
+              cache: PagedCache) -> tuple[jax.Array, PagedCache]:
+        """tokens [B, S] at `positions` [B, S] (-1: padding) through the model over a paged KV cache, each block
+        writing its keys and values into its layer's pages (`paged.paged_attention`), the layers one after another
+        (the pools are held per layer). Returns the logits [B, V] float32 of each row's token at index `last_B`
+        [B] (only those rows reach the final norm and the vocabulary projection) and the updated cache."""
+        c = self.config
+        table_VD, x_BSD = self._embed(tokens_BS)
+        positions_BS = constrain(positions_BS, POSITIONS, "positions")
+        layers = []
+        for index, w in enumerate(_unstacked(_layer_weights(c, self.layers), c.n_layers)):
+            with jax.named_scope(LAYER_SCOPE):
+                x_BSD, layer, _ = _block(c, x_BSD, w, positions_BS, cache.layer(index))
+            layers.append(layer)
+        last_B11 = jnp.broadcast_to(last_B[:, None, None], (x_BSD.shape[0], 1, x_BSD.shape[2]))
+        x_B1D = jnp.take_along_axis(x_BSD, constrain(last_B11, RESIDUAL, "last rows"), axis=1)
+        return self._logits(x_B1D, table_VD)[:, 0], with_layers(cache, layers)
+
+    def _embed(self, tokens_BS):
+        """(the embedding table as used [V, D], the tokens' rows [B, S, D] placed by RESIDUAL)."""
+        with jax.named_scope("embed"):
+            table_VD = weight(self.embedding[...], ("vocab", "embed"), jnp.dtype(self.config.dtype), "embedding")
+            return table_VD, embed_lookup(table_VD, tokens_BS, out=RESIDUAL)
+
+    def _logits(self, x_BSD, table_VD):
+        """The final norm of x [B, S, D], then the vocabulary projection: logits [B, S, V] float32 (LOGITS)."""
+        c = self.config
         x_BSD = rms_norm(x_BSD, self.final_norm[...], c.norm_eps)
         with jax.named_scope("logits"):
             if c.tie_embeddings:
                 logits_BSV = einsum("bsd,vd->bsv", x_BSD, table_VD, out=LOGITS, tensor="logits")
             else:
-                head_DV = weight(self.lm_head[...], ("embed", "vocab"), dtype, "lm_head")
+                head_DV = weight(self.lm_head[...], ("embed", "vocab"), jnp.dtype(c.dtype), "lm_head")
                 logits_BSV = einsum("bsd,dv->bsv", x_BSD, head_DV, out=LOGITS, tensor="logits")
-            logits_BSV = logits_BSV.astype(jnp.float32)
-            if fits is not None:
-                logits_BSV = jnp.where(fits, logits_BSV, jnp.nan)
-        results = (logits_BSV,) + (() if cache is None else (new_cache,))
-        results += (jnp.mean(balance_L),) if with_load_balance else ()
-        return results if len(results) > 1 else logits_BSV
+            return logits_BSV.astype(jnp.float32)
 
     def _run_layers(self, x_BSD, stacked, positions_BS, cache, cache_index):
         """The L blocks over x [B, S, D] -> (x, (cache or None, load-balancing loss per layer [L])). Without a
@@ -352,8 +379,9 @@ def _block(c: ModelConfig, x_BSD, w, positions_BS, cached=None):
 
     cached: None, or (cache, layer, cache_index): the KV cache of every layer ([L, B, T, K, E] each), this block's
     layer index and the position of the first new token; or (this layer's cache, [B, T, K, E] each, None,
-    cache_index). The new keys and values are written into the cache in place (`write_cache`) and attention reads
-    this layer's part. Returns (x, cache or None, the layer's load-balancing loss: 0 for a dense MLP)."""
+    cache_index); or a `paged.PagedLayer` (this layer's pages, written and read by `paged.paged_attention` at the
+    tokens' own positions). The new keys and values are written into the cache in place (`write_cache`) and
+    attention reads this layer's part. Returns (x, cache or None, the layer's load-balancing loss: 0 for a dense MLP)."""
     dtype = jnp.dtype(c.dtype)
     h_BSD = rms_norm(x_BSD, w["attn_norm"], c.norm_eps)
     q_BSHE, k_BSKE, v_BSKE = _qkv(c, h_BSD, w)
@@ -365,15 +393,19 @@ def _block(c: ModelConfig, x_BSD, w, positions_BS, cached=None):
         q_BSHE, k_BSKE = rms_norm(q_BSHE, w["q_norm"], c.norm_eps), rms_norm(k_BSKE, w["k_norm"], c.norm_eps)
     inv_freq = rope_frequencies(c)
     q_BSHE, k_BSKE = rope(q_BSHE, positions_BS, inv_freq), rope(k_BSKE, positions_BS, inv_freq)
-    cache = layer_cache = None
-    if cached is not None:
-        cache, layer, cache_index = cached
-        cache = write_cache(cache, layer, cache_index, k_BSKE, v_BSKE)
-        layer_cache = cache if layer is None else {name: cache[name][layer] for name in ("k", "v")}
-    with jax.named_scope("attention"):
-        attended_BSHE = attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, layer_cache,
-                                  None if cached is None else cached[2])
-        attended_BSHE = constrain(attended_BSHE, ("batch", "seq", "heads", "head_dim"), "attention output")
+    if isinstance(cached, PagedLayer):
+        with jax.named_scope("attention"):
+            attended_BSHE, cache = paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cached)
+    else:
+        cache = layer_cache = None
+        if cached is not None:
+            cache, layer, cache_index = cached
+            cache = write_cache(cache, layer, cache_index, k_BSKE, v_BSKE)
+            layer_cache = cache if layer is None else {name: cache[name][layer] for name in ("k", "v")}
+        with jax.named_scope("attention"):
+            attended_BSHE = attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, layer_cache,
+                                      None if cached is None else cached[2])
+    attended_BSHE = constrain(attended_BSHE, ("batch", "seq", "heads", "head_dim"), "attention output")
     wo_HED = _used("o", w, "wo", ("heads", "head_dim", "embed"), dtype)
     x_BSD = x_BSD + _project("o", "bshe,hed->bsd", attended_BSHE, wo_HED, RESIDUAL)
     h_BSD = rms_norm(x_BSD, w["mlp_norm"], c.norm_eps)

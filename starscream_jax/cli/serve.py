@@ -1,0 +1,68 @@
+"""`starscream serve`: an OpenAI-compatible HTTP server (`starscream_jax.serving.server`) over a model from a Hugging
+Face directory or a training checkpoint, prefilled and decoded under the layouts given, with continuous batching over
+a paged KV cache (`starscream_jax.serving.engine`)."""
+from __future__ import annotations
+
+import argparse
+
+import uvicorn
+
+from ..model.paged import KERNELS
+from ..serving.engine import Engine, EngineConfig, EngineThread
+from ..serving.server import Server
+from ..training.generate import DEFAULT_DECODE_LAYOUT, DEFAULT_PREFILL_LAYOUT
+from .arguments import add_distributed_arguments, add_mesh_arguments, count, initialize_from_args, mesh_from_args
+from .generate import load_for_generation
+from .train import DEFAULT_GPUS, DEFAULT_PRESET
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `starscream serve` (mesh, model, layouts, cache and batching, HTTP)."""
+    add_mesh_arguments(parser, default_preset=DEFAULT_PRESET, default_gpus=DEFAULT_GPUS, default_simulate=None)
+    add_distributed_arguments(parser)
+    group = parser.add_argument_group("model")
+    group.add_argument("--checkpoint", default="runs/train/checkpoints",
+                       help="a training run's directory (or its checkpoints directory)")
+    group.add_argument("--model-dir", metavar="HF_DIR", help="a Hugging Face model directory instead of --checkpoint")
+    group.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    group.add_argument("--served-model-name", help="the model's name in the API (default: the model's own)")
+    group.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype (default: the model's)")
+    group.add_argument("--prefill-layout", default=DEFAULT_PREFILL_LAYOUT, help="layout of prompt chunks")
+    group.add_argument("--decode-layout", default=DEFAULT_DECODE_LAYOUT, help="layout of decode steps")
+    engine = parser.add_argument_group("engine")
+    defaults = EngineConfig()
+    engine.add_argument("--page-size", type=count, default=defaults.page_size, help="positions per KV page")
+    engine.add_argument("--cache-pages", type=count, default=defaults.pages_per_shard,
+                        help="KV pages per cache shard (each partition holds one shard)")
+    engine.add_argument("--max-seqs", type=count, default=defaults.rows_per_shard,
+                        help="most sequences a cache shard runs at once")
+    engine.add_argument("--token-budget", type=count, default=defaults.token_budget, help="most tokens per step")
+    engine.add_argument("--chunk", type=count, default=defaults.chunk, help="most prompt tokens of one sequence "
+                                                                            "per step (chunked prefill)")
+    engine.add_argument("--kernel", choices=KERNELS, default=defaults.kernel, help="paged decode attention")
+    http = parser.add_argument_group("http")
+    http.add_argument("--host", default="127.0.0.1")
+    http.add_argument("--port", type=int, default=8000)
+    http.add_argument("--max-pending", type=count, default=256,
+                      help="requests in flight before new ones get 429")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(page_size=args.page_size, pages_per_shard=args.cache_pages, rows_per_shard=args.max_seqs,
+                        token_budget=args.token_budget, chunk=args.chunk, kernel=args.kernel)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model, start the engine, serve until SIGTERM or Ctrl-C (then drain). Returns 0."""
+    initialize_from_args(args)
+    _, mesh = mesh_from_args(args)
+    model, source, tokenizer = load_for_generation(args, mesh)
+    engine = Engine(model, engine_config(args), mesh, args.prefill_layout, args.decode_layout, tokenizer.decode)
+    name = args.served_model_name or model.config.name
+    server = Server(EngineThread(engine), tokenizer, name, args.max_pending)
+    print(f"starscream serve: {name} from {source} on mesh {dict(mesh.shape)}, prefill {args.prefill_layout}, "
+          f"decode {args.decode_layout}; {engine.shards} cache shard(s) of {args.cache_pages} pages x "
+          f"{args.page_size}; at most {engine.buckets.programs()} programs; http://{args.host}:{args.port}/v1",
+          flush=True)
+    uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning")
+    return 0

@@ -1,0 +1,140 @@
+"""The paged KV cache as the model reads and writes it: per layer, pools of pages [K, pages, page_size, E] for keys
+and values, and each row's block table [B, M] of page indices.
+
+Placement (PAGES, TABLE): kv heads over the layout's `kv_heads` axes (gpu), the page dimension over its
+`attn_batch` axes (the partitions under the starscream layouts), as are the rows of the batch and of the block
+table. Each shard of the batch owns the pages of the same shard of the pool, and its block tables hold indices
+local to that shard, so writing and reading the cache are local to a device: no page is stored twice and none
+moves. Kv heads lead the pool so that one kv head's pages are contiguous, as JAX's Pallas paged-attention kernel
+for GPUs reads them (no copy per step).
+
+Positions of padding (rows without a sequence, tokens past a row's chunk) are -1: they write to page 0 of their
+shard, the null page no sequence holds, and their outputs are discarded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import jax
+import jax.numpy as jnp
+from jax.tree_util import register_dataclass
+
+from ..errors import StarscreamError
+from ..hardware.axes import dim_axes
+from .names import ATTN_KV, ATTN_Q, POSITIONS
+from .ops import _fused_attention, _kv_heads_for_local_queries, _run_sharded
+
+PAGES = ("kv_heads", "attn_batch", "seq", "head_dim")
+"""One layer's pool of key (or value) pages [K, pages, page_size, E]."""
+TABLE = ("attn_batch", None)
+"""Block tables [B, M]: row b's i-th page (an index local to the row's shard)."""
+KERNELS = ("gather", "pallas")
+"""Paged decode attention: `gather` copies each row's pages into [B, M * page_size, K, E] and runs
+`jax.nn.dot_product_attention` (cuDNN's fused kernel on NVIDIA GPUs, XLA's elsewhere: exact, every backend);
+`pallas` runs JAX's Pallas paged-attention kernel for GPUs on the pages in place (decode steps only; prefill
+chunks use `gather`)."""
+
+
+@register_dataclass
+@dataclass(frozen=True)
+class PagedCache:
+    """Key and value page pools, one array per layer (L arrays of [K, pages, page_size, E] each), and the block
+    tables [B, M] of the rows of the step that reads them; `kernel` (static) picks the decode attention."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    table: jax.Array
+    kernel: str = field(default="gather", metadata={"static": True})
+
+    def layer(self, index: int) -> PagedLayer:
+        return PagedLayer(self.k[index], self.v[index], self.table, self.kernel)
+
+
+@register_dataclass
+@dataclass(frozen=True)
+class PagedLayer:
+    """One layer's key and value pages [K, pages, page_size, E], the block tables [B, M] and the kernel."""
+
+    k: jax.Array
+    v: jax.Array
+    table: jax.Array
+    kernel: str = field(default="gather", metadata={"static": True})
+
+
+def init_pages(n_layers: int, n_kv_heads: int, pages: int, page_size: int, head_dim: int, dtype,
+               sharding=None) -> tuple:
+    """L empty page pools [K, pages, page_size, E], each its own buffer, on `sharding` (a NamedSharding by PAGES
+    under the layout that serves; the default device without)."""
+    shape = (n_kv_heads, pages, page_size, head_dim)
+    return tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(n_layers))
+
+
+def with_layers(cache: PagedCache, layers: list[PagedLayer]) -> PagedCache:
+    """`cache` holding the updated pools of `layers`."""
+    return replace(cache, k=tuple(layer.k for layer in layers), v=tuple(layer.v for layer in layers))
+
+
+def paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: PagedLayer):
+    """Writes the S new keys and values of each row into its pages at their positions, then attends each query to
+    its row's cached positions up to its own. q [B, S, H, E] (ATTN_Q), k / v [B, S, K, E] (ATTN_KV), positions
+    [B, S] (-1: padding). Returns (out [B, S, H, E], the layer with its updated pages)."""
+    if cache.kernel not in KERNELS:
+        raise StarscreamError(f"unknown paged-attention kernel {cache.kernel!r}; choose one of {', '.join(KERNELS)}")
+    group = q_BSHE.shape[2] // k_BSKE.shape[2]
+
+    def local(q, k, v, positions, table, pages_k, pages_v, *, specs):
+        pages_k, pages_v = (_write(pages, new, positions, table) for pages, new in ((pages_k, k), (pages_v, v)))
+        q_axes, kv_axes = dim_axes(specs[0], 2), dim_axes(specs[1], 2)
+        if cache.kernel == "pallas" and q.shape[1] == 1:
+            out = _pallas_decode(q, pages_k, pages_v, positions, table, q_axes, kv_axes, group)
+        else:
+            out = _gathered_attention(q, pages_k, pages_v, positions, table, q_axes, kv_axes, group)
+        return out, pages_k, pages_v
+
+    args = [q_BSHE, k_BSKE, v_BSKE, positions_BS, cache.table, cache.k, cache.v]
+    names = [ATTN_Q, ATTN_KV, ATTN_KV, POSITIONS, TABLE, PAGES, PAGES]
+    out, pages_k, pages_v = _run_sharded(local, args, names, [(ATTN_Q, q_BSHE.shape), (PAGES, cache.k.shape),
+                                                              (PAGES, cache.v.shape)], "paged attention")
+    return out, replace(cache, k=pages_k, v=pages_v)
+
+
+def _write(pages_KPAE, new_BSKE, positions_BS, table_BM):
+    """The pages with each valid token's key (or value) written at (its row's page of its position, slot)."""
+    page_size = pages_KPAE.shape[2]
+    valid = positions_BS >= 0
+    at = jnp.maximum(positions_BS, 0)
+    page_BS = jnp.where(valid, jnp.take_along_axis(table_BM, at // page_size, axis=1), 0)
+    slot_BS = jnp.where(valid, at % page_size, 0)
+    return pages_KPAE.at[:, page_BS, slot_BS].set(jnp.moveaxis(new_BSKE, 2, 0).astype(pages_KPAE.dtype))
+
+
+def _gathered_attention(q_BSHE, pages_k, pages_v, positions_BS, table_BM, q_axes, kv_axes, group):
+    """Each row's pages gathered into [B, M * page_size, K, E]; a query sees the positions up to its own. Decode
+    (S = 1) passes the visible length to `_fused_attention` (cuDNN on NVIDIA GPUs), prefill chunks a mask."""
+    rows, max_pages = table_BM.shape
+    length = max_pages * pages_k.shape[2]
+
+    def gathered(pages_KPAE):
+        rows_KBMAE = pages_KPAE[:, table_BM]
+        keys_BTKE = jnp.moveaxis(rows_KBMAE, 0, -2).reshape(rows, length, pages_KPAE.shape[0], pages_KPAE.shape[3])
+        return _kv_heads_for_local_queries(keys_BTKE, q_BSHE.shape[2], group, q_axes, kv_axes).astype(q_BSHE.dtype)
+
+    keys_BTKE, values_BTKE = gathered(pages_k), gathered(pages_v)
+    seen_BS = jnp.maximum(positions_BS, 0)  # padding sees position 0 only, so no row is all masked
+    if q_BSHE.shape[1] == 1:
+        return _fused_attention(q_BSHE, keys_BTKE, values_BTKE, key_value_seq_lengths=seen_BS[:, 0] + 1)
+    mask = jnp.arange(length)[None, None, None, :] <= seen_BS[:, None, :, None]
+    return jax.nn.dot_product_attention(q_BSHE, keys_BTKE, values_BTKE, mask=mask)
+
+
+def _pallas_decode(q_B1HE, pages_k, pages_v, positions_BS, table_BM, q_axes, kv_axes, group):
+    """Decode attention by JAX's Pallas paged-attention kernel for GPUs (Triton), reading the pages in place."""
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as pallas_paged_attention
+
+    if q_B1HE.shape[2] != pages_k.shape[0] * group:
+        raise StarscreamError("the pallas paged-attention kernel needs every query head's kv head on its device; "
+                              "decode under a layout that splits query and kv heads alike, or use --kernel gather")
+    lengths_B = jnp.maximum(positions_BS[:, 0], 0) + 1
+    out_BHE = pallas_paged_attention(q_B1HE[:, 0], pages_k.astype(q_B1HE.dtype), pages_v.astype(q_B1HE.dtype),
+                                     table_BM, lengths_B, pages_per_compute_block=min(8, table_BM.shape[1]))
+    return out_BHE[:, None]

@@ -1,0 +1,250 @@
+"""Continuous batching: which sequences prefill and which decode in each engine step, and where their pages live.
+
+Pure Python, no arrays: the engine turns each `StepPlan` into the compiled steps' inputs. Every step
+  1. gives each decoding sequence the page its next position needs; a shard with no free page preempts its newest
+     sequence (pages freed, the sequence back at the head of the queue, recomputed from its tokens later) until one
+     is free;
+  2. hands the per-step token budget, after one token per decoding sequence, to chunks of the prompts still being
+     prefilled (oldest first, at most `chunk` tokens each);
+  3. admits waiting requests in arrival order while a shard has a row and the pages of the whole prompt (full pages
+     of a known prefix are shared, not allocated), each to the shard holding most of its prefix, else the
+     least busy one.
+A sequence has its K/V for `computed` positions in the cache; it decodes when only its last token is missing
+(computed = len(tokens) - 1), and prefills while more are.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..errors import StarscreamError
+from .pages import ShardPages, page_hashes
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one request asks for. temperature 0 is greedy; top_p 1 and top_k 0 keep every token; a seed makes the
+    draw of each position a function of (seed, position) alone, whatever else runs in the batch; `stop_tokens`
+    (the tokenizer's EOS) and `stop` strings end the text, which excludes the stop string; `logprobs` returns the
+    log-probability of each chosen token."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_tokens: tuple[int, ...] = ()
+    logprobs: bool = False
+
+    def __post_init__(self):
+        problems = [(self.max_tokens < 1, f"max_tokens {self.max_tokens} must be at least 1"),
+                    (not 0.0 <= self.temperature <= 100.0, f"temperature {self.temperature} is outside [0, 100]"),
+                    (not 0.0 < self.top_p <= 1.0, f"top_p {self.top_p} is outside (0, 1]"),
+                    (self.top_k < 0, f"top_k {self.top_k} must be 0 (off) or positive"),
+                    (self.seed is not None and not 0 <= self.seed < 2 ** 31,
+                     f"seed {self.seed} is outside [0, 2**31)")]
+        for failed, message in problems:
+            if failed:
+                raise StarscreamError(message)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request inside the engine: its tokens so far (prompt, then generated), its shard and pages."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: float
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    shard: int = -1
+    pages: list[int] = field(default_factory=list)
+    computed: int = 0
+    admitted: int = -1  # admission order while running (newest is preempted first)
+    preemptions: int = 0
+    first_token_time: float | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def decoding(self) -> bool:
+        return self.computed == len(self.prompt) + len(self.generated) - 1
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Prefill of tokens[start : start + count] of `sequence`; `last` when it reaches the sequence's last token
+    (its logits give the next token)."""
+
+    sequence: Sequence
+    start: int
+    count: int
+
+    @property
+    def last(self) -> bool:
+        return self.start + self.count == len(self.sequence.tokens)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One engine step: prompt chunks to prefill and sequences to decode (each placed on its shard)."""
+
+    prefill: tuple[Chunk, ...]
+    decode: tuple[Sequence, ...]
+    preempted: tuple[Sequence, ...]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """shards: cache shards (the partitions the attention batch is split over); pages_per_shard: each shard's pages
+    (one is its null page); page_size: positions per page; rows_per_shard: most sequences a shard runs at once;
+    token_budget: most tokens (decode rows count one each) a step computes; chunk: most prompt tokens of one
+    sequence per step."""
+
+    shards: int
+    pages_per_shard: int
+    page_size: int
+    rows_per_shard: int
+    token_budget: int
+    chunk: int
+
+    def __post_init__(self):
+        for name in ("shards", "pages_per_shard", "page_size", "rows_per_shard", "token_budget", "chunk"):
+            if getattr(self, name) < 1:
+                raise StarscreamError(f"scheduler {name} is {getattr(self, name)}; it must be at least 1")
+
+    def pages_for(self, positions: int) -> int:
+        return math.ceil(positions / self.page_size)
+
+
+class Scheduler:
+    """Waiting and running sequences over the shards' page pools (see the module docstring)."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.shards = [ShardPages(config.pages_per_shard) for _ in range(config.shards)]
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._admissions = itertools.count()
+
+    def add(self, sequence: Sequence) -> None:
+        """Queues a new request; StarscreamError when it could never fit one shard's pages."""
+        needed = self.config.pages_for(len(sequence.prompt) + sequence.params.max_tokens)
+        if needed > self.config.pages_per_shard - 1:
+            raise StarscreamError(f"request {sequence.request_id} needs {needed} pages of {self.config.page_size} "
+                                  f"positions and a cache shard holds {self.config.pages_per_shard - 1}; shorten "
+                                  "the prompt or max_tokens, or give the cache more pages")
+        self.waiting.append(sequence)
+
+    def finish(self, sequence: Sequence) -> None:
+        """Ends a running or waiting sequence (finished, cancelled, disconnected): its pages are released."""
+        if sequence in self.running:
+            self.running.remove(sequence)
+            self._release(sequence)
+        elif sequence in self.waiting:
+            self.waiting.remove(sequence)
+
+    @property
+    def pages_used(self) -> int:
+        return sum(shard.used for shard in self.shards)
+
+    def schedule(self) -> StepPlan:
+        """The next step's plan (see the module docstring); preempted sequences are back in `waiting`."""
+        preempted = self._grow_decoding()
+        decode = tuple(sequence for sequence in self.running if sequence.decoding)
+        budget = self.config.token_budget - len(decode)
+        chunks = []
+        for sequence in sorted((s for s in self.running if not s.decoding), key=lambda s: s.admitted):
+            if budget <= 0:
+                break
+            chunks.append(self._chunk(sequence, budget))
+            budget -= chunks[-1].count
+        while self.waiting and budget > 0 and self._admit(self.waiting[0]):
+            sequence = self.waiting.popleft()
+            chunks.append(self._chunk(sequence, budget))
+            budget -= chunks[-1].count
+        return StepPlan(tuple(chunks), decode, tuple(preempted))
+
+    def computed(self, chunk: Chunk) -> None:
+        """Records that `chunk` ran: its positions are cached, and its full prompt pages are registered by hash."""
+        sequence = chunk.sequence
+        sequence.computed = chunk.start + chunk.count
+        shard = self.shards[sequence.shard]
+        full_pages = sequence.computed // self.config.page_size
+        for index, digest in enumerate(page_hashes(sequence.tokens[:full_pages * self.config.page_size],
+                                                   self.config.page_size)):
+            shard.register(sequence.pages[index], digest)
+
+    def _chunk(self, sequence: Sequence, budget: int) -> Chunk:
+        remaining = len(sequence.tokens) - sequence.computed
+        return Chunk(sequence, sequence.computed, min(remaining, budget, self.config.chunk))
+
+    def _grow_decoding(self) -> list[Sequence]:
+        """Gives each decoding sequence the page of its next position, preempting the newest on a full shard."""
+        preempted = []
+        for sequence in sorted(self.running, key=lambda s: s.admitted):
+            if sequence not in self.running or not sequence.decoding:
+                continue
+            if self.config.pages_for(len(sequence.tokens)) <= len(sequence.pages):
+                continue
+            shard = self.shards[sequence.shard]
+            while shard.free == 0:
+                victim = max((s for s in self.running if s.shard == sequence.shard), key=lambda s: s.admitted)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is sequence:
+                    break
+            if sequence in self.running:
+                sequence.pages += shard.allocate(1)
+        return preempted
+
+    def _preempt(self, sequence: Sequence) -> None:
+        self.running.remove(sequence)
+        self._release(sequence)
+        sequence.preemptions += 1
+        self.waiting.appendleft(sequence)
+
+    def _release(self, sequence: Sequence) -> None:
+        self.shards[sequence.shard].release(sequence.pages)
+        sequence.pages, sequence.computed, sequence.shard, sequence.admitted = [], 0, -1, -1
+
+    def _admit(self, sequence: Sequence) -> bool:
+        """Places `sequence` on a shard with a free row and the pages of its tokens; False when none has them."""
+        tokens = sequence.tokens
+        hashes = page_hashes(tokens[:len(tokens) - 1], self.config.page_size)  # the last token is always computed
+        needed = self.config.pages_for(len(tokens))
+        best = None
+        for index, shard in enumerate(self.shards):
+            rows = sum(1 for s in self.running if s.shard == index)
+            hit = shard.cached_prefix(hashes)
+            if rows >= self.config.rows_per_shard or not shard.can_hold(hashes, needed):
+                continue
+            key = (hit, -rows, shard.free)
+            if best is None or key > best[0]:
+                best = (key, index)
+        if best is None:
+            return False
+        shard = self.shards[best[1]]
+        sequence.shard = best[1]
+        sequence.pages = shard.take_prefix(hashes)
+        sequence.computed = len(sequence.pages) * self.config.page_size
+        sequence.pages += shard.allocate(needed - len(sequence.pages))
+        sequence.admitted = next(self._admissions)
+        self.running.append(sequence)
+        return True
+
+
+def check_fits(prompt_tokens: int, max_tokens: int, context: int) -> None:
+    """StarscreamError when a prompt and its max_tokens exceed the model's context."""
+    if prompt_tokens < 1:
+        raise StarscreamError("the prompt is empty; give at least one token")
+    if prompt_tokens + max_tokens > context:
+        raise StarscreamError(f"the prompt's {prompt_tokens} tokens plus max_tokens {max_tokens} exceed the model's "
+                              f"context of {context} tokens; shorten the prompt or lower max_tokens")

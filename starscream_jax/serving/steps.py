@@ -1,0 +1,127 @@
+"""The one serving step, compiled per bucket, and the per-row sampling it ends with.
+
+  paged step  (params, rest, pages {"k", "v"}, StepInputs) -> (tokens [B], log-probabilities [B], pages): the
+              tokens [B, S] of every row through the model over the paged KV cache (`Transformer.paged`, pages
+              donated, written in place), then each row's next token drawn from the logits at its `last` index.
+              Decode runs it with S = 1 under the decode layout, prefill chunks with S > 1 under the prefill
+              layout; both layouts place the pages alike, so neither copies the cache.
+
+Shapes are bucketed (`Buckets`): rows per shard, positions per row (prefill) and pages per row round up to the
+next bucket, so a server compiles each (phase, rows, positions, pages) program once and holds at most
+`Buckets.programs()` of them. Sampling is per row: temperature 0 is greedy, then top-k, then top-p (nucleus) at the
+row's temperature, the draw keyed by (row's seed, the new token's position) alone.
+"""
+from __future__ import annotations
+
+import bisect
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.tree_util import register_dataclass
+
+from ..errors import StarscreamError
+from ..model.paged import PagedCache
+from ..sharding.apply import constrain
+from ..training.steps import DECODE_COMPILER_OPTIONS, _whole_vocabulary
+
+
+@register_dataclass
+@dataclass(frozen=True)
+class RowSampling:
+    """Each row's sampling settings [B]: temperature (0: greedy), top_p, top_k (0: off), seed."""
+
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+    seed: jax.Array
+
+
+@register_dataclass
+@dataclass(frozen=True)
+class StepInputs:
+    """One step's rows: tokens and positions [B, S] (position -1: padding), block tables [B, M], the index of
+    each row's last token [B] and its sampling."""
+
+    tokens: jax.Array
+    positions: jax.Array
+    table: jax.Array
+    last: jax.Array
+    sampling: RowSampling
+
+
+def paged_step(graphdef, kernel: str = "gather", decode: bool = True):
+    """The jitted paged step (see the module docstring); the pages are donated. Decode steps compile with the
+    decode step's XLA options (`training.steps.DECODE_COMPILER_OPTIONS`)."""
+    options = DECODE_COMPILER_OPTIONS if decode else None
+
+    @functools.partial(jax.jit, donate_argnums=(2,), compiler_options=options)
+    def step(params, rest, pages, inputs: StepInputs):
+        model = nnx.merge(graphdef, params, rest)
+        cache = PagedCache(pages["k"], pages["v"], inputs.table, kernel)
+        logits_BV, cache = model.paged(inputs.tokens, inputs.positions, inputs.last, cache)
+        positions_B = jnp.take_along_axis(inputs.positions, inputs.last[:, None], axis=1)[:, 0]
+        token_B, logprob_B = sample_rows(logits_BV, inputs.sampling, positions_B + 1)
+        return token_B, logprob_B, {"k": cache.k, "v": cache.v}
+
+    return step
+
+
+def sample_rows(logits_BV: jax.Array, rows: RowSampling, position_B: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The next token of each row [B] int32 and its log-probability under the model [B] float32, from the logits
+    [B, V] (placed by the layout's ("batch", "vocab") rules), drawn for sequence position `position_B`."""
+    with jax.named_scope("sample"):
+        logits_BV = _whole_vocabulary(logits_BV)
+        rows, position_B = jax.tree.map(lambda row_B: constrain(row_B, ("batch",), "sampling"), (rows, position_B))
+        vocab = logits_BV.shape[-1]
+        greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        scaled_BV = logits_BV / jnp.maximum(rows.temperature, 1e-6)[:, None]
+        descending_BV = jnp.sort(scaled_BV, axis=-1)[:, ::-1]
+        k_B = jnp.where(rows.top_k > 0, jnp.minimum(rows.top_k, vocab), vocab)
+        kth_B1 = jnp.take_along_axis(descending_BV, k_B[:, None] - 1, axis=1)
+        top_k_BV = jnp.where(descending_BV >= kth_B1, descending_BV, -jnp.inf)
+        probabilities_BV = jax.nn.softmax(top_k_BV, axis=-1)
+        mass_before_BV = jnp.cumsum(probabilities_BV, axis=-1) - probabilities_BV
+        kept_BV = (mass_before_BV < rows.top_p[:, None]) & (descending_BV >= kth_B1)
+        smallest_B1 = jnp.min(jnp.where(kept_BV, descending_BV, jnp.inf), axis=-1, keepdims=True)
+        nucleus_BV = jnp.where(scaled_BV >= smallest_B1, scaled_BV, -jnp.inf)
+        keys = jax.vmap(lambda seed, position: jax.random.fold_in(jax.random.key(seed), position))(
+            rows.seed, position_B)
+        drawn_B = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, nucleus_BV).astype(jnp.int32)
+        token_B = jnp.where(rows.temperature > 0, drawn_B, greedy_B)
+        logprob_BV = jax.nn.log_softmax(logits_BV, axis=-1)
+        return token_B, jnp.take_along_axis(logprob_BV, token_B[:, None], axis=1)[:, 0]
+
+
+def _powers_of_two(limit: int) -> tuple[int, ...]:
+    sizes = [1]
+    while sizes[-1] < limit:
+        sizes.append(min(sizes[-1] * 2, limit))
+    return tuple(sizes)
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """The shapes a server compiles: rows per cache shard, prompt positions per prefill row, pages per row (each
+    a rising tuple; a size rounds up to the next). Default: powers of two up to each limit."""
+
+    rows: tuple[int, ...]
+    positions: tuple[int, ...]
+    pages: tuple[int, ...]
+
+    @classmethod
+    def up_to(cls, rows: int, chunk: int, pages: int) -> Buckets:
+        return cls(_powers_of_two(rows), _powers_of_two(chunk), _powers_of_two(pages))
+
+    def programs(self) -> int:
+        """Most programs a server compiles: decode (rows x pages) and prefill (rows x positions x pages)."""
+        return len(self.rows) * len(self.pages) * (1 + len(self.positions))
+
+    @staticmethod
+    def round_up(size: int, sizes: tuple[int, ...], what: str) -> int:
+        index = bisect.bisect_left(sizes, size)
+        if index == len(sizes):
+            raise StarscreamError(f"{size} {what} exceed the largest compiled bucket {sizes[-1]}")
+        return sizes[index]

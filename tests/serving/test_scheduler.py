@@ -1,0 +1,107 @@
+"""The scheduler over thousands of random admit / step / finish / cancel events, with pages running out: every
+invariant holds after every event and the pools end empty. No arrays, no compiles."""
+import random
+
+import pytest
+
+from starscream_jax.errors import StarscreamError
+from starscream_jax.serving.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence, check_fits
+
+CONFIG = SchedulerConfig(shards=2, pages_per_shard=9, page_size=4, rows_per_shard=3, token_budget=12, chunk=5)
+
+
+def _sequence(name, prompt, max_tokens=8):
+    return Sequence(name, prompt, SamplingParams(max_tokens=max_tokens), seed=0, arrival=0.0)
+
+
+def _check_invariants(scheduler):
+    held = {}
+    for sequence in scheduler.running:
+        assert 0 <= sequence.shard < CONFIG.shards
+        assert len(sequence.pages) >= CONFIG.pages_for(sequence.computed)
+        for page in sequence.pages:
+            assert page != 0
+            held.setdefault((sequence.shard, page), 0)
+            held[(sequence.shard, page)] += 1
+    for sequence in scheduler.waiting:
+        assert sequence.pages == [] and sequence.shard == -1
+    for index, shard in enumerate(scheduler.shards):
+        assert shard.used == len({page for (where, page) in held if where == index})
+        assert sum(1 for s in scheduler.running if s.shard == index) <= CONFIG.rows_per_shard
+
+
+def _run_plan(scheduler, plan, rng):
+    """What the engine does with a plan: chunks computed, a token appended where a chunk ends or a row decodes."""
+    assert sum(chunk.count for chunk in plan.prefill) + len(plan.decode) <= CONFIG.token_budget
+    for chunk in plan.prefill:
+        assert 1 <= chunk.count <= CONFIG.chunk
+        assert CONFIG.pages_for(chunk.start + chunk.count) <= len(chunk.sequence.pages)
+        scheduler.computed(chunk)
+        if chunk.last:
+            chunk.sequence.generated.append(rng.randrange(3))
+    for sequence in plan.decode:
+        assert CONFIG.pages_for(len(sequence.tokens)) <= len(sequence.pages)
+        sequence.computed += 1
+        sequence.generated.append(rng.randrange(3))
+    for sequence in list(scheduler.running):
+        if len(sequence.generated) >= sequence.params.max_tokens:
+            scheduler.finish(sequence)
+
+
+def test_random_events_leave_the_pools_empty():
+    rng = random.Random(0)
+    scheduler = Scheduler(CONFIG)
+    known, preempted, shared = [], 0, 0
+    system = [7, 7, 7, 7, 8, 8, 8, 8]  # two full pages many prompts share
+    for event in range(4000):
+        roll = rng.random()
+        if roll < 0.3:
+            prompt = (system if rng.random() < 0.5 else []) + [rng.randrange(3) for _ in range(rng.randrange(1, 14))]
+            sequence = _sequence(f"r{event}", prompt, rng.randrange(1, 12))
+            scheduler.add(sequence)
+            known.append(sequence)
+        elif roll < 0.4 and known:
+            scheduler.finish(known.pop(rng.randrange(len(known))))  # cancel, wherever it is
+        else:
+            plan = scheduler.schedule()
+            preempted += len(plan.preempted)
+            _run_plan(scheduler, plan, rng)
+        _check_invariants(scheduler)
+    while scheduler.running or scheduler.waiting:
+        _run_plan(scheduler, scheduler.schedule(), rng)
+        _check_invariants(scheduler)
+    assert scheduler.pages_used == 0
+    assert all(shard.free == CONFIG.pages_per_shard - 1 for shard in scheduler.shards)
+    assert preempted > 0  # pages ran out and the newest were recomputed, not failed
+    shared = sum(shard.stats.hit_pages for shard in scheduler.shards)
+    assert shared > 0
+
+
+def test_preempted_sequence_is_recomputed_with_its_generated_tokens():
+    scheduler = Scheduler(SchedulerConfig(shards=1, pages_per_shard=5, page_size=2, rows_per_shard=2,
+                                          token_budget=8, chunk=8))
+    old, new = _sequence("old", [1, 2, 3, 4, 5], 2), _sequence("new", [6, 7], 4)
+    scheduler.add(old)
+    scheduler.add(new)
+    plan = scheduler.schedule()
+    assert [chunk.sequence for chunk in plan.prefill] == [old, new]
+    for chunk in plan.prefill:
+        scheduler.computed(chunk)
+        chunk.sequence.generated.append(0)
+    # old's next position (5) is in its third page; new's (2) needs a second page, and the pool's 4 pages are
+    # held: new, the newest, is preempted
+    plan = scheduler.schedule()
+    assert plan.preempted == (new,) and plan.decode == (old,)
+    assert scheduler.waiting[0] is new and new.tokens == [6, 7, 0] and new.pages == []
+
+
+def test_requests_that_cannot_fit_are_refused():
+    scheduler = Scheduler(CONFIG)
+    with pytest.raises(StarscreamError, match="needs 9 pages"):
+        scheduler.add(_sequence("big", [1] * 30, 6))
+    with pytest.raises(StarscreamError, match="exceed the model's context"):
+        check_fits(30, 10, 32)
+    with pytest.raises(StarscreamError, match="empty"):
+        check_fits(0, 10, 32)
+    with pytest.raises(StarscreamError, match="top_p"):
+        SamplingParams(top_p=0.0)

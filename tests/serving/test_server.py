@@ -1,0 +1,155 @@
+"""The HTTP server on a real uvicorn on a localhost port, over a tiny Hugging Face checkpoint on a simulated (1, 2, 4)
+mesh: the official `openai` client (completions, chat, streaming, logprobs), OpenAI-style errors, /health, /models,
+/metrics, a bounded load of concurrent clients (some cancelled midway, some refused with 429) after which every page
+is free, and a shutdown that lets the running stream finish."""
+import asyncio
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.model.hf_checkpoint import load_hf_model
+from starscream_jax.serving.engine import Engine, EngineConfig, EngineThread
+from starscream_jax.serving.server import Server
+from starscream_jax.serving.steps import Buckets
+from starscream_jax.training.tokenizer import load_tokenizer
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "hf" / "llama"
+MODEL = "tiny-llama"
+MAX_PENDING = 12
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served():
+    """(base URL, Server, uvicorn.Server) of a server on a thread; 4 rows per shard, chunks of 16 positions, 8 pages
+    of 8 per row: two programs."""
+    mesh = build_mesh("1x2x4")
+    model = load_hf_model(FIXTURE, "starscream_tp", mesh)
+    tokenizer = load_tokenizer(FIXTURE)
+    config = EngineConfig(page_size=8, pages_per_shard=24, rows_per_shard=4, token_budget=64, chunk=16,
+                          buckets=Buckets((4,), (16,), (8,)))
+    engine = Engine(model, config, mesh, detokenize=tokenizer.decode)
+    server = Server(EngineThread(engine), tokenizer, MODEL, max_pending=MAX_PENDING)
+    port = _free_port()
+    http = uvicorn.Server(uvicorn.Config(server.app(), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    while not http.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", server, http
+    http.should_exit = True
+    thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key="none", max_retries=0)
+
+
+def _wait_idle(server, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = server.engine.stats
+        if server.pending == 0 and stats is not None and stats.running == stats.waiting == 0:
+            return stats
+        time.sleep(0.05)
+    raise AssertionError("the engine did not become idle")
+
+
+def test_completions_whole_and_streamed_agree(client, served):
+    whole = client.completions.create(model=MODEL, prompt="hello world", max_tokens=6, temperature=0, logprobs=1)
+    choice = whole.choices[0]
+    assert choice.finish_reason in ("stop", "length") and whole.usage.completion_tokens >= 1
+    assert len(choice.logprobs.token_logprobs) == whole.usage.completion_tokens
+    assert all(value <= 0 for value in choice.logprobs.token_logprobs)
+    streamed = client.completions.create(model=MODEL, prompt="hello world", max_tokens=6, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == choice.text
+    assert _wait_idle(served[1]).pages_used == 0
+
+
+def test_chat_uses_the_template_and_streams(client):
+    messages = [{"role": "user", "content": "hi"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0, seed=1)
+    assert whole.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                                 stream=True))
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_bad_requests_get_openai_errors(client, served):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-9", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.completions.create(model=MODEL, prompt="word " * 200, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=-1)
+    response = httpx.post(served[0] + "/v1/completions", content=b"{not json", timeout=10,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+
+
+def test_health_models_and_metrics(client, served):
+    assert httpx.get(served[0] + "/health").json() == {"status": "ok"}
+    assert [model.id for model in client.models.list()] == [MODEL]
+    text = httpx.get(served[0] + "/metrics").text
+    for series in ("starscream_requests_running", "starscream_requests_waiting", "starscream_kv_pages_used",
+                   "starscream_generation_tokens_per_second", "starscream_time_to_first_token_seconds_bucket",
+                   "starscream_time_per_output_token_seconds_bucket"):
+        assert series in text
+
+
+async def _one_client(url, index):
+    """A client's request: every third streams and hangs up after its first token; returns its status."""
+    body = {"model": MODEL, "prompt": "abc " * (1 + index % 7), "max_tokens": 4 + index % 9, "temperature": 0.7,
+            "seed": index, "stream": index % 3 == 0}
+    async with httpx.AsyncClient(timeout=120) as http:
+        if not body["stream"]:
+            response = await http.post(url + "/v1/completions", json=body)
+            assert response.status_code == 429 or response.json()["choices"][0]["text"] is not None
+            return response.status_code
+        async with http.stream("POST", url + "/v1/completions", json=body) as response:
+            if response.status_code == 200:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        break  # hang up midway
+            return response.status_code
+
+
+def test_bounded_load_answers_every_request_and_frees_every_page(served):
+    url, server, _ = served
+
+    async def load():
+        return await asyncio.gather(*(_one_client(url, index) for index in range(40)))
+
+    statuses = asyncio.run(load())
+    assert set(statuses) <= {200, 429} and statuses.count(200) >= MAX_PENDING
+    stats = _wait_idle(server)
+    assert stats.pages_used == 0 and server.pending == 0
+
+
+def test_shutdown_lets_the_running_stream_finish(served):
+    url, server, http = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    stream = client.completions.create(model=MODEL, prompt="bye", max_tokens=12, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    http.should_exit = True  # what uvicorn's SIGTERM handler sets
+    rest = list(stream)
+    assert first.choices[0].text is not None and rest[-1].choices[0].finish_reason in ("stop", "length")
+    deadline = time.monotonic() + 30
+    while server.engine._thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not server.engine._thread.is_alive() and server.shutting_down
