@@ -381,7 +381,8 @@ def _block(c: ModelConfig, x_BSD, w, positions_BS, cached=None):
     layer index and the position of the first new token; or (this layer's cache, [B, T, K, E] each, None,
     cache_index); or a `paged.PagedLayer` (this layer's pages, written and read by `paged.paged_attention` at the
     tokens' own positions). The new keys and values are written into the cache in place (`write_cache`) and
-    attention reads this layer's part. Returns (x, cache or None, the layer's load-balancing loss: 0 for a dense MLP)."""
+    attention reads this layer's part. Returns (x, cache or None, the layer's load-balancing loss: 0 for a dense
+    MLP)."""
     dtype = jnp.dtype(c.dtype)
     h_BSD = rms_norm(x_BSD, w["attn_norm"], c.norm_eps)
     q_BSHE, k_BSKE, v_BSKE = _qkv(c, h_BSD, w)
