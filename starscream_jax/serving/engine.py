@@ -18,6 +18,7 @@ import math
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import jax
@@ -35,12 +36,17 @@ from .scheduler import Chunk, SamplingParams, Scheduler, SchedulerConfig, Sequen
 from .steps import Buckets, RowSampling, StepInputs, paged_step
 
 
+STEPS_KEPT = 100_000
+"""How many of the latest steps' (phase, rows, seconds) an engine keeps (`Engine.step_seconds`, for benchmarks)."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """page_size: positions per page; pages_per_shard: pages of each cache shard (one is its null page);
     rows_per_shard: most sequences a shard runs at once; token_budget: most tokens a step computes; chunk: most
     prompt tokens of one sequence per step; kernel: the paged decode attention (`model.paged.KERNELS`); buckets:
-    the compiled shapes (default `Buckets.up_to` the limits: powers of two)."""
+    the compiled shapes (default `Buckets.up_to` the limits: powers of two); prefix_caching: share full prompt pages
+    by hash."""
 
     page_size: int = 16
     pages_per_shard: int = 256
@@ -49,6 +55,7 @@ class EngineConfig:
     chunk: int = 256
     kernel: str = "gather"
     buckets: Buckets | None = None
+    prefix_caching: bool = True
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
@@ -104,8 +111,10 @@ class Engine:
             _check_same_cache_placement(self.layouts, mesh, c, config, self.shards)
         max_pages = math.ceil(c.max_seq_len / config.page_size)
         self.buckets = config.buckets or Buckets.up_to(config.rows_per_shard, config.chunk, max_pages)
+        _check_buckets(self.buckets, config)
         self.scheduler = Scheduler(SchedulerConfig(self.shards, config.pages_per_shard, config.page_size,
-                                                   config.rows_per_shard, config.token_budget, config.chunk))
+                                                   config.rows_per_shard, config.token_budget, config.chunk,
+                                                   config.prefix_caching, self.buckets.rows_of("prefill")[-1]))
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         params = jax.tree.map(lambda array: array.astype(c.dtype), params)
         if mesh is not None:
@@ -119,6 +128,7 @@ class Engine:
         self._detokenize = detokenize
         self._seeds = np.random.default_rng()
         self._generated = self._preemptions = 0
+        self.step_seconds: deque[tuple[str, int, float]] = deque(maxlen=STEPS_KEPT)  # (phase, rows, seconds)
 
     def _phase(self, phase: str):
         return use_layout(self.layouts[phase], self.mesh) if self.mesh is not None else contextlib.nullcontext()
@@ -233,14 +243,16 @@ class Engine:
             if program is None:
                 program = self._steps[phase].lower(self.params, self.rest, self.pages, inputs).compile()
                 self._programs[key] = program
+            started = time.perf_counter()
             token_B, logprob_B, self.pages = program(self.params, self.rest, self.pages, inputs)
-        token_B, logprob_B = np.asarray(token_B), np.asarray(logprob_B)
+            token_B, logprob_B = np.asarray(token_B), np.asarray(logprob_B)
+        self.step_seconds.append((phase, len(chunks), time.perf_counter() - started))
         return [int(token_B[row]) for row in rows], [float(logprob_B[row]) for row in rows]
 
     def _inputs(self, phase: str, chunks: list[Chunk]) -> tuple[StepInputs, list[int]]:
         """The padded step inputs for `chunks` and the row each chunk runs in."""
         by_shard = [[chunk for chunk in chunks if chunk.sequence.shard == shard] for shard in range(self.shards)]
-        rows = Buckets.round_up(max(len(group) for group in by_shard), self.buckets.rows, "rows per shard")
+        rows = Buckets.round_up(max(len(group) for group in by_shard), self.buckets.rows_of(phase), "rows per shard")
         width = 1 if phase == "decode" else Buckets.round_up(max(c.count for c in chunks), self.buckets.positions,
                                                              "prompt positions")
         pages = Buckets.round_up(max(len(c.sequence.pages) for c in chunks), self.buckets.pages, "pages per row")
@@ -271,6 +283,14 @@ class Engine:
         _, axes = self.layouts["decode"].activations.lookup("attn_batch")
         rows = NamedSharding(self.mesh, PartitionSpec(axes or None))
         return jax.tree.map(lambda array: jax.device_put(array, rows), inputs)
+
+
+def _check_buckets(buckets: Buckets, config: EngineConfig) -> None:
+    """The largest buckets must hold what the scheduler may plan: rows_per_shard decode rows, a whole chunk."""
+    if buckets.rows[-1] < config.rows_per_shard or buckets.positions[-1] < config.chunk:
+        raise StarscreamError(f"buckets of at most {buckets.rows[-1]} rows and {buckets.positions[-1]} positions "
+                              f"cannot run {config.rows_per_shard} sequences per shard and chunks of {config.chunk}; "
+                              "raise the largest buckets or lower rows_per_shard / chunk")
 
 
 def _check_same_cache_placement(layouts: dict, mesh, c, config: EngineConfig, shards: int) -> None:

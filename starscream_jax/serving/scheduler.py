@@ -5,7 +5,7 @@ Pure Python, no arrays: the engine turns each `StepPlan` into the compiled steps
      sequence (pages freed, the sequence back at the head of the queue, recomputed from its tokens later) until one
      is free;
   2. hands the per-step token budget, after one token per decoding sequence, to chunks of the prompts still being
-     prefilled (oldest first, at most `chunk` tokens each);
+     prefilled (oldest first, at most `chunk` tokens each, at most `prefill_rows` chunks per shard);
   3. admits waiting requests in arrival order while a shard has a row and the pages of the whole prompt (full pages
      of a known prefix are shared, not allocated), each to the shard holding most of its prefix, else the
      least busy one.
@@ -106,7 +106,8 @@ class SchedulerConfig:
     """shards: cache shards (the partitions the attention batch is split over); pages_per_shard: each shard's pages
     (one is its null page); page_size: positions per page; rows_per_shard: most sequences a shard runs at once;
     token_budget: most tokens (decode rows count one each) a step computes; chunk: most prompt tokens of one
-    sequence per step."""
+    sequence per step; prefill_rows: most prompt chunks a shard runs in one step (default rows_per_shard);
+    prefix_caching: whether full prompt pages are shared by hash."""
 
     shards: int
     pages_per_shard: int
@@ -114,9 +115,14 @@ class SchedulerConfig:
     rows_per_shard: int
     token_budget: int
     chunk: int
+    prefix_caching: bool = True
+    prefill_rows: int | None = None
 
     def __post_init__(self):
-        for name in ("shards", "pages_per_shard", "page_size", "rows_per_shard", "token_budget", "chunk"):
+        if self.prefill_rows is None:
+            object.__setattr__(self, "prefill_rows", self.rows_per_shard)
+        for name in ("shards", "pages_per_shard", "page_size", "rows_per_shard", "token_budget", "chunk",
+                     "prefill_rows"):
             if getattr(self, name) < 1:
                 raise StarscreamError(f"scheduler {name} is {getattr(self, name)}; it must be at least 1")
 
@@ -160,15 +166,21 @@ class Scheduler:
         preempted = self._grow_decoding()
         decode = tuple(sequence for sequence in self.running if sequence.decoding)
         budget = self.config.token_budget - len(decode)
-        chunks = []
+        chunks, per_shard = [], [0] * self.config.shards
         for sequence in sorted((s for s in self.running if not s.decoding), key=lambda s: s.admitted):
             if budget <= 0:
                 break
-            chunks.append(self._chunk(sequence, budget))
-            budget -= chunks[-1].count
-        while self.waiting and budget > 0 and self._admit(self.waiting[0]):
+            if per_shard[sequence.shard] < self.config.prefill_rows:
+                chunks.append(self._chunk(sequence, budget))
+                per_shard[sequence.shard] += 1
+                budget -= chunks[-1].count
+        full = {shard for shard, count in enumerate(per_shard) if count >= self.config.prefill_rows}
+        while self.waiting and budget > 0 and self._admit(self.waiting[0], full):
             sequence = self.waiting.popleft()
             chunks.append(self._chunk(sequence, budget))
+            per_shard[sequence.shard] += 1
+            if per_shard[sequence.shard] >= self.config.prefill_rows:
+                full.add(sequence.shard)
             budget -= chunks[-1].count
         return StepPlan(tuple(chunks), decode, tuple(preempted))
 
@@ -176,6 +188,8 @@ class Scheduler:
         """Records that `chunk` ran: its positions are cached, and its full prompt pages are registered by hash."""
         sequence = chunk.sequence
         sequence.computed = chunk.start + chunk.count
+        if not self.config.prefix_caching:
+            return
         shard = self.shards[sequence.shard]
         full_pages = sequence.computed // self.config.page_size
         for index, digest in enumerate(page_hashes(sequence.tokens[:full_pages * self.config.page_size],
@@ -215,16 +229,18 @@ class Scheduler:
         self.shards[sequence.shard].release(sequence.pages)
         sequence.pages, sequence.computed, sequence.shard, sequence.admitted = [], 0, -1, -1
 
-    def _admit(self, sequence: Sequence) -> bool:
-        """Places `sequence` on a shard with a free row and the pages of its tokens; False when none has them."""
+    def _admit(self, sequence: Sequence, full: set[int]) -> bool:
+        """Places `sequence` on a shard (not in `full`: no prefill row left this step) with a free row and the pages
+        of its tokens; False when none has them."""
         tokens = sequence.tokens
-        hashes = page_hashes(tokens[:len(tokens) - 1], self.config.page_size)  # the last token is always computed
+        hashes = page_hashes(tokens[:len(tokens) - 1], self.config.page_size) if self.config.prefix_caching else []
+        # (the last token is always computed: its logits give the next)
         needed = self.config.pages_for(len(tokens))
         best = None
         for index, shard in enumerate(self.shards):
             rows = sum(1 for s in self.running if s.shard == index)
             hit = shard.cached_prefix(hashes)
-            if rows >= self.config.rows_per_shard or not shard.can_hold(hashes, needed):
+            if index in full or rows >= self.config.rows_per_shard or not shard.can_hold(hashes, needed):
                 continue
             key = (hit, -rows, shard.free)
             if best is None or key > best[0]:

@@ -44,6 +44,7 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     n: int = Field(default=1, ge=1, le=1)
+    ignore_eos: bool = False
 
 
 class CompletionRequest(_Sampling):
@@ -226,7 +227,7 @@ class Server:
                 raise StarscreamError("the prompt holds token ids outside the model's vocabulary")
             return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                   top_k=body.top_k, seed=body.seed, stop=tuple(s for s in stop if s),
-                                  stop_tokens=() if eos is None else (eos,), logprobs=logprobs)
+                                  stop_tokens=() if eos is None or body.ignore_eos else (eos,), logprobs=logprobs)
         except StarscreamError as err:
             raise ApiError(HTTP_BAD_REQUEST, str(err)) from None
 

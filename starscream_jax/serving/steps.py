@@ -104,20 +104,25 @@ def _powers_of_two(limit: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Buckets:
-    """The shapes a server compiles: rows per cache shard, prompt positions per prefill row, pages per row (each
-    a rising tuple; a size rounds up to the next). Default: powers of two up to each limit."""
+    """The shapes a server compiles: rows per cache shard of decode steps and of prefill steps, prompt positions per
+    prefill row, pages per row (each a rising tuple; a size rounds up to the next). Default: powers of two up to
+    each limit."""
 
     rows: tuple[int, ...]
     positions: tuple[int, ...]
     pages: tuple[int, ...]
+    prefill_rows: tuple[int, ...] | None = None  # None: as `rows`
 
     @classmethod
     def up_to(cls, rows: int, chunk: int, pages: int) -> Buckets:
         return cls(_powers_of_two(rows), _powers_of_two(chunk), _powers_of_two(pages))
 
+    def rows_of(self, phase: str) -> tuple[int, ...]:
+        return (self.prefill_rows or self.rows) if phase == "prefill" else self.rows
+
     def programs(self) -> int:
         """Most programs a server compiles: decode (rows x pages) and prefill (rows x positions x pages)."""
-        return len(self.rows) * len(self.pages) * (1 + len(self.positions))
+        return len(self.pages) * (len(self.rows) + len(self.rows_of("prefill")) * len(self.positions))
 
     @staticmethod
     def round_up(size: int, sizes: tuple[int, ...], what: str) -> int:

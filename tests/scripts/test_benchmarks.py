@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-BENCHMARKS = ("bench_decode", "bench_mfu")
+BENCHMARKS = ("bench_decode", "bench_mfu", "bench_serve")
 
 
 def load(name: str):

@@ -7,7 +7,8 @@ import pytest
 from starscream_jax.errors import StarscreamError
 from starscream_jax.serving.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence, check_fits
 
-CONFIG = SchedulerConfig(shards=2, pages_per_shard=9, page_size=4, rows_per_shard=3, token_budget=12, chunk=5)
+CONFIG = SchedulerConfig(shards=2, pages_per_shard=9, page_size=4, rows_per_shard=3, token_budget=12, chunk=5,
+                         prefill_rows=2)
 
 
 def _sequence(name, prompt, max_tokens=8):
@@ -33,6 +34,8 @@ def _check_invariants(scheduler):
 def _run_plan(scheduler, plan, rng):
     """What the engine does with a plan: chunks computed, a token appended where a chunk ends or a row decodes."""
     assert sum(chunk.count for chunk in plan.prefill) + len(plan.decode) <= CONFIG.token_budget
+    for shard in range(CONFIG.shards):
+        assert sum(1 for chunk in plan.prefill if chunk.sequence.shard == shard) <= CONFIG.prefill_rows
     for chunk in plan.prefill:
         assert 1 <= chunk.count <= CONFIG.chunk
         assert CONFIG.pages_for(chunk.start + chunk.count) <= len(chunk.sequence.pages)
