@@ -24,7 +24,6 @@ on a randomly initialised model of the same shape; output tokens/s of each.
     python scripts/bench_serve.py --model llama3-8b --workload A --http --peers --out benchmarks/results/serve_a.json
     python scripts/bench_serve.py --quick                       # CPU smoke run: tiny model, small workloads
 """
-from __future__ import annotations
 
 import argparse
 import asyncio

@@ -13,6 +13,7 @@ shard, the null page no sequence holds, and their outputs are discarded.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import jax
@@ -21,6 +22,7 @@ from jax.tree_util import register_dataclass
 
 from ..errors import StarscreamError
 from ..hardware.axes import dim_axes
+from ..sharding.apply import compute_device
 from .names import ATTN_KV, ATTN_Q, POSITIONS
 from .ops import _fused_attention, _kv_heads_for_local_queries, _run_sharded
 
@@ -128,13 +130,19 @@ def _gathered_attention(q_BSHE, pages_k, pages_v, positions_BS, table_BM, q_axes
 
 
 def _pallas_decode(q_B1HE, pages_k, pages_v, positions_BS, table_BM, q_axes, kv_axes, group):
-    """Decode attention by JAX's Pallas paged-attention kernel for GPUs (Triton), reading the pages in place."""
+    """Decode attention by JAX's Pallas paged-attention kernel for GPUs (Triton), reading the pages in place; off
+    GPUs in Pallas' interpreter (tests). Queries come scaled by 1 / sqrt(E). The row's pages are split into up to 16 parts and read 8 pages at a time
+    where the table's width allows (the kernel needs both to divide it)."""
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as pallas_paged_attention
 
     if q_B1HE.shape[2] != pages_k.shape[0] * group:
         raise StarscreamError("the pallas paged-attention kernel needs every query head's kv head on its device; "
                               "decode under a layout that splits query and kv heads alike, or use --kernel gather")
     lengths_B = jnp.maximum(positions_BS[:, 0], 0) + 1
-    out_BHE = pallas_paged_attention(q_B1HE[:, 0], pages_k.astype(q_B1HE.dtype), pages_v.astype(q_B1HE.dtype),
-                                     table_BM, lengths_B, pages_per_compute_block=min(8, table_BM.shape[1]))
+    splits = math.gcd(table_BM.shape[1], 16)
+    scaled_BHE = q_B1HE[:, 0] * q_B1HE.shape[-1] ** -0.5  # the kernel does not scale the scores itself
+    out_BHE = pallas_paged_attention(scaled_BHE, pages_k.astype(q_B1HE.dtype), pages_v.astype(q_B1HE.dtype),
+                                     table_BM, lengths_B.astype(jnp.int32), k_splits=splits,
+                                     pages_per_compute_block=math.gcd(table_BM.shape[1] // splits, 8),
+                                     interpret=compute_device().platform != "gpu")
     return out_BHE[:, None]

@@ -1,0 +1,52 @@
+"""The paged KV cache's per-device op: new keys and values land in their rows' pages (padding in the null page only),
+and paged attention (gather and Pallas kernels) equals dense attention over each row's positions."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from starscream_jax.model.paged import PagedLayer, paged_attention
+
+K, H, E, PAGE, POOL = 2, 4, 8, 4, 10
+
+
+def _inputs(seed=0):
+    keys = jax.random.split(jax.random.key(seed), 5)
+    pages_k, pages_v = (jax.random.normal(key, (K, POOL, PAGE, E)) for key in keys[:2])
+    table = jnp.array([[3, 7, 1, 0], [5, 2, 0, 0]], jnp.int32)  # row 0: 3 pages, row 1: 2 pages
+    q = jax.random.normal(keys[2], (2, 1, H, E))
+    k, v = (jax.random.normal(key, (2, 1, K, E)) for key in keys[3:5])
+    return q, k, v, table, pages_k, pages_v
+
+
+def _dense(q, pages, table, row, length):
+    """[1, length, K, E]: a row's first `length` positions of the pool, in order."""
+    return pages[:, table[row]].transpose(1, 2, 0, 3).reshape(-1, K, E)[None, :length]
+
+
+@pytest.mark.parametrize("kernel", ["gather", "pallas"])
+def test_decode_writes_its_position_and_attends_to_the_row_prefix(kernel):
+    q, k, v, table, pages_k, pages_v = _inputs()
+    positions = jnp.array([[9], [5]], jnp.int32)  # row 0 at its third page, slot 1; row 1 at its second, slot 1
+    out, layer = paged_attention(q, k, v, positions, PagedLayer(pages_k, pages_v, table, kernel))
+    np.testing.assert_allclose(layer.k[:, 1, 1], k[0, 0])
+    np.testing.assert_allclose(layer.v[:, 2, 1], v[1, 0])
+    changed = np.argwhere(np.any(np.asarray(layer.k != pages_k), axis=(0, 3)))
+    assert sorted(map(tuple, changed)) == [(1, 1), (2, 1)]  # nothing else written
+    for row, position in enumerate((9, 5)):
+        keys = _dense(q, layer.k, table, row, position + 1)
+        values = _dense(q, layer.v, table, row, position + 1)
+        expected = jax.nn.dot_product_attention(q[row:row + 1], keys, values)
+        np.testing.assert_allclose(out[row:row + 1], expected, rtol=2e-5, atol=2e-5)
+
+
+def test_padding_writes_only_the_null_page_and_prefill_is_causal():
+    q, k, v, table, pages_k, pages_v = _inputs(1)
+    q, k, v = (jnp.concatenate([x, x * 0.5, x * 2.0], axis=1) for x in (q, k, v))  # 3 positions per row
+    positions = jnp.array([[4, 5, -1], [0, 1, 2]], jnp.int32)
+    out, layer = paged_attention(q, k, v, positions, PagedLayer(pages_k, pages_v, table))
+    changed = {tuple(index) for index in np.argwhere(np.any(np.asarray(layer.k != pages_k), axis=(0, 3)))}
+    assert changed == {(7, 0), (7, 1), (5, 0), (5, 1), (5, 2), (0, 0)}  # (0, 0): the padding, in the null page
+    keys, values = _dense(q, layer.k, table, 1, 3), _dense(q, layer.v, table, 1, 3)
+    expected = jax.nn.dot_product_attention(q[1:], keys, values, is_causal=True)
+    np.testing.assert_allclose(out[1:], expected, rtol=2e-5, atol=2e-5)
