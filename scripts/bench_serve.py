@@ -17,11 +17,13 @@ Roofline (printed beside): prefill FLOPs at the device's measured matmul efficie
 its best large-GEMM figure) plus decode steps reading every weight and the batch's KV cache at the read rate measured
 in this run (a sum over a 4 GiB array, scripts/bench_decode.py's measure), all requests decoding together.
 
-Peers in the same run (GPU only, `--peers`): the library's static `generate` on the same prompts (in batches that
-fit, compile excluded), and Hugging Face transformers' continuous batching (`generate_batch`, sdpa_paged attention)
-on a randomly initialised model of the same shape; output tokens/s of each.
+Peers of workload A (GPU only): `--peers` adds the library's static `generate` on its first `--static-batch` prompts
+(one batch, compile excluded: the throughput of static batching at that batch); `--transformers-only` runs, in a
+process JAX has not touched (so torch has the GPU's memory), Hugging Face transformers' continuous batching
+(`generate_batch`, sdpa_paged attention) on a randomly initialised model of the same shape instead of the engine.
 
-    python scripts/bench_serve.py --model llama3-8b --workload A --http --peers --out benchmarks/results/serve_a.json
+    python scripts/bench_serve.py --workload A --http --peers --out benchmarks/results/serve_a.json
+    python scripts/bench_serve.py --workload A --transformers-only --out benchmarks/results/serve_a_transformers.json
     python scripts/bench_serve.py --quick                       # CPU smoke run: tiny model, small workloads
 """
 
@@ -221,16 +223,13 @@ def roofline(config, workload: Workload, prompts, outputs, efficiency: float, pe
 
 
 def static_generate_peer(model, prompts, outputs, batch: int) -> dict:
-    """The library's `generate` on the prompts in batches of `batch` (compile excluded): output tokens/s."""
+    """The library's `generate` on the first `batch` prompts as one batch (compile excluded): output tokens/s."""
     from starscream_jax.training.generate import generate
 
-    seconds = 0.0
-    for start in range(0, len(prompts), batch):
-        rows = np.asarray(prompts[start:start + batch])
-        result = generate(model, rows, max(outputs))
-        seconds += rows.size / result.prefill_tokens_per_s + rows.shape[0] * (max(outputs) - 1) / \
-            result.decode_tokens_per_s
-    return {"batch": batch, "seconds": seconds, "output_tokens_per_s": len(prompts) * max(outputs) / seconds}
+    rows = np.asarray(prompts[:batch])
+    result = generate(model, rows, max(outputs))
+    seconds = rows.size / result.prefill_tokens_per_s + rows.shape[0] * (max(outputs) - 1) / result.decode_tokens_per_s
+    return {"batch": rows.shape[0], "seconds": seconds, "output_tokens_per_s": rows.shape[0] * max(outputs) / seconds}
 
 
 def transformers_peer(config, prompts, outputs) -> dict:
@@ -249,8 +248,9 @@ def transformers_peer(config, prompts, outputs) -> dict:
                             head_dim=config.head_dim, max_position_embeddings=config.max_seq_len,
                             tie_word_embeddings=config.tie_embeddings, eos_token_id=None, pad_token_id=0)
     try:
+        torch.set_default_dtype(torch.bfloat16)
         with torch.device("cuda"):
-            model = LlamaForCausalLM(hf_config).to(torch.bfloat16)
+            model = LlamaForCausalLM(hf_config)
         model.config._attn_implementation = "sdpa_paged"
         generation = GenerationConfig(max_new_tokens=max(outputs), do_sample=False, eos_token_id=None,
                                       pad_token_id=0)
@@ -297,7 +297,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--kernel", default="gather", choices=["gather", "pallas"])
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--http", action="store_true", help="also through the HTTP server")
-    parser.add_argument("--peers", action="store_true", help="the static generate and transformers peers (GPU)")
+    parser.add_argument("--peers", action="store_true", help="workload A's static generate peer (GPU)")
+    parser.add_argument("--transformers-only", action="store_true",
+                        help="run transformers' continuous batching on the workloads instead of the engine (GPU)")
     parser.add_argument("--static-batch", type=int, default=64, help="batch of the static generate peer")
     parser.add_argument("--chip", default="h200", help="measured figures of the roofline (meshes/measured)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here (rewritten after every run)")
@@ -306,8 +308,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def engine_config(args, workloads: list[Workload]):
-    """An engine configuration sized for the workloads: pages for every request of the largest at once, and
-    buckets the workloads reach (one of each shape with --quick, so that the smoke run compiles two programs)."""
+    """An engine configuration sized for the workloads: pages for every request of the largest at once, and few
+    buckets (each compile of a full-depth model takes long): decode rows of a quarter and all of --max-seqs, pages of
+    half and all of the widest request, prefill steps of every chunk the budget holds; one of each with --quick, so
+    that the smoke run compiles two programs."""
     from starscream_jax.serving.engine import EngineConfig
     from starscream_jax.serving.steps import Buckets
 
@@ -321,9 +325,8 @@ def engine_config(args, workloads: list[Workload]):
     if args.quick:
         buckets = Buckets(rows=(rows,), positions=(args.chunk,), pages=(widest,), prefill_rows=(prefill_rows,))
     else:
-        buckets = Buckets(rows=tuple(sorted({max(1, rows // 8), max(1, rows // 2), rows})), positions=(args.chunk,),
-                          pages=tuple(sorted({max(1, widest // 4), max(1, widest // 2), widest})),
-                          prefill_rows=tuple(sorted({1, prefill_rows})))
+        buckets = Buckets(rows=tuple(sorted({max(1, rows // 4), rows})), positions=(args.chunk,),
+                          pages=tuple(sorted({max(1, widest // 2), widest})), prefill_rows=(prefill_rows,))
     pages = max(min(w.requests, rows) * pages_per_row(w) for w in workloads) + 1
     return EngineConfig(page_size=args.page_size, pages_per_shard=pages, rows_per_shard=rows,
                         token_budget=args.token_budget, chunk=args.chunk, kernel=args.kernel, buckets=buckets)
@@ -357,6 +360,8 @@ def main(argv=None) -> int:
         workloads = [dataclasses.replace(w, rate=args.rate) if w.name == "B" and not math.isinf(args.rate) else w
                      for w in workloads]
     config = config.replace(max_seq_len=max(config.max_seq_len, max(w.prompt * 2 + w.output * 2 for w in workloads)))
+    if args.transformers_only:
+        return transformers_only(args, argv, config, workloads)
     model = Transformer(config, rngs=nnx.Rngs(0))
     settings = engine_config(args, workloads)
     engines = {}
@@ -393,10 +398,22 @@ def main(argv=None) -> int:
                 print(row_line(workload, mode, label, row), flush=True)
                 harness.write_json(args.out, result)
         if args.peers and gpu and workload.name == "A":
-            result["peers"] = {"static_generate": static_generate_peer(model, prompts, outputs, args.static_batch),
-                               "transformers": transformers_peer(config, prompts, outputs)}
+            engines.clear()  # the peer's cache takes the pages' place
+            result["peers"] = {"static_generate": static_generate_peer(model, prompts, outputs, args.static_batch)}
             print(f"peers: {json.dumps(result['peers'])}", flush=True)
             harness.write_json(args.out, result)
+    return 0
+
+
+def transformers_only(args, argv, config, workloads: list[Workload]) -> int:
+    """transformers' continuous batching on each workload's prompts (all at once), nothing of JAX allocated."""
+    result = {"meta": {"command": harness.command_line(__file__, argv)}, "model": config.name, "runs": []}
+    for workload in workloads:
+        prompts, outputs = prompts_of(workload, config.vocab_size)
+        result["runs"].append({"workload": dataclasses.asdict(workload),
+                               "transformers": transformers_peer(config, prompts, outputs)})
+        print(f"{workload.name} transformers: {json.dumps(result['runs'][-1]['transformers'])}", flush=True)
+        harness.write_json(args.out, result)
     return 0
 
 

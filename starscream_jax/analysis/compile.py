@@ -44,13 +44,20 @@ from ..model.decoder import (
     decode_holds_cache_per_layer,
     rolls_layers,
 )
-from ..sharding.apply import batch_sharding, param_shardings, token_sharding, use_layout
+from ..model.paged import PAGES
+from ..serving.engine import cache_shards
+from ..serving.steps import RowSampling, StepInputs, paged_step
+from ..sharding.apply import activation_spec, batch_sharding, param_shardings, token_sharding, use_layout
 from ..sharding.layouts import Layout, get_layout
 from ..training.config import TrainConfig
 from ..training.steps import Sampling, decode_step, make_optimizer, prefill_step, train_step
 from .hlo import instructions_in_loops, scope_shares
 
 PHASES = ("train", "prefill", "decode")
+SERVE = "serve"
+"""What `inspect --phase serve` compiles: the decode phase as the server runs it (`Settings.paged`)."""
+SERVE_PAGE_SIZE = 16
+"""Positions per KV page of the compiled serving step (the server's default, `serving.engine.EngineConfig`)."""
 DEFAULT_SHAPES = {"train": (8, 2048), "prefill": (8, 4096), "decode": (64, 8192)}
 """(batch, seq) per phase: the token counts of the first H200 kernel-shape measurement."""
 REFERENCE = "gpu_tp"
@@ -65,7 +72,9 @@ class Settings:
     """What to compile: `config` has the compiled depth (`layers`), `full_layers` is the model's own depth;
     `training` sets the train step's optimizer and `sampling` the prefill and decode steps' choice of token;
     `cache_length` is the KV cache's length in prefill and decode (None: `seq`); `cache_per_layer` whether decode
-    holds the cache as one array per layer (None: as generation holds it for the full-depth model)."""
+    holds the cache as one array per layer (None: as generation holds it for the full-depth model); `paged` compiles
+    decode as the server runs it: `serving.steps.paged_step`, one token per sequence against `seq` positions of a
+    paged KV cache (`PagedArgs`), held per layer."""
 
     config: ModelConfig
     full_layers: int
@@ -78,6 +87,7 @@ class Settings:
     sampling: Sampling = Sampling()
     cache_length: int | None = None
     cache_per_layer: bool | None = None
+    paged: bool = False
 
     @property
     def layers(self) -> int:
@@ -119,6 +129,13 @@ class DecodeArgs(NamedTuple):
     position: Any
 
 
+class PagedArgs(NamedTuple):
+    params: Any
+    rest: Any
+    pages: Any
+    inputs: Any
+
+
 @dataclasses.dataclass(frozen=True)
 class CompiledStep:
     """One layout's compiled step, the abstract arguments it was lowered from and its abstract result, its layer-loop
@@ -137,8 +154,8 @@ def make_settings(model: str, phase: str, batch: int | None, seq: int | None, la
     """Checked Settings: `model` a name in models/, a TOML path or a Hugging Face model directory (its config.json),
     `batch` / `seq` None for the phase's defaults, `layouts` comma-separated names, `layers` the compiled depth (at
     least 2). The default sequence length is capped at the model's max_seq_len."""
-    if phase not in PHASES:
-        raise StarscreamError(f"phase {phase!r}: expected one of {', '.join(PHASES)}")
+    if phase not in (*PHASES, SERVE):
+        raise StarscreamError(f"phase {phase!r}: expected one of {', '.join((*PHASES, SERVE))}")
     if layers < 2:
         raise StarscreamError(f"--layers {layers}: per-layer figures are read from the compiled layer loop, "
                               "which XLA removes at one layer; pass --layers 2 or more")
@@ -148,6 +165,7 @@ def make_settings(model: str, phase: str, batch: int | None, seq: int | None, la
                               f"{full.n_layers} or fewer")
     if dump_hlo is not None:
         writable_directory(dump_hlo, "--dump-hlo")
+    paged, phase = phase == SERVE, "decode" if phase == SERVE else phase
     default_batch, default_seq = DEFAULT_SHAPES[phase]
     batch = default_batch if batch is None else batch
     seq = min(default_seq, full.max_seq_len) if seq is None else seq
@@ -162,13 +180,16 @@ def make_settings(model: str, phase: str, batch: int | None, seq: int | None, la
     for name in names:
         get_layout(name)
     return Settings(full.replace(n_layers=layers), full.n_layers, phase, batch, seq, tuple(dict.fromkeys(names)),
-                    dump_hlo)
+                    dump_hlo, cache_per_layer=True if paged else None, paged=paged)
 
 
 def step_program(settings: Settings, layout: Layout, mesh, config: ModelConfig | None = None):
     """(the phase's jitted step from `training.steps`, its abstract arguments) for a model of `config` (default:
     `settings.config`). Call inside `use_layout(layout, mesh)`."""
     config = config or settings.config
+    if settings.paged:
+        graphdef, args = abstract_paged_args(config, layout, mesh, settings.batch, settings.cache)
+        return paged_step(graphdef), args
     if settings.cache < settings.seq:
         raise StarscreamError(f"a KV cache of {settings.cache} positions cannot hold {settings.seq} tokens; give "
                               f"cache_length {settings.seq} or more")
@@ -226,6 +247,34 @@ def abstract_args(config: ModelConfig, layout: Layout, mesh, phase: str, batch: 
     token = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=token_sharding(layout, mesh, batch))
     position = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
     return graphdef, DecodeArgs(params, rest, cache, token, position)
+
+
+def abstract_paged_args(config: ModelConfig, layout: Layout, mesh, batch: int, length: int) -> tuple[Any, PagedArgs]:
+    """(graphdef, PagedArgs) of a serving decode step: `batch` sequences of `length` positions each in pages of
+    SERVE_PAGE_SIZE, every sequence's pages in its own cache shard (as `serving.scheduler` places them), plus one
+    null page per shard; one token per sequence at its last position. Call inside `use_layout(layout, mesh)`."""
+    graphdef, params, rest = nnx.split(abstract_model(config), nnx.Param, ...)
+    params = place(params, layout, mesh, jnp.dtype(config.dtype))
+    shards = cache_shards(layout, mesh)
+    if batch % shards:
+        raise StarscreamError(f"a batch of {batch} sequences cannot fill the {shards} cache shards of layout "
+                              f"{layout.name}; pass --batch a multiple of {shards}")
+    pages_per_row = -(-length // SERVE_PAGE_SIZE)
+    pool = (config.n_kv_heads, shards * (batch // shards * pages_per_row + 1), SERVE_PAGE_SIZE, config.head_dim)
+    sharding = NamedSharding(mesh, activation_spec(PAGES, pool, "kv pages"))
+    pages = {name: tuple(jax.ShapeDtypeStruct(pool, jnp.dtype(config.dtype), sharding=sharding)
+                         for _ in range(config.n_layers)) for name in ("k", "v")}
+    _, axes = layout.activations.lookup("attn_batch")
+    rows = NamedSharding(mesh, PartitionSpec(axes or None))
+
+    def row_array(shape, dtype=jnp.int32):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
+
+    sampling = RowSampling(row_array((batch,), jnp.float32), row_array((batch,), jnp.float32), row_array((batch,)),
+                           row_array((batch,)))
+    inputs = StepInputs(row_array((batch, 1)), row_array((batch, 1)), row_array((batch, pages_per_row)),
+                        row_array((batch,)), sampling)
+    return graphdef, PagedArgs(params, rest, pages, inputs)
 
 
 def abstract_cache(config: ModelConfig, layout: Layout, mesh, batch: int, length: int,

@@ -48,6 +48,7 @@ from .compile import (
     REFERENCE,
     CompiledStep,
     DecodeArgs,
+    PagedArgs,
     PrefillArgs,
     Settings,
     abstract_args,
@@ -124,7 +125,7 @@ def _canonical(value) -> Any:
 
 class ResultCache:
     """Results of `layout_result` kept as JSON files in `directory`, one per (model, compiled depth, phase, shapes,
-    remat policy, decode cache form, training and sampling settings, preset, mesh shape, layout rules, package and
+    remat policy, decode cache form (paged or not), training and sampling settings, preset, mesh shape, layout rules, package and
     JAX versions): a second `plan`, or an `inspect` of a planned candidate, reads them instead of compiling."""
 
     def __init__(self, directory: Path | str):
@@ -134,6 +135,7 @@ class ResultCache:
         key = json.dumps({"config": dataclasses.asdict(settings.config), "full_layers": settings.full_layers,
                           "phase": settings.phase, "batch": settings.batch, "seq": settings.seq,
                           "cache": settings.cache, "cache_per_layer": settings.holds_cache_per_layer,
+                          "paged": settings.paged,
                           "training": dataclasses.asdict(settings.training),
                           "sampling": dataclasses.asdict(settings.sampling), "topology": topology.describe(),
                           "mesh": dict(mesh.shape), "layout": dataclasses.asdict(get_layout(layout)),
@@ -197,6 +199,7 @@ def layout_result(settings: Settings, topology, mesh, step: CompiledStep, report
         "model": settings.config.name,
         "preset": topology.preset.name,
         "phase": settings.phase,
+        "paged": settings.paged,
         "batch": settings.batch,
         "seq": settings.seq,
         "layers": {"compiled": settings.layers, "full": settings.full_layers},
@@ -318,7 +321,9 @@ def layer_stack_names(step: CompiledStep) -> set[str]:
     layers = frozenset({"layers"})
     names = replicated_ok_names(step.args, layers) | replicated_ok_names(step.outputs, layers, prefix="output/")
     caches = {"cache": getattr(step.args, "cache", None), "output/1": step.outputs[1]
-              if isinstance(step.args, (DecodeArgs, PrefillArgs)) else None}
+              if isinstance(step.args, (DecodeArgs, PrefillArgs)) else None,
+              "pages": getattr(step.args, "pages", None),
+              "output/2": step.outputs[2] if isinstance(step.args, PagedArgs) else None}
     for prefix, cache in caches.items():
         for path, _ in jax.tree_util.tree_flatten_with_path(cache)[0] if cache is not None else []:
             names.add(prefix + "/" + jax.tree_util.keystr(path, simple=True, separator="/"))

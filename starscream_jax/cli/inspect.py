@@ -11,7 +11,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ..analysis.compile import PHASES, Settings, make_settings
+from ..analysis.compile import PHASES, SERVE, Settings, make_settings
 from ..analysis.format import clip, format_bytes, format_seconds
 from ..analysis.layout_report import PRINCIPLES, inspect_layouts
 from ..errors import ShardingRuleError, StarscreamError
@@ -26,7 +26,7 @@ from .arguments import (
 )
 
 DEFAULT_LAYOUTS = {"train": "flat_tp,starscream_tp", "prefill": "flat_tp,starscream_tp",
-                   "decode": "flat_tp,starscream_decode"}
+                   "decode": "flat_tp,starscream_decode", SERVE: "flat_tp,starscream_decode"}
 DEFAULT_MODEL = "llama3-70b"
 DEFAULT_PRESET = "mi300x-cpx-nps1"
 DEFAULT_GPUS = 8
@@ -45,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--layout", default=None,
                        help="comma-separated layouts (default: flat_tp,starscream_tp; flat_tp,starscream_decode "
                             "for decode)")
-    group.add_argument("--phase", default="train", choices=PHASES, help="which step to compile")
+    group.add_argument("--phase", default="train", choices=(*PHASES, SERVE),
+                       help="which step to compile (serve: decode as the server runs it, over a paged KV cache)")
     group.add_argument("--batch", type=int, default=None,
                        help="sequences per step (default: 8 for train and prefill, 64 for decode)")
     group.add_argument("--seq", type=int, default=None,
@@ -173,7 +174,8 @@ def _header(result: dict) -> list[str]:
     hbm, ridge = result["memory_per_device"]["hbm"], result["kernel_intensity"]["ridge_point"]
     shapes = f"batch {result['batch']} x seq {result['seq']}"
     return [
-        f"{result['model']} on {result['preset']}, mesh {mesh}: {result['phase']}, {shapes}",
+        f"{result['model']} on {result['preset']}, mesh {mesh}: {result['phase']}"
+        f"{' over a paged KV cache (as served)' if result.get('paged') else ''}, {shapes}",
         f"per partition: {format_bytes(hbm)} HBM, ridge point {ridge:.0f} FLOP/B",
         f"compiled with {compiled} of {full} layers; {full} layers = outside the layer loop + {full} x per layer",
     ]

@@ -375,3 +375,20 @@ def test_a_layout_the_mesh_cannot_place_is_listed_and_the_others_are_judged(tmp_
 def test_bad_arguments_are_clear_errors(argv, error, message):
     with pytest.raises(error, match=re.escape(message)):
         inspect_command.run(parse("--model", "tiny", "--topology", "2x8", "--seq", "32", *argv))
+
+
+@pytest.fixture(scope="module")
+def serve():
+    return inspect_json("--phase", "serve", "--batch", "16", "--seq", "512")
+
+
+def test_serve_phase_judges_the_paged_decode_step(serve):
+    """The server's step over a paged KV cache: starscream_decode keeps the three principles (K/V read once per
+    GPU, the page pools split over xcd, collectives hierarchical); flat_tp fails each, its pools copied."""
+    assert serve["starscream_decode"]["paged"] and verdicts(serve["starscream_decode"]) == ALL_OK
+    flat = serve["flat_tp"]
+    assert verdicts(flat) == {"shape_preservation": False, "no_redundancy": False, "hierarchical_collectives": False}
+    redundant = " ".join(flat["principles"]["no_redundancy"]["violations"])
+    assert all(f"pages/{name}/{layer} " in redundant for name in "kv" for layer in (0, 1))
+    pages = [entry for entry in serve["starscream_decode"]["inputs"] if entry["name"].startswith("pages/")]
+    assert pages and all(entry["replication_xcd"] == 1 for entry in pages)
