@@ -48,8 +48,9 @@ from ..model.paged import PAGES
 from ..serving.engine import cache_shards
 from ..serving.steps import RowSampling, StepInputs, paged_step
 from ..sharding.apply import activation_spec, batch_sharding, param_shardings, token_sharding, use_layout
-from ..sharding.layouts import Layout, get_layout
+from ..sharding.layouts import Layout, fit_batch, get_layout
 from ..training.config import TrainConfig
+from ..training.generate import generation_cache_length
 from ..training.steps import Sampling, decode_step, make_optimizer, prefill_step, train_step
 from .hlo import instructions_in_loops, scope_shares
 
@@ -138,9 +139,11 @@ class PagedArgs(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class CompiledStep:
-    """One layout's compiled step, the abstract arguments it was lowered from and its abstract result, its layer-loop
+    """One layout's compiled step: the layout's name as asked for and the layout as fitted to the batch
+    (`fitted_layout`), the abstract arguments it was lowered from and its abstract result, its layer-loop
     instructions (`layer_loop_ops`) and the lowered program's text (with locations: the activations' names)."""
 
+    name: str
     layout: Layout
     args: NamedTuple
     outputs: Any
@@ -193,28 +196,46 @@ def step_program(settings: Settings, layout: Layout, mesh, config: ModelConfig |
     if settings.cache < settings.seq:
         raise StarscreamError(f"a KV cache of {settings.cache} positions cannot hold {settings.seq} tokens; give "
                               f"cache_length {settings.seq} or more")
+    cache = cache_length(settings, layout, mesh)
     graphdef, args = abstract_args(config, layout, mesh, settings.phase, settings.batch, settings.seq,
-                                   settings.training, settings.cache, settings.holds_cache_per_layer)
+                                   settings.training, cache, settings.holds_cache_per_layer)
     if settings.phase == "train":
         step = train_step(graphdef, make_optimizer(settings.training, args.params), settings.training.grad_accum)
     elif settings.phase == "prefill":
-        step = prefill_step(graphdef, config, settings.sampling, settings.cache)
+        step = prefill_step(graphdef, config, settings.sampling, cache)
     else:
         step = decode_step(graphdef, settings.sampling)
     return step, args
 
 
+def cache_length(settings: Settings, layout: Layout, mesh) -> int:
+    """The KV cache's length under the fitted `layout`: `settings.cache` rounded up to a multiple of the parts the
+    layout splits the cache's positions and the prompt into, as generation rounds it
+    (`generate.generation_cache_length`)."""
+    return generation_cache_length(settings.cache, layout, layout, mesh)
+
+
 def compile_step(settings: Settings, layout_name: str, mesh) -> CompiledStep:
-    """Lower the phase's step under the layout from abstract inputs and compile it (nothing is allocated)."""
-    layout = get_layout(layout_name)
+    """Lower the phase's step under the layout, fitted to the batch as training and generation fit it
+    (`fitted_layout`), from abstract inputs and compile it (nothing is allocated)."""
+    layout = fitted_layout(settings, layout_name, mesh)
     with use_layout(layout, mesh):
         step, args = step_program(settings, layout, mesh)
         traced = step.trace(*args)
         lowered = traced.lower()
         compiled = lowered.compile(compiler_options=COMPILER_OPTIONS)
-    return CompiledStep(layout, args, traced.out_info, compiled,
+    return CompiledStep(layout_name, layout, args, traced.out_info, compiled,
                         layer_loop_ops(compiled.as_text(), settings.layers, runs_layer_loop(settings)),
                         lowered.as_text(debug_info=True))
+
+
+def fitted_layout(settings: Settings, layout_name: str, mesh) -> Layout:
+    """The layout `layout_name` as it places the phase's batch on `mesh` (`layouts.fit_batch`: a sequence split in
+    train and prefill, split-K in decode, where the batch is smaller than the layout's batch split)."""
+    if settings.paged:  # the server's paged step places its batch by the page pools (`serving.steps`)
+        return get_layout(layout_name)
+    positions = {"train": settings.seq, "prefill": None, "decode": 1}[settings.phase]
+    return fit_batch(layout_name, mesh, settings.batch, positions)
 
 
 def runs_layer_loop(settings: Settings) -> bool:

@@ -43,7 +43,7 @@ from ..hardware.axes import XCD, spec_axes
 from ..model.names import TOKENS
 from ..resources import data_dir
 from ..sharding.apply import LOGICAL_AXES, activation_spec, use_layout
-from ..sharding.layouts import get_layout
+from ..sharding.layouts import get_layout, positions_multiple
 from .compile import (
     REFERENCE,
     CompiledStep,
@@ -53,6 +53,7 @@ from .compile import (
     Settings,
     abstract_args,
     abstract_cache,
+    cache_length,
     compile_step,
 )
 from .costmodel import estimate_step, matmul_work
@@ -93,10 +94,11 @@ def inspect_layouts(settings: Settings, topology, mesh, refused: dict[str, str] 
         settings.dump_hlo.mkdir(parents=True, exist_ok=True)
         for name, step in steps.items():
             (settings.dump_hlo / f"{name}_{settings.phase}.hlo.txt").write_text(step.compiled.as_text())
-    token_dims = (settings.batch, 1 if settings.phase == "decode" else settings.seq)
     reports = {name: inspect_compiled(step.compiled, mesh, args=step.args, gpus_per_node=topology.gpus_per_node,
-                                      lowered_text=step.lowered_text, token_dims=token_dims, outputs=step.outputs,
-                                      tokens_per_device=tokens_per_device(step.layout, mesh, token_dims))
+                                      lowered_text=step.lowered_text, token_dims=step_tokens(settings, step, mesh),
+                                      outputs=step.outputs,
+                                      tokens_per_device=tokens_per_device(step.layout, mesh,
+                                                                          step_tokens(settings, step, mesh)))
                for name, step in steps.items()}
     for name in missing:
         if name in steps:
@@ -156,6 +158,15 @@ class ResultCache:
         partial.replace(path)
 
 
+def step_tokens(settings: Settings, step: CompiledStep, mesh) -> tuple[int, int]:
+    """(batch, positions) of the tokens the step's model runs on: one position per sequence in decode; in prefill
+    the prompt padded to a multiple of the parts the fitted layout splits it into (`steps.prefill_step`)."""
+    if settings.phase == "decode":
+        return settings.batch, 1
+    parts = positions_multiple(step.layout, mesh) if settings.phase == "prefill" else 1
+    return settings.batch, -(-settings.seq // parts) * parts
+
+
 def tokens_per_device(layout, mesh, token_dims: tuple[int, int]) -> int:
     """The tokens each device's matmuls work on: the (batch, seq) tokens over the mesh axes the layout splits them
     over (read from its rules, not guessed from the matmuls' shapes, which a d_model equal to the sequence length
@@ -194,7 +205,8 @@ def layout_result(settings: Settings, topology, mesh, step: CompiledStep, report
     matmuls = [matmul_entry(m, depth, itemsize, topology.ridge_point) for m in report.matmuls]
     memory = memory_per_device(settings, step.layout, mesh, report.memory, topology.hbm_bytes)
     result = {
-        "layout": step.layout.name,
+        "layout": step.name,
+        "placement": step.layout.name,
         "description": step.layout.description,
         "model": settings.config.name,
         "preset": topology.preset.name,
@@ -218,7 +230,7 @@ def layout_result(settings: Settings, topology, mesh, step: CompiledStep, report
         "activations": [dataclasses.asdict(entry) for entry in report.activations],
     }
     passes = memory_passes(settings.config.replace(n_layers=settings.full_layers), step.layout, mesh, settings.phase,
-                           settings.batch, settings.seq, memory, settings.holds_cache_per_layer,
+                           settings.batch, step_tokens(settings, step, mesh)[1], memory, settings.holds_cache_per_layer,
                            reads_cache_in_place(topology.preset.chip, settings.config.dtype))
     result["estimate"] = estimate_step(result, topology, itemsize, passes).to_dict()
     return result
@@ -256,11 +268,11 @@ def memory_per_device(settings: Settings, layout, mesh, compiled_memory, hbm_byt
     """Persistent bytes per device at full depth (params, optimizer state, KV cache, from the shardings of the
     full-depth model) and the compiled program's memory analysis at the compiled depth."""
     full_model = settings.config.replace(n_layers=settings.full_layers)
+    length = cache_length(settings, layout, mesh)
     with use_layout(layout, mesh):
         _, args = abstract_args(full_model, layout, mesh, settings.phase, settings.batch, settings.seq,
-                                settings.training, settings.cache)
-    cache = None if settings.phase == "train" else abstract_cache(full_model, layout, mesh, settings.batch,
-                                                                  settings.cache)
+                                settings.training, length)
+    cache = None if settings.phase == "train" else abstract_cache(full_model, layout, mesh, settings.batch, length)
     groups = {"params": args.params, "optimizer_state": getattr(args, "opt_state", None), "kv_cache": cache}
     persistent = {name: sum(_shard_bytes(leaf) for leaf in jax.tree.leaves(tree)) for name, tree in groups.items()}
     compiled = None if compiled_memory is None else {"layers": settings.layers,

@@ -392,3 +392,29 @@ def test_serve_phase_judges_the_paged_decode_step(serve):
     assert all(f"pages/{name}/{layer} " in redundant for name in "kv" for layer in (0, 1))
     pages = [entry for entry in serve["starscream_decode"]["inputs"] if entry["name"].startswith("pages/")]
     assert pages and all(entry["replication_xcd"] == 1 for entry in pages)
+
+
+@pytest.fixture(scope="module")
+def one_sequence():
+    """Decode (a cache of 512) and prefill (a prompt of 509, which the 8 partitions of a GPU do not divide) of one
+    sequence on the default node."""
+    return {phase: inspect_json("--phase", phase, "--layout", f"gpu_tp,{layout}", "--batch", "1", "--seq", seq)
+            for phase, layout, seq in (("decode", "starscream_decode", "512"), ("prefill", "starscream_tp", "509"))}
+
+
+def test_one_sequence_decodes_split_k_reading_the_cache_once_per_gpu_and_storing_it_once(one_sequence):
+    """Split-K decode of batch 1: K/V read per GPU as gpu_tp reads them, the cache split by position over the
+    partitions (1/8 of gpu_tp's, which every partition holds whole), hierarchical collectives."""
+    decode = one_sequence["decode"]
+    split, reference = decode["starscream_decode"], decode["gpu_tp"]
+    assert split["placement"] == "starscream_decode+split_k"
+    assert verdicts(split) == ALL_OK, split["principles"]
+    assert split["principles"]["shape_preservation"]["attention"] == {"ratio": 1.0, "ok": True}
+    xcd = split["mesh"]["shape"][2]
+    assert xcd > 1 and split["memory_per_device"]["kv_cache"] * xcd == reference["memory_per_device"]["kv_cache"]
+
+
+def test_one_sequence_prefills_split_over_the_partitions_with_a_length_they_do_not_divide(one_sequence):
+    prefill = one_sequence["prefill"]["starscream_tp"]
+    assert prefill["placement"] == "starscream_tp+seq"
+    assert verdicts(prefill) == ALL_OK, prefill["principles"]
