@@ -13,6 +13,11 @@ axis names) and the layouts' rules on the topology's mesh:
              heads share. Prefill is causal self-attention (XLA's implementation, as the model calls
              `jax.nn.dot_product_attention`; `--prefill-implementation cudnn` for cuDNN's fused kernel); decode is
              one new token against a full cache of L positions, with a mask, as the model's cached attention runs it.
+  split-K    decode of fewer sequences than partitions (`--split-k`, default batch 1 at caches of 8192-32768): the
+             unsplit attention gpu_tp runs on every partition (the whole cache, the model's cached attention:
+             cuDNN's fused kernel on NVIDIA GPUs) against one partition's split-K part under starscream_decode
+             fitted to the batch (1/X of the cache's positions, `model.split_k.partial_attention` and the merge's
+             local combine). The merge's one collective inside the GPU is not in the kernel (one device).
 Method: bfloat16 inputs drawn at random, each kernel jitted, warmed up, then timed as the mean of N calls; the flat and
 hierarchical kernels alternate over several rounds and each reports the median of its round means. "speedup" is hier
 TFLOP/s over flat TFLOP/s (kernel efficiency); "time flat/hier" compares the two kernels' times, which differ from
@@ -42,7 +47,8 @@ from starscream_jax.hardware.topology import parse_override
 from starscream_jax.model.config import load_model_config
 from starscream_jax.model.decoder import abstract_model
 from starscream_jax.model.names import ATTN_Q
-from starscream_jax.sharding.layouts import Layout, get_layout
+from starscream_jax.model.split_k import combine_partials, partial_attention
+from starscream_jax.sharding.layouts import Layout, fit_batch, get_layout, positions_multiple
 from starscream_jax.sharding.rules import resolve
 
 # kernel name: (weights fused along N, logical names the kernel contracts over)
@@ -53,7 +59,7 @@ MATMULS = {
     "down": (("w_down",), ("mlp",)),
     "lm_head": (("lm_head",), ("embed",)),
 }
-ATTENTION = ("attn_prefill", "attn_decode")
+ATTENTION = ("attn_prefill", "attn_decode", "attn_split_k")
 DTYPE = jnp.bfloat16
 
 
@@ -138,6 +144,19 @@ def kernels(config, flat: Layout, hier: Layout, mesh, tokens, prefill, decode) -
     return found
 
 
+def split_k_kernels(config, mesh, cases) -> list[Kernel]:
+    """The split-K rows (see the module docstring): gpu_tp's unsplit decode attention as `flat_shape`, one
+    partition's part of starscream_decode fitted to the batch as `hier_shape`."""
+    found = []
+    for batch, length in cases:
+        split = fit_batch("starscream_decode", mesh, batch, 1)
+        parts = positions_multiple(split, mesh, "cache_seq")
+        found.append(Kernel("attn_split_k", f"B{batch} L{length}",
+                            attention_shapes(config, get_layout("gpu_tp"), mesh, batch, 1, length),
+                            attention_shapes(config, split, mesh, batch, 1, -(-length // parts))))
+    return found
+
+
 def flops(kernel: str, shape: list) -> float:
     """FLOPs of one call: 2MKN for a matmul; 4 B H S T E for attention, halved for causal prefill."""
     if kernel in ATTENTION:
@@ -147,8 +166,9 @@ def flops(kernel: str, shape: list) -> float:
     return 2 * m * k * n
 
 
-def program(kernel: str, shape: list, key, prefill_implementation: str = "xla"):
-    """(jitted function, its random bfloat16 arguments) for one kernel at one per-device shape."""
+def program(kernel: str, shape: list, key, prefill_implementation: str = "xla", split: bool = False):
+    """(jitted function, its random bfloat16 arguments) for one kernel at one per-device shape; `split`: a split-K
+    row's part rather than its unsplit attention."""
     keys = jax.random.split(key, 3)
     if kernel not in ATTENTION:
         m, k, n = shape
@@ -159,8 +179,26 @@ def program(kernel: str, shape: list, key, prefill_implementation: str = "xla"):
     if kernel == "attn_prefill":
         return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=True, implementation=prefill_implementation)), args
+    if kernel == "attn_split_k":
+        return jax.jit(split_k_part if split else unsplit_decode), args
     every_position = jnp.ones((1, 1, 1, kv_shape[1]), bool)
     return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=every_position)), args
+
+
+def unsplit_decode(q_BSHE, k_BTKE, v_BTKE):
+    """Decode attention as the model runs it over a whole cache: the visible positions given as lengths, cuDNN's
+    fused kernel on NVIDIA GPUs, XLA's elsewhere."""
+    lengths_B = jnp.full((q_BSHE.shape[0],), k_BTKE.shape[1], jnp.int32)
+    cuda = jax.devices()[0].platform == "gpu" and "cuda" in jax.devices()[0].client.platform_version.lower()
+    return jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, key_value_seq_lengths=lengths_B,
+                                        implementation="cudnn" if cuda else None)
+
+
+def split_k_part(q_BSHE, k_BTKE, v_BTKE):
+    """One partition's split-K part over its slots, then the merge's combine (of the one part this device holds)."""
+    visible_BST = jnp.ones((q_BSHE.shape[0], q_BSHE.shape[1], k_BTKE.shape[1]), bool)
+    part = partial_attention(q_BSHE, k_BTKE, v_BTKE, visible_BST)
+    return combine_partials(jax.tree.map(lambda field: field[None], part)).out.astype(q_BSHE.dtype)
 
 
 def mean_call_seconds(fn, args, warmup: int, calls: int) -> float:
@@ -178,7 +216,7 @@ def mean_call_seconds(fn, args, warmup: int, calls: int) -> float:
 def measure(kernel: Kernel, warmup: int, calls: int, rounds: int, prefill_implementation: str = "xla") -> Measured:
     """Time the flat and hierarchical kernels alternately for `rounds` rounds; median of each one's round means."""
     flat = program(kernel.kernel, kernel.flat_shape, jax.random.key(0), prefill_implementation)
-    hier = program(kernel.kernel, kernel.hier_shape, jax.random.key(1), prefill_implementation)
+    hier = program(kernel.kernel, kernel.hier_shape, jax.random.key(1), prefill_implementation, split=True)
     times = {"flat": [], "hier": []}
     for _ in range(rounds):
         times["flat"].append(mean_call_seconds(*flat, warmup, calls))
@@ -225,6 +263,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="prefill cases, BATCHxSEQ")
     parser.add_argument("--decode", type=pairs, nargs="*", default=[(64, 8192), (256, 4096)],
                         help="decode cases, BATCHxCACHE_LENGTH")
+    parser.add_argument("--split-k", type=pairs, nargs="*", default=[(1, 8192), (1, 16384), (1, 32768)],
+                        help="split-K decode cases, BATCHxCACHE_LENGTH (rows: gpu_tp unsplit vs one partition's "
+                             "part under starscream_decode)")
     parser.add_argument("--prefill-implementation", choices=("xla", "cudnn"), default="xla",
                         help="jax.nn.dot_product_attention implementation for prefill (the model uses xla)")
     parser.add_argument("--warmup", type=int, default=5, help="calls before timing")
@@ -237,6 +278,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:
         args.model, args.topology, args.tokens = "tiny", "2x4", [64]
         args.prefill, args.decode, args.warmup, args.calls, args.rounds = [(8, 32)], [(8, 64)], 1, 2, 1
+        args.split_k = [(1, 64)]
     return args
 
 
@@ -250,10 +292,12 @@ def main(argv=None) -> int:
           f"({device.platform}), jax {jax.__version__}, bf16, mean of {args.calls} calls after {args.warmup} "
           f"warm-up, median of {args.rounds} rounds", file=sys.stderr)
     rows = []
-    for kernel in kernels(config, flat, hier, mesh, args.tokens, args.prefill, args.decode):
+    found = kernels(config, flat, hier, mesh, args.tokens, args.prefill, args.decode)
+    for kernel in found + split_k_kernels(config, mesh, args.split_k):
         rows.append(measure(kernel, args.warmup, args.calls, args.rounds, args.prefill_implementation))
         print(f"  {kernel.kernel} {kernel.case}: speedup {rows[-1].speedup:.2f}", file=sys.stderr)
-    print(table(rows, flat.name, hier.name))
+    print(table(rows[:len(found)], flat.name, hier.name))
+    print(table(rows[len(found):], "gpu_tp (unsplit)", "split-K part"))
     if args.out:
         meta = {"model": config.name, "topology": args.topology, "mesh": dict(mesh.shape), "flat": flat.name,
                 "hier": hier.name, "device": device.device_kind, "platform": device.platform,

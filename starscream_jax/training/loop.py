@@ -37,7 +37,7 @@ from ..model.config import ModelConfig
 from ..model.decoder import create_sharded_model
 from ..model.hf_checkpoint import load_hf_model
 from ..sharding.apply import batch_sharding, use_layout
-from ..sharding.layouts import Layout, get_layout
+from ..sharding.layouts import Layout, fit_batch
 from . import data
 from .checkpoint import CheckpointStore, abstract_model_state, all_finite
 from .config import TrainConfig, flag
@@ -336,7 +336,8 @@ def plan_run(config: TrainConfig, mesh, allow_changes, stop_at_step: int | None,
     if allow_changes and not resume:
         raise StarscreamError(f"--allow-change {','.join(allow_changes)} changes a resumed run; it needs --resume "
                               "(a fresh run takes its settings from the flags)")
-    layout = get_layout(config.layout)
+    # fewer sequences per micro-batch than the layout's batch split: each sequence split over the partitions
+    layout = fit_batch(config.layout, mesh, config.batch_size // config.grad_accum, config.seq_len)
     token_sharding = batch_sharding(layout, mesh, config.batch_size)
     check_micro_batches(config, layout, mesh, token_sharding)
     tokens, data_files = training_tokens(config, model_config)

@@ -349,18 +349,19 @@ def test_a_model_file_on_two_nodes_counts_inter_node_bytes_as_inter_gpu(tmp_path
 
 
 def test_a_layout_the_mesh_cannot_place_is_listed_and_the_others_are_judged(tmp_path):
-    """4 sequences cannot be split over 8 partitions (starscream_tp) but gpu_tp places them: its column is printed,
-    starscream_tp is listed with the resolver's reason, and --json carries both."""
-    argv = ("--model", "tiny", "--topology", "2x8", "--phase", "decode", "--seq", "32", "--batch", "4",
+    """4 sequences of 31 tokens can be split over 8 partitions neither by batch nor by sequence (starscream_tp) but
+    gpu_tp places them: its column is printed, starscream_tp is listed with the reason, and --json carries both."""
+    argv = ("--model", "tiny", "--topology", "2x8", "--phase", "train", "--seq", "31", "--batch", "4",
             "--layout", "starscream_tp,gpu_tp", "--cache-dir", str(tmp_path))
     printed = io.StringIO()
     with redirect_stdout(printed):
         assert inspect_command.run(parse(*argv)) == 0
     table = printed.getvalue()
     assert "gpu_tp" in table.splitlines()[4]
-    assert "starscream_tp: cannot place the model on this mesh: kv cache" in table
+    assert "starscream_tp: cannot place the model on this mesh: layout starscream_tp places a batch of 4" in table
     report = inspect_json(*argv)
-    assert "not divisible" in report["starscream_tp"]["cannot_place"] and "principles" in report["gpu_tp"]
+    assert "use 32 tokens per sequence" in report["starscream_tp"]["cannot_place"]
+    assert "principles" in report["gpu_tp"]
 
 
 @pytest.mark.parametrize("argv, error, message", [
@@ -370,7 +371,7 @@ def test_a_layout_the_mesh_cannot_place_is_listed_and_the_others_are_judged(tmp_
     (("--no-simulate",), StarscreamError, "drop --no-simulate"),
     (("--layout", "flat_tp,nope"), ShardingRuleError, "unknown layout 'nope'"),
     (("--seq", "300"), StarscreamError, "max_seq_len 256"),
-    (("--layout", "starscream_tp", "--batch", "4"), ShardingRuleError, "not divisible"),
+    (("--layout", "starscream_tp", "--batch", "4", "--seq", "31"), ShardingRuleError, "use 32 tokens per sequence"),
 ])
 def test_bad_arguments_are_clear_errors(argv, error, message):
     with pytest.raises(error, match=re.escape(message)):

@@ -1,0 +1,26 @@
+"""bench_kernels' split-K rows: shapes from the layouts (one partition's part holds 1/X of the cache) and a timed
+run on CPU."""
+import importlib.util
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_kernels.py"
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("bench_kernels", SCRIPT)
+    module = sys.modules["bench_kernels"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_split_k_rows_compare_the_whole_cache_with_one_partitions_part():
+    bench = load()
+    args = bench.parse_args(["--quick"])
+    config = bench.load_model_config(args.model)
+    (row,) = bench.split_k_kernels(config, bench.layout_mesh(args.topology), args.split_k)
+    # tiny (8 heads, 4 kv heads) on 2 GPUs x 4 partitions, batch 1, cache 64: heads over the GPUs either way
+    assert row.flat_shape == [[1, 1, 4, 16], [1, 64, 2, 16]]
+    assert row.hier_shape == [[1, 1, 4, 16], [1, 16, 2, 16]]
+    measured = bench.measure(row, warmup=1, calls=1, rounds=1)
+    assert measured.flat_us > 0 and measured.hier_us > 0
