@@ -11,7 +11,7 @@ from ..hardware.distributed import is_main_process
 from ..model.hf_checkpoint import load_hf_model
 from ..training.checkpoint import restore_model
 from ..training.config import TrainConfig
-from ..training.generate import DEFAULT_DECODE_LAYOUT, DEFAULT_PREFILL_LAYOUT, batch_multiple, generate
+from ..training.generate import DEFAULT_DECODE_LAYOUT, DEFAULT_PREFILL_LAYOUT, generate
 from ..training.steps import Sampling
 from ..training.tokenizer import model_dir_tokenizer, tokenizer_for_model
 from .arguments import (
@@ -50,9 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prompt", default="ROMEO:\n", help="text to continue")
     group.add_argument("--max-new-tokens", type=count, default=200,
                        help="most tokens to generate per sample (fewer when every sample reaches EOS)")
-    group.add_argument("--samples", type=count,
-                       help="continuations of the prompt, decoded as one batch (default: the smallest batch the "
-                            "layouts can split)")
+    group.add_argument("--samples", type=count, default=1,
+                       help="continuations of the prompt, decoded as one batch; any number places (fewer than the "
+                            "partitions: the prompt split over them, split-K decode)")
     group.add_argument("--greedy", action="store_true", help="argmax decoding instead of top-p sampling")
     group.add_argument("--top-p", type=float, default=0.9, help="nucleus probability mass")
     group.add_argument("--temperature", type=float, default=0.8, help="softmax temperature for sampling")
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     echo = print if is_main_process() else (lambda *_: None)
     _, mesh = mesh_from_args(args)
     model, source, tokenizer = load_for_generation(args, mesh)
-    samples = args.samples or batch_multiple((args.prefill_layout, args.decode_layout), mesh)
+    samples = args.samples
     prompt_tokens = tokenizer.encode(args.prompt)
     prompt = np.tile(prompt_tokens, (samples, 1))
     result = generate(model, prompt, args.max_new_tokens, sampling, mesh, args.prefill_layout, args.decode_layout,

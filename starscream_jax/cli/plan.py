@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 from tqdm import tqdm
@@ -113,7 +114,7 @@ def commands(plan: dict, args: argparse.Namespace, topology) -> list[str]:
     if chosen is None:
         return []
     mesh = _mesh_flags(args, topology, chosen["mesh"]["data"])
-    shape = f"--model {plan['model']} --layout {chosen['layout']}"
+    shape = f"--model {shlex.quote(args.model)} --layout {chosen['layout']}"  # the model as given: a name or a path
     micro = plan["batch"] // chosen["micro_batches"]
     inspect = (f"starscream inspect {mesh} {shape} --phase {plan['phase']} --batch {micro} --seq {plan['seq']}"
                + (f" --remat-policy {chosen['remat']}" if chosen["remat"] != "none" else ""))

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ..errors import StarscreamError
 from ..model.decoder import cache_shardings, decode_holds_cache_per_layer, split_cache
 from ..sharding.apply import batch_sharding, param_shardings, token_sharding, use_layout
-from ..sharding.layouts import Layout, fit_batch, get_layout, positions_multiple
+from ..sharding.layouts import Layout, fit_batch, positions_multiple
 from .steps import Sampling, decode_step, prefill_step
 
 DEFAULT_PREFILL_LAYOUT = "starscream_tp"
@@ -141,13 +141,3 @@ def generation_cache_length(end: int, prefill_layout, decode_layout, mesh) -> in
     multiple = math.lcm(positions_multiple(prefill_layout, mesh), positions_multiple(prefill_layout, mesh, "cache_seq"),
                         positions_multiple(decode_layout, mesh, "cache_seq"))
     return -(-end // multiple) * multiple
-
-
-def batch_multiple(layouts, mesh) -> int:
-    """The smallest batch every layout can split: the lcm of the mesh sizes of their batch axes."""
-    multiple = 1
-    for layout in layouts:
-        for name in ("batch", "attn_batch"):
-            _, axes = get_layout(layout).activations.lookup(name)
-            multiple = math.lcm(multiple, math.prod(mesh.shape[axis] for axis in axes))
-    return multiple

@@ -5,7 +5,9 @@ import argparse
 import dataclasses
 import io
 import json
+import shlex
 from contextlib import redirect_stdout
+from pathlib import Path
 
 import pytest
 
@@ -103,6 +105,17 @@ def test_the_commands_run_the_chosen_configuration(plans):
     assert f"--grad-accum {chosen['micro_batches']} --remat-policy {chosen['remat']}" in train_command
     assert ("--data-parallel 2" in train_command) == (chosen["mesh"]["data"] == 2)
     assert plan_command.format_plans(plans).count(train_command) == 1
+
+
+def test_the_commands_name_the_model_as_the_user_gave_it(plans):
+    """A model given as a path (a TOML file, a Hugging Face directory) is named by that path, quoted for the shell,
+    not by its configuration's name, which no command could load."""
+    path = str(Path(__file__).parents[2] / "models" / "with space" / "tiny.toml")
+    args = parse(*MESH_ARGS, "--model", path, *SHAPES)
+    topology = Topology.from_preset("mi300x-qpx-nps1", gpus=2)
+    for command in plan_command.commands(plans["train"], args, topology):
+        words = shlex.split(command)
+        assert words[words.index("--model") + 1] == path
 
 
 def test_the_plot_is_drawn_from_the_candidates(plans, plot_path):
