@@ -95,7 +95,7 @@ def _model_fields(raw: dict, family: str, where: str) -> dict:
         d_ff=_whole(raw, WIDTH_FIELD.get(family, "intermediate_size"), where), max_seq_len=_max_seq_len(raw, where),
         norm_eps=_number(raw, "rms_norm_eps", where, 1e-6),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=QKV_BIAS[family], qk_norm=family in ("qwen3", "qwen3_moe"),
+        qkv_bias=QKV_BIAS[family], qk_norm=family in ("qwen3", "qwen3_moe"), dtype=_compute_dtype(raw),
         **_rope_fields(raw, where))
     if family == "mixtral":
         fields.update(n_experts=_whole(raw, "num_local_experts", where),
@@ -107,6 +107,14 @@ def _model_fields(raw: dict, family: str, where: str) -> dict:
                       normalize_gates=bool(raw.get("norm_topk_prob", False)),
                       load_balance_weight=float(raw.get("router_aux_loss_coef") or 0.0))
     return fields
+
+
+def _compute_dtype(raw: dict) -> str:
+    """The compute dtype a checkpoint runs in, as its users run it: its `torch_dtype` (or, in newer files, `dtype`)
+    where that is bfloat16, else float32 (float16 and unnamed ones: the model's float32 default). Training keeps
+    float32 master weights either way (`training.loop`)."""
+    stored = raw.get("torch_dtype") or raw.get("dtype")
+    return "bfloat16" if stored == "bfloat16" else "float32"
 
 
 def _refuse_unimplemented(raw: dict, family: str, where: str) -> None:

@@ -94,6 +94,15 @@ QWEN3_30B_A3B = {  # the fields of Qwen3-30B-A3B's config.json that differ from 
 }
 
 
+@pytest.mark.parametrize("fields, dtype", [({}, "bfloat16"), ({"torch_dtype": None, "dtype": "bfloat16"}, "bfloat16"),
+                                           ({"torch_dtype": "float32"}, "float32"), ({"torch_dtype": "float16"},
+                                                                                    "float32")])
+def test_the_compute_dtype_is_the_checkpoints(tmp_path, fields, dtype):
+    """A bf16 checkpoint computes in bf16 unless told (torch_dtype, or dtype in newer files); --dtype overrides."""
+    assert model_config_from_hf(model_dir(tmp_path, **fields)).dtype == dtype
+    assert model_config_from_hf(model_dir(tmp_path, **fields), dtype="float32").dtype == "float32"
+
+
 def test_qwen3_30b_a3b_reads_as_the_preset(tmp_path):
     """config.json of Qwen3-30B-A3B is the hand-written models/qwen3-30b-a3b.toml, field for field."""
     config = model_config_from_hf(model_dir(tmp_path, **QWEN3_30B_A3B))
