@@ -378,10 +378,10 @@ def main(argv=None) -> int:
         line = roofline(config, workload, prompts, outputs, efficiency, peak, read_rate)
         variants = [("prefix", True), ("no_prefix", False)] if workload.shared_prefix else [("", True)]
         for label, prefix_caching in variants:
-            if prefix_caching not in engines:
-                engines.clear()  # one page pool at a time
-                engines[prefix_caching] = Engine(model, dataclasses.replace(settings, prefix_caching=prefix_caching))
-            engine = engines[prefix_caching]
+            if not engines:
+                engines["engine"] = Engine(model, settings)
+            engine = engines["engine"]
+            engine.use_prefix_caching(prefix_caching)
             modes = [("in_process", run_in_process)] + ([("http", run_http)] if args.http else [])
             for mode, runner in modes:
                 runner(engine, workload, *warm)  # compiles what the workload reaches, on prompts of their own

@@ -14,6 +14,7 @@ of any weight is held.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import queue
 import threading
@@ -160,6 +161,12 @@ class Engine:
             return False
         self.scheduler.finish(sequence)
         return True
+
+    def use_prefix_caching(self, enabled: bool) -> None:
+        """Turns prefix caching on or off (pages registered so far stay registered); only while idle."""
+        if self.busy:
+            raise StarscreamError("prefix caching can change only while no request is running or waiting")
+        self.scheduler.config = dataclasses.replace(self.scheduler.config, prefix_caching=enabled)
 
     @property
     def context(self) -> int:

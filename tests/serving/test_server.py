@@ -1,26 +1,20 @@
-"""The HTTP server on a real uvicorn on a localhost port, over a tiny Hugging Face checkpoint on a simulated (1, 2, 4)
-mesh: the official `openai` client (completions, chat, streaming, logprobs), OpenAI-style errors, /health, /models,
+"""The HTTP server on a real uvicorn on a localhost port, over the tiny Hugging Face checkpoint's engine on a
+simulated (1, 2, 4) mesh (conftest.py): the official `openai` client (completions, chat, streaming, logprobs), OpenAI-style errors, /health, /models,
 /metrics, a bounded load of concurrent clients (some cancelled midway, some refused with 429) after which every page
 is free, and a shutdown that lets the running stream finish."""
 import asyncio
 import socket
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import uvicorn
 
-from starscream_jax.hardware.mesh import build_mesh
-from starscream_jax.model.hf_checkpoint import load_hf_model
-from starscream_jax.serving.engine import Engine, EngineConfig, EngineThread
+from starscream_jax.serving.engine import EngineThread
 from starscream_jax.serving.server import Server
-from starscream_jax.serving.steps import Buckets
-from starscream_jax.training.tokenizer import load_tokenizer
 
-FIXTURE = Path(__file__).parents[1] / "fixtures" / "hf" / "llama"
 MODEL = "tiny-llama"
 MAX_PENDING = 12
 
@@ -32,16 +26,9 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def served():
-    """(base URL, Server, uvicorn.Server) of a server on a thread; 4 rows per shard, chunks of 16 positions, 8 pages
-    of 8 per row: two programs."""
-    mesh = build_mesh("1x2x4")
-    model = load_hf_model(FIXTURE, "starscream_tp", mesh)
-    tokenizer = load_tokenizer(FIXTURE)
-    config = EngineConfig(page_size=8, pages_per_shard=24, rows_per_shard=4, token_budget=64, chunk=16,
-                          buckets=Buckets((4,), (16,), (8,)))
-    engine = Engine(model, config, mesh, detokenize=tokenizer.decode)
-    server = Server(EngineThread(engine), tokenizer, MODEL, max_pending=MAX_PENDING)
+def served(engine_for, llama_tokenizer):
+    """(base URL, Server, uvicorn.Server) of a server on a thread over the (1, 2, 4) engine of conftest.py."""
+    server = Server(EngineThread(engine_for("1x2x4")), llama_tokenizer, MODEL, max_pending=MAX_PENDING)
     port = _free_port()
     http = uvicorn.Server(uvicorn.Config(server.app(), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=http.run, daemon=True)
@@ -93,7 +80,7 @@ def test_bad_requests_get_openai_errors(client, served):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-9", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="context"):
-        client.completions.create(model=MODEL, prompt="word " * 200, max_tokens=2)
+        client.completions.create(model=MODEL, prompt="word " * 80, max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=-1)
     response = httpx.post(served[0] + "/v1/completions", content=b"{not json", timeout=10,

@@ -1,0 +1,65 @@
+"""One engine per mesh and layout pair for every serving test in a process, over the tiny Llama checkpoint of
+tests/fixtures/hf: each compiles its two programs (a decode and a prefill bucket) once."""
+import functools
+from pathlib import Path
+
+import pytest
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.model.hf_checkpoint import load_hf_model
+from starscream_jax.serving.engine import Engine, EngineConfig, cache_shards
+from starscream_jax.serving.steps import Buckets
+from starscream_jax.training.tokenizer import load_tokenizer
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "hf" / "llama"
+ROWS = 8
+CASES = {"1x1x1": ("starscream_tp", "starscream_decode"), "1x2x4": ("starscream_tp", "starscream_decode"),
+         "2x2x2": ("starscream_tp", "starscream_decode"), "1x2x4-flat": ("flat_tp", "flat_tp")}
+"""mesh (-variant) -> (prefill layout, decode layout)."""
+PAGES_PER_SHARD = {"1x1x1": 13}
+"""Pages per cache shard where fewer than the default 40: one shard of 12 usable pages cannot hold 8 requests of 12
+positions (3 pages each) at once, so the engine preempts."""
+
+
+@functools.cache
+def tokenizer():
+    return load_tokenizer(FIXTURE)
+
+
+@functools.cache
+def _unsharded_model():
+    """The checkpoint's model with its parameters on the default device, no layout (what `generate` runs)."""
+    placed = load_hf_model(FIXTURE, "gpu_tp", build_mesh("1x1x1"))
+    graphdef, params, rest = nnx.split(placed, nnx.Param, ...)
+    return nnx.merge(graphdef, jax.tree.map(lambda array: jnp.asarray(np.asarray(array)), params), rest)
+
+
+@functools.cache
+def _engine(case: str) -> Engine:
+    """8 rows in all, chunks of 8 positions, 16 pages of 4 positions per row (a context of 64)."""
+    mesh, (prefill, decode) = build_mesh(case.split("-")[0]), CASES[case]
+    shards = cache_shards(decode, mesh)
+    config = EngineConfig(page_size=4, pages_per_shard=PAGES_PER_SHARD.get(case, 40), rows_per_shard=ROWS // shards,
+                          token_budget=64, chunk=8, buckets=Buckets((ROWS // shards,), (8,), (16,)))
+    return Engine(load_hf_model(FIXTURE, prefill, mesh), config, mesh, prefill, decode, tokenizer().decode)
+
+
+@pytest.fixture(scope="session")
+def engine_for():
+    """case (a key of CASES) -> its engine, built once per process."""
+    return _engine
+
+
+@pytest.fixture(scope="session")
+def unsharded_llama():
+    return _unsharded_model()
+
+
+@pytest.fixture(scope="session")
+def llama_tokenizer():
+    return tokenizer()
