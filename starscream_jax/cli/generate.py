@@ -92,7 +92,8 @@ def load_for_generation(args: argparse.Namespace, mesh):
         return model, args.model_dir, model_dir_tokenizer(args.model_dir, model.config)
     model, description = restore_model(checkpoint_dir(args.checkpoint), args.prefill_layout, mesh, args.step, args.dtype)
     run_config = TrainConfig.from_dict(description["train_config"])
-    tokenizer = tokenizer_for_model(run_config.tokenizer_dir(), model.config, trained_weights=False)
+    # a run fine-tuned from a model directory trained on its tokenizer: bytes only if the model was made for them
+    tokenizer = tokenizer_for_model(run_config.tokenizer_dir(), model.config, trained_weights=bool(run_config.init))
     return model, f"step {description['step']}", tokenizer
 
 
