@@ -17,7 +17,7 @@ from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model.config import load_model_config
 from starscream_jax.sharding.apply import param_shardings
 from starscream_jax.sharding.layouts import get_layout
-from starscream_jax.training import data, loop
+from starscream_jax.training import corpus, data, loop
 from starscream_jax.training.checkpoint import CheckpointStore, restore_model
 from starscream_jax.training.config import TrainConfig
 from starscream_jax.training.lock import RunLock
@@ -281,3 +281,32 @@ def test_a_step_too_big_for_the_devices_is_refused_before_allocation(tmp_path, o
     with pytest.raises(StarscreamError, match=r"the training step needs \d+\.\d\d GiB per device, more than the 0\.00 "
                                               r"GiB each device has; options: .*--batch-size"):
         quiet_train(small_run(tmp_path, "big", remat=True), one_device, device_memory_bytes=1)
+
+
+def test_a_data_file_changed_in_place_is_refused_on_resume_and_recorded_when_allowed(tmp_path):
+    """Data is compared by content: the same bytes elsewhere are no change, other bytes under the same path are."""
+    path = tmp_path / "corpus.txt"
+    path.write_text("to be\n")
+    config = dataclasses.replace(SMALL, data=str(path), run_dir=str(tmp_path / "run"))
+    before = corpus.content_fingerprint(path)
+    saved = {"train_config": dataclasses.asdict(config), "data_files": [before.to_dict()]}
+    path.write_text("TO BE\n")
+    after = corpus.content_fingerprint(path)
+    with pytest.raises(CheckpointError, match=r"--data .*corpus.txt \(6 bytes, sha256 \w{12}\) \(the run has "
+                                              r".*corpus.txt \(6 bytes, sha256 \w{12}\)\); .*--allow-change data"):
+        loop.resume_changes(saved, config, 4, (), [after])
+    [change] = loop.resume_changes(saved, config, 4, ("data",), [after])
+    assert (change["step"], change["field"]) == (4, "data") and after.sha256[:12] in change["to"]
+    moved = dataclasses.replace(config, data=str(tmp_path / "elsewhere.txt"))
+    assert loop.resume_changes(saved, moved, 4, (), [before]) == []
+
+
+@pytest.mark.parametrize("resume", [True, False])
+def test_a_run_directory_holding_only_damaged_checkpoints_is_refused(tmp_path, one_device, monkeypatch, resume):
+    """Starting afresh there would replace the run's metrics without a word."""
+    (tmp_path / "run" / "checkpoints" / "6.damaged").mkdir(parents=True)
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 6, "loss": 1.0}\n')
+    monkeypatch.setattr(loop, "compile_train_step", None)  # a call would fail: nothing may be compiled
+    with pytest.raises(CheckpointError, match=r"holds only damaged checkpoints \(6.damaged\): nothing to resume"):
+        quiet_train(small_run(tmp_path, "run"), one_device, resume=resume)
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"step": 6, "loss": 1.0}\n'
