@@ -339,7 +339,6 @@ def plan_run(config: TrainConfig, mesh, allow_changes, stop_at_step: int | None,
     # fewer sequences per micro-batch than the layout's batch split: each sequence split over the partitions
     layout = fit_batch(config.layout, mesh, config.batch_size // config.grad_accum, config.seq_len)
     token_sharding = batch_sharding(layout, mesh, config.batch_size)
-    check_micro_batches(config, layout, mesh, token_sharding)
     tokens, data_files = training_tokens(config, model_config)
     train_tokens, validation_tokens = data.split_corpus(tokens)
     rows = config.seq_len + 1
@@ -348,18 +347,6 @@ def plan_run(config: TrainConfig, mesh, allow_changes, stop_at_step: int | None,
                    data.TokenBatches(validation_tokens, config.batch_size, rows, EVAL_SEED),
                    data.unigram_entropy_nats(train_tokens), data_files,
                    config.steps if stop_at_step is None else min(stop_at_step, config.steps))
-
-
-def check_micro_batches(config: TrainConfig, layout, mesh, token_sharding: NamedSharding) -> None:
-    """Each of --grad-accum's micro-batches must split over the devices the batch is split over."""
-    axes = token_sharding.spec[0] or ()
-    shards = math.prod(mesh.shape[axis] for axis in ((axes,) if isinstance(axes, str) else axes))
-    micro_batch = config.batch_size // config.grad_accum
-    if micro_batch % shards:
-        raise StarscreamError(f"--grad-accum {config.grad_accum} makes micro-batches of {micro_batch} sequences, "
-                              f"which the {shards} batch shards of {layout.name} on mesh {dict(mesh.shape)} cannot "
-                              f"split; pass a --grad-accum that leaves a multiple of {shards} sequences per "
-                              "micro-batch")
 
 
 def check_checkpoints(store: CheckpointStore, plan: RunPlan, resume: bool, allow_changes) -> None:

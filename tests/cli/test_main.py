@@ -128,8 +128,6 @@ def test_importing_the_library_and_the_command_starts_no_jax_backend():
     (("--run-dir", f"{__file__}/run"), f"--run-dir {__file__}/run: {__file__} is a file, not a directory"),
     (("--allow-change", "model"), "--allow-change model: expected some of steps,"),
     (("--gpus", "9"), "--gpus 9 exceeds the 8 GPUs per node of mi300x-qpx-nps1"),
-    (("--grad-accum", "16"), "--grad-accum 16 makes micro-batches of 1 sequences, which the 4 batch shards of "
-                             "starscream_tp on mesh {'data': 1, 'gpu': 2, 'xcd': 4} cannot split"),
     (("--allow-change", "steps"), "--allow-change steps changes a resumed run; it needs --resume"),
     (("--init", "/nonexistent/model"), "--init /nonexistent/model is not a directory; pass a Hugging Face model"),
     (("--data", str(HF_FIXTURE / "config.json")), "config.json is a JSON file; write one JSON object per line"),
