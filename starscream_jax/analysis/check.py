@@ -8,12 +8,14 @@ else as it was given). Arguments holding Linen parameters are traced under Linen
 layout's "use" table (`flax_rules`). Parameters whose logical names include one of the layout's `replicated_ok` names
 (norm scales), and their optimizer moments, may be replicated over `xcd`. `StepCheck.table()` prints what `starscream
 inspect` prints for the built-in model: memory, bytes by scope, collectives, kernel shapes and the verdicts, and which
-params rules placed the step's parameters (`placement`), naming those without logical names.
+params rules placed the step's parameters (`placement`), naming those without logical names, and for each flat
+collective of a known cause the smallest fix (`advice`).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -24,12 +26,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..errors import StarscreamError
 from ..hardware.axes import XCD
-from ..sharding.apply import active, logical_names, param_shardings, use_layout
+from ..sharding.apply import active, is_auto, logical_names, param_shardings, use_layout
 from ..sharding.flax_rules import VocabularyLike, flax_rules, in_vocabulary
 from ..sharding.layouts import Layout, get_layout
 from ..sharding.rules import resolve
 from .compile import COMPILER_OPTIONS, REFERENCE
 from .format import clip, format_bytes
+from .advice import Advice, advise
 from .placement import ParameterPlacement, format_placements, parameter_placements
 from .principles import Check, check_principles
 from .report import MatmulReport, Report, inspect_compiled
@@ -47,6 +50,9 @@ class StepCheck(Check):
     placements: tuple[ParameterPlacement, ...] = ()
     """Each parameter among the step's arguments with the params rules that placed it, or none (no logical names:
     left as given, out of the layout's reach)."""
+
+    advice: tuple[Advice, ...] = ()
+    """For each flat collective of a known cause, why it is there and the smallest fix (`advice`)."""
 
     def unnamed(self) -> tuple[str, ...]:
         """The paths of the parameters without logical names."""
@@ -87,7 +93,7 @@ def check(step: Callable, *args: Any, mesh: Mesh, layout: Layout | str | None = 
     layer_stack = _replicated_ok(args, frozenset({"layers"})) if renamed else set()  # stacked over a `layers` axis
     verdicts = check_principles(report, reference_report, replicated_ok=allowed, layer_stack=layer_stack)
     return StepCheck(report, verdicts, layout.name, None if reference is None else reference.name,
-                     parameter_placements(args, layout))
+                     parameter_placements(args, layout), advise(report, layout, is_auto(mesh)))
 
 
 @contextlib.contextmanager
@@ -246,5 +252,8 @@ def format_check(result: StepCheck) -> str:
         if violations:
             lines.append(f"{key}: {len(violations)} violation(s), e.g.")
             lines += [clip(f"  {line}", LINE_WIDTH) for line in violations[:SHOWN_VIOLATIONS]]
+    for advice in result.advice:
+        lines.append(clip(f"{advice.name}: {advice.why}", LINE_WIDTH))
+        lines += textwrap.wrap(f"fix: {advice.fix}", LINE_WIDTH, initial_indent="  ", subsequent_indent="    ")
     return "\n".join(lines)
 

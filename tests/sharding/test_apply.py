@@ -135,6 +135,24 @@ def test_on_auto_axes_the_layout_is_installed_as_flax_logical_axis_rules():
     assert flax_spmd.get_logical_axis_rules() == ()
 
 
+def test_on_auto_axes_weight_gathers_at_use_and_places_the_gradient_as_stored():
+    """`weight` (so `weights_at_use`) on Auto axes: the gradient equals the unsharded one and comes back split as the
+    weight is stored, not whole."""
+    mesh = auto_axes(build_mesh("2x4"))
+    w_DF = jnp.arange(16 * 32.0).reshape(16, 32) / 100
+    x_BD = jnp.ones((8, 16))
+
+    def loss(w):
+        return jnp.sum(jnp.tanh(constrain(x_BD, ("batch", "embed")) @ weight(w, ("embed", "mlp"))))
+
+    expected = jax.grad(loss)(w_DF)
+    stored = jax.NamedSharding(mesh, P("xcd", "gpu"))
+    with use_layout("starscream_tp", mesh):
+        gradient = jax.jit(jax.grad(loss))(jax.device_put(w_DF, stored))
+    np.testing.assert_allclose(gradient, expected, rtol=1e-6)
+    assert gradient.sharding.is_equivalent_to(stored, 2)
+
+
 def test_a_mesh_mixing_auto_and_explicit_axes_is_refused():
     mesh = build_mesh("2x4")
     mixed = jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Explicit, AxisType.Auto,

@@ -62,3 +62,10 @@ def test_a_use_table_that_would_place_one_name_two_ways_is_refused():
 def test_a_vocabulary_naming_an_unknown_library_name_is_refused():
     with pytest.raises(ShardingRuleError, match="model_dim -> hidden"):
         in_vocabulary("starscream_tp", {"model_dim": "hidden"})
+
+
+def test_a_name_mapped_to_none_is_never_split_and_every_name_is_exported_by_default():
+    layout = in_vocabulary("starscream_tp", {"qkv": None, "hidden": "mlp"})
+    assert all(getattr(layout, table).lookup("qkv") == (True, ()) for table in ("params", "weights", "activations"))
+    exported = dict(flax_rules(layout, "use"))
+    assert exported["qkv"] is None and exported["hidden"] == "gpu" and exported["batch"] == ("data", "xcd")

@@ -1,0 +1,35 @@
+"""The smallest fix for each flat collective, read from the primitive whose partitioning emitted it."""
+import dataclasses
+
+from starscream_jax.analysis.advice import advise
+from starscream_jax.analysis.report import CollectiveReport, Report
+from starscream_jax.sharding.layouts import get_layout
+
+TP = get_layout("starscream_tp")
+
+
+def collective(name: str, op_name: str, scope: str = "flat") -> CollectiveReport:
+    return CollectiveReport(name, "all-reduce", op_name, scope, [[0, 1, 2, 3]], 4, 64, 48.0, 1)
+
+
+def report_of(*collectives: CollectiveReport) -> Report:
+    fields = {field.name: None for field in dataclasses.fields(Report)}
+    return dataclasses.replace(Report(**fields), collectives=list(collectives))
+
+
+def test_a_flat_lookup_asks_for_embed_lookup_and_a_flat_gradient_sum_for_the_explicit_path():
+    found = advise(report_of(collective("cp", "jit(step)/jvp(jit(_take))/gather"),
+                             collective("ar", "jit(step)/transpose(jvp())/reduce_sum"),
+                             collective("ok", "jit(step)/transpose(jvp())/reduce_sum", scope="intra_gpu"),
+                             collective("other", "jit(step)/jvp()/reduce_max")), TP, auto_axes=True)
+    assert [(advice.name, advice.fix.split(";")[0]) for advice in found] == [
+        ("cp", "look the tokens up with embed_lookup(table, tokens)"), ("ar", "on Auto axes XLA chooses this sum")]
+    explicit = advise(report_of(collective("ar", "jit(step)/transpose(jvp())/dot_general")), TP, auto_axes=False)
+    assert explicit[0].fix.startswith("weights_at_use(model) in the loss")
+
+
+def test_under_a_flat_layout_the_layout_is_the_cause():
+    report = report_of(collective("cp", "jit(step)/jvp(jit(_take))/gather"), collective("ar", "jit(step)/jvp()/x"))
+    assert [(a.name, a.why) for a in advise(report, get_layout("flat_tp"), auto_axes=False)] == [
+        ("2 flat collectives", "layout flat_tp splits weights over partitions of several GPUs at once")]
+    assert advise(report_of(), get_layout("flat_fsdp"), auto_axes=False) == ()
