@@ -15,8 +15,8 @@ import numpy as np
 from jax._src import distributed
 from jax.sharding import AxisType, Mesh
 
-from ..checks import of_type, whole_number
-from ..errors import StarscreamError, TopologyError
+from ..checks import of_type
+from ..errors import TopologyError
 from . import detect
 from .axes import AXES
 from .presets import Preset, list_presets, load_chip, load_preset, preset_for
@@ -233,15 +233,13 @@ def build_topology_mesh(topology: Topology | str | None = None, *, gpus: int | N
 
 
 def _check_options(topology, gpus, nodes, data) -> None:
-    """A TopologyError naming the first argument of `build_topology_mesh` that is of the wrong kind."""
-    try:
-        of_type(topology, (Topology, str, type(None)), "topology",
-                "a Topology, an override string such as '2x4' or 'mi300x-cpx-nps1:4', or None")
-        for name, value in (("gpus", gpus), ("nodes", nodes), ("data", data)):
-            if value is not None:
-                whole_number(value, name, minimum=-2**63)  # the kind only: each value's range is checked with it
-    except StarscreamError as error:
-        raise TopologyError(str(error)) from None
+    """A TopologyError naming the first argument of `build_topology_mesh` of the wrong kind (each value's range is
+    checked where it is used)."""
+    of_type(topology, (Topology, str, type(None)), "topology",
+            "a Topology, an override string such as '2x4' or 'mi300x-cpx-nps1:4', or None", TopologyError)
+    for name, value in (("gpus", gpus), ("nodes", nodes), ("data", data)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TopologyError(f"{name} {value!r}: expected a whole number")
 
 
 def _simulated(topology, gpus, nodes, grouping, devices) -> tuple:
