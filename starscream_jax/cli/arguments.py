@@ -165,6 +165,7 @@ EXCLUSIVE = (
     ("distributed", "num_processes", "--distributed detects the process count from the environment"),
     ("distributed", "process_id", "--distributed detects each process' id from the environment"),
     ("topology", "preset", "--topology gives the whole topology (PRESET:GPUS names a preset in it)"),
+    ("no_cache", "cache_dir", "--no-cache reads and keeps no compiled result"),
 )
 """(flag, flag, why only one is honoured): pairs of the shared arguments that contradict each other, as dests."""
 

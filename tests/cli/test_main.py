@@ -185,6 +185,7 @@ def test_a_model_directory_without_its_tokenizer_is_refused_before_anything_is_c
     (("generate", "--greedy", "--temperature", "0.8"), "--greedy contradicts --temperature"),
     (("export", "--checkpoint", "runs/x", "--out", "y", "--distributed", "--process-id", "1"),
      "--distributed contradicts --process-id"),
+    (("plan", "--no-cache", "--cache-dir", "runs/cache"), "--no-cache contradicts --cache-dir"),
 ])
 def test_contradicting_flags_are_one_error_line(capsys, argv, message):
     """Each pair is refused even when one of the values given is the default (which the parser alone cannot
