@@ -11,9 +11,20 @@ from ..model.paged import KERNELS
 from ..serving.engine import Engine, EngineConfig, EngineThread
 from ..serving.server import Server
 from ..training.generate import DEFAULT_DECODE_LAYOUT, DEFAULT_PREFILL_LAYOUT
-from .arguments import add_distributed_arguments, add_mesh_arguments, count, initialize_from_args, mesh_from_args
+from .arguments import (
+    add_distributed_arguments,
+    add_mesh_arguments,
+    count,
+    initialize_from_args,
+    mesh_from_args,
+    step_number,
+)
+from .generate import EXCLUSIVE as GENERATE_EXCLUSIVE
 from .generate import load_for_generation
 from .train import DEFAULT_GPUS, DEFAULT_PRESET
+
+EXCLUSIVE = tuple(pair for pair in GENERATE_EXCLUSIVE if pair[0] == "model_dir")
+"""(flag, flag, why only one is honoured), as dests: the model's source, as `generate` reads it."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--checkpoint", default="runs/train/checkpoints",
                        help="a training run's directory (or its checkpoints directory)")
     group.add_argument("--model-dir", metavar="HF_DIR", help="a Hugging Face model directory instead of --checkpoint")
-    group.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    group.add_argument("--step", type=step_number, help="checkpoint step (default: the latest)")
     group.add_argument("--served-model-name", help="the model's name in the API (default: the model's own)")
     group.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype (default: the model's)")
     group.add_argument("--prefill-layout", default=DEFAULT_PREFILL_LAYOUT, help="layout of prompt chunks")
@@ -42,9 +53,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--kernel", choices=KERNELS, default=defaults.kernel, help="paged decode attention")
     http = parser.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1")
-    http.add_argument("--port", type=int, default=8000)
+    http.add_argument("--port", type=port_number, default=8000)
     http.add_argument("--max-pending", type=count, default=256,
                       help="requests in flight before new ones get 429")
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 0 (any free one) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"--port {text}: give a port number from 0 to 65535")
+    return port
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

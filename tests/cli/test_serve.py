@@ -1,0 +1,43 @@
+"""`starscream serve`: its flags become the engine's configuration; bad input is one error line before anything
+loads (the server itself: tests/serving/test_server.py)."""
+import argparse
+
+import pytest
+
+from starscream_jax.cli import main as cli
+from starscream_jax.cli import serve
+from starscream_jax.serving.engine import EngineConfig
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_flags_set_the_engine_configuration():
+    config = serve.engine_config(parse("--page-size", "8", "--cache-pages", "64", "--max-seqs", "4",
+                                       "--token-budget", "128", "--chunk", "32", "--kernel", "pallas"))
+    assert config == EngineConfig(page_size=8, pages_per_shard=64, rows_per_shard=4, token_budget=128, chunk=32,
+                                  kernel="pallas")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--model-dir", "m", "--checkpoint", "runs/x"), "--model-dir contradicts --checkpoint"),
+    (("--model-dir", "m", "--step", "2"), "--model-dir contradicts --step"),
+])
+def test_contradicting_flags_are_one_error_line(capsys, argv, message):
+    assert cli.main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and err.startswith("starscream serve: error: ")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--port", "70000"), "--port 70000: give a port number from 0 to 65535"),
+    (("--kernel", "flash"), "invalid choice: 'flash'"),
+    (("--page-size", "0"), "--page-size"),
+])
+def test_bad_values_are_refused_as_the_flags_are_read(capsys, argv, message):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["serve", *argv])
+    assert exited.value.code == 2 and message in capsys.readouterr().err.splitlines()[-1]
