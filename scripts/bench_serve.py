@@ -320,6 +320,8 @@ def engine_config(args, workloads: list[Workload]):
         return math.ceil(int((w.prompt + w.output) * scale) / args.page_size)
 
     widest = max(pages_per_row(w) for w in workloads)
+    if args.kernel == "pallas":  # the kernel splits a row's pages in powers of two
+        widest = 1 << (widest - 1).bit_length()
     rows = min(args.max_seqs, max(w.requests for w in workloads))
     prefill_rows = max(1, min(rows, args.token_budget // args.chunk + 1))
     if args.quick:

@@ -198,7 +198,7 @@ class Engine:
                 if chunk.last:
                     events.append(self._append(chunk.sequence, token, logprob))
         if plan.decode:
-            chunks = [Chunk(sequence, len(sequence.tokens) - 1, 1) for sequence in plan.decode]
+            chunks = [Chunk(sequence, sequence.length - 1, 1) for sequence in plan.decode]
             tokens, logprobs = self._run("decode", chunks)
             for chunk, token, logprob in zip(chunks, tokens, logprobs):
                 chunk.sequence.computed += 1
@@ -236,7 +236,7 @@ class Engine:
             text = self._detokenize(sequence.generated)
             if any(stop in text for stop in params.stop):
                 return "stop"
-        if len(sequence.generated) >= params.max_tokens or len(sequence.tokens) >= self.context:
+        if len(sequence.generated) >= params.max_tokens or sequence.length >= self.context:
             return "length"
         return None
 
@@ -273,7 +273,7 @@ class Engine:
             for offset, chunk in enumerate(group):
                 row, sequence = shard * rows + offset, chunk.sequence
                 where[id(chunk)] = row
-                tokens[row, :chunk.count] = sequence.tokens[chunk.start:chunk.start + chunk.count]
+                tokens[row, :chunk.count] = sequence.token_slice(chunk.start, chunk.start + chunk.count)
                 positions[row, :chunk.count] = np.arange(chunk.start, chunk.start + chunk.count)
                 table[row, :len(sequence.pages)] = sequence.pages
                 last[row] = chunk.count - 1

@@ -74,8 +74,18 @@ class Sequence:
         return self.prompt + self.generated
 
     @property
+    def length(self) -> int:
+        """len(tokens), without building them."""
+        return len(self.prompt) + len(self.generated)
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """tokens[start:stop], without building them all."""
+        cut = len(self.prompt)
+        return self.prompt[start:min(stop, cut)] + self.generated[max(start - cut, 0):max(stop - cut, 0)]
+
+    @property
     def decoding(self) -> bool:
-        return self.computed == len(self.prompt) + len(self.generated) - 1
+        return self.computed == self.length - 1
 
 
 @dataclass(frozen=True)
@@ -89,7 +99,7 @@ class Chunk:
 
     @property
     def last(self) -> bool:
-        return self.start + self.count == len(self.sequence.tokens)
+        return self.start + self.count == self.sequence.length
 
 
 @dataclass(frozen=True)
@@ -192,21 +202,21 @@ class Scheduler:
             return
         shard = self.shards[sequence.shard]
         full_pages = sequence.computed // self.config.page_size
-        for index, digest in enumerate(page_hashes(sequence.tokens[:full_pages * self.config.page_size],
+        for index, digest in enumerate(page_hashes(sequence.token_slice(0, full_pages * self.config.page_size),
                                                    self.config.page_size)):
             shard.register(sequence.pages[index], digest)
 
     def _chunk(self, sequence: Sequence, budget: int) -> Chunk:
-        remaining = len(sequence.tokens) - sequence.computed
+        remaining = sequence.length - sequence.computed
         return Chunk(sequence, sequence.computed, min(remaining, budget, self.config.chunk))
 
     def _grow_decoding(self) -> list[Sequence]:
         """Gives each decoding sequence the page of its next position, preempting the newest on a full shard."""
         preempted = []
         for sequence in sorted(self.running, key=lambda s: s.admitted):
-            if sequence not in self.running or not sequence.decoding:
+            if sequence.shard < 0 or not sequence.decoding:  # preempted in this loop, or prefilling
                 continue
-            if self.config.pages_for(len(sequence.tokens)) <= len(sequence.pages):
+            if self.config.pages_for(sequence.length) <= len(sequence.pages):
                 continue
             shard = self.shards[sequence.shard]
             while shard.free == 0:
@@ -215,7 +225,7 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is sequence:
                     break
-            if sequence in self.running:
+            if sequence.shard >= 0:
                 sequence.pages += shard.allocate(1)
         return preempted
 

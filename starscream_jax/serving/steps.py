@@ -71,28 +71,34 @@ def paged_step(graphdef, kernel: str = "gather", decode: bool = True):
 
 def sample_rows(logits_BV: jax.Array, rows: RowSampling, position_B: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The next token of each row [B] int32 and its log-probability under the model [B] float32, from the logits
-    [B, V] (placed by the layout's ("batch", "vocab") rules), drawn for sequence position `position_B`."""
+    [B, V] (placed by the layout's ("batch", "vocab") rules), drawn for sequence position `position_B`. A step
+    whose rows are all greedy skips the sort that sampling needs (`jax.lax.cond`)."""
     with jax.named_scope("sample"):
         logits_BV = _whole_vocabulary(logits_BV)
         rows, position_B = jax.tree.map(lambda row_B: constrain(row_B, ("batch",), "sampling"), (rows, position_B))
-        vocab = logits_BV.shape[-1]
         greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-        scaled_BV = logits_BV / jnp.maximum(rows.temperature, 1e-6)[:, None]
-        descending_BV = jnp.sort(scaled_BV, axis=-1)[:, ::-1]
-        k_B = jnp.where(rows.top_k > 0, jnp.minimum(rows.top_k, vocab), vocab)
-        kth_B1 = jnp.take_along_axis(descending_BV, k_B[:, None] - 1, axis=1)
-        top_k_BV = jnp.where(descending_BV >= kth_B1, descending_BV, -jnp.inf)
-        probabilities_BV = jax.nn.softmax(top_k_BV, axis=-1)
-        mass_before_BV = jnp.cumsum(probabilities_BV, axis=-1) - probabilities_BV
-        kept_BV = (mass_before_BV < rows.top_p[:, None]) & (descending_BV >= kth_B1)
-        smallest_B1 = jnp.min(jnp.where(kept_BV, descending_BV, jnp.inf), axis=-1, keepdims=True)
-        nucleus_BV = jnp.where(scaled_BV >= smallest_B1, scaled_BV, -jnp.inf)
-        keys = jax.vmap(lambda seed, position: jax.random.fold_in(jax.random.key(seed), position))(
-            rows.seed, position_B)
-        drawn_B = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, nucleus_BV).astype(jnp.int32)
-        token_B = jnp.where(rows.temperature > 0, drawn_B, greedy_B)
+        token_B = jax.lax.cond(jnp.any(rows.temperature > 0), _drawn, lambda *_: greedy_B, logits_BV, rows,
+                               position_B, greedy_B)
         logprob_BV = jax.nn.log_softmax(logits_BV, axis=-1)
         return token_B, jnp.take_along_axis(logprob_BV, token_B[:, None], axis=1)[:, 0]
+
+
+def _drawn(logits_BV, rows: RowSampling, position_B, greedy_B):
+    """Each row's draw at its temperature from its top-k, then top-p, tokens (greedy where temperature is 0)."""
+    vocab = logits_BV.shape[-1]
+    scaled_BV = logits_BV / jnp.maximum(rows.temperature, 1e-6)[:, None]
+    descending_BV = jnp.sort(scaled_BV, axis=-1)[:, ::-1]
+    k_B = jnp.where(rows.top_k > 0, jnp.minimum(rows.top_k, vocab), vocab)
+    kth_B1 = jnp.take_along_axis(descending_BV, k_B[:, None] - 1, axis=1)
+    top_k_BV = jnp.where(descending_BV >= kth_B1, descending_BV, -jnp.inf)
+    probabilities_BV = jax.nn.softmax(top_k_BV, axis=-1)
+    mass_before_BV = jnp.cumsum(probabilities_BV, axis=-1) - probabilities_BV
+    kept_BV = (mass_before_BV < rows.top_p[:, None]) & (descending_BV >= kth_B1)
+    smallest_B1 = jnp.min(jnp.where(kept_BV, descending_BV, jnp.inf), axis=-1, keepdims=True)
+    nucleus_BV = jnp.where(scaled_BV >= smallest_B1, scaled_BV, -jnp.inf)
+    keys = jax.vmap(lambda seed, position: jax.random.fold_in(jax.random.key(seed), position))(rows.seed, position_B)
+    drawn_B = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, nucleus_BV).astype(jnp.int32)
+    return jnp.where(rows.temperature > 0, drawn_B, greedy_B)
 
 
 def _powers_of_two(limit: int) -> tuple[int, ...]:
