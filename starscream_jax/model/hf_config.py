@@ -56,6 +56,14 @@ def _whole(raw: dict, field: str, where: str, default=None) -> int:
     return value
 
 
+def _flag(raw: dict, field: str, where: str) -> bool:
+    """config.json's `field` when it is true or false (False when absent or null)."""
+    value = raw.get(field)
+    if value is not None and not isinstance(value, bool):
+        raise CheckpointError(f"{where}: {field} = {value!r}; expected true or false")
+    return bool(value)
+
+
 def _number(raw: dict, field: str, where: str, default: float | None) -> float:
     """config.json's `field` as a float (finite, above zero), `default` when absent (an error when None)."""
     value = raw.get(field, default)
@@ -78,6 +86,8 @@ def model_config_from_hf(model_dir: str | Path, **overrides) -> ModelConfig:
     try:
         _refuse_unimplemented(raw, family, where)
         fields = _model_fields(raw, family, where)
+    except CheckpointError:
+        raise
     except (KeyError, TypeError, ValueError, AttributeError) as err:  # a nested field of the wrong shape
         raise CheckpointError(f"{where}: malformed field ({type(err).__name__}: {err}); fix or replace the "
                               "file") from None
@@ -94,7 +104,7 @@ def _model_fields(raw: dict, family: str, where: str) -> dict:
         head_dim=_whole(raw, "head_dim", where, d_model // heads),
         d_ff=_whole(raw, WIDTH_FIELD.get(family, "intermediate_size"), where), max_seq_len=_max_seq_len(raw, where),
         norm_eps=_number(raw, "rms_norm_eps", where, 1e-6),
-        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        tie_embeddings=_flag(raw, "tie_word_embeddings", where),
         qkv_bias=QKV_BIAS[family], qk_norm=family in ("qwen3", "qwen3_moe"), dtype=_compute_dtype(raw),
         **_rope_fields(raw, where))
     if family == "mixtral":
@@ -104,7 +114,7 @@ def _model_fields(raw: dict, family: str, where: str) -> dict:
         experts = raw.get("num_experts") and _whole(raw, "num_experts", where)
         fields.update(n_experts=experts or _whole(raw, "num_local_experts", where),
                       experts_per_token=_whole(raw, "num_experts_per_tok", where),
-                      normalize_gates=bool(raw.get("norm_topk_prob", False)),
+                      normalize_gates=_flag(raw, "norm_topk_prob", where),
                       load_balance_weight=float(raw.get("router_aux_loss_coef") or 0.0))
     return fields
 

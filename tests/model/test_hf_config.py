@@ -171,6 +171,9 @@ def test_a_config_that_is_not_an_object_of_fields_is_named(tmp_path, text, messa
     ({"rope_scaling": [8.0]}, "rope settings \\[8.0\\] are not an object"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks 'low_freq_factor'"),
     ({"layer_types": 3}, "malformed field \\(TypeError"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings = 'yes'; expected true or false"),
+    ({"rope_theta": -1}, "json: rope_theta = -1; expected a finite number above zero$"),
+    ({"model_type": "mixtral"}, "json lacks 'num_local_experts'"),
 ])
 def test_a_missing_or_mistyped_field_is_named(tmp_path, fields, message):
     with pytest.raises(CheckpointError, match=message):
