@@ -1,0 +1,56 @@
+"""Query heads padded with zero weights, so that a head count the GPUs do not divide (Qwen2-7B: 28 heads, 4 kv heads,
+on 8 GPUs) splits over them, the logits unchanged.
+
+Each kv head's group of G query heads grows to G' (the smallest G' >= G with K G' a multiple of the GPUs): the new
+heads' query projection (and bias) and their rows of the output projection are zeros. A zero query scores every key
+alike, so the padded head attends to the mean of the values, which its zero rows of `wo` multiply by zero: the
+residual stream, and so the logits, are those of the unpadded model. The cost is (G' - G) / G more attention and
+q / o projection work per GPU, against tensor parallelism over fewer GPUs, which the planner weighs.
+"""
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from flax import nnx
+
+from ..errors import StarscreamError
+from .config import ModelConfig
+from .decoder import Transformer
+
+PADDED = {"wq": 2, "bq": 1, "wo": 1}
+"""The stacked weights with a query-head dimension, and its index ([L, D, H, E], [L, H, E], [L, H, E, D])."""
+
+
+def padded_heads(config: ModelConfig, gpus: int) -> int:
+    """The query heads after padding each kv head's group to a size whose K groups the `gpus` divide."""
+    group = config.n_heads // config.n_kv_heads
+    step = gpus // math.gcd(gpus, config.n_kv_heads)  # K * G' is a multiple of gpus iff G' is one of step
+    return config.n_kv_heads * (-(-group // step) * step)
+
+
+def pad_query_heads(model: Transformer, gpus: int) -> Transformer:
+    """A copy of `model` with its query heads padded to `padded_heads(config, gpus)` (the module docstring); the
+    model itself where they already divide. Unsharded arrays in, unsharded arrays out: place the result with a
+    layout afterwards (`create_sharded`, `generate.place_params`)."""
+    config = model.config
+    if gpus < 1:
+        raise StarscreamError(f"{gpus} GPUs: pad query heads for at least 1")
+    heads = padded_heads(config, gpus)
+    if heads == config.n_heads:
+        return model
+    K, G = config.n_kv_heads, config.n_heads // config.n_kv_heads
+    extra = heads // K - G
+    graphdef, state = nnx.split(nnx.clone(model))  # the state's variables are the module's own: leave it whole
+    layers = state["layers"]
+    for name, axis in PADDED.items():
+        if name not in layers:
+            continue
+        value = layers[name].get_value()
+        grouped = value.reshape(*value.shape[:axis], K, G, *value.shape[axis + 1:])
+        widths = [(0, 0)] * grouped.ndim
+        widths[axis + 1] = (0, extra)
+        layers[name].set_value(jnp.pad(grouped, widths).reshape(*value.shape[:axis], heads, *value.shape[axis + 1:]))
+    padded = nnx.merge(graphdef, state)
+    padded.config = config.replace(n_heads=heads)
+    return padded

@@ -1,0 +1,44 @@
+"""Query heads padded with zero weights: the logits of the unpadded model, and a head count the GPUs now divide."""
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from starscream_jax.errors import ShardingRuleError
+from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.model.config import load_model_config
+from starscream_jax.model.decoder import Transformer
+from starscream_jax.model.heads import pad_query_heads, padded_heads
+from starscream_jax.sharding.apply import batch_sharding, param_shardings, use_layout
+
+QWEN2_7B_HEADS = load_model_config("tiny").replace(n_heads=28, n_kv_heads=4, head_dim=8, qkv_bias=True)
+"""Qwen2-7B's head counts (28 query heads sharing 4 kv heads, q/k/v biases) on the tiny model's other sizes."""
+
+
+@pytest.mark.parametrize("heads, kv_heads, gpus, expected", [(28, 4, 8, 32), (28, 4, 4, 28), (6, 2, 4, 8),
+                                                              (8, 8, 3, 24), (8, 4, 1, 8)])
+def test_each_group_grows_to_the_smallest_size_the_gpus_divide(heads, kv_heads, gpus, expected):
+    config = QWEN2_7B_HEADS.replace(n_heads=heads, n_kv_heads=kv_heads)
+    assert padded_heads(config, gpus) == expected and expected % gpus == 0 and expected % kv_heads == 0
+
+
+def test_padded_heads_keep_the_logits_and_place_on_gpus_the_heads_did_not_divide():
+    model = Transformer(QWEN2_7B_HEADS, rngs=nnx.Rngs(0))
+    state = nnx.state(model)  # nonzero biases, so that a padded head's zero weights are what keeps it silent
+    state["layers"]["bq"].set_value(jax.random.normal(jax.random.key(1), state["layers"]["bq"].shape))
+    nnx.update(model, state)
+    tokens = np.random.default_rng(0).integers(0, QWEN2_7B_HEADS.vocab_size, (2, 12), dtype=np.int32)
+    expected = jax.jit(lambda m, t: m(t))(model, tokens)
+    padded = pad_query_heads(model, 8)
+    assert padded.config.n_heads == 32 and padded.layers.wq.shape[2] == 32 and model.layers.wq.shape[2] == 28
+    np.testing.assert_allclose(jax.jit(lambda m, t: m(t))(padded, tokens), expected, atol=2e-5)
+
+    mesh = build_mesh("8x1")
+    with pytest.raises(ShardingRuleError, match="dimension 'heads' of size 28 is not divisible"):
+        param_shardings(nnx.state(model), "gpu_tp", mesh)
+    graphdef, params = nnx.split(padded)
+    with use_layout("gpu_tp", mesh):
+        placed = jax.device_put(params, param_shardings(params, "gpu_tp", mesh))
+        logits = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(
+            placed, jax.device_put(tokens, batch_sharding("gpu_tp", mesh, 2)))
+    np.testing.assert_allclose(logits, expected, atol=2e-5)
