@@ -65,6 +65,8 @@ class TrainConfig:
         for field in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_batches",
                       "checkpoint_every", "log_every"):
             whole_number(getattr(self, field), flag(field))
+        if not self.data_files():
+            raise StarscreamError(f"--data {self.data!r} names no file; pass one or more .txt or .jsonl files")
         if self.batch_size % self.grad_accum:
             raise StarscreamError(f"--grad-accum {self.grad_accum} does not split --batch-size {self.batch_size} "
                                   "into equal micro-batches; pass a divisor of the batch size")

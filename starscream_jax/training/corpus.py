@@ -24,6 +24,7 @@ from typing import Iterator
 
 import numpy as np
 
+from ..checks import created_directory
 from ..errors import StarscreamError
 from .lock import process_alive
 from .tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer
@@ -58,8 +59,8 @@ def file_kind(path: Path) -> str:
     if suffix == ".jsonl":
         return "jsonl"
     if suffix == ".json":
-        raise StarscreamError(f"training data {path} is a JSON file; write one JSON object per line ({{\"text\": "
-                              "...}} or {\"messages\": [...]}) into a .jsonl file")
+        raise StarscreamError(f"training data {path} is a JSON file; write one JSON object per line "
+                              '({"text": ...} or {"messages": [...]}) into a .jsonl file')
     if suffix in NOT_TEXT:
         raise StarscreamError(f"training data {path} is a {suffix} file, not text; decompress or convert it to "
                               ".txt (UTF-8) or .jsonl")
@@ -175,7 +176,7 @@ def tokenize_file(path: str | Path, tokenizer: ByteTokenizer | HFTokenizer,
     kind, fingerprint = file_kind(path), content_fingerprint(path)
     cache = Path(cache_dir) / f"{cache_key(fingerprint, path, tokenizer)}.tokens"
     if not cache.is_file():
-        cache.parent.mkdir(parents=True, exist_ok=True)
+        created_directory(cache.parent, "--token-cache")
         _remove_abandoned(cache)
         partial = cache.parent / f"{cache.stem}.partial-{socket.gethostname()}-{os.getpid()}"
         try:

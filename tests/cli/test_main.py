@@ -141,6 +141,9 @@ def test_importing_the_library_and_the_command_starts_no_jax_backend():
     (("--coordinator", "localhost:1234", "--num-processes", "0", "--process-id", "0"),
      "--num-processes 0: must be at least 1"),
     (("--run-dir", "/proc/starscream/run"), "--run-dir /proc/starscream/run: cannot write there"),
+    (("--data", ""), "--data '' names no file; pass one or more .txt or .jsonl files"),
+    (("--token-cache", "/proc/starscream", "--tokenizer", str(HF_FIXTURE), "--model", str(HF_FIXTURE)),
+     "--token-cache /proc/starscream: cannot write there"),
 ])
 def test_bad_training_input_is_one_error_line_before_anything_is_compiled(monkeypatch, capsys, tmp_path, args,
                                                                            message):
