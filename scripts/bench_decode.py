@@ -95,7 +95,7 @@ def run_batch(graphdef, params, rest, config, layout: str, mesh, batch: int, cac
     import jax.numpy as jnp
 
     from starscream_jax.model.decoder import cache_shardings, decode_holds_cache_per_layer, split_cache
-    from starscream_jax.sharding.apply import token_sharding, use_layout
+    from starscream_jax.sharding.apply import Placement, token_sharding, use_layout
     from starscream_jax.training.steps import Sampling, decode_step
 
     shardings = cache_shardings(config, batch, cache_length, layout, mesh)
@@ -110,7 +110,7 @@ def run_batch(graphdef, params, rest, config, layout: str, mesh, batch: int, cac
     position = jnp.asarray(cache_length - 1, jnp.int32)
     with use_layout(layout, mesh):
         start = time.perf_counter()
-        compiled = decode_step(graphdef, Sampling()).lower(params, rest, cache, token_B, position).compile()
+        compiled = decode_step(graphdef, Sampling(), under=Placement.of(layout, mesh)).lower(params, rest, cache, token_B, position).compile()
         compile_s = time.perf_counter() - start
 
     def advance(state):

@@ -285,13 +285,13 @@ def layout_row(layout: str, model_config, train_config, mesh, tokens, warmup: in
     """The library's training step (training.loop.initial_state / training.steps.train_step) under `layout`."""
     import jax
 
-    from starscream_jax.sharding.apply import batch_sharding, use_layout
+    from starscream_jax.sharding.apply import Placement, batch_sharding, use_layout
     from starscream_jax.training.loop import initial_state
     from starscream_jax.training.steps import train_step as make_train_step
 
     with use_layout(layout, mesh):
         graphdef, params, rest, optimizer, opt_state = initial_state(train_config, model_config, layout, mesh)
-        train_step = make_train_step(graphdef, optimizer)
+        train_step = make_train_step(graphdef, optimizer, under=Placement.of(layout, mesh))
         tokens = jax.device_put(tokens, batch_sharding(layout, mesh, train_config.batch_size))
         result = timed_run(train_step, (params, opt_state), (rest,), tokens, warmup, steps, profile_dir,
                            compile_only=compile_only)

@@ -26,14 +26,14 @@ from starscream_jax.hardware.mesh import build_mesh
 
 def compiled_step(layout: str, mesh, model_config, train_config):
     """(compiled step, its arguments): the AdamW step of `train_config` for `model_config`, sharded by `layout`."""
-    from starscream_jax.sharding.apply import batch_sharding, use_layout
+    from starscream_jax.sharding.apply import Placement, batch_sharding, use_layout
     from starscream_jax.training import data
     from starscream_jax.training.loop import initial_state
     from starscream_jax.training.steps import train_step as make_train_step
 
     with use_layout(layout, mesh):
         graphdef, params, rest, optimizer, opt_state = initial_state(train_config, model_config, layout, mesh)
-        train_step = make_train_step(graphdef, optimizer)
+        train_step = make_train_step(graphdef, optimizer, under=Placement.of(layout, mesh))
         batches = data.TokenBatches(data.load_corpus(train_config.data), train_config.batch_size,
                                     train_config.seq_len + 1, train_config.seed)
         sharding = batch_sharding(layout, mesh, train_config.batch_size)

@@ -4,7 +4,9 @@ The public API, in the order data flows through it:
   the mesh        `build_mesh` / `build_topology_mesh` (each physical GPU one row of a ('data', 'gpu', 'xcd') mesh),
                   `auto_axes` (the mesh with Auto axes, for models written for Flax's GSPMD guide),
                   `simulate_cpu_devices`, `Topology`, `parse_override`, `list_presets`, `load_preset`, `AXES`;
-  layouts         `get_layout`, `LAYOUTS`, `Layout`, and `use_layout` to make one active while tracing;
+  layouts         `get_layout`, `LAYOUTS`, `Layout`, and `use_layout` to make one active while tracing (the
+                  active layout is part of jit's cache key); `Placement` (a layout on a mesh) and `jit` (a function
+                  jitted and bound to one placement);
   annotations     `param` (a parameter with logical axis names), `constrain` (an activation placed by name),
                   `weight` (a weight as a matmul uses it), `einsum` (a contraction with a placed result),
                   `shared_input` (one input of several matmuls, its gradient summed once), `create_sharded`
@@ -30,7 +32,18 @@ from .hardware.topology import Topology, parse_override
 from .model.hf_checkpoint import export_hf_model, load_hf_model
 from .model.hf_config import model_config_from_hf
 from .model.ops import cross_entropy, embed_lookup
-from .sharding.apply import activation_spec, constrain, create_sharded, einsum, param, shared_input, use_layout, weight
+from .sharding.apply import (
+    Placement,
+    activation_spec,
+    constrain,
+    create_sharded,
+    einsum,
+    jit,
+    param,
+    shared_input,
+    use_layout,
+    weight,
+)
 from .sharding.collectives import (
                                    all_gather_inside_gpu,
                                    all_reduce_across_gpus,
@@ -44,12 +57,13 @@ from .sharding.flax_rules import MAXTEXT, STARSCREAM, Vocabulary, flax_rules, in
 from .sharding.layouts import LAYOUTS, Layout, get_layout
 
 __all__ = [
-    "AXES", "Check", "CheckpointError", "LAYOUTS", "Layout", "MAXTEXT", "PresetError", "RunStopped", "STARSCREAM",
-    "ShardingRuleError", "StarscreamError", "StepCheck", "Topology", "TopologyError", "Vocabulary",
-    "activation_spec", "all_gather_inside_gpu", "auto_axes", "cross_entropy", "embed_lookup", "all_reduce_across_gpus", "build_mesh", "build_topology_mesh",
+    "AXES", "Check", "CheckpointError", "LAYOUTS", "Layout", "MAXTEXT", "Placement", "PresetError", "RunStopped",
+    "STARSCREAM", "ShardingRuleError", "StarscreamError", "StepCheck", "Topology", "TopologyError", "Vocabulary",
+    "activation_spec", "all_gather_inside_gpu", "all_reduce_across_gpus", "auto_axes", "build_mesh",
+    "build_topology_mesh", "cross_entropy", "embed_lookup",
     "check", "check_compiled", "constrain", "create_sharded", "derive", "einsum", "export_hf_model", "flax_rules",
     "get_layout", "hierarchical_all_gather", "hierarchical_all_reduce", "hierarchical_psum", "in_vocabulary",
-    "list_presets", "load_hf_model", "load_preset", "model_config_from_hf", "param", "parse_override",
+    "jit", "list_presets", "load_hf_model", "load_preset", "model_config_from_hf", "param", "parse_override",
     "reduce_scatter_inside_gpu", "shared_input", "simulate_cpu_devices", "use_layout", "weight", "weights_at_use",
 ]
 __version__ = "0.1.0"

@@ -22,7 +22,7 @@ from starscream_jax.errors import TopologyError
 from starscream_jax.hardware.mesh import build_mesh, build_topology_mesh, device_table, resolve_topology
 from starscream_jax.model.config import load_model_config
 from starscream_jax.model.decoder import create_sharded_model, init_cache, next_token_loss
-from starscream_jax.sharding.apply import batch_sharding, use_layout
+from starscream_jax.sharding.apply import Placement, batch_sharding, use_layout
 from starscream_jax.sharding.layouts import LAYOUTS
 from starscream_jax.training.config import TrainConfig
 from starscream_jax.training.loop import initial_state
@@ -143,7 +143,7 @@ def forward_and_gradients(graphdef, state, tokens):
     def loss_of(state):
         return next_token_loss(nnx.merge(graphdef, state), tokens)
 
-    logits = nnx.merge(graphdef, state)(tokens[:, :-1])
+    logits = nnx.merge(graphdef, state)(tokens[:, :-1]).logits
     loss, grads = jax.value_and_grad(loss_of)(state)
     return logits, loss, grads
 
@@ -182,8 +182,8 @@ def prefill_then_decode(graphdef, state, prompt_BS, next_B1):
     """Logits of the last prompt position and of one decoded token, through the KV cache."""
     model = nnx.merge(graphdef, state)
     cache = init_cache(CONFIG, prompt_BS.shape[0], prompt_BS.shape[1] + 1)
-    prefill_logits, cache = model(prompt_BS, cache=cache, cache_index=0)
-    decode_logits, _ = model(next_B1, cache=cache, cache_index=prompt_BS.shape[1])
+    prefill_logits, cache, _ = model(prompt_BS, cache=cache, cache_index=0)
+    decode_logits = model(next_B1, cache=cache, cache_index=prompt_BS.shape[1]).logits
     return prefill_logits[:, -1], decode_logits[:, -1]
 
 
@@ -216,7 +216,7 @@ def train_losses(layout: str, mesh, sharded: bool = True) -> list[float]:
     if not sharded:
         params, rest, opt_state, tokens = jax.tree.map(jnp.asarray, jax.device_get((params, rest, opt_state, tokens)))
     with use_layout(layout, mesh) if sharded else contextlib.nullcontext():
-        train_step = make_train_step(graphdef, optimizer)
+        train_step = make_train_step(graphdef, optimizer, under=Placement.of(layout, mesh) if sharded else None)
         losses = []
         for _ in range(TRAIN.steps):
             params, opt_state, loss = train_step(params, opt_state, rest, tokens)
@@ -240,7 +240,7 @@ def train_step_report(layout: str):
     mesh = mesh_named("pairs")
     with use_layout(layout, mesh):
         graphdef, params, rest, optimizer, opt_state = initial_state(TRAIN, CONFIG, layout, mesh)
-        train_step = make_train_step(graphdef, optimizer)
+        train_step = make_train_step(graphdef, optimizer, under=Placement.of(layout, mesh))
         tokens = jax.device_put(tokens_BS(), batch_sharding(layout, mesh, BATCH))
         args = (params, opt_state, rest, tokens)
         return inspect_compiled(train_step.lower(*args).compile(), mesh, args=args)

@@ -47,7 +47,7 @@ from ..model.decoder import (
 from ..model.paged import PAGES
 from ..serving.engine import cache_shards
 from ..serving.steps import RowSampling, StepInputs, paged_step
-from ..sharding.apply import activation_spec, batch_sharding, param_shardings, token_sharding, use_layout
+from ..sharding.apply import Placement, activation_spec, batch_sharding, param_shardings, token_sharding, use_layout
 from ..sharding.layouts import Layout, fit_batch, get_layout
 from ..training.config import TrainConfig
 from ..training.generate import generation_cache_length
@@ -199,12 +199,14 @@ def step_program(settings: Settings, layout: Layout, mesh, config: ModelConfig |
     cache = cache_length(settings, layout, mesh)
     graphdef, args = abstract_args(config, layout, mesh, settings.phase, settings.batch, settings.seq,
                                    settings.training, cache, settings.holds_cache_per_layer)
+    under = Placement(layout, mesh)
     if settings.phase == "train":
-        step = train_step(graphdef, make_optimizer(settings.training, args.params), settings.training.grad_accum)
+        step = train_step(graphdef, make_optimizer(settings.training, args.params), settings.training.grad_accum,
+                          under=under)
     elif settings.phase == "prefill":
-        step = prefill_step(graphdef, config, settings.sampling, cache)
+        step = prefill_step(graphdef, config, settings.sampling, cache, under=under)
     else:
-        step = decode_step(graphdef, settings.sampling)
+        step = decode_step(graphdef, settings.sampling, under=under)
     return step, args
 
 

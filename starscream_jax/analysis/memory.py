@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ..hardware.backend import policy_of_vendor
 from ..model.config import ModelConfig
 from ..model.decoder import rolls_layers
 from ..model.names import ATTN_KV, ATTN_Q, LOGITS, RESIDUAL
@@ -213,7 +214,7 @@ def decode_cache_copies(rolled: bool, cache_per_layer: bool, read_in_place: bool
 
 def reads_cache_in_place(chip, dtype) -> bool:
     """Whether decode's attention reads each layer's KV cache where it lies on `chip` (a `hardware.presets.Chip`):
-    the model calls cuDNN's fused attention on NVIDIA GPUs for bfloat16 and float16 (`model.ops._cached_attention`),
-    which takes the cache with its strides. XLA's attention (on other chips, and in the programs the inspector
-    compiles for CPU devices) reads a transposed copy."""
-    return chip.vendor == "nvidia" and str(np.dtype(dtype)) in ("bfloat16", "float16")
+    where the model calls the vendor's fused attention (`hardware.backend.BackendPolicy.fuses_attention`: cuDNN's
+    on NVIDIA GPUs for 16-bit inputs), which takes the cache with its strides. XLA's attention (on other chips, and
+    in the programs the inspector compiles for CPU devices) reads a transposed copy."""
+    return policy_of_vendor(chip.vendor).fuses_attention(dtype)

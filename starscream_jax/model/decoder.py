@@ -10,6 +10,8 @@ stored apart. A mixture-of-experts model routes each token to its experts (`moe.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,10 +20,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import StarscreamError
 from ..hardware.axes import dim_axes
+from ..hardware.backend import policy_of
 from ..sharding.collectives import hierarchical_all_gather
 from ..sharding.apply import (
     activation_spec,
     active,
+    compute_device,
     constrain,
     create_sharded,
     einsum,
@@ -121,8 +125,21 @@ class LayerStack(nnx.Module):
             self.w_down = param(_normal(rngs, (L, F, D), F), ("layers", "mlp", "embed"))
 
 
+class ModelOutput(NamedTuple):
+    """What `Transformer.__call__` returns, whatever it is asked."""
+
+    logits: jax.Array
+    """[B, S, V] float32, placed by LOGITS."""
+    cache: dict | None
+    """The KV cache given, with the new keys and values written; None when none was given."""
+    balance_loss: jax.Array
+    """The mixture of experts' load-balancing loss, a float32 scalar: the mean over layers of `moe.balance_loss`
+    (1 when even); 0 for a dense model."""
+
+
 class Transformer(nnx.Module):
-    """tokens [B, S] int32 -> logits [B, S, V] float32 (and the updated KV cache when one is given)."""
+    """tokens [B, S] int32 -> ModelOutput (logits [B, S, V] float32, the updated KV cache when one is given, the
+    load-balancing loss)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
@@ -135,12 +152,12 @@ class Transformer(nnx.Module):
                                  ("embed", "vocab"))
 
     def __call__(self, tokens_BS: jax.Array, *, positions_BS: jax.Array | None = None,
-                 cache: dict | None = None, cache_index: jax.Array | int = 0, with_load_balance: bool = False):
-        """tokens [B, S] -> logits [B, S, V] float32, or (logits, cache) with a KV cache {"k", "v"} of
-        [L, B, T, K, E] each (or L arrays of [B, T, K, E] each, `split_cache`), the new keys and values written at
+                 cache: dict | None = None, cache_index: jax.Array | int = 0) -> ModelOutput:
+        """tokens [B, S] -> ModelOutput: logits [B, S, V] float32, the KV cache ({"k", "v"} of [L, B, T, K, E]
+        each, or L arrays of [B, T, K, E] each, `split_cache`) with the new keys and values written at
         `cache_index` (StarscreamError when they would not fit; every logit NaN when a traced index would not, see
-        `_cache_room`). `with_load_balance` adds the mixture of experts' load-balancing loss (mean over layers; 0 for
-        a dense model) as a last result."""
+        `_cache_room`), None without a cache, and the mixture of experts' load-balancing loss (mean over layers; 0
+        for a dense model)."""
         c = self.config
         fits = None if cache is None else _cache_room(cache, cache_index, tokens_BS.shape[1])
         if positions_BS is None:
@@ -151,9 +168,7 @@ class Transformer(nnx.Module):
         logits_BSV = self._logits(x_BSD, table_VD)
         if fits is not None:
             logits_BSV = jnp.where(fits, logits_BSV, jnp.nan)
-        results = (logits_BSV,) + (() if cache is None else (new_cache,))
-        results += (jnp.mean(balance_L),) if with_load_balance else ()
-        return results if len(results) > 1 else logits_BSV
+        return ModelOutput(logits_BSV, new_cache, jnp.mean(balance_L))
 
     def paged(self, tokens_BS: jax.Array, positions_BS: jax.Array, last_B: jax.Array,
               cache: PagedCache) -> tuple[jax.Array, PagedCache]:
@@ -330,32 +345,23 @@ def _used(scope: str, weights: dict, key: str, names: tuple[str, ...], dtype) ->
 
 def _project(scope: str, subscripts: str, x: jax.Array, w: jax.Array, out: tuple[str, ...]) -> jax.Array:
     """One projection `einsum(subscripts, x, w)` of x [B, S, ...] placed by `out` ([B, S, ...]), under the named
-    scope `scope`; where XLA:GPU would run it as a multiply and a reduction (`_reduced_by_xla`), on rows padded
-    with zeros (`_padded_matmul`)."""
+    scope `scope`; on rows padded with zeros where the backend policy pads it (`_padded_rows`)."""
     with jax.named_scope(scope):
-        if _reduced_by_xla(x, w):
-            return _padded_matmul(subscripts, x, w, out, scope)
+        rows = _padded_rows(x, w)
+        if rows:
+            return _padded_matmul(subscripts, x, w, out, scope, rows)
         return einsum(subscripts, x, w, out, scope)
 
 
-XLA_GPU_SMALL_DOT_ELEMENTS = 10_000_000
-"""XLA:GPU's algebraic simplifier rewrites a matmul whose left side is a single row (once size-1 dimensions are
-dropped) into a multiply and a reduction when its two sides together hold fewer elements than this per device (its
-dot strength reduction; the threshold is fixed in XLA's GPU algebraic simplifier). In decode at batch 1 that is
-the k and v projections of grouped-query attention (Llama 3 8B: 4096 x 1024), which then read their weights at
-0.8 TB/s on an H200 against 3.6 TB/s as cuBLAS GEMMs (benchmarks/NOTES.md runs 9 and 12)."""
-PADDED_ROWS = 8
-"""The rows a one-row projection is padded to: XLA pads a GEMM's rows to a multiple of 8 for the tensor cores
-itself (a kernel of its own), so padding to 8 here does both in one."""
-
-
-def _reduced_by_xla(x: jax.Array, w: jax.Array) -> bool:
-    """Whether each device holds one row of x [B, 1, ...] and x and w together fewer than
-    XLA_GPU_SMALL_DOT_ELEMENTS elements per device."""
+def _padded_rows(x: jax.Array, w: jax.Array) -> int:
+    """The rows the projection of x [B, 1, ...] by w is padded to (`BackendPolicy.pads`: XLA:GPU would run one row
+    per device as a multiply and a reduction), or 0 where it runs as it is."""
     if x.shape[1] != 1:
-        return False
+        return 0
     x_local, w_local = _local_shape(x), _local_shape(w)
-    return x_local[0] == 1 and int(np.prod(x_local)) + int(np.prod(w_local)) < XLA_GPU_SMALL_DOT_ELEMENTS
+    policy = policy_of(compute_device())
+    pads = x_local[0] == 1 and policy.pads(int(np.prod(x_local)), int(np.prod(w_local)))
+    return policy.padded_rows if pads else 0
 
 
 def _local_shape(x: jax.Array) -> tuple[int, ...]:
@@ -365,12 +371,12 @@ def _local_shape(x: jax.Array) -> tuple[int, ...]:
     return jax.typeof(x).sharding.shard_shape(x.shape)
 
 
-def _padded_matmul(subscripts: str, x: jax.Array, w: jax.Array, out: tuple[str, ...], scope: str) -> jax.Array:
-    """`einsum(subscripts, x, w)` for x [B, 1, ...], computed on x with zero rows appended ([B, PADDED_ROWS, ...])
-    and the first row kept, so that XLA runs a GEMM where one row would be a multiply and a reduction
-    (`_reduced_by_xla`); the optimization barrier keeps XLA from folding the zero rows away. The extra rows cost
-    nothing measurable where the weights' bytes bound the step."""
-    padded = jax.lax.optimization_barrier(jnp.pad(x, [(0, 0), (0, PADDED_ROWS - 1)] + [(0, 0)] * (x.ndim - 2)))
+def _padded_matmul(subscripts: str, x: jax.Array, w: jax.Array, out: tuple[str, ...], scope: str,
+                   rows: int) -> jax.Array:
+    """`einsum(subscripts, x, w)` for x [B, 1, ...], computed on x with zero rows appended ([B, rows, ...]) and the
+    first row kept, so that XLA runs a GEMM; the optimization barrier keeps XLA from folding the zero rows away.
+    The extra rows cost nothing measurable where the weights' bytes bound the step."""
+    padded = jax.lax.optimization_barrier(jnp.pad(x, [(0, 0), (0, rows - 1)] + [(0, 0)] * (x.ndim - 2)))
     return einsum(subscripts, padded, w, out, scope)[:, :1]
 
 
@@ -573,7 +579,7 @@ def next_token_loss(model: Transformer, tokens_BS: jax.Array) -> jax.Array:
     """Mean cross entropy (nats) of predicting tokens[:, 1:] from tokens[:, :-1]; vocab-parallel under a layout;
     plus `load_balance_weight` times the load-balancing loss for a mixture of experts. tokens [B, S + 1] int32,
     placed like a token batch (`batch_sharding`)."""
-    logits_BSV, balance = model(tokens_BS[:, :-1], with_load_balance=True)
+    logits_BSV, _, balance = model(tokens_BS[:, :-1])
     targets_BS = constrain(tokens_BS[:, 1:], TOKENS, "targets")
     with jax.named_scope("loss"):
         loss = token_mean(cross_entropy(logits_BSV, targets_BS), TOKENS)

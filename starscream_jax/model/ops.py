@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec
 
 from ..errors import ShardingRuleError
 from ..hardware.axes import axes_of, dim_axes, spec_axes
+from ..hardware.backend import policy_of
 from ..sharding.apply import activation_spec, active, compute_device, placed_as, weight, weight_spec
 from ..sharding.collectives import hierarchical_all_gather, hierarchical_psum
 from ..sharding.rules import LogicalNames
@@ -64,17 +65,12 @@ def _check_head_split(n_heads: int, n_kv: int, q_axes, kv_axes, mesh_shape: dict
                                 f"per-device share divides or is divided by {group}")
 
 
-def _on_cuda() -> bool:
-    """Whether the active mesh (or, with none, the default device) is an NVIDIA GPU, where cuDNN runs."""
-    device = compute_device()
-    return device.platform == "gpu" and "cuda" in device.client.platform_version.lower()
-
-
 def _fused_attention(q_BSHE, k_BTKE, v_BTKE, **options):
-    """`jax.nn.dot_product_attention(q, k, v, **options)` through cuDNN's fused flash attention on NVIDIA GPUs with
-    bf16 / fp16 inputs (JAX picks XLA's unfused form, [B, H, S, T] scores in memory, unless told); XLA's form
-    elsewhere, and for shapes cuDNN refuses (it raises NotImplementedError while tracing)."""
-    if _on_cuda() and q_BSHE.dtype in (jnp.bfloat16, jnp.float16):
+    """`jax.nn.dot_product_attention(q, k, v, **options)` through the vendor's fused kernel where the backend policy
+    asks for it (`BackendPolicy.fuses_attention`: cuDNN's flash attention on NVIDIA GPUs with bf16 / fp16 inputs,
+    where JAX would pick XLA's unfused form, [B, H, S, T] scores in memory); XLA's form elsewhere, and for shapes
+    cuDNN refuses (it raises NotImplementedError while tracing)."""
+    if policy_of(compute_device()).fuses_attention(q_BSHE.dtype):
         try:
             return jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, implementation="cudnn", **options)
         except NotImplementedError:

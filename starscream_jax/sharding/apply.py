@@ -8,7 +8,6 @@ Outside `use_layout(...)` every helper is the identity, so the same model runs u
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 from dataclasses import dataclass
 
@@ -29,7 +28,9 @@ FLAX_METADATA = "out_sharding"
 
 
 @dataclass(frozen=True)
-class ActiveLayout:
+class Placement:
+    """A layout on a mesh: where every array of a traced program goes. Hashable, as part of jit's cache key."""
+
     layout: Layout
     mesh: jax.sharding.Mesh
 
@@ -39,8 +40,15 @@ class ActiveLayout:
         propagation places everything between the constraints (the helpers then constrain, never reshard)."""
         return is_auto(self.mesh)
 
+    @classmethod
+    def of(cls, layout: Layout | str, mesh) -> Placement:
+        """The placement of `layout` (a Layout or a layout's name) on `mesh`."""
+        return cls(get_layout(layout), mesh)
 
-_ACTIVE: contextvars.ContextVar[ActiveLayout | None] = contextvars.ContextVar("starscream_layout", default=None)
+
+_ACTIVE = jax.make_user_context(None)
+"""The active Placement (None outside `use_layout`): a JAX user context, so its value is part of the cache key of
+every jitted function, and a function traced under one layout is traced again under another."""
 
 
 def is_auto(mesh: jax.sharding.Mesh) -> bool:
@@ -64,25 +72,63 @@ def use_layout(layout: Layout | str, mesh):
     "use")`, every name of the layout's tables, yours too after `in_vocabulary`), so each logical constraint of the
     model places its activation as the layout does; parameters are placed at rest by `create_sharded`.
 
-    The layout is read while tracing and is not part of jit's cache key: a function jitted once and called under
-    two layouts with equally placed arguments reuses the first trace. Jit (or lower) afresh inside each block."""
+    The active layout is part of jit's cache key: a function jitted once (`jax.jit`, `nnx.jit`) and called under
+    two layouts is traced, lowered and compiled once for each. To bind a function to one layout whatever is active
+    where it is called, jit it with `jit(fn, under=Placement.of(layout, mesh))`."""
     of_type(mesh, Mesh, "mesh", "a jax.sharding.Mesh, as starscream_jax.build_mesh gives", ShardingRuleError)
-    current = ActiveLayout(get_layout(layout), mesh)
-    rules = flax_table(current.layout, "use") if current.auto else None
-    token = _ACTIVE.set(current)
-    try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(jax.set_mesh(mesh))
-            if rules is not None:
-                stack.enter_context(nnx.logical_axis_rules(rules))
+    current = Placement.of(layout, mesh)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_ACTIVE(current))
+        stack.enter_context(jax.set_mesh(mesh))
+        if current.auto:
+            stack.enter_context(nnx.logical_axis_rules(flax_table(current.layout, "use")))
+        yield
+
+
+@contextlib.contextmanager
+def placed(under: Placement | None):
+    """`use_layout(under.layout, under.mesh)`, or for None no layout at all (code traced inside runs unsharded)."""
+    if under is None:
+        with _ACTIVE(None):
             yield
-    finally:
-        _ACTIVE.reset(token)
+    else:
+        with use_layout(under.layout, under.mesh):
+            yield
 
 
-def active() -> ActiveLayout | None:
+class Jitted:
+    """`jax.jit(fn, **options)` bound to the placement `under`: calling, tracing and lowering it always trace `fn`
+    under that placement (None: no layout), whichever layout is active at the call."""
+
+    def __init__(self, fn, under: Placement | None, **options):
+        self.under = under
+        self._jitted = jax.jit(fn, **options)
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        with placed(self.under):
+            return self._jitted(*args, **kwargs)
+
+    def trace(self, *args, **kwargs):
+        with placed(self.under):
+            return self._jitted.trace(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        with placed(self.under):
+            return self._jitted.lower(*args, **kwargs)
+
+
+def jit(fn=None, *, under: Placement | None, **options):
+    """`fn` jitted (`jax.jit` options) and bound to the placement `under` (`Jitted`); as a decorator,
+    `@jit(under=Placement.of("starscream_tp", mesh))`."""
+    if fn is None:
+        return functools.partial(jit, under=under, **options)
+    return Jitted(fn, under, **options)
+
+
+def active() -> Placement | None:
     """The active layout and mesh, or None outside `use_layout`."""
-    return _ACTIVE.get()
+    return _ACTIVE.value
 
 
 def compute_device():
@@ -167,7 +213,7 @@ def _constrained_gradient(use, stored, _, gradient):
 _constrained_at_use.defvjp(_constrained_at_use_forward, _constrained_gradient)
 
 
-def _token_axes(current: ActiveLayout) -> frozenset[str]:
+def _token_axes(current: Placement) -> frozenset[str]:
     """The mesh axes that split the tokens (batch or sequence) under the active layout."""
     return frozenset(axis for name in ("batch", "seq") for axis in current.layout.activations.lookup(name)[1])
 

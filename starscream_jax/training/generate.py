@@ -9,7 +9,6 @@ once, after prefill. Sampling is greedy or top-p (nucleus); the random draw of p
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import StarscreamError
 from ..model.decoder import cache_shardings, decode_holds_cache_per_layer, split_cache
-from ..sharding.apply import batch_sharding, param_shardings, token_sharding, use_layout
+from ..sharding.apply import Placement, batch_sharding, param_shardings, placed, token_sharding
 from ..sharding.layouts import Layout, fit_batch, positions_multiple
 from .steps import Sampling, decode_step, prefill_step
 
@@ -77,14 +76,18 @@ def generate(model, prompt_BP, max_new_tokens: int, sampling: Sampling = Samplin
     params = jax.tree.map(lambda array: array.astype(config.dtype), params)  # held as the matmuls read them
     prompt = jnp.asarray(prompt_BP, jnp.int32)
 
+    def placement(layout) -> Placement | None:
+        return Placement.of(layout, mesh) if mesh is not None else None
+
     def phase(layout):
-        return use_layout(layout, mesh) if mesh is not None else contextlib.nullcontext()
+        return placed(placement(layout))
 
     with phase(prefill_layout):
         if mesh is not None:
             params = place_params(params, prefill_layout, mesh)
             prompt = jax.device_put(prompt, batch_sharding(prefill_layout, mesh, batch))
-        compiled_prefill = prefill_step(graphdef, config, sampling, cache_length).lower(params, rest, prompt).compile()
+        compiled_prefill = prefill_step(graphdef, config, sampling, cache_length,
+                                        under=placement(prefill_layout)).lower(params, rest, prompt).compile()
         started = time.perf_counter()
         token_B, cache = compiled_prefill(params, rest, prompt)
         token_B.block_until_ready()
@@ -98,8 +101,8 @@ def generate(model, prompt_BP, max_new_tokens: int, sampling: Sampling = Samplin
         if decode_holds_cache_per_layer(config):  # decode runs no layer loop
             cache = jax.jit(split_cache)(cache)
         new_tokens = [token_B]
-        compiled_decode = decode_step(graphdef, sampling).lower(params, rest, cache, token_B,
-                                                                jnp.int32(prompt_length)).compile()
+        compiled_decode = decode_step(graphdef, sampling, under=placement(decode_layout)).lower(
+            params, rest, cache, token_B, jnp.int32(prompt_length)).compile()
         started = time.perf_counter()
         stopped_B = token_B == stop_token if stop_token is not None else None
         for position in range(prompt_length, end - 1):

@@ -36,7 +36,7 @@ from ..hardware.distributed import is_main_process
 from ..model.config import ModelConfig
 from ..model.decoder import create_sharded_model
 from ..model.hf_checkpoint import load_hf_model
-from ..sharding.apply import batch_sharding, use_layout
+from ..sharding.apply import Placement, batch_sharding, use_layout
 from ..sharding.layouts import Layout, fit_batch
 from . import data
 from .checkpoint import CheckpointStore, abstract_model_state, all_finite
@@ -438,9 +438,9 @@ class Evaluation:
 
     @classmethod
     def of(cls, plan: RunPlan, program: TrainProgram) -> Evaluation:
-        graphdef = program.graphdef
-        balance = load_balance_step(graphdef) if plan.model_config.load_balance_weight else None
-        return cls(plan, eval_step(graphdef), balance)
+        graphdef, under = program.graphdef, Placement(plan.layout, plan.mesh)
+        balance = load_balance_step(graphdef, under=under) if plan.model_config.load_balance_weight else None
+        return cls(plan, eval_step(graphdef, under=under), balance)
 
     def __call__(self, state: RunState) -> tuple[float, float | None]:
         balance = None if self.balance_step is None else self.mean(self.balance_step, state)
@@ -516,7 +516,8 @@ def compile_train_step(config: TrainConfig, model_config, layout, mesh, token_sh
             mesh, leaf.sharding.spec if leaf.sharding is not None else PartitionSpec())),
         jax.eval_shape(optimizer.init, params))
     tokens = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32, sharding=token_sharding)
-    compiled = train_step(graphdef, optimizer, config.grad_accum).lower(params, opt_state, rest, tokens).compile()
+    compiled = train_step(graphdef, optimizer, config.grad_accum, under=Placement.of(layout, mesh)).lower(
+        params, opt_state, rest, tokens).compile()
     program = TrainProgram(compiled, (params, opt_state, rest), graphdef)
     needed = step_bytes_per_device(compiled)
     if device_memory_bytes is not None and needed is not None and needed > device_memory_bytes:

@@ -3,7 +3,9 @@
 `starscream train`, `generate`, `inspect`, `plan` and the benchmarks all jit these functions, so the program a command
 judges or times is the program that training and generation run. Each step takes the model's parameters (`params`,
 an nnx.State of nnx.Param) and the rest of its state (`rest`) apart, as `nnx.split(model, nnx.Param, ...)` gives
-them, and is traced under the active layout (`use_layout`), which places every array.
+them. Each factory takes the placement the step runs under (`under`: a `Placement`, a layout on a mesh, or None for
+no layout) and binds the jitted step to it (`sharding.apply.jit`): its body is always traced under that layout,
+whichever layout is active where it is called, so one step can never run a trace made for another layout.
 
   train    (params, opt_state, rest, tokens [B, S + 1]) -> (params, opt_state, loss): value_and_grad of
            `next_token_loss`, then `make_optimizer`'s update (global-norm clipping, AdamW with the weight-decay mask).
@@ -17,7 +19,8 @@ them, and is traced under the active layout (`use_layout`), which places every a
            padded to a multiple of the sequence split where the layout splits the sequence (`_padded_prompt`).
   decode   (params, rest, cache, token [B], position) -> (next token [B], cache): one token per sequence at
            `position` of the cache (donated; stacked, or held per layer as generation holds it when decode runs no
-           layer loop, `decoder.split_cache`), compiled with DECODE_COMPILER_OPTIONS.
+           layer loop, `decoder.split_cache`), compiled with the backend policy's decode options
+           (`hardware.backend.BackendPolicy.decode_compiler_options`).
 """
 from __future__ import annotations
 
@@ -33,9 +36,10 @@ from jax.sharding import PartitionSpec, reshard
 from ..checks import finite_number
 from ..errors import StarscreamError
 from ..hardware.axes import INSIDE_GPU, axes_of, dim_axes
+from ..hardware.backend import policy_of
 from ..model.config import ModelConfig
 from ..model.decoder import init_cache, next_token_loss
-from ..sharding.apply import LOGICAL_AXES, activation_spec, active
+from ..sharding.apply import LOGICAL_AXES, Jitted, Placement, activation_spec, active, jit
 from ..sharding.layouts import positions_multiple
 from .config import TrainConfig
 
@@ -64,11 +68,12 @@ def make_optimizer(config: TrainConfig, params) -> optax.GradientTransformation:
     )
 
 
-def train_step(graphdef, optimizer: optax.GradientTransformation, grad_accum: int = 1):
-    """The jitted training step (see the module docstring), accumulating gradients over `grad_accum` micro-batches;
-    params and opt_state are donated."""
+def train_step(graphdef, optimizer: optax.GradientTransformation, grad_accum: int = 1, *,
+               under: Placement | None) -> Jitted:
+    """The jitted training step (see the module docstring) under `under`, accumulating gradients over `grad_accum`
+    micro-batches; params and opt_state are donated."""
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    @jit(under=under, donate_argnums=(0, 1))
     def step(params, opt_state, rest, tokens_BS):
         loss, grads = accumulated_gradients(params, rest, tokens_BS, graphdef, grad_accum)
         with jax.named_scope("optimizer"):
@@ -105,19 +110,19 @@ def accumulated_gradients(params, rest, tokens_BS, graphdef, micro_batches: int 
     return jax.tree.map(lambda total: total / micro_batches, (loss, grads))
 
 
-def eval_step(graphdef):
-    """The jitted evaluation step: (params, rest, tokens [B, S + 1]) -> mean next-token loss (nats)."""
-    return jax.jit(functools.partial(_loss, graphdef=graphdef))
+def eval_step(graphdef, *, under: Placement | None) -> Jitted:
+    """The jitted evaluation step under `under`: (params, rest, tokens [B, S + 1]) -> mean next-token loss (nats)."""
+    return jit(functools.partial(_loss, graphdef=graphdef), under=under)
 
 
-def load_balance_step(graphdef):
+def load_balance_step(graphdef, *, under: Placement | None) -> Jitted:
     """The jitted load-balancing loss of a mixture of experts: (params, rest, tokens [B, S + 1]) -> the mean over
     layers of the router's load-balancing loss on tokens[:, :-1] (`moe.balance_loss`: 1 when even), the term the
-    training loss adds times `load_balance_weight`; 0 when that weight is 0 (the term is not computed)."""
+    training loss adds times `load_balance_weight`; 0 for a dense model. Under `under`."""
 
-    @jax.jit
+    @jit(under=under)
     def step(params, rest, tokens_BS):
-        return nnx.merge(graphdef, params, rest)(tokens_BS[:, :-1], with_load_balance=True)[1]
+        return nnx.merge(graphdef, params, rest)(tokens_BS[:, :-1]).balance_loss
 
     return step
 
@@ -141,15 +146,17 @@ class Sampling:
         finite_number(self.temperature, "--temperature", positive=True)
 
 
-def prefill_step(graphdef, config: ModelConfig, sampling: Sampling, cache_length: int):
-    """The jitted prefill step (see the module docstring), filling a KV cache of `cache_length` positions."""
+def prefill_step(graphdef, config: ModelConfig, sampling: Sampling, cache_length: int, *,
+                 under: Placement | None) -> Jitted:
+    """The jitted prefill step (see the module docstring) under `under`, filling a KV cache of `cache_length`
+    positions."""
 
-    @jax.jit
+    @jit(under=under)
     def step(params, rest, prompt_BP):
         model = nnx.merge(graphdef, params, rest)
         cache = init_cache(config, prompt_BP.shape[0], cache_length)
-        logits_BPV, cache = model(_padded_prompt(prompt_BP), cache=cache, cache_index=0)
-        return choose_token(_last_real(logits_BPV, prompt_BP.shape[1]), prompt_BP.shape[1], sampling), cache
+        out = model(_padded_prompt(prompt_BP), cache=cache, cache_index=0)
+        return choose_token(_last_real(out.logits, prompt_BP.shape[1]), prompt_BP.shape[1], sampling), out.cache
 
     return step
 
@@ -172,21 +179,14 @@ def _last_real(logits_BPV: jax.Array, length: int) -> jax.Array:
     return jnp.sum(jnp.where(last_P[None, :, None], logits_BPV, 0.0), axis=1)
 
 
-DECODE_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}
-"""XLA options of the decode step (ignored off GPUs): its GEMMs, one row per sequence, run as cuBLAS calls rather
-than XLA's Triton GEMM fusions, which on an H200 read the weights more slowly and copy each layer's o weight out of
-the stacked array first (Llama 3 8B, batch 1: 6.1 ms per step against 6.5; benchmarks/NOTES.md); and XLA does not
-merge GEMMs that share an input (q, k and v) into one, which would concatenate their weights in every step."""
+def decode_step(graphdef, sampling: Sampling, *, under: Placement | None) -> Jitted:
+    """The jitted decode step (see the module docstring) under `under`; the cache is donated."""
+    device = under.mesh.devices.flat[0] if under is not None else jax.devices()[0]
 
-
-def decode_step(graphdef, sampling: Sampling):
-    """The jitted decode step (see the module docstring); the cache is donated."""
-
-    @functools.partial(jax.jit, donate_argnums=(2,), compiler_options=DECODE_COMPILER_OPTIONS)
+    @jit(under=under, donate_argnums=(2,), compiler_options=dict(policy_of(device).decode_compiler_options))
     def step(params, rest, cache, token_B, position):
-        model = nnx.merge(graphdef, params, rest)
-        logits_BSV, cache = model(token_B[:, None], cache=cache, cache_index=position)
-        return choose_token(logits_BSV[:, 0], position + 1, sampling), cache
+        out = nnx.merge(graphdef, params, rest)(token_B[:, None], cache=cache, cache_index=position)
+        return choose_token(out.logits[:, 0], position + 1, sampling), out.cache
 
     return step
 

@@ -20,7 +20,7 @@ MESH = ["--topology", "2x4", "--simulate"]
 
 def logits(model, mesh, tokens) -> np.ndarray:
     with use_layout("starscream_tp", mesh):
-        return np.asarray(jax.jit(lambda m, t: m(t))(model, tokens))
+        return np.asarray(jax.jit(lambda m, t: m(t).logits)(model, tokens))
 
 
 def test_fine_tune_export_reload_and_generate(tmp_path, capsys):

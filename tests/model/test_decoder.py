@@ -1,10 +1,10 @@
 """The model under every layout equals the unsharded model: logits, loss, gradients, one AdamW step, greedy decoding.
 
 Each (config, mesh, layout) case compiles one program once (a train step, then a prefill and a decode loop) and keeps
-only the errors against the unsharded run, which every test of that case reads. Programs are jitted from fresh
-closures inside `use_layout`, because the active layout is read at trace time and is not part of jit's cache key.
+only the errors against the unsharded run, which every test of that case reads.
 """
 import contextlib
+import dataclasses
 import functools
 
 import jax
@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from starscream_jax.errors import ShardingRuleError, StarscreamError
+from starscream_jax.hardware.backend import CUDA, PORTABLE
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model.config import load_model_config
 from starscream_jax.model.decoder import Transformer, create_sharded_model, init_cache, next_token_loss
@@ -33,6 +34,9 @@ BATCH, SEQ, PROMPT, NEW_TOKENS = 8, 16, 8, 8
 ADAMW = optax.adamw(learning_rate=1e-3, eps=1e-3)
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 """Every program here runs once on tiny shapes, so LLVM optimisation would only add compile time."""
+
+PADDING = dataclasses.replace(PORTABLE, padded_rows=CUDA.padded_rows, small_dot_elements=CUDA.small_dot_elements)
+"""The portable policy with CUDA's padding of one-row projections, and no cuDNN attention (which CPUs lack)."""
 
 BATCH_LAYOUTS = [name for name, layout in LAYOUTS.items() if not layout.splits_sequence]
 """The layouts that keep each sequence whole (and so decode with a KV cache); the context-parallel ones are tested
@@ -61,7 +65,7 @@ def train_step(graphdef, params, tokens_BS):
     """(logits [B, S, V], loss, grads, params after one AdamW step by nnx.Optimizer). `params` is left as it was."""
     loss, grads = jax.value_and_grad(lambda p: next_token_loss(nnx.merge(graphdef, p), tokens_BS))(params)
     model = nnx.merge(graphdef, params, copy=True)
-    logits_BSV = model(tokens_BS)
+    logits_BSV = model(tokens_BS).logits
     optimizer = nnx.Optimizer(model, ADAMW, wrt=nnx.Param)
     optimizer.update(model, grads)
     return logits_BSV, loss, grads, nnx.state(model, nnx.Param)
@@ -70,8 +74,8 @@ def train_step(graphdef, params, tokens_BS):
 def prefill(graphdef, config, params, prompt_BP):
     """(first generated token [B], KV cache of PROMPT + NEW_TOKENS positions holding the prompt)."""
     cache = init_cache(config, prompt_BP.shape[0], PROMPT + NEW_TOKENS)
-    logits, cache = nnx.merge(graphdef, params)(prompt_BP, cache=cache, cache_index=0)
-    return greedy(logits), cache
+    out = nnx.merge(graphdef, params)(prompt_BP, cache=cache, cache_index=0)
+    return greedy(out.logits), out.cache
 
 
 def decode_loop(graphdef, params, token_B, cache):
@@ -80,8 +84,8 @@ def decode_loop(graphdef, params, token_B, cache):
 
     def step(carry, _):
         token_B, cache, index = carry
-        logits, cache = model(token_B[:, None], cache=cache, cache_index=index)
-        return (greedy(logits), cache, index + 1), token_B
+        out = model(token_B[:, None], cache=cache, cache_index=index)
+        return (greedy(out.logits), out.cache, index + 1), token_B
 
     _, tokens_NB = jax.lax.scan(step, (place_batch(token_B), cache, jnp.int32(PROMPT)), length=NEW_TOKENS)
     return tokens_NB.T
@@ -94,7 +98,7 @@ def whole_case(graphdef, config, params, tokens_BS):
 
 
 def jit(function, *static):
-    """`function` with its leading arguments `static` bound, jitted afresh (see the module docstring)."""
+    """`function` with its leading arguments `static` bound, jitted without LLVM optimisation (FAST_COMPILE)."""
     return jax.jit(functools.partial(function, *static), compiler_options=FAST_COMPILE)
 
 
@@ -223,7 +227,7 @@ def test_cached_decoding_equals_the_uncached_forward_pass():
     and the tokens generated before it (one causal pass over the whole sequence gives every position's argmax)."""
     config, graphdef, params, outputs = reference("tiny")
     sequence_BS = np.concatenate([sample_tokens(config)[:, :PROMPT], outputs["generated"][:, :-1]], axis=1)
-    logits_BSV = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, sequence_BS)
+    logits_BSV = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t).logits)(params, sequence_BS)
     np.testing.assert_array_equal(np.argmax(logits_BSV[:, PROMPT - 1:], axis=-1), outputs["generated"])
 
 
@@ -319,7 +323,7 @@ def test_a_write_past_the_end_of_the_kv_cache_is_an_error(index, new_tokens):
 
 def test_a_write_that_ends_at_the_last_slot_of_the_kv_cache_is_allowed():
     config, graphdef, params, _ = reference("tiny")
-    logits, _ = nnx.merge(graphdef, params)(np.zeros((2, 2), np.int32), cache=init_cache(config, 2, 8), cache_index=6)
+    logits = nnx.merge(graphdef, params)(np.zeros((2, 2), np.int32), cache=init_cache(config, 2, 8), cache_index=6).logits
     assert logits.shape == (2, 2, config.vocab_size)
 
 
@@ -331,7 +335,7 @@ def test_a_traced_index_that_would_write_past_the_kv_cache_poisons_the_logits(in
     config, graphdef, params, _ = reference("tiny")
     model = nnx.merge(graphdef, params)
     step = jax.jit(lambda tokens, cache, at: model(tokens, cache=cache, cache_index=at))
-    logits, _ = step(np.zeros((2, new_tokens), np.int32), init_cache(config, 2, 8), jnp.int32(index))
+    logits = step(np.zeros((2, new_tokens), np.int32), init_cache(config, 2, 8), jnp.int32(index)).logits
     assert bool(jnp.all(jnp.isfinite(logits))) if fits else bool(jnp.all(jnp.isnan(logits)))
 
 
@@ -347,11 +351,11 @@ def test_one_row_decode_projections_run_on_padded_rows_and_compute_the_same(mesh
     mesh = mesh_of(mesh_name)
 
     def decode(padding: bool):
-        monkeypatch.setattr(decoder, "XLA_GPU_SMALL_DOT_ELEMENTS", 10_000_000 if padding else 0)
+        monkeypatch.setattr(decoder, "policy_of", lambda device: PADDING if padding else PORTABLE)
         with contextlib.ExitStack() as stack:
             if layout:
                 stack.enter_context(use_layout(layout, mesh))
-            step = jit(lambda p, t: nnx.merge(graphdef, p)(t, cache=init_cache(config, batch, 4), cache_index=2)[0])
+            step = jit(lambda p, t: nnx.merge(graphdef, p)(t, cache=init_cache(config, batch, 4), cache_index=2).logits)
             return step.lower(params, tokens_BS).as_text().count("optimization_barrier"), step(params, tokens_BS)
 
     (barriers, padded), (none, plain) = decode(True), decode(False)
@@ -360,12 +364,15 @@ def test_one_row_decode_projections_run_on_padded_rows_and_compute_the_same(mesh
     np.testing.assert_allclose(np.asarray(padded), np.asarray(plain), atol=FP32_TOLERANCE)
 
 
-def test_only_projections_xla_would_reduce_are_padded():
-    """Llama 3 8B at batch 1: k and v (4096 x 1024 weights) are padded, q (4096 x 4096) is not, nor any at batch 2."""
-    from starscream_jax.model.decoder import _reduced_by_xla
+def test_only_projections_xla_would_reduce_are_padded_and_only_on_cuda(monkeypatch):
+    """Under the CUDA policy, Llama 3 8B at batch 1: k and v (4096 x 1024 weights) are padded, q (4096 x 4096) is
+    not, nor any at batch 2; under the portable policy (CPU, ROCm) none is."""
+    from starscream_jax.model import decoder
 
-    def reduced(batch: int, weight_shape) -> bool:
-        return _reduced_by_xla(jax.ShapeDtypeStruct((batch, 1, 4096), jnp.bfloat16),
-                               jax.ShapeDtypeStruct(weight_shape, jnp.bfloat16))
+    def padded(batch: int, weight_shape) -> bool:
+        return decoder._padded_rows(jax.ShapeDtypeStruct((batch, 1, 4096), jnp.bfloat16),
+                                    jax.ShapeDtypeStruct(weight_shape, jnp.bfloat16)) > 1
 
-    assert reduced(1, (4096, 8, 128)) and not reduced(1, (4096, 32, 128)) and not reduced(2, (4096, 8, 128))
+    assert not padded(1, (4096, 8, 128))  # this machine's devices run the portable policy
+    monkeypatch.setattr(decoder, "policy_of", lambda device: CUDA)
+    assert padded(1, (4096, 8, 128)) and not padded(1, (4096, 32, 128)) and not padded(2, (4096, 8, 128))

@@ -51,7 +51,7 @@ def logits_under(model_dir: Path, layout: str, mesh, tokens_BS: np.ndarray) -> n
     model = load_hf_model(model_dir, layout, mesh)
     with use_layout(layout, mesh):
         tokens = jax.device_put(tokens_BS, batch_sharding(layout, mesh, tokens_BS.shape[0]))
-        return np.asarray(jax.jit(lambda m, t: m(t), compiler_options=FAST_COMPILE)(model, tokens))
+        return np.asarray(jax.jit(lambda m, t: m(t).logits, compiler_options=FAST_COMPILE)(model, tokens))
 
 
 DEFAULT_MESHES = ("1x1x1", "1x2x4")

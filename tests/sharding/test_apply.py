@@ -2,6 +2,7 @@
 creation, and a property test over random small models and meshes (most of them placeable): each one shards and
 matches the unsharded model, or is refused with a ShardingRuleError whose stated reason is checked true, never
 another exception."""
+import contextlib
 import math
 import re
 
@@ -25,11 +26,13 @@ from starscream_jax.hardware.mesh import auto_axes, build_mesh
 from starscream_jax.model.config import ModelConfig
 from starscream_jax.model.decoder import Transformer, next_token_loss
 from starscream_jax.sharding.apply import (
+    Placement,
     activation_spec,
     active,
     constrain,
     create_sharded,
     einsum,
+    jit,
     param,
     param_shardings,
     param_specs,
@@ -160,6 +163,30 @@ def test_a_mesh_mixing_auto_and_explicit_axes_is_refused():
     with pytest.raises(ShardingRuleError, match="all Explicit .build_mesh. or all Auto .auto_axes"):
         with use_layout("starscream_tp", mixed):
             pass
+
+
+def test_one_jitted_function_called_under_two_layouts_is_traced_for_each():
+    """A plain `jax.jit` function traced under starscream_tp (batch over xcd), then called under flat_tp (batch over
+    data alone) and under no layout: each call runs its own layout's program; `jit` bound to starscream_tp runs its
+    program under any of them."""
+    mesh = build_mesh("2x4")
+    traces = []
+
+    def placed(x):
+        traces.append(None if active() is None else active().layout.name)
+        return constrain(x, ("batch", "embed")) * 2
+
+    plain, bound = jax.jit(placed), jit(placed, under=Placement.of("starscream_tp", mesh))
+    x = jnp.arange(32.0).reshape(8, 4)
+    specs = {}
+    for name in ("starscream_tp", "flat_tp", None):
+        with use_layout(name, mesh) if name else contextlib.nullcontext():
+            specs[name] = (plain(x).sharding, bound(x).sharding)
+            np.testing.assert_array_equal(plain(x), 2 * x)
+    assert specs["starscream_tp"][0].spec == P(("data", "xcd"), None) and specs["flat_tp"][0].spec == P("data", None)
+    assert specs[None][0].is_fully_replicated and len(specs[None][0].device_set) == 1
+    assert {bound_sharding.spec for _, bound_sharding in specs.values()} == {P(("data", "xcd"), None)}
+    assert traces == ["starscream_tp", "flat_tp", None]  # one trace per layout, which `bound` shares with `plain`
 
 
 def test_weights_are_gathered_inside_the_gpu_before_use_and_outputs_placed_by_einsum():
@@ -298,7 +325,7 @@ def random_params(config: ModelConfig):
 
 def forward_and_loss(graphdef, params, tokens_BS):
     model = nnx.merge(graphdef, params)
-    return model(tokens_BS), next_token_loss(model, tokens_BS)
+    return model(tokens_BS).logits, next_token_loss(model, tokens_BS)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -17,7 +17,7 @@ from starscream_jax.analysis.report import inspect_compiled
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model.config import load_model_config
 from starscream_jax.model.decoder import next_token_loss
-from starscream_jax.sharding.apply import batch_sharding, use_layout
+from starscream_jax.sharding.apply import Placement, batch_sharding, use_layout
 from starscream_jax.training.config import TrainConfig
 from starscream_jax.training.loop import initial_state
 from starscream_jax.training.steps import train_step as make_train_step
@@ -56,7 +56,7 @@ def train_step_report(layout: str):
     """The inspector's report of the compiled AdamW training step (`starscream train`'s) under `layout`."""
     graphdef, params, rest, optimizer, opt_state, tokens = sharded_state(layout)
     with use_layout(layout, mesh()):
-        train_step = make_train_step(graphdef, optimizer)
+        train_step = make_train_step(graphdef, optimizer, under=Placement.of(layout, mesh()))
         args = (params, opt_state, rest, tokens)
         return inspect_compiled(train_step.lower(*args).compile(FAST_COMPILE), mesh(), args=args)
 

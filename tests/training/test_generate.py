@@ -57,7 +57,7 @@ def test_decode_cache_is_placed_by_the_decode_layout():
 def test_greedy_tokens_are_the_argmax_of_a_full_forward_pass(model):
     generated = generate(model, PROMPT[:1], 8).tokens
     sequence = np.concatenate([PROMPT[:1], generated], axis=1)
-    logits = model(jnp.asarray(sequence[:, :-1]))
+    logits = model(jnp.asarray(sequence[:, :-1])).logits
     predicted = np.asarray(jnp.argmax(logits, axis=-1))[:, PROMPT.shape[1] - 1:]
     np.testing.assert_array_equal(predicted, generated)
 

@@ -13,12 +13,13 @@ from starscream_jax.errors import StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model.config import load_model_config
 from starscream_jax.model.decoder import Transformer, create_sharded_model, init_cache, next_token_loss, split_cache
-from starscream_jax.sharding.apply import batch_sharding, use_layout
+from starscream_jax.sharding.apply import Placement, batch_sharding, use_layout
 from starscream_jax.training.config import TrainConfig
 from starscream_jax.training.steps import (
     Sampling,
     accumulated_gradients,
     decode_step,
+    eval_step,
     load_balance_step,
     make_optimizer,
     prefill_step,
@@ -61,10 +62,28 @@ def test_accumulated_step_updates_like_the_big_batch_step_under_a_layout():
         results = {}
         for micro_batches in (1, 2):
             copies = jax.tree.map(jnp.copy, (params, jax.jit(optimizer.init)(params)))
-            results[micro_batches] = train_step(graphdef, optimizer, micro_batches)(*copies, rest, tokens)
+            results[micro_batches] = train_step(graphdef, optimizer, micro_batches, under=Placement.of("starscream_tp", mesh))(*copies, rest, tokens)
     _assert_close(results[2], results[1])
     for new, old in zip(jax.tree.leaves(results[2][0]), jax.tree.leaves(params)):
         assert new.sharding == old.sharding
+
+
+def test_a_step_runs_the_program_of_its_own_layout_whichever_layout_is_active():
+    """An eval step bound to starscream_tp and one bound to no layout, each called under gpu_tp, then under
+    starscream_tp: each compiles its own layout's program (the logits' vocabulary split over gpu, or nothing split)
+    and both give the unsharded loss."""
+    mesh = build_mesh("2x4")
+    graphdef, params, rest = _state()
+    tokens = _tokens()
+    bound = {name: eval_step(graphdef, under=None if name is None else Placement.of(name, mesh))
+             for name in ("starscream_tp", None)}
+    expected = float(bound[None](params, rest, tokens))
+    for active in ("gpu_tp", "starscream_tp"):
+        with use_layout(active, mesh):
+            for name, step in bound.items():
+                text = step.lower(params, rest, tokens).compile().as_text()
+                assert ("all-reduce" in text) == (name is not None), (name, active)
+                assert float(step(params, rest, tokens)) == pytest.approx(expected, rel=1e-5)
 
 
 def test_a_grad_accum_that_does_not_split_the_batch_is_refused():
@@ -93,14 +112,14 @@ def test_no_phase_runs_a_layer_loop_unless_asked_and_both_forms_compute_the_same
     graphdef, params, rest = _state()
     rolled_graphdef, _, _ = _state(CONFIG.replace(scan_unroll=1))
     prompt_BP = _tokens(batch=2, seq=4)[:, :4]
-    token_B, cache = prefill_step(graphdef, CONFIG, Sampling(), 8)(params, rest, prompt_BP)
-    decode, rolled_decode = decode_step(graphdef, Sampling()), decode_step(rolled_graphdef, Sampling())
+    token_B, cache = prefill_step(graphdef, CONFIG, Sampling(), 8, under=None)(params, rest, prompt_BP)
+    decode, rolled_decode = decode_step(graphdef, Sampling(), under=None), decode_step(rolled_graphdef, Sampling(), under=None)
     assert _layer_loops(decode, params, rest, cache, token_B, 4) == 0
     assert _layer_loops(rolled_decode, params, rest, cache, token_B, 4) == 1
-    assert _layer_loops(prefill_step(graphdef, CONFIG, Sampling(), 8), params, rest, prompt_BP) == 0
-    assert _layer_loops(prefill_step(rolled_graphdef, CONFIG, Sampling(), 8), params, rest, prompt_BP) == 1
+    assert _layer_loops(prefill_step(graphdef, CONFIG, Sampling(), 8, under=None), params, rest, prompt_BP) == 0
+    assert _layer_loops(prefill_step(rolled_graphdef, CONFIG, Sampling(), 8, under=None), params, rest, prompt_BP) == 1
     optimizer = make_optimizer(TrainConfig(), params)
-    train, rolled_train = train_step(graphdef, optimizer), train_step(rolled_graphdef, optimizer)
+    train, rolled_train = train_step(graphdef, optimizer, under=None), train_step(rolled_graphdef, optimizer, under=None)
     assert _layer_loops(train, params, optimizer.init(params), rest, _tokens()) == 0
     assert _layer_loops(rolled_train, params, optimizer.init(params), rest, _tokens()) == 2
     unrolled_next, _ = decode(params, rest, jax.tree.map(jnp.copy, cache), token_B, 4)
@@ -126,12 +145,12 @@ def test_decode_with_a_cache_held_per_layer_equals_decode_with_the_stacked_cache
     def forward(params, cache):
         return nnx.merge(graphdef, params, rest)(token_B1, cache=cache, cache_index=5)
 
-    stacked_logits, stacked_cache = forward(params, cache)
-    apart_logits, apart_cache = forward(params, split_cache(cache))
+    stacked_logits, stacked_cache, _ = forward(params, cache)
+    apart_logits, apart_cache, _ = forward(params, split_cache(cache))
     np.testing.assert_allclose(apart_logits, stacked_logits, rtol=1e-6, atol=1e-6)
     for name in ("k", "v"):
         np.testing.assert_array_equal(np.stack(apart_cache[name]), stacked_cache[name])
-    assert _layer_loops(decode_step(graphdef, Sampling()), params, rest, split_cache(cache), token_B1[:, 0], 5) == 0
+    assert _layer_loops(decode_step(graphdef, Sampling(), under=None), params, rest, split_cache(cache), token_B1[:, 0], 5) == 0
 
 
 def test_an_unknown_remat_policy_is_refused():
@@ -148,7 +167,7 @@ def test_the_reported_load_balancing_loss_is_what_the_training_loss_adds():
     @jax.jit
     def reported_and_added(params, rest, tokens):
         losses = [next_token_loss(nnx.merge(g, params, rest), tokens) for g in (graphdef, plain_graphdef)]
-        return load_balance_step(graphdef)(params, rest, tokens), losses[0] - losses[1]
+        return load_balance_step(graphdef, under=None)(params, rest, tokens), losses[0] - losses[1]
 
     balance, added = map(float, reported_and_added(params, rest, tokens))
     assert 0.5 < balance < weighted.n_experts  # 1 when the experts share the tokens evenly

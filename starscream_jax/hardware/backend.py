@@ -1,0 +1,74 @@
+"""Backend-specific choices of the model and its steps, in one named policy per backend.
+
+Each choice is applied only on the backend where it was measured to help (benchmarks/NOTES.md); elsewhere the
+model runs JAX's and XLA's defaults. The model reads the policy of the device it compiles for (`policy_of`), the
+cost model the policy of the chip it estimates (`policy_of_vendor`), so both make the same decision.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+SMALL_DOT_ELEMENTS = 10_000_000
+"""XLA:GPU's algebraic simplifier rewrites a matmul whose left side is a single row (once size-1 dimensions are
+dropped) into a multiply and a reduction when its two sides together hold fewer elements than this per device (its
+dot strength reduction; the threshold is fixed in XLA's GPU algebraic simplifier). In decode at batch 1 that is the
+k and v projections of grouped-query attention, which then read their weights at a quarter of the rate of a GEMM."""
+
+
+@dataclass(frozen=True)
+class BackendPolicy:
+    """What the model does differently on one backend.
+
+    fused_attention_dtypes: the input dtypes for which attention calls the vendor's fused kernel
+        (`jax.nn.dot_product_attention(implementation="cudnn")`), where JAX would pick XLA's unfused form.
+    padded_rows: the rows a projection with one row per device is padded to behind an optimization barrier, so
+        that XLA runs a GEMM where its simplifier would run a multiply and a reduction (0: never padded).
+    small_dot_elements: below this many elements per device (both sides) such a projection is padded.
+    decode_compiler_options: XLA options of the decode step, as (name, value) pairs.
+    """
+
+    name: str
+    fused_attention_dtypes: frozenset[str] = frozenset()
+    padded_rows: int = 0
+    small_dot_elements: int = 0
+    decode_compiler_options: tuple[tuple[str, bool | int], ...] = ()
+
+    def fuses_attention(self, dtype) -> bool:
+        """Whether attention on inputs of `dtype` runs the vendor's fused kernel."""
+        return str(np.dtype(dtype)) in self.fused_attention_dtypes
+
+    def pads(self, x_elements: int, w_elements: int) -> bool:
+        """Whether a projection of one row per device, its sides `x_elements` and `w_elements` per device, is
+        padded to `padded_rows` rows."""
+        return self.padded_rows > 1 and x_elements + w_elements < self.small_dot_elements
+
+
+CUDA = BackendPolicy(
+    name="cuda",
+    fused_attention_dtypes=frozenset({"bfloat16", "float16"}),
+    padded_rows=8,
+    small_dot_elements=SMALL_DOT_ELEMENTS,
+    decode_compiler_options=(("xla_gpu_enable_triton_gemm", False), ("xla_gpu_dot_merger_threshold_mb", 0)),
+)
+"""NVIDIA GPUs (measured on an H200): cuDNN's fused attention for 16-bit inputs (flash attention in training and
+prefill; in decode it reads the KV cache with its strides, no transposed copy); one-row projections padded to 8 rows,
+the multiple XLA pads a GEMM's rows to for the tensor cores itself, so one kernel does both; decode's GEMMs as cuBLAS
+calls rather than XLA's Triton GEMM fusions (which read the weights more slowly and copy each layer's o weight out of
+the stacked array first), and no merging of GEMMs that share an input (q, k and v), which would concatenate their
+weights in every step."""
+PORTABLE = BackendPolicy(name="portable")
+"""Every other backend (CPU, ROCm): JAX's and XLA's defaults."""
+
+
+def policy_of(device: jax.Device) -> BackendPolicy:
+    """The policy of the backend `device` belongs to."""
+    version = getattr(device.client, "platform_version", "").lower()
+    return CUDA if device.platform == "gpu" and "cuda" in version else PORTABLE
+
+
+def policy_of_vendor(vendor: str) -> BackendPolicy:
+    """The policy the model applies on a chip of `vendor` (a chip file's `vendor`: "nvidia", "amd" or "")."""
+    return CUDA if vendor == "nvidia" else PORTABLE
