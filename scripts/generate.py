@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Generate text from a training checkpoint: the same as `starscream generate` (see starscream_jax/generate.py).
+"""Generate text from a training checkpoint: the same as `starscream generate` (see starscream_jax/cli/generate.py).
 
     python scripts/generate.py --prompt "ROMEO:" --max-new-tokens 200
     python scripts/generate.py --greedy --prefill-layout starscream_tp --decode-layout starscream_decode

@@ -265,7 +265,7 @@ def tokens_per_device(layout: str, mesh) -> int:
 
 
 def weight_side_per_op(layout: str) -> dict[tuple[str, bool], int]:
-    """Weight-side elements of the layout's matmuls, summed per source op and direction (`inspector.matmul_key`).
+    """Weight-side elements of the layout's matmuls, summed per source op and direction (`analysis.report.matmul_key`).
 
     Every matmul of the step is tokens x weight (forward, input gradient and weight gradient alike), so its weight
     side holds FLOPs / 2 / tokens-per-device elements however XLA arranged it. On GPU XLA merges the q/k/v and the

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..errors import StarscreamError
 from ..hardware.axes import XCD
-from ..sharding.apply import active, is_auto, logical_names, param_shardings, use_layout
+from ..sharding.apply import abstract_placed, active, is_auto, logical_names, use_layout
 from ..sharding.flax_rules import VocabularyLike, flax_rules, in_vocabulary
 from ..sharding.layouts import Layout, get_layout
 from ..sharding.rules import resolve
@@ -103,8 +103,15 @@ def _tracing_under(layout: Layout, mesh: Mesh, args: tuple):
     with contextlib.ExitStack() as stack:
         stack.enter_context(use_layout(layout, mesh))
         if any(isinstance(leaf, nn.LogicallyPartitioned) for leaf in jax.tree.leaves(args, is_leaf=_is_box)):
-            stack.enter_context(nn.logical_axis_rules(flax_rules(layout, "use")))
+            rules = tuple(flax_rules(layout, "use"))
+            stack.enter_context(_LINEN_RULES(rules))
+            stack.enter_context(nn.logical_axis_rules(rules))
         yield
+
+
+_LINEN_RULES = jax.make_user_context(None)
+"""The Linen rules `_tracing_under` installs, in jit's cache key as the layout is: a step traced before without
+them (or with others) is traced again."""
 
 
 def _is_box(node) -> bool:
@@ -123,13 +130,12 @@ def _layout_of(layout: Layout | str | None, mesh: Mesh) -> Layout:
 
 
 def _traced(step: Callable, args: tuple) -> Any:
-    """The jax `Traced` of `step(*args)`, traced afresh (the active layout is read while tracing)."""
+    """The jax `Traced` of `step(*args)` under the active layout (part of jit's cache key, so a step traced before
+    under another layout is traced again); nnx.jit's trace wraps jax's."""
     if not hasattr(step, "trace"):
         raise StarscreamError(f"check takes a jitted step (jax.jit or nnx.jit), got {type(step).__name__}; "
                               "wrap it with jax.jit or nnx.jit")
-    fresh = nnx.jit(step.fun) if isinstance(step, nnx.transforms.compilation.JitWrapped) else jax.jit(
-        step.__wrapped__)
-    traced = fresh.trace(*args)
+    traced = step.trace(*args)
     return getattr(traced, "traced", traced)
 
 
@@ -138,21 +144,16 @@ def placed(args: tuple, layout: Layout, mesh: Mesh) -> tuple:
     params rules, every other array as it was given (an array not placed on `mesh` replicated over it)."""
     args = jax.tree.map(lambda node: _placed_box(node, layout, mesh) if _is_box(node) else node, args, is_leaf=_is_box)
     graphdef, named, rest = nnx.split(list(args), _has_logical_names, ...)
-    shardings = param_shardings(named, layout, mesh)
 
-    def abstract(node, sharding=None):
+    def abstract(node):
         value = node.get_value() if isinstance(node, nnx.Variable) else node
         if not hasattr(value, "shape"):
             return node
-        value = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding or _on_mesh(value, mesh))
+        value = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=_on_mesh(value, mesh))
         return node.replace(value) if isinstance(node, nnx.Variable) else value
 
-    def is_variable(node) -> bool:
-        return isinstance(node, nnx.Variable)
-
-    named = jax.tree.map(abstract, named, shardings, is_leaf=is_variable)
-    rest = jax.tree.map(abstract, rest, is_leaf=is_variable)
-    return tuple(nnx.merge(graphdef, named, rest))
+    rest = jax.tree.map(abstract, rest, is_leaf=lambda node: isinstance(node, nnx.Variable))
+    return tuple(nnx.merge(graphdef, abstract_placed(named, layout, mesh), rest))
 
 
 def _placed_box(box: nn.LogicallyPartitioned, layout: Layout, mesh: Mesh) -> nn.LogicallyPartitioned:

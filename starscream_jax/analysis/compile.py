@@ -47,7 +47,14 @@ from ..model.decoder import (
 from ..model.paged import PAGES
 from ..serving.engine import cache_shards
 from ..serving.steps import RowSampling, StepInputs, paged_step
-from ..sharding.apply import Placement, activation_spec, batch_sharding, param_shardings, token_sharding, use_layout
+from ..sharding.apply import (
+    Placement,
+    abstract_placed,
+    activation_spec,
+    batch_sharding,
+    token_sharding,
+    use_layout,
+)
 from ..sharding.layouts import Layout, fit_batch, get_layout
 from ..training.config import TrainConfig
 from ..training.generate import generation_cache_length
@@ -258,11 +265,11 @@ def abstract_args(config: ModelConfig, layout: Layout, mesh, phase: str, batch: 
     """
     graphdef, params, rest = nnx.split(abstract_model(config), nnx.Param, ...)
     if phase == "train":
-        params = place(params, layout, mesh)
+        params = abstract_placed(params, layout, mesh)
         opt_state = jax.eval_shape(make_optimizer(training, params).init, params)
         tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=batch_sharding(layout, mesh, batch))
-        return graphdef, TrainArgs(params, place(opt_state, layout, mesh), rest, tokens)
-    params = place(params, layout, mesh, jnp.dtype(config.dtype))
+        return graphdef, TrainArgs(params, abstract_placed(opt_state, layout, mesh), rest, tokens)
+    params = abstract_placed(params, layout, mesh, jnp.dtype(config.dtype))
     if phase == "prefill":
         prompt = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=batch_sharding(layout, mesh, batch))
         return graphdef, PrefillArgs(params, rest, prompt)
@@ -313,19 +320,6 @@ def abstract_cache(config: ModelConfig, layout: Layout, mesh, batch: int, length
                 for name, sharding in shardings.items()}
     return {name: jax.ShapeDtypeStruct((config.n_layers, *shape), dtype, sharding=sharding)
             for name, sharding in shardings.items()}
-
-
-def place(state, layout, mesh, dtype=None):
-    """`state` (parameters or optimizer state) with each array a ShapeDtypeStruct carrying the layout's params
-    sharding, cast to `dtype` when given; nnx Variables keep their metadata."""
-
-    def placed(sharding, node):
-        if isinstance(node, nnx.Variable):
-            return node.replace(placed(sharding, node.get_value()))
-        return jax.ShapeDtypeStruct(node.shape, dtype or node.dtype, sharding=sharding)
-
-    return jax.tree.map(placed, param_shardings(state, layout, mesh), state,
-                        is_leaf=lambda node: isinstance(node, NamedSharding))
 
 
 def layer_loop_ops(hlo_text: str, layers: int, rolled: bool) -> dict[str, float]:

@@ -13,7 +13,7 @@ compiled program, the model's shapes and the preset's hardware figures, scaled t
   stacked arrays before its matmuls read them, and decode copies its KV cache by the program's form
   (`memory.decode_cache_copies`: XLA's attention reads a transposed copy, a stacked cache is sliced for a rolled loop
   or a library call, a rolled loop transposes the whole cache; cuDNN's attention on the per-layer cache generation
-  decodes with copies nothing; H200 profiles of the decode step, benchmarks/NOTES.md runs 4, 6 and 9). On a
+  decodes with copies nothing; read from profiles of the decode step, benchmarks/NOTES.md). On a
   measured chip each layer's elementwise passes take at least the floor of its
   small kernels (`Measurements.layer_floor`, per layer and, in training, per forward and backward's two), which
   decode at small batches reaches.

@@ -199,7 +199,7 @@ def memory_passes(config: ModelConfig, layout, mesh, phase: str, batch: int, seq
 
 def decode_cache_copies(rolled: bool, cache_per_layer: bool, read_in_place: bool) -> int:
     """How many times a decode step reads and writes its whole KV cache outside attention, by what the program does
-    (H200 profiles of Llama 3 8B decode, benchmarks/NOTES.md runs 4, 6 and 9):
+    (read from profiles of Llama 3 8B decode, benchmarks/NOTES.md):
       2  a transposed copy of each layer's keys and values for XLA's attention (not when it reads the cache in
          place, `read_in_place`: cuDNN's fused kernel);
       2  each layer's slice copied out of a stacked cache ([L, B, T, K, E]): by a rolled layer loop, which carries

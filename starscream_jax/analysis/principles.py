@@ -114,7 +114,7 @@ def _thresholds(report: Report, large_bytes: float | None,
     """(principle 2's threshold, the layer stack's threshold or None, the rule in words); see `check_principles`."""
     if large_bytes is not None:
         return large_bytes, None, f"large: above {large_bytes:.0f} bytes per device"
-    large_bytes = LARGE_SHARE * _working_set(report)
+    large_bytes = LARGE_SHARE * (report.memory.working_set_bytes if report.memory else 0.0)  # no figures: all large
     rule = f"large: above {LARGE_SHARE:.0%} of the step's working set per device ({large_bytes:.0f} bytes)"
     stack_bytes = sum(entry.shard_bytes for entry in report.inputs if in_stack(entry.name))
     if not stack_bytes:
@@ -123,15 +123,6 @@ def _thresholds(report: Report, large_bytes: float | None,
     return large_bytes, layer_bytes, rule + (
         f"; an array of the layer stack above {LARGE_SHARE:.0%} of the layer stack's inputs per device "
         f"({layer_bytes:.0f} bytes): what a layer copies against what a layer holds")
-
-
-def _working_set(report: Report) -> float:
-    """Bytes per device of the compiled program: arguments, outputs not aliased to them, temporaries (0 when the
-    report has no memory figures, so every copy counts as large)."""
-    memory = report.memory
-    if memory is None:
-        return 0.0
-    return memory.argument_bytes + memory.output_bytes - memory.alias_bytes + memory.temp_bytes
 
 
 def weight_side_elements(matmuls: list[MatmulReport], tokens_per_device: int,

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from ..compiled_memory import MemoryReport
 from ..errors import TopologyError
 from ..hardware.axes import GPU, XCD
 from .hlo import Collective, Dot, parse_hlo
@@ -138,17 +139,6 @@ class ActivationReport:
     shard_bytes: int
     replication_xcd: int
     count: int
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryReport:
-    """Per-device memory of the compiled program, from `compiled.memory_analysis()`, in bytes."""
-
-    argument_bytes: int
-    output_bytes: int
-    temp_bytes: int
-    generated_code_bytes: int
-    alias_bytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,7 +297,7 @@ def inspect_compiled(
         raise TopologyError("activations need both lowered_text and token_dims (the model's (batch, seq))")
     activations = [] if lowered_text is None else inspect_activations(lowered_text, mesh, token_dims)
     return dataclasses.replace(
-        report, inputs=_input_reports(compiled, mesh, args), memory=_memory_report(compiled.memory_analysis()),
+        report, inputs=_input_reports(compiled, mesh, args), memory=MemoryReport.of(compiled),
         activations=activations, outputs=_output_reports(compiled, mesh, outputs),
     )
 
@@ -420,18 +410,6 @@ def _matmul_report(dot: Dot, ridge: float | None) -> MatmulReport:
         below_ridge=None if ridge is None else intensity < ridge,
         count=dot.count,
         inferred_name=dot.inferred_name,
-    )
-
-
-def _memory_report(stats: Any) -> MemoryReport | None:
-    if stats is None:
-        return None
-    return MemoryReport(
-        argument_bytes=stats.argument_size_in_bytes,
-        output_bytes=stats.output_size_in_bytes,
-        temp_bytes=stats.temp_size_in_bytes,
-        generated_code_bytes=stats.generated_code_size_in_bytes,
-        alias_bytes=stats.alias_size_in_bytes,
     )
 
 

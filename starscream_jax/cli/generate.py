@@ -9,9 +9,10 @@ import numpy as np
 
 from ..hardware.distributed import is_main_process
 from ..model.hf_checkpoint import load_hf_model
+from ..sharding.layouts import PHASE_DEFAULTS
 from ..training.checkpoint import restore_model
 from ..training.config import TrainConfig
-from ..training.generate import DEFAULT_DECODE_LAYOUT, DEFAULT_PREFILL_LAYOUT, generate
+from ..training.generate import generate
 from ..training.steps import Sampling
 from ..training.tokenizer import model_dir_tokenizer, tokenizer_for_model
 from .arguments import (
@@ -57,8 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--top-p", type=float, default=0.9, help="nucleus probability mass")
     group.add_argument("--temperature", type=float, default=0.8, help="softmax temperature for sampling")
     group.add_argument("--seed", type=int, default=0, help="sampling seed")
-    group.add_argument("--prefill-layout", default=DEFAULT_PREFILL_LAYOUT, help="layout for the prompt")
-    group.add_argument("--decode-layout", default=DEFAULT_DECODE_LAYOUT, help="layout for each new token")
+    group.add_argument("--prefill-layout", default=PHASE_DEFAULTS["prefill"], help="layout for the prompt")
+    group.add_argument("--decode-layout", default=PHASE_DEFAULTS["decode"], help="layout for each new token")
     group.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype (default: the training one)")
 
 

@@ -16,6 +16,7 @@ from ..analysis.format import clip, format_bytes, format_seconds
 from ..analysis.layout_report import PRINCIPLES, inspect_layouts
 from ..errors import ShardingRuleError, StarscreamError
 from ..model.config import REMAT_POLICIES
+from ..sharding.layouts import BASELINE, PHASE_DEFAULTS
 from .arguments import (
     add_cache_arguments,
     add_mesh_arguments,
@@ -25,8 +26,10 @@ from .arguments import (
     result_cache,
 )
 
-DEFAULT_LAYOUTS = {"train": "flat_tp,starscream_tp", "prefill": "flat_tp,starscream_tp",
-                   "decode": "flat_tp,starscream_decode", SERVE: "flat_tp,starscream_decode"}
+DEFAULT_LAYOUTS = {**{phase: f"{BASELINE},{layout}" for phase, layout in PHASE_DEFAULTS.items()},
+                   SERVE: f"{BASELINE},{PHASE_DEFAULTS['decode']}"}
+"""The layouts judged unless --layout names others: the baseline beside the phase's default (serve's step is a
+decode step)."""
 DEFAULT_MODEL = "llama3-70b"
 DEFAULT_PRESET = "mi300x-cpx-nps1"
 DEFAULT_GPUS = 8

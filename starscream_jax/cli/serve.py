@@ -10,7 +10,7 @@ import uvicorn
 from ..model.paged import KERNELS
 from ..serving.engine import Engine, EngineConfig, EngineThread
 from ..serving.server import Server
-from ..training.generate import DEFAULT_DECODE_LAYOUT, DEFAULT_PREFILL_LAYOUT
+from ..sharding.layouts import PHASE_DEFAULTS
 from .arguments import (
     add_distributed_arguments,
     add_mesh_arguments,
@@ -38,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--step", type=step_number, help="checkpoint step (default: the latest)")
     group.add_argument("--served-model-name", help="the model's name in the API (default: the model's own)")
     group.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype (default: the model's)")
-    group.add_argument("--prefill-layout", default=DEFAULT_PREFILL_LAYOUT, help="layout of prompt chunks")
-    group.add_argument("--decode-layout", default=DEFAULT_DECODE_LAYOUT, help="layout of decode steps")
+    group.add_argument("--prefill-layout", default=PHASE_DEFAULTS["prefill"], help="layout of prompt chunks")
+    group.add_argument("--decode-layout", default=PHASE_DEFAULTS["decode"], help="layout of decode steps")
     engine = parser.add_argument_group("engine")
     defaults = EngineConfig()
     engine.add_argument("--page-size", type=count, default=defaults.page_size, help="positions per KV page")

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax._src import distributed
 from jax.sharding import AxisType, Mesh
 
 from ..checks import of_type
 from ..errors import TopologyError
+from ..jax_private import joined_processes
 from . import detect
 from .axes import AXES
 from .presets import Preset, list_presets, load_chip, load_preset, preset_for
@@ -246,15 +246,10 @@ def _simulated(topology, gpus, nodes, grouping, devices) -> tuple:
     """(topology, CPU devices) for a simulated mesh; starts the simulated devices when JAX has not started yet."""
     if grouping is None:
         topology = resolve_topology(topology or override_from_env() or DEFAULT_SIMULATED, gpus=gpus, nodes=nodes)
-        simulate_cpu_devices(-(-topology.num_devices // _joined_processes()))
+        simulate_cpu_devices(-(-topology.num_devices // joined_processes()))
     else:
         simulate_cpu_devices(1 + max((i for group in grouping for i in group), default=0))
     return topology, devices or jax.devices("cpu")
-
-
-def _joined_processes() -> int:
-    """How many processes jax.distributed has joined (1 before or without it); does not start the backend."""
-    return distributed.global_state.num_processes
 
 
 def _choose_gpus(groups: list[list], topology: Topology, devices: Sequence) -> list[list]:

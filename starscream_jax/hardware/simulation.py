@@ -11,9 +11,9 @@ import re
 from pathlib import Path
 
 import jax
-from jax._src import xla_bridge
 
 from ..errors import TopologyError
+from ..jax_private import backends_started
 
 DEFAULT_SIMULATED = "cpu"
 """The preset a simulated mesh uses when none is named."""
@@ -37,7 +37,7 @@ def simulate_cpu_devices(count: int) -> None:
     """Makes JAX run on the CPU with at least `count` devices (never fewer than XLA_FLAGS already asks for). Call
     before the first use of any device: until the backend starts this sets jax.config's platform and CPU device
     count; once it runs, it only checks that enough CPU devices exist."""
-    if not xla_bridge.backends_are_initialized():
+    if not backends_started():
         jax.config.update("jax_platforms", "cpu")
         if max(jax.config.jax_num_cpu_devices, _flag_device_count()) < count:
             jax.config.update("jax_num_cpu_devices", count)

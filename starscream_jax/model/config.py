@@ -36,11 +36,10 @@ class ModelConfig:
 
     fuse_projections: q, k, v in one GEMM and gate, up in one (the weights stay stored apart; see decoder._qkv).
     scan_unroll: layers per iteration of a rolled layer loop (`jax.lax.scan`'s unroll); 0 (the default) runs the
-    layers one after another with no loop in the program, in every phase. On an H200 a rolled loop costs time
-    where nothing is gained from it: in decode XLA copies each layer's weights out of the stacked arrays before its
-    GEMMs read them (Llama 3 8B: 6.5 of a 12 ms step); in training each layer's saved activations are written into
-    [L, ...] arrays zeroed first and copied out again for the backward pass (Llama 3.2 1B, 8 x 2048 tokens: 274.4 ms
-    rolled, 238.8 ms without the loop; benchmarks/NOTES.md). A rolled loop (1) compiles in a time that does not grow
+    layers one after another with no loop in the program, in every phase. A rolled loop costs time where nothing is
+    gained from it: in decode XLA copies each layer's weights out of the stacked arrays before its GEMMs read them;
+    in training each layer's saved activations are written into [L, ...] arrays zeroed first and copied out again
+    for the backward pass (measured in benchmarks/NOTES.md). A rolled loop (1) compiles in a time that does not grow
     with depth: for very deep models whose compile time matters more than the step's."""
 
     name: str

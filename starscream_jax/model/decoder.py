@@ -5,8 +5,10 @@ the program, or with `jax.lax.scan` when `ModelConfig.scan_unroll` asks for a ro
 `use_layout(layout, mesh)` every weight, activation and the KV cache is placed by the layout; outside it the same code
 runs unsharded. Each projection runs under `jax.named_scope` with its name (qkv, o, gate_up, down, router, logits;
 embed and attention for the per-device ops; a routed mixture of experts' own gate and up), so the compiled program's
-op names, and the inspector's keys, read as the model does. In training and prefill q, k and v run as one GEMM and gate and up as one (`_qkv`, `_gate_up`), from weights
-stored apart. A mixture-of-experts model routes each token to its experts (`moe.routed_mlp`).
+op names, and the keys of `analysis.report`, read as the model does. In training and prefill q, k and v run as one
+GEMM and gate and up as one (`_qkv`, `_gate_up`), from weights stored apart. A mixture-of-experts model routes each
+token to its experts (`moe.routed_mlp`). Where a backend's compiler needs help, the model asks the backend policy
+(`hardware.backend`), never the backend itself.
 """
 from __future__ import annotations
 

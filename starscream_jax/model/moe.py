@@ -102,9 +102,8 @@ def expert_outputs(h_TD, gates_TK, experts_TK, w_gate_XDF, w_up_XDF, w_down_XFD,
 def permute_rows(x_ND: jax.Array, index_M: jax.Array, inverse_N: jax.Array) -> jax.Array:
     """[M, D]: row m is x's row index[m], zeros where index[m] is out of range. `index` takes each row of x at most
     once, and `inverse` [N] says where each row of x went (out of range where nowhere), so the gradient is a gather
-    by `inverse` too, where JAX would transpose the gather into a scatter-add (on an H200, 2 ms per pass over the
-    MoE block's [T k, D] rows of Qwen3-30B-A3B at 8,192 tokens; the whole step 66.0 ms with them, 62.6 without:
-    benchmarks/NOTES.md)."""
+    by `inverse` too, where JAX would transpose the gather into a scatter-add (a serialised pass over the MoE
+    block's [T k, D] rows; measured in benchmarks/NOTES.md)."""
     return jnp.take(x_ND, index_M, axis=0, mode="fill", fill_value=0)
 
 

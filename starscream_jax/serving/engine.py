@@ -31,8 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ..errors import StarscreamError
 from ..model.paged import KERNELS, PAGES, init_pages
 from ..sharding.apply import activation_spec, param_shardings, use_layout
-from ..sharding.layouts import get_layout
-from ..training.generate import DEFAULT_DECODE_LAYOUT, DEFAULT_PREFILL_LAYOUT
+from ..sharding.layouts import PHASE_DEFAULTS, get_layout
 from .scheduler import Chunk, SamplingParams, Scheduler, SchedulerConfig, Sequence, check_fits
 from .steps import Buckets, RowSampling, StepInputs, paged_step
 
@@ -102,7 +101,8 @@ class Engine:
     """Continuous batching over a paged KV cache (see the module docstring)."""
 
     def __init__(self, model, config: EngineConfig = EngineConfig(), mesh=None,
-                 prefill_layout=DEFAULT_PREFILL_LAYOUT, decode_layout=DEFAULT_DECODE_LAYOUT, detokenize=None):
+                 prefill_layout=PHASE_DEFAULTS["prefill"], decode_layout=PHASE_DEFAULTS["decode"],
+                 detokenize=None):
         self.model_config = c = model.config
         self.config = config
         self.mesh = mesh
@@ -306,8 +306,8 @@ def _check_same_cache_placement(layouts: dict, mesh, c, config: EngineConfig, sh
     specs = {}
     for phase, layout in layouts.items():
         if layout.splits_sequence:
-            raise StarscreamError(f"layout {layout.name} splits the sequence and cannot serve from a KV cache; "
-                                  f"prefill with {DEFAULT_PREFILL_LAYOUT} and decode with {DEFAULT_DECODE_LAYOUT}")
+            raise StarscreamError(f"layout {layout.name} splits the sequence and cannot serve from a KV cache; prefill "
+                                  f"with {PHASE_DEFAULTS['prefill']} and decode with {PHASE_DEFAULTS['decode']}")
         with use_layout(layout, mesh):
             specs[phase] = activation_spec(PAGES, shape, "kv pages")
     if specs["prefill"] != specs["decode"] or cache_shards(layouts["prefill"], mesh) != shards:

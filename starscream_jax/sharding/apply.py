@@ -383,6 +383,20 @@ def param_shardings(state: nnx.State, layout: Layout | str, mesh) -> nnx.State:
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
+def abstract_placed(state: nnx.State, layout: Layout | str, mesh, dtype=None) -> nnx.State:
+    """`state` (parameters or optimizer state, arrays or abstract values) with each array a ShapeDtypeStruct
+    carrying the layout's params sharding (`param_shardings`), cast to `dtype` when given; Variables keep their
+    metadata. What a step compiled before any array exists takes."""
+
+    def placed(sharding, node):
+        if isinstance(node, nnx.Variable):
+            return node.replace(placed(sharding, node.get_value()))
+        return jax.ShapeDtypeStruct(node.shape, dtype or node.dtype, sharding=sharding)
+
+    return jax.tree.map(placed, param_shardings(state, layout, mesh), state,
+                        is_leaf=lambda node: isinstance(node, NamedSharding))
+
+
 def create_sharded(factory, layout: Layout | str, mesh):
     """Builds the module `factory()` with every parameter created already sharded by the layout's params rules.
 

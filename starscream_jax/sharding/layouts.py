@@ -173,6 +173,10 @@ EXPERT_LAYOUTS = ("starscream_ep", "flat_ep")
 """The layouts made for a mixture of experts (a dense model they place as starscream_tp and flat_tp do)."""
 
 PHASE_DEFAULTS = {"train": "starscream_tp", "prefill": "starscream_tp", "decode": "starscream_decode"}
+"""The layout each phase runs under unless told, in every command: `starscream train` (and `TrainConfig`),
+`generate` (its prefill and its decode) and the layouts `inspect` judges."""
+BASELINE = "flat_tp"
+"""The chiplet-oblivious layout `inspect` judges beside each phase's default."""
 
 
 def get_layout(name: str | Layout) -> Layout:

@@ -30,7 +30,7 @@ from ..errors import CheckpointError, StarscreamError
 from ..hardware.distributed import is_main_process
 from ..model.config import ModelConfig
 from ..model.decoder import abstract_model
-from ..sharding.apply import param_shardings
+from ..sharding.apply import abstract_placed
 
 ITEM_NAMES = ("params", "opt_state", "meta")
 DAMAGED_SUFFIX = ".damaged"
@@ -288,13 +288,7 @@ def abstract_model_state(config: ModelConfig, layout, mesh):
     """(graphdef, params, rest) of a Transformer of `config` with no array allocated: params are
     jax.ShapeDtypeStruct placed by `layout`'s params rules on `mesh` (a restore or compile target)."""
     graphdef, abstract_params, rest = nnx.split(abstract_model(config), nnx.Param, ...)
-    shardings = param_shardings(abstract_params, layout, mesh)
-    params = jax.tree.map(
-        lambda sharding, variable: variable.replace(
-            jax.ShapeDtypeStruct(variable.shape, variable.dtype, sharding=sharding)),
-        shardings, abstract_params, is_leaf=lambda node: isinstance(node, nnx.Variable),
-    )
-    return graphdef, params, rest
+    return graphdef, abstract_placed(abstract_params, layout, mesh), rest
 
 
 def restore_model(directory: str | Path, layout, mesh, step: int | None = None, dtype: str | None = None):

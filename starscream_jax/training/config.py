@@ -8,6 +8,7 @@ from pathlib import Path
 from ..checks import finite_number, whole_number
 from ..errors import CheckpointError, StarscreamError
 from ..model.config import REMAT_POLICIES, ModelConfig, load_model_config
+from ..sharding.layouts import PHASE_DEFAULTS
 from .data import DEFAULT_CORPUS
 
 
@@ -16,7 +17,7 @@ class TrainConfig:
     """Everything that decides a run's numbers. The defaults are the README's main command."""
 
     model: str = "tiny"
-    layout: str = "starscream_tp"
+    layout: str = PHASE_DEFAULTS["train"]
     dtype: str = "float32"
     remat: str = "none"
     grad_accum: int = 1

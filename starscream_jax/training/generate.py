@@ -22,11 +22,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ..errors import StarscreamError
 from ..model.decoder import cache_shardings, decode_holds_cache_per_layer, split_cache
 from ..sharding.apply import Placement, batch_sharding, param_shardings, placed, token_sharding
-from ..sharding.layouts import Layout, fit_batch, positions_multiple
+from ..sharding.layouts import PHASE_DEFAULTS, Layout, fit_batch, positions_multiple
 from .steps import Sampling, decode_step, prefill_step
 
-DEFAULT_PREFILL_LAYOUT = "starscream_tp"
-DEFAULT_DECODE_LAYOUT = "starscream_decode"
 STOP_CHECK_EVERY = 16
 
 
@@ -48,7 +46,7 @@ def place_params(params, layout, mesh):
 
 
 def generate(model, prompt_BP, max_new_tokens: int, sampling: Sampling = Sampling(), mesh=None,
-             prefill_layout=DEFAULT_PREFILL_LAYOUT, decode_layout=DEFAULT_DECODE_LAYOUT,
+             prefill_layout=PHASE_DEFAULTS["prefill"], decode_layout=PHASE_DEFAULTS["decode"],
              stop_token: int | None = None) -> Generation:
     """Continue each row of `prompt_BP` (int tokens, numpy or jax) by `max_new_tokens` tokens.
 
@@ -134,7 +132,7 @@ def fit_generation(prefill_layout, decode_layout, mesh, batch: int) -> tuple[Lay
         raise StarscreamError(
             f"a batch of {batch}: prefill under {prefill.name} splits the KV cache's positions over "
             f"{written or 'no axis'}, decode under {decode.name} over {read or 'no axis'}; prefill with "
-            f"{DEFAULT_PREFILL_LAYOUT} and decode with {DEFAULT_DECODE_LAYOUT}, or another pair that agree")
+            f"{PHASE_DEFAULTS['prefill']} and decode with {PHASE_DEFAULTS['decode']}, or another pair that agree")
     return prefill, decode
 
 

@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from ..checks import created_directory, of_type, writable_directory
+from ..compiled_memory import MemoryReport
 from ..errors import CheckpointError, RunStopped, StarscreamError
 from ..hardware.distributed import is_main_process
 from ..model.config import ModelConfig
@@ -531,11 +532,8 @@ def step_bytes_per_device(compiled) -> int | None:
     """Bytes one device holds while the compiled step runs: its arguments, its outputs not aliased to them, and
     its temporaries (the planner's persistent + temporary figure, here exact at full depth); None when the
     backend gives no memory analysis."""
-    memory = compiled.memory_analysis()
-    if memory is None:
-        return None
-    return (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
-            + memory.temp_size_in_bytes)
+    memory = MemoryReport.of(compiled)
+    return None if memory is None else memory.working_set_bytes
 
 
 def fitting_options(config: TrainConfig, model_config, layout, mesh, token_sharding, device_memory_bytes) -> str:

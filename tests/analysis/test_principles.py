@@ -12,11 +12,11 @@ from starscream_jax.analysis.principles import check_principles, reads_once_per_
 from starscream_jax.analysis.report import (
     ActivationReport,
     KernelReport,
-    MemoryReport,
     Report,
     inspect_compiled,
     inspect_text,
 )
+from starscream_jax.compiled_memory import MemoryReport
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "hlo"
 

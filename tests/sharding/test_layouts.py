@@ -11,8 +11,8 @@ to the model, regenerate them from the repository root and review the diff:
 
 Principles: train steps (value_and_grad of next_token_loss) and decode steps (one token through the model with a KV
 cache) of Llama 3 70B cut to 2 layers are lowered from ShapeDtypeStructs and compiled, never run, and read by
-`starscream_jax.inspector`. At these sizes every weight matrix is 32 MiB or more, the KV cache 4 MiB and the norm
-scales 64 KiB, so the inspector's 1 MiB threshold for "large" separates exactly what principle 2 is about.
+`starscream_jax.analysis.report.inspect_compiled`. At these sizes every weight matrix is 32 MiB or more, the KV cache 4
+MiB and the norm scales 64 KiB, so the report's 1 MiB threshold for "large" separates exactly what principle 2 is about.
 """
 import argparse
 import functools
