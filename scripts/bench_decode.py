@@ -110,7 +110,8 @@ def run_batch(graphdef, params, rest, config, layout: str, mesh, batch: int, cac
     position = jnp.asarray(cache_length - 1, jnp.int32)
     with use_layout(layout, mesh):
         start = time.perf_counter()
-        compiled = decode_step(graphdef, Sampling(), under=Placement.of(layout, mesh)).lower(params, rest, cache, token_B, position).compile()
+        compiled = decode_step(graphdef, Sampling(), under=Placement.of(layout, mesh)).lower(
+            params, rest, cache, token_B, position).compile()
         compile_s = time.perf_counter() - start
 
     def advance(state):

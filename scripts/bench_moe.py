@@ -162,7 +162,8 @@ def step_benchmark(layers: int, batch: int, seq: int, quick: bool, rounds: int, 
         args[name] = (params, optimizer.init(params), rest, tokens)
         # The whole step (new parameters and optimizer state, and the loss), without donation so that each timed
         # call can take the same arguments; compiled here, while the decoder holds this block.
-        whole_step = jax.jit(functools.partial(lambda s, *a: s(*a), train_step(graphdef, optimizer, grad_accum, under=None)))
+        step = train_step(graphdef, optimizer, grad_accum, under=None)
+        whole_step = jax.jit(functools.partial(lambda s, *a: s(*a), step))
         programs[name] = whole_step.lower(*args[name]).compile()
         # The loss and its gradients alone (the step without the optimizer's update).
         args[f"{name}_gradients"] = (params, rest, tokens)

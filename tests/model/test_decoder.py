@@ -323,7 +323,8 @@ def test_a_write_past_the_end_of_the_kv_cache_is_an_error(index, new_tokens):
 
 def test_a_write_that_ends_at_the_last_slot_of_the_kv_cache_is_allowed():
     config, graphdef, params, _ = reference("tiny")
-    logits = nnx.merge(graphdef, params)(np.zeros((2, 2), np.int32), cache=init_cache(config, 2, 8), cache_index=6).logits
+    model = nnx.merge(graphdef, params)
+    logits = model(np.zeros((2, 2), np.int32), cache=init_cache(config, 2, 8), cache_index=6).logits
     assert logits.shape == (2, 2, config.vocab_size)
 
 
