@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..analysis.layout_report import ResultCache
@@ -55,6 +56,22 @@ def _whole_number(text: str, minimum: int) -> int:
     except ValueError as error:  # int() failed, or StarscreamError (a ValueError) from whole_number
         message = str(error) if isinstance(error, StarscreamError) else f"{text!r}: expected a whole number"
         raise argparse.ArgumentTypeError(message) from None
+
+
+@dataclass(frozen=True)
+class MeshDefault:
+    """The simulated mesh a command builds when neither a preset nor a topology is given."""
+
+    preset: str
+    gpus: int
+
+
+RUN_MESH = MeshDefault("mi300x-qpx-nps1", 2)
+"""`train`, `generate` and `export` (which run the model) without GPUs: 2 GPUs of 4 partitions, 8 CPU devices, on
+which the demo's training step runs in seconds."""
+STUDY_MESH = MeshDefault("mi300x-cpx-nps1", 8)
+"""`inspect` and `plan` (which only compile): a whole MI300X node in CPX mode, 64 partitions, the machine the
+layouts are judged for."""
 
 
 def add_mesh_arguments(parser: argparse.ArgumentParser, *, default_preset: str | None = None,

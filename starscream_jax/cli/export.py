@@ -15,18 +15,18 @@ from ..model.hf_config import read_hf_config
 from ..training.checkpoint import CheckpointStore, restore_model
 from ..training.config import TrainConfig
 from .arguments import (
+    RUN_MESH,
     add_distributed_arguments,
     add_mesh_arguments,
     checkpoint_dir,
     initialize_from_args,
     mesh_from_args,
 )
-from .train import DEFAULT_GPUS, DEFAULT_PRESET
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `starscream export` (mesh, multi-process, run, output)."""
-    add_mesh_arguments(parser, default_preset=DEFAULT_PRESET, default_gpus=DEFAULT_GPUS, default_simulate=None)
+    add_mesh_arguments(parser, default_preset=RUN_MESH.preset, default_gpus=RUN_MESH.gpus, default_simulate=None)
     add_distributed_arguments(parser)
     group = parser.add_argument_group("export")
     group.add_argument("--checkpoint", required=True, metavar="RUN_DIR",

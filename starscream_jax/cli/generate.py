@@ -16,6 +16,7 @@ from ..training.generate import generate
 from ..training.steps import Sampling
 from ..training.tokenizer import model_dir_tokenizer, tokenizer_for_model
 from .arguments import (
+    RUN_MESH,
     add_distributed_arguments,
     add_mesh_arguments,
     checkpoint_dir,
@@ -24,7 +25,6 @@ from .arguments import (
     mesh_from_args,
     step_number,
 )
-from .train import DEFAULT_GPUS, DEFAULT_PRESET
 
 
 EXCLUSIVE = (
@@ -39,7 +39,7 @@ EXCLUSIVE = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `starscream generate` (mesh, multi-process, checkpoint, layouts, sampling)."""
-    add_mesh_arguments(parser, default_preset=DEFAULT_PRESET, default_gpus=DEFAULT_GPUS, default_simulate=None)
+    add_mesh_arguments(parser, default_preset=RUN_MESH.preset, default_gpus=RUN_MESH.gpus, default_simulate=None)
     add_distributed_arguments(parser)
     group = parser.add_argument_group("generation")
     group.add_argument("--checkpoint", default="runs/train/checkpoints",

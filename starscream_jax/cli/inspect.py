@@ -18,6 +18,7 @@ from ..errors import ShardingRuleError, StarscreamError
 from ..model.config import REMAT_POLICIES
 from ..sharding.layouts import BASELINE, PHASE_DEFAULTS
 from .arguments import (
+    STUDY_MESH,
     add_cache_arguments,
     add_mesh_arguments,
     mesh_from_args,
@@ -31,8 +32,6 @@ DEFAULT_LAYOUTS = {**{phase: f"{BASELINE},{layout}" for phase, layout in PHASE_D
 """The layouts judged unless --layout names others: the baseline beside the phase's default (serve's step is a
 decode step)."""
 DEFAULT_MODEL = "llama3-70b"
-DEFAULT_PRESET = "mi300x-cpx-nps1"
-DEFAULT_GPUS = 8
 DEFAULT_LAYERS = 2
 SHOWN_VIOLATIONS = 3
 LINE_WIDTH = 160
@@ -40,7 +39,7 @@ LINE_WIDTH = 160
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `starscream inspect`: the (simulated) mesh, model, layouts, phase, shapes, output."""
-    add_mesh_arguments(parser, default_preset=DEFAULT_PRESET, default_gpus=DEFAULT_GPUS, default_simulate=True)
+    add_mesh_arguments(parser, default_preset=STUDY_MESH.preset, default_gpus=STUDY_MESH.gpus, default_simulate=True)
     group = parser.add_argument_group("inspection")
     group.add_argument("--model", default=DEFAULT_MODEL,
                        help="model configuration: a name in models/, a TOML path or a Hugging Face model directory "

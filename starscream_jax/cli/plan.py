@@ -17,6 +17,7 @@ from ..errors import StarscreamError
 from ..model.config import load_model_config
 from ..sharding.layouts import EXPERT_LAYOUTS, LAYOUTS
 from .arguments import (
+    STUDY_MESH,
     add_cache_arguments,
     add_mesh_arguments,
     mesh_from_args,
@@ -24,7 +25,7 @@ from .arguments import (
     prepare_simulation,
     result_cache,
 )
-from .inspect import DEFAULT_GPUS, DEFAULT_LAYERS, DEFAULT_MODEL, DEFAULT_PRESET
+from .inspect import DEFAULT_LAYERS, DEFAULT_MODEL
 
 REASON_WIDTH = 160
 SHOWN_LOSERS = 12
@@ -32,7 +33,7 @@ SHOWN_LOSERS = 12
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `starscream plan`: the (simulated) mesh, model, phases, candidate layouts, shapes, output."""
-    add_mesh_arguments(parser, default_preset=DEFAULT_PRESET, default_gpus=DEFAULT_GPUS, default_simulate=True)
+    add_mesh_arguments(parser, default_preset=STUDY_MESH.preset, default_gpus=STUDY_MESH.gpus, default_simulate=True)
     group = parser.add_argument_group("planning")
     group.add_argument("--model", default=DEFAULT_MODEL,
                        help="model configuration: a name in models/, a TOML path or a Hugging Face model directory "

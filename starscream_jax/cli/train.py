@@ -17,6 +17,7 @@ from ..sharding.layouts import LAYOUTS
 from ..training.config import TrainConfig
 from ..training.loop import CHANGEABLE, train
 from .arguments import (
+    RUN_MESH,
     add_distributed_arguments,
     add_mesh_arguments,
     initialize_from_args,
@@ -24,8 +25,6 @@ from .arguments import (
     output_directory,
 )
 
-DEFAULT_PRESET = "mi300x-qpx-nps1"
-DEFAULT_GPUS = 2
 EXCLUSIVE = (
     ("remat_full", "remat", "--remat is --remat-policy full"),
     ("init", "model", "--init's config.json is the model"),
@@ -36,7 +35,7 @@ EXCLUSIVE = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `starscream train` (mesh, multi-process, model, optimizer, data, run directory)."""
     defaults = TrainConfig()
-    add_mesh_arguments(parser, default_preset=DEFAULT_PRESET, default_gpus=DEFAULT_GPUS, default_simulate=None)
+    add_mesh_arguments(parser, default_preset=RUN_MESH.preset, default_gpus=RUN_MESH.gpus, default_simulate=None)
     add_distributed_arguments(parser)
     group = parser.add_argument_group("training")
     group.add_argument("--model", default=defaults.model, help="model configuration: a name in models/ or a path")

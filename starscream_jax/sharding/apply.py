@@ -388,12 +388,12 @@ def abstract_placed(state: nnx.State, layout: Layout | str, mesh, dtype=None) ->
     carrying the layout's params sharding (`param_shardings`), cast to `dtype` when given; Variables keep their
     metadata. What a step compiled before any array exists takes."""
 
-    def placed(sharding, node):
+    def abstract(sharding, node):
         if isinstance(node, nnx.Variable):
-            return node.replace(placed(sharding, node.get_value()))
+            return node.replace(abstract(sharding, node.get_value()))
         return jax.ShapeDtypeStruct(node.shape, dtype or node.dtype, sharding=sharding)
 
-    return jax.tree.map(placed, param_shardings(state, layout, mesh), state,
+    return jax.tree.map(abstract, param_shardings(state, layout, mesh), state,
                         is_leaf=lambda node: isinstance(node, NamedSharding))
 
 

@@ -16,6 +16,7 @@ import pytest
 from starscream_jax.analysis.compile import PHASES
 from starscream_jax.analysis.layout_report import PRINCIPLES
 from starscream_jax.cli import inspect as inspect_command
+from starscream_jax.cli.arguments import STUDY_MESH
 from starscream_jax.errors import ShardingRuleError, StarscreamError
 from starscream_jax.hardware.topology import Topology
 from starscream_jax.model.config import load_model_config
@@ -232,7 +233,7 @@ def test_cost_model_puts_starscream_tp_ahead_of_flat_tp_on_communication_and_com
     model_flops = LLAMA_70B.flops_per_token(results["starscream_tp"]["seq"]) * starscream["tokens"]
     if phase == "prefill":
         model_flops /= 3  # the forward pass alone: 2 of the 6 FLOPs per parameter and token
-    peak = Topology.from_preset(inspect_command.DEFAULT_PRESET).peak_flops
+    peak = Topology.from_preset(STUDY_MESH.preset).peak_flops
     assert starscream["compute_s"] >= model_flops / (64 * peak) * (1 - 1e-9)
 
 

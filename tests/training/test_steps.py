@@ -12,7 +12,14 @@ from flax import nnx
 from starscream_jax.errors import StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model.config import load_model_config
-from starscream_jax.model.decoder import Transformer, create_sharded_model, init_cache, next_token_loss, split_cache
+from starscream_jax.model.decoder import (
+    Transformer,
+    abstract_model,
+    create_sharded_model,
+    init_cache,
+    next_token_loss,
+    split_cache,
+)
 from starscream_jax.sharding.apply import Placement, batch_sharding, use_layout
 from starscream_jax.training.config import TrainConfig
 from starscream_jax.training.steps import (
@@ -179,10 +186,12 @@ def test_weight_decay_skips_exactly_the_norm_scales_and_biases():
     router included) shrinks, and the 1-D parameters (norm scales, q/k norms, q/k/v biases) stay as they were. All
     parameters start at one, so a bias that decayed would move."""
     config = CONFIG.replace(qkv_bias=True, qk_norm=True, n_experts=2, experts_per_token=1)
-    _, params, _ = _state(config)
-    params = jax.tree.map(jnp.ones_like, params)
+    _, abstract, _ = nnx.split(abstract_model(config), nnx.Param, ...)
+    params = jax.tree.map(lambda leaf: np.ones(leaf.shape, leaf.dtype), abstract)
     optimizer = make_optimizer(TrainConfig(warmup_steps=0, weight_decay=0.5), params)
-    updates, _ = optimizer.update(jax.tree.map(jnp.zeros_like, params), optimizer.init(params), params)
+    update = jax.jit(lambda params: optimizer.update(jax.tree.map(jnp.zeros_like, params), optimizer.init(params),
+                                                     params)[0])
+    updates = update(params)
     moved = {path[-1]: bool(jnp.any(update.get_value() != 0)) for path, update in nnx.to_flat_state(updates)}
     assert {name for name, changed in moved.items() if not changed} == {
         "attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm", "bq", "bk", "bv"}
