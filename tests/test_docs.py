@@ -126,7 +126,7 @@ def test_the_readme_lists_every_subcommand():
 
 
 def test_every_name_the_docs_give_the_code_exists():
-    """Names in the docs that point into the package (`decoder.split_cache`, `steps.DECODE_COMPILER_OPTIONS`) name
+    """Names in the docs that point into the package (`decoder.split_cache`, `hardware.backend.CUDA`) name
     what is there; benchmarks/NOTES.md is history and keeps the names of its day, as do the rendered tables' notes."""
     missing = []
     for page in PAGES[:-1]:
