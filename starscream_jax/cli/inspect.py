@@ -37,16 +37,23 @@ SHOWN_VIOLATIONS = 3
 LINE_WIDTH = 160
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of `starscream inspect`: the (simulated) mesh, model, layouts, phase, shapes, output."""
+def add_study_arguments(parser: argparse.ArgumentParser, title: str):
+    """The arguments `inspect` and `plan` share: the simulated mesh (STUDY_MESH unless told) and the model, the
+    latter in a new group `title`, which is returned for the command's own arguments."""
     add_mesh_arguments(parser, default_preset=STUDY_MESH.preset, default_gpus=STUDY_MESH.gpus, default_simulate=True)
-    group = parser.add_argument_group("inspection")
+    group = parser.add_argument_group(title)
     group.add_argument("--model", default=DEFAULT_MODEL,
                        help="model configuration: a name in models/, a TOML path or a Hugging Face model directory "
                             "(its config.json; no weights are read)")
+    return group
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `starscream inspect`: the (simulated) mesh, model, layouts, phase, shapes, output."""
+    group = add_study_arguments(parser, "inspection")
     group.add_argument("--layout", default=None,
-                       help="comma-separated layouts (default: flat_tp,starscream_tp; flat_tp,starscream_decode "
-                            "for decode)")
+                       help=f"comma-separated layouts (default: {DEFAULT_LAYOUTS['train']}; "
+                            f"{DEFAULT_LAYOUTS['decode']} for decode and serve)")
     group.add_argument("--phase", default="train", choices=(*PHASES, SERVE),
                        help="which step to compile (serve: decode as the server runs it, over a paged KV cache)")
     group.add_argument("--batch", type=int, default=None,

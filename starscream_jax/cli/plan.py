@@ -17,15 +17,13 @@ from ..errors import StarscreamError
 from ..model.config import load_model_config
 from ..sharding.layouts import EXPERT_LAYOUTS, LAYOUTS
 from .arguments import (
-    STUDY_MESH,
     add_cache_arguments,
-    add_mesh_arguments,
     mesh_from_args,
     output_file,
     prepare_simulation,
     result_cache,
 )
-from .inspect import DEFAULT_LAYERS, DEFAULT_MODEL
+from .inspect import DEFAULT_LAYERS, add_study_arguments
 
 REASON_WIDTH = 160
 SHOWN_LOSERS = 12
@@ -33,11 +31,7 @@ SHOWN_LOSERS = 12
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `starscream plan`: the (simulated) mesh, model, phases, candidate layouts, shapes, output."""
-    add_mesh_arguments(parser, default_preset=STUDY_MESH.preset, default_gpus=STUDY_MESH.gpus, default_simulate=True)
-    group = parser.add_argument_group("planning")
-    group.add_argument("--model", default=DEFAULT_MODEL,
-                       help="model configuration: a name in models/, a TOML path or a Hugging Face model directory "
-                            "(its config.json; no weights are read)")
+    group = add_study_arguments(parser, "planning")
     group.add_argument("--phases", default=",".join(PHASES), help="comma-separated phases to plan")
     group.add_argument("--layout", default=None, help="comma-separated candidate layouts (default: all; the expert "
                        "layouts only for a mixture-of-experts model)")
