@@ -199,7 +199,7 @@ def step_program(settings: Settings, layout: Layout, mesh, config: ModelConfig |
     config = config or settings.config
     if settings.paged:
         graphdef, args = abstract_paged_args(config, layout, mesh, settings.batch, settings.cache)
-        return paged_step(graphdef), args
+        return paged_step(graphdef, under=Placement(layout, mesh)), args
     if settings.cache < settings.seq:
         raise StarscreamError(f"a KV cache of {settings.cache} positions cannot hold {settings.seq} tokens; give "
                               f"cache_length {settings.seq} or more")

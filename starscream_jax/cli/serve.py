@@ -12,6 +12,7 @@ from ..serving.engine import Engine, EngineConfig, EngineThread
 from ..serving.server import Server
 from ..sharding.layouts import PHASE_DEFAULTS
 from .arguments import (
+    RUN_MESH,
     add_distributed_arguments,
     add_mesh_arguments,
     count,
@@ -21,7 +22,6 @@ from .arguments import (
 )
 from .generate import EXCLUSIVE as GENERATE_EXCLUSIVE
 from .generate import load_for_generation
-from .train import DEFAULT_GPUS, DEFAULT_PRESET
 
 EXCLUSIVE = tuple(pair for pair in GENERATE_EXCLUSIVE if pair[0] == "model_dir")
 """(flag, flag, why only one is honoured), as dests: the model's source, as `generate` reads it."""
@@ -29,7 +29,7 @@ EXCLUSIVE = tuple(pair for pair in GENERATE_EXCLUSIVE if pair[0] == "model_dir")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `starscream serve` (mesh, model, layouts, cache and batching, HTTP)."""
-    add_mesh_arguments(parser, default_preset=DEFAULT_PRESET, default_gpus=DEFAULT_GPUS, default_simulate=None)
+    add_mesh_arguments(parser, default_preset=RUN_MESH.preset, default_gpus=RUN_MESH.gpus, default_simulate=None)
     add_distributed_arguments(parser)
     group = parser.add_argument_group("model")
     group.add_argument("--checkpoint", default="runs/train/checkpoints",

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import StarscreamError
 from ..model.paged import KERNELS, PAGES, init_pages
-from ..sharding.apply import activation_spec, param_shardings, use_layout
+from ..sharding.apply import Placement, activation_spec, param_shardings, use_layout
 from ..sharding.layouts import PHASE_DEFAULTS, get_layout
 from .scheduler import Chunk, SamplingParams, Scheduler, SchedulerConfig, Sequence, check_fits
 from .steps import Buckets, RowSampling, StepInputs, paged_step
@@ -122,7 +122,8 @@ class Engine:
             params = jax.device_put(params, param_shardings(params, self.layouts["decode"], mesh))
         self.params = params
         self.pages = self._empty_pages()
-        self._steps = {phase: paged_step(self.graphdef, config.kernel, decode=phase == "decode")
+        self._steps = {phase: paged_step(self.graphdef, config.kernel, decode=phase == "decode",
+                                         under=None if mesh is None else Placement(self.layouts[phase], mesh))
                        for phase in ("prefill", "decode")}
         self._programs: dict[tuple, object] = {}
         self._sequences: dict[str, Sequence] = {}

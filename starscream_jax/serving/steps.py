@@ -14,7 +14,6 @@ row's temperature, the draw keyed by (row's seed, the new token's position) alon
 from __future__ import annotations
 
 import bisect
-import functools
 from dataclasses import dataclass
 
 import jax
@@ -23,9 +22,10 @@ from flax import nnx
 from jax.tree_util import register_dataclass
 
 from ..errors import StarscreamError
+from ..hardware.backend import policy_of
 from ..model.paged import PagedCache
-from ..sharding.apply import constrain
-from ..training.steps import DECODE_COMPILER_OPTIONS, _whole_vocabulary
+from ..sharding.apply import Jitted, Placement, constrain, jit
+from ..training.steps import _whole_vocabulary
 
 
 @register_dataclass
@@ -52,12 +52,14 @@ class StepInputs:
     sampling: RowSampling
 
 
-def paged_step(graphdef, kernel: str = "gather", decode: bool = True):
-    """The jitted paged step (see the module docstring); the pages are donated. Decode steps compile with the
-    decode step's XLA options (`training.steps.DECODE_COMPILER_OPTIONS`)."""
-    options = DECODE_COMPILER_OPTIONS if decode else None
+def paged_step(graphdef, kernel: str = "gather", decode: bool = True, *, under: Placement | None) -> Jitted:
+    """The jitted paged step (see the module docstring) under `under` (`sharding.apply.jit`); the pages are
+    donated. Decode steps compile with the backend policy's decode options (`BackendPolicy.decode_compiler_options`),
+    as the decode step does."""
+    device = under.mesh.devices.flat[0] if under is not None else jax.devices()[0]
+    options = dict(policy_of(device).decode_compiler_options) if decode else None
 
-    @functools.partial(jax.jit, donate_argnums=(2,), compiler_options=options)
+    @jit(under=under, donate_argnums=(2,), compiler_options=options)
     def step(params, rest, pages, inputs: StepInputs):
         model = nnx.merge(graphdef, params, rest)
         cache = PagedCache(pages["k"], pages["v"], inputs.table, kernel)
