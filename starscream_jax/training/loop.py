@@ -299,6 +299,8 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, allow_changes=(), 
     main_process = is_main_process()
     say = echo if main_process else (lambda *_: None)
     plan = plan_run(config, mesh, allow_changes, stop_at_step, resume)
+    if not resume:  # a resumed run's window is known once its checkpoint is read
+        profile_window(profile_dir, 0, plan.last_step)
     if main_process:
         created_directory(plan.run_dir, "--run-dir")
     with RunLock(plan.run_dir, say, enabled=main_process), use_layout(plan.layout, mesh), \

@@ -142,6 +142,7 @@ def test_importing_the_library_and_the_command_starts_no_jax_backend():
      "--num-processes 0: must be at least 1"),
     (("--run-dir", "/proc/starscream/run"), "--run-dir /proc/starscream/run: cannot write there"),
     (("--data", ""), "--data '' names no file; pass one or more .txt or .jsonl files"),
+    (("--profile", "runs/trace", "--steps", "1"), "--profile traces from the run's second step on"),
     (("--token-cache", "/proc/starscream", "--tokenizer", str(HF_FIXTURE), "--model", str(HF_FIXTURE)),
      "--token-cache /proc/starscream: cannot write there"),
 ])
