@@ -1,12 +1,14 @@
 """The documentation: README.md, docs/*.md and benchmarks/NOTES.md. Every relative link resolves (the file exists, and
-an anchor names a heading of the page it points to, as GitHub spells heading anchors), README links every docs page
-and lists every subcommand, every path and every name of the package's code the pages give exists, prose keeps to
-120 columns outside tables, images and code, and README's Python quickstart runs and passes the three principles."""
+an anchor names a heading of the page it points to, as GitHub spells heading anchors); README links every docs page
+and states every subcommand and the pinned JAX and Flax range; every repository path and every name of the
+package's code the pages give exists; prose keeps to 120 columns outside tables, images and code; and README's Python
+quickstart runs and passes the three principles."""
 import ast
 import contextlib
 import importlib
 import io
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -148,6 +150,16 @@ def test_every_path_in_the_repository_a_page_names_exists(page):
     benchmarks/NOTES.md, the history, keeps the paths of its day."""
     missing = [path for path in sorted(set(REPO_PATH.findall(page.read_text()))) if not (ROOT / path).exists()]
     assert not missing, f"{page.name} names paths that are not in the repository: {', '.join(missing)}"
+
+
+def test_the_readme_states_the_pinned_jax_and_flax_range():
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    text = " ".join((ROOT / "README.md").read_text().split())
+    for package, name in (("jax", "JAX"), ("flax", "Flax")):
+        pinned = next(spec for spec in dependencies if re.match(rf"{package}[<>=]", spec))
+        bounds = re.findall(r"(>=|<)\s*([\d.]+)", pinned)
+        stated = f"{name} " + " and ".join(f"{operator} {version}" for operator, version in bounds)
+        assert stated in text, f"README should state {stated!r}, as pyproject.toml pins {pinned!r}"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
