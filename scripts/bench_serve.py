@@ -24,6 +24,7 @@ process JAX has not touched (so torch has the GPU's memory), Hugging Face transf
 
     python scripts/bench_serve.py --workload A --http --peers --out benchmarks/results/serve_a.json
     python scripts/bench_serve.py --workload A --transformers-only --out benchmarks/results/serve_a_transformers.json
+    python scripts/bench_serve.py --workload A --kernels --kernel pallas      # the two decode kernels, then the engine
     python scripts/bench_serve.py --quick                       # CPU smoke run: tiny model, small workloads
 """
 
@@ -267,6 +268,38 @@ def transformers_peer(config, prompts, outputs) -> dict:
             "output_tokens_per_s": produced / seconds}
 
 
+def time_kernels(config, batch: int, positions: int, page_size: int, warmup: int = 3, calls: int = 20) -> dict:
+    """One layer's paged decode attention (`model.paged.paged_attention`) under each kernel, alone: `batch` rows
+    of `positions` cached positions each, their pages scattered at random over a pool of exactly that many pages:
+    milliseconds per call, the bytes of K/V it must read over that time, and its largest difference from the
+    gather kernel's output."""
+    import jax
+    import jax.numpy as jnp
+
+    from starscream_jax.model.paged import KERNELS, PagedLayer, paged_attention
+
+    dtype, K, H, E = jnp.dtype(config.dtype), config.n_kv_heads, config.n_heads, config.head_dim
+    per_row = -(-positions // page_size)
+    keys = jax.random.split(jax.random.key(0), 5)
+    pool = (K, batch * per_row + 1, page_size, E)
+    pages_k, pages_v = (jax.random.normal(key, pool, dtype) for key in keys[:2])
+    table = (jax.random.permutation(keys[2], batch * per_row) + 1).reshape(batch, per_row).astype(jnp.int32)
+    q = jax.random.normal(keys[3], (batch, 1, H, E), dtype)
+    k, v = (jax.random.normal(keys[4], (batch, 1, K, E), dtype) for _ in range(2))
+    position = jnp.full((batch, 1), positions - 1, jnp.int32)
+    rows, outputs = {}, {}
+    for kernel in KERNELS:
+        step = jax.jit(lambda q, k, v, p, t, a, b, kernel=kernel: paged_attention(q, k, v, p, PagedLayer(a, b, t,
+                                                                                                       kernel))[0])
+        args = (q, k, v, position, table, pages_k, pages_v)
+        outputs[kernel] = np.asarray(step(*args).astype(jnp.float32))
+        seconds = harness.seconds_per_call(step, args, warmup=warmup, calls=calls)
+        read = 2 * batch * positions * K * E * dtype.itemsize
+        rows[kernel] = {"ms": seconds * MILLISECONDS, "kv_bytes_per_s": read / seconds,
+                        "max_abs_diff_vs_gather": float(np.max(np.abs(outputs[kernel] - outputs["gather"])))}
+    return {"batch": batch, "positions": positions, "page_size": page_size, "kernels": rows}
+
+
 def measured_read_rate() -> float:
     """Bytes per second of a sum over a 4 GiB bfloat16 array (scripts/bench_decode.py's `measured_bandwidth`)."""
     spec = importlib.util.spec_from_file_location("bench_decode", Path(__file__).with_name("bench_decode.py"))
@@ -298,6 +331,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--http", action="store_true", help="also through the HTTP server")
     parser.add_argument("--peers", action="store_true", help="workload A's static generate peer (GPU)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="first time one layer's paged decode attention under each kernel (--max-seqs rows, the "
+                             "first workload's prompt + output positions)")
     parser.add_argument("--transformers-only", action="store_true",
                         help="run transformers' continuous batching on the workloads instead of the engine (GPU)")
     parser.add_argument("--static-batch", type=int, default=64, help="batch of the static generate peer")
@@ -320,8 +356,6 @@ def engine_config(args, workloads: list[Workload]):
         return math.ceil(int((w.prompt + w.output) * scale) / args.page_size)
 
     widest = max(pages_per_row(w) for w in workloads)
-    if args.kernel == "pallas":  # the kernel splits a row's pages in powers of two
-        widest = 1 << (widest - 1).bit_length()
     rows = min(args.max_seqs, max(w.requests for w in workloads))
     prefill_rows = max(1, min(rows, args.token_budget // args.chunk + 1))
     if args.quick:
@@ -347,7 +381,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.quick:
         args.model, args.layers, args.dtype, args.chunk, args.token_budget = "tiny", 2, "float32", 16, 48
-        args.page_size, args.max_seqs, args.http = 4, 8, True
+        args.page_size, args.max_seqs, args.http, args.kernels = 4, 8, True, True
     import jax
     from flax import nnx
 
@@ -374,6 +408,12 @@ def main(argv=None) -> int:
     result = {"meta": info.as_dict(), "model": config.name, "layers": config.n_layers, "dtype": config.dtype,
               "engine": {"page_size": args.page_size, "max_seqs": args.max_seqs, "token_budget": args.token_budget,
                          "chunk": args.chunk, "kernel": args.kernel}, "runs": []}
+    if args.kernels:
+        first = workloads[0]
+        result["kernels"] = time_kernels(config, min(args.max_seqs, first.requests), first.prompt + first.output,
+                                         args.page_size, calls=2 if args.quick else 20)
+        print(f"paged attention, one layer: {json.dumps(result['kernels'])}", flush=True)
+        harness.write_json(args.out, result)
     for workload in workloads:
         prompts, outputs = prompts_of(workload, config.vocab_size)
         warm = prompts_of(workload, config.vocab_size, seed=1)

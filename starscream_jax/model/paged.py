@@ -131,18 +131,21 @@ def _gathered_attention(q_BSHE, pages_k, pages_v, positions_BS, table_BM, q_axes
 
 def _pallas_decode(q_B1HE, pages_k, pages_v, positions_BS, table_BM, q_axes, kv_axes, group):
     """Decode attention by JAX's Pallas paged-attention kernel for GPUs (Triton), reading the pages in place; off
-    GPUs in Pallas' interpreter (tests). Queries come scaled by 1 / sqrt(E). The row's pages are split into up to 16 parts and read 8 pages at a time
-    where the table's width allows (the kernel needs both to divide it)."""
+    GPUs in Pallas' interpreter (tests). Queries come scaled by 1 / sqrt(E). A row's pages are read up to 8 at a
+    time and split into up to 16 parts read in parallel, as the table's width allows (the kernel needs both to
+    divide it)."""
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as pallas_paged_attention
 
     if q_B1HE.shape[2] != pages_k.shape[0] * group:
         raise StarscreamError("the pallas paged-attention kernel needs every query head's kv head on its device; "
                               "decode under a layout that splits query and kv heads alike, or use --kernel gather")
     lengths_B = jnp.maximum(positions_BS[:, 0], 0) + 1
-    splits = math.gcd(table_BM.shape[1], 16)
+    width = table_BM.shape[1]
+    block = math.gcd(width, 8)  # pages read at a time
+    splits = max(d for d in range(1, 17) if (width // block) % d == 0)  # parts of the row read in parallel
     scaled_BHE = q_B1HE[:, 0] * q_B1HE.shape[-1] ** -0.5  # the kernel does not scale the scores itself
     out_BHE = pallas_paged_attention(scaled_BHE, pages_k.astype(q_B1HE.dtype), pages_v.astype(q_B1HE.dtype),
                                      table_BM, lengths_B.astype(jnp.int32), k_splits=splits,
-                                     pages_per_compute_block=math.gcd(table_BM.shape[1] // splits, 8),
+                                     pages_per_compute_block=block,
                                      interpret=compute_device().platform != "gpu")
     return out_BHE[:, None]

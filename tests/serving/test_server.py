@@ -1,7 +1,7 @@
 """The HTTP server on a real uvicorn on a localhost port, over the tiny Hugging Face checkpoint's engine on a
-simulated (1, 2, 4) mesh (conftest.py): the official `openai` client (completions, chat, streaming, logprobs), OpenAI-style errors, /health, /models,
-/metrics, a bounded load of concurrent clients (some cancelled midway, some refused with 429) after which every page
-is free, and a shutdown that lets the running stream finish."""
+simulated (1, 2, 4) mesh (conftest.py): the official `openai` client (completions, chat, streaming, logprobs),
+OpenAI-style errors, /health, /models, /metrics, a bounded load of concurrent clients (some cancelled midway, some
+refused with 429) after which every page is free, and a shutdown that lets the running stream finish."""
 import asyncio
 import socket
 import threading
