@@ -191,14 +191,19 @@ class CheckpointReader:
 
     def read(self, source: Source, index: tuple[slice, ...], shape: tuple[int, ...], dtype) -> np.ndarray:
         """Our parameter's block `index` (slices of `shape`) in `dtype`, read layer by layer from the checkpoint and
-        converted and transposed in one copy into the block."""
+        converted and transposed in one copy into the block; each layer's part checked finite once converted (a
+        float32 check runs several times faster than one on the stored bfloat16)."""
         bounds = [slice(*s.indices(n)) for s, n in zip(index, shape)]
         stacked, per_layer = bounds[:source.stacked], bounds[source.stacked:]
         block = np.empty(tuple(s.stop - s.start for s in bounds), dtype)
         layers = block.reshape((-1,) + block.shape[source.stacked:])
         for position, at in enumerate(np.ndindex(*block.shape[:source.stacked])):
-            layers[position] = self._read_one(source, source.name(*(s.start + i for s, i in zip(stacked, at))),
-                                              per_layer)
+            name = source.name(*(s.start + i for s, i in zip(stacked, at)))
+            layers[position] = self._read_one(source, name, per_layer)
+            if not np.isfinite(layers[position]).all():
+                raise CheckpointError(f"tensor {name} in {self.model_dir / self.file_of(name)} holds "
+                                      f"{_nonfinite(layers[position])}; the checkpoint is damaged: download or "
+                                      "export it again")
         return block
 
     def _read_one(self, source: Source, name: str, ours: list[slice]) -> np.ndarray:
@@ -216,9 +221,6 @@ class CheckpointReader:
             block = self.tensor(name)[tuple(read)]
             block = block.reshape(block.shape[:dim] + (outer.stop - outer.start, inner) + block.shape[dim + 1:])
             block = block[(slice(None),) * (dim + 1) + (cut,)]
-        if not np.isfinite(block).all():
-            raise CheckpointError(f"tensor {name} in {self.model_dir / self.file_of(name)} holds {_nonfinite(block)}; "
-                                  "the checkpoint is damaged: download or export it again")
         return block.transpose(source.order)
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from ..checks import created_directory
 from ..errors import StarscreamError
 from .lock import process_alive
-from .tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer
+from .tokenizer import ByteTokenizer, HFTokenizer
 
 LINES_PER_BLOCK = 4096
 """Lines of a text file encoded at once (blocks end at line ends, so no token straddles two blocks' text)."""
@@ -152,12 +152,7 @@ def _check_messages(where: str, messages) -> None:
 
 def cache_key(fingerprint: DataFingerprint, path: Path, tokenizer: ByteTokenizer | HFTokenizer) -> str:
     """A name that changes when the file's content or the tokenizer does."""
-    if isinstance(tokenizer, HFTokenizer):
-        identity = hashlib.sha256((tokenizer.directory / TOKENIZER_FILE).read_bytes()).hexdigest()
-        identity += f"{tokenizer.add_bos}{tokenizer.add_eos}{tokenizer.chat_template}{tokenizer.eos_id}"
-    else:
-        identity = "bytes"
-    text = f"{fingerprint.size}|{fingerprint.sha256}|{file_kind(path)}|{identity}"
+    text = f"{fingerprint.size}|{fingerprint.sha256}|{file_kind(path)}|{tokenizer.fingerprint}"
     return f"{path.stem}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 

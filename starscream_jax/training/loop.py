@@ -88,22 +88,22 @@ def initial_state(config: TrainConfig, model_config, layout, mesh):
     return graphdef, params, rest, optimizer, jax.jit(optimizer.init)(params)
 
 
-def training_tokens(config: TrainConfig, model_config) -> tuple[np.ndarray, list[DataFingerprint]]:
-    """(the packed tokens of the run's data files, each file's content fingerprint): the bytes of text files for
-    the byte-level tokenizer (the demo), else tokenized once into `config.token_cache` (`corpus`). The tokenizer
-    must fit the model (`tokenizer_for_model`)."""
+def training_tokens(config: TrainConfig, model_config) -> tuple[np.ndarray, list[DataFingerprint], str]:
+    """(the packed tokens of the run's data files, each file's content fingerprint, the tokenizer's): the bytes of
+    text files for the byte-level tokenizer (the demo), else tokenized once into `config.token_cache` (`corpus`).
+    The tokenizer must fit the model (`tokenizer_for_model`)."""
     tokenizer = tokenizer_for_model(config.tokenizer_dir(), model_config, trained_weights=bool(config.init))
-    return load_token_stream(config.data_files(), tokenizer, config.token_cache)
+    return *load_token_stream(config.data_files(), tokenizer, config.token_cache), tokenizer.fingerprint
 
 
 def run_description(config: TrainConfig, model_config, mesh, step: int, changes: list[dict] = (),
-                    data_files: list[DataFingerprint] = ()) -> dict:
+                    data_files: list[DataFingerprint] = (), tokenizer: str | None = None) -> dict:
     """The JSON saved with each checkpoint: enough for `starscream generate` to rebuild the model, the content
-    fingerprint of each data file, and the changes resumes made to the run's TrainConfig ({"step", "field",
-    "from", "to"}, oldest first)."""
+    fingerprints of each data file and of the tokenizer, and the changes resumes made to the run's TrainConfig
+    ({"step", "field", "from", "to"}, oldest first)."""
     return {"step": step, "model_config": dataclasses.asdict(model_config), "layout": config.layout,
             "mesh_shape": dict(mesh.shape), "train_config": dataclasses.asdict(config), "changes": list(changes),
-            "data_files": [fingerprint.to_dict() for fingerprint in data_files]}
+            "data_files": [fingerprint.to_dict() for fingerprint in data_files], "tokenizer_sha256": tokenizer}
 
 
 def check_resumable(saved: dict, model_config) -> None:
@@ -123,11 +123,11 @@ def check_resumable(saved: dict, model_config) -> None:
 
 
 def resume_changes(saved: dict, config: TrainConfig, start_step: int, allow_changes=(),
-                   data_files: list[DataFingerprint] = ()) -> list[dict]:
+                   data_files: list[DataFingerprint] = (), tokenizer: str | None = None) -> list[dict]:
     """The run's recorded changes plus this resume's: each TrainConfig field (other than FREE_TO_CHANGE and the
     model, checked by `check_resumable`) that differs from the checkpoint's, as {"step", "field", "from", "to"}.
-    The data is compared by content where the checkpoint holds its fingerprints (a file moved is the same data, a
-    file changed in place is not), else by path.
+    The data and the tokenizer are compared by content where the checkpoint holds their fingerprints (a file
+    moved is the same data, a file changed in place is not), else by path.
 
     A difference whose field is not in `allow_changes` is refused, naming each; so are fewer --steps than the
     checkpoint has done, which no flag allows.
@@ -137,10 +137,11 @@ def resume_changes(saved: dict, config: TrainConfig, start_step: int, allow_chan
                               f"{config.run_dir}; pass --steps {saved['train_config']['steps']} (the run's) or more")
     saved_config = saved["train_config"]
     differences = {name: (saved_config.get(name), value) for name, value in dataclasses.asdict(config).items()
-                   if name in CHANGEABLE and name != "data" and saved_config.get(name) != value}
-    data_change = _data_difference(saved, config, data_files)
-    if data_change is not None:
-        differences["data"] = data_change
+                   if name in CHANGEABLE and name not in ("data", "tokenizer") and saved_config.get(name) != value}
+    for name, change in (("data", _data_difference(saved, config, data_files)),
+                         ("tokenizer", _tokenizer_difference(saved, config, tokenizer))):
+        if change is not None:
+            differences[name] = change
     refused = [name for name in differences if name not in allow_changes]
     if refused:
         listed = ", ".join(f"{flag(name)} {differences[name][1]} (the run has {differences[name][0]})"
@@ -161,6 +162,18 @@ def _data_difference(saved: dict, config: TrainConfig, data_files: list[DataFing
     if len(before) == len(data_files) and all(old.same_content(new) for old, new in zip(before, data_files)):
         return None
     return _describe(before), _describe(data_files)
+
+
+def _tokenizer_difference(saved: dict, config: TrainConfig, tokenizer: str | None) -> tuple | None:
+    """(the run's tokenizer, this resume's) when they differ: by content when the checkpoint holds the tokenizer's
+    fingerprint, else by path."""
+    before = saved["train_config"].get("tokenizer")
+    if not saved.get("tokenizer_sha256") or tokenizer is None:
+        return None if before == config.tokenizer else (before, config.tokenizer)
+    if saved["tokenizer_sha256"] == tokenizer:
+        return None
+    return (f"{before or 'its tokenizer'} (sha256 {saved['tokenizer_sha256'][:12]})",
+            f"{config.tokenizer or config.init or 'bytes'} (sha256 {tokenizer[:12]})")
 
 
 def _describe(files: list[DataFingerprint]) -> str:
@@ -238,6 +251,7 @@ class RunPlan:
     eval_batches: data.TokenBatches
     unigram_nats: float
     data_files: list[DataFingerprint]
+    tokenizer: str
     last_step: int
 
     @property
@@ -245,7 +259,8 @@ class RunPlan:
         return Path(self.config.run_dir)
 
     def description(self, step: int, changes: list[dict]) -> dict:
-        return run_description(self.config, self.model_config, self.mesh, step, changes, self.data_files)
+        return run_description(self.config, self.model_config, self.mesh, step, changes, self.data_files,
+                               self.tokenizer)
 
 
 @dataclass
@@ -342,13 +357,13 @@ def plan_run(config: TrainConfig, mesh, allow_changes, stop_at_step: int | None,
     # fewer sequences per micro-batch than the layout's batch split: each sequence split over the partitions
     layout = fit_batch(config.layout, mesh, config.batch_size // config.grad_accum, config.seq_len)
     token_sharding = batch_sharding(layout, mesh, config.batch_size)
-    tokens, data_files = training_tokens(config, model_config)
+    tokens, data_files, tokenizer = training_tokens(config, model_config)
     train_tokens, validation_tokens = data.split_corpus(tokens)
     rows = config.seq_len + 1
     return RunPlan(config, model_config, layout, mesh, token_sharding,
                    data.TokenBatches(train_tokens, config.batch_size, rows, config.seed),
                    data.TokenBatches(validation_tokens, config.batch_size, rows, EVAL_SEED),
-                   data.unigram_entropy_nats(train_tokens), data_files,
+                   data.unigram_entropy_nats(train_tokens), data_files, tokenizer,
                    config.steps if stop_at_step is None else min(stop_at_step, config.steps))
 
 
@@ -373,7 +388,7 @@ def check_checkpoints(store: CheckpointStore, plan: RunPlan, resume: bool, allow
     except CheckpointError:
         return
     check_resumable(saved, plan.model_config)
-    resume_changes(saved, plan.config, latest, allow_changes, plan.data_files)
+    resume_changes(saved, plan.config, latest, allow_changes, plan.data_files, plan.tokenizer)
 
 
 def starting_state(store: CheckpointStore, plan: RunPlan, program: TrainProgram, resume: bool, allow_changes,
@@ -387,7 +402,7 @@ def starting_state(store: CheckpointStore, plan: RunPlan, program: TrainProgram,
         return RunState(0, params, opt_state, rest, 0, [])
     step, saved, params, opt_state = restored
     check_resumable(saved, plan.model_config)
-    changes = resume_changes(saved, plan.config, step, allow_changes, plan.data_files)
+    changes = resume_changes(saved, plan.config, step, allow_changes, plan.data_files, plan.tokenizer)
     say(f"resumed from {store.directory} at step {step} of {plan.config.steps}")
     params, opt_state, rest = program.adopt(params, opt_state, rest)
     return RunState(step, params, opt_state, rest, step, changes)

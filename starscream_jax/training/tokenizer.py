@@ -7,6 +7,7 @@ tokens again (the template writes them).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -28,6 +29,8 @@ class ByteTokenizer:
 
     vocab_size = data.VOCAB_SIZE
     bos_id = eos_id = None
+    fingerprint = "bytes"
+    """What decides the ids it gives (compared on resume, part of the token cache's key)."""
 
     def encode(self, text: str, special_tokens: bool = True) -> np.ndarray:
         return data.encode(text).astype(np.int32)
@@ -59,6 +62,9 @@ class HFTokenizer:
         self.add_bos, self.add_eos = bool(settings.get("add_bos_token")), bool(settings.get("add_eos_token"))
         self.chat_template = settings.get("chat_template")
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        identity = f"{self.add_bos}{self.add_eos}{self.chat_template}{self.bos_id}{self.eos_id}".encode()
+        self.fingerprint = hashlib.sha256(path.read_bytes() + identity).hexdigest()
+        """What decides the ids it gives: tokenizer.json and the settings used from tokenizer_config.json."""
 
     def _id_of(self, token: str | None) -> int | None:
         if token is None:

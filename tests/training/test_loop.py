@@ -310,3 +310,12 @@ def test_a_run_directory_holding_only_damaged_checkpoints_is_refused(tmp_path, o
     with pytest.raises(CheckpointError, match=r"holds only damaged checkpoints \(6.damaged\): nothing to resume"):
         quiet_train(small_run(tmp_path, "run"), one_device, resume=resume)
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"step": 6, "loss": 1.0}\n'
+
+
+def test_a_tokenizer_changed_in_place_is_refused_on_resume_and_one_moved_is_not():
+    config = dataclasses.replace(SMALL, tokenizer="/models/tok")
+    saved = {"train_config": dataclasses.asdict(config), "tokenizer_sha256": "a" * 64}
+    with pytest.raises(CheckpointError, match=r"--tokenizer /models/tok \(sha256 bbbbbbbbbbbb\) \(the run has "
+                                              r"/models/tok \(sha256 aaaaaaaaaaaa\)\); .*--allow-change tokenizer"):
+        loop.resume_changes(saved, config, 4, (), (), "b" * 64)
+    assert loop.resume_changes(saved, dataclasses.replace(config, tokenizer="/moved/tok"), 4, (), (), "a" * 64) == []

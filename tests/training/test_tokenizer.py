@@ -95,3 +95,11 @@ def test_a_tokenizer_config_that_is_not_an_object_is_named(tmp_path, content, me
     (tmp_path / "tokenizer_config.json").write_bytes(content)
     with pytest.raises(CheckpointError, match=message):
         HFTokenizer(tmp_path)
+
+
+def test_the_fingerprint_follows_what_decides_the_ids_not_the_path(tmp_path):
+    shutil.copytree(FIXTURE, tmp_path / "moved")
+    assert HFTokenizer(tmp_path / "moved").fingerprint == HFTokenizer(FIXTURE).fingerprint != ByteTokenizer.fingerprint
+    settings = json.loads((FIXTURE / "tokenizer_config.json").read_text())
+    (tmp_path / "moved" / "tokenizer_config.json").write_text(json.dumps({**settings, "add_eos_token": True}))
+    assert HFTokenizer(tmp_path / "moved").fingerprint != HFTokenizer(FIXTURE).fingerprint
