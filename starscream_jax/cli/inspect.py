@@ -190,6 +190,11 @@ def _header(result: dict) -> list[str]:
     ]
 
 
+def _fitted(description: str) -> str:
+    """What `layouts.fit_batch` added to a layout's description (after its last "; ")."""
+    return description.rsplit("; ", 1)[-1]
+
+
 def format_table(results: dict[str, dict], refused: dict[str, str] | None = None) -> str:
     """The side-by-side table of `inspect_layouts`' results (one column per layout), then the notes, the layouts
     the mesh cannot place with the reason, and the first violations of each failed principle."""
@@ -217,6 +222,8 @@ def format_table(results: dict[str, dict], refused: dict[str, str] | None = None
         "cost model's (starscream_jax.analysis.costmodel): matmul rooflines and collective latency + bytes / bus "
         "bandwidth.",
     ]
+    lines += [f"{name} places batch {result['batch']} as {result['placement']}: {_fitted(result['description'])}"
+              for name, result in results.items() if result.get("placement", name) != name]
     lines += [clip(f"{name}: cannot place the model on this mesh: {reason}", LINE_WIDTH)
               for name, reason in refused.items()]
     for name, result in results.items():

@@ -264,9 +264,11 @@ def fit_batch(layout: Layout | str, mesh, batch: int, positions: int | None) -> 
             f"sequence or a batch that is a multiple of {_batch_multiple(layout, mesh)}")
     suffix = ("+seq" if seq_axes else "+split_k") if left_over or "seq" in changes else ""
     suffix += "+data" if DATA in dropped else ""
-    where = f"positions over {seq_axes or cache_axes}" if seq_axes or cache_axes else "copied"
+    over = " x ".join(seq_axes or cache_axes)
+    where = ("each sequence over " if seq_axes else "the KV cache's positions over ") + over if over else ""
+    copied = "copied over data" if DATA in dropped else ""
     return replace(layout.with_rules(activations=changes), name=layout.name + suffix,
-                   description=f"{layout.description}; a batch of {batch} with its {where}")
+                   description=f"{layout.description}; a batch of {batch}: {', '.join(filter(None, (where, copied)))}")
 
 
 def positions_multiple(layout: Layout | str, mesh, name: str = "seq") -> int:

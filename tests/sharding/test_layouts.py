@@ -41,7 +41,7 @@ from starscream_jax.sharding.apply import (
     param_specs,
     use_layout,
 )
-from starscream_jax.sharding.layouts import ACTIVATION_NAMES, LAYOUTS, WEIGHT_NAMES, get_layout
+from starscream_jax.sharding.layouts import ACTIVATION_NAMES, LAYOUTS, WEIGHT_NAMES, fit_batch, get_layout
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 GOLDEN_MODEL = "llama3-70b"
@@ -291,3 +291,39 @@ if __name__ == "__main__":
     parser.parse_args()
     for written in regenerate():
         print(f"wrote {written}")
+
+
+def placed(layout) -> dict:
+    return {name: layout.activations.lookup(name)[1] for name in ("batch", "attn_batch", "seq", "cache_seq")}
+
+
+@pytest.mark.parametrize("layout, mesh, batch, positions, name, expected", [
+    ("starscream_tp", (1, 2, 4), 8, 16, "starscream_tp",
+     {"batch": ("data", "xcd"), "attn_batch": ("data", "xcd"), "seq": (), "cache_seq": ()}),
+    ("starscream_tp", (1, 2, 4), 2, 16, "starscream_tp+seq",
+     {"batch": ("data",), "attn_batch": ("data",), "seq": ("xcd",), "cache_seq": ("xcd",)}),
+    ("starscream_tp", (1, 2, 4), 3, None, "starscream_tp+seq",  # a prefill pads its prompt to the split itself
+     {"batch": ("data",), "attn_batch": ("data",), "seq": ("xcd",), "cache_seq": ("xcd",)}),
+    ("starscream_decode", (2, 2, 2), 1, 1, "starscream_decode+split_k+data",
+     {"batch": (), "attn_batch": (), "seq": (), "cache_seq": ("xcd",)}),
+    ("starscream_decode", (1, 2, 8), 5, 16, "starscream_decode+split_k",  # embed is over xcd: the sequence stays
+     {"batch": ("data",), "attn_batch": ("data",), "seq": (), "cache_seq": ("xcd",)}),
+    ("starscream_fsdp", (1, 2, 4), 2, 16, "starscream_fsdp+seq",
+     {"batch": ("data", "gpu"), "attn_batch": ("data", "gpu"), "seq": ("xcd",), "cache_seq": ("xcd",)}),
+    ("flat_fsdp", (1, 2, 4), 1, 16, "flat_fsdp+seq",
+     {"batch": ("data",), "attn_batch": ("data",), "seq": ("gpu", "xcd"), "cache_seq": ("gpu", "xcd")}),
+    ("starscream_cp", (1, 2, 4), 8, 1, "starscream_cp+split_k",  # decode: one token, its cache split as prefill's
+     {"batch": ("data",), "attn_batch": ("data",), "seq": (), "cache_seq": ("xcd",)}),
+    ("gpu_tp", (2, 2, 2), 3, 16, "gpu_tp+data", {"batch": (), "attn_batch": (), "seq": (), "cache_seq": ()}),
+])
+def test_fit_batch_moves_the_axes_a_batch_cannot_fill_to_the_positions(layout, mesh, batch, positions, name,
+                                                                         expected):
+    fitted = fit_batch(layout, AbstractMesh(mesh, AXES), batch, positions)
+    assert fitted.name == name and placed(fitted) == expected
+
+
+def test_fit_batch_names_the_sequence_length_and_the_batch_that_work():
+    with pytest.raises(ShardingRuleError, match=r"splitting each sequence over \('xcd',\) \(4 parts\), which 30 "
+                                                r"tokens do not divide; use 32 tokens per sequence or a batch that "
+                                                r"is a multiple of 4"):
+        fit_batch("starscream_tp", AbstractMesh((1, 2, 4), AXES), 2, 30)
