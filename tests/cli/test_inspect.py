@@ -414,7 +414,8 @@ def test_one_sequence_decodes_split_k_reading_the_cache_once_per_gpu_and_storing
     assert split["principles"]["shape_preservation"]["attention"] == {"ratio": 1.0, "ok": True}
     xcd = split["mesh"]["shape"][2]
     assert xcd > 1 and split["memory_per_device"]["kv_cache"] * xcd == reference["memory_per_device"]["kv_cache"]
-    assert "starscream_decode places batch 1 as starscream_decode+split_k (" in inspect_command.format_table(decode)
+    assert ("starscream_decode places batch 1 as starscream_decode+split_k: a batch of 1: the KV cache's positions "
+            "over xcd") in inspect_command.format_table(decode)
 
 
 def test_one_sequence_prefills_split_over_the_partitions_with_a_length_they_do_not_divide(one_sequence):
