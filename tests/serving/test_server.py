@@ -66,6 +66,19 @@ def test_completions_whole_and_streamed_agree(client, served):
     assert _wait_idle(served[1]).pages_used == 0
 
 
+def test_a_stop_string_ends_the_text_before_it(client):
+    free = client.completions.create(model=MODEL, prompt="hello world", max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = free[len(free) // 2:len(free) // 2 + 2]
+    assert stop.strip(), f"no stop string to take from {free!r}"
+    for stream in (False, True):
+        response = client.completions.create(model=MODEL, prompt="hello world", max_tokens=8, temperature=0,
+                                             stop=[stop], stream=stream, extra_body={"ignore_eos": True})
+        chunks = list(response) if stream else [response]
+        text = "".join(chunk.choices[0].text for chunk in chunks)
+        assert text == free[:free.index(stop)] and chunks[-1].choices[0].finish_reason == "stop"
+
+
 def test_chat_uses_the_template_and_streams(client):
     messages = [{"role": "user", "content": "hi"}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0, seed=1)
