@@ -28,10 +28,10 @@ def test_padded_heads_keep_the_logits_and_place_on_gpus_the_heads_did_not_divide
     state["layers"]["bq"].set_value(jax.random.normal(jax.random.key(1), state["layers"]["bq"].shape))
     nnx.update(model, state)
     tokens = np.random.default_rng(0).integers(0, QWEN2_7B_HEADS.vocab_size, (2, 12), dtype=np.int32)
-    expected = jax.jit(lambda m, t: m(t))(model, tokens)
+    expected = jax.jit(lambda m, t: m(t).logits)(model, tokens)
     padded = pad_query_heads(model, 8)
     assert padded.config.n_heads == 32 and padded.layers.wq.shape[2] == 32 and model.layers.wq.shape[2] == 28
-    np.testing.assert_allclose(jax.jit(lambda m, t: m(t))(padded, tokens), expected, atol=2e-5)
+    np.testing.assert_allclose(jax.jit(lambda m, t: m(t).logits)(padded, tokens), expected, atol=2e-5)
 
     mesh = build_mesh("8x1")
     with pytest.raises(ShardingRuleError, match="dimension 'heads' of size 28 is not divisible"):
@@ -39,6 +39,6 @@ def test_padded_heads_keep_the_logits_and_place_on_gpus_the_heads_did_not_divide
     graphdef, params = nnx.split(padded)
     with use_layout("gpu_tp", mesh):
         placed = jax.device_put(params, param_shardings(params, "gpu_tp", mesh))
-        logits = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(
+        logits = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t).logits)(
             placed, jax.device_put(tokens, batch_sharding("gpu_tp", mesh, 2)))
     np.testing.assert_allclose(logits, expected, atol=2e-5)
