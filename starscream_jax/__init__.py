@@ -5,8 +5,8 @@ The public API, in the order data flows through it:
                   `auto_axes` (the mesh with Auto axes, for models written for Flax's GSPMD guide),
                   `simulate_cpu_devices`, `Topology`, `parse_override`, `list_presets`, `load_preset`, `AXES`;
   layouts         `get_layout`, `LAYOUTS`, `Layout`, and `use_layout` to make one active while tracing (the
-                  active layout is part of jit's cache key); `Placement` (a layout on a mesh) and `jit` (a function
-                  jitted and bound to one placement);
+                  active layout is part of jit's cache key; on Auto axes it is also Flax's logical-axis rules);
+                  `Placement` (a layout on a mesh) and `jit` (a function jitted and bound to one placement);
   annotations     `param` (a parameter with logical axis names), `constrain` (an activation placed by name),
                   `weight` (a weight as a matmul uses it), `einsum` (a contraction with a placed result),
                   `shared_input` (one input of several matmuls, its gradient summed once), `create_sharded`
@@ -16,7 +16,8 @@ The public API, in the order data flows through it:
                   rule table for Flax's `logical_axis_rules`), `weights_at_use` (Flax layers' weights gathered at
                   use), `derive` (the partition-aware layout of a GPU-level rule table), `cross_entropy` (a loss
                   on vocabulary-split logits) and `embed_lookup` (rows of a vocabulary-split table);
-  the proof       `check`: any jitted step judged by the three principles; `check_compiled`: a compiled program;
+  the proof       `check`: any jitted step judged by the three principles, with the rule that placed each of its
+                  parameters and the fix for each flat collective; `check_compiled`: a compiled program;
   checkpoints     `load_hf_model` (a Hugging Face model directory read straight into a layout's shards),
                   `export_hf_model`, `model_config_from_hf`.
 Outside `use_layout` every annotation is the identity, so an annotated model also runs unsharded.

@@ -59,7 +59,6 @@ def new_classifier():
 
 @pytest.mark.parametrize("layout,mesh_name,stored", [
     ("starscream_tp", "1x2x4", {"w_in": P("xcd", "gpu"), "w_out": P("gpu", "xcd"), "head": P("xcd", "gpu")}),
-    ("starscream_tp", "2x2x2", {"w_in": P("xcd", "gpu"), "w_out": P("gpu", "xcd"), "head": P("xcd", "gpu")}),
     ("flat_tp", "1x2x4",
      {"w_in": P(None, ("gpu", "xcd")), "w_out": P(("gpu", "xcd"), None), "head": P(None, ("gpu", "xcd"))}),
 ])
@@ -152,9 +151,25 @@ GSPMD_CONFIGS = {"1x2x4": gspmd_gpt.Config(heads=8, d_ff=64, layers=1),
 GSPMD_TOKENS = gspmd_gpt.batch(0)
 
 
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+"""Each program runs once on tiny shapes, so LLVM optimisation would only add compile time."""
+
+
+def run_once(function, *args, static=()):
+    """`function(*args)` jitted afresh (under the active layout) and compiled without LLVM optimisation."""
+    return jax.jit(function, static_argnums=static).lower(*args).compile(FAST_COMPILE)(
+        *[arg for i, arg in enumerate(args) if i not in static])
+
+
 def gspmd_loss_and_grads(model, tokens_BS):
-    loss, grads = nnx.value_and_grad(gspmd_gpt.loss_fn)(model, tokens_BS)
-    return loss, nnx.state(grads)
+    """The loss and gradients of the NNX model, through its split state (jax.jit takes no NNX module)."""
+    graphdef, state = nnx.split(model)
+
+    def loss_and_grads(state, tokens_BS):
+        loss, grads = nnx.value_and_grad(gspmd_gpt.loss_fn)(nnx.merge(graphdef, state), tokens_BS)
+        return loss, nnx.state(grads)
+
+    return run_once(loss_and_grads, state, tokens_BS)
 
 
 @pytest.mark.parametrize("mesh_name", MESHES)
@@ -164,14 +179,14 @@ def test_a_gspmd_style_model_matches_its_unsharded_run_unchanged(mesh_name):
     and every gradient equal the unsharded run's."""
     config = GSPMD_CONFIGS[mesh_name]
     with nnx.use_eager_sharding(False):
-        expected = nnx.jit(gspmd_loss_and_grads)(gspmd_gpt.GPT(config, nnx.Rngs(0)), GSPMD_TOKENS)
+        expected = gspmd_loss_and_grads(gspmd_gpt.GPT(config, nnx.Rngs(0)), GSPMD_TOKENS)
     mesh = auto_axes(mesh_of(mesh_name))
     layout = in_vocabulary("starscream_tp", flax_gspmd_train.VOCABULARY)
     model = create_sharded(lambda: gspmd_gpt.GPT(config, nnx.Rngs(0)), layout, mesh)
     assert model.embed.embedding.sharding.spec == P("gpu", "xcd")
     assert model.blocks[0].up.kernel.sharding.spec == P("xcd", "gpu")
     with use_layout(layout, mesh):
-        loss, grads = nnx.jit(gspmd_loss_and_grads)(model, GSPMD_TOKENS)
+        loss, grads = gspmd_loss_and_grads(model, GSPMD_TOKENS)
     assert_close((loss, grads), expected)
 
 
@@ -181,9 +196,9 @@ GSPMD_CHECKED = gspmd_gpt.Config(heads=8, d_ff=64, layers=1)
 
 @pytest.fixture(scope="module")
 def gspmd_verdicts():
-    """check's verdicts on the GSPMD-style model's train step on 1 x 2 x 4, unedited under each layout (trained 3
+    """check's verdicts on the GSPMD-style model's train step on 1 x 2 x 4, unedited under each layout (trained 2
     steps under starscream_tp first) and with the one-line lookup fix under starscream_tp."""
-    losses, tp = flax_gspmd_train.main("starscream_tp", steps=3, config=GSPMD_CHECKED)
+    losses, tp = flax_gspmd_train.main("starscream_tp", steps=2, config=GSPMD_CHECKED)
     verdicts = {layout: flax_gspmd_train.main(layout, steps=0, config=GSPMD_CHECKED)[1]
                 for layout in ("starscream_fsdp", "flat_tp")}
     fixed = flax_gspmd_train.main("starscream_tp", steps=0, config=GSPMD_CHECKED, fixed=True)[1]
@@ -237,10 +252,8 @@ def test_a_gspmd_style_linen_model_matches_its_unsharded_run_unchanged(mesh_name
 
     model = gspmd_linen_gpt.GPT(GSPMD_CONFIGS[mesh_name])
     inputs, key = GSPMD_TOKENS[:, :-1], jax.random.key(0)
-    def loss_and_grads():  # jitted afresh under each layout (see use_layout)
-        return jax.jit(jax.value_and_grad(gspmd_linen_gpt.loss_fn), static_argnums=1)
-
-    expected = loss_and_grads()(model.init(key, inputs), model, GSPMD_TOKENS)
+    loss_and_grads = jax.value_and_grad(gspmd_linen_gpt.loss_fn)
+    expected = run_once(loss_and_grads, model.init(key, inputs), model, GSPMD_TOKENS, static=(1,))
     mesh = auto_axes(mesh_of(mesh_name))
     layout = in_vocabulary("starscream_tp", flax_gspmd_train.VOCABULARY)
     specs = nn.get_partition_spec(jax.eval_shape(model.init, key, inputs))
@@ -248,5 +261,5 @@ def test_a_gspmd_style_linen_model_matches_its_unsharded_run_unchanged(mesh_name
     with use_layout(layout, mesh):
         params = jax.jit(model.init, out_shardings=shardings)(key, inputs)
         assert params["params"]["Embed_0"]["embedding"].value.sharding.spec == P("gpu", "xcd")
-        result = loss_and_grads()(params, model, GSPMD_TOKENS)
+        result = run_once(loss_and_grads, params, model, GSPMD_TOKENS, static=(1,))
     assert_close(result, expected)

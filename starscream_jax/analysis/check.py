@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import textwrap
 from collections.abc import Callable
 from typing import Any
@@ -85,15 +86,30 @@ def check(step: Callable, *args: Any, mesh: Mesh, layout: Layout | str | None = 
     if reference is not None:
         reference = get_layout(reference) if vocabulary is None else in_vocabulary(reference, vocabulary)
         with _tracing_under(reference, mesh, args):
-            reference_compiled = _traced(step, placed(args, reference, mesh)).lower().compile(
-                compiler_options=COMPILER_OPTIONS)
-        reference_report = inspect_compiled(reference_compiled, mesh, gpus_per_node=gpus_per_node)
+            reference_report = _reference_report(_traced(step, placed(args, reference, mesh)).lower(), mesh,
+                                                 gpus_per_node)
     report, renamed = _with_argument_names(report, args, traced)
     allowed = _replicated_ok(args, layout.replicated_ok) if renamed else set()
     layer_stack = _replicated_ok(args, frozenset({"layers"})) if renamed else set()  # stacked over a `layers` axis
     verdicts = check_principles(report, reference_report, replicated_ok=allowed, layer_stack=layer_stack)
     return StepCheck(report, verdicts, layout.name, None if reference is None else reference.name,
                      parameter_placements(args, layout), advise(report, layout, is_auto(mesh)))
+
+
+_REFERENCE_REPORTS: dict[tuple[str, Mesh, int | None], Report] = {}
+"""Reference programs compiled and read, by the hash of their lowered text: judging one step under several layouts
+compiles its reference once."""
+REFERENCE_REPORTS_KEPT = 8
+
+
+def _reference_report(lowered, mesh: Mesh, gpus_per_node: int | None) -> Report:
+    key = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), mesh, gpus_per_node)
+    if key not in _REFERENCE_REPORTS:
+        if len(_REFERENCE_REPORTS) >= REFERENCE_REPORTS_KEPT:
+            _REFERENCE_REPORTS.pop(next(iter(_REFERENCE_REPORTS)))
+        compiled = lowered.compile(compiler_options=COMPILER_OPTIONS)
+        _REFERENCE_REPORTS[key] = inspect_compiled(compiled, mesh, gpus_per_node=gpus_per_node)
+    return _REFERENCE_REPORTS[key]
 
 
 @contextlib.contextmanager

@@ -6,7 +6,9 @@ metadata (`nnx.with_partitioning(init, ("embed", "mlp"))`, or a layer's `kernel_
 library's (`embed`, `mlp`, `heads`, `kv_heads`, `head_dim`, `vocab`, `norm`, `layers`, `experts`, `batch`,
 `attn_batch`, `seq`): `STARSCREAM` is the identity, `MAXTEXT` MaxText's names (`activation_batch`,
 `activation_length`, `activation_embed`, `kv`, `exp`, ...), any dict {your name: library name} is a vocabulary, and a
-`Vocabulary` maps weights' and activations' names apart.
+`Vocabulary` maps weights' and activations' names apart; a name mapped to None is a dimension no layout splits.
+On a mesh with Auto axes `use_layout` installs the layout's "use" table as Flax's rule context itself, so a model
+written for Flax's GSPMD guide needs none of these calls in its own code.
 
   `in_vocabulary(layout, vocabulary)`  the layout with every rule also under your names (yours first), so that
                                        `create_sharded`, `use_layout`, `constrain` and `weight` read your names;
