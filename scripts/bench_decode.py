@@ -1,9 +1,11 @@
 """Decode speed against the memory-bandwidth limit: the library's decode step (training.steps.decode_step) timed at
-several batch sizes against a full KV cache, with the fraction of HBM bandwidth it uses.
+several batch sizes against a full KV cache, with the fraction of HBM bandwidth it uses, for each precision variant
+(VARIANTS: bfloat16, 8-bit weights, 8-bit KV cache) side by side with its speed-up over bfloat16.
 
-One decode step reads every weight once (bfloat16, as served; the embedding table only for the B rows it looks up,
-unless it is tied to the head) and the whole KV cache (keys and values of every layer, [L, B, T, K, E] each,
-bfloat16): bytes per step = those bytes, a floor on what the step must move. Bandwidth used = bytes per step / step
+One decode step reads every weight once (as stored: bfloat16, or 8-bit values and their float32 scales; the
+embedding table only for the B rows it looks up, unless it is tied to the head) and the whole KV cache (keys and
+values of every layer, [L, B, T, K, E] each, bfloat16 or 8-bit with a float32 scale per position and kv head):
+bytes per step = those bytes, a floor on what the step must move. Bandwidth used = bytes per step / step
 time; its fraction of the device's bandwidth is reported against the datasheet figure (H200: 4.8 TB/s), against a
 device-to-device copy measured in the same run (bytes read + written / time) and against a sum over the same array
 (bytes read / time). tokens/s = batch / step time.
@@ -18,6 +20,7 @@ scripts/torch_peers.py decodes at the same batches against the same cache length
 are stored as "peer_rows" and each library row's tokens/s over the peer's at its batch is "vs_torch".
 
     CUDA_VISIBLE_DEVICES=0 python scripts/bench_decode.py --model llama3-8b --batches 1 64 --cache 4096 --out d.json
+    CUDA_VISIBLE_DEVICES=0 python scripts/bench_decode.py --variants bf16 w-int8 w-fp8 kv-int8 kv-fp8 --out d8.json
     python scripts/bench_decode.py --quick                          # CPU smoke run (tiny model)
 """
 from __future__ import annotations
@@ -30,6 +33,9 @@ from pathlib import Path
 from starscream_jax.benchmarks import harness
 
 H200_HBM_BYTES_PER_S = 4.8e12
+VARIANTS = {"bf16": ("", ""), "w-int8": ("int8", ""), "w-fp8": ("fp8", ""), "kv-int8": ("", "int8"),
+            "kv-fp8": ("", "fp8"), "w-int8-kv-int8": ("int8", "int8"), "w-fp8-kv-fp8": ("fp8", "fp8")}
+"""Variant -> (weights, KV cache): "" bfloat16, int8, or fp8 (--fp8-format)."""
 
 
 def measured_bandwidth(gigabytes: float, repeats: int = 10) -> dict:
@@ -73,6 +79,7 @@ def bytes_read_per_step(params, config, batch: int, cache_length: int) -> dict:
     """{"weights", "kv_cache"}: bytes one decode step must read (see the module docstring)."""
     import jax
 
+    from starscream_jax.model.decoder import cache_entries
     from starscream_jax.sharding.apply import LOGICAL_AXES
 
     weights = 0
@@ -83,7 +90,8 @@ def bytes_read_per_step(params, config, batch: int, cache_length: int) -> dict:
             weights += batch * value.shape[1] * value.dtype.itemsize  # only the looked-up rows
         else:
             weights += value.nbytes
-    cache = 2 * config.n_layers * batch * cache_length * config.n_kv_heads * config.head_dim * 2
+    cache = sum(entry.size * entry.dtype.itemsize
+                for entry in cache_entries(config.replace(dtype="bfloat16"), batch, cache_length).values())
     return {"weights": weights, "kv_cache": cache}
 
 
@@ -94,14 +102,19 @@ def run_batch(graphdef, params, rest, config, layout: str, mesh, batch: int, cac
     import jax
     import jax.numpy as jnp
 
-    from starscream_jax.model.decoder import cache_shardings, decode_holds_cache_per_layer, split_cache
+    from starscream_jax.model.decoder import cache_entries, cache_shardings, decode_holds_cache_per_layer, split_cache
     from starscream_jax.sharding.apply import Placement, token_sharding, use_layout
     from starscream_jax.training.steps import Sampling, decode_step
 
     shardings = cache_shardings(config, batch, cache_length, layout, mesh)
-    shape = (config.n_layers, batch, cache_length, config.n_kv_heads, config.head_dim)
-    fill = jax.jit(lambda key: jax.random.normal(key, shape, jnp.bfloat16), out_shardings=shardings["k"])
-    cache = {"k": fill(jax.random.key(1)), "v": fill(jax.random.key(2))}
+
+    def fill(key, entry):  # random values; an 8-bit cache's scales 1/64
+        if entry.ndim == 4:
+            return jnp.full(entry.shape, 1 / 64, entry.dtype)
+        return jax.random.normal(key, entry.shape, jnp.float32).astype(entry.dtype)
+
+    cache = {name: jax.jit(fill, static_argnums=1, out_shardings=shardings[name])(jax.random.key(index), entry)
+             for index, (name, entry) in enumerate(cache_entries(config, batch, cache_length).items())}
     if decode_holds_cache_per_layer(config):  # held per layer, as generation holds it
         with use_layout(layout, mesh):
             cache = jax.jit(split_cache)(cache)
@@ -110,7 +123,8 @@ def run_batch(graphdef, params, rest, config, layout: str, mesh, batch: int, cac
     position = jnp.asarray(cache_length - 1, jnp.int32)
     with use_layout(layout, mesh):
         start = time.perf_counter()
-        compiled = decode_step(graphdef, Sampling(), under=Placement.of(layout, mesh)).lower(
+        compiled = decode_step(graphdef, Sampling(), under=Placement.of(layout, mesh),
+                               eight_bit=bool(config.weight_format or config.kv_format)).lower(
             params, rest, cache, token_B, position).compile()
         compile_s = time.perf_counter() - start
 
@@ -164,6 +178,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "library's, every layer in decode)")
     parser.add_argument("--profile-dir", type=Path,
                         help="trace 5 more steps of each batch here and record their device time by category")
+    parser.add_argument("--variants", nargs="+", default=["bf16"], choices=list(VARIANTS),
+                        help="precisions to time side by side (weights-cache; bf16 first for the speed-ups)")
+    parser.add_argument("--fp8-format", default="float8_e4m3fn", choices=("float8_e4m3fn", "float8_e4m3fnuz"),
+                        help="the chip's fp8 e4m3 format (OCP on H200 and MI355X, FNUZ on MI300X)")
     parser.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True,
                         help="also time the PyTorch peer (scripts/torch_peers.py) where torch and a CUDA GPU are "
                              "present (default: on; --quick skips it)")
@@ -187,12 +205,10 @@ def main(argv=None) -> int:
     from starscream_jax.hardware.mesh import build_mesh
     from starscream_jax.model.decoder import create_sharded_model
     from starscream_jax.sharding.apply import use_layout
+    from starscream_jax.training.generate import held_as_read
 
     mesh = build_mesh(gpus=args.gpus)
     config = harness.model_config(args, dtype="bfloat16", scan_unroll=args.unroll)
-    with use_layout(args.layout, mesh):
-        graphdef, params, rest = nnx.split(create_sharded_model(config, args.layout, mesh), nnx.Param, ...)
-    params = jax.tree.map(lambda value: value.astype(jnp.bfloat16), params)  # served weights: bfloat16
     measured = measured_bandwidth(args.copy_gigabytes)
     copy = measured["copy"]
     devices = mesh.devices.size
@@ -210,27 +226,43 @@ def main(argv=None) -> int:
               f"{'of peak':>7} {'of copy':>7} {'of read':>7} {'vs torch':>8} cuDNN attention calls")
     print(header, flush=True)
     result = {"meta": meta, "rows": []}
-    rows = result["rows"]
-    for batch in args.batches:
-        row = run_batch(graphdef, params, rest, config, args.layout, mesh, batch, args.cache, args.warmup,
+    rows, bf16_tokens_per_s = result["rows"], {}
+    for variant, batch in ((variant, batch) for variant in args.variants for batch in args.batches):
+        weights, cache = (args.fp8_format if kind == "fp8" else kind for kind in VARIANTS[variant])
+        variant_config = config.replace(weight_format=weights, kv_format=cache)
+        with use_layout(args.layout, mesh):
+            graphdef, params, rest = nnx.split(create_sharded_model(variant_config, args.layout, mesh), nnx.Param,
+                                               ...)
+        params = held_as_read(params, jnp.bfloat16)  # served weights: bfloat16, or 8-bit with float32 scales
+        row = run_batch(graphdef, params, rest, variant_config, args.layout, mesh, batch, args.cache, args.warmup,
                         args.steps, args.profile_dir)
+        row["variant"] = variant
+        if variant == "bf16":
+            bf16_tokens_per_s[batch] = row["tokens_per_s"]
+        row["speedup_over_bf16"] = row["tokens_per_s"] / bf16_tokens_per_s[batch] if batch in bf16_tokens_per_s \
+            else None
         row["fraction_of_peak"] = row["bandwidth_bytes_per_s"] / (devices * args.peak_bandwidth)
         row["fraction_of_copy"] = row["bandwidth_bytes_per_s"] / (devices * copy)
         row["fraction_of_read"] = row["bandwidth_bytes_per_s"] / (devices * measured["read"])
         rows.append(row)
-        print(row_line(args.layout, row), flush=True)
+        print(row_line(f"{args.layout} {variant}", row), flush=True)
         harness.write_json(args.out, result)
-    peers, skipped = harness.torch_peers(args.torch_device) if args.torch and not args.quick else (
-        None, "PyTorch peer skipped: " + ("--quick" if args.quick else "--no-torch"))
+    speedups = [f"{row['variant']} batch {row['batch']} {row['speedup_over_bf16']:.2f}x" for row in rows
+                if row["speedup_over_bf16"] is not None and row["variant"] != "bf16"]
+    if speedups:
+        print("tokens/s over bf16: " + ", ".join(speedups), flush=True)
+    bf16_rows = [row for row in rows if row["variant"] == "bf16"]
+    peers, skipped = harness.torch_peers(args.torch_device) if args.torch and not args.quick and bf16_rows else (
+        None, "PyTorch peer skipped: " + ("--quick" if args.quick else "--no-torch or no bf16 variant"))
     if peers is None:
         print(skipped, flush=True)
         return 0
     del params, rest  # the peer's own weights and caches take their place on the GPU
-    result["peer_rows"] = peer_rows(peers, config, args, rows, devices)
+    result["peer_rows"] = peer_rows(peers, config, args, bf16_rows, devices)
     for row in result["peer_rows"]:
         print(row_line(row["name"], row), flush=True)
-    print("library vs torch, tokens/s: " + ", ".join(f"batch {row['batch']} {row['vs_torch']:.3f}x" for row in rows),
-          flush=True)
+    print("library vs torch, tokens/s: " + ", ".join(f"batch {row['batch']} {row['vs_torch']:.3f}x"
+                                                    for row in bf16_rows), flush=True)
     harness.write_json(args.out, result)
     return 0
 

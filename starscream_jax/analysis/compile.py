@@ -40,11 +40,13 @@ from ..model.config import ModelConfig, load_model_config
 from ..model.decoder import (
     LAYER_SCOPE,
     abstract_model,
+    cache_entries,
     cache_shardings,
     decode_holds_cache_per_layer,
     rolls_layers,
 )
 from ..model.paged import PAGES
+from ..model.quantize import held_dtype
 from ..serving.engine import cache_shards
 from ..serving.steps import RowSampling, StepInputs, paged_step
 from ..sharding.apply import (
@@ -52,6 +54,7 @@ from ..sharding.apply import (
     abstract_placed,
     activation_spec,
     batch_sharding,
+    path_name,
     token_sharding,
     use_layout,
 )
@@ -213,7 +216,8 @@ def step_program(settings: Settings, layout: Layout, mesh, config: ModelConfig |
     elif settings.phase == "prefill":
         step = prefill_step(graphdef, config, settings.sampling, cache, under=under)
     else:
-        step = decode_step(graphdef, settings.sampling, under=under)
+        step = decode_step(graphdef, settings.sampling, under=under,
+                           eight_bit=bool(settings.config.weight_format or settings.config.kv_format))
     return step, args
 
 
@@ -269,7 +273,7 @@ def abstract_args(config: ModelConfig, layout: Layout, mesh, phase: str, batch: 
         opt_state = jax.eval_shape(make_optimizer(training, params).init, params)
         tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=batch_sharding(layout, mesh, batch))
         return graphdef, TrainArgs(params, abstract_placed(opt_state, layout, mesh), rest, tokens)
-    params = abstract_placed(params, layout, mesh, jnp.dtype(config.dtype))
+    params = held_as_inference(abstract_placed(params, layout, mesh), jnp.dtype(config.dtype))
     if phase == "prefill":
         prompt = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=batch_sharding(layout, mesh, batch))
         return graphdef, PrefillArgs(params, rest, prompt)
@@ -277,6 +281,18 @@ def abstract_args(config: ModelConfig, layout: Layout, mesh, phase: str, batch: 
     token = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=token_sharding(layout, mesh, batch))
     position = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
     return graphdef, DecodeArgs(params, rest, cache, token, position)
+
+
+def held_as_inference(params: nnx.State, dtype) -> nnx.State:
+    """Abstract parameters in the dtypes inference holds them in (`quantize.held_dtype`): float weights in the
+    compute `dtype`, 8-bit weights and their scales as stored."""
+
+    def held(path, variable):
+        value = variable.get_value()
+        stored = held_dtype(path_name(path), value.dtype, dtype)
+        return variable.replace(jax.ShapeDtypeStruct(value.shape, stored, sharding=value.sharding))
+
+    return jax.tree.map_with_path(held, params, is_leaf=lambda node: isinstance(node, nnx.Variable))
 
 
 def abstract_paged_args(config: ModelConfig, layout: Layout, mesh, batch: int, length: int) -> tuple[Any, PagedArgs]:
@@ -309,17 +325,17 @@ def abstract_paged_args(config: ModelConfig, layout: Layout, mesh, batch: int, l
 
 def abstract_cache(config: ModelConfig, layout: Layout, mesh, batch: int, length: int,
                    per_layer: bool = False) -> dict:
-    """The KV cache {"k", "v"} of [L, B, T, K, E] (T = `length`) in the compute dtype as ShapeDtypeStructs placed by
-    `layout` (`decoder.cache_shardings`, as `decoder.init_cache` places it); with `per_layer`, {"k", "v"}: L
-    arrays of [B, T, K, E] each, placed as `decoder.split_cache` places them (generation's decode cache)."""
-    shape = (batch, length, config.n_kv_heads, config.head_dim)
-    dtype = jnp.dtype(config.dtype)
+    """The KV cache (`decoder.cache_entries`: {"k", "v"} of [L, B, T, K, E], T = `length`, in the compute dtype or
+    the 8-bit `kv_format` with its scales) as ShapeDtypeStructs placed by `layout` (`decoder.cache_shardings`, as
+    `decoder.init_cache` places it); with `per_layer`, L arrays of each entry's layer ([B, T, K, E]), placed as
+    `decoder.split_cache` places them (generation's decode cache)."""
     shardings = cache_shardings(config, batch, length, layout, mesh, per_layer)
+    entries = cache_entries(config, batch, length)
     if per_layer:
-        return {name: tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for _ in range(config.n_layers))
-                for name, sharding in shardings.items()}
-    return {name: jax.ShapeDtypeStruct((config.n_layers, *shape), dtype, sharding=sharding)
-            for name, sharding in shardings.items()}
+        return {name: tuple(jax.ShapeDtypeStruct(entry.shape[1:], entry.dtype, sharding=shardings[name])
+                            for _ in range(config.n_layers)) for name, entry in entries.items()}
+    return {name: jax.ShapeDtypeStruct(entry.shape, entry.dtype, sharding=shardings[name])
+            for name, entry in entries.items()}
 
 
 def layer_loop_ops(hlo_text: str, layers: int, rolled: bool) -> dict[str, float]:

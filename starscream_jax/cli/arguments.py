@@ -15,7 +15,9 @@ from ..hardware.distributed import DEFAULT_JOIN_TIMEOUT, initialize
 from ..hardware.mesh import build_topology_mesh, resolve_topology
 from ..hardware.presets import list_presets
 from ..hardware.simulation import DEFAULT_SIMULATED, accelerator_present, simulate_cpu_devices
+from ..hardware.presets import Chip
 from ..hardware.topology import OVERRIDE_ENV, Topology, override_from_env, parse_override
+from ..model.quantize import SCALE_GRANULARITIES
 
 
 def device_ids(text: str) -> list[int]:
@@ -147,6 +149,31 @@ def mesh_from_args(args):
     """(Topology, Mesh) from the mesh arguments."""
     return build_topology_mesh(_topology_from_args(args), gpus=args.gpus, nodes=args.nodes,
                                data=args.data_parallel, grouping=args.grouping, simulate=_simulating(args))
+
+
+EIGHT_BIT = ("int8", "fp8")
+"""The 8-bit kinds the command line asks for; fp8 is the chip's e4m3 format (`eight_bit_format`)."""
+
+
+def add_precision_arguments(group) -> None:
+    """Add --quantize, --quantize-scales and --kv-cache (8-bit weights and KV cache for inference) to `group`."""
+    group.add_argument("--quantize", choices=EIGHT_BIT,
+                       help="store the layers' projection weights in 8 bits with float32 scales (fp8: the chip's "
+                            "e4m3, float8_e4m3fnuz on MI300X); a pre-quantized checkpoint loads as it is")
+    group.add_argument("--quantize-scales", choices=SCALE_GRANULARITIES, default="channel",
+                       help="one scale per output channel (default) or per weight tensor of each layer")
+    group.add_argument("--kv-cache", choices=EIGHT_BIT,
+                       help="store the KV cache in 8 bits with a float32 scale per position and kv head")
+
+
+def eight_bit_format(kind: str | None, chip: Chip) -> str:
+    """The format of an 8-bit kind on `chip` ("" for none): int8, or the chip's fp8 e4m3; PresetError naming the
+    chip's formats when it has none such."""
+    if not kind:
+        return ""
+    name = "int8" if kind == "int8" else chip.fp8_pair()[0]
+    chip.check_format(name)
+    return name
 
 
 def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:

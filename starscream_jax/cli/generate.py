@@ -8,6 +8,8 @@ import argparse
 import numpy as np
 
 from ..hardware.distributed import is_main_process
+from ..hardware.presets import Chip
+from ..model.decoder import quantize_model
 from ..model.hf_checkpoint import load_hf_model
 from ..sharding.layouts import PHASE_DEFAULTS
 from ..training.checkpoint import restore_model
@@ -19,8 +21,10 @@ from .arguments import (
     RUN_MESH,
     add_distributed_arguments,
     add_mesh_arguments,
+    add_precision_arguments,
     checkpoint_dir,
     count,
+    eight_bit_format,
     initialize_from_args,
     mesh_from_args,
     step_number,
@@ -61,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prefill-layout", default=PHASE_DEFAULTS["prefill"], help="layout for the prompt")
     group.add_argument("--decode-layout", default=PHASE_DEFAULTS["decode"], help="layout for each new token")
     group.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype (default: the training one)")
+    add_precision_arguments(group)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,8 +73,8 @@ def run(args: argparse.Namespace) -> int:
     sampling = Sampling(top_p=None if args.greedy else args.top_p, temperature=args.temperature, seed=args.seed)
     initialize_from_args(args)
     echo = print if is_main_process() else (lambda *_: None)
-    _, mesh = mesh_from_args(args)
-    model, source, tokenizer = load_for_generation(args, mesh)
+    topology, mesh = mesh_from_args(args)
+    model, source, tokenizer = load_for_generation(args, mesh, topology.preset.chip)
     samples = args.samples
     prompt_tokens = tokenizer.encode(args.prompt)
     prompt = np.tile(prompt_tokens, (samples, 1))
@@ -86,16 +91,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_for_generation(args: argparse.Namespace, mesh):
-    """(model placed by the prefill layout, where it came from, its tokenizer) from --model-dir or --checkpoint."""
+def load_for_generation(args: argparse.Namespace, mesh, chip: Chip):
+    """(model placed by the prefill layout, where it came from, its tokenizer) from --model-dir or --checkpoint, in
+    the 8-bit formats --quantize and --kv-cache ask for on `chip` (a pre-quantized checkpoint's format checked
+    against the chip's)."""
+    weights, cache = eight_bit_format(args.quantize, chip), eight_bit_format(args.kv_cache, chip)
     if args.model_dir:
-        model = load_hf_model(args.model_dir, args.prefill_layout, mesh, dtype=args.dtype)
-        return model, args.model_dir, model_dir_tokenizer(args.model_dir, model.config)
-    model, description = restore_model(checkpoint_dir(args.checkpoint), args.prefill_layout, mesh, args.step, args.dtype)
-    run_config = TrainConfig.from_dict(description["train_config"])
-    # a run fine-tuned from a model directory trained on its tokenizer: bytes only if the model was made for them
-    tokenizer = tokenizer_for_model(run_config.tokenizer_dir(), model.config, trained_weights=bool(run_config.init))
-    return model, f"step {description['step']}", tokenizer
+        model = load_hf_model(args.model_dir, args.prefill_layout, mesh, dtype=args.dtype, quantize=weights,
+                              scales=args.quantize_scales)
+        source, tokenizer = args.model_dir, model_dir_tokenizer(args.model_dir, model.config)
+    else:
+        model, description = restore_model(checkpoint_dir(args.checkpoint), args.prefill_layout, mesh, args.step,
+                                           args.dtype)
+        if weights:
+            model = quantize_model(model, weights, args.quantize_scales, args.prefill_layout, mesh)
+        run_config = TrainConfig.from_dict(description["train_config"])
+        # a run fine-tuned from a model directory trained on its tokenizer: bytes only if the model was made for them
+        tokenizer = tokenizer_for_model(run_config.tokenizer_dir(), model.config, trained_weights=bool(run_config.init))
+        source = f"step {description['step']}"
+    if model.config.weight_format:
+        chip.check_format(model.config.weight_format)
+    if cache:
+        model.config = model.config.replace(kv_format=cache)
+    return model, source, tokenizer
 
 
 def until_stop(row: np.ndarray, stop_token: int | None) -> np.ndarray:

@@ -15,12 +15,15 @@ from ..analysis.compile import PHASES, SERVE, Settings, make_settings
 from ..analysis.format import clip, format_bytes, format_seconds
 from ..analysis.layout_report import PRINCIPLES, inspect_layouts
 from ..errors import ShardingRuleError, StarscreamError
+from ..hardware.presets import Chip
 from ..model.config import REMAT_POLICIES
 from ..sharding.layouts import BASELINE, PHASE_DEFAULTS
 from .arguments import (
     STUDY_MESH,
     add_cache_arguments,
     add_mesh_arguments,
+    add_precision_arguments,
+    eight_bit_format,
     mesh_from_args,
     output_file,
     prepare_simulation,
@@ -69,6 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--plot", type=output_file, default=None, metavar="FILE.png",
                        help="draw, per layout, bytes moved between devices, bytes by scope and the matmuls on a "
                             "roofline")
+    add_precision_arguments(group)
     add_cache_arguments(group)
     group.add_argument("--dump-hlo", type=Path, default=None, metavar="DIR",
                        help="write each compiled program's HLO text to DIR")
@@ -80,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
         raise StarscreamError("--no-simulate given, but inspect always compiles on simulated CPU devices; drop "
                               "--no-simulate (the preset supplies the hardware figures)")
     prepare_simulation(args)
-    settings = settings_from_args(args)
     topology, mesh = mesh_from_args(args)
+    settings = settings_from_args(args, topology.preset.chip)
     refused: dict[str, str] = {}
     results = inspect_layouts(settings, topology, mesh, refused, result_cache(args))
     if not results:
@@ -99,11 +103,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def settings_from_args(args: argparse.Namespace) -> Settings:
-    """The checked Settings of the parsed arguments."""
+def settings_from_args(args: argparse.Namespace, chip: Chip) -> Settings:
+    """The checked Settings of the parsed arguments, 8-bit weights and cache in `chip`'s formats (inference
+    phases only: training keeps float32 master weights)."""
     settings = make_settings(args.model, args.phase, args.batch, args.seq,
                              args.layout or DEFAULT_LAYOUTS[args.phase], args.layers, args.dump_hlo)
-    return dataclasses.replace(settings, config=settings.config.replace(remat=args.remat_policy))
+    if (args.quantize or args.kv_cache) and args.phase == "train":
+        raise StarscreamError("--quantize and --kv-cache are for inference; inspect them with --phase prefill or "
+                              "--phase decode")
+    config = settings.config.replace(remat=args.remat_policy, weight_format=eight_bit_format(args.quantize, chip),
+                                     weight_scales=args.quantize_scales, kv_format=eight_bit_format(args.kv_cache, chip))
+    return dataclasses.replace(settings, config=config)
 
 
 def _figure(value: float | None, form: str) -> str:

@@ -35,6 +35,8 @@ class Chip:
     modes: the valid (compute mode, memory modes) pairs, e.g. (("SPX", ("NPS1",)), ("DPX", ("NPS1", "NPS2"))).
     vendor: the chip's maker ("nvidia", "amd"; "" when not given), which decides the libraries the model's kernels
     call there (decode attention through cuDNN on NVIDIA, `analysis.memory.reads_cache_in_place`).
+    formats: the 8-bit formats its matrix units take (of EIGHT_BIT_FORMATS), e.g. ("int8", "float8_e4m3fnuz",
+    "float8_e5m2fnuz") on MI300X, which has no OCP fp8.
     """
 
     name: str
@@ -55,10 +57,26 @@ class Chip:
     inter_node_latency: float
     modes: tuple[tuple[str, tuple[str, ...]], ...]
     vendor: str = ""
+    formats: tuple[str, ...] = ("int8",)
 
     def memory_modes(self, compute_mode: str) -> tuple[str, ...]:
         """The memory modes this chip runs with `compute_mode` (none for a compute mode it lacks)."""
         return dict(self.modes).get(compute_mode, ())
+
+    def check_format(self, format_name: str) -> None:
+        """Raises PresetError naming the chip and the formats it has when it does not compute in `format_name`."""
+        if format_name not in self.formats:
+            raise PresetError(f"{self.description} ({self.name}) does not compute in {format_name}; its 8-bit "
+                              f"formats: {', '.join(self.formats)}")
+
+    def fp8_pair(self) -> tuple[str, str]:
+        """(e4m3, e5m2): the chip's fp8 formats for values and for gradients (OCP, or FNUZ on MI300X);
+        PresetError when it has none."""
+        for pair in FP8_PAIRS:
+            if all(name in self.formats for name in pair):
+                return pair
+        raise PresetError(f"{self.description} ({self.name}) has no fp8 formats; its 8-bit formats: "
+                          f"{', '.join(self.formats)}; use int8")
 
     def valid_pairs(self) -> str:
         """The compute+memory pairs this chip runs, e.g. "SPX+NPS1, DPX+NPS1, DPX+NPS2"."""
@@ -123,6 +141,11 @@ def _read_modes(raw_modes, path: Path) -> tuple[tuple[str, tuple[str, ...]], ...
     return modes
 
 
+FP8_PAIRS = (("float8_e4m3fn", "float8_e5m2"), ("float8_e4m3fnuz", "float8_e5m2fnuz"))
+"""The (e4m3, e5m2) fp8 formats of a chip: OCP's, then AMD gfx942's FNUZ ones (no negative zero, one NaN)."""
+EIGHT_BIT_FORMATS = ("int8", *(name for pair in FP8_PAIRS for name in pair))
+"""Every 8-bit format a chip file's `formats` may list (JAX dtype names)."""
+
 VENDORS = ("", "nvidia", "amd")
 """A chip file's `vendor` values: it decides which vendor libraries the model's kernels call (cuDNN on NVIDIA)."""
 
@@ -133,7 +156,7 @@ def load_chip(name: str, directory: Path | str | None = None) -> Chip:
     if not path.is_file():
         raise PresetError(f"unknown chip {name!r} (no {path}); known chips: {', '.join(list_chips(directory))}")
     raw = _read_toml(path)
-    _require(raw, ("name", "description", "modes", *CHIP_FIELDS), path, "every chip file")
+    _require(raw, ("name", "description", "modes", "formats", *CHIP_FIELDS), path, "every chip file")
     wrong = [f for f in CHIP_FIELDS if isinstance(raw[f], bool) or not isinstance(raw[f], int | float) or raw[f] <= 0]
     if wrong:
         raise PresetError(f"{path}: {', '.join(f'{f} = {raw[f]!r}' for f in wrong)}; each figure is a positive "
@@ -147,7 +170,16 @@ def load_chip(name: str, directory: Path | str | None = None) -> Chip:
     if vendor not in VENDORS:
         raise PresetError(f"{path}: vendor = {vendor!r}; use one of {', '.join(map(repr, VENDORS))} (or leave it out)")
     fields = {f: raw[f] for f in CHIP_FIELDS}
-    return Chip(name=raw["name"], description=raw["description"], modes=modes, vendor=vendor, **fields)
+    return Chip(name=raw["name"], description=raw["description"], modes=modes, vendor=vendor,
+                formats=_read_formats(raw["formats"], path), **fields)
+
+
+def _read_formats(raw_formats, path: Path) -> tuple[str, ...]:
+    """The chip file's `formats`: a list of EIGHT_BIT_FORMATS names."""
+    if not isinstance(raw_formats, list) or not all(name in EIGHT_BIT_FORMATS for name in raw_formats):
+        raise PresetError(f"{path}: formats = {raw_formats!r}; list the 8-bit formats the chip computes in, of "
+                          f"{', '.join(EIGHT_BIT_FORMATS)}")
+    return tuple(raw_formats)
 
 
 def check_mode(chip: Chip, compute_mode: str, memory_mode: str) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from ..checks import finite_number, whole_number
 from ..errors import PresetError
 from ..resources import data_dir
+from .quantize import SCALE_GRANULARITIES, WEIGHT_FORMATS
 
 REMAT_POLICIES = ("none", "dots", "full")
 """What the backward pass keeps of each layer's forward: everything ("none": nothing recomputed), the outputs of the
@@ -40,7 +41,12 @@ class ModelConfig:
     gained from it: in decode XLA copies each layer's weights out of the stacked arrays before its GEMMs read them;
     in training each layer's saved activations are written into [L, ...] arrays zeroed first and copied out again
     for the backward pass (measured in benchmarks/NOTES.md). A rolled loop (1) compiles in a time that does not grow
-    with depth: for very deep models whose compile time matters more than the step's."""
+    with depth: for very deep models whose compile time matters more than the step's.
+
+    weight_format: "" (the projections' weights in `dtype`) or one of quantize.WEIGHT_FORMATS: the layers'
+    projections stored in 8 bits with float32 scales per output channel (`weight_scales` "channel") or per layer
+    ("tensor"), for inference (`quantize`). kv_format: "" (the KV cache in `dtype`) or one of
+    quantize.WEIGHT_FORMATS: keys and values stored in 8 bits with a float32 scale per position and kv head."""
 
     name: str
     vocab_size: int
@@ -69,6 +75,9 @@ class ModelConfig:
     rope_original_max_len: int = 8192
     fuse_projections: bool = True
     scan_unroll: int = 0
+    weight_format: str = ""
+    weight_scales: str = "channel"
+    kv_format: str = ""
 
     def __post_init__(self):
         if isinstance(self.remat, bool):  # older configurations and checkpoints say true / false
@@ -89,6 +98,13 @@ class ModelConfig:
             raise PresetError(f"model {self.name}: dtype {self.dtype!r}; use 'float32' or 'bfloat16'")
         if self.head_dim % 2:
             raise PresetError(f"model {self.name}: head_dim {self.head_dim} must be even for rotary embeddings")
+        for field in ("weight_format", "kv_format"):
+            if getattr(self, field) not in ("", *WEIGHT_FORMATS):
+                raise PresetError(f"model {self.name}: {field} {getattr(self, field)!r}; use '' (the compute dtype) "
+                                  f"or one of {', '.join(WEIGHT_FORMATS)}")
+        if self.weight_scales not in SCALE_GRANULARITIES:
+            raise PresetError(f"model {self.name}: weight_scales {self.weight_scales!r}; use one of "
+                              f"{', '.join(SCALE_GRANULARITIES)}")
         if self.rope_scaling not in ("", "llama3"):
             raise PresetError(f"model {self.name}: rope_scaling {self.rope_scaling!r}; use '' (none) or 'llama3'")
 

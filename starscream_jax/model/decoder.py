@@ -12,6 +12,7 @@ token to its experts (`moe.routed_mlp`). Where a backend's compiler needs help, 
 """
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import jax
@@ -20,7 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..errors import StarscreamError
+from ..errors import ShardingRuleError, StarscreamError
 from ..hardware.axes import dim_axes
 from ..hardware.backend import policy_of
 from ..sharding.collectives import hierarchical_all_gather
@@ -31,8 +32,11 @@ from ..sharding.apply import (
     constrain,
     create_sharded,
     einsum,
+    logical_names,
     param,
     placed_as,
+    param_shardings,
+    path_name,
     scale,
     shared_input,
     token_mean,
@@ -42,9 +46,10 @@ from ..sharding.apply import (
 from ..sharding.layouts import Layout
 from .config import ModelConfig
 from .moe import routed_mlp
-from .names import ATTN_KV, ATTN_Q, CACHE, KV_CACHE, LOGITS, POSITIONS, RESIDUAL, TOKENS
+from .names import ATTN_KV, ATTN_Q, CACHE, KV_CACHE, KV_CACHE_SCALE, LOGITS, POSITIONS, RESIDUAL, TOKENS
 from .ops import attention, cross_entropy, embed_lookup
 from .paged import PagedCache, PagedLayer, paged_attention, with_layers
+from .quantize import QUANTIZED_INPUTS, SCALE_SUFFIX, Scaled, quantize, quantize_cache_entry, scale_names
 
 LAYER_SCOPE = "closed_call"
 """The scope of one layer's ops in the compiled program's op names: JAX puts the body of `jax.lax.scan` under it
@@ -125,6 +130,18 @@ class LayerStack(nnx.Module):
             self.w_gate = param(_normal(rngs, (L, D, F), D), ("layers", "embed", "mlp"))
             self.w_up = param(_normal(rngs, (L, D, F), D), ("layers", "embed", "mlp"))
             self.w_down = param(_normal(rngs, (L, F, D), F), ("layers", "mlp", "embed"))
+        if c.weight_format:
+            _quantize_in_place(c, self)
+
+
+def _quantize_in_place(c: ModelConfig, layers: LayerStack) -> None:
+    """Replaces each weight of QUANTIZED_INPUTS by its 8-bit values, with its scale beside it as `<name>_scale`
+    (`quantize.quantize`)."""
+    for key in QUANTIZED_INPUTS:
+        names = logical_names(getattr(layers, key))
+        values, scale = quantize(getattr(layers, key)[...], key, names, c.weight_format, c.weight_scales)
+        setattr(layers, key, param(values, names))
+        setattr(layers, key + SCALE_SUFFIX, param(scale, scale_names(key, names, c.weight_scales)))
 
 
 class ModelOutput(NamedTuple):
@@ -246,16 +263,15 @@ class Transformer(nnx.Module):
 
         if c.remat != "none":
             block = jax.checkpoint(block, policy=CHECKPOINT_POLICIES[c.remat])
-        keys, values, balances = [], [], []
+        written, balances = {name: [] for name in cache or ()}, []
         for layer, w in enumerate(_unstacked(stacked, c.n_layers)):
             with jax.named_scope(LAYER_SCOPE):
-                layer_cache = None if cache is None else {"k": cache["k"][layer], "v": cache["v"][layer]}
+                layer_cache = None if cache is None else {name: cache[name][layer] for name in cache}
                 x_BSD, layer_cache, balance = block(x_BSD, w, layer_cache)
-            if layer_cache is not None:
-                keys.append(layer_cache["k"])
-                values.append(layer_cache["v"])
+            for name in written:
+                written[name].append(layer_cache[name])
             balances.append(balance)
-        new_cache = None if cache is None else {"k": tuple(keys), "v": tuple(values)}
+        new_cache = None if cache is None else {name: tuple(layers) for name, layers in written.items()}
         return x_BSD, (new_cache, jnp.stack(balances))
 
 
@@ -275,10 +291,11 @@ def held_per_layer(cache: dict | None) -> bool:
 
 
 def split_cache(cache: dict) -> dict:
-    """A stacked KV cache ({"k", "v"}: [L, B, T, K, E] each) as one array per layer: {"k", "v"}: L arrays of
-    [B, T, K, E] (copies; call once, as generation does before its decode loop)."""
-    return {name: tuple(constrain(layer_BTKE, CACHE, "kv cache") for layer_BTKE in stacked_LBTKE)
-            for name, stacked_LBTKE in cache.items()}
+    """A stacked KV cache ({"k", "v"}: [L, B, T, K, E] each, and an 8-bit cache's scales [L, B, T, K]) as one
+    array per layer: L arrays of [B, T, K, E] (or [B, T, K]) each (copies; call once, as generation does before its
+    decode loop)."""
+    return {name: tuple(constrain(layer, CACHE_NAMES[name][1:], "kv cache") for layer in stacked)
+            for name, stacked in cache.items()}
 
 
 def decode_holds_cache_per_layer(c: ModelConfig) -> bool:
@@ -320,7 +337,8 @@ def _layer_weight_names(c: ModelConfig) -> list[str]:
     names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
     names += ["bq", "bk", "bv"] if c.qkv_bias else []
     names += ["q_norm", "k_norm"] if c.qk_norm else []
-    return names + (["router"] if c.n_experts else [])
+    names += ["router"] if c.n_experts else []
+    return names + ([name + SCALE_SUFFIX for name in names if name in QUANTIZED_INPUTS] if c.weight_format else [])
 
 
 CAST_ONCE = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "bq", "bk", "bv"})
@@ -332,27 +350,47 @@ def _layer_weights(c: ModelConfig, layers: LayerStack) -> dict:
     """Every stacked layer weight [L, ...] by name, those of CAST_ONCE cast to the compute dtype here, once per step
     before the layer loop, as stored (not gathered): each layer then slices and gathers its weights in that dtype,
     where casting inside the loop would copy each layer's float32 slice out of the stack first. A weight's
-    gradient is the same either way (each layer's slice is used once)."""
+    gradient is the same either way (each layer's slice is used once). 8-bit weights and their scales stay as
+    stored."""
     dtype = jnp.dtype(c.dtype)
-    return {name: getattr(layers, name)[...].astype(dtype) if name in CAST_ONCE else getattr(layers, name)[...]
-            for name in _layer_weight_names(c)}
+    stored = {name: getattr(layers, name)[...] for name in _layer_weight_names(c)}
+    return {name: value.astype(dtype) if name in CAST_ONCE and value.dtype.itemsize > 1 else value
+            for name, value in stored.items()}
 
 
-def _used(scope: str, weights: dict, key: str, names: tuple[str, ...], dtype) -> jax.Array:
+def _used(scope: str, c: ModelConfig, weights: dict, key: str, names: tuple[str, ...]) -> jax.Array | Scaled:
     """One layer's weight `weights[key]` as its projection uses it (`weight`: cast, gathered), under the
-    projection's named scope."""
+    projection's named scope; an 8-bit weight gathered in 8 bits, with its scale as stored (`Scaled`)."""
     with jax.named_scope(scope):
-        return weight(weights[key], names, dtype, key)
+        if key + SCALE_SUFFIX not in weights:
+            return weight(weights[key], names, jnp.dtype(c.dtype), key)
+        return Scaled(weight(weights[key], names, None, key), weights[key + SCALE_SUFFIX])
 
 
-def _project(scope: str, subscripts: str, x: jax.Array, w: jax.Array, out: tuple[str, ...]) -> jax.Array:
+def _values(w: jax.Array | Scaled) -> jax.Array:
+    """The array a matmul reads of a used weight (an 8-bit weight's values)."""
+    return w.values if isinstance(w, Scaled) else w
+
+
+def _matmul(subscripts: str, x: jax.Array, w: jax.Array | Scaled, out: tuple[str, ...], tensor: str) -> jax.Array:
+    """`einsum(subscripts, x, w)` placed by `out`; for an 8-bit weight (x @ values) * scale, the values converted to
+    x's dtype as the matmul reads them and the scale (over the output's trailing axes, or one number) placed as the
+    output is."""
+    if not isinstance(w, Scaled):
+        return einsum(subscripts, x, w, out, tensor)
+    y = einsum(subscripts, x, w.values.astype(x.dtype), out, tensor)
+    scale = w.scale if w.scale.ndim == 0 else constrain(w.scale, out[len(out) - w.scale.ndim:], f"{tensor} scale")
+    return y * scale.astype(y.dtype)
+
+
+def _project(scope: str, subscripts: str, x: jax.Array, w: jax.Array | Scaled, out: tuple[str, ...]) -> jax.Array:
     """One projection `einsum(subscripts, x, w)` of x [B, S, ...] placed by `out` ([B, S, ...]), under the named
-    scope `scope`; on rows padded with zeros where the backend policy pads it (`_padded_rows`)."""
+    scope `scope` (`_matmul`); on rows padded with zeros where the backend policy pads it (`_padded_rows`)."""
     with jax.named_scope(scope):
-        rows = _padded_rows(x, w)
+        rows = _padded_rows(x, _values(w))
         if rows:
             return _padded_matmul(subscripts, x, w, out, scope, rows)
-        return einsum(subscripts, x, w, out, scope)
+        return _matmul(subscripts, x, w, out, scope)
 
 
 def _padded_rows(x: jax.Array, w: jax.Array) -> int:
@@ -373,13 +411,13 @@ def _local_shape(x: jax.Array) -> tuple[int, ...]:
     return jax.typeof(x).sharding.shard_shape(x.shape)
 
 
-def _padded_matmul(subscripts: str, x: jax.Array, w: jax.Array, out: tuple[str, ...], scope: str,
+def _padded_matmul(subscripts: str, x: jax.Array, w: jax.Array | Scaled, out: tuple[str, ...], scope: str,
                    rows: int) -> jax.Array:
     """`einsum(subscripts, x, w)` for x [B, 1, ...], computed on x with zero rows appended ([B, rows, ...]) and the
-    first row kept, so that XLA runs a GEMM; the optimization barrier keeps XLA from folding the zero rows away.
-    The extra rows cost nothing measurable where the weights' bytes bound the step."""
+    first row kept, so that XLA runs a GEMM (`_matmul`); the optimization barrier keeps XLA from folding the zero
+    rows away. The extra rows cost nothing measurable where the weights' bytes bound the step."""
     padded = jax.lax.optimization_barrier(jnp.pad(x, [(0, 0), (0, rows - 1)] + [(0, 0)] * (x.ndim - 2)))
-    return einsum(subscripts, padded, w, out, scope)[:, :1]
+    return _matmul(subscripts, padded, w, out, scope)[:, :1]
 
 
 def _block(c: ModelConfig, x_BSD, w, positions_BS, cached=None):
@@ -410,12 +448,12 @@ def _block(c: ModelConfig, x_BSD, w, positions_BS, cached=None):
         if cached is not None:
             cache, layer, cache_index = cached
             cache = write_cache(cache, layer, cache_index, k_BSKE, v_BSKE)
-            layer_cache = cache if layer is None else {name: cache[name][layer] for name in ("k", "v")}
+            layer_cache = cache if layer is None else {name: cache[name][layer] for name in cache}
         with jax.named_scope("attention"):
             attended_BSHE = attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, layer_cache,
                                       None if cached is None else cached[2])
     attended_BSHE = constrain(attended_BSHE, ("batch", "seq", "heads", "head_dim"), "attention output")
-    wo_HED = _used("o", w, "wo", ("heads", "head_dim", "embed"), dtype)
+    wo_HED = _used("o", c, w, "wo", ("heads", "head_dim", "embed"))
     x_BSD = x_BSD + _project("o", "bshe,hed->bsd", attended_BSHE, wo_HED, RESIDUAL)
     h_BSD = rms_norm(x_BSD, w["mlp_norm"], c.norm_eps)
     if c.n_experts:
@@ -431,24 +469,39 @@ def _add_bias(x_BSNE, bias_NE, names: tuple[str, ...]):
     return x_BSNE + scale(jnp.ones_like(x_BSNE), bias_NE.astype(x_BSNE.dtype), names, "bias")
 
 
+CACHE_NAMES = {"k": KV_CACHE, "v": KV_CACHE, "k_scale": KV_CACHE_SCALE, "v_scale": KV_CACHE_SCALE}
+"""The logical names of each entry of a stacked KV cache (one layer's: without the leading `layers`)."""
+
+
 def write_cache(cache: dict, layer, index, k_BSKE: jax.Array, v_BSKE: jax.Array) -> dict:
     """The KV cache {"k", "v"} ([L, B, T, K, E] each) with the S new keys and values of `layer` written at positions
     index .. index + S - 1: a dynamic-update-slice of S positions, which XLA runs in place on a donated cache. With
     `layer` None, `cache` is one layer's ([B, T, K, E] each). Where the layout splits the cache's positions
-    (`cache_seq`), each device writes the new positions it owns into its own slots (`_write_owned`)."""
+    (`cache_seq`), each device writes the new positions it owns into its own slots (`_write_owned`). An 8-bit cache
+    (with "k_scale" and "v_scale", [L, B, T, K] each) gets the new keys and values in its format with their scales
+    (`quantize_cache_entry`)."""
     one_layer = layer is None
-    names = CACHE if one_layer else KV_CACHE
+    new = {"k": k_BSKE, "v": v_BSKE}
     if cache_split_axes(cache["k"].shape[-4:]):
-        return {name: _write_owned(cache[name], layer, index, new) for name, new in (("k", k_BSKE), ("v", v_BSKE))}
-    start = (0, index, 0, 0) if one_layer else (layer, 0, index, 0, 0)
+        if "k_scale" in cache:
+            raise ShardingRuleError("the layout splits the KV cache's positions (split-K decode, for a batch its batch "
+                                    "axes cannot split), which an 8-bit cache does not support; decode a batch the "
+                                    "layout's batch axes divide, or keep the cache in the compute dtype")
+        return {name: _write_owned(cache[name], layer, index, new[name]) for name in new}
+    if "k_scale" in cache:
+        for name in ("k", "v"):
+            new[name], new[name + "_scale"] = quantize_cache_entry(new[name], cache[name].dtype.name)
 
-    def write(full, new_BSKE):
+    def write(name, new_entry):
         # both placed by the cache's rules (no-ops inside the model, where they already are)
-        new = new_BSKE.astype(full.dtype) if one_layer else new_BSKE[None].astype(full.dtype)
-        return jax.lax.dynamic_update_slice(constrain(full, names, "kv cache"),
-                                            constrain(new, names, "new keys and values"), start)
+        names = CACHE_NAMES[name][1:] if one_layer else CACHE_NAMES[name]
+        start = (0, index) + (0,) * (new_entry.ndim - 2)
+        placed = new_entry.astype(cache[name].dtype) if one_layer else new_entry[None].astype(cache[name].dtype)
+        return jax.lax.dynamic_update_slice(constrain(cache[name], names, "kv cache"),
+                                            constrain(placed, names, "new keys and values"),
+                                            start if one_layer else (layer, *start))
 
-    return {"k": write(cache["k"], k_BSKE), "v": write(cache["v"], v_BSKE)}
+    return {name: write(name, new_entry) for name, new_entry in new.items()}
 
 
 def cache_split_axes(shape_BTKE: tuple[int, ...]) -> tuple[str, ...]:
@@ -488,8 +541,8 @@ def _fuses(c: ModelConfig, h_BSD: jax.Array) -> bool:
     """Whether projections sharing the input h [B, S, D] run as one GEMM: with `c.fuse_projections`, where each
     sequence brings more than one position (training, prefill: compute-bound GEMMs). Decode (one position) is bound
     by reading the weights, and stacking them would copy them every step (read, write, read again), so it runs the
-    stored weights in separate GEMMs."""
-    return c.fuse_projections and h_BSD.shape[1] > 1
+    stored weights in separate GEMMs; so do 8-bit weights, each with its own scales."""
+    return c.fuse_projections and h_BSD.shape[1] > 1 and not c.weight_format
 
 
 def _same_split(stored: list[jax.Array], dimension: int) -> bool:
@@ -511,10 +564,10 @@ def _qkv(c: ModelConfig, h_BSD, w):
     D, H, E, K = c.d_model, c.n_heads, c.head_dim, c.n_kv_heads
     G = H // K
     if not (_fuses(c, h_BSD) and _same_split([w["wq"], w["wk"], w["wv"]], 1)):
-        wq_DHE = _used("qkv", w, "wq", ("embed", "heads", "head_dim"), dtype)
-        wk_DKE = _used("qkv", w, "wk", ("embed", "kv_heads", "head_dim"), dtype)
-        wv_DKE = _used("qkv", w, "wv", ("embed", "kv_heads", "head_dim"), dtype)
-        h_BSD = shared_input(h_BSD, [wq_DHE, wk_DKE, wv_DKE])
+        wq_DHE = _used("qkv", c, w, "wq", ("embed", "heads", "head_dim"))
+        wk_DKE = _used("qkv", c, w, "wk", ("embed", "kv_heads", "head_dim"))
+        wv_DKE = _used("qkv", c, w, "wv", ("embed", "kv_heads", "head_dim"))
+        h_BSD = shared_input(h_BSD, [_values(wq_DHE), _values(wk_DKE), _values(wv_DKE)])
         return (_project("qkv", "bsd,dhe->bshe", h_BSD, wq_DHE, ATTN_Q),
                 _project("qkv", "bsd,dke->bske", h_BSD, wk_DKE, ATTN_KV),
                 _project("qkv", "bsd,dke->bske", h_BSD, wv_DKE, ATTN_KV))
@@ -538,8 +591,8 @@ def _gate_up(c: ModelConfig, h_BSD, w):
     dtype = jnp.dtype(c.dtype)
     names, out = ("embed", "mlp"), ("batch", "seq", "mlp")
     if not _fuses(c, h_BSD):
-        w_gate, w_up = _used("gate_up", w, "w_gate", names, dtype), _used("gate_up", w, "w_up", names, dtype)
-        h_BSD = shared_input(h_BSD, [w_gate, w_up])
+        w_gate, w_up = _used("gate_up", c, w, "w_gate", names), _used("gate_up", c, w, "w_up", names)
+        h_BSD = shared_input(h_BSD, [_values(w_gate), _values(w_up)])
         return (_project("gate_up", "bsd,df->bsf", h_BSD, w_gate, out),
                 _project("gate_up", "bsd,df->bsf", h_BSD, w_up, out))
     with jax.named_scope("gate_up"):
@@ -552,29 +605,39 @@ def _gate_up(c: ModelConfig, h_BSD, w):
 
 def _dense_mlp(c: ModelConfig, h_BSD, w):
     """SwiGLU: down(silu(h @ gate) * (h @ up)), [B, S, D] -> [B, S, D] with the hidden [B, S, F] over `mlp`."""
-    dtype = jnp.dtype(c.dtype)
     gate_BSF, up_BSF = _gate_up(c, h_BSD, w)
-    w_down_FD = _used("down", w, "w_down", ("mlp", "embed"), dtype)
+    w_down_FD = _used("down", c, w, "w_down", ("mlp", "embed"))
     return _project("down", "bsf,fd->bsd", jax.nn.silu(gate_BSF) * up_BSF, w_down_FD, RESIDUAL)
 
 
+def cache_entries(config: ModelConfig, batch: int, length: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """Each entry of a stacked KV cache of `length` positions: "k" and "v" [L, B, T, K, E] in the compute dtype, or
+    in `config.kv_format` with "k_scale" and "v_scale" [L, B, T, K] float32 beside them (names: CACHE_NAMES)."""
+    L, K, E = config.n_layers, config.n_kv_heads, config.head_dim
+    entries = dict.fromkeys(("k", "v"), jax.ShapeDtypeStruct((L, batch, length, K, E),
+                                                            jnp.dtype(config.kv_format or config.dtype)))
+    if config.kv_format:
+        entries.update(dict.fromkeys(("k_scale", "v_scale"), jax.ShapeDtypeStruct((L, batch, length, K), jnp.float32)))
+    return entries
+
+
 def init_cache(config: ModelConfig, batch: int, max_len: int) -> dict:
-    """An empty KV cache {"k", "v"}: [L, B, T, K, E] each, in the compute dtype, placed by the active layout
-    (kv heads over gpu and batch over xcd under the starscream layouts)."""
-    shape = (config.n_layers, batch, max_len, config.n_kv_heads, config.head_dim)
-    zeros_LBTKE = jnp.zeros(shape, jnp.dtype(config.dtype))
-    return {"k": constrain(zeros_LBTKE, KV_CACHE, "kv cache"), "v": constrain(zeros_LBTKE, KV_CACHE, "kv cache")}
+    """An empty KV cache (`cache_entries`), placed by the active layout (kv heads over gpu and batch over xcd under
+    the starscream layouts)."""
+    return {name: constrain(jnp.zeros(entry.shape, entry.dtype), CACHE_NAMES[name], "kv cache")
+            for name, entry in cache_entries(config, batch, max_len).items()}
 
 
 def cache_shardings(config: ModelConfig, batch: int, length: int, layout: Layout | str, mesh,
                     per_layer: bool = False) -> dict:
-    """{"k", "v"}: the NamedSharding `layout` gives a KV cache of [L, B, T, K, E] (T = `length`) on `mesh`, or with
-    `per_layer` one layer's array of it [B, T, K, E] as `split_cache` places it."""
-    shape = (batch, length, config.n_kv_heads, config.head_dim)
+    """The NamedSharding `layout` gives each entry of a KV cache (`cache_entries`: [L, B, T, K, E], T = `length`) on
+    `mesh`, or with `per_layer` one layer's array of it ([B, T, K, E]) as `split_cache` places it."""
+    specs = {}
     with use_layout(layout, mesh):
-        spec = (activation_spec(CACHE, shape, "kv cache") if per_layer
-                else activation_spec(KV_CACHE, (config.n_layers, *shape), "kv cache"))
-    return {name: NamedSharding(mesh, spec) for name in ("k", "v")}
+        for name, entry in cache_entries(config, batch, length).items():
+            names, shape = (CACHE_NAMES[name][1:], entry.shape[1:]) if per_layer else (CACHE_NAMES[name], entry.shape)
+            specs[name] = NamedSharding(mesh, activation_spec(names, shape, "kv cache"))
+    return specs
 
 
 def next_token_loss(model: Transformer, tokens_BS: jax.Array) -> jax.Array:
@@ -600,3 +663,34 @@ def abstract_model(config: ModelConfig) -> Transformer:
 def create_sharded_model(config: ModelConfig, layout: Layout | str, mesh, seed: int = 0) -> Transformer:
     """A Transformer whose parameters are created already sharded by the layout's params rules."""
     return create_sharded(lambda: Transformer(config, rngs=nnx.Rngs(seed)), layout, mesh)
+
+
+def quantize_model(model: Transformer, weight_format: str, granularity: str = "channel", layout: Layout | str = None,
+                   mesh=None) -> Transformer:
+    """`model` with the weights of QUANTIZED_INPUTS in `weight_format` (8 bits, float32 scales per output channel
+    or per layer: `quantize.quantize`), computed in one jitted program straight into `layout`'s params placement
+    on `mesh` (unsharded without them); every other parameter kept as it is."""
+    config = model.config.replace(weight_format=weight_format, weight_scales=granularity)
+    graphdef, abstract, rest = nnx.split(abstract_model(config), nnx.Param, ...)
+    stored = {path_name(path): variable for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+    def convert(arrays: dict) -> dict:
+        converted = {}
+        for path, value in arrays.items():
+            key = path.rsplit("/", 1)[-1]
+            if key not in QUANTIZED_INPUTS:
+                converted[path] = value
+                continue
+            converted[path], converted[path + SCALE_SUFFIX] = quantize(value, key, logical_names(stored[path]),
+                                                                       weight_format, granularity)
+        return converted
+
+    flat = nnx.to_flat_state(abstract)
+    shardings = None
+    if mesh is not None:
+        placed = nnx.to_flat_state(param_shardings(abstract, layout, mesh))
+        shardings = {path_name(path): sharding for path, sharding in placed}
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+        arrays = jax.jit(convert, out_shardings=shardings)({path: v.get_value() for path, v in stored.items()})
+    state = nnx.from_flat_state([(path, variable.replace(arrays[path_name(path)])) for path, variable in flat])
+    return nnx.merge(graphdef, state, rest)

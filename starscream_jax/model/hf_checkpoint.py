@@ -33,14 +33,19 @@ from ..checks import created_directory, of_type, whole_number, writable_director
 from ..errors import CheckpointError, StarscreamError
 from ..sharding.apply import param_shardings, path_name
 from .config import ModelConfig
-from .decoder import Transformer, abstract_model
+from .decoder import Transformer, abstract_model, quantize_model
 from .hf_config import CONFIG_FILE, family_of, hf_config_from_model, model_config_from_hf
+from .quantize import QUANTIZED_INPUTS, SCALE_SUFFIX, is_scale
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 DTYPES = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16}
 """safetensors dtype -> numpy dtype, for the floating dtypes a parameter can be converted from."""
+FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn}
+"""safetensors dtype -> numpy dtype of the 8-bit weights a pre-quantized checkpoint stores (read as they are)."""
+SCALE_TENSOR = "_scale"
+"""A quantized weight `<name>.weight`'s scale is the tensor `<name>.weight_scale`."""
 SAVED_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 DEFAULT_SHARD_BYTES = 5 << 30
 EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -107,6 +112,15 @@ def sources(config: ModelConfig) -> dict[str, Source]:
     if config.qk_norm:
         table["layers/q_norm"] = Source(layer + "self_attn.q_norm.weight", 1)
         table["layers/k_norm"] = Source(layer + "self_attn.k_norm.weight", 1)
+    _add_experts(config, table, layer)
+    if config.weight_format:
+        table.update({path + SCALE_SUFFIX: Source(source.template + SCALE_TENSOR, source.stacked)
+                      for path, source in table.items() if path.rsplit("/", 1)[-1] in QUANTIZED_INPUTS})
+    return table
+
+
+def _add_experts(config: ModelConfig, table: dict[str, Source], layer: str) -> None:
+    """The MLP's sources in `table`: the experts' (stacked by layer and expert) or the dense MLP's."""
     if config.n_experts:
         block, (gate, up, down) = EXPERT_NAMES[family_of(config)]
         expert = layer + block + ".experts.{expert}."
@@ -118,7 +132,6 @@ def sources(config: ModelConfig) -> dict[str, Source]:
         table["layers/w_gate"] = Source(layer + "mlp.gate_proj.weight", 1, (1, 0))
         table["layers/w_up"] = Source(layer + "mlp.up_proj.weight", 1, (1, 0))
         table["layers/w_down"] = Source(layer + "mlp.down_proj.weight", 1, (1, 0))
-    return table
 
 
 class CheckpointReader:
@@ -173,21 +186,42 @@ class CheckpointReader:
         return self.weight_map[name]
 
     def tensor(self, name: str):
-        """The lazy safetensors slice of tensor `name` (index it with slices to read those bytes only)."""
+        """The lazy safetensors slice of tensor `name` (index it with slices to read those bytes only); an fp8
+        tensor, which safetensors' numpy reader cannot slice, as a read-only memory map of its bytes."""
         file = self.file_of(name)
         if file not in self._handles:
             self._handles[file] = self._open(file)
-        return self._handles[file].get_slice(name)
+        lazy = self._handles[file].get_slice(name)
+        if lazy.get_dtype() not in FP8_DTYPES:
+            return lazy
+        return _mapped(self.model_dir / file, name, FP8_DTYPES[lazy.get_dtype()])
 
-    def check(self, name: str, shape: tuple[int, ...]) -> None:
-        """A clear error when tensor `name` is missing, not of `shape`, or of a dtype a parameter cannot take."""
-        tensor, where = self.tensor(name), f"tensor {name} in {self.model_dir / self.file_of(name)}"
-        if tuple(tensor.get_shape()) != tuple(shape):
-            raise CheckpointError(f"{where} has shape {tuple(tensor.get_shape())}, but config.json implies "
+    def dtype_of(self, name: str) -> str:
+        """Tensor `name`'s safetensors dtype ("BF16", "F8_E4M3", ...)."""
+        file = self.file_of(name)
+        if file not in self._handles:
+            self._handles[file] = self._open(file)
+        return self._handles[file].get_slice(name).get_dtype()
+
+    def whole(self, name: str) -> np.ndarray:
+        """Tensor `name`, read whole, as stored."""
+        return np.asarray(self.tensor(name)[...] if self.dtype_of(name) in FP8_DTYPES
+                          else self._handles[self.file_of(name)].get_tensor(name))
+
+    def check(self, name: str, shape: tuple[int, ...], eight_bit: bool = False) -> None:
+        """A clear error when tensor `name` is missing, not of `shape`, or of a dtype the parameter cannot take
+        (`eight_bit`: the parameter holds a pre-quantized checkpoint's fp8 weights as stored)."""
+        where = f"tensor {name} in {self.model_dir / self.file_of(name)}"
+        dtype = self.dtype_of(name)
+        stored_shape = tuple(self.tensor(name).shape if dtype in FP8_DTYPES else self.tensor(name).get_shape())
+        if stored_shape != tuple(shape):
+            raise CheckpointError(f"{where} has shape {stored_shape}, but config.json implies "
                                   f"{tuple(shape)}; the weights do not match config.json")
-        if tensor.get_dtype() not in DTYPES:
-            raise CheckpointError(f"{where} is stored as {tensor.get_dtype()}, which cannot be converted to a "
-                                  f"floating parameter; expected one of {', '.join(DTYPES)}")
+        allowed = FP8_DTYPES if eight_bit else DTYPES
+        if dtype not in allowed:
+            raise CheckpointError(f"{where} is stored as {dtype}, but config.json's quantization_config says "
+                                  f"{'fp8' if eight_bit else 'float'} ({', '.join(allowed)}); the weights do not "
+                                  "match config.json")
 
     def read(self, source: Source, index: tuple[slice, ...], shape: tuple[int, ...], dtype) -> np.ndarray:
         """Our parameter's block `index` (slices of `shape`) in `dtype`, read layer by layer from the checkpoint and
@@ -243,32 +277,76 @@ def _read_weight_map(path: Path) -> dict[str, str]:
 
 
 def load_hf_model(model_dir: str | Path, layout, mesh, dtype: str | None = None,
-                  config: ModelConfig | None = None) -> Transformer:
+                  config: ModelConfig | None = None, quantize: str = "", scales: str = "channel") -> Transformer:
     """The Transformer of a Hugging Face model directory, each parameter (float32) built shard by shard straight
     into `layout`'s params placement on `mesh`. `dtype` sets the compute dtype; `config` replaces config.json's.
 
     Before any device is written, the checkpoint must hold exactly the tensors the configuration describes, each of
     its shape and a floating dtype; each block read is checked finite (a NaN is a CheckpointError naming the
-    tensor, not a model that generates nothing)."""
+    tensor, not a model that generates nothing).
+
+    `quantize` (one of quantize.WEIGHT_FORMATS) stores the layers' projections in 8 bits with `scales` per output
+    channel or per layer (`decoder.quantize_model`, on the devices). A pre-quantized fp8 checkpoint (config.json's
+    `quantization_config`, `hf_config.quantization_fields`) loads its fp8 weights and their `weight_scale` tensors
+    as stored."""
     of_type(mesh, Mesh, "mesh", "a jax.sharding.Mesh, as starscream_jax.build_mesh gives")
     of_type(config, (ModelConfig, type(None)), "config", "a ModelConfig or None (read config.json)")
     config = config or model_config_from_hf(model_dir)
     if dtype is not None:
         config = config.replace(dtype=dtype)
-    reader = CheckpointReader(model_dir)
+    if quantize and config.weight_format:
+        raise CheckpointError(f"{model_dir} holds weights already quantized to {config.weight_format}; drop the "
+                              "quantization asked for (--quantize)")
+    model = _load(CheckpointReader(model_dir), config, layout, mesh)
+    return quantize_model(model, quantize, scales, layout, mesh) if quantize else model
+
+
+def _load(reader: CheckpointReader, config: ModelConfig, layout, mesh) -> Transformer:
+    """The Transformer `config` describes, its parameters read from `reader` into `layout`'s placement."""
     table = sources(config)
     graphdef, abstract, rest = nnx.split(abstract_model(config), nnx.Param, ...)
     shardings = param_shardings(abstract, layout, mesh)
     variables = nnx.to_flat_state(abstract)
-    expected = {name: table[path_name(path)].tensor_shape(tuple(variable.shape)) for path, variable in variables
-                for name in table[path_name(path)].tensor_names(tuple(variable.shape))}
-    reader.check_tensor_set(set(expected))
-    for name, shape in expected.items():
-        reader.check(name, shape)
+    checks = {}  # every tensor checked before any device is written: shape and whether it is stored in 8 bits
+    for path, variable in variables:
+        source, shape = table[path_name(path)], tuple(variable.shape)
+        for name in source.tensor_names(shape):
+            checks[name] = None if is_scale(path_name(path)) else (source.tensor_shape(shape),
+                                                                   np.dtype(variable.dtype).itemsize == 1)
+    reader.check_tensor_set(set(checks))
+    for name, expected in checks.items():
+        if expected is not None:
+            reader.check(name, *expected)
     leaves = jax.tree.leaves(shardings, is_leaf=lambda node: isinstance(node, jax.sharding.Sharding))
-    loaded = [(path, _load_param(reader, table[path_name(path)], variable, sharding))
-              for (path, variable), sharding in zip(variables, leaves)]
+    loaded = [(path, (_load_scale if is_scale(path_name(path)) else _load_param)(
+        reader, table[path_name(path)], variable, sharding)) for (path, variable), sharding in zip(variables, leaves)]
     return nnx.merge(graphdef, nnx.from_flat_state(loaded), rest)
+
+
+def _load_scale(reader: CheckpointReader, source: Source, variable: nnx.Variable, sharding) -> nnx.Variable:
+    """`variable` (abstract: a quantized weight's scale [L, ...]) from each layer's `weight_scale` tensor ([out, 1]
+    per output channel, [1] or [] per tensor; a few values each, read whole), in float32."""
+    shape = tuple(variable.shape)
+    per_layer = shape[source.stacked:]
+    layers = []
+    for name in source.tensor_names(shape):
+        stored = reader.whole(name)
+        if stored.size != math.prod(per_layer):
+            raise CheckpointError(f"tensor {name} in {reader.model_dir / reader.file_of(name)} holds {stored.size} "
+                                  f"scales, but its weight has {math.prod(per_layer)} output channels ("
+                                  f"quantization_config strategy); the scales do not match config.json")
+        layers.append(stored.astype(np.float32).reshape(per_layer))
+    return variable.replace(jax.device_put(np.stack(layers).reshape(shape), sharding))
+
+
+def _mapped(path: Path, name: str, dtype) -> np.ndarray:
+    """Tensor `name` of the safetensors file `path` as a read-only memory map in `dtype` (the format: an 8-byte
+    little-endian header length, a JSON header giving each tensor's shape and byte range, then the bytes)."""
+    with open(path, "rb") as file:
+        header_length = int.from_bytes(file.read(8), "little")
+        entry = json.loads(file.read(header_length))[name]
+    start, _ = entry["data_offsets"]
+    return np.memmap(path, dtype=dtype, mode="r", offset=8 + header_length + start, shape=tuple(entry["shape"]))
 
 
 def _load_param(reader: CheckpointReader, source: Source, variable: nnx.Variable, sharding) -> nnx.Variable:
@@ -303,6 +381,9 @@ def export_hf_model(model: Transformer, out_dir: str | Path, dtype: str = "float
     if dtype not in SAVED_DTYPES:
         raise CheckpointError(f"export dtype {dtype!r}; use one of {', '.join(SAVED_DTYPES)}")
     whole_number(max_shard_bytes, "max_shard_bytes (--shard-size)")
+    if model.config.weight_format:
+        raise CheckpointError(f"model {model.config.name} holds {model.config.weight_format} weights; export the "
+                              "float model it was quantized from")
     out, config, writing = Path(out_dir), model.config, jax.process_index() == 0
     check_export_target(out, replace, reads=[tokenizer_dir] if tokenizer_dir else [])
     params = {path_name(path): variable.get_value()

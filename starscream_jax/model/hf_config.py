@@ -106,7 +106,7 @@ def _model_fields(raw: dict, family: str, where: str) -> dict:
         norm_eps=_number(raw, "rms_norm_eps", where, 1e-6),
         tie_embeddings=_flag(raw, "tie_word_embeddings", where),
         qkv_bias=QKV_BIAS[family], qk_norm=family in ("qwen3", "qwen3_moe"), dtype=_compute_dtype(raw),
-        **_rope_fields(raw, where))
+        **_rope_fields(raw, where), **quantization_fields(raw.get("quantization_config"), where))
     if family == "mixtral":
         fields.update(n_experts=_whole(raw, "num_local_experts", where),
                       experts_per_token=_whole(raw, "num_experts_per_tok", where))
@@ -125,6 +125,39 @@ def _compute_dtype(raw: dict) -> str:
     float32 master weights either way (`training.loop`)."""
     stored = raw.get("torch_dtype") or raw.get("dtype")
     return "bfloat16" if stored == "bfloat16" else "float32"
+
+
+QUANTIZATION_METHOD = "compressed-tensors"
+"""The one `quantization_config.quant_method` read: fp8 (float8_e4m3fn) weights of every layer's projections with a
+`weight_scale` per output channel or per tensor (format "float-quantized"), the output head left in float."""
+
+
+def quantization_fields(quantization: dict | None, where: str) -> dict:
+    """The ModelConfig fields (weight_format, weight_scales) of a checkpoint's `quantization_config`; none for a
+    float checkpoint. Any other scheme is a CheckpointError naming it. The activations' own quantization (their
+    `input_activations`) is not applied: the 8-bit weights multiply activations in the compute dtype."""
+    if quantization is None:
+        return {}
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if method != QUANTIZATION_METHOD:
+        raise CheckpointError(f"{where}: quantization_config quant_method {method!r} is not implemented; only "
+                              f"{QUANTIZATION_METHOD} fp8 checkpoints load (or load a bf16 checkpoint with --quantize)")
+    groups = list((quantization.get("config_groups") or {}).values())
+    weights = (groups[0].get("weights") or {}) if len(groups) == 1 else {}
+    expected = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
+    wrong = {key: weights.get(key) for key, value in expected.items() if weights.get(key) != value}
+    if len(groups) != 1 or wrong or weights.get("strategy") not in ("channel", "tensor"):
+        raise CheckpointError(f"{where}: quantization_config {quantization.get('format')!r} with weights "
+                              f"{weights or groups} is not implemented; only one group of symmetric static 8-bit float "
+                              f"weights with strategy 'channel' or 'tensor' loads")
+    if quantization.get("format") != "float-quantized" or quantization.get("kv_cache_scheme"):
+        raise CheckpointError(f"{where}: quantization_config format {quantization.get('format')!r} / kv_cache_scheme "
+                              f"{quantization.get('kv_cache_scheme')!r} is not implemented; only 'float-quantized' "
+                              f"weights with no kv_cache_scheme load (choose an 8-bit cache with --kv-cache)")
+    if list(quantization.get("ignore") or []) != ["lm_head"]:
+        raise CheckpointError(f"{where}: quantization_config ignore = {quantization.get('ignore')!r}; only "
+                              f"checkpoints whose every layer is quantized and whose lm_head is not (['lm_head']) load")
+    return {"weight_format": "float8_e4m3fn", "weight_scales": weights["strategy"]}
 
 
 def _refuse_unimplemented(raw: dict, family: str, where: str) -> None:

@@ -38,6 +38,7 @@ from ..sharding.collectives import hierarchical_all_gather, hierarchical_psum
 from .config import ModelConfig
 from .grouped_matmul import default_implementation, grouped_matmul
 from .names import RESIDUAL
+from .quantize import SCALE_SUFFIX, Scaled, dequantize
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
 EMBED_DIM = {"w_gate": 1, "w_up": 1, "w_down": 2}
@@ -171,9 +172,9 @@ class _Placement:
 def routed_mlp(c: ModelConfig, h_BSD: jax.Array, w: dict) -> tuple[jax.Array, jax.Array]:
     """(the block's output [B, S, D] placed by RESIDUAL, the load-balancing loss of these tokens: a float32 scalar).
 
-    `w` holds one layer's router [D, X] and expert weights w_gate / w_up [X, D, F], w_down [X, F, D] as stored."""
-    dtype = jnp.dtype(c.dtype)
-    weights = {name: w[name].astype(dtype) for name in EXPERT_WEIGHTS}
+    `w` holds one layer's router [D, X] and expert weights w_gate / w_up [X, D, F], w_down [X, F, D] as stored
+    (8-bit ones with their scales, dequantized to the compute dtype here: the grouped matmul reads one dtype)."""
+    weights = {name: _expert_weight(c, w, name) for name in EXPERT_WEIGHTS}
     if active() is None:
         return _per_device(c, _Placement(), h_BSD, w["router"], weights)
     h_BSD = constrain(h_BSD, RESIDUAL, "moe input")
@@ -192,6 +193,19 @@ def routed_mlp(c: ModelConfig, h_BSD: jax.Array, w: dict) -> tuple[jax.Array, ja
                            out_specs=(token_spec, PartitionSpec()))
     out_BSD, balance = mapped(h_BSD, w["router"], weights)
     return constrain(out_BSD, RESIDUAL, "moe output"), balance
+
+
+EXPERT_NAMES = {"w_gate": ("experts", "embed", "expert_mlp"), "w_up": ("experts", "embed", "expert_mlp"),
+                "w_down": ("experts", "expert_mlp", "embed")}
+"""The logical names of one layer's expert weights."""
+
+
+def _expert_weight(c: ModelConfig, w: dict, name: str) -> jax.Array:
+    """One layer's expert weight `name` in the compute dtype (an 8-bit one times its scales)."""
+    dtype = jnp.dtype(c.dtype)
+    if name + SCALE_SUFFIX not in w:
+        return w[name].astype(dtype)
+    return dequantize(Scaled(w[name], w[name + SCALE_SUFFIX]), name, EXPERT_NAMES[name], c.weight_scales, dtype)
 
 
 def _combine_axes(expert_spec: PartitionSpec, token_spec: PartitionSpec) -> tuple[str, ...]:

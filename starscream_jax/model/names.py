@@ -24,6 +24,10 @@ CACHE = ("attn_batch", "cache_seq", "kv_heads", "head_dim")
 share of any prefix (split-K decode attends to its own) and the slots of a device are a prefix of its positions."""
 KV_CACHE = ("layers", *CACHE)
 """The KV cache of every layer, [L, B, T, K, E] for keys and for values."""
+CACHE_SCALE = CACHE[:3]
+"""The scales of one layer's 8-bit keys or values [B, T, K], one per position and kv head."""
+KV_CACHE_SCALE = ("layers", *CACHE_SCALE)
+"""The scales of an 8-bit KV cache of every layer, [L, B, T, K] for keys and for values."""
 TOKENS = ("batch", "seq")
 """Token ids, targets and per-token losses [B, S]."""
 LOGITS = ("batch", "seq", "vocab")

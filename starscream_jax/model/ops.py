@@ -16,7 +16,7 @@ from ..hardware.backend import policy_of
 from ..sharding.apply import activation_spec, active, compute_device, placed_as, weight, weight_spec
 from ..sharding.collectives import hierarchical_all_gather, hierarchical_psum
 from ..sharding.rules import LogicalNames
-from .names import ATTN_KV, ATTN_Q, CACHE, LOGITS, POSITIONS, RESIDUAL, TOKENS
+from .names import ATTN_KV, ATTN_Q, CACHE, CACHE_SCALE, LOGITS, POSITIONS, RESIDUAL, TOKENS
 from .split_k import merge_partials, partial_attention, strided_positions
 
 
@@ -83,6 +83,24 @@ def _causal_attention(q_BSHE, k_BTKE, v_BTKE):
     return _fused_attention(q_BSHE, k_BTKE, v_BTKE, is_causal=True)
 
 
+def _attention_over_8_bit_cache(q_BSHE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK, positions_BS):
+    """Attention of the queries at `positions` [B, S] to one layer's 8-bit cache (values [B, T, K, E], a float32
+    scale per position and kv head [B, T, K]): each query sees the cached positions up to its own. The scales are
+    applied to the scores (keys') and to the probabilities (values'), so the matmuls read the 8-bit values,
+    converted in their own fusions, and no dequantized copy of the cache is made."""
+    B, S, H, E = q_BSHE.shape
+    K = k_BTKE.shape[2]
+    q_BSKGE = q_BSHE.reshape(B, S, K, H // K, E)
+    scores_BKGST = jnp.einsum("bskge,btke->bkgst", q_BSKGE, k_BTKE.astype(q_BSHE.dtype),
+                              preferred_element_type=jnp.float32)
+    scores_BKGST = scores_BKGST * (jnp.swapaxes(k_scale_BTK, 1, 2)[:, :, None, None, :] * E ** -0.5)
+    seen = jnp.arange(k_BTKE.shape[1])[None, None, None, None, :] <= positions_BS[:, None, None, :, None]
+    probabilities_BKGST = jax.nn.softmax(jnp.where(seen, scores_BKGST, jnp.finfo(jnp.float32).min), axis=-1)
+    weighted_BKGST = probabilities_BKGST * jnp.swapaxes(v_scale_BTK, 1, 2)[:, :, None, None, :]
+    out_BSKGE = jnp.einsum("bkgst,btke->bskge", weighted_BKGST.astype(q_BSHE.dtype), v_BTKE.astype(q_BSHE.dtype))
+    return out_BSKGE.reshape(B, S, H, E)
+
+
 def _cached_attention(q_BSHE, cache_k_BTKE, cache_v_BTKE, positions_BS):
     """Attention of the queries at `positions` [B, S] to a cache [B, T, K, E] of one layer: each query sees the
     cached positions up to its own. Decode (S = 1): the positions a query sees are a prefix of the cache, given as
@@ -115,7 +133,8 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, c
 
     Without a cache: keys are the S new positions. With a cache {"k", "v"} of [B, T, K, E] (one layer) that already
     holds the new keys and values at their positions (the model writes them into its cache of every layer in place,
-    `decoder.write_cache`), queries attend to every cached position <= their own, and k / v are not read.
+    `decoder.write_cache`), queries attend to every cached position <= their own, and k / v are not read. An 8-bit
+    cache (with "k_scale" and "v_scale" [B, T, K]) is read by `_attention_over_8_bit_cache`.
     Placement: ATTN_Q / ATTN_KV names; the cache uses CACHE's. A layout that splits `seq` runs context-parallel
     attention (`_sequence_split_attention`); with a cache only from its start (`cache_index` 0: a prefill, the cache
     holding nothing before the new keys). A layout that splits the cache's positions (`cache_seq`) and not the
@@ -133,12 +152,12 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, c
             if seq_axes:
                 return _sequence_split_attention(q, k_sel, v_sel, pos, seq_axes)
             return _causal_attention(q, k_sel, v_sel)
-        cache_k, cache_v = rest
-        k_sel = _kv_heads_for_local_queries(cache_k, q.shape[2], group, q_axes, kv_axes)
-        v_sel = _kv_heads_for_local_queries(cache_v, q.shape[2], group, q_axes, kv_axes)
+        selected = [_kv_heads_for_local_queries(entry, q.shape[2], group, q_axes, kv_axes) for entry in rest]
         if cache_axes := dim_axes(specs[4], 1):
-            return _split_k_attention(q, k_sel, v_sel, pos, cache_axes)
-        return _cached_attention(q, k_sel, v_sel, pos)
+            return _split_k_attention(q, *selected, pos, cache_axes)
+        if len(selected) == 4:
+            return _attention_over_8_bit_cache(q, *selected, pos)
+        return _cached_attention(q, *selected, pos)
 
     if current is not None:
         q_spec = activation_spec(ATTN_Q, q_BSHE.shape)
@@ -150,6 +169,8 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, c
     names = [ATTN_Q, ATTN_KV, ATTN_KV, POSITIONS]
     if cache is not None:
         args, names = [*args, cache["k"], cache["v"]], [*names, CACHE, CACHE]
+    if cache is not None and "k_scale" in cache:
+        args, names = [*args, cache["k_scale"], cache["v_scale"]], [*names, CACHE_SCALE, CACHE_SCALE]
     return _run_sharded(local, args, names, [(ATTN_Q, q_BSHE.shape)], "attention")
 
 

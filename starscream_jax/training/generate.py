@@ -21,7 +21,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import StarscreamError
 from ..model.decoder import cache_shardings, decode_holds_cache_per_layer, split_cache
-from ..sharding.apply import Placement, batch_sharding, param_shardings, placed, token_sharding
+from ..model.quantize import held_dtype
+from ..sharding.apply import Placement, batch_sharding, param_shardings, path_name, placed, token_sharding
 from ..sharding.layouts import PHASE_DEFAULTS, Layout, fit_batch, positions_multiple
 from .steps import Sampling, decode_step, prefill_step
 
@@ -43,6 +44,15 @@ class Generation:
 def place_params(params, layout, mesh):
     """`params` (an nnx.State of parameters) moved to `layout`'s params placement on `mesh` (no copy when there)."""
     return jax.device_put(params, param_shardings(params, layout, mesh))
+
+
+def held_as_read(params, dtype):
+    """`params` as inference holds them: float weights in the compute `dtype`, 8-bit weights and their scales as
+    stored (`quantize.held_dtype`)."""
+    def held(path, variable):
+        return variable.replace(variable.get_value().astype(held_dtype(path_name(path), variable.dtype, dtype)))
+
+    return jax.tree.map_with_path(held, params, is_leaf=lambda node: isinstance(node, nnx.Variable))
 
 
 def generate(model, prompt_BP, max_new_tokens: int, sampling: Sampling = Sampling(), mesh=None,
@@ -71,7 +81,7 @@ def generate(model, prompt_BP, max_new_tokens: int, sampling: Sampling = Samplin
         prefill_layout, decode_layout = fit_generation(prefill_layout, decode_layout, mesh, batch)
         cache_length = generation_cache_length(end, prefill_layout, decode_layout, mesh)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    params = jax.tree.map(lambda array: array.astype(config.dtype), params)  # held as the matmuls read them
+    params = held_as_read(params, config.dtype)
     prompt = jnp.asarray(prompt_BP, jnp.int32)
 
     def placement(layout) -> Placement | None:
@@ -99,7 +109,8 @@ def generate(model, prompt_BP, max_new_tokens: int, sampling: Sampling = Samplin
         if decode_holds_cache_per_layer(config):  # decode runs no layer loop
             cache = jax.jit(split_cache)(cache)
         new_tokens = [token_B]
-        compiled_decode = decode_step(graphdef, sampling, under=placement(decode_layout)).lower(
+        eight_bit = bool(config.weight_format or config.kv_format)
+        compiled_decode = decode_step(graphdef, sampling, under=placement(decode_layout), eight_bit=eight_bit).lower(
             params, rest, cache, token_B, jnp.int32(prompt_length)).compile()
         started = time.perf_counter()
         stopped_B = token_B == stop_token if stop_token is not None else None

@@ -179,11 +179,21 @@ def _last_real(logits_BPV: jax.Array, length: int) -> jax.Array:
     return jnp.sum(jnp.where(last_P[None, :, None], logits_BPV, 0.0), axis=1)
 
 
-def decode_step(graphdef, sampling: Sampling, *, under: Placement | None) -> Jitted:
-    """The jitted decode step (see the module docstring) under `under`; the cache is donated."""
-    device = under.mesh.devices.flat[0] if under is not None else jax.devices()[0]
+EIGHT_BIT_DECODE_OPTIONS = {"xla_gpu_enable_triton_gemm": True}
+"""XLA options of the decode step with 8-bit weights or KV cache, over the backend's (where it sets them): XLA's
+Triton GEMM fusions, which convert the 8-bit operand inside the GEMM's own kernel, where a cuBLAS call would read a
+bfloat16 copy that a separate kernel wrote."""
 
-    @jit(under=under, donate_argnums=(2,), compiler_options=dict(policy_of(device).decode_compiler_options))
+
+def decode_step(graphdef, sampling: Sampling, *, under: Placement | None, eight_bit: bool = False) -> Jitted:
+    """The jitted decode step (see the module docstring) under `under`; the cache is donated. `eight_bit` (the
+    model's weights or KV cache in 8 bits) compiles it with EIGHT_BIT_DECODE_OPTIONS."""
+    device = under.mesh.devices.flat[0] if under is not None else jax.devices()[0]
+    options = dict(policy_of(device).decode_compiler_options)
+    if eight_bit:
+        options.update({name: value for name, value in EIGHT_BIT_DECODE_OPTIONS.items() if name in options})
+
+    @jit(under=under, donate_argnums=(2,), compiler_options=options)
     def step(params, rest, cache, token_B, position):
         out = nnx.merge(graphdef, params, rest)(token_B[:, None], cache=cache, cache_index=position)
         return choose_token(out.logits[:, 0], position + 1, sampling), out.cache

@@ -18,6 +18,7 @@ from starscream_jax.analysis.layout_report import PRINCIPLES
 from starscream_jax.cli import inspect as inspect_command
 from starscream_jax.cli.arguments import STUDY_MESH
 from starscream_jax.errors import ShardingRuleError, StarscreamError
+from starscream_jax.hardware.presets import load_chip
 from starscream_jax.hardware.topology import Topology
 from starscream_jax.model.config import load_model_config
 
@@ -122,7 +123,7 @@ def test_starscream_decode_keeps_the_three_principles_in_decode(decode):
 
 
 def test_default_layouts_per_phase():
-    layouts = {phase: inspect_command.settings_from_args(parse("--phase", phase)).layouts
+    layouts = {phase: inspect_command.settings_from_args(parse("--phase", phase), load_chip("mi300x")).layouts
                for phase in PHASES}
     assert layouts == {"train": ("flat_tp", "starscream_tp"), "prefill": ("flat_tp", "starscream_tp"),
                        "decode": ("flat_tp", "starscream_decode")}
