@@ -228,12 +228,14 @@ def main(argv=None) -> int:
     result = {"meta": meta, "rows": []}
     rows, bf16_tokens_per_s = result["rows"], {}
     for variant, batch in ((variant, batch) for variant in args.variants for batch in args.batches):
-        weights, cache = (args.fp8_format if kind == "fp8" else kind for kind in VARIANTS[variant])
-        variant_config = config.replace(weight_format=weights, kv_format=cache)
-        with use_layout(args.layout, mesh):
-            graphdef, params, rest = nnx.split(create_sharded_model(variant_config, args.layout, mesh), nnx.Param,
-                                               ...)
-        params = held_as_read(params, jnp.bfloat16)  # served weights: bfloat16, or 8-bit with float32 scales
+        if batch == args.batches[0]:  # the variant's model, served as stored: bfloat16, or 8-bit with scales
+            weights, cache = (args.fp8_format if kind == "fp8" else kind for kind in VARIANTS[variant])
+            variant_config = config.replace(weight_format=weights, kv_format=cache)
+            params = rest = None  # the previous variant's weights leave the device first
+            with use_layout(args.layout, mesh):
+                graphdef, params, rest = nnx.split(create_sharded_model(variant_config, args.layout, mesh),
+                                                   nnx.Param, ...)
+            params = held_as_read(params, jnp.bfloat16)
         row = run_batch(graphdef, params, rest, variant_config, args.layout, mesh, batch, args.cache, args.warmup,
                         args.steps, args.profile_dir)
         row["variant"] = variant

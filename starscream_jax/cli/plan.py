@@ -4,6 +4,7 @@ nothing does, and the commands that run the plan."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
@@ -18,6 +19,8 @@ from ..model.config import load_model_config
 from ..sharding.layouts import EXPERT_LAYOUTS, LAYOUTS
 from .arguments import (
     add_cache_arguments,
+    add_precision_arguments,
+    eight_bit_format,
     mesh_from_args,
     output_file,
     prepare_simulation,
@@ -43,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--json", action="store_true", help="print one JSON object with a key per phase")
     group.add_argument("--plot", type=output_file, default=None, metavar="FILE.png",
                        help="draw each candidate's step time and memory, the chosen one marked")
+    add_precision_arguments(group)
     add_cache_arguments(group)
 
 
@@ -61,10 +65,15 @@ def run(args: argparse.Namespace) -> int:
     prepare_simulation(args)
     topology, _ = mesh_from_args(args)
     cache = result_cache(args)
+    eight_bit = {"weight_format": eight_bit_format(args.quantize, topology.preset.chip),
+                 "weight_scales": args.quantize_scales,
+                 "kv_format": eight_bit_format(args.kv_cache, topology.preset.chip)}
     plans = {}
     for phase in phases:
         settings = make_settings(args.model, phase, args.batch, args.seq, candidate_layouts(args.model, args.layout),
                                  args.layers)
+        if phase != "train":  # 8-bit weights and cache serve; training keeps float32 master weights
+            settings = dataclasses.replace(settings, config=settings.config.replace(**eight_bit))
         with tqdm(desc=f"plan {phase}", unit="candidate", file=sys.stderr, dynamic_ncols=True) as bar:
             plans[phase] = plan_phase(settings, topology, cache=cache, progress=_progress(bar))
         plans[phase]["commands"] = commands(plans[phase], args, topology)
@@ -114,7 +123,7 @@ def commands(plan: dict, args: argparse.Namespace, topology) -> list[str]:
     inspect = (f"starscream inspect {mesh} {shape} --phase {plan['phase']} --batch {micro} --seq {plan['seq']}"
                + (f" --remat-policy {chosen['remat']}" if chosen["remat"] != "none" else ""))
     if plan["phase"] != "train":
-        return [inspect]
+        return [inspect + precision_flags(args)]
     return [f"starscream train {mesh} {shape} --batch-size {plan['batch']} --seq-len {plan['seq']} --grad-accum "
             f"{chosen['micro_batches']} --remat-policy {chosen['remat']} --dtype {plan['dtype']}", inspect]
 
@@ -131,7 +140,15 @@ def generate_command(plans: dict, args: argparse.Namespace, topology) -> str | N
         return None
     prefill = min(same_mesh, key=lambda entry: entry["estimate"]["serial_s"])
     return (f"starscream generate {_mesh_flags(args, topology, decode['mesh']['data'])} --checkpoint "
-            f"RUN_DIR/checkpoints --prefill-layout {prefill['layout']} --decode-layout {decode['layout']}")
+            f"RUN_DIR/checkpoints --prefill-layout {prefill['layout']} --decode-layout {decode['layout']}"
+            + precision_flags(args))
+
+
+def precision_flags(args: argparse.Namespace) -> str:
+    """The 8-bit flags of the plan (--quantize, --quantize-scales, --kv-cache) for the commands of its inference
+    phases."""
+    flags = f" --quantize {args.quantize} --quantize-scales {args.quantize_scales}" if args.quantize else ""
+    return flags + (f" --kv-cache {args.kv_cache}" if args.kv_cache else "")
 
 
 def candidate_layouts(model: str, layouts: str | None) -> str:

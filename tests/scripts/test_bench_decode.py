@@ -30,3 +30,19 @@ def test_bytes_per_step_count_each_weight_once_and_the_whole_cache(bench, tied):
     # an untied embedding table is read only for the 3 looked-up rows; tied, it is the head and read whole
     assert read["weights"] == (total if tied else total - table + 3 * config.d_model * 4)
     assert read["kv_cache"] == 2 * config.n_layers * 3 * 10 * config.n_kv_heads * config.head_dim * 2
+
+
+def test_8_bit_weights_and_cache_are_counted_in_their_stored_bytes(bench):
+    """Against the float32 model: each int8 weight reads 1 byte where it read 4, plus a float32 scale per output
+    channel; an fp8 cache 1 byte per value plus a float32 scale per position and kv head."""
+    c = load_model_config("tiny").replace(weight_format="int8", kv_format="float8_e4m3fn")
+    float_read = bench.bytes_read_per_step(nnx.state(Transformer(c.replace(weight_format=""), rngs=nnx.Rngs(0)),
+                                                     nnx.Param), c, batch=3, cache_length=10)
+    read = bench.bytes_read_per_step(nnx.state(Transformer(c, rngs=nnx.Rngs(0)), nnx.Param), c, batch=3,
+                                     cache_length=10)
+    quantized = c.n_layers * (c.d_model * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads) + 3 * c.d_model * c.d_ff)
+    scales = c.n_layers * (c.head_dim * (c.n_heads + 2 * c.n_kv_heads) + 2 * c.d_model + 2 * c.d_ff)
+    assert read["weights"] == float_read["weights"] - 3 * quantized + 4 * scales
+    values = 2 * c.n_layers * 3 * 10 * c.n_kv_heads
+    assert read["kv_cache"] == values * c.head_dim + 4 * values
+
