@@ -9,8 +9,9 @@ import numpy as np
 
 from ..hardware.distributed import is_main_process
 from ..hardware.presets import Chip
-from ..model.decoder import quantize_model
+from ..model.decoder import quantize_model, to_fnuz
 from ..model.hf_checkpoint import load_hf_model
+from ..model.quantize import OCP_TO_FNUZ
 from ..sharding.layouts import PHASE_DEFAULTS
 from ..training.checkpoint import restore_model
 from ..training.config import TrainConfig
@@ -109,6 +110,8 @@ def load_for_generation(args: argparse.Namespace, mesh, chip: Chip):
         # a run fine-tuned from a model directory trained on its tokenizer: bytes only if the model was made for them
         tokenizer = tokenizer_for_model(run_config.tokenizer_dir(), model.config, trained_weights=bool(run_config.init))
         source = f"step {description['step']}"
+    if OCP_TO_FNUZ.get(model.config.weight_format) in chip.formats and model.config.weight_format not in chip.formats:
+        model = to_fnuz(model)  # an OCP fp8 checkpoint on a chip of FNUZ fp8 (MI300X): exact
     if model.config.weight_format:
         chip.check_format(model.config.weight_format)
     if cache:

@@ -49,7 +49,16 @@ from .moe import routed_mlp
 from .names import ATTN_KV, ATTN_Q, CACHE, KV_CACHE, KV_CACHE_SCALE, LOGITS, POSITIONS, RESIDUAL, TOKENS
 from .ops import attention, cross_entropy, embed_lookup
 from .paged import PagedCache, PagedLayer, paged_attention, with_layers
-from .quantize import QUANTIZED_INPUTS, SCALE_SUFFIX, Scaled, quantize, quantize_cache_entry, scale_names
+from .quantize import (
+    OCP_TO_FNUZ,
+    QUANTIZED_INPUTS,
+    SCALE_SUFFIX,
+    Scaled,
+    ocp_to_fnuz,
+    quantize,
+    quantize_cache_entry,
+    scale_names,
+)
 
 LAYER_SCOPE = "closed_call"
 """The scope of one layer's ops in the compiled program's op names: JAX puts the body of `jax.lax.scan` under it
@@ -694,3 +703,27 @@ def quantize_model(model: Transformer, weight_format: str, granularity: str = "c
         arrays = jax.jit(convert, out_shardings=shardings)({path: v.get_value() for path, v in stored.items()})
     state = nnx.from_flat_state([(path, variable.replace(arrays[path_name(path)])) for path, variable in flat])
     return nnx.merge(graphdef, state, rest)
+
+
+def to_fnuz(model: Transformer) -> Transformer:
+    """`model` with its float8_e4m3fn weights held as float8_e4m3fnuz with doubled scales (`quantize.ocp_to_fnuz`:
+    exact), each array kept where it is; for a chip that computes FNUZ fp8 only (MI300X) loading an OCP checkpoint."""
+    config = model.config.replace(weight_format=OCP_TO_FNUZ[model.config.weight_format])
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    layers = params["layers"]
+
+    @jax.jit
+    def convert(stored: dict) -> dict:
+        converted = {}
+        for key in QUANTIZED_INPUTS:
+            weight = ocp_to_fnuz(Scaled(stored[key], stored[key + SCALE_SUFFIX]))
+            converted[key], converted[key + SCALE_SUFFIX] = weight.values, weight.scale
+        return converted
+
+    names = [name for key in QUANTIZED_INPUTS for name in (key, key + SCALE_SUFFIX)]
+    converted = convert({name: layers[name].get_value() for name in names})
+    for name in names:
+        layers[name] = layers[name].replace(converted[name])
+    model = nnx.merge(graphdef, params, rest)
+    model.config = config
+    return model

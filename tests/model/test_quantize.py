@@ -16,7 +16,7 @@ from starscream_jax.errors import CheckpointError, PresetError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.hardware.presets import load_chip
 from starscream_jax.model.config import load_model_config
-from starscream_jax.model.decoder import abstract_model, quantize_model
+from starscream_jax.model.decoder import abstract_model, quantize_model, to_fnuz
 from starscream_jax.model.hf_checkpoint import load_hf_model
 from starscream_jax.model.ops import attention
 from starscream_jax.model.quantize import Scaled, dequantize, largest, quantize, quantize_cache_entry, scale_names
@@ -135,7 +135,8 @@ implementation's logits of it (scripts/make_fp8_fixture.py)."""
 
 
 def test_a_pre_quantized_fp8_checkpoint_gives_the_reference_logits_and_continuation():
-    """Loaded as stored (fp8 values, float32 scales), sharded for prefill and decode on 2 GPUs x 4 partitions."""
+    """Loaded as stored (fp8 values, float32 scales), sharded for prefill and decode on 2 GPUs x 4 partitions; held
+    as e4m3fnuz values with doubled scales (for MI300X), the same logits."""
     expected, mesh = load_file(FP8_FIXTURE / "reference.safetensors"), build_mesh("2x4")
     model = load_hf_model(FP8_FIXTURE, "starscream_tp", mesh)
     assert model.layers.wq[...].dtype == jnp.float8_e4m3fn and model.config.weight_scales == "channel"
@@ -144,6 +145,9 @@ def test_a_pre_quantized_fp8_checkpoint_gives_the_reference_logits_and_continuat
     result = generate(model, np.tile(expected["prompt_ids"], (rows, 1)), len(expected["generated_ids"]),
                       Sampling(top_p=None), mesh)
     np.testing.assert_array_equal(result.tokens, np.tile(expected["generated_ids"], (rows, 1)))
+    fnuz = to_fnuz(model)  # as MI300X holds it
+    assert fnuz.layers.wq[...].dtype == jnp.float8_e4m3fnuz and fnuz.config.weight_format == "float8_e4m3fnuz"
+    assert np.max(np.abs(logits(fnuz, expected["input_ids"], "starscream_tp", mesh) - expected["logits"])) <= 1e-4
 
 
 def _with_quantization(tmp_path, change) -> Path:
