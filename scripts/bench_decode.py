@@ -204,8 +204,8 @@ def main(argv=None) -> int:
 
     from starscream_jax.hardware.mesh import build_mesh
     from starscream_jax.model.decoder import create_sharded_model
+    from starscream_jax.model.quantize import held_as_read
     from starscream_jax.sharding.apply import use_layout
-    from starscream_jax.training.generate import held_as_read
 
     mesh = build_mesh(gpus=args.gpus)
     config = harness.model_config(args, dtype="bfloat16", scan_unroll=args.unroll)

@@ -15,6 +15,7 @@ from .arguments import (
     RUN_MESH,
     add_distributed_arguments,
     add_mesh_arguments,
+    add_precision_arguments,
     count,
     initialize_from_args,
     mesh_from_args,
@@ -40,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype (default: the model's)")
     group.add_argument("--prefill-layout", default=PHASE_DEFAULTS["prefill"], help="layout of prompt chunks")
     group.add_argument("--decode-layout", default=PHASE_DEFAULTS["decode"], help="layout of decode steps")
+    add_precision_arguments(group)
     engine = parser.add_argument_group("engine")
     defaults = EngineConfig()
     engine.add_argument("--page-size", type=count, default=defaults.page_size, help="positions per KV page")
@@ -77,8 +79,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def run(args: argparse.Namespace) -> int:
     """Load the model, start the engine, serve until SIGTERM or Ctrl-C (then drain). Returns 0."""
     initialize_from_args(args)
-    _, mesh = mesh_from_args(args)
-    model, source, tokenizer = load_for_generation(args, mesh)
+    topology, mesh = mesh_from_args(args)
+    model, source, tokenizer = load_for_generation(args, mesh, topology.preset.chip)
     engine = Engine(model, engine_config(args), mesh, args.prefill_layout, args.decode_layout, tokenizer.decode)
     name = args.served_model_name or model.config.name
     server = Server(EngineThread(engine), tokenizer, name, args.max_pending)

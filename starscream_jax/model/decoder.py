@@ -438,7 +438,6 @@ def _block(c: ModelConfig, x_BSD, w, positions_BS, cached=None):
     tokens' own positions). The new keys and values are written into the cache in place (`write_cache`) and
     attention reads this layer's part. Returns (x, cache or None, the layer's load-balancing loss: 0 for a dense
     MLP)."""
-    dtype = jnp.dtype(c.dtype)
     h_BSD = rms_norm(x_BSD, w["attn_norm"], c.norm_eps)
     q_BSHE, k_BSKE, v_BSKE = _qkv(c, h_BSD, w)
     if c.qkv_bias:

@@ -17,8 +17,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from ..errors import PresetError
+from ..sharding.apply import path_name
 
 WEIGHT_FORMATS = ("int8", "float8_e4m3fn", "float8_e4m3fnuz")
 """The 8-bit formats weights and the KV cache can be stored in (JAX dtype names; `hardware.presets.Chip.formats`
@@ -103,6 +105,15 @@ def held_dtype(path: str, stored, dtype):
     if is_scale(path) or jnp.dtype(stored).itemsize == 1:
         return jnp.dtype(stored)
     return jnp.dtype(dtype)
+
+
+def held_as_read(params, dtype):
+    """`params` (an nnx.State) as inference holds them: float weights in the compute `dtype`, 8-bit weights and their
+    scales as stored (`held_dtype`)."""
+    def held(path, variable):
+        return variable.replace(variable.get_value().astype(held_dtype(path_name(path), variable.dtype, dtype)))
+
+    return jax.tree.map_with_path(held, params, is_leaf=lambda node: isinstance(node, nnx.Variable))
 
 
 def quantize_cache_entry(x_BSKE: jax.Array, format_name: str) -> tuple[jax.Array, jax.Array]:

@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import StarscreamError
 from ..model.paged import KERNELS, PAGES, init_pages
+from ..model.quantize import held_as_read
 from ..sharding.apply import Placement, activation_spec, param_shardings, use_layout
 from ..sharding.layouts import PHASE_DEFAULTS, get_layout
 from .scheduler import Chunk, SamplingParams, Scheduler, SchedulerConfig, Sequence, check_fits
@@ -116,8 +117,12 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(self.shards, config.pages_per_shard, config.page_size,
                                                    config.rows_per_shard, config.token_budget, config.chunk,
                                                    config.prefix_caching, self.buckets.rows_of("prefill")[-1]))
+        if c.kv_format:
+            raise StarscreamError(f"model {c.name} asks for a KV cache in {c.kv_format}, but the serving engine's paged "
+                                  "cache holds keys and values in the compute dtype; serve without --kv-cache (8-bit "
+                                  "weights serve)")
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
-        params = jax.tree.map(lambda array: array.astype(c.dtype), params)
+        params = held_as_read(params, c.dtype)  # float weights in the compute dtype, 8-bit ones as stored
         if mesh is not None:
             params = jax.device_put(params, param_shardings(params, self.layouts["decode"], mesh))
         self.params = params

@@ -21,8 +21,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import StarscreamError
 from ..model.decoder import cache_shardings, decode_holds_cache_per_layer, split_cache
-from ..model.quantize import held_dtype
-from ..sharding.apply import Placement, batch_sharding, param_shardings, path_name, placed, token_sharding
+from ..model.quantize import held_as_read
+from ..sharding.apply import Placement, batch_sharding, param_shardings, placed, token_sharding
 from ..sharding.layouts import PHASE_DEFAULTS, Layout, fit_batch, positions_multiple
 from .steps import Sampling, decode_step, prefill_step
 
@@ -44,15 +44,6 @@ class Generation:
 def place_params(params, layout, mesh):
     """`params` (an nnx.State of parameters) moved to `layout`'s params placement on `mesh` (no copy when there)."""
     return jax.device_put(params, param_shardings(params, layout, mesh))
-
-
-def held_as_read(params, dtype):
-    """`params` as inference holds them: float weights in the compute `dtype`, 8-bit weights and their scales as
-    stored (`quantize.held_dtype`)."""
-    def held(path, variable):
-        return variable.replace(variable.get_value().astype(held_dtype(path_name(path), variable.dtype, dtype)))
-
-    return jax.tree.map_with_path(held, params, is_leaf=lambda node: isinstance(node, nnx.Variable))
 
 
 def generate(model, prompt_BP, max_new_tokens: int, sampling: Sampling = Sampling(), mesh=None,

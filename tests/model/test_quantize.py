@@ -12,17 +12,18 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from starscream_jax.errors import CheckpointError, PresetError
+from starscream_jax.errors import CheckpointError, PresetError, ShardingRuleError, StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.hardware.presets import load_chip
 from starscream_jax.model.config import load_model_config
-from starscream_jax.model.decoder import abstract_model, quantize_model, to_fnuz
+from starscream_jax.model.decoder import Transformer, abstract_model, quantize_model, to_fnuz
 from starscream_jax.model.hf_checkpoint import load_hf_model
 from starscream_jax.model.ops import attention
 from starscream_jax.model.quantize import Scaled, dequantize, largest, quantize, quantize_cache_entry, scale_names
+from starscream_jax.serving.engine import Engine
 from starscream_jax.sharding.apply import batch_sharding, param_specs, use_layout
 from starscream_jax.sharding.layouts import LAYOUTS
-from starscream_jax.training.generate import batch_multiple, generate
+from starscream_jax.training.generate import generate
 from starscream_jax.training.steps import Sampling
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "hf"
@@ -35,6 +36,9 @@ whose top token agrees), on the random fixtures (their logits' top-2 gaps are sm
 Measured: int8 per channel 0.010-0.019 and 0.95-0.97 for the dense families, fp8 e4m3 0.05-0.07 and 0.87-0.92."""
 MOE_TOLERANCE = {"int8": (0.08, 0.9), "float8_e4m3fn": (0.2, 0.8)}
 """As TOLERANCE for the mixtures of experts, where a token near a routing tie may pick another expert."""
+ROWS = 4
+"""Rows generated on 2 GPUs x 4 partitions: the batch split over the partitions, each row whole (an 8-bit cache split
+by position, split-K decode, is refused)."""
 GREEDY_AGREEMENT = 8
 """Greedy tokens that 8-bit weights and caches must agree on with the float reference (the random fixtures' top-2
 logit gaps are small: 9 to 20 agree on the llama and qwen3 fixtures with int8 or fp8 weights or caches)."""
@@ -141,7 +145,7 @@ def test_a_pre_quantized_fp8_checkpoint_gives_the_reference_logits_and_continuat
     model = load_hf_model(FP8_FIXTURE, "starscream_tp", mesh)
     assert model.layers.wq[...].dtype == jnp.float8_e4m3fn and model.config.weight_scales == "channel"
     assert np.max(np.abs(logits(model, expected["input_ids"], "starscream_tp", mesh) - expected["logits"])) <= 1e-4
-    rows = batch_multiple(("starscream_tp", "starscream_decode"), mesh)
+    rows = ROWS
     result = generate(model, np.tile(expected["prompt_ids"], (rows, 1)), len(expected["generated_ids"]),
                       Sampling(top_p=None), mesh)
     np.testing.assert_array_equal(result.tokens, np.tile(expected["generated_ids"], (rows, 1)))
@@ -203,6 +207,14 @@ def test_generation_with_8_bit_weights_and_cache_follows_the_reference():
     expected, mesh = fixture("llama"), build_mesh("2x4")
     model = load_hf_model(FIXTURES / "llama", "starscream_tp", mesh, quantize="int8")
     model.config = model.config.replace(kv_format="int8")
-    rows = batch_multiple(("starscream_tp", "starscream_decode"), mesh)
+    rows = ROWS
     result = generate(model, np.tile(expected["prompt_ids"], (rows, 1)), GREEDY_AGREEMENT, Sampling(top_p=None), mesh)
     np.testing.assert_array_equal(result.tokens, np.tile(expected["generated_ids"][:GREEDY_AGREEMENT], (rows, 1)))
+    with pytest.raises(ShardingRuleError, match=r"splits the KV cache's positions \(split-K decode"):
+        generate(model, expected["prompt_ids"][None], 2, Sampling(top_p=None), mesh)
+
+
+def test_the_serving_engine_refuses_an_8_bit_cache_it_cannot_page():
+    model = Transformer(load_model_config("tiny").replace(kv_format="int8"), rngs=nnx.Rngs(0))
+    with pytest.raises(StarscreamError, match=r"asks for a KV cache in int8, but the serving engine's paged cache"):
+        Engine(model)
