@@ -105,6 +105,10 @@ class Engine:
                  prefill_layout=PHASE_DEFAULTS["prefill"], decode_layout=PHASE_DEFAULTS["decode"],
                  detokenize=None):
         self.model_config = c = model.config
+        if c.kv_format:
+            raise StarscreamError(f"model {c.name} asks for a KV cache in {c.kv_format}, but the serving engine's paged "
+                                  "cache holds keys and values in the compute dtype; serve without --kv-cache (8-bit "
+                                  "weights serve)")
         self.config = config
         self.mesh = mesh
         self.layouts = {"prefill": get_layout(prefill_layout), "decode": get_layout(decode_layout)}
@@ -117,10 +121,6 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(self.shards, config.pages_per_shard, config.page_size,
                                                    config.rows_per_shard, config.token_budget, config.chunk,
                                                    config.prefix_caching, self.buckets.rows_of("prefill")[-1]))
-        if c.kv_format:
-            raise StarscreamError(f"model {c.name} asks for a KV cache in {c.kv_format}, but the serving engine's paged "
-                                  "cache holds keys and values in the compute dtype; serve without --kv-cache (8-bit "
-                                  "weights serve)")
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         params = held_as_read(params, c.dtype)  # float weights in the compute dtype, 8-bit ones as stored
         if mesh is not None:

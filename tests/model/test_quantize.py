@@ -16,7 +16,7 @@ from starscream_jax.errors import CheckpointError, PresetError, ShardingRuleErro
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.hardware.presets import load_chip
 from starscream_jax.model.config import load_model_config
-from starscream_jax.model.decoder import Transformer, abstract_model, quantize_model, to_fnuz
+from starscream_jax.model.decoder import abstract_model, quantize_model, to_fnuz
 from starscream_jax.model.hf_checkpoint import load_hf_model
 from starscream_jax.model.ops import attention
 from starscream_jax.model.quantize import Scaled, dequantize, largest, quantize, quantize_cache_entry, scale_names
@@ -98,7 +98,7 @@ def logits(model, tokens_BS: np.ndarray, layout: str = "starscream_tp", mesh=Non
     mesh = mesh or build_mesh("1x1")
     with use_layout(layout, mesh):
         tokens = jax.device_put(tokens_BS, batch_sharding(layout, mesh, tokens_BS.shape[0]))
-        return np.asarray(jax.jit(lambda m, t: m(t), compiler_options=FAST_COMPILE)(model, tokens))
+        return np.asarray(jax.jit(lambda m, t: m(t).logits, compiler_options=FAST_COMPILE)(model, tokens))
 
 
 @functools.cache
@@ -215,6 +215,6 @@ def test_generation_with_8_bit_weights_and_cache_follows_the_reference():
 
 
 def test_the_serving_engine_refuses_an_8_bit_cache_it_cannot_page():
-    model = Transformer(load_model_config("tiny").replace(kv_format="int8"), rngs=nnx.Rngs(0))
+    model = abstract_model(load_model_config("tiny").replace(kv_format="int8"))
     with pytest.raises(StarscreamError, match=r"asks for a KV cache in int8, but the serving engine's paged cache"):
         Engine(model)
