@@ -300,7 +300,7 @@ def abstract_paged_args(config: ModelConfig, layout: Layout, mesh, batch: int, l
     SERVE_PAGE_SIZE, every sequence's pages in its own cache shard (as `serving.scheduler` places them), plus one
     null page per shard; one token per sequence at its last position. Call inside `use_layout(layout, mesh)`."""
     graphdef, params, rest = nnx.split(abstract_model(config), nnx.Param, ...)
-    params = abstract_placed(params, layout, mesh, jnp.dtype(config.dtype))
+    params = held_as_inference(abstract_placed(params, layout, mesh), jnp.dtype(config.dtype))
     shards = cache_shards(layout, mesh)
     if batch % shards:
         raise StarscreamError(f"a batch of {batch} sequences cannot fill the {shards} cache shards of layout "
