@@ -28,7 +28,7 @@ def _dense(q, pages, table, row, length):
 def test_decode_writes_its_position_and_attends_to_the_row_prefix(kernel):
     q, k, v, table, pages_k, pages_v = _inputs()
     positions = jnp.array([[9], [5]], jnp.int32)  # row 0 at its third page, slot 1; row 1 at its second, slot 1
-    out, layer = paged_attention(q, k, v, positions, PagedLayer(pages_k, pages_v, table, kernel))
+    out, layer = jax.jit(paged_attention)(q, k, v, positions, PagedLayer(pages_k, pages_v, table, kernel))
     np.testing.assert_allclose(layer.k[:, 1, 1], k[0, 0])
     np.testing.assert_allclose(layer.v[:, 2, 1], v[1, 0])
     changed = np.argwhere(np.any(np.asarray(layer.k != pages_k), axis=(0, 3)))
@@ -44,7 +44,7 @@ def test_padding_writes_only_the_null_page_and_prefill_is_causal():
     q, k, v, table, pages_k, pages_v = _inputs(1)
     q, k, v = (jnp.concatenate([x, x * 0.5, x * 2.0], axis=1) for x in (q, k, v))  # 3 positions per row
     positions = jnp.array([[4, 5, -1], [0, 1, 2]], jnp.int32)
-    out, layer = paged_attention(q, k, v, positions, PagedLayer(pages_k, pages_v, table))
+    out, layer = jax.jit(paged_attention)(q, k, v, positions, PagedLayer(pages_k, pages_v, table))
     changed = {tuple(index) for index in np.argwhere(np.any(np.asarray(layer.k != pages_k), axis=(0, 3)))}
     assert changed == {(7, 0), (7, 1), (5, 0), (5, 1), (5, 2), (0, 0)}  # (0, 0): the padding, in the null page
     keys, values = _dense(q, layer.k, table, 1, 3), _dense(q, layer.v, table, 1, 3)
