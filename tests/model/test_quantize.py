@@ -21,7 +21,7 @@ from starscream_jax.model.hf_checkpoint import load_hf_model
 from starscream_jax.model.ops import attention
 from starscream_jax.model.quantize import Scaled, dequantize, largest, quantize, quantize_cache_entry, scale_names
 from starscream_jax.serving.engine import Engine
-from starscream_jax.sharding.apply import batch_sharding, param_specs, use_layout
+from starscream_jax.sharding.apply import batch_sharding, param_shardings, param_specs, use_layout
 from starscream_jax.sharding.layouts import LAYOUTS
 from starscream_jax.training.generate import generate
 from starscream_jax.training.steps import Sampling
@@ -102,10 +102,14 @@ def logits(model, tokens_BS: np.ndarray, layout: str = "starscream_tp", mesh=Non
 
 
 @functools.cache
+def quantized_model(family: str, format_name: str):
+    """The fixture with its layers' weights in `format_name` (per channel), unsharded."""
+    return load_hf_model(FIXTURES / family, "starscream_tp", build_mesh("1x1"), quantize=format_name)
+
+
+@functools.cache
 def quantized_logits(family: str, format_name: str) -> np.ndarray:
-    """The unsharded logits of the fixture with its layers' weights in `format_name` (per channel)."""
-    model = load_hf_model(FIXTURES / family, "starscream_tp", build_mesh("1x1"), quantize=format_name)
-    return logits(model, fixture(family)["input_ids"])
+    return logits(quantized_model(family, format_name), fixture(family)["input_ids"])
 
 
 @pytest.mark.parametrize("family, format_name", [
@@ -123,12 +127,13 @@ def test_8_bit_logits_are_near_the_float_models(family, format_name):
 
 
 def test_every_decode_layout_gives_the_unsharded_8_bit_logits():
-    """int8 weights per channel of the llama fixture, loaded into each layout's placement on 2 GPUs x 4
-    partitions."""
+    """int8 weights per channel of the llama fixture, moved into each layout's placement on 2 GPUs x 4 partitions
+    (loading with quantize into a sharded placement: the generation tests)."""
     expected, mesh = quantized_logits("llama", "int8"), build_mesh("2x4")
+    graphdef, params, rest = nnx.split(quantized_model("llama", "int8"), nnx.Param, ...)
     errors = {}
     for layout in DECODE_LAYOUTS:
-        placed = load_hf_model(FIXTURES / "llama", layout, mesh, quantize="int8")
+        placed = nnx.merge(graphdef, jax.device_put(params, param_shardings(params, layout, mesh)), rest)
         errors[layout] = float(np.max(np.abs(logits(placed, fixture("llama")["input_ids"], layout, mesh) - expected)))
     assert max(errors.values()) <= 1e-4, errors
 
