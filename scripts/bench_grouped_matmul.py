@@ -15,19 +15,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
-import json
-import statistics
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from starscream_jax.benchmarks import harness
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model import moe
 from starscream_jax.model.config import load_model_config
@@ -75,7 +72,7 @@ def fwd_bwd(matmul):
 def timed(programs: dict, args: dict, rounds: int, calls: int) -> tuple[dict, dict]:
     """Compile every program, then alternate them over rounds of `calls` timed calls: (median round mean (s) of each
     program that compiled, the error of each that did not)."""
-    compiled, failed, means = {}, {}, {}
+    compiled, failed = {}, {}
     for name, program in programs.items():
         try:
             compiled[name] = program.lower(*args[name]).compile()
@@ -85,15 +82,9 @@ def timed(programs: dict, args: dict, rounds: int, calls: int) -> tuple[dict, di
         start = time.perf_counter()
         jax.block_until_ready(compiled[name](*args[name]))
         print(f"  {name}: compiled, first call {time.perf_counter() - start:.3f} s", flush=True)
-        means[name] = []
-    for _ in range(rounds):
-        for name, program in compiled.items():
-            start = time.perf_counter()
-            for _ in range(calls):
-                result = program(*args[name])
-            jax.block_until_ready(result)
-            means[name].append((time.perf_counter() - start) / calls)
-    return {name: statistics.median(values) for name, values in means.items()}, failed
+    seconds = harness.alternating_rounds({name: (program, args[name]) for name, program in compiled.items()},
+                                         rounds=rounds, warmup=1, calls=calls)
+    return {name: rounds.median for name, rounds in seconds.items()}, failed
 
 
 def relative_error(got, expected) -> float:
@@ -216,17 +207,14 @@ def layout_check(implementation: str) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=5, help="rounds the candidates alternate over (default 5)")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES),
                         help="projection shapes to time (default all)")
-    parser.add_argument("--quick", action="store_true", help="tiny shapes, kernels in interpret mode (CPU)")
-    parser.add_argument("--out", type=Path)
+    harness.add_run_arguments(parser, warmup=None, steps=10, steps_flag="--calls", steps_help="timed calls per round",
+                              quick="tiny shapes, kernels in interpret mode (CPU)")
     args = parser.parse_args(argv)
-    device = jax.devices()[0]
-    result = {"command": "python scripts/bench_grouped_matmul.py " + " ".join(argv or sys.argv[1:]),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "jax": jax.__version__, "device": device.device_kind, "platform": device.platform, "shapes": {}}
+    info = harness.run_info(__file__, argv)
+    result = {**info.as_dict(), "device": info.device_kind, "shapes": {}}
     shapes = {"tiny": (256, 64, 128, 4)} if args.quick else {name: SHAPES[name] for name in args.shapes}
     implementation = "interpret" if args.quick else "pallas"
     variants = {"default": DEFAULT_BLOCKS} if args.quick else VARIANTS
@@ -235,12 +223,9 @@ def main(argv=None) -> int:
         tile = tile_rows(rows, experts)
         result["shapes"][name] = shape_benchmark(name, rows, depth, cols, experts, tile, implementation, variants,
                                                  rounds, calls)
-        if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result, indent=1))
+        harness.write_json(args.out, result)
     result["layout_check"] = layout_check(moe.default_implementation())
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1))
+    harness.write_json(args.out, result)
     return 0
 
 

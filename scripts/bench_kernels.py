@@ -30,21 +30,17 @@ the speedup where the flat layout does redundant work (copied kv heads).
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
+from starscream_jax.benchmarks import harness
 from starscream_jax.hardware.axes import AXES, axes_of
 from starscream_jax.hardware.topology import parse_override
-from starscream_jax.model.config import load_model_config
 from starscream_jax.model.decoder import abstract_model
 from starscream_jax.model.names import ATTN_Q
 from starscream_jax.model.split_k import combine_partials, partial_attention
@@ -201,27 +197,14 @@ def split_k_part(q_BSHE, k_BTKE, v_BTKE):
     return combine_partials(jax.tree.map(lambda field: field[None], part)).out.astype(q_BSHE.dtype)
 
 
-def mean_call_seconds(fn, args, warmup: int, calls: int) -> float:
-    """Mean wall time of `calls` back-to-back calls after `warmup` calls, all dispatched before one final wait."""
-    for _ in range(warmup):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    start = time.perf_counter()
-    for _ in range(calls):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / calls
-
-
 def measure(kernel: Kernel, warmup: int, calls: int, rounds: int, prefill_implementation: str = "xla") -> Measured:
-    """Time the flat and hierarchical kernels alternately for `rounds` rounds; median of each one's round means."""
-    flat = program(kernel.kernel, kernel.flat_shape, jax.random.key(0), prefill_implementation)
-    hier = program(kernel.kernel, kernel.hier_shape, jax.random.key(1), prefill_implementation, split=True)
-    times = {"flat": [], "hier": []}
-    for _ in range(rounds):
-        times["flat"].append(mean_call_seconds(*flat, warmup, calls))
-        times["hier"].append(mean_call_seconds(*hier, warmup, calls))
-    flat_s, hier_s = statistics.median(times["flat"]), statistics.median(times["hier"])
+    """Time the flat and hierarchical kernels alternately for `rounds` rounds; median of each one's round means
+    (`harness.alternating_rounds`)."""
+    seconds = harness.alternating_rounds(
+        {"flat": program(kernel.kernel, kernel.flat_shape, jax.random.key(0), prefill_implementation),
+         "hier": program(kernel.kernel, kernel.hier_shape, jax.random.key(1), prefill_implementation, split=True)},
+        rounds=rounds, warmup=warmup, calls=calls)
+    flat_s, hier_s = seconds["flat"].median, seconds["hier"].median
     flat_rate = flops(kernel.kernel, kernel.flat_shape) / flat_s / 1e12
     hier_rate = flops(kernel.kernel, kernel.hier_shape) / hier_s / 1e12
     return Measured(**asdict(kernel), flat_us=flat_s * 1e6, hier_us=hier_s * 1e6, flat_tflops=flat_rate,
@@ -253,7 +236,7 @@ def pairs(text: str) -> tuple[int, int]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="llama3-70b", help="model configuration in models/ (or a path)")
+    harness.add_model_arguments(parser, model="llama3-70b")
     parser.add_argument("--topology", default="mi300x-cpx-nps1:8",
                         help="mesh the layouts are placed on: PRESET:GPUS or GPUSxPARTITIONS")
     parser.add_argument("--flat", default="flat_tp", help="the flat layout")
@@ -268,12 +251,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "part under starscream_decode)")
     parser.add_argument("--prefill-implementation", choices=("xla", "cudnn"), default="xla",
                         help="jax.nn.dot_product_attention implementation for prefill (the model uses xla)")
-    parser.add_argument("--warmup", type=int, default=5, help="calls before timing")
-    parser.add_argument("--calls", type=int, default=20, help="timed calls per round (N)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating flat / hier rounds")
-    parser.add_argument("--out", type=Path, help="write every figure as JSON here")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: tiny model on 2x4, small shapes, few calls (seconds on a CPU)")
+    harness.add_run_arguments(parser, warmup=5, steps=20, steps_flag="--calls", steps_help="timed calls per round",
+                              quick="tiny model on 2x4, small shapes, few calls (seconds on a CPU)")
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.topology, args.tokens = "tiny", "2x4", [64]
@@ -284,27 +264,26 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    config = load_model_config(args.model)
+    config = harness.model_config(args)
     flat, hier = get_layout(args.flat), get_layout(args.hier)
     mesh = layout_mesh(args.topology)
-    device = jax.devices()[0]
-    print(f"{config.name} under {flat.name} vs {hier.name} on mesh {dict(mesh.shape)}; one {device.device_kind} "
-          f"({device.platform}), jax {jax.__version__}, bf16, mean of {args.calls} calls after {args.warmup} "
+    info = harness.run_info(__file__, argv)
+    print(f"{config.name} under {flat.name} vs {hier.name} on mesh {dict(mesh.shape)}; one {info.device_kind} "
+          f"({info.platform}), jax {info.jax}, bf16, mean of {args.calls} calls after {args.warmup} "
           f"warm-up, median of {args.rounds} rounds", file=sys.stderr)
-    rows = []
+    meta = {"model": config.name, "topology": args.topology, "mesh": dict(mesh.shape), "flat": flat.name,
+            "hier": hier.name, "device": info.device_kind, "dtype": "bfloat16",
+            "prefill_implementation": args.prefill_implementation, "warmup": args.warmup, "calls": args.calls,
+            "rounds": args.rounds, **info.as_dict()}
+    result = {"meta": meta, "kernels": []}
+    rows = result["kernels"]
     found = kernels(config, flat, hier, mesh, args.tokens, args.prefill, args.decode)
     for kernel in found + split_k_kernels(config, mesh, args.split_k):
         rows.append(measure(kernel, args.warmup, args.calls, args.rounds, args.prefill_implementation))
         print(f"  {kernel.kernel} {kernel.case}: speedup {rows[-1].speedup:.2f}", file=sys.stderr)
+        harness.write_json(args.out, result)
     print(table(rows[:len(found)], flat.name, hier.name))
     print(table(rows[len(found):], "gpu_tp (unsplit)", "split-K part"))
-    if args.out:
-        meta = {"model": config.name, "topology": args.topology, "mesh": dict(mesh.shape), "flat": flat.name,
-                "hier": hier.name, "device": device.device_kind, "platform": device.platform,
-                "jax": jax.__version__, "dtype": "bfloat16",
-                "prefill_implementation": args.prefill_implementation, "warmup": args.warmup, "calls": args.calls,
-                "rounds": args.rounds}
-        args.out.write_text(json.dumps({"meta": meta, "kernels": [asdict(r) for r in rows]}, indent=1) + "\n")
     return 0
 
 

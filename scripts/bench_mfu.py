@@ -406,7 +406,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compile-only", action="store_true",
                         help="compile every row and report its compile time, run nothing (the PyTorch peer, which "
                              "compiles on its first step, is left out)")
-    parser.add_argument("--gpus", type=int, help="use the first N devices (default: every device present; --quick: 2)")
+    parser.add_argument("--gpus", type=int, help="use the first N devices (default: every device present; --quick: 1)")
     parser.add_argument("--grouping", type=device_ids, nargs="+", metavar="IDS",
                         help="device ids of each physical GPU, e.g. 0,1 (two GPUs as the partitions of one)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step (global)")
@@ -417,12 +417,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile-dir", type=Path,
                         help="trace 3 more steps of each row here and record their device time by category")
     harness.add_run_arguments(parser, warmup=3, steps=10,
-                              quick="tiny model at 2 layers, 4 x 32 tokens, 2 devices, one layout, 1 + 2 steps, "
+                              quick="tiny model at 2 layers, 4 x 32 tokens, 1 device, one layout, 1 + 2 steps, "
                                     "no PyTorch peer")
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.layers, args.batch_size, args.seq_len, args.warmup, args.steps = "tiny", 2, 4, 32, 1, 2
-        args.gpus = args.gpus or 2
+        args.gpus = args.gpus or 1
         if "--layouts" not in (argv if argv is not None else sys.argv[1:]):
             args.layouts = args.layouts[:1]
     return args

@@ -21,11 +21,8 @@ median of the round means is reported.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
 import re
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from starscream_jax.benchmarks import harness
 from starscream_jax.cli.arguments import count
 from starscream_jax.model import decoder, moe
 from starscream_jax.model.config import load_model_config
@@ -82,9 +80,10 @@ def kernels(compiled) -> dict[str, int]:
 
 def timed(programs: dict, args: dict, rounds: int, calls: int, profile_dir: Path | None = None) -> dict[str, dict]:
     """Compile each program (a jitted function, or an already compiled one), then alternate them over `rounds` of
-    `calls` timed calls; median round mean (s), and the kernels each ran. With `profile_dir`, each program's device
-    time by category over 3 more traced calls (`analysis.profile.time_breakdown`)."""
-    compile_s, means, ran = {}, {name: [] for name in programs}, {}
+    `calls` timed calls (`harness.alternating_rounds`); median round mean (s), and the kernels each ran. With
+    `profile_dir`, each program's device time by category over 3 more traced calls (`harness.traced_breakdown`;
+    the program's compiled text beside the trace, program.hlo.txt)."""
+    compile_s, ran = {}, {}
     for name, program in list(programs.items()):
         start = time.perf_counter()
         if hasattr(program, "lower"):
@@ -92,36 +91,19 @@ def timed(programs: dict, args: dict, rounds: int, calls: int, profile_dir: Path
         jax.block_until_ready(program(*args[name]))
         compile_s[name] = time.perf_counter() - start
         ran[name] = kernels(program)
-    for _ in range(rounds):
-        for name, program in programs.items():
-            jax.block_until_ready(program(*args[name]))
-            start = time.perf_counter()
-            for _ in range(calls):
-                result = program(*args[name])
-            jax.block_until_ready(result)
-            means[name].append((time.perf_counter() - start) / calls)
-    results = {name: {"seconds": statistics.median(means[name]), "rounds": means[name],
+    seconds = harness.alternating_rounds({name: (program, args[name]) for name, program in programs.items()},
+                                         rounds=rounds, warmup=1, calls=calls)
+    results = {name: {"seconds": seconds[name].median, "rounds": list(seconds[name].means),
                       "compile_and_first_call_s": compile_s[name], "kernels": ran[name]} for name in programs}
     if profile_dir is not None:
         for name, program in programs.items():
-            results[name]["time_breakdown"] = traced(program, args[name], profile_dir / name)
+            directory = profile_dir / name
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / "program.hlo.txt").write_text(program.as_text())
+            results[name]["time_breakdown"] = harness.traced_breakdown(
+                lambda state, program=program, name=name: (state, program(*args[name])), None, steps=3,
+                directory=directory, hlo_text=program.as_text())[1]
     return results
-
-
-def traced(program, args: tuple, directory: Path, calls: int = 3) -> dict:
-    """Device time of `calls` calls of a compiled `program` by category (`analysis.profile.time_breakdown`); the
-    program's compiled text is written beside the trace (program.hlo.txt)."""
-    from starscream_jax.analysis.profile import time_breakdown
-
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "program.hlo.txt").write_text(program.as_text())
-
-    jax.profiler.start_trace(str(directory), create_perfetto_trace=True)
-    for _ in range(calls):
-        result = program(*args)
-    jax.block_until_ready(result)
-    jax.profiler.stop_trace()
-    return time_breakdown(directory, calls, program.as_text())
 
 
 def layer_benchmark(tokens: int, quick: bool, rounds: int, calls: int, profile_dir: Path | None = None) -> dict:
@@ -155,11 +137,12 @@ def step_benchmark(layers: int, batch: int, seq: int, quick: bool, rounds: int, 
                           dtype="bfloat16")
     tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, c.vocab_size, jnp.int32)
     programs, args = {}, {}
+    graphdef, params, rest = nnx.split(decoder.Transformer(c, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    optimizer = make_optimizer(TrainConfig(), params)
+    opt_state = jax.jit(optimizer.init)(params)
     for name, block in (("routed", moe.routed_mlp), ("dense", dense_block)):
         decoder.routed_mlp = block  # the decoder's MoE block, for this program's trace
-        graphdef, params, rest = nnx.split(decoder.Transformer(c, rngs=nnx.Rngs(0)), nnx.Param, ...)
-        optimizer = make_optimizer(TrainConfig(), params)
-        args[name] = (params, optimizer.init(params), rest, tokens)
+        args[name] = (params, opt_state, rest, tokens)
         # The whole step (new parameters and optimizer state, and the loss), without donation so that each timed
         # call can take the same arguments; compiled here, while the decoder holds this block.
         step = train_step(graphdef, optimizer, grad_accum, under=None)
@@ -194,28 +177,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--grad-accum", type=count, default=1,
                         help="micro-batches the step's sequences are split into, one optimizer update per step")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds the candidates alternate over (default 3)")
     parser.add_argument("--parts", nargs="+", choices=("layer", "step"), default=["layer", "step"],
                         help="which measurements to run (default both)")
     parser.add_argument("--profile-dir", type=Path,
                         help="trace 3 more calls of each program here and record its device time by category")
-    parser.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke test)")
-    parser.add_argument("--out", type=Path, help="write every figure as JSON here")
+    harness.add_run_arguments(parser, warmup=None, steps=5, steps_flag="--calls", steps_help="timed calls per round",
+                              quick="tiny shapes, the layer only unless --parts says more (a CPU smoke test)")
     args = parser.parse_args(argv)
     if args.batch % args.grad_accum:
         parser.error(f"--grad-accum {args.grad_accum} does not divide --batch {args.batch}: pass a divisor")
     if args.quick:
-        args.tokens, args.layers, args.batch, args.seq, args.rounds, args.calls = 64, 2, 2, 16, 1, 1
+        args.tokens, args.layers, args.batch, args.seq, args.rounds, args.calls = 64, 1, 2, 16, 1, 1
+        if "--parts" not in (sys.argv[1:] if argv is None else argv):
+            args.parts = ["layer"]
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = jax.devices()[0]
-    result = {"command": "python scripts/bench_moe.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "jax": jax.__version__, "device": device.device_kind, "platform": device.platform}
+    info = harness.run_info(__file__, argv)
+    result = {**info.as_dict(), "device": info.device_kind}
     if "layer" in args.parts:
         report_layer(result, args)
     if "step" in args.parts:
@@ -233,7 +215,7 @@ def report_layer(result: dict, args) -> None:
         print(f"  {name:7s} {row['seconds'] * 1e3:9.2f} ms  {row['tflops_of_routed_flops']:8.1f} TFLOP/s")
     print(f"  routed / GEMM TFLOP/s {layer['routed_over_gemm_tflops']:.3f} (target >= 0.5); "
           f"dense / routed time {layer['dense_over_routed_time']:.2f}")
-    write(args.out, result)
+    harness.write_json(args.out, result)
 
 
 def report_step(result: dict, args) -> None:
@@ -250,14 +232,7 @@ def report_step(result: dict, args) -> None:
           f"({step['measured_over_flop_proportional']:.2f}; target >= 0.7)")
     print(f"  loss and gradients alone (no optimizer update): speed-up {step['gradients_speedup']:.2f} "
           f"({step['gradients_over_flop_proportional']:.2f} of the FLOP-proportional)")
-    write(args.out, result)
-
-
-def write(path: Path | None, result: dict) -> None:
-    """The figures so far as JSON at `path` (after each part, so that a part that fails leaves the others)."""
-    if path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1))
+    harness.write_json(args.out, result)
 
 
 if __name__ == "__main__":

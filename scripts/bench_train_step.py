@@ -2,8 +2,8 @@
 
 For each layout the AdamW training step of `starscream train` (starscream_jax.training.steps.train_step) is compiled on the
 mesh and read by the inspector (each collective's kind, replica groups as partition ids, scope, bytes per device and
-runs per step), then run on tinyshakespeare batches: warm-up steps, then timed steps, tokens/s = tokens per step x
-timed steps / wall time (the last loss fetched before the clock stops).
+runs per step), then run on tinyshakespeare batches: warm-up steps, then timed steps (`harness.timed_steps`),
+tokens/s = tokens per step x timed steps / wall time (the last loss ready before the clock stops).
 
 The mesh: `--grouping` lists the device ids of each physical GPU, so devices that are whole GPUs (NVIDIA) can stand in
 for the partitions of one. Without it the mesh is what the machine shows (`build_mesh()`).
@@ -15,11 +15,10 @@ for the partitions of one. Without it the mesh is what the machine shows (`build
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
+from starscream_jax.benchmarks import harness
 from starscream_jax.cli.arguments import device_ids
 from starscream_jax.hardware.mesh import build_mesh
 
@@ -58,18 +57,17 @@ def run_layout(layout: str, mesh, model_config, train_config, warmup: int, steps
     step_fn, (params, opt_state, rest, tokens), batch = compiled_step(layout, mesh, model_config, train_config)
     compile_s = time.perf_counter() - start
     report = inspect_compiled(step_fn, mesh, args=(params, opt_state, rest, tokens))
-    losses = []
-    for step in range(warmup + steps):
-        if step == warmup:
-            jax.block_until_ready(params)
-            start = time.perf_counter()
-        params, opt_state, loss = step_fn(params, opt_state, rest, batch(step))
-        losses.append(loss)
-    losses = [float(value) for value in jax.device_get(losses)]
-    elapsed = time.perf_counter() - start
+    step_index = iter(range(warmup + steps))
+
+    def advance(state):
+        params, opt_state, loss = step_fn(*state, rest, batch(next(step_index)))
+        return (params, opt_state), loss
+
+    timed = harness.timed_steps(advance, (params, opt_state), warmup=warmup, steps=steps)
     tokens_per_step = train_config.batch_size * train_config.seq_len
-    return {"layout": layout, "compile_s": compile_s, "step_ms": 1e3 * elapsed / steps,
-            "tokens_per_s": tokens_per_step * steps / elapsed, "losses": losses,
+    return {"layout": layout, "compile_s": compile_s, "step_ms": 1e3 * timed.seconds_per_step,
+            "tokens_per_s": tokens_per_step / timed.seconds_per_step,
+            "losses": [float(value) for value in jax.device_get(timed.outputs)],
             "bytes_by_scope": report.bytes_by_scope(), "collectives": collectives(report),
             "memory": None if report.memory is None else vars(report.memory)}
 
@@ -93,45 +91,43 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="device ids of each physical GPU, e.g. 0,1 2,3 (default: the machine's grouping)")
     parser.add_argument("--simulate", action="store_true", help="simulated CPU devices (with --grouping)")
     parser.add_argument("--layouts", nargs="+", default=["flat_tp", "starscream_tp"], help="layouts to compare")
-    parser.add_argument("--model", default="tiny", help="model configuration in models/ (or a path)")
+    harness.add_model_arguments(parser, model="tiny")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per step (global)")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    parser.add_argument("--warmup", type=int, default=3, help="steps before timing")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps")
-    parser.add_argument("--out", type=Path, help="write the results as JSON here")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 2 timed steps of 4 x 32 tokens")
+    harness.add_run_arguments(parser, warmup=3, steps=20,
+                              quick="2 timed steps of 4 x 32 tokens, the tiny model at 2 layers on 2 GPUs x 2 "
+                                    "partitions (devices 0-3), the last layout only")
     args = parser.parse_args(argv)
     if args.quick:
-        args.batch_size, args.seq_len, args.warmup, args.steps = 4, 32, 1, 2
+        args.layers, args.batch_size, args.seq_len, args.warmup, args.steps = 2, 4, 32, 1, 2
+        args.grouping = args.grouping or [[0, 1], [2, 3]]
+        if "--layouts" not in (sys.argv[1:] if argv is None else argv):
+            args.layouts = args.layouts[-1:]
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     mesh = build_mesh(grouping=args.grouping, simulate=args.simulate)
-    import jax
-
     from starscream_jax.hardware.mesh import device_table
-    from starscream_jax.model.config import load_model_config
     from starscream_jax.training.config import TrainConfig
 
-    model_config = load_model_config(args.model, dtype=args.dtype)
+    model_config = harness.model_config(args, dtype=args.dtype)
     train_config = TrainConfig(model=args.model, dtype=args.dtype, batch_size=args.batch_size, seq_len=args.seq_len,
                                steps=args.warmup + args.steps)
-    device = jax.devices()[0]
+    info = harness.run_info(__file__, argv)
     print(f"{model_config.name} ({args.dtype}) on mesh {dict(mesh.shape)}, devices {device_table(mesh)}; "
-          f"{device.device_kind}, jax {jax.__version__}; {args.batch_size} x {args.seq_len} tokens per step",
+          f"{info.device_kind}, jax {info.jax}; {args.batch_size} x {args.seq_len} tokens per step",
           file=sys.stderr)
-    results = []
+    meta = {"model": model_config.name, "dtype": args.dtype, "mesh": dict(mesh.shape),
+            "devices": device_table(mesh), "device": info.device_kind, "batch_size": args.batch_size,
+            "seq_len": args.seq_len, "warmup": args.warmup, "steps": args.steps, **info.as_dict()}
+    result = {"meta": meta, "layouts": []}
     for layout in args.layouts:
-        results.append(run_layout(layout, mesh, model_config, train_config, args.warmup, args.steps))
-        print(summary(results[-1]))
-    if args.out:
-        meta = {"model": model_config.name, "dtype": args.dtype, "mesh": dict(mesh.shape),
-                "devices": device_table(mesh), "device": device.device_kind, "jax": jax.__version__,
-                "batch_size": args.batch_size, "seq_len": args.seq_len, "warmup": args.warmup, "steps": args.steps}
-        args.out.write_text(json.dumps({"meta": meta, "layouts": results}, indent=1) + "\n")
+        result["layouts"].append(run_layout(layout, mesh, model_config, train_config, args.warmup, args.steps))
+        print(summary(result["layouts"][-1]))
+        harness.write_json(args.out, result)
     return 0
 
 

@@ -115,15 +115,26 @@ def seconds_per_call(function: Callable[..., Any], args: Sequence[Any], *, warmu
                        sync=sync).seconds_per_step
 
 
+@dataclasses.dataclass(frozen=True)
+class Rounds:
+    """One program's mean seconds per call in each round of `alternating_rounds`, and their median."""
+
+    means: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.means)
+
+
 def alternating_rounds(programs: dict[str, tuple[Callable[..., Any], Sequence[Any]]], *, rounds: int, warmup: int,
-                       calls: int) -> dict[str, float]:
-    """Median over `rounds` of each program's `seconds_per_call`, the programs taking turns within each round, so
+                       calls: int) -> dict[str, Rounds]:
+    """Each program's `seconds_per_call` in each of `rounds` rounds, the programs taking turns within a round, so
     that a slow spell of the machine (clocks, a neighbour) falls on every candidate alike."""
     means: dict[str, list[float]] = {name: [] for name in programs}
     for _ in range(rounds):
         for name, (function, args) in programs.items():
             means[name].append(seconds_per_call(function, args, warmup=warmup, calls=calls))
-    return {name: statistics.median(values) for name, values in means.items()}
+    return {name: Rounds(tuple(values)) for name, values in means.items()}
 
 
 def traced_breakdown(step: Callable[[State], tuple[State, Output]], state: State, *, steps: int, directory: Path,
@@ -162,12 +173,14 @@ def torch_peers(device: str = "cuda") -> tuple[ModuleType | None, str]:
     return module, ""
 
 
-def add_run_arguments(parser: argparse.ArgumentParser, *, warmup: int, steps: int, quick: str,
+def add_run_arguments(parser: argparse.ArgumentParser, *, warmup: int | None, steps: int, quick: str,
                       steps_flag: str = "--steps", steps_help: str = "timed steps") -> None:
-    """The arguments every benchmark takes: --warmup (untimed runs after compiling), the number of timed runs
-    (`steps_flag`), --out (the JSON file) and --quick (a CPU smoke run, described by `quick`)."""
-    parser.add_argument("--warmup", type=int, default=warmup, help=f"runs after compiling, before the clock starts "
-                                                                   f"(default {warmup})")
+    """The arguments every benchmark takes: --warmup (untimed runs after compiling; left out where `warmup` is
+    None, for a benchmark whose first call is its warm-up), the number of timed runs (`steps_flag`), --out (the
+    JSON file) and --quick (a CPU smoke run, described by `quick`)."""
+    if warmup is not None:
+        parser.add_argument("--warmup", type=int, default=warmup,
+                            help=f"runs after compiling, before the clock starts (default {warmup})")
     parser.add_argument(steps_flag, type=int, default=steps, help=f"{steps_help} (default {steps})")
     parser.add_argument("--out", type=Path, help="write the results as JSON here (rewritten after every row)")
     parser.add_argument("--quick", action="store_true", help=f"smoke run: {quick}")
