@@ -198,6 +198,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # Before JAX starts: torch, if its peer runs, must find GPU memory that JAX has not reserved.
+    peers, skipped = harness.torch_peers(args.torch_device) if args.torch and not args.quick else (
+        None, "PyTorch peer skipped: " + ("--quick" if args.quick else "--no-torch"))
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -254,8 +257,8 @@ def main(argv=None) -> int:
     if speedups:
         print("tokens/s over bf16: " + ", ".join(speedups), flush=True)
     bf16_rows = [row for row in rows if row["variant"] == "bf16"]
-    peers, skipped = harness.torch_peers(args.torch_device) if args.torch and not args.quick and bf16_rows else (
-        None, "PyTorch peer skipped: " + ("--quick" if args.quick else "--no-torch or no bf16 variant"))
+    if peers is not None and not bf16_rows:
+        peers, skipped = None, "PyTorch peer skipped: no bf16 variant to compare it with"
     if peers is None:
         print(skipped, flush=True)
         return 0

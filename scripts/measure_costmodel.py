@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import sys
 import time
 from pathlib import Path
+
+from starscream_jax.benchmarks import harness
 
 MATMUL_M = (64, 256, 1024, 4096, 16384)
 MATMUL_KN = (1024, 2048, 4096, 8192, 16384)
@@ -60,18 +61,6 @@ STEP_CASES = {  # (name, model, phase, layout, data, gpus, batch, seq, remat, gr
 }
 
 
-def timed(function, *args, repeats: int) -> float:
-    """Seconds per call of a compiled `function(*args)` after one warm-up call (calls queue back to back)."""
-    import jax
-
-    jax.block_until_ready(function(*args))
-    start = time.perf_counter()
-    for _ in range(repeats):
-        out = function(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / repeats
-
-
 def measure_matmuls(peak_flops: float, quick: bool):
     import jax
     import jax.numpy as jnp
@@ -84,7 +73,8 @@ def measure_matmuls(peak_flops: float, quick: bool):
                 a = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
                 b = jax.random.normal(jax.random.key(1), (k, n), jnp.bfloat16)
                 flops = 2 * m * k * n
-                seconds = timed(matmul, a, b, repeats=max(3, min(200, int(2e12 / flops))))
+                calls = max(3, min(200, int(2e12 / flops)))
+                seconds = harness.seconds_per_call(matmul, (a, b), warmup=1, calls=calls)
                 yield {"m": m, "k": k, "n": n, "seconds": seconds, "tflops": flops / seconds / 1e12,
                        "efficiency": flops / seconds / peak_flops}
 
@@ -96,7 +86,7 @@ def measure_collectives(quick: bool):
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    devices = jax.devices()
+    devices = jax.devices()[:2] if quick else jax.devices()
     count = len(devices)
     mesh = Mesh(np.asarray(devices), ("d",))
     kinds = {
@@ -108,7 +98,7 @@ def measure_collectives(quick: bool):
         elements = size // 2
         if count == 1:
             x = jnp.ones((elements,), jnp.bfloat16)
-            seconds = timed(jax.jit(lambda x: x * 1), x, repeats=20)
+            seconds = harness.seconds_per_call(jax.jit(lambda x: x * 1), (x,), warmup=1, calls=20)
             yield {"kind": "copy", "devices": 1, "bytes": size, "seconds": seconds, "bus_bandwidth": 2 * size / seconds}
             continue
         for kind, (collective, factor) in kinds.items():
@@ -116,7 +106,7 @@ def measure_collectives(quick: bool):
             x = jax.device_put(jnp.ones((per_device * count,), jnp.bfloat16), NamedSharding(mesh, PartitionSpec("d")))
             function = jax.jit(jax.shard_map(collective, mesh=mesh, in_specs=PartitionSpec("d"),
                                              out_specs=PartitionSpec("d"), check_vma=False))
-            seconds = timed(function, x, repeats=20)
+            seconds = harness.seconds_per_call(function, (x,), warmup=1, calls=20)
             buffer = size  # the all-reduced buffer, the gathered result, the scattered input
             yield {"kind": kind, "devices": count, "bytes": buffer, "seconds": seconds,
                    "bus_bandwidth": buffer * factor / seconds}
@@ -189,14 +179,8 @@ def measure_steps(quick: bool, cases: str):
             _, params, rest = nnx.split(create_sharded_model(settings.config, layout, mesh, 0), nnx.Param, ...)
             concrete = _concrete(args, params, rest)
         steps = 3 if quick else (10 if phase == "train" else 50)
-        state = concrete
-        for index in range(2 + steps):
-            if index == 2:
-                jax.block_until_ready(state)
-                start = time.perf_counter()
-            state = _advance(compiled, phase, state)
-        jax.block_until_ready(state)
-        seconds = (time.perf_counter() - start) / steps
+        seconds = harness.timed_steps(lambda state: (_advance(compiled, phase, state), None), concrete, warmup=2,
+                                      steps=steps).seconds_per_step
         tokens = batch * (seq if phase == "train" else 1)
         yield {"name": name, "model": model, "phase": phase, "layout": layout, "mesh": dict(mesh.shape),
                "batch": batch, "seq": seq, "remat": remat, "grad_accum": grad_accum, "scan_unroll": unroll,
@@ -233,21 +217,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 peak for the efficiency column")
     parser.add_argument("--cases", choices=("set", "heldout"), default="set",
                         help="the memory and step cases: those the cost model was set from, or held-out ones")
-    parser.add_argument("--quick", action="store_true", help="tiny shapes on CPU: a smoke run of the script")
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny shapes on CPU devices")
     args = parser.parse_args(argv)
     if args.quick:
         from starscream_jax.hardware.simulation import simulate_cpu_devices
         simulate_cpu_devices(2)
     import jax
 
-    result = {"command": "python " + " ".join(sys.argv), "date": datetime.datetime.now(datetime.UTC).isoformat(),
-              "jax": jax.__version__, "devices": [str(device.device_kind) for device in jax.devices()],
+    info = harness.run_info(__file__, argv)
+    result = {**info.as_dict(), "devices": [str(device.device_kind) for device in jax.devices()],
               "peak_flops": args.peak_tflops * 1e12}
     measures = {"matmul": lambda: measure_matmuls(args.peak_tflops * 1e12, args.quick),
                 "collectives": lambda: measure_collectives(args.quick),
                 "steps": lambda: measure_steps(args.quick, args.cases),
                 "memory": lambda: measure_memory(args.quick, args.cases)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     for part in args.parts.split(","):
         start = time.perf_counter()
         result[part] = []
@@ -255,12 +238,12 @@ def main(argv: list[str] | None = None) -> int:
             for row in measures[part]():  # written row by row: a run cut short keeps what it measured
                 result[part].append(row)
                 print(json.dumps(row), flush=True)
-                args.out.write_text(json.dumps(result, indent=1))
+                harness.write_json(args.out, result)
         except Exception as err:  # one failed part must not lose the others' figures
             result[part + "_error"] = f"{type(err).__name__}: {err}"
             print(f"{part} failed: {result[part + '_error']}", flush=True)
         print(f"{part}: {time.perf_counter() - start:.1f} s", flush=True)
-        args.out.write_text(json.dumps(result, indent=1))
+        harness.write_json(args.out, result)
     return 0
 
 

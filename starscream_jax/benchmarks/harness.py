@@ -160,13 +160,16 @@ TORCH_PEERS = REPO_ROOT / "scripts" / "torch_peers.py"
 def torch_peers(device: str = "cuda") -> tuple[ModuleType | None, str]:
     """(scripts/torch_peers.py as a module, "") where torch is installed and can use `device`; else (None, the line
     a benchmark prints to say why its PyTorch peer is skipped). torch is imported only here, when a benchmark asks
-    for its peer, so that nothing else needs it."""
+    for its peer, so that nothing else needs it. Call it before JAX starts its backend: on a GPU it turns off JAX's
+    preallocation of most of the GPU's memory, which would leave torch too little."""
     try:
         import torch
     except ImportError:
         return None, "PyTorch peer skipped: torch is not installed"
     if device == "cuda" and not torch.cuda.is_available():
         return None, "PyTorch peer skipped: torch sees no CUDA GPU"
+    if device == "cuda":  # JAX allocates as it goes, not 75% of the GPU up front, so that torch finds memory
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     spec = importlib.util.spec_from_file_location("torch_peers", TORCH_PEERS)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
