@@ -17,7 +17,7 @@ def load():
 def test_split_k_rows_compare_the_whole_cache_with_one_partitions_part():
     bench = load()
     args = bench.parse_args(["--quick"])
-    config = bench.load_model_config(args.model)
+    config = bench.harness.model_config(args)
     (row,) = bench.split_k_kernels(config, bench.layout_mesh(args.topology), args.split_k)
     # tiny (8 heads, 4 kv heads) on 2 GPUs x 4 partitions, batch 1, cache 64: heads over the GPUs either way
     assert row.flat_shape == [[1, 1, 4, 16], [1, 64, 2, 16]]
