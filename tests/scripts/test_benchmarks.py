@@ -27,7 +27,7 @@ def metadata(result: dict) -> dict:
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)
-def test_quick_run_stores_its_figures_and_the_command_it_was_given(name, tmp_path, capsys):
+def test_quick_run_stores_its_figures_and_the_command_it_was_given(name, tmp_path):
     out = tmp_path / f"{name}.json"
     argv = ["--quick", "--out", str(out)]
     assert load(name).main(argv) == 0
@@ -36,4 +36,4 @@ def test_quick_run_stores_its_figures_and_the_command_it_was_given(name, tmp_pat
     assert meta["command"] == shlex.join(["python", f"scripts/{name}.py", *argv])
     assert meta["platform"] == "cpu" and meta["jax"] and meta["date"].startswith("20")
     assert len(result) > 1  # figures beside the metadata
-    assert "PyTorch peer skipped" in capsys.readouterr().out or name not in ("bench_mfu", "bench_decode")
+    assert "peer_rows" not in result and "PyTorch" not in json.dumps(result.get("rows", []))  # --quick skips them
