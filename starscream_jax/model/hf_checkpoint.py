@@ -217,11 +217,15 @@ class CheckpointReader:
         if stored_shape != tuple(shape):
             raise CheckpointError(f"{where} has shape {stored_shape}, but config.json implies "
                                   f"{tuple(shape)}; the weights do not match config.json")
-        allowed = FP8_DTYPES if eight_bit else DTYPES
-        if dtype not in allowed:
-            raise CheckpointError(f"{where} is stored as {dtype}, but config.json's quantization_config says "
-                                  f"{'fp8' if eight_bit else 'float'} ({', '.join(allowed)}); the weights do not "
-                                  "match config.json")
+        if eight_bit and dtype not in FP8_DTYPES:
+            raise CheckpointError(f"{where} is stored as {dtype}, but config.json's quantization_config says fp8 "
+                                  f"({', '.join(FP8_DTYPES)}); the weights do not match config.json")
+        if not eight_bit and dtype in FP8_DTYPES:
+            raise CheckpointError(f"{where} is stored as {dtype}, but config.json has no quantization_config; the "
+                                  "weights do not match config.json")
+        if not eight_bit and dtype not in DTYPES:
+            raise CheckpointError(f"{where} is stored as {dtype}, which cannot be converted to a floating parameter; "
+                                  f"expected one of {', '.join(DTYPES)}")
 
     def read(self, source: Source, index: tuple[slice, ...], shape: tuple[int, ...], dtype) -> np.ndarray:
         """Our parameter's block `index` (slices of `shape`) in `dtype`, read layer by layer from the checkpoint and
