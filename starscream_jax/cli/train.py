@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", default=defaults.model, help="model configuration: a name in models/ or a path")
     group.add_argument("--layout", default=defaults.layout, help=f"layout by name ({', '.join(LAYOUTS)})")
     group.add_argument("--dtype", default=defaults.dtype, choices=("float32", "bfloat16"),
-                       help="compute dtype; parameters and optimizer state stay float32")
+                       help="compute dtype (default: --init's torch_dtype, else the model's, float32 unless it says; "
+                            "a resumed run keeps its own); parameters and optimizer state stay float32")
     group.add_argument("--remat-policy", dest="remat", default=defaults.remat, choices=REMAT_POLICIES,
                        help="what the backward pass keeps of each layer: everything (none), the matmul outputs "
                             "(dots) or only the layer's input (full), recomputing the rest")

@@ -18,7 +18,9 @@ class TrainConfig:
 
     model: str = "tiny"
     layout: str = PHASE_DEFAULTS["train"]
-    dtype: str = "float32"
+    dtype: str = ""
+    """Compute dtype; "" takes the model's own: --init's torch_dtype / dtype (bfloat16 stays bfloat16), else the
+    model file's (float32 unless it says). Parameters and optimizer state stay float32 either way."""
     remat: str = "none"
     grad_accum: int = 1
     steps: int = 300
@@ -87,7 +89,7 @@ class TrainConfig:
             found = "is not a directory" if not Path(self.init).is_dir() else "holds no config.json"
             raise CheckpointError(f"--init {self.init} {found}; pass a Hugging Face model directory (config.json, "
                                   "safetensors weights, tokenizer)")
-        config = load_model_config(self.init or self.model, dtype=self.dtype)
+        config = load_model_config(self.init or self.model, **({"dtype": self.dtype} if self.dtype else {}))
         if self.remat != "none":
             config = config.replace(remat=self.remat)
         if self.seq_len > config.max_seq_len:

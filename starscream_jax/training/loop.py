@@ -320,7 +320,7 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, allow_changes=(), 
         created_directory(plan.run_dir, "--run-dir")
     with RunLock(plan.run_dir, say, enabled=main_process), use_layout(plan.layout, mesh), \
             CheckpointStore(plan.run_dir / "checkpoints", save_every=config.checkpoint_every) as store:
-        check_checkpoints(store, plan, resume, allow_changes)
+        plan = check_checkpoints(store, plan, resume, allow_changes)
         say(f"unigram entropy of the training tokens: {format_loss(plan.unigram_nats)}")
         program = compile_train_step(config, plan.model_config, plan.layout, mesh, plan.token_sharding,
                                      device_memory_bytes)
@@ -367,10 +367,12 @@ def plan_run(config: TrainConfig, mesh, allow_changes, stop_at_step: int | None,
                    config.steps if stop_at_step is None else min(stop_at_step, config.steps))
 
 
-def check_checkpoints(store: CheckpointStore, plan: RunPlan, resume: bool, allow_changes) -> None:
+def check_checkpoints(store: CheckpointStore, plan: RunPlan, resume: bool, allow_changes) -> RunPlan:
     """Refuses, before anything is compiled: a fresh run over a run's checkpoints, a run directory whose every
     checkpoint was set aside as damaged (resuming would silently start afresh over its metrics), and a resume
-    that contradicts the newest checkpoint's description (when it reads; damage is dealt with when restoring)."""
+    that contradicts the newest checkpoint's description (when it reads; damage is dealt with when restoring).
+    Returns `plan`, whose compute dtype, when no --dtype was given, is the resumed run's recorded one (so a run
+    started before the default followed --init's checkpoint keeps computing as it did)."""
     latest = store.latest_step()
     if latest and not resume:
         raise StarscreamError(f"{plan.run_dir} already holds checkpoints up to step {latest}; pass --resume to "
@@ -381,14 +383,23 @@ def check_checkpoints(store: CheckpointStore, plan: RunPlan, resume: bool, allow
                               "to resume, and starting afresh would replace the run's metrics; choose another "
                               "--run-dir (or delete that checkpoints directory to start this run afresh)")
     if not (resume and latest):
-        return
+        return plan
     try:
         with store.reporting_damage(latest):
             saved = store.restore_meta(latest)
     except CheckpointError:
-        return
+        return plan
+    plan = dataclasses.replace(plan, model_config=resumed_model(plan.config, plan.model_config, saved))
     check_resumable(saved, plan.model_config)
     resume_changes(saved, plan.config, latest, allow_changes, plan.data_files, plan.tokenizer)
+    return plan
+
+
+def resumed_model(config: TrainConfig, model_config: ModelConfig, saved: dict) -> ModelConfig:
+    """`model_config` computing in the saved run's dtype (its description's model_config) when `config` names no
+    dtype; an explicit --dtype is kept (`check_resumable` refuses it when it differs from the run's)."""
+    recorded = saved.get("model_config", {}).get("dtype")
+    return model_config if config.dtype or not recorded else model_config.replace(dtype=recorded)
 
 
 def starting_state(store: CheckpointStore, plan: RunPlan, program: TrainProgram, resume: bool, allow_changes,
