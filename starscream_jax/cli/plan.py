@@ -8,6 +8,7 @@ import dataclasses
 import json
 import shlex
 import sys
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -139,9 +140,16 @@ def generate_command(plans: dict, args: argparse.Namespace, topology) -> str | N
     if not same_mesh:
         return None
     prefill = min(same_mesh, key=lambda entry: entry["estimate"]["serial_s"])
-    return (f"starscream generate {_mesh_flags(args, topology, decode['mesh']['data'])} --checkpoint "
-            f"RUN_DIR/checkpoints --prefill-layout {prefill['layout']} --decode-layout {decode['layout']}"
-            + precision_flags(args))
+    return (f"starscream generate {_mesh_flags(args, topology, decode['mesh']['data'])} {_weights_flag(args.model)} "
+            f"--prefill-layout {prefill['layout']} --decode-layout {decode['layout']}" + precision_flags(args))
+
+
+def _weights_flag(model: str) -> str:
+    """Where `generate` reads the weights: a Hugging Face directory's own, else the checkpoints the printed train
+    command writes (its default --run-dir, runs/train)."""
+    if (Path(model) / "config.json").is_file():
+        return f"--model-dir {shlex.quote(model)}"
+    return "--checkpoint runs/train/checkpoints"
 
 
 def precision_flags(args: argparse.Namespace) -> str:

@@ -17,6 +17,7 @@ from starscream_jax.analysis.layout_report import ResultCache
 from starscream_jax.analysis.plan import Candidate, accumulated, plan_phase
 from starscream_jax.analysis.plots import plan_plot_data
 from starscream_jax.cli import plan as plan_command
+from starscream_jax.cli.arguments import CACHE_ENV
 from starscream_jax.errors import StarscreamError
 from starscream_jax.hardware.topology import Topology
 
@@ -229,3 +230,26 @@ def test_generate_takes_the_fastest_prefill_on_the_decode_plans_mesh():
     command = plan_command.generate_command(plans, args, Topology.from_preset("mi300x-cpx-nps1", gpus=8))
     assert command.endswith("--prefill-layout starscream_tp --decode-layout starscream_decode")
     assert "--data-parallel" not in command
+
+
+SHORTENING = {"train": ("--steps", "1"), "generate": ("--max-new-tokens", "2")}
+"""Flags the test appends to shorten a printed command (the run's length, nothing about its placement)."""
+
+
+def test_every_printed_command_runs_as_printed(cache_dir, tmp_path, monkeypatch):
+    """plan over every phase on the tiny model, then each command it printed, in order, through the CLI, in a
+    fresh directory (train writes runs/train, which generate reads); train runs 1 step and generate 2 tokens. The
+    inspect commands read plan's compiled results from the shared cache, as they would on the user's machine."""
+    from starscream_jax.cli import main as cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(CACHE_ENV, str(cache_dir))
+    printed = plan("--layout", "starscream_tp,starscream_decode")
+    commands = [line.strip() for line in printed.splitlines() if line.startswith("  starscream ")]
+    assert [shlex.split(command)[1] for command in commands] == ["train", "inspect", "inspect", "inspect",
+                                                                 "generate"]
+    for command in commands:
+        words = shlex.split(command)[1:]
+        with redirect_stdout(io.StringIO()):
+            assert cli.main(words + list(SHORTENING.get(words[0], ()))) == 0, command
+    assert (tmp_path / "runs" / "train" / "checkpoints").is_dir()
