@@ -5,6 +5,10 @@ policy:
   mesh       every factorisation of the GPUs into `data` x `gpu` (the layout's tensor / expert parallelism over
              `gpu`, data parallelism over `data`; the partitions of each GPU stay the `xcd` axis);
   layout     each layout asked for (default: all);
+  heads      where a model's query heads do not split over `gpu` (Qwen2-7B: 28 heads, 4 kv heads, on 8 GPUs), the
+             same candidates again with each kv head's group padded with zero heads (`model.heads.padded_heads`),
+             priced beside the meshes of fewer GPUs per tensor-parallel group: the compiled step runs the zero
+             heads' projections and attention, and `padding_cost` states their extra FLOPs and weight bytes;
   training   micro-batches n dividing the batch (the step runs n micro-batches of batch / n sequences, gradients
              accumulated) and remat policies none, dots, full (`model.config.REMAT_POLICIES`).
 Every candidate is judged, in order, and none raises:
@@ -34,7 +38,8 @@ from typing import Any, Callable
 
 from ..errors import ShardingRuleError
 from ..hardware.mesh import build_topology_mesh
-from ..model.config import REMAT_POLICIES
+from ..model.config import REMAT_POLICIES, ModelConfig
+from ..model.heads import padded_heads
 from ..sharding.apply import batch_sharding
 from .compile import Settings
 from .costmodel import StepEstimate
@@ -53,25 +58,28 @@ the planner skips that (half the compiles) and `starscream inspect` of the chose
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One configuration: `layout` on a mesh of `data` x `gpu` GPUs (x the partitions of each), in training with
-    `micro_batches` accumulated micro-batches and remat policy `remat`."""
+    `micro_batches` accumulated micro-batches and remat policy `remat`; `heads`: the query heads padded to this
+    many (0: the model's own)."""
 
     layout: str
     data: int
     gpu: int
     micro_batches: int = 1
     remat: str = "none"
+    heads: int = 0
 
     @property
     def name(self) -> str:
         text = f"{self.layout} data {self.data} x gpu {self.gpu}"
         if self.micro_batches > 1:
             text += f", {self.micro_batches} micro-batches"
-        return text + (f", remat {self.remat}" if self.remat != "none" else "")
+        text += f", remat {self.remat}" if self.remat != "none" else ""
+        return text + (f", heads padded to {self.heads}" if self.heads else "")
 
     def dominates(self, other: Candidate) -> bool:
         """Same mesh and layout, no more micro-batches and no more recomputation, and not the same candidate."""
         order = REMAT_POLICIES.index
-        return (self != other and (self.layout, self.data) == (other.layout, other.data)
+        return (self != other and (self.layout, self.data, self.heads) == (other.layout, other.data, other.heads)
                 and self.micro_batches <= other.micro_batches and order(self.remat) <= order(other.remat))
 
 
@@ -85,15 +93,21 @@ def plan_phase(settings: Settings, topology, *, cache: ResultCache | None = None
     `settings` (its batch, sequence and compiled depth). `progress(compiled or pruned, to judge, seconds)` is called
     as the search goes. Returns {"phase", "model", "batch", "seq", "gpus", "hbm_per_device", "candidates": [entry],
     "choice", "runner_up" (names or None), "advice": [lines], "compiled", "elapsed_s"}; an entry holds "name",
-    "layout", "mesh", "micro_batches", "remat", "status" (chosen, runner-up, slower, does not fit, cannot place,
+    "layout", "mesh", "micro_batches", "remat", "heads" (0, or the query heads padded to), "padding_cost" (None, or
+    `padding_cost`'s figures), "status" (chosen, runner-up, slower, does not fit, cannot place,
     dominated, pruned), "reason", "memory" (the GPU estimate by component, bytes per device), "fits",
     "lower_bound_s", and when compiled "estimate" (serial_s etc., all micro-batches), "principles" and
     "copied_bytes" (what its copies over xcd hold per device, principle 2's figures)."""
     start = time.perf_counter()
     gpus = topology.gpus_per_node * topology.nodes
     meshes = {data: build_topology_mesh(topology, data=data, simulate=True)[1] for data in divisors(gpus)}
-    entries = [entry for data, mesh in meshes.items() for layout in settings.layouts
-               for entry in _sized(settings, topology, mesh, Candidate(layout, data, gpus // data))]
+    entries = [entry for data, mesh in meshes.items() for heads in _head_counts(settings.config, gpus // data)
+               for layout in settings.layouts
+               for entry in _sized(with_heads(settings, heads), topology, mesh,
+                                   Candidate(layout, data, gpus // data, heads=heads))]
+    for entry in entries:
+        if entry["heads"]:
+            entry["padding_cost"] = padding_cost(settings, entry["heads"])
     fitting = [entry for entry in entries if entry["fits"]]
     for entry in fitting:
         better = next((other for other in fitting if other["candidate"].dominates(entry["candidate"])), None)
@@ -111,6 +125,31 @@ def plan_phase(settings: Settings, topology, *, cache: ResultCache | None = None
             "runner_up": compiled[1]["name"] if len(compiled) > 1 else None,
             "advice": [] if choice else advice(settings, topology, meshes, entries),
             "compiled": len(compiled), "elapsed_s": time.perf_counter() - start}
+
+
+def _head_counts(config: ModelConfig, gpu: int) -> tuple[int, ...]:
+    """0 (the model's own heads), and the padded count where the query heads do not split over `gpu` GPUs."""
+    padded = padded_heads(config, gpu)
+    return (0,) if padded == config.n_heads else (0, padded)
+
+
+def with_heads(settings: Settings, heads: int) -> Settings:
+    """`settings` with the query heads padded to `heads` (0: as they are)."""
+    return dataclasses.replace(settings, config=settings.config.replace(n_heads=heads)) if heads else settings
+
+
+def padding_cost(settings: Settings, heads: int) -> dict[str, float]:
+    """What the zero heads add to a whole step (every device together): "extra_flops", their q and o projections
+    and attention scores and mixing over `seq` positions (train: forward and backward, 3x), and "extra_param_bytes",
+    their rows of wq, bq and wo at float32 in every layer. Attention counts every one of `seq` positions, as the
+    compiled step's masked score matrix does. The compiled estimate already includes both."""
+    config = settings.config
+    extra = (heads - config.n_heads) * config.head_dim
+    weights = 2 * extra * config.d_model + (extra if config.qkv_bias else 0)
+    tokens = settings.batch * (1 if settings.phase == "decode" else settings.seq)
+    per_token = 2 * 2 * extra * config.d_model + 2 * 2 * extra * settings.seq
+    flops = per_token * tokens * settings.full_layers * (3 if settings.phase == "train" else 1)
+    return {"extra_flops": float(flops), "extra_param_bytes": float(4 * weights * settings.full_layers)}
 
 
 def _sized(settings: Settings, topology, mesh, base: Candidate) -> list[dict]:
@@ -148,7 +187,8 @@ def _sized(settings: Settings, topology, mesh, base: Candidate) -> list[dict]:
 def _entry(candidate: Candidate, status: str | None, reason: str, **fields) -> dict:
     return {"candidate": candidate, "name": candidate.name, "layout": candidate.layout,
             "mesh": {"data": candidate.data, "gpu": candidate.gpu}, "micro_batches": candidate.micro_batches,
-            "remat": candidate.remat, "status": status, "reason": reason, "memory": None, "fits": False,
+            "remat": candidate.remat, "heads": candidate.heads, "padding_cost": None, "status": status,
+            "reason": reason, "memory": None, "fits": False,
             "lower_bound_s": None, "estimate": None, "principles": None, "copied_bytes": None, **fields}
 
 
@@ -195,13 +235,15 @@ def _bound(entry: dict, compiled: list[dict]) -> float:
     recomputation when there is one."""
     candidate = entry["candidate"]
     siblings = [other["estimate"]["compute_s"] * REMAT_COST[candidate.remat] / REMAT_COST[other["remat"]]
-                for other in compiled if (other["layout"], other["mesh"]) == (entry["layout"], entry["mesh"])]
+                for other in compiled
+                if (other["layout"], other["mesh"], other["heads"]) == (entry["layout"], entry["mesh"], entry["heads"])]
     return max([entry["lower_bound_s"], *siblings])
 
 
 def _compile(settings: Settings, topology, mesh, entry: dict, cache) -> None:
     """Compile one micro-step of the entry and record its estimate for the whole step, or why it cannot place."""
     candidate = entry["candidate"]
+    settings = with_heads(settings, candidate.heads)
     micro = dataclasses.replace(settings, config=settings.config.replace(remat=candidate.remat),
                                 batch=settings.batch // candidate.micro_batches, layouts=(candidate.layout,))
     refused: dict[str, str] = {}

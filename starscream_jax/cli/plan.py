@@ -110,7 +110,11 @@ def _mesh_flags(args: argparse.Namespace, topology, data: int) -> str:
 
 
 def _chosen(plan: dict) -> dict | None:
-    return next((entry for entry in plan["candidates"] if entry["status"] == "chosen"), None)
+    """The fastest compiled candidate the commands can run: the chosen one, or where that pads the query heads
+    (which only `model.heads.pad_query_heads` applies, no command), the fastest with the model's own heads."""
+    runnable = sorted((entry for entry in plan["candidates"] if entry["estimate"] is not None and not entry["heads"]),
+                      key=lambda entry: entry["estimate"]["serial_s"])
+    return runnable[0] if runnable else None
 
 
 def commands(plan: dict, args: argparse.Namespace, topology) -> list[str]:
@@ -209,8 +213,11 @@ def _phase_lines(plan: dict) -> list[str]:
 def _row(entry: dict) -> tuple[str, ...]:
     estimate = entry["estimate"]
     marker = "* " if entry["status"] == "chosen" else "  "
+    cost = entry["padding_cost"]
+    padding = (f" (+{cost['extra_flops']:.3g} FLOP, +{format_bytes(cost['extra_param_bytes'])} of zero heads)"
+               if cost else "")
     verdicts = " ".join("ok" if entry["principles"][name] else "FAIL" for name in JUDGED)
-    return (marker + entry["name"], format_seconds(estimate["serial_s"]), format_seconds(estimate["compute_s"]),
+    return (marker + entry["name"] + padding, format_seconds(estimate["serial_s"]), format_seconds(estimate["compute_s"]),
             format_seconds(estimate["total_passes_s"]), format_seconds(estimate["total_communication_s"]),
             f"{estimate['tokens_per_s']:,.0f}",
             format_bytes(entry["memory"]["total"]), verdicts)

@@ -220,7 +220,7 @@ def test_the_expert_layouts_are_candidates_by_default_only_for_a_mixture_of_expe
 
 def test_generate_takes_the_fastest_prefill_on_the_decode_plans_mesh():
     def entry(layout, data, serial, status):
-        return {"layout": layout, "mesh": {"data": data, "gpu": 8 // data}, "status": status,
+        return {"layout": layout, "mesh": {"data": data, "gpu": 8 // data}, "heads": 0, "status": status,
                 "estimate": {"serial_s": serial}}
 
     plans = {"prefill": {"candidates": [entry("flat_tp", 8, 0.5, "chosen"), entry("starscream_tp", 1, 1.5, "slower"),
