@@ -101,7 +101,7 @@ def plan_phase(settings: Settings, topology, *, cache: ResultCache | None = None
     start = time.perf_counter()
     gpus = topology.gpus_per_node * topology.nodes
     meshes = {data: build_topology_mesh(topology, data=data, simulate=True)[1] for data in divisors(gpus)}
-    entries = [entry for data, mesh in meshes.items() for heads in _head_counts(settings.config, gpus // data)
+    entries = [entry for data, mesh in meshes.items() for heads in head_counts(settings.config, gpus // data)
                for layout in settings.layouts
                for entry in _sized(with_heads(settings, heads), topology, mesh,
                                    Candidate(layout, data, gpus // data, heads=heads))]
@@ -127,10 +127,13 @@ def plan_phase(settings: Settings, topology, *, cache: ResultCache | None = None
             "compiled": len(compiled), "elapsed_s": time.perf_counter() - start}
 
 
-def _head_counts(config: ModelConfig, gpu: int) -> tuple[int, ...]:
-    """0 (the model's own heads), and the padded count where the query heads do not split over `gpu` GPUs."""
+def head_counts(config: ModelConfig, gpu: int) -> tuple[int, ...]:
+    """0 (the model's own heads), and the padded count where the query heads do not split over `gpu` GPUs. Only
+    where the kv heads divide or are divided by `gpu`: otherwise each GPU's share of query heads splits some kv
+    head's group unevenly whatever the group size (`model.ops` refuses it), and padding query heads cannot help."""
+    kv = config.n_kv_heads
     padded = padded_heads(config, gpu)
-    return (0,) if padded == config.n_heads else (0, padded)
+    return (0, padded) if padded != config.n_heads and (gpu % kv == 0 or kv % gpu == 0) else (0,)
 
 
 def with_heads(settings: Settings, heads: int) -> Settings:

@@ -6,10 +6,11 @@ import pytest
 
 from starscream_jax.analysis.compile import make_settings
 from starscream_jax.analysis.memory import matmul_flops
-from starscream_jax.analysis.plan import padding_cost, plan_phase, with_heads
+from starscream_jax.analysis.plan import head_counts, padding_cost, plan_phase, with_heads
 from starscream_jax.cli.plan import format_plans
 from starscream_jax.hardware.mesh import build_topology_mesh
 from starscream_jax.hardware.topology import Topology
+from starscream_jax.model.config import load_model_config
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny.toml"
 
@@ -53,3 +54,12 @@ def test_padding_cost_is_the_zero_heads_weights_and_their_matmuls(three_heads):
                                - matmul_flops(settings.config, "starscream_tp", mesh, 4, 16))
     attention = 2 * 2 * 16 * 16 * (4 * 16) * settings.full_layers  # scores and mixing: 16 positions, 1 head of 16
     assert cost["extra_flops"] == projections + attention
+
+
+@pytest.mark.parametrize("heads, kv_heads, gpu, counts", [(28, 4, 8, (0, 32)), (28, 4, 4, (0,)), (3, 1, 2, (0, 4)),
+                                                          (3, 3, 2, (0,)), (8, 8, 3, (0,))])
+def test_padding_is_offered_only_where_it_lets_the_heads_split(heads, kv_heads, gpu, counts):
+    """Qwen2-7B's 28 heads and 4 kv heads pad to 32 on 8 GPUs; on 4 they divide already. Where the kv heads neither
+    divide nor are divided by the GPUs (3 on 2, 8 on 3), every padded count still splits a group unevenly."""
+    config = load_model_config("tiny").replace(n_heads=heads, n_kv_heads=kv_heads)
+    assert head_counts(config, gpu) == counts
