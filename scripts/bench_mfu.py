@@ -308,6 +308,21 @@ def initial_params(model_config, train_config, layout: str, mesh):
         return initial_state(train_config, model_config, layout, mesh)[1]
 
 
+def host_initial_params(model_config, train_config) -> dict:
+    """The library's initial parameters (`initial_params`, `nnx.to_pure_dict` form) as numpy arrays, computed on one
+    CPU device: the values every row starts from (the same seed), without JAX's GPU allocator growing by the
+    parameters and optimizer state before the PyTorch peer runs."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from starscream_jax.hardware.mesh import build_mesh
+
+    cpu_mesh = build_mesh("1x1", devices=jax.devices("cpu")[:1])
+    params = initial_params(model_config, train_config, "gpu_tp", cpu_mesh)
+    return jax.tree.map(np.asarray, jax.device_get(nnx.to_pure_dict(params)))
+
+
 def add_rates(row: dict, tokens_per_step: int, flops_per_token: float, devices: int, peak_flops: float,
               plain_rows: list[dict]) -> dict:
     """tokens/s, MFU against `devices` x `peak_flops`, and the ratio of tokens/s to each plain row's ("vs_plain":
@@ -353,15 +368,13 @@ def table_line(row: dict) -> str:
             f"{attention_calls(row)}")
 
 
-def torch_row(library_params, model_config, train_config, tokens, warmup: int, steps: int, peers,
+def torch_row(params: dict, model_config, train_config, tokens, warmup: int, steps: int, peers,
               device: str) -> dict:
-    """The PyTorch peer (`torch_peers.train_benchmark`, torchtitan's manner) on one GPU, from a copy of the
-    library's initial parameters, on the same tokens."""
+    """The PyTorch peer (`torch_peers.train_benchmark`, torchtitan's manner) on one GPU, from the library's initial
+    parameters (`host_initial_params`), on the same tokens."""
     import jax
     import numpy as np
-    from flax import nnx
 
-    params = jax.tree.map(np.asarray, jax.device_get(nnx.to_pure_dict(library_params)))
     result = peers.train_benchmark(params, model_config, train_config, np.asarray(jax.device_get(tokens)),
                                    warmup=warmup, steps=steps, device=device)
     return {"name": peers.TRAIN_NAME, "mesh": f"1 {device}", "devices": 1, **result}
@@ -484,11 +497,11 @@ def main(argv=None) -> int:
         print(skipped, flush=True)
     loops = [(model_config, "")] + [(model_config.replace(scan_unroll=n), f" unroll {n}") for n in args.unroll]
     peer = None
-    if args.plain or peers is not None:
+    if peers is not None:  # first, before JAX's allocator grows on the GPU (it keeps what it grows to)
+        peer = torch_row(host_initial_params(model_config, train_config), model_config, train_config, tokens,
+                         args.warmup, args.steps, peers, args.torch_device)
+    if args.plain:
         start_params = initial_params(model_config, train_config, (args.layouts or ["gpu_tp"])[0], mesh)
-        if peers is not None:  # first, while JAX holds only the initial parameters; its GPU memory freed after
-            peer = torch_row(start_params, model_config, train_config, tokens, args.warmup, args.steps, peers,
-                             args.torch_device)
         for parallelism in args.plain:
             for config, suffix in loops:
                 record(plain_row(parallelism, start_params, config, train_config, mesh, tokens, args.warmup,

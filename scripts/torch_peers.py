@@ -335,8 +335,9 @@ def decode_benchmark(model_config, batches: list[int], cache_length: int, *, war
         rows.append({"name": DECODE_NAME, "batch": batch, "cache_length": cache_length, "compile_s": compile_s,
                      "step_s": timed.seconds_per_step, "tokens_per_s": batch / timed.seconds_per_step,
                      "bytes_per_step": read, "bandwidth_bytes_per_s": sum(read.values()) / timed.seconds_per_step})
-    for block in model.layers:
-        block.attention.cache = None
+    del model, decode_one
+    torch._dynamo.reset()  # the CUDA graphs' memory pool goes with the compiled step
+    release_memory(device)
     return rows
 
 
