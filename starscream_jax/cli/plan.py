@@ -12,12 +12,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..analysis.compile import PHASES, make_settings
+from ..analysis.compile import PHASES, SERVE, make_settings
 from ..analysis.format import clip, format_bytes, format_seconds
 from ..analysis.plan import JUDGED, plan_phase
+from ..analysis.serve_plan import ServePlan, ServeWorkload, choose_serving, price_serving, serve_batches
 from ..errors import StarscreamError
 from ..model.config import load_model_config
-from ..sharding.layouts import EXPERT_LAYOUTS, LAYOUTS
+from ..sharding.layouts import EXPERT_LAYOUTS, LAYOUTS, PHASE_DEFAULTS, get_layout
 from .arguments import (
     add_cache_arguments,
     add_precision_arguments,
@@ -31,12 +32,17 @@ from .inspect import DEFAULT_LAYERS, add_study_arguments
 
 REASON_WIDTH = 160
 SHOWN_LOSERS = 12
+PLANNED = (*PHASES, SERVE)
+SERVE_BATCH = 256
+"""The largest decode batch `--phases serve` prices unless --batch says."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `starscream plan`: the (simulated) mesh, model, phases, candidate layouts, shapes, output."""
     group = add_study_arguments(parser, "planning")
-    group.add_argument("--phases", default=",".join(PHASES), help="comma-separated phases to plan")
+    group.add_argument("--phases", default=",".join(PHASES),
+                       help=f"comma-separated phases to plan, of {', '.join(PLANNED)} (serve: a serving workload "
+                            "priced at a TPOT target, see --tpot-ms)")
     group.add_argument("--layout", default=None, help="comma-separated candidate layouts (default: all; the expert "
                        "layouts only for a mixture-of-experts model)")
     group.add_argument("--batch", type=int, default=None,
@@ -49,6 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="draw each candidate's step time and memory, the chosen one marked")
     add_precision_arguments(group)
     add_cache_arguments(group)
+    serve = parser.add_argument_group("serving workload (--phases serve; --batch is the largest decode batch priced)")
+    serve.add_argument("--tpot-ms", type=float, default=50.0, help="most milliseconds per output token")
+    serve.add_argument("--prompt", type=int, default=1024, help="prompt tokens per request")
+    serve.add_argument("--output", type=int, default=256, help="output tokens per request")
+    serve.add_argument("--prefill-layout", default=PHASE_DEFAULTS["prefill"], help="layout of the prompts' prefill")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,9 +71,9 @@ def run(args: argparse.Namespace) -> int:
         raise StarscreamError(f"--data-parallel {args.data_parallel}: plan searches every data x gpu split of the "
                               "GPUs itself; drop --data-parallel")
     phases = [phase.strip() for phase in args.phases.split(",") if phase.strip()]
-    unknown = [phase for phase in phases if phase not in PHASES]
+    unknown = [phase for phase in phases if phase not in PLANNED]
     if unknown or not phases:
-        raise StarscreamError(f"--phases {args.phases!r}: expected some of {', '.join(PHASES)}, separated by commas")
+        raise StarscreamError(f"--phases {args.phases!r}: expected some of {', '.join(PLANNED)}, separated by commas")
     prepare_simulation(args)
     topology, _ = mesh_from_args(args)
     cache = result_cache(args)
@@ -71,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
                  "kv_format": eight_bit_format(args.kv_cache, topology.preset.chip)}
     plans = {}
     for phase in phases:
+        if phase == SERVE:
+            plans[phase] = plan_serving(args, topology, cache, eight_bit)
+            continue
         settings = make_settings(args.model, phase, args.batch, args.seq, candidate_layouts(args.model, args.layout),
                                  args.layers)
         if phase != "train":  # 8-bit weights and cache serve; training keeps float32 master weights
@@ -78,18 +92,61 @@ def run(args: argparse.Namespace) -> int:
         with tqdm(desc=f"plan {phase}", unit="candidate", file=sys.stderr, dynamic_ncols=True) as bar:
             plans[phase] = plan_phase(settings, topology, cache=cache, progress=_progress(bar))
         plans[phase]["commands"] = commands(plans[phase], args, topology)
+    serving = plans.pop(SERVE, None)
     generate = generate_command(plans, args, topology)
     if generate is not None:
         plans["decode"]["commands"].append(generate)
-    if args.plot is not None:
+    if args.plot is not None and plans:
         from ..analysis.plots import plot_plans
 
         plot_plans(plans, args.plot)
     if args.json:
-        print(json.dumps(plans, indent=2))
+        print(json.dumps({**plans, **({SERVE: serving.to_dict()} if serving else {})}, indent=2))
     else:
-        print(format_plans(plans) + (f"\nplot: {args.plot}" if args.plot else ""))
+        text = [format_plans(plans)] if plans else []
+        text += format_serving(serving) if serving else []
+        print("\n".join(text) + (f"\nplot: {args.plot}" if args.plot and plans else ""))
     return 0
+
+
+def plan_serving(args: argparse.Namespace, topology, cache, eight_bit: dict) -> ServePlan:
+    """The serving workload of --tpot-ms, --prompt and --output priced over decode batches up to --batch
+    (`analysis.serve_plan`), decode candidates the layouts that serve from a paged cache."""
+    workload = ServeWorkload(args.prompt, args.output, args.tpot_ms)
+    layouts = ",".join(name for name in candidate_layouts(args.model, args.layout).split(",")
+                       if not get_layout(name).splits_sequence)
+    if not layouts:
+        raise StarscreamError(f"--layout {args.layout}: every layout named splits the sequence and cannot decode from "
+                              "a paged cache; name a decode layout such as starscream_decode")
+    decode = make_settings(args.model, SERVE, 1, workload.context, layouts, args.layers)
+    prefill = make_settings(args.model, "prefill", 1, args.prompt, args.prefill_layout, args.layers)
+    decode, prefill = (dataclasses.replace(s, config=s.config.replace(**eight_bit)) for s in (decode, prefill))
+    points = price_serving(decode, prefill, topology, workload, serve_batches(args.batch or SERVE_BATCH), cache)
+    return choose_serving(points, workload, decode.config.name, args.prefill_layout)
+
+
+def format_serving(plan: ServePlan) -> list[str]:
+    """The serving plan's table (one row per decode batch, the chosen marked *) and its choice."""
+    workload, chosen = plan.workload, plan.chosen
+    lines = [f"serve: {plan.model}, {workload.prompt} prompt + {workload.output} output tokens per request, TPOT "
+             f"target {workload.tpot_ms:g} ms; prefill under {plan.prefill_layout}"]
+    header = ("  batch", "decode candidate", "decode step", "prefill/request", "TPOT", "output tokens/s",
+              "requests/s")
+    rows = [header]
+    for point in plan.points:
+        marker = "* " if point == chosen else "  "
+        if not point.priced:
+            rows.append((marker + str(point.batch), clip(point.reason, REASON_WIDTH // 2), "", "", "", "", ""))
+            continue
+        meets = "" if point.tpot_s <= workload.tpot_ms / 1e3 else " (over)"
+        rows.append((marker + str(point.batch), point.candidate, format_seconds(point.decode_s),
+                     format_seconds(point.prefill_s), format_seconds(point.tpot_s) + meets,
+                     f"{point.output_tokens_per_s:,.0f}", f"{point.requests_per_s:,.2f}"))
+    widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
+    lines += ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    lines.append(f"plan: serve batch {chosen.batch} under {chosen.candidate}: {chosen.requests_per_s:,.2f} requests/s, "
+                 f"{chosen.output_tokens_per_s:,.0f} output tokens/s at {chosen.tpot_s * 1e3:.3g} ms per token")
+    return lines
 
 
 def _progress(bar):

@@ -114,7 +114,7 @@ class Engine:
         self.layouts = {"prefill": get_layout(prefill_layout), "decode": get_layout(decode_layout)}
         self.shards = cache_shards(decode_layout, mesh)
         if mesh is not None:
-            _check_same_cache_placement(self.layouts, mesh, c, config, self.shards)
+            check_same_cache_placement(self.layouts, mesh, c, config, self.shards)
         max_pages = math.ceil(c.max_seq_len / config.page_size)
         self.buckets = config.buckets or Buckets.up_to(config.rows_per_shard, config.chunk, max_pages)
         _check_buckets(self.buckets, config)
@@ -306,7 +306,7 @@ def _check_buckets(buckets: Buckets, config: EngineConfig) -> None:
                               "raise the largest buckets or lower rows_per_shard / chunk")
 
 
-def _check_same_cache_placement(layouts: dict, mesh, c, config: EngineConfig, shards: int) -> None:
+def check_same_cache_placement(layouts: dict, mesh, c, config: EngineConfig, shards: int) -> None:
     """The prefill and decode layouts must place the page pools alike (else every step would copy the cache)."""
     shape = (c.n_kv_heads, config.pages_per_shard * shards, config.page_size, c.head_dim)
     specs = {}

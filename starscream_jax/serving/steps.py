@@ -64,7 +64,7 @@ def paged_step(graphdef, kernel: str = "gather", decode: bool = True, *, under: 
         model = nnx.merge(graphdef, params, rest)
         cache = PagedCache(pages["k"], pages["v"], inputs.table, kernel)
         logits_BV, cache = model.paged(inputs.tokens, inputs.positions, inputs.last, cache)
-        positions_B = jnp.take_along_axis(inputs.positions, inputs.last[:, None], axis=1)[:, 0]
+        positions_B = inputs.positions[:, 0] + inputs.last  # a row's positions run on from its first
         token_B, logprob_B = sample_rows(logits_BV, inputs.sampling, positions_B + 1)
         return token_B, logprob_B, {"k": cache.k, "v": cache.v}
 
@@ -82,7 +82,7 @@ def sample_rows(logits_BV: jax.Array, rows: RowSampling, position_B: jax.Array) 
         token_B = jax.lax.cond(jnp.any(rows.temperature > 0), _drawn, lambda *_: greedy_B, logits_BV, rows,
                                position_B, greedy_B)
         logprob_BV = jax.nn.log_softmax(logits_BV, axis=-1)
-        return token_B, jnp.take_along_axis(logprob_BV, token_B[:, None], axis=1)[:, 0]
+        return token_B, _at_column(logprob_BV, token_B)[:, 0]
 
 
 def _drawn(logits_BV, rows: RowSampling, position_B, greedy_B):
@@ -91,7 +91,7 @@ def _drawn(logits_BV, rows: RowSampling, position_B, greedy_B):
     scaled_BV = logits_BV / jnp.maximum(rows.temperature, 1e-6)[:, None]
     descending_BV = jnp.sort(scaled_BV, axis=-1)[:, ::-1]
     k_B = jnp.where(rows.top_k > 0, jnp.minimum(rows.top_k, vocab), vocab)
-    kth_B1 = jnp.take_along_axis(descending_BV, k_B[:, None] - 1, axis=1)
+    kth_B1 = _at_column(descending_BV, k_B - 1)
     top_k_BV = jnp.where(descending_BV >= kth_B1, descending_BV, -jnp.inf)
     probabilities_BV = jax.nn.softmax(top_k_BV, axis=-1)
     mass_before_BV = jnp.cumsum(probabilities_BV, axis=-1) - probabilities_BV
@@ -101,6 +101,13 @@ def _drawn(logits_BV, rows: RowSampling, position_B, greedy_B):
     keys = jax.vmap(lambda seed, position: jax.random.fold_in(jax.random.key(seed), position))(rows.seed, position_B)
     drawn_B = jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, nucleus_BV).astype(jnp.int32)
     return jnp.where(rows.temperature > 0, drawn_B, greedy_B)
+
+
+def _at_column(values_BV: jax.Array, column_B: jax.Array) -> jax.Array:
+    """values[b, column[b]] as [B, 1], by a select and a row maximum: elementwise over the rows however they are
+    placed (a gather's output placement is ambiguous where the rows split over a mesh axis of size 1)."""
+    hit_BV = jnp.arange(values_BV.shape[-1])[None, :] == column_B[:, None]
+    return jnp.max(jnp.where(hit_BV, values_BV, -jnp.inf), axis=-1, keepdims=True)
 
 
 def _powers_of_two(limit: int) -> tuple[int, ...]:
