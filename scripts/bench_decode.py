@@ -38,9 +38,15 @@ VARIANTS = {"bf16": ("", ""), "w-int8": ("int8", ""), "w-fp8": ("fp8", ""), "kv-
 """Variant -> (weights, KV cache): "" bfloat16, int8, or fp8 (--fp8-format)."""
 
 
-def measured_bandwidth(gigabytes: float, repeats: int = 10) -> dict:
-    """Bytes per second of two passes over a random bfloat16 array of `gigabytes`, median of `repeats`: "copy", an
-    elementwise pass (bytes read + written), and "read", a sum (bytes read; a decode step mostly reads)."""
+WARM_SECONDS = 0.5
+"""How long each bandwidth pass runs before it is timed: the first GPU work of the process finds the clocks at idle
+(an H200 reads 345 MHz before work, 1980 MHz under it), which a few milliseconds of timed calls would measure."""
+
+
+def measured_bandwidth(gigabytes: float, repeats: int = 10, warm_seconds: float = WARM_SECONDS) -> dict:
+    """Bytes per second of two passes over a random bfloat16 array of `gigabytes`, median of `repeats` after
+    `warm_seconds` of untimed passes: "copy", an elementwise pass (bytes read + written), and "read", a sum (bytes
+    read; a decode step mostly reads)."""
     import jax
     import jax.numpy as jnp
 
@@ -49,6 +55,9 @@ def measured_bandwidth(gigabytes: float, repeats: int = 10) -> dict:
     rates = {}
     for name, step, moved in (("copy", jax.jit(lambda x: x + 1), 2 * x.nbytes),
                               ("read", jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32)), x.nbytes)):
+        warm_until = time.perf_counter() + warm_seconds
+        while time.perf_counter() < warm_until:
+            harness.block(step(x))
         times = [harness.seconds_per_call(step, (x,), warmup=1, calls=1) for _ in range(repeats)]
         rates[name] = moved / sorted(times)[len(times) // 2]
     return rates
@@ -210,7 +219,7 @@ def main(argv=None) -> int:
 
     mesh = build_mesh(gpus=args.gpus)
     config = harness.model_config(args, dtype="bfloat16", scan_unroll=args.unroll)
-    measured = measured_bandwidth(args.copy_gigabytes)
+    measured = measured_bandwidth(args.copy_gigabytes, warm_seconds=0 if args.quick else WARM_SECONDS)
     copy = measured["copy"]
     devices = mesh.devices.size
     info = harness.run_info(__file__, argv)

@@ -51,31 +51,45 @@ def _ratio(row: dict) -> str:
 
 
 def mfu_table(result: dict, path: Path) -> str:
-    """One training-throughput table."""
+    """One training-throughput table (a --compile-only file: each row's compile time)."""
     meta = result["meta"]
-    lines = [_caption(f"{meta['model']}, {meta['batch_size']} x {meta['seq_len']} tokens per step"
-                      + (", remat" if meta.get("remat") else "") + f": {_source(meta, path)}"), "",
-             "| implementation | mesh | ms/step | tokens/s | MFU | ratio |", "|---|---|---|---|---|---|"]
+    caption = _caption(f"{meta['model']}, {meta['batch_size']} x {meta['seq_len']} tokens per step"
+                       + (", remat" if meta.get("remat") else "") + f": {_source(meta, path)}")
+    if meta.get("compile_only"):
+        return "\n".join([caption, "", "| implementation | mesh | compile s |", "|---|---|---|"]
+                         + [f"| {row['name']} | {row['mesh']} | {row['compile_s']:.1f} |" for row in result["rows"]])
+    lines = [caption, "", "| implementation | mesh | ms/step | tokens/s | MFU | ratio | vs PyTorch | compile s |",
+             "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {row['name']} | {row['mesh']} | {1e3 * row['step_s']:.1f} | {row['tokens_per_s']:,.0f} | "
-              f"{100 * row['mfu']:.1f}% | {_ratio(row)} |" for row in result["rows"]]
+              f"{100 * row['mfu']:.1f}% | {_ratio(row)} | {_vs_torch(row)} | {row['compile_s']:.1f} |"
+              for row in result["rows"]]
     return "\n".join(lines)
 
 
+def _vs_torch(row: dict) -> str:
+    return f"{row['vs_torch']:.3f}x" if "vs_torch" in row else ""
+
+
 def decode_table(result: dict, path: Path) -> str:
-    """One decode table."""
+    """One decode table: the library's rows (each precision variant, with its speed-up over bfloat16 at its batch)
+    and the PyTorch peer's, where the file has them."""
     meta = result["meta"]
     read = meta.get("read_bandwidth_bytes_per_s")
     lines = [_caption(f"{meta['model']} decode under {meta['layout']}, measured copy bandwidth "
                       f"{meta['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s"
                       + ("" if read is None else f", read {read / 1e12:.2f} TB/s") + f": {_source(meta, path)}"), "",
-             "| batch | cache | ms/step | tokens/s | GB read/step | TB/s | of 4.8 TB/s | of copy | of read |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for row in result["rows"]:
+             "| implementation | batch | cache | ms/step | tokens/s | GB read/step | TB/s | of 4.8 TB/s | of copy | "
+             "of read | over bf16 | vs PyTorch |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in result["rows"] + result.get("peer_rows", []):
+        name = row.get("name") or f"{meta['layout']} {row.get('variant', 'bf16')}"
         gigabytes = sum(row["bytes_per_step"].values()) / 1e9
-        of_read = f"{100 * row['fraction_of_read']:.1f}%" if "fraction_of_read" in row else "not measured"
-        lines.append(f"| {row['batch']} | {row['cache_length']} | {1e3 * row['step_s']:.2f} | "
+        of_copy = f"{100 * row['fraction_of_copy']:.1f}%" if "fraction_of_copy" in row else ""
+        of_read = f"{100 * row['fraction_of_read']:.1f}%" if "fraction_of_read" in row else ""
+        over = row.get("speedup_over_bf16")
+        lines.append(f"| {name} | {row['batch']} | {row['cache_length']} | {1e3 * row['step_s']:.2f} | "
                      f"{row['tokens_per_s']:,.0f} | {gigabytes:.1f} | {row['bandwidth_bytes_per_s'] / 1e12:.2f} | "
-                     f"{100 * row['fraction_of_peak']:.1f}% | {100 * row['fraction_of_copy']:.1f}% | {of_read} |")
+                     f"{100 * row['fraction_of_peak']:.1f}% | {of_copy} | {of_read} | "
+                     f"{'' if over is None or row.get('variant') == 'bf16' else f'{over:.2f}x'} | {_vs_torch(row)} |")
     return "\n".join(lines)
 
 
@@ -98,6 +112,8 @@ def render(directory: Path) -> dict[str, str]:
         rows = result.get("rows", [])
         if rows and "bytes_per_step" in rows[0]:
             blocks["decode"].append(decode_table(result, path))
+            continue
+        if "flops_per_token" not in result["meta"]:
             continue
         blocks["training"].append(mfu_table(result, path))
         profiled = {row["name"]: row["time_breakdown"] for row in rows if "time_breakdown" in row}
