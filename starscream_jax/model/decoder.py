@@ -560,6 +560,19 @@ def _same_split(stored: list[jax.Array], dimension: int) -> bool:
     return len({dim_axes(jax.typeof(value).sharding.spec, dimension) for value in stored}) == 1
 
 
+def _by_kv_head(wq_DHE: jax.Array, K: int) -> jax.Array:
+    """The stored query weight [D, H, E] as [D, K, G, E], each kv head's G query heads together, the mesh axes that
+    split its heads kept on K. JAX's own reshape rule moves them to G where K is 1 (a size-1 axis, or one kv head),
+    and the stack with wk / wv [D, K, E] would then mix placements; `_qkv` stacks only where wk splits K over the
+    same axes as wq splits H, so they divide K."""
+    D, H, E = wq_DHE.shape
+    shape = (D, K, H // K, E)
+    if active() is None or active().auto:
+        return wq_DHE.reshape(shape)
+    d, h, e = jax.typeof(wq_DHE).sharding.spec
+    return jnp.reshape(wq_DHE, shape, out_sharding=PartitionSpec(d, h, None, e))
+
+
 def _qkv(c: ModelConfig, h_BSD, w):
     """Queries [B, S, H, E] (placed by ATTN_Q), keys and values [B, S, K, E] (ATTN_KV) of the normed residual h.
 
@@ -580,7 +593,7 @@ def _qkv(c: ModelConfig, h_BSD, w):
                 _project("qkv", "bsd,dke->bske", h_BSD, wk_DKE, ATTN_KV),
                 _project("qkv", "bsd,dke->bske", h_BSD, wv_DKE, ATTN_KV))
     with jax.named_scope("qkv"):
-        stacked_DKCE = jnp.concatenate([w["wq"].reshape(D, K, G, E), w["wk"][:, :, None], w["wv"][:, :, None]], axis=2)
+        stacked_DKCE = jnp.concatenate([_by_kv_head(w["wq"], K), w["wk"][:, :, None], w["wv"][:, :, None]], axis=2)
         w_DKCE = weight(stacked_DKCE, ("embed", "kv_heads", None, "head_dim"), dtype, "wq|wk|wv")
         h_BSD = shared_input(h_BSD, [w_DKCE])
         qkv_BSKCE = einsum("bsd,dkce->bskce", h_BSD, w_DKCE, (*ATTN_KV[:3], None, ATTN_KV[3]), "qkv")

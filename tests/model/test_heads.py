@@ -1,9 +1,13 @@
 """Query heads padded with zero weights: the logits of the unpadded model, and a head count the GPUs now divide."""
+import dataclasses
+import itertools
+
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
+from starscream_jax.analysis.compile import fitted_layout, make_settings, step_program
 from starscream_jax.errors import ShardingRuleError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model.config import load_model_config
@@ -42,3 +46,43 @@ def test_padded_heads_keep_the_logits_and_place_on_gpus_the_heads_did_not_divide
         logits = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t).logits)(
             placed, jax.device_put(tokens, batch_sharding("gpu_tp", mesh, 2)))
     np.testing.assert_allclose(logits, expected, atol=2e-5)
+
+
+
+AWKWARD_HEADS = [(3, 1), (6, 2), (5, 5)]
+"""(query heads, kv heads) that few meshes divide: one kv head, groups of 3, an odd count with as many kv heads."""
+SWEPT_MESHES = ["2x1x4", "1x2x4", "1x3x2"]
+"""(data, gpu, xcd): one GPU per data group, two GPUs, three."""
+
+
+def traces(config, phase: str, batch: int, layout: str, mesh_name: str) -> bool:
+    """Whether the phase's step traces (abstract evaluation, nothing compiled) under `layout` fitted to the batch;
+    False where the resolver refuses the placement (a ShardingRuleError naming the problem)."""
+    data, gpu, xcd = (int(size) for size in mesh_name.split("x"))
+    mesh = build_mesh(f"{data * gpu}x{xcd}", data=data)
+    settings = dataclasses.replace(make_settings("tiny", phase, batch, 16, layout, 2), config=config)
+    try:
+        fitted = fitted_layout(settings, layout, mesh)
+        with use_layout(fitted, mesh):
+            step, args = step_program(settings, fitted, mesh)
+            step.trace(*args)
+    except ShardingRuleError:
+        return False
+    return True
+
+
+def test_awkward_head_counts_trace_on_every_mesh_whose_weights_place():
+    """Prefill (q, k and v fused into one GEMM) at a batch the layout splits (under starscream_tp and flat_tp) and at
+    one it fits (starscream_tp+seq, `fit_batch`) on each mesh, and training where one kv head meets one GPU: where
+    the resolver places the weights, the step traces. Three heads sharing one kv head on data 2 x gpu 1 once
+    failed inside the fused stack (JAX moved the size-1 gpu axis from the kv heads to the query group). The
+    vocabulary is 384, so that three GPUs divide it."""
+    tiny = load_model_config("tiny").replace(n_layers=2, vocab_size=384)
+    placed = {(heads, kv_heads, name, batch, layout)
+              for (heads, kv_heads), name, (batch, layout) in itertools.product(
+                  AWKWARD_HEADS, SWEPT_MESHES, ((8, "starscream_tp"), (8, "flat_tp"), (1, "starscream_tp")))
+              if traces(tiny.replace(n_heads=heads, n_kv_heads=kv_heads), "prefill", batch, layout, name)}
+    assert {(3, 1, "2x1x4", 8, "starscream_tp"), (3, 1, "1x3x2", 1, "starscream_tp"),
+            (6, 2, "1x3x2", 8, "flat_tp")} <= placed
+    assert (5, 5, "1x2x4", 8, "starscream_tp") not in placed and len(placed) >= 10
+    assert traces(tiny.replace(n_heads=3, n_kv_heads=1), "train", 8, "starscream_tp", "2x1x4")
