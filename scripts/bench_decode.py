@@ -195,11 +195,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--torch-device", default="cuda", choices=("cuda", "cpu"),
                         help="where the PyTorch peer runs (cpu: a check of the peer on a machine without a GPU)")
     harness.add_run_arguments(parser, warmup=5, steps=50,
-                              quick="tiny model at 2 layers, cache 64, batches 1 and 4, 1 + 2 steps, no PyTorch peer")
+                              quick="tiny model at 2 layers, cache 64, batch 1, 1 + 2 steps, no PyTorch peer")
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.layers, args.cache, args.batches, args.warmup, args.steps, args.copy_gigabytes = \
-            "tiny", 2, 64, [1, 4], 1, 2, 0.01
+            "tiny", 2, 64, [1], 1, 2, 0.01
     return args
 
 

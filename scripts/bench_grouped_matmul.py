@@ -160,13 +160,13 @@ def grouped_reference(x_tiled, w, dy_tiled, tile_groups, tile: int):
     return out, dx, dw
 
 
-def layout_check(implementation: str) -> dict:
-    """The routed block (tiny-moe shapes, bfloat16) under starscream_ep on a mesh of every local device, through
-    the kernel inside the layout's shard map, against the dense reference unsharded: relative error of the output
-    and of every gradient."""
+def layout_check(implementation: str, devices: int | None = None) -> dict:
+    """The routed block (tiny-moe shapes, bfloat16) under starscream_ep on a mesh of the first `devices` local
+    devices (default every one), through the kernel inside the layout's shard map, against the dense reference
+    unsharded: relative error of the output and of every gradient."""
     c = load_model_config("tiny-moe", dtype="bfloat16")
-    devices = len(jax.devices())
-    mesh = build_mesh(f"{devices}x1")
+    devices = devices or len(jax.devices())
+    mesh = build_mesh(f"{devices}x1", devices=jax.devices()[:devices])
     keys = jax.random.split(jax.random.key(2), 5)
     shapes = {"router": (c.d_model, c.n_experts), "w_gate": (c.n_experts, c.d_model, c.d_ff),
               "w_up": (c.n_experts, c.d_model, c.d_ff), "w_down": (c.n_experts, c.d_ff, c.d_model)}
@@ -205,13 +205,18 @@ def layout_check(implementation: str) -> dict:
     return result
 
 
+QUICK_CHECK_DEVICES = 4
+"""Devices of the layout check in a --quick run: one per expert of tiny-moe."""
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="rounds the candidates alternate over (default 5)")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES),
                         help="projection shapes to time (default all)")
     harness.add_run_arguments(parser, warmup=None, steps=10, steps_flag="--calls", steps_help="timed calls per round",
-                              quick="tiny shapes, kernels in interpret mode (CPU)")
+                              quick=f"tiny shapes, kernels in interpret mode, the layout check on "
+                                    f"{QUICK_CHECK_DEVICES} devices (CPU)")
     args = parser.parse_args(argv)
     info = harness.run_info(__file__, argv)
     result = {**info.as_dict(), "device": info.device_kind, "shapes": {}}
@@ -224,7 +229,7 @@ def main(argv=None) -> int:
         result["shapes"][name] = shape_benchmark(name, rows, depth, cols, experts, tile, implementation, variants,
                                                  rounds, calls)
         harness.write_json(args.out, result)
-    result["layout_check"] = layout_check(moe.default_implementation())
+    result["layout_check"] = layout_check(moe.default_implementation(), QUICK_CHECK_DEVICES if args.quick else None)
     harness.write_json(args.out, result)
     return 0
 
