@@ -8,6 +8,7 @@ simulated mesh they live in host memory too) and the peak resident memory above 
 loading. Host memory beyond the devices' own bytes is the loader's overhead.
 
     python scripts/bench_hf_load.py --dir /tmp/llama3.2-1b-random --mesh 2x4 --layout starscream_tp
+    python scripts/bench_hf_load.py --quick --out /tmp/hf_load.json     # smoke run: the tiny model's checkpoint
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from starscream_jax.benchmarks import harness
 
 
 def write_checkpoint(model: str, directory: Path, shard_gib: float) -> None:
@@ -145,9 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mesh", default="2x4", help="GPUSxPARTITIONS of the simulated mesh")
     parser.add_argument("--layout", default="starscream_tp")
     parser.add_argument("--shard-gib", type=float, default=1.0)
-    parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    parser.add_argument("--out", type=Path, help="write the figures as JSON here, with the run's metadata")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: the tiny model's checkpoint in shards of 64 KiB, in a directory of its own")
     parser.add_argument("--measure-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.model, args.shard_gib = "tiny", 2**-14
+        args.dir = args.dir.with_name(args.dir.name + "-tiny")
     if args.measure_only:
         print(json.dumps(measure(args.dir, args.mesh, args.layout)))
         return 0
@@ -172,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
           f"bytes: {figures['loader_overhead'] / 2**20:.0f} MiB "
           f"({figures['loader_overhead'] / figures['checkpoint_bytes']:.1%} of the checkpoint); resident set with "
           f"the mapped checkpoint pages: {figures['peak_rss_above_start'] / gib:.2f} GiB")
-    if args.out:
-        args.out.write_text(json.dumps(figures, indent=2) + "\n")
+    harness.write_json(args.out, {"meta": {**harness.run_info(__file__, argv).as_dict(), "model": args.model},
+                                  **figures})
     return 0
 
 

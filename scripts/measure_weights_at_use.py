@@ -9,9 +9,11 @@ collective bytes per device inside GPUs and over inter-GPU links (flat collectiv
 counts them), and the three verdicts; then the ratios of the plain program's bytes to the gathered one's.
 
     python scripts/measure_weights_at_use.py [--d-model 512 --d-ff 2048 --heads 8 --layers 2 --batch 16 --seq 256]
+    python scripts/measure_weights_at_use.py --out weights_at_use.json    # and the figures as JSON
 """
 import argparse
 import importlib.util
+import sys
 from pathlib import Path
 
 import jax
@@ -20,6 +22,7 @@ from flax import nnx
 
 from starscream_jax import MAXTEXT, build_mesh, check, create_sharded, in_vocabulary, simulate_cpu_devices, use_layout
 from starscream_jax.analysis.format import format_bytes
+from starscream_jax.benchmarks import harness
 
 MESHES = {"1x2x4": (1, 2, 4), "2x2x2": (2, 2, 2), "2x4x8": (2, 4, 8)}
 """(data, gpu, xcd): one data group of 2 GPUs x 4 partitions; two groups of 2 GPUs x 2; two of 4 GPUs x 8."""
@@ -81,7 +84,13 @@ def row(name: str, result) -> str:
             f"principles {verdicts}")
 
 
-def main() -> None:
+def figures(result) -> dict:
+    """What `row` prints, as numbers: collective bytes per device by link, compiled temporaries, the verdicts."""
+    return {**link_bytes(result), "temp_bytes": result.report.memory.temp_bytes,
+            "principles": {name: verdict["ok"] for name, verdict in result.principles.items()}}
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--d-model", type=int, default=512)
@@ -91,11 +100,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--meshes", default="1x2x4,2x2x2,2x4x8", help="comma-separated (data)x(gpu)x(xcd) names")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, help="write the figures as JSON here (rewritten after every mesh)")
+    args = parser.parse_args(argv)
     simulate_cpu_devices(64)
     example = load_example()
+    output = {"meta": harness.run_info(__file__, argv).as_dict(), "meshes": {}}
     for mesh_name in args.meshes.split(","):
         results = measure(example, mesh_name, args)
+        output["meshes"][mesh_name] = {name: figures(result) for name, result in results.items()}
+        harness.write_json(args.out, output)
         print(f"mesh {mesh_name} (data x gpu x xcd), train step, collective bytes per device per step:")
         for name, result in results.items():
             print(row(name, result))
@@ -108,7 +121,8 @@ def main() -> None:
                 for line in verdict["violations"][:2]:
                     print(f"  {name} {principle}: {line[:150]}")
     print(f"jax {jax.__version__}, CPU backend (reduce-scatters print as all-reduce + slice; bytes up to 2x a GPU's)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -27,6 +27,7 @@ from pathlib import Path
 from bench_kernels import flops, kernels, layout_mesh
 
 from starscream_jax.analysis.costmodel import matmul_seconds, measurements
+from starscream_jax.benchmarks import harness
 from starscream_jax.hardware.topology import Topology
 from starscream_jax.model.config import load_model_config
 from starscream_jax.sharding.layouts import get_layout
@@ -128,9 +129,10 @@ def plot(rows: list[dict], measured: list[dict], path: Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=None, help="write every row as JSON")
+    parser.add_argument("--out", type=Path, default=None, help="write every row as JSON, with the run's metadata")
     parser.add_argument("--plot", type=Path, default=None, help="draw the ratios against tokens")
     args = parser.parse_args(argv)
+    info = harness.run_info(__file__, argv)
     rows = [row for preset in PRESETS for row in sweep(preset)]
     table = summary(rows)
     print("MODEL PREDICTIONS: flat_tp / starscream_tp time per device (H200 shape efficiency; at peak in brackets)")
@@ -144,9 +146,8 @@ def main(argv=None) -> int:
                      and r["batch"] * r["seq"] == row["tokens"] and r["preset"] == PRESETS[0]]
         beside = f"  (MI300X CPX prediction {predicted[0]:.2f})" if predicted else ""
         print(f"  {row['kernel']:14} {row['tokens']:>7} tokens  {row['ratio']:.2f}{beside}")
-    if args.out:
-        args.out.write_text(json.dumps({"command": "python " + " ".join(sys.argv), "kind": "model predictions",
-                                        "summary": table, "rows": rows, "h200_measured": measured}, indent=1))
+    harness.write_json(args.out, {**info.as_dict(), "kind": "model predictions", "summary": table, "rows": rows,
+                                  "h200_measured": measured})
     if args.plot:
         plot(rows, measured, args.plot)
     return 0
