@@ -132,6 +132,7 @@ def step_rows(measured: list[dict]) -> list[dict]:
 
     from starscream_jax.analysis.compile import make_settings
     from starscream_jax.analysis.costmodel import estimate_step
+    from starscream_jax.analysis.json_form import to_json
     from starscream_jax.analysis.layout_report import inspect_layouts
     from starscream_jax.analysis.memory import memory_passes, reads_cache_in_place
     from starscream_jax.hardware.mesh import build_topology_mesh
@@ -150,9 +151,10 @@ def step_rows(measured: list[dict]) -> list[dict]:
         config = settings.config.replace(n_layers=settings.full_layers)
         in_place = current and reads_cache_in_place(topology.preset.chip, config.dtype)
         passes = memory_passes(config, case["layout"], mesh, settings.phase, settings.batch, settings.seq,
-                               result["memory_per_device"], settings.holds_cache_per_layer, in_place)
-        micro = estimate_step(result, topology, np.dtype(config.dtype).itemsize, passes)
-        estimate = micro.accumulated(micro_batches).to_dict()
+                               result.memory_per_device.persistent_parts(), settings.holds_cache_per_layer, in_place)
+        micro = estimate_step(result.matmuls, result.collectives, topology, np.dtype(config.dtype).itemsize, passes,
+                              phase=result.phase, tokens=result.estimate.tokens, full_layers=result.layers.full)
+        estimate = to_json(micro.accumulated(micro_batches))
         rows.append({**{k: case[k] for k in ("name", "model", "phase", "batch", "seq", "remat", "grad_accum",
                                              "scan_unroll", "mesh", "source", "role")},
                      "cache_per_layer": settings.holds_cache_per_layer, "cache_read_in_place": in_place,

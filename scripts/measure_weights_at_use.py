@@ -77,7 +77,7 @@ def link_bytes(result) -> dict[str, float]:
 def row(name: str, result) -> str:
     sent = link_bytes(result)
     memory = result.report.memory
-    verdicts = "/".join("ok" if v["ok"] else "FAIL" for v in result.principles.values())
+    verdicts = "/".join("ok" if v.ok else "FAIL" for _, v in result.principles.verdicts())
     return (f"  {name:<9} intra-GPU {format_bytes(sent['intra_gpu']):>10}  "
             f"inter-GPU {format_bytes(sent['inter_gpu']):>10}  of which flat {format_bytes(sent['flat']):>10}  "
             f"temp {format_bytes(memory.temp_bytes):>10}  "
@@ -87,7 +87,7 @@ def row(name: str, result) -> str:
 def figures(result) -> dict:
     """What `row` prints, as numbers: collective bytes per device by link, compiled temporaries, the verdicts."""
     return {**link_bytes(result), "temp_bytes": result.report.memory.temp_bytes,
-            "principles": {name: verdict["ok"] for name, verdict in result.principles.items()}}
+            "principles": {name: verdict.ok for name, verdict in result.principles.verdicts()}}
 
 
 def main(argv=None) -> int:
@@ -117,8 +117,8 @@ def main(argv=None) -> int:
             if gathered[scope]:
                 print(f"  plain / gathered, {scope}: {plain[scope] / gathered[scope]:.2f}x")
         for name, result in results.items():
-            for principle, verdict in result.principles.items():
-                for line in verdict["violations"][:2]:
+            for principle, verdict in result.principles.verdicts():
+                for line in verdict.violations[:2]:
                     print(f"  {name} {principle}: {line[:150]}")
     print(f"jax {jax.__version__}, CPU backend (reduce-scatters print as all-reduce + slice; bytes up to 2x a GPU's)")
     return 0

@@ -140,7 +140,7 @@ def test_the_flax_example_scripts_train_and_pass_the_check():
         losses, verdict = example.main(steps=3)
         assert losses[-1] < losses[0], example.__name__
         assert verdict.ok, (example.__name__, verdict.principles)
-        assert verdict.reference == "gpu_tp" and not verdict.principles["shape_preservation"]["unpaired"]
+        assert verdict.reference == "gpu_tp" and not verdict.principles.shape_preservation.unpaired
 
 
 gspmd_gpt = load_example("gspmd_gpt")  # the model file imports nothing of this library
@@ -216,12 +216,12 @@ def test_the_unedited_gspmd_model_trains_and_check_names_what_propagation_left_f
     losses, verdicts, _ = gspmd_verdicts
     assert losses[-1] < losses[0]
     tp, fsdp, flat = verdicts["starscream_tp"], verdicts["starscream_fsdp"], verdicts["flat_tp"]
-    assert tp.principles["shape_preservation"]["ok"] and tp.principles["no_redundancy"]["ok"]
+    assert tp.principles.shape_preservation.ok and tp.principles.no_redundancy.ok
     assert [c.kind for c in flat_collectives(tp)] == ["collective-permute"]
-    assert "_take" in tp.principles["hierarchical_collectives"]["violations"][0]
-    assert fsdp.principles["shape_preservation"]["ok"] and fsdp.principles["no_redundancy"]["ok"]
-    assert not fsdp.principles["hierarchical_collectives"]["ok"]
-    assert not flat.principles["shape_preservation"]["ok"] and not flat.principles["hierarchical_collectives"]["ok"]
+    assert "_take" in tp.principles.hierarchical_collectives.violations[0]
+    assert fsdp.principles.shape_preservation.ok and fsdp.principles.no_redundancy.ok
+    assert not fsdp.principles.hierarchical_collectives.ok
+    assert not flat.principles.shape_preservation.ok and not flat.principles.hierarchical_collectives.ok
     assert flat.report.bytes_by_scope()["flat"] > 10 * fsdp.report.bytes_by_scope()["flat"]
     assert [advice.fix for advice in tp.advice] == ["look the tokens up with embed_lookup(table, tokens)"]
     assert "embed_lookup" in tp.table()

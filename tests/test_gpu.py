@@ -295,7 +295,8 @@ def test_starscream_tp_step_keeps_the_three_principles_on_the_gpus():
     report, reference = train_step_report("starscream_tp"), train_step_report("gpu_tp")
     verdicts = check_principles(report, reference, replicated_ok=norm_scales, large_bytes=SMALL_BYTES)
     for principle in ("no_redundancy", "hierarchical_collectives"):
-        assert verdicts[principle]["ok"], f"{principle}:\n" + "\n".join(verdicts[principle]["violations"])
+        verdict = getattr(verdicts, principle)
+        assert verdict.ok, f"{principle}:\n" + "\n".join(verdict.violations)
     assert shrunk_ops("starscream_tp") == []
 
 
@@ -317,5 +318,5 @@ def test_flat_tp_step_visibly_breaks_the_principles():
     verdicts = check_principles(train_step_report("flat_tp"), train_step_report("gpu_tp"),
                                 replicated_ok=norm_scales, large_bytes=SMALL_BYTES)
     assert shrunk_ops("flat_tp")
-    assert not verdicts["no_redundancy"]["ok"]
-    assert verdicts["hierarchical_collectives"]["ok"] == (mesh.shape["gpu"] == 1), verdicts
+    assert not verdicts.no_redundancy.ok
+    assert verdicts.hierarchical_collectives.ok == (mesh.shape["gpu"] == 1), verdicts

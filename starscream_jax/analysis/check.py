@@ -259,13 +259,13 @@ def format_check(result: StepCheck) -> str:
     labels = {"shape_preservation": "1 kernel shapes", "no_redundancy": f"2 no redundancy over {XCD}",
               "hierarchical_collectives": "3 hierarchical collectives"}
     for key, label in labels.items():
-        verdict = result.principles[key]
-        rows.append((f"  {label}", "ok" if verdict["ok"] else f"FAIL ({len(verdict['violations'])})"))
+        verdict = getattr(result.principles, key)
+        rows.append((f"  {label}", "ok" if verdict.ok else f"FAIL ({len(verdict.violations)})"))
     width = max(len(label) for label, _ in rows)
     lines = [f"step under {result.layout} on mesh {axes}", ""]
     lines += [clip(f"{label:<{width}}  {cell}".rstrip(), LINE_WIDTH) for label, cell in rows]
     for key in labels:
-        violations = result.principles[key]["violations"]
+        violations = getattr(result.principles, key).violations
         if violations:
             lines.append(f"{key}: {len(violations)} violation(s), e.g.")
             lines += [clip(f"  {line}", LINE_WIDTH) for line in violations[:SHOWN_VIOLATIONS]]

@@ -48,12 +48,12 @@ import dataclasses
 import functools
 import json
 import math
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
 from ..resources import data_dir
-from .report import SCOPES
+from .report import SCOPES, CollectiveReport, MatmulReport
 
 LINK_SCOPES = tuple(scope for scope in SCOPES if scope != "local")
 """The scopes whose collectives cross a link (a collective of one member costs nothing)."""
@@ -76,6 +76,8 @@ class StepEstimate:
     memory passes by kind (`memory.memory_passes`, priced; "accumulate" counts only with several micro-batches)
     and collective time by scope; `tokens` is what one step
     processes across the mesh, `micro_batches` how many micro-steps it runs."""
+
+    JSON_PROPERTIES = ("total_communication_s", "total_passes_s", "serial_s", "overlapped_s", "tokens_per_s")
 
     compute_s: float
     memory_bound_s: float
@@ -116,15 +118,6 @@ class StepEstimate:
         return StepEstimate(n * self.compute_s, n * self.memory_bound_s,
                             {scope: n * seconds for scope, seconds in self.communication_s.items()}, n * self.tokens,
                             passes, n)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> StepEstimate:
-        return cls(**{field.name: values[field.name] for field in dataclasses.fields(cls) if field.name in values})
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "total_communication_s": self.total_communication_s,
-                "total_passes_s": self.total_passes_s, "serial_s": self.serial_s, "overlapped_s": self.overlapped_s,
-                "tokens_per_s": self.tokens_per_s}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,54 +188,54 @@ def matmul_work(batch: int, m: int, k: int, n: int, itemsize: int) -> tuple[int,
     return 2 * batch * m * k * n, itemsize * batch * (m * k + k * n + m * n)
 
 
-def matmul_seconds(matmul: dict[str, Any], peak_flops: float, hbm_bandwidth: float, itemsize: int,
+def matmul_seconds(matmul: MatmulReport, peak_flops: float, hbm_bandwidth: float, itemsize: int,
                    measured: Measurements | None = None) -> float:
-    """Roofline seconds of one run of a local matmul {"batch", "m", "k", "n"} on one partition: max(FLOPs / peak,
+    """Roofline seconds of one run of a local matmul (its batch, M, K and N) on one partition: max(FLOPs / peak,
     bytes / `hbm_bandwidth`); with `measured`, a matmul above the ridge point runs at the measured efficiency of its
     shape (one below it streams its bytes: the measured small shapes time the host's dispatch, not the kernel)."""
-    flops, moved = matmul_work(matmul["batch"], matmul["m"], matmul["k"], matmul["n"], itemsize)
+    flops, moved = matmul_work(matmul.batch, matmul.m, matmul.k, matmul.n, itemsize)
     if measured is not None and flops / moved >= peak_flops / hbm_bandwidth:
-        peak_flops *= measured.efficiency(matmul["batch"] * matmul["m"], matmul["k"], matmul["n"])
+        peak_flops *= measured.efficiency(matmul.batch * matmul.m, matmul.k, matmul.n)
     return max(flops / peak_flops, moved / hbm_bandwidth)
 
 
-def collective_seconds(collective: dict[str, Any], cost: LinkCost, measured: Measurements | None) -> float:
+def collective_seconds(collective: CollectiveReport, cost: LinkCost, measured: Measurements | None) -> float:
     """Seconds of one run of a collective: its ring bytes per device over the bus bandwidth measured for its kind
     and buffer size (between GPUs, where measured), else the scope's latency floor plus bytes over its bandwidth."""
     bandwidth = None
-    if measured is not None and collective["scope"] != "intra_gpu":
-        bandwidth = measured.bus_bandwidth(collective["kind"], collective["buffer_bytes"])
+    if measured is not None and collective.scope != "intra_gpu":
+        bandwidth = measured.bus_bandwidth(collective.kind, collective.buffer_bytes)
     if bandwidth is None:
-        return cost.seconds(collective["bytes_per_device"])
-    return max(cost.latency, collective["bytes_per_device"] / bandwidth)
+        return cost.seconds(collective.bytes_per_device)
+    return max(cost.latency, collective.bytes_per_device / bandwidth)
 
 
-def estimate_step(result: dict[str, Any], topology, itemsize: int,
-                  passes: dict[str, float] | None = None) -> StepEstimate:
-    """The StepEstimate of one layout's result from `starscream inspect` (`layout_report.layout_result`): its
-    matmuls and its collectives (with their scope) with their runs in the full-depth step, and the step's memory
-    `passes` ({kind: bytes per device}, `memory.memory_passes`). `itemsize`: bytes per element of the compute
-    dtype."""
+def estimate_step(matmuls: Sequence[MatmulReport], collectives: Sequence[CollectiveReport], topology, itemsize: int,
+                  passes: dict[str, float] | None = None, *, phase: str, tokens: int,
+                  full_layers: int) -> StepEstimate:
+    """The StepEstimate of one layout's full-depth step (`layout_report.layout_result`): its `matmuls` and its
+    `collectives` (with their scope), each with its runs in the full-depth step (`full_depth_runs`), and the step's
+    memory `passes` ({kind: bytes per device}, `memory.memory_passes`); `tokens` is what one step processes across
+    the mesh, `full_layers` the model's depth. `itemsize`: bytes per element of the compute dtype."""
     compute = memory_bound = 0.0
     measured = measurements(topology.preset.chip.name)
     rate = hbm_rate(topology, measured)
     passes_s = {kind: moved / rate for kind, moved in (passes or {}).items()}
     if "layers" in passes_s and measured is not None and measured.layer_floor:
-        runs = result["layers"]["full"] * (3 if result["phase"] == "train" else 1)
+        runs = full_layers * (3 if phase == "train" else 1)
         passes_s["layers"] = max(passes_s["layers"], runs * measured.layer_floor)
-    for matmul in result["matmuls"]:
+    for matmul in matmuls:
         seconds = matmul_seconds(matmul, topology.peak_flops, rate, itemsize, measured)
-        compute += seconds * matmul["full_depth_runs"]
-        if matmul["below_ridge"]:
-            memory_bound += seconds * matmul["full_depth_runs"]
+        compute += seconds * matmul.full_depth_runs
+        if matmul.below_ridge:
+            memory_bound += seconds * matmul.full_depth_runs
     costs = link_costs(topology)
     communication = dict.fromkeys(LINK_SCOPES, 0.0)
-    for collective in result["collectives"]:
-        if collective["scope"] == "local":
+    for collective in collectives:
+        if collective.scope == "local":
             continue
-        scope = collective["scope"]
-        communication[scope] += collective["full_depth_runs"] * collective_seconds(collective, costs[scope], measured)
-    tokens = result["batch"] * (1 if result["phase"] == "decode" else result["seq"])
+        scope = collective.scope
+        communication[scope] += collective.full_depth_runs * collective_seconds(collective, costs[scope], measured)
     return StepEstimate(compute, memory_bound, communication, tokens, passes_s)
 
 

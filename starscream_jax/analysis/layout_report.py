@@ -1,4 +1,4 @@
-"""One layout's compiled step, read and judged: the JSON-ready result that `starscream inspect` prints and `plan` ranks.
+"""One layout's compiled step, read and judged: the `LayoutResult` that `starscream inspect` prints and `plan` ranks.
 
 For each layout of `Settings` (and gpu_tp, the reference for kernel shapes, compiled as well and shown only when
 asked for) the step is compiled (`compile`), read (`report.inspect_compiled`) and judged (`principles`); the result
@@ -32,12 +32,11 @@ import hashlib
 import json
 import math
 from pathlib import Path
-from typing import Any
-
 import jax
 import numpy as np
 from flax import nnx
 
+from ..compiled_memory import MemoryReport
 from ..errors import ShardingRuleError
 from ..hardware.axes import XCD, spec_axes
 from ..model.names import TOKENS
@@ -56,16 +55,14 @@ from .compile import (
     cache_length,
     compile_step,
 )
-from .costmodel import estimate_step, matmul_work
+from .costmodel import StepEstimate, estimate_step, matmul_work
+from .json_form import from_json, to_json
 from .memory import memory_passes, reads_cache_in_place
-from .principles import check_principles, reads_once_per_gpu
-from .report import SCOPES, inspect_compiled
-
-PRINCIPLES = ("shape_preservation", "no_redundancy", "hierarchical_collectives")
-
+from .principles import Principles, check_principles, reads_once_per_gpu
+from .report import SCOPES, ActivationReport, CollectiveReport, InputReport, MatmulReport, inspect_compiled
 
 def inspect_layouts(settings: Settings, topology, mesh, refused: dict[str, str] | None = None,
-                    cache: ResultCache | None = None, reference: bool = True) -> dict[str, dict]:
+                    cache: ResultCache | None = None, reference: bool = True) -> dict[str, LayoutResult]:
     """Compile every layout of `settings` and gpu_tp on `mesh`; {layout name: result} (see `layout_result`).
 
     A layout that cannot place the model on the mesh raises its ShardingRuleError, unless `refused` is given: then
@@ -119,7 +116,7 @@ def _source_digest() -> str:
     return digest.hexdigest()
 
 
-def _canonical(value) -> Any:
+def _canonical(value) -> list | str:
     """A key's value JSON cannot write, the same in every process: sets sorted (their order follows the process's
     string hashing), anything else as text."""
     return sorted(value) if isinstance(value, (set, frozenset)) else str(value)
@@ -146,15 +143,15 @@ class ResultCache:
                          sort_keys=True, default=_canonical)
         return self.directory / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
-    def get(self, settings: Settings, topology, mesh, layout: str) -> dict | None:
+    def get(self, settings: Settings, topology, mesh, layout: str) -> LayoutResult | None:
         path = self._path(settings, topology, mesh, layout)
-        return json.loads(path.read_text()) if path.is_file() else None
+        return from_json(LayoutResult, json.loads(path.read_text())) if path.is_file() else None
 
-    def put(self, settings: Settings, topology, mesh, layout: str, result: dict) -> None:
+    def put(self, settings: Settings, topology, mesh, layout: str, result: LayoutResult) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self._path(settings, topology, mesh, layout)
         partial = path.with_suffix(".tmp")
-        partial.write_text(json.dumps(result))
+        partial.write_text(json.dumps(to_json(result)))
         partial.replace(path)
 
 
@@ -197,63 +194,162 @@ class Depth:
         return runs * (1 - share) + runs * share * self.full / self.compiled
 
 
-def layout_result(settings: Settings, topology, mesh, step: CompiledStep, report, reference) -> dict[str, Any]:
-    """The JSON-ready result of one layout: settings, mesh, principles, bytes, memory, collectives, matmuls, inputs,
-    outputs, activations, and the cost model's estimate of the full-depth step (`costmodel.estimate_step`)."""
+@dataclasses.dataclass(frozen=True)
+class LayerCounts:
+    """The layers compiled and the model's full depth."""
+
+    compiled: int
+    full: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshShape:
+    """The mesh's axis names, outermost first, and their sizes."""
+
+    axes: tuple[str, ...]
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkBytes:
+    """Bytes one device sends per step over the links: inter_gpu (every byte over inter-GPU links, flat and unknown
+    included), intra_gpu, and the flat and unknown parts alone."""
+
+    inter_gpu: float
+    intra_gpu: float
+    flat: float
+    unknown: float
+
+    @classmethod
+    def of(cls, by_scope: dict[str, float]) -> LinkBytes:
+        """The link totals of bytes by collective scope (`report.SCOPES`)."""
+        return cls(by_scope["inter_gpu"] + by_scope["inter_node"] + by_scope["flat"] + by_scope["unknown"],
+                   by_scope["intra_gpu"], by_scope["flat"], by_scope["unknown"])
+
+
+@dataclasses.dataclass(frozen=True)
+class BytesPerDevice(LinkBytes):
+    """Bytes one device sends per full-depth step (the link totals, and `by_scope`), per layer and outside the layer
+    loop."""
+
+    by_scope: dict[str, float]
+    per_layer: LinkBytes
+    outside_layers: LinkBytes
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory(MemoryReport):
+    """XLA's memory analysis of the compiled program, which holds `layers` layers."""
+
+    layers: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPerDevice:
+    """Persistent bytes per device at full depth (params, optimizer state, KV cache and their sum, from the
+    shardings of the full-depth model), the preset's HBM per device, and the compiled program's memory analysis at
+    the compiled depth (None when the backend gives none)."""
+
+    params: float
+    optimizer_state: float
+    kv_cache: float
+    persistent: float
+    hbm: float
+    compiled: CompiledMemory | None
+
+    def persistent_parts(self) -> dict[str, float]:
+        """{params, optimizer_state, kv_cache}: the form `memory.gpu_memory` and `memory.memory_passes` read."""
+        return {"params": self.params, "optimizer_state": self.optimizer_state, "kv_cache": self.kv_cache}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelIntensity:
+    """The local matmuls' intensity at the compute `dtype` (FLOP/B): the smallest, the FLOP-weighted mean and the
+    share of FLOPs below the preset's `ridge_point`, each matmul weighted by its full-depth runs (None without
+    matmuls)."""
+
+    dtype: str
+    ridge_point: float
+    smallest: float | None
+    flop_weighted: float | None
+    below_ridge_flop_share: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutResult:
+    """One layout's compiled step on a mesh, read and judged (see the module): what was compiled (`layout` as asked,
+    `placement` the layout that placed it, fitted to the batch where it had to be), the verdicts, bytes, memory,
+    the program's collectives and matmuls with their full-depth runs, its inputs, outputs and activations, and the
+    cost model's estimate of the full-depth step. `to_json` / `from_json` (`json_form`) write and read it."""
+
+    layout: str
+    placement: str
+    description: str
+    model: str
+    preset: str
+    phase: str
+    paged: bool
+    batch: int
+    seq: int
+    layers: LayerCounts
+    tokens_per_device: int | None
+    mesh: MeshShape
+    principles: Principles
+    bytes_per_device: BytesPerDevice
+    collectives_per_layer: dict[str, float]
+    memory_per_device: MemoryPerDevice
+    kernel_intensity: KernelIntensity
+    collectives: tuple[CollectiveReport, ...]
+    matmuls: tuple[MatmulReport, ...]
+    inputs: tuple[InputReport, ...]
+    outputs: tuple[InputReport, ...]
+    activations: tuple[ActivationReport, ...]
+    estimate: StepEstimate
+
+
+def layout_result(settings: Settings, topology, mesh, step: CompiledStep, report, reference) -> LayoutResult:
+    """The result of one layout: settings, mesh, principles, bytes, memory, collectives, matmuls, inputs, outputs,
+    activations, and the cost model's estimate of the full-depth step (`costmodel.estimate_step`)."""
     itemsize = np.dtype(settings.config.dtype).itemsize
     depth = Depth(settings.layers, settings.full_layers, step.loop_ops)
-    matmuls = [matmul_entry(m, depth, itemsize, topology.ridge_point) for m in report.matmuls]
+    matmuls = tuple(priced_matmul(m, depth, settings.config.dtype, topology.ridge_point) for m in report.matmuls)
+    collectives = tuple(dataclasses.replace(c, in_layer_loop=c.name in step.loop_ops,
+                                            full_depth_runs=depth.full_depth(c.name, c.count))
+                        for c in report.collectives)
     memory = memory_per_device(settings, step.layout, mesh, report.memory, topology.hbm_bytes)
-    result = {
-        "layout": step.name,
-        "placement": step.layout.name,
-        "description": step.layout.description,
-        "model": settings.config.name,
-        "preset": topology.preset.name,
-        "phase": settings.phase,
-        "paged": settings.paged,
-        "batch": settings.batch,
-        "seq": settings.seq,
-        "layers": {"compiled": settings.layers, "full": settings.full_layers},
-        "tokens_per_device": report.tokens_per_device,
-        "mesh": {"axes": list(mesh.axis_names), "shape": list(mesh.devices.shape)},
-        "principles": principles(settings, step, report, reference, mesh.shape[XCD]),
-        "bytes_per_device": bytes_per_device(report.collectives, depth),
-        "collectives_per_layer": collectives_per_layer(report.collectives, depth),
-        "memory_per_device": memory,
-        "kernel_intensity": kernel_intensity(matmuls, topology.ridge_point, settings.config.dtype),
-        "collectives": [{**dataclasses.asdict(c), "in_layer_loop": c.name in step.loop_ops,
-                         "full_depth_runs": depth.full_depth(c.name, c.count)} for c in report.collectives],
-        "matmuls": matmuls,
-        "inputs": [dataclasses.asdict(entry) for entry in report.inputs],
-        "outputs": [dataclasses.asdict(entry) for entry in report.outputs],
-        "activations": [dataclasses.asdict(entry) for entry in report.activations],
-    }
     passes = memory_passes(settings.config.replace(n_layers=settings.full_layers), step.layout, mesh, settings.phase,
-                           settings.batch, step_tokens(settings, step, mesh)[1], memory, settings.holds_cache_per_layer,
-                           reads_cache_in_place(topology.preset.chip, settings.config.dtype))
-    result["estimate"] = estimate_step(result, topology, itemsize, passes).to_dict()
-    return result
+                           settings.batch, step_tokens(settings, step, mesh)[1], memory.persistent_parts(),
+                           settings.holds_cache_per_layer, reads_cache_in_place(topology.preset.chip,
+                                                                                settings.config.dtype))
+    tokens = settings.batch * (1 if settings.phase == "decode" else settings.seq)
+    return LayoutResult(
+        layout=step.name, placement=step.layout.name, description=step.layout.description,
+        model=settings.config.name, preset=topology.preset.name, phase=settings.phase, paged=settings.paged,
+        batch=settings.batch, seq=settings.seq, layers=LayerCounts(settings.layers, settings.full_layers),
+        tokens_per_device=report.tokens_per_device,
+        mesh=MeshShape(tuple(mesh.axis_names), tuple(mesh.devices.shape)),
+        principles=principles(settings, step, report, reference, mesh.shape[XCD]),
+        bytes_per_device=bytes_per_device(report.collectives, depth),
+        collectives_per_layer=collectives_per_layer(report.collectives, depth),
+        memory_per_device=memory,
+        kernel_intensity=kernel_intensity(matmuls, topology.ridge_point, settings.config.dtype),
+        collectives=collectives, matmuls=matmuls, inputs=tuple(report.inputs), outputs=tuple(report.outputs),
+        activations=tuple(report.activations),
+        estimate=estimate_step(matmuls, collectives, topology, itemsize, passes, phase=settings.phase,
+                               tokens=tokens, full_layers=settings.full_layers))
 
 
-def _link_totals(by_scope: dict[str, float]) -> dict[str, float]:
-    """inter_gpu (every byte over inter-GPU links, flat and unknown included), intra_gpu, flat and unknown, from bytes
-    by scope."""
-    return {"inter_gpu": by_scope["inter_gpu"] + by_scope["inter_node"] + by_scope["flat"] + by_scope["unknown"],
-            "intra_gpu": by_scope["intra_gpu"], "flat": by_scope["flat"], "unknown": by_scope["unknown"]}
-
-
-def bytes_per_device(collectives, depth: Depth) -> dict[str, Any]:
-    """Bytes one device sends per step, at full depth (inter_gpu, intra_gpu, flat, by_scope), per layer and outside
-    the layer loop."""
+def bytes_per_device(collectives, depth: Depth) -> BytesPerDevice:
+    """Bytes one device sends per step, at full depth (the link totals and by scope), per layer and outside the
+    layer loop."""
     full, per_layer = dict.fromkeys(SCOPES, 0.0), dict.fromkeys(SCOPES, 0.0)
     for collective in collectives:
         sent = collective.bytes_per_device * collective.count
         full[collective.scope] += depth.full_depth(collective.name, sent)
         per_layer[collective.scope] += depth.per_layer(collective.name, sent)
     outside = {scope: full[scope] - depth.full * per_layer[scope] for scope in SCOPES}
-    return {**_link_totals(full), "by_scope": full, "per_layer": _link_totals(per_layer),
-            "outside_layers": _link_totals(outside)}
+    return BytesPerDevice(**dataclasses.asdict(LinkBytes.of(full)), by_scope=full,
+                          per_layer=LinkBytes.of(per_layer), outside_layers=LinkBytes.of(outside))
 
 
 def collectives_per_layer(collectives, depth: Depth) -> dict[str, float]:
@@ -264,7 +360,8 @@ def collectives_per_layer(collectives, depth: Depth) -> dict[str, float]:
     return counts
 
 
-def memory_per_device(settings: Settings, layout, mesh, compiled_memory, hbm_bytes: float) -> dict[str, Any]:
+def memory_per_device(settings: Settings, layout, mesh, compiled_memory: MemoryReport | None,
+                      hbm_bytes: float) -> MemoryPerDevice:
     """Persistent bytes per device at full depth (params, optimizer state, KV cache, from the shardings of the
     full-depth model) and the compiled program's memory analysis at the compiled depth."""
     full_model = settings.config.replace(n_layers=settings.full_layers)
@@ -275,44 +372,37 @@ def memory_per_device(settings: Settings, layout, mesh, compiled_memory, hbm_byt
     cache = None if settings.phase == "train" else abstract_cache(full_model, layout, mesh, settings.batch, length)
     groups = {"params": args.params, "optimizer_state": getattr(args, "opt_state", None), "kv_cache": cache}
     persistent = {name: sum(_shard_bytes(leaf) for leaf in jax.tree.leaves(tree)) for name, tree in groups.items()}
-    compiled = None if compiled_memory is None else {"layers": settings.layers,
-                                                      **dataclasses.asdict(compiled_memory)}
-    return {**persistent, "persistent": sum(persistent.values()), "hbm": hbm_bytes, "compiled": compiled}
+    compiled = None if compiled_memory is None else CompiledMemory(**dataclasses.asdict(compiled_memory),
+                                                                   layers=settings.layers)
+    return MemoryPerDevice(**persistent, persistent=sum(persistent.values()), hbm=hbm_bytes, compiled=compiled)
 
 
 def _shard_bytes(leaf) -> int:
     return math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
 
 
-def matmul_entry(matmul, depth: Depth, itemsize: int, ridge_point: float) -> dict[str, Any]:
-    """One local matmul for the JSON: op name (and whether XLA left it unnamed, see `hlo`), shape, runs, FLOPs,
-    intensity at the compute dtype, below the ridge or not."""
-    m, k, n = matmul.m, matmul.k, matmul.n
-    flops, moved = matmul_work(1, m, k, n, itemsize)
+def priced_matmul(matmul: MatmulReport, depth: Depth, dtype: str, ridge_point: float) -> MatmulReport:
+    """One local matmul as a layout's result holds it: its bytes and intensity at the compute `dtype`, below the
+    preset's ridge point or not, whether it runs in the layer loop and its runs in the full-depth step."""
+    flops, moved = matmul_work(matmul.batch, matmul.m, matmul.k, matmul.n, np.dtype(dtype).itemsize)
     intensity = flops / moved
-    return {"name": matmul.name, "op_name": matmul.op_name, "inferred_name": matmul.inferred_name,
-            "batch": matmul.batch, "m": m, "k": k, "n": n,
-            "count": matmul.count, "flops": matmul.flops, "intensity": intensity,
-            "below_ridge": intensity < ridge_point, "in_layer_loop": matmul.name in depth.loop_ops,
-            "full_depth_runs": depth.full_depth(matmul.name, matmul.count)}
+    return dataclasses.replace(matmul, dtype=dtype, bytes=moved, intensity=intensity,
+                               below_ridge=intensity < ridge_point, in_layer_loop=matmul.name in depth.loop_ops,
+                               full_depth_runs=depth.full_depth(matmul.name, matmul.count))
 
 
-def kernel_intensity(matmuls: list[dict], ridge_point: float, dtype: str) -> dict[str, Any]:
+def kernel_intensity(matmuls: tuple[MatmulReport, ...], ridge_point: float, dtype: str) -> KernelIntensity:
     """Smallest and FLOP-weighted intensity of the local matmuls and the share of their FLOPs below the ridge point,
     each matmul weighted by its runs in the full-depth step."""
-    weights = [m["flops"] * m["full_depth_runs"] for m in matmuls]
+    weights = [m.flops * m.full_depth_runs for m in matmuls]
     total = sum(weights)
-    return {
-        "dtype": dtype,
-        "ridge_point": ridge_point,
-        "smallest": min((m["intensity"] for m in matmuls), default=None),
-        "flop_weighted": sum(w * m["intensity"] for w, m in zip(weights, matmuls)) / total if total else None,
-        "below_ridge_flop_share": sum(w for w, m in zip(weights, matmuls) if m["below_ridge"]) / total
-        if total else None,
-    }
+    return KernelIntensity(
+        dtype=dtype, ridge_point=ridge_point, smallest=min((m.intensity for m in matmuls), default=None),
+        flop_weighted=sum(w * m.intensity for w, m in zip(weights, matmuls)) / total if total else None,
+        below_ridge_flop_share=sum(w for w, m in zip(weights, matmuls) if m.below_ridge) / total if total else None)
 
 
-def principles(settings: Settings, step: CompiledStep, report, reference, partitions: int) -> dict[str, dict]:
+def principles(settings: Settings, step: CompiledStep, report, reference, partitions: int) -> Principles:
     """The three verdicts. Replicated inputs are allowed for parameters (and their optimizer state) whose logical
     names include one of the layout's `replicated_ok` names. A copy of the layer stack (the weights with a `layers`
     axis, their optimizer state, the KV cache) is large against what the layer stack holds, any other against the
@@ -322,7 +412,8 @@ def principles(settings: Settings, step: CompiledStep, report, reference, partit
                | replicated_ok_names(step.outputs, step.layout.replicated_ok, prefix="output/"))
     verdicts = check_principles(report, reference, replicated_ok=allowed, layer_stack=layer_stack_names(step))
     if settings.phase == "decode" and reference is not None:
-        verdicts["shape_preservation"] = reads_once_per_gpu(report.matmuls, reference.matmuls, partitions)
+        verdicts = dataclasses.replace(verdicts, shape_preservation=reads_once_per_gpu(report.matmuls,
+                                                                                       reference.matmuls, partitions))
     return verdicts
 
 

@@ -42,7 +42,7 @@ from ..model.config import REMAT_POLICIES, ModelConfig
 from ..model.heads import padded_heads
 from ..sharding.apply import batch_sharding
 from .compile import Settings
-from .costmodel import StepEstimate
+from .json_form import to_json
 from .format import format_bytes
 from .layout_report import ResultCache, inspect_layouts, memory_per_device
 from .memory import gpu_memory, matmul_flops
@@ -161,7 +161,7 @@ def _sized(settings: Settings, topology, mesh, base: Candidate) -> list[dict]:
     training = settings.phase == "train"
     entries = []
     try:
-        persistent = memory_per_device(settings, base.layout, mesh, None, topology.hbm_bytes)
+        persistent = memory_per_device(settings, base.layout, mesh, None, topology.hbm_bytes).persistent_parts()
     except ShardingRuleError as err:
         return [_entry(base, "cannot place", str(err))]
     full_model = settings.config.replace(n_layers=settings.full_layers)
@@ -255,16 +255,9 @@ def _compile(settings: Settings, topology, mesh, entry: dict, cache) -> None:
         entry.update(status="cannot place", reason=refused[candidate.layout])
         return
     result = results[candidate.layout]
-    entry["estimate"] = accumulated(result["estimate"], candidate.micro_batches)
-    entry["principles"] = {name: result["principles"][name]["ok"] for name in JUDGED}
-    entry["copied_bytes"] = result["principles"]["no_redundancy"]["copied_bytes"]
-
-
-def accumulated(estimate: dict, micro_batches: int) -> dict:
-    """A micro-step's estimate (`StepEstimate.to_dict`) as the step of `micro_batches` of them
-    (`StepEstimate.accumulated`: n micro-steps, n gradient additions, one optimizer update); tokens per step
-    multiply too."""
-    return StepEstimate.from_dict(estimate).accumulated(micro_batches).to_dict()
+    entry["estimate"] = to_json(result.estimate.accumulated(candidate.micro_batches))
+    entry["principles"] = {name: getattr(result.principles, name).ok for name in JUDGED}
+    entry["copied_bytes"] = to_json(result.principles.no_redundancy.copied_bytes)
 
 
 def _rank(compiled: list[dict]) -> None:

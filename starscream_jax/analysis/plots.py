@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..hardware.mesh import device_table
+from .layout_report import LayoutResult
 from .report import SCOPES
 
 GIB = 2 ** 30
@@ -77,17 +78,17 @@ def plot_topology(topology, mesh, path: Path | str) -> Path:
 
 # ---- layouts --------------------------------------------------------------------------------------------------------
 
-def traffic_matrix(result: dict, devices: int) -> np.ndarray:
+def traffic_matrix(result: LayoutResult, devices: int) -> np.ndarray:
     """[devices, devices] bytes device i sends device j in one full-depth step (partition ids in mesh order), from
     the collectives of one `inspect` result."""
     matrix = np.zeros((devices, devices))
-    for collective in result["collectives"]:
-        sent = collective["bytes_per_device"] * collective["full_depth_runs"]
-        if collective["kind"] == "collective-permute":
-            for source, target in collective["groups"]:
+    for collective in result.collectives:
+        sent = collective.bytes_per_device * collective.full_depth_runs
+        if collective.kind == "collective-permute":
+            for source, target in collective.groups:
                 matrix[source, target] += sent
             continue
-        for group in collective["groups"]:
+        for group in collective.groups:
             for source in group:
                 for target in group:
                     if source != target:
@@ -95,27 +96,27 @@ def traffic_matrix(result: dict, devices: int) -> np.ndarray:
     return matrix
 
 
-def roofline_points(result: dict, peak_flops: float, hbm_bandwidth: float) -> list[dict[str, float]]:
+def roofline_points(result: LayoutResult, peak_flops: float, hbm_bandwidth: float) -> list[dict[str, float]]:
     """Each local matmul as {"name", "intensity" (FLOP/B), "attainable" (FLOP/s: min(peak, intensity x HBM
     bandwidth)), "flops" (in the full-depth step)}."""
-    return [{"name": m["name"], "intensity": m["intensity"],
-             "attainable": min(peak_flops, m["intensity"] * hbm_bandwidth), "flops": m["flops"] * m["full_depth_runs"]}
-            for m in result["matmuls"]]
+    return [{"name": m.name, "intensity": m.intensity,
+             "attainable": min(peak_flops, m.intensity * hbm_bandwidth), "flops": m.flops * m.full_depth_runs}
+            for m in result.matmuls]
 
 
-def layout_plot_data(results: dict[str, dict], mesh, topology) -> dict[str, dict]:
+def layout_plot_data(results: dict[str, LayoutResult], mesh, topology) -> dict[str, dict]:
     """Per layout: "traffic" (the device x device matrix), "gpu_boundaries" (the partition indices where a new GPU
     starts), "by_scope" (bytes per device per step) and "roofline" (points, "ridge_point", "peak_flops")."""
     devices, partitions = mesh.devices.size, mesh.devices.shape[-1]
     return {name: {"traffic": traffic_matrix(result, devices),
                    "gpu_boundaries": list(range(partitions, devices, partitions)),
-                   "by_scope": {scope: result["bytes_per_device"]["by_scope"][scope] for scope in SCOPES},
+                   "by_scope": {scope: result.bytes_per_device.by_scope[scope] for scope in SCOPES},
                    "roofline": {"points": roofline_points(result, topology.peak_flops, topology.hbm_bandwidth),
                                 "ridge_point": topology.ridge_point, "peak_flops": topology.peak_flops}}
             for name, result in results.items()}
 
 
-def plot_layouts(results: dict[str, dict], mesh, topology, path: Path | str) -> Path:
+def plot_layouts(results: dict[str, LayoutResult], mesh, topology, path: Path | str) -> Path:
     """One column per layout: traffic heatmap (GPU boundaries drawn), bytes by scope, roofline."""
     data = layout_plot_data(results, mesh, topology)
     pyplot = _pyplot()

@@ -20,16 +20,89 @@ from .report import AttentionReport, MatmulReport, Report, inspect_compiled, is_
 
 
 @dataclasses.dataclass(frozen=True)
-class Check:
-    """What `check_compiled` found: the program's Report and the three verdicts (see `check_principles`)."""
+class AttentionRatio:
+    """Principle 1 for attention alone: the layout's figure over the reference's (work per token, or for decode K/V
+    reads per GPU) at its worst across the attention ops both have, and whether it passes; both None when there is
+    nothing to compare."""
 
-    report: Report
-    principles: dict[str, dict[str, Any]]
+    ratio: float | None = None
+    ok: bool | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelVerdict:
+    """Principle 1: `violations` (one line per op whose kernels shrank, or read more than once per GPU),
+    `unpaired` (ops and kernels not judged: no counterpart in the reference, or work the text does not show) and
+    attention's ratio to the reference."""
+
+    ok: bool
+    violations: tuple[str, ...]
+    unpaired: tuple[str, ...] = ()
+    attention: AttentionRatio = AttentionRatio()
+
+
+@dataclasses.dataclass(frozen=True)
+class CopiedBytes:
+    """Per device, the bytes of all copies over xcd (large or not) beyond the 1/xcd share a split would hold."""
+
+    inputs: float
+    outputs: float
+    activations: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RedundancyVerdict:
+    """Principle 2: `violations` (one line per large copy), the thresholds that made a copy large (the layer
+    stack's None without one), the rule in words and the bytes copied."""
+
+    ok: bool
+    violations: tuple[str, ...]
+    threshold_bytes: float
+    layer_threshold_bytes: float | None
+    rule: str
+    copied_bytes: CopiedBytes
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveVerdict:
+    """Principle 3: `violations`, one line per flat or unknown collective with the reason."""
+
+    ok: bool
+    violations: tuple[str, ...]
+
+
+Verdict = KernelVerdict | RedundancyVerdict | CollectiveVerdict
+
+
+@dataclasses.dataclass(frozen=True)
+class Principles:
+    """The three verdicts of one program (see `check_principles`)."""
+
+    shape_preservation: KernelVerdict
+    no_redundancy: RedundancyVerdict
+    hierarchical_collectives: CollectiveVerdict
 
     @property
     def ok(self) -> bool:
         """Whether all three principles hold."""
-        return all(verdict["ok"] for verdict in self.principles.values())
+        return all(verdict.ok for _, verdict in self.verdicts())
+
+    def verdicts(self) -> tuple[tuple[str, Verdict], ...]:
+        """(name, verdict) of the three principles, in their order."""
+        return tuple((field.name, getattr(self, field.name)) for field in dataclasses.fields(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """What `check_compiled` found: the program's Report and the three verdicts (see `check_principles`)."""
+
+    report: Report
+    principles: Principles
+
+    @property
+    def ok(self) -> bool:
+        """Whether all three principles hold."""
+        return self.principles.ok
 
 
 def check_compiled(compiled: Any, mesh: Mesh, *, reference: Any = None, args: Any = None,
@@ -67,11 +140,11 @@ def check_principles(
     replicated_ok: set[str] | Callable[[str], bool] = frozenset(),
     large_bytes: float | None = None,
     layer_stack: set[str] | Callable[[str], bool] = frozenset(),
-) -> dict[str, dict[str, Any]]:
+) -> Principles:
     """Judge a layout's report against the three principles; `reference` is the gpu_tp program's report.
 
-    Returns {"shape_preservation", "no_redundancy", "hierarchical_collectives"}, each {"ok": bool, "violations":
-    [one line per offending op, input or collective]}; shape_preservation also lists as "unpaired" the layout's
+    Returns the three verdicts, each with `ok` and `violations` (one line per offending op, input or collective);
+    shape_preservation also lists as `unpaired` the layout's
     matmuls and fused attention kernels that have no counterpart in the reference (all of them when `reference` is
     None), and fused attention kernels whose work the program text does not give, none of which is judged.
 
@@ -81,8 +154,8 @@ def check_principles(
        into several matmuls of the same op under the layout alone are not told apart from one whole kernel.
        Attention is one op per direction (its scores and values matmuls, or its fused kernel): per token it must keep
        the reference's heads x head_dim x keys, so heads per device equal gpu_tp's heads per GPU and head_dim and the
-       key length stay whole; "attention" gives the smallest ratio of its work per token to the reference's
-       ({"ratio", "ok"}; None when neither program has attention in a scope named "attention").
+       key length stay whole; `attention` gives the smallest ratio of its work per token to the reference's
+       (`AttentionRatio`; None figures when neither program has attention in a scope named "attention").
     2. no_redundancy: no large input or output array (the persistent state a step reads and leaves behind) is
        replicated over `xcd`, unless its name is allowed by `replicated_ok`: a callable taking the name, or a set of
        names or fnmatch patterns ("*/scale"); and no large activation is replicated over `xcd` or held there as
@@ -93,20 +166,17 @@ def check_principles(
        layer copies is weighed against what a layer holds, and two compiled layers judge as the full depth does;
        anything else above 1% of the step's working set per device: the compiled program's arguments, outputs and
        temporaries (`report.memory`), which copies of embedding, head and activations share with it.
-       The verdict also states "threshold_bytes" and "layer_threshold_bytes" (None without a layer stack), "rule"
-       (the rule in words) and "copied_bytes" (per device, the bytes of all copies, large or not, beyond the 1/xcd
-       share a split would hold: {"inputs", "outputs", "activations"}).
+       The verdict also states `threshold_bytes` and `layer_threshold_bytes` (None without a layer stack), `rule`
+       (the rule in words) and `copied_bytes` (per device, the bytes of all copies, large or not, beyond the 1/xcd
+       share a split would hold, of inputs, outputs and activations).
     3. hierarchical_collectives: no collective has scope "flat" or "unknown" (a kind the reader does not know, or no
        replica groups): each violation says why.
     """
     in_stack = _matcher(layer_stack)
     large_bytes, layer_bytes, rule = _thresholds(report, large_bytes, in_stack)
-    return {
-        "shape_preservation": _shape_preservation(report, reference),
-        "no_redundancy": {**_no_redundancy(report, _matcher(replicated_ok), large_bytes, in_stack, layer_bytes),
-                          "rule": rule},
-        "hierarchical_collectives": _hierarchical_collectives(report),
-    }
+    return Principles(_shape_preservation(report, reference),
+                      _no_redundancy(report, _matcher(replicated_ok), large_bytes, in_stack, layer_bytes, rule),
+                      _hierarchical_collectives(report))
 
 
 def _thresholds(report: Report, large_bytes: float | None,
@@ -144,13 +214,12 @@ def weight_side_elements(matmuls: list[MatmulReport], tokens_per_device: int,
     return {key: total / tokens_per_device for key, total in work.items()}
 
 
-def _shape_preservation(report: Report, reference: Report | None) -> dict[str, Any]:
+def _shape_preservation(report: Report, reference: Report | None) -> KernelVerdict:
     judged_attention = [call for call in report.attention if call.flops is not None]
     unjudged = [call.name for call in report.attention if call.flops is None] + _custom_kernels(report)
     if reference is None:
-        return {"ok": True, "violations": [], "attention": _attention_summary({}, {}),
-                "unpaired": [m.name for m in report.matmuls] + [call.name for call in report.attention]
-                + _custom_kernels(report)}
+        return KernelVerdict(True, (), (*(m.name for m in report.matmuls),
+                                        *(call.name for call in report.attention), *_custom_kernels(report)))
     elements = weight_side_elements(report.matmuls, report.tokens_per_device, judged_attention)
     reference_elements = weight_side_elements(reference.matmuls, reference.tokens_per_device, reference.attention)
     violations = []
@@ -165,8 +234,8 @@ def _shape_preservation(report: Report, reference: Report | None) -> dict[str, A
                 f"reference's {reference_held:g} at {reference.tokens_per_device} tokens: its local kernels shrank"
             )
     unpaired = [name for name, op_name in ops if matmul_key(op_name) not in reference_elements]
-    return {"ok": not violations, "violations": violations, "unpaired": unpaired + unjudged,
-            "attention": _attention_summary(elements, reference_elements)}
+    return KernelVerdict(not violations, tuple(violations), tuple(unpaired + unjudged),
+                         _attention_summary(elements, reference_elements))
 
 
 def _custom_kernels(report: Report) -> list[str]:
@@ -176,20 +245,20 @@ def _custom_kernels(report: Report) -> list[str]:
 
 
 def _attention_summary(layout: dict[tuple[str, bool], float], reference: dict[tuple[str, bool], float],
-                       at_least: bool = True) -> dict[str, Any]:
+                       at_least: bool = True) -> AttentionRatio:
     """Principle 1 for attention alone: the smallest (`at_least`: the work per token must reach the reference's)
     or largest (K/V reads must not exceed it) ratio of the layout's attention figure to the reference's over the
-    attention ops (`matmul_key`) and directions both have; None and ok None when there is none to compare."""
+    attention ops (`matmul_key`) and directions both have; None figures when there is none to compare."""
     ratios = [held / reference[key] for key, held in layout.items()
               if is_attention_key(key[0]) and reference.get(key)]
     if not ratios:
-        return {"ratio": None, "ok": None}
+        return AttentionRatio()
     ratio = min(ratios) if at_least else max(ratios)
-    return {"ratio": ratio, "ok": ratio >= 1 - 1e-9 if at_least else ratio <= 1 + 1e-9}
+    return AttentionRatio(ratio, ratio >= 1 - 1e-9 if at_least else ratio <= 1 + 1e-9)
 
 
 def reads_once_per_gpu(matmuls: list[MatmulReport], reference_matmuls: list[MatmulReport],
-                       partitions: int) -> dict[str, Any]:
+                       partitions: int) -> KernelVerdict:
     """Principle 1 for memory-bound decode: every weight (and K/V) byte is read once per GPU per step.
 
     A decode matmul multiplies a few new tokens (one per sequence; for attention, the query heads that share a kv
@@ -216,8 +285,8 @@ def reads_once_per_gpu(matmuls: list[MatmulReport], reference_matmuls: list[Matm
     ]
     unpaired = [key[0] or "(unnamed)" for key in layout_reads if key not in reference_reads]
     per_gpu = {key: partitions * count for key, count in layout_reads.items()}
-    return {"ok": not violations, "violations": violations, "unpaired": unpaired,
-            "attention": _attention_summary(per_gpu, reference_reads, at_least=False)}
+    return KernelVerdict(not violations, tuple(violations), tuple(unpaired),
+                         _attention_summary(per_gpu, reference_reads, at_least=False))
 
 
 def _matcher(names: set[str] | Callable[[str], bool]) -> Callable[[str], bool]:
@@ -228,9 +297,9 @@ def _matcher(names: set[str] | Callable[[str], bool]) -> Callable[[str], bool]:
 
 
 def _no_redundancy(report: Report, allowed: Callable[[str], bool], large_bytes: float,
-                   in_stack: Callable[[str], bool], layer_bytes: float | None) -> dict[str, Any]:
+                   in_stack: Callable[[str], bool], layer_bytes: float | None, rule: str) -> RedundancyVerdict:
     """Principle 2's verdict: copies above `large_bytes`, or above `layer_bytes` for the arrays of the layer stack
-    (`in_stack`) when that is not None."""
+    (`in_stack`) when that is not None; `rule` says so in words."""
     def stacked(name: str) -> bool:
         return layer_bytes is not None and in_stack(name)
 
@@ -251,13 +320,10 @@ def _no_redundancy(report: Report, allowed: Callable[[str], bool], large_bytes: 
         for entry in report.activations
         if entry.replication_xcd > 1 and entry.shard_bytes > large_bytes
     ]
-    copied = {
-        "inputs": _copied_bytes(entry for entry in arrays if not entry.name.startswith("output/")),
-        "outputs": _copied_bytes(entry for entry in arrays if entry.name.startswith("output/")),
-        "activations": _copied_bytes(report.activations),
-    }
-    return {"ok": not violations, "violations": violations, "threshold_bytes": large_bytes,
-            "layer_threshold_bytes": layer_bytes, "copied_bytes": copied}
+    copied = CopiedBytes(_copied_bytes(entry for entry in arrays if not entry.name.startswith("output/")),
+                         _copied_bytes(entry for entry in arrays if entry.name.startswith("output/")),
+                         _copied_bytes(report.activations))
+    return RedundancyVerdict(not violations, tuple(violations), large_bytes, layer_bytes, rule, copied)
 
 
 def _how_held(entry) -> str:
@@ -274,11 +340,11 @@ def _copied_bytes(entries) -> float:
     return sum(entry.shard_bytes * (1 - 1 / entry.replication_xcd) * getattr(entry, "count", 1) for entry in entries)
 
 
-def _hierarchical_collectives(report: Report) -> dict[str, Any]:
+def _hierarchical_collectives(report: Report) -> CollectiveVerdict:
     violations = [
         f"{c.kind} {c.name} ({c.op_name or 'no op name'}) is {c.scope}: {c.reason}; groups {c.groups[:2]}"
         + (" ..." if len(c.groups) > 2 else "")
         for c in report.collectives
         if c.scope in ("flat", "unknown")
     ]
-    return {"ok": not violations, "violations": violations}
+    return CollectiveVerdict(not violations, tuple(violations))

@@ -27,6 +27,7 @@ from ..compiled_memory import MemoryReport
 from ..errors import TopologyError
 from ..hardware.axes import GPU, XCD
 from .hlo import Collective, Dot, parse_hlo
+from .json_form import to_json
 from .stablehlo import sharded_values
 
 SCOPES = ("local", "intra_gpu", "inter_gpu", "inter_node", "flat", "unknown")
@@ -42,7 +43,9 @@ class CollectiveReport:
 
     `groups` holds the replica groups as partition ids (for a collective-permute, send or recv, its source-target
     pairs). `bytes_per_device` is for one run; the program runs it `count` times per call. `reason` says why the
-    scope is "flat" or "unknown" (empty otherwise).
+    scope is "flat" or "unknown" (empty otherwise). `in_layer_loop` and `full_depth_runs` (whether it runs in the
+    layer loop, and its runs in the full-depth step) are given where a layout's result scales the compiled program
+    to the model's depth (`layout_report`), None otherwise.
     """
 
     name: str
@@ -55,6 +58,8 @@ class CollectiveReport:
     bytes_per_device: float
     count: int
     reason: str = ""
+    in_layer_loop: bool | None = None
+    full_depth_runs: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +68,9 @@ class MatmulReport:
 
     `intensity` is FLOPs per byte of the two operands and the result; `below_ridge` says whether that is under the
     device's peak FLOP/s over HBM bytes/s (None when those were not given). `inferred_name`: XLA left the matmul
-    without an op name and `op_name` is its nearest named neighbour's (see `hlo`).
+    without an op name and `op_name` is its nearest named neighbour's (see `hlo`). A layout's result
+    (`layout_report.priced_matmul`) gives `dtype`, `bytes`, `intensity` and `below_ridge` at the model's compute
+    dtype and the preset's ridge point, and `in_layer_loop` and `full_depth_runs` as `CollectiveReport` does.
     """
 
     name: str
@@ -79,6 +86,8 @@ class MatmulReport:
     below_ridge: bool | None
     count: int
     inferred_name: bool = False
+    in_layer_loop: bool | None = None
+    full_depth_runs: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +178,7 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict of the whole report, with `bytes_by_scope` added."""
-        return {**dataclasses.asdict(self), "bytes_by_scope": self.bytes_by_scope()}
+        return {**to_json(self), "bytes_by_scope": self.bytes_by_scope()}
 
 
 class _Placement:

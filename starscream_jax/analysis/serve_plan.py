@@ -146,7 +146,7 @@ def prefill_seconds(prefill: Settings, topology, data: int, prompt: int, cache: 
         settings = dataclasses.replace(prefill, batch=batch, seq=prompt, cache_length=None)
         results = inspect_layouts(settings, topology, mesh, refused, cache, reference=False)
         if layout in results:
-            return results[layout]["estimate"]["serial_s"] / batch
+            return results[layout].estimate.serial_s / batch
         batch *= 2
     raise StarscreamError(f"prefill layout {layout} cannot place a prompt of {prompt} tokens on mesh data {data}: "
                           f"{refused.get(layout, 'no batch places')}; choose another --prefill-layout")

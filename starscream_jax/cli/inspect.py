@@ -13,7 +13,9 @@ from pathlib import Path
 
 from ..analysis.compile import PHASES, SERVE, Settings, make_settings
 from ..analysis.format import clip, format_bytes, format_seconds
-from ..analysis.layout_report import PRINCIPLES, inspect_layouts
+from ..analysis.json_form import to_json
+from ..analysis.layout_report import LayoutResult, inspect_layouts
+from ..analysis.principles import AttentionRatio, Verdict
 from ..errors import ShardingRuleError, StarscreamError
 from ..hardware.presets import Chip
 from ..model.config import REMAT_POLICIES
@@ -97,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         plot_layouts(results, mesh, topology, args.plot)
     if args.json:
         cannot_place = {name: {"layout": name, "cannot_place": reason} for name, reason in refused.items()}
-        print(json.dumps({**results, **cannot_place}, indent=2))
+        print(json.dumps({**{name: to_json(result) for name, result in results.items()}, **cannot_place}, indent=2))
     else:
         print(format_table(results, refused) + (f"\nplot: {args.plot}" if args.plot else ""))
     return 0
@@ -121,80 +123,78 @@ def _figure(value: float | None, form: str) -> str:
     return "-" if value is None else form.format(value)
 
 
-def _verdict(verdict: dict) -> str:
+def _verdict(verdict: Verdict) -> str:
     """"ok" or "FAIL (violations)", followed by how many ops went unjudged when some did."""
-    unjudged = f", {len(verdict['unpaired'])} unjudged" if verdict.get("unpaired") else ""
-    return ("ok" if verdict["ok"] else f"FAIL ({len(verdict['violations'])})") + unjudged
+    unpaired = getattr(verdict, "unpaired", ())
+    unjudged = f", {len(unpaired)} unjudged" if unpaired else ""
+    return ("ok" if verdict.ok else f"FAIL ({len(verdict.violations)})") + unjudged
 
 
-def _attention_cell(summary: dict | None) -> str:
+def _attention_cell(summary: AttentionRatio) -> str:
     """Attention's ratio to gpu_tp and whether it passes principle 1, or "-" when it was not compared."""
-    if not summary or summary["ratio"] is None:
+    if summary.ratio is None:
         return "-"
-    return f"{summary['ratio']:.2f} {'ok' if summary['ok'] else 'FAIL'}"
+    return f"{summary.ratio:.2f} {'ok' if summary.ok else 'FAIL'}"
 
 
-def _rows(result: dict) -> list[tuple[str, str]]:
+def _rows(result: LayoutResult) -> list[tuple[str, str]]:
     """(label, cell) rows of one layout's column."""
-    full, compiled_layers = result["layers"]["full"], result["layers"]["compiled"]
-    memory, sent = result["memory_per_device"], result["bytes_per_device"]
-    intensity, estimate = result["kernel_intensity"], result["estimate"]
-    counts = {**result["collectives_per_layer"]}
+    full, compiled_layers = result.layers.full, result.layers.compiled
+    memory, sent = result.memory_per_device, result.bytes_per_device
+    intensity, estimate, verdicts = result.kernel_intensity, result.estimate, result.principles
+    counts = {**result.collectives_per_layer}
     counts["inter_gpu"] += counts["inter_node"]
-    phase = result["phase"]
+    phase = result.phase
     rows = [("memory per device", "")]
     rows.append((f"  params{' + optimizer' if phase == 'train' else ''} ({full} layers)",
-                 format_bytes(memory["params"] + memory["optimizer_state"])))
+                 format_bytes(memory.params + memory.optimizer_state)))
     if phase != "train":
-        rows.append((f"  KV cache ({full} layers)", format_bytes(memory["kv_cache"])))
-    if memory["compiled"] is not None:
-        rows.append((f"  compiled temp ({compiled_layers} layers)", format_bytes(memory["compiled"]["temp_bytes"])))
-    copied = [entry["shard_bytes"] for entry in result["activations"] if entry["replication_xcd"] > 1]
+        rows.append((f"  KV cache ({full} layers)", format_bytes(memory.kv_cache)))
+    if memory.compiled is not None:
+        rows.append((f"  compiled temp ({compiled_layers} layers)", format_bytes(memory.compiled.temp_bytes)))
+    copied = [entry.shard_bytes for entry in result.activations if entry.replication_xcd > 1]
     rows.append(("  largest activation copied over xcd", format_bytes(max(copied)) if copied else "none"))
-    redundancy = result["principles"]["no_redundancy"]
-    rows.append(("  activation copies (large above)", f"{format_bytes(redundancy['copied_bytes']['activations'])} "
-                 f"({format_bytes(redundancy['threshold_bytes'])})"))
+    redundancy = verdicts.no_redundancy
+    rows.append(("  activation copies (large above)", f"{format_bytes(redundancy.copied_bytes.activations)} "
+                 f"({format_bytes(redundancy.threshold_bytes)})"))
     rows += [
         ("bytes per device per step", ""),
-        ("  inter-GPU per layer", format_bytes(sent["per_layer"]["inter_gpu"])),
-        ("    of which flat", format_bytes(sent["per_layer"]["flat"])),
-        ("  intra-GPU per layer", format_bytes(sent["per_layer"]["intra_gpu"])),
-        (f"  inter-GPU, {full} layers", format_bytes(sent["inter_gpu"])),
-        (f"  intra-GPU, {full} layers", format_bytes(sent["intra_gpu"])),
+        ("  inter-GPU per layer", format_bytes(sent.per_layer.inter_gpu)),
+        ("    of which flat", format_bytes(sent.per_layer.flat)),
+        ("  intra-GPU per layer", format_bytes(sent.per_layer.intra_gpu)),
+        (f"  inter-GPU, {full} layers", format_bytes(sent.inter_gpu)),
+        (f"  intra-GPU, {full} layers", format_bytes(sent.intra_gpu)),
         ("collectives per layer", " / ".join(f"{counts[scope]:g}"
                                              for scope in ("intra_gpu", "inter_gpu", "flat", "unknown"))),
-        (f"kernel intensity ({intensity['dtype']}, FLOP/B)", ""),
-        ("  smallest", _figure(intensity["smallest"], "{:.0f}")),
-        ("  FLOP-weighted", _figure(intensity["flop_weighted"], "{:.0f}")),
-        (f"  FLOPs below ridge ({intensity['ridge_point']:.0f})",
-         _figure(intensity["below_ridge_flop_share"], "{:.1%}")),
+        (f"kernel intensity ({intensity.dtype}, FLOP/B)", ""),
+        ("  smallest", _figure(intensity.smallest, "{:.0f}")),
+        ("  FLOP-weighted", _figure(intensity.flop_weighted, "{:.0f}")),
+        (f"  FLOPs below ridge ({intensity.ridge_point:.0f})", _figure(intensity.below_ridge_flop_share, "{:.1%}")),
         ("estimated step, full depth", ""),
-        ("  matmuls (roofline)", format_seconds(estimate["compute_s"])),
-        ("  memory passes", format_seconds(estimate["total_passes_s"])),
-        ("  collectives", format_seconds(estimate["total_communication_s"])),
-        ("  serial / overlapped",
-         f"{format_seconds(estimate['serial_s'])} / {format_seconds(estimate['overlapped_s'])}"),
-        ("  tokens/s (serial)", f"{estimate['tokens_per_s']:,.0f}"),
+        ("  matmuls (roofline)", format_seconds(estimate.compute_s)),
+        ("  memory passes", format_seconds(estimate.total_passes_s)),
+        ("  collectives", format_seconds(estimate.total_communication_s)),
+        ("  serial / overlapped", f"{format_seconds(estimate.serial_s)} / {format_seconds(estimate.overlapped_s)}"),
+        ("  tokens/s (serial)", f"{estimate.tokens_per_s:,.0f}"),
         ("principles", ""),
-        ("  1 kernel shapes" + (" (bytes read)" if phase == "decode" else ""),
-         _verdict(result["principles"]["shape_preservation"])),
+        ("  1 kernel shapes" + (" (bytes read)" if phase == "decode" else ""), _verdict(verdicts.shape_preservation)),
         ("    attention " + ("K/V reads per GPU" if phase == "decode" else "work per token") + " / gpu_tp",
-         _attention_cell(result["principles"]["shape_preservation"].get("attention"))),
-        ("  2 no redundancy over xcd", _verdict(result["principles"]["no_redundancy"])),
-        ("  3 hierarchical collectives", _verdict(result["principles"]["hierarchical_collectives"])),
+         _attention_cell(verdicts.shape_preservation.attention)),
+        ("  2 no redundancy over xcd", _verdict(verdicts.no_redundancy)),
+        ("  3 hierarchical collectives", _verdict(verdicts.hierarchical_collectives)),
     ]
     return rows
 
 
-def _header(result: dict) -> list[str]:
+def _header(result: LayoutResult) -> list[str]:
     """What was compiled: model, preset, mesh, phase and shapes, per-partition figures, depth."""
-    mesh = " x ".join(f"{axis} {size}" for axis, size in zip(result["mesh"]["axes"], result["mesh"]["shape"]))
-    full, compiled = result["layers"]["full"], result["layers"]["compiled"]
-    hbm, ridge = result["memory_per_device"]["hbm"], result["kernel_intensity"]["ridge_point"]
-    shapes = f"batch {result['batch']} x seq {result['seq']}"
+    mesh = " x ".join(f"{axis} {size}" for axis, size in zip(result.mesh.axes, result.mesh.shape))
+    full, compiled = result.layers.full, result.layers.compiled
+    hbm, ridge = result.memory_per_device.hbm, result.kernel_intensity.ridge_point
+    shapes = f"batch {result.batch} x seq {result.seq}"
     return [
-        f"{result['model']} on {result['preset']}, mesh {mesh}: {result['phase']}"
-        f"{' over a paged KV cache (as served)' if result.get('paged') else ''}, {shapes}",
+        f"{result.model} on {result.preset}, mesh {mesh}: {result.phase}"
+        f"{' over a paged KV cache (as served)' if result.paged else ''}, {shapes}",
         f"per partition: {format_bytes(hbm)} HBM, ridge point {ridge:.0f} FLOP/B",
         f"compiled with {compiled} of {full} layers; {full} layers = outside the layer loop + {full} x per layer",
     ]
@@ -205,7 +205,7 @@ def _fitted(description: str) -> str:
     return description.rsplit("; ", 1)[-1]
 
 
-def format_table(results: dict[str, dict], refused: dict[str, str] | None = None) -> str:
+def format_table(results: dict[str, LayoutResult], refused: dict[str, str] | None = None) -> str:
     """The side-by-side table of `inspect_layouts`' results (one column per layout), then the notes, the layouts
     the mesh cannot place with the reason, and the first violations of each failed principle."""
     refused = refused or {}
@@ -232,17 +232,16 @@ def format_table(results: dict[str, dict], refused: dict[str, str] | None = None
         "cost model's (starscream_jax.analysis.costmodel): matmul rooflines and collective latency + bytes / bus "
         "bandwidth.",
     ]
-    lines += [f"{name} places batch {result['batch']} as {result['placement']}: {_fitted(result['description'])}"
-              for name, result in results.items() if result.get("placement", name) != name]
+    lines += [f"{name} places batch {result.batch} as {result.placement}: {_fitted(result.description)}"
+              for name, result in results.items() if result.placement != name]
     lines += [clip(f"{name}: cannot place the model on this mesh: {reason}", LINE_WIDTH)
               for name, reason in refused.items()]
     for name, result in results.items():
-        for principle in PRINCIPLES:
-            violations = result["principles"][principle]["violations"]
-            if violations:
-                lines.append(f"{name} {principle}: {len(violations)} violation(s), e.g.")
-                lines += [clip(f"  {line}", LINE_WIDTH) for line in violations[:SHOWN_VIOLATIONS]]
-        unpaired = result["principles"]["shape_preservation"].get("unpaired")
+        for principle, verdict in result.principles.verdicts():
+            if verdict.violations:
+                lines.append(f"{name} {principle}: {len(verdict.violations)} violation(s), e.g.")
+                lines += [clip(f"  {line}", LINE_WIDTH) for line in verdict.violations[:SHOWN_VIOLATIONS]]
+        unpaired = result.principles.shape_preservation.unpaired
         if unpaired:
             lines.append(clip(f"{name} shape_preservation: {len(unpaired)} op(s) unjudged (no gpu_tp counterpart, or "
                               "work the program text does not show): " + ", ".join(unpaired), LINE_WIDTH))

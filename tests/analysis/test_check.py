@@ -37,7 +37,7 @@ def test_a_flax_model_under_the_flat_layout_fails_as_the_built_in_model_does():
     """The same model passes under starscream_tp (tests/test_examples.py runs the example's own check); under flat_tp
     its collectives span GPUs and partitions at once, as the built-in model's do (tests/analysis/test_principles.py)."""
     result = checked("flat_tp", ss.build_mesh("2x4"), reference=None)
-    assert not result.ok and not result.principles["hierarchical_collectives"]["ok"]
+    assert not result.ok and not result.principles.hierarchical_collectives.ok
     assert result.report.bytes_by_scope()["flat"] > 0
     names = {entry.name for entry in (*result.report.inputs, *result.report.outputs)}
     assert {"0/blocks/0/q/kernel", "1/opt_state/0/mu/blocks/0/q/kernel", "output/0/blocks/0/q/kernel"} <= names
@@ -70,4 +70,4 @@ def test_with_a_data_axis_only_the_norm_scales_gradient_is_summed_flat():
     scalar_bytes = 4  # the loss, a mean over every token
     assert flat and all(c.kind == "all-reduce" for c in flat)
     assert sum(c.buffer_bytes for c in flat) <= norm_bytes + scalar_bytes
-    assert result.principles["shape_preservation"]["unpaired"] and result.principles["no_redundancy"]["ok"]
+    assert result.principles.shape_preservation.unpaired and result.principles.no_redundancy.ok

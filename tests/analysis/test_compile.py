@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from starscream_jax.analysis.compile import Settings, compile_step, make_settings
-from starscream_jax.analysis.layout_report import PRINCIPLES, inspect_layouts
+from starscream_jax.analysis.json_form import to_json
+from starscream_jax.analysis.layout_report import inspect_layouts
 from starscream_jax.errors import StarscreamError
 from starscream_jax.hardware.mesh import build_mesh, build_topology_mesh
 from starscream_jax.model.decoder import create_sharded_model
@@ -92,12 +93,14 @@ def test_decode_without_a_layer_loop_gives_the_rolled_loops_per_layer_bytes_and_
     unrolled = inspect_layouts(unrolled_settings, topology, mesh)
     for name in rolled:
         for figure in ("per_layer", "outside_layers", "by_scope"):
-            assert unrolled[name]["bytes_per_device"][figure] == pytest.approx(rolled[name]["bytes_per_device"][figure])
-        assert all(unrolled[name]["principles"][p]["ok"] == rolled[name]["principles"][p]["ok"] for p in PRINCIPLES)
-        assert unrolled[name]["collectives_per_layer"] == rolled[name]["collectives_per_layer"]
-        assert (unrolled[name]["principles"]["shape_preservation"]["attention"]
-                == pytest.approx(rolled[name]["principles"]["shape_preservation"]["attention"]))
-        assert any(m["in_layer_loop"] for m in unrolled[name]["matmuls"])
+            assert (to_json(getattr(unrolled[name].bytes_per_device, figure))
+                    == pytest.approx(to_json(getattr(rolled[name].bytes_per_device, figure))))
+        assert ([verdict.ok for _, verdict in unrolled[name].principles.verdicts()]
+                == [verdict.ok for _, verdict in rolled[name].principles.verdicts()])
+        assert unrolled[name].collectives_per_layer == rolled[name].collectives_per_layer
+        assert (dataclasses.asdict(unrolled[name].principles.shape_preservation.attention)
+                == pytest.approx(dataclasses.asdict(rolled[name].principles.shape_preservation.attention)))
+        assert any(m.in_layer_loop for m in unrolled[name].matmuls)
 
 
 def test_the_settings_say_whether_a_layer_loop_runs_not_a_loop_of_the_right_trip_count():

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from starscream_jax.analysis.costmodel import LinkCost, StepEstimate, estimate_step, link_costs, matmul_seconds
+from starscream_jax.analysis.json_form import from_json, to_json
+from starscream_jax.analysis.report import CollectiveReport, MatmulReport
 from starscream_jax.hardware.topology import Topology
 
 CPX = Topology.from_preset("mi300x-cpx-nps1")
@@ -32,47 +34,55 @@ def test_link_cost_is_latency_plus_bytes_over_bandwidth():
 @pytest.mark.parametrize("m, k, n, bound", [(8192, 8192, 8192, "compute"), (1, 8192, 8192, "memory")])
 def test_matmul_seconds_is_the_roofline(m, k, n, bound):
     peak, bandwidth = 100e12, 1e12
-    seconds = matmul_seconds({"batch": 2, "m": m, "k": k, "n": n}, peak, bandwidth, itemsize=2)
+    seconds = matmul_seconds(matmul(m, k, n, batch=2), peak, bandwidth, itemsize=2)
     compute, memory = 2 * 2 * m * k * n / peak, 2 * 2 * (m * k + k * n + m * n) / bandwidth
     assert seconds == max(compute, memory)
     assert (compute > memory) == (bound == "compute")
 
 
-def result(phase="train"):
-    """A layout's result as `starscream inspect` writes it, with one matmul and three collectives; 2 of 10 layers
-    compiled, so what runs in the layer loop counts 5 times (the runs each entry gives)."""
-    return {
-        "phase": phase, "batch": 4, "seq": 128, "layers": {"compiled": 2, "full": 10},
-        "matmuls": [{"batch": 1, "m": 512, "k": 1024, "n": 1024, "below_ridge": False, "full_depth_runs": 10},
-                    {"batch": 1, "m": 1, "k": 1024, "n": 1024, "below_ridge": True, "full_depth_runs": 1}],
-        "collectives": [
-            {"scope": "inter_gpu", "bytes_per_device": 1e6, "count": 2, "full_depth_runs": 10},
-            {"scope": "intra_gpu", "bytes_per_device": 4e6, "count": 1, "full_depth_runs": 1},
-            {"scope": "local", "bytes_per_device": 0.0, "count": 3, "full_depth_runs": 15},
-        ],
-    }
+def matmul(m: int, k: int, n: int, batch: int = 1, below_ridge: bool | None = None,
+           full_depth_runs: float | None = None) -> MatmulReport:
+    return MatmulReport("dot", "jit(step)/dot_general", batch, m, k, n, "bf16", 2 * batch * m * k * n, 0, 0.0,
+                        below_ridge, 1, full_depth_runs=full_depth_runs)
+
+
+def collective(scope: str, bytes_per_device: float, count: int, full_depth_runs: float,
+               kind: str = "all-reduce", buffer_bytes: int = 0) -> CollectiveReport:
+    return CollectiveReport("all-reduce.1", kind, "", scope, [], 1, buffer_bytes, bytes_per_device, count,
+                            full_depth_runs=full_depth_runs)
+
+
+MATMULS = (matmul(512, 1024, 1024, below_ridge=False, full_depth_runs=10),
+           matmul(1, 1024, 1024, below_ridge=True, full_depth_runs=1))
+"""A layout's matmuls as `layout_report.layout_result` gives them, 2 of 10 layers compiled, so what runs in the
+layer loop counts 5 times (the runs each entry gives); `COLLECTIVES` likewise."""
+COLLECTIVES = (collective("inter_gpu", 1e6, 2, 10), collective("intra_gpu", 4e6, 1, 1), collective("local", 0.0, 3, 15))
+
+
+def estimate(topology=CPX, passes=None, phase="train", collectives=COLLECTIVES) -> StepEstimate:
+    """The estimate of `MATMULS` and `collectives` in a step of 4 x 128 tokens of a 10-layer model."""
+    return estimate_step(MATMULS, collectives, topology, 2, passes, phase=phase, tokens=4 * 128, full_layers=10)
 
 
 def test_estimate_scales_the_layer_loop_to_full_depth_and_sums_by_scope():
-    estimate = estimate_step(result(), CPX, itemsize=2)
+    estimated = estimate()
     costs = link_costs(CPX)
-    big, small = result()["matmuls"]
+    big, small = MATMULS
     big_s = matmul_seconds(big, CPX.peak_flops, CPX.hbm_bandwidth, 2)
     small_s = matmul_seconds(small, CPX.peak_flops, CPX.hbm_bandwidth, 2)
-    assert estimate.compute_s == pytest.approx(10 * big_s + small_s)
-    assert estimate.memory_bound_s == pytest.approx(small_s)
-    assert estimate.communication_s["inter_gpu"] == pytest.approx(2 * 5 * costs["inter_gpu"].seconds(1e6))
-    assert estimate.communication_s["intra_gpu"] == pytest.approx(costs["intra_gpu"].seconds(4e6))
-    assert estimate.communication_s["flat"] == 0
-    assert estimate.tokens == 4 * 128
-    assert estimate_step(result("decode"), CPX, itemsize=2).tokens == 4
+    assert estimated.compute_s == pytest.approx(10 * big_s + small_s)
+    assert estimated.memory_bound_s == pytest.approx(small_s)
+    assert estimated.communication_s["inter_gpu"] == pytest.approx(2 * 5 * costs["inter_gpu"].seconds(1e6))
+    assert estimated.communication_s["intra_gpu"] == pytest.approx(costs["intra_gpu"].seconds(4e6))
+    assert estimated.communication_s["flat"] == 0
+    assert estimated.tokens == 4 * 128
 
 
 def test_serial_and_overlapped_bounds():
     estimate = StepEstimate(compute_s=2.0, memory_bound_s=0.5, communication_s={"intra_gpu": 1.0, "inter_gpu": 0.5},
                             tokens=300)
     assert (estimate.serial_s, estimate.overlapped_s, estimate.tokens_per_s) == (3.5, 2.0, 300 / 3.5)
-    as_dict = estimate.to_dict()
+    as_dict = to_json(estimate)
     assert as_dict["total_communication_s"] == 1.5 and as_dict["serial_s"] == 3.5
     assert StepEstimate(0.0, 0.0, {}, 10).tokens_per_s == math.inf
     passes = dataclasses.replace(estimate, passes_s={"layers": 1.0, "update": 0.25, "accumulate": 0.5})
@@ -85,7 +95,7 @@ def test_an_accumulated_step_is_n_micro_steps_n_additions_and_one_update():
     assert (four.compute_s, four.communication_s, four.tokens) == (4.0, {"inter_gpu": 1.0}, 400)
     assert four.passes_s == {"layers": 2.0, "update": 0.25, "accumulate": 0.5}
     assert four.serial_s == 4.0 + 1.0 + 2.0 + 0.25 + 0.5
-    assert StepEstimate.from_dict(four.to_dict()) == four
+    assert from_json(StepEstimate, to_json(four)) == four
     with pytest.raises(ValueError):
         four.accumulated(2)
 
@@ -158,15 +168,17 @@ def test_the_step_estimate_is_within_20_percent_of_the_h200_measurement(source, 
     assert settings.holds_cache_per_layer == today
     result = inspect_layouts(settings, topology, mesh, reference=False)[case["layout"]]
     if today:  # what inspect and plan estimate: the cache read in place, as on an NVIDIA chip it is
-        estimate = StepEstimate.from_dict(result["estimate"])
-        assert "cache_copies" in estimate.passes_s and estimate.passes_s["cache_copies"] == 0
+        estimated = result.estimate
+        assert "cache_copies" in estimated.passes_s and estimated.passes_s["cache_copies"] == 0
     else:
         config = settings.config.replace(n_layers=settings.full_layers)
         passes = memory_passes(config, case["layout"], mesh, case["phase"], case["batch"], case["seq"],
-                               result["memory_per_device"])
-        estimate = estimate_step(result, topology, np.dtype(config.dtype).itemsize, passes)
-        assert estimate.total_passes_s > 0.1 * estimate.serial_s  # the passes matter: matmuls alone miss
-    assert estimate.serial_s == pytest.approx(case["step_s"], rel=0.2)
+                               result.memory_per_device.persistent_parts())
+        estimated = estimate_step(result.matmuls, result.collectives, topology, np.dtype(config.dtype).itemsize,
+                                  passes, phase=result.phase, tokens=result.estimate.tokens,
+                                  full_layers=result.layers.full)
+        assert estimated.total_passes_s > 0.1 * estimated.serial_s  # the passes matter: matmuls alone miss
+    assert estimated.serial_s == pytest.approx(case["step_s"], rel=0.2)
 
 
 def test_measured_chips_run_matmuls_at_the_nearest_measured_efficiency_and_collectives_at_measured_bandwidth():
@@ -177,12 +189,12 @@ def test_measured_chips_run_matmuls_at_the_nearest_measured_efficiency_and_colle
     row = h200.matmul[-1]
     assert h200.efficiency(*row[:3]) == row[3]
     assert h200.efficiency(row[0] + 1, row[1], row[2]) == row[3]  # nearest in log space
-    shape = {"batch": 1, "m": row[0], "k": row[1], "n": row[2]}
+    shape = matmul(*row[:3])
     at_peak = matmul_seconds(shape, 989e12, 4.8e12, 2)
     assert matmul_seconds(shape, 989e12, 4.8e12, 2, h200) == pytest.approx(at_peak / row[3])
     copy = h200.copy_rate()
     assert copy == max(h200.collectives["copy"])[1] and 2e12 < copy < 4.8e12  # below the datasheet's 4.8 TB/s
-    vector = {"batch": 1, "m": 1, "k": 8192, "n": 8192}  # below the ridge: its bytes, no dispatch-bound efficiency
+    vector = matmul(1, 8192, 8192)  # below the ridge: its bytes, no dispatch-bound efficiency
     assert matmul_seconds(vector, 989e12, copy, 2, h200) == pytest.approx(2 * (8192 + 8192 * 8192 + 8192) / copy)
     assert hbm_rate(Topology.from_preset("h200"), h200) == copy
     assert hbm_rate(CPX, measurements("mi300x")) == CPX.hbm_bandwidth
@@ -191,9 +203,9 @@ def test_measured_chips_run_matmuls_at_the_nearest_measured_efficiency_and_colle
     middle = (small * large) ** 0.5
     assert h200.bus_bandwidth("all-reduce", middle) == pytest.approx((slow * fast) ** 0.5)
     assert h200.bus_bandwidth("all-to-all", middle) is None
-    collective = {"scope": "inter_gpu", "kind": "all-reduce", "buffer_bytes": large, "bytes_per_device": large}
-    assert collective_seconds(collective, LinkCost(1e-6, 1.0), h200) == pytest.approx(large / fast)
-    assert collective_seconds({**collective, "scope": "intra_gpu"}, LinkCost(1e-6, 1e9), h200) == \
+    between = collective("inter_gpu", large, 1, 1, buffer_bytes=large)
+    assert collective_seconds(between, LinkCost(1e-6, 1.0), h200) == pytest.approx(large / fast)
+    assert collective_seconds(dataclasses.replace(between, scope="intra_gpu"), LinkCost(1e-6, 1e9), h200) == \
         pytest.approx(1e-6 + large / 1e9)
 
 
@@ -203,10 +215,9 @@ def test_a_layers_passes_take_at_least_the_measured_floor_of_its_small_kernels()
     h200, topology = measurements("h200"), Topology.from_preset("h200")
     floor = h200.layer_floor
     assert 1e-6 < floor < 1e-4
-    decode, train = ({**result(phase), "collectives": []} for phase in ("decode", "train"))
     tiny, large = {"layers": 1.0}, {"layers": 1e12}
-    assert estimate_step(decode, topology, 2, tiny).passes_s["layers"] == pytest.approx(10 * floor)
-    assert estimate_step(train, topology, 2, tiny).passes_s["layers"] == pytest.approx(3 * 10 * floor)
+    assert estimate(topology, tiny, "decode", ()).passes_s["layers"] == pytest.approx(10 * floor)
+    assert estimate(topology, tiny, "train", ()).passes_s["layers"] == pytest.approx(3 * 10 * floor)
     rate = hbm_rate(topology, h200)
-    assert estimate_step(decode, topology, 2, large).passes_s["layers"] == pytest.approx(1e12 / rate)
-    assert estimate_step(decode, CPX, 2, tiny).passes_s["layers"] == pytest.approx(1.0 / CPX.hbm_bandwidth)  # no floor
+    assert estimate(topology, large, "decode", ()).passes_s["layers"] == pytest.approx(1e12 / rate)
+    assert estimate(CPX, tiny, "decode", ()).passes_s["layers"] == pytest.approx(1.0 / CPX.hbm_bandwidth)  # no floor

@@ -34,3 +34,25 @@ def test_the_result_cache_key_is_the_same_in_every_process():
     keys = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
     assert len(keys) == 1
+
+
+def test_a_result_reads_back_from_its_json_and_the_cache_as_it_was_written(tiny_decode, tmp_path):
+    """`to_json` / `from_json` round trip a layout's whole result, each typed field as it was (tuples, nested
+    results, None figures): the cache `plan` and `inspect` share returns what was compiled; and the JSON
+    `inspect --json` prints keeps its keys."""
+    import json
+
+    from starscream_jax.analysis.json_form import from_json, to_json
+    from starscream_jax.analysis.layout_report import LayoutResult, ResultCache
+
+    settings, topology, mesh, compiled = tiny_decode
+    cache = ResultCache(tmp_path)
+    for name, result in compiled.items():
+        written = json.loads(json.dumps(to_json(result)))
+        assert from_json(LayoutResult, written) == result
+        cache.put(settings, topology, mesh, name, result)
+        assert cache.get(settings, topology, mesh, name) == result
+        assert written["memory_per_device"]["compiled"]["temp_bytes"] == result.memory_per_device.compiled.temp_bytes
+        assert written["estimate"]["serial_s"] == result.estimate.serial_s  # derived figures written beside
+        assert set(written["principles"]["shape_preservation"]) == {"ok", "violations", "unpaired", "attention"}
+    assert compiled["flat_tp"].principles.shape_preservation.violations  # non-empty tuples round trip too

@@ -2,18 +2,14 @@
 import numpy as np
 import pytest
 
-from starscream_jax.analysis.compile import make_settings
-from starscream_jax.analysis.layout_report import inspect_layouts
 from starscream_jax.analysis.plots import layout_plot_data, plot_layouts, plot_topology, topology_data
 from starscream_jax.hardware.mesh import build_topology_mesh
 
 
 @pytest.fixture(scope="module")
-def inspected():
-    """flat_tp and starscream_decode, decode (the quickest step to compile), tiny model, 2 GPUs x 4 partitions."""
-    topology, mesh = build_topology_mesh("mi300x-qpx-nps1", gpus=2, simulate=True)
-    settings = make_settings("tiny", "decode", 8, 16, "flat_tp,starscream_decode", layers=2)
-    return topology, mesh, inspect_layouts(settings, topology, mesh)
+def inspected(tiny_decode):
+    """flat_tp and starscream_decode (`conftest.tiny_decode`): topology, mesh, results."""
+    return tiny_decode[1:]
 
 
 def test_topology_data_places_every_device_at_its_mesh_coordinates(tmp_path):
@@ -32,7 +28,7 @@ def test_traffic_matrix_rows_add_up_to_each_devices_bytes_and_stay_hierarchical_
     data = layout_plot_data(results, mesh, topology)
     for name, result in results.items():
         traffic = data[name]["traffic"]
-        sent = sum(value for scope, value in result["bytes_per_device"]["by_scope"].items() if scope != "local")
+        sent = sum(value for scope, value in result.bytes_per_device.by_scope.items() if scope != "local")
         assert traffic.sum(axis=1).mean() == pytest.approx(sent)  # every device takes part in every collective here
         assert data[name]["gpu_boundaries"] == [4]
     hierarchical = data["starscream_decode"]["traffic"]

@@ -8,7 +8,7 @@ import pytest
 import starscream_jax as ss
 from starscream_jax.analysis.compile import compile_step, make_settings
 from starscream_jax.analysis.layout_report import tokens_per_device
-from starscream_jax.analysis.principles import check_principles, reads_once_per_gpu
+from starscream_jax.analysis.principles import RedundancyVerdict, check_principles, reads_once_per_gpu
 from starscream_jax.analysis.report import (
     ActivationReport,
     KernelReport,
@@ -34,7 +34,7 @@ def test_the_hierarchical_layout_passes_and_the_flat_one_fails(programs):
     flat = ss.check_compiled(steps["flat_tp"].compiled, mesh, reference=reference)
     hierarchical = ss.check_compiled(steps["starscream_tp"].compiled, mesh, reference=reference,
                                      replicated_ok={"*norm*"}, args=steps["starscream_tp"].args)
-    assert not flat.ok and not flat.principles["hierarchical_collectives"]["ok"]
+    assert not flat.ok and not flat.principles.hierarchical_collectives.ok
     assert hierarchical.ok, hierarchical.principles
     assert hierarchical.report.bytes_by_scope()["flat"] == 0 < flat.report.bytes_by_scope()["flat"]
 
@@ -42,8 +42,8 @@ def test_the_hierarchical_layout_passes_and_the_flat_one_fails(programs):
 def test_without_a_reference_no_kernel_is_judged(programs):
     mesh, steps = programs
     check = ss.check_compiled(steps["starscream_tp"].compiled, mesh)
-    assert check.principles["shape_preservation"]["violations"] == []
-    assert len(check.principles["shape_preservation"]["unpaired"]) == len(check.report.matmuls) > 0
+    assert check.principles.shape_preservation.violations == ()
+    assert len(check.principles.shape_preservation.unpaired) == len(check.report.matmuls) > 0
 
 
 def test_a_copy_is_large_against_the_steps_working_set_not_a_fixed_size():
@@ -53,16 +53,16 @@ def test_a_copy_is_large_against_the_steps_working_set_not_a_fixed_size():
     hidden = ActivationReport(name="down", shape=[256, 1, 28672], dtype="bf16", spec=[[], [], ["gpu"]],
                               unreduced=[], bytes=256 * 28672 * 2, shard_bytes=1792 << 10, replication_xcd=8, count=1)
 
-    def verdict(working_set: int) -> dict:
+    def verdict(working_set: int) -> RedundancyVerdict:
         memory = MemoryReport(argument_bytes=working_set, output_bytes=0, temp_bytes=0, generated_code_bytes=0,
                               alias_bytes=0)
         report = Report({"data": 1, "gpu": 8, "xcd": 8}, [], [], [], [], memory, activations=[hidden])
-        return check_principles(report, None)["no_redundancy"]
+        return check_principles(report, None).no_redundancy
 
     small, large = verdict(1600 << 20), verdict(100 << 20)
-    assert small["ok"] and not large["ok"]
-    assert small["threshold_bytes"] == pytest.approx(0.01 * (1600 << 20))
-    assert small["copied_bytes"]["activations"] == large["copied_bytes"]["activations"] == (1792 << 10) * 7 / 8
+    assert small.ok and not large.ok
+    assert small.threshold_bytes == pytest.approx(0.01 * (1600 << 20))
+    assert small.copied_bytes.activations == large.copied_bytes.activations == (1792 << 10) * 7 / 8
 
 
 def test_a_custom_kernel_is_listed_as_unjudged_work_beside_judged_matmuls():
@@ -72,8 +72,8 @@ def test_a_custom_kernel_is_listed_as_unjudged_work_beside_judged_matmuls():
                           kernel="grouped_matmul", operand_shapes=[[40], [5120, 4096], [8, 4096, 14336]], count=1)
     report = Report({"data": 1, "gpu": 1, "xcd": 1}, [], [], [], [], None, tokens_per_device=4096, kernels=[kernel])
     for reference in (None, dataclasses.replace(report, kernels=[])):
-        verdict = check_principles(report, reference)["shape_preservation"]
-        assert verdict["unpaired"] == ["custom-call.3 (grouped_matmul: a custom kernel)"]
+        verdict = check_principles(report, reference).shape_preservation
+        assert verdict.unpaired == ("custom-call.3 (grouped_matmul: a custom kernel)",)
 
 
 @pytest.fixture(scope="module")
@@ -100,11 +100,11 @@ def test_attention_is_judged_and_flat_tp_with_more_partitions_than_kv_heads_fail
     if phase == "decode":
         verdict = reads_once_per_gpu(report.matmuls, reference.matmuls, mesh.shape["xcd"])
     else:
-        verdict = check_principles(report, reference)["shape_preservation"]
-    assert verdict["attention"] == {"ratio": pytest.approx(ratio), "ok": ok}
-    attention_violations = [line for line in verdict["violations"] if "/attention " in line or "/attention:" in line]
+        verdict = check_principles(report, reference).shape_preservation
+    assert (verdict.attention.ratio, verdict.attention.ok) == (pytest.approx(ratio), ok)
+    attention_violations = [line for line in verdict.violations if "/attention " in line or "/attention:" in line]
     assert len(attention_violations) == (0 if ok else 1)  # one op: forward and backward together
-    assert not [op for op in verdict["unpaired"] if "attention" in op]
+    assert not [op for op in verdict.unpaired if "attention" in op]
 
 
 def test_fused_attention_kernels_are_judged_from_their_operand_shapes():
@@ -115,6 +115,6 @@ def test_fused_attention_kernels_are_judged_from_their_operand_shapes():
     reports = {name: inspect_text((FIXTURES / f"cudnn_attention_{name}.hlo.txt").read_text(), mesh,
                                   tokens_per_device=count) for name, count in tokens.items()}
     for name, ok in (("starscream_tp", True), ("flat_tp", False)):
-        verdict = check_principles(reports[name], reports["gpu_tp"])["shape_preservation"]
-        assert verdict["ok"] is ok and verdict["attention"]["ok"] is ok and verdict["unpaired"] == []
-        assert verdict["attention"]["ratio"] == pytest.approx(1.0 if ok else 1 / 8)
+        verdict = check_principles(reports[name], reports["gpu_tp"]).shape_preservation
+        assert verdict.ok is ok and verdict.attention.ok is ok and verdict.unpaired == ()
+        assert verdict.attention.ratio == pytest.approx(1.0 if ok else 1 / 8)

@@ -18,7 +18,13 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from starscream_jax.analysis.principles import check_principles, reads_once_per_gpu, weight_side_elements
+from starscream_jax.analysis.principles import (
+    AttentionRatio,
+    KernelVerdict,
+    check_principles,
+    reads_once_per_gpu,
+    weight_side_elements,
+)
 from starscream_jax.analysis.report import (
     MatmulReport,
     classify_scope,
@@ -166,11 +172,11 @@ def test_flat_layout_has_flat_collectives_and_divides_weight_dims(gpus, xcds):
     assert (first.m, first.k, first.n) == (B, D, hidden // (gpus * xcds))
     assert (second.m, second.k, second.n) == (B, hidden // (gpus * xcds), D)
     verdicts = check_principles(report, mlp_report(gpus, xcds, "gpu_tp"), large_bytes=1024)
-    assert not verdicts["shape_preservation"]["ok"]
-    assert len(verdicts["shape_preservation"]["violations"]) == 2
-    assert not verdicts["hierarchical_collectives"]["ok"]
-    assert not verdicts["no_redundancy"]["ok"]
-    assert "input 0" in verdicts["no_redundancy"]["violations"][0]
+    assert not verdicts.shape_preservation.ok
+    assert len(verdicts.shape_preservation.violations) == 2
+    assert not verdicts.hierarchical_collectives.ok
+    assert not verdicts.no_redundancy.ok
+    assert "input 0" in verdicts.no_redundancy.violations[0]
 
 
 @pytest.mark.parametrize("gpus, xcds", [(2, 4), (8, 8)])
@@ -183,8 +189,8 @@ def test_starscream_layout_is_hierarchical_and_keeps_kernel_shapes(gpus, xcds):
     assert (second.m, second.k, second.n) == (B // xcds, hidden // gpus, D)
     assert (report.tokens_per_device, mlp_report(gpus, xcds, "gpu_tp").tokens_per_device) == (B // xcds, B)
     verdicts = check_principles(report, mlp_report(gpus, xcds, "gpu_tp"), large_bytes=1024)
-    assert all(verdict["ok"] for verdict in verdicts.values()), verdicts
-    assert verdicts["shape_preservation"]["unpaired"] == []
+    assert verdicts.ok, verdicts
+    assert verdicts.shape_preservation.unpaired == ()
 
 
 def test_training_steps_judged_on_backward_matmuls_too():
@@ -197,11 +203,11 @@ def test_training_steps_judged_on_backward_matmuls_too():
     assert weight_gradients and all(c.kind in ("reduce-scatter", "all-reduce") for c in weight_gradients)
     assert {c.scope for c in weight_gradients} == {"intra_gpu"}
     starscream_verdicts = check_principles(starscream, reference, large_bytes=1024)
-    assert all(verdict["ok"] for verdict in starscream_verdicts.values()), starscream_verdicts
+    assert starscream_verdicts.ok, starscream_verdicts
     flat_verdicts = check_principles(flat, reference, large_bytes=1024)
     # both layers forward, both backward (input gradient of the second, weight gradients of both)
-    assert len(flat_verdicts["shape_preservation"]["violations"]) == 4
-    assert not flat_verdicts["hierarchical_collectives"]["ok"]
+    assert len(flat_verdicts.shape_preservation.violations) == 4
+    assert not flat_verdicts.hierarchical_collectives.ok
 
 
 def test_replica_group_ids_are_mesh_positions_not_device_ids():
@@ -248,12 +254,12 @@ def test_replication_counts_copies_along_each_axis():
 
 def test_replicated_inputs_can_be_allowed_by_pattern_or_callable():
     reference = mlp_report(2, 4, "gpu_tp")
-    assert len(check_principles(reference, None, large_bytes=1024)["no_redundancy"]["violations"]) == 3
-    assert check_principles(reference, None, large_bytes=1 << 20)["no_redundancy"]["ok"]
+    assert len(check_principles(reference, None, large_bytes=1024).no_redundancy.violations) == 3
+    assert check_principles(reference, None, large_bytes=1 << 20).no_redundancy.ok
     by_pattern = check_principles(reference, None, replicated_ok={"0", "[12]"}, large_bytes=1024)
-    assert by_pattern["no_redundancy"]["ok"]
+    assert by_pattern.no_redundancy.ok
     by_callable = check_principles(reference, None, replicated_ok=lambda name: name != "2", large_bytes=1024)
-    assert [v.split()[1] for v in by_callable["no_redundancy"]["violations"]] == ["2"]
+    assert [v.split()[1] for v in by_callable.no_redundancy.violations] == ["2"]
 
 
 def test_activations_report_global_shape_placement_and_copies_over_xcd():
@@ -273,11 +279,11 @@ def test_activations_report_global_shape_placement_and_copies_over_xcd():
 def test_no_redundancy_judges_activations_by_bytes_per_device():
     flat = mlp_report_with_activations("flat", train=True)
     largest_copy = max(entry.shard_bytes for entry in flat.activations if entry.replication_xcd > 1)
-    failing = check_principles(flat, None, replicated_ok={"*"}, large_bytes=largest_copy - 1)["no_redundancy"]
-    assert not failing["ok"] and all(line.startswith("activation ") for line in failing["violations"])
-    assert check_principles(flat, None, replicated_ok={"*"}, large_bytes=largest_copy)["no_redundancy"]["ok"]
+    failing = check_principles(flat, None, replicated_ok={"*"}, large_bytes=largest_copy - 1).no_redundancy
+    assert not failing.ok and all(line.startswith("activation ") for line in failing.violations)
+    assert check_principles(flat, None, replicated_ok={"*"}, large_bytes=largest_copy).no_redundancy.ok
     starscream = mlp_report_with_activations("starscream", train=True)
-    assert check_principles(starscream, None, large_bytes=0)["no_redundancy"]["ok"]
+    assert check_principles(starscream, None, large_bytes=0).no_redundancy.ok
 
 
 def test_activations_need_both_the_lowered_text_and_the_token_dims():
@@ -288,9 +294,8 @@ def test_activations_need_both_the_lowered_text_and_the_token_dims():
 
 def test_without_reference_no_matmul_is_judged():
     report = mlp_report(2, 4, "flat")
-    verdict = check_principles(report, None)["shape_preservation"]
-    assert verdict == {"ok": True, "violations": [], "unpaired": [m.name for m in report.matmuls],
-                       "attention": {"ratio": None, "ok": None}}
+    verdict = check_principles(report, None).shape_preservation
+    assert verdict == KernelVerdict(True, (), tuple(m.name for m in report.matmuls), AttentionRatio(None, None))
 
 
 def test_report_is_json_serialisable_with_memory_and_bytes_by_scope():
@@ -341,11 +346,11 @@ def test_decode_reads_each_weight_once_per_gpu_or_is_flagged():
     reads it 4 times."""
     reference = [matmul("dot", "jit(d)/bsd,df->bsf/dot_general", 4, 1024, 256)]
     split = [matmul("dot", "jit(d)/bsd,df->bsf/dot_general", 4, 256, 256)]
-    assert reads_once_per_gpu(split, reference, partitions=4)["ok"]
+    assert reads_once_per_gpu(split, reference, partitions=4).ok
     gathered = reads_once_per_gpu(reference, reference, partitions=4)
-    assert not gathered["ok"] and "read 4.00x the weight-side elements" in gathered["violations"][0]
-    assert reads_once_per_gpu([matmul("dot", "jit(d)/other/dot_general", 4, 8, 8)], reference, 4)["unpaired"] == [
-        "other"]
+    assert not gathered.ok and "read 4.00x the weight-side elements" in gathered.violations[0]
+    assert reads_once_per_gpu([matmul("dot", "jit(d)/other/dot_general", 4, 8, 8)], reference, 4).unpaired == (
+        "other",)
 
 
 def test_weight_side_elements_do_not_depend_on_operand_order_or_merging():
@@ -437,21 +442,21 @@ def gpu_step_report(layout: str, tokens_per_device: int | None = None):
 def test_gpu_matmuls_merged_weight_first_and_split_keep_starscream_tp_kernels():
     reference, starscream = gpu_step_report("gpu_tp"), gpu_step_report("starscream_tp")
     assert (reference.tokens_per_device, starscream.tokens_per_device) == (256, 128)
-    verdict = check_principles(starscream, reference)["shape_preservation"]
-    assert verdict == {"ok": True, "violations": [], "unpaired": [], "attention": {"ratio": None, "ok": None}}
+    verdict = check_principles(starscream, reference).shape_preservation
+    assert verdict == KernelVerdict(True, (), (), AttentionRatio(None, None))
 
 
 def test_gpu_matmuls_of_flat_tp_shrink_every_op():
-    verdict = check_principles(gpu_step_report("flat_tp"), gpu_step_report("gpu_tp"))["shape_preservation"]
-    shrunk = [line.split(" (")[0] for line in verdict["violations"]]
+    verdict = check_principles(gpu_step_report("flat_tp"), gpu_step_report("gpu_tp")).shape_preservation
+    shrunk = [line.split(" (")[0] for line in verdict.violations]
     assert shrunk == [f"op {matmul_key(op)[0]}" for op in (QKV, GATE_UP, GATE_UP_BACK + "dot_general", DOWN_BACK)]
-    assert "fewer than the reference's 32768 at 256 tokens" in verdict["violations"][0]
+    assert "fewer than the reference's 32768 at 256 tokens" in verdict.violations[0]
 
 
 def test_a_token_count_that_is_not_divided_shows_the_kernels_shrunk():
     """Read as if its 128 tokens per device were gpu_tp's 256, starscream_tp's matmuls would hold half the weight."""
     verdict = check_principles(gpu_step_report("starscream_tp", tokens_per_device=256), gpu_step_report("gpu_tp"))
-    assert len(verdict["shape_preservation"]["violations"]) == 4
+    assert len(verdict.shape_preservation.violations) == 4
 
 
 def test_args_that_do_not_match_the_program_are_an_error():
@@ -485,9 +490,9 @@ def test_every_collective_has_a_scope_and_bytes_and_the_unknown_ones_fail_princi
     (collective,) = report.collectives
     assert (collective.scope, collective.bytes_per_device) == (scope, bytes_per_device)
     assert reason in collective.reason
-    verdict = check_principles(report, None)["hierarchical_collectives"]
-    assert verdict["ok"] == (scope in ("inter_gpu", "intra_gpu"))
-    assert all(reason in line for line in verdict["violations"])
+    verdict = check_principles(report, None).hierarchical_collectives
+    assert verdict.ok == (scope in ("inter_gpu", "intra_gpu"))
+    assert all(reason in line for line in verdict.violations)
 
 
 def test_one_partition_per_gpu_at_different_indices_is_flat_and_says_why():
@@ -500,5 +505,4 @@ def test_one_partition_per_gpu_at_different_indices_is_flat_and_says_why():
     (collective,) = report.collectives
     assert collective.scope == "flat"
     assert "one partition from each of GPUs [0, 1] but at different partition indices" in collective.reason
-    assert "at different partition indices" in check_principles(report, None)["hierarchical_collectives"][
-        "violations"][0]
+    assert "at different partition indices" in check_principles(report, None).hierarchical_collectives.violations[0]

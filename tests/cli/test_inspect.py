@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from starscream_jax.analysis.compile import PHASES
-from starscream_jax.analysis.layout_report import PRINCIPLES
+from starscream_jax.analysis.json_form import from_json
+from starscream_jax.analysis.layout_report import LayoutResult
 from starscream_jax.cli import inspect as inspect_command
 from starscream_jax.cli.arguments import STUDY_MESH
 from starscream_jax.errors import ShardingRuleError, StarscreamError
@@ -61,6 +62,11 @@ def prefill(hlo_dir):
 def decode():
     return inspect_json("--phase", "decode", "--layout", "flat_tp,starscream_decode,starscream_tp", "--batch", "16",
                         "--seq", "512")
+
+
+def format_table(printed: dict[str, dict]) -> str:
+    """The table `inspect` prints of the results its --json printed, read back (`json_form.from_json`)."""
+    return inspect_command.format_table({name: from_json(LayoutResult, result) for name, result in printed.items()})
 
 
 def verdicts(result: dict) -> dict[str, bool]:
@@ -212,7 +218,7 @@ def test_no_activation_is_copied_over_xcd_under_starscream_tp_and_the_residual_i
 def test_json_has_mesh_principles_bytes_memory_and_matmuls(train):
     for result in train.values():
         assert result["mesh"] == {"axes": ["data", "gpu", "xcd"], "shape": [1, 8, 8]}
-        assert set(result["principles"]) == set(PRINCIPLES)
+        assert set(result["principles"]) == set(ALL_OK)
         assert all(isinstance(verdict["ok"], bool) for verdict in result["principles"].values())
         assert {"inter_gpu", "intra_gpu", "flat"} <= set(result["bytes_per_device"])
         assert result["memory_per_device"]["compiled"]["layers"] == 2
@@ -291,7 +297,7 @@ def test_dump_hlo_writes_every_compiled_program(prefill, hlo_dir):
 
 
 def test_table_puts_layouts_side_by_side_with_verdicts(train):
-    table = inspect_command.format_table(train)
+    table = format_table(train)
     assert "llama3-70b on mi300x-cpx-nps1, mesh data 1 x gpu 8 x xcd 8: train" in table
     assert re.search(r"^\s+flat_tp\s+starscream_tp$", table, re.MULTILINE)
     assert re.search(r"^  2 no redundancy over xcd\s+FAIL \(\d+\)\s+ok$", table, re.MULTILINE)
@@ -304,7 +310,7 @@ def test_the_table_shows_unjudged_ops_and_says_the_verdict_left_them_out(train):
     """An op principle 1 could not pair with gpu_tp's is counted in the verdict cell and listed by name."""
     result = json.loads(json.dumps(train["starscream_tp"]))
     result["principles"]["shape_preservation"]["unpaired"] = ["custom-call.7", "dot.12"]
-    table = inspect_command.format_table({"starscream_tp": result})
+    table = format_table({"starscream_tp": result})
     assert re.search(r"^  1 kernel shapes\s+ok, 2 unjudged$", table, re.MULTILINE)
     assert ("starscream_tp shape_preservation: 2 op(s) unjudged (no gpu_tp counterpart, or work the program text does "
             "not show): custom-call.7, dot.12") in table
@@ -416,7 +422,7 @@ def test_one_sequence_decodes_split_k_reading_the_cache_once_per_gpu_and_storing
     xcd = split["mesh"]["shape"][2]
     assert xcd > 1 and split["memory_per_device"]["kv_cache"] * xcd == reference["memory_per_device"]["kv_cache"]
     assert ("starscream_decode places batch 1 as starscream_decode+split_k: a batch of 1: the KV cache's positions "
-            "over xcd") in inspect_command.format_table(decode)
+            "over xcd") in format_table(decode)
 
 
 def test_one_sequence_prefills_split_over_the_partitions_with_a_length_they_do_not_divide(one_sequence):

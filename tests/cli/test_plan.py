@@ -14,7 +14,9 @@ import pytest
 from starscream_jax.analysis import plan as planner
 from starscream_jax.analysis.compile import make_settings
 from starscream_jax.analysis.layout_report import ResultCache
-from starscream_jax.analysis.plan import Candidate, accumulated, plan_phase
+from starscream_jax.analysis.costmodel import StepEstimate
+from starscream_jax.analysis.json_form import from_json, to_json
+from starscream_jax.analysis.plan import Candidate, plan_phase
 from starscream_jax.analysis.plots import plan_plot_data
 from starscream_jax.cli import plan as plan_command
 from starscream_jax.cli.arguments import CACHE_ENV
@@ -174,7 +176,12 @@ def test_a_candidate_whose_bound_exceeds_the_best_found_is_pruned(monkeypatch, t
     assert pruned and all(entry["layout"] == "gpu_tp" and "lower bound" in entry["reason"] for entry in pruned)
 
 
+def accumulated(estimate: dict, micro_batches: int) -> dict:
+    return to_json(from_json(StepEstimate, estimate).accumulated(micro_batches))
+
+
 def test_a_step_of_n_micro_batches_costs_n_micro_steps():
+    """A micro-step's estimate as a plan writes it, read back and accumulated."""
     estimate = {"compute_s": 1.0, "memory_bound_s": 0.5, "communication_s": {"inter_gpu": 0.25},
                 "total_communication_s": 0.25, "serial_s": 1.25, "overlapped_s": 1.0, "tokens": 100,
                 "tokens_per_s": 80.0}

@@ -254,8 +254,8 @@ def test_context_parallel_training_matches_and_only_starscream_cp_stays_hierarch
         loss, grads = compiled(placed, jax.device_put(tokens, batch_sharding(layout, mesh, 4)))
     assert max_error(loss, expected_loss) <= FP32_TOLERANCE
     assert worst(errors_by_path(grads, expected_grads))[1] <= FP32_TOLERANCE
-    verdict = check_principles(inspect_compiled(compiled, mesh), None)["hierarchical_collectives"]
-    assert verdict["ok"] == (layout == "starscream_cp"), verdict["violations"]
+    verdict = check_principles(inspect_compiled(compiled, mesh), None).hierarchical_collectives
+    assert verdict.ok == (layout == "starscream_cp"), verdict.violations
 
 
 def test_remat_recomputes_each_layers_matmuls_in_the_backward_pass():

@@ -141,8 +141,8 @@ def test_expert_layouts_collectives_on_2x2x2(layout, hierarchical):
     partition at once."""
     _, compiled, mesh, _ = sharded(layout, "2x2x2")
     report = inspect_compiled(compiled, mesh)
-    verdict = check_principles(report, None)["hierarchical_collectives"]
-    assert verdict["ok"] == hierarchical, verdict["violations"]
+    verdict = check_principles(report, None).hierarchical_collectives
+    assert verdict.ok == hierarchical, verdict.violations
     scopes = {collective.scope for collective in report.collectives}
     assert scopes >= ({"intra_gpu", "inter_gpu"} if hierarchical else {"flat"})
 

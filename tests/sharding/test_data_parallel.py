@@ -75,8 +75,8 @@ def gradient_bytes_by_axes(layout: str) -> dict[tuple[str, ...], float]:
 
 @pytest.mark.parametrize("layout", HIERARCHICAL_LAYOUTS)
 def test_gradients_are_reduced_inside_each_gpu_then_across_gpus(layout):
-    verdict = check_principles(train_step_report(layout), None)["hierarchical_collectives"]
-    assert verdict["ok"], verdict["violations"]
+    verdict = check_principles(train_step_report(layout), None).hierarchical_collectives
+    assert verdict.ok, verdict.violations
     stages = gradient_bytes_by_axes(layout)
     assert ("xcd",) in stages and any("data" in axes for axes in stages), stages
     assert not any("xcd" in axes and len(axes) > 1 for axes in stages), stages
@@ -90,8 +90,8 @@ def test_starscream_tp_sends_one_partition_count_th_of_gpu_tp_gradient_bytes_acr
 
 
 def test_flat_fsdp_reduces_gradients_over_both_levels_at_once():
-    verdict = check_principles(train_step_report("flat_fsdp"), None)["hierarchical_collectives"]
-    assert not verdict["ok"]
+    verdict = check_principles(train_step_report("flat_fsdp"), None).hierarchical_collectives
+    assert not verdict.ok
     assert ("gpu", "xcd") in gradient_bytes_by_axes("flat_fsdp")
 
 

@@ -220,8 +220,8 @@ def test_starscream_layouts_keep_collectives_hierarchical_and_large_arrays_off_x
         layout, mesh_name, program):
     report = structure_report(layout, mesh_name, program)
     verdict = check_principles(report, None)
-    assert verdict["hierarchical_collectives"]["ok"], verdict["hierarchical_collectives"]["violations"]
-    assert verdict["no_redundancy"]["ok"], verdict["no_redundancy"]["violations"]
+    assert verdict.hierarchical_collectives.ok, verdict.hierarchical_collectives.violations
+    assert verdict.no_redundancy.ok, verdict.no_redundancy.violations
     assert {c.scope for c in report.collectives} >= {"intra_gpu", "inter_gpu"}
     assert sum(entry.bytes > 1 << 20 for entry in report.inputs) >= 9
     assert any(entry.shard_bytes > 1 << 20 for entry in report.activations) or program == "decode"
@@ -236,23 +236,23 @@ def test_starscream_decode_on_many_tokens_copies_the_mlp_hidden_over_xcd(mesh_na
     hidden before its activation, and is whole likewise, as is the gradient of each half ([B, S, 1, F])."""
     report = structure_report("starscream_decode", mesh_name, "train")
     verdict = check_principles(report, None, large_bytes=1 << 20)
-    assert verdict["hierarchical_collectives"]["ok"], verdict["hierarchical_collectives"]["violations"]
+    assert verdict.hierarchical_collectives.ok, verdict.hierarchical_collectives.violations
     copied = [entry for entry in report.activations if entry.replication_xcd > 1 and entry.shard_bytes > 1 << 20]
     config = structure_config()
     allowed_shapes = ([BATCH, SEQ - 1, config.d_ff], [BATCH, SEQ - 1, config.n_heads, config.head_dim],
                       [BATCH, SEQ - 1, 2, config.d_ff], [BATCH, SEQ - 1, 1, config.d_ff])
     assert any(entry.shape == allowed_shapes[0] for entry in copied)
     assert all(entry.shape in allowed_shapes for entry in copied)
-    assert len(verdict["no_redundancy"]["violations"]) == len(copied)
+    assert len(verdict.no_redundancy.violations) == len(copied)
 
 
 @pytest.mark.parametrize("mesh_name,program", [(mesh, program) for mesh in STRUCTURE_MESHES
                                                for program in ("train", "decode")])
 def test_flat_tp_spans_both_axes_in_one_collective(mesh_name, program):
     verdict = check_principles(structure_report("flat_tp", mesh_name, program), None, large_bytes=1 << 20)
-    assert not verdict["hierarchical_collectives"]["ok"]
+    assert not verdict.hierarchical_collectives.ok
     if program == "train":  # the residual stream [B, S, D] is whole on every partition
-        assert any(line.startswith("activation ") for line in verdict["no_redundancy"]["violations"])
+        assert any(line.startswith("activation ") for line in verdict.no_redundancy.violations)
 
 
 @pytest.mark.parametrize("program,replicated", [
@@ -263,7 +263,7 @@ def test_flat_tp_copies_kv_weights_and_cache_over_xcd_on_8x8(program, replicated
     """8 kv heads cannot split 64 ways, so flat_tp keeps kv heads over gpu only: 8 copies in each GPU."""
     report = structure_report("flat_tp", "1x8x8", program)
     verdict = check_principles(report, None)
-    assert not verdict["no_redundancy"]["ok"]
+    assert not verdict.no_redundancy.ok
     assert sorted(entry.name for entry in report.inputs if entry.replication_xcd == 8 and entry.bytes > 1 << 20) \
         == replicated
 
@@ -272,9 +272,9 @@ def test_train_kernels_keep_gpu_tp_shapes_under_starscream_tp_and_shrink_under_f
     reference = structure_report("gpu_tp", "1x8x8", "train")
     starscream = check_principles(structure_report("starscream_tp", "1x8x8", "train"), reference)
     flat = check_principles(structure_report("flat_tp", "1x8x8", "train"), reference)
-    assert starscream["shape_preservation"]["ok"], starscream["shape_preservation"]["violations"]
-    assert not starscream["shape_preservation"]["unpaired"]
-    assert not flat["shape_preservation"]["ok"]
+    assert starscream.shape_preservation.ok, starscream.shape_preservation.violations
+    assert not starscream.shape_preservation.unpaired
+    assert not flat.shape_preservation.ok
 
 
 def test_decode_layout_moves_fewer_bytes_inside_the_gpu_than_gathering_weights():
