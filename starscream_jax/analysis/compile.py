@@ -45,7 +45,7 @@ from ..model.decoder import (
     decode_holds_cache_per_layer,
     rolls_layers,
 )
-from ..model.paged import PAGES
+from ..model.paged import PAGES, SCALES
 from ..model.quantize import held_dtype
 from ..serving.engine import cache_shards
 from ..serving.steps import RowSampling, StepInputs, paged_step
@@ -297,7 +297,7 @@ def held_as_inference(params: nnx.State, dtype) -> nnx.State:
 
 def abstract_paged_args(config: ModelConfig, layout: Layout, mesh, batch: int, length: int) -> tuple[Any, PagedArgs]:
     """(graphdef, PagedArgs) of a serving decode step: `batch` sequences of `length` positions each in pages of
-    SERVE_PAGE_SIZE, every sequence's pages in its own cache shard (as `serving.scheduler` places them), plus one
+    SERVE_PAGE_SIZE (in the 8-bit `kv_format` with their scales where the config asks), every sequence's pages in its own cache shard (as `serving.scheduler` places them), plus one
     null page per shard; one token per sequence at its last position. Call inside `use_layout(layout, mesh)`."""
     graphdef, params, rest = nnx.split(abstract_model(config), nnx.Param, ...)
     params = held_as_inference(abstract_placed(params, layout, mesh), jnp.dtype(config.dtype))
@@ -308,8 +308,12 @@ def abstract_paged_args(config: ModelConfig, layout: Layout, mesh, batch: int, l
     pages_per_row = -(-length // SERVE_PAGE_SIZE)
     pool = (config.n_kv_heads, shards * (batch // shards * pages_per_row + 1), SERVE_PAGE_SIZE, config.head_dim)
     sharding = NamedSharding(mesh, activation_spec(PAGES, pool, "kv pages"))
-    pages = {name: tuple(jax.ShapeDtypeStruct(pool, jnp.dtype(config.dtype), sharding=sharding)
+    pages = {name: tuple(jax.ShapeDtypeStruct(pool, jnp.dtype(config.kv_format or config.dtype), sharding=sharding)
                          for _ in range(config.n_layers)) for name in ("k", "v")}
+    if config.kv_format:  # an 8-bit cache's scales, one per position and kv head
+        scales = NamedSharding(mesh, activation_spec(SCALES, pool[:3], "kv page scales"))
+        pages.update({name: tuple(jax.ShapeDtypeStruct(pool[:3], jnp.float32, sharding=scales)
+                                  for _ in range(config.n_layers)) for name in ("k_scale", "v_scale")})
     _, axes = layout.activations.lookup("attn_batch")
     rows = NamedSharding(mesh, PartitionSpec(axes or None))
 

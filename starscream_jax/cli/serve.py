@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     server = Server(EngineThread(engine), tokenizer, name, args.max_pending)
     print(f"starscream serve: {name} from {source} on mesh {dict(mesh.shape)}, prefill {args.prefill_layout}, "
           f"decode {args.decode_layout}; {engine.shards} cache shard(s) of {args.cache_pages} pages x "
-          f"{args.page_size}; at most {engine.buckets.programs()} programs; http://{args.host}:{args.port}/v1",
+          f"{args.page_size} ({engine.pool_bytes / 2 ** 30:.2f} GiB of pages in {engine.kv_format or model.config.dtype}); at most {engine.buckets.programs()} programs; http://{args.host}:{args.port}/v1",
           flush=True)
     uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning")
     return 0

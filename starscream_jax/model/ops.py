@@ -26,17 +26,18 @@ def _offset(axes: tuple[str, ...], local_size: int):
 
 
 def _run_sharded(local_fn, args, names: list[LogicalNames | None], outs: list[tuple[LogicalNames, tuple]],
-                 tensor: str):
+                 tensor: str, check_vma: bool = True):
     """Runs `local_fn(*local_args, specs=...)` on every device's shards. `names` are the logical names of `args`
     (None = a replicated scalar); `outs` the (logical names, global shape) of each result; `specs` hands the local
-    function each argument's PartitionSpec so it knows which axes shard which dimension."""
+    function each argument's PartitionSpec so it knows which axes shard which dimension. `check_vma=False` for a
+    local function whose kernels (Pallas) do not say how their outputs vary over the mesh axes."""
     if active() is None:
         result = local_fn(*args, specs=[PartitionSpec()] * len(args))
         return result
     specs = [PartitionSpec() if n is None else activation_spec(n, a.shape, tensor) for a, n in zip(args, names)]
     out_specs = tuple(activation_spec(n, shape, tensor) for n, shape in outs)
     fn = jax.shard_map(lambda *a: local_fn(*a, specs=specs), in_specs=tuple(specs),
-                       out_specs=out_specs[0] if len(outs) == 1 else out_specs)
+                       out_specs=out_specs[0] if len(outs) == 1 else out_specs, check_vma=check_vma)
     return fn(*[placed_as(a, s) for a, s in zip(args, specs)])
 
 

@@ -10,6 +10,12 @@ for GPUs reads them (no copy per step).
 
 Positions of padding (rows without a sequence, tokens past a row's chunk) are -1: they write to page 0 of their
 shard, the null page no sequence holds, and their outputs are discarded.
+
+An 8-bit cache (the model's `kv_format`: int8 or an fp8 format) holds the pages in that format and beside them a
+float32 scale per position and kv head [K, pages, page_size] (SCALES, placed as the pages are): each new key or value
+is quantized as the dense cache quantizes it (`quantize.quantize_cache_entry`, its head's amax over head_dim), the
+gather path multiplies the gathered pages by their scales, the Pallas kernel takes the scales as its own
+`k_scales_pages` / `v_scales_pages`. The pages of a layer take 1 byte per value and 4 per position and kv head.
 """
 from __future__ import annotations
 
@@ -23,11 +29,14 @@ from jax.tree_util import register_dataclass
 from ..errors import StarscreamError
 from ..hardware.axes import dim_axes
 from ..sharding.apply import compute_device
+from .quantize import quantize_cache_entry
 from .names import ATTN_KV, ATTN_Q, POSITIONS
 from .ops import _fused_attention, _kv_heads_for_local_queries, _run_sharded
 
 PAGES = ("kv_heads", "attn_batch", "seq", "head_dim")
 """One layer's pool of key (or value) pages [K, pages, page_size, E]."""
+SCALES = PAGES[:3]
+"""One layer's scales of an 8-bit pool [K, pages, page_size]: one per position and kv head."""
 TABLE = ("attn_batch", None)
 """Block tables [B, M]: row b's i-th page (an index local to the row's shard)."""
 KERNELS = ("gather", "pallas")
@@ -41,26 +50,34 @@ chunks use `gather`)."""
 @dataclass(frozen=True)
 class PagedCache:
     """Key and value page pools, one array per layer (L arrays of [K, pages, page_size, E] each), and the block
-    tables [B, M] of the rows of the step that reads them; `kernel` (static) picks the decode attention."""
+    tables [B, M] of the rows of the step that reads them; `kernel` (static) picks the decode attention. An 8-bit
+    cache has the pools in its format and `k_scale` / `v_scale` (L arrays of [K, pages, page_size] float32); None
+    otherwise."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
     table: jax.Array
     kernel: str = field(default="gather", metadata={"static": True})
+    k_scale: tuple[jax.Array, ...] | None = None
+    v_scale: tuple[jax.Array, ...] | None = None
 
     def layer(self, index: int) -> PagedLayer:
-        return PagedLayer(self.k[index], self.v[index], self.table, self.kernel)
+        scales = (self.k_scale[index], self.v_scale[index]) if self.k_scale is not None else (None, None)
+        return PagedLayer(self.k[index], self.v[index], self.table, self.kernel, *scales)
 
 
 @register_dataclass
 @dataclass(frozen=True)
 class PagedLayer:
-    """One layer's key and value pages [K, pages, page_size, E], the block tables [B, M] and the kernel."""
+    """One layer's key and value pages [K, pages, page_size, E], the block tables [B, M] and the kernel; an 8-bit
+    layer's scales [K, pages, page_size] (None otherwise)."""
 
     k: jax.Array
     v: jax.Array
     table: jax.Array
     kernel: str = field(default="gather", metadata={"static": True})
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
 
 
 def init_pages(n_layers: int, n_kv_heads: int, pages: int, page_size: int, head_dim: int, dtype,
@@ -71,37 +88,68 @@ def init_pages(n_layers: int, n_kv_heads: int, pages: int, page_size: int, head_
     return tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(n_layers))
 
 
+def init_page_scales(n_layers: int, n_kv_heads: int, pages: int, page_size: int, sharding=None) -> tuple:
+    """L scale pools [K, pages, page_size] float32 of an 8-bit cache, all ones, on `sharding` (SCALES)."""
+    return tuple(jnp.ones((n_kv_heads, pages, page_size), jnp.float32, device=sharding) for _ in range(n_layers))
+
+
 def with_layers(cache: PagedCache, layers: list[PagedLayer]) -> PagedCache:
-    """`cache` holding the updated pools of `layers`."""
-    return replace(cache, k=tuple(layer.k for layer in layers), v=tuple(layer.v for layer in layers))
+    """`cache` holding the updated pools (and scales) of `layers`."""
+    scales = {}
+    if cache.k_scale is not None:
+        scales = {"k_scale": tuple(layer.k_scale for layer in layers),
+                  "v_scale": tuple(layer.v_scale for layer in layers)}
+    return replace(cache, k=tuple(layer.k for layer in layers), v=tuple(layer.v for layer in layers), **scales)
 
 
 def paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: PagedLayer):
-    """Writes the S new keys and values of each row into its pages at their positions, then attends each query to
-    its row's cached positions up to its own. q [B, S, H, E] (ATTN_Q), k / v [B, S, K, E] (ATTN_KV), positions
-    [B, S] (-1: padding). Returns (out [B, S, H, E], the layer with its updated pages)."""
+    """Writes the S new keys and values of each row into its pages at their positions (quantized first in an 8-bit
+    cache), then attends each query to its row's cached positions up to its own. q [B, S, H, E] (ATTN_Q), k / v
+    [B, S, K, E] (ATTN_KV), positions [B, S] (-1: padding). Returns (out [B, S, H, E], the layer with its updated
+    pages and scales)."""
     if cache.kernel not in KERNELS:
         raise StarscreamError(f"unknown paged-attention kernel {cache.kernel!r}; choose one of {', '.join(KERNELS)}")
     group = q_BSHE.shape[2] // k_BSKE.shape[2]
+    eight_bit = cache.k_scale is not None
 
-    def local(q, k, v, positions, table, pages_k, pages_v, *, specs):
-        pages_k, pages_v = (_write(pages, new, positions, table) for pages, new in ((pages_k, k), (pages_v, v)))
+    def local(q, k, v, positions, table, *pools, specs):
+        pools = _written(pools, k, v, positions, table)
         q_axes, kv_axes = dim_axes(specs[0], 2), dim_axes(specs[1], 2)
         if cache.kernel == "pallas" and q.shape[1] == 1:
-            out = _pallas_decode(q, pages_k, pages_v, positions, table, q_axes, kv_axes, group)
+            out = _pallas_decode(q, pools, positions, table, q_axes, kv_axes, group)
         else:
-            out = _gathered_attention(q, pages_k, pages_v, positions, table, q_axes, kv_axes, group)
-        return out, pages_k, pages_v
+            out = _gathered_attention(q, pools, positions, table, q_axes, kv_axes, group)
+        return out, *pools
 
-    args = [q_BSHE, k_BSKE, v_BSKE, positions_BS, cache.table, cache.k, cache.v]
-    names = [ATTN_Q, ATTN_KV, ATTN_KV, POSITIONS, TABLE, PAGES, PAGES]
-    out, pages_k, pages_v = _run_sharded(local, args, names, [(ATTN_Q, q_BSHE.shape), (PAGES, cache.k.shape),
-                                                              (PAGES, cache.v.shape)], "paged attention")
-    return out, replace(cache, k=pages_k, v=pages_v)
+    pools = [cache.k, cache.v] + ([cache.k_scale, cache.v_scale] if eight_bit else [])
+    pool_names = [PAGES, PAGES] + ([SCALES, SCALES] if eight_bit else [])
+    args = [q_BSHE, k_BSKE, v_BSKE, positions_BS, cache.table, *pools]
+    names = [ATTN_Q, ATTN_KV, ATTN_KV, POSITIONS, TABLE, *pool_names]
+    out, *pools = _run_sharded(local, args, names, [(ATTN_Q, q_BSHE.shape)] + [
+        (name, pool.shape) for name, pool in zip(pool_names, pools)], "paged attention",
+        check_vma=cache.kernel != "pallas")
+    scales = {"k_scale": pools[2], "v_scale": pools[3]} if eight_bit else {}
+    return out, replace(cache, k=pools[0], v=pools[1], **scales)
+
+
+def _written(pools, k_BSKE, v_BSKE, positions_BS, table_BM) -> tuple:
+    """(k pages, v pages[, k scales, v scales]) with the new keys and values written: as they are, or in an 8-bit
+    cache quantized to the pages' format with their scales."""
+    if len(pools) == 2:
+        return tuple(_write(pages, new, positions_BS, table_BM) for pages, new in zip(pools, (k_BSKE, v_BSKE)))
+    pages_k, pages_v, scales_k, scales_v = pools
+    written = []
+    for pages, scales, new in ((pages_k, scales_k, k_BSKE), (pages_v, scales_v, v_BSKE)):
+        values_BSKE, scale_BSK = quantize_cache_entry(new, pages.dtype.name)
+        written.append((_write(pages, values_BSKE, positions_BS, table_BM),
+                        _write(scales, scale_BSK, positions_BS, table_BM)))
+    (pages_k, scales_k), (pages_v, scales_v) = written
+    return pages_k, pages_v, scales_k, scales_v
 
 
 def _write(pages_KPAE, new_BSKE, positions_BS, table_BM):
-    """The pages with each valid token's key (or value) written at (its row's page of its position, slot)."""
+    """The pages with each valid token's key (or value) written at (its row's page of its position, slot); also
+    scales [K, pages, page_size] from new scales [B, S, K]."""
     page_size = pages_KPAE.shape[2]
     valid = positions_BS >= 0
     at = jnp.maximum(positions_BS, 0)
@@ -110,18 +158,23 @@ def _write(pages_KPAE, new_BSKE, positions_BS, table_BM):
     return pages_KPAE.at[:, page_BS, slot_BS].set(jnp.moveaxis(new_BSKE, 2, 0).astype(pages_KPAE.dtype))
 
 
-def _gathered_attention(q_BSHE, pages_k, pages_v, positions_BS, table_BM, q_axes, kv_axes, group):
-    """Each row's pages gathered into [B, M * page_size, K, E]; a query sees the positions up to its own. Decode
-    (S = 1) passes the visible length to `_fused_attention` (cuDNN on NVIDIA GPUs), prefill chunks a mask."""
+def _gathered_attention(q_BSHE, pools, positions_BS, table_BM, q_axes, kv_axes, group):
+    """Each row's pages gathered into [B, M * page_size, K, E] (an 8-bit cache's times their scales); a query sees
+    the positions up to its own. Decode (S = 1) passes the visible length to `_fused_attention` (cuDNN on NVIDIA
+    GPUs), prefill chunks a mask."""
     rows, max_pages = table_BM.shape
+    pages_k = pools[0]
     length = max_pages * pages_k.shape[2]
 
-    def gathered(pages_KPAE):
+    def gathered(pages_KPAE, scales_KPA):
         rows_KBMAE = pages_KPAE[:, table_BM]
+        if scales_KPA is not None:
+            rows_KBMAE = rows_KBMAE.astype(jnp.float32) * scales_KPA[:, table_BM][..., None]
         keys_BTKE = jnp.moveaxis(rows_KBMAE, 0, -2).reshape(rows, length, pages_KPAE.shape[0], pages_KPAE.shape[3])
         return _kv_heads_for_local_queries(keys_BTKE, q_BSHE.shape[2], group, q_axes, kv_axes).astype(q_BSHE.dtype)
 
-    keys_BTKE, values_BTKE = gathered(pages_k), gathered(pages_v)
+    scales = pools[2:] if len(pools) == 4 else (None, None)
+    keys_BTKE, values_BTKE = gathered(pools[0], scales[0]), gathered(pools[1], scales[1])
     seen_BS = jnp.maximum(positions_BS, 0)  # padding sees position 0 only, so no row is all masked
     if q_BSHE.shape[1] == 1:
         return _fused_attention(q_BSHE, keys_BTKE, values_BTKE, key_value_seq_lengths=seen_BS[:, 0] + 1)
@@ -129,13 +182,14 @@ def _gathered_attention(q_BSHE, pages_k, pages_v, positions_BS, table_BM, q_axes
     return jax.nn.dot_product_attention(q_BSHE, keys_BTKE, values_BTKE, mask=mask)
 
 
-def _pallas_decode(q_B1HE, pages_k, pages_v, positions_BS, table_BM, q_axes, kv_axes, group):
-    """Decode attention by JAX's Pallas paged-attention kernel for GPUs (Triton), reading the pages in place; off
-    GPUs in Pallas' interpreter (tests). Queries come scaled by 1 / sqrt(E). A row's pages are read up to 8 at a
-    time and split into up to 16 parts read in parallel, as the table's width allows (the kernel needs both to
-    divide it)."""
+def _pallas_decode(q_B1HE, pools, positions_BS, table_BM, q_axes, kv_axes, group):
+    """Decode attention by JAX's Pallas paged-attention kernel for GPUs (Triton), reading the pages in place (an
+    8-bit cache's with its scales, which the kernel applies to the scores and the mixed values); off GPUs in
+    Pallas' interpreter (tests). Queries come scaled by 1 / sqrt(E). A row's pages are read up to 8 at a time and
+    split into up to 16 parts read in parallel, as the table's width allows (the kernel needs both to divide it)."""
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as pallas_paged_attention
 
+    pages_k, pages_v = pools[:2]
     if q_B1HE.shape[2] != pages_k.shape[0] * group:
         raise StarscreamError("the pallas paged-attention kernel needs every query head's kv head on its device; "
                               "decode under a layout that splits query and kv heads alike, or use --kernel gather")
@@ -144,8 +198,11 @@ def _pallas_decode(q_B1HE, pages_k, pages_v, positions_BS, table_BM, q_axes, kv_
     block = math.gcd(width, 8)  # pages read at a time
     splits = max(d for d in range(1, 17) if (width // block) % d == 0)  # parts of the row read in parallel
     scaled_BHE = q_B1HE[:, 0] * q_B1HE.shape[-1] ** -0.5  # the kernel does not scale the scores itself
-    out_BHE = pallas_paged_attention(scaled_BHE, pages_k.astype(q_B1HE.dtype), pages_v.astype(q_B1HE.dtype),
-                                     table_BM, lengths_B.astype(jnp.int32), k_splits=splits,
-                                     pages_per_compute_block=block,
+    if len(pools) == 2:
+        pages_k, pages_v, scales = pages_k.astype(q_B1HE.dtype), pages_v.astype(q_B1HE.dtype), (None, None)
+    else:
+        scales = pools[2:]
+    out_BHE = pallas_paged_attention(scaled_BHE, pages_k, pages_v, table_BM, lengths_B.astype(jnp.int32), *scales,
+                                     k_splits=splits, pages_per_compute_block=block,
                                      interpret=compute_device().platform != "gpu")
     return out_BHE[:, None]

@@ -7,7 +7,8 @@ starscream layouts, so nothing is copied between phases), one page pool per laye
 prefill layout, then a decode program for the decoding sequences under the decode layout, and returns each new
 token as a `TokenEvent`. `EngineThread` runs steps on a thread of its own while requests come and go.
 
-Memory: the pools hold 2 * L * K * pages * page_size * E values in the compute dtype (`EngineConfig`). The engine
+Memory: the pools hold 2 * L * K * pages * page_size * E values in the compute dtype, or in an 8-bit cache
+(`EngineConfig.kv_format`) one byte each and a float32 scale per position and kv head (`Engine.pool_bytes`). The engine
 reads the weights as stored: decode runs q, k, v and gate, up as separate GEMMs (`decoder._fuses`), so no fused copy
 of any weight is held.
 """
@@ -29,8 +30,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import StarscreamError
-from ..model.paged import KERNELS, PAGES, init_pages
-from ..model.quantize import held_as_read
+from ..model.paged import KERNELS, PAGES, SCALES, init_page_scales, init_pages
+from ..model.quantize import WEIGHT_FORMATS, check_format, held_as_read
 from ..sharding.apply import Placement, activation_spec, param_shardings, use_layout
 from ..sharding.layouts import PHASE_DEFAULTS, get_layout
 from .scheduler import Chunk, SamplingParams, Scheduler, SchedulerConfig, Sequence, check_fits
@@ -47,7 +48,8 @@ class EngineConfig:
     rows_per_shard: most sequences a shard runs at once; token_budget: most tokens a step computes; chunk: most
     prompt tokens of one sequence per step; kernel: the paged decode attention (`model.paged.KERNELS`); buckets:
     the compiled shapes (default `Buckets.up_to` the limits: powers of two); prefix_caching: share full prompt pages
-    by hash."""
+    by hash; kv_format: the pages' format, "" the compute dtype or an 8-bit one of `quantize.WEIGHT_FORMATS` (None:
+    the model's `kv_format`, which `--kv-cache` sets)."""
 
     page_size: int = 16
     pages_per_shard: int = 256
@@ -57,10 +59,13 @@ class EngineConfig:
     kernel: str = "gather"
     buckets: Buckets | None = None
     prefix_caching: bool = True
+    kv_format: str | None = None
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
             raise StarscreamError(f"unknown paged-attention kernel {self.kernel!r}; choose one of {', '.join(KERNELS)}")
+        if self.kv_format:
+            check_format(self.kv_format, WEIGHT_FORMATS, "KV cache format")
 
 
 @dataclass(frozen=True)
@@ -105,10 +110,7 @@ class Engine:
                  prefill_layout=PHASE_DEFAULTS["prefill"], decode_layout=PHASE_DEFAULTS["decode"],
                  detokenize=None):
         self.model_config = c = model.config
-        if c.kv_format:
-            raise StarscreamError(f"model {c.name} asks for a KV cache in {c.kv_format}, but the serving engine's paged "
-                                  "cache holds keys and values in the compute dtype; serve without --kv-cache (8-bit "
-                                  "weights serve)")
+        self.kv_format = c.kv_format if config.kv_format is None else config.kv_format
         self.config = config
         self.mesh = mesh
         self.layouts = {"prefill": get_layout(prefill_layout), "decode": get_layout(decode_layout)}
@@ -141,14 +143,26 @@ class Engine:
         return use_layout(self.layouts[phase], self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def _empty_pages(self) -> dict:
-        """Zeroed key and value page pools of every layer, placed by the decode layout (PAGES)."""
+        """Zeroed key and value page pools of every layer in the cache's format, placed by the decode layout (PAGES),
+        and in an 8-bit cache their scales ("k_scale", "v_scale", SCALES)."""
         c, config = self.model_config, self.config
         shape = (c.n_kv_heads, config.pages_per_shard * self.shards, config.page_size, c.head_dim)
-        sharding = None
+        sharding = scale_sharding = None
         if self.mesh is not None:
             with self._phase("decode"):
                 sharding = NamedSharding(self.mesh, activation_spec(PAGES, shape, "kv pages"))
-        return {name: init_pages(c.n_layers, *shape, jnp.dtype(c.dtype), sharding) for name in ("k", "v")}
+                scale_sharding = NamedSharding(self.mesh, activation_spec(SCALES, shape[:3], "kv page scales"))
+        dtype = jnp.dtype(self.kv_format or c.dtype)
+        pages = {name: init_pages(c.n_layers, *shape, dtype, sharding) for name in ("k", "v")}
+        if self.kv_format:
+            pages.update({name: init_page_scales(c.n_layers, *shape[:3], scale_sharding)
+                          for name in ("k_scale", "v_scale")})
+        return pages
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes the page pools hold over every device, in the stored dtype (and an 8-bit cache's scales)."""
+        return sum(array.nbytes for array in jax.tree.leaves(self.pages))
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams = SamplingParams()) -> None:
         """Queues a request; StarscreamError when its id is taken or it cannot fit the context or the cache."""

@@ -1,6 +1,6 @@
 """The one serving step, compiled per bucket, and the per-row sampling it ends with.
 
-  paged step  (params, rest, pages {"k", "v"}, StepInputs) -> (tokens [B], log-probabilities [B], pages): the
+  paged step  (params, rest, pages {"k", "v"[, "k_scale", "v_scale"]}, StepInputs) -> (tokens [B], log-probabilities [B], pages): the
               tokens [B, S] of every row through the model over the paged KV cache (`Transformer.paged`, pages
               donated, written in place), then each row's next token drawn from the logits at its `last` index.
               Decode runs it with S = 1 under the decode layout, prefill chunks with S > 1 under the prefill
@@ -62,11 +62,14 @@ def paged_step(graphdef, kernel: str = "gather", decode: bool = True, *, under: 
     @jit(under=under, donate_argnums=(2,), compiler_options=options)
     def step(params, rest, pages, inputs: StepInputs):
         model = nnx.merge(graphdef, params, rest)
-        cache = PagedCache(pages["k"], pages["v"], inputs.table, kernel)
+        cache = PagedCache(pages["k"], pages["v"], inputs.table, kernel, pages.get("k_scale"), pages.get("v_scale"))
         logits_BV, cache = model.paged(inputs.tokens, inputs.positions, inputs.last, cache)
         positions_B = inputs.positions[:, 0] + inputs.last  # a row's positions run on from its first
         token_B, logprob_B = sample_rows(logits_BV, inputs.sampling, positions_B + 1)
-        return token_B, logprob_B, {"k": cache.k, "v": cache.v}
+        written = {"k": cache.k, "v": cache.v}
+        if cache.k_scale is not None:
+            written.update(k_scale=cache.k_scale, v_scale=cache.v_scale)
+        return token_B, logprob_B, written
 
     return step
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from starscream_jax.model.paged import PagedLayer, paged_attention
+from starscream_jax.model.quantize import quantize_cache_entry
 
 K, H, E, PAGE, POOL = 2, 4, 8, 4, 10
 
@@ -50,3 +51,23 @@ def test_padding_writes_only_the_null_page_and_prefill_is_causal():
     keys, values = _dense(q, layer.k, table, 1, 3), _dense(q, layer.v, table, 1, 3)
     expected = jax.nn.dot_product_attention(q[1:], keys, values, is_causal=True)
     np.testing.assert_allclose(out[1:], expected, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("kernel, fmt", [("gather", "int8"), ("pallas", "float8_e4m3fn")])  # the engine: pallas, int8
+def test_an_8_bit_cache_stores_quantized_pages_and_attends_to_them_dequantized(kernel, fmt):
+    q, k, v, table, pages_k, pages_v = _inputs(2)
+    (values_k, scales_k), (values_v, scales_v) = (quantize_cache_entry(pages, fmt) for pages in (pages_k, pages_v))
+    positions = jnp.array([[9], [5]], jnp.int32)
+    cache = PagedLayer(values_k, values_v, table, kernel, scales_k, scales_v)
+    out, layer = jax.jit(paged_attention)(q, k, v, positions, cache)
+    assert layer.k.dtype == jnp.dtype(fmt) and layer.k_scale.shape == (K, POOL, PAGE)
+    keys_f, values_f = (pages.astype(jnp.float32) * scales[..., None]
+                        for pages, scales in ((layer.k, layer.k_scale), (layer.v, layer.v_scale)))
+    step = 0.005 if fmt == "int8" else 0.07  # half a step of the format at the head's largest value, relative
+    np.testing.assert_allclose(keys_f[:, 1, 1], k[0, 0], atol=step * float(jnp.max(jnp.abs(k[0, 0]))))
+    changed = np.argwhere(np.any(np.asarray(layer.k != values_k), axis=(0, 3)))
+    assert {tuple(index) for index in changed} <= {(1, 1), (2, 1)}  # nothing else written
+    for row, position in enumerate((9, 5)):
+        keys, values = _dense(q, keys_f, table, row, position + 1), _dense(q, values_f, table, row, position + 1)
+        expected = jax.nn.dot_product_attention(q[row:row + 1], keys, values)
+        np.testing.assert_allclose(out[row:row + 1], expected, rtol=1e-4, atol=1e-4)

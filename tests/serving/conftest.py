@@ -19,8 +19,10 @@ from starscream_jax.training.tokenizer import load_tokenizer
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "hf" / "llama"
 ROWS = 8
 CASES = {"1x1x1": ("starscream_tp", "starscream_decode"), "1x2x4": ("starscream_tp", "starscream_decode"),
-         "2x2x2": ("starscream_tp", "starscream_decode"), "1x2x4-flat": ("flat_tp", "flat_tp")}
-"""mesh (-variant) -> (prefill layout, decode layout)."""
+         "2x2x2": ("starscream_tp", "starscream_decode"), "1x2x4-flat": ("flat_tp", "flat_tp"),
+         "1x2x4-int8": ("starscream_tp", "starscream_decode")}
+"""mesh (-variant) -> (prefill layout, decode layout); the int8 variant holds its KV pages in int8 and decodes with
+the pallas kernel."""
 PAGES_PER_SHARD = {"1x1x1": 13}
 """Pages per cache shard where fewer than the default 40: one shard of 12 usable pages cannot hold 8 requests of 12
 positions (3 pages each) at once, so the engine preempts."""
@@ -43,10 +45,17 @@ def _unsharded_model():
 def _engine(case: str) -> Engine:
     """8 rows in all, chunks of 8 positions, 16 pages of 4 positions per row (a context of 64)."""
     mesh, (prefill, decode) = build_mesh(case.split("-")[0]), CASES[case]
-    shards = cache_shards(decode, mesh)
-    config = EngineConfig(page_size=4, pages_per_shard=PAGES_PER_SHARD.get(case, 40), rows_per_shard=ROWS // shards,
-                          token_budget=64, chunk=8, buckets=Buckets((ROWS // shards,), (8,), (16,)))
-    return Engine(load_hf_model(FIXTURE, prefill, mesh), config, mesh, prefill, decode, tokenizer().decode)
+    return Engine(load_hf_model(FIXTURE, prefill, mesh), engine_config(case, mesh), mesh, prefill, decode,
+                  tokenizer().decode)
+
+
+def engine_config(case: str, mesh) -> EngineConfig:
+    """The engine configuration of `case` on `mesh` (tests/serving/multihost_serve_worker.py builds it too)."""
+    shards = cache_shards(CASES[case][1], mesh)
+    return EngineConfig(page_size=4, pages_per_shard=PAGES_PER_SHARD.get(case, 40), rows_per_shard=ROWS // shards,
+                        token_budget=64, chunk=8, buckets=Buckets((ROWS // shards,), (8,), (16,)),
+                        kv_format="int8" if case.endswith("-int8") else None,
+                        kernel="pallas" if case.endswith("-int8") else "gather")
 
 
 @pytest.fixture(scope="session")
