@@ -35,7 +35,7 @@ from .compile import COMPILER_OPTIONS, REFERENCE
 from .format import clip, format_bytes
 from .advice import Advice, advise
 from .placement import ParameterPlacement, format_placements, parameter_placements
-from .principles import Check, check_principles
+from .principles import Check, arrays_named_by, check_principles
 from .report import MatmulReport, Report, inspect_compiled
 
 SHOWN_VIOLATIONS = 3
@@ -89,8 +89,9 @@ def check(step: Callable, *args: Any, mesh: Mesh, layout: Layout | str | None = 
             reference_report = _reference_report(_traced(step, placed(args, reference, mesh)).lower(), mesh,
                                                  gpus_per_node)
     report, renamed = _with_argument_names(report, args, traced)
-    allowed = _replicated_ok(args, layout.replicated_ok) if renamed else set()
-    layer_stack = _replicated_ok(args, frozenset({"layers"})) if renamed else set()  # stacked over a `layers` axis
+    variables = _named_variables(args) if renamed else []
+    allowed = arrays_named_by(variables, layout.replicated_ok)
+    layer_stack = arrays_named_by(variables, frozenset({"layers"}))  # stacked over a `layers` axis
     verdicts = check_principles(report, reference_report, replicated_ok=allowed, layer_stack=layer_stack)
     return StepCheck(report, verdicts, layout.name, None if reference is None else reference.name,
                      parameter_placements(args, layout), advise(report, layout, is_auto(mesh)))
@@ -217,13 +218,13 @@ def _array(leaf):
     return leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
 
 
-def _replicated_ok(args: tuple, names: frozenset[str]) -> set[str]:
-    """The input and output names (as `_with_argument_names` gives them) of the variables whose logical names include
-    one of `names` (norm scales, and the optimizer's moments of them)."""
+def _named_variables(args: tuple) -> list[tuple[str, nnx.Variable]]:
+    """(input name, variable) and (output name, variable) of every NNX variable among `args`, named as
+    `_with_argument_names` names them (its update is "output/" and its input name)."""
     _, state = nnx.split(list(args))
-    allowed = {"/".join(str(key) for key in path) for path, leaf in nnx.to_flat_state(state)
-               if isinstance(leaf, nnx.Variable) and names & set(logical_names(leaf) or ())}
-    return allowed | {"output/" + name for name in allowed}
+    named = [("/".join(str(key) for key in path), leaf) for path, leaf in nnx.to_flat_state(state)
+             if isinstance(leaf, nnx.Variable)]
+    return named + [("output/" + name, leaf) for name, leaf in named]
 
 
 def _scope_cells(report) -> dict[str, str]:

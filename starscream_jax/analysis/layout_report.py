@@ -41,7 +41,7 @@ from ..errors import ShardingRuleError
 from ..hardware.axes import XCD, spec_axes
 from ..model.names import TOKENS
 from ..resources import data_dir
-from ..sharding.apply import LOGICAL_AXES, activation_spec, use_layout
+from ..sharding.apply import activation_spec, use_layout
 from ..sharding.layouts import get_layout, positions_multiple
 from .compile import (
     REFERENCE,
@@ -58,7 +58,7 @@ from .compile import (
 from .costmodel import StepEstimate, estimate_step, matmul_work
 from .json_form import from_json, to_json
 from .memory import memory_passes, reads_cache_in_place
-from .principles import Principles, check_principles, reads_once_per_gpu
+from .principles import Principles, arrays_named_by, check_principles, reads_once_per_gpu
 from .report import SCOPES, ActivationReport, CollectiveReport, InputReport, MatmulReport, inspect_compiled
 
 def inspect_layouts(settings: Settings, topology, mesh, refused: dict[str, str] | None = None,
@@ -408,8 +408,7 @@ def principles(settings: Settings, step: CompiledStep, report, reference, partit
     axis, their optimizer state, the KV cache) is large against what the layer stack holds, any other against the
     compiled step's working set (see `check_principles`). Decode judges principle 1 by bytes read
     (`reads_once_per_gpu`) instead of kernel shapes."""
-    allowed = (replicated_ok_names(step.args, step.layout.replicated_ok)
-               | replicated_ok_names(step.outputs, step.layout.replicated_ok, prefix="output/"))
+    allowed = arrays_named_by(named_variables(step), step.layout.replicated_ok)
     verdicts = check_principles(report, reference, replicated_ok=allowed, layer_stack=layer_stack_names(step))
     if settings.phase == "decode" and reference is not None:
         verdicts = dataclasses.replace(verdicts, shape_preservation=reads_once_per_gpu(report.matmuls,
@@ -421,8 +420,7 @@ def layer_stack_names(step: CompiledStep) -> set[str]:
     """Input and output names (as the report writes them) of the arrays stacked over the layers: the nnx Variables
     with a `layers` axis (weights, their optimizer state) and the KV cache a decode step reads and a prefill or
     decode step returns."""
-    layers = frozenset({"layers"})
-    names = replicated_ok_names(step.args, layers) | replicated_ok_names(step.outputs, layers, prefix="output/")
+    names = arrays_named_by(named_variables(step), frozenset({"layers"}))
     caches = {"cache": getattr(step.args, "cache", None), "output/1": step.outputs[1]
               if isinstance(step.args, (DecodeArgs, PrefillArgs)) else None,
               "pages": getattr(step.args, "pages", None),
@@ -433,15 +431,16 @@ def layer_stack_names(step: CompiledStep) -> set[str]:
     return names
 
 
-def replicated_ok_names(args, logical_names: frozenset[str], prefix: str = "") -> set[str]:
-    """Input names (as the report writes them, after `prefix`) of the arrays of every nnx Variable in `args` whose
-    logical axes include one of `logical_names` (norm scales, and the optimizer's moments of them)."""
+def named_variables(step: CompiledStep) -> list[tuple[str, nnx.Variable]]:
+    """(array name, variable) of each array of every nnx Variable in the step's arguments and outputs, named as the
+    report names its inputs and outputs (the path in the arguments; "output/" and the path in the outputs)."""
     def is_variable(node) -> bool:
         return isinstance(node, nnx.Variable)
 
-    allowed = set()
-    for path, node in jax.tree_util.tree_flatten_with_path(args, is_leaf=is_variable)[0]:
-        if is_variable(node) and logical_names & set(node.get_metadata(LOGICAL_AXES, ())):
-            for inner, _ in jax.tree_util.tree_flatten_with_path(node)[0]:
-                allowed.add(prefix + jax.tree_util.keystr((*path, *inner), simple=True, separator="/"))
-    return allowed
+    named = []
+    for prefix, tree in (("", step.args), ("output/", step.outputs)):
+        for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]:
+            if is_variable(node):
+                named += [(prefix + jax.tree_util.keystr((*path, *inner), simple=True, separator="/"), node)
+                          for inner, _ in jax.tree_util.tree_flatten_with_path(node)[0]]
+    return named

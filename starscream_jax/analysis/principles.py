@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from fnmatch import fnmatchcase
 from typing import Any
 
 from jax.sharding import Mesh
 
 from ..hardware.axes import XCD
+from ..sharding.apply import logical_names
 from .report import AttentionReport, MatmulReport, Report, inspect_compiled, is_attention_key, matmul_key
 
 
@@ -287,6 +288,14 @@ def reads_once_per_gpu(matmuls: list[MatmulReport], reference_matmuls: list[Matm
     per_gpu = {key: partitions * count for key, count in layout_reads.items()}
     return KernelVerdict(not violations, tuple(violations), tuple(unpaired),
                          _attention_summary(per_gpu, reference_reads, at_least=False))
+
+
+def arrays_named_by(named_variables: Iterable[tuple[str, Any]], names: frozenset[str]) -> set[str]:
+    """The array names among `named_variables` ((name, nnx Variable) pairs, each name as the report names that input
+    or output) whose variable's logical names include one of `names`: a layout's `replicated_ok` names for
+    `check_principles`' `replicated_ok` (norm scales, and the optimizer's moments of them), {"layers"} for its
+    `layer_stack`."""
+    return {name for name, variable in named_variables if names & set(logical_names(variable) or ())}
 
 
 def _matcher(names: set[str] | Callable[[str], bool]) -> Callable[[str], bool]:
