@@ -18,6 +18,7 @@ from ..hardware.simulation import DEFAULT_SIMULATED, accelerator_present, simula
 from ..hardware.presets import Chip
 from ..hardware.topology import OVERRIDE_ENV, Topology, override_from_env, parse_override
 from ..model.quantize import SCALE_GRANULARITIES
+from ..sharding.layouts import PHASE_DEFAULTS
 
 
 def device_ids(text: str) -> list[int]:
@@ -164,6 +165,30 @@ def add_precision_arguments(group) -> None:
                        help="one scale per output channel (default) or per weight tensor of each layer")
     group.add_argument("--kv-cache", choices=EIGHT_BIT,
                        help="store the KV cache in 8 bits with a float32 scale per position and kv head")
+
+
+def add_model_source_arguments(group) -> None:
+    """Add to `group` where `generate` and `serve` read the model from (`generate.load_for_generation`): a training
+    run's checkpoint (and step) or a Hugging Face directory, its compute dtype, the prefill and decode layouts, and
+    the 8-bit formats (`add_precision_arguments`). `MODEL_SOURCE_EXCLUSIVE` lists the pairs that contradict."""
+    group.add_argument("--checkpoint", default="runs/train/checkpoints",
+                       help="a training run's directory (or its checkpoints directory)")
+    group.add_argument("--model-dir", metavar="HF_DIR",
+                       help="a Hugging Face model directory (config.json, safetensors, tokenizer) instead of "
+                            "--checkpoint")
+    group.add_argument("--step", type=step_number, help="checkpoint step (default: the latest)")
+    group.add_argument("--dtype", choices=("float32", "bfloat16"),
+                       help="compute dtype (default: the model's; a checkpoint's: its training one)")
+    group.add_argument("--prefill-layout", default=PHASE_DEFAULTS["prefill"], help="layout of the prompt (its chunks)")
+    group.add_argument("--decode-layout", default=PHASE_DEFAULTS["decode"], help="layout of each decode step")
+    add_precision_arguments(group)
+
+
+MODEL_SOURCE_EXCLUSIVE = (
+    ("model_dir", "checkpoint", "--model-dir loads a Hugging Face directory instead of a run's checkpoint"),
+    ("model_dir", "step", "--step picks a checkpoint of a run; a model directory holds one model"),
+)
+"""(flag, flag, why only one is honoured) of `add_model_source_arguments`, as dests."""
 
 
 def eight_bit_format(kind: str | None, chip: Chip) -> str:

@@ -12,29 +12,26 @@ from ..hardware.presets import Chip
 from ..model.decoder import quantize_model, to_fnuz
 from ..model.hf_checkpoint import load_hf_model
 from ..model.quantize import OCP_TO_FNUZ
-from ..sharding.layouts import PHASE_DEFAULTS
 from ..training.checkpoint import restore_model
 from ..training.config import TrainConfig
 from ..training.generate import generate
 from ..training.steps import Sampling
 from ..training.tokenizer import model_dir_tokenizer, tokenizer_for_model
 from .arguments import (
+    MODEL_SOURCE_EXCLUSIVE,
     RUN_MESH,
     add_distributed_arguments,
     add_mesh_arguments,
-    add_precision_arguments,
+    add_model_source_arguments,
     checkpoint_dir,
     count,
     eight_bit_format,
     initialize_from_args,
     mesh_from_args,
-    step_number,
 )
 
 
-EXCLUSIVE = (
-    ("model_dir", "checkpoint", "--model-dir loads a Hugging Face directory instead of a run's checkpoint"),
-    ("model_dir", "step", "--step picks a checkpoint of a run; a model directory holds one model"),
+EXCLUSIVE = MODEL_SOURCE_EXCLUSIVE + (
     ("greedy", "top_p", "greedy decoding takes the most likely token; nothing is sampled"),
     ("greedy", "temperature", "greedy decoding takes the most likely token; nothing is sampled"),
     ("greedy", "seed", "greedy decoding draws no random numbers"),
@@ -46,13 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `starscream generate` (mesh, multi-process, checkpoint, layouts, sampling)."""
     add_mesh_arguments(parser, default_preset=RUN_MESH.preset, default_gpus=RUN_MESH.gpus, default_simulate=None)
     add_distributed_arguments(parser)
+    add_model_source_arguments(parser.add_argument_group("model"))
     group = parser.add_argument_group("generation")
-    group.add_argument("--checkpoint", default="runs/train/checkpoints",
-                       help="a training run's directory (or its checkpoints directory)")
-    group.add_argument("--model-dir", metavar="HF_DIR",
-                       help="a Hugging Face model directory (config.json, safetensors, tokenizer) instead of "
-                            "--checkpoint")
-    group.add_argument("--step", type=step_number, help="checkpoint step (default: the latest)")
     group.add_argument("--prompt", default="ROMEO:\n", help="text to continue")
     group.add_argument("--max-new-tokens", type=count, default=200,
                        help="most tokens to generate per sample (fewer when every sample reaches EOS)")
@@ -63,10 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--top-p", type=float, default=0.9, help="nucleus probability mass")
     group.add_argument("--temperature", type=float, default=0.8, help="softmax temperature for sampling")
     group.add_argument("--seed", type=int, default=0, help="sampling seed")
-    group.add_argument("--prefill-layout", default=PHASE_DEFAULTS["prefill"], help="layout for the prompt")
-    group.add_argument("--decode-layout", default=PHASE_DEFAULTS["decode"], help="layout for each new token")
-    group.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype (default: the training one)")
-    add_precision_arguments(group)
 
 
 def run(args: argparse.Namespace) -> int:

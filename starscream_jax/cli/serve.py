@@ -10,21 +10,19 @@ import uvicorn
 from ..model.paged import KERNELS
 from ..serving.engine import Engine, EngineConfig, EngineThread
 from ..serving.server import Server
-from ..sharding.layouts import PHASE_DEFAULTS
 from .arguments import (
+    MODEL_SOURCE_EXCLUSIVE,
     RUN_MESH,
     add_distributed_arguments,
     add_mesh_arguments,
-    add_precision_arguments,
+    add_model_source_arguments,
     count,
     initialize_from_args,
     mesh_from_args,
-    step_number,
 )
-from .generate import EXCLUSIVE as GENERATE_EXCLUSIVE
 from .generate import load_for_generation
 
-EXCLUSIVE = tuple(pair for pair in GENERATE_EXCLUSIVE if pair[0] == "model_dir")
+EXCLUSIVE = MODEL_SOURCE_EXCLUSIVE
 """(flag, flag, why only one is honoured), as dests: the model's source, as `generate` reads it."""
 
 
@@ -33,15 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_mesh_arguments(parser, default_preset=RUN_MESH.preset, default_gpus=RUN_MESH.gpus, default_simulate=None)
     add_distributed_arguments(parser)
     group = parser.add_argument_group("model")
-    group.add_argument("--checkpoint", default="runs/train/checkpoints",
-                       help="a training run's directory (or its checkpoints directory)")
-    group.add_argument("--model-dir", metavar="HF_DIR", help="a Hugging Face model directory instead of --checkpoint")
-    group.add_argument("--step", type=step_number, help="checkpoint step (default: the latest)")
+    add_model_source_arguments(group)
     group.add_argument("--served-model-name", help="the model's name in the API (default: the model's own)")
-    group.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype (default: the model's)")
-    group.add_argument("--prefill-layout", default=PHASE_DEFAULTS["prefill"], help="layout of prompt chunks")
-    group.add_argument("--decode-layout", default=PHASE_DEFAULTS["decode"], help="layout of decode steps")
-    add_precision_arguments(group)
     engine = parser.add_argument_group("engine")
     defaults = EngineConfig()
     engine.add_argument("--page-size", type=count, default=defaults.page_size, help="positions per KV page")

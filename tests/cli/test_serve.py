@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from starscream_jax.cli import main as cli
-from starscream_jax.cli import serve
+from starscream_jax.cli import generate, serve
 from starscream_jax.serving.engine import EngineConfig
 
 
@@ -20,6 +20,20 @@ def test_flags_set_the_engine_configuration():
                                        "--token-budget", "128", "--chunk", "32", "--kernel", "pallas"))
     assert config == EngineConfig(page_size=8, pages_per_shard=64, rows_per_shard=4, token_budget=128, chunk=32,
                                   kernel="pallas")
+
+
+def test_serve_reads_the_model_from_the_arguments_generate_reads():
+    """Both commands take the model's source from `arguments.add_model_source_arguments`: the same flags, values
+    and defaults."""
+    dests = ("checkpoint", "model_dir", "step", "dtype", "prefill_layout", "decode_layout", "quantize",
+             "quantize_scales", "kv_cache")
+    for argv in ((), ("--model-dir", "m", "--dtype", "bfloat16", "--decode-layout", "gpu_tp", "--kv-cache", "int8")):
+        read = []
+        for command in (generate, serve):
+            parser = argparse.ArgumentParser()
+            command.add_arguments(parser)
+            read.append({dest: getattr(parser.parse_args(argv), dest) for dest in dests})
+        assert read[0] == read[1]
 
 
 @pytest.mark.parametrize("argv, message", [
