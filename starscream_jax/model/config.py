@@ -12,7 +12,7 @@ from pathlib import Path
 from ..checks import finite_number, whole_number
 from ..errors import PresetError
 from ..resources import data_dir
-from .quantize import SCALE_GRANULARITIES, WEIGHT_FORMATS
+from .quantize import MATMUL_FORMATS, SCALE_GRANULARITIES, WEIGHT_FORMATS
 
 REMAT_POLICIES = ("none", "dots", "full")
 """What the backward pass keeps of each layer's forward: everything ("none": nothing recomputed), the outputs of the
@@ -46,7 +46,13 @@ class ModelConfig:
     weight_format: "" (the projections' weights in `dtype`) or one of quantize.WEIGHT_FORMATS: the layers'
     projections stored in 8 bits with float32 scales per output channel (`weight_scales` "channel") or per layer
     ("tensor"), for inference (`quantize`). kv_format: "" (the KV cache in `dtype`) or one of
-    quantize.WEIGHT_FORMATS: keys and values stored in 8 bits with a float32 scale per position and kv head."""
+    quantize.WEIGHT_FORMATS: keys and values stored in 8 bits with a float32 scale per position and kv head.
+
+    matmul_format: "" (the projections compute in `dtype`) or one of quantize.MATMUL_FORMATS, the e4m3 format of
+    fp8 training: the q, k, v, o, gate, up and down projections read e4m3 operands and their output gradients in the
+    chip's matching e5m2 format, with current per-tensor scales (`quantize.fp8_operand`); weights stay stored in
+    float32 and the embedding, the logits, attention and a mixture's experts compute in `dtype`. For training; it
+    excludes weight_format."""
 
     name: str
     vocab_size: int
@@ -78,6 +84,7 @@ class ModelConfig:
     weight_format: str = ""
     weight_scales: str = "channel"
     kv_format: str = ""
+    matmul_format: str = ""
 
     def __post_init__(self):
         if isinstance(self.remat, bool):  # older configurations and checkpoints say true / false
@@ -102,6 +109,12 @@ class ModelConfig:
             if getattr(self, field) not in ("", *WEIGHT_FORMATS):
                 raise PresetError(f"model {self.name}: {field} {getattr(self, field)!r}; use '' (the compute dtype) "
                                   f"or one of {', '.join(WEIGHT_FORMATS)}")
+        if self.matmul_format not in ("", *MATMUL_FORMATS):
+            raise PresetError(f"model {self.name}: matmul_format {self.matmul_format!r}; use '' (the compute dtype) "
+                              f"or one of {', '.join(MATMUL_FORMATS)} (the chip's e4m3 format)")
+        if self.matmul_format and self.weight_format:
+            raise PresetError(f"model {self.name}: matmul_format {self.matmul_format!r} (fp8 training) with "
+                              f"weight_format {self.weight_format!r} (8-bit stored weights); train from float weights")
         if self.weight_scales not in SCALE_GRANULARITIES:
             raise PresetError(f"model {self.name}: weight_scales {self.weight_scales!r}; use one of "
                               f"{', '.join(SCALE_GRANULARITIES)}")

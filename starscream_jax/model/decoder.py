@@ -53,7 +53,11 @@ from .quantize import (
     OCP_TO_FNUZ,
     QUANTIZED_INPUTS,
     SCALE_SUFFIX,
+    Fp8Wire,
     Scaled,
+    fp8_gradient,
+    fp8_operand,
+    gradient_format,
     ocp_to_fnuz,
     quantize,
     quantize_cache_entry,
@@ -369,11 +373,29 @@ def _layer_weights(c: ModelConfig, layers: LayerStack) -> dict:
 
 def _used(scope: str, c: ModelConfig, weights: dict, key: str, names: tuple[str, ...]) -> jax.Array | Scaled:
     """One layer's weight `weights[key]` as its projection uses it (`weight`: cast, gathered), under the
-    projection's named scope; an 8-bit weight gathered in 8 bits, with its scale as stored (`Scaled`)."""
+    projection's named scope; an 8-bit weight gathered in 8 bits, with its scale as stored (`Scaled`); in fp8
+    training quantized where it is stored and gathered in 8 bits (`_wire`)."""
     with jax.named_scope(scope):
         if key + SCALE_SUFFIX not in weights:
-            return weight(weights[key], names, jnp.dtype(c.dtype), key)
+            return weight(weights[key], names, jnp.dtype(c.dtype), key, wire=_wire(c))
         return Scaled(weight(weights[key], names, None, key), weights[key + SCALE_SUFFIX])
+
+
+def _wire(c: ModelConfig) -> Fp8Wire | None:
+    """How a projection's weight crosses its gather in fp8 training (`c.matmul_format`): quantized to e4m3 with its
+    current per-tensor scale where it is stored, dequantized to the compute dtype at use; None otherwise."""
+    return Fp8Wire(c.matmul_format, c.dtype) if c.matmul_format else None
+
+
+def _fp8_input(c: ModelConfig, x: jax.Array) -> jax.Array:
+    """A projection's input as it reads it: in fp8 training rounded to e4m3 with its current per-tensor scale
+    (`quantize.fp8_operand`), once for all the projections that share it; x itself otherwise."""
+    return fp8_operand(x, c.matmul_format) if c.matmul_format else x
+
+
+def _fp8_output(c: ModelConfig, y: jax.Array) -> jax.Array:
+    """A projection's output: in fp8 training its gradient is rounded to e5m2 (`quantize.fp8_gradient`)."""
+    return fp8_gradient(y, gradient_format(c.matmul_format)) if c.matmul_format else y
 
 
 def _values(w: jax.Array | Scaled) -> jax.Array:
@@ -392,14 +414,16 @@ def _matmul(subscripts: str, x: jax.Array, w: jax.Array | Scaled, out: tuple[str
     return y * scale.astype(y.dtype)
 
 
-def _project(scope: str, subscripts: str, x: jax.Array, w: jax.Array | Scaled, out: tuple[str, ...]) -> jax.Array:
+def _project(scope: str, subscripts: str, x: jax.Array, w: jax.Array | Scaled, out: tuple[str, ...],
+             c: ModelConfig) -> jax.Array:
     """One projection `einsum(subscripts, x, w)` of x [B, S, ...] placed by `out` ([B, S, ...]), under the named
-    scope `scope` (`_matmul`); on rows padded with zeros where the backend policy pads it (`_padded_rows`)."""
+    scope `scope` (`_matmul`); on rows padded with zeros where the backend policy pads it (`_padded_rows`); its
+    gradient in e5m2 in fp8 training (`_fp8_output`)."""
     with jax.named_scope(scope):
         rows = _padded_rows(x, _values(w))
         if rows:
-            return _padded_matmul(subscripts, x, w, out, scope, rows)
-        return _matmul(subscripts, x, w, out, scope)
+            return _fp8_output(c, _padded_matmul(subscripts, x, w, out, scope, rows))
+        return _fp8_output(c, _matmul(subscripts, x, w, out, scope))
 
 
 def _padded_rows(x: jax.Array, w: jax.Array) -> int:
@@ -462,7 +486,7 @@ def _block(c: ModelConfig, x_BSD, w, positions_BS, cached=None):
                                       None if cached is None else cached[2])
     attended_BSHE = constrain(attended_BSHE, ("batch", "seq", "heads", "head_dim"), "attention output")
     wo_HED = _used("o", c, w, "wo", ("heads", "head_dim", "embed"))
-    x_BSD = x_BSD + _project("o", "bshe,hed->bsd", attended_BSHE, wo_HED, RESIDUAL)
+    x_BSD = x_BSD + _project("o", "bshe,hed->bsd", _fp8_input(c, attended_BSHE), wo_HED, RESIDUAL, c)
     h_BSD = rms_norm(x_BSD, w["mlp_norm"], c.norm_eps)
     if c.n_experts:
         mlp_BSD, balance = routed_mlp(c, h_BSD, w)
@@ -584,19 +608,20 @@ def _qkv(c: ModelConfig, h_BSD, w):
     dtype = jnp.dtype(c.dtype)
     D, H, E, K = c.d_model, c.n_heads, c.head_dim, c.n_kv_heads
     G = H // K
+    h_BSD = _fp8_input(c, h_BSD)
     if not (_fuses(c, h_BSD) and _same_split([w["wq"], w["wk"], w["wv"]], 1)):
         wq_DHE = _used("qkv", c, w, "wq", ("embed", "heads", "head_dim"))
         wk_DKE = _used("qkv", c, w, "wk", ("embed", "kv_heads", "head_dim"))
         wv_DKE = _used("qkv", c, w, "wv", ("embed", "kv_heads", "head_dim"))
         h_BSD = shared_input(h_BSD, [_values(wq_DHE), _values(wk_DKE), _values(wv_DKE)])
-        return (_project("qkv", "bsd,dhe->bshe", h_BSD, wq_DHE, ATTN_Q),
-                _project("qkv", "bsd,dke->bske", h_BSD, wk_DKE, ATTN_KV),
-                _project("qkv", "bsd,dke->bske", h_BSD, wv_DKE, ATTN_KV))
+        return (_project("qkv", "bsd,dhe->bshe", h_BSD, wq_DHE, ATTN_Q, c),
+                _project("qkv", "bsd,dke->bske", h_BSD, wk_DKE, ATTN_KV, c),
+                _project("qkv", "bsd,dke->bske", h_BSD, wv_DKE, ATTN_KV, c))
     with jax.named_scope("qkv"):
         stacked_DKCE = jnp.concatenate([_by_kv_head(w["wq"], K), w["wk"][:, :, None], w["wv"][:, :, None]], axis=2)
-        w_DKCE = weight(stacked_DKCE, ("embed", "kv_heads", None, "head_dim"), dtype, "wq|wk|wv")
+        w_DKCE = weight(stacked_DKCE, ("embed", "kv_heads", None, "head_dim"), dtype, "wq|wk|wv", wire=_wire(c))
         h_BSD = shared_input(h_BSD, [w_DKCE])
-        qkv_BSKCE = einsum("bsd,dkce->bskce", h_BSD, w_DKCE, (*ATTN_KV[:3], None, ATTN_KV[3]), "qkv")
+        qkv_BSKCE = _fp8_output(c, einsum("bsd,dkce->bskce", h_BSD, w_DKCE, (*ATTN_KV[:3], None, ATTN_KV[3]), "qkv"))
     B, S = h_BSD.shape[:2]
     q_BSHE = constrain(qkv_BSKCE[:, :, :, :G].reshape(B, S, H, E), ATTN_Q, "queries")
     return q_BSHE, qkv_BSKCE[:, :, :, G], qkv_BSKCE[:, :, :, G + 1]
@@ -611,16 +636,17 @@ def _gate_up(c: ModelConfig, h_BSD, w):
     experts runs its own grouped gate and up matmuls, `moe.routed_mlp`.)"""
     dtype = jnp.dtype(c.dtype)
     names, out = ("embed", "mlp"), ("batch", "seq", "mlp")
+    h_BSD = _fp8_input(c, h_BSD)
     if not _fuses(c, h_BSD):
         w_gate, w_up = _used("gate_up", c, w, "w_gate", names), _used("gate_up", c, w, "w_up", names)
         h_BSD = shared_input(h_BSD, [_values(w_gate), _values(w_up)])
-        return (_project("gate_up", "bsd,df->bsf", h_BSD, w_gate, out),
-                _project("gate_up", "bsd,df->bsf", h_BSD, w_up, out))
+        return (_project("gate_up", "bsd,df->bsf", h_BSD, w_gate, out, c),
+                _project("gate_up", "bsd,df->bsf", h_BSD, w_up, out, c))
     with jax.named_scope("gate_up"):
         stacked_DTF = jnp.stack([w["w_gate"], w["w_up"]], axis=1)
-        used_DTF = weight(stacked_DTF, ("embed", None, "mlp"), dtype, "w_gate|w_up")
+        used_DTF = weight(stacked_DTF, ("embed", None, "mlp"), dtype, "w_gate|w_up", wire=_wire(c))
         h_BSD = shared_input(h_BSD, [used_DTF])
-        both_BSTF = einsum("bsd,dtf->bstf", h_BSD, used_DTF, ("batch", "seq", None, "mlp"), "gate_up")
+        both_BSTF = _fp8_output(c, einsum("bsd,dtf->bstf", h_BSD, used_DTF, ("batch", "seq", None, "mlp"), "gate_up"))
     return both_BSTF[:, :, 0], both_BSTF[:, :, 1]
 
 
@@ -628,7 +654,7 @@ def _dense_mlp(c: ModelConfig, h_BSD, w):
     """SwiGLU: down(silu(h @ gate) * (h @ up)), [B, S, D] -> [B, S, D] with the hidden [B, S, F] over `mlp`."""
     gate_BSF, up_BSF = _gate_up(c, h_BSD, w)
     w_down_FD = _used("down", c, w, "w_down", ("mlp", "embed"))
-    return _project("down", "bsf,fd->bsd", jax.nn.silu(gate_BSF) * up_BSF, w_down_FD, RESIDUAL)
+    return _project("down", "bsf,fd->bsd", _fp8_input(c, jax.nn.silu(gate_BSF) * up_BSF), w_down_FD, RESIDUAL, c)
 
 
 def cache_entries(config: ModelConfig, batch: int, length: int) -> dict[str, jax.ShapeDtypeStruct]:

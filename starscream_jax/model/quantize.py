@@ -7,12 +7,32 @@ rules for their names, so a scale is split wherever its weight's output channels
 values. The product x @ (values * scale) is computed as (x @ values) * scale: the 8-bit values are converted in the
 matmul's own fusion and the scale multiplies the output channels, which it commutes with.
 
+fp8 training (`Fp8Wire`, `fp8_operand`, `fp8_gradient`) quantizes both operands of each projection to the chip's e4m3
+format and the gradient arriving at its output to e5m2, with current scaling: a float32 scale from this step's
+max |x|. A weight has one scale over the whole logical tensor (`sharding.apply.amax`: the shards' maxima reduced one
+mesh axis at a time, inside the GPU first), so every shard of a gathered weight uses the same one. An activation
+or a gradient has one per shard (`sharding.apply.per_shard`): each device scales the rows it holds, which its own
+matmul reads (the operand is dequantized before the dot, so partial sums over a split contraction stay exact), at
+no communication; unsharded, one per tensor. Current scaling needs no state: delayed scaling's amax history (Flax's `fp8_ops`, MaxText's `fp8` / `nanoo_fp8`) would live in the
+parameters and be "updated" through its gradient, which the optimizer, the checkpoints and the layouts' rules would
+all have to know; a current scale also follows a loss spike in the same step instead of overflowing the format for
+the length of the history. Its cost is a read of each operand for its maximum and a scalar reduction per tensor.
+Each operand is quantized and dequantized where XLA sees both (q = round(x / s) in 8 bits, then q * s in the
+compute dtype, the dot between two such operands): XLA:GPU's GEMM rewriter turns that pattern into an fp8 GEMM
+(cuBLASLt on NVIDIA, hipBLASLt on AMD) with the scales as its alpha; XLA:CPU runs it in the compute dtype, with the
+8-bit rounding. Weights are quantized where they are stored and gathered in 8 bits (`sharding.apply.weight`'s
+`wire`). The gradients (autodiff of the dots) read the same 8-bit forward operands and the e5m2 output gradient;
+every gradient pass straight through the rounding (as if it were exact), and the weights' gradients are summed in
+the compute dtype (never in 8 bits: RCCL would add FNUZ values as integers).
+
 Symmetric scales: scale = max |w| over the contracted axes / the format's largest value; values = w / scale,
 rounded to nearest (int8 clipped to +-127). fp8 e4m3 keeps 3 mantissa bits, int8 about 7 bits at the channel's
 largest weight: int8 is the closer of the two for weights, fp8 the one whose matmuls the chips run natively.
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
@@ -20,11 +40,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..errors import PresetError
-from ..sharding.apply import path_name
+from ..hardware.presets import FP8_PAIRS
+from ..sharding.apply import amax, path_name, per_shard
 
 WEIGHT_FORMATS = ("int8", "float8_e4m3fn", "float8_e4m3fnuz")
 """The 8-bit formats weights and the KV cache can be stored in (JAX dtype names; `hardware.presets.Chip.formats`
 says which a chip computes in)."""
+MATMUL_FORMATS = tuple(e4m3 for e4m3, _ in FP8_PAIRS)
+"""The e4m3 formats of fp8 training (`ModelConfig.matmul_format`); each one's gradients use its e5m2 partner
+(`gradient_format`)."""
 SCALE_GRANULARITIES = ("channel", "tensor")
 QUANTIZED_INPUTS = {"wq": ("embed",), "wk": ("embed",), "wv": ("embed",), "wo": ("heads", "head_dim"),
                     "w_gate": ("embed",), "w_up": ("embed",), "w_down": ("mlp", "expert_mlp")}
@@ -134,3 +158,81 @@ def ocp_to_fnuz(weight: Scaled) -> Scaled:
     """An e4m3fn weight as e4m3fnuz values with twice the scale, exactly (for chips without OCP fp8: MI300X)."""
     halved = weight.values.astype(jnp.float32) * 0.5
     return Scaled(halved.astype(OCP_TO_FNUZ[weight.values.dtype.name]), weight.scale * 2)
+
+
+def gradient_format(format_name: str) -> str:
+    """The e5m2 format of the chip whose e4m3 format is `format_name` (presets.FP8_PAIRS): OCP's or FNUZ's."""
+    return dict(FP8_PAIRS)[format_name]
+
+
+def _current_scale(peak: jax.Array, format_name: str, dtype) -> jax.Array:
+    """The float32 scale that maps this step's max |x| (`peak`) to the format's largest value, rounded to `dtype` so
+    that dequantizing in `dtype` multiplies by the very scale quantizing divided by; 1 for an all-zero tensor."""
+    peak = jax.lax.stop_gradient(peak)
+    scale = jnp.where(peak > 0, peak / largest(format_name), 1.0)
+    return scale.astype(dtype).astype(jnp.float32)
+
+
+@dataclass(frozen=True)
+class Fp8Wire:
+    """A weight's trip in fp8 training (`sharding.apply.weight`'s `wire`): quantized to `format_name` (e4m3) with
+    its current scale over the whole logical tensor (`amax`) where it is stored, gathered in 8 bits, dequantized to
+    `dtype` at use."""
+
+    format_name: str
+    dtype: str
+
+    def encode(self, value: jax.Array) -> tuple[jax.Array, jax.Array]:
+        scale = _current_scale(amax(value), self.format_name, self.dtype)
+        return to_format(value.astype(jnp.float32) / scale, self.format_name), scale
+
+    def decode(self, values: jax.Array, scale: jax.Array) -> jax.Array:
+        return values.astype(self.dtype) * scale.astype(self.dtype)
+
+
+def _round_trip(x: jax.Array, format_name: str) -> jax.Array:
+    """x quantized to `format_name` with each device's current scale of its own shard (`per_shard`) and dequantized
+    to x's dtype (values on the format's grid, times the scale)."""
+    wire = Fp8Wire(format_name, x.dtype.name)
+
+    def local(shard):
+        scale = _current_scale(jnp.max(jnp.abs(shard)).astype(jnp.float32), format_name, x.dtype)
+        return wire.decode(to_format(shard.astype(jnp.float32) / scale, format_name), scale)
+
+    return per_shard(local, x)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def fp8_operand(x: jax.Array, format_name: str) -> jax.Array:
+    """An activation [..] as an fp8 matmul reads it: rounded to `format_name` (e4m3) with its current scale (one per
+    shard, `_round_trip`), in x's dtype and placement; its gradient passes straight through."""
+    return _round_trip(x, format_name)
+
+
+def _fp8_operand_forward(x, format_name):
+    return fp8_operand(x, format_name), None
+
+
+def _fp8_operand_gradient(format_name, _, gradient):
+    return (gradient,)
+
+
+fp8_operand.defvjp(_fp8_operand_forward, _fp8_operand_gradient)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def fp8_gradient(y: jax.Array, format_name: str) -> jax.Array:
+    """A matmul's output, unchanged; the gradient arriving at it rounded to `format_name` (e5m2) with its current
+    scale (one per shard, `_round_trip`), so that both gradient matmuls read an 8-bit operand."""
+    return y
+
+
+def _fp8_gradient_forward(y, format_name):
+    return y, None
+
+
+def _fp8_gradient_gradient(format_name, _, gradient):
+    return (_round_trip(gradient, format_name),)
+
+
+fp8_gradient.defvjp(_fp8_gradient_forward, _fp8_gradient_gradient)

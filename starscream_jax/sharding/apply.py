@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, reshard
 from ..checks import of_type
 from ..errors import ShardingRuleError
 from ..hardware.axes import INSIDE_GPU, axes_of, spec_axes
+from .collectives import hierarchical_psum
 from .layouts import Layout, flax_table, get_layout
 from .rules import LogicalNames, resolve
 
@@ -168,7 +170,7 @@ def weight_spec(names: LogicalNames, shape, tensor: str = "weight") -> Partition
 
 
 def weight(value: jax.Array, names: LogicalNames, dtype=None, tensor: str = "weight",
-           summed_over: frozenset[str] | None = None) -> jax.Array:
+           summed_over: frozenset[str] | None = None, wire: Wire | None = None) -> jax.Array:
     """A weight as a matmul uses it: cast to `dtype` first (fewer bytes to move), then resharded from its stored
     placement to the layout's `weights` rules (an all-gather inside the GPU under starscream_tp).
 
@@ -178,39 +180,123 @@ def weight(value: jax.Array, names: LogicalNames, dtype=None, tensor: str = "wei
     where XLA would run one all-reduce over both levels at once. Otherwise XLA's one reduction stays on one level.
     `summed_over` replaces the token axes where the gradient also sums over other axes (a per-head scale applied to
     heads split over GPUs).
+
+    `wire` (a `Wire`, e.g. fp8 training's `quantize.Fp8Wire`): the weight is encoded where it is stored, moved in
+    its encoded form (the gather carries 8-bit values) and decoded at use into `wire.dtype`; its gradient passes
+    straight through the encoding (as if it were exact) and is summed as above, in the gradient's own dtype.
     """
     if dtype is not None:
         value = value.astype(dtype)
     current = active()
     if current is None:
-        return value
+        return value if wire is None else _at_use(value, _Move(), wire)
     spec = weight_spec(names, value.shape, tensor)
     if current.auto:
         stored = resolve(names, value.shape, current.layout.params, current.mesh, tensor,
                          f"param rules of {current.layout.name}")
-        return _constrained_at_use(value, NamedSharding(current.mesh, spec), NamedSharding(current.mesh, stored))
+        return _at_use(value, _Move(spec, stored, mesh=current.mesh), wire)
     summed_over = (_token_axes(current) if summed_over is None else summed_over) - spec_axes(spec)
     if not _inside_and_across_gpus(summed_over, current.mesh):
-        return reshard(value, spec)
-    return _weight_at_use(value, spec, jax.typeof(value).sharding.spec, summed_over)
+        summed_over = frozenset()
+        if wire is None:
+            return reshard(value, spec)
+    return _at_use(value, _Move(spec, jax.typeof(value).sharding.spec, summed_over), wire)
+
+
+class Wire(Protocol):
+    """How `weight` moves a weight in another form than it is used in: `encode` where it is stored (-> the values
+    to move and a replicated scale), `decode` where it is used. Hashable (a frozen dataclass)."""
+
+    def encode(self, value: jax.Array) -> tuple[jax.Array, jax.Array]: ...
+
+    def decode(self, values: jax.Array, scale: jax.Array) -> jax.Array: ...
+
+
+@dataclass(frozen=True)
+class _Move:
+    """A weight's way from its stored placement to its placement at use, and its gradient's way back. `use` None:
+    no layout (identity). `mesh` given: Auto axes (sharding constraints; the gradient is constrained to the stored
+    placement, so XLA sums it straight into the stored shards, a reduce-scatter inside the GPU, rather than whole).
+    `summed_over` non-empty: the used weight is typed `reduced` there, so its gradient arrives unreduced (each device
+    holding its tokens' share) and `backward` sums it in two stages (see `weight`)."""
+
+    use: PartitionSpec | None = None
+    stored: PartitionSpec | None = None
+    summed_over: frozenset[str] = frozenset()
+    mesh: Mesh | None = None
+
+    def placed(self, x: jax.Array) -> jax.Array:
+        if self.use is None:
+            return x
+        if self.mesh is not None:
+            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, self.use))
+        return reshard(x, self.use)
+
+    def typed(self, x: jax.Array) -> jax.Array:
+        """x (placed at use) typed as reduced over `summed_over` (a change of type only)."""
+        return reshard(x, self.use.update(reduced=self.summed_over)) if self.summed_over else x
+
+    def backward(self, gradient: jax.Array) -> jax.Array:
+        """The gradient at use -> placed like the stored weight: for `summed_over`, first summed over the token axes
+        inside a GPU and those the stored spec splits (a reduce-scatter, or an all-reduce for a weight not split
+        there), then the result over the others (an all-reduce across GPUs)."""
+        if self.use is None:
+            return gradient
+        if self.mesh is not None:
+            return jax.lax.with_sharding_constraint(gradient, NamedSharding(self.mesh, self.stored))
+        if not self.summed_over:
+            return reshard(gradient, self.stored)
+        across_gpus = self.summed_over - spec_axes(self.stored) - {INSIDE_GPU}
+        return reshard(reshard(gradient, self.stored.update(unreduced=across_gpus)), self.stored)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _constrained_at_use(value, use: NamedSharding, stored: NamedSharding):
-    """On Auto axes: `value` constrained to its placement at use; its gradient constrained to the stored placement,
-    so XLA sums it straight into the stored shards (a reduce-scatter inside the GPU) rather than whole."""
-    return jax.lax.with_sharding_constraint(value, use)
+def _at_use(value, move: _Move, wire: Wire | None):
+    """`value` moved to its use (`_Move`), through `wire` when given; the gradient `move.backward`."""
+    if wire is None:
+        return move.typed(move.placed(value))
+    values, scale = wire.encode(value)
+    return move.typed(wire.decode(move.placed(values), scale))
 
 
-def _constrained_at_use_forward(value, use, stored):
-    return _constrained_at_use(value, use, stored), None
+def _at_use_forward(value, move, wire):
+    return _at_use(value, move, wire), None
 
 
-def _constrained_gradient(use, stored, _, gradient):
-    return (jax.lax.with_sharding_constraint(gradient, stored),)
+def _at_use_gradient(move, wire, _, gradient):
+    return (move.backward(gradient),)
 
 
-_constrained_at_use.defvjp(_constrained_at_use_forward, _constrained_gradient)
+_at_use.defvjp(_at_use_forward, _at_use_gradient)
+
+
+def amax(x: jax.Array) -> jax.Array:
+    """max |x| over the whole logical array x, a float32 scalar on every device. Under an Explicit layout each device
+    takes its shard's maximum and the maxima are reduced over the mesh axes of more than one device that split x,
+    one axis at a time, inside the GPU first (`hierarchical_psum`), so no reduction spans both levels; on Auto axes
+    XLA places the reduction."""
+    def local(shard):
+        return jnp.max(jnp.abs(shard)).astype(jnp.float32)
+
+    current = active()
+    if current is None or current.auto:
+        return local(x)
+    spec = jax.typeof(x).sharding.spec
+    axes = tuple(axis for axis in spec_axes(spec) if current.mesh.shape[axis] > 1)
+    if not axes:
+        return local(x)
+    return jax.shard_map(lambda shard: hierarchical_psum(local(shard), axes, jax.lax.pmax), in_specs=(spec,),
+                         out_specs=PartitionSpec())(x)
+
+
+def per_shard(fn, x: jax.Array) -> jax.Array:
+    """`fn` (shape- and dtype-preserving) applied to each device's shard of x under an Explicit layout, with no
+    communication, the result placed as x is; `fn(x)` outside a layout and on Auto axes (whole)."""
+    current = active()
+    if current is None or current.auto:
+        return fn(x)
+    spec = jax.typeof(x).sharding.spec
+    return jax.shard_map(fn, in_specs=(spec,), out_specs=spec)(x)
 
 
 def _token_axes(current: Placement) -> frozenset[str]:
@@ -222,29 +308,6 @@ def _inside_and_across_gpus(axes: frozenset[str], mesh) -> bool:
     """Whether the mesh `axes` split over the partitions of a GPU and over several GPUs (sizes above one)."""
     splitting = {axis for axis in axes if mesh.shape[axis] > 1}
     return INSIDE_GPU in splitting and len(splitting) > 1
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _weight_at_use(value, use_spec: PartitionSpec, stored_spec: PartitionSpec, summed_over: frozenset[str]):
-    """`value` resharded to `use_spec`, typed as reduced over `summed_over`: its gradient arrives unreduced there
-    (each device holding its tokens' share) and `_weight_gradient` sums it."""
-    return reshard(value, use_spec.update(reduced=summed_over))
-
-
-def _weight_at_use_forward(value, use_spec, stored_spec, summed_over):
-    return _weight_at_use(value, use_spec, stored_spec, summed_over), None
-
-
-def _weight_gradient(use_spec, stored_spec, summed_over, _, gradient):
-    """Unreduced over `summed_over` -> placed like the stored weight: first summed over the token axes inside a GPU
-    and those the stored spec splits (a reduce-scatter, or an all-reduce for a weight not split there), then the
-    result over the others (an all-reduce across GPUs)."""
-    across_gpus = summed_over - spec_axes(stored_spec) - {INSIDE_GPU}
-    first = reshard(gradient, stored_spec.update(unreduced=across_gpus))
-    return (reshard(first, stored_spec),)
-
-
-_weight_at_use.defvjp(_weight_at_use_forward, _weight_gradient)
 
 
 def shared_input(x: jax.Array, used_by: list[jax.Array]) -> jax.Array:
