@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 
+import jax
 import uvicorn
 
 from ..model.paged import KERNELS
 from ..serving.engine import Engine, EngineConfig, EngineThread
+from ..serving.multihost import StepBroadcast, follow
 from ..serving.server import Server
 from .arguments import (
     MODEL_SOURCE_EXCLUSIVE,
@@ -68,16 +70,26 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the model, start the engine, serve until SIGTERM or Ctrl-C (then drain). Returns 0."""
+    """Load the model, start the engine, serve until SIGTERM or Ctrl-C (then drain). Returns 0. Over a mesh spanning
+    processes (--coordinator ...), process 0 serves and schedules and the others run its steps
+    (`serving.multihost`)."""
     initialize_from_args(args)
     topology, mesh = mesh_from_args(args)
     model, source, tokenizer = load_for_generation(args, mesh, topology.preset.chip)
-    engine = Engine(model, engine_config(args), mesh, args.prefill_layout, args.decode_layout, tokenizer.decode)
+    channel = StepBroadcast() if jax.process_count() > 1 else None  # a mesh spanning processes: 0 schedules
+    engine = Engine(model, engine_config(args), mesh, args.prefill_layout, args.decode_layout, tokenizer.decode,
+                    channel)
+    if channel is not None and not channel.leader:
+        follow(engine)  # run process 0's steps until it stops
+        return 0
     name = args.served_model_name or model.config.name
     server = Server(EngineThread(engine), tokenizer, name, args.max_pending)
     print(f"starscream serve: {name} from {source} on mesh {dict(mesh.shape)}, prefill {args.prefill_layout}, "
           f"decode {args.decode_layout}; {engine.shards} cache shard(s) of {args.cache_pages} pages x "
-          f"{args.page_size} ({engine.pool_bytes / 2 ** 30:.2f} GiB of pages in {engine.kv_format or model.config.dtype}); at most {engine.buckets.programs()} programs; http://{args.host}:{args.port}/v1",
+          f"{args.page_size} ({engine.pool_bytes / 2 ** 30:.2f} GiB of pages in "
+          f"{engine.kv_format or model.config.dtype}); at most {engine.buckets.programs()} programs; "
+          f"http://{args.host}:{args.port}/v1",
           flush=True)
     uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning")
+    engine.stop_followers()
     return 0

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import StarscreamError
@@ -34,10 +35,14 @@ from ..model.paged import KERNELS, PAGES, SCALES, init_page_scales, init_pages
 from ..model.quantize import WEIGHT_FORMATS, check_format, held_as_read
 from ..sharding.apply import Placement, activation_spec, param_shardings, use_layout
 from ..sharding.layouts import PHASE_DEFAULTS, get_layout
+from .multihost import StepBroadcast
 from .scheduler import Chunk, SamplingParams, Scheduler, SchedulerConfig, Sequence, check_fits
 from .steps import Buckets, RowSampling, StepInputs, paged_step
 
 
+KEEP_ALIVE_S = 10.0
+"""How often an idle engine thread tells the followers of a mesh spanning processes that it is alive: well within
+the collectives' timeouts (40 s for the CPU's)."""
 STEPS_KEPT = 100_000
 """How many of the latest steps' (phase, rows, seconds) an engine keeps (`Engine.step_seconds`, for benchmarks)."""
 
@@ -108,11 +113,12 @@ class Engine:
 
     def __init__(self, model, config: EngineConfig = EngineConfig(), mesh=None,
                  prefill_layout=PHASE_DEFAULTS["prefill"], decode_layout=PHASE_DEFAULTS["decode"],
-                 detokenize=None):
+                 detokenize=None, channel: StepBroadcast | None = None):
         self.model_config = c = model.config
         self.kv_format = c.kv_format if config.kv_format is None else config.kv_format
         self.config = config
         self.mesh = mesh
+        self.channel = channel  # a mesh spanning processes: the leader's broadcast of each step (`multihost`)
         self.layouts = {"prefill": get_layout(prefill_layout), "decode": get_layout(decode_layout)}
         self.shards = cache_shards(decode_layout, mesh)
         if mesh is not None:
@@ -261,23 +267,45 @@ class Engine:
         return None
 
     def _run(self, phase: str, chunks: list[Chunk]) -> tuple[list[int], list[float]]:
-        """One compiled step over `chunks` (rows grouped by shard, padded to the buckets); each row's sampled
-        token and log-probability, in the order of `chunks`."""
+        """One compiled step over `chunks` (rows grouped by shard, padded to the buckets), announced to the other
+        processes first where the mesh spans several (`multihost`); each row's sampled token and log-probability,
+        in the order of `chunks`."""
         inputs, rows = self._inputs(phase, chunks)
+        if self.channel is not None:
+            self.channel.send(phase, inputs)
+        started = time.perf_counter()
+        token_B, logprob_B = self.execute(phase, inputs)
+        self.step_seconds.append((phase, len(chunks), time.perf_counter() - started))
+        return [int(token_B[row]) for row in rows], [float(logprob_B[row]) for row in rows]
+
+    def execute(self, phase: str, inputs: StepInputs) -> tuple[np.ndarray, np.ndarray]:
+        """The compiled step of `phase` (compiled once per bucket) over host `inputs`, the pools updated in place;
+        (tokens [B], log-probabilities [B]) on the host, gathered from every process where the mesh spans several.
+        Every process of such a mesh runs it with the same inputs (`multihost.follow`)."""
+        placed = self._placed(inputs)
         key = (phase, *inputs.tokens.shape, inputs.table.shape[1])
         with self._phase(phase):
             program = self._programs.get(key)
             if program is None:
-                program = self._steps[phase].lower(self.params, self.rest, self.pages, inputs).compile()
+                program = self._steps[phase].lower(self.params, self.rest, self.pages, placed).compile()
                 self._programs[key] = program
-            started = time.perf_counter()
-            token_B, logprob_B, self.pages = program(self.params, self.rest, self.pages, inputs)
-            token_B, logprob_B = np.asarray(token_B), np.asarray(logprob_B)
-        self.step_seconds.append((phase, len(chunks), time.perf_counter() - started))
-        return [int(token_B[row]) for row in rows], [float(logprob_B[row]) for row in rows]
+            token_B, logprob_B, self.pages = program(self.params, self.rest, self.pages, placed)
+        if jax.process_count() > 1:
+            return tuple(multihost_utils.process_allgather((token_B, logprob_B), tiled=True))
+        return np.asarray(token_B), np.asarray(logprob_B)
+
+    def keep_followers(self) -> None:
+        """Tells the other processes, waiting for the next step, that the leader is idle but alive (else nothing)."""
+        if self.channel is not None:
+            self.channel.idle()
+
+    def stop_followers(self) -> None:
+        """Ends the other processes' `multihost.follow` loops (leader of a mesh spanning processes; else nothing)."""
+        if self.channel is not None:
+            self.channel.stop()
 
     def _inputs(self, phase: str, chunks: list[Chunk]) -> tuple[StepInputs, list[int]]:
-        """The padded step inputs for `chunks` and the row each chunk runs in."""
+        """The padded step inputs for `chunks` (host arrays) and the row each chunk runs in."""
         by_shard = [[chunk for chunk in chunks if chunk.sequence.shard == shard] for shard in range(self.shards)]
         rows = Buckets.round_up(max(len(group) for group in by_shard), self.buckets.rows_of(phase), "rows per shard")
         width = 1 if phase == "decode" else Buckets.round_up(max(c.count for c in chunks), self.buckets.positions,
@@ -301,7 +329,7 @@ class Engine:
                 temperature[row], top_p[row], top_k[row] = params.temperature, params.top_p, params.top_k
                 seed[row] = sequence.seed
         arrays = StepInputs(tokens, positions, table, last, RowSampling(temperature, top_p, top_k, seed))
-        return self._placed(arrays), [where[id(chunk)] for chunk in chunks]
+        return arrays, [where[id(chunk)] for chunk in chunks]
 
     def _placed(self, inputs: StepInputs) -> StepInputs:
         """The step inputs on the devices, rows split as the attention batch (and the page pool) are."""
@@ -309,7 +337,8 @@ class Engine:
             return jax.tree.map(jnp.asarray, inputs)
         _, axes = self.layouts["decode"].activations.lookup("attn_batch")
         rows = NamedSharding(self.mesh, PartitionSpec(axes or None))
-        return jax.tree.map(lambda array: jax.device_put(array, rows), inputs)
+        return jax.tree.map(lambda array: jax.make_array_from_callback(array.shape, rows, lambda at: array[at]),
+                            inputs)
 
 
 def _check_buckets(buckets: Buckets, config: EngineConfig) -> None:
@@ -383,12 +412,17 @@ class EngineThread:
                 listener(err)
 
     def _read_inbox(self, wait: bool) -> None:
-        """Applies every queued message, waiting for one first when `wait`."""
+        """Applies every queued message, waiting for one first when `wait` (while waiting, the followers of a mesh
+        spanning processes hear from the leader every KEEP_ALIVE_S, so their wait in a collective never times
+        out)."""
         while True:
             try:
-                message = self._inbox.get(block=wait)
+                message = self._inbox.get(block=wait, timeout=KEEP_ALIVE_S if wait else None)
             except queue.Empty:
-                return
+                if not wait:
+                    return
+                self.engine.keep_followers()
+                continue
             wait = False
             self._handle(message)
 

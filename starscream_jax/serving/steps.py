@@ -1,7 +1,7 @@
 """The one serving step, compiled per bucket, and the per-row sampling it ends with.
 
-  paged step  (params, rest, pages {"k", "v"[, "k_scale", "v_scale"]}, StepInputs) -> (tokens [B], log-probabilities [B], pages): the
-              tokens [B, S] of every row through the model over the paged KV cache (`Transformer.paged`, pages
+  paged step  (params, rest, pages {"k", "v"[, "k_scale", "v_scale"]}, StepInputs) -> (tokens [B],
+              log-probabilities [B], pages): the tokens [B, S] of every row through the model over the paged KV cache (`Transformer.paged`, pages
               donated, written in place), then each row's next token drawn from the logits at its `last` index.
               Decode runs it with S = 1 under the decode layout, prefill chunks with S > 1 under the prefill
               layout; both layouts place the pages alike, so neither copies the cache.

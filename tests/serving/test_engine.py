@@ -1,8 +1,15 @@
 """The engine: greedy tokens equal `generate()`'s on (1,1,1), (1,2,4) and (2,2,2) meshes under the decode layouts,
 with pages running out (preemption and recompute); requests one by one give the tokens of all at once; a seeded
-request samples the same tokens whatever else runs; full prompt pages are shared by prefix; 8-bit pages. Each
-engine compiles its two programs once (conftest.engine_for) and every test reuses them."""
+request samples the same tokens whatever else runs; full prompt pages are shared by prefix; 8-bit pages; two
+processes serving over one mesh. Each engine compiles its two programs once (conftest.engine_for) and every test
+reuses them."""
 import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +19,7 @@ from starscream_jax.serving.scheduler import SamplingParams
 from starscream_jax.training.generate import generate
 
 ROWS, NEW_TOKENS = 8, 6
+WORKER = Path(__file__).with_name("multihost_serve_worker.py")
 CASES = ("1x1x1", "1x2x4", "2x2x2", "1x2x4-flat")  # conftest.CASES: the meshes and layouts
 
 
@@ -96,3 +104,35 @@ def test_an_8_bit_cache_decodes_close_to_the_full_precision_pages(engine_for, pr
     assert engine.pool_bytes == values // itemsize + values // itemsize // head_dim * 4
     assert engine.stats().pages_used == 0
 
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.multiprocess
+def test_two_processes_serve_the_tokens_of_one(engine_for, prompts):
+    """Two CPU processes of 4 devices each join the 1x2x4 mesh (its gpu axis across them, `multihost_serve_worker`):
+    process 0 schedules and broadcasts every step, process 1 runs each; their greedy tokens equal the single-process
+    engine's on the same mesh."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    workers = [subprocess.Popen([sys.executable, str(WORKER), coordinator, str(process), json.dumps(prompts.tolist()),
+                                 str(NEW_TOKENS)], env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+               for process in range(2)]
+    try:
+        outputs = [worker.communicate(timeout=240) for worker in workers]
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.communicate()
+    for worker, (_, stderr) in zip(workers, outputs):
+        assert worker.returncode == 0, stderr[-3000:]
+    lines = [line.split(" ", 1) for stdout, _ in outputs for line in stdout.splitlines()
+             if line.startswith(("tokens ", "followed "))]  # stdout also holds gloo's connection messages
+    reported = {kind: json.loads(value) for kind, value in lines}
+    assert reported["followed"] >= NEW_TOKENS  # a prefill, then a decode step per further token at least
+    single = engine_for("1x2x4").generate([list(p) for p in prompts], SamplingParams(max_tokens=NEW_TOKENS))
+    assert reported["tokens"] == single

@@ -1,0 +1,71 @@
+"""Serving over a mesh that spans processes: one process schedules, every process runs the same steps.
+
+Each process builds the same `Engine` over the same global mesh (the parameters and page pools are global arrays,
+each process holding its devices' shards). Process 0, the leader, runs the scheduler, the server and everything per
+request; before each compiled step it broadcasts the step's host inputs (`steps.StepInputs`: tokens, positions,
+block tables, last indices, sampling, numpy arrays of the bucket's shapes) to the others with
+`jax.experimental.multihost_utils.broadcast_one_to_all`, first a fixed-size header naming the phase and the shapes,
+then the arrays. The other processes, followers, run `follow(engine)`: receive a step, run the same compiled program
+on the same inputs, repeat until the leader's stop (an idle leader sends a header without a step every few seconds,
+so no follower waits in a collective long enough to time out). The sampled tokens are gathered to every process
+(`process_allgather`) so that the leader reads them all. Nothing per request leaves the leader: the followers hold
+no scheduler state, only the pools, which every step updates alike on every process.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from .steps import RowSampling, StepInputs
+
+PHASES = ("prefill", "decode")
+STOP, IDLE = -1, -2
+"""The header's phase index that ends `follow`, and the one of a leader idle but alive (no step follows)."""
+
+
+class StepBroadcast:
+    """The leader's step inputs shared with every process (see the module docstring); `leader` is process 0."""
+
+    def __init__(self):
+        self.leader = jax.process_index() == 0
+
+    def send(self, phase: str, inputs: StepInputs) -> None:
+        """Leader: announce the step of `phase` over `inputs` (host arrays) to the followers."""
+        rows, width = inputs.tokens.shape
+        self._header(np.array([PHASES.index(phase), rows, width, inputs.table.shape[1]], np.int32))
+        multihost_utils.broadcast_one_to_all(inputs, is_source=True)
+
+    def stop(self) -> None:
+        """Leader: end every follower's loop."""
+        self._header(np.array([STOP, 0, 0, 0], np.int32))
+
+    def idle(self) -> None:
+        """Leader: no step yet, still alive (keeps the followers' wait in the broadcast short of its timeout)."""
+        self._header(np.array([IDLE, 0, 0, 0], np.int32))
+
+    def receive(self) -> tuple[str, StepInputs] | None:
+        """Follower: the next step's (phase, host inputs), or None once the leader stops."""
+        phase = IDLE
+        while phase == IDLE:
+            phase, rows, width, pages = (int(value) for value in self._header(np.zeros(4, np.int32)))
+        if phase == STOP:
+            return None
+        empty = StepInputs(np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32),
+                           np.zeros((rows, pages), np.int32), np.zeros((rows,), np.int32),
+                           RowSampling(np.zeros((rows,), np.float32), np.zeros((rows,), np.float32),
+                                       np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)))
+        inputs = multihost_utils.broadcast_one_to_all(empty, is_source=False)
+        return PHASES[phase], jax.tree.map(np.asarray, inputs)
+
+    def _header(self, header):
+        return np.asarray(multihost_utils.broadcast_one_to_all(header, is_source=self.leader))
+
+
+def follow(engine) -> int:
+    """Follower: run the leader's steps on this process' devices until it stops; returns the steps run."""
+    steps = 0
+    while (message := engine.channel.receive()) is not None:
+        engine.execute(*message)
+        steps += 1
+    return steps
