@@ -26,19 +26,17 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..errors import StarscreamError
-from ..hardware.axes import XCD
 from ..sharding.apply import abstract_placed, active, is_auto, logical_names, use_layout
 from ..sharding.flax_rules import VocabularyLike, flax_rules, in_vocabulary
 from ..sharding.layouts import Layout, get_layout
 from ..sharding.rules import resolve
 from .compile import COMPILER_OPTIONS, REFERENCE
-from .format import clip, format_bytes
+from .format import clip, format_bytes, format_columns, principle_rows, violation_lines
 from .advice import Advice, advise
 from .placement import ParameterPlacement, format_placements, parameter_placements
 from .principles import Check, arrays_named_by, check_principles
 from .report import MatmulReport, Report, inspect_compiled
 
-SHOWN_VIOLATIONS = 3
 LINE_WIDTH = 120
 
 
@@ -256,20 +254,11 @@ def format_check(result: StepCheck) -> str:
              ("  smallest (batch x M x K x N)",
               _kernel(min(report.matmuls, key=lambda m: m.flops)) if report.matmuls else "-"),
              *format_placements(result.placements),
-             ("principles" + (f" (kernel shapes against {result.reference})" if result.reference else ""), "")]
-    labels = {"shape_preservation": "1 kernel shapes", "no_redundancy": f"2 no redundancy over {XCD}",
-              "hierarchical_collectives": "3 hierarchical collectives"}
-    for key, label in labels.items():
-        verdict = getattr(result.principles, key)
-        rows.append((f"  {label}", "ok" if verdict.ok else f"FAIL ({len(verdict.violations)})"))
-    width = max(len(label) for label, _ in rows)
+             ("principles" + (f" (kernel shapes against {result.reference})" if result.reference else ""), ""),
+             *principle_rows(result.principles)]
     lines = [f"step under {result.layout} on mesh {axes}", ""]
-    lines += [clip(f"{label:<{width}}  {cell}".rstrip(), LINE_WIDTH) for label, cell in rows]
-    for key in labels:
-        violations = getattr(result.principles, key).violations
-        if violations:
-            lines.append(f"{key}: {len(violations)} violation(s), e.g.")
-            lines += [clip(f"  {line}", LINE_WIDTH) for line in violations[:SHOWN_VIOLATIONS]]
+    lines += [clip(line, LINE_WIDTH) for line in format_columns({result.layout: rows}, names=False)]
+    lines += violation_lines(result.layout, result.principles, LINE_WIDTH)
     for advice in result.advice:
         lines.append(clip(f"{advice.name}: {advice.why}", LINE_WIDTH))
         lines += textwrap.wrap(f"fix: {advice.fix}", LINE_WIDTH, initial_indent="  ", subsequent_indent="    ")

@@ -1,4 +1,9 @@
-"""Numbers as the commands print them."""
+"""Numbers and tables as the commands print them: the principles' table of `check` and of `starscream inspect` is
+this one formatter (`format_columns`, `principle_rows`, `violation_lines`)."""
+from __future__ import annotations
+
+from ..hardware.axes import XCD
+from .principles import AttentionRatio, Principles, Verdict
 
 
 def format_bytes(count: float) -> str:
@@ -18,3 +23,64 @@ def format_seconds(value: float) -> str:
 def clip(text: str, width: int) -> str:
     """`text` cut to `width` characters, ending in "..." where it was cut."""
     return text if len(text) <= width else text[: width - 3] + "..."
+
+
+SHOWN_VIOLATIONS = 3
+"""How many violations of each failed principle the tables print (--json and the verdicts hold them all)."""
+
+Row = tuple[str, str]
+"""(label, cell) of one line of a table column."""
+
+
+def verdict_cell(verdict: Verdict) -> str:
+    """"ok" or "FAIL (violations)", followed by how many ops went unjudged when some did."""
+    unpaired = getattr(verdict, "unpaired", ())
+    unjudged = f", {len(unpaired)} unjudged" if unpaired else ""
+    return ("ok" if verdict.ok else f"FAIL ({len(verdict.violations)})") + unjudged
+
+
+def attention_cell(summary: AttentionRatio) -> str:
+    """Attention's ratio to the reference and whether it passes principle 1, or "-" when it was not compared."""
+    if summary.ratio is None:
+        return "-"
+    return f"{summary.ratio:.2f} {'ok' if summary.ok else 'FAIL'}"
+
+
+def principle_rows(principles: Principles, decode: bool = False) -> list[Row]:
+    """The three verdicts' rows, with attention's ratio under principle 1 (`decode`: judged by bytes read)."""
+    return [
+        ("  1 kernel shapes" + (" (bytes read)" if decode else ""), verdict_cell(principles.shape_preservation)),
+        ("    attention " + ("K/V reads per GPU" if decode else "work per token") + " / gpu_tp",
+         attention_cell(principles.shape_preservation.attention)),
+        (f"  2 no redundancy over {XCD}", verdict_cell(principles.no_redundancy)),
+        ("  3 hierarchical collectives", verdict_cell(principles.hierarchical_collectives)),
+    ]
+
+
+def format_columns(columns: dict[str, list[Row]], names: bool = True) -> list[str]:
+    """Columns of rows side by side under their names, each cell right-aligned, the labels those of the first
+    column (every column has the same labels). Without `names`: no names line and the cells left-aligned, so one
+    column reads as labels and values (`check`'s, whose cells list parameters)."""
+    labels = [label for label, _ in next(iter(columns.values()))]
+    label_width = max(len(label) for label in labels)
+    widths = {name: max(len(name) if names else 0, *(len(cell) for _, cell in rows)) for name, rows in columns.items()}
+    align = ">" if names else "<"
+    lines = [" " * label_width + "".join(f"  {name:>{widths[name]}}" for name in columns)] if names else []
+    for index, label in enumerate(labels):
+        cells = "".join(f"  {columns[name][index][1]:{align}{widths[name]}}" for name in columns)
+        lines.append(f"{label:<{label_width}}{cells}".rstrip())
+    return lines
+
+
+def violation_lines(name: str, principles: Principles, width: int) -> list[str]:
+    """The first violations of each failed principle of `name`'s program, then the ops principle 1 left unjudged."""
+    lines = []
+    for principle, verdict in principles.verdicts():
+        if verdict.violations:
+            lines.append(f"{name} {principle}: {len(verdict.violations)} violation(s), e.g.")
+            lines += [clip(f"  {line}", width) for line in verdict.violations[:SHOWN_VIOLATIONS]]
+    unpaired = principles.shape_preservation.unpaired
+    if unpaired:
+        lines.append(clip(f"{name} shape_preservation: {len(unpaired)} op(s) unjudged (no gpu_tp counterpart, or work "
+                          "the program text does not show): " + ", ".join(unpaired), width))
+    return lines

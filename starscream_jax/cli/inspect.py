@@ -12,10 +12,9 @@ import json
 from pathlib import Path
 
 from ..analysis.compile import PHASES, SERVE, Settings, make_settings
-from ..analysis.format import clip, format_bytes, format_seconds
+from ..analysis.format import clip, format_bytes, format_columns, format_seconds, principle_rows, violation_lines
 from ..analysis.json_form import to_json
 from ..analysis.layout_report import LayoutResult, inspect_layouts
-from ..analysis.principles import AttentionRatio, Verdict
 from ..errors import ShardingRuleError, StarscreamError
 from ..hardware.presets import Chip
 from ..model.config import REMAT_POLICIES
@@ -38,7 +37,6 @@ DEFAULT_LAYOUTS = {**{phase: f"{BASELINE},{layout}" for phase, layout in PHASE_D
 decode step)."""
 DEFAULT_MODEL = "llama3-70b"
 DEFAULT_LAYERS = 2
-SHOWN_VIOLATIONS = 3
 LINE_WIDTH = 160
 
 
@@ -123,20 +121,6 @@ def _figure(value: float | None, form: str) -> str:
     return "-" if value is None else form.format(value)
 
 
-def _verdict(verdict: Verdict) -> str:
-    """"ok" or "FAIL (violations)", followed by how many ops went unjudged when some did."""
-    unpaired = getattr(verdict, "unpaired", ())
-    unjudged = f", {len(unpaired)} unjudged" if unpaired else ""
-    return ("ok" if verdict.ok else f"FAIL ({len(verdict.violations)})") + unjudged
-
-
-def _attention_cell(summary: AttentionRatio) -> str:
-    """Attention's ratio to gpu_tp and whether it passes principle 1, or "-" when it was not compared."""
-    if summary.ratio is None:
-        return "-"
-    return f"{summary.ratio:.2f} {'ok' if summary.ok else 'FAIL'}"
-
-
 def _rows(result: LayoutResult) -> list[tuple[str, str]]:
     """(label, cell) rows of one layout's column."""
     full, compiled_layers = result.layers.full, result.layers.compiled
@@ -177,11 +161,7 @@ def _rows(result: LayoutResult) -> list[tuple[str, str]]:
         ("  serial / overlapped", f"{format_seconds(estimate.serial_s)} / {format_seconds(estimate.overlapped_s)}"),
         ("  tokens/s (serial)", f"{estimate.tokens_per_s:,.0f}"),
         ("principles", ""),
-        ("  1 kernel shapes" + (" (bytes read)" if phase == "decode" else ""), _verdict(verdicts.shape_preservation)),
-        ("    attention " + ("K/V reads per GPU" if phase == "decode" else "work per token") + " / gpu_tp",
-         _attention_cell(verdicts.shape_preservation.attention)),
-        ("  2 no redundancy over xcd", _verdict(verdicts.no_redundancy)),
-        ("  3 hierarchical collectives", _verdict(verdicts.hierarchical_collectives)),
+        *principle_rows(verdicts, decode=phase == "decode"),
     ]
     return rows
 
@@ -210,15 +190,7 @@ def format_table(results: dict[str, LayoutResult], refused: dict[str, str] | Non
     the mesh cannot place with the reason, and the first violations of each failed principle."""
     refused = refused or {}
     first = next(iter(results.values()))
-    lines = [*_header(first), ""]
-    columns = {name: _rows(result) for name, result in results.items()}
-    labels = [label for label, _ in next(iter(columns.values()))]
-    label_width = max(len(label) for label in labels)
-    widths = {name: max(len(name), *(len(cell) for _, cell in rows)) for name, rows in columns.items()}
-    lines.append(" " * label_width + "".join(f"  {name:>{widths[name]}}" for name in columns))
-    for index, label in enumerate(labels):
-        cells = "".join(f"  {columns[name][index][1]:>{widths[name]}}" for name in columns)
-        lines.append(f"{label:<{label_width}}{cells}".rstrip())
+    lines = [*_header(first), "", *format_columns({name: _rows(result) for name, result in results.items()})]
     lines += [
         "",
         "collectives per layer: intra-GPU / inter-GPU / flat / unknown. Inter-GPU bytes include the flat and unknown",
@@ -237,12 +209,5 @@ def format_table(results: dict[str, LayoutResult], refused: dict[str, str] | Non
     lines += [clip(f"{name}: cannot place the model on this mesh: {reason}", LINE_WIDTH)
               for name, reason in refused.items()]
     for name, result in results.items():
-        for principle, verdict in result.principles.verdicts():
-            if verdict.violations:
-                lines.append(f"{name} {principle}: {len(verdict.violations)} violation(s), e.g.")
-                lines += [clip(f"  {line}", LINE_WIDTH) for line in verdict.violations[:SHOWN_VIOLATIONS]]
-        unpaired = result.principles.shape_preservation.unpaired
-        if unpaired:
-            lines.append(clip(f"{name} shape_preservation: {len(unpaired)} op(s) unjudged (no gpu_tp counterpart, or "
-                              "work the program text does not show): " + ", ".join(unpaired), LINE_WIDTH))
+        lines += violation_lines(name, result.principles, LINE_WIDTH)
     return "\n".join(lines)
