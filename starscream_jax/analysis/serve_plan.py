@@ -81,9 +81,6 @@ class ServePlan:
     points: tuple[ServePoint, ...]
     chosen: ServePoint
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 def serve_batches(largest: int) -> tuple[int, ...]:
     """The decode batches priced: powers of two up to `largest` (and `largest` itself)."""

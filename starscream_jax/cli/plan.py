@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from ..analysis.compile import PHASES, SERVE, make_settings
 from ..analysis.format import clip, format_bytes, format_seconds
+from ..analysis.json_form import to_json
 from ..analysis.plan import JUDGED, plan_phase
 from ..analysis.serve_plan import ServePlan, ServeWorkload, choose_serving, price_serving, serve_batches
 from ..errors import StarscreamError
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
         plot_plans(plans, args.plot)
     if args.json:
-        print(json.dumps({**plans, **({SERVE: serving.to_dict()} if serving else {})}, indent=2))
+        print(json.dumps({**plans, **({SERVE: to_json(serving)} if serving else {})}, indent=2))
     else:
         text = [format_plans(plans)] if plans else []
         text += format_serving(serving) if serving else []
