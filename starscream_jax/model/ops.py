@@ -137,9 +137,11 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, c
     `decoder.write_cache`), queries attend to every cached position <= their own, and k / v are not read. An 8-bit
     cache (with "k_scale" and "v_scale" [B, T, K]) is read by `_attention_over_8_bit_cache`.
     Placement: ATTN_Q / ATTN_KV names; the cache uses CACHE's. A layout that splits `seq` runs context-parallel
-    attention (`_sequence_split_attention`); with a cache only from its start (`cache_index` 0: a prefill, the cache
-    holding nothing before the new keys). A layout that splits the cache's positions (`cache_seq`) and not the
-    queries' attends split-K (`_split_k_attention`).
+    attention (`_sequence_split_attention`), from the new keys alone where the cache holds nothing before them
+    (`cache_index` 0, known while tracing: a whole prompt's prefill) and holds them as they are (not in 8 bits,
+    which the unsharded model reads). A layout that splits the cache's positions
+    (`cache_seq`) attends split-K (`_split_k_attention`): decode, and a later chunk of a prompt split over the
+    sequence (chunked prefill), whose queries are gathered over the partitions that split it.
     """
     n_heads, n_kv = q_BSHE.shape[2], k_BSKE.shape[2]
     group = n_heads // n_kv
@@ -147,7 +149,7 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, c
 
     def local(q, k, v, pos, *rest, specs):
         q_axes, kv_axes, seq_axes = dim_axes(specs[0], 2), dim_axes(specs[1], 2), dim_axes(specs[0], 1)
-        if cache is None or seq_axes:
+        if cache is None or (seq_axes and _from_start(cache_index) and len(rest) == 2):
             k_sel = _kv_heads_for_local_queries(k, q.shape[2], group, q_axes, kv_axes)
             v_sel = _kv_heads_for_local_queries(v, q.shape[2], group, q_axes, kv_axes)
             if seq_axes:
@@ -155,7 +157,7 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, c
             return _causal_attention(q, k_sel, v_sel)
         selected = [_kv_heads_for_local_queries(entry, q.shape[2], group, q_axes, kv_axes) for entry in rest]
         if cache_axes := dim_axes(specs[4], 1):
-            return _split_k_attention(q, *selected, pos, cache_axes)
+            return _split_k_attention(q, pos, cache_axes, seq_axes, *selected)
         if len(selected) == 4:
             return _attention_over_8_bit_cache(q, *selected, pos)
         return _cached_attention(q, *selected, pos)
@@ -165,7 +167,7 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, c
         kv_spec = activation_spec(ATTN_KV, k_BSKE.shape)
         _check_head_split(n_heads, n_kv, axes_of(q_spec[2]), axes_of(kv_spec[2]), dict(current.mesh.shape))
         if cache is not None:
-            _check_cache_split(q_spec, activation_spec(CACHE, cache["k"].shape), cache_index, current.layout.name)
+            _check_cache_split(q_spec, activation_spec(CACHE, cache["k"].shape), current.layout.name)
     args = [q_BSHE, k_BSKE, v_BSKE, positions_BS]
     names = [ATTN_Q, ATTN_KV, ATTN_KV, POSITIONS]
     if cache is not None:
@@ -175,15 +177,16 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, c
     return _run_sharded(local, args, names, [(ATTN_Q, q_BSHE.shape)], "attention")
 
 
-def _check_cache_split(q_spec, cache_spec, cache_index, layout: str) -> None:
-    """Attention with a cache under a layout that splits the queries' sequence runs from the new keys alone, so only
-    from the cache's start; split-K needs every query whole on the devices that split the cache's positions."""
+def _from_start(cache_index) -> bool:
+    """Whether the new positions start the cache (index 0 known while tracing): then they attend to themselves."""
+    return not isinstance(cache_index, jax.core.Tracer) and int(cache_index) == 0
+
+
+def _check_cache_split(q_spec, cache_spec, layout: str) -> None:
+    """A layout that splits the queries' sequence must split the cache's positions over the same axes (prefill
+    writes the cache where its attention holds the keys); split-K needs every query whole, or gathered, on the
+    devices that split the cache's positions."""
     seq_axes, cache_axes = axes_of(q_spec[1]), axes_of(cache_spec[1])
-    if seq_axes and (isinstance(cache_index, jax.core.Tracer) or cache_index != 0):
-        raise ShardingRuleError(
-            f"layout {layout} splits the sequence over {seq_axes}, whose attention with a KV cache starts at its first "
-            f"position only (a whole prompt's prefill), not at {cache_index}; prefill the prompt in one step, or "
-            f"under a layout that splits the batch")
     if seq_axes and set(seq_axes) != set(cache_axes):
         raise ShardingRuleError(
             f"layout {layout} splits the sequence over {seq_axes} but the KV cache's positions over "
@@ -195,16 +198,25 @@ def _check_cache_split(q_spec, cache_spec, cache_index, layout: str) -> None:
             f"attention needs each query whole where the cache is split: map 'cache_seq' to other axes")
 
 
-def _split_k_attention(q_BSHE, cache_k_BTKE, cache_v_BTKE, positions_BS, cache_axes: tuple[str, ...]):
+def _split_k_attention(q_BSHE, positions_BS, cache_axes: tuple[str, ...], seq_axes: tuple[str, ...],
+                       cache_k_BTKE, cache_v_BTKE, *scales_BTK):
     """Attention of the queries to this device's slots of a cache whose positions are split over `cache_axes`
     (strided order, names.CACHE), merged with the other devices' parts (`split_k.merge_partials`: one collective
-    per axis, inside the GPU first). Each query sees the positions up to its own."""
+    per axis, inside the GPU first). Each query sees the positions up to its own. An 8-bit cache's k / v scales
+    [B, T, K] are split with its positions. Queries split over `seq_axes` (a later chunk of a prompt split over the
+    sequence, `seq_axes` those of the cache) are first gathered over them, every device attending the whole chunk
+    to its slots, and each keeps its own stretch of the merged output: the merge moves the chunk's
+    [B, S, H, E + 2] float32 parts, not the cache."""
+    local_S = q_BSHE.shape[1]
+    first = _offset(seq_axes, local_S)
+    q_BSHE, positions_BS = (hierarchical_all_gather(x, seq_axes, dimension=1) for x in (q_BSHE, positions_BS))
     parts, mine = jax.lax.axis_size(cache_axes), jax.lax.axis_index(cache_axes)
     key_positions_T = strided_positions(cache_k_BTKE.shape[1], parts, mine)
     visible_BST = key_positions_T[None, None, :] <= positions_BS[:, :, None]
     with jax.named_scope("split_k"):
-        part = partial_attention(q_BSHE, cache_k_BTKE, cache_v_BTKE, visible_BST)
-        return merge_partials(part, cache_axes).out.astype(q_BSHE.dtype)
+        part = partial_attention(q_BSHE, cache_k_BTKE, cache_v_BTKE, visible_BST, *scales_BTK)
+        out_BSHE = merge_partials(part, cache_axes).out.astype(q_BSHE.dtype)
+    return jax.lax.dynamic_slice_in_dim(out_BSHE, first, local_S, axis=1) if seq_axes else out_BSHE
 
 
 def embed_lookup(table_VD, tokens_BS, out: LogicalNames = RESIDUAL):

@@ -20,7 +20,7 @@ from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model.config import load_model_config
 from starscream_jax.model.decoder import Transformer, create_sharded_model, init_cache, next_token_loss
 from starscream_jax.sharding.apply import activation_spec, batch_sharding, param_shardings, use_layout
-from starscream_jax.sharding.layouts import EXPERT_LAYOUTS, LAYOUTS
+from starscream_jax.sharding.layouts import EXPERT_LAYOUTS, LAYOUTS, fit_batch
 
 FP32_TOLERANCE = 2e-5
 """Largest absolute difference allowed between a sharded and the unsharded float32 result (logits, loss, gradients,
@@ -326,6 +326,28 @@ def test_a_write_that_ends_at_the_last_slot_of_the_kv_cache_is_allowed():
     model = nnx.merge(graphdef, params)
     logits = model(np.zeros((2, 2), np.int32), cache=init_cache(config, 2, 8), cache_index=6).logits
     assert logits.shape == (2, 2, config.vocab_size)
+
+
+def test_a_prompt_prefilled_in_chunks_split_over_the_partitions_equals_the_unsharded_model():
+    """One sequence on 2 GPUs x 4 partitions (starscream_tp+seq): its 16 tokens in two chunks of 8, each split over
+    the partitions, the second at a traced index attending split-K to the cache the first wrote. The logits of both
+    are the unsharded model's over the whole sequence."""
+    config, graphdef, params, expected = reference("tiny")
+    mesh = mesh_of("1x2x4")
+    layout = fit_batch("starscream_tp", mesh, 1, None)
+    assert layout.name == "starscream_tp+seq"
+
+    def chunks(params, tokens_BS, at):
+        model = nnx.merge(graphdef, params)
+        first = model(tokens_BS[:, :PROMPT], cache=init_cache(config, 1, SEQ), cache_index=0)
+        second = model(tokens_BS[:, PROMPT:], cache=first.cache, cache_index=at)
+        return jnp.concatenate([first.logits, second.logits], axis=1)
+
+    with use_layout(layout, mesh):
+        placed = jax.device_put(params, param_shardings(params, layout, mesh))
+        tokens_BS = jax.device_put(sample_tokens(config)[:1], batch_sharding(layout, mesh, 1))
+        logits = jax.jit(chunks, compiler_options=FAST_COMPILE)(placed, tokens_BS, jnp.int32(PROMPT))
+    assert max_error(logits, expected["logits"][:1]) <= FP32_TOLERANCE
 
 
 @pytest.mark.parametrize("index, new_tokens, fits", [(6, 2, True), (7, 2, False), (8, 1, False), (-1, 1, False)])

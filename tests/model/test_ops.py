@@ -123,19 +123,25 @@ def test_attention_over_a_split_sequence_and_its_gradient_equal_unsharded():
         np.testing.assert_allclose(actual, wanted, atol=FP32_TOLERANCE)
 
 
-def test_a_split_sequence_writes_its_cache_split_by_position_and_later_chunks_are_refused():
+def test_a_split_sequence_writes_its_cache_split_by_position_and_later_chunks_read_it():
     """A prompt split over the 4 partitions attends as unsharded and leaves the cache in strided order (partition i
-    holds positions i and i + 4); a second chunk, which would need the keys cached before it, is refused."""
+    holds positions i and i + 4); a prompt in two chunks (chunked prefill), each split over the partitions, equals
+    it too: the second chunk's queries attend split-K to the cache the first wrote, itself written in place."""
     q, k, v = qkv()
     mesh = build_mesh("2x4")
     out, cache = sharded(SEQUENCE_SPLIT, mesh, lambda q, k, v, cache: through_cache(q, k, v, positions(), cache, 0),
                          q, k, v, empty_cache())
     np.testing.assert_allclose(out, attention(q, k, v, positions()), atol=FP32_TOLERANCE)
     np.testing.assert_array_equal(cache["k"][0], k[:, [0, 4, 1, 5, 2, 6, 3, 7]])
-    refusal = r"layout starscream_cp splits the sequence over \('xcd',\), whose attention with a KV cache starts at"
-    with pytest.raises(ShardingRuleError, match=refusal):
-        sharded(SEQUENCE_SPLIT, mesh, lambda q, k, v, cache: through_cache(q, k, v, positions(4, 4), cache, 4),
-                q[:, :4], k[:, :4], v[:, :4], empty_cache())
+
+    def two_chunks(q, k, v, cache, at):
+        first, cache = through_cache(q[:, :4], k[:, :4], v[:, :4], positions(4), cache, 0)
+        second, cache = through_cache(q[:, 4:], k[:, 4:], v[:, 4:], positions(4, 4), cache, at)
+        return jnp.concatenate([first, second], axis=1), cache
+
+    chunked, cache = sharded(SEQUENCE_SPLIT, mesh, two_chunks, q, k, v, empty_cache(), jnp.int32(4))
+    np.testing.assert_allclose(chunked, out, atol=FP32_TOLERANCE)
+    np.testing.assert_array_equal(cache["k"][0], k[:, [0, 4, 1, 5, 2, 6, 3, 7]])
 
 
 def test_split_k_decode_over_a_cache_split_by_position_equals_unsharded():
@@ -241,3 +247,4 @@ def test_cross_entropy_gradient_is_not_a_scatter_over_the_logits():
     assert " scatter(" not in gradient.lower(logits).compile().as_text()
     expected = jax.grad(lambda x: jnp.mean(optax.softmax_cross_entropy_with_integer_labels(x, targets)))(logits)
     np.testing.assert_allclose(gradient(logits), expected, atol=1e-7)
+
