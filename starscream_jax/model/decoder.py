@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..errors import ShardingRuleError, StarscreamError
+from ..errors import StarscreamError
 from ..hardware.axes import dim_axes
 from ..hardware.backend import policy_of
 from ..sharding.collectives import hierarchical_all_gather
@@ -511,18 +511,14 @@ def write_cache(cache: dict, layer, index, k_BSKE: jax.Array, v_BSKE: jax.Array)
     `layer` None, `cache` is one layer's ([B, T, K, E] each). Where the layout splits the cache's positions
     (`cache_seq`), each device writes the new positions it owns into its own slots (`_write_owned`). An 8-bit cache
     (with "k_scale" and "v_scale", [L, B, T, K] each) gets the new keys and values in its format with their scales
-    (`quantize_cache_entry`)."""
+    (`quantize_cache_entry`), the scales written where their positions are."""
     one_layer = layer is None
     new = {"k": k_BSKE, "v": v_BSKE}
-    if cache_split_axes(cache["k"].shape[-4:]):
-        if "k_scale" in cache:
-            raise ShardingRuleError("the layout splits the KV cache's positions (split-K decode, for a batch its batch "
-                                    "axes cannot split), which an 8-bit cache does not support; decode a batch the "
-                                    "layout's batch axes divide, or keep the cache in the compute dtype")
-        return {name: _write_owned(cache[name], layer, index, new[name]) for name in new}
     if "k_scale" in cache:
         for name in ("k", "v"):
             new[name], new[name + "_scale"] = quantize_cache_entry(new[name], cache[name].dtype.name)
+    if cache_split_axes(cache["k"].shape[-4:]):
+        return {name: _write_owned(cache[name], layer, index, entry, CACHE_NAMES[name]) for name, entry in new.items()}
 
     def write(name, new_entry):
         # both placed by the cache's rules (no-ops inside the model, where they already are)
@@ -542,31 +538,34 @@ def cache_split_axes(shape_BTKE: tuple[int, ...]) -> tuple[str, ...]:
     return () if spec is None else dim_axes(spec, 1)
 
 
-def _write_owned(full: jax.Array, layer, index, new_BSKE: jax.Array) -> jax.Array:
-    """`write_cache` of one array (full: [L, B, T, K, E], or [B, T, K, E] with `layer` None) whose positions are
-    split over the `cache_seq` axes: each device keeps the new positions index + s it owns (names.CACHE: those
-    congruent to its index modulo the number of parts) and scatters them into its slots; the others are dropped.
-    New keys split over the sequence (prefill under a sequence split) are first gathered over its axes, inside the
-    GPU first (attention gathers the same keys). A scatter into the donated cache, in place."""
-    names = CACHE if layer is None else KV_CACHE
+def _write_owned(full: jax.Array, layer, index, new_BS: jax.Array, stacked_names: tuple[str, ...]) -> jax.Array:
+    """`write_cache` of one entry (full: [L, B, T, ...] named `stacked_names`, or [B, T, ...] with `layer` None; the
+    new positions [B, S, ...]) whose positions are split over the `cache_seq` axes: each device keeps the new
+    positions index + s it owns (names.CACHE: those congruent to its index modulo the number of parts) and scatters
+    them into its slots; the others are dropped. New entries split over the sequence (prefill under a sequence
+    split) are first gathered over its axes, inside the GPU first (attention gathers the same keys). A scatter
+    into the donated cache, in place."""
+    names = stacked_names[1:] if layer is None else stacked_names
     cache_spec = activation_spec(names, full.shape, "kv cache")
-    new_spec = activation_spec(ATTN_KV, new_BSKE.shape, "new keys and values")
+    new_names = tuple("seq" if name == "cache_seq" else name for name in stacked_names[1:])
+    new_spec = activation_spec(new_names, new_BS.shape, "new keys and values")
     cache_axes = dim_axes(cache_spec, names.index("cache_seq"))
     seq_axes = dim_axes(new_spec, 1)
-    layer = jnp.int32(0) if layer is None else layer
+    stacked = layer is not None
+    layer = layer if stacked else jnp.int32(0)
 
     def local(cache, new, layer, index):
         new = hierarchical_all_gather(new, seq_axes, dimension=1).astype(cache.dtype)
         parts, mine = jax.lax.axis_size(cache_axes), jax.lax.axis_index(cache_axes)
         positions_S = index + jnp.arange(new.shape[1])
-        slots_S = jnp.where(positions_S % parts == mine, positions_S // parts, cache.shape[-3])  # past the end: dropped
-        if cache.ndim == 4:
+        slots_S = jnp.where(positions_S % parts == mine, positions_S // parts, cache.shape[int(stacked) + 1])
+        if not stacked:  # a slot past the end: dropped
             return cache.at[:, slots_S].set(new, mode="drop")
         return cache.at[layer, :, slots_S].set(jnp.swapaxes(new, 0, 1), mode="drop")
 
     write = jax.shard_map(local, in_specs=(cache_spec, new_spec, PartitionSpec(), PartitionSpec()),
                           out_specs=cache_spec)
-    return write(placed_as(full, cache_spec), placed_as(new_BSKE, new_spec), layer, jnp.asarray(index, jnp.int32))
+    return write(placed_as(full, cache_spec), placed_as(new_BS, new_spec), layer, jnp.asarray(index, jnp.int32))
 
 
 def _fuses(c: ModelConfig, h_BSD: jax.Array) -> bool:

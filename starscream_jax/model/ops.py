@@ -140,8 +140,8 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, c
     attention (`_sequence_split_attention`), from the new keys alone where the cache holds nothing before them
     (`cache_index` 0, known while tracing: a whole prompt's prefill) and holds them as they are (not in 8 bits,
     which the unsharded model reads). A layout that splits the cache's positions
-    (`cache_seq`) attends split-K (`_split_k_attention`): decode, and a later chunk of a prompt split over the
-    sequence (chunked prefill), whose queries are gathered over the partitions that split it.
+    (`cache_seq`) attends split-K (`_split_k_attention`), 8-bit caches too: decode, and a later chunk of a prompt
+    split over the sequence (chunked prefill), whose queries are gathered over the partitions that split it.
     """
     n_heads, n_kv = q_BSHE.shape[2], k_BSKE.shape[2]
     group = n_heads // n_kv

@@ -38,20 +38,26 @@ class PartialAttention:
     sum: jax.Array
 
 
-def partial_attention(q_BSHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array,
-                      visible_BST: jax.Array) -> PartialAttention:
+def partial_attention(q_BSHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, visible_BST: jax.Array,
+                      k_scale_BTK: jax.Array | None = None, v_scale_BTK: jax.Array | None = None) -> PartialAttention:
     """Softmax attention of the queries to the keys where `visible_BST` is True, scaled by 1/sqrt(E), as one part of
-    a split-K attention (see the module docstring). Scores and sums in float32."""
+    a split-K attention (see the module docstring). Scores and sums in float32. Keys and values of an 8-bit cache
+    come with their float32 scales per position and kv head [B, T, K], applied to the scores (the keys') and to
+    the weights (the values'), as `ops._attention_over_8_bit_cache` applies them."""
     B, S, H, E = q_BSHE.shape
     K = k_BTKE.shape[2]
     q_BSKGE = q_BSHE.reshape(B, S, K, H // K, E)
     scores_BSKGT = jnp.einsum("bskge,btke->bskgt", q_BSKGE, k_BTKE.astype(q_BSHE.dtype),
                               preferred_element_type=jnp.float32) * E ** -0.5
+    if k_scale_BTK is not None:
+        scores_BSKGT = scores_BSKGT * jnp.swapaxes(k_scale_BTK, 1, 2)[:, None, :, None, :]
     scores_BSKGT = jnp.where(visible_BST[:, :, None, None, :], scores_BSKGT, -jnp.inf)
     max_BSKG = jnp.max(scores_BSKGT, axis=-1)
     finite_max = jnp.where(jnp.isfinite(max_BSKG), max_BSKG, 0.0)
     weights_BSKGT = jnp.exp(scores_BSKGT - finite_max[..., None])
     sum_BSKG = jnp.sum(weights_BSKGT, axis=-1)
+    if v_scale_BTK is not None:
+        weights_BSKGT = weights_BSKGT * jnp.swapaxes(v_scale_BTK, 1, 2)[:, None, :, None, :]
     out_BSKGE = jnp.einsum("bskgt,btke->bskge", weights_BSKGT, v_BTKE.astype(jnp.float32))
     out_BSKGE = out_BSKGE / jnp.where(sum_BSKG > 0, sum_BSKG, 1.0)[..., None]
     return PartialAttention(out_BSKGE.reshape(B, S, H, E), max_BSKG.reshape(B, S, H), sum_BSKG.reshape(B, S, H))

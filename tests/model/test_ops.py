@@ -248,3 +248,24 @@ def test_cross_entropy_gradient_is_not_a_scatter_over_the_logits():
     expected = jax.grad(lambda x: jnp.mean(optax.softmax_cross_entropy_with_integer_labels(x, targets)))(logits)
     np.testing.assert_allclose(gradient(logits), expected, atol=1e-7)
 
+
+def test_split_k_decode_over_an_8_bit_cache_equals_the_unsharded_8_bit_cache():
+    """Three sequences on 8 partitions: the 8-bit cache's values and scales are split by position together, and
+    the last query attends split-K with each part's scales, as the unsharded 8-bit cache attends."""
+    batch = 3
+    q, k, v = (x[:batch] for x in qkv())
+    layout = fit_batch("starscream_decode", build_mesh("2x4"), batch, 1)
+    values = jnp.zeros((1, batch, S, K, E), jnp.int8)
+    cache = {"k": values, "v": values, "k_scale": jnp.ones((1, batch, S, K)), "v_scale": jnp.ones((1, batch, S, K))}
+
+    def last_token(q, k, v, cache):
+        _, cache = through_cache(q[:, :-1], k[:, :-1], v[:, :-1], positions(S - 1)[:batch], cache, 0)
+        return through_cache(q[:, -1:], k[:, -1:], v[:, -1:], positions(1, start=S - 1)[:batch], cache, S - 1)
+
+    expected, whole = jax.jit(last_token)(q, k, v, cache)
+    last, split = sharded(layout, build_mesh("2x4"), last_token, q, k, v, cache)
+    np.testing.assert_allclose(last, expected, atol=FP32_TOLERANCE)
+    order = [0, 4, 1, 5, 2, 6, 3, 7]
+    for name in cache:
+        np.testing.assert_array_equal(np.asarray(split[name][0], np.float32),
+                                      np.asarray(whole[name][0][:, order], np.float32))
