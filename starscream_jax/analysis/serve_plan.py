@@ -52,18 +52,18 @@ class ServePoint:
     """One decode batch priced: the fastest decode candidate that fits (`plan.Candidate.name`, its layout and data
     x gpu mesh), its step `decode_s`, the prefill seconds per request `prefill_s` (under `prefill_layout`), the
     TPOT they give and the throughput at that TPOT. `reason` says why a batch has no price (nothing places or
-    fits; then the figures are nan)."""
+    fits; then the figures are None)."""
 
     batch: int
     candidate: str | None
     layout: str | None
     data: int
     gpu: int
-    decode_s: float
-    prefill_s: float
-    tpot_s: float
-    output_tokens_per_s: float
-    requests_per_s: float
+    decode_s: float | None
+    prefill_s: float | None
+    tpot_s: float | None
+    output_tokens_per_s: float | None
+    requests_per_s: float | None
     reason: str = ""
 
     @property
@@ -157,8 +157,7 @@ def _priced(batch: int, entry: dict, prefill_s: float, workload: ServeWorkload) 
 
 
 def _unpriced(batch: int, reason: str) -> ServePoint:
-    nan = math.nan
-    return ServePoint(batch, None, None, 0, 0, nan, nan, nan, nan, nan, reason)
+    return ServePoint(batch, None, None, 0, 0, None, None, None, None, None, reason)
 
 
 def choose_serving(points: tuple[ServePoint, ...], workload: ServeWorkload, model: str,

@@ -42,7 +42,7 @@ def points(served):
 def test_every_batch_is_priced_or_says_why(served, points):
     assert [point.batch for point in points] == [1, 2, 4, 8]
     assert [point.priced for point in points] == [False, False, True, True]  # 4 partitions split the batch
-    assert "divisible" in points[0].reason
+    assert "divisible" in points[0].reason and points[0].tpot_s is None  # JSON null, not NaN
     for point in points[2:]:
         assert point.tpot_s == pytest.approx(point.decode_s + point.batch * point.prefill_s / 16)
         assert point.output_tokens_per_s == pytest.approx(point.batch / point.tpot_s)
