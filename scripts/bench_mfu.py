@@ -25,13 +25,17 @@ the matmul parameters (embedding-as-head counted once) + 12 x layers x seq_len x
 TFLOP/s, unless --peak-tflops. Every row's step-0 loss must agree with plain JAX's (or the first row's) within
 STEP0_LOSS_TOLERANCE, or the run exits 1; the check is printed and stored as "step0_check". `--compile-only`
 compiles each row and runs nothing: the compile time of a deep model with and without the layer loop (`--unroll 1`
-adds the rolled loop's rows).
+adds the rolled loop's rows). `--fp8` adds a row per layout with fp8 matmuls (`ModelConfig.matmul_format`: OCP e4m3
+by default, as on H200 and MI355X; `--fp8 float8_e4m3fnuz` on MI300X) beside its bfloat16 row; its MFU is still
+against the bf16 peak (the chips' dense fp8 peak is twice it), and its step-0 loss, computed from 8-bit operands,
+is held to FP8_STEP0_LOSS_TOLERANCE.
 
     python scripts/bench_mfu.py --out mfu.json                        # every GPU present
     CUDA_VISIBLE_DEVICES=0 python scripts/bench_mfu.py --out mfu1.json
     python scripts/bench_mfu.py --gpus 2 --plain dp tp --layouts starscream_tp starscream_fsdp
     python scripts/bench_mfu.py --model llama3-8b --batch-size 1 --plain --layouts starscream_tp --unroll 1 \\
         --compile-only                                                # compile s, no loop and rolled loop
+    python scripts/bench_mfu.py --plain --layouts gpu_tp --fp8        # bf16 and fp8 steps side by side
     python scripts/bench_mfu.py --quick                               # CPU smoke run (tiny model)
 """
 from __future__ import annotations
@@ -387,16 +391,25 @@ def step0_check(rows: list[dict]) -> dict:
     reference = next((row for row in rows if row["name"] in PLAIN_NAMES.values()), rows[0])
     differences = {row["name"]: row["losses"][0] - reference["losses"][0] for row in rows if row is not reference}
     return {"reference": reference["name"], "reference_loss0": reference["losses"][0], "differences": differences,
-            "tolerance": STEP0_LOSS_TOLERANCE,
-            "apart": [name for name, difference in differences.items() if abs(difference) > STEP0_LOSS_TOLERANCE]}
+            "tolerance": STEP0_LOSS_TOLERANCE, "fp8_tolerance": FP8_STEP0_LOSS_TOLERANCE,
+            "apart": [name for name, difference in differences.items() if abs(difference) > step0_tolerance(name)]}
 
 
 STEP0_LOSS_TOLERANCE = 1e-2
 """Nats: bfloat16 compute, the same sums in another order (PyTorch's kernels, XLA's fusions)."""
+FP8_STEP0_LOSS_TOLERANCE = 5e-2
+"""Nats, for the fp8 rows: every projection's operands rounded to 3 mantissa bits."""
+FP8_SUFFIX = " fp8"
+
+
+def step0_tolerance(name: str) -> float:
+    """The step-0 loss tolerance of a row by its name (an fp8 row's is FP8_STEP0_LOSS_TOLERANCE)."""
+    return FP8_STEP0_LOSS_TOLERANCE if name.endswith(FP8_SUFFIX) else STEP0_LOSS_TOLERANCE
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     from starscream_jax.cli.arguments import count, device_ids
+    from starscream_jax.model.quantize import MATMUL_FORMATS
     from starscream_jax.sharding.layouts import LAYOUTS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -415,6 +428,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "without a GPU, tiny shapes only)")
     parser.add_argument("--unfused", action="store_true",
                         help="also time each layout with q/k/v and gate/up as separate GEMMs (fuse_projections off)")
+    parser.add_argument("--fp8", nargs="?", const=MATMUL_FORMATS[0], choices=MATMUL_FORMATS, metavar="FORMAT",
+                        help="also time each layout with fp8 matmuls in this e4m3 format (default "
+                             f"{MATMUL_FORMATS[0]}; {MATMUL_FORMATS[1]} on MI300X)")
     parser.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass (both sides)")
     parser.add_argument("--unroll", type=count, nargs="+", default=[], metavar="N",
                         help="also time every row with N layers per trip of the layer loop (ModelConfig.scan_unroll; "
@@ -469,7 +485,8 @@ def main(argv=None) -> int:
               f"{devices} x {info.device_kind}, jax {info.jax}; "
               f"{flops_per_token / 1e9:.3f} GFLOP per token; MFU against {args.peak_tflops:g} TFLOP/s per device")
     meta = {"model": model_config.name, "dtype": args.dtype, "batch_size": args.batch_size, "seq_len": args.seq_len,
-            "remat": args.remat, "unroll": args.unroll, "warmup": args.warmup, "steps": args.steps, "devices": devices,
+            "remat": args.remat, "fp8": args.fp8, "unroll": args.unroll, "warmup": args.warmup, "steps": args.steps,
+            "devices": devices,
             "mesh": dict(mesh.shape), "flops_per_token": flops_per_token, "flop_counting": FLOP_COUNTING,
             "peak_tflops_per_device": args.peak_tflops, "compile_only": args.compile_only, **info.as_dict()}
     result = {"meta": meta, "rows": []}
@@ -511,6 +528,7 @@ def main(argv=None) -> int:
     if peer is not None:
         record(peer)
     variants = loops + ([(model_config.replace(fuse_projections=False), " unfused")] if args.unfused else [])
+    variants += [(model_config.replace(matmul_format=args.fp8), FP8_SUFFIX)] if args.fp8 else []
     failed = []
     for layout in args.layouts:
         for config, suffix in variants:
@@ -534,7 +552,8 @@ def main(argv=None) -> int:
     print(f"step-0 loss against {check['reference']}'s {check['reference_loss0']:.4f}: "
           + ", ".join(f"{name} {difference:+.2e}" for name, difference in check["differences"].items())
           + (" (every row within" if not check["apart"] else f" ({', '.join(check['apart'])} NOT within")
-          + f" {STEP0_LOSS_TOLERANCE} nats)", flush=True)
+          + f" {STEP0_LOSS_TOLERANCE} nats" + (f", fp8 rows {FP8_STEP0_LOSS_TOLERANCE})" if args.fp8 else ")"),
+          flush=True)
     return 1 if failed or check["apart"] else 0
 
 

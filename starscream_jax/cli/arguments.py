@@ -10,14 +10,14 @@ from pathlib import Path
 
 from ..analysis.layout_report import ResultCache
 from ..checks import whole_number, writable_directory
-from ..errors import StarscreamError, TopologyError
+from ..errors import PresetError, StarscreamError, TopologyError
 from ..hardware.distributed import DEFAULT_JOIN_TIMEOUT, initialize
 from ..hardware.mesh import build_topology_mesh, resolve_topology
 from ..hardware.presets import list_presets
 from ..hardware.simulation import DEFAULT_SIMULATED, accelerator_present, simulate_cpu_devices
-from ..hardware.presets import Chip
+from ..hardware.presets import FP8_PAIRS, Chip
 from ..hardware.topology import OVERRIDE_ENV, Topology, override_from_env, parse_override
-from ..model.quantize import SCALE_GRANULARITIES
+from ..model.quantize import SCALE_GRANULARITIES, gradient_format
 from ..sharding.layouts import PHASE_DEFAULTS
 
 
@@ -199,6 +199,23 @@ def eight_bit_format(kind: str | None, chip: Chip) -> str:
     name = "int8" if kind == "int8" else chip.fp8_pair()[0]
     chip.check_format(name)
     return name
+
+
+def fp8_training_format(chip: Chip) -> str:
+    """The e4m3 format --fp8 trains in on `chip` (`Chip.fp8_pair`: float8_e4m3fn, float8_e4m3fnuz on MI300X; its
+    gradients take the chip's e5m2); PresetError naming the chip's formats when it has no fp8."""
+    if not any(all(name in chip.formats for name in pair) for pair in FP8_PAIRS):
+        raise PresetError(f"--fp8: {chip.description} ({chip.name}) has no fp8 formats (its 8-bit formats: "
+                          f"{', '.join(chip.formats)}); train without --fp8")
+    return chip.fp8_pair()[0]
+
+
+def check_fp8_training(matmul_format: str, chip: Chip) -> None:
+    """PresetError naming the chip's formats when `chip` lacks `matmul_format` (a model file's, e.g. OCP fp8 on
+    MI300X) or its e5m2 partner; nothing for "" (no fp8)."""
+    if matmul_format:
+        chip.check_format(matmul_format)
+        chip.check_format(gradient_format(matmul_format))
 
 
 def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:

@@ -25,6 +25,7 @@ from .arguments import (
     add_mesh_arguments,
     add_precision_arguments,
     eight_bit_format,
+    fp8_training_format,
     mesh_from_args,
     output_file,
     prepare_simulation,
@@ -68,6 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="layers to compile (at least 2); figures are scaled to the model's full depth")
     group.add_argument("--remat-policy", default="none", choices=REMAT_POLICIES,
                        help="train: what the backward pass keeps of each layer (none, dots: the matmul outputs, full)")
+    group.add_argument("--fp8", action="store_true",
+                       help="train: fp8 matmuls in the chip's formats (the weights gathered in 8 bits)")
     group.add_argument("--json", action="store_true", help="print one JSON object with a key per layout")
     group.add_argument("--plot", type=output_file, default=None, metavar="FILE.png",
                        help="draw, per layout, bytes moved between devices, bytes by scope and the matmuls on a "
@@ -104,15 +107,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def settings_from_args(args: argparse.Namespace, chip: Chip) -> Settings:
-    """The checked Settings of the parsed arguments, 8-bit weights and cache in `chip`'s formats (inference
-    phases only: training keeps float32 master weights)."""
+    """The checked Settings of the parsed arguments, 8-bit weights and cache (inference phases only: training keeps
+    float32 master weights) or fp8 training matmuls in `chip`'s formats."""
     settings = make_settings(args.model, args.phase, args.batch, args.seq,
                              args.layout or DEFAULT_LAYOUTS[args.phase], args.layers, args.dump_hlo)
     if (args.quantize or args.kv_cache) and args.phase == "train":
         raise StarscreamError("--quantize and --kv-cache are for inference; inspect them with --phase prefill or "
                               "--phase decode")
+    if args.fp8 and args.phase != "train":
+        raise StarscreamError(f"--fp8 is fp8 training; inspect it with --phase train (or --quantize fp8 for "
+                              f"{args.phase})")
     config = settings.config.replace(remat=args.remat_policy, weight_format=eight_bit_format(args.quantize, chip),
-                                     weight_scales=args.quantize_scales, kv_format=eight_bit_format(args.kv_cache, chip))
+                                     weight_scales=args.quantize_scales, kv_format=eight_bit_format(args.kv_cache, chip),
+                                     matmul_format=fp8_training_format(chip) if args.fp8 else "")
     return dataclasses.replace(settings, config=config)
 
 

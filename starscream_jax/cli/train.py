@@ -12,6 +12,7 @@ from ..analysis.format import format_bytes
 from ..analysis.profile import breakdown_table, time_breakdown
 from ..analysis.report import SCOPES, inspect_compiled
 from ..hardware.distributed import is_main_process
+from ..hardware.presets import Chip, load_chip
 from ..model.config import REMAT_POLICIES
 from ..sharding.layouts import LAYOUTS
 from ..training.config import TrainConfig
@@ -20,6 +21,8 @@ from .arguments import (
     RUN_MESH,
     add_distributed_arguments,
     add_mesh_arguments,
+    check_fp8_training,
+    fp8_training_format,
     initialize_from_args,
     mesh_from_args,
     output_directory,
@@ -43,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default=defaults.dtype, choices=("float32", "bfloat16"),
                        help="compute dtype (default: --init's torch_dtype, else the model's, float32 unless it says; "
                             "a resumed run keeps its own); parameters and optimizer state stay float32")
+    group.add_argument("--fp8", action="store_true",
+                       help="fp8 matmuls in the projections and MLP: e4m3 operands, e5m2 gradients, current "
+                            "per-tensor scales, in the chip's formats (FNUZ on MI300X); weights stay float32")
     group.add_argument("--remat-policy", dest="remat", default=defaults.remat, choices=REMAT_POLICIES,
                        help="what the backward pass keeps of each layer: everything (none), the matmul outputs "
                             "(dots) or only the layer's input (full), recomputing the rest")
@@ -90,18 +96,22 @@ def _field_names(text: str) -> list[str]:
     return [name.strip().replace("-", "_") for name in text.split(",")]
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The TrainConfig that the parsed arguments describe."""
+def config_from_args(args: argparse.Namespace, chip: Chip | None = None) -> TrainConfig:
+    """The TrainConfig that the parsed arguments describe; --fp8 takes `chip`'s e4m3 format (`fp8_training_format`:
+    float8_e4m3fnuz on MI300X; the simulated CPU's OCP one without a chip)."""
     fields = {field.name for field in dataclasses.fields(TrainConfig)}
     values = {name: value for name, value in vars(args).items() if name in fields}
-    return TrainConfig(**{**values, "data": ",".join(args.data), "remat": "full" if args.remat_full else args.remat})
+    matmul_format = fp8_training_format(chip or load_chip("cpu")) if args.fp8 else ""
+    return TrainConfig(**{**values, "data": ",".join(args.data), "remat": "full" if args.remat_full else args.remat,
+                          "matmul_format": matmul_format})
 
 
 def run(args: argparse.Namespace) -> int:
     """`starscream train`: join the processes, build the mesh, train, print the summary. Returns 0."""
-    config = config_from_args(args)
     initialize_from_args(args)
     topology, mesh = mesh_from_args(args)
+    config = config_from_args(args, topology.preset.chip)
+    check_fp8_training(config.model_config().matmul_format, topology.preset.chip)
     echo = print if is_main_process() else (lambda *_: None)
     echo(f"{config.init or config.model} on mesh {dict(mesh.shape)} ({topology.preset.name}), layout "
          f"{config.layout}, {config.steps} steps of {config.batch_size} x {config.seq_len} tokens")

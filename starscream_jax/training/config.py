@@ -8,6 +8,7 @@ from pathlib import Path
 from ..checks import finite_number, whole_number
 from ..errors import CheckpointError, StarscreamError
 from ..model.config import REMAT_POLICIES, ModelConfig, load_model_config
+from ..model.quantize import MATMUL_FORMATS
 from ..sharding.layouts import PHASE_DEFAULTS
 from .data import DEFAULT_CORPUS
 
@@ -41,6 +42,9 @@ class TrainConfig:
     init: str = ""
     tokenizer: str = ""
     token_cache: str = "runs/token-cache"
+    matmul_format: str = ""
+    """"" (the projections compute in `dtype`) or the chip's e4m3 format for fp8 training (`--fp8`;
+    `ModelConfig.matmul_format`)."""
 
     @classmethod
     def from_dict(cls, values: dict) -> TrainConfig:
@@ -65,6 +69,9 @@ class TrainConfig:
             object.__setattr__(self, "remat", "full" if self.remat else "none")
         if self.remat not in REMAT_POLICIES:
             raise StarscreamError(f"--remat-policy {self.remat!r}: use one of {', '.join(REMAT_POLICIES)}")
+        if self.matmul_format not in ("", *MATMUL_FORMATS):
+            raise StarscreamError(f"matmul_format {self.matmul_format!r}: use '' (the compute dtype) or one of "
+                                  f"{', '.join(MATMUL_FORMATS)}")
         for field in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_batches",
                       "checkpoint_every", "log_every"):
             whole_number(getattr(self, field), flag(field))
@@ -84,7 +91,7 @@ class TrainConfig:
 
     def model_config(self) -> ModelConfig:
         """The model this run trains: `init`'s config.json, else `model`, at the run's compute dtype, with the remat
-        policy `remat`; its max_seq_len must hold `seq_len`."""
+        policy `remat` and the fp8 format `matmul_format`; its max_seq_len must hold `seq_len`."""
         if self.init and not (Path(self.init) / "config.json").is_file():
             found = "is not a directory" if not Path(self.init).is_dir() else "holds no config.json"
             raise CheckpointError(f"--init {self.init} {found}; pass a Hugging Face model directory (config.json, "
@@ -92,12 +99,18 @@ class TrainConfig:
         config = load_model_config(self.init or self.model, **({"dtype": self.dtype} if self.dtype else {}))
         if self.remat != "none":
             config = config.replace(remat=self.remat)
+        if self.matmul_format:
+            config = config.replace(matmul_format=self.matmul_format)
         if self.seq_len > config.max_seq_len:
             raise StarscreamError(f"--seq-len {self.seq_len} exceeds model {config.name}'s max_seq_len "
                                   f"{config.max_seq_len}; pass --seq-len {config.max_seq_len} or less")
         return config
 
 
+FLAGS = {"matmul_format": "--fp8"}
+"""The TrainConfig fields whose command-line flag is not their name's (--fp8 picks the chip's e4m3 format)."""
+
+
 def flag(field: str) -> str:
     """The command-line flag of a TrainConfig field: "batch_size" -> "--batch-size"."""
-    return "--" + field.replace("_", "-")
+    return FLAGS.get(field, "--" + field.replace("_", "-"))

@@ -108,12 +108,13 @@ def run_description(config: TrainConfig, model_config, mesh, step: int, changes:
 
 def check_resumable(saved: dict, model_config) -> None:
     """The checkpoint must hold the model being trained (rematerialization and the layer loop's unrolling may change:
-    they compute the same; a checkpoint saved when scan_unroll defaulted to 1 resumes under today's 0). Fields a
+    they compute the same; a checkpoint saved when scan_unroll defaulted to 1 resumes under today's 0; fp8 matmuls,
+    a TrainConfig field that a resume changes only with --allow-change, train the same float32 weights). Fields a
     checkpoint from an older version lacks take their defaults, which are the model it trained. A refusal names
     each differing field."""
     known = {field.name for field in dataclasses.fields(ModelConfig)}
     saved_model = ModelConfig(**{name: value for name, value in saved["model_config"].items() if name in known})
-    ours, theirs = (dataclasses.asdict(config.replace(remat="none", scan_unroll=0, name=""))
+    ours, theirs = (dataclasses.asdict(config.replace(remat="none", scan_unroll=0, name="", matmul_format=""))
                     for config in (model_config, saved_model))
     differing = [f"{name} {ours[name]!r} (the checkpoint's {theirs[name]!r})" for name in ours
                  if ours[name] != theirs[name]]

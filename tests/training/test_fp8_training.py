@@ -1,5 +1,7 @@
 """fp8 training: e4m3 operands and e5m2 gradients with current per-tensor scales track the compute dtype's loss, and
 under starscream_tp the step gathers its weights in 8 bits with every collective hierarchical."""
+import argparse
+import dataclasses
 import re
 from pathlib import Path
 
@@ -11,13 +13,18 @@ from flax import nnx
 
 from starscream_jax.analysis.principles import check_principles
 from starscream_jax.analysis.report import inspect_compiled
-from starscream_jax.errors import PresetError
+from starscream_jax.cli import inspect as inspect_command
+from starscream_jax.cli.arguments import check_fp8_training
+from starscream_jax.cli.train import add_arguments, config_from_args
+from starscream_jax.errors import CheckpointError, PresetError, StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.hardware.presets import load_chip
 from starscream_jax.model.config import load_model_config
 from starscream_jax.model.decoder import Transformer, create_sharded_model
 from starscream_jax.model.quantize import fp8_gradient, fp8_operand
 from starscream_jax.sharding.apply import Placement, batch_sharding, use_layout
 from starscream_jax.training.config import TrainConfig
+from starscream_jax.training.loop import check_resumable, resume_changes
 from starscream_jax.training.steps import make_optimizer, train_step
 
 CORPUS = Path(__file__).resolve().parents[2] / "data" / "tinyshakespeare.txt"
@@ -113,3 +120,48 @@ def _gathered_inside_gpu(lowered_text: str, dtype: str) -> list[str]:
 def test_a_matmul_format_the_model_cannot_train_in_is_refused(changes, message):
     with pytest.raises(PresetError, match=re.escape(message)):
         CONFIG.replace(**changes)
+
+
+def _train_config(*argv: str, chip=None) -> TrainConfig:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return config_from_args(parser.parse_args(list(argv)), chip)
+
+
+@pytest.mark.parametrize("chip, e4m3", [("h200", "float8_e4m3fn"), ("mi355x", "float8_e4m3fn"),
+                                        ("mi300x", "float8_e4m3fnuz")])
+def test_fp8_trains_in_each_chips_own_formats(chip, e4m3):
+    config = _train_config("--fp8", chip=load_chip(chip))
+    assert config.matmul_format == e4m3 and config.model_config().matmul_format == e4m3
+    assert _train_config(chip=load_chip(chip)).model_config().matmul_format == ""
+
+
+def test_a_chip_without_the_format_is_refused_in_one_line():
+    int8_only = dataclasses.replace(load_chip("h200"), formats=("int8",))
+    with pytest.raises(PresetError, match=r"^--fp8: NVIDIA H200 SXM \(h200\) has no fp8 formats \(its 8-bit formats: "
+                                          r"int8\); train without --fp8$"):
+        _train_config("--fp8", chip=int8_only)
+    with pytest.raises(PresetError, match="AMD Instinct MI300X .* does not compute in float8_e4m3fn; its 8-bit formats"):
+        check_fp8_training("float8_e4m3fn", load_chip("mi300x"))
+    with pytest.raises(StarscreamError, match="matmul_format 'float8_e5m2': use '' "):
+        TrainConfig(matmul_format="float8_e5m2")
+
+
+def test_a_resume_switches_fp8_only_when_allowed():
+    """The checkpoint's weights are the same float32 ones with or without fp8 (`check_resumable` lets it pass), but
+    the run's numbers change, so a resume needs --allow-change matmul_format."""
+    plain, fp8 = TrainConfig(), TrainConfig(matmul_format="float8_e4m3fn")
+    saved = {"model_config": dataclasses.asdict(plain.model_config()), "train_config": dataclasses.asdict(plain)}
+    check_resumable(saved, fp8.model_config())
+    with pytest.raises(CheckpointError, match=r"--fp8 float8_e4m3fn \(the run has \)"):
+        resume_changes(saved, fp8, 10)
+    assert resume_changes(saved, fp8, 10, ["matmul_format"])[-1]["to"] == "float8_e4m3fn"
+
+
+def test_inspect_compiles_the_fp8_training_step_in_the_chips_format_and_refuses_fp8_for_inference():
+    parser = argparse.ArgumentParser()
+    inspect_command.add_arguments(parser)
+    settings = inspect_command.settings_from_args(parser.parse_args(["--fp8"]), load_chip("mi300x"))
+    assert settings.config.matmul_format == "float8_e4m3fnuz"
+    with pytest.raises(StarscreamError, match="--fp8 is fp8 training; inspect it with --phase train"):
+        inspect_command.settings_from_args(parser.parse_args(["--fp8", "--phase", "decode"]), load_chip("h200"))
