@@ -35,7 +35,8 @@ from .format import clip, format_bytes, format_columns, principle_rows, violatio
 from .advice import Advice, advise
 from .placement import ParameterPlacement, format_placements, parameter_placements
 from .principles import Check, arrays_named_by, check_principles
-from .report import MatmulReport, Report, inspect_compiled
+from .hlo import Matmul
+from .report import Report, inspect_compiled
 
 LINE_WIDTH = 120
 
@@ -232,7 +233,7 @@ def _scope_cells(report) -> dict[str, str]:
                                                                                    "inter_node", "flat")}
 
 
-def _kernel(matmul: MatmulReport) -> str:
+def _kernel(matmul: Matmul) -> str:
     """"op: batch x M x K x N", the op read from the matmul's op_name (its scope just above the primitive)."""
     op = matmul.op_name.split("/")[-2] if "/" in matmul.op_name else matmul.name
     return f"{op}: {matmul.batch}x{matmul.m}x{matmul.k}x{matmul.n}"

@@ -53,7 +53,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..resources import data_dir
-from .report import SCOPES, CollectiveReport, MatmulReport
+from .hlo import Matmul
+from .report import SCOPES, CollectiveReport
 
 LINK_SCOPES = tuple(scope for scope in SCOPES if scope != "local")
 """The scopes whose collectives cross a link (a collective of one member costs nothing)."""
@@ -188,7 +189,7 @@ def matmul_work(batch: int, m: int, k: int, n: int, itemsize: int) -> tuple[int,
     return 2 * batch * m * k * n, itemsize * batch * (m * k + k * n + m * n)
 
 
-def matmul_seconds(matmul: MatmulReport, peak_flops: float, hbm_bandwidth: float, itemsize: int,
+def matmul_seconds(matmul: Matmul, peak_flops: float, hbm_bandwidth: float, itemsize: int,
                    measured: Measurements | None = None) -> float:
     """Roofline seconds of one run of a local matmul (its batch, M, K and N) on one partition: max(FLOPs / peak,
     bytes / `hbm_bandwidth`); with `measured`, a matmul above the ridge point runs at the measured efficiency of its
@@ -210,7 +211,7 @@ def collective_seconds(collective: CollectiveReport, cost: LinkCost, measured: M
     return max(cost.latency, collective.bytes_per_device / bandwidth)
 
 
-def estimate_step(matmuls: Sequence[MatmulReport], collectives: Sequence[CollectiveReport], topology, itemsize: int,
+def estimate_step(matmuls: Sequence[Matmul], collectives: Sequence[CollectiveReport], topology, itemsize: int,
                   passes: dict[str, float] | None = None, *, phase: str, tokens: int,
                   full_layers: int) -> StepEstimate:
     """The StepEstimate of one layout's full-depth step (`layout_report.layout_result`): its `matmuls` and its

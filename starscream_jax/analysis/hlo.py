@@ -16,7 +16,7 @@ What is read:
   cuBLAS gemm custom-call, as per-device (batch, M, K, N). XLA drops the op_name metadata of a dot it rewrites (one
   with a dimension of size 1 it removes or adds: attention's batched matmuls at one kv head or one query per device,
   every matrix-vector product); such a dot gets the op name of the most deeply scoped named instruction next to it in
-  the data flow (`Dot.inferred_name`): a matmul's inputs and outputs are made and used by the function it belongs to
+  the data flow (`Matmul.inferred_name`): a matmul's inputs and outputs are made and used by the function it belongs to
   (softmax for attention's), whose ops sit deeper in the named scopes than the code around it.
 - Attention: custom-calls to cuDNN's fused attention (targets starting with `__cudnn$fmha`), with their work read
   from the operand shapes and the dimension numbers of their backend config.
@@ -127,11 +127,19 @@ class Collective:
 
 
 @dataclasses.dataclass(frozen=True)
-class Dot:
-    """One matmul on one device: out[batch, M, N] = lhs[batch, M, K] @ rhs[batch, K, N].
+class Matmul:
+    """One local matmul on one device: out[batch, M, N] = lhs[batch, M, K] @ rhs[batch, K, N], as `parse_hlo` reads
+    it, the report judges it and a layout's result prices it.
 
     M, K and N are products of the free, contracting and free dimensions of the operands. `split_k` > 1 when XLA split
     the contraction into a batch of partial products (split-K); K is reported whole and `batch` without that split.
+    `dtype` is the left operand's element type, `bytes` those of the two operands and the result, `intensity` FLOPs
+    per byte. `below_ridge` says whether the intensity is under the device's peak FLOP/s over HBM bytes/s (None when
+    those were not given, `report.inspect_compiled`). `inferred_name`: XLA left the matmul without an op name and
+    `op_name` is its nearest named neighbour's (see the module). A layout's result (`layout_report.priced_matmul`)
+    gives `dtype`, `bytes`, `intensity` and `below_ridge` at the model's compute dtype and the preset's ridge point,
+    and `in_layer_loop` and `full_depth_runs` (whether it runs in the layer loop, its runs in the full-depth step),
+    None otherwise. `count` is how many times it runs per call of the program.
     """
 
     name: str
@@ -140,21 +148,16 @@ class Dot:
     m: int
     k: int
     n: int
-    lhs: ArrayShape
-    rhs: ArrayShape
-    out: ArrayShape
-    split_k: int
+    dtype: str
+    flops: int
+    bytes: int
+    intensity: float
+    below_ridge: bool | None
     count: int
     inferred_name: bool = False
-
-    @property
-    def flops(self) -> int:
-        return 2 * self.batch * self.m * self.k * self.n
-
-    @property
-    def bytes(self) -> int:
-        """Bytes of the two operands and the result."""
-        return self.lhs.bytes + self.rhs.bytes + self.out.bytes
+    split_k: int = 1
+    in_layer_loop: bool | None = None
+    full_depth_runs: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +198,7 @@ class HloProgram:
 
     num_partitions: int
     collectives: list[Collective]
-    dots: list[Dot]
+    dots: list[Matmul]
     attention: list[AttentionCall]
     kernels: list[KernelCall] = dataclasses.field(default_factory=list)
 
@@ -279,7 +282,7 @@ class _ProgramReader:
         self.types = {inst.name: inst.result_type for body in computations.values() for inst in body}
         self.flow = _DataFlow(computations)
         self.collectives: dict[str, Collective] = {}
-        self.dots: dict[str, Dot] = {}
+        self.dots: dict[str, Matmul] = {}
         self.attention: dict[str, AttentionCall] = {}
         self.kernels: dict[str, KernelCall] = {}
 
@@ -334,7 +337,7 @@ class _ProgramReader:
     def _operand(self, inst: _Instruction, index: int) -> ArrayShape:
         return parse_shapes(self.types[inst.operands[index]])[0]
 
-    def _dot(self, inst: _Instruction) -> Dot | None:
+    def _dot(self, inst: _Instruction) -> Matmul | None:
         lhs, rhs = self._operand(inst, 0), self._operand(inst, 1)
         out = parse_shapes(inst.result_type)[0]
         if inst.opcode == "convolution":
@@ -346,8 +349,9 @@ class _ProgramReader:
         batch, m, k, n, split_k = dims
         op_name = _op_name(inst.attrs)
         inferred = "" if op_name else self.flow.nearest_op_name(inst.name)
-        return Dot(inst.name, op_name or inferred, batch, m, k, n, lhs, rhs, out, split_k, count=0,
-                   inferred_name=bool(inferred))
+        flops, moved = 2 * batch * m * k * n, lhs.bytes + rhs.bytes + out.bytes
+        return Matmul(inst.name, op_name or inferred, batch, m, k, n, lhs.dtype, flops, moved, flops / moved, None,
+                      count=0, inferred_name=bool(inferred), split_k=split_k)
 
     def _attention(self, inst: _Instruction) -> AttentionCall:
         operands = tuple(self._operand(inst, index) for index in range(len(inst.operands)))

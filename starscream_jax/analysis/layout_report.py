@@ -59,7 +59,8 @@ from .costmodel import StepEstimate, estimate_step, matmul_work
 from .json_form import from_json, to_json
 from .memory import memory_passes, reads_cache_in_place
 from .principles import Principles, arrays_named_by, check_principles, reads_once_per_gpu
-from .report import SCOPES, ActivationReport, CollectiveReport, InputReport, MatmulReport, inspect_compiled
+from .hlo import Matmul
+from .report import SCOPES, ActivationReport, CollectiveReport, InputReport, inspect_compiled
 
 def inspect_layouts(settings: Settings, topology, mesh, refused: dict[str, str] | None = None,
                     cache: ResultCache | None = None, reference: bool = True) -> dict[str, LayoutResult]:
@@ -300,7 +301,7 @@ class LayoutResult:
     memory_per_device: MemoryPerDevice
     kernel_intensity: KernelIntensity
     collectives: tuple[CollectiveReport, ...]
-    matmuls: tuple[MatmulReport, ...]
+    matmuls: tuple[Matmul, ...]
     inputs: tuple[InputReport, ...]
     outputs: tuple[InputReport, ...]
     activations: tuple[ActivationReport, ...]
@@ -381,7 +382,7 @@ def _shard_bytes(leaf) -> int:
     return math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
 
 
-def priced_matmul(matmul: MatmulReport, depth: Depth, dtype: str, ridge_point: float) -> MatmulReport:
+def priced_matmul(matmul: Matmul, depth: Depth, dtype: str, ridge_point: float) -> Matmul:
     """One local matmul as a layout's result holds it: its bytes and intensity at the compute `dtype`, below the
     preset's ridge point or not, whether it runs in the layer loop and its runs in the full-depth step."""
     flops, moved = matmul_work(matmul.batch, matmul.m, matmul.k, matmul.n, np.dtype(dtype).itemsize)
@@ -391,7 +392,7 @@ def priced_matmul(matmul: MatmulReport, depth: Depth, dtype: str, ridge_point: f
                                full_depth_runs=depth.full_depth(matmul.name, matmul.count))
 
 
-def kernel_intensity(matmuls: tuple[MatmulReport, ...], ridge_point: float, dtype: str) -> KernelIntensity:
+def kernel_intensity(matmuls: tuple[Matmul, ...], ridge_point: float, dtype: str) -> KernelIntensity:
     """Smallest and FLOP-weighted intensity of the local matmuls and the share of their FLOPs below the ridge point,
     each matmul weighted by its runs in the full-depth step."""
     weights = [m.flops * m.full_depth_runs for m in matmuls]

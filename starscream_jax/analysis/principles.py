@@ -17,7 +17,8 @@ from jax.sharding import Mesh
 
 from ..hardware.axes import XCD
 from ..sharding.apply import logical_names
-from .report import AttentionReport, MatmulReport, Report, inspect_compiled, is_attention_key, matmul_key
+from .hlo import Matmul
+from .report import AttentionReport, Report, inspect_compiled, is_attention_key, matmul_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +197,7 @@ def _thresholds(report: Report, large_bytes: float | None,
         f"({layer_bytes:.0f} bytes): what a layer copies against what a layer holds")
 
 
-def weight_side_elements(matmuls: list[MatmulReport], tokens_per_device: int,
+def weight_side_elements(matmuls: list[Matmul], tokens_per_device: int,
                          attention: list[AttentionReport] = ()) -> dict[tuple[str, bool], float]:
     """Weight-side elements per device of each op and direction (`matmul_key`), summed over its matmuls and runs.
 
@@ -258,7 +259,7 @@ def _attention_summary(layout: dict[tuple[str, bool], float], reference: dict[tu
     return AttentionRatio(ratio, ratio >= 1 - 1e-9 if at_least else ratio <= 1 + 1e-9)
 
 
-def reads_once_per_gpu(matmuls: list[MatmulReport], reference_matmuls: list[MatmulReport],
+def reads_once_per_gpu(matmuls: list[Matmul], reference_matmuls: list[Matmul],
                        partitions: int) -> KernelVerdict:
     """Principle 1 for memory-bound decode: every weight (and K/V) byte is read once per GPU per step.
 

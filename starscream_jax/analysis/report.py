@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 from ..compiled_memory import MemoryReport
 from ..errors import TopologyError
 from ..hardware.axes import GPU, XCD
-from .hlo import Collective, Dot, parse_hlo
+from .hlo import Collective, Matmul, parse_hlo
 from .json_form import to_json
 from .stablehlo import sharded_values
 
@@ -58,34 +58,6 @@ class CollectiveReport:
     bytes_per_device: float
     count: int
     reason: str = ""
-    in_layer_loop: bool | None = None
-    full_depth_runs: float | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class MatmulReport:
-    """One local matmul: out[batch, M, N] = lhs[batch, M, K] @ rhs[batch, K, N] on one device.
-
-    `intensity` is FLOPs per byte of the two operands and the result; `below_ridge` says whether that is under the
-    device's peak FLOP/s over HBM bytes/s (None when those were not given). `inferred_name`: XLA left the matmul
-    without an op name and `op_name` is its nearest named neighbour's (see `hlo`). A layout's result
-    (`layout_report.priced_matmul`) gives `dtype`, `bytes`, `intensity` and `below_ridge` at the model's compute
-    dtype and the preset's ridge point, and `in_layer_loop` and `full_depth_runs` as `CollectiveReport` does.
-    """
-
-    name: str
-    op_name: str
-    batch: int
-    m: int
-    k: int
-    n: int
-    dtype: str
-    flops: int
-    bytes: int
-    intensity: float
-    below_ridge: bool | None
-    count: int
-    inferred_name: bool = False
     in_layer_loop: bool | None = None
     full_depth_runs: float | None = None
 
@@ -160,7 +132,7 @@ class Report:
 
     mesh_axes: dict[str, int]
     collectives: list[CollectiveReport]
-    matmuls: list[MatmulReport]
+    matmuls: list[Matmul]
     attention: list[AttentionReport]
     inputs: list[InputReport]
     memory: MemoryReport | None
@@ -362,7 +334,8 @@ def inspect_text(
         )
     placement = _Placement(mesh, gpus_per_node)
     ridge = peak_flops / hbm_bandwidth if peak_flops and hbm_bandwidth else None
-    matmuls = [_matmul_report(dot, ridge) for dot in program.dots]
+    matmuls = [dataclasses.replace(matmul, below_ridge=None if ridge is None else matmul.intensity < ridge)
+               for matmul in program.dots]
     return Report(
         mesh_axes=dict(mesh.shape),
         collectives=[_collective_report(collective, placement) for collective in program.collectives],
@@ -400,25 +373,6 @@ def _collective_report(collective: Collective, placement: _Placement) -> Collect
         bytes_per_device=ring_bytes_per_device(collective.kind, buffer_bytes, group_size),
         count=collective.count,
         reason=reason,
-    )
-
-
-def _matmul_report(dot: Dot, ridge: float | None) -> MatmulReport:
-    intensity = dot.flops / dot.bytes
-    return MatmulReport(
-        name=dot.name,
-        op_name=dot.op_name,
-        batch=dot.batch,
-        m=dot.m,
-        k=dot.k,
-        n=dot.n,
-        dtype=dot.lhs.dtype,
-        flops=dot.flops,
-        bytes=dot.bytes,
-        intensity=intensity,
-        below_ridge=None if ridge is None else intensity < ridge,
-        count=dot.count,
-        inferred_name=dot.inferred_name,
     )
 
 
@@ -521,7 +475,7 @@ def _bare_scope(scope: str) -> str:
     return scope
 
 
-def infer_tokens_per_device(matmuls: list[MatmulReport]) -> int | None:
+def infer_tokens_per_device(matmuls: list[Matmul]) -> int | None:
     """The tokens per device a program's matmuls share, read from their shapes; None when there are no matmuls.
 
     A forward matmul of a transformer is tokens x weight with the tokens a free dimension: M, or N where XLA put the

@@ -9,7 +9,8 @@ import pytest
 
 from starscream_jax.analysis.costmodel import LinkCost, StepEstimate, estimate_step, link_costs, matmul_seconds
 from starscream_jax.analysis.json_form import from_json, to_json
-from starscream_jax.analysis.report import CollectiveReport, MatmulReport
+from starscream_jax.analysis.hlo import Matmul
+from starscream_jax.analysis.report import CollectiveReport
 from starscream_jax.hardware.topology import Topology
 
 CPX = Topology.from_preset("mi300x-cpx-nps1")
@@ -41,8 +42,8 @@ def test_matmul_seconds_is_the_roofline(m, k, n, bound):
 
 
 def matmul(m: int, k: int, n: int, batch: int = 1, below_ridge: bool | None = None,
-           full_depth_runs: float | None = None) -> MatmulReport:
-    return MatmulReport("dot", "jit(step)/dot_general", batch, m, k, n, "bf16", 2 * batch * m * k * n, 0, 0.0,
+           full_depth_runs: float | None = None) -> Matmul:
+    return Matmul("dot", "jit(step)/dot_general", batch, m, k, n, "bf16", 2 * batch * m * k * n, 0, 0.0,
                         below_ridge, 1, full_depth_runs=full_depth_runs)
 
 

@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from starscream_jax.analysis.hlo import Matmul
 from starscream_jax.analysis.principles import (
     AttentionRatio,
     KernelVerdict,
@@ -26,7 +27,6 @@ from starscream_jax.analysis.principles import (
     weight_side_elements,
 )
 from starscream_jax.analysis.report import (
-    MatmulReport,
     classify_scope,
     infer_tokens_per_device,
     inspect_compiled,
@@ -324,8 +324,8 @@ def test_program_and_mesh_of_different_sizes_is_an_error():
         inspect_compiled(compiled, make_mesh(2, 2))
 
 
-def matmul(name: str, op_name: str, m: int, k: int, n: int, count: int = 1) -> MatmulReport:
-    return MatmulReport(name, op_name, 1, m, k, n, "f32", 2 * m * k * n, 0, 0.0, None, count)
+def matmul(name: str, op_name: str, m: int, k: int, n: int, count: int = 1) -> Matmul:
+    return Matmul(name, op_name, 1, m, k, n, "f32", 2 * m * k * n, 0, 0.0, None, count)
 
 
 def test_matmul_key_unwraps_transposes_and_drops_jit_and_primitive():
