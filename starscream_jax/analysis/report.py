@@ -206,9 +206,6 @@ class _Placement:
         return max((self.describe(group) for group in groups), key=lambda found: SCOPES.index(found[0]),
                    default=("local", ""))
 
-    def widest_scope(self, groups: list[list[int]]) -> str:
-        return self.widest(groups)[0]
-
 
 def classify_scope(group: Iterable[int], mesh: Mesh, *, gpus_per_node: int | None = None) -> str:
     """Scope of one replica group of partition ids (positions in `mesh.devices.flat`); one of `SCOPES`.
