@@ -3,7 +3,7 @@ that are not matmuls, and the alpha-beta time of every collective, from what `st
 compiled program, the model's shapes and the preset's hardware figures, scaled to the model's full depth.
 
 - Matmul [batch, M, K, N] on one partition: max(2 batch M K N / peak FLOP/s, bytes / HBM bytes/s), with the operands
-  and result at the compute dtype. Tile and wave quantization are not counted.
+  and result at the compute dtype, an 8-bit weight at its stored byte. Tile and wave quantization are not counted.
 - Memory passes: what the step moves through HBM outside the matmuls, counted from the model's shapes and the
   layout's placement of each tensor (`memory.memory_passes`), priced at the HBM rate (the measured copy rate on a
   measured chip): the layers' elementwise and reduction passes (norms, rotary, residual adds, the gated MLP's
@@ -183,18 +183,26 @@ def link_costs(topology) -> dict[str, LinkCost]:
     }
 
 
-def matmul_work(batch: int, m: int, k: int, n: int, itemsize: int) -> tuple[int, int]:
+def matmul_work(batch: int, m: int, k: int, n: int, itemsize: int, weight_elements: int = 0,
+                weight_itemsize: int | None = None) -> tuple[int, int]:
     """(FLOPs, bytes moved) of one matmul out[batch, M, N] = lhs[batch, M, K] @ rhs[batch, K, N], with both operands
-    and the result at `itemsize` bytes per element. Their ratio is the matmul's arithmetic intensity (FLOP/B)."""
-    return 2 * batch * m * k * n, itemsize * batch * (m * k + k * n + m * n)
+    and the result at `itemsize` bytes per element, except an operand of `weight_elements` (a weight stored in 8
+    bits) read at `weight_itemsize`. Their ratio is the matmul's arithmetic intensity (FLOP/B)."""
+    moved = itemsize * batch * (m * k + k * n + m * n)
+    if weight_itemsize is not None:
+        moved -= (itemsize - weight_itemsize) * batch * weight_elements
+    return 2 * batch * m * k * n, moved
 
 
 def matmul_seconds(matmul: Matmul, peak_flops: float, hbm_bandwidth: float, itemsize: int,
                    measured: Measurements | None = None) -> float:
     """Roofline seconds of one run of a local matmul (its batch, M, K and N) on one partition: max(FLOPs / peak,
-    bytes / `hbm_bandwidth`); with `measured`, a matmul above the ridge point runs at the measured efficiency of its
-    shape (one below it streams its bytes: the measured small shapes time the host's dispatch, not the kernel)."""
+    bytes / `hbm_bandwidth`), its bytes as priced in the stored dtypes (`layout_report.priced_matmul`: an 8-bit
+    weight at 1 byte per element), else at `itemsize`; with `measured`, a matmul above the ridge point runs at the
+    measured efficiency of its shape (one below it streams its bytes: the measured small shapes time the host's
+    dispatch, not the kernel)."""
     flops, moved = matmul_work(matmul.batch, matmul.m, matmul.k, matmul.n, itemsize)
+    moved = matmul.bytes or moved
     if measured is not None and flops / moved >= peak_flops / hbm_bandwidth:
         peak_flops *= measured.efficiency(matmul.batch * matmul.m, matmul.k, matmul.n)
     return max(flops / peak_flops, moved / hbm_bandwidth)

@@ -21,8 +21,9 @@ a GPU. "flat" is the flat part alone, "unknown" the unknown part.
 The CPU backend computes and moves bfloat16 values as float32, and runs a reduce-scatter as an all-reduce followed by a
 slice (which the reader counts as an all-reduce), so collective bytes and compiled memory are up to twice what a
 bfloat16 program moves on a GPU, and gradient reduce-scatters up to four times; layouts are compared like for like.
-Kernel intensity is taken from each local matmul's shape at the model's compute dtype (`costmodel.matmul_work`),
-compared with the preset's ridge point (peak FLOP/s over HBM bytes/s of one partition).
+Kernel intensity is taken from each local matmul's shape at the model's compute dtype, a projection's 8-bit weight
+at its stored byte (`costmodel.matmul_work`, `eight_bit_weight`), compared with the preset's ridge point (peak FLOP/s
+over HBM bytes/s of one partition).
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ from .json_form import from_json, to_json
 from .memory import memory_passes, reads_cache_in_place
 from .principles import Principles, arrays_named_by, check_principles, reads_once_per_gpu
 from .hlo import Matmul
-from .report import SCOPES, ActivationReport, CollectiveReport, InputReport, inspect_compiled
+from .report import SCOPES, ActivationReport, CollectiveReport, InputReport, inspect_compiled, matmul_key
 
 def inspect_layouts(settings: Settings, topology, mesh, refused: dict[str, str] | None = None,
                     cache: ResultCache | None = None, reference: bool = True) -> dict[str, LayoutResult]:
@@ -313,7 +314,8 @@ def layout_result(settings: Settings, topology, mesh, step: CompiledStep, report
     activations, and the cost model's estimate of the full-depth step (`costmodel.estimate_step`)."""
     itemsize = np.dtype(settings.config.dtype).itemsize
     depth = Depth(settings.layers, settings.full_layers, step.loop_ops)
-    matmuls = tuple(priced_matmul(m, depth, settings.config.dtype, topology.ridge_point) for m in report.matmuls)
+    matmuls = tuple(priced_matmul(m, depth, settings.config, topology.ridge_point, report.tokens_per_device)
+                    for m in report.matmuls)
     collectives = tuple(dataclasses.replace(c, in_layer_loop=c.name in step.loop_ops,
                                             full_depth_runs=depth.full_depth(c.name, c.count))
                         for c in report.collectives)
@@ -382,14 +384,36 @@ def _shard_bytes(leaf) -> int:
     return math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
 
 
-def priced_matmul(matmul: Matmul, depth: Depth, dtype: str, ridge_point: float) -> Matmul:
-    """One local matmul as a layout's result holds it: its bytes and intensity at the compute `dtype`, below the
-    preset's ridge point or not, whether it runs in the layer loop and its runs in the full-depth step."""
-    flops, moved = matmul_work(matmul.batch, matmul.m, matmul.k, matmul.n, np.dtype(dtype).itemsize)
+def priced_matmul(matmul: Matmul, depth: Depth, config, ridge_point: float,
+                  tokens_per_device: int | None = None) -> Matmul:
+    """One local matmul as a layout's result holds it: its bytes and intensity at the compute dtype of `config`
+    (a ModelConfig), the 8-bit weight of a projection that reads one at its stored byte (`eight_bit_weight`),
+    below the preset's ridge point or not, whether it runs in the layer loop and its runs in the full-depth step."""
+    weight = eight_bit_weight(matmul, config, tokens_per_device)
+    flops, moved = matmul_work(matmul.batch, matmul.m, matmul.k, matmul.n, np.dtype(config.dtype).itemsize,
+                               weight, np.dtype(config.weight_format).itemsize if weight else None)
     intensity = flops / moved
-    return dataclasses.replace(matmul, dtype=dtype, bytes=moved, intensity=intensity,
+    return dataclasses.replace(matmul, dtype=config.dtype, bytes=moved, intensity=intensity,
                                below_ridge=intensity < ridge_point, in_layer_loop=matmul.name in depth.loop_ops,
                                full_depth_runs=depth.full_depth(matmul.name, matmul.count))
+
+
+EIGHT_BIT_SCOPES = ("qkv", "o", "gate_up", "down")
+"""The named scopes (`model.decoder`) of the matmuls that read a layer's 8-bit weight (`ModelConfig.weight_format`)
+as stored; a mixture's experts are dequantized before their matmuls, so only qkv and o count there."""
+
+
+def eight_bit_weight(matmul: Matmul, config, tokens_per_device: int | None) -> int:
+    """The elements of the 8-bit weight `matmul` reads (0 for none): a projection of EIGHT_BIT_SCOPES under
+    `config.weight_format`, whose free dimension of `tokens_per_device` rows (M or N) tells the activation from the
+    weight [K, the other]; 0 where neither holds the tokens."""
+    scopes = EIGHT_BIT_SCOPES if not config.n_experts else EIGHT_BIT_SCOPES[:2]
+    named = set(matmul_key(matmul.op_name)[0].split("/"))
+    if not config.weight_format or not named & set(scopes) or tokens_per_device is None:
+        return 0
+    if matmul.m == tokens_per_device:
+        return matmul.k * matmul.n
+    return matmul.k * matmul.m if matmul.n == tokens_per_device else 0
 
 
 def kernel_intensity(matmuls: tuple[Matmul, ...], ridge_point: float, dtype: str) -> KernelIntensity:

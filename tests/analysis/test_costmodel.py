@@ -41,6 +41,25 @@ def test_matmul_seconds_is_the_roofline(m, k, n, bound):
     assert (compute > memory) == (bound == "compute")
 
 
+def test_a_projection_reads_its_8_bit_weight_at_its_stored_byte():
+    """Decode of 4 tokens per device through the qkv projection [K=4096, N=1024] with int8 weights: the weight costs
+    1 byte per element, the activations and output the compute dtype's 2; attention and a float model pay 2."""
+    from starscream_jax.analysis.layout_report import Depth, priced_matmul
+    from starscream_jax.model.config import load_model_config
+
+    config = load_model_config("tiny", dtype="bfloat16")
+    qkv = dataclasses.replace(matmul(4, 4096, 1024), op_name="jit(step)/closed_call/qkv/bsd,dke->bske/dot_general")
+    attention = dataclasses.replace(qkv, op_name="jit(step)/closed_call/attention/dot_general")
+    depth = Depth(2, 2, {})
+    price = {name: priced_matmul(m, depth, config.replace(weight_format="int8"), 1.0, 4).bytes
+             for name, m in (("qkv", qkv), ("attention", attention))}
+    assert price == {"qkv": 2 * (4 * 4096 + 4 * 1024) + 4096 * 1024,
+                     "attention": 2 * (4 * 4096 + 4096 * 1024 + 4 * 1024)}
+    assert priced_matmul(qkv, depth, config, 1.0, 4).bytes == price["attention"]
+    priced = priced_matmul(qkv, depth, config.replace(weight_format="int8"), 1.0, 4)
+    assert matmul_seconds(priced, 1e30, 1e12, 2) == pytest.approx(price["qkv"] / 1e12)
+
+
 def matmul(m: int, k: int, n: int, batch: int = 1, below_ridge: bool | None = None,
            full_depth_runs: float | None = None) -> Matmul:
     return Matmul("dot", "jit(step)/dot_general", batch, m, k, n, "bf16", 2 * batch * m * k * n, 0, 0.0,
