@@ -167,6 +167,15 @@ def add_precision_arguments(group) -> None:
                        help="store the KV cache in 8 bits with a float32 scale per position and kv head")
 
 
+def add_pad_heads_argument(group) -> None:
+    """Add --pad-heads N: the model's query heads padded with zero heads to N (`model.heads.pad_query_heads_to`),
+    as `starscream plan` prices it where the GPUs do not divide the heads."""
+    group.add_argument("--pad-heads", type=int, default=0, metavar="N",
+                       help="pad each kv head's group of query heads with zero heads to N query heads in all (a "
+                            "multiple of the kv heads), so that GPUs the model's heads do not divide split them; the "
+                            "logits are unchanged (default 0: the model's own heads)")
+
+
 def add_model_source_arguments(group) -> None:
     """Add to `group` where `generate` and `serve` read the model from (`generate.load_for_generation`): a training
     run's checkpoint (and step) or a Hugging Face directory, its compute dtype, the prefill and decode layouts, and
@@ -182,6 +191,7 @@ def add_model_source_arguments(group) -> None:
     group.add_argument("--prefill-layout", default=PHASE_DEFAULTS["prefill"], help="layout of the prompt (its chunks)")
     group.add_argument("--decode-layout", default=PHASE_DEFAULTS["decode"], help="layout of each decode step")
     add_precision_arguments(group)
+    add_pad_heads_argument(group)
 
 
 MODEL_SOURCE_EXCLUSIVE = (

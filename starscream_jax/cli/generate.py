@@ -10,6 +10,7 @@ import numpy as np
 from ..hardware.distributed import is_main_process
 from ..hardware.presets import Chip
 from ..model.decoder import quantize_model, to_fnuz
+from ..model.heads import pad_query_heads_to
 from ..model.hf_checkpoint import load_hf_model
 from ..model.quantize import OCP_TO_FNUZ
 from ..training.checkpoint import restore_model
@@ -29,6 +30,10 @@ from .arguments import (
     initialize_from_args,
     mesh_from_args,
 )
+
+PADDING_LOAD_LAYOUT = "starscream_fsdp"
+"""The layout a model whose query heads are padded is loaded under: it splits no heads (weights inside each GPU by
+embed), so it places the model's own heads on any mesh; generation then places the padded model by its layouts."""
 
 
 EXCLUSIVE = MODEL_SOURCE_EXCLUSIVE + (
@@ -83,21 +88,25 @@ def run(args: argparse.Namespace) -> int:
 def load_for_generation(args: argparse.Namespace, mesh, chip: Chip):
     """(model placed by the prefill layout, where it came from, its tokenizer) from --model-dir or --checkpoint, in
     the 8-bit formats --quantize and --kv-cache ask for on `chip` (a pre-quantized checkpoint's format checked
-    against the chip's)."""
+    against the chip's). With --pad-heads the model is loaded under PADDING_LOAD_LAYOUT (which splits no heads),
+    padded, then quantized into the prefill layout's placement."""
     weights, cache = eight_bit_format(args.quantize, chip), eight_bit_format(args.kv_cache, chip)
+    pad = args.pad_heads
+    layout = PADDING_LOAD_LAYOUT if pad else args.prefill_layout
     if args.model_dir:
-        model = load_hf_model(args.model_dir, args.prefill_layout, mesh, dtype=args.dtype, quantize=weights,
+        model = load_hf_model(args.model_dir, layout, mesh, dtype=args.dtype, quantize="" if pad else weights,
                               scales=args.quantize_scales)
         source, tokenizer = args.model_dir, model_dir_tokenizer(args.model_dir, model.config)
     else:
-        model, description = restore_model(checkpoint_dir(args.checkpoint), args.prefill_layout, mesh, args.step,
-                                           args.dtype)
-        if weights:
-            model = quantize_model(model, weights, args.quantize_scales, args.prefill_layout, mesh)
+        model, description = restore_model(checkpoint_dir(args.checkpoint), layout, mesh, args.step, args.dtype)
         run_config = TrainConfig.from_dict(description["train_config"])
         # a run fine-tuned from a model directory trained on its tokenizer: bytes only if the model was made for them
         tokenizer = tokenizer_for_model(run_config.tokenizer_dir(), model.config, trained_weights=bool(run_config.init))
         source = f"step {description['step']}"
+    if pad:
+        model = pad_query_heads_to(model, pad)
+    if weights and (pad or not args.model_dir):
+        model = quantize_model(model, weights, args.quantize_scales, args.prefill_layout, mesh)
     if OCP_TO_FNUZ.get(model.config.weight_format) in chip.formats and model.config.weight_format not in chip.formats:
         model = to_fnuz(model)  # an OCP fp8 checkpoint on a chip of FNUZ fp8 (MI300X): exact
     if model.config.weight_format:

@@ -15,14 +15,17 @@ from ..analysis.compile import PHASES, SERVE, Settings, make_settings
 from ..analysis.format import clip, format_bytes, format_columns, format_seconds, principle_rows, violation_lines
 from ..analysis.json_form import to_json
 from ..analysis.layout_report import LayoutResult, inspect_layouts
+from ..analysis.plan import with_heads
 from ..errors import ShardingRuleError, StarscreamError
 from ..hardware.presets import Chip
 from ..model.config import REMAT_POLICIES
+from ..model.heads import check_padded_heads
 from ..sharding.layouts import BASELINE, PHASE_DEFAULTS
 from .arguments import (
     STUDY_MESH,
     add_cache_arguments,
     add_mesh_arguments,
+    add_pad_heads_argument,
     add_precision_arguments,
     eight_bit_format,
     fp8_training_format,
@@ -76,6 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="draw, per layout, bytes moved between devices, bytes by scope and the matmuls on a "
                             "roofline")
     add_precision_arguments(group)
+    add_pad_heads_argument(group)
     add_cache_arguments(group)
     group.add_argument("--dump-hlo", type=Path, default=None, metavar="DIR",
                        help="write each compiled program's HLO text to DIR")
@@ -117,10 +121,12 @@ def settings_from_args(args: argparse.Namespace, chip: Chip) -> Settings:
     if args.fp8 and args.phase != "train":
         raise StarscreamError(f"--fp8 is fp8 training; inspect it with --phase train (or --quantize fp8 for "
                               f"{args.phase})")
+    if args.pad_heads:
+        check_padded_heads(settings.config, args.pad_heads)
     config = settings.config.replace(remat=args.remat_policy, weight_format=eight_bit_format(args.quantize, chip),
                                      weight_scales=args.quantize_scales, kv_format=eight_bit_format(args.kv_cache, chip),
                                      matmul_format=fp8_training_format(chip) if args.fp8 else "")
-    return dataclasses.replace(settings, config=config)
+    return with_heads(dataclasses.replace(settings, config=config), args.pad_heads)
 
 
 def _figure(value: float | None, form: str) -> str:

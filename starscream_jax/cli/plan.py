@@ -168,11 +168,17 @@ def _mesh_flags(args: argparse.Namespace, topology, data: int) -> str:
 
 
 def _chosen(plan: dict) -> dict | None:
-    """The fastest compiled candidate the commands can run: the chosen one, or where that pads the query heads
-    (which only `model.heads.pad_query_heads` applies, no command), the fastest with the model's own heads."""
-    runnable = sorted((entry for entry in plan["candidates"] if entry["estimate"] is not None and not entry["heads"]),
+    """The fastest compiled candidate the commands can run: the chosen one; in training, where that pads the query
+    heads (which `inspect` and `generate` do with --pad-heads, `train` not), the fastest with the model's own."""
+    runnable = sorted((entry for entry in plan["candidates"] if entry["estimate"] is not None
+                       and not (entry["heads"] and plan["phase"] == "train")),
                       key=lambda entry: entry["estimate"]["serial_s"])
     return runnable[0] if runnable else None
+
+
+def _heads_flag(entry: dict) -> str:
+    """--pad-heads N for a candidate whose query heads are padded to N, else nothing."""
+    return f" --pad-heads {entry['heads']}" if entry["heads"] else ""
 
 
 def commands(plan: dict, args: argparse.Namespace, topology) -> list[str]:
@@ -184,7 +190,7 @@ def commands(plan: dict, args: argparse.Namespace, topology) -> list[str]:
     shape = f"--model {shlex.quote(args.model)} --layout {chosen['layout']}"  # the model as given: a name or a path
     micro = plan["batch"] // chosen["micro_batches"]
     inspect = (f"starscream inspect {mesh} {shape} --phase {plan['phase']} --batch {micro} --seq {plan['seq']}"
-               + (f" --remat-policy {chosen['remat']}" if chosen["remat"] != "none" else ""))
+               + (f" --remat-policy {chosen['remat']}" if chosen["remat"] != "none" else "") + _heads_flag(chosen))
     if plan["phase"] != "train":
         return [inspect + precision_flags(args)]
     return [f"starscream train {mesh} {shape} --batch-size {plan['batch']} --seq-len {plan['seq']} --grad-accum "
@@ -193,17 +199,19 @@ def commands(plan: dict, args: argparse.Namespace, topology) -> list[str]:
 
 def generate_command(plans: dict, args: argparse.Namespace, topology) -> str | None:
     """`starscream generate` on the decode plan's mesh (generation runs both phases on one mesh) with the chosen
-    decode layout and the fastest prefill candidate compiled on that same mesh."""
+    decode layout and the fastest prefill candidate compiled on that same mesh with the same query heads (one model
+    runs both phases)."""
     decode = _chosen(plans["decode"]) if "decode" in plans else None
     if decode is None or "prefill" not in plans:
         return None
-    same_mesh = [entry for entry in plans["prefill"]["candidates"]
-                 if entry["estimate"] is not None and entry["mesh"] == decode["mesh"]]
+    same_mesh = [entry for entry in plans["prefill"]["candidates"] if entry["estimate"] is not None
+                 and (entry["mesh"], entry["heads"]) == (decode["mesh"], decode["heads"])]
     if not same_mesh:
         return None
     prefill = min(same_mesh, key=lambda entry: entry["estimate"]["serial_s"])
     return (f"starscream generate {_mesh_flags(args, topology, decode['mesh']['data'])} {_weights_flag(args.model)} "
-            f"--prefill-layout {prefill['layout']} --decode-layout {decode['layout']}" + precision_flags(args))
+            f"--prefill-layout {prefill['layout']} --decode-layout {decode['layout']}" + precision_flags(args)
+            + _heads_flag(decode))
 
 
 def _weights_flag(model: str) -> str:

@@ -33,12 +33,30 @@ def pad_query_heads(model: Transformer, gpus: int) -> Transformer:
     """A copy of `model` with its query heads padded to `padded_heads(config, gpus)` (the module docstring); the
     model itself where they already divide. Unsharded arrays in, unsharded arrays out: place the result with a
     layout afterwards (`create_sharded`, `generate.place_params`)."""
-    config = model.config
     if gpus < 1:
         raise StarscreamError(f"{gpus} GPUs: pad query heads for at least 1")
-    heads = padded_heads(config, gpus)
+    return pad_query_heads_to(model, padded_heads(model.config, gpus))
+
+
+def check_padded_heads(config: ModelConfig, heads: int) -> None:
+    """A StarscreamError unless `heads` query heads pad `config`'s: at least its own, a multiple of its kv heads."""
+    if heads < config.n_heads or heads % config.n_kv_heads:
+        raise StarscreamError(
+            f"--pad-heads {heads}: model {config.name} has {config.n_heads} query heads sharing {config.n_kv_heads} "
+            f"kv heads; pad to a multiple of {config.n_kv_heads} no smaller than {config.n_heads}")
+
+
+def pad_query_heads_to(model: Transformer, heads: int) -> Transformer:
+    """A copy of `model` with each kv head's group of query heads padded with zero heads to `heads` in all
+    (`check_padded_heads`); the model itself where it has that many. Arrays in any placement; the result's are
+    computed from them (place it with a layout afterwards)."""
+    config = model.config
+    check_padded_heads(config, heads)
     if heads == config.n_heads:
         return model
+    if config.weight_format:
+        raise StarscreamError(f"--pad-heads {heads}: the weights are already in {config.weight_format}, whose scales "
+                              "the zero heads would lack; pad the float weights, then quantize (--quantize)")
     K, G = config.n_kv_heads, config.n_heads // config.n_kv_heads
     extra = heads // K - G
     graphdef, state = nnx.split(nnx.clone(model))  # the state's variables are the module's own: leave it whole

@@ -1,5 +1,9 @@
 """The planner's padded-head candidates: priced beside smaller tensor-parallel groups, their cost stated."""
+import argparse
 import dataclasses
+import io
+import shlex
+from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -7,12 +11,13 @@ import pytest
 from starscream_jax.analysis.compile import make_settings
 from starscream_jax.analysis.memory import matmul_flops
 from starscream_jax.analysis.plan import head_counts, padding_cost, plan_phase, with_heads
-from starscream_jax.cli.plan import format_plans
+from starscream_jax.cli.plan import commands, format_plans, generate_command
 from starscream_jax.hardware.mesh import build_topology_mesh
 from starscream_jax.hardware.topology import Topology
 from starscream_jax.model.config import load_model_config
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny.toml"
+TOPOLOGY = Topology.from_preset("mi300x-qpx-nps1", gpus=2)
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +29,14 @@ def three_heads(tmp_path_factory) -> str:
     return str(path)
 
 
-def test_padded_heads_are_a_candidate_priced_and_chosen_only_when_cheapest(three_heads):
-    settings = make_settings(three_heads, "prefill", 4, 16, "starscream_tp", 2)
-    plan = plan_phase(settings, Topology.from_preset("mi300x-qpx-nps1", gpus=2))
+@pytest.fixture(scope="module")
+def prefill_plan(three_heads) -> dict:
+    """The prefill plan of 4 x 16 tokens under starscream_tp on 2 GPUs of 4 partitions."""
+    return plan_phase(make_settings(three_heads, "prefill", 4, 16, "starscream_tp", 2), TOPOLOGY)
+
+
+def test_padded_heads_are_a_candidate_priced_and_chosen_only_when_cheapest(three_heads, prefill_plan):
+    settings, plan = make_settings(three_heads, "prefill", 4, 16, "starscream_tp", 2), prefill_plan
     by_name = {entry["name"]: entry for entry in plan["candidates"]}
     assert by_name["starscream_tp data 1 x gpu 2"]["status"] == "cannot place"
     padded = by_name["starscream_tp data 1 x gpu 2, heads padded to 4"]
@@ -63,3 +73,25 @@ def test_padding_is_offered_only_where_it_lets_the_heads_split(heads, kv_heads, 
     divide nor are divided by the GPUs (3 on 2, 8 on 3), every padded count still splits a group unevenly."""
     config = load_model_config("tiny").replace(n_heads=heads, n_kv_heads=kv_heads)
     assert head_counts(config, gpu) == counts
+
+
+def test_the_printed_commands_of_a_padded_choice_pad_the_heads_and_run(three_heads, prefill_plan, tmp_path,
+                                                                       monkeypatch):
+    """The padded candidate is the only one that compiles: plan's inspect command carries --pad-heads 4 and runs as
+    printed, and generate's (decode padded too) picks the prefill candidate of the same heads and pads; a train plan
+    prints no command, as `train` does not pad."""
+    from starscream_jax.cli import main as cli
+
+    plan = prefill_plan
+    assert plan["choice"] == "starscream_tp data 1 x gpu 2, heads padded to 4"
+    args = argparse.Namespace(model=three_heads, quantize=None, kv_cache=None)
+    [inspect] = commands(plan, args, TOPOLOGY)
+    assert inspect.endswith("--phase prefill --batch 4 --seq 16 --pad-heads 4") and "--data-parallel" not in inspect
+    monkeypatch.chdir(tmp_path)
+    with redirect_stdout(io.StringIO()):
+        assert cli.main(shlex.split(inspect)[1:]) == 0
+    decode = dict(plan, phase="decode")
+    generate = generate_command({"prefill": plan, "decode": decode}, args, TOPOLOGY)
+    assert "--prefill-layout starscream_tp --decode-layout starscream_tp --pad-heads 4" in generate
+    assert commands(dict(plan, phase="train", dtype="float32"), args, TOPOLOGY) == []
+
