@@ -1,7 +1,9 @@
 """fp8 training: e4m3 operands and e5m2 gradients with current per-tensor scales track the compute dtype's loss, and
 under starscream_tp the step gathers its weights in 8 bits with every collective hierarchical."""
 import argparse
+import contextlib
 import dataclasses
+import functools
 import re
 from pathlib import Path
 
@@ -28,10 +30,10 @@ from starscream_jax.training.loop import check_resumable, resume_changes
 from starscream_jax.training.steps import make_optimizer, train_step
 
 CORPUS = Path(__file__).resolve().parents[2] / "data" / "tinyshakespeare.txt"
-CONFIG = load_model_config("tiny").replace(n_layers=2, dtype="bfloat16")
+CONFIG = load_model_config("tiny").replace(n_layers=1, dtype="bfloat16")
 STEPS = 32
 """Enough steps for the loss to fall from ln 256 = 5.5 to below 3 (the formats' rounding has shaped the weights);
-the steps cost little beside the two compiles."""
+the steps cost little beside the two compiles (bfloat16 unsharded, fp8 under starscream_tp)."""
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
@@ -42,30 +44,50 @@ def _batches(steps: int, rows: int = 8, length: int = 32) -> list[jax.Array]:
     return [jnp.asarray(np.stack([data[s:s + length + 1] for s in row]).astype(np.int32)) for row in starts]
 
 
-def _train(config, batches):
-    """(the loss of every step, the final parameters) of the real train step, unsharded."""
-    graphdef, params, rest = nnx.split(Transformer(config, rngs=nnx.Rngs(0)), nnx.Param, ...)
-    optimizer = make_optimizer(TrainConfig(steps=len(batches), warmup_steps=4), params)
-    opt_state, losses = optimizer.init(params), []
-    step = train_step(graphdef, optimizer, under=None).lower(params, opt_state, rest, batches[0]).compile(FAST_COMPILE)
+@dataclasses.dataclass(frozen=True)
+class Run:
+    losses: list[float]
+    params: object
+    lowered: object
+    compiled: object
+    mesh: object
+
+
+def _train(config, batches, layout: str | None = None, mesh=None) -> Run:
+    """The real train step of `config` over `batches`, unsharded or under `layout` on `mesh`, compiled once."""
+    with contextlib.nullcontext() if layout is None else use_layout(layout, mesh):
+        model = Transformer(config, rngs=nnx.Rngs(0)) if layout is None else create_sharded_model(config, layout, mesh)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        optimizer = make_optimizer(TrainConfig(steps=len(batches), warmup_steps=4), params)
+        opt_state = jax.jit(optimizer.init)(params)
+        place = (lambda tokens: tokens) if layout is None else functools.partial(
+            jax.device_put, device=batch_sharding(layout, mesh, batches[0].shape[0]))
+        under = None if layout is None else Placement.of(layout, mesh)
+        lowered = train_step(graphdef, optimizer, under=under).lower(params, opt_state, rest, place(batches[0]))
+    step, losses = lowered.compile(FAST_COMPILE), []
     for tokens in batches:
-        params, opt_state, loss = step(params, opt_state, rest, tokens)
+        params, opt_state, loss = step(params, opt_state, rest, place(tokens))
         losses.append(float(loss))
-    return losses, params
+    return Run(losses, params, lowered, step, mesh)
 
 
-def test_fp8_training_reaches_the_bfloat16_loss_within_one_percent():
-    """The same steps, seed and batches in bfloat16 and with fp8 matmuls (OCP e4m3 / e5m2): the final losses agree
-    within 1% but are not equal (the 8-bit rounding is applied), every loss and parameter is finite and the master
-    weights stay float32."""
-    batches = _batches(STEPS)
-    plain, _ = _train(CONFIG, batches)
-    fp8, params = _train(CONFIG.replace(matmul_format="float8_e4m3fn"), batches)
+@pytest.fixture(scope="module")
+def fp8_run() -> Run:
+    """The fp8 step (FNUZ, as on MI300X) under starscream_tp on 2 GPUs x 4 partitions, trained STEPS steps."""
+    return _train(CONFIG.replace(matmul_format="float8_e4m3fnuz"), _batches(STEPS), "starscream_tp", build_mesh("2x4"))
+
+
+def test_fp8_training_reaches_the_bfloat16_loss_within_one_percent(fp8_run):
+    """The same steps, seed and batches unsharded in bfloat16 and with fp8 matmuls under starscream_tp: the final
+    losses agree within 1% but are not equal (the 8-bit rounding is applied), every loss and parameter is finite
+    and the master weights stay float32."""
+    plain = _train(CONFIG, _batches(STEPS)).losses
+    fp8 = fp8_run.losses
     assert plain[-1] < plain[0] - 2  # it learned
     assert abs(fp8[-1] - plain[-1]) <= 0.01 * plain[-1]
     assert fp8[-1] != plain[-1]
     assert np.all(np.isfinite(fp8))
-    for leaf in jax.tree.leaves(params):
+    for leaf in jax.tree.leaves(fp8_run.params):
         assert leaf.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(leaf)))
 
 
@@ -82,24 +104,14 @@ def test_an_fp8_operand_is_rounded_to_e4m3_and_its_gradient_passes_straight_thro
     np.testing.assert_array_equal(pullback(g)[0], (g / g_scale).astype(jnp.float8_e5m2).astype(jnp.float32) * g_scale)
 
 
-def test_the_fp8_step_under_starscream_tp_gathers_8_bit_weights_hierarchically():
-    """On 2 GPUs x 4 partitions, the fp8 (FNUZ, as on MI300X) train step's weights are gathered inside the GPU in
-    8 bits (the lowered program's all-gathers of e4m3fnuz values), the compiled program converts to both 8-bit
-    formats, and every collective, the scales' maxima included, stays inside a GPU or across GPUs."""
-    mesh = build_mesh("2x4")
-    config = CONFIG.replace(n_layers=1, matmul_format="float8_e4m3fnuz")
-    with use_layout("starscream_tp", mesh):
-        graphdef, params, rest = nnx.split(create_sharded_model(config, "starscream_tp", mesh), nnx.Param, ...)
-        optimizer = make_optimizer(TrainConfig(), params)
-        tokens = jax.device_put(jnp.zeros((8, 17), jnp.int32), batch_sharding("starscream_tp", mesh, 8))
-        step = train_step(graphdef, optimizer, under=Placement.of("starscream_tp", mesh))
-        lowered = step.lower(params, jax.eval_shape(optimizer.init, params), rest, tokens)
-    assert len(_gathered_inside_gpu(lowered.as_text(), "f8E4M3FNUZ")) >= 4  # qkv, o, gate_up, down
-    compiled = lowered.compile()
-    text = compiled.as_text()
+def test_the_fp8_step_under_starscream_tp_gathers_8_bit_weights_hierarchically(fp8_run):
+    """The fp8 step's weights are gathered inside the GPU in 8 bits (the lowered program's reshards of e4m3fnuz
+    values that drop xcd), the compiled program converts to both 8-bit formats, and every collective, the weights'
+    scale maxima included, stays inside a GPU or across GPUs."""
+    assert len(_gathered_inside_gpu(fp8_run.lowered.as_text(), "f8E4M3FNUZ")) >= 4  # qkv, o, gate_up, down
+    text = fp8_run.compiled.as_text()
     assert re.search(r"f8e4m3fnuz\[[\d,]+\]\S* convert", text) and re.search(r"f8e5m2fnuz\[[\d,]+\]\S* convert", text)
-    report = inspect_compiled(compiled, mesh)
-    verdict = check_principles(report, None).hierarchical_collectives
+    verdict = check_principles(inspect_compiled(fp8_run.compiled, fp8_run.mesh), None).hierarchical_collectives
     assert verdict.ok, verdict.violations
 
 
