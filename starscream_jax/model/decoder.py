@@ -558,8 +558,9 @@ def _write_owned(full: jax.Array, layer, index, new_BS: jax.Array, stacked_names
         new = hierarchical_all_gather(new, seq_axes, dimension=1).astype(cache.dtype)
         parts, mine = jax.lax.axis_size(cache_axes), jax.lax.axis_index(cache_axes)
         positions_S = index + jnp.arange(new.shape[1])
-        slots_S = jnp.where(positions_S % parts == mine, positions_S // parts, cache.shape[int(stacked) + 1])
-        if not stacked:  # a slot past the end: dropped
+        past_the_end = cache.shape[int(stacked) + 1]  # the slot of a position another device owns: dropped
+        slots_S = jnp.where(positions_S % parts == mine, positions_S // parts, past_the_end)
+        if not stacked:
             return cache.at[:, slots_S].set(new, mode="drop")
         return cache.at[layer, :, slots_S].set(jnp.swapaxes(new, 0, 1), mode="drop")
 

@@ -139,9 +139,9 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, c
     Placement: ATTN_Q / ATTN_KV names; the cache uses CACHE's. A layout that splits `seq` runs context-parallel
     attention (`_sequence_split_attention`), from the new keys alone where the cache holds nothing before them
     (`cache_index` 0, known while tracing: a whole prompt's prefill) and holds them as they are (not in 8 bits,
-    which the unsharded model reads). A layout that splits the cache's positions
-    (`cache_seq`) attends split-K (`_split_k_attention`), 8-bit caches too: decode, and a later chunk of a prompt
-    split over the sequence (chunked prefill), whose queries are gathered over the partitions that split it.
+    which the unsharded model reads). A layout that splits the cache's positions (`cache_seq`) attends split-K
+    (`_split_k_attention`), 8-bit caches too: decode, and a later chunk of a prompt split over the sequence
+    (chunked prefill), whose queries are gathered over the partitions that split it.
     """
     n_heads, n_kv = q_BSHE.shape[2], k_BSKE.shape[2]
     group = n_heads // n_kv
