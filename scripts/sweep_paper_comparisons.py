@@ -26,7 +26,7 @@ from pathlib import Path
 
 from bench_kernels import flops, kernels, layout_mesh
 
-from starscream_jax.analysis.costmodel import matmul_seconds, measurements
+from starscream_jax.analysis.costmodel import measurements, shape_seconds
 from starscream_jax.benchmarks import harness
 from starscream_jax.hardware.topology import Topology
 from starscream_jax.model.config import load_model_config
@@ -47,8 +47,7 @@ def predicted_seconds(kernel: str, shape: list, topology, efficiency) -> float:
         moved = BF16 * (2 * b * s * h * e + 2 * b * t * k * e)
         return max(flops(kernel, shape) / topology.peak_flops, moved / topology.hbm_bandwidth)
     m, k, n = shape
-    return matmul_seconds({"batch": 1, "m": m, "k": k, "n": n}, topology.peak_flops, topology.hbm_bandwidth, BF16,
-                          efficiency)
+    return shape_seconds(1, m, k, n, topology.peak_flops, topology.hbm_bandwidth, BF16, efficiency)
 
 
 def sweep(preset: str, model: str = "llama3-70b") -> list[dict]:

@@ -201,10 +201,18 @@ def matmul_seconds(matmul: Matmul, peak_flops: float, hbm_bandwidth: float, item
     weight at 1 byte per element), else at `itemsize`; with `measured`, a matmul above the ridge point runs at the
     measured efficiency of its shape (one below it streams its bytes: the measured small shapes time the host's
     dispatch, not the kernel)."""
-    flops, moved = matmul_work(matmul.batch, matmul.m, matmul.k, matmul.n, itemsize)
-    moved = matmul.bytes or moved
+    return shape_seconds(matmul.batch, matmul.m, matmul.k, matmul.n, peak_flops, hbm_bandwidth, itemsize, measured,
+                         moved=matmul.bytes or None)
+
+
+def shape_seconds(batch: int, m: int, k: int, n: int, peak_flops: float, hbm_bandwidth: float, itemsize: int,
+                  measured: Measurements | None = None, moved: int | None = None) -> float:
+    """`matmul_seconds` of a matmul given by its shape ([batch, M, K] @ [batch, K, N], every operand at `itemsize`
+    unless `moved` gives its bytes)."""
+    flops, at_itemsize = matmul_work(batch, m, k, n, itemsize)
+    moved = moved or at_itemsize
     if measured is not None and flops / moved >= peak_flops / hbm_bandwidth:
-        peak_flops *= measured.efficiency(matmul.batch * matmul.m, matmul.k, matmul.n)
+        peak_flops *= measured.efficiency(batch * m, k, n)
     return max(flops / peak_flops, moved / hbm_bandwidth)
 
 
