@@ -58,3 +58,14 @@ def pytest_runtest_setup(item):
     for marker, hardware in HARDWARE.items():
         if item.get_closest_marker(marker) is not None and not hardware_present(marker):
             pytest.skip(f"needs {hardware}; none found on this machine")
+
+
+@pytest.fixture
+def cpu_child_env():
+    """devices -> the environment of a child Python process on that many simulated CPU devices, with the suite's
+    other XLA flags (its programs then compile as this process's do: the same random draws, the same rounding)."""
+    def env(devices: int) -> dict[str, str]:
+        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).split()
+        return {**os.environ, "JAX_PLATFORMS": "cpu",
+                "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])}
+    return env

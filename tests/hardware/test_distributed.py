@@ -2,7 +2,6 @@
 import argparse
 import dataclasses
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -14,7 +13,6 @@ import pytest
 from starscream_jax.cli import arguments as cli_arguments
 from starscream_jax.errors import StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
-from starscream_jax.hardware.simulation import simulated_device_flag
 from starscream_jax.training.config import TrainConfig
 from starscream_jax.training.loop import train
 from starscream_jax.training.metrics import read_metrics
@@ -50,15 +48,13 @@ def free_port() -> int:
 
 
 @pytest.mark.multiprocess
-def test_two_processes_train_like_one_with_the_same_global_mesh(tmp_path):
+def test_two_processes_train_like_one_with_the_same_global_mesh(tmp_path, cpu_child_env):
     """Each process simulates 4 CPU devices (one QPX GPU); the 1 x 2 x 4 mesh spans both."""
     run_dir = tmp_path / "two_processes"
     common = ["--preset", "mi300x-qpx-nps1", "--nodes", "2", "--gpus", "1", "--no-simulate", "--steps", "3",
               "--batch-size", "8", "--seq-len", "16", "--eval-batches", "1", "--no-progress", "--run-dir", str(run_dir),
               "--coordinator", f"localhost:{free_port()}", "--num-processes", "2"]
-    # the suite's XLA flags (conftest: no LLVM optimisation, the collective timeout), 4 devices in each process
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
-    environment = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"{flags} {simulated_device_flag(4)}".strip()}
+    environment = cpu_child_env(4)
     workers = [subprocess.Popen([sys.executable, str(TRAIN_SCRIPT), *common, "--process-id", str(process_id)],
                                 env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                for process_id in range(2)]

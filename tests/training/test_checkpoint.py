@@ -1,7 +1,6 @@
 """Orbax checkpoints: save interval, retention, metadata, restoring under another mesh and sharding, falling back
 past damaged checkpoints, and a save killed at chosen points."""
 import errno
-import os
 import re
 import shutil
 import signal
@@ -175,9 +174,9 @@ saved_steps_1_and_2(sys.argv[1])
 
 
 @pytest.mark.parametrize("kill_point", ["write_text", "rename"])
-def test_a_save_killed_midway_leaves_the_earlier_checkpoint_whole(tmp_path, kill_point):
+def test_a_save_killed_midway_leaves_the_earlier_checkpoint_whole(tmp_path, kill_point, cpu_child_env):
     """SIGKILL while step 2 is written (its first file) or just before it is committed (the final rename)."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = cpu_child_env(8)  # the child draws the parameters compared bit for bit below
     killed = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(tmp_path), kill_point], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
