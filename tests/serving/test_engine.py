@@ -5,7 +5,6 @@ processes serving over one mesh. Each engine compiles its two programs once (con
 reuses them."""
 import dataclasses
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -112,14 +111,12 @@ def free_port() -> int:
 
 
 @pytest.mark.multiprocess
-def test_two_processes_serve_the_tokens_of_one(engine_for, prompts):
+def test_two_processes_serve_the_tokens_of_one(engine_for, prompts, cpu_child_env):
     """Two CPU processes of 4 devices each join the 1x2x4 mesh (its gpu axis across them, `multihost_serve_worker`):
     process 0 schedules and broadcasts every step, process 1 runs each; their greedy tokens equal the single-process
     engine's on the same mesh."""
     coordinator = f"127.0.0.1:{free_port()}"
-    # LLVM's optimisation of the CPU code is skipped: a quarter less compile time, the same tokens.
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"}
+    env = cpu_child_env(4)
     workers = [subprocess.Popen([sys.executable, str(WORKER), coordinator, str(process), json.dumps(prompts.tolist()),
                                  str(NEW_TOKENS)], env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
                for process in range(2)]
