@@ -151,13 +151,11 @@ GSPMD_CONFIGS = {"1x2x4": gspmd_gpt.Config(heads=8, d_ff=64, layers=1),
 GSPMD_TOKENS = gspmd_gpt.batch(0)
 
 
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
-"""Each program runs once on tiny shapes, so LLVM optimisation would only add compile time."""
 
 
 def run_once(function, *args, static=()):
     """`function(*args)` jitted afresh (under the active layout) and compiled without LLVM optimisation."""
-    return jax.jit(function, static_argnums=static).lower(*args).compile(FAST_COMPILE)(
+    return jax.jit(function, static_argnums=static).lower(*args).compile()(
         *[arg for i, arg in enumerate(args) if i not in static])
 
 

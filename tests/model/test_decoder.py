@@ -32,8 +32,6 @@ MESHES = {"1x1x1": (1, 1, 1), "1x2x4": (1, 2, 4), "2x2x2": (2, 2, 2), "1x4x2": (
 """(data, gpu, xcd) shapes: no sharding at all, 2 GPUs of 4 partitions, a data axis, 4 GPUs of 2 partitions."""
 BATCH, SEQ, PROMPT, NEW_TOKENS = 8, 16, 8, 8
 ADAMW = optax.adamw(learning_rate=1e-3, eps=1e-3)
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
-"""Every program here runs once on tiny shapes, so LLVM optimisation would only add compile time."""
 
 PADDING = dataclasses.replace(PORTABLE, padded_rows=CUDA.padded_rows, small_dot_elements=CUDA.small_dot_elements)
 """The portable policy with CUDA's padding of one-row projections, and no cuDNN attention (which CPUs lack)."""
@@ -98,8 +96,8 @@ def whole_case(graphdef, config, params, tokens_BS):
 
 
 def jit(function, *static):
-    """`function` with its leading arguments `static` bound, jitted without LLVM optimisation (FAST_COMPILE)."""
-    return jax.jit(functools.partial(function, *static), compiler_options=FAST_COMPILE)
+    """`function` with its leading arguments `static` bound, jitted."""
+    return jax.jit(functools.partial(function, *static))
 
 
 def greedy(logits_BSV):
@@ -269,7 +267,7 @@ def test_remat_recomputes_each_layers_matmuls_in_the_backward_pass():
         config = load_model_config("tiny", remat=remat)
         graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)), nnx.Param)
         grad = jax.jit(jax.grad(lambda p: next_token_loss(nnx.merge(graphdef, p), tokens)))
-        return grad.lower(params).compile(FAST_COMPILE), params
+        return grad.lower(params).compile(), params
 
     (kept, params), (recomputed, _) = gradient_program(False), gradient_program(True)
     dots = [sum(dot.count for dot in parse_hlo(program.as_text()).dots) for program in (kept, recomputed)]
@@ -346,7 +344,7 @@ def test_a_prompt_prefilled_in_chunks_split_over_the_partitions_equals_the_unsha
     with use_layout(layout, mesh):
         placed = jax.device_put(params, param_shardings(params, layout, mesh))
         tokens_BS = jax.device_put(sample_tokens(config)[:1], batch_sharding(layout, mesh, 1))
-        logits = jax.jit(chunks, compiler_options=FAST_COMPILE)(placed, tokens_BS, jnp.int32(PROMPT))
+        logits = jax.jit(chunks)(placed, tokens_BS, jnp.int32(PROMPT))
     assert max_error(logits, expected["logits"][:1]) <= FP32_TOLERANCE
 
 

@@ -45,8 +45,6 @@ from starscream_jax.sharding.layouts import LAYOUTS
 ABSTRACT_2x4 = AbstractMesh((1, 2, 4), AXES)
 FP32_TOLERANCE = 2e-5
 """Largest absolute difference between sharded and unsharded float32 logits and loss (see tests/model/test_decoder.py)."""
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
-"""Each program runs once on tiny shapes, so LLVM optimisation would only add compile time."""
 
 
 class Mlp(nnx.Module):
@@ -233,7 +231,7 @@ def test_shared_input_sums_the_gradients_of_its_matmuls_once(layout):
     for shared in (False, True):
         with use_layout(layout, mesh):
             step = jax.jit(jax.grad(_two_projections, argnums=(0, 1, 2)), static_argnums=3)
-            compiled = step.lower(x, w_a, w_b, shared).compile(FAST_COMPILE)
+            compiled = step.lower(x, w_a, w_b, shared).compile()
             gradients = compiled(x, w_a, w_b)
         for got, want in zip(gradients, expected):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -338,15 +336,13 @@ def test_random_models_shard_and_match_or_are_refused_for_a_true_reason(config, 
     graphdef, params = random_params(config)
     seq = 8
     tokens = np.random.default_rng(1).integers(0, config.vocab_size, (batch, seq), dtype=np.int32)
-    expected_logits, expected_loss = jax.jit(lambda p, t: forward_and_loss(graphdef, p, t),
-                                             compiler_options=FAST_COMPILE)(params, tokens)
+    expected_logits, expected_loss = jax.jit(lambda p, t: forward_and_loss(graphdef, p, t))(params, tokens)
     data, gpu, xcd = mesh_shape
     mesh = build_mesh(f"{data * gpu}x{xcd}", data=data)
     try:
         placed = jax.device_put(params, param_shardings(params, layout, mesh))
         with use_layout(layout, mesh):
-            logits, loss = jax.jit(lambda p, t: forward_and_loss(graphdef, p, t),
-                                   compiler_options=FAST_COMPILE)(placed, tokens)
+            logits, loss = jax.jit(lambda p, t: forward_and_loss(graphdef, p, t))(placed, tokens)
     except ShardingRuleError as refusal:
         sizes = {config.vocab_size, config.d_model, config.n_heads, config.n_kv_heads, config.head_dim, config.d_ff,
                  batch, seq, seq - 1}

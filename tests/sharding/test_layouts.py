@@ -47,8 +47,6 @@ GOLDEN_DIR = Path(__file__).parent / "golden"
 GOLDEN_MODEL = "llama3-70b"
 GOLDEN_MODELS = (GOLDEN_MODEL, "qwen2.5-72b", "qwen3-32b")
 GOLDEN_MESH = (1, 8, 8)
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
-"""The programs are compiled only to be read, so LLVM optimisation would only add compile time."""
 
 
 def golden_path(layout: str, model: str = GOLDEN_MODEL) -> Path:
@@ -206,7 +204,7 @@ def structure_report(layout: str, mesh_name: str, program: str):
                     cache, jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())))
         lowered = jax.jit(step).lower(*args)
     token_dims = (BATCH, SEQ - 1) if program == "train" else (BATCH, 1)
-    return inspect_compiled(lowered.compile(FAST_COMPILE), mesh, args=args,
+    return inspect_compiled(lowered.compile(), mesh, args=args,
                             lowered_text=lowered.as_text(debug_info=True), token_dims=token_dims)
 
 
