@@ -272,9 +272,9 @@ _at_use.defvjp(_at_use_forward, _at_use_gradient)
 
 def amax(x: jax.Array) -> jax.Array:
     """max |x| over the whole logical array x, a float32 scalar on every device. Under an Explicit layout each device
-    takes its shard's maximum and the maxima are reduced over the mesh axes of more than one device that split x,
-    one axis at a time, inside the GPU first (`hierarchical_psum`), so no reduction spans both levels; on Auto axes
-    XLA places the reduction."""
+    takes its shard's maximum and the maxima are reduced over every mesh axis that splits x, one axis at a time,
+    inside the GPU first (`hierarchical_psum`), so no reduction spans both levels (XLA drops those over an axis of one
+    device, which the shard's type still varies over); on Auto axes XLA places the reduction."""
     def local(shard):
         return jnp.max(jnp.abs(shard)).astype(jnp.float32)
 
@@ -282,7 +282,7 @@ def amax(x: jax.Array) -> jax.Array:
     if current is None or current.auto:
         return local(x)
     spec = jax.typeof(x).sharding.spec
-    axes = tuple(axis for axis in spec_axes(spec) if current.mesh.shape[axis] > 1)
+    axes = tuple(spec_axes(spec))
     if not axes:
         return local(x)
     return jax.shard_map(lambda shard: hierarchical_psum(local(shard), axes, jax.lax.pmax), in_specs=(spec,),

@@ -29,6 +29,7 @@ from starscream_jax.sharding.apply import (
     Placement,
     activation_spec,
     active,
+    amax,
     constrain,
     create_sharded,
     einsum,
@@ -371,3 +372,16 @@ def test_use_layout_names_a_mesh_of_the_wrong_kind():
     with pytest.raises(ShardingRuleError, match=r"mesh None \(NoneType\): expected a jax.sharding.Mesh"):
         with use_layout("starscream_tp", None):
             pass
+
+
+@pytest.mark.parametrize("topology", ["2x1", "2x4"])
+def test_amax_is_the_whole_arrays_on_every_device_whatever_axes_split_it(topology):
+    """max |x| of an array split over gpu and xcd, one of them possibly of a single device (the cpu preset's 2 x 1),
+    which the shard's type still varies over."""
+    mesh = build_mesh(topology)
+    x = jax.random.normal(jax.random.key(0), (8, 16)).at[3, 5].set(-40.0)
+    with use_layout("starscream_tp", mesh):
+        placed = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("gpu", "xcd")))
+        result = jax.jit(amax)(placed)
+    assert result.sharding.is_fully_replicated and float(result) == 40.0
+
