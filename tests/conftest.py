@@ -7,7 +7,10 @@ hardware those tests are skipped with a reason that names what they need.
 import functools
 import os
 import re
+import socket
+import subprocess
 import tempfile
+import time
 
 import pytest
 
@@ -69,3 +72,36 @@ def cpu_child_env():
         return {**os.environ, "JAX_PLATFORMS": "cpu",
                 "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])}
     return env
+
+
+@pytest.fixture
+def free_port():
+    """() -> a TCP port free on 127.0.0.1 now (a coordinator for local processes joined by jax.distributed)."""
+    def port() -> int:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            return probe.getsockname()[1]
+    return port
+
+
+@pytest.fixture
+def local_processes():
+    """(commands, env, timeout) -> the (stdout, stderr) of each command, run at once as local processes that must
+    all exit 0 within `timeout` seconds in all; any still running at the end (a failure, a timeout) is killed, so no
+    process outlives its test."""
+    def run(commands: list[list[str]], env: dict[str, str], timeout: float) -> list[tuple[str, str]]:
+        workers = [subprocess.Popen(command, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                   for command in commands]
+        deadline = time.monotonic() + timeout
+        try:
+            outputs = [worker.communicate(timeout=max(1.0, deadline - time.monotonic())) for worker in workers]
+        finally:
+            for worker in workers:
+                if worker.poll() is None:
+                    worker.kill()
+                    worker.communicate()
+        for worker, (_, stderr) in zip(workers, outputs):
+            assert worker.returncode == 0, stderr[-3000:]
+        return outputs
+    return run
+

@@ -2,7 +2,6 @@
 import argparse
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -41,26 +40,17 @@ def test_process_id_outside_the_range_is_refused():
         cli_arguments.initialize_from_args(arguments)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("localhost", 0))
-        return probe.getsockname()[1]
-
 
 @pytest.mark.multiprocess
-def test_two_processes_train_like_one_with_the_same_global_mesh(tmp_path, cpu_child_env):
+def test_two_processes_train_like_one_with_the_same_global_mesh(tmp_path, cpu_child_env, free_port,
+                                                                 local_processes):
     """Each process simulates 4 CPU devices (one QPX GPU); the 1 x 2 x 4 mesh spans both."""
     run_dir = tmp_path / "two_processes"
     common = ["--preset", "mi300x-qpx-nps1", "--nodes", "2", "--gpus", "1", "--no-simulate", "--steps", "3",
               "--batch-size", "8", "--seq-len", "16", "--eval-batches", "1", "--no-progress", "--run-dir", str(run_dir),
               "--coordinator", f"localhost:{free_port()}", "--num-processes", "2"]
-    environment = cpu_child_env(4)
-    workers = [subprocess.Popen([sys.executable, str(TRAIN_SCRIPT), *common, "--process-id", str(process_id)],
-                                env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for process_id in range(2)]
-    outputs = [worker.communicate(timeout=300) for worker in workers]
-    for worker, (_, errors) in zip(workers, outputs):
-        assert worker.returncode == 0, errors[-3000:]
+    outputs = local_processes([[sys.executable, str(TRAIN_SCRIPT), *common, "--process-id", str(process_id)]
+                               for process_id in range(2)], cpu_child_env(4), timeout=300)
     (main_output, _), (other_output, _) = outputs
     assert "mesh {'data': 1, 'gpu': 2, 'xcd': 4}" in main_output and "unigram entropy" in main_output
     # Only process 0 reports. Both also carry gloo's connection messages on stdout, which gloo's threads may write
@@ -80,7 +70,7 @@ def test_two_processes_train_like_one_with_the_same_global_mesh(tmp_path, cpu_ch
                                rtol=1e-5)
 
 
-def test_a_process_that_never_joins_is_named_after_the_join_timeout():
+def test_a_process_that_never_joins_is_named_after_the_join_timeout(free_port):
     """Process 0 waits for process 1, process 1 (of another run) for a coordinator that is not there: each says
     which process is missing and exits with status 2 instead of waiting without a word."""
     lonely = [subprocess.Popen([sys.executable, "-c", "from starscream_jax.hardware.distributed import initialize; "

@@ -3,10 +3,8 @@ import argparse
 import importlib.metadata
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -346,31 +344,16 @@ def test_rocm_without_sysfs_needs_an_explicit_grouping(sysfs):
 WORKER = Path(__file__).with_name("multihost_worker.py")
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 @pytest.mark.multiprocess
-def test_mesh_across_two_processes_reduces_over_gpu_and_xcd():
+def test_mesh_across_two_processes_reduces_over_gpu_and_xcd(free_port, local_processes):
     """Two local processes of 4 simulated devices each form a 2 nodes x 2 GPUs x 2 partitions mesh through
     `starscream topology` (process 0 prints the report) and `build_topology_mesh`; the worker checks psum over 'gpu'
     (across processes) and over 'xcd' (inside one GPU) and reports its mesh."""
     coordinator = f"127.0.0.1:{free_port()}"
     env = {name: value for name, value in os.environ.items() if name not in (OVERRIDE_ENV, "XLA_FLAGS")}
-    workers = [subprocess.Popen([sys.executable, str(WORKER), coordinator, str(process)], env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE) for process in range(2)]
-    deadline = time.monotonic() + 240  # generous: CI runs two test files at once on two cores
-    try:
-        outputs = [worker.communicate(timeout=max(1.0, deadline - time.monotonic())) for worker in workers]
-    finally:
-        for worker in workers:
-            if worker.poll() is None:
-                worker.kill()
-                worker.communicate()
-    for worker, (_, stderr) in zip(workers, outputs):
-        assert worker.returncode == 0, stderr[-3000:]
+    outputs = local_processes([[sys.executable, str(WORKER), coordinator, str(process)] for process in range(2)], env,
+                              timeout=240)  # generous: CI runs two test files at once on two cores
     # stdout also holds gloo's connection messages: the report is the JSON object, the check the "ok" line.
     reports = [json.loads(line.removeprefix("ok ")) for stdout, _ in outputs for line in stdout.splitlines()
                if line.startswith("ok ")]

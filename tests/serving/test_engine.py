@@ -5,8 +5,6 @@ processes serving over one mesh. Each engine compiles its two programs once (con
 reuses them."""
 import dataclasses
 import json
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -104,31 +102,15 @@ def test_an_8_bit_cache_decodes_close_to_the_full_precision_pages(engine_for, pr
     assert engine.stats().pages_used == 0
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 @pytest.mark.multiprocess
-def test_two_processes_serve_the_tokens_of_one(engine_for, prompts, cpu_child_env):
+def test_two_processes_serve_the_tokens_of_one(engine_for, prompts, cpu_child_env, free_port, local_processes):
     """Two CPU processes of 4 devices each join the 1x2x4 mesh (its gpu axis across them, `multihost_serve_worker`):
     process 0 schedules and broadcasts every step, process 1 runs each; their greedy tokens equal the single-process
     engine's on the same mesh."""
     coordinator = f"127.0.0.1:{free_port()}"
-    env = cpu_child_env(4)
-    workers = [subprocess.Popen([sys.executable, str(WORKER), coordinator, str(process), json.dumps(prompts.tolist()),
-                                 str(NEW_TOKENS)], env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-               for process in range(2)]
-    try:
-        outputs = [worker.communicate(timeout=240) for worker in workers]
-    finally:
-        for worker in workers:
-            if worker.poll() is None:
-                worker.kill()
-                worker.communicate()
-    for worker, (_, stderr) in zip(workers, outputs):
-        assert worker.returncode == 0, stderr[-3000:]
+    outputs = local_processes([[sys.executable, str(WORKER), coordinator, str(process), json.dumps(prompts.tolist()),
+                                str(NEW_TOKENS)] for process in range(2)], cpu_child_env(4), timeout=240)
     lines = [line.split(" ", 1) for stdout, _ in outputs for line in stdout.splitlines()
              if line.startswith(("tokens ", "followed "))]  # stdout also holds gloo's connection messages
     reported = {kind: json.loads(value) for kind, value in lines}
