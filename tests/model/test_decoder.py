@@ -43,6 +43,10 @@ CASES = [("tiny", mesh, layout) for mesh in MESHES for layout in BATCH_LAYOUTS i
 CASES += [("tiny-moe", "1x2x4", layout) for layout in BATCH_LAYOUTS if layout != "flat_ep"]
 """flat_ep's attention is flat_tp's and its MoE block is checked in test_moe."""
 CASES += [("tiny-tied", "1x2x4", layout) for layout in BATCH_LAYOUTS if layout not in EXPERT_LAYOUTS]
+SLOW_MESHES = ("1x4x2",)
+"""Meshes whose cases run only with `-m slow`: 4 GPUs of 2 partitions repeats 1x2x4's placements with a wider gpu
+axis, which the placement tests of tests/sharding check at 8 x 8."""
+CASES = [pytest.param(*case, marks=pytest.mark.slow) if case[1] in SLOW_MESHES else case for case in CASES]
 TIED = "tiny-tied"
 """The tiny model with its output head tied to the embedding table (as Llama 3.2 1B ties them)."""
 
