@@ -111,7 +111,8 @@ def run_batch(graphdef, params, rest, config, layout: str, mesh, batch: int, cac
     import jax
     import jax.numpy as jnp
 
-    from starscream_jax.model.decoder import cache_entries, cache_shardings, decode_holds_cache_per_layer, split_cache
+    from starscream_jax.model.decoder import (cache_entries, cache_shardings, decode_holds_cache_per_layer, split_cache,
+                                              split_layer_weights)
     from starscream_jax.sharding.apply import Placement, token_sharding, use_layout
     from starscream_jax.training.steps import Sampling, decode_step
 
@@ -127,6 +128,7 @@ def run_batch(graphdef, params, rest, config, layout: str, mesh, batch: int, cac
     if decode_holds_cache_per_layer(config):  # held per layer, as generation holds it
         with use_layout(layout, mesh):
             cache = jax.jit(split_cache)(cache)
+        params = split_layer_weights(params)
     token_B = jax.device_put(jax.random.randint(jax.random.key(3), (batch,), 0, config.vocab_size, jnp.int32),
                              token_sharding(layout, mesh, batch))
     position = jnp.asarray(cache_length - 1, jnp.int32)

@@ -44,6 +44,7 @@ from ..model.decoder import (
     cache_shardings,
     decode_holds_cache_per_layer,
     rolls_layers,
+    split_layer_weights,
 )
 from ..model.paged import PAGES, SCALES
 from ..model.quantize import held_dtype
@@ -278,6 +279,8 @@ def abstract_args(config: ModelConfig, layout: Layout, mesh, phase: str, batch: 
         prompt = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=batch_sharding(layout, mesh, batch))
         return graphdef, PrefillArgs(params, rest, prompt)
     cache = abstract_cache(config, layout, mesh, batch, cache_length or seq, per_layer_cache)
+    if per_layer_cache:  # the layers run one after another, 8-bit weights held as generation holds them
+        params = split_layer_weights(params)
     token = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=token_sharding(layout, mesh, batch))
     position = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
     return graphdef, DecodeArgs(params, rest, cache, token, position)
@@ -297,10 +300,11 @@ def held_as_inference(params: nnx.State, dtype) -> nnx.State:
 
 def abstract_paged_args(config: ModelConfig, layout: Layout, mesh, batch: int, length: int) -> tuple[Any, PagedArgs]:
     """(graphdef, PagedArgs) of a serving decode step: `batch` sequences of `length` positions each in pages of
-    SERVE_PAGE_SIZE (in the 8-bit `kv_format` with their scales where the config asks), every sequence's pages in its own cache shard (as `serving.scheduler` places them), plus one
-    null page per shard; one token per sequence at its last position. Call inside `use_layout(layout, mesh)`."""
+    SERVE_PAGE_SIZE (in the 8-bit `kv_format` with their scales where the config asks), every sequence's pages in
+    its own cache shard (as `serving.scheduler` places them), plus one null page per shard; one token per sequence
+    at its last position; 8-bit weights held per layer, as the engine holds them. Call inside `use_layout(layout, mesh)`."""
     graphdef, params, rest = nnx.split(abstract_model(config), nnx.Param, ...)
-    params = held_as_inference(abstract_placed(params, layout, mesh), jnp.dtype(config.dtype))
+    params = split_layer_weights(held_as_inference(abstract_placed(params, layout, mesh), jnp.dtype(config.dtype)))
     shards = cache_shards(layout, mesh)
     if batch % shards:
         raise StarscreamError(f"a batch of {batch} sequences cannot fill the {shards} cache shards of layout "

@@ -50,7 +50,7 @@ class ModelConfig:
 
     matmul_format: "" (the projections compute in `dtype`) or one of quantize.MATMUL_FORMATS, the e4m3 format of
     fp8 training: the q, k, v, o, gate, up and down projections read e4m3 operands and their output gradients in the
-    chip's matching e5m2 format, with current per-tensor scales (`quantize.fp8_operand`); weights stay stored in
+    chip's matching e5m2 format, with current per-tensor scales (`quantize.fp8_einsum`); weights stay stored in
     float32 and the embedding, the logits, attention and a mixture's experts compute in `dtype`. For training; it
     excludes weight_format."""
 

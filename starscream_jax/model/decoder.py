@@ -53,11 +53,10 @@ from .quantize import (
     OCP_TO_FNUZ,
     QUANTIZED_INPUTS,
     SCALE_SUFFIX,
-    Fp8Wire,
+    Fp8Weight,
     Scaled,
-    fp8_gradient,
-    fp8_operand,
-    gradient_format,
+    fp8_einsum,
+    fp8_weight,
     ocp_to_fnuz,
     quantize,
     quantize_cache_entry,
@@ -247,6 +246,10 @@ class Transformer(nnx.Module):
         positions_BS = constrain(positions_BS, ("attn_batch", "seq"), "positions")
         if held_per_layer(cache) or (cache is None and not rolls_layers(c)):
             return self._run_layers_apart(x_BSD, stacked, positions_BS, cache, cache_index)
+        if any(isinstance(value, tuple) for value in stacked.values()):
+            raise StarscreamError("weights held per layer (split_layer_weights) run only where the layers run one "
+                                  "after another; hold the KV cache per layer too (split_cache), or keep the "
+                                  "weights stacked for a layer loop")
 
         def block(carry, layer):
             x_BSD, cache = carry
@@ -291,10 +294,48 @@ class Transformer(nnx.Module):
 def _unstacked(stacked: dict, n_layers: int) -> list[dict]:
     """Each layer's weights {name: [...]} from the stacked ones {name: [L, ...]}, split apart in one op per weight
     (whose gradient is one concatenation of the layers' gradients, where indexing each layer would pad every
-    layer's gradient to the stack's shape and add the L of them)."""
-    parts = {name: [part.reshape(part.shape[1:]) for part in jnp.split(value, n_layers)]
+    layer's gradient to the stack's shape and add the L of them); a weight held per layer (a tuple of L arrays,
+    `split_layer_weights`) as held."""
+    parts = {name: value if isinstance(value, tuple) else [part.reshape(part.shape[1:])
+                                                            for part in jnp.split(value, n_layers)]
              for name, value in stacked.items()}
     return [{name: layers[index] for name, layers in parts.items()} for index in range(n_layers)]
+
+
+def split_layer_weights(params):
+    """`params` (an nnx.State of a Transformer's parameters) with each 8-bit layer weight [L, ...] held as L arrays
+    [...] (a tuple), each placed as its layer's part of the stack was, for the programs that run the layers one
+    after another (decode without a layer loop, `decode_holds_cache_per_layer`, and the paged step).
+
+    Why: a GEMM fusion that converts an 8-bit weight as it reads it (XLA's Triton GEMM) reads whole arrays, so XLA
+    copies each layer's slice out of a stack first, every step: for Llama 3 8B at batch 1 on an H200 those copies
+    took 6.2 ms of a 10.4 ms step (benchmarks/NOTES.md run 19), where a bfloat16 slice is read in place by cuBLAS
+    (float weights stay stacked). Copies once, one weight at a time, so the extra memory held while splitting is
+    one stacked weight's. The sliced `layers` axis must be unsplit (no layout splits it)."""
+    def split(path, variable):
+        value = variable.get_value()
+        if not _held_in_eight_bits(path, value):
+            return variable
+        sharding = value.sharding
+        if isinstance(sharding, NamedSharding) and sharding.spec and sharding.spec[0] is not None:
+            raise StarscreamError(f"{path_name(path)} splits its layers over {sharding.spec[0]}; weights held per "
+                                  "layer need the layers axis unsplit (use a layout that keeps it whole)")
+        layer_sharding = (NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
+                          if isinstance(sharding, NamedSharding) else sharding)
+        if isinstance(value, jax.ShapeDtypeStruct):  # abstract arguments (`analysis.compile`)
+            return variable.replace(tuple(jax.ShapeDtypeStruct(value.shape[1:], value.dtype, sharding=layer_sharding)
+                                          for _ in range(value.shape[0])))
+        layers = jax.jit(lambda stack: tuple(stack[index] for index in range(stack.shape[0])),
+                         out_shardings=layer_sharding)(value)
+        return variable.replace(layers)
+
+    return jax.tree.map_with_path(split, params, is_leaf=lambda node: isinstance(node, nnx.Variable))
+
+
+def _held_in_eight_bits(path, value) -> bool:
+    """Whether a parameter is a stacked 8-bit layer weight (`split_layer_weights`)."""
+    return (not isinstance(value, tuple) and path_name(path).split("/")[0] == "layers" and value.ndim > 1
+            and jnp.dtype(value.dtype).itemsize == 1)
 
 
 def held_per_layer(cache: dict | None) -> bool:
@@ -364,49 +405,42 @@ def _layer_weights(c: ModelConfig, layers: LayerStack) -> dict:
     before the layer loop, as stored (not gathered): each layer then slices and gathers its weights in that dtype,
     where casting inside the loop would copy each layer's float32 slice out of the stack first. A weight's
     gradient is the same either way (each layer's slice is used once). 8-bit weights and their scales stay as
-    stored."""
+    stored, and a weight held per layer (`split_layer_weights`: a tuple of L arrays) as held."""
     dtype = jnp.dtype(c.dtype)
-    stored = {name: getattr(layers, name)[...] for name in _layer_weight_names(c)}
-    return {name: value.astype(dtype) if name in CAST_ONCE and value.dtype.itemsize > 1 else value
-            for name, value in stored.items()}
+    stored = {name: getattr(layers, name).get_value() for name in _layer_weight_names(c)}
+    return {name: value.astype(dtype) if name in CAST_ONCE and not isinstance(value, tuple)
+            and value.dtype.itemsize > 1 else value for name, value in stored.items()}
 
 
-def _used(scope: str, c: ModelConfig, weights: dict, key: str, names: tuple[str, ...]) -> jax.Array | Scaled:
-    """One layer's weight `weights[key]` as its projection uses it (`weight`: cast, gathered), under the
-    projection's named scope; an 8-bit weight gathered in 8 bits, with its scale as stored (`Scaled`); in fp8
-    training quantized where it is stored and gathered in 8 bits (`_wire`)."""
+def _used(scope: str, c: ModelConfig, weights: dict, key: str, names: tuple[str, ...]) -> jax.Array | Scaled | Fp8Weight:
+    """One layer's weight `weights[key]` as its projection uses it (`_weight_at_use`), under the projection's named
+    scope; an 8-bit weight gathered in 8 bits, with its scale as stored (`Scaled`)."""
     with jax.named_scope(scope):
         if key + SCALE_SUFFIX not in weights:
-            return weight(weights[key], names, jnp.dtype(c.dtype), key, wire=_wire(c))
+            return _weight_at_use(c, weights[key], names, key)
         return Scaled(weight(weights[key], names, None, key), weights[key + SCALE_SUFFIX])
 
 
-def _wire(c: ModelConfig) -> Fp8Wire | None:
-    """How a projection's weight crosses its gather in fp8 training (`c.matmul_format`): quantized to e4m3 with its
-    current per-tensor scale where it is stored, dequantized to the compute dtype at use; None otherwise."""
-    return Fp8Wire(c.matmul_format, c.dtype) if c.matmul_format else None
+def _weight_at_use(c: ModelConfig, value: jax.Array, names: tuple[str, ...], tensor: str) -> jax.Array | Fp8Weight:
+    """A float weight as its projection uses it (`weight`: cast to the compute dtype, gathered); in fp8 training
+    (`c.matmul_format`) its e4m3 values, quantized where it is stored and gathered in 8 bits (`quantize.fp8_weight`)."""
+    if c.matmul_format:
+        return fp8_weight(value, names, c.matmul_format, c.dtype, tensor)
+    return weight(value, names, jnp.dtype(c.dtype), tensor)
 
 
-def _fp8_input(c: ModelConfig, x: jax.Array) -> jax.Array:
-    """A projection's input as it reads it: in fp8 training rounded to e4m3 with its current per-tensor scale
-    (`quantize.fp8_operand`), once for all the projections that share it; x itself otherwise."""
-    return fp8_operand(x, c.matmul_format) if c.matmul_format else x
-
-
-def _fp8_output(c: ModelConfig, y: jax.Array) -> jax.Array:
-    """A projection's output: in fp8 training its gradient is rounded to e5m2 (`quantize.fp8_gradient`)."""
-    return fp8_gradient(y, gradient_format(c.matmul_format)) if c.matmul_format else y
-
-
-def _values(w: jax.Array | Scaled) -> jax.Array:
+def _values(w: jax.Array | Scaled | Fp8Weight) -> jax.Array:
     """The array a matmul reads of a used weight (an 8-bit weight's values)."""
-    return w.values if isinstance(w, Scaled) else w
+    return w.values if isinstance(w, (Scaled, Fp8Weight)) else w
 
 
-def _matmul(subscripts: str, x: jax.Array, w: jax.Array | Scaled, out: tuple[str, ...], tensor: str) -> jax.Array:
+def _matmul(subscripts: str, x: jax.Array, w: jax.Array | Scaled | Fp8Weight, out: tuple[str, ...],
+            tensor: str) -> jax.Array:
     """`einsum(subscripts, x, w)` placed by `out`; for an 8-bit weight (x @ values) * scale, the values converted to
     x's dtype as the matmul reads them and the scale (over the output's trailing axes, or one number) placed as the
-    output is."""
+    output is; in fp8 training fp8 GEMMs forward and backward (`quantize.fp8_einsum`)."""
+    if isinstance(w, Fp8Weight):
+        return fp8_einsum(subscripts, x, w, out, tensor)
     if not isinstance(w, Scaled):
         return einsum(subscripts, x, w, out, tensor)
     y = einsum(subscripts, x, w.values.astype(x.dtype), out, tensor)
@@ -414,16 +448,15 @@ def _matmul(subscripts: str, x: jax.Array, w: jax.Array | Scaled, out: tuple[str
     return y * scale.astype(y.dtype)
 
 
-def _project(scope: str, subscripts: str, x: jax.Array, w: jax.Array | Scaled, out: tuple[str, ...],
+def _project(scope: str, subscripts: str, x: jax.Array, w: jax.Array | Scaled | Fp8Weight, out: tuple[str, ...],
              c: ModelConfig) -> jax.Array:
     """One projection `einsum(subscripts, x, w)` of x [B, S, ...] placed by `out` ([B, S, ...]), under the named
-    scope `scope` (`_matmul`); on rows padded with zeros where the backend policy pads it (`_padded_rows`); its
-    gradient in e5m2 in fp8 training (`_fp8_output`)."""
+    scope `scope` (`_matmul`); on rows padded with zeros where the backend policy pads it (`_padded_rows`)."""
     with jax.named_scope(scope):
         rows = _padded_rows(x, _values(w))
         if rows:
-            return _fp8_output(c, _padded_matmul(subscripts, x, w, out, scope, rows))
-        return _fp8_output(c, _matmul(subscripts, x, w, out, scope))
+            return _padded_matmul(subscripts, x, w, out, scope, rows)
+        return _matmul(subscripts, x, w, out, scope)
 
 
 def _padded_rows(x: jax.Array, w: jax.Array) -> int:
@@ -486,7 +519,7 @@ def _block(c: ModelConfig, x_BSD, w, positions_BS, cached=None):
                                       None if cached is None else cached[2])
     attended_BSHE = constrain(attended_BSHE, ("batch", "seq", "heads", "head_dim"), "attention output")
     wo_HED = _used("o", c, w, "wo", ("heads", "head_dim", "embed"))
-    x_BSD = x_BSD + _project("o", "bshe,hed->bsd", _fp8_input(c, attended_BSHE), wo_HED, RESIDUAL, c)
+    x_BSD = x_BSD + _project("o", "bshe,hed->bsd", attended_BSHE, wo_HED, RESIDUAL, c)
     h_BSD = rms_norm(x_BSD, w["mlp_norm"], c.norm_eps)
     if c.n_experts:
         mlp_BSD, balance = routed_mlp(c, h_BSD, w)
@@ -605,10 +638,8 @@ def _qkv(c: ModelConfig, h_BSD, w):
     weight and multiplied in one GEMM. Stacking by kv head keeps the stack local wherever a layout splits query
     heads and kv heads over the same mesh axes (every layout except flat_tp with fewer kv heads than devices, which
     copies kv heads); there, and when not fused (decode), three GEMMs run. Either way under the named scope "qkv"."""
-    dtype = jnp.dtype(c.dtype)
-    D, H, E, K = c.d_model, c.n_heads, c.head_dim, c.n_kv_heads
+    H, E, K = c.n_heads, c.head_dim, c.n_kv_heads
     G = H // K
-    h_BSD = _fp8_input(c, h_BSD)
     if not (_fuses(c, h_BSD) and _same_split([w["wq"], w["wk"], w["wv"]], 1)):
         wq_DHE = _used("qkv", c, w, "wq", ("embed", "heads", "head_dim"))
         wk_DKE = _used("qkv", c, w, "wk", ("embed", "kv_heads", "head_dim"))
@@ -619,9 +650,9 @@ def _qkv(c: ModelConfig, h_BSD, w):
                 _project("qkv", "bsd,dke->bske", h_BSD, wv_DKE, ATTN_KV, c))
     with jax.named_scope("qkv"):
         stacked_DKCE = jnp.concatenate([_by_kv_head(w["wq"], K), w["wk"][:, :, None], w["wv"][:, :, None]], axis=2)
-        w_DKCE = weight(stacked_DKCE, ("embed", "kv_heads", None, "head_dim"), dtype, "wq|wk|wv", wire=_wire(c))
-        h_BSD = shared_input(h_BSD, [w_DKCE])
-        qkv_BSKCE = _fp8_output(c, einsum("bsd,dkce->bskce", h_BSD, w_DKCE, (*ATTN_KV[:3], None, ATTN_KV[3]), "qkv"))
+        w_DKCE = _weight_at_use(c, stacked_DKCE, ("embed", "kv_heads", None, "head_dim"), "wq|wk|wv")
+        h_BSD = shared_input(h_BSD, [_values(w_DKCE)])
+        qkv_BSKCE = _matmul("bsd,dkce->bskce", h_BSD, w_DKCE, (*ATTN_KV[:3], None, ATTN_KV[3]), "qkv")
     B, S = h_BSD.shape[:2]
     q_BSHE = constrain(qkv_BSKCE[:, :, :, :G].reshape(B, S, H, E), ATTN_Q, "queries")
     return q_BSHE, qkv_BSKCE[:, :, :, G], qkv_BSKCE[:, :, :, G + 1]
@@ -634,9 +665,7 @@ def _gate_up(c: ModelConfig, h_BSD, w):
     after `embed` ([D, 2, F]), which no layout splits, so the stack is local; it is used (cast, gathered) as one
     weight in one GEMM. Otherwise two GEMMs. Either way under the named scope "gate_up". (A routed mixture of
     experts runs its own grouped gate and up matmuls, `moe.routed_mlp`.)"""
-    dtype = jnp.dtype(c.dtype)
     names, out = ("embed", "mlp"), ("batch", "seq", "mlp")
-    h_BSD = _fp8_input(c, h_BSD)
     if not _fuses(c, h_BSD):
         w_gate, w_up = _used("gate_up", c, w, "w_gate", names), _used("gate_up", c, w, "w_up", names)
         h_BSD = shared_input(h_BSD, [_values(w_gate), _values(w_up)])
@@ -644,9 +673,9 @@ def _gate_up(c: ModelConfig, h_BSD, w):
                 _project("gate_up", "bsd,df->bsf", h_BSD, w_up, out, c))
     with jax.named_scope("gate_up"):
         stacked_DTF = jnp.stack([w["w_gate"], w["w_up"]], axis=1)
-        used_DTF = weight(stacked_DTF, ("embed", None, "mlp"), dtype, "w_gate|w_up", wire=_wire(c))
-        h_BSD = shared_input(h_BSD, [used_DTF])
-        both_BSTF = _fp8_output(c, einsum("bsd,dtf->bstf", h_BSD, used_DTF, ("batch", "seq", None, "mlp"), "gate_up"))
+        used_DTF = _weight_at_use(c, stacked_DTF, ("embed", None, "mlp"), "w_gate|w_up")
+        h_BSD = shared_input(h_BSD, [_values(used_DTF)])
+        both_BSTF = _matmul("bsd,dtf->bstf", h_BSD, used_DTF, ("batch", "seq", None, "mlp"), "gate_up")
     return both_BSTF[:, :, 0], both_BSTF[:, :, 1]
 
 
@@ -654,7 +683,7 @@ def _dense_mlp(c: ModelConfig, h_BSD, w):
     """SwiGLU: down(silu(h @ gate) * (h @ up)), [B, S, D] -> [B, S, D] with the hidden [B, S, F] over `mlp`."""
     gate_BSF, up_BSF = _gate_up(c, h_BSD, w)
     w_down_FD = _used("down", c, w, "w_down", ("mlp", "embed"))
-    return _project("down", "bsf,fd->bsd", _fp8_input(c, jax.nn.silu(gate_BSF) * up_BSF), w_down_FD, RESIDUAL, c)
+    return _project("down", "bsf,fd->bsd", jax.nn.silu(gate_BSF) * up_BSF, w_down_FD, RESIDUAL, c)
 
 
 def cache_entries(config: ModelConfig, batch: int, length: int) -> dict[str, jax.ShapeDtypeStruct]:

@@ -7,23 +7,19 @@ rules for their names, so a scale is split wherever its weight's output channels
 values. The product x @ (values * scale) is computed as (x @ values) * scale: the 8-bit values are converted in the
 matmul's own fusion and the scale multiplies the output channels, which it commutes with.
 
-fp8 training (`Fp8Wire`, `fp8_operand`, `fp8_gradient`) quantizes both operands of each projection to the chip's e4m3
-format and the gradient arriving at its output to e5m2, with current scaling: a float32 scale from this step's
-max |x|. A weight has one scale over the whole logical tensor (`sharding.apply.amax`: the shards' maxima reduced one
-mesh axis at a time, inside the GPU first), so every shard of a gathered weight uses the same one. An activation
-or a gradient has one per shard (`sharding.apply.per_shard`): each device scales the rows it holds, which its own
-matmul reads (the operand is dequantized before the dot, so partial sums over a split contraction stay exact), at
-no communication; unsharded, one per tensor. Current scaling needs no state: delayed scaling's amax history (Flax's `fp8_ops`, MaxText's `fp8` / `nanoo_fp8`) would live in the
-parameters and be "updated" through its gradient, which the optimizer, the checkpoints and the layouts' rules would
-all have to know; a current scale also follows a loss spike in the same step instead of overflowing the format for
-the length of the history. Its cost is a read of each operand for its maximum and a scalar reduction per tensor.
-Each operand is quantized and dequantized where XLA sees both (q = round(x / s) in 8 bits, then q * s in the
-compute dtype, the dot between two such operands): XLA:GPU's GEMM rewriter turns that pattern into an fp8 GEMM
-(cuBLASLt on NVIDIA, hipBLASLt on AMD) with the scales as its alpha; XLA:CPU runs it in the compute dtype, with the
-8-bit rounding. Weights are quantized where they are stored and gathered in 8 bits (`sharding.apply.weight`'s
-`wire`). The gradients (autodiff of the dots) read the same 8-bit forward operands and the e5m2 output gradient;
-every gradient pass straight through the rounding (as if it were exact), and the weights' gradients are summed in
-the compute dtype (never in 8 bits: RCCL would add FNUZ values as integers).
+fp8 training (`fp8_weight`, `fp8_einsum`) multiplies 8-bit operands: each projection's input and weight in the
+chip's e4m3 format and the gradient arriving at its output in e5m2, with current scaling: a float32 scale from this
+step's max |x| over the whole logical tensor (`sharding.apply.amax`: the shards' maxima reduced one mesh axis at a
+time, inside the GPU first), one number per tensor, so that it commutes with the sums of a contraction split over
+devices and every shard of a gathered weight uses the same one. Current scaling needs no state: delayed scaling's
+amax history (Flax's `fp8_ops`, MaxText's `fp8` / `nanoo_fp8`) would live in the parameters and be "updated"
+through its gradient, which the optimizer, the checkpoints and the layouts' rules would all have to know; a current
+scale also follows a loss spike in the same step instead of overflowing the format for the length of the history.
+Its cost is a read of each operand for its maximum and a scalar reduction per tensor. The dots take the 8-bit
+arrays themselves, which XLA:GPU runs as fp8 GEMMs (cuBLASLt on NVIDIA, hipBLASLt on AMD); XLA:CPU converts them
+first. Weights are quantized where they are stored and gathered in 8 bits (`sharding.apply.encoded_weight`).
+Every gradient passes straight through the rounding (as if it were exact), and the weights' gradients are summed
+in the compute dtype (never in 8 bits: RCCL would add FNUZ values as integers).
 
 Symmetric scales: scale = max |w| over the contracted axes / the format's largest value; values = w / scale,
 rounded to nearest (int8 clipped to +-127). fp8 e4m3 keeps 3 mantissa bits, int8 about 7 bits at the channel's
@@ -32,7 +28,6 @@ largest weight: int8 is the closer of the two for weights, fp8 the one whose mat
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
@@ -41,7 +36,7 @@ from flax import nnx
 
 from ..errors import PresetError
 from ..hardware.presets import FP8_PAIRS
-from ..sharding.apply import amax, path_name, per_shard
+from ..sharding.apply import amax, einsum, encoded_weight, path_name, transposed_einsum
 
 WEIGHT_FORMATS = ("int8", "float8_e4m3fn", "float8_e4m3fnuz")
 """The 8-bit formats weights and the KV cache can be stored in (JAX dtype names; `hardware.presets.Chip.formats`
@@ -173,66 +168,64 @@ def _current_scale(peak: jax.Array, format_name: str, dtype) -> jax.Array:
     return scale.astype(dtype).astype(jnp.float32)
 
 
-@dataclass(frozen=True)
-class Fp8Wire:
-    """A weight's trip in fp8 training (`sharding.apply.weight`'s `wire`): quantized to `format_name` (e4m3) with
-    its current scale over the whole logical tensor (`amax`) where it is stored, gathered in 8 bits, dequantized to
-    `dtype` at use."""
+class Fp8Weight(NamedTuple):
+    """A weight as an fp8 training matmul uses it (`sharding.apply.encoded_weight`)."""
 
-    format_name: str
-    dtype: str
-
-    def encode(self, value: jax.Array) -> tuple[jax.Array, jax.Array]:
-        scale = _current_scale(amax(value), self.format_name, self.dtype)
-        return to_format(value.astype(jnp.float32) / scale, self.format_name), scale
-
-    def decode(self, values: jax.Array, scale: jax.Array) -> jax.Array:
-        return values.astype(self.dtype) * scale.astype(self.dtype)
+    values: jax.Array
+    """The weight at use in e4m3, gathered in 8 bits, placed (and typed) as `sharding.apply.weight` places it."""
+    scale: jax.Array
+    """Its float32 current scale, one per tensor (replicated)."""
+    anchor: jax.Array
+    """The weight at use in the compute dtype, never computed: the matmul's weight gradient returns through it to
+    the stored float32 weight, summed over the token axes as `weight` sums it."""
 
 
-def _round_trip(x: jax.Array, format_name: str) -> jax.Array:
-    """x quantized to `format_name` with each device's current scale of its own shard (`per_shard`) and dequantized
-    to x's dtype (values on the format's grid, times the scale)."""
-    wire = Fp8Wire(format_name, x.dtype.name)
+def fp8_weight(value: jax.Array, names: tuple[str, ...], format_name: str, dtype, tensor: str) -> Fp8Weight:
+    """Stored weight `value` (logical `names`) as fp8 training's `fp8_einsum` reads it: quantized to `format_name`
+    where it is stored with its current per-tensor scale, gathered in 8 bits."""
+    def encode(stored: jax.Array) -> tuple[jax.Array, jax.Array]:
+        scale = _current_scale(amax(stored), format_name, dtype)
+        return to_format(stored.astype(jnp.float32) / scale, format_name), scale
 
-    def local(shard):
-        scale = _current_scale(jnp.max(jnp.abs(shard)).astype(jnp.float32), format_name, x.dtype)
-        return wire.decode(to_format(shard.astype(jnp.float32) / scale, format_name), scale)
-
-    return per_shard(local, x)
+    return Fp8Weight(*encoded_weight(value, names, dtype, tensor, encode))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def fp8_operand(x: jax.Array, format_name: str) -> jax.Array:
-    """An activation [..] as an fp8 matmul reads it: rounded to `format_name` (e4m3) with its current scale (one per
-    shard, `_round_trip`), in x's dtype and placement; its gradient passes straight through."""
-    return _round_trip(x, format_name)
+def fp8_einsum(subscripts: str, x: jax.Array, w: Fp8Weight, out: tuple[str, ...], tensor: str) -> jax.Array:
+    """`sharding.apply.einsum(subscripts, x, w)` (placed by `out`) as fp8 GEMMs: the forward reads x in e4m3 (its
+    current per-tensor scale, `amax` over the whole tensor) and the weight's e4m3 values; the backward quantizes the
+    arriving gradient to the matching e5m2 format (current per-tensor scale) and reads it with the same 8-bit
+    operands, the input gradient against the weight's values and the weight gradient against x's. Each GEMM's
+    output is in x's dtype, times the product of its operands' scales (one number, so it commutes with every sum
+    over a split contraction). The 8-bit operands reach the dots themselves (XLA:GPU runs a dot of 8-bit operands
+    as an fp8 GEMM, cuBLASLt / hipBLASLt, and the forward keeps x in 8 bits for the backward); a pattern of
+    quantize, convert back and dot is not one: XLA folds the round trip through 8 bits away. Gradients pass
+    straight through the rounding (as if exact) and are float in x's dtype."""
+    return _fp8_einsum(subscripts, tuple(out), tensor, x, w.values, w.scale, w.anchor)
 
 
-def _fp8_operand_forward(x, format_name):
-    return fp8_operand(x, format_name), None
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fp8_einsum(subscripts, out, tensor, x, values, scale, anchor):
+    return _fp8_forward(subscripts, out, tensor, x, values, scale, anchor)[0]
 
 
-def _fp8_operand_gradient(format_name, _, gradient):
-    return (gradient,)
+def _fp8_forward(subscripts, out, tensor, x, values, scale, anchor):
+    x_scale = _current_scale(amax(x), values.dtype.name, x.dtype)
+    x_q = to_format(x.astype(jnp.float32) / x_scale, values.dtype.name)
+    y = einsum(subscripts, x_q, values, out, tensor, preferred_element_type=x.dtype)
+    return y * (x_scale * scale).astype(x.dtype), (x_q, x_scale, values, scale)
 
 
-fp8_operand.defvjp(_fp8_operand_forward, _fp8_operand_gradient)
+def _fp8_backward(subscripts, out, tensor, residuals, gradient):
+    x_q, x_scale, values, scale = residuals
+    g_format = gradient_format(values.dtype.name)
+    g_scale = _current_scale(amax(gradient), g_format, gradient.dtype)
+    g_q = to_format(gradient.astype(jnp.float32) / g_scale, g_format)
+    inputs, result = subscripts.replace(" ", "").split("->")
+    x_letters, w_letters = inputs.split(",")
+    dx = transposed_einsum(f"{result},{w_letters}->{x_letters}", g_q, values, x_q, g_scale * scale, gradient.dtype)
+    dw = transposed_einsum(f"{x_letters},{result}->{w_letters}", x_q, g_q, values, x_scale * g_scale,
+                           gradient.dtype)
+    return dx, None, None, dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def fp8_gradient(y: jax.Array, format_name: str) -> jax.Array:
-    """A matmul's output, unchanged; the gradient arriving at it rounded to `format_name` (e5m2) with its current
-    scale (one per shard, `_round_trip`), so that both gradient matmuls read an 8-bit operand."""
-    return y
-
-
-def _fp8_gradient_forward(y, format_name):
-    return y, None
-
-
-def _fp8_gradient_gradient(format_name, _, gradient):
-    return (_round_trip(gradient, format_name),)
-
-
-fp8_gradient.defvjp(_fp8_gradient_forward, _fp8_gradient_gradient)
+_fp8_einsum.defvjp(_fp8_forward, _fp8_backward)

@@ -31,6 +31,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import StarscreamError
+from ..model.decoder import split_layer_weights
 from ..model.paged import KERNELS, PAGES, SCALES, init_page_scales, init_pages
 from ..model.quantize import WEIGHT_FORMATS, check_format, held_as_read
 from ..sharding.apply import Placement, activation_spec, param_shardings, use_layout
@@ -133,7 +134,7 @@ class Engine:
         params = held_as_read(params, c.dtype)  # float weights in the compute dtype, 8-bit ones as stored
         if mesh is not None:
             params = jax.device_put(params, param_shardings(params, self.layouts["decode"], mesh))
-        self.params = params
+        self.params = split_layer_weights(params)  # the paged step runs the layers one after another
         self.pages = self._empty_pages()
         self._steps = {phase: paged_step(self.graphdef, config.kernel, decode=phase == "decode",
                                          under=None if mesh is None else Placement(self.layouts[phase], mesh))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -170,7 +170,7 @@ def weight_spec(names: LogicalNames, shape, tensor: str = "weight") -> Partition
 
 
 def weight(value: jax.Array, names: LogicalNames, dtype=None, tensor: str = "weight",
-           summed_over: frozenset[str] | None = None, wire: Wire | None = None) -> jax.Array:
+           summed_over: frozenset[str] | None = None) -> jax.Array:
     """A weight as a matmul uses it: cast to `dtype` first (fewer bytes to move), then resharded from its stored
     placement to the layout's `weights` rules (an all-gather inside the GPU under starscream_tp).
 
@@ -180,36 +180,43 @@ def weight(value: jax.Array, names: LogicalNames, dtype=None, tensor: str = "wei
     where XLA would run one all-reduce over both levels at once. Otherwise XLA's one reduction stays on one level.
     `summed_over` replaces the token axes where the gradient also sums over other axes (a per-head scale applied to
     heads split over GPUs).
-
-    `wire` (a `Wire`, e.g. fp8 training's `quantize.Fp8Wire`): the weight is encoded where it is stored, moved in
-    its encoded form (the gather carries 8-bit values) and decoded at use into `wire.dtype`; its gradient passes
-    straight through the encoding (as if it were exact) and is summed as above, in the gradient's own dtype.
     """
     if dtype is not None:
         value = value.astype(dtype)
+    move = _move(value, names, tensor, summed_over)
+    if move.mesh is None and not move.summed_over:
+        return value if move.use is None else reshard(value, move.use)
+    return _at_use(value, move)
+
+
+def encoded_weight(value: jax.Array, names: LogicalNames, dtype, tensor: str,
+                   encode: Callable[[jax.Array], tuple[jax.Array, jax.Array]]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A weight as a matmul that reads its encoded form uses it (fp8 training's `quantize.fp8_einsum`): `encode`d
+    where it is stored (value in `dtype` -> its values and a replicated scale), then (the encoded values at use,
+    moved in that form and typed as `weight` types its result; the scale; the weight at use in `dtype` as `weight`
+    returns it, the anchor through which the matmul's weight gradient returns to the stored weight, summed as
+    `weight` sums it). Neither the values nor the scale carry a gradient, and the anchor's value is never read, so
+    XLA computes no float copy of the weight at use."""
+    value = value.astype(dtype)
+    move = _move(value, names, tensor, None)
+    values, scale = encode(jax.lax.stop_gradient(value))
+    return move.typed(move.placed(values)), scale, _at_use(value, move)
+
+
+def _move(value: jax.Array, names: LogicalNames, tensor: str, summed_over: frozenset[str] | None) -> _Move:
+    """The way of a stored weight `value` to its use under the active layout (see `weight`)."""
     current = active()
     if current is None:
-        return value if wire is None else _at_use(value, _Move(), wire)
+        return _Move()
     spec = weight_spec(names, value.shape, tensor)
     if current.auto:
         stored = resolve(names, value.shape, current.layout.params, current.mesh, tensor,
                          f"param rules of {current.layout.name}")
-        return _at_use(value, _Move(spec, stored, mesh=current.mesh), wire)
+        return _Move(spec, stored, mesh=current.mesh)
     summed_over = (_token_axes(current) if summed_over is None else summed_over) - spec_axes(spec)
     if not _inside_and_across_gpus(summed_over, current.mesh):
         summed_over = frozenset()
-        if wire is None:
-            return reshard(value, spec)
-    return _at_use(value, _Move(spec, jax.typeof(value).sharding.spec, summed_over), wire)
-
-
-class Wire(Protocol):
-    """How `weight` moves a weight in another form than it is used in: `encode` where it is stored (-> the values
-    to move and a replicated scale), `decode` where it is used. Hashable (a frozen dataclass)."""
-
-    def encode(self, value: jax.Array) -> tuple[jax.Array, jax.Array]: ...
-
-    def decode(self, values: jax.Array, scale: jax.Array) -> jax.Array: ...
+    return _Move(spec, jax.typeof(value).sharding.spec, summed_over)
 
 
 @dataclass(frozen=True)
@@ -250,20 +257,17 @@ class _Move:
         return reshard(reshard(gradient, self.stored.update(unreduced=across_gpus)), self.stored)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _at_use(value, move: _Move, wire: Wire | None):
-    """`value` moved to its use (`_Move`), through `wire` when given; the gradient `move.backward`."""
-    if wire is None:
-        return move.typed(move.placed(value))
-    values, scale = wire.encode(value)
-    return move.typed(wire.decode(move.placed(values), scale))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _at_use(value, move: _Move):
+    """`value` moved to its use (`_Move`); the gradient `move.backward`."""
+    return move.typed(move.placed(value))
 
 
-def _at_use_forward(value, move, wire):
-    return _at_use(value, move, wire), None
+def _at_use_forward(value, move):
+    return _at_use(value, move), None
 
 
-def _at_use_gradient(move, wire, _, gradient):
+def _at_use_gradient(move, _, gradient):
     return (move.backward(gradient),)
 
 
@@ -287,16 +291,6 @@ def amax(x: jax.Array) -> jax.Array:
         return local(x)
     return jax.shard_map(lambda shard: hierarchical_psum(local(shard), axes, jax.lax.pmax), in_specs=(spec,),
                          out_specs=PartitionSpec())(x)
-
-
-def per_shard(fn, x: jax.Array) -> jax.Array:
-    """`fn` (shape- and dtype-preserving) applied to each device's shard of x under an Explicit layout, with no
-    communication, the result placed as x is; `fn(x)` outside a layout and on Auto axes (whole)."""
-    current = active()
-    if current is None or current.auto:
-        return fn(x)
-    spec = jax.typeof(x).sharding.spec
-    return jax.shard_map(fn, in_specs=(spec,), out_specs=spec)(x)
 
 
 def _token_axes(current: Placement) -> frozenset[str]:
@@ -380,10 +374,11 @@ def token_mean(x: jax.Array, names: LogicalNames, tensor: str = "token mean") ->
     return jnp.mean(reshard(per_sequence, PartitionSpec(across_gpus)))
 
 
-def einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, out: LogicalNames, tensor: str = "einsum") -> jax.Array:
+def einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, out: LogicalNames, tensor: str = "einsum",
+           preferred_element_type=None) -> jax.Array:
     """`jnp.einsum` (explicit "...->..." form) whose result is placed by the active layout's rule for the logical
     names `out`: a contraction over a sharded dimension all-reduces, or reduce-scatters when `out` shards another
-    dimension over the reduced axis."""
+    dimension over the reduced axis. `preferred_element_type`: the result's dtype (that of 8-bit operands' GEMMs)."""
     inputs, result = subscripts.replace(" ", "").split("->")
     sizes = {}
     for letters, operand in zip(inputs.split(","), (lhs, rhs)):
@@ -391,8 +386,26 @@ def einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, out: LogicalNames, t
     shape = tuple(sizes[letter] for letter in result)
     spec = activation_spec(out, shape, tensor)
     if spec is not None and active().auto:
-        return placed_as(jnp.einsum(subscripts, lhs, rhs), spec)
-    return jnp.einsum(subscripts, lhs, rhs, out_sharding=spec)
+        return placed_as(jnp.einsum(subscripts, lhs, rhs, preferred_element_type=preferred_element_type), spec)
+    return jnp.einsum(subscripts, lhs, rhs, out_sharding=spec, preferred_element_type=preferred_element_type)
+
+
+def transposed_einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, like: jax.Array, scale: jax.Array,
+                      dtype) -> jax.Array:
+    """`jnp.einsum(subscripts, lhs, rhs)` in `dtype`, times the replicated scalar `scale`: the gradient of an operand
+    of another matmul (a hand-written transpose: fp8 training's `quantize.fp8_einsum`), placed as `like` (an array
+    typed as that operand) and unreduced over the axes `like` is typed reduced over, as autodiff's own transpose
+    leaves that gradient (a split contraction otherwise sums here). Placed by XLA on Auto axes and outside a
+    layout."""
+    current = active()
+    if current is None or current.auto:
+        return jnp.einsum(subscripts, lhs, rhs, preferred_element_type=dtype) * scale.astype(dtype)
+    spec = jax.typeof(like).sharding.spec
+    product = jnp.einsum(subscripts, lhs, rhs, preferred_element_type=dtype,
+                         out_sharding=spec.update(reduced=frozenset(), unreduced=spec.reduced))
+    if spec.reduced:  # an unreduced product scales by a scalar typed reduced over the same axes
+        scale = reshard(scale, PartitionSpec(reduced=spec.reduced))
+    return product * scale.astype(dtype)
 
 
 def param(value: jax.Array, names: LogicalNames) -> nnx.Param:

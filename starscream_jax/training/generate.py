@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import StarscreamError
-from ..model.decoder import cache_shardings, decode_holds_cache_per_layer, split_cache
+from ..model.decoder import cache_shardings, decode_holds_cache_per_layer, split_cache, split_layer_weights
 from ..model.quantize import held_as_read
 from ..sharding.apply import Placement, batch_sharding, param_shardings, placed, token_sharding
 from ..sharding.layouts import PHASE_DEFAULTS, Layout, fit_batch, positions_multiple
@@ -99,6 +99,7 @@ def generate(model, prompt_BP, max_new_tokens: int, sampling: Sampling = Samplin
             token_B = jax.device_put(token_B, token_sharding(decode_layout, mesh, batch))
         if decode_holds_cache_per_layer(config):  # decode runs no layer loop
             cache = jax.jit(split_cache)(cache)
+            params = split_layer_weights(params)
         new_tokens = [token_B]
         eight_bit = bool(config.weight_format or config.kv_format)
         compiled_decode = decode_step(graphdef, sampling, under=placement(decode_layout), eight_bit=eight_bit).lower(

@@ -2,6 +2,7 @@
 its float model, and every decode layout against the unsharded quantized model."""
 import functools
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -10,20 +11,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec
 from safetensors.numpy import load_file
 
 from starscream_jax.errors import CheckpointError, PresetError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.hardware.presets import load_chip
 from starscream_jax.model.config import load_model_config
-from starscream_jax.model.decoder import abstract_model, to_fnuz
+from starscream_jax.model.decoder import (abstract_model, create_sharded_model, init_cache, split_cache,
+                                          split_layer_weights, to_fnuz)
 from starscream_jax.model.hf_checkpoint import load_hf_model
 from starscream_jax.model.ops import attention
 from starscream_jax.model.quantize import Scaled, dequantize, largest, quantize, quantize_cache_entry, scale_names
-from starscream_jax.sharding.apply import batch_sharding, param_shardings, param_specs, use_layout
+from starscream_jax.sharding.apply import (Placement, batch_sharding, param_shardings, param_specs, token_sharding,
+                                          use_layout)
 from starscream_jax.sharding.layouts import LAYOUTS
 from starscream_jax.training.generate import generate
-from starscream_jax.training.steps import Sampling
+from starscream_jax.training.steps import Sampling, decode_step
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "hf"
 DECODE_LAYOUTS = [name for name, layout in LAYOUTS.items() if not layout.splits_sequence]
@@ -216,3 +220,28 @@ def test_generation_with_8_bit_weights_and_cache_follows_the_reference():
     np.testing.assert_array_equal(result.tokens, np.tile(expected["generated_ids"][:GREEDY_AGREEMENT], (rows, 1)))
     one = generate(model, expected["prompt_ids"][None], GREEDY_AGREEMENT, Sampling(top_p=None), mesh)
     np.testing.assert_array_equal(one.tokens, result.tokens[:1])  # prefill split by sequence, split-K decode
+
+
+def test_decode_reads_8_bit_weights_held_per_layer_without_slicing_a_stack():
+    """`split_layer_weights` under starscream_decode on 2 GPUs x 4 partitions: each layer's int8 array placed as its
+    slice of the stack was, the decode step's next tokens and cache equal the stacked weights', and the compiled step
+    slices no 8-bit stack (a GPU's converting GEMM fusion copies such slices out first, benchmarks/NOTES.md run 19)."""
+    mesh, layout = build_mesh("2x4"), "starscream_decode"
+    config = load_model_config("tiny").replace(n_layers=2, weight_format="int8", dtype="bfloat16")
+    with use_layout(layout, mesh):
+        graphdef, stacked, rest = nnx.split(create_sharded_model(config, layout, mesh), nnx.Param, ...)
+        cache = jax.jit(split_cache)(init_cache(config, 8, 16))
+    held = split_layer_weights(stacked)
+    layers = held["layers"]["wq"].get_value()
+    assert len(layers) == 2 and layers[0].sharding.spec == PartitionSpec(*stacked["layers"]["wq"].get_value().sharding.spec[1:])
+    token_B = jax.device_put(jnp.arange(8, dtype=jnp.int32), token_sharding(layout, mesh, 8))
+    step = decode_step(graphdef, Sampling(top_p=None), under=Placement.of(layout, mesh), eight_bit=True)
+    results = {}
+    for name, params in (("stacked", stacked), ("held", held)):
+        compiled = step.lower(params, rest, cache, token_B, jnp.int32(3)).compile()
+        results[name] = compiled(params, rest, jax.tree.map(jnp.copy, cache), token_B, jnp.int32(3))
+        results[name + " slices"] = len(re.findall(r"= s8\[[^\]]*\]\S* (?:dynamic-)?slice\(", compiled.as_text()))
+    np.testing.assert_array_equal(results["held"][0], results["stacked"][0])
+    for got, expected in zip(jax.tree.leaves(results["held"][1]), jax.tree.leaves(results["stacked"][1])):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, np.float32))
+    assert results["stacked slices"] > 0 and results["held slices"] == 0, results

@@ -22,8 +22,8 @@ from starscream_jax.errors import CheckpointError, PresetError, StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.hardware.presets import load_chip
 from starscream_jax.model.config import load_model_config
-from starscream_jax.model.decoder import Transformer, create_sharded_model
-from starscream_jax.model.quantize import fp8_gradient, fp8_operand
+from starscream_jax.model.decoder import Transformer, create_sharded_model, next_token_loss
+from starscream_jax.model.quantize import fp8_einsum, fp8_weight, largest
 from starscream_jax.sharding.apply import Placement, batch_sharding, use_layout
 from starscream_jax.training.config import TrainConfig
 from starscream_jax.training.loop import check_resumable, resume_changes
@@ -91,17 +91,60 @@ def test_fp8_training_reaches_the_bfloat16_loss_within_one_percent(fp8_run):
         assert leaf.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(leaf)))
 
 
-def test_an_fp8_operand_is_rounded_to_e4m3_and_its_gradient_passes_straight_through():
-    x = jax.random.normal(jax.random.key(0), (4, 64)) * 3
-    rounded, pullback = jax.vjp(lambda v: fp8_operand(v, "float8_e4m3fn"), x)
-    scale = float(jnp.max(jnp.abs(x))) / 448
-    np.testing.assert_array_equal(rounded, (x / scale).astype(jnp.float8_e4m3fn).astype(jnp.float32) * scale)
-    assert 0 < float(jnp.max(jnp.abs(rounded - x) / jnp.abs(x))) <= 2 ** -4
-    np.testing.assert_array_equal(pullback(jnp.ones_like(x))[0], jnp.ones_like(x))
-    g = jax.random.normal(jax.random.key(1), (4, 64))
-    _, pullback = jax.vjp(lambda v: fp8_gradient(v, "float8_e5m2"), x)
-    g_scale = float(jnp.max(jnp.abs(g))) / 57344
-    np.testing.assert_array_equal(pullback(g)[0], (g / g_scale).astype(jnp.float8_e5m2).astype(jnp.float32) * g_scale)
+def _rounded(value: jax.Array, format_name: str) -> jax.Array:
+    """value on `format_name`'s grid with its current per-tensor scale, in float32."""
+    scale = jnp.max(jnp.abs(value)) / largest(format_name)
+    return (value / scale).astype(format_name).astype(jnp.float32) * scale
+
+
+def test_an_fp8_einsum_reads_8_bit_operands_forward_and_backward():
+    """Forward: x in e4m3 (its current scale) times the weight's e4m3 values; backward: the gradient in e5m2 times
+    each forward operand, as the exact products of those rounded operands; the lowered program's three dots take
+    the 8-bit values themselves (a dot of dequantized operands would not run as an fp8 GEMM)."""
+    x = jax.random.normal(jax.random.key(0), (16, 64)) * 3
+    w = jax.random.normal(jax.random.key(1), (64, 32))
+    g = jax.random.normal(jax.random.key(2), (16, 32)) * 1e-3
+
+    def project(x, w):
+        return fp8_einsum("bd,dn->bn", x, fp8_weight(w, ("embed", "mlp"), "float8_e4m3fn", "float32", "w"),
+                          ("batch", "mlp"), "w")
+
+    y, pullback = jax.vjp(project, x, w)
+    x8, w8, g8 = _rounded(x, "float8_e4m3fn"), _rounded(w, "float8_e4m3fn"), _rounded(g, "float8_e5m2")
+    assert float(jnp.max(jnp.abs(x8 - x))) > 0 and float(jnp.max(jnp.abs(g8 - g))) > 0
+    dx, dw = pullback(g)
+    np.testing.assert_allclose(y, x8 @ w8, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dx, g8 @ w8.T, rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(dw, x8.T @ g8, rtol=1e-5, atol=1e-7)
+    def forward_and_backward(x, w, g):
+        y, pullback = jax.vjp(project, x, w)
+        return y, pullback(g)
+
+    lowered = jax.jit(forward_and_backward).lower(x, w, g).as_text()
+    dots = re.findall(r"stablehlo.dot_general %\S+, %\S+, .*?: \((tensor<[^>]*>), (tensor<[^>]*>)\)", lowered)
+    assert len(dots) == 3 and all("f8E" in lhs and "f8E" in rhs for lhs, rhs in dots), dots
+
+
+@pytest.mark.parametrize("layout, mesh", [("starscream_tp", "2x2x2"), ("starscream_fsdp", "2x4")])
+def test_sharded_fp8_gradients_equal_the_unsharded_ones(layout, mesh):
+    """The fp8 matmuls' hand-written backward placed by the layout: the gradient of every parameter equals the
+    unsharded fp8 model's (one scale per tensor, so every device rounds alike), with the tokens split over GPUs and
+    their partitions (the weight gradients' two-stage sum) or the weights split where stored."""
+    config = CONFIG.replace(dtype="float32", matmul_format="float8_e4m3fn")
+    tokens = _batches(1)[0]
+    expected = _gradients(Transformer(config, rngs=nnx.Rngs(0)), tokens)
+    mesh = build_mesh(mesh)
+    with use_layout(layout, mesh):
+        got = _gradients(create_sharded_model(config, layout, mesh),
+                         jax.device_put(tokens, batch_sharding(layout, mesh, tokens.shape[0])))
+    for (path, want), have in zip(jax.tree.leaves_with_path(expected), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(have), np.asarray(want), rtol=2e-3, atol=1e-6, err_msg=str(path))
+
+
+def _gradients(model, tokens):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    loss = lambda params, rest, tokens: next_token_loss(nnx.merge(graphdef, params, rest), tokens)  # noqa: E731
+    return jax.jit(jax.grad(loss))(params, rest, tokens)
 
 
 def test_the_fp8_step_under_starscream_tp_gathers_8_bit_weights_hierarchically(fp8_run):
