@@ -97,8 +97,8 @@ def bytes_read_per_step(params, config, batch: int, cache_length: int) -> dict:
         names = variable.get_metadata(LOGICAL_AXES)
         if names == ("vocab", "embed") and not config.tie_embeddings:
             weights += batch * value.shape[1] * value.dtype.itemsize  # only the looked-up rows
-        else:
-            weights += value.nbytes
+        else:  # a weight held per layer (decoder.split_layer_weights) is a tuple of arrays
+            weights += sum(part.nbytes for part in jax.tree.leaves(value))
     cache = sum(entry.size * entry.dtype.itemsize
                 for entry in cache_entries(config.replace(dtype="bfloat16"), batch, cache_length).values())
     return {"weights": weights, "kv_cache": cache}

@@ -55,6 +55,7 @@ from .quantize import (
     SCALE_SUFFIX,
     Fp8Weight,
     Scaled,
+    activation_scale,
     fp8_einsum,
     fp8_weight,
     ocp_to_fnuz,
@@ -435,12 +436,13 @@ def _values(w: jax.Array | Scaled | Fp8Weight) -> jax.Array:
 
 
 def _matmul(subscripts: str, x: jax.Array, w: jax.Array | Scaled | Fp8Weight, out: tuple[str, ...],
-            tensor: str) -> jax.Array:
+            tensor: str, x_scale: jax.Array | None = None) -> jax.Array:
     """`einsum(subscripts, x, w)` placed by `out`; for an 8-bit weight (x @ values) * scale, the values converted to
     x's dtype as the matmul reads them and the scale (over the output's trailing axes, or one number) placed as the
-    output is; in fp8 training fp8 GEMMs forward and backward (`quantize.fp8_einsum`)."""
+    output is; in fp8 training fp8 GEMMs forward and backward (`quantize.fp8_einsum`; `x_scale`: x's e4m3 scale
+    where it was taken before x was typed as a shared input, `_fp8_scale`)."""
     if isinstance(w, Fp8Weight):
-        return fp8_einsum(subscripts, x, w, out, tensor)
+        return fp8_einsum(subscripts, x, w, out, tensor, x_scale)
     if not isinstance(w, Scaled):
         return einsum(subscripts, x, w, out, tensor)
     y = einsum(subscripts, x, w.values.astype(x.dtype), out, tensor)
@@ -449,14 +451,20 @@ def _matmul(subscripts: str, x: jax.Array, w: jax.Array | Scaled | Fp8Weight, ou
 
 
 def _project(scope: str, subscripts: str, x: jax.Array, w: jax.Array | Scaled | Fp8Weight, out: tuple[str, ...],
-             c: ModelConfig) -> jax.Array:
+             c: ModelConfig, x_scale: jax.Array | None = None) -> jax.Array:
     """One projection `einsum(subscripts, x, w)` of x [B, S, ...] placed by `out` ([B, S, ...]), under the named
     scope `scope` (`_matmul`); on rows padded with zeros where the backend policy pads it (`_padded_rows`)."""
     with jax.named_scope(scope):
         rows = _padded_rows(x, _values(w))
         if rows:
             return _padded_matmul(subscripts, x, w, out, scope, rows)
-        return _matmul(subscripts, x, w, out, scope)
+        return _matmul(subscripts, x, w, out, scope, x_scale)
+
+
+def _fp8_scale(c: ModelConfig, x: jax.Array) -> jax.Array | None:
+    """In fp8 training, the e4m3 scale of a projections' input x (`quantize.activation_scale`), taken before x is
+    typed as the shared input of several matmuls (`shared_input`), once for all of them; None otherwise."""
+    return activation_scale(x, c.matmul_format) if c.matmul_format else None
 
 
 def _padded_rows(x: jax.Array, w: jax.Array) -> int:
@@ -644,15 +652,17 @@ def _qkv(c: ModelConfig, h_BSD, w):
         wq_DHE = _used("qkv", c, w, "wq", ("embed", "heads", "head_dim"))
         wk_DKE = _used("qkv", c, w, "wk", ("embed", "kv_heads", "head_dim"))
         wv_DKE = _used("qkv", c, w, "wv", ("embed", "kv_heads", "head_dim"))
+        h_scale = _fp8_scale(c, h_BSD)
         h_BSD = shared_input(h_BSD, [_values(wq_DHE), _values(wk_DKE), _values(wv_DKE)])
-        return (_project("qkv", "bsd,dhe->bshe", h_BSD, wq_DHE, ATTN_Q, c),
-                _project("qkv", "bsd,dke->bske", h_BSD, wk_DKE, ATTN_KV, c),
-                _project("qkv", "bsd,dke->bske", h_BSD, wv_DKE, ATTN_KV, c))
+        return (_project("qkv", "bsd,dhe->bshe", h_BSD, wq_DHE, ATTN_Q, c, h_scale),
+                _project("qkv", "bsd,dke->bske", h_BSD, wk_DKE, ATTN_KV, c, h_scale),
+                _project("qkv", "bsd,dke->bske", h_BSD, wv_DKE, ATTN_KV, c, h_scale))
     with jax.named_scope("qkv"):
         stacked_DKCE = jnp.concatenate([_by_kv_head(w["wq"], K), w["wk"][:, :, None], w["wv"][:, :, None]], axis=2)
         w_DKCE = _weight_at_use(c, stacked_DKCE, ("embed", "kv_heads", None, "head_dim"), "wq|wk|wv")
+        h_scale = _fp8_scale(c, h_BSD)
         h_BSD = shared_input(h_BSD, [_values(w_DKCE)])
-        qkv_BSKCE = _matmul("bsd,dkce->bskce", h_BSD, w_DKCE, (*ATTN_KV[:3], None, ATTN_KV[3]), "qkv")
+        qkv_BSKCE = _matmul("bsd,dkce->bskce", h_BSD, w_DKCE, (*ATTN_KV[:3], None, ATTN_KV[3]), "qkv", h_scale)
     B, S = h_BSD.shape[:2]
     q_BSHE = constrain(qkv_BSKCE[:, :, :, :G].reshape(B, S, H, E), ATTN_Q, "queries")
     return q_BSHE, qkv_BSKCE[:, :, :, G], qkv_BSKCE[:, :, :, G + 1]
@@ -668,14 +678,16 @@ def _gate_up(c: ModelConfig, h_BSD, w):
     names, out = ("embed", "mlp"), ("batch", "seq", "mlp")
     if not _fuses(c, h_BSD):
         w_gate, w_up = _used("gate_up", c, w, "w_gate", names), _used("gate_up", c, w, "w_up", names)
+        h_scale = _fp8_scale(c, h_BSD)
         h_BSD = shared_input(h_BSD, [_values(w_gate), _values(w_up)])
-        return (_project("gate_up", "bsd,df->bsf", h_BSD, w_gate, out, c),
-                _project("gate_up", "bsd,df->bsf", h_BSD, w_up, out, c))
+        return (_project("gate_up", "bsd,df->bsf", h_BSD, w_gate, out, c, h_scale),
+                _project("gate_up", "bsd,df->bsf", h_BSD, w_up, out, c, h_scale))
     with jax.named_scope("gate_up"):
         stacked_DTF = jnp.stack([w["w_gate"], w["w_up"]], axis=1)
         used_DTF = _weight_at_use(c, stacked_DTF, ("embed", None, "mlp"), "w_gate|w_up")
+        h_scale = _fp8_scale(c, h_BSD)
         h_BSD = shared_input(h_BSD, [_values(used_DTF)])
-        both_BSTF = _matmul("bsd,dtf->bstf", h_BSD, used_DTF, ("batch", "seq", None, "mlp"), "gate_up")
+        both_BSTF = _matmul("bsd,dtf->bstf", h_BSD, used_DTF, ("batch", "seq", None, "mlp"), "gate_up", h_scale)
     return both_BSTF[:, :, 0], both_BSTF[:, :, 1]
 
 

@@ -190,7 +190,14 @@ def fp8_weight(value: jax.Array, names: tuple[str, ...], format_name: str, dtype
     return Fp8Weight(*encoded_weight(value, names, dtype, tensor, encode))
 
 
-def fp8_einsum(subscripts: str, x: jax.Array, w: Fp8Weight, out: tuple[str, ...], tensor: str) -> jax.Array:
+def activation_scale(x: jax.Array, format_name: str) -> jax.Array:
+    """The current scale of activation x in `format_name`: max |x| over the whole tensor (`amax`) over the format's
+    largest value, float32, replicated, without a gradient."""
+    return _current_scale(amax(jax.lax.stop_gradient(x)), format_name, x.dtype)
+
+
+def fp8_einsum(subscripts: str, x: jax.Array, w: Fp8Weight, out: tuple[str, ...], tensor: str,
+               x_scale: jax.Array | None = None) -> jax.Array:
     """`sharding.apply.einsum(subscripts, x, w)` (placed by `out`) as fp8 GEMMs: the forward reads x in e4m3 (its
     current per-tensor scale, `amax` over the whole tensor) and the weight's e4m3 values; the backward quantizes the
     arriving gradient to the matching e5m2 format (current per-tensor scale) and reads it with the same 8-bit
@@ -199,17 +206,20 @@ def fp8_einsum(subscripts: str, x: jax.Array, w: Fp8Weight, out: tuple[str, ...]
     over a split contraction). The 8-bit operands reach the dots themselves (XLA:GPU runs a dot of 8-bit operands
     as an fp8 GEMM, cuBLASLt / hipBLASLt, and the forward keeps x in 8 bits for the backward); a pattern of
     quantize, convert back and dot is not one: XLA folds the round trip through 8 bits away. Gradients pass
-    straight through the rounding (as if exact) and are float in x's dtype."""
-    return _fp8_einsum(subscripts, tuple(out), tensor, x, w.values, w.scale, w.anchor)
+    straight through the rounding (as if exact) and are float in x's dtype. `x_scale`: x's scale
+    (`activation_scale`) where the caller took it, as it must for an x typed `reduced` (a shared input, whose
+    maximum no mesh reduction can take)."""
+    if x_scale is None:
+        x_scale = activation_scale(x, w.values.dtype.name)
+    return _fp8_einsum(subscripts, tuple(out), tensor, x, x_scale, w.values, w.scale, w.anchor)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _fp8_einsum(subscripts, out, tensor, x, values, scale, anchor):
-    return _fp8_forward(subscripts, out, tensor, x, values, scale, anchor)[0]
+def _fp8_einsum(subscripts, out, tensor, x, x_scale, values, scale, anchor):
+    return _fp8_forward(subscripts, out, tensor, x, x_scale, values, scale, anchor)[0]
 
 
-def _fp8_forward(subscripts, out, tensor, x, values, scale, anchor):
-    x_scale = _current_scale(amax(x), values.dtype.name, x.dtype)
+def _fp8_forward(subscripts, out, tensor, x, x_scale, values, scale, anchor):
     x_q = to_format(x.astype(jnp.float32) / x_scale, values.dtype.name)
     y = einsum(subscripts, x_q, values, out, tensor, preferred_element_type=x.dtype)
     return y * (x_scale * scale).astype(x.dtype), (x_q, x_scale, values, scale)
@@ -218,14 +228,14 @@ def _fp8_forward(subscripts, out, tensor, x, values, scale, anchor):
 def _fp8_backward(subscripts, out, tensor, residuals, gradient):
     x_q, x_scale, values, scale = residuals
     g_format = gradient_format(values.dtype.name)
-    g_scale = _current_scale(amax(gradient), g_format, gradient.dtype)
+    g_scale = activation_scale(gradient, g_format)
     g_q = to_format(gradient.astype(jnp.float32) / g_scale, g_format)
     inputs, result = subscripts.replace(" ", "").split("->")
     x_letters, w_letters = inputs.split(",")
     dx = transposed_einsum(f"{result},{w_letters}->{x_letters}", g_q, values, x_q, g_scale * scale, gradient.dtype)
     dw = transposed_einsum(f"{x_letters},{result}->{w_letters}", x_q, g_q, values, x_scale * g_scale,
                            gradient.dtype)
-    return dx, None, None, dw
+    return dx, None, None, None, dw
 
 
 _fp8_einsum.defvjp(_fp8_forward, _fp8_backward)
