@@ -55,7 +55,7 @@ from .quantize import (
     SCALE_SUFFIX,
     Fp8Weight,
     Scaled,
-    activation_scale,
+    tensor_scale,
     fp8_einsum,
     fp8_weight,
     ocp_to_fnuz,
@@ -462,9 +462,9 @@ def _project(scope: str, subscripts: str, x: jax.Array, w: jax.Array | Scaled | 
 
 
 def _fp8_scale(c: ModelConfig, x: jax.Array) -> jax.Array | None:
-    """In fp8 training, the e4m3 scale of a projections' input x (`quantize.activation_scale`), taken before x is
+    """In fp8 training, the e4m3 scale of a projections' input x (`quantize.tensor_scale`), taken before x is
     typed as the shared input of several matmuls (`shared_input`), once for all of them; None otherwise."""
-    return activation_scale(x, c.matmul_format) if c.matmul_format else None
+    return tensor_scale(x, c.matmul_format) if c.matmul_format else None
 
 
 def _padded_rows(x: jax.Array, w: jax.Array) -> int:

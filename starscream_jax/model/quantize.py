@@ -184,16 +184,21 @@ def fp8_weight(value: jax.Array, names: tuple[str, ...], format_name: str, dtype
     """Stored weight `value` (logical `names`) as fp8 training's `fp8_einsum` reads it: quantized to `format_name`
     where it is stored with its current per-tensor scale, gathered in 8 bits."""
     def encode(stored: jax.Array) -> tuple[jax.Array, jax.Array]:
-        scale = _current_scale(amax(stored), format_name, dtype)
-        return to_format(stored.astype(jnp.float32) / scale, format_name), scale
+        scale = tensor_scale(stored, format_name)
+        return _scaled_into(stored, scale, format_name), scale
 
     return Fp8Weight(*encoded_weight(value, names, dtype, tensor, encode))
 
 
-def activation_scale(x: jax.Array, format_name: str) -> jax.Array:
-    """The current scale of activation x in `format_name`: max |x| over the whole tensor (`amax`) over the format's
-    largest value, float32, replicated, without a gradient."""
+def tensor_scale(x: jax.Array, format_name: str) -> jax.Array:
+    """The current scale of x in `format_name`: max |x| over the whole tensor (`amax`) over the format's largest
+    value, float32, replicated, without a gradient (`_current_scale`)."""
     return _current_scale(amax(jax.lax.stop_gradient(x)), format_name, x.dtype)
+
+
+def _scaled_into(x: jax.Array, scale: jax.Array, format_name: str) -> jax.Array:
+    """x / scale rounded into `format_name`."""
+    return to_format(x.astype(jnp.float32) / scale, format_name)
 
 
 def fp8_einsum(subscripts: str, x: jax.Array, w: Fp8Weight, out: tuple[str, ...], tensor: str,
@@ -207,10 +212,10 @@ def fp8_einsum(subscripts: str, x: jax.Array, w: Fp8Weight, out: tuple[str, ...]
     as an fp8 GEMM, cuBLASLt / hipBLASLt, and the forward keeps x in 8 bits for the backward); a pattern of
     quantize, convert back and dot is not one: XLA folds the round trip through 8 bits away. Gradients pass
     straight through the rounding (as if exact) and are float in x's dtype. `x_scale`: x's scale
-    (`activation_scale`) where the caller took it, as it must for an x typed `reduced` (a shared input, whose
+    (`tensor_scale`) where the caller took it, as it must for an x typed `reduced` (a shared input, whose
     maximum no mesh reduction can take)."""
     if x_scale is None:
-        x_scale = activation_scale(x, w.values.dtype.name)
+        x_scale = tensor_scale(x, w.values.dtype.name)
     return _fp8_einsum(subscripts, tuple(out), tensor, x, x_scale, w.values, w.scale, w.anchor)
 
 
@@ -220,7 +225,7 @@ def _fp8_einsum(subscripts, out, tensor, x, x_scale, values, scale, anchor):
 
 
 def _fp8_forward(subscripts, out, tensor, x, x_scale, values, scale, anchor):
-    x_q = to_format(x.astype(jnp.float32) / x_scale, values.dtype.name)
+    x_q = _scaled_into(x, x_scale, values.dtype.name)
     y = einsum(subscripts, x_q, values, out, tensor, preferred_element_type=x.dtype)
     return y * (x_scale * scale).astype(x.dtype), (x_q, x_scale, values, scale)
 
@@ -228,8 +233,8 @@ def _fp8_forward(subscripts, out, tensor, x, x_scale, values, scale, anchor):
 def _fp8_backward(subscripts, out, tensor, residuals, gradient):
     x_q, x_scale, values, scale = residuals
     g_format = gradient_format(values.dtype.name)
-    g_scale = activation_scale(gradient, g_format)
-    g_q = to_format(gradient.astype(jnp.float32) / g_scale, g_format)
+    g_scale = tensor_scale(gradient, g_format)
+    g_q = _scaled_into(gradient, g_scale, g_format)
     inputs, result = subscripts.replace(" ", "").split("->")
     x_letters, w_letters = inputs.split(",")
     dx = transposed_einsum(f"{result},{w_letters}->{x_letters}", g_q, values, x_q, g_scale * scale, gradient.dtype)
