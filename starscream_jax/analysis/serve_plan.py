@@ -21,7 +21,7 @@ import math
 
 from ..errors import StarscreamError
 from ..hardware.mesh import build_topology_mesh
-from ..serving.engine import EngineConfig, cache_shards, check_same_cache_placement
+from ..serving.engine import cache_shards, check_same_cache_placement
 from ..sharding.layouts import get_layout
 from .compile import Settings
 from .layout_report import ResultCache, inspect_layouts
@@ -123,7 +123,7 @@ def fastest_decode(decode: Settings, topology, prefill_layout: str, cache) -> tu
         mesh = build_topology_mesh(topology, data=entry["mesh"]["data"], simulate=True)[1]
         try:
             check_same_cache_placement({"prefill": get_layout(prefill_layout), "decode": get_layout(layout)}, mesh,
-                                       decode.config, EngineConfig(), cache_shards(layout, mesh))
+                                       decode.config, cache_shards(layout, mesh))
         except StarscreamError as err:
             reasons.append(str(err))
             continue

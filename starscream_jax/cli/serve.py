@@ -1,16 +1,30 @@
 """`starscream serve`: an OpenAI-compatible HTTP server (`starscream_jax.serving.server`) over a model from a Hugging
 Face directory or a training checkpoint, prefilled and decoded under the layouts given, with continuous batching over
-a paged KV cache (`starscream_jax.serving.engine`)."""
+a paged KV cache (`starscream_jax.serving.engine`) in an engine process of its own (`starscream_jax.serving.core`).
+
+The command binds its port first (a taken port is one line, before any load), starts the engine process (which
+loads the model, sizes the KV cache from the device memory left, compiles every program and prints what it chose),
+then serves HTTP from this process until SIGTERM or Ctrl-C, which drain the running requests first. If the engine
+fails, running streams end with an error, every request gets 503 and the command exits with status 1.
+"""
 from __future__ import annotations
 
 import argparse
+import functools
+import math
+import os
+import socket
+import sys
+import time
+from pathlib import Path
 
-import jax
+import msgspec
 import uvicorn
 
+from ..errors import StarscreamError
 from ..model.paged import KERNELS
-from ..serving.engine import Engine, EngineConfig, EngineThread
-from ..serving.multihost import StepBroadcast, follow
+from ..serving.client import EngineClient
+from ..serving.core import EngineProcess, ReadyEngine
 from ..serving.server import Server
 from .arguments import (
     MODEL_SOURCE_EXCLUSIVE,
@@ -21,36 +35,53 @@ from .arguments import (
     count,
     initialize_from_args,
     mesh_from_args,
+    prepare_simulation,
 )
-from .generate import load_for_generation
 
-EXCLUSIVE = MODEL_SOURCE_EXCLUSIVE
+EXCLUSIVE = MODEL_SOURCE_EXCLUSIVE + (
+    ("fake_engine", "quantize", "--fake-engine runs no model"),
+    ("fake_engine", "kv_cache", "--fake-engine runs no model"),
+)
 """(flag, flag, why only one is honoured), as dests: the model's source, as `generate` reads it."""
+STARTED = time.perf_counter()
+DEFAULT_COMPILATION_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "starscream" / "jax"
+"""Where compiled programs are kept between runs (JAX's persistent compilation cache), unless --compilation-cache."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of `starscream serve` (mesh, model, layouts, cache and batching, HTTP)."""
+    """Arguments of `starscream serve` (mesh, model, layouts, capacity and batching, HTTP)."""
     add_mesh_arguments(parser, default_preset=RUN_MESH.preset, default_gpus=RUN_MESH.gpus, default_simulate=None)
     add_distributed_arguments(parser)
     group = parser.add_argument_group("model")
     add_model_source_arguments(group)
     group.add_argument("--served-model-name", help="the model's name in the API (default: the model's own)")
-    engine = parser.add_argument_group("engine")
-    defaults = EngineConfig()
-    engine.add_argument("--page-size", type=count, default=defaults.page_size, help="positions per KV page")
-    engine.add_argument("--cache-pages", type=count, default=defaults.pages_per_shard,
-                        help="KV pages per cache shard (each partition holds one shard)")
-    engine.add_argument("--max-seqs", type=count, default=defaults.rows_per_shard,
-                        help="most sequences a cache shard runs at once")
-    engine.add_argument("--token-budget", type=count, default=defaults.token_budget, help="most tokens per step")
-    engine.add_argument("--chunk", type=count, default=defaults.chunk, help="most prompt tokens of one sequence "
-                                                                            "per step (chunked prefill)")
-    engine.add_argument("--kernel", choices=KERNELS, default=defaults.kernel, help="paged decode attention")
+    engine = parser.add_argument_group("capacity and batching (vLLM's names)")
+    engine.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
+                        help="fraction of each device's memory the server uses: the weights, the steps' working "
+                             "memory, and KV-cache pages in all the rest (default 0.9)")
+    engine.add_argument("--max-model-len", type=count, help="most positions (prompt and output) of a sequence "
+                                                            "(default: the model's context)")
+    engine.add_argument("--max-num-seqs", "--max-seqs", type=count, default=256, dest="max_num_seqs",
+                        help="most sequences running at once, over every cache shard (default 256)")
+    engine.add_argument("--max-num-batched-tokens", "--token-budget", type=count, default=2048,
+                        dest="max_num_batched_tokens", help="most tokens one step computes (default 2048)")
+    engine.add_argument("--chunk", type=count, default=512, help="most prompt tokens of one sequence per step "
+                                                                 "(chunked prefill; default 512)")
+    engine.add_argument("--page-size", type=count, default=16, help="positions per KV page (default 16)")
+    engine.add_argument("--cache-pages", type=count, help="KV pages per cache shard (each partition holds one "
+                                                          "shard), instead of sizing the cache from memory")
+    engine.add_argument("--kernel", choices=KERNELS, default="gather", help="paged decode attention")
+    engine.add_argument("--compilation-cache", default=str(DEFAULT_COMPILATION_CACHE), metavar="DIR",
+                        help="keep compiled programs here so that a restart compiles nothing ('' turns it off; "
+                             f"default {DEFAULT_COMPILATION_CACHE})")
+    engine.add_argument("--fake-engine", type=positive_float, metavar="STEP_MS",
+                        help="measure the server itself: no model, an engine that gives every running request a "
+                             "token each STEP_MS milliseconds (token ids from its prompt)")
     http = parser.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=port_number, default=8000)
-    http.add_argument("--max-pending", type=count, default=256,
-                      help="requests in flight before new ones get 429")
+    http.add_argument("--max-pending", type=count, default=1024,
+                      help="requests in flight before new ones get 429 (default 1024)")
 
 
 def port_number(text: str) -> int:
@@ -64,32 +95,150 @@ def port_number(text: str) -> int:
     return port
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(page_size=args.page_size, pages_per_shard=args.cache_pages, rows_per_shard=args.max_seqs,
-                        token_budget=args.token_budget, chunk=args.chunk, kernel=args.kernel)
+def fraction(text: str) -> float:
+    """A fraction in (0, 1], as --gpu-memory-utilization takes it."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text}: give a fraction above 0 and at most 1, such as 0.9")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text}: give a positive number of milliseconds")
+    return value
+
+
+def engine_config(args: argparse.Namespace, shards: int):
+    """The engine configuration the flags ask for, over `shards` cache shards (--max-num-seqs is split among
+    them)."""
+    from ..serving.engine import EngineConfig
+
+    return EngineConfig(page_size=args.page_size, pages_per_shard=args.cache_pages,
+                        rows_per_shard=math.ceil(args.max_num_seqs / shards),
+                        token_budget=args.max_num_batched_tokens, chunk=args.chunk, kernel=args.kernel,
+                        max_model_len=args.max_model_len, memory_utilization=args.gpu_memory_utilization)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound now (before the model loads) so that a taken port is found at once."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as err:
+        raise StarscreamError(f"cannot listen on {host}:{port} ({err.strerror or err}); pick another --port or "
+                              "stop the process that holds it") from None
+    sock.set_inheritable(False)
+    return sock
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the model, start the engine, serve until SIGTERM or Ctrl-C (then drain). Returns 0. Over a mesh spanning
-    processes (--coordinator ...), process 0 serves and schedules and the others run its steps
-    (`serving.multihost`)."""
+    """Bind, start the engine process, serve until SIGTERM or Ctrl-C (then drain). Returns 0, or 1 after an engine
+    failure. Over a mesh spanning processes (--coordinator ...), process 0 serves and schedules and the others run
+    its steps (`serving.multihost`): their command only waits for the engine process."""
+    follower = args.process_id not in (None, 0)
+    sock = None if follower else bind(args.host, args.port)
+    build = functools.partial(build_fake_engine if args.fake_engine else build_engine, args)
+    engine = EngineProcess(build, None if args.fake_engine else args.gpu_memory_utilization)
+    ready = engine.start()
+    if ready is None:
+        if sock is not None:
+            sock.close()
+        return 0 if engine.stop(timeout=None) == 0 else 1
+    info, tokenizer = ready
+    failed = []
+
+    def engine_failed():
+        failed.append(True)
+        http.should_exit = True
+
+    client = EngineClient(engine.addresses, engine.alive)
+    name = info.model_name
+    server = Server(client, tokenizer, name, info, args.max_pending, on_engine_failure=engine_failed)
+    http = uvicorn.Server(uvicorn.Config(server.app(), log_level="warning"))
+    host, port = sock.getsockname()[:2]
+    print(f"starscream serve: {name} ready in {time.perf_counter() - STARTED:.0f} s; http://{host}:{port}/v1",
+          flush=True)
+    http.run(sockets=[sock])
+    status = engine.stop(timeout=60)
+    return 1 if failed or status not in (0, None) else 0
+
+
+
+def build_engine(args: argparse.Namespace) -> ReadyEngine:
+    """In the engine process: join the processes of the mesh, load the model, size the cache, compile every
+    program (printing what was chosen), and give the engine with its tokenizer."""
+    import jax
+
+    from ..serving.engine import Engine, cache_shards
+    from ..serving.multihost import StepBroadcast
+    from .generate import load_for_generation
+
+    if args.compilation_cache:
+        jax.config.update("jax_compilation_cache_dir", str(Path(args.compilation_cache).expanduser()))
+    prepare_simulation(args)
     initialize_from_args(args)
     topology, mesh = mesh_from_args(args)
     model, source, tokenizer = load_for_generation(args, mesh, topology.preset.chip)
     channel = StepBroadcast() if jax.process_count() > 1 else None  # a mesh spanning processes: 0 schedules
-    engine = Engine(model, engine_config(args), mesh, args.prefill_layout, args.decode_layout, tokenizer.decode,
-                    channel)
-    if channel is not None and not channel.leader:
-        follow(engine)  # run process 0's steps until it stops
-        return 0
+    shards = cache_shards(args.decode_layout, mesh)
+    engine = Engine(model, engine_config(args, shards), mesh, args.prefill_layout, args.decode_layout, channel)
+    leader = channel is None or channel.leader
     name = args.served_model_name or model.config.name
-    server = Server(EngineThread(engine), tokenizer, name, args.max_pending)
-    print(f"starscream serve: {name} from {source} on mesh {dict(mesh.shape)}, prefill {args.prefill_layout}, "
-          f"decode {args.decode_layout}; {engine.shards} cache shard(s) of {args.cache_pages} pages x "
-          f"{args.page_size} ({engine.pool_bytes / 2 ** 30:.2f} GiB of pages in "
-          f"{engine.kv_format or model.config.dtype}); at most {engine.buckets.programs()} programs; "
-          f"http://{args.host}:{args.port}/v1",
-          flush=True)
-    uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning")
-    engine.stop_followers()
-    return 0
+    if leader:
+        print(start_line(engine, name, source, mesh, args), flush=True)
+    seconds = warm_up(engine, show=leader)
+    if leader:
+        print(f"starscream serve: {engine.buckets.programs()} programs compiled in {seconds:.1f} s "
+              f"(compilation cache: {args.compilation_cache or 'off'})", flush=True)
+    return ReadyEngine(engine, tokenizer, msgspec.structs.replace(engine.info(), model_name=name), follows=not leader)
+
+
+def start_line(engine, name: str, source, mesh, args) -> str:
+    """What the server chose and why: model, mesh, layouts, the cache, the limits and the compiled shapes."""
+    size, buckets = engine.cache_size, engine.buckets
+    return (f"starscream serve: {name} from {source} on mesh {dict(mesh.shape)}, prefill {args.prefill_layout}, "
+            f"decode {args.decode_layout}\n"
+            f"  KV cache: {engine.shards} shard(s) x {size.pages_per_shard} pages x {engine.config.page_size} "
+            f"positions in {engine.kv_format or engine.model_config.dtype}, {engine.pool_bytes / 2 ** 30:.2f} GiB "
+            f"({size.why})\n"
+            f"  limits: {engine.config.rows_per_shard * engine.shards} sequences, context {engine.context}, "
+            f"{engine.config.token_budget} tokens per step, prompt chunks of {engine.config.chunk}\n"
+            f"  programs: decode rows per shard {list(buckets.rows)}, prefill rows {list(buckets.rows_of('prefill'))}"
+            f" x {list(buckets.positions)} positions, pages per row {list(buckets.pages)}: "
+            f"{buckets.programs()} in all")
+
+
+def warm_up(engine, show: bool) -> float:
+    """Compiles every program with a progress bar (on the leader); the seconds it took."""
+    from tqdm import tqdm
+
+    started = time.perf_counter()
+    with tqdm(total=engine.buckets.programs(), desc="compiling", unit="program", disable=not show,
+              file=sys.stderr) as bar:
+        engine.warm_up(lambda done, total: bar.update(1))
+    return time.perf_counter() - started
+
+
+def build_fake_engine(args: argparse.Namespace) -> ReadyEngine:
+    """In the engine process: the front-end benchmark's engine (no model, no device), with the tokenizer of
+    --model-dir (or the byte-level one)."""
+    from ..serving.fake import FakeEngine
+    from ..training.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model_dir)
+    engine = FakeEngine(vocab_size=tokenizer.vocab_size, context=args.max_model_len or 8192,
+                        max_num_seqs=args.max_num_seqs, step_s=args.fake_engine / 1000)
+    print(f"starscream serve: fake engine, a token per running request every {args.fake_engine} ms, at most "
+          f"{args.max_num_seqs} sequences", flush=True)
+    name = args.served_model_name or "fake"
+    return ReadyEngine(engine, tokenizer, msgspec.structs.replace(engine.info(), model_name=name))

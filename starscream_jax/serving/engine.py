@@ -2,23 +2,22 @@
 
 An `Engine` holds the parameters (placed once by the decode layout; the prefill layout stores them alike under the
 starscream layouts, so nothing is copied between phases), one page pool per layer (`model.paged`), the scheduler
-(`scheduler.Scheduler`) and the compiled paged steps (`steps.paged_step`, one per bucket, at most
-`Buckets.programs()`). `step()` runs one scheduler plan: a prefill program for the planned prompt chunks under the
-prefill layout, then a decode program for the decoding sequences under the decode layout, and returns each new
-token as a `TokenEvent`. `EngineThread` runs steps on a thread of its own while requests come and go.
+(`scheduler.Scheduler`) and the compiled paged steps (`steps.paged_step`, one per bucket, all compiled by
+`warm_up`). `step()` runs one scheduler plan: a prefill program for the planned prompt chunks under the prefill
+layout, then a decode program for the decoding sequences under the decode layout, and returns each new token as a
+`TokenEvent`. A server runs it in a process of its own (`serving.core`).
 
 Memory: the pools hold 2 * L * K * pages * page_size * E values in the compute dtype, or in an 8-bit cache
-(`EngineConfig.kv_format`) one byte each and a float32 scale per position and kv head (`Engine.pool_bytes`). The engine
-reads the weights as stored: decode runs q, k, v and gate, up as separate GEMMs (`decoder._fuses`), so no fused copy
-of any weight is held.
+(`EngineConfig.kv_format`) one byte each and a float32 scale per position and kv head (`Engine.pool_bytes`); their
+pages follow from the device memory left after the weights (`serving.capacity`) unless given. The engine reads the
+weights as stored: decode runs q, k, v and gate, up as separate GEMMs (`decoder._fuses`), so no fused copy of any
+weight is held.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import math
-import queue
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -36,29 +35,29 @@ from ..model.paged import KERNELS, PAGES, SCALES, init_page_scales, init_pages
 from ..model.quantize import WEIGHT_FORMATS, check_format, held_as_read
 from ..sharding.apply import Placement, activation_spec, param_shardings, use_layout
 from ..sharding.layouts import PHASE_DEFAULTS, get_layout
+from . import capacity
 from .multihost import StepBroadcast
-from .scheduler import Chunk, SamplingParams, Scheduler, SchedulerConfig, Sequence, check_fits
+from .protocol import EngineInfo, EngineStats
+from .scheduler import Chunk, SamplingParams, Scheduler, SchedulerConfig, Sequence, TokenEvent, check_fits
 from .steps import Buckets, RowSampling, StepInputs, paged_step
 
-
-KEEP_ALIVE_S = 10.0
-"""How often an idle engine thread tells the followers of a mesh spanning processes that it is alive: well within
-the collectives' timeouts (40 s for the CPU's)."""
 STEPS_KEPT = 100_000
 """How many of the latest steps' (phase, rows, seconds) an engine keeps (`Engine.step_seconds`, for benchmarks)."""
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """page_size: positions per page; pages_per_shard: pages of each cache shard (one is its null page);
+    """page_size: positions per page; pages_per_shard: pages of each cache shard (one is its null page; None: as
+    many as `memory_utilization` of the device memory holds after the weights, `serving.capacity`);
     rows_per_shard: most sequences a shard runs at once; token_budget: most tokens a step computes; chunk: most
     prompt tokens of one sequence per step; kernel: the paged decode attention (`model.paged.KERNELS`); buckets:
-    the compiled shapes (default `Buckets.up_to` the limits: powers of two); prefix_caching: share full prompt pages
-    by hash; kv_format: the pages' format, "" the compute dtype or an 8-bit one of `quantize.WEIGHT_FORMATS` (None:
-    the model's `kv_format`, which `--kv-cache` sets)."""
+    the compiled shapes (default `Buckets.for_limits` these limits); prefix_caching: share full prompt pages by
+    hash; kv_format: the pages' format, "" the compute dtype or an 8-bit one of `quantize.WEIGHT_FORMATS` (None:
+    the model's `kv_format`, which `--kv-cache` sets); max_model_len: most positions of a sequence (None: the
+    model's context)."""
 
     page_size: int = 16
-    pages_per_shard: int = 256
+    pages_per_shard: int | None = None
     rows_per_shard: int = 16
     token_budget: int = 512
     chunk: int = 256
@@ -66,39 +65,24 @@ class EngineConfig:
     buckets: Buckets | None = None
     prefix_caching: bool = True
     kv_format: str | None = None
+    max_model_len: int | None = None
+    memory_utilization: float = 0.9
 
     def __post_init__(self):
+        for name in ("page_size", "pages_per_shard", "rows_per_shard", "token_budget", "chunk", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise StarscreamError(f"EngineConfig {name} is {value!r}; give a whole number of at least 1")
+        if self.pages_per_shard is not None and self.pages_per_shard < 2:
+            raise StarscreamError(f"EngineConfig pages_per_shard is {self.pages_per_shard}; a shard needs its null "
+                                  "page and at least one more")
+        if not 0.0 < self.memory_utilization <= 1.0:
+            raise StarscreamError(f"memory utilization {self.memory_utilization} is outside (0, 1]; give the "
+                                  "fraction of device memory the server may use, such as 0.9")
         if self.kernel not in KERNELS:
             raise StarscreamError(f"unknown paged-attention kernel {self.kernel!r}; choose one of {', '.join(KERNELS)}")
         if self.kv_format:
             check_format(self.kv_format, WEIGHT_FORMATS, "KV cache format")
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """A new token of request `request_id` ([its log-probability]); `finish_reason` "stop" (a stop token or string)
-    or "length" (max_tokens or the context) on its last."""
-
-    request_id: str
-    token: int
-    logprob: float
-    finish_reason: str | None
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """Counters of an engine: sequences running and waiting, pages held, prefix-cache look-ups and hits (full
-    prompt pages), preemptions, programs compiled, tokens generated."""
-
-    running: int
-    waiting: int
-    pages_used: int
-    pages_total: int
-    prefix_queried_pages: int
-    prefix_hit_pages: int
-    preemptions: int
-    programs: int
-    generated_tokens: int
 
 
 def cache_shards(layout, mesh) -> int:
@@ -114,7 +98,7 @@ class Engine:
 
     def __init__(self, model, config: EngineConfig = EngineConfig(), mesh=None,
                  prefill_layout=PHASE_DEFAULTS["prefill"], decode_layout=PHASE_DEFAULTS["decode"],
-                 detokenize=None, channel: StepBroadcast | None = None):
+                 channel: StepBroadcast | None = None):
         self.model_config = c = model.config
         self.kv_format = c.kv_format if config.kv_format is None else config.kv_format
         self.config = config
@@ -123,28 +107,70 @@ class Engine:
         self.layouts = {"prefill": get_layout(prefill_layout), "decode": get_layout(decode_layout)}
         self.shards = cache_shards(decode_layout, mesh)
         if mesh is not None:
-            check_same_cache_placement(self.layouts, mesh, c, config, self.shards)
-        max_pages = math.ceil(c.max_seq_len / config.page_size)
-        self.buckets = config.buckets or Buckets.up_to(config.rows_per_shard, config.chunk, max_pages)
+            check_same_cache_placement(self.layouts, mesh, c, self.shards)
+        if config.max_model_len is not None and config.max_model_len > c.max_seq_len:
+            raise StarscreamError(f"max model length {config.max_model_len} exceeds model {c.name}'s context of "
+                                  f"{c.max_seq_len} positions; give at most {c.max_seq_len}")
+        self.max_model_len = config.max_model_len or c.max_seq_len
+        max_pages = math.ceil(self.max_model_len / config.page_size)
+        prefill_rows = min(config.rows_per_shard, math.ceil(config.token_budget / config.chunk))
+        self.buckets = config.buckets or Buckets.for_limits(config.rows_per_shard, config.chunk, max_pages,
+                                                            prefill_rows)
         _check_buckets(self.buckets, config)
-        self.scheduler = Scheduler(SchedulerConfig(self.shards, config.pages_per_shard, config.page_size,
-                                                   config.rows_per_shard, config.token_budget, config.chunk,
-                                                   config.prefix_caching, self.buckets.rows_of("prefill")[-1]))
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         params = held_as_read(params, c.dtype)  # float weights in the compute dtype, 8-bit ones as stored
         if mesh is not None:
             params = jax.device_put(params, param_shardings(params, self.layouts["decode"], mesh))
         self.params = split_layer_weights(params)  # the paged step runs the layers one after another
+        self.cache_size = self._cache_size(max_pages)
+        self.scheduler = Scheduler(SchedulerConfig(
+            shards=self.shards, pages_per_shard=self.cache_size.pages_per_shard, page_size=config.page_size,
+            rows_per_shard=config.rows_per_shard, token_budget=config.token_budget, chunk=config.chunk,
+            prefix_caching=config.prefix_caching, prefill_rows=self.buckets.rows_of("prefill")[-1]))
         self.pages = self._empty_pages()
         self._steps = {phase: paged_step(self.graphdef, config.kernel, decode=phase == "decode",
                                          under=None if mesh is None else Placement(self.layouts[phase], mesh))
                        for phase in ("prefill", "decode")}
         self._programs: dict[tuple, object] = {}
+        self._programs_at_start = 0
         self._sequences: dict[str, Sequence] = {}
-        self._detokenize = detokenize
         self._seeds = np.random.default_rng()
         self._generated = self._preemptions = 0
         self.step_seconds: deque[tuple[str, int, float]] = deque(maxlen=STEPS_KEPT)  # (phase, rows, seconds)
+
+    def _cache_size(self, max_pages: int) -> capacity.CacheSize:
+        """The pages of each cache shard: as configured, or from the device memory left after the weights."""
+        c, config = self.model_config, self.config
+        shardings, shapes, dtypes = self._pool_layout(1)
+        page_bytes = capacity.page_bytes_per_device(shardings, shapes, dtypes)
+        if config.pages_per_shard is not None:
+            return capacity.CacheSize(config.pages_per_shard, "as configured", config.pages_per_shard * page_bytes)
+        kv_width = shardings[0].shard_shape(shapes[0][1])[0] * c.head_dim if shardings[0] is not None else \
+            c.n_kv_heads * c.head_dim
+        self.reserve = capacity.step_reserve_bytes(
+            tokens=self.buckets.rows_of("prefill")[-1] * self.buckets.positions[-1],
+            rows=self.buckets.rows[-1], table_positions=max_pages * config.page_size, d_model=c.d_model,
+            d_ff=c.d_ff, vocab=c.vocab_size, kv_width=kv_width, itemsize=jnp.dtype(c.dtype).itemsize)
+        floor = self.config.rows_per_shard * max_pages + 1
+        return capacity.size_from_memory(capacity.devices_of(self.mesh), page_bytes, self.reserve,
+                                         config.memory_utilization, floor)
+
+    def _pool_layout(self, pages_per_shard: int) -> tuple[list, list, list]:
+        """(shardings, (layers, shape) and dtypes) of the key/value pools and of an 8-bit cache's scales, for
+        `pages_per_shard` pages of each shard (shardings None without a mesh)."""
+        c, config = self.model_config, self.config
+        shape = (c.n_kv_heads, pages_per_shard * self.shards, config.page_size, c.head_dim)
+        sharding = scale_sharding = None
+        if self.mesh is not None:
+            with self._phase("decode"):
+                sharding = NamedSharding(self.mesh, activation_spec(PAGES, shape, "kv pages"))
+                scale_sharding = NamedSharding(self.mesh, activation_spec(SCALES, shape[:3], "kv page scales"))
+        layers = 2 * c.n_layers  # a key and a value pool per layer
+        shardings, shapes, dtypes = [sharding], [(layers, shape)], [jnp.dtype(self.kv_format or c.dtype)]
+        if self.kv_format:
+            shardings, shapes, dtypes = shardings + [scale_sharding], shapes + [(layers, shape[:3])], \
+                dtypes + [jnp.dtype(jnp.float32)]
+        return shardings, shapes, dtypes
 
     def _phase(self, phase: str):
         return use_layout(self.layouts[phase], self.mesh) if self.mesh is not None else contextlib.nullcontext()
@@ -152,17 +178,12 @@ class Engine:
     def _empty_pages(self) -> dict:
         """Zeroed key and value page pools of every layer in the cache's format, placed by the decode layout (PAGES),
         and in an 8-bit cache their scales ("k_scale", "v_scale", SCALES)."""
-        c, config = self.model_config, self.config
-        shape = (c.n_kv_heads, config.pages_per_shard * self.shards, config.page_size, c.head_dim)
-        sharding = scale_sharding = None
-        if self.mesh is not None:
-            with self._phase("decode"):
-                sharding = NamedSharding(self.mesh, activation_spec(PAGES, shape, "kv pages"))
-                scale_sharding = NamedSharding(self.mesh, activation_spec(SCALES, shape[:3], "kv page scales"))
-        dtype = jnp.dtype(self.kv_format or c.dtype)
+        c = self.model_config
+        shardings, shapes, dtypes = self._pool_layout(self.cache_size.pages_per_shard)
+        (_, shape), sharding, dtype = shapes[0], shardings[0], dtypes[0]
         pages = {name: init_pages(c.n_layers, *shape, dtype, sharding) for name in ("k", "v")}
         if self.kv_format:
-            pages.update({name: init_page_scales(c.n_layers, *shape[:3], scale_sharding)
+            pages.update({name: init_page_scales(c.n_layers, *shape[:3], shardings[1])
                           for name in ("k_scale", "v_scale")})
         return pages
 
@@ -172,12 +193,21 @@ class Engine:
         return sum(array.nbytes for array in jax.tree.leaves(self.pages))
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams = SamplingParams()) -> None:
-        """Queues a request; StarscreamError when its id is taken or it cannot fit the context or the cache."""
+        """Queues a request; StarscreamError when its id is taken, a token id is outside the vocabulary, or it
+        cannot fit the context or the cache."""
         if request_id in self._sequences:
             raise StarscreamError(f"request id {request_id!r} is already running; give each request its own id")
-        check_fits(len(prompt), params.max_tokens, self.context)
+        if not isinstance(params, SamplingParams):
+            raise StarscreamError(f"params is a {type(params).__name__}; pass a serving.scheduler.SamplingParams")
+        tokens = [int(token) for token in prompt]
+        vocab = self.model_config.vocab_size
+        outside = next((token for token in tokens if not 0 <= token < vocab), None)
+        if outside is not None:
+            raise StarscreamError(f"prompt token id {outside} is outside the model's vocabulary of {vocab}; give ids "
+                                  f"from 0 to {vocab - 1}")
+        check_fits(len(tokens), params.max_tokens, self.context)
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2 ** 31))
-        sequence = Sequence(request_id, [int(token) for token in prompt], params, seed, time.monotonic())
+        sequence = Sequence(request_id, tokens, params, seed, time.monotonic())
         self.scheduler.add(sequence)
         self._sequences[request_id] = sequence
 
@@ -197,9 +227,21 @@ class Engine:
 
     @property
     def context(self) -> int:
-        """The most positions a sequence may reach: the model's max_seq_len, or less where the largest page bucket
+        """The most positions a sequence may reach: the max model length, or less where the largest page bucket
         holds fewer."""
-        return min(self.model_config.max_seq_len, self.buckets.pages[-1] * self.config.page_size)
+        return min(self.max_model_len, self.buckets.pages[-1] * self.config.page_size)
+
+    def info(self) -> EngineInfo:
+        """What the API process needs to know of this engine (`protocol.EngineInfo`)."""
+        return EngineInfo(context=self.context, vocab_size=self.model_config.vocab_size,
+                          max_num_seqs=self.config.rows_per_shard * self.shards,
+                          pages_total=(self.cache_size.pages_per_shard - 1) * self.shards,
+                          page_size=self.config.page_size, programs=len(self._programs),
+                          model_name=self.model_config.name)
+
+    def running_ids(self) -> list[str]:
+        """The ids of every request running or waiting."""
+        return list(self._sequences)
 
     @property
     def busy(self) -> bool:
@@ -207,16 +249,22 @@ class Engine:
 
     def stats(self) -> EngineStats:
         shards = self.scheduler.shards
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.scheduler.pages_used,
-                           sum(shard.pages - 1 for shard in shards),
-                           sum(shard.stats.queried_pages for shard in shards),
-                           sum(shard.stats.hit_pages for shard in shards),
-                           self._preemptions, len(self._programs), self._generated)
+        return EngineStats(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                           pages_used=self.scheduler.pages_used, pages_total=sum(shard.pages - 1 for shard in shards),
+                           prefix_queried_pages=sum(shard.stats.queried_pages for shard in shards),
+                           prefix_hit_pages=sum(shard.stats.hit_pages for shard in shards),
+                           preemptions=self._preemptions, programs=len(self._programs),
+                           programs_after_start=len(self._programs) - self._programs_at_start,
+                           generated_tokens=self._generated)
 
     def step(self) -> list[TokenEvent]:
         """One scheduler plan run: prompt chunks prefilled, decoding sequences decoded; their new tokens."""
         plan = self.scheduler.schedule()
         self._preemptions += len(plan.preempted)
+        now = time.monotonic()
+        for chunk in plan.prefill:
+            if chunk.sequence.scheduled_at is None:
+                chunk.sequence.scheduled_at = now
         events = []
         if plan.prefill:
             tokens, logprobs = self._run("prefill", list(plan.prefill))
@@ -235,8 +283,13 @@ class Engine:
     def generate(self, prompts: list[list[int]], params: SamplingParams = SamplingParams()) -> list[list[int]]:
         """Every prompt's generated tokens, all requests submitted at once and run to the end."""
         ids = [f"batch-{index}" for index in range(len(prompts))]
-        for request_id, prompt in zip(ids, prompts):
-            self.submit(request_id, prompt, params)
+        try:
+            for request_id, prompt in zip(ids, prompts):
+                self.submit(request_id, prompt, params)
+        except StarscreamError:
+            for request_id in ids:  # none of the batch runs: the engine is left as it was
+                self.cancel(request_id)
+            raise
         outputs = {request_id: [] for request_id in ids}
         while self.busy:
             for event in self.step():
@@ -247,22 +300,17 @@ class Engine:
         sequence.generated.append(token)
         sequence.logprobs.append(logprob)
         self._generated += 1
-        if sequence.first_token_time is None:
-            sequence.first_token_time = time.monotonic()
+        queued = sequence.scheduled_at - sequence.arrival if len(sequence.generated) == 1 else None
         reason = self._finish_reason(sequence, token)
         if reason is not None:
             self._sequences.pop(sequence.request_id, None)
             self.scheduler.finish(sequence)
-        return TokenEvent(sequence.request_id, token, logprob, reason)
+        return TokenEvent(sequence.request_id, token, logprob, reason, queued)
 
     def _finish_reason(self, sequence: Sequence, token: int) -> str | None:
         params = sequence.params
         if token in params.stop_tokens:
             return "stop"
-        if params.stop and self._detokenize is not None:
-            text = self._detokenize(sequence.generated)
-            if any(stop in text for stop in params.stop):
-                return "stop"
         if len(sequence.generated) >= params.max_tokens or sequence.length >= self.context:
             return "length"
         return None
@@ -280,20 +328,42 @@ class Engine:
         return [int(token_B[row]) for row in rows], [float(logprob_B[row]) for row in rows]
 
     def execute(self, phase: str, inputs: StepInputs) -> tuple[np.ndarray, np.ndarray]:
-        """The compiled step of `phase` (compiled once per bucket) over host `inputs`, the pools updated in place;
-        (tokens [B], log-probabilities [B]) on the host, gathered from every process where the mesh spans several.
-        Every process of such a mesh runs it with the same inputs (`multihost.follow`)."""
-        placed = self._placed(inputs)
-        key = (phase, *inputs.tokens.shape, inputs.table.shape[1])
+        """The compiled step of `phase` over host `inputs`, the pools updated in place; (tokens [B],
+        log-probabilities [B]) on the host, gathered from every process where the mesh spans several. Every process
+        of such a mesh runs it with the same inputs (`multihost.follow`)."""
+        rows, width = inputs.tokens.shape
+        program = self._program(phase, rows, width, inputs.table.shape[1])
         with self._phase(phase):
-            program = self._programs.get(key)
-            if program is None:
-                program = self._steps[phase].lower(self.params, self.rest, self.pages, placed).compile()
-                self._programs[key] = program
-            token_B, logprob_B, self.pages = program(self.params, self.rest, self.pages, placed)
+            token_B, logprob_B, self.pages = program(self.params, self.rest, self.pages, self._placed(inputs))
         if jax.process_count() > 1:
             return tuple(multihost_utils.process_allgather((token_B, logprob_B), tiled=True))
         return np.asarray(token_B), np.asarray(logprob_B)
+
+    def warm_up(self, progress=None) -> int:
+        """Compiles the program of every bucket (`Buckets.shapes`) now, so that no request waits for a compile;
+        `progress(done, total)` after each. Returns the programs compiled. On a mesh spanning processes every
+        process calls it (the compiles are collective)."""
+        shapes = self.buckets.shapes()
+        for done, (phase, rows, width, pages) in enumerate(shapes, 1):
+            self._program(phase, rows * self.shards, width, pages)
+            if progress is not None:
+                progress(done, len(shapes))
+        self._programs_at_start = len(self._programs)
+        if self.config.pages_per_shard is None:
+            capacity.check_reserve(self._programs, self.reserve)
+        return len(shapes)
+
+    def _program(self, phase: str, rows: int, width: int, pages: int):
+        """The compiled step of `phase` for `rows` rows (all shards) of `width` positions over `pages` pages a row,
+        compiled on first use."""
+        key = (phase, rows, width, pages)
+        program = self._programs.get(key)
+        if program is None:
+            with self._phase(phase):
+                program = self._steps[phase].lower(self.params, self.rest, self.pages,
+                                                   self._abstract_inputs(rows, width, pages)).compile()
+            self._programs[key] = program
+        return program
 
     def keep_followers(self) -> None:
         """Tells the other processes, waiting for the next step, that the leader is idle but alive (else nothing)."""
@@ -332,14 +402,31 @@ class Engine:
         arrays = StepInputs(tokens, positions, table, last, RowSampling(temperature, top_p, top_k, seed))
         return arrays, [where[id(chunk)] for chunk in chunks]
 
+    def _row_sharding(self) -> NamedSharding | None:
+        """Step inputs' rows split as the attention batch (and the page pool) are; None without a mesh."""
+        if self.mesh is None:
+            return None
+        _, axes = self.layouts["decode"].activations.lookup("attn_batch")
+        return NamedSharding(self.mesh, PartitionSpec(axes or None))
+
     def _placed(self, inputs: StepInputs) -> StepInputs:
         """The step inputs on the devices, rows split as the attention batch (and the page pool) are."""
-        if self.mesh is None:
+        rows = self._row_sharding()
+        if rows is None:
             return jax.tree.map(jnp.asarray, inputs)
-        _, axes = self.layouts["decode"].activations.lookup("attn_batch")
-        rows = NamedSharding(self.mesh, PartitionSpec(axes or None))
         return jax.tree.map(lambda array: jax.make_array_from_callback(array.shape, rows, lambda at: array[at]),
                             inputs)
+
+    def _abstract_inputs(self, rows: int, width: int, pages: int) -> StepInputs:
+        """Shapes, types and placement of the step inputs of one bucket, for compiling before any request."""
+        sharding = self._row_sharding()
+
+        def spec(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+        row_i32, row_f32 = spec((rows,), jnp.int32), spec((rows,), jnp.float32)
+        return StepInputs(spec((rows, width), jnp.int32), spec((rows, width), jnp.int32), spec((rows, pages), jnp.int32),
+                          row_i32, RowSampling(row_f32, row_f32, row_i32, row_i32))
 
 
 def _check_buckets(buckets: Buckets, config: EngineConfig) -> None:
@@ -350,9 +437,10 @@ def _check_buckets(buckets: Buckets, config: EngineConfig) -> None:
                               "raise the largest buckets or lower rows_per_shard / chunk")
 
 
-def check_same_cache_placement(layouts: dict, mesh, c, config: EngineConfig, shards: int) -> None:
-    """The prefill and decode layouts must place the page pools alike (else every step would copy the cache)."""
-    shape = (c.n_kv_heads, config.pages_per_shard * shards, config.page_size, c.head_dim)
+def check_same_cache_placement(layouts: dict, mesh, c, shards: int) -> None:
+    """The prefill and decode layouts must place the page pools alike (else every step would copy the cache; the
+    placement does not depend on the pool's size)."""
+    shape = (c.n_kv_heads, 2 * shards, 16, c.head_dim)
     specs = {}
     for phase, layout in layouts.items():
         if layout.splits_sequence:
@@ -364,86 +452,3 @@ def check_same_cache_placement(layouts: dict, mesh, c, config: EngineConfig, sha
         raise StarscreamError(f"prefill layout {layouts['prefill'].name} places the KV pages as {specs['prefill']} and "
                               f"decode layout {layouts['decode'].name} as {specs['decode']}; serve with layouts that "
                               "place the cache alike (e.g. starscream_tp and starscream_decode)")
-
-
-class EngineThread:
-    """An engine stepping on a thread of its own. `submit` and `cancel` may be called from any thread; each request's
-    events go to the callback given with it (called on the engine thread). `stop(drain=True)` lets running and
-    waiting requests finish first."""
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self._inbox: queue.Queue = queue.Queue()
-        self._listeners: dict[str, object] = {}
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="starscream-engine", daemon=True)
-        self.error: BaseException | None = None
-        self.stats: EngineStats | None = None  # after the latest step, for readers on other threads
-        self._thread.start()
-
-    def submit(self, request_id: str, prompt: list[int], params: SamplingParams, listener) -> None:
-        """Queues a request; `listener(event_or_error)` gets each TokenEvent, or the StarscreamError refusing it."""
-        self._inbox.put(("submit", request_id, prompt, params, listener))
-
-    def cancel(self, request_id: str) -> None:
-        self._inbox.put(("cancel", request_id))
-
-    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
-        self._inbox.put(("stop", drain))
-        self._thread.join(timeout)
-
-    def _loop(self) -> None:
-        try:
-            while True:
-                self._read_inbox(wait=not self.engine.busy)
-                self.stats = self.engine.stats()
-                if self._stopping.is_set() and not self.engine.busy:
-                    return
-                events = self.engine.step() if self.engine.busy else []
-                self.stats = self.engine.stats()
-                for event in events:
-                    listener = self._listeners.get(event.request_id)
-                    if event.finish_reason is not None:
-                        self._listeners.pop(event.request_id, None)
-                    if listener is not None:
-                        listener(event)
-        except Exception as err:  # the server reports it on /health and to every waiting client
-            self.error = err
-            for listener in self._listeners.values():
-                listener(err)
-
-    def _read_inbox(self, wait: bool) -> None:
-        """Applies every queued message, waiting for one first when `wait` (while waiting, the followers of a mesh
-        spanning processes hear from the leader every KEEP_ALIVE_S, so their wait in a collective never times
-        out)."""
-        while True:
-            try:
-                message = self._inbox.get(block=wait, timeout=KEEP_ALIVE_S if wait else None)
-            except queue.Empty:
-                if not wait:
-                    return
-                self.engine.keep_followers()
-                continue
-            wait = False
-            self._handle(message)
-
-    def _handle(self, message) -> None:
-        kind = message[0]
-        if kind == "submit":
-            _, request_id, prompt, params, listener = message
-            try:
-                if self._stopping.is_set():
-                    raise StarscreamError("the server is shutting down; send the request to another one")
-                self.engine.submit(request_id, prompt, params)
-                self._listeners[request_id] = listener
-            except StarscreamError as err:
-                listener(err)
-        elif kind == "cancel":
-            self.engine.cancel(message[1])
-            self._listeners.pop(message[1], None)
-        elif kind == "stop":
-            self._stopping.set()
-            if not message[1]:
-                for request_id in list(self._listeners):
-                    self.engine.cancel(request_id)
-                self._listeners.clear()

@@ -23,32 +23,58 @@ from ..errors import StarscreamError
 from .pages import ShardPages, page_hashes
 
 
+MAX_TOP_K = 2 ** 31 - 1
+"""The largest top_k a row holds (int32); any larger keeps every token, as top_k 0 does."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """What one request asks for. temperature 0 is greedy; top_p 1 and top_k 0 keep every token; a seed makes the
-    draw of each position a function of (seed, position) alone, whatever else runs in the batch; `stop_tokens`
-    (the tokenizer's EOS) and `stop` strings end the text, which excludes the stop string; `logprobs` returns the
-    log-probability of each chosen token."""
+    """What one request asks of the engine. temperature 0 is greedy; top_p 1 and top_k 0 keep every token; a seed
+    makes the draw of each position a function of (seed, position) alone, whatever else runs in the batch; a token
+    of `stop_tokens` (the tokenizer's EOS ids) ends the sequence; `logprobs` returns the log-probability of each
+    chosen token. Stop strings are text, so the API process applies them to the detokenized text
+    (`serving.detokenize`) and cancels the request; the engine stops on token ids and lengths alone."""
 
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    stop: tuple[str, ...] = ()
     stop_tokens: tuple[int, ...] = ()
     logprobs: bool = False
 
     def __post_init__(self):
-        problems = [(self.max_tokens < 1, f"max_tokens {self.max_tokens} must be at least 1"),
+        problems = [(not _is_int(self.max_tokens) or self.max_tokens < 1,
+                     f"max_tokens {self.max_tokens!r} must be a whole number of at least 1"),
                     (not 0.0 <= self.temperature <= 100.0, f"temperature {self.temperature} is outside [0, 100]"),
                     (not 0.0 < self.top_p <= 1.0, f"top_p {self.top_p} is outside (0, 1]"),
-                    (self.top_k < 0, f"top_k {self.top_k} must be 0 (off) or positive"),
-                    (self.seed is not None and not 0 <= self.seed < 2 ** 31,
-                     f"seed {self.seed} is outside [0, 2**31)")]
+                    (not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K,
+                     f"top_k {self.top_k!r} must be 0 (off) or a whole number up to {MAX_TOP_K}"),
+                    (self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2 ** 31),
+                     f"seed {self.seed!r} is outside [0, 2**31)"),
+                    (isinstance(self.stop_tokens, (str, bytes)) or
+                     not all(_is_int(token) and 0 <= token < 2 ** 31 for token in self.stop_tokens),
+                     f"stop_tokens {self.stop_tokens!r} must be a tuple of token ids")]
         for failed, message in problems:
             if failed:
                 raise StarscreamError(message)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """A new token of request `request_id` ([its log-probability]); `finish_reason` "stop" (a stop token) or
+    "length" (max_tokens or the context) on its last; on its first, the seconds the request waited before its
+    first step (`queued_s`)."""
+
+    request_id: str
+    token: int
+    logprob: float
+    finish_reason: str | None
+    queued_s: float | None = None
 
 
 @dataclass(eq=False)
@@ -67,7 +93,7 @@ class Sequence:
     computed: int = 0
     admitted: int = -1  # admission order while running (newest is preempted first)
     preemptions: int = 0
-    first_token_time: float | None = None
+    scheduled_at: float | None = None  # when its first step began (its queue time ends)
 
     @property
     def tokens(self) -> list[int]:

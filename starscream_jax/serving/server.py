@@ -1,48 +1,73 @@
-"""The OpenAI-compatible HTTP server over an `EngineThread` (FastAPI on uvicorn).
+"""The OpenAI-compatible HTTP server (FastAPI on uvicorn), the API process' half of a server; the engine runs apart
+(`serving.core`) and is reached through an `EngineClient`.
 
 Routes: POST /v1/completions and /v1/chat/completions (the tokenizer's chat template), both streaming by
-server-sent events with `"stream": true`; GET /v1/models, /health and /metrics (Prometheus text). Bad requests get
-OpenAI's error object ({"error": {"message", "type", "param", "code"}}) with a 4xx status: 400 for malformed JSON,
-bad parameter values and prompts beyond the context, 404 for an unknown model, 429 when `max_pending` requests are
-already in flight, 503 while shutting down. A client that disconnects has its request cancelled (its pages freed).
-On SIGTERM uvicorn stops accepting connections and lets open ones finish; the engine then drains and stops.
+server-sent events with `"stream": true`; GET /v1/models, /health and /metrics (Prometheus text, `serving.metrics`).
+Per request the API process tokenizes (on a worker thread, after a length check, so a huge prompt stalls no other
+stream), hands the token ids to the engine, and turns each batch of new tokens into text incrementally
+(`detokenize.IncrementalText`, which also ends the text at a stop string and then cancels the request in the
+engine). Errors are OpenAI's object ({"error": {"message", "type", "param", "code"}}) for every status, the
+framework's own included: 400 for malformed JSON, bad parameter values and prompts beyond the context, 404 for an
+unknown model or route, 405, 413 for a body beyond the limit, 429 when `max_pending` requests are in flight, 503
+while shutting down or once the engine has failed (running streams then end with an error event). A client that
+disconnects has its request cancelled (its pages freed). On SIGTERM uvicorn stops accepting connections and lets
+open ones finish; the engine then drains and stops.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
 from ..errors import StarscreamError
-from .engine import EngineThread, TokenEvent
-from .scheduler import SamplingParams, check_fits
+from .client import Delta, EngineClient, RequestStream
+from .detokenize import IncrementalText
+from .metrics import RequestTimes, ServerMetrics
+from .protocol import EngineInfo
+from .scheduler import MAX_TOP_K, SamplingParams, check_fits
 
-HTTP_BAD_REQUEST, HTTP_NOT_FOUND, HTTP_TOO_MANY, HTTP_UNAVAILABLE = 400, 404, 429, 503
-LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+HTTP_BAD_REQUEST, HTTP_NOT_FOUND, HTTP_TOO_LARGE, HTTP_TOO_MANY, HTTP_UNAVAILABLE = 400, 404, 413, 429, 503
+MAX_CHARS_PER_TOKEN = 256
+"""A prompt longer than the context times this many characters cannot fit whatever the tokenizer, and is refused
+before it is tokenized."""
+MIN_BODY_BYTES = 8 * 2 ** 20
+"""The request body limit is this, or four bytes per character of the longest prompt that could fit if more."""
+DRAIN_S = 600.0
+"""How long a shutdown waits for the engine to finish its running requests."""
+WHOLE_INT = 2 ** 31 - 1
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
 
 
 class _Sampling(BaseModel):
-    """The sampling fields both routes share (OpenAI's names; top_k as vLLM adds it)."""
+    """The sampling fields both routes share (OpenAI's names; top_k, ignore_eos, stop_token_ids and
+    include_stop_str_in_output as vLLM adds them)."""
 
     model_config = ConfigDict(extra="ignore")
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1, le=WHOLE_INT)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=WHOLE_INT)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(default=0, ge=-1, le=MAX_TOP_K)
     seed: int | None = Field(default=None, ge=0, lt=2 ** 31)
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     stream: bool = False
+    stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
     ignore_eos: bool = False
 
@@ -62,42 +87,6 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
 
 
-@dataclass
-class ServerMetrics:
-    """The Prometheus series /metrics serves (a registry of its own, so that several servers can share a process)."""
-
-    registry: CollectorRegistry
-    running: Gauge
-    waiting: Gauge
-    pages_used: Gauge
-    pages_total: Gauge
-    tokens_per_second: Gauge
-    prompt_tokens: Counter
-    generated_tokens: Counter
-    prefix_hit_pages: Gauge
-    requests: Counter
-    ttft: Histogram
-    tpot: Histogram
-
-    @classmethod
-    def create(cls) -> ServerMetrics:
-        registry = CollectorRegistry()
-        gauge = lambda name, text: Gauge(f"starscream_{name}", text, registry=registry)  # noqa: E731
-        return cls(registry, gauge("requests_running", "requests being prefilled or decoded"),
-                   gauge("requests_waiting", "requests queued for admission"),
-                   gauge("kv_pages_used", "KV-cache pages held by a sequence"),
-                   gauge("kv_pages_total", "KV-cache pages that sequences can hold"),
-                   gauge("generation_tokens_per_second", "tokens generated per second over the last 10 s"),
-                   Counter("starscream_prompt_tokens", "prompt tokens received", registry=registry),
-                   Counter("starscream_generation_tokens", "tokens generated", registry=registry),
-                   gauge("prefix_cache_hit_pages", "full prompt pages found in the prefix cache"),
-                   Counter("starscream_requests", "requests ended", ["finish_reason"], registry=registry),
-                   Histogram("starscream_time_to_first_token_seconds", "TTFT", buckets=LATENCY_BUCKETS,
-                             registry=registry),
-                   Histogram("starscream_time_per_output_token_seconds", "TPOT: mean time per token after the first",
-                             buckets=LATENCY_BUCKETS, registry=registry))
-
-
 class ApiError(Exception):
     """A request refused with an HTTP status and OpenAI's error fields."""
 
@@ -106,233 +95,244 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status)
 
 
-@dataclass
-class _Text:
-    """The text of a stream so far, with what was already sent: held back while it may end in a partial
-    character or the start of a stop string, cut where a stop string begins."""
-
-    detokenize: object
-    stop: tuple[str, ...]
-    sent: int = 0
-    stopped: bool = False
-
-    def advance(self, tokens: list[int], final: bool) -> str:
-        text = self.detokenize(tokens)
-        cut = min((text.find(stop) for stop in self.stop if stop in text), default=-1)
-        if cut >= 0:
-            text, final, self.stopped = text[:cut], True, True
-        hold = 0 if final else max([len(stop) - 1 for stop in self.stop] + [int(text.endswith("\ufffd"))])
-        end = max(self.sent, len(text) - hold)
-        delta, self.sent = text[self.sent:end], end
-        return delta
+def unavailable(message: str) -> ApiError:
+    return ApiError(HTTP_UNAVAILABLE, message, "server_error")
 
 
 class Server:
-    """The routes over one engine thread (see the module docstring)."""
+    """The routes over one engine client (see the module docstring). `on_engine_failure` is called once when the
+    engine stops unexpectedly (the command then ends the process with a non-zero status)."""
 
-    def __init__(self, engine: EngineThread, tokenizer, model_name: str, max_pending: int = 256):
-        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+    def __init__(self, client: EngineClient, tokenizer, model_name: str, info: EngineInfo, max_pending: int = 256,
+                 on_engine_failure: Callable[[], None] = lambda: None):
+        self.client, self.tokenizer, self.model_name, self.info = client, tokenizer, model_name, info
         self.max_pending = max_pending
-        self.pending = 0
-        self.metrics = ServerMetrics.create()
-        self.context = engine.engine.context
+        self.metrics = ServerMetrics(model_name, info.page_size)
+        client.on_step = self.metrics.observe_step
+        self._on_engine_failure = on_engine_failure
         self._ids = itertools.count()
-        self._recent: list[tuple[float, int]] = []
+        self._json = msgspec.json.Encoder()
         self.shutting_down = False
+
+    @property
+    def context(self) -> int:
+        return self.info.context
 
     def app(self) -> FastAPI:
         @asynccontextmanager
         async def lifespan(_):
+            await self.client.start()
+            watcher = asyncio.create_task(self._watch_engine())
             yield
             self.shutting_down = True
-            await asyncio.to_thread(self.engine.stop, True)
+            watcher.cancel()
+            await self.client.stop(drain=True, timeout=DRAIN_S)
+            await self.client.close()
 
         app = FastAPI(title="starscream", lifespan=lifespan)
         app.add_exception_handler(ApiError, lambda _, err: err.response())
         app.add_exception_handler(RequestValidationError, lambda _, err: _validation_error(err).response())
+        app.add_exception_handler(HTTPException, lambda _, err: _framework_error(err).response())
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat)
         app.get("/v1/models")(self.models)
         app.get("/health")(self.health)
         app.get("/metrics")(self.prometheus)
-        return app
+        limit = max(MIN_BODY_BYTES, 4 * self.context * MAX_CHARS_PER_TOKEN)
+        return BodyLimit(app, limit)
+
+    async def _watch_engine(self) -> None:
+        """Calls `on_engine_failure` once the engine has failed (after a second, so that waiting requests get
+        their 503 first)."""
+        while self.client.failed is None:
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(1.0)
+        self._on_engine_failure()
 
     async def models(self):
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "starscream"}]}
+                                            "owned_by": "starscream", "max_model_len": self.context}]}
 
     async def health(self):
-        if self.engine.error is not None or self.shutting_down:
-            reason = "shutting down" if self.engine.error is None else f"the engine stopped: {self.engine.error}"
-            raise ApiError(HTTP_UNAVAILABLE, reason, "server_error")
+        if self.client.failed is not None:
+            raise unavailable(f"the engine stopped: {self.client.failed}")
+        if self.shutting_down:
+            raise unavailable("shutting down")
         return {"status": "ok"}
 
     async def prometheus(self):
-        stats = self.engine.stats
-        if stats is not None:
-            m = self.metrics
-            m.running.set(stats.running)
-            m.waiting.set(stats.waiting)
-            m.pages_used.set(stats.pages_used)
-            m.pages_total.set(stats.pages_total)
-            m.prefix_hit_pages.set(stats.prefix_hit_pages)
-        self.metrics.tokens_per_second.set(self._tokens_per_second())
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def completions(self, body: CompletionRequest, request: Request):
-        prompt = body.prompt if isinstance(body.prompt, list) else self.tokenizer.encode(body.prompt).tolist()
-        return await self._serve(body, prompt, request, chat=False, logprobs=body.logprobs is not None)
+        arrival = time.monotonic()
+        if isinstance(body.prompt, list):
+            prompt = body.prompt
+        else:
+            prompt = await self._tokenize(body.prompt, "prompt", lambda: self.tokenizer.encode(body.prompt))
+        return await self._serve(body, prompt, request, arrival, chat=False, logprobs=body.logprobs is not None)
 
     async def chat(self, body: ChatRequest, request: Request):
+        arrival = time.monotonic()
         messages = [message.model_dump() for message in body.messages]
-        try:
+
+        def encode():
             text = self.tokenizer.render_chat(messages, add_generation_prompt=True)
+            self._check_length(text, "messages")
+            return self.tokenizer.encode(text, special_tokens=False)
+
+        self._check_length("".join(message["content"] for message in messages), "messages")
+        prompt = await self._tokenize(None, "messages", encode)
+        return await self._serve(body, prompt, request, arrival, chat=True, logprobs=body.logprobs)
+
+    def _check_length(self, text: str, field: str) -> None:
+        if len(text) > self.context * MAX_CHARS_PER_TOKEN:
+            raise ApiError(HTTP_BAD_REQUEST, f"{field} holds {len(text)} characters, more than a context of "
+                                             f"{self.context} tokens can hold; shorten it", param=field)
+
+    async def _tokenize(self, text: str | None, field: str, encode) -> list[int]:
+        """Token ids of a prompt, encoded on a worker thread (the event loop keeps serving); a StarscreamError
+        (invalid text, a template that fails) is a 400 naming `field`."""
+        if text is not None:
+            self._check_length(text, field)
+        try:
+            return (await asyncio.to_thread(encode)).tolist()
         except StarscreamError as err:
-            raise ApiError(HTTP_BAD_REQUEST, str(err), param="messages") from None
-        prompt = self.tokenizer.encode(text, special_tokens=False).tolist()
-        return await self._serve(body, prompt, request, chat=True, logprobs=body.logprobs)
+            raise ApiError(HTTP_BAD_REQUEST, str(err), param=field) from None
 
-    async def _serve(self, body: _Sampling, prompt: list[int], request: Request, chat: bool, logprobs: bool):
-        params = self._params(body, prompt, logprobs)
+    async def _serve(self, body: _Sampling, prompt: list[int], request: Request, arrival: float, chat: bool,
+                     logprobs: bool):
+        params = self._params(body, prompt, logprobs, chat)
+        if self.client.failed is not None:
+            raise unavailable(f"the engine stopped: {self.client.failed}")
         if self.shutting_down:
-            raise ApiError(HTTP_UNAVAILABLE, "the server is shutting down; send the request to another one",
-                           "server_error")
-        if self.pending >= self.max_pending:
-            raise ApiError(HTTP_TOO_MANY, f"{self.pending} requests are in flight, the most this server queues; "
-                                          "retry later", "rate_limit_error")
+            raise unavailable("the server is shutting down; send the request to another one")
+        if self.client.pending >= self.max_pending:
+            raise ApiError(HTTP_TOO_MANY, f"{self.client.pending} requests are in flight, the most this server "
+                                          "queues; retry later", "rate_limit_error")
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}"
-        events = self._events(request_id, prompt, params)
-        first = await _first(events)  # a refusal surfaces here, before any response is sent
-        self.metrics.prompt_tokens.inc(len(prompt))
-        stream = _Stream(self, request_id, body.model, chat, len(prompt), params, first, events, time.monotonic())
+        stream = self.client.submit(request_id, prompt, params)
+        first = await stream.take()  # a refusal surfaces here, before any response is sent
+        if first.error is not None:
+            raise (ApiError(HTTP_BAD_REQUEST, first.error) if first.finish_reason == "refused"
+                   else unavailable(first.error))
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        response = _Response(self, request_id, body, chat, prompt, params, arrival, stop, stream)
         if body.stream:
-            return StreamingResponse(stream.sse(), media_type="text/event-stream")
-        return await stream.whole(request)
+            return StreamingResponse(response.sse(first), media_type="text/event-stream")
+        return await response.whole(first, request)
 
-    def _params(self, body: _Sampling, prompt: list[int], logprobs: bool) -> SamplingParams:
+    def _params(self, body: _Sampling, prompt: list[int], logprobs: bool, chat: bool) -> SamplingParams:
         if body.model != self.model_name:
             raise ApiError(HTTP_NOT_FOUND, f"the model {body.model!r} does not exist; this server serves "
                                            f"{self.model_name!r}", param="model", code="model_not_found")
-        max_tokens = body.max_completion_tokens or body.max_tokens or max(1, min(16, self.context - len(prompt)))
-        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-        eos = getattr(self.tokenizer, "eos_id", None)
+        room = max(1, self.context - len(prompt))
+        max_tokens = body.max_completion_tokens or body.max_tokens or (room if chat else min(16, room))
+        eos = () if body.ignore_eos else tuple(getattr(self.tokenizer, "eos_ids", ()))
         try:
             check_fits(len(prompt), max_tokens, self.context)
-            if any(not 0 <= token < self.engine.engine.model_config.vocab_size for token in prompt):
-                raise StarscreamError("the prompt holds token ids outside the model's vocabulary")
+            vocab = self.info.vocab_size
+            for field, ids in (("prompt", prompt), ("stop_token_ids", body.stop_token_ids or ())):
+                if any(not 0 <= token < vocab for token in ids):
+                    raise StarscreamError(f"{field} holds token ids outside the model's vocabulary of {vocab}")
             return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                  top_k=body.top_k, seed=body.seed, stop=tuple(s for s in stop if s),
-                                  stop_tokens=() if eos is None or body.ignore_eos else (eos,), logprobs=logprobs)
+                                  top_k=max(body.top_k, 0), seed=body.seed,
+                                  stop_tokens=eos + tuple(body.stop_token_ids or ()), logprobs=logprobs)
         except StarscreamError as err:
             raise ApiError(HTTP_BAD_REQUEST, str(err)) from None
 
-    async def _events(self, request_id: str, prompt: list[int], params: SamplingParams):
-        """The request's TokenEvents as they come; the request is cancelled if the consumer stops early."""
-        loop, inbox = asyncio.get_running_loop(), asyncio.Queue()
-        self.pending += 1
-        self.engine.submit(request_id, prompt, params, lambda event: loop.call_soon_threadsafe(inbox.put_nowait, event))
-        finished = False
-        try:
-            while not finished:
-                event = await inbox.get()
-                if isinstance(event, BaseException):
-                    finished = True
-                    status = HTTP_BAD_REQUEST if isinstance(event, StarscreamError) else HTTP_UNAVAILABLE
-                    raise ApiError(status, str(event), "invalid_request_error" if status < 500 else "server_error")
-                finished = event.finish_reason is not None
-                yield event
-        finally:
-            self.pending -= 1
-            if not finished:
-                self.engine.cancel(request_id)
 
-    def _count(self, tokens: int) -> None:
-        now = time.monotonic()
-        self._recent = [(at, count) for at, count in self._recent if at > now - 10.0] + [(now, tokens)]
-        self.metrics.generated_tokens.inc(tokens)
+class _Response:
+    """One request's response: each batch of new tokens turned into text and OpenAI's JSON, whole or as
+    server-sent events, and the request's metrics once it ends."""
 
-    def _tokens_per_second(self) -> float:
-        now = time.monotonic()
-        return sum(count for at, count in self._recent if at > now - 10.0) / 10.0
-
-
-async def _first(events):
-    """The first event of a request (a refusal raises its ApiError here)."""
-    return await events.__anext__()
-
-
-class _Stream:
-    """One request's response: every event turned into OpenAI's JSON, whole or as server-sent events."""
-
-    def __init__(self, server: Server, request_id: str, model: str, chat: bool, prompt_tokens: int,
-                 params: SamplingParams, first: TokenEvent, events, started: float):
-        self.server, self.request_id, self.model, self.chat = server, request_id, model, chat
-        self.prompt_tokens, self.params, self.first, self.events = prompt_tokens, params, first, events
-        self.started, self.created = started, int(time.time())
+    def __init__(self, server: Server, request_id: str, body: _Sampling, chat: bool, prompt: list[int],
+                 params: SamplingParams, arrival: float, stop: tuple[str, ...], stream: RequestStream):
+        self.server, self.request_id, self.body, self.chat = server, request_id, body, chat
+        self.model, self.prompt_tokens, self.params, self.arrival = body.model, len(prompt), params, arrival
+        self.stream, self.created = stream, int(time.time())
+        self.text = IncrementalText(server.tokenizer.decode, prompt, stop, body.include_stop_str_in_output)
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
-        self.text = _Text(server.tokenizer.decode, params.stop)
         self.finish_reason: str | None = None
-        self.first_at: float | None = None
+        self.engine_done = False
+        self.first_at = self.last_at = self.queued_s = None
 
-    async def _all(self):
-        yield self.first
-        async for event in self.events:
-            yield event
-
-    async def _deltas(self):
-        """(text delta, token ids and log-probabilities of this delta) as tokens arrive; the last has the finish
-        reason set on self."""
-        async for event in self._all():
-            if self.first_at is None:
-                self.first_at = time.monotonic()
-                self.server.metrics.ttft.observe(self.first_at - self.started)
-            self.server._count(1)
-            final = event.finish_reason is not None
-            counted = event.token not in self.params.stop_tokens
-            if counted:
-                self.tokens.append(event.token)
-                self.logprobs.append(event.logprob)
-            delta = self.text.advance(self.tokens, final)
-            if final or self.text.stopped:
-                self.finish_reason = "stop" if self.text.stopped else event.finish_reason
-                self._finished()
-                yield delta, event
-                if not final:
-                    await self.events.aclose()
-                return
-            yield delta, event
+    def _advance(self, delta: Delta) -> tuple[str, list[int], list[float]]:
+        """(new text, its token ids and log-probabilities) of `delta`; sets finish_reason on the last."""
+        now = time.monotonic()
+        if delta.tokens:
+            self.first_at = self.first_at or now
+            self.last_at = now
+        self.queued_s = delta.queued_s if delta.queued_s is not None else self.queued_s
+        self.engine_done = delta.finish_reason is not None or delta.error is not None
+        kept = [(token, value) for token, value in zip(delta.tokens, delta.logprobs)
+                if token not in self.params.stop_tokens]  # a stop token ends the text and is not part of it
+        tokens, values = [token for token, _ in kept], [value for _, value in kept]
+        self.tokens += tokens
+        self.logprobs += values
+        text = self.text.add(tokens, final=self.engine_done)
+        if self.text.stopped or delta.finish_reason is not None:
+            self.finish_reason = "stop" if self.text.stopped else delta.finish_reason
+        return text, tokens, values
 
     def _finished(self) -> None:
-        metrics = self.server.metrics
-        metrics.requests.labels(self.finish_reason).inc()
-        if len(self.tokens) > 1 and self.first_at is not None:
-            metrics.tpot.observe((time.monotonic() - self.first_at) / (len(self.tokens) - 1))
+        """Cancels the request in the engine if it still runs (a stop string, or the client gone) and records its
+        metrics."""
+        if not self.engine_done:
+            self.server.client.cancel(self.request_id)
+        start = self.arrival
+        self.server.metrics.observe_request(RequestTimes(
+            first_token_s=None if self.first_at is None else self.first_at - start,
+            last_token_s=None if self.last_at is None else self.last_at - start, queued_s=self.queued_s,
+            prompt_tokens=self.prompt_tokens, generated_tokens=len(self.tokens),
+            finish_reason=self.finish_reason or "abort"))
 
-    async def whole(self, request: Request) -> dict:
-        text = []
-        async for delta, _ in self._deltas():
-            text.append(delta)
-            if await request.is_disconnected():
-                await self.events.aclose()
-                raise ApiError(HTTP_BAD_REQUEST, "the client disconnected")
-        return self._body("".join(text))
+    async def whole(self, first: Delta, request: Request) -> dict:
+        watcher = asyncio.create_task(_hang_up(request, self.stream))
+        try:
+            parts, delta = [], first
+            while True:
+                if delta.error is not None:
+                    raise (ApiError(HTTP_BAD_REQUEST, "the client disconnected") if delta.error == _HUNG_UP
+                           else unavailable(delta.error))
+                parts.append(self._advance(delta)[0])
+                if self.finish_reason is not None:
+                    return self._body("".join(parts))
+                delta = await self.stream.take()
+        finally:
+            watcher.cancel()
+            self._finished()
 
-    async def sse(self):
+    async def sse(self, first: Delta):
+        encode = self.server._json.encode
         try:
             if self.chat:
-                yield _sse(self._chunk({"role": "assistant", "content": ""}, None))
-            async for delta, event in self._deltas():
-                logprobs = self._logprobs([event.token], [event.logprob]) if self.params.logprobs else None
-                yield _sse(self._chunk(delta, self.finish_reason, logprobs))
-            yield "data: [DONE]\n\n"
+                yield _sse(encode(self._chunk({"role": "assistant", "content": ""}, None)))
+            delta = first
+            while True:
+                if delta.error is not None:
+                    yield _sse(encode(unavailable(delta.error).body()))
+                    break
+                text, tokens, values = self._advance(delta)
+                if text or tokens or self.finish_reason is not None:
+                    logprobs = self._logprobs(tokens, values) if self.params.logprobs else None
+                    yield _sse(encode(self._chunk(text, self.finish_reason, logprobs)))
+                if self.finish_reason is not None:
+                    break
+                delta = await self.stream.take()
+            options = self.body.stream_options
+            if options is not None and options.include_usage and delta.error is None:
+                yield _sse(encode(self._usage_chunk()))
+            yield b"data: [DONE]\n\n"
         finally:
-            await self.events.aclose()
+            self._finished()
 
     def _usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
@@ -362,15 +362,56 @@ class _Stream:
             choice = {"index": 0, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        chunk = {"id": self.request_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                 "created": self.created, "model": self.model, "choices": [choice]}
-        if finish_reason is not None:
-            chunk["usage"] = self._usage()
-        return chunk
+        return {"id": self.request_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice]}
+
+    def _usage_chunk(self) -> dict:
+        return {"id": self.request_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [], "usage": self._usage()}
 
 
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
+_HUNG_UP = "the client disconnected"
+
+
+async def _hang_up(request: Request, stream: RequestStream) -> None:
+    """Ends `stream` once the client of a whole (not streamed) response disconnects: one waiting task per request,
+    no poll per token."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    stream.fail(_HUNG_UP)
+
+
+def _sse(payload: bytes) -> bytes:
+    return b"data: " + payload + b"\n\n"
+
+
+class BodyLimit:
+    """ASGI middleware: a request body beyond `limit` bytes is refused with 413 as it arrives, before it is
+    parsed (declared by content-length or counted while chunks come)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await ApiError(HTTP_TOO_LARGE, self._message()).response()(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise ApiError(HTTP_TOO_LARGE, self._message())
+            return message
+
+        return await self.app(scope, counted, send)
+
+    def _message(self) -> str:
+        return f"the request body exceeds {self.limit} bytes, more than any prompt that fits the context; shorten it"
 
 
 def _validation_error(err: RequestValidationError) -> ApiError:
@@ -380,3 +421,9 @@ def _validation_error(err: RequestValidationError) -> ApiError:
         return ApiError(HTTP_BAD_REQUEST, "the request body is not valid JSON; send a JSON object")
     where = ".".join(str(part) for part in first.get("loc", ())[1:]) or "body"
     return ApiError(HTTP_BAD_REQUEST, f"{where}: {first.get('msg', 'invalid value')}", param=where)
+
+
+def _framework_error(err: HTTPException) -> ApiError:
+    """The framework's own refusals (an unknown route, a method it does not take) as OpenAI's error object."""
+    kind = "invalid_request_error" if err.status_code < 500 else "server_error"
+    return ApiError(err.status_code, str(err.detail), kind)

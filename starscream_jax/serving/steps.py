@@ -7,7 +7,7 @@
               layout; both layouts place the pages alike, so neither copies the cache.
 
 Shapes are bucketed (`Buckets`): rows per shard, positions per row (prefill) and pages per row round up to the
-next bucket, so a server compiles each (phase, rows, positions, pages) program once and holds at most
+next bucket, so a server compiles each (phase, rows, positions, pages) program once, at start, and holds
 `Buckets.programs()` of them. Sampling is per row: temperature 0 is greedy, then top-k, then top-p (nucleus) at the
 row's temperature, the draw keyed by (row's seed, the new token's position) alone.
 """
@@ -113,18 +113,19 @@ def _at_column(values_BV: jax.Array, column_B: jax.Array) -> jax.Array:
     return jnp.max(jnp.where(hit_BV, values_BV, -jnp.inf), axis=-1, keepdims=True)
 
 
-def _powers_of_two(limit: int) -> tuple[int, ...]:
-    sizes = [1]
-    while sizes[-1] < limit:
-        sizes.append(min(sizes[-1] * 2, limit))
-    return tuple(sizes)
+def _steps_down(limit: int, factor: int, count: int) -> tuple[int, ...]:
+    """`count` sizes falling from `limit` by `factor` each (at least 1), rising."""
+    sizes = {limit}
+    while len(sizes) < count and min(sizes) > 1:
+        sizes.add(max(1, min(sizes) // factor))
+    return tuple(sorted(sizes))
 
 
 @dataclass(frozen=True)
 class Buckets:
     """The shapes a server compiles: rows per cache shard of decode steps and of prefill steps, prompt positions per
-    prefill row, pages per row (each a rising tuple; a size rounds up to the next). Default: powers of two up to
-    each limit."""
+    prefill row, pages per row (each a rising tuple; a size rounds up to the next). `for_limits` gives a server's
+    defaults; every bucket is compiled at start (`Engine.warm_up`), so their count sets the start-up time."""
 
     rows: tuple[int, ...]
     positions: tuple[int, ...]
@@ -132,15 +133,26 @@ class Buckets:
     prefill_rows: tuple[int, ...] | None = None  # None: as `rows`
 
     @classmethod
-    def up_to(cls, rows: int, chunk: int, pages: int) -> Buckets:
-        return cls(_powers_of_two(rows), _powers_of_two(chunk), _powers_of_two(pages))
+    def for_limits(cls, rows: int, chunk: int, pages: int, prefill_rows: int) -> Buckets:
+        """Few buckets, where padding costs little: decode rows of a sixteenth, a quarter and all of `rows` (a
+        decode step reads every weight whatever its rows, so padding rows is nearly free); prefill steps of one
+        chunk or of `prefill_rows` chunks, each padded to `chunk` positions; pages per row in four halvings from
+        `pages` (the gather kernel reads every page of the padded table, so pages keep finer steps)."""
+        return cls(_steps_down(rows, 4, 3), (chunk,), _steps_down(pages, 2, 4), tuple(sorted({1, prefill_rows})))
 
     def rows_of(self, phase: str) -> tuple[int, ...]:
         return (self.prefill_rows or self.rows) if phase == "prefill" else self.rows
 
+    def shapes(self) -> list[tuple[str, int, int, int]]:
+        """Every (phase, rows per shard, positions per row, pages per row) a server may run, decode first."""
+        decode = [("decode", rows, 1, pages) for pages in self.pages for rows in self.rows]
+        prefill = [("prefill", rows, positions, pages) for pages in self.pages for rows in self.rows_of("prefill")
+                   for positions in self.positions]
+        return decode + prefill
+
     def programs(self) -> int:
         """Most programs a server compiles: decode (rows x pages) and prefill (rows x positions x pages)."""
-        return len(self.pages) * (len(self.rows) + len(self.rows_of("prefill")) * len(self.positions))
+        return len(self.shapes())
 
     @staticmethod
     def round_up(size: int, sizes: tuple[int, ...], what: str) -> int:

@@ -16,10 +16,15 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 def test_flags_set_the_engine_configuration():
-    config = serve.engine_config(parse("--page-size", "8", "--cache-pages", "64", "--max-seqs", "4",
-                                       "--token-budget", "128", "--chunk", "32", "--kernel", "pallas"))
-    assert config == EngineConfig(page_size=8, pages_per_shard=64, rows_per_shard=4, token_budget=128, chunk=32,
-                                  kernel="pallas")
+    """vLLM's flag names and today's aliases; --max-num-seqs is split among the cache shards."""
+    config = serve.engine_config(parse("--page-size", "8", "--cache-pages", "64", "--max-seqs", "6",
+                                       "--token-budget", "128", "--chunk", "32", "--kernel", "pallas",
+                                       "--max-model-len", "96", "--gpu-memory-utilization", "0.5"), shards=4)
+    assert config == EngineConfig(page_size=8, pages_per_shard=64, rows_per_shard=2, token_budget=128, chunk=32,
+                                  kernel="pallas", max_model_len=96, memory_utilization=0.5)
+    defaults = serve.engine_config(parse(), shards=1)
+    assert (defaults.pages_per_shard, defaults.rows_per_shard, defaults.token_budget, defaults.memory_utilization,
+            defaults.max_model_len) == (None, 256, 2048, 0.9, None)
 
 
 def test_serve_reads_the_model_from_the_arguments_generate_reads():
@@ -50,6 +55,8 @@ def test_contradicting_flags_are_one_error_line(capsys, argv, message):
     (("--port", "70000"), "--port 70000: give a port number from 0 to 65535"),
     (("--kernel", "flash"), "invalid choice: 'flash'"),
     (("--page-size", "0"), "--page-size"),
+    (("--gpu-memory-utilization", "1.5"), "give a fraction above 0 and at most 1"),
+    (("--fake-engine", "-3"), "give a positive number of milliseconds"),
 ])
 def test_bad_values_are_refused_as_the_flags_are_read(capsys, argv, message):
     with pytest.raises(SystemExit) as exited:

@@ -43,10 +43,12 @@ def _unsharded_model():
 
 @functools.cache
 def _engine(case: str) -> Engine:
-    """8 rows in all, chunks of 8 positions, 16 pages of 4 positions per row (a context of 64)."""
+    """8 rows in all, chunks of 8 positions, 16 pages of 4 positions per row (a context of 64); its two programs
+    compiled before any test, as a server compiles them."""
     mesh, (prefill, decode) = build_mesh(case.split("-")[0]), CASES[case]
-    return Engine(load_hf_model(FIXTURE, prefill, mesh), engine_config(case, mesh), mesh, prefill, decode,
-                  tokenizer().decode)
+    engine = Engine(load_hf_model(FIXTURE, prefill, mesh), engine_config(case, mesh), mesh, prefill, decode)
+    engine.warm_up()
+    return engine
 
 
 def engine_config(case: str, mesh) -> EngineConfig:

@@ -1,7 +1,8 @@
 """The HTTP server on a real uvicorn on a localhost port, over the tiny Hugging Face checkpoint's engine on a
-simulated (1, 2, 4) mesh (conftest.py): the official `openai` client (completions, chat, streaming, logprobs),
-OpenAI-style errors, /health, /models, /metrics, a bounded load of concurrent clients (some cancelled midway, some
-refused with 429) after which every page is free, and a shutdown that lets the running stream finish."""
+simulated (1, 2, 4) mesh (conftest.py), its loop on a thread behind the same sockets and messages as the engine
+process: the official `openai` client (completions, chat, streaming, logprobs), OpenAI-style errors, /health,
+/models, /metrics, a bounded load of concurrent clients (some cancelled midway, some refused with 429) after which
+every page is free, and a shutdown that lets the running stream finish."""
 import asyncio
 import socket
 import threading
@@ -12,7 +13,8 @@ import openai
 import pytest
 import uvicorn
 
-from starscream_jax.serving.engine import EngineThread
+from starscream_jax.serving.client import EngineClient
+from starscream_jax.serving.core import EngineThread
 from starscream_jax.serving.server import Server
 
 MODEL = "tiny-llama"
@@ -28,7 +30,11 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def served(engine_for, llama_tokenizer):
     """(base URL, Server, uvicorn.Server) of a server on a thread over the (1, 2, 4) engine of conftest.py."""
-    server = Server(EngineThread(engine_for("1x2x4")), llama_tokenizer, MODEL, max_pending=MAX_PENDING)
+    engine = engine_for("1x2x4")
+    loop = EngineThread(engine)
+    server = Server(EngineClient(loop.addresses, loop.alive), llama_tokenizer, MODEL, engine.info(),
+                    max_pending=MAX_PENDING)
+    server.engine_loop, server.engine = loop, engine
     port = _free_port()
     http = uvicorn.Server(uvicorn.Config(server.app(), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=http.run, daemon=True)
@@ -48,9 +54,9 @@ def client(served):
 def _wait_idle(server, timeout=60.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        stats = server.engine.stats
-        if server.pending == 0 and stats is not None and stats.running == stats.waiting == 0:
-            return stats
+        stats = server.client.load
+        if server.client.pending == 0 and stats is not None and stats.running == stats.waiting == 0:
+            return server.engine.stats()
         time.sleep(0.05)
     raise AssertionError("the engine did not become idle")
 
@@ -105,10 +111,13 @@ def test_health_models_and_metrics(client, served):
     assert httpx.get(served[0] + "/health").json() == {"status": "ok"}
     assert [model.id for model in client.models.list()] == [MODEL]
     text = httpx.get(served[0] + "/metrics").text
-    for series in ("starscream_requests_running", "starscream_requests_waiting", "starscream_kv_pages_used",
-                   "starscream_generation_tokens_per_second", "starscream_time_to_first_token_seconds_bucket",
-                   "starscream_time_per_output_token_seconds_bucket"):
-        assert series in text
+    for series in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                   "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
+                   "vllm:time_per_output_token_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+                   "vllm:request_queue_time_seconds_bucket", 'starscream:programs_compiled{model_name="tiny-llama",'
+                   'when="serving"} 0.0'):
+        assert series in text, series
+    assert f'vllm:num_requests_running{{model_name="{MODEL}"}}' in text
 
 
 async def _one_client(url, index):
@@ -137,7 +146,7 @@ def test_bounded_load_answers_every_request_and_frees_every_page(served):
     statuses = asyncio.run(load())
     assert set(statuses) <= {200, 429} and statuses.count(200) >= MAX_PENDING
     stats = _wait_idle(server)
-    assert stats.pages_used == 0 and server.pending == 0
+    assert stats.pages_used == 0 and server.client.pending == 0
 
 
 def test_shutdown_lets_the_running_stream_finish(served):
@@ -150,6 +159,6 @@ def test_shutdown_lets_the_running_stream_finish(served):
     rest = list(stream)
     assert first.choices[0].text is not None and rest[-1].choices[0].finish_reason in ("stop", "length")
     deadline = time.monotonic() + 30
-    while server.engine._thread.is_alive() and time.monotonic() < deadline:
+    while server.engine_loop.alive() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not server.engine._thread.is_alive() and server.shutting_down
+    assert not server.engine_loop.alive() and server.shutting_down

@@ -1,0 +1,84 @@
+"""How many KV-cache pages a server holds: the device memory left after the weights and the steps' working memory,
+as vLLM sizes its cache (`--gpu-memory-utilization`).
+
+Per device the budget is `memory_utilization` of its memory (JAX's allocator is told to take that fraction at
+start, `XLA_PYTHON_CLIENT_MEM_FRACTION`), less what the placed weights hold, less a reserve for the largest
+step's temporaries (`step_reserve_bytes`, checked against the compiled programs after warm-up,
+`check_reserve`). What remains holds pages: each page of a cache shard costs every device its part of a
+`[kv_heads, shards, page_size, head_dim]` key and value pool per layer (and an 8-bit cache's scales), as the decode
+layout splits them. Devices that report no memory (the CPU) get pages for every row at the full context.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from ..errors import StarscreamError
+
+
+@dataclass(frozen=True)
+class CacheSize:
+    """pages_per_shard: pages of each cache shard (one is its null page); why: how it was chosen, for the start
+    line; pool_bytes_per_device: what those pages hold on each device."""
+
+    pages_per_shard: int
+    why: str
+    pool_bytes_per_device: int
+
+
+def page_bytes_per_device(page_shardings, page_shapes, dtypes) -> int:
+    """Bytes each device holds for one page per cache shard, over every pool (`page_shapes` for one page per shard,
+    placed by `page_shardings`, stored in `dtypes`; one entry per pool kind, each for every layer)."""
+    return max(sum(math.prod(sharding.shard_shape(shape)) * np.dtype(dtype).itemsize * layers
+                   for sharding, (layers, shape), dtype in zip(page_shardings, page_shapes, dtypes)), 1)
+
+
+def step_reserve_bytes(tokens: int, rows: int, table_positions: int, d_model: int, d_ff: int, vocab: int,
+                       kv_width: int, itemsize: int) -> int:
+    """A bound on one step's temporaries per device: a prefill of `tokens` tokens (the residual stream in float32,
+    the MLP's three hidden arrays, q/k/v) and the decode of `rows` rows gathering `table_positions` positions of
+    one layer's keys and values (`kv_width` = kv heads x head_dim on the device), with the float32 logits and the
+    sampler's sorted copy of each row, doubled for what XLA keeps alive at once."""
+    prefill = tokens * (4 * d_model * 4 + 3 * d_ff * itemsize + 3 * d_model * itemsize)
+    decode = rows * table_positions * kv_width * 2 * itemsize + rows * vocab * 4 * 3
+    return 2 * max(prefill, decode)
+
+
+def size_from_memory(devices, page_bytes: int, reserve: int, utilization: float, floor_pages: int) -> CacheSize:
+    """Pages per cache shard from the devices' free memory (see the module docstring); the pages for every row
+    at the full context (`floor_pages`) where the devices report no memory. StarscreamError when not one row's
+    worth fits."""
+    stats = [device.memory_stats() for device in devices]
+    if any(not stat or "bytes_limit" not in stat for stat in stats):
+        return CacheSize(floor_pages, "every row at the full context (the devices report no memory size)",
+                         floor_pages * page_bytes)
+    free = min(stat["bytes_limit"] - stat.get("bytes_in_use", 0) for stat in stats) - reserve
+    pages = free // page_bytes
+    limit = min(stat["bytes_limit"] for stat in stats)
+    if pages < 2:
+        raise StarscreamError(f"no KV-cache pages fit: each device holds {limit / 2 ** 30:.2f} GiB at "
+                              f"--gpu-memory-utilization {utilization}, of which the weights and {reserve / 2 ** 30:.2f}"
+                              " GiB of step memory leave none; raise --gpu-memory-utilization, lower "
+                              "--max-num-batched-tokens or --max-num-seqs, or spread the model over more devices")
+    why = (f"{utilization:.2f} of device memory ({limit / 2 ** 30:.1f} GiB per device) less the weights and "
+           f"{reserve / 2 ** 30:.2f} GiB for the steps")
+    return CacheSize(int(pages), why, int(pages) * page_bytes)
+
+
+def check_reserve(programs, reserve: int) -> None:
+    """StarscreamError when a compiled program's temporaries exceed the reserve the cache was sized with."""
+    for key, program in programs.items():
+        analysis = program.memory_analysis()
+        temp = getattr(analysis, "temp_size_in_bytes", 0) if analysis is not None else 0
+        if temp > reserve:
+            raise StarscreamError(f"the {key[0]} program of {key[1]} rows x {key[2]} positions needs "
+                                  f"{temp / 2 ** 30:.2f} GiB of temporaries, more than the {reserve / 2 ** 30:.2f} "
+                                  "GiB kept beside the KV cache; lower --gpu-memory-utilization or "
+                                  "--max-num-batched-tokens")
+
+
+def devices_of(mesh) -> list:
+    return list(mesh.devices.flat) if mesh is not None else [jax.devices()[0]]

@@ -1,0 +1,60 @@
+"""Incremental detokenization with stop strings: each request's new tokens become new text in time proportional to
+the new tokens, not to the text so far.
+
+Offsets over the token ids (the scheme vLLM's detokenizer uses, here over any `decode(ids) -> str`): the text of
+the new tokens is `decode(ids[prefix:]) - decode(ids[prefix:read])`, where `prefix` lags one emission behind
+`read`, so a decoder that drops a leading space or merges bytes across a boundary still sees the token before;
+while the decoded window ends in U+FFFD (a character whose bytes have not all arrived) nothing is emitted and the
+window grows. The last few prompt tokens seed the window, so the first generated token gets its leading space.
+
+Stop strings are matched in the text not yet sent plus the new text only: up to the longest stop string's length
+less one character is held back (it may be the start of a stop string), so a stop string spanning tokens is found
+exactly once, and the text ends where it begins (or after it, `include_stop`).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+PROMPT_CONTEXT = 5
+"""Prompt tokens that seed the window (vLLM's initial read offset is as many)."""
+
+
+class IncrementalText:
+    """One request's generated text, emitted as its tokens arrive (see the module docstring)."""
+
+    def __init__(self, decode: Callable[[list[int]], str], prompt: list[int], stop: tuple[str, ...] = (),
+                 include_stop: bool = False):
+        self._decode = decode
+        self._ids = list(prompt[-PROMPT_CONTEXT:])
+        self._prefix = 0
+        self._read = len(self._ids)
+        self._stop = tuple(s for s in stop if s)
+        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._include_stop = include_stop
+        self._unsent = ""
+        self.stopped = False
+        """True once a stop string was met: the text is complete, later tokens are ignored."""
+
+    def add(self, token_ids: list[int], final: bool = False) -> str:
+        """The text to send after `token_ids` (the request's newest tokens; `final` on its last): "" while it may
+        still be a partial character or the start of a stop string."""
+        if self.stopped:
+            return ""
+        self._ids.extend(token_ids)
+        text = self._unsent + self._new_text(final)
+        cut = min((found for found in (text.find(s) + (len(s) if self._include_stop else 0) for s in self._stop
+                                       if s in text)), default=-1)
+        if cut >= 0:
+            self.stopped, self._unsent = True, ""
+            return text[:cut]
+        keep = 0 if final else min(self._hold, len(text))
+        send, self._unsent = text[:len(text) - keep], text[len(text) - keep:]
+        return send
+
+    def _new_text(self, final: bool) -> str:
+        before = self._decode(self._ids[self._prefix:self._read])
+        window = self._decode(self._ids[self._prefix:])
+        if not final and (len(window) <= len(before) or window.endswith("\ufffd")):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return window[len(before):]
