@@ -1,12 +1,23 @@
-"""Serving under load, in the manner of `vllm bench serve`: N requests sent all at once or at a Poisson rate to the
-engine (`starscream_jax.serving`), in process and through its HTTP server, with the workload's roofline beside.
+"""Serving under load, measured as `vllm bench serve` measures it: `starscream serve` started as its own process on a
+model directory, the load sent from another process (this one), and beside it in the same run the same engine driven
+in process, Hugging Face transformers' continuous batching, and the workload's roofline.
 
 Per run: request throughput (requests/s), output and total tokens/s over the run's span (first arrival to last
 token), and TTFT (arrival to first token), TPOT (a request's mean time per token after its first), ITL (time between
-consecutive tokens of a stream) and E2EL (arrival to last token): mean, p50, p99, in milliseconds. Also the decode
-steps' mean time at the batch they ran (for TPOT against the step), the prefix-cache hit pages and the programs
-compiled. Every workload runs twice, first on prompts of another seed (no prefix of theirs is cached for the second);
-the second run is the one reported, and it must compile nothing new (the server's steady state).
+consecutive chunks of a stream) and E2EL (arrival to last token): mean, p50, p99, in milliseconds. Every workload
+runs twice, first on prompts of another seed (no prefix of theirs is cached for the second); the second run is the
+one reported, and it must compile nothing new.
+
+The steps, each a process of its own so that each has the GPU's memory to itself:
+  1. the model directory: --model-dir, or one of random weights in --model's shape (`benchmarks.random_model`);
+  2. the engine in process (`--engine-only`, a child): the engine `starscream serve` would build from the same
+     flags (`cli.serve.build_engine`: capacity from memory, every program compiled), driven step by step by a loop
+     that submits each request at its arrival; the roofline's read rate is measured there;
+  3. `--http`: `starscream serve` on the directory (its start-up time to /health recorded, the compilation cache
+     warm from step 2), the load streamed over HTTP from here, then /metrics' TTFT beside the client's;
+  4. `--transformers`: transformers' continuous batching (`generate_batch`) on the same shape, in a child.
+`--fake-engine STEP_MS` instead measures the server alone on the CPU: `starscream serve --fake-engine` (no model)
+under --streams concurrent streams, its tokens/s and the API process' CPU seconds per token and per step.
 
 Workloads: A, 256 requests of 512 prompt tokens and 128 output tokens at once; B, the same at a Poisson rate
 (`--rate`); C, 64 requests whose prompts share a 1,024-token system prompt (then 64 tokens of their own, 64 out),
@@ -17,26 +28,24 @@ Roofline (printed beside): prefill FLOPs at the device's measured matmul efficie
 its best large-GEMM figure) plus decode steps reading every weight and the batch's KV cache at the read rate measured
 in this run (a sum over a 4 GiB array, scripts/bench_decode.py's measure), all requests decoding together.
 
-Peers of workload A (GPU only): `--peers` adds the library's static `generate` on its first `--static-batch` prompts
-(one batch, compile excluded: the throughput of static batching at that batch); `--transformers-only` runs, in a
-process JAX has not touched (so torch has the GPU's memory), Hugging Face transformers' continuous batching
-(`generate_batch`, sdpa_paged attention) on a randomly initialised model of the same shape instead of the engine.
-
-    python scripts/bench_serve.py --workload A --http --peers --out benchmarks/results/serve_a.json
-    python scripts/bench_serve.py --workload A --transformers-only --out benchmarks/results/serve_a_transformers.json
-    python scripts/bench_serve.py --workload A --kernels --kernel pallas      # the two decode kernels, then the engine
+    python scripts/bench_serve.py --workload A --http --transformers --out benchmarks/results/serve_a.json
+    python scripts/bench_serve.py --fake-engine 20 --out benchmarks/results/serve_front_end.json   # CPU
     python scripts/bench_serve.py --quick                       # CPU smoke run: tiny model, small workloads
 """
 
 import argparse
 import asyncio
 import dataclasses
+import datetime
 import importlib.util
 import json
 import math
+import os
+import signal
+import socket
 import statistics
+import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -120,80 +129,6 @@ def metrics(traces: list[Trace], prompts: list[list[int]]) -> dict:
             "itl_ms": summary(gaps), "e2el_ms": summary([trace.tokens[-1] - trace.arrival for trace in done])}
 
 
-def run_in_process(engine, workload: Workload, prompts, outputs) -> list[Trace]:
-    """The workload through an `EngineThread`; each token timed when the engine hands it over."""
-    from starscream_jax.serving.engine import EngineThread
-    from starscream_jax.serving.scheduler import SamplingParams
-
-    thread = EngineThread(engine)
-    finished = threading.Semaphore(0)
-    traces = []
-
-    def listener(trace):
-        def record(event):
-            if isinstance(event, BaseException):
-                finished.release()
-                return
-            trace.tokens.append(time.perf_counter())
-            if event.finish_reason is not None:
-                finished.release()
-        return record
-
-    start = time.perf_counter()
-    for index, (prompt, output, at) in enumerate(zip(prompts, outputs, arrivals(workload))):
-        time.sleep(max(0.0, start + at - time.perf_counter()))
-        traces.append(Trace(time.perf_counter()))
-        thread.submit(f"{workload.name}-{index}", prompt, SamplingParams(max_tokens=output), listener(traces[-1]))
-    for _ in traces:
-        finished.acquire()
-    thread.stop()
-    if thread.error is not None:
-        raise thread.error
-    return traces
-
-
-def run_http(engine, workload: Workload, prompts, outputs) -> list[Trace]:
-    """The workload through the HTTP server (uvicorn on a localhost port), streamed: each token timed as its
-    server-sent event arrives."""
-    import httpx
-    import uvicorn
-
-    from starscream_jax.serving.engine import EngineThread
-    from starscream_jax.serving.server import Server
-    server = Server(EngineThread(engine), IdTokenizer(), "bench", max_pending=workload.requests)
-    http = uvicorn.Server(uvicorn.Config(server.app(), host="127.0.0.1", port=0, log_level="warning"))
-    runner = threading.Thread(target=http.run, daemon=True)
-    runner.start()
-    while not http.started:
-        time.sleep(0.01)
-    port = http.servers[0].sockets[0].getsockname()[1]
-    url = f"http://127.0.0.1:{port}/v1/completions"
-
-    async def one(client, trace, prompt, output, delay):
-        await asyncio.sleep(delay)
-        trace.arrival = time.perf_counter()
-        body = {"model": "bench", "prompt": prompt, "max_tokens": output, "temperature": 0, "stream": True,
-                "ignore_eos": True}
-        async with client.stream("POST", url, json=body) as response:
-            async for line in response.aiter_lines():
-                if line.startswith("data: {"):
-                    trace.tokens.append(time.perf_counter())
-
-    async def everyone():
-        limits = httpx.Limits(max_connections=workload.requests + 8)
-        async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-            traces = [Trace(0.0) for _ in prompts]
-            await asyncio.gather(*(one(client, trace, prompt, output, at) for trace, prompt, output, at in
-                                   zip(traces, prompts, outputs, arrivals(workload))))
-            return traces
-
-    try:
-        return asyncio.run(everyone())
-    finally:
-        http.should_exit = True
-        runner.join(60)
-
-
 def decode_step_ms(engine, since: int) -> dict:
     """Mean decode-step milliseconds per batch size (rows running) over the steps after index `since`."""
     rows: dict[int, list[float]] = {}
@@ -221,16 +156,6 @@ def roofline(config, workload: Workload, prompts, outputs, efficiency: float, pe
     return {"seconds": prefill + decode, "prefill_seconds": prefill, "decode_seconds": decode,
             "output_tokens_per_s": sum(outputs) / (prefill + decode), "matmul_efficiency": efficiency,
             "read_bytes_per_s": read_rate}
-
-
-def static_generate_peer(model, prompts, outputs, batch: int) -> dict:
-    """The library's `generate` on the first `batch` prompts as one batch (compile excluded): output tokens/s."""
-    from starscream_jax.training.generate import generate
-
-    rows = np.asarray(prompts[:batch])
-    result = generate(model, rows, max(outputs))
-    seconds = rows.size / result.prefill_tokens_per_s + rows.shape[0] * (max(outputs) - 1) / result.decode_tokens_per_s
-    return {"batch": rows.shape[0], "seconds": seconds, "output_tokens_per_s": rows.shape[0] * max(outputs) / seconds}
 
 
 def transformers_peer(config, prompts, outputs) -> dict:
@@ -268,38 +193,6 @@ def transformers_peer(config, prompts, outputs) -> dict:
             "output_tokens_per_s": produced / seconds}
 
 
-def time_kernels(config, batch: int, positions: int, page_size: int, warmup: int = 3, calls: int = 20) -> dict:
-    """One layer's paged decode attention (`model.paged.paged_attention`) under each kernel, alone: `batch` rows
-    of `positions` cached positions each, their pages scattered at random over a pool of exactly that many pages:
-    milliseconds per call, the bytes of K/V it must read over that time, and its largest difference from the
-    gather kernel's output."""
-    import jax
-    import jax.numpy as jnp
-
-    from starscream_jax.model.paged import KERNELS, PagedLayer, paged_attention
-
-    dtype, K, H, E = jnp.dtype(config.dtype), config.n_kv_heads, config.n_heads, config.head_dim
-    per_row = -(-positions // page_size)
-    keys = jax.random.split(jax.random.key(0), 5)
-    pool = (K, batch * per_row + 1, page_size, E)
-    pages_k, pages_v = (jax.random.normal(key, pool, dtype) for key in keys[:2])
-    table = (jax.random.permutation(keys[2], batch * per_row) + 1).reshape(batch, per_row).astype(jnp.int32)
-    q = jax.random.normal(keys[3], (batch, 1, H, E), dtype)
-    k, v = (jax.random.normal(keys[4], (batch, 1, K, E), dtype) for _ in range(2))
-    position = jnp.full((batch, 1), positions - 1, jnp.int32)
-    rows, outputs = {}, {}
-    for kernel in KERNELS:
-        step = jax.jit(lambda q, k, v, p, t, a, b, kernel=kernel: paged_attention(q, k, v, p, PagedLayer(a, b, t,
-                                                                                                       kernel))[0])
-        args = (q, k, v, position, table, pages_k, pages_v)
-        outputs[kernel] = np.asarray(step(*args).astype(jnp.float32))
-        seconds = harness.seconds_per_call(step, args, warmup=warmup, calls=calls)
-        read = 2 * batch * positions * K * E * dtype.itemsize
-        rows[kernel] = {"ms": seconds * MILLISECONDS, "kv_bytes_per_s": read / seconds,
-                        "max_abs_diff_vs_gather": float(np.max(np.abs(outputs[kernel] - outputs["gather"])))}
-    return {"batch": batch, "positions": positions, "page_size": page_size, "kernels": rows}
-
-
 def measured_read_rate() -> float:
     """Bytes per second of a sum over a 4 GiB bfloat16 array (scripts/bench_decode.py's `measured_bandwidth`)."""
     spec = importlib.util.spec_from_file_location("bench_decode", Path(__file__).with_name("bench_decode.py"))
@@ -314,148 +207,360 @@ def matmul_efficiency(chip: str) -> tuple[float, float]:
     return max(entry["efficiency"] for entry in data["matmul"]), data["peak_flops"]
 
 
+def run_engine(engine, workload: Workload, prompts, outputs) -> list[Trace]:
+    """The workload driven straight through the engine: each request submitted at its arrival, steps run back to
+    back, each token timed when its step returns."""
+    from starscream_jax.serving.scheduler import SamplingParams
+
+    traces, due = [Trace(0.0) for _ in prompts], arrivals(workload)
+    by_id, sent, start = {}, 0, time.perf_counter()
+    while sent < len(prompts) or engine.busy:
+        now = time.perf_counter()
+        while sent < len(prompts) and start + due[sent] <= now:
+            traces[sent].arrival = now
+            by_id[f"{workload.name}-{sent}"] = traces[sent]
+            engine.submit(f"{workload.name}-{sent}", prompts[sent], SamplingParams(max_tokens=outputs[sent]))
+            sent += 1
+        if not engine.busy:
+            time.sleep(max(0.0, min(0.001, start + due[sent] - time.perf_counter())))
+            continue
+        events = engine.step()
+        stamp = time.perf_counter()
+        for event in events:
+            by_id[event.request_id].tokens.append(stamp)
+    return traces
+
+
+async def http_load(url: str, workload: Workload, prompts, outputs, model: str) -> list[Trace]:
+    """The workload streamed over HTTP to `url`: each request at its arrival, each server-sent chunk timed."""
+    import httpx
+
+    async def one(client, trace, prompt, output, delay):
+        await asyncio.sleep(delay)
+        trace.arrival = time.perf_counter()
+        body = {"model": model, "prompt": prompt, "max_tokens": output, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        async with client.stream("POST", url + "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"the server answered {response.status_code}: {await response.aread()}")
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    trace.tokens.append(time.perf_counter())
+
+    limits = httpx.Limits(max_connections=workload.requests + 8)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        traces = [Trace(0.0) for _ in prompts]
+        await asyncio.gather(*(one(client, trace, prompt, output, at) for trace, prompt, output, at in
+                               zip(traces, prompts, outputs, arrivals(workload))))
+        return traces
+
+
+class ServeProcess:
+    """`starscream serve` in a process of its own on a free port, until `stop()` (SIGTERM, then its exit)."""
+
+    def __init__(self, serve_args: list[str], log: Path):
+        self.port = free_port()
+        self.log = log
+        command = [sys.executable, "-m", "starscream_jax.cli.main", "serve", *serve_args, "--port", str(self.port)]
+        self.started = time.perf_counter()
+        self.process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=child_env())
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_healthy(self, timeout: float) -> float:
+        """Seconds from the start to the first 200 of /health."""
+        import httpx
+
+        deadline = self.started + timeout
+        while time.perf_counter() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"starscream serve exited with {self.process.returncode}:\n{self.log.read_text()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return time.perf_counter() - self.started
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"starscream serve was not healthy within {timeout} s:\n{self.log.read_text()}")
+
+    def cpu_seconds(self) -> float:
+        """User and system CPU seconds of the API process so far (Linux /proc)."""
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def metrics(self) -> str:
+        import httpx
+        return httpx.get(self.url + "/metrics", timeout=10).text
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(120)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def child_env() -> dict:
+    """This environment for a child process, the repository importable."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(harness.REPO_ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     harness.add_model_arguments(parser, model="llama3-8b")
-    parser.add_argument("--workload", nargs="+", default=["A", "B", "C"], choices=["A", "B", "C", "custom"])
+    parser.add_argument("--model-dir", type=Path, help="serve this Hugging Face directory (default: random weights "
+                                                       "of --model's shape, written to --work-dir)")
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/starscream-bench-serve"))
+    parser.add_argument("--workload", nargs="+", default=["A"], choices=["A", "B", "C", "custom"])
     parser.add_argument("--requests", type=int, default=64, help="custom workload: requests")
     parser.add_argument("--prompt", type=int, default=512, help="custom workload: prompt tokens")
     parser.add_argument("--output", type=int, default=128, help="custom workload: output tokens")
     parser.add_argument("--rate", type=float, default=math.inf, help="requests per second (B, custom; inf: at once)")
     parser.add_argument("--random-lengths", action="store_true", help="custom workload: lengths drawn")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--max-seqs", type=int, default=256, help="sequences running at once")
-    parser.add_argument("--token-budget", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--kernel", default="gather", choices=["gather", "pallas"])
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--http", action="store_true", help="also through the HTTP server")
-    parser.add_argument("--peers", action="store_true", help="workload A's static generate peer (GPU)")
-    parser.add_argument("--kernels", action="store_true",
-                        help="first time one layer's paged decode attention under each kernel (--max-seqs rows, the "
-                             "first workload's prompt + output positions)")
-    parser.add_argument("--transformers-only", action="store_true",
-                        help="run transformers' continuous batching on the workloads instead of the engine (GPU)")
-    parser.add_argument("--static-batch", type=int, default=64, help="batch of the static generate peer")
+    parser.add_argument("--http", action="store_true", help="also through `starscream serve` in its own process")
+    parser.add_argument("--transformers", action="store_true", help="also transformers' continuous batching (GPU)")
     parser.add_argument("--chip", default="h200", help="measured figures of the roofline (meshes/measured)")
+    parser.add_argument("--fake-engine", type=float, metavar="STEP_MS", help="measure the server alone (CPU)")
+    parser.add_argument("--streams", type=int, default=256, help="--fake-engine: concurrent streams")
     parser.add_argument("--out", type=Path, help="write the results as JSON here (rewritten after every run)")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, small workloads, CPU")
+    parser.add_argument("--engine-only", type=Path, help=argparse.SUPPRESS)  # the child of step 2: its JSON path
+    parser.add_argument("--transformers-only", type=Path, help=argparse.SUPPRESS)  # the child of step 4
     return parser.parse_args(argv)
 
 
-def engine_config(args, workloads: list[Workload]):
-    """An engine configuration sized for the workloads: pages for every request of the largest at once, and few
-    buckets (each compile of a full-depth model takes long): decode rows of a quarter and all of --max-seqs, pages of
-    half and all of the widest request, prefill steps of every chunk the budget holds; one of each with --quick, so
-    that the smoke run compiles two programs."""
-    from starscream_jax.serving.engine import EngineConfig
-    from starscream_jax.serving.steps import Buckets
+def workloads_of(args) -> list[Workload]:
+    chosen = [QUICK[name] if args.quick else WORKLOADS[name] for name in args.workload if name != "custom"]
+    if "custom" in args.workload:
+        chosen.append(Workload("custom", args.requests, args.prompt, args.output, args.rate, args.random_lengths))
+    return [dataclasses.replace(w, rate=args.rate) if w.name == "B" and not math.isinf(args.rate) else w
+            for w in chosen]
 
-    def pages_per_row(w: Workload) -> int:
-        scale = 1.5 if w.random_lengths else 1.0
-        return math.ceil(int((w.prompt + w.output) * scale) / args.page_size)
 
-    widest = max(pages_per_row(w) for w in workloads)
-    rows = min(args.max_seqs, max(w.requests for w in workloads))
-    prefill_rows = max(1, min(rows, args.token_budget // args.chunk + 1))
+def serve_args(args, model_dir: Path, workloads: list[Workload]) -> list[str]:
+    """The `starscream serve` flags of this run, which the in-process engine is built from too."""
+    longest = max(int((w.prompt + w.output) * (1.5 if w.random_lengths else 1.0)) for w in workloads)
+    flags = ["--model-dir", str(model_dir), "--max-num-seqs", str(args.max_num_seqs), "--max-model-len",
+             str(max(longest, 16)), "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--chunk",
+             str(args.chunk), "--kernel", args.kernel, "--compilation-cache", str(args.work_dir / "compiled")]
     if args.quick:
-        buckets = Buckets(rows=(rows,), positions=(args.chunk,), pages=(widest,), prefill_rows=(prefill_rows,))
+        flags += ["--simulate", "--topology", "1x1", "--page-size", "4", "--dtype", "float32"]
     else:
-        buckets = Buckets(rows=tuple(sorted({max(1, rows // 4), rows})), positions=(args.chunk,),
-                          pages=tuple(sorted({max(1, widest // 2), widest})), prefill_rows=(prefill_rows,))
-    pages = max(min(w.requests, rows) * pages_per_row(w) for w in workloads) + 1
-    return EngineConfig(page_size=args.page_size, pages_per_shard=pages, rows_per_shard=rows,
-                        token_budget=args.token_budget, chunk=args.chunk, kernel=args.kernel, buckets=buckets)
-
-
-class IdTokenizer:
-    """What the HTTP server needs of a tokenizer when prompts come as token ids: no EOS, text of the ids."""
-
-    eos_id = None
-
-    def decode(self, token_ids) -> str:
-        return "".join(f" {int(token)}" for token in token_ids)
+        flags += ["--gpus", "1"]
+    return flags
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.quick:
-        args.model, args.layers, args.dtype, args.chunk, args.token_budget = "tiny", 2, "float32", 16, 48
-        args.page_size, args.max_seqs, args.http, args.kernels = 4, 8, True, True
-    import jax
-    from flax import nnx
-
-    from starscream_jax.model.decoder import Transformer
-    from starscream_jax.serving.engine import Engine
-
-    config = harness.model_config(args, dtype=args.dtype)
-    workloads = [QUICK[name] if args.quick else WORKLOADS[name] for name in args.workload if name != "custom"]
-    if "custom" in args.workload:
-        workloads.append(Workload("custom", args.requests, args.prompt, args.output, args.rate, args.random_lengths))
-    if not args.quick and "B" in args.workload:
-        workloads = [dataclasses.replace(w, rate=args.rate) if w.name == "B" and not math.isinf(args.rate) else w
-                     for w in workloads]
-    config = config.replace(max_seq_len=max(config.max_seq_len, max(w.prompt * 2 + w.output * 2 for w in workloads)))
+        args.model, args.layers, args.chunk, args.max_num_batched_tokens = "tiny", 2, 16, 48
+        args.max_num_seqs, args.http = 4, True
+        args.fake_engine = args.fake_engine or 20.0
+        args.streams = min(args.streams, 16)
+    if args.engine_only:
+        return engine_only(args, argv)
     if args.transformers_only:
-        return transformers_only(args, argv, config, workloads)
-    model = Transformer(config, rngs=nnx.Rngs(0))
-    settings = engine_config(args, workloads)
-    engines = {}
+        return transformers_only(args, argv)
+    result = {"meta": {"command": harness.command_line(__file__, argv),
+                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}}
+    if args.fake_engine:
+        result["front_end"] = front_end(args)
+        print(f"front end: {json.dumps(result['front_end'])}", flush=True)
+        harness.write_json(args.out, result)
+        if not args.quick:
+            return 0
+    workloads = workloads_of(args)
+    config = harness.model_config(args)
+    model_dir = args.model_dir or write_model(config, args.work_dir / f"model-{config.name}-{config.n_layers}")
+    flags = serve_args(args, model_dir, workloads)
+    engine_json = args.work_dir / "engine.json"
+    child = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--engine-only",
+             str(engine_json)]
+    subprocess.run(child, check=True, env=child_env())
+    result.update(json.loads(engine_json.read_text()))
+    harness.write_json(args.out, result)
+    if args.http:
+        result["http"] = http_runs(args, flags, workloads, config)
+        harness.write_json(args.out, result)
+    if args.transformers:
+        peer_json = args.work_dir / "transformers.json"
+        subprocess.run([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]),
+                        "--transformers-only", str(peer_json)], check=True, env=child_env())
+        result["transformers"] = json.loads(peer_json.read_text())["runs"]
+    result["ratios"] = ratios(result)
+    print(f"ratios: {json.dumps(result['ratios'])}", flush=True)
+    harness.write_json(args.out, result)
+    return 0
+
+
+def write_model(config, out: Path) -> Path:
+    from starscream_jax.benchmarks.random_model import write_random_model
+
+    started = time.perf_counter()
+    write_random_model(config, out, dtype="float32" if config.dtype == "float32" else "bfloat16")
+    print(f"model directory {out} ready in {time.perf_counter() - started:.1f} s", flush=True)
+    return out
+
+
+def engine_only(args, argv) -> int:
+    """Step 2 (a child process): the engine `starscream serve` builds from the same flags, driven in process."""
+    import jax
+
+    from starscream_jax.cli import main as cli
+    from starscream_jax.cli.serve import build_engine
+
+    workloads = workloads_of(args)
+    config = harness.model_config(args)
+    model_dir = args.model_dir or args.work_dir / f"model-{config.name}-{config.n_layers}"
+    parser = cli.build_parser()
+    serve = parser.parse_args(["serve", *serve_args(args, model_dir, workloads)])
+    started = time.perf_counter()
+    engine = build_engine(serve).engine
+    start_s = time.perf_counter() - started
     gpu = jax.devices()[0].platform == "gpu"
     efficiency, peak = matmul_efficiency(args.chip)
     read_rate = measured_read_rate() if gpu else 1e11
     info = harness.run_info(__file__, argv)
-    result = {"meta": info.as_dict(), "model": config.name, "layers": config.n_layers, "dtype": config.dtype,
-              "engine": {"page_size": args.page_size, "max_seqs": args.max_seqs, "token_budget": args.token_budget,
-                         "chunk": args.chunk, "kernel": args.kernel}, "runs": []}
-    if args.kernels:
-        first = workloads[0]
-        result["kernels"] = time_kernels(config, min(args.max_seqs, first.requests), first.prompt + first.output,
-                                         args.page_size, calls=2 if args.quick else 20)
-        print(f"paged attention, one layer: {json.dumps(result['kernels'])}", flush=True)
-        harness.write_json(args.out, result)
+    result = {"meta": info.as_dict(), "model": config.name, "layers": config.n_layers, "dtype": engine.model_config.dtype,
+              "engine": {"serve_args": serve_args(args, model_dir, workloads), "start_s": start_s,
+                         "pages_per_shard": engine.cache_size.pages_per_shard, "cache_why": engine.cache_size.why,
+                         "programs": engine.buckets.programs()}, "runs": []}
     for workload in workloads:
         prompts, outputs = prompts_of(workload, config.vocab_size)
         warm = prompts_of(workload, config.vocab_size, seed=1)
-        line = roofline(config, workload, prompts, outputs, efficiency, peak, read_rate)
+        line = roofline(engine.model_config, workload, prompts, outputs, efficiency, peak, read_rate)
         variants = [("prefix", True), ("no_prefix", False)] if workload.shared_prefix else [("", True)]
         for label, prefix_caching in variants:
-            if not engines:
-                engines["engine"] = Engine(model, settings)
-            engine = engines["engine"]
             engine.use_prefix_caching(prefix_caching)
-            modes = [("in_process", run_in_process)] + ([("http", run_http)] if args.http else [])
-            for mode, runner in modes:
-                runner(engine, workload, *warm)  # compiles what the workload reaches, on prompts of their own
-                programs, since, hits = engine.stats().programs, len(engine.step_seconds), \
-                    engine.stats().prefix_hit_pages
-                figures = metrics(runner(engine, workload, prompts, outputs), prompts)
-                stats = engine.stats()
-                row = {"workload": dataclasses.asdict(workload), "mode": mode, "prefix_caching": prefix_caching,
-                       **figures, "decode_step_ms_by_batch": decode_step_ms(engine, since),
-                       "prefix_hit_pages": stats.prefix_hit_pages - hits, "programs": stats.programs,
-                       "new_programs_in_timed_run": stats.programs - programs, "roofline": line,
-                       "vs_roofline": figures["output_tokens_per_s"] / line["output_tokens_per_s"]}
-                result["runs"].append(row)
-                print(row_line(workload, mode, label, row), flush=True)
-                harness.write_json(args.out, result)
-        if args.peers and gpu and workload.name == "A":
-            engines.clear()  # the peer's cache takes the pages' place
-            result["peers"] = {"static_generate": static_generate_peer(model, prompts, outputs, args.static_batch)}
-            print(f"peers: {json.dumps(result['peers'])}", flush=True)
-            harness.write_json(args.out, result)
+            run_engine(engine, workload, *warm)
+            before, since = engine.stats(), len(engine.step_seconds)
+            figures = metrics(run_engine(engine, workload, prompts, outputs), prompts)
+            stats = engine.stats()
+            row = {"workload": dataclasses.asdict(workload), "mode": "in_process", "prefix_caching": prefix_caching,
+                   **figures, "decode_step_ms_by_batch": decode_step_ms(engine, since),
+                   "prefix_hit_pages": stats.prefix_hit_pages - before.prefix_hit_pages,
+                   "programs": stats.programs, "new_programs_in_timed_run": stats.programs - before.programs,
+                   "roofline": line, "vs_roofline": figures["output_tokens_per_s"] / line["output_tokens_per_s"]}
+            result["runs"].append(row)
+            print(row_line(workload, "in_process", label, row), flush=True)
+    harness.write_json(args.engine_only, result)
     return 0
 
 
-def transformers_only(args, argv, config, workloads: list[Workload]) -> int:
-    """transformers' continuous batching on each workload's prompts (all at once), nothing of JAX allocated."""
-    result = {"meta": {"command": harness.command_line(__file__, argv)}, "model": config.name, "runs": []}
-    for workload in workloads:
+def http_runs(args, flags: list[str], workloads: list[Workload], config) -> dict:
+    """Step 3: `starscream serve` in its own process, each workload streamed to it from this one."""
+    server = ServeProcess(flags, args.work_dir / "serve.log")
+    runs = []
+    try:
+        start_s = server.wait_healthy(timeout=900)
+        print(f"starscream serve healthy after {start_s:.1f} s", flush=True)
+        name = json.loads(__import__("httpx").get(server.url + "/v1/models").text)["data"][0]["id"]
+        for workload in workloads:
+            if workload.shared_prefix:
+                continue  # prefix caching cannot be switched over HTTP: C runs in process only
+            prompts, outputs = prompts_of(workload, config.vocab_size)
+            asyncio.run(http_load(server.url, workload, *prompts_of(workload, config.vocab_size, seed=1), name))
+            before = histogram_sum_count(server.metrics(), "vllm:time_to_first_token_seconds")
+            figures = metrics(asyncio.run(http_load(server.url, workload, prompts, outputs, name)), prompts)
+            after_text = server.metrics()
+            after = histogram_sum_count(after_text, "vllm:time_to_first_token_seconds")
+            served_ttft = (after[0] - before[0]) / max(after[1] - before[1], 1) * MILLISECONDS
+            row = {"workload": dataclasses.asdict(workload), "mode": "http", **figures,
+                   "metrics_ttft_mean_ms": served_ttft,
+                   "programs_compiled_while_serving": metric_value(after_text, 'when="serving"')}
+            runs.append(row)
+            print(f"{workload.name} http: {row['output_tokens_per_s']:,.0f} out tok/s, TTFT p50 "
+                  f"{row['ttft_ms']['p50']:.1f} ms (client mean {row['ttft_ms']['mean']:.1f}, /metrics mean "
+                  f"{served_ttft:.1f}), TPOT p50 {row['tpot_ms']['p50'] or 0:.2f} ms, programs compiled while "
+                  f"serving {row['programs_compiled_while_serving']}", flush=True)
+    finally:
+        status = server.stop()
+    return {"start_to_health_s": start_s, "exit_status": status, "runs": runs}
+
+
+def histogram_sum_count(text: str, name: str) -> tuple[float, float]:
+    """(sum, count) of a Prometheus histogram in /metrics text."""
+    values = {"sum": 0.0, "count": 0.0}
+    for line in text.splitlines():
+        for part in values:
+            if line.startswith(f"{name}_{part}"):
+                values[part] = float(line.rsplit(" ", 1)[1])
+    return values["sum"], values["count"]
+
+
+def metric_value(text: str, fragment: str) -> float | None:
+    return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if fragment in line
+                 and not line.startswith("#")), None)
+
+
+def front_end(args) -> dict:
+    """The server alone: `starscream serve --fake-engine` under --streams concurrent streams of 128 tokens each."""
+    log = args.work_dir / "serve_fake.log"
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    output = 32 if args.quick else 128
+    server = ServeProcess(["--fake-engine", str(args.fake_engine), "--max-num-seqs", str(args.streams),
+                           "--compilation-cache", ""], log)
+    try:
+        server.wait_healthy(timeout=120)
+        workload = Workload("front-end", args.streams, 16, output)
+        prompts = [[1 + (i + j) % 200 for j in range(16)] for i in range(args.streams)]
+        asyncio.run(http_load(server.url, workload, prompts[:8], [4] * 8, "fake"))
+        cpu = server.cpu_seconds()
+        figures = metrics(asyncio.run(http_load(server.url, workload, prompts, [output] * args.streams, "fake")),
+                          prompts)
+        cpu = server.cpu_seconds() - cpu
+    finally:
+        server.stop()
+    tokens = args.streams * output
+    steps = output  # every stream gets a token per fake step
+    return {"step_ms": args.fake_engine, "streams": args.streams, "output_tokens_per_s": figures["output_tokens_per_s"],
+            "ideal_tokens_per_s": args.streams / (args.fake_engine / 1000), "api_cpu_s": cpu,
+            "api_cpu_us_per_token": cpu / tokens * 1e6, "api_cpu_ms_per_step": cpu / steps * 1e3,
+            "itl_ms": figures["itl_ms"], "ttft_ms": figures["ttft_ms"]}
+
+
+def ratios(result: dict) -> dict:
+    """Output tokens/s of the server over the engine in process, and over transformers, per workload."""
+    engine = {row["workload"]["name"]: row["output_tokens_per_s"] for row in result.get("runs", ())
+              if row["prefix_caching"]}
+    out = {}
+    for row in result.get("http", {}).get("runs", ()):
+        name = row["workload"]["name"]
+        out[f"{name}_http_over_in_process"] = row["output_tokens_per_s"] / engine[name]
+    for row in result.get("transformers", ()):
+        peer = row["transformers"].get("output_tokens_per_s")
+        name = row["workload"]["name"]
+        if peer:
+            out[f"{name}_in_process_over_transformers"] = engine[name] / peer
+            http = next((r for r in result.get("http", {}).get("runs", ()) if r["workload"]["name"] == name), None)
+            if http is not None:
+                out[f"{name}_http_over_transformers"] = http["output_tokens_per_s"] / peer
+    return out
+
+
+def transformers_only(args, argv) -> int:
+    """Step 4 (a child process, nothing of JAX allocated): transformers' continuous batching on each workload's
+    prompts, all at once."""
+    config = harness.model_config(args)
+    result = {"runs": []}
+    for workload in workloads_of(args):
         prompts, outputs = prompts_of(workload, config.vocab_size)
         result["runs"].append({"workload": dataclasses.asdict(workload),
                                "transformers": transformers_peer(config, prompts, outputs)})
         print(f"{workload.name} transformers: {json.dumps(result['runs'][-1]['transformers'])}", flush=True)
-        harness.write_json(args.out, result)
+    harness.write_json(args.transformers_only, result)
     return 0
 
 

@@ -185,6 +185,7 @@ def build_engine(args: argparse.Namespace) -> ReadyEngine:
 
     if args.compilation_cache:
         jax.config.update("jax_compilation_cache_dir", str(Path(args.compilation_cache).expanduser()))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every program a restart needs
     prepare_simulation(args)
     initialize_from_args(args)
     topology, mesh = mesh_from_args(args)

@@ -3,7 +3,7 @@ as vLLM sizes its cache (`--gpu-memory-utilization`).
 
 Per device the budget is `memory_utilization` of its memory (JAX's allocator is told to take that fraction at
 start, `XLA_PYTHON_CLIENT_MEM_FRACTION`), less what the placed weights hold, less a reserve for the largest
-step's temporaries (`step_reserve_bytes`, checked against the compiled programs after warm-up,
+step's temporaries (`step_reserve_bytes`, compared with the compiled programs' after warm-up,
 `check_reserve`). What remains holds pages: each page of a cache shard costs every device its part of a
 `[kv_heads, shards, page_size, head_dim]` key and value pool per layer (and an 8-bit cache's scales), as the decode
 layout splits them. Devices that report no memory (the CPU) get pages for every row at the full context.
@@ -11,6 +11,7 @@ layout splits them. Devices that report no memory (the CPU) get pages for every 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import jax
@@ -22,11 +23,13 @@ from ..errors import StarscreamError
 @dataclass(frozen=True)
 class CacheSize:
     """pages_per_shard: pages of each cache shard (one is its null page); why: how it was chosen, for the start
-    line; pool_bytes_per_device: what those pages hold on each device."""
+    line; pool_bytes_per_device: what those pages hold on each device; reserve_bytes: what was kept for the steps'
+    temporaries when sized from memory (0 otherwise)."""
 
     pages_per_shard: int
     why: str
     pool_bytes_per_device: int
+    reserve_bytes: int
 
 
 def page_bytes_per_device(page_shardings, page_shapes, dtypes) -> int:
@@ -54,7 +57,7 @@ def size_from_memory(devices, page_bytes: int, reserve: int, utilization: float,
     stats = [device.memory_stats() for device in devices]
     if any(not stat or "bytes_limit" not in stat for stat in stats):
         return CacheSize(floor_pages, "every row at the full context (the devices report no memory size)",
-                         floor_pages * page_bytes)
+                         floor_pages * page_bytes, 0)
     free = min(stat["bytes_limit"] - stat.get("bytes_in_use", 0) for stat in stats) - reserve
     pages = free // page_bytes
     limit = min(stat["bytes_limit"] for stat in stats)
@@ -65,19 +68,21 @@ def size_from_memory(devices, page_bytes: int, reserve: int, utilization: float,
                               "--max-num-batched-tokens or --max-num-seqs, or spread the model over more devices")
     why = (f"{utilization:.2f} of device memory ({limit / 2 ** 30:.1f} GiB per device) less the weights and "
            f"{reserve / 2 ** 30:.2f} GiB for the steps")
-    return CacheSize(int(pages), why, int(pages) * page_bytes)
+    return CacheSize(int(pages), why, int(pages) * page_bytes, reserve)
 
 
 def check_reserve(programs, reserve: int) -> None:
-    """StarscreamError when a compiled program's temporaries exceed the reserve the cache was sized with."""
+    """Warns (one line on stderr) when a compiled program's temporaries exceed the reserve the cache was sized
+    with: the step may then run out of memory, and the line says what to lower."""
     for key, program in programs.items():
         analysis = program.memory_analysis()
         temp = getattr(analysis, "temp_size_in_bytes", 0) if analysis is not None else 0
         if temp > reserve:
-            raise StarscreamError(f"the {key[0]} program of {key[1]} rows x {key[2]} positions needs "
-                                  f"{temp / 2 ** 30:.2f} GiB of temporaries, more than the {reserve / 2 ** 30:.2f} "
-                                  "GiB kept beside the KV cache; lower --gpu-memory-utilization or "
-                                  "--max-num-batched-tokens")
+            print(f"warning: the {key[0]} program of {key[1]} rows x {key[2]} positions x {key[3]} pages needs "
+                  f"{temp / 2 ** 30:.2f} GiB of temporaries, more than the {reserve / 2 ** 30:.2f} GiB kept beside "
+                  "the KV cache; if a step runs out of memory, lower --gpu-memory-utilization or "
+                  "--max-num-batched-tokens", file=sys.stderr)
+            return
 
 
 def devices_of(mesh) -> list:

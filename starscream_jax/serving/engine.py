@@ -144,15 +144,15 @@ class Engine:
         shardings, shapes, dtypes = self._pool_layout(1)
         page_bytes = capacity.page_bytes_per_device(shardings, shapes, dtypes)
         if config.pages_per_shard is not None:
-            return capacity.CacheSize(config.pages_per_shard, "as configured", config.pages_per_shard * page_bytes)
+            return capacity.CacheSize(config.pages_per_shard, "as configured", config.pages_per_shard * page_bytes, 0)
         kv_width = shardings[0].shard_shape(shapes[0][1])[0] * c.head_dim if shardings[0] is not None else \
             c.n_kv_heads * c.head_dim
-        self.reserve = capacity.step_reserve_bytes(
+        reserve = capacity.step_reserve_bytes(
             tokens=self.buckets.rows_of("prefill")[-1] * self.buckets.positions[-1],
             rows=self.buckets.rows[-1], table_positions=max_pages * config.page_size, d_model=c.d_model,
             d_ff=c.d_ff, vocab=c.vocab_size, kv_width=kv_width, itemsize=jnp.dtype(c.dtype).itemsize)
         floor = self.config.rows_per_shard * max_pages + 1
-        return capacity.size_from_memory(capacity.devices_of(self.mesh), page_bytes, self.reserve,
+        return capacity.size_from_memory(capacity.devices_of(self.mesh), page_bytes, reserve,
                                          config.memory_utilization, floor)
 
     def _pool_layout(self, pages_per_shard: int) -> tuple[list, list, list]:
@@ -349,8 +349,8 @@ class Engine:
             if progress is not None:
                 progress(done, len(shapes))
         self._programs_at_start = len(self._programs)
-        if self.config.pages_per_shard is None:
-            capacity.check_reserve(self._programs, self.reserve)
+        if self.cache_size.reserve_bytes:
+            capacity.check_reserve(self._programs, self.cache_size.reserve_bytes)
         return len(shapes)
 
     def _program(self, phase: str, rows: int, width: int, pages: int):
