@@ -426,6 +426,7 @@ def engine_only(args, argv) -> int:
     model_dir = args.model_dir or args.work_dir / f"model-{config.name}-{config.n_layers}"
     parser = cli.build_parser()
     serve = parser.parse_args(["serve", *serve_args(args, model_dir, workloads)])
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{serve.gpu_memory_utilization:.3f}"  # as the server's engine
     started = time.perf_counter()
     engine = build_engine(serve).engine
     start_s = time.perf_counter() - started
