@@ -6,6 +6,7 @@ The public API, in the order data flows through it:
                   `simulate_cpu_devices`, `Topology`, `parse_override`, `list_presets`, `load_preset`, `AXES`;
   layouts         `get_layout`, `LAYOUTS`, `Layout`, and `use_layout` to make one active while tracing (the
                   active layout is part of jit's cache key; on Auto axes it is also Flax's logical-axis rules);
+                  `fit_batch` (the layout that places a batch its batch axes do not divide, as the commands fit it);
                   `Placement` (a layout on a mesh) and `jit` (a function jitted and bound to one placement);
   annotations     `param` (a parameter with logical axis names), `constrain` (an activation placed by name),
                   `weight` (a weight as a matmul uses it), `einsum` (a contraction with a placed result),
@@ -55,14 +56,15 @@ from .sharding.collectives import (
 )
 from .sharding.derive import derive
 from .sharding.flax_rules import MAXTEXT, STARSCREAM, Vocabulary, flax_rules, in_vocabulary, weights_at_use
-from .sharding.layouts import LAYOUTS, Layout, get_layout
+from .sharding.layouts import LAYOUTS, Layout, fit_batch, get_layout
 
 __all__ = [
     "AXES", "Check", "CheckpointError", "LAYOUTS", "Layout", "MAXTEXT", "Placement", "PresetError", "RunStopped",
     "STARSCREAM", "ShardingRuleError", "StarscreamError", "StepCheck", "Topology", "TopologyError", "Vocabulary",
     "activation_spec", "all_gather_inside_gpu", "all_reduce_across_gpus", "auto_axes", "build_mesh",
     "build_topology_mesh", "cross_entropy", "embed_lookup",
-    "check", "check_compiled", "constrain", "create_sharded", "derive", "einsum", "export_hf_model", "flax_rules",
+    "check", "check_compiled", "constrain", "create_sharded", "derive", "einsum", "export_hf_model", "fit_batch",
+    "flax_rules",
     "get_layout", "hierarchical_all_gather", "hierarchical_all_reduce", "hierarchical_psum", "in_vocabulary",
     "jit", "list_presets", "load_hf_model", "load_preset", "model_config_from_hf", "param", "parse_override",
     "reduce_scatter_inside_gpu", "shared_input", "simulate_cpu_devices", "use_layout", "weight", "weights_at_use",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,7 +22,7 @@ from ..checks import of_type
 from ..errors import ShardingRuleError
 from ..hardware.axes import INSIDE_GPU, axes_of, spec_axes
 from .collectives import hierarchical_psum
-from .layouts import Layout, flax_table, get_layout
+from .layouts import LAYOUTS, Layout, flax_table, get_layout
 from .rules import LogicalNames, resolve
 
 LOGICAL_AXES = "logical_axes"
@@ -140,12 +141,34 @@ def compute_device():
 
 
 def activation_spec(names: LogicalNames, shape, tensor: str = "activation") -> PartitionSpec | None:
-    """The PartitionSpec the active layout gives an activation, or None outside `use_layout`."""
+    """The PartitionSpec the active layout gives an activation, or None outside `use_layout`. A batch the layout's
+    batch axes do not divide is refused with how to call `fit_batch`, which gives the layout that places it (the
+    commands call it themselves; a layout made active here is taken as given)."""
     current = active()
     if current is None:
         return None
-    return resolve(names, tuple(shape), current.layout.activations, current.mesh, tensor,
-                   f"activation rules of {current.layout.name}")
+    try:
+        return resolve(names, tuple(shape), current.layout.activations, current.mesh, tensor,
+                       f"activation rules of {current.layout.name}")
+    except ShardingRuleError as err:
+        fix = _fit_batch_fix(current, names, shape)
+        if not fix:
+            raise
+        raise ShardingRuleError(f"{err}; {fix}") from err
+
+
+def _fit_batch_fix(current: Placement, names: LogicalNames, shape) -> str:
+    """How to place a batch dimension of `shape` that the active layout's batch axes do not divide (`fit_batch`),
+    or "" where every batch dimension divides."""
+    for name, size in zip(names, shape):
+        axes = current.layout.activations.lookup(name)[1] if name in ("batch", "attn_batch") else ()
+        if axes and size % math.prod(current.mesh.shape[axis] for axis in axes):
+            layout = repr(current.layout.name) if current.layout.name in LAYOUTS else "layout"
+            return (f"or fit the layout to a batch of {size}, as the starscream commands do: "
+                    f"use_layout(fit_batch({layout}, mesh, batch={size}, positions=P), mesh), P the tokens per "
+                    "sequence (1 in decode; None in a prefill, whose prompt is padded to the parts); fit_batch is "
+                    "starscream_jax.fit_batch (docs/any_batch.md)")
+    return ""
 
 
 def constrain(x: jax.Array, names: LogicalNames, tensor: str = "activation") -> jax.Array:

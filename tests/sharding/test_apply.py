@@ -385,3 +385,20 @@ def test_amax_is_the_whole_arrays_on_every_device_whatever_axes_split_it(topolog
         result = jax.jit(amax)(placed)
     assert result.sharding.is_fully_replicated and float(result) == 40.0
 
+
+
+def test_a_batch_the_layout_does_not_divide_is_refused_with_how_to_fit_the_layout_to_it():
+    """use_layout takes a layout as given (the commands fit theirs to the batch): starscream_tp splits the batch over
+    data x xcd (4 on 2 GPUs x 4 partitions), so a batch of 2 is refused, and the refusal says how to call fit_batch,
+    whose layout places it. A refusal that is not the batch's names no fit."""
+    import starscream_jax as ss
+
+    mesh = build_mesh("2x4")
+    call = "use_layout(fit_batch('starscream_tp', mesh, batch=2, positions=P), mesh)"
+    with use_layout("starscream_tp", mesh), pytest.raises(ShardingRuleError, match=re.escape(call)):
+        activation_spec(("batch", "embed"), (2, 64))
+    with use_layout(ss.fit_batch("starscream_tp", mesh, batch=2, positions=1), mesh):
+        assert activation_spec(("batch", "embed"), (2, 64)) == P("data", None)
+    with use_layout("starscream_tp", mesh), pytest.raises(ShardingRuleError) as refused:
+        activation_spec(("batch", "mlp"), (4, 3))
+    assert "fit_batch" not in str(refused.value)
