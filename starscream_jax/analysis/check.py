@@ -68,7 +68,8 @@ def check(step: Callable, *args: Any, mesh: Mesh, layout: Layout | str | None = 
           token_dims: tuple[int, ...] | None = None, gpus_per_node: int | None = None) -> StepCheck:
     """Compile `step(*args)` under `layout` (default: the active one) on `mesh` and judge it (see the module).
 
-    `reference` (a layout, default gpu_tp; None: no kernel is judged) is what principle 1 compares kernel shapes with.
+    `reference` (a layout, default gpu_tp; None: no kernel is judged, principle 1's `ok` None) is what principle 1
+    compares kernel shapes with.
     `vocabulary` (see `flax_rules`): the model's logical names, when they are not the library's; the reference (and
     `layout`, when given by name) are read in them. `token_dims` (the model's (batch, seq)) adds the activations of
     which each device holds a copy to principle 2.
@@ -91,7 +92,9 @@ def check(step: Callable, *args: Any, mesh: Mesh, layout: Layout | str | None = 
     variables = _named_variables(args) if renamed else []
     allowed = arrays_named_by(variables, layout.replicated_ok)
     layer_stack = arrays_named_by(variables, frozenset({"layers"}))  # stacked over a `layers` axis
-    verdicts = check_principles(report, reference_report, replicated_ok=allowed, layer_stack=layer_stack)
+    verdicts = check_principles(report, reference_report, replicated_ok=allowed, layer_stack=layer_stack,
+                                no_reference="reference=None: no layout to compare kernel shapes with; leave "
+                                             "reference at its default, gpu_tp, to judge principle 1")
     return StepCheck(report, verdicts, layout.name, None if reference is None else reference.name,
                      parameter_placements(args, layout), advise(report, layout, is_auto(mesh)))
 

@@ -2,6 +2,8 @@
 this one formatter (`format_columns`, `principle_rows`, `violation_lines`)."""
 from __future__ import annotations
 
+import textwrap
+
 from ..hardware.axes import XCD
 from .principles import AttentionRatio, Principles, Verdict
 
@@ -33,8 +35,11 @@ Row = tuple[str, str]
 
 
 def verdict_cell(verdict: Verdict) -> str:
-    """"ok" or "FAIL (violations)", followed by how many ops went unjudged when some did."""
+    """"ok" or "FAIL (violations)", followed by how many ops went unjudged when some did; "not judged (n op(s))"
+    when none was judged (unjudged ops never read as passing)."""
     unpaired = getattr(verdict, "unpaired", ())
+    if verdict.ok is None:
+        return f"not judged ({len(unpaired)} op{'s' * (len(unpaired) != 1)})" if unpaired else "not judged"
     unjudged = f", {len(unpaired)} unjudged" if unpaired else ""
     return ("ok" if verdict.ok else f"FAIL ({len(verdict.violations)})") + unjudged
 
@@ -73,13 +78,18 @@ def format_columns(columns: dict[str, list[Row]], names: bool = True) -> list[st
 
 
 def violation_lines(name: str, principles: Principles, width: int) -> list[str]:
-    """The first violations of each failed principle of `name`'s program, then the ops principle 1 left unjudged."""
+    """The first violations of each failed principle of `name`'s program, why principle 1 was not judged where it
+    was not, then the ops principle 1 left unjudged."""
     lines = []
+    shapes = principles.shape_preservation
+    if not shapes.judged:
+        lines += textwrap.wrap(f"{name} shape_preservation: not judged: {shapes.not_judged}", width,
+                               subsequent_indent="  ")
     for principle, verdict in principles.verdicts():
         if verdict.violations:
             lines.append(f"{name} {principle}: {len(verdict.violations)} violation(s), e.g.")
             lines += [clip(f"  {line}", width) for line in verdict.violations[:SHOWN_VIOLATIONS]]
-    unpaired = principles.shape_preservation.unpaired
+    unpaired = shapes.unpaired
     if unpaired:
         lines.append(clip(f"{name} shape_preservation: {len(unpaired)} op(s) unjudged (no gpu_tp counterpart, or work "
                           "the program text does not show): " + ", ".join(unpaired), width))

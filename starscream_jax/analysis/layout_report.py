@@ -59,9 +59,14 @@ from .compile import (
 from .costmodel import StepEstimate, estimate_step, matmul_work
 from .json_form import from_json, to_json
 from .memory import memory_passes, reads_cache_in_place
-from .principles import Principles, arrays_named_by, check_principles, reads_once_per_gpu
+from .principles import NO_REFERENCE, Principles, arrays_named_by, check_principles, reads_once_per_gpu
 from .hlo import Matmul
 from .report import SCOPES, ActivationReport, CollectiveReport, InputReport, inspect_compiled, matmul_key
+
+SKIPPED = (f"{REFERENCE}, the reference of kernel shapes, was not compiled (the planner judges principles 2 and 3 "
+           "only, to halve its compiles); `starscream inspect` compiles it and judges principle 1")
+"""Why a result the planner compiled has principle 1 not judged."""
+
 
 def inspect_layouts(settings: Settings, topology, mesh, refused: dict[str, str] | None = None,
                     cache: ResultCache | None = None, reference: bool = True) -> dict[str, LayoutResult]:
@@ -70,17 +75,21 @@ def inspect_layouts(settings: Settings, topology, mesh, refused: dict[str, str] 
     A layout that cannot place the model on the mesh raises its ShardingRuleError, unless `refused` is given: then
     the error's message is recorded there under the layout's name and the layout left out. When gpu_tp, the
     reference of principle 1, cannot place the model either, the others are still compiled and judged by principles
-    2 and 3 only; `reference=False` skips compiling it (the planner's choice: half the compiles). `cache` returns
-    results compiled before for the same settings and mesh without compiling again, and keeps the new ones."""
+    2 and 3 only; `reference=False` skips compiling it (the planner's choice: half the compiles). Either way
+    principle 1 is then not judged, and its verdict says why (`KernelVerdict.not_judged`). `cache` returns results
+    compiled before for the same settings and mesh without compiling again, and keeps the new ones; with
+    `reference`, a cached result whose principle 1 was not judged (one the planner kept) is compiled and judged
+    again, so a principle skipped once is never shown as passing."""
     results = {}
     for name in settings.layouts:
         cached = cache.get(settings, topology, mesh, name) if cache is not None else None
-        if cached is not None:
+        if cached is not None and (cached.principles.shape_preservation.judged or not reference):
             results[name] = cached
     missing = [name for name in settings.layouts if name not in results]
     if not missing:
         return results
     steps = {}
+    no_reference = SKIPPED
     for name in dict.fromkeys((*missing, REFERENCE) if reference else missing):
         try:
             steps[name] = compile_step(settings, name, mesh)
@@ -89,6 +98,8 @@ def inspect_layouts(settings: Settings, topology, mesh, refused: dict[str, str] 
                 raise
             if name in missing:
                 refused[name] = str(err)
+            if name == REFERENCE:
+                no_reference = f"{REFERENCE}, the reference of kernel shapes, cannot place the model: {err}"
     if settings.dump_hlo is not None:
         settings.dump_hlo.mkdir(parents=True, exist_ok=True)
         for name, step in steps.items():
@@ -101,7 +112,8 @@ def inspect_layouts(settings: Settings, topology, mesh, refused: dict[str, str] 
                for name, step in steps.items()}
     for name in missing:
         if name in steps:
-            results[name] = layout_result(settings, topology, mesh, steps[name], reports[name], reports.get(REFERENCE))
+            results[name] = layout_result(settings, topology, mesh, steps[name], reports[name], reports.get(REFERENCE),
+                                          no_reference)
             if cache is not None:
                 cache.put(settings, topology, mesh, name, results[name])
     return {name: results[name] for name in settings.layouts if name in results}
@@ -309,9 +321,11 @@ class LayoutResult:
     estimate: StepEstimate
 
 
-def layout_result(settings: Settings, topology, mesh, step: CompiledStep, report, reference) -> LayoutResult:
-    """The result of one layout: settings, mesh, principles, bytes, memory, collectives, matmuls, inputs, outputs,
-    activations, and the cost model's estimate of the full-depth step (`costmodel.estimate_step`)."""
+def layout_result(settings: Settings, topology, mesh, step: CompiledStep, report, reference,
+                  no_reference: str = NO_REFERENCE) -> LayoutResult:
+    """The result of one layout: settings, mesh, principles (`no_reference`: why principle 1 is not judged when
+    `reference` is None), bytes, memory, collectives, matmuls, inputs, outputs, activations, and the cost model's
+    estimate of the full-depth step (`costmodel.estimate_step`)."""
     itemsize = np.dtype(settings.config.dtype).itemsize
     depth = Depth(settings.layers, settings.full_layers, step.loop_ops)
     matmuls = tuple(priced_matmul(m, depth, settings.config, topology.ridge_point, report.tokens_per_device)
@@ -331,7 +345,7 @@ def layout_result(settings: Settings, topology, mesh, step: CompiledStep, report
         batch=settings.batch, seq=settings.seq, layers=LayerCounts(settings.layers, settings.full_layers),
         tokens_per_device=report.tokens_per_device,
         mesh=MeshShape(tuple(mesh.axis_names), tuple(mesh.devices.shape)),
-        principles=principles(settings, step, report, reference, mesh.shape[XCD]),
+        principles=principles(settings, step, report, reference, mesh.shape[XCD], no_reference),
         bytes_per_device=bytes_per_device(report.collectives, depth),
         collectives_per_layer=collectives_per_layer(report.collectives, depth),
         memory_per_device=memory,
@@ -427,14 +441,16 @@ def kernel_intensity(matmuls: tuple[Matmul, ...], ridge_point: float, dtype: str
         below_ridge_flop_share=sum(w for w, m in zip(weights, matmuls) if m.below_ridge) / total if total else None)
 
 
-def principles(settings: Settings, step: CompiledStep, report, reference, partitions: int) -> Principles:
+def principles(settings: Settings, step: CompiledStep, report, reference, partitions: int,
+               no_reference: str = NO_REFERENCE) -> Principles:
     """The three verdicts. Replicated inputs are allowed for parameters (and their optimizer state) whose logical
     names include one of the layout's `replicated_ok` names. A copy of the layer stack (the weights with a `layers`
     axis, their optimizer state, the KV cache) is large against what the layer stack holds, any other against the
     compiled step's working set (see `check_principles`). Decode judges principle 1 by bytes read
     (`reads_once_per_gpu`) instead of kernel shapes."""
     allowed = arrays_named_by(named_variables(step), step.layout.replicated_ok)
-    verdicts = check_principles(report, reference, replicated_ok=allowed, layer_stack=layer_stack_names(step))
+    verdicts = check_principles(report, reference, replicated_ok=allowed, layer_stack=layer_stack_names(step),
+                                no_reference=no_reference)
     if settings.phase == "decode" and reference is not None:
         verdicts = dataclasses.replace(verdicts, shape_preservation=reads_once_per_gpu(report.matmuls,
                                                                                        reference.matmuls, partitions))

@@ -35,12 +35,19 @@ class AttentionRatio:
 class KernelVerdict:
     """Principle 1: `violations` (one line per op whose kernels shrank, or read more than once per GPU),
     `unpaired` (ops and kernels not judged: no counterpart in the reference, or work the text does not show) and
-    attention's ratio to the reference."""
+    attention's ratio to the reference. `ok` is None when nothing was judged (no reference, or no op the reference
+    has too): unjudged ops never count as passing; `not_judged` then says why and how to judge them."""
 
-    ok: bool
+    ok: bool | None
     violations: tuple[str, ...]
     unpaired: tuple[str, ...] = ()
     attention: AttentionRatio = AttentionRatio()
+    not_judged: str = ""
+
+    @property
+    def judged(self) -> bool:
+        """Whether any op was compared with the reference (a program without matmuls is judged: nothing shrank)."""
+        return self.ok is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +93,8 @@ class Principles:
 
     @property
     def ok(self) -> bool:
-        """Whether all three principles hold."""
-        return all(verdict.ok for _, verdict in self.verdicts())
+        """Whether all three principles hold; a principle not judged (`KernelVerdict.ok` None) does not."""
+        return all(verdict.ok is True for _, verdict in self.verdicts())
 
     def verdicts(self) -> tuple[tuple[str, Verdict], ...]:
         """(name, verdict) of the three principles, in their order."""
@@ -103,7 +110,7 @@ class Check:
 
     @property
     def ok(self) -> bool:
-        """Whether all three principles hold."""
+        """Whether all three principles hold (one not judged does not)."""
         return self.principles.ok
 
 
@@ -116,7 +123,8 @@ def check_compiled(compiled: Any, mesh: Mesh, *, reference: Any = None, args: An
 
     `compiled` is `jax.jit(f).lower(*args).compile()`, from real or abstract (ShapeDtypeStruct) arguments.
     `reference`, the same function compiled under plain tensor parallelism over `gpu` (replicated over `xcd`), is
-    what principle 1 compares kernel shapes with; without it no matmul is judged (all are listed as unpaired).
+    what principle 1 compares kernel shapes with; without it no matmul is judged (all are listed as unpaired, and
+    the verdict's `ok` is None: not judged).
     `args` names the inputs ("0/layers/wq"); `lowered_text` (`lowered.as_text(debug_info=True)`) with `token_dims`
     (the model's (batch, seq)) adds the activations to principle 2. Other options as `check_principles` and
     `report.inspect_compiled`.
@@ -127,6 +135,10 @@ def check_compiled(compiled: Any, mesh: Mesh, *, reference: Any = None, args: An
     return Check(report, check_principles(report, reference_report, replicated_ok=replicated_ok,
                                           layer_stack=layer_stack))
 
+
+NO_REFERENCE = ("no reference program was given, so no kernel shape was compared; pass the same step compiled "
+                "under gpu_tp as the reference")
+"""Why principle 1 was not judged, where the caller gave no reason of its own."""
 
 LARGE_SHARE = 0.01
 """Principle 2's default rule: a copy is large when each device holds more of it than this share of what it is
@@ -142,13 +154,15 @@ def check_principles(
     replicated_ok: set[str] | Callable[[str], bool] = frozenset(),
     large_bytes: float | None = None,
     layer_stack: set[str] | Callable[[str], bool] = frozenset(),
+    no_reference: str = NO_REFERENCE,
 ) -> Principles:
     """Judge a layout's report against the three principles; `reference` is the gpu_tp program's report.
 
     Returns the three verdicts, each with `ok` and `violations` (one line per offending op, input or collective);
     shape_preservation also lists as `unpaired` the layout's
     matmuls and fused attention kernels that have no counterpart in the reference (all of them when `reference` is
-    None), and fused attention kernels whose work the program text does not give, none of which is judged.
+    None), and fused attention kernels whose work the program text does not give, none of which is judged. Where
+    nothing was judged (`reference` None: `no_reference` says why; or no op has a counterpart) its `ok` is None.
 
     1. shape_preservation: each op keeps per device at least the weight-side elements of the reference, summed over
        its matmuls per direction (`weight_side_elements`, from each report's `tokens_per_device`): a layout may
@@ -176,7 +190,7 @@ def check_principles(
     """
     in_stack = _matcher(layer_stack)
     large_bytes, layer_bytes, rule = _thresholds(report, large_bytes, in_stack)
-    return Principles(_shape_preservation(report, reference),
+    return Principles(_shape_preservation(report, reference, no_reference),
                       _no_redundancy(report, _matcher(replicated_ok), large_bytes, in_stack, layer_bytes, rule),
                       _hierarchical_collectives(report))
 
@@ -216,12 +230,14 @@ def weight_side_elements(matmuls: list[Matmul], tokens_per_device: int,
     return {key: total / tokens_per_device for key, total in work.items()}
 
 
-def _shape_preservation(report: Report, reference: Report | None) -> KernelVerdict:
+def _shape_preservation(report: Report, reference: Report | None,
+                        no_reference: str = NO_REFERENCE) -> KernelVerdict:
     judged_attention = [call for call in report.attention if call.flops is not None]
     unjudged = [call.name for call in report.attention if call.flops is None] + _custom_kernels(report)
     if reference is None:
-        return KernelVerdict(True, (), (*(m.name for m in report.matmuls),
-                                        *(call.name for call in report.attention), *_custom_kernels(report)))
+        return KernelVerdict(None, (), (*(m.name for m in report.matmuls),
+                                        *(call.name for call in report.attention), *_custom_kernels(report)),
+                             not_judged=no_reference)
     elements = weight_side_elements(report.matmuls, report.tokens_per_device, judged_attention)
     reference_elements = weight_side_elements(reference.matmuls, reference.tokens_per_device, reference.attention)
     violations = []
@@ -236,8 +252,17 @@ def _shape_preservation(report: Report, reference: Report | None) -> KernelVerdi
                 f"reference's {reference_held:g} at {reference.tokens_per_device} tokens: its local kernels shrank"
             )
     unpaired = [name for name, op_name in ops if matmul_key(op_name) not in reference_elements]
+    if not set(elements) & set(reference_elements) and unpaired + unjudged:
+        return _nothing_paired(unpaired + unjudged)
     return KernelVerdict(not violations, tuple(violations), tuple(unpaired + unjudged),
                          _attention_summary(elements, reference_elements))
+
+
+def _nothing_paired(unjudged: list[str]) -> KernelVerdict:
+    """The verdict of a program none of whose ops the reference has: not judged, never ok."""
+    return KernelVerdict(None, (), tuple(unjudged), not_judged=(
+        f"none of the program's {len(unjudged)} op(s) has a counterpart in the reference program; principle 1 pairs "
+        "matmuls by the named scope of their op (`matmul_key`): compile both under the same names"))
 
 
 def _custom_kernels(report: Report) -> list[str]:
@@ -286,6 +311,8 @@ def reads_once_per_gpu(matmuls: list[Matmul], reference_matmuls: list[Matmul],
         if key in reference_reads and partitions * count > reference_reads[key]
     ]
     unpaired = [key[0] or "(unnamed)" for key in layout_reads if key not in reference_reads]
+    if unpaired and len(unpaired) == len(layout_reads):
+        return _nothing_paired(unpaired)
     per_gpu = {key: partitions * count for key, count in layout_reads.items()}
     return KernelVerdict(not violations, tuple(violations), tuple(unpaired),
                          _attention_summary(per_gpu, reference_reads, at_least=False))

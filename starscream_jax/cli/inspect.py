@@ -9,17 +9,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
+import textwrap
 from pathlib import Path
 
-from ..analysis.compile import PHASES, SERVE, Settings, make_settings
-from ..analysis.format import clip, format_bytes, format_columns, format_seconds, principle_rows, violation_lines
+from ..analysis.compile import PHASES, REFERENCE, SERVE, Settings, make_settings
+from ..analysis.format import format_bytes, format_columns, format_seconds, principle_rows, violation_lines
 from ..analysis.json_form import to_json
 from ..analysis.layout_report import LayoutResult, inspect_layouts
 from ..analysis.plan import with_heads
 from ..errors import ShardingRuleError, StarscreamError
 from ..hardware.presets import Chip
 from ..model.config import REMAT_POLICIES
-from ..model.heads import check_padded_heads
+from ..model.heads import check_padded_heads, pad_heads_fix
 from ..sharding.layouts import BASELINE, PHASE_DEFAULTS
 from .arguments import (
     STUDY_MESH,
@@ -86,7 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """`starscream inspect`: compile, inspect and print a side-by-side table (or JSON). Returns 0."""
+    """`starscream inspect`: compile, inspect and print a side-by-side table (or JSON). Returns 0, or 1 when
+    principle 1 could not be judged for some layout (why, and the fix, on stderr)."""
     if not args.simulate:
         raise StarscreamError("--no-simulate given, but inspect always compiles on simulated CPU devices; drop "
                               "--no-simulate (the preset supplies the hardware figures)")
@@ -95,6 +98,9 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, topology.preset.chip)
     refused: dict[str, str] = {}
     results = inspect_layouts(settings, topology, mesh, refused, result_cache(args))
+    for name, reason in refused.items():
+        fix = pad_heads_fix(settings.config, [name], mesh)
+        refused[name] = f"{reason}; or {fix}" if fix else reason
     if not results:
         raise ShardingRuleError("no layout asked for can place the model on this mesh: " + "; ".join(
             f"{name}: {reason}" for name, reason in refused.items()))
@@ -107,7 +113,18 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**{name: to_json(result) for name, result in results.items()}, **cannot_place}, indent=2))
     else:
         print(format_table(results, refused) + (f"\nplot: {args.plot}" if args.plot else ""))
-    return 0
+    return _report_unjudged(results, settings, mesh)
+
+
+def _report_unjudged(results: dict[str, LayoutResult], settings: Settings, mesh) -> int:
+    """1, after saying on stderr for which layouts principle 1 was not judged, why and how to judge it; else 0."""
+    unjudged = {name: result.principles.shape_preservation.not_judged for name, result in results.items()
+                if not result.principles.shape_preservation.judged}
+    fix = pad_heads_fix(settings.config, [REFERENCE], mesh)
+    for name, reason in unjudged.items():
+        print(f"starscream inspect: principle 1 (kernel shapes) was not judged for {name}: {reason}"
+              + (f"; to judge it, {fix}" if fix else ""), file=sys.stderr)
+    return 1 if unjudged else 0
 
 
 def settings_from_args(args: argparse.Namespace, chip: Chip) -> Settings:
@@ -219,8 +236,9 @@ def format_table(results: dict[str, LayoutResult], refused: dict[str, str] | Non
     ]
     lines += [f"{name} places batch {result.batch} as {result.placement}: {_fitted(result.description)}"
               for name, result in results.items() if result.placement != name]
-    lines += [clip(f"{name}: cannot place the model on this mesh: {reason}", LINE_WIDTH)
-              for name, reason in refused.items()]
+    for name, reason in refused.items():  # whole: the reason ends with its fix
+        lines += textwrap.wrap(f"{name}: cannot place the model on this mesh: {reason}", LINE_WIDTH,
+                               subsequent_indent="  ")
     for name, result in results.items():
         lines += violation_lines(name, result.principles, LINE_WIDTH)
     return "\n".join(lines)

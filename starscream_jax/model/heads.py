@@ -14,7 +14,8 @@ import math
 import jax.numpy as jnp
 from flax import nnx
 
-from ..errors import StarscreamError
+from ..errors import ShardingRuleError, StarscreamError
+from ..sharding.layouts import Layout, get_layout
 from .config import ModelConfig
 from .decoder import Transformer
 
@@ -36,6 +37,42 @@ def pad_query_heads(model: Transformer, gpus: int) -> Transformer:
     if gpus < 1:
         raise StarscreamError(f"{gpus} GPUs: pad query heads for at least 1")
     return pad_query_heads_to(model, padded_heads(model.config, gpus))
+
+
+def heads_parts(layout: Layout | str, mesh) -> int:
+    """How many parts `layout` splits the query heads into on `mesh`: the mesh size of the axes its `heads` rules
+    name, the largest of its tables (at rest, at use, activations); 1 where it may copy heads it cannot split."""
+    layout = get_layout(layout)
+    tables = (layout.params, layout.weights, layout.activations)
+    if any("heads" in rules.may_replicate for rules in tables):
+        return 1
+    return math.lcm(*(math.prod(mesh.shape[axis] for axis in rules.lookup("heads")[1]) for rules in tables))
+
+
+def pad_heads_fix(config: ModelConfig, layouts, mesh) -> str:
+    """The fix the commands that pad query heads take (`inspect`, `generate`, `serve`: --pad-heads N) when `layouts`
+    cannot split `config`'s query heads over `mesh`: "pass --pad-heads N ...", N the fewest heads every one of them
+    splits (`padded_heads`); "" where they already split, or where the kv heads neither divide nor are divided by
+    the parts, so that each part's query heads would split some kv head's group whatever its size (`model.ops`
+    refuses it) and padding cannot help."""
+    parts = math.lcm(*(heads_parts(layout, mesh) for layout in layouts))
+    kv = config.n_kv_heads
+    if config.n_heads % parts == 0 or (parts % kv and kv % parts):
+        return ""
+    heads = padded_heads(config, parts)
+    return (f"pass --pad-heads {heads}: each kv head's {config.n_heads // kv} query heads padded with zero heads to "
+            f"{heads // kv} ({heads} in all, which the {parts} parts divide); the logits are unchanged")
+
+
+def refuse_unsplit_heads(config: ModelConfig, layouts, mesh) -> None:
+    """A ShardingRuleError naming --pad-heads N (`pad_heads_fix`) where `layouts` cannot split `config`'s query
+    heads over `mesh` and padding them would; nothing otherwise (the resolver then says what is wrong)."""
+    fix = pad_heads_fix(config, layouts, mesh)
+    if fix:
+        parts = {get_layout(layout).name: heads_parts(layout, mesh) for layout in layouts}
+        refused = ", ".join(f"{name} into {count}" for name, count in parts.items() if config.n_heads % count)
+        raise ShardingRuleError(f"model {config.name}'s {config.n_heads} query heads do not split as the layouts "
+                                f"split heads on mesh {dict(mesh.shape)} ({refused}); {fix}")
 
 
 def check_padded_heads(config: ModelConfig, heads: int) -> None:

@@ -54,5 +54,42 @@ def test_a_result_reads_back_from_its_json_and_the_cache_as_it_was_written(tiny_
         assert cache.get(settings, topology, mesh, name) == result
         assert written["memory_per_device"]["compiled"]["temp_bytes"] == result.memory_per_device.compiled.temp_bytes
         assert written["estimate"]["serial_s"] == result.estimate.serial_s  # derived figures written beside
-        assert set(written["principles"]["shape_preservation"]) == {"ok", "violations", "unpaired", "attention"}
+        assert set(written["principles"]["shape_preservation"]) == {"ok", "violations", "unpaired", "attention",
+                                                                    "not_judged"}
     assert compiled["flat_tp"].principles.shape_preservation.violations  # non-empty tuples round trip too
+
+
+def test_a_cached_result_without_principle_1_is_judged_again_when_inspect_asks_for_it(tiny_decode, tmp_path,
+                                                                                       monkeypatch):
+    """What `plan` keeps (principle 1 skipped: gpu_tp not compiled) serves the next plan as it is, but `inspect`,
+    which judges principle 1, compiles the layout and gpu_tp again instead of showing the skipped verdict; a judged
+    result serves both. (Compiling is replaced by a refusal here: what is asked to compile is what is checked.)"""
+    import dataclasses
+
+    from starscream_jax.analysis import layout_report
+    from starscream_jax.analysis.layout_report import SKIPPED, ResultCache, inspect_layouts
+    from starscream_jax.analysis.principles import KernelVerdict
+    from starscream_jax.errors import ShardingRuleError
+
+    settings, topology, mesh, compiled = tiny_decode
+    judged = compiled["starscream_decode"]
+    skipped = dataclasses.replace(judged, principles=dataclasses.replace(
+        judged.principles, shape_preservation=KernelVerdict(None, (), ("dot.1",), not_judged=SKIPPED)))
+    one = dataclasses.replace(settings, layouts=("starscream_decode",))
+    compiles = []
+
+    def refuse(settings, name, mesh):
+        compiles.append(name)
+        raise ShardingRuleError("not compiled in this test")
+
+    monkeypatch.setattr(layout_report, "compile_step", refuse)
+    cache = ResultCache(tmp_path)
+    cache.put(one, topology, mesh, "starscream_decode", skipped)
+    assert inspect_layouts(one, topology, mesh, cache=cache, reference=False) == {"starscream_decode": skipped}
+    assert compiles == []
+    refused = {}
+    assert inspect_layouts(one, topology, mesh, refused, cache) == {}
+    assert compiles == ["starscream_decode", "gpu_tp"] and list(refused) == ["starscream_decode"]
+    cache.put(one, topology, mesh, "starscream_decode", judged)
+    assert inspect_layouts(one, topology, mesh, cache=cache) == {"starscream_decode": judged}
+    assert judged.principles.shape_preservation.judged and len(compiles) == 2

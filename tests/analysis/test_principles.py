@@ -7,6 +7,7 @@ import pytest
 
 import starscream_jax as ss
 from starscream_jax.analysis.compile import compile_step, make_settings
+from starscream_jax.analysis.hlo import Matmul
 from starscream_jax.analysis.layout_report import tokens_per_device
 from starscream_jax.analysis.principles import RedundancyVerdict, check_principles, reads_once_per_gpu
 from starscream_jax.analysis.report import (
@@ -44,6 +45,34 @@ def test_without_a_reference_no_kernel_is_judged(programs):
     check = ss.check_compiled(steps["starscream_tp"].compiled, mesh)
     assert check.principles.shape_preservation.violations == ()
     assert len(check.principles.shape_preservation.unpaired) == len(check.report.matmuls) > 0
+    assert check.principles.shape_preservation.ok is None and not check.ok  # not judged is never passing
+
+
+def unit_matmul(op: str) -> Matmul:
+    """A 4-token matmul of the op `op`, as `parse_hlo` reads one."""
+    return Matmul(f"dot.{op}", f"jit(step)/{op}/dot_general", 1, 4, 64, 64, "f32", 2 * 4 * 64 * 64, 0, 0.0, None, 1)
+
+
+def test_a_verdict_over_unjudged_ops_alone_is_not_judged_and_never_ok():
+    """Without a reference, or against one that has none of the program's ops, principle 1 judged nothing: its `ok`
+    is None with the reason, and the program's principles do not hold though 2 and 3 do. Beside an op it judged,
+    unjudged ops are listed and the verdict is the judged op's."""
+    def report(*ops: str) -> Report:
+        return Report({"data": 1, "gpu": 2, "xcd": 4}, [], [unit_matmul(op) for op in ops], [], [], None,
+                      tokens_per_device=4)
+
+    layout, elsewhere = report("up", "down"), report("other")
+    for verdict in (check_principles(layout, None).shape_preservation,
+                    check_principles(layout, elsewhere).shape_preservation,
+                    reads_once_per_gpu(layout.matmuls, elsewhere.matmuls, partitions=4)):
+        assert verdict.ok is None and not verdict.judged and verdict.violations == ()
+        assert len(verdict.unpaired) == 2 and verdict.not_judged
+    assert "counterpart" in check_principles(layout, elsewhere).shape_preservation.not_judged
+    unjudged = check_principles(layout, None, no_reference="gpu_tp was not compiled")
+    assert unjudged.shape_preservation.not_judged == "gpu_tp was not compiled"
+    assert unjudged.no_redundancy.ok and unjudged.hierarchical_collectives.ok and not unjudged.ok
+    partly = check_principles(layout, report("up")).shape_preservation
+    assert partly.ok is True and partly.judged and partly.unpaired == ("dot.down",)
 
 
 def test_a_copy_is_large_against_the_steps_working_set_not_a_fixed_size():

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from starscream_jax.analysis.hlo import Matmul
 from starscream_jax.analysis.principles import (
+    NO_REFERENCE,
     AttentionRatio,
     KernelVerdict,
     check_principles,
@@ -295,7 +296,8 @@ def test_activations_need_both_the_lowered_text_and_the_token_dims():
 def test_without_reference_no_matmul_is_judged():
     report = mlp_report(2, 4, "flat")
     verdict = check_principles(report, None).shape_preservation
-    assert verdict == KernelVerdict(True, (), tuple(m.name for m in report.matmuls), AttentionRatio(None, None))
+    assert verdict == KernelVerdict(None, (), tuple(m.name for m in report.matmuls), AttentionRatio(None, None),
+                                    NO_REFERENCE)
 
 
 def test_report_is_json_serialisable_with_memory_and_bytes_by_scope():

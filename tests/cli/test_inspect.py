@@ -5,6 +5,7 @@ The 70B programs (two layers, small batch and sequence) are compiled once per ph
 tests read their JSON. Nothing is allocated: every program is lowered from abstract inputs.
 """
 import argparse
+import dataclasses
 import io
 import json
 import re
@@ -16,6 +17,7 @@ import pytest
 from starscream_jax.analysis.compile import PHASES
 from starscream_jax.analysis.json_form import from_json
 from starscream_jax.analysis.layout_report import LayoutResult
+from starscream_jax.analysis.principles import KernelVerdict
 from starscream_jax.cli import inspect as inspect_command
 from starscream_jax.cli.arguments import STUDY_MESH
 from starscream_jax.errors import ShardingRuleError, StarscreamError
@@ -314,6 +316,42 @@ def test_the_table_shows_unjudged_ops_and_says_the_verdict_left_them_out(train):
     assert re.search(r"^  1 kernel shapes\s+ok, 2 unjudged$", table, re.MULTILINE)
     assert ("starscream_tp shape_preservation: 2 op(s) unjudged (no gpu_tp counterpart, or work the program text does "
             "not show): custom-call.7, dot.12") in table
+
+
+SEVEN_GROUPS = "\n".join(['name = "tiny-14-heads"', "vocab_size = 256", "d_model = 112", "n_layers = 4", "n_heads = 14",
+                          "n_kv_heads = 2", "head_dim = 8", "d_ff = 384", "max_seq_len = 256"])
+"""A model of 14 query heads sharing 2 kv heads, which 4 GPUs do not split (padded: 16)."""
+
+
+def test_a_principle_not_judged_is_shown_so_and_inspect_exits_1_with_the_fix(train, tmp_path, monkeypatch, capsys):
+    """gpu_tp, the reference of principle 1, cannot place 14 query heads on 4 GPUs: the layouts that place the
+    model are judged by principles 2 and 3 alone, their principle 1 reads "not judged" (never ok), and inspect
+    exits 1 saying why and the fix (--pad-heads 16), which the refusal of a layout splitting heads names too.
+    (The compiles are replaced by results of the train fixture: the command's reading of them is what is checked.)"""
+    model = tmp_path / "tiny-14-heads.toml"
+    model.write_text(SEVEN_GROUPS)
+    result = from_json(LayoutResult, train["starscream_tp"])
+    reason = "gpu_tp, the reference of kernel shapes, cannot place the model: 'heads' of size 14 is not divisible"
+    unjudged = dataclasses.replace(result, principles=dataclasses.replace(
+        result.principles, shape_preservation=KernelVerdict(None, (), ("dot.1", "dot.2"), not_judged=reason)))
+
+    def inspect_layouts(settings, topology, mesh, refused, cache):
+        refused["starscream_decode"] = "layers/wo: dimension 'heads' of size 14 is not divisible by mesh axes ('gpu',)"
+        return {"starscream_fsdp": unjudged}
+
+    monkeypatch.setattr(inspect_command, "inspect_layouts", inspect_layouts)
+    status = inspect_command.run(parse("--model", str(model), "--preset", "mi300x-qpx-nps1", "--gpus", "4",
+                                       "--phase", "decode", "--batch", "8", "--seq", "64",
+                                       "--layout", "starscream_decode,starscream_fsdp"))
+    printed = capsys.readouterr()
+    assert status == 1
+    assert re.search(r"^  1 kernel shapes\s+not judged \(2 ops\)$", printed.out, re.MULTILINE)
+    words = " ".join(printed.out.split())  # the notes wrapped at the table's width, read back as one line
+    assert f"starscream_fsdp shape_preservation: not judged: {reason}" in words
+    assert ("starscream_decode: cannot place the model on this mesh: layers/wo: dimension 'heads' of size 14 is not "
+            "divisible by mesh axes ('gpu',); or pass --pad-heads 16: each kv head's 7 query heads") in words
+    assert printed.err.startswith(f"starscream inspect: principle 1 (kernel shapes) was not judged for "
+                                  f"starscream_fsdp: {reason}; to judge it, pass --pad-heads 16")
 
 
 def flat_figures(figures: dict, prefix: str = "") -> dict[str, float]:

@@ -1,6 +1,7 @@
 """Query heads padded with zero weights: the logits of the unpadded model, and a head count the GPUs now divide."""
 import dataclasses
 import itertools
+import re
 
 import jax
 import numpy as np
@@ -12,7 +13,13 @@ from starscream_jax.errors import ShardingRuleError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model.config import load_model_config
 from starscream_jax.model.decoder import Transformer
-from starscream_jax.model.heads import pad_query_heads, padded_heads
+from starscream_jax.model.heads import (
+    heads_parts,
+    pad_heads_fix,
+    pad_query_heads,
+    padded_heads,
+    refuse_unsplit_heads,
+)
 from starscream_jax.sharding.apply import batch_sharding, param_shardings, use_layout
 
 QWEN2_7B_HEADS = load_model_config("tiny").replace(n_heads=28, n_kv_heads=4, head_dim=8, qkv_bias=True)
@@ -47,6 +54,27 @@ def test_padded_heads_keep_the_logits_and_place_on_gpus_the_heads_did_not_divide
             placed, jax.device_put(tokens, batch_sharding("gpu_tp", mesh, 2)))
     np.testing.assert_allclose(logits, expected, atol=2e-5)
 
+
+def test_heads_a_layout_cannot_split_are_refused_naming_the_pad_that_splits_them():
+    """14 query heads sharing 2 kv heads on 4 GPUs x 4 partitions: the layouts that split heads over the GPUs (4
+    parts) or over every partition (16) cannot place them; each kv head's group padded from 7 to 8 (16 heads) can.
+    A layout that splits no heads, or may copy those it cannot split, needs no padding; where the kv heads neither
+    divide nor are divided by the parts no padding helps (`model.ops` refuses those), so none is named."""
+    mesh = build_mesh("4x4")
+    config = QWEN2_7B_HEADS.replace(n_heads=14, n_kv_heads=2)
+    assert {name: heads_parts(name, mesh) for name in ("gpu_tp", "starscream_decode", "flat_tp", "starscream_fsdp",
+                                                        "flat_ep")} == {"gpu_tp": 4, "starscream_decode": 4,
+                                                                        "flat_tp": 16, "starscream_fsdp": 1,
+                                                                        "flat_ep": 1}
+    fix = pad_heads_fix(config, ["gpu_tp"], mesh)
+    assert fix.startswith("pass --pad-heads 16: each kv head's 7 query heads padded with zero heads to 8")
+    assert pad_heads_fix(config, ["starscream_fsdp", "flat_ep"], mesh) == ""
+    assert pad_heads_fix(config.replace(n_heads=16), ["flat_tp"], mesh) == ""
+    assert pad_heads_fix(QWEN2_7B_HEADS, ["gpu_tp"], build_mesh("8x1")).startswith("pass --pad-heads 32")
+    assert pad_heads_fix(QWEN2_7B_HEADS.replace(n_heads=8), ["gpu_tp"], build_mesh("3x1")) == ""  # 4 kv heads
+    with pytest.raises(ShardingRuleError, match=re.escape("(starscream_decode into 4); pass --pad-heads 16")):
+        refuse_unsplit_heads(config, ["starscream_fsdp", "starscream_decode"], mesh)
+    refuse_unsplit_heads(config.replace(n_heads=16), ["starscream_fsdp", "starscream_decode", "flat_tp"], mesh)
 
 
 AWKWARD_HEADS = [(3, 1), (6, 2), (5, 5)]
