@@ -7,13 +7,16 @@ import argparse
 
 import numpy as np
 
+from ..errors import ShardingRuleError
 from ..hardware.distributed import is_main_process
 from ..hardware.presets import Chip
+from ..model.config import ModelConfig
 from ..model.decoder import quantize_model, to_fnuz
-from ..model.heads import pad_query_heads_to
+from ..model.heads import pad_query_heads_to, refuse_unsplit_heads
 from ..model.hf_checkpoint import load_hf_model
+from ..model.hf_config import model_config_from_hf
 from ..model.quantize import OCP_TO_FNUZ
-from ..training.checkpoint import restore_model
+from ..training.checkpoint import CheckpointStore, restore_model
 from ..training.config import TrainConfig
 from ..training.generate import generate
 from ..training.steps import Sampling
@@ -89,7 +92,28 @@ def load_for_generation(args: argparse.Namespace, mesh, chip: Chip):
     """(model placed by the prefill layout, where it came from, its tokenizer) from --model-dir or --checkpoint, in
     the 8-bit formats --quantize and --kv-cache ask for on `chip` (a pre-quantized checkpoint's format checked
     against the chip's). With --pad-heads the model is loaded under PADDING_LOAD_LAYOUT (which splits no heads),
-    padded, then quantized into the prefill layout's placement."""
+    padded, then quantized into the prefill layout's placement. Query heads the prefill or decode layout cannot
+    split over the mesh are refused before anything runs, with the --pad-heads N that splits them."""
+    layouts = (args.prefill_layout, args.decode_layout)
+    try:
+        loaded = _load(args, mesh, chip)
+    except ShardingRuleError:
+        refuse_unsplit_heads(_saved_config(args), layouts, mesh)  # the heads were what the layout could not place
+        raise
+    refuse_unsplit_heads(loaded[0].config, layouts, mesh)
+    return loaded
+
+
+def _saved_config(args: argparse.Namespace) -> ModelConfig:
+    """The configuration of the model --model-dir or --checkpoint (at --step) holds, read without its weights."""
+    if args.model_dir:
+        return model_config_from_hf(args.model_dir)
+    with CheckpointStore(checkpoint_dir(args.checkpoint), must_exist=True) as store:
+        return ModelConfig(**store.restore_meta(args.step)["model_config"])
+
+
+def _load(args: argparse.Namespace, mesh, chip: Chip):
+    """`load_for_generation` without the check of the query heads."""
     weights, cache = eight_bit_format(args.quantize, chip), eight_bit_format(args.kv_cache, chip)
     pad = args.pad_heads
     layout = PADDING_LOAD_LAYOUT if pad else args.prefill_layout
