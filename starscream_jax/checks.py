@@ -32,7 +32,8 @@ def finite_number(value, name: str, *, positive: bool = False) -> float:
 
 def writable_directory(path: str | os.PathLike, name: str) -> Path:
     """`path` as a Path when it is a directory this process can write into, or can be created as one (its nearest
-    existing ancestor is a writable directory). Nothing is created."""
+    existing ancestor is a writable directory: a file is created there and removed at once, which the permission
+    bits alone do not tell on a pseudo or read-only file system such as /proc, even for root). Nothing is left."""
     path = Path(path)
     existing = path
     while not existing.exists() and existing != existing.parent:
@@ -42,6 +43,12 @@ def writable_directory(path: str | os.PathLike, name: str) -> Path:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise StarscreamError(f"{name} {path}: {existing} is not writable by this user; pass a directory you can "
                               "write to")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        raise StarscreamError(f"{name} {path}: cannot write there ({error.strerror or error} in {existing}); pass a "
+                              "directory on a writable file system") from None
     return path
 
 
@@ -69,3 +76,15 @@ def created_directory(path: str | os.PathLike, name: str) -> Path:
         raise StarscreamError(f"{name} {path}: cannot write there ({error.strerror or error}); pass a directory on "
                               "a writable file system") from None
     return path
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process with `pid` exists on this host (one owned by another user counts): whether a lock or a
+    partial file that process left is still in use."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -43,3 +43,21 @@ def test_a_directory_path_under_a_file_is_refused_and_a_new_one_is_not_created(t
         writable_directory(blocker / "runs" / "a", "--run-dir")
     assert writable_directory(tmp_path / "new" / "run", "--run-dir") == tmp_path / "new" / "run"
     assert not (tmp_path / "new").exists()
+
+
+def test_a_directory_whose_permission_bits_allow_but_whose_file_system_refuses_is_refused():
+    """/proc looks writable to root by its bits; a file created there tells (and nothing is left anywhere)."""
+    with pytest.raises(StarscreamError, match=r"--plot /proc/x: cannot write there \(.* in /proc\); pass a directory "
+                                              r"on a writable file system"):
+        writable_directory("/proc/x", "--plot")
+
+
+def test_process_alive_tells_a_running_process_from_one_gone():
+    import os
+    import subprocess
+
+    from starscream_jax.checks import process_alive
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert process_alive(os.getpid()) and not process_alive(gone.pid)

@@ -48,9 +48,20 @@ def output_directory(text: str) -> Path:
 
 
 def output_file(text: str) -> Path:
-    """A file path whose directory this process can write into or create (--plot), checked as the flag is read."""
-    output_directory(str(Path(text).parent))
-    return Path(text)
+    """A plot's path (--plot), checked as the flag is read, before anything compiles: not a directory, a suffix
+    matplotlib writes (or none: PNG), in a directory this process can write into or create."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; pass a file path such as {path / 'plot.png'}")
+    if path.suffix:
+        from matplotlib.backend_bases import FigureCanvasBase  # only when a plot is asked for (half a second)
+
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if path.suffix[1:].lower() not in formats:
+            raise argparse.ArgumentTypeError(f"{text}: matplotlib cannot write {path.suffix} files; end the name in "
+                                             f"one of .{', .'.join(sorted(formats))} (.png, say)")
+    output_directory(str(path.parent))
+    return path
 
 
 def _whole_number(text: str, minimum: int) -> int:

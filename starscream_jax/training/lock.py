@@ -12,20 +12,10 @@ import os
 import socket
 from pathlib import Path
 
+from ..checks import process_alive
 from ..errors import StarscreamError
 
 LOCK_NAME = "lock"
-
-
-def process_alive(pid: int) -> bool:
-    """Whether a process with `pid` exists on this host (one owned by another user counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class RunLock:
