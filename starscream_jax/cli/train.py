@@ -31,6 +31,7 @@ from .arguments import (
 EXCLUSIVE = (
     ("remat_full", "remat", "--remat is --remat-policy full"),
     ("init", "model", "--init's config.json is the model"),
+    ("overwrite", "resume", "--overwrite starts the run afresh, --resume continues it"),
 )
 """(flag, flag, why only one is honoured), as dests."""
 
@@ -80,7 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--token-cache", default=defaults.token_cache, metavar="DIR",
                        help="tokenized data files are cached here")
     group.add_argument("--resume", action="store_true",
-                       help="continue from the newest intact checkpoint in --run-dir (start fresh when there is none)")
+                       help="continue from the newest intact checkpoint in --run-dir (start fresh in an empty one)")
+    group.add_argument("--overwrite", action="store_true",
+                       help="start afresh in a --run-dir that holds an earlier run's metrics.jsonl or loss.png but no "
+                            "checkpoint (it stopped before its first), replacing them; checkpoints are never deleted")
     group.add_argument("--allow-change", type=_field_names, default=[],
                        metavar="FIELDS", help="with --resume: settings that may differ from the run's, recorded with "
                                               f"its checkpoints (some of {','.join(CHANGEABLE)})")
@@ -117,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
          f"{config.layout}, {config.steps} steps of {config.batch_size} x {config.seq_len} tokens")
     result = train(config, mesh, resume=args.resume, allow_changes=args.allow_change,
                    device_memory_bytes=topology.hbm_bytes, show_progress=not args.no_progress,
-                   profile_dir=args.profile)
+                   profile_dir=args.profile, overwrite=args.overwrite)
     print_layout_summary(inspect_compiled(result.compiled_step, mesh).to_dict(), config.layout, echo)
     if args.profile:
         print_time_breakdown(args.profile, result, mesh, config.layout, echo)

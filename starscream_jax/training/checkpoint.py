@@ -43,6 +43,11 @@ def abstract_arrays(tree):
     return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding), tree)
 
 
+class MisnamedCheckpointError(CheckpointError):
+    """A checkpoint whose directory names another step than its description records (a copy renamed). It is not
+    damage, so it is never set aside: resuming from it, or past it, is refused until it is named right."""
+
+
 class CheckpointStore:
     """The checkpoints of one run, in `directory/<step>/{params,opt_state,meta}`.
 
@@ -106,11 +111,18 @@ class CheckpointStore:
         return chosen_step
 
     def restore_meta(self, step: int | None = None) -> dict:
-        """The JSON description saved with `step` (default: the latest)."""
-        restored = self._manager.restore(
-            self.require_step(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore())
-        )
-        return dict(restored["meta"])
+        """The JSON description saved with `step` (default: the latest). A description recording another step than
+        its directory's name is a `MisnamedCheckpointError` naming both."""
+        chosen_step = self.require_step(step)
+        restored = self._manager.restore(chosen_step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        description = dict(restored["meta"])
+        recorded = description.get("step")
+        if recorded is not None and recorded != chosen_step:
+            raise MisnamedCheckpointError(
+                f"checkpoint {self.directory / str(chosen_step)} records step {recorded}, not {chosen_step}: it holds "
+                f"step {recorded}'s weights under another name, and resuming would continue at step {chosen_step} "
+                f"from them; rename it back to {recorded} (or delete it)")
+        return description
 
     def restore(self, step: int | None, params_target, opt_state_target=None):
         """(params, opt_state) of `step` (default: the latest), placed as the targets say.
@@ -153,6 +165,8 @@ class CheckpointStore:
         for step in reversed(self.all_steps()):
             try:
                 return (step, *self.restore_checked(step, params_target, opt_state_target))
+            except MisnamedCheckpointError:
+                raise
             except CheckpointError as error:
                 damaged.append(str(error))
                 say(f"{error}; moved aside to {self._set_aside(step).name}, trying the previous checkpoint")
@@ -293,7 +307,9 @@ def abstract_model_state(config: ModelConfig, layout, mesh):
 
 def restore_model(directory: str | Path, layout, mesh, step: int | None = None, dtype: str | None = None):
     """(model, description): the Transformer saved at `step` (default: the latest) in `directory`, its parameters
-    placed by `layout`'s params rules on `mesh` (whatever mesh and layout trained it), and the run's JSON description.
+    placed by `layout`'s params rules on `mesh` (whatever mesh and layout trained it; None: the layout the run
+    trained under), and the run's JSON description. A checkpoint that cannot be read (its description or its
+    parameters) is a `CheckpointError` naming its step and the other steps to pass as --step.
 
     `dtype` overrides the saved compute dtype ("float32" or "bfloat16"); parameters keep the dtype they were saved in.
     """
@@ -305,7 +321,7 @@ def restore_model(directory: str | Path, layout, mesh, step: int | None = None, 
                 config = ModelConfig(**description["model_config"])
                 if dtype is not None:
                     config = config.replace(dtype=dtype)
-                graphdef, params_target, rest = abstract_model_state(config, layout, mesh)
+                graphdef, params_target, rest = abstract_model_state(config, layout or description["layout"], mesh)
                 params, _ = store.restore(chosen_step, params_target)
             require_finite_checkpoint(params, f"checkpoint step {chosen_step} in {store.directory}")
         except CheckpointError as error:

@@ -40,7 +40,7 @@ from ..model.hf_checkpoint import load_hf_model
 from ..sharding.apply import Placement, batch_sharding, use_layout
 from ..sharding.layouts import Layout, fit_batch
 from . import data
-from .checkpoint import CheckpointStore, abstract_model_state, all_finite
+from .checkpoint import CheckpointStore, MisnamedCheckpointError, abstract_model_state, all_finite
 from .config import TrainConfig, flag
 from .corpus import DataFingerprint, load_token_stream
 from .lock import RunLock
@@ -48,6 +48,8 @@ from .metrics import MetricsLog, format_loss, plot_losses, read_metrics
 from .steps import eval_step, load_balance_step, make_optimizer, train_step
 from .tokenizer import tokenizer_for_model
 
+METRICS_FILE, PLOT_FILE = "metrics.jsonl", "loss.png"
+"""What a run writes into its --run-dir beside its checkpoints (and the lock)."""
 EVAL_SEED = 0  # validation windows do not depend on --seed, so runs with different seeds compare
 FREE_TO_CHANGE = ("layout", "remat", "grad_accum", "eval_every", "eval_batches", "checkpoint_every", "log_every",
                   "run_dir", "token_cache")
@@ -297,11 +299,14 @@ class ProfileWindow:
 
 def train(config: TrainConfig, mesh, *, resume: bool = False, allow_changes=(), stop_at_step: int | None = None,
           device_memory_bytes: float | None = None, show_progress: bool = True, echo=print,
-          profile_dir: str | Path | None = None) -> TrainResult:
+          profile_dir: str | Path | None = None, overwrite: bool = False) -> TrainResult:
     """Train on `mesh` as `config` says; every process of a multi-process run calls this together.
 
-    resume: continue from the newest intact checkpoint in `run_dir/checkpoints` (start fresh when there is none);
-    the run's settings must match the checkpoint's, except the TrainConfig fields named in `allow_changes`.
+    resume: continue from the newest intact checkpoint in `run_dir/checkpoints` (start fresh in an empty run
+    directory); the run's settings must match the checkpoint's, except the TrainConfig fields named in
+    `allow_changes`. A run directory holding an earlier run's metrics or plot but no checkpoint (it stopped before
+    its first) is refused, fresh or resumed, unless `overwrite` (--overwrite), which starts afresh there and replaces
+    them; it never deletes checkpoints (`check_checkpoints`).
     stop_at_step: stop after this many steps (saving a checkpoint there), as an interrupted run would; the schedule
     still spans `config.steps`. device_memory_bytes: refuse, before allocating, a step that needs more per device.
     Process 0 alone prints, writes metrics and plots, and holds the run directory's lock. A non-finite loss or
@@ -314,6 +319,8 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, allow_changes=(), 
     """
     main_process = is_main_process()
     say = echo if main_process else (lambda *_: None)
+    if overwrite and resume:
+        raise StarscreamError("--overwrite starts the run afresh and --resume continues it; pass one of them")
     plan = plan_run(config, mesh, allow_changes, stop_at_step, resume)
     if not resume:  # a resumed run's window is known once its checkpoint is read
         profile_window(profile_dir, 0, plan.last_step)
@@ -321,7 +328,9 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, allow_changes=(), 
         created_directory(plan.run_dir, "--run-dir")
     with RunLock(plan.run_dir, say, enabled=main_process), use_layout(plan.layout, mesh), \
             CheckpointStore(plan.run_dir / "checkpoints", save_every=config.checkpoint_every) as store:
-        plan = check_checkpoints(store, plan, resume, allow_changes)
+        plan = check_checkpoints(store, plan, resume, allow_changes, overwrite)
+        if overwrite and main_process:  # the earlier run's plot goes with its metrics (MetricsLog starts afresh)
+            (plan.run_dir / PLOT_FILE).unlink(missing_ok=True)
         say(f"unigram entropy of the training tokens: {format_loss(plan.unigram_nats)}")
         program = compile_train_step(config, plan.model_config, plan.layout, mesh, plan.token_sharding,
                                      device_memory_bytes)
@@ -329,7 +338,7 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, allow_changes=(), 
         profile = profile_window(profile_dir, state.step, plan.last_step)
         progress = tqdm(total=config.steps, initial=state.step, unit="step", desc=f"train {plan.layout.name}",
                         disable=not (show_progress and main_process), file=sys.stderr, dynamic_ncols=True)
-        with MetricsLog(plan.run_dir / "metrics.jsonl", enabled=main_process, keep_through=state.step) as metrics, \
+        with MetricsLog(plan.run_dir / METRICS_FILE, enabled=main_process, keep_through=state.step) as metrics, \
                 StopRequests() as stop:
             log = LossLog(metrics, progress, config.batch_size * config.seq_len)
             run_steps(plan, program, state, store, log, stop, profile, say)
@@ -368,32 +377,55 @@ def plan_run(config: TrainConfig, mesh, allow_changes, stop_at_step: int | None,
                    config.steps if stop_at_step is None else min(stop_at_step, config.steps))
 
 
-def check_checkpoints(store: CheckpointStore, plan: RunPlan, resume: bool, allow_changes) -> RunPlan:
-    """Refuses, before anything is compiled: a fresh run over a run's checkpoints, a run directory whose every
-    checkpoint was set aside as damaged (resuming would silently start afresh over its metrics), and a resume
-    that contradicts the newest checkpoint's description (when it reads; damage is dealt with when restoring).
-    Returns `plan`, whose compute dtype, when no --dtype was given, is the resumed run's recorded one (so a run
-    started before the default followed --init's checkpoint keeps computing as it did)."""
+def check_checkpoints(store: CheckpointStore, plan: RunPlan, resume: bool, allow_changes,
+                      overwrite: bool = False) -> RunPlan:
+    """Refuses, before anything is compiled: a fresh run over a run's checkpoints; unless `overwrite`, a run
+    directory whose every checkpoint was set aside as damaged, or that holds an earlier run's metrics or plot and no
+    checkpoint (resuming would silently start afresh over them, and so would a fresh run); a newest checkpoint whose
+    description records another step than its name; and a resume that contradicts the newest checkpoint's
+    description (when it reads; damage is dealt with when restoring). Returns `plan`, whose compute dtype, when no
+    --dtype was given, is the resumed run's recorded one (so a run started before the default followed --init's
+    checkpoint keeps computing as it did)."""
     latest = store.latest_step()
     if latest and not resume:
         raise StarscreamError(f"{plan.run_dir} already holds checkpoints up to step {latest}; pass --resume to "
                               "continue that run, or choose another --run-dir")
     damaged = store.damaged()
-    if latest is None and damaged:
+    if latest is None and damaged and not overwrite:
         raise CheckpointError(f"{store.directory} holds only damaged checkpoints ({', '.join(damaged)}): nothing "
                               "to resume, and starting afresh would replace the run's metrics; choose another "
-                              "--run-dir (or delete that checkpoints directory to start this run afresh)")
+                              "--run-dir, or pass --overwrite to start this run afresh there (the damaged "
+                              "checkpoints are kept)")
+    outputs = run_outputs(plan.run_dir)
+    if latest is None and outputs and not overwrite:
+        held = " and ".join(outputs)
+        if resume:
+            raise CheckpointError(f"--resume: {plan.run_dir} holds {held} but no checkpoint to resume (the run "
+                                  "stopped before its first); start it over with --overwrite instead of --resume "
+                                  f"(replacing its {held}), or choose another --run-dir")
+        raise StarscreamError(f"{plan.run_dir} holds {held} of an earlier run (no checkpoint); pass --overwrite to "
+                              "start afresh there, replacing them, or choose another --run-dir")
     if not (resume and latest):
         return plan
     try:
         with store.reporting_damage(latest):
             saved = store.restore_meta(latest)
+    except MisnamedCheckpointError:
+        raise
     except CheckpointError:
         return plan
     plan = dataclasses.replace(plan, model_config=resumed_model(plan.config, plan.model_config, saved))
     check_resumable(saved, plan.model_config)
     resume_changes(saved, plan.config, latest, allow_changes, plan.data_files, plan.tokenizer)
     return plan
+
+
+def run_outputs(run_dir: Path) -> list[str]:
+    """The names of what an earlier run wrote into `run_dir` beside its checkpoints: a metrics.jsonl holding
+    anything, and a loss.png."""
+    metrics, plot = run_dir / METRICS_FILE, run_dir / PLOT_FILE
+    return ([METRICS_FILE] if metrics.is_file() and metrics.stat().st_size else []) + \
+        ([PLOT_FILE] if plot.exists() else [])
 
 
 def resumed_model(config: TrainConfig, model_config: ModelConfig, saved: dict) -> ModelConfig:
@@ -505,7 +537,7 @@ def stop_if_not_finite(nonfinite: tuple[int, str, float] | None, state: RunState
 def resume_advice(saved_step: int) -> str:
     """Where a stopped run can continue from."""
     if not saved_step:
-        return "no checkpoint was saved: lower --learning-rate and start again"
+        return "no checkpoint was saved: lower --learning-rate and start again (--overwrite replaces its metrics)"
     return (f"its newest checkpoint is step {saved_step}: rerun with --resume and a lower --learning-rate "
             "(--allow-change learning_rate)")
 
@@ -613,8 +645,8 @@ def report_run(config: TrainConfig, losses, unigram_nats: float, checkpoint_dir,
     run_dir = Path(config.run_dir)
     final_step, final_loss = losses[-1]
     say(f"step {final_step}: train loss {format_loss(final_loss)}; unigram entropy {format_loss(unigram_nats)}")
-    metrics_path = run_dir / "metrics.jsonl"
+    metrics_path = run_dir / METRICS_FILE
     if metrics_path.is_file():
-        plot_path = plot_losses(read_metrics(metrics_path), run_dir / "loss.png", reference_nats=unigram_nats,
+        plot_path = plot_losses(read_metrics(metrics_path), run_dir / PLOT_FILE, reference_nats=unigram_nats,
                                 title=f"{config.init or config.model} under {config.layout}")
         say(f"metrics {metrics_path}, plot {plot_path}, checkpoints {checkpoint_dir}")

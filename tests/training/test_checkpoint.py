@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from orbax.checkpoint._src.path import async_path
 
 from starscream_jax.errors import CheckpointError, StarscreamError
-from starscream_jax.training.checkpoint import CheckpointStore, abstract_arrays
+from starscream_jax.training.checkpoint import CheckpointStore, abstract_arrays, restore_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -224,3 +224,28 @@ def test_a_checkpoint_holding_non_finite_parameters_is_damage_set_aside(tmp_path
             store.restore_checked(3, params, params)
         assert store.restore_newest_intact(params, params, said.append)[0] == 2
     assert "moved aside to 3.damaged" in said[0]
+
+
+def test_a_checkpoint_renamed_to_another_step_is_refused_naming_both_steps(tmp_path):
+    """A copy of step 2 named 30 must not resume "at step 30" on step 2's weights; it is not damage either, so it
+    stays where it is."""
+    params = saved_steps_1_and_2(tmp_path)
+    shutil.copytree(tmp_path / "2", tmp_path / "30")
+    refusal = r"checkpoint .*30 records step 2, not 30: .*rename it back to 2"
+    with CheckpointStore(tmp_path) as store:
+        assert store.latest_step() == 30
+        with pytest.raises(CheckpointError, match=refusal):
+            store.restore_meta()
+        with pytest.raises(CheckpointError, match=refusal):
+            store.restore_newest_intact(params, params, lambda _: None)
+        assert store.restore_meta(2) == {"step": 2}
+    assert (tmp_path / "30").is_dir() and not list(tmp_path.glob("*.damaged"))
+
+
+def test_a_newest_checkpoint_without_its_description_names_the_step_and_the_others(tmp_path):
+    """What `export` and `generate` read first: a checkpoint whose meta/ is gone is damage named in one line."""
+    saved_steps_1_and_2(tmp_path)
+    shutil.rmtree(tmp_path / "2" / "meta")
+    with pytest.raises(CheckpointError, match=r"checkpoint step 2 in .* is damaged: .*; pass --step with one of the "
+                                              r"other checkpoints \[1\]"):
+        restore_model(tmp_path, None, make_mesh((1, 2, 4)))

@@ -319,3 +319,45 @@ def test_a_tokenizer_changed_in_place_is_refused_on_resume_and_one_moved_is_not(
                                               r"/models/tok \(sha256 aaaaaaaaaaaa\)\); .*--allow-change tokenizer"):
         loop.resume_changes(saved, config, 4, (), (), "b" * 64)
     assert loop.resume_changes(saved, dataclasses.replace(config, tokenizer="/moved/tok"), 4, (), (), "a" * 64) == []
+
+
+@pytest.mark.parametrize("resume", [True, False])
+def test_a_run_directory_with_metrics_but_no_checkpoint_is_refused_unless_overwritten(tmp_path, one_device,
+                                                                                      monkeypatch, resume):
+    """A run killed before its first checkpoint: resuming (or starting afresh) would replace its metrics and plot
+    without a word."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 10, "loss": 1.0}\n')
+    (run / "loss.png").write_bytes(b"plot")
+    monkeypatch.setattr(loop, "compile_train_step", None)  # a call would fail: nothing may be compiled
+    refusal = (r"--resume: .*run holds metrics.jsonl and loss.png but no checkpoint to resume .*start it over with "
+               r"--overwrite instead of --resume" if resume else
+               r"run holds metrics.jsonl and loss.png of an earlier run \(no checkpoint\); pass --overwrite")
+    with pytest.raises(StarscreamError, match=refusal):
+        quiet_train(small_run(tmp_path, "run"), one_device, resume=resume)
+    assert (run / "metrics.jsonl").read_text() == '{"step": 10, "loss": 1.0}\n' and (run / "loss.png").exists()
+
+
+def test_overwrite_starts_afresh_over_an_earlier_runs_metrics_and_contradicts_resume(tmp_path, one_device,
+                                                                                     monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 10, "loss": 1.0}\n')
+    (run / "loss.png").write_bytes(b"plot")
+
+    class Compiling(Exception):
+        pass
+
+    def compiling(*args, **kwargs):
+        raise Compiling
+
+    monkeypatch.setattr(loop, "compile_train_step", compiling)
+    with pytest.raises(StarscreamError, match="--overwrite starts the run afresh and --resume continues it"):
+        quiet_train(small_run(tmp_path, "run"), one_device, resume=True, overwrite=True)
+    with pytest.raises(Compiling):  # past every check: the run would start at step 0
+        quiet_train(small_run(tmp_path, "run"), one_device, overwrite=True)
+    assert not (run / "loss.png").exists()
+    (run / "metrics.jsonl").write_text("")  # an empty metrics file holds nothing to lose
+    with pytest.raises(Compiling):
+        quiet_train(small_run(tmp_path, "run"), one_device)
