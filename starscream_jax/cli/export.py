@@ -12,7 +12,7 @@ from ..checks import finite_number
 from ..errors import StarscreamError
 from ..model.hf_checkpoint import DEFAULT_SHARD_BYTES, SAVED_DTYPES, check_export_target, export_hf_model
 from ..model.hf_config import read_hf_config
-from ..training.checkpoint import CheckpointStore, restore_model
+from ..training.checkpoint import restore_model
 from ..training.config import TrainConfig
 from .arguments import (
     RUN_MESH,
@@ -51,15 +51,16 @@ def shard_size(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    """`starscream export`: restore the run's parameters, write the model directory, list its files. Returns 0."""
+    """`starscream export`: restore the run's parameters, write the model directory, list its files. Returns 0.
+    A checkpoint that cannot be read (its description or parameters damaged or missing) and a target that cannot
+    be written (a full disk, a mount point, a directory this user cannot write) are one CheckpointError naming the
+    path and the fix (`restore_model`, `export_hf_model`)."""
     initialize_from_args(args)
     echo = print if is_main_process() else (lambda *_: None)
     _, mesh = mesh_from_args(args)
     directory = checkpoint_dir(args.checkpoint)
     check_export_target(Path(args.out), args.replace, reads=[directory])
-    with CheckpointStore(directory, must_exist=True) as store:
-        layout = args.layout or store.restore_meta(args.step)["layout"]
-    model, description = restore_model(directory, layout, mesh, args.step)
+    model, description = restore_model(directory, args.layout, mesh, args.step)  # no --layout: the run's own
     run_config = TrainConfig.from_dict(description["train_config"])
     written = export_hf_model(model, args.out, args.dtype, tokenizer_dir=run_config.tokenizer_dir(),
                               source_config=read_hf_config(run_config.init) if run_config.init else None,

@@ -12,10 +12,14 @@ and how its axes map onto ours; loading and export both read it, so they are eac
 """
 from __future__ import annotations
 
+import errno
+import glob
 import json
 import math
 import os
+import re
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +33,7 @@ from jax.sharding import Mesh
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from ..checks import created_directory, of_type, whole_number, writable_directory
+from ..checks import created_directory, of_type, process_alive, whole_number, writable_directory
 from ..errors import CheckpointError, StarscreamError
 from ..sharding.apply import param_shardings, path_name
 from .config import ModelConfig
@@ -48,6 +52,19 @@ SCALE_TENSOR = "_scale"
 """A quantized weight `<name>.weight`'s scale is the tensor `<name>.weight_scale`."""
 SAVED_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 DEFAULT_SHARD_BYTES = 5 << 30
+STAGING, REPLACED = "partial", "old"
+"""An export is written into `.<out>.partial-<host>-<pid>-<random>` beside `out`, and what it replaces is moved to
+`.<out>.old-<host>-<pid>-<random>` until the export is in place; a later export removes those of writers gone."""
+SAFETENSORS_IO = re.compile(r'I/O error: (?P<reason>.*?) \(os error (?P<errno>\d+)\)(?: at path "(?P<path>[^"]*)")?')
+"""How safetensors states a failed write: 'I/O error: No space left on device (os error 28) at path "/x/y"'."""
+WRITE_FIXES = {errno.ENOSPC: "free space on that file system, or pass an --out on another",
+               errno.EDQUOT: "free space within your disk quota, or pass an --out on another file system",
+               errno.EACCES: "pass an --out in a directory you can write to",
+               errno.EPERM: "pass an --out in a directory you can write to",
+               errno.EROFS: "pass an --out on a writable file system",
+               errno.EBUSY: "--out cannot be replaced by a rename (a mount point?): pass a directory inside it",
+               errno.EXDEV: "--out cannot be replaced by a rename (a mount point?): pass a directory inside it"}
+"""errno -> the fix a failed write of an export names."""
 EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 """Checkpoint tensors that are buffers recomputed from config.json, not weights (older Llama exports hold them)."""
@@ -135,19 +152,52 @@ def _add_experts(config: ModelConfig, table: dict[str, Source], layer: str) -> N
 
 
 class CheckpointReader:
-    """The safetensors files of a model directory, opened lazily; `weight_map` says which file holds each tensor."""
+    """The safetensors files of a model directory; `weight_map` says which file holds each tensor.
+
+    The files are found as transformers' `from_pretrained` finds them in a local directory: `model.safetensors`
+    when it is there, even beside a `model.safetensors.index.json` (which is then not read), else the shards the
+    index names. Every shard's header is read when the reader is made (the tensors' bytes only when asked for): an
+    index entry naming a file outside the directory (an absolute path, or `..`), a tensor held by two files, and an
+    entry whose file does not hold its tensor are refused, naming the tensor and the files."""
 
     def __init__(self, model_dir: str | Path):
         self.model_dir = Path(model_dir)
+        self._handles: dict[str, object] = {}
         index_path, single_path = self.model_dir / INDEX_FILE, self.model_dir / SINGLE_FILE
-        if index_path.is_file():
+        if single_path.is_file():
+            self.weight_map = {name: SINGLE_FILE for name in self._handle(SINGLE_FILE).keys()}
+        elif index_path.is_file():
             self.weight_map = _read_weight_map(index_path)
-        elif single_path.is_file():
-            self.weight_map = {name: SINGLE_FILE for name in self._open(SINGLE_FILE).keys()}
+            self._check_shards(index_path)
         else:
             raise CheckpointError(f"{self.model_dir} holds neither {INDEX_FILE} nor {SINGLE_FILE}; pass a Hugging "
                                   "Face model directory with its safetensors weights")
-        self._handles: dict[str, object] = {}
+
+    def _check_shards(self, index_path: Path) -> None:
+        """A CheckpointError unless every file the index names lies in the model directory and holds the tensors
+        the index puts in it, and no tensor is held by two of them."""
+        for name, file in self.weight_map.items():
+            if Path(file).is_absolute() or ".." in Path(file).parts or not file:
+                raise CheckpointError(f"{index_path} puts tensor {name} in {file!r}, outside {self.model_dir}; a "
+                                      "shard must be a file of the model directory: fix the index")
+        holders: dict[str, str] = {}
+        for file in dict.fromkeys(self.weight_map.values()):
+            for name in self._handle(file).keys():
+                if name in holders:
+                    raise CheckpointError(f"tensor {name} is in both {self.model_dir / holders[name]} and "
+                                          f"{self.model_dir / file}; a checkpoint holds each tensor once: remove the "
+                                          f"stale copy (the index names {self.weight_map.get(name, 'neither')})")
+                holders[name] = file
+        for name, file in self.weight_map.items():
+            if holders.get(name) != file:
+                raise CheckpointError(f"{index_path} puts tensor {name} in {self.model_dir / file}, which does not "
+                                      "hold it; the index and the shards disagree: download them again")
+
+    def _handle(self, file: str):
+        """The open safetensors file `file` of the model directory (opened once)."""
+        if file not in self._handles:
+            self._handles[file] = self._open(file)
+        return self._handles[file]
 
     def check_tensor_set(self, expected: set[str]) -> None:
         """A clear error unless the checkpoint holds exactly the tensors `expected` (besides rotary buffers, and a
@@ -189,24 +239,19 @@ class CheckpointReader:
         """The lazy safetensors slice of tensor `name` (index it with slices to read those bytes only); an fp8
         tensor, which safetensors' numpy reader cannot slice, as a read-only memory map of its bytes."""
         file = self.file_of(name)
-        if file not in self._handles:
-            self._handles[file] = self._open(file)
-        lazy = self._handles[file].get_slice(name)
+        lazy = self._handle(file).get_slice(name)
         if lazy.get_dtype() not in FP8_DTYPES:
             return lazy
         return _mapped(self.model_dir / file, name, FP8_DTYPES[lazy.get_dtype()])
 
     def dtype_of(self, name: str) -> str:
         """Tensor `name`'s safetensors dtype ("BF16", "F8_E4M3", ...)."""
-        file = self.file_of(name)
-        if file not in self._handles:
-            self._handles[file] = self._open(file)
-        return self._handles[file].get_slice(name).get_dtype()
+        return self._handle(self.file_of(name)).get_slice(name).get_dtype()
 
     def whole(self, name: str) -> np.ndarray:
         """Tensor `name`, read whole, as stored."""
         return np.asarray(self.tensor(name)[...] if self.dtype_of(name) in FP8_DTYPES
-                          else self._handles[self.file_of(name)].get_tensor(name))
+                          else self._handle(self.file_of(name)).get_tensor(name))
 
     def check(self, name: str, shape: tuple[int, ...], eight_bit: bool = False) -> None:
         """A clear error when tensor `name` is missing, not of `shape`, or of a dtype the parameter cannot take
@@ -269,14 +314,29 @@ def _nonfinite(block: np.ndarray) -> str:
 
 
 def _read_weight_map(path: Path) -> dict[str, str]:
-    """The tensor -> file map of a safetensors index, checked to be one."""
+    """The tensor -> file map of a safetensors index, checked to be one; a tensor named twice in it (JSON keeps the
+    last silently) is refused, naming its files."""
+    repeated = []  # (key, first value, second value) of every key an object of the file gives twice
+
+    def noting_repeats(pairs: list[tuple]) -> dict:
+        mapping = {}
+        for key, value in pairs:
+            if key in mapping:
+                repeated.append((key, mapping[key], value))
+            mapping[key] = value
+        return mapping
+
     try:
-        weight_map = json.loads(path.read_bytes().decode("utf-8"))["weight_map"]
+        weight_map = json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=noting_repeats)["weight_map"]
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
         raise CheckpointError(f"{path} is not a safetensors index ({type(err).__name__}: {err}); fix or replace "
                               "it") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{path}: weight_map is not an object of tensor name -> file name; fix or replace it")
+    for name, first, second in repeated:
+        if weight_map.get(name) is second and first != second:
+            raise CheckpointError(f"{path} names tensor {name} twice (in {first} and in {second}); a checkpoint "
+                                  "holds each tensor once: fix the index")
     return weight_map
 
 
@@ -416,19 +476,47 @@ def export_hf_model(model: Transformer, out_dir: str | Path, dtype: str = "float
                 shutil.copyfile(Path(tokenizer_dir) / name, staging / name)
         names = sorted(path.name for path in staging.iterdir())
         _publish(staging, out)
-    except BaseException:
+    except BaseException as error:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
+        failure = write_failure(out, error)
+        if failure is not None:
+            raise CheckpointError(failure) from None
         raise
     return [out / name for name in names]
 
 
+def write_failure(out: Path, error: BaseException) -> str | None:
+    """The one line a failed write of the export to `out` is (an OSError, or safetensors' I/O error: a full disk, a
+    quota, a directory that cannot be written or a mount point), naming the path and the fix; None for any other
+    error."""
+    if isinstance(error, OSError):
+        number, reason, path = error.errno, error.strerror or str(error), error.filename
+    elif isinstance(error, SafetensorError) and (found := SAFETENSORS_IO.search(str(error))):
+        number, reason, path = int(found["errno"]), found["reason"], found["path"]
+    else:
+        return None
+    fix = WRITE_FIXES.get(number, "pass another --out")
+    return f"writing the export to {out} failed: {path or out} ({reason}); {fix}"
+
+
 def check_export_target(out: Path, replace: bool, reads=()) -> None:
     """A CheckpointError unless `out` can take an export: a directory path (or none yet) whose parent is writable,
-    empty unless `replace`, and, when replaced, neither the working directory, the home directory, nor a
-    directory holding any path in `reads` (what the export reads: the checkpoint, the tokenizer)."""
+    not a mount point, empty unless `replace`, and, when replaced, neither the working directory, the home
+    directory, nor a directory holding any path in `reads` (what the export reads: the checkpoint, the
+    tokenizer)."""
+    try:
+        _check_export_target(Path(out), replace, reads)
+    except OSError as error:  # a directory that cannot be listed, a path that cannot be looked at
+        raise CheckpointError(write_failure(Path(out), error)) from None
+
+
+def _check_export_target(out: Path, replace: bool, reads) -> None:
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"export target {out} is a file; pass a directory path for --out")
+    if out.is_dir() and os.path.ismount(out):
+        raise CheckpointError(f"export target {out} is a mount point, which the finished export cannot be moved onto; "
+                              f"pass a directory inside it, such as {out / 'model'}")
     try:
         writable_directory(out.parent if not out.exists() else out, "export target")
     except StarscreamError as error:
@@ -447,12 +535,32 @@ def check_export_target(out: Path, replace: bool, reads=()) -> None:
 
 
 def _staging_directory(out: Path) -> Path:
-    """A fresh, empty directory beside `out` (same file system, so moving it into place is one rename)."""
+    """A fresh, empty directory beside `out` (same file system, so moving it into place is one rename), named for
+    this host and process; those that exports killed on this host left are removed first."""
     try:
         created_directory(out.parent, "export target's parent")
     except StarscreamError as error:
         raise CheckpointError(str(error)) from None
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    _remove_abandoned(out)
+    return Path(tempfile.mkdtemp(prefix=_aside_prefix(out, STAGING, os.getpid()), dir=out.parent))
+
+
+def _aside_prefix(out: Path, kind: str, pid: int | None = None) -> str:
+    """The name of a directory beside `out` that an export of this host writes (`kind`: STAGING or REPLACED), up to
+    the writer's pid (with `pid`, up to its random part)."""
+    return f".{out.name}.{kind}-{socket.gethostname()}-" + ("" if pid is None else f"{pid}-")
+
+
+def _remove_abandoned(out: Path) -> None:
+    """Deletes the staging directories beside `out` of exports of this host whose process is gone (killed
+    mid-write: each as large as the model), and what such an export was replacing once `out` is in place."""
+    kinds = (STAGING, REPLACED) if out.exists() else (STAGING,)
+    for kind in kinds:
+        prefix = _aside_prefix(out, kind)
+        for aside in out.parent.glob(f"{glob.escape(prefix)}*"):
+            pid = aside.name[len(prefix):].split("-")[0]
+            if pid.isdigit() and not process_alive(int(pid)):
+                shutil.rmtree(aside, ignore_errors=True)
 
 
 def _publish(staging: Path, out: Path) -> None:
@@ -465,7 +573,7 @@ def _publish(staging: Path, out: Path) -> None:
     staging.chmod(0o777 & ~umask)
     previous = None
     if out.exists():
-        previous = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        previous = Path(tempfile.mkdtemp(prefix=_aside_prefix(out, REPLACED, os.getpid()), dir=out.parent))
         out.rename(previous / out.name)
     staging.rename(out)
     if previous is not None:

@@ -6,21 +6,33 @@ each reference.json) hold a tiny random checkpoint of each family, its tokenizer
 for a fixed [8, 16] batch and its greedy continuation of a prompt. Each (family, mesh, layout) loads the checkpoint
 straight into that layout's shards and compiles one forward pass.
 """
+import errno
 import functools
 import json
+import os
 import shutil
+import socket
+import subprocess
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from starscream_jax.errors import CheckpointError, ShardingRuleError, StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model.decoder import Transformer, next_token_loss
-from starscream_jax.model.hf_checkpoint import INDEX_FILE, export_hf_model, load_hf_model
+from starscream_jax.model.hf_checkpoint import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointReader,
+    check_export_target,
+    export_hf_model,
+    load_hf_model,
+)
 from starscream_jax.model.hf_config import model_config_from_hf
 from starscream_jax.sharding.apply import batch_sharding, param_shardings, use_layout
 from starscream_jax.sharding.layouts import LAYOUTS, fit_batch
@@ -240,6 +252,56 @@ def test_a_malformed_index_is_named(broken_copy, index, message):
         load_hf_model(broken_copy, "starscream_tp", mesh_of("1x1x1"))
 
 
+def test_a_single_file_beside_an_index_is_read_as_transformers_reads_it(broken_copy):
+    """transformers' from_pretrained takes model.safetensors before model.safetensors.index.json: so do we."""
+    shards = sorted(broken_copy.glob("model-*.safetensors"))
+    save_file({name: array for shard in shards for name, array in load_file(shard).items()},
+              broken_copy / SINGLE_FILE)
+    for shard in shards:
+        shard.unlink()
+    (broken_copy / INDEX_FILE).write_text("{not read")
+    reader = CheckpointReader(broken_copy)
+    assert set(reader.weight_map.values()) == {SINGLE_FILE} and "model.norm.weight" in reader.weight_map
+
+
+def with_index_entries(directory: Path, **entries) -> None:
+    index = json.loads((directory / INDEX_FILE).read_text())
+    index["weight_map"].update({name.replace("__", "."): file for name, file in entries.items()})
+    (directory / INDEX_FILE).write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("file", ["../elsewhere.safetensors", "/tmp/model-00001-of-00003.safetensors",
+                                  "sub/../../x.safetensors"])
+def test_an_index_entry_outside_the_directory_is_refused(broken_copy, file):
+    with_index_entries(broken_copy, model__norm__weight=file)
+    with pytest.raises(CheckpointError, match=rf"puts tensor model.norm.weight in '{file}', outside "):
+        CheckpointReader(broken_copy)
+
+
+def test_a_tensor_held_by_two_shards_is_refused_naming_both(broken_copy):
+    held_by = json.loads((broken_copy / INDEX_FILE).read_text())["weight_map"]["model.norm.weight"]
+    other = next(shard for shard in sorted(broken_copy.glob("model-*.safetensors")) if shard.name != held_by)
+    rewrite(other, lambda tensors: tensors.update({"model.norm.weight": load_file(broken_copy / held_by)[
+        "model.norm.weight"]}))
+    with pytest.raises(CheckpointError, match=r"tensor model.norm.weight is in both .*-of-00003.safetensors and "
+                                              r".*-of-00003.safetensors; .*remove the stale copy"):
+        CheckpointReader(broken_copy)
+
+
+def test_an_index_naming_a_tensor_twice_or_in_a_file_without_it_is_refused(broken_copy):
+    text = (broken_copy / INDEX_FILE).read_text()
+    (broken_copy / INDEX_FILE).write_text(text.replace(
+        '"model.norm.weight"', '"model.norm.weight": "model-00009-of-00009.safetensors",\n    "model.norm.weight"'))
+    with pytest.raises(CheckpointError, match=r"names tensor model.norm.weight twice \(in model-00009-of-00009"):
+        CheckpointReader(broken_copy)
+    (broken_copy / INDEX_FILE).write_text(text)
+    held_by = json.loads(text)["weight_map"]["model.norm.weight"]
+    other = next(shard.name for shard in sorted(broken_copy.glob("model-*.safetensors")) if shard.name != held_by)
+    with_index_entries(broken_copy, model__norm__weight=other)
+    with pytest.raises(CheckpointError, match=rf"puts tensor model.norm.weight in .*{other}, which does not hold it"):
+        CheckpointReader(broken_copy)
+
+
 def test_arguments_of_the_wrong_kind_are_named():
     with pytest.raises(StarscreamError, match=r"mesh None \(NoneType\): expected a jax.sharding.Mesh"):
         load_hf_model(FIXTURES / "llama", "starscream_tp", None)
@@ -359,6 +421,56 @@ def test_a_failed_export_leaves_the_target_as_it_was(small_model, older_export, 
         export_hf_model(small_model, older_export, replace=True)
     assert {path.name: path.read_bytes() for path in older_export.iterdir()} == before
     assert [path.name for path in older_export.parent.iterdir()] == ["model"]
+
+
+@pytest.mark.parametrize("failure, message", [
+    (OSError(errno.ENOSPC, "No space left on device", "/disk/x.safetensors"),
+     r"/disk/x.safetensors \(No space left on device\); free space on that file system, or pass an --out on"),
+    (SafetensorError('Error while serializing: I/O error: Permission denied (os error 13) at path "/x/.tmpA"'),
+     r"/x/.tmpA \(Permission denied\); pass an --out in a directory you can write to"),
+])
+def test_a_write_that_fails_is_one_line_naming_the_path_and_the_fix(small_model, older_export, monkeypatch,
+                                                                    failure, message):
+    """A full disk, a quota or a directory that cannot be written: no traceback, nothing changed, nothing left."""
+    before = {path.name: path.read_bytes() for path in older_export.iterdir()}
+
+    def failing(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr("starscream_jax.model.hf_checkpoint.save_file", failing)
+    with pytest.raises(CheckpointError, match=rf"writing the export to .*model failed: {message}"):
+        export_hf_model(small_model, older_export, replace=True)
+    assert {path.name: path.read_bytes() for path in older_export.iterdir()} == before
+    assert [path.name for path in older_export.parent.iterdir()] == ["model"]
+
+
+def test_a_mount_point_or_an_unwritable_path_is_refused_before_anything_is_read(tmp_path, monkeypatch):
+    with pytest.raises(CheckpointError, match=r"export target /proc: cannot write there \(.* in /proc\); pass a "
+                                              r"directory on a writable file system"):
+        check_export_target(Path("/proc/model"), replace=False)
+    mount = tmp_path / "mounted"
+    mount.mkdir()
+    monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == mount)
+    with pytest.raises(CheckpointError, match=rf"export target {mount} is a mount point, .*pass a directory inside "
+                                              rf"it, such as {mount}/model"):
+        check_export_target(mount, replace=True)
+
+
+def test_staging_left_by_a_killed_export_of_this_host_is_removed(small_model, tmp_path):
+    """An export killed mid-write leaves a model-sized hidden directory; the next export beside it removes it when
+    its writer is gone (a process of this host), never another host's or a live process's."""
+    host = socket.gethostname()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    abandoned = [tmp_path / f".out.partial-{host}-{gone.pid}-x1", tmp_path / f".out.old-{host}-{gone.pid}-x2"]
+    kept = [tmp_path / f".out.partial-{host}-{os.getpid()}-x3", tmp_path / f".out.partial-elsewhere-{gone.pid}-x4",
+            tmp_path / f".other.partial-{host}-{gone.pid}-x5"]
+    for aside in abandoned + kept:
+        aside.mkdir()
+        (aside / "model.safetensors").write_bytes(b"0" * 64)
+    (tmp_path / "out").mkdir()  # an export in place: what a killed replacement set aside is no longer needed
+    export_hf_model(small_model, tmp_path / "out", replace=True)
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(["out", *(path.name for path in kept)])
 
 
 def test_exported_files_take_the_modes_of_the_umask(small_model, tmp_path):
