@@ -1,6 +1,7 @@
 """`starscream generate`: text from a training checkpoint or a Hugging Face model directory, prefilled under one
 layout and decoded under another (`starscream_jax.training.generate`), with the model's tokenizer (bytes for the
-demo's runs), stopping at its EOS."""
+demo's runs), stopping at any of its EOS ids (`eos_ids`: tokenizer_config.json's, generation_config.json's and
+config.json's)."""
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,7 @@ from ..model.hf_config import model_config_from_hf
 from ..model.quantize import OCP_TO_FNUZ
 from ..training.checkpoint import CheckpointStore, restore_model
 from ..training.config import TrainConfig
-from ..training.generate import generate
+from ..training.generate import generate, stop_ids_of
 from ..training.steps import Sampling
 from ..training.tokenizer import model_dir_tokenizer, tokenizer_for_model
 from .arguments import (
@@ -76,13 +77,13 @@ def run(args: argparse.Namespace) -> int:
     prompt_tokens = tokenizer.encode(args.prompt)
     prompt = np.tile(prompt_tokens, (samples, 1))
     result = generate(model, prompt, args.max_new_tokens, sampling, mesh, args.prefill_layout, args.decode_layout,
-                      stop_token=tokenizer.eos_id)
+                      stop_token=tokenizer.eos_ids)
     echo(f"{model.config.name} from {source} on mesh {dict(mesh.shape)}; prefill {args.prefill_layout}, decode "
          f"{args.decode_layout}")
     shown_rows = result.tokens[:1] if args.greedy else result.tokens  # greedy rows are all the same
     for index, row in enumerate(shown_rows):
         echo(f"--- sample {index}")
-        echo(tokenizer.decode(np.concatenate([prompt_tokens, until_stop(row, tokenizer.eos_id)])))
+        echo(tokenizer.decode(np.concatenate([prompt_tokens, until_stop(row, tokenizer.eos_ids)])))
     echo(f"prefill {result.prefill_tokens_per_s:,.0f} tokens/s, decode {result.decode_tokens_per_s:,.0f} tokens/s "
          f"({samples} x {result.tokens.shape[1]} new tokens)")
     return 0
@@ -140,7 +141,7 @@ def _load(args: argparse.Namespace, mesh, chip: Chip):
     return model, source, tokenizer
 
 
-def until_stop(row: np.ndarray, stop_token: int | None) -> np.ndarray:
-    """`row` up to (not including) its first `stop_token`."""
-    stops = np.flatnonzero(row == stop_token) if stop_token is not None else []
+def until_stop(row: np.ndarray, stop_tokens) -> np.ndarray:
+    """`row` up to (not including) its first token of `stop_tokens` (ids, or one id, or None)."""
+    stops = np.flatnonzero(np.isin(row, stop_ids_of(stop_tokens)))
     return row[:stops[0]] if len(stops) else row

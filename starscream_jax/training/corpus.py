@@ -27,7 +27,7 @@ import numpy as np
 from ..checks import created_directory
 from ..errors import StarscreamError
 from .lock import process_alive
-from .tokenizer import ByteTokenizer, HFTokenizer
+from .tokenizer import ByteTokenizer, HFTokenizer, require_unicode
 
 LINES_PER_BLOCK = 4096
 """Lines of a text file encoded at once (blocks end at line ends, so no token straddles two blocks' text)."""
@@ -133,9 +133,19 @@ def _record_tokens(where: str, line: str, tokenizer) -> np.ndarray:
     if "text" in record:
         if not isinstance(record["text"], str):
             raise StarscreamError(f"{where}: 'text' is a {type(record['text']).__name__}; give a string")
-        return tokenizer.encode(record["text"])
+        return tokenizer.encode(_whole_text(where, "'text'", record["text"]))
     _check_messages(where, record["messages"])
+    for index, message in enumerate(record["messages"]):
+        for field in ("role", "content"):
+            _whole_text(where, f"message {index}'s {field!r}", message[field])
     return tokenizer.encode(tokenizer.render_chat(record["messages"]), special_tokens=False)
+
+
+def _whole_text(where: str, what: str, text: str) -> str:
+    """`text`, unless it holds a lone surrogate (a JSON escape such as "\\ud800" without its pair): then a
+    StarscreamError naming the file, line and field."""
+    return require_unicode(text, f"{where}: {what}", fix="the program that wrote the file split a character; fix or "
+                                                         "drop that record")
 
 
 def _check_messages(where: str, messages) -> None:

@@ -48,7 +48,7 @@ def place_params(params, layout, mesh):
 
 def generate(model, prompt_BP, max_new_tokens: int, sampling: Sampling = Sampling(), mesh=None,
              prefill_layout=PHASE_DEFAULTS["prefill"], decode_layout=PHASE_DEFAULTS["decode"],
-             stop_token: int | None = None) -> Generation:
+             stop_token: int | tuple[int, ...] | None = None) -> Generation:
     """Continue each row of `prompt_BP` (int tokens, numpy or jax) by `max_new_tokens` tokens.
 
     Parameters are held in the model's compute dtype, as inference reads them. With `mesh`, prefill runs under
@@ -56,9 +56,10 @@ def generate(model, prompt_BP, max_new_tokens: int, sampling: Sampling = Samplin
     everything runs unsharded on one device. Any B >= 1 places (`fit_generation`): where B is smaller than the
     layouts' batch split, prefill splits each prompt over the partitions and decode attends split-K to a cache split
     by position the same way, so the cache stays where prefill wrote it. Returns the new tokens [B, N] and each
-    phase's tokens/s. With `stop_token` (EOS), decoding stops once every row has produced it (checked every
-    STOP_CHECK_EVERY tokens, so N may exceed the first EOS).
+    phase's tokens/s. With `stop_token` (EOS: one id, or several, as `tokenizer.eos_ids` gives them), decoding stops
+    once every row has produced one of them (checked every STOP_CHECK_EVERY tokens, so N may exceed the first EOS).
     """
+    stop_ids = stop_ids_of(stop_token)
     config = model.config
     batch, prompt_length = np.shape(prompt_BP)
     end = cache_length = prompt_length + max_new_tokens
@@ -105,12 +106,12 @@ def generate(model, prompt_BP, max_new_tokens: int, sampling: Sampling = Samplin
         compiled_decode = decode_step(graphdef, sampling, under=placement(decode_layout), eight_bit=eight_bit).lower(
             params, rest, cache, token_B, jnp.int32(prompt_length)).compile()
         started = time.perf_counter()
-        stopped_B = token_B == stop_token if stop_token is not None else None
+        stopped_B = is_stop(token_B, stop_ids) if stop_ids else None
         for position in range(prompt_length, end - 1):
             token_B, cache = compiled_decode(params, rest, cache, token_B, jnp.int32(position))
             new_tokens.append(token_B)
-            if stop_token is not None:
-                stopped_B = stopped_B | (token_B == stop_token)
+            if stop_ids:
+                stopped_B = stopped_B | is_stop(token_B, stop_ids)
                 if len(new_tokens) % STOP_CHECK_EVERY == 0 and bool(jnp.all(stopped_B)):
                     break
         tokens_BN = jnp.stack(new_tokens, axis=1)
@@ -123,6 +124,21 @@ def generate(model, prompt_BP, max_new_tokens: int, sampling: Sampling = Samplin
     return Generation(tokens=tokens, prefill_tokens_per_s=batch * prompt_length / prefill_seconds,
                       decode_tokens_per_s=decoded_count / decode_seconds if decoded_count else math.nan,
                       prefill_program=compiled_prefill, decode_program=compiled_decode)
+
+
+def stop_ids_of(stop_token) -> tuple[int, ...]:
+    """`generate`'s stop_token as a tuple of ids: None -> (), an id -> (id,), ids as they are (each a whole number
+    of at least 0)."""
+    ids = () if stop_token is None else (stop_token,) if np.ndim(stop_token) == 0 else tuple(stop_token)
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or token < 0:
+            raise StarscreamError(f"stop token {token!r}: expected a token id (a whole number of at least 0)")
+    return tuple(int(token) for token in ids)
+
+
+def is_stop(token_B: jax.Array, stop_ids: tuple[int, ...]) -> jax.Array:
+    """Whether each row's token [B] is one of `stop_ids` (a non-empty tuple) [B] bool."""
+    return jnp.any(token_B[:, None] == jnp.asarray(stop_ids, token_B.dtype)[None, :], axis=-1)
 
 
 def fit_generation(prefill_layout, decode_layout, mesh, batch: int) -> tuple[Layout, Layout]:

@@ -3,12 +3,18 @@ its `tokenizer_config.json`, or the byte-level tokenizer of the built-in demo (`
 
 Both give token ids as int32 arrays and text back. `render_chat` turns chat messages ([{"role", "content"}]) into
 text with the checkpoint's own Jinja template, run in Jinja's sandbox; that text is encoded without adding special
-tokens again (the template writes them).
+tokens again (the template writes them). `eos_ids` holds every id that ends a generation: tokenizer_config.json's
+eos_token, then the `eos_token_id` (an id or a list) of generation_config.json and of config.json, as transformers'
+generation stops on each (Llama 3's <|eot_id|> beside <|end_of_text|>).
+
+Text that is not valid Unicode (a lone surrogate: half of a UTF-16 pair, as a JSON "\ud800" escape gives) is a
+`StarscreamError` naming its index, not a traceback from the tokenizers library.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +28,24 @@ from . import data
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+EOS_FILES = ("generation_config.json", "config.json")
+"""The files beside tokenizer.json whose `eos_token_id` declares more ids that end a generation, in this order."""
+DEFAULT_TEMPLATE = "default"
+"""The template transformers renders when `chat_template` is a list of named templates and none is asked for."""
+SURROGATE = re.compile("[\ud800-\udfff]")
+ESCAPED_BYTE = re.compile("[\udc80-\udcff]")
+"""The lone surrogates Python gives a command-line argument's bytes that are not UTF-8 (PEP 383)."""
+
+
+def require_unicode(text: str, what: str = "text to encode", escaped_bytes: bool = False,
+                    fix: str = "give text whose characters are whole") -> str:
+    """`text`, unless it holds a lone surrogate (with `escaped_bytes`, one standing for a byte, PEP 383, passes):
+    then a StarscreamError naming `what`, the index and `fix`."""
+    for found in SURROGATE.finditer(text):
+        if not (escaped_bytes and ESCAPED_BYTE.match(found.group())):
+            raise StarscreamError(f"{what} is not valid Unicode (lone surrogate at index {found.start()}, "
+                                  f"U+{ord(found.group()):04X}: half of a UTF-16 pair); {fix}")
+    return text
 
 
 class ByteTokenizer:
@@ -29,11 +53,14 @@ class ByteTokenizer:
 
     vocab_size = data.VOCAB_SIZE
     bos_id = eos_id = None
+    eos_ids: tuple[int, ...] = ()
+    highest_id, highest_source = data.VOCAB_SIZE - 1, "byte 0xff"
     fingerprint = "bytes"
     """What decides the ids it gives (compared on resume, part of the token cache's key)."""
 
     def encode(self, text: str, special_tokens: bool = True) -> np.ndarray:
-        return data.encode(text).astype(np.int32)
+        """The UTF-8 bytes of `text`; bytes a command line gave that are not UTF-8 (PEP 383) stay those bytes."""
+        return data.encode(require_unicode(text, escaped_bytes=True)).astype(np.int32)
 
     def decode(self, token_ids) -> str:
         return data.decode(token_ids)
@@ -44,8 +71,11 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """`directory/tokenizer.json`, with `bos_token`, `eos_token`, `add_bos_token`, `add_eos_token` and
-    `chat_template` from `directory/tokenizer_config.json` where present."""
+    """`directory/tokenizer.json`, with `bos_token`, `eos_token`, `add_bos_token`, `add_eos_token` (JSON booleans)
+    and `chat_template` (a string, or Hugging Face's list of named templates, of which "default" renders) from
+    `directory/tokenizer_config.json` where present; `eos_ids` adds the `eos_token_id` of generation_config.json and
+    config.json beside it. `highest_id` is the largest id it can give (its vocabulary with the added tokens, and the
+    special ids its post-processor inserts), `highest_source` what gives it."""
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
@@ -56,15 +86,39 @@ class HFTokenizer:
             self._tokenizer = Tokenizer.from_file(str(path))
         except Exception as err:  # the tokenizers library raises plain Exceptions on malformed files
             raise CheckpointError(f"{path} is not a tokenizer the tokenizers library can read ({err})") from None
-        settings = _read_json(self.directory / TOKENIZER_CONFIG_FILE)
+        config_path = self.directory / TOKENIZER_CONFIG_FILE
+        settings = _read_json(config_path)
         self.bos_token, self.eos_token = _token_text(settings.get("bos_token")), _token_text(settings.get("eos_token"))
         self.bos_id, self.eos_id = self._id_of(self.bos_token), self._id_of(self.eos_token)
-        self.add_bos, self.add_eos = bool(settings.get("add_bos_token")), bool(settings.get("add_eos_token"))
-        self.chat_template = settings.get("chat_template")
+        self.add_bos, self.add_eos = (_boolean(settings, f"add_{token}_token", config_path) for token in ("bos", "eos"))
+        self.chat_templates = _chat_templates(settings.get("chat_template"), config_path)
+        self.chat_template = self.chat_templates.get(DEFAULT_TEMPLATE)
+        self.eos_ids = tuple(dict.fromkeys([*([] if self.eos_id is None else [self.eos_id]),
+                                            *(found for name in EOS_FILES
+                                              for found in _declared_eos(self.directory / name))]))
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
-        identity = f"{self.add_bos}{self.add_eos}{self.chat_template}{self.bos_id}{self.eos_id}".encode()
+        self.highest_id, self.highest_source = self._highest_id()
+        identity = f"{self.add_bos}{self.add_eos}{settings.get('chat_template')}{self.bos_id}{self.eos_id}".encode()
         self.fingerprint = hashlib.sha256(path.read_bytes() + identity).hexdigest()
         """What decides the ids it gives: tokenizer.json and the settings used from tokenizer_config.json."""
+
+    def _highest_id(self) -> tuple[int, str]:
+        """(the largest id this tokenizer can give, what gives it): its vocabulary with the added tokens, the special
+        ids its post-processor's configuration names, and what it gives encoding an empty and a short text."""
+        found = [(-1, "nothing")]
+        vocabulary = self._tokenizer.get_vocab(with_added_tokens=True)
+        if vocabulary:
+            token, token_id = max(vocabulary.items(), key=lambda item: item[1])
+            found.append((token_id, f"token {token!r} of its vocabulary"))
+        processor = self._tokenizer.post_processor
+        if processor is not None:
+            found += [(token_id, "a special id of its post-processor")
+                      for token_id in _special_ids(json.loads(processor.__getstate__()))]
+        for text in ("", "a"):
+            ids = self._tokenizer.encode(text, add_special_tokens=True).ids
+            if ids:
+                found.append((max(ids), f"its post-processor, encoding {text!r}"))
+        return max(found, key=lambda item: item[0])
 
     def _id_of(self, token: str | None) -> int | None:
         if token is None:
@@ -78,7 +132,7 @@ class HFTokenizer:
     def encode(self, text: str, special_tokens: bool = True) -> np.ndarray:
         """Token ids [n] int32; with `special_tokens` the tokenizer's own post-processing (BOS where it adds one)
         and BOS / EOS where tokenizer_config.json asks for them."""
-        ids = self._tokenizer.encode(text, add_special_tokens=special_tokens).ids
+        ids = self._tokenizer.encode(require_unicode(text), add_special_tokens=special_tokens).ids
         if special_tokens and self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids = [self.bos_id] + ids
         if special_tokens and self.add_eos and self.eos_id is not None:
@@ -89,8 +143,14 @@ class HFTokenizer:
         return self._tokenizer.decode([int(i) for i in token_ids], skip_special_tokens=True)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """The messages as the checkpoint's chat template writes them."""
+        """The messages as the checkpoint's chat template (its "default" one, where it names several) writes them.
+        Whatever the template raises (its raise_exception, a TypeError, a ZeroDivisionError, ...) is one
+        StarscreamError naming the template's failure."""
         if not self.chat_template:
+            if self.chat_templates:
+                raise StarscreamError(f"{self.directory / TOKENIZER_CONFIG_FILE} holds chat templates named "
+                                      f"{', '.join(self.chat_templates)} but none named {DEFAULT_TEMPLATE!r}, which "
+                                      "is the one rendered; name one of them 'default'")
             raise StarscreamError(f"{self.directory / TOKENIZER_CONFIG_FILE} has no chat_template; give JSON Lines "
                                   "with a 'text' field, or a tokenizer whose configuration holds a template")
         environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -99,8 +159,10 @@ class HFTokenizer:
             return environment.from_string(self.chat_template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "")
-        except TemplateError as err:
-            raise StarscreamError(f"the chat template of {self.directory} failed on these messages: {err}") from None
+        except Exception as err:  # a template may raise anything; TemplateError is its own raise_exception's
+            failure = str(err) if isinstance(err, TemplateError) else f"{type(err).__name__}: {err}"
+            raise StarscreamError(f"the chat template of {self.directory} failed on these messages: "
+                                  f"{' '.join(failure.split())}; fix the messages or the template") from None
 
 
 def _template_error(message: str):
@@ -121,6 +183,57 @@ def _read_json(path: Path) -> dict:
         raise CheckpointError(f"{path} holds a JSON {type(settings).__name__}, not an object of settings; fix or "
                               "replace the file")
     return settings
+
+
+def _boolean(settings: dict, key: str, path: Path) -> bool:
+    """settings[key] when it is a JSON boolean; False when absent or null; a CheckpointError for anything else (the
+    string "false" would read as true)."""
+    value = settings.get(key)
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    raise CheckpointError(f"{path}: {key} is {json.dumps(value)}, not a JSON boolean; write true or false (unquoted)")
+
+
+def _chat_templates(entry, path: Path) -> dict[str, str]:
+    """{name: template} of tokenizer_config.json's chat_template: one string (named "default"), or Hugging Face's
+    list of {"name", "template"} objects; {} when there is none."""
+    if entry is None:
+        return {}
+    if isinstance(entry, str):
+        return {DEFAULT_TEMPLATE: entry}
+    if isinstance(entry, list) and all(isinstance(item, dict) and isinstance(item.get("name"), str)
+                                       and isinstance(item.get("template"), str) for item in entry):
+        return {item["name"]: item["template"] for item in entry}
+    raise CheckpointError(f"{path}: chat_template is {json.dumps(entry)[:60]}; expected a Jinja template string or a "
+                          'list of {"name": ..., "template": ...} objects')
+
+
+def _declared_eos(path: Path) -> list[int]:
+    """The ids `eos_token_id` of the JSON file `path` declares (an id or a list of ids; none when absent)."""
+    value = _read_json(path).get("eos_token_id")
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(isinstance(item, int) and not isinstance(item, bool) and item >= 0 for item in values):
+        raise CheckpointError(f"{path}: eos_token_id is {json.dumps(value)[:60]}; expected a token id or a list of "
+                              "token ids (whole numbers of at least 0)")
+    return values
+
+
+def _special_ids(processor) -> list[int]:
+    """Every special id a serialized post-processor names: TemplateProcessing's special_tokens' "ids", BERT's and
+    RoBERTa's "sep" and "cls" ([token, id]), and those of a Sequence's processors."""
+    if isinstance(processor, list):
+        return [found for item in processor for found in _special_ids(item)]
+    if not isinstance(processor, dict):
+        return []
+    found = []
+    for key, value in processor.items():
+        if key == "ids" and isinstance(value, list):
+            found += [item for item in value if isinstance(item, int) and not isinstance(item, bool)]
+        elif key in ("sep", "cls") and isinstance(value, list) and len(value) == 2 and isinstance(value[1], int):
+            found.append(value[1])
+        else:
+            found += _special_ids(value)
+    return found
 
 
 def _token_text(entry) -> str | None:
@@ -145,6 +258,11 @@ def tokenizer_for_model(directory: str | Path | None, config: ModelConfig, *,
         raise StarscreamError(f"{source} has {tokenizer.vocab_size} tokens but model {config.name} only "
                               f"{config.vocab_size}: its ids would fall outside the embedding; pass the model's own "
                               "tokenizer (--tokenizer DIR, or a model directory holding its tokenizer.json)")
+    if tokenizer.highest_id >= config.vocab_size:
+        raise StarscreamError(f"{source} gives id {tokenizer.highest_id} ({tokenizer.highest_source}) but model "
+                              f"{config.name} has {config.vocab_size} embeddings (ids 0-{config.vocab_size - 1}): "
+                              "that id would fall outside the embedding; pass the model's own tokenizer, or fix its "
+                              f"{TOKENIZER_FILE}")
     if directory is None and trained_weights and config.vocab_size != ByteTokenizer.vocab_size:
         raise StarscreamError(f"model {config.name} (vocabulary {config.vocab_size}) comes without a "
                               f"{TOKENIZER_FILE}, and the byte-level tokenizer is only for models made for it "

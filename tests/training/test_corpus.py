@@ -80,6 +80,21 @@ def test_bad_json_lines_name_the_line(tmp_path, line, message):
     assert not list((tmp_path / "cache").iterdir())  # no token file, no partial one
 
 
+@pytest.mark.parametrize("record, field", [('{"text": "one \\ud800 two"}', "'text'"),
+                                           ('{"messages": [{"role": "user", "content": "\\udce9"}]}',
+                                            "message 0's 'content'")])
+@pytest.mark.parametrize("tokenizer", [None, FIXTURE])
+def test_a_record_holding_a_lone_surrogate_is_refused_naming_the_line(tmp_path, record, field, tokenizer):
+    """JSON may escape half of a UTF-16 pair ("\\ud800"); that is no text (the byte tokenizer would even take
+    \\udce9 for the byte 0xe9)."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "fine"}\n' + record + "\n")
+    with pytest.raises(StarscreamError, match=rf"bad.jsonl line 2: {field} is not valid Unicode \(lone surrogate at "
+                                              r"index \d+, U\+D[8C]\w\w: half of a UTF-16 pair\); the program that "
+                                              r"wrote the file split a character"):
+        corpus.tokenize_file(path, load_tokenizer(tokenizer), tmp_path / "cache")
+
+
 def test_a_missing_file_is_named(tmp_path):
     with pytest.raises(StarscreamError, match="training data .*nowhere.txt not found"):
         corpus.tokenize_file(tmp_path / "nowhere.txt", load_tokenizer(None), tmp_path)

@@ -22,7 +22,7 @@ from starscream_jax.sharding.layouts import get_layout
 from starscream_jax.training import data
 from starscream_jax.training.checkpoint import CheckpointStore
 from starscream_jax.training.config import TrainConfig
-from starscream_jax.training.generate import generate
+from starscream_jax.training.generate import generate, is_stop, stop_ids_of
 from starscream_jax.training.loop import initial_state, run_description
 from starscream_jax.training.steps import Sampling, choose_token
 
@@ -185,3 +185,19 @@ def test_padded_query_heads_generate_the_reference_tokens(generate_command):
     np.testing.assert_array_equal(result.tokens[0], expected["generated_ids"][:8])
     status, _, err = generate_command("--model-dir", str(fixture), "--pad-heads", "10", "--max-new-tokens", "1")
     assert status != 0 and "pad to a multiple of 4 no smaller than 8" in err
+
+
+def test_generation_stops_on_any_of_several_eos_ids():
+    """Llama 3 ends a turn with <|eot_id|> and a text with <|end_of_text|>: either stops a row."""
+    assert [stop_ids_of(stop) for stop in (None, 7, np.int64(7), (7, 9))] == [(), (7,), (7,), (7, 9)]
+    np.testing.assert_array_equal(is_stop(jnp.asarray([7, 8, 9, 1], jnp.int32), (9, 7)), [True, False, True, False])
+    with pytest.raises(StarscreamError, match="stop token -1: expected a token id"):
+        stop_ids_of((3, -1))
+
+
+def test_a_printed_sample_ends_before_its_first_eos_of_any_kind():
+    row = np.asarray([5, 6, 9, 7, 9], np.int32)
+    np.testing.assert_array_equal(generate_cli.until_stop(row, (7, 9)), [5, 6])
+    np.testing.assert_array_equal(generate_cli.until_stop(row, 7), [5, 6, 9])
+    np.testing.assert_array_equal(generate_cli.until_stop(row, ()), row)
+    np.testing.assert_array_equal(generate_cli.until_stop(row, None), row)

@@ -103,3 +103,96 @@ def test_the_fingerprint_follows_what_decides_the_ids_not_the_path(tmp_path):
     settings = json.loads((FIXTURE / "tokenizer_config.json").read_text())
     (tmp_path / "moved" / "tokenizer_config.json").write_text(json.dumps({**settings, "add_eos_token": True}))
     assert HFTokenizer(tmp_path / "moved").fingerprint != HFTokenizer(FIXTURE).fingerprint
+
+
+def copied_tokenizer(tmp_path, tokenizer_change=None, **settings) -> Path:
+    """The fixture's tokenizer in tmp_path/tok, tokenizer.json changed by `tokenizer_change` and
+    tokenizer_config.json updated with `settings`."""
+    target = tmp_path / "tok"
+    target.mkdir(parents=True)
+    tokenizer = json.loads((FIXTURE / "tokenizer.json").read_text())
+    if tokenizer_change is not None:
+        tokenizer_change(tokenizer)
+    (target / "tokenizer.json").write_text(json.dumps(tokenizer))
+    config = json.loads((FIXTURE / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps({**config, **settings}))
+    return target
+
+
+def test_ids_the_post_processor_or_an_added_token_gives_must_fit_the_model(tmp_path):
+    llama = model_config_from_hf(FIXTURE)
+
+    def beyond_the_vocabulary(tokenizer):
+        tokenizer["post_processor"]["special_tokens"]["<s>"]["ids"] = [999]
+
+    directory = copied_tokenizer(tmp_path, beyond_the_vocabulary)
+    assert HFTokenizer(directory).encode("")[0] == 999 and HFTokenizer(directory).vocab_size == 384
+    with pytest.raises(StarscreamError, match=r"gives id 999 \(a special id of its post-processor\) but model .* has "
+                                              r"384 embeddings \(ids 0-383\)"):
+        tokenizer_for_model(directory, llama, trained_weights=True)
+
+    def sparse(tokenizer):  # 384 tokens, the last of id 600
+        vocabulary = tokenizer["model"]["vocab"]
+        vocabulary[max(vocabulary, key=vocabulary.get)] = 600
+
+    directory = copied_tokenizer(tmp_path / "sparse", sparse)
+    assert HFTokenizer(directory).vocab_size == 384
+    with pytest.raises(StarscreamError, match=r"gives id 600 \(token 'ess' of its vocabulary\) but model .* has 512 "
+                                              r"embeddings"):
+        tokenizer_for_model(directory, llama.replace(vocab_size=512), trained_weights=True)
+    assert ByteTokenizer.highest_id == 255
+
+
+def test_every_declared_eos_id_is_kept_in_order(tmp_path):
+    directory = copied_tokenizer(tmp_path)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 1, 6]}))
+    (directory / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    tokenizer = HFTokenizer(directory)
+    assert (tokenizer.eos_id, tokenizer.eos_ids) == (1, (1, 5, 6, 7))
+    assert HFTokenizer(FIXTURE).eos_ids == (1,) and ByteTokenizer().eos_ids == ()
+    (directory / "config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
+    with pytest.raises(CheckpointError, match=r"config.json: eos_token_id is \"</s>\"; expected a token id or a list"):
+        HFTokenizer(directory)
+
+
+@pytest.mark.parametrize("key", ["add_bos_token", "add_eos_token"])
+def test_add_bos_and_eos_must_be_json_booleans(tmp_path, key):
+    with pytest.raises(CheckpointError, match=rf"tokenizer_config.json: {key} is \"false\", not a JSON boolean; "
+                                              r"write true or false"):
+        HFTokenizer(copied_tokenizer(tmp_path, **{key: "false"}))
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({key: False}))
+    assert HFTokenizer(tmp_path / "tok").encode("ROMEO:")[-1] != 1
+
+
+def test_the_default_of_a_list_of_named_chat_templates_renders(tmp_path):
+    templates = [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "{{ messages[0].role }}"}]
+    tokenizer = HFTokenizer(copied_tokenizer(tmp_path, chat_template=templates))
+    assert tokenizer.render_chat([{"role": "user", "content": "hi"}]) == "user"
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"chat_template": templates[:1]}))
+    with pytest.raises(StarscreamError, match=r"holds chat templates named tool_use but none named 'default'"):
+        HFTokenizer(tmp_path / "tok").render_chat([{"role": "user", "content": "hi"}])
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "default"}]}))
+    with pytest.raises(CheckpointError, match=r"chat_template is .*expected a Jinja template string or a list"):
+        HFTokenizer(tmp_path / "tok")
+
+
+@pytest.mark.parametrize("template, failure", [
+    ("{{ 1 // 0 }}", "ZeroDivisionError: integer division or modulo by zero"),
+    ("{{ messages[0].content + 1 }}", "TypeError: can only concatenate str"),
+    ("{% if %}", "Expected an expression"),
+    ("{{ raise_exception('roles must alternate') }}", "roles must alternate"),
+])
+def test_any_failure_inside_a_chat_template_is_one_line(tmp_path, template, failure):
+    tokenizer = HFTokenizer(copied_tokenizer(tmp_path, chat_template=template))
+    refusal = rf"the chat template of .*tok failed on these messages: {failure}"
+    with pytest.raises(StarscreamError, match=refusal) as err:
+        tokenizer.render_chat([{"role": "user", "content": "hi"}])
+    assert "\n" not in str(err.value)
+
+
+def test_text_that_is_not_valid_unicode_is_refused_naming_the_index():
+    for tokenizer in (load_tokenizer(FIXTURE), ByteTokenizer()):
+        with pytest.raises(StarscreamError, match=r"text to encode is not valid Unicode \(lone surrogate at index 1, "
+                                                  r"U\+D800"):
+            tokenizer.encode("a\ud800b")
+    assert list(ByteTokenizer().encode("a\udce9")) == [97, 0xE9]  # a command line's byte that is not UTF-8
