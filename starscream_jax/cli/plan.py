@@ -36,6 +36,10 @@ SHOWN_LOSERS = 12
 PLANNED = (*PHASES, SERVE)
 SERVE_BATCH = 256
 """The largest decode batch `--phases serve` prices unless --batch says."""
+SERVE_DEFAULTS = {"tpot_ms": 50.0, "prompt": 1024, "output": 256, "prefill_layout": PHASE_DEFAULTS["prefill"]}
+"""The serving workload's flags (dests) and their values when not given; only `--phases serve` reads them."""
+NOTHING_FITS = 2
+"""The exit status of a plan in which some phase has nothing that fits."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,14 +61,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_precision_arguments(group)
     add_cache_arguments(group)
     serve = parser.add_argument_group("serving workload (--phases serve; --batch is the largest decode batch priced)")
-    serve.add_argument("--tpot-ms", type=float, default=50.0, help="most milliseconds per output token")
-    serve.add_argument("--prompt", type=int, default=1024, help="prompt tokens per request")
-    serve.add_argument("--output", type=int, default=256, help="output tokens per request")
-    serve.add_argument("--prefill-layout", default=PHASE_DEFAULTS["prefill"], help="layout of the prompts' prefill")
+    serve.add_argument("--tpot-ms", type=float, help=f"most milliseconds per output token (default "
+                                                     f"{SERVE_DEFAULTS['tpot_ms']:g})")
+    serve.add_argument("--prompt", type=int, help=f"prompt tokens per request (default {SERVE_DEFAULTS['prompt']})")
+    serve.add_argument("--output", type=int, help=f"output tokens per request (default {SERVE_DEFAULTS['output']})")
+    serve.add_argument("--prefill-layout", help=f"layout of the prompts' prefill (default "
+                                                f"{SERVE_DEFAULTS['prefill_layout']})")
 
 
 def run(args: argparse.Namespace) -> int:
-    """`starscream plan`: plan every phase asked for and print the tables (or JSON). Returns 0."""
+    """`starscream plan`: plan every phase asked for and print the tables (or JSON). Returns 0, or NOTHING_FITS
+    (2) when nothing fits some phase (the tables say what would)."""
     if not args.simulate:
         raise StarscreamError("--no-simulate given, but plan always compiles on simulated CPU devices; drop "
                               "--no-simulate (the preset supplies the hardware figures)")
@@ -75,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     unknown = [phase for phase in phases if phase not in PLANNED]
     if unknown or not phases:
         raise StarscreamError(f"--phases {args.phases!r}: expected some of {', '.join(PLANNED)}, separated by commas")
+    refuse_other_phases_flags(args, phases)
     prepare_simulation(args)
     topology, _ = mesh_from_args(args)
     cache = result_cache(args)
@@ -107,23 +115,52 @@ def run(args: argparse.Namespace) -> int:
         text = [format_plans(plans)] if plans else []
         text += format_serving(serving) if serving else []
         print("\n".join(text) + (f"\nplot: {args.plot}" if args.plot and plans else ""))
+    unfit = [phase for phase, plan in plans.items() if plan["choice"] is None]
+    if unfit:
+        print(f"starscream plan: nothing fits for {', '.join(unfit)}; the plan says what would", file=sys.stderr)
+        return NOTHING_FITS
     return 0
+
+
+def refuse_other_phases_flags(args: argparse.Namespace, phases: list[str]) -> None:
+    """A StarscreamError for flags that only phases left out of --phases read: --seq when serve alone is planned
+    (a request's positions are --prompt + --output), the serving workload's flags without serve."""
+    if args.seq is not None and phases == [SERVE]:
+        raise StarscreamError(f"--seq {args.seq} sets the sequence of train, prefill and decode, which --phases serve "
+                              "leaves out; a served request's tokens are --prompt and --output: drop --seq")
+    given = [f"--{dest.replace('_', '-')}" for dest in SERVE_DEFAULTS if getattr(args, dest, None) is not None]
+    if given and SERVE not in phases:
+        raise StarscreamError(f"{', '.join(given)} describe the serving workload, which --phases {','.join(phases)} "
+                              f"leaves out; add serve to --phases, or drop {'them' if len(given) > 1 else 'it'}")
+
+
+def serve_setting(args: argparse.Namespace, dest: str):
+    """The serving workload's flag `dest` as given, else its default (SERVE_DEFAULTS)."""
+    value = getattr(args, dest, None)
+    return SERVE_DEFAULTS[dest] if value is None else value
 
 
 def plan_serving(args: argparse.Namespace, topology, cache, eight_bit: dict) -> ServePlan:
     """The serving workload of --tpot-ms, --prompt and --output priced over decode batches up to --batch
-    (`analysis.serve_plan`), decode candidates the layouts that serve from a paged cache."""
-    workload = ServeWorkload(args.prompt, args.output, args.tpot_ms)
+    (`analysis.serve_plan`), decode candidates the layouts that serve from a paged cache. A request longer than
+    the model's max_seq_len is refused naming --prompt and --output (the serve phase reads no --seq)."""
+    prompt, output, prefill_layout = (serve_setting(args, dest) for dest in ("prompt", "output", "prefill_layout"))
+    workload = ServeWorkload(prompt, output, serve_setting(args, "tpot_ms"))
+    longest = load_model_config(args.model).max_seq_len
+    if workload.context > longest:
+        raise StarscreamError(f"--prompt {prompt} + --output {output} = {workload.context} tokens per request exceed "
+                              f"the model's max_seq_len {longest}; pass a --prompt and --output that sum to {longest} "
+                              "or less")
     layouts = ",".join(name for name in candidate_layouts(args.model, args.layout).split(",")
                        if not get_layout(name).splits_sequence)
     if not layouts:
         raise StarscreamError(f"--layout {args.layout}: every layout named splits the sequence and cannot decode from "
                               "a paged cache; name a decode layout such as starscream_decode")
     decode = make_settings(args.model, SERVE, 1, workload.context, layouts, args.layers)
-    prefill = make_settings(args.model, "prefill", 1, args.prompt, args.prefill_layout, args.layers)
+    prefill = make_settings(args.model, "prefill", 1, prompt, prefill_layout, args.layers)
     decode, prefill = (dataclasses.replace(s, config=s.config.replace(**eight_bit)) for s in (decode, prefill))
     points = price_serving(decode, prefill, topology, workload, serve_batches(args.batch or SERVE_BATCH), cache)
-    return choose_serving(points, workload, decode.config.name, args.prefill_layout)
+    return choose_serving(points, workload, decode.config.name, prefill_layout)
 
 
 def format_serving(plan: ServePlan) -> list[str]:

@@ -211,6 +211,35 @@ def test_bad_arguments_are_clear_errors(argv, message):
         plan_command.run(parse(*MESH_ARGS, "--model", "tiny", *argv))
 
 
+def test_a_serving_workload_longer_than_the_model_names_prompt_and_output_not_seq():
+    with pytest.raises(StarscreamError, match=r"--prompt 200 \+ --output 100 = 300 tokens per request exceed the "
+                                              r"model's max_seq_len 256; pass a --prompt and --output that sum to 256"):
+        plan_command.run(parse(*MESH_ARGS, "--model", "tiny", "--phases", "serve", "--prompt", "200", "--output",
+                               "100"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--phases", "serve", "--seq", "256"), r"--seq 256 sets the sequence of train, prefill and decode, which "
+                                            r"--phases serve leaves out; .*--prompt and --output: drop --seq"),
+    (("--phases", "train,decode", "--prompt", "64", "--tpot-ms", "20"),
+     r"--tpot-ms, --prompt describe the serving workload, which --phases train,decode leaves out; add serve"),
+])
+def test_flags_of_a_phase_left_out_are_refused(argv, message):
+    with pytest.raises(StarscreamError, match=message):
+        plan_command.run(parse(*MESH_ARGS, "--model", "tiny", *argv))
+
+
+def test_a_plan_in_which_nothing_fits_exits_2(monkeypatch, capsys):
+    unfit = {"phase": "train", "model": "tiny", "batch": 4, "seq": 16, "gpus": 2, "partitions_per_gpu": 4,
+             "hbm_per_device": 1e6, "compiled": 0, "candidates": [], "elapsed_s": 0.0, "choice": None,
+             "advice": ["more GPUs: about 4 GPUs would hold it"]}
+    monkeypatch.setattr(plan_command, "plan_phase", lambda *args, **kwargs: dict(unfit))
+    assert plan_command.run(parse(*MESH_ARGS, "--model", "tiny", *SHAPES, "--phases", "train")) == 2
+    printed = capsys.readouterr()
+    assert "nothing fits; what would:" in printed.out and "more GPUs" in printed.out
+    assert "starscream plan: nothing fits for train" in printed.err
+
+
 def test_plan_is_a_subcommand():
     from starscream_jax.cli.main import build_parser
 
