@@ -89,7 +89,9 @@ def sample_rows(logits_BV: jax.Array, rows: RowSampling, position_B: jax.Array) 
 
 
 def _drawn(logits_BV, rows: RowSampling, position_B, greedy_B):
-    """Each row's draw at its temperature from its top-k, then top-p, tokens (greedy where temperature is 0)."""
+    """Each row's draw at its temperature from its top-k, then top-p, tokens (greedy where temperature is 0). The
+    nucleus always holds the most likely token: a top_p that flushes to zero (1e-38, below float32's normal range)
+    would otherwise keep none, and the draw from no token at all would be token 0."""
     vocab = logits_BV.shape[-1]
     scaled_BV = logits_BV / jnp.maximum(rows.temperature, 1e-6)[:, None]
     descending_BV = jnp.sort(scaled_BV, axis=-1)[:, ::-1]
@@ -98,7 +100,8 @@ def _drawn(logits_BV, rows: RowSampling, position_B, greedy_B):
     top_k_BV = jnp.where(descending_BV >= kth_B1, descending_BV, -jnp.inf)
     probabilities_BV = jax.nn.softmax(top_k_BV, axis=-1)
     mass_before_BV = jnp.cumsum(probabilities_BV, axis=-1) - probabilities_BV
-    kept_BV = (mass_before_BV < rows.top_p[:, None]) & (descending_BV >= kth_B1)
+    first_BV = jnp.arange(vocab)[None, :] == 0
+    kept_BV = ((mass_before_BV < rows.top_p[:, None]) | first_BV) & (descending_BV >= kth_B1)
     smallest_B1 = jnp.min(jnp.where(kept_BV, descending_BV, jnp.inf), axis=-1, keepdims=True)
     nucleus_BV = jnp.where(scaled_BV >= smallest_B1, scaled_BV, -jnp.inf)
     keys = jax.vmap(lambda seed, position: jax.random.fold_in(jax.random.key(seed), position))(rows.seed, position_B)

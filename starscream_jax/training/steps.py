@@ -212,8 +212,9 @@ def choose_token(logits_BV: jax.Array, position, sampling: Sampling) -> jax.Arra
         probabilities_BV = jax.nn.softmax(scaled_BV, axis=-1)
         descending_BV = jnp.sort(probabilities_BV, axis=-1)[:, ::-1]
         mass_before_BV = jnp.cumsum(descending_BV, axis=-1) - descending_BV
-        smallest_kept_B1 = jnp.min(jnp.where(mass_before_BV < sampling.top_p, descending_BV, 1.0), axis=-1,
-                                   keepdims=True)
+        first_BV = jnp.arange(descending_BV.shape[-1])[None, :] == 0  # kept always: a top_p of 1e-38 flushes to 0
+        smallest_kept_B1 = jnp.min(jnp.where((mass_before_BV < sampling.top_p) | first_BV, descending_BV, 1.0),
+                                   axis=-1, keepdims=True)
         nucleus_BV = jnp.where(probabilities_BV >= smallest_kept_B1, scaled_BV, -jnp.inf)
         key = jax.random.fold_in(jax.random.key(sampling.seed), position)
         return jax.random.categorical(key, nucleus_BV, axis=-1).astype(jnp.int32)

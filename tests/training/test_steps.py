@@ -25,6 +25,7 @@ from starscream_jax.training.config import TrainConfig
 from starscream_jax.training.steps import (
     Sampling,
     accumulated_gradients,
+    choose_token,
     decode_step,
     eval_step,
     load_balance_step,
@@ -197,3 +198,11 @@ def test_weight_decay_skips_exactly_the_norm_scales_and_biases():
         "attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm", "bq", "bk", "bv"}
     assert {name for name, changed in moved.items() if changed} == {
         "embedding", "lm_head", "wq", "wk", "wv", "wo", "router", "w_gate", "w_up", "w_down"}
+
+
+def test_a_nucleus_of_a_top_p_that_flushes_to_zero_holds_the_most_likely_token():
+    """1e-38 is below float32's normal range: compiled, it flushes to 0, and a nucleus of the tokens whose mass before
+    them is below it would hold none (every draw token 0)."""
+    logits_BV = jax.random.normal(jax.random.key(0), (8, 32)) * 3
+    chosen = jax.jit(lambda logits: choose_token(logits, 3, Sampling(top_p=1e-38, temperature=0.7, seed=1)))
+    np.testing.assert_array_equal(chosen(logits_BV), jnp.argmax(logits_BV, axis=-1))
