@@ -127,7 +127,7 @@ class Engine:
             shards=self.shards, pages_per_shard=self.cache_size.pages_per_shard, page_size=config.page_size,
             rows_per_shard=config.rows_per_shard, token_budget=config.token_budget, chunk=config.chunk,
             prefix_caching=config.prefix_caching, prefill_rows=self.buckets.rows_of("prefill")[-1]))
-        self.pages = self._empty_pages()
+        self._pages = None  # allocated after the warm-up: XLA's autotuning wants free device memory to compile
         self._steps = {phase: paged_step(self.graphdef, config.kernel, decode=phase == "decode",
                                          under=None if mesh is None else Placement(self.layouts[phase], mesh))
                        for phase in ("prefill", "decode")}
@@ -188,9 +188,28 @@ class Engine:
         return pages
 
     @property
+    def pages(self) -> dict:
+        """The page pools (`_empty_pages`), allocated on first use."""
+        if self._pages is None:
+            self._pages = self._empty_pages()
+        return self._pages
+
+    @pages.setter
+    def pages(self, pools: dict) -> None:
+        self._pages = pools
+
+    def _abstract_pages(self) -> dict:
+        """The page pools' shapes, types and placement, for compiling before they are allocated."""
+        c = self.model_config
+        shardings, shapes, dtypes = self._pool_layout(self.cache_size.pages_per_shard)
+        names = (("k", "v"), ("k_scale", "v_scale"))
+        return {name: tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for _ in range(c.n_layers))
+                for kinds, sharding, (_, shape), dtype in zip(names, shardings, shapes, dtypes) for name in kinds}
+
+    @property
     def pool_bytes(self) -> int:
         """Bytes the page pools hold over every device, in the stored dtype (and an 8-bit cache's scales)."""
-        return sum(array.nbytes for array in jax.tree.leaves(self.pages))
+        return sum(math.prod(pool.shape) * pool.dtype.itemsize for pool in jax.tree.leaves(self._abstract_pages()))
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams = SamplingParams()) -> None:
         """Queues a request; StarscreamError when its id is taken, a token id is outside the vocabulary, or it
@@ -341,8 +360,8 @@ class Engine:
 
     def warm_up(self, progress=None) -> int:
         """Compiles the program of every bucket (`Buckets.shapes`) now, so that no request waits for a compile;
-        `progress(done, total)` after each. Returns the programs compiled. On a mesh spanning processes every
-        process calls it (the compiles are collective)."""
+        `progress(done, total)` after each; then allocates the page pools. Returns the programs compiled. On a
+        mesh spanning processes every process calls it (each process compiles the programs it runs)."""
         shapes = self.buckets.shapes()
         for done, (phase, rows, width, pages) in enumerate(shapes, 1):
             self._program(phase, rows * self.shards, width, pages)
@@ -351,6 +370,7 @@ class Engine:
         self._programs_at_start = len(self._programs)
         if self.cache_size.reserve_bytes:
             capacity.check_reserve(self._programs, self.cache_size.reserve_bytes)
+        jax.block_until_ready(self.pages)
         return len(shapes)
 
     def _program(self, phase: str, rows: int, width: int, pages: int):
@@ -360,7 +380,7 @@ class Engine:
         program = self._programs.get(key)
         if program is None:
             with self._phase(phase):
-                program = self._steps[phase].lower(self.params, self.rest, self.pages,
+                program = self._steps[phase].lower(self.params, self.rest, self._abstract_pages(),
                                                    self._abstract_inputs(rows, width, pages)).compile()
             self._programs[key] = program
         return program
