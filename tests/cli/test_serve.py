@@ -1,7 +1,18 @@
 """`starscream serve`: its flags become the engine's configuration; bad input is one error line before anything
-loads (the server itself: tests/serving/test_server.py)."""
+loads; run as a user runs it (its own process and its engine's, here the model-free engine) it serves the `openai`
+client, refuses a taken port in one line, ends on SIGTERM, and when its engine dies fails the running streams,
+answers 503 and exits with status 1 (the server itself: tests/serving/test_server.py)."""
 import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import httpx
+import openai
 import pytest
 
 from starscream_jax.cli import main as cli
@@ -62,3 +73,88 @@ def test_bad_values_are_refused_as_the_flags_are_read(capsys, argv, message):
     with pytest.raises(SystemExit) as exited:
         cli.main(["serve", *argv])
     assert exited.value.code == 2 and message in capsys.readouterr().err.splitlines()[-1]
+
+
+class ServeCommand:
+    """`starscream serve --fake-engine` as a user starts it: its own process (which starts the engine's), killed
+    with everything it started when the test ends."""
+
+    def __init__(self, port: int, env: dict, *flags: str):
+        self.url = f"http://127.0.0.1:{port}"
+        self.process = subprocess.Popen([sys.executable, "-m", "starscream_jax.cli.main", "serve", "--fake-engine",
+                                         "20", "--port", str(port), "--compilation-cache", "", *flags], env=env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        start_new_session=True)
+
+    def healthy(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.process.stdout.read()
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise AssertionError("the server never became healthy")
+
+    def engine_pid(self) -> int:
+        """The engine process: the command's child that multiprocessing spawned (not its resource tracker)."""
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError):
+                command = (stat.parent / "cmdline").read_bytes()
+                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == self.process.pid and \
+                        b"spawn_main" in command:
+                    return int(stat.parent.name)
+        raise AssertionError("no engine process")
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+
+@pytest.fixture
+def serve_command(cpu_child_env, free_port):
+    started = []
+
+    def start(*flags: str, port: int | None = None) -> ServeCommand:
+        started.append(ServeCommand(port or free_port(), cpu_child_env(1), *flags))
+        return started[-1]
+
+    yield start
+    for command in started:
+        command.close()
+
+
+def test_the_command_serves_refuses_a_taken_port_and_ends_on_sigterm(serve_command):
+    server = serve_command()
+    server.healthy()
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    chunks = list(client.completions.create(model="fake", prompt="hello", max_tokens=7, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == "hellohe"
+    assert chunks[-1].usage.completion_tokens == 7 and not chunks[-1].choices  # usage in its own last chunk
+    assert 'vllm:time_to_first_token_seconds_count{model_name="fake"} 1.0' in httpx.get(server.url + "/metrics").text
+    taken = serve_command(port=int(server.url.rsplit(":", 1)[1]))
+    assert taken.process.wait(60) == 2
+    output = taken.process.stdout.read()
+    assert output.count("\n") == 1 and "cannot listen on" in output and "--port" in output
+    engine = server.engine_pid()
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(30) == -signal.SIGTERM  # drained, then ended by the signal, as uvicorn leaves it
+    assert not Path(f"/proc/{engine}").exists()  # the engine stopped before
+
+
+def test_a_dead_engine_fails_the_streams_answers_503_and_ends_the_command(serve_command):
+    server = serve_command()
+    server.healthy()
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
+                      json={"model": "fake", "prompt": "abc", "max_tokens": 2000, "stream": True}) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        os.kill(server.engine_pid(), signal.SIGKILL)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]" and '"server_error"' in rest[-2] and "engine stopped" in rest[-2]
+    refused = httpx.post(server.url + "/v1/completions", json={"model": "fake", "prompt": "x"}, timeout=10)
+    assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_error"
+    assert server.process.wait(30) == 1

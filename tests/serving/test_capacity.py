@@ -1,0 +1,48 @@
+"""The KV cache sized from device memory: the free memory of the fullest device, less the steps' reserve, in pages
+of what each device holds of one page per shard; every row at full context where devices report no memory; a clear
+refusal when not even two pages fit."""
+import pytest
+
+from jax.sharding import NamedSharding, PartitionSpec
+
+from starscream_jax.errors import StarscreamError
+from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.serving import capacity
+
+GIB = 2 ** 30
+
+
+class Device:
+    def __init__(self, limit, in_use):
+        self.stats = {"bytes_limit": limit, "bytes_in_use": in_use} if limit else None
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_pages_follow_the_fullest_device():
+    devices = [Device(80 * GIB, 16 * GIB), Device(80 * GIB, 20 * GIB)]
+    size = capacity.size_from_memory(devices, page_bytes=2 ** 20, reserve=4 * GIB, utilization=0.9, floor_pages=9)
+    assert size.pages_per_shard == (80 - 20 - 4) * 1024 and size.reserve_bytes == 4 * GIB
+    assert "0.90 of device memory" in size.why
+
+
+def test_devices_without_memory_figures_get_every_row_at_full_context():
+    size = capacity.size_from_memory([Device(0, 0)], page_bytes=100, reserve=GIB, utilization=0.9, floor_pages=33)
+    assert (size.pages_per_shard, size.reserve_bytes) == (33, 0)
+
+
+def test_no_room_is_refused_naming_the_flags():
+    with pytest.raises(StarscreamError, match="--gpu-memory-utilization"):
+        capacity.size_from_memory([Device(10 * GIB, 9 * GIB)], page_bytes=GIB, reserve=GIB, utilization=0.5,
+                                  floor_pages=3)
+
+
+def test_a_page_costs_each_device_its_split_of_every_pool():
+    """[kv_heads 4, 8 pages, 16 positions, 32] bf16 pools for 6 layers (k and v) split kv heads over gpu (2) and
+    pages over xcd (4): each device holds 2 heads x 2 pages; the float32 scales likewise."""
+    mesh = build_mesh("1x2x4")
+    pools = NamedSharding(mesh, PartitionSpec("gpu", "xcd"))
+    shapes = [(12, (4, 4, 16, 32)), (12, (4, 4, 16))]
+    per_device = capacity.page_bytes_per_device([pools, pools], shapes, ["bfloat16", "float32"])
+    assert per_device == 12 * (2 * 1 * 16 * 32 * 2) + 12 * (2 * 1 * 16 * 4)

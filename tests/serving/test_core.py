@@ -1,0 +1,103 @@
+"""The engine loop apart from HTTP, over the same sockets and messages as the engine process, with the model-free
+engine (`serving.fake`): one message per step holding every running request's tokens, a refusal that reaches its
+request alone, a stop that drains, and an engine that fails ending every open stream with its error."""
+import asyncio
+
+from starscream_jax.serving.client import EngineClient
+from starscream_jax.serving.core import EngineThread
+from starscream_jax.serving.fake import FakeEngine
+from starscream_jax.serving.scheduler import SamplingParams
+
+
+def fake(**overrides) -> FakeEngine:
+    return FakeEngine(**{"vocab_size": 50, "context": 64, "max_num_seqs": 8, "step_s": 0.002, **overrides})
+
+
+async def started(engine) -> tuple[EngineThread, EngineClient, list]:
+    loop = EngineThread(engine)
+    steps = []
+    client = EngineClient(loop.addresses, loop.alive, steps.append)
+    await client.start()
+    return loop, client, steps
+
+
+async def drain(stream) -> tuple[list[int], str | None, str | None, int]:
+    """(tokens, finish reason, error, takes) of a stream read to its end."""
+    tokens, takes = [], 0
+    while True:
+        delta = await stream.take()
+        takes += 1
+        tokens += delta.tokens
+        if delta.finish_reason is not None or delta.error is not None:
+            return tokens, delta.finish_reason, delta.error, takes
+
+
+def test_one_message_per_step_holds_every_request():
+    async def run():
+        loop, client, steps = await started(fake())
+        streams = [client.submit(f"r{i}", [1 + i, 2, 3], SamplingParams(max_tokens=5)) for i in range(4)]
+        results = await asyncio.gather(*(drain(stream) for stream in streams))
+        await client.stop(drain=True, timeout=10)
+        await client.close()
+        return loop, client, steps, results
+
+    loop, client, steps, results = asyncio.run(run())
+    assert [tokens for tokens, *_ in results] == [[1 + i, 2, 3, 1 + i, 2] for i in range(4)]
+    assert all(reason == "length" for _, reason, _, _ in results)
+    busy = [step for step in steps if step.outputs]
+    assert max(len(step.outputs) for step in busy) == 4  # a step carries every running request's token
+    assert sum(len(step.outputs) for step in busy) == 20 and len(busy) <= 10
+    assert not loop.alive() and client.pending == 0
+
+
+def test_a_slow_reader_takes_several_steps_at_once():
+    async def run():
+        loop, client, steps = await started(fake())
+        stream = client.submit("slow", [4, 5], SamplingParams(max_tokens=12))
+        while sum(len(step.outputs) for step in steps) < 12:
+            await asyncio.sleep(0.01)  # the steps arrive while nobody reads
+        result = await drain(stream)
+        await client.stop(drain=True, timeout=10)
+        await client.close()
+        return result
+
+    tokens, reason, error, takes = asyncio.run(run())
+    assert tokens == [4, 5] * 6 and reason == "length" and error is None and takes == 1
+
+
+def test_a_refusal_reaches_its_request_alone():
+    async def run():
+        loop, client, _ = await started(fake())
+        bad = client.submit("bad", [99], SamplingParams(max_tokens=2))  # 99 is outside the vocabulary of 50
+        good = client.submit("good", [7], SamplingParams(max_tokens=2))
+        results = await asyncio.gather(drain(bad), drain(good))
+        await client.stop(drain=True, timeout=10)
+        await client.close()
+        return results
+
+    (_, bad_reason, bad_error, _), (tokens, reason, error, _) = asyncio.run(run())
+    assert bad_reason == "refused" and "vocabulary" in bad_error
+    assert tokens == [7, 7] and error is None
+
+
+class FailingEngine(FakeEngine):
+    def step(self):
+        if self._generated >= 3:
+            raise RuntimeError("device lost")
+        return super().step()
+
+
+def test_a_failed_engine_ends_every_stream_and_refuses_the_next():
+    async def run():
+        loop, client, _ = await started(FailingEngine(vocab_size=50, context=64, max_num_seqs=8, step_s=0.002))
+        stream = client.submit("a", [1, 2], SamplingParams(max_tokens=20))
+        result = await drain(stream)
+        later = await client.submit("b", [1], SamplingParams()).take()
+        await client.close()
+        return loop, client, result, later
+
+    loop, client, (tokens, reason, error, _), later = asyncio.run(run())
+    assert tokens == [1, 2, 1] and reason is None and "device lost" in error
+    assert "device lost" in later.error and "device lost" in client.failed
+    loop.join(5)
+    assert not loop.alive() and isinstance(loop.error, RuntimeError)

@@ -1,0 +1,56 @@
+"""Incremental detokenization: the pieces of a stream join to the whole text for any split of the tokens, a
+character whose bytes span tokens is never cut, and a stop string spanning tokens ends the text exactly where it
+begins (or after it), with nothing of it sent before."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from starscream_jax.serving.detokenize import IncrementalText
+from starscream_jax.training.tokenizer import ByteTokenizer, load_tokenizer
+
+LLAMA = Path(__file__).parents[1] / "fixtures" / "hf" / "llama"
+
+
+def stream(text: IncrementalText, tokens: list[int], sizes) -> list[str]:
+    """The pieces `text` emits for `tokens` fed in batches of `sizes` (cycled), the last batch final."""
+    pieces, start, index = [], 0, 0
+    while start < len(tokens):
+        end = min(start + sizes[index % len(sizes)], len(tokens))
+        pieces.append(text.add(tokens[start:end], final=end == len(tokens)))
+        start, index = end, index + 1
+    return pieces
+
+
+@pytest.mark.parametrize("sizes", [(1,), (3,), (2, 5, 1)])
+def test_pieces_join_to_the_whole_text(sizes):
+    tokenizer = load_tokenizer(LLAMA)
+    rng = np.random.default_rng(0)
+    prompt, generated = rng.integers(3, 380, 7).tolist(), rng.integers(3, 380, 40).tolist()
+    pieces = stream(IncrementalText(tokenizer.decode, prompt), generated, sizes)
+    assert "".join(pieces) == tokenizer.decode(generated)
+
+
+def test_a_character_split_over_tokens_is_sent_whole():
+    tokenizer = ByteTokenizer()
+    text = "né 𝄞 ✓ end"
+    pieces = stream(IncrementalText(tokenizer.decode, []), tokenizer.encode(text).tolist(), (1,))
+    assert "".join(pieces) == text and not any("\ufffd" in piece for piece in pieces)
+    assert "𝄞" in pieces  # its four bytes arrive as four tokens and leave as one piece
+
+
+@pytest.mark.parametrize("include, expected", [(False, "abc "), (True, "abc STOP")])
+def test_a_stop_string_over_several_tokens_ends_the_text(include, expected):
+    tokenizer = ByteTokenizer()
+    text = IncrementalText(tokenizer.decode, [], stop=("STOP", "never"), include_stop=include)
+    pieces = stream(text, tokenizer.encode("abc STOP and more").tolist(), (2,))
+    assert "".join(pieces) == expected and text.stopped
+    assert not any("S" in piece for piece in pieces[:-1]) or include  # the stop's start was held back
+    assert text.add(tokenizer.encode("x").tolist()) == ""  # nothing after the stop
+
+
+def test_held_back_text_is_sent_at_the_end():
+    tokenizer = ByteTokenizer()
+    text = IncrementalText(tokenizer.decode, [], stop=("xyz!",))
+    assert text.add(tokenizer.encode("abcxy").tolist()) == "ab"  # "cxy" may start the stop string
+    assert text.add([], final=True) == "cxy" and not text.stopped
