@@ -78,10 +78,16 @@ QUICK = {"A": Workload("A", 8, 12, 6), "B": Workload("B", 8, 12, 6, rate=50.0),
 
 @dataclasses.dataclass
 class Trace:
-    """One request: when it arrived and when each of its tokens did (perf_counter seconds)."""
+    """One request: when it arrived and when each of its tokens (or streamed chunks) did (perf_counter seconds),
+    and its tokens in all where a chunk may hold several (the server's usage count; None: one per entry)."""
 
     arrival: float
     tokens: list[float] = dataclasses.field(default_factory=list)
+    count: int | None = None
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) if self.count is None else self.count
 
 
 def prompts_of(workload: Workload, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
@@ -118,14 +124,14 @@ def metrics(traces: list[Trace], prompts: list[list[int]]) -> dict:
     """The run's figures (see the module docstring) from its traces."""
     done = [trace for trace in traces if trace.tokens]
     span = max(trace.tokens[-1] for trace in done) - min(trace.arrival for trace in traces)
-    output = sum(len(trace.tokens) for trace in done)
+    output = sum(trace.generated for trace in done)
     gaps = [b - a for trace in done for a, b in zip(trace.tokens, trace.tokens[1:])]
     return {"completed": len(done), "seconds": span, "request_throughput": len(done) / span,
             "output_tokens_per_s": output / span,
             "total_tokens_per_s": (output + sum(len(p) for p in prompts)) / span,
             "ttft_ms": summary([trace.tokens[0] - trace.arrival for trace in done]),
-            "tpot_ms": summary([(trace.tokens[-1] - trace.tokens[0]) / (len(trace.tokens) - 1) for trace in done
-                                if len(trace.tokens) > 1]),
+            "tpot_ms": summary([(trace.tokens[-1] - trace.tokens[0]) / (trace.generated - 1) for trace in done
+                                if trace.generated > 1]),
             "itl_ms": summary(gaps), "e2el_ms": summary([trace.tokens[-1] - trace.arrival for trace in done])}
 
 
@@ -232,19 +238,22 @@ def run_engine(engine, workload: Workload, prompts, outputs) -> list[Trace]:
 
 
 async def http_load(url: str, workload: Workload, prompts, outputs, model: str) -> list[Trace]:
-    """The workload streamed over HTTP to `url`: each request at its arrival, each server-sent chunk timed."""
+    """The workload streamed over HTTP to `url`: each request at its arrival, each server-sent chunk timed (a chunk
+    holds every token of the steps its client had not read yet), the tokens counted by the usage chunk."""
     import httpx
 
     async def one(client, trace, prompt, output, delay):
         await asyncio.sleep(delay)
         trace.arrival = time.perf_counter()
         body = {"model": model, "prompt": prompt, "max_tokens": output, "temperature": 0, "stream": True,
-                "ignore_eos": True}
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
         async with client.stream("POST", url + "/v1/completions", json=body) as response:
             if response.status_code != 200:
                 raise RuntimeError(f"the server answered {response.status_code}: {await response.aread()}")
             async for line in response.aiter_lines():
-                if line.startswith("data: {"):
+                if line.startswith('data: {"id"') and '"usage"' in line and '"choices":[]' in line:
+                    trace.count = json.loads(line[6:])["usage"]["completion_tokens"]
+                elif line.startswith("data: {"):
                     trace.tokens.append(time.perf_counter())
 
     limits = httpx.Limits(max_connections=workload.requests + 8)
