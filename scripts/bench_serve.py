@@ -41,6 +41,7 @@ import importlib.util
 import json
 import math
 import os
+import platform
 import signal
 import socket
 import statistics
@@ -383,7 +384,8 @@ def main(argv=None) -> int:
     if args.transformers_only:
         return transformers_only(args, argv)
     result = {"meta": {"command": harness.command_line(__file__, argv),
-                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}}
+                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       "host": f"{platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}"}}
     if args.fake_engine:
         result["front_end"] = front_end(args)
         print(f"front end: {json.dumps(result['front_end'])}", flush=True)
