@@ -438,12 +438,12 @@ def engine_only(args, argv) -> int:
     parser = cli.build_parser()
     serve = parser.parse_args(["serve", *serve_args(args, model_dir, workloads)])
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{serve.gpu_memory_utilization:.3f}"  # as the server's engine
+    gpu = jax.devices()[0].platform == "gpu"
+    read_rate = measured_read_rate() if gpu else 1e11  # before the engine's pools take the free memory
+    efficiency, peak = matmul_efficiency(args.chip)
     started = time.perf_counter()
     engine = build_engine(serve).engine
     start_s = time.perf_counter() - started
-    gpu = jax.devices()[0].platform == "gpu"
-    efficiency, peak = matmul_efficiency(args.chip)
-    read_rate = measured_read_rate() if gpu else 1e11
     info = harness.run_info(__file__, argv)
     result = {"meta": info.as_dict(), "model": config.name, "layers": config.n_layers, "dtype": engine.model_config.dtype,
               "engine": {"serve_args": serve_args(args, model_dir, workloads), "start_s": start_s,
