@@ -400,7 +400,9 @@ def main(argv=None) -> int:
     child = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--engine-only",
              str(engine_json)]
     subprocess.run(child, check=True, env=child_env())
-    result.update(json.loads(engine_json.read_text()))
+    engine = json.loads(engine_json.read_text())
+    result["meta"] = {**engine.pop("meta"), **result["meta"]}  # the child's JAX and device, this run's command
+    result.update(engine)
     harness.write_json(args.out, result)
     if args.http:
         result["http"] = http_runs(args, flags, workloads, config)

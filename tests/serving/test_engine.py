@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from starscream_jax.errors import StarscreamError
+from starscream_jax.serving.engine import EngineConfig
 from starscream_jax.serving.scheduler import SamplingParams
 from starscream_jax.training.generate import generate
 
@@ -117,3 +118,21 @@ def test_two_processes_serve_the_tokens_of_one(engine_for, prompts, cpu_child_en
     assert reported["followed"] >= NEW_TOKENS  # a prefill, then a decode step per further token at least
     single = engine_for("1x2x4").generate([list(p) for p in prompts], SamplingParams(max_tokens=NEW_TOKENS))
     assert reported["tokens"] == single
+
+
+def test_the_engine_api_checks_what_the_server_checks(engine_for):
+    """Out-of-vocabulary ids, a top_k beyond int32, a stop token given as text and a zero page size are one-line
+    refusals; a batch with one bad prompt runs none of its prompts and leaves the engine idle."""
+    engine = engine_for("1x2x4")
+    vocab = engine.model_config.vocab_size
+    with pytest.raises(StarscreamError, match=f"token id {vocab} is outside the model's vocabulary"):
+        engine.submit("oov", [1, vocab], SamplingParams())
+    with pytest.raises(StarscreamError, match="top_k"):
+        SamplingParams(top_k=1099511627776)
+    with pytest.raises(StarscreamError, match="stop_tokens"):
+        SamplingParams(stop_tokens="nxyz")
+    with pytest.raises(StarscreamError, match="page_size"):
+        EngineConfig(page_size=0)
+    with pytest.raises(StarscreamError, match="outside the model's vocabulary"):
+        engine.generate([[1, 2], [vocab + 5]], SamplingParams(max_tokens=2))
+    assert not engine.busy and engine.generate([[1, 2]], SamplingParams(max_tokens=2))[0]
