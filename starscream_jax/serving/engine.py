@@ -15,9 +15,11 @@ weight is held.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import math
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -358,15 +360,23 @@ class Engine:
             return tuple(multihost_utils.process_allgather((token_B, logprob_B), tiled=True))
         return np.asarray(token_B), np.asarray(logprob_B)
 
-    def warm_up(self, progress=None) -> int:
-        """Compiles the program of every bucket (`Buckets.shapes`) now, so that no request waits for a compile;
-        `progress(done, total)` after each; then allocates the page pools. Returns the programs compiled. On a
-        mesh spanning processes every process calls it (each process compiles the programs it runs)."""
-        shapes = self.buckets.shapes()
-        for done, (phase, rows, width, pages) in enumerate(shapes, 1):
-            self._program(phase, rows * self.shards, width, pages)
-            if progress is not None:
-                progress(done, len(shapes))
+    def warm_up(self, progress=None, threads: int | None = None) -> int:
+        """Compiles the program of every bucket (`Buckets.shapes`) now, so that no request waits for a compile:
+        traced one after another (tracing reads the active layout), compiled by `threads` threads at once (XLA
+        compiles outside Python's lock; default: the CPU cores, at most 8); `progress(done, total)` after each.
+        Then allocates the page pools. Returns the programs compiled. On a mesh spanning processes every process
+        calls it (each process compiles the programs it runs)."""
+        shapes = [(phase, rows * self.shards, width, pages) for phase, rows, width, pages in self.buckets.shapes()]
+        lowered = {key: self._lowered(*key) for key in shapes if key not in self._programs}
+        done = len(shapes) - len(lowered)
+        workers = threads or min(8, os.cpu_count() or 1)
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="starscream-compile") as pool:
+            futures = {pool.submit(program.compile): key for key, program in lowered.items()}
+            for future in concurrent.futures.as_completed(futures):
+                self._programs[futures[future]] = future.result()
+                done += 1
+                if progress is not None:
+                    progress(done, len(shapes))
         self._programs_at_start = len(self._programs)
         if self.cache_size.reserve_bytes:
             capacity.check_reserve(self._programs, self.cache_size.reserve_bytes)
@@ -379,11 +389,14 @@ class Engine:
         key = (phase, rows, width, pages)
         program = self._programs.get(key)
         if program is None:
-            with self._phase(phase):
-                program = self._steps[phase].lower(self.params, self.rest, self._abstract_pages(),
-                                                   self._abstract_inputs(rows, width, pages)).compile()
-            self._programs[key] = program
+            program = self._programs[key] = self._lowered(*key).compile()
         return program
+
+    def _lowered(self, phase: str, rows: int, width: int, pages: int):
+        """The step of `phase` traced for one bucket, against the pools' and inputs' shapes (nothing allocated)."""
+        with self._phase(phase):
+            return self._steps[phase].lower(self.params, self.rest, self._abstract_pages(),
+                                            self._abstract_inputs(rows, width, pages))
 
     def keep_followers(self) -> None:
         """Tells the other processes, waiting for the next step, that the leader is idle but alive (else nothing)."""

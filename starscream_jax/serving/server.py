@@ -171,7 +171,7 @@ class Server:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def completions(self, body: CompletionRequest, request: Request):
-        arrival = time.monotonic()
+        arrival = request.state.arrival
         if isinstance(body.prompt, list):
             prompt = body.prompt
         else:
@@ -179,7 +179,7 @@ class Server:
         return await self._serve(body, prompt, request, arrival, chat=False, logprobs=body.logprobs is not None)
 
     async def chat(self, body: ChatRequest, request: Request):
-        arrival = time.monotonic()
+        arrival = request.state.arrival
         messages = [message.model_dump() for message in body.messages]
 
         def encode():
@@ -386,8 +386,9 @@ def _sse(payload: bytes) -> bytes:
 
 
 class BodyLimit:
-    """ASGI middleware: a request body beyond `limit` bytes is refused with 413 as it arrives, before it is
-    parsed (declared by content-length or counted while chunks come)."""
+    """ASGI middleware at the door: notes each request's arrival (`request.state.arrival`, where TTFT and latency
+    are measured from, before its body is read and parsed), and refuses a body beyond `limit` bytes with 413 as it
+    arrives (declared by content-length or counted while chunks come)."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
@@ -395,6 +396,7 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        scope.setdefault("state", {})["arrival"] = time.monotonic()
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await ApiError(HTTP_TOO_LARGE, self._message()).response()(scope, receive, send)
