@@ -26,7 +26,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from ..errors import StarscreamError
@@ -34,9 +33,19 @@ from .client import Delta, EngineClient, RequestStream
 from .detokenize import IncrementalText
 from .metrics import RequestTimes, ServerMetrics
 from .protocol import EngineInfo
-from .scheduler import MAX_TOP_K, SamplingParams, check_fits
+from .requests import (
+    HTTP_BAD_REQUEST,
+    HTTP_NOT_FOUND,
+    HTTP_TOO_LARGE,
+    HTTP_TOO_MANY,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    Sampling,
+    unavailable,
+)
+from .scheduler import SamplingParams, check_fits
 
-HTTP_BAD_REQUEST, HTTP_NOT_FOUND, HTTP_TOO_LARGE, HTTP_TOO_MANY, HTTP_UNAVAILABLE = 400, 404, 413, 429, 503
 MAX_CHARS_PER_TOKEN = 256
 """A prompt longer than the context times this many characters cannot fit whatever the tokenizer, and is refused
 before it is tokenized."""
@@ -44,66 +53,6 @@ MIN_BODY_BYTES = 8 * 2 ** 20
 """The request body limit is this, or four bytes per character of the longest prompt that could fit if more."""
 DRAIN_S = 600.0
 """How long a shutdown waits for the engine to finish its running requests."""
-WHOLE_INT = 2 ** 31 - 1
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class _Sampling(BaseModel):
-    """The sampling fields both routes share (OpenAI's names; top_k, ignore_eos, stop_token_ids and
-    include_stop_str_in_output as vLLM adds them)."""
-
-    model_config = ConfigDict(extra="ignore")
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1, le=WHOLE_INT)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=WHOLE_INT)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = Field(default=0, ge=-1, le=MAX_TOP_K)
-    seed: int | None = Field(default=None, ge=0, lt=2 ** 31)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)
-    ignore_eos: bool = False
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[int]
-    logprobs: int | None = Field(default=None, ge=0, le=1)
-
-
-class ChatMessage(BaseModel):
-    role: str
-    content: str
-
-
-class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-
-
-class ApiError(Exception):
-    """A request refused with an HTTP status and OpenAI's error fields."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
-
-
-def unavailable(message: str) -> ApiError:
-    return ApiError(HTTP_UNAVAILABLE, message, "server_error")
 
 
 class Server:
@@ -175,17 +124,18 @@ class Server:
         if isinstance(body.prompt, list):
             prompt = body.prompt
         else:
-            prompt = await self._tokenize(body.prompt, "prompt", lambda: self.tokenizer.encode(body.prompt))
+            prompt = await self._tokenize(body.prompt, "prompt",
+                                          lambda: self.tokenizer.encode(body.prompt, body.add_special_tokens))
         return await self._serve(body, prompt, request, arrival, chat=False, logprobs=body.logprobs is not None)
 
     async def chat(self, body: ChatRequest, request: Request):
         arrival = request.state.arrival
-        messages = [message.model_dump() for message in body.messages]
+        messages = [message.for_template() for message in body.messages]
 
         def encode():
-            text = self.tokenizer.render_chat(messages, add_generation_prompt=True)
+            text = self.tokenizer.render_chat(messages, add_generation_prompt=body.add_generation_prompt)
             self._check_length(text, "messages")
-            return self.tokenizer.encode(text, special_tokens=False)
+            return self.tokenizer.encode(text, special_tokens=body.add_special_tokens)
 
         self._check_length("".join(message["content"] for message in messages), "messages")
         prompt = await self._tokenize(None, "messages", encode)
@@ -206,7 +156,7 @@ class Server:
         except StarscreamError as err:
             raise ApiError(HTTP_BAD_REQUEST, str(err), param=field) from None
 
-    async def _serve(self, body: _Sampling, prompt: list[int], request: Request, arrival: float, chat: bool,
+    async def _serve(self, body: Sampling, prompt: list[int], request: Request, arrival: float, chat: bool,
                      logprobs: bool):
         params = self._params(body, prompt, logprobs, chat)
         if self.client.failed is not None:
@@ -228,7 +178,7 @@ class Server:
             return StreamingResponse(response.sse(first), media_type="text/event-stream")
         return await response.whole(first, request)
 
-    def _params(self, body: _Sampling, prompt: list[int], logprobs: bool, chat: bool) -> SamplingParams:
+    def _params(self, body: Sampling, prompt: list[int], logprobs: bool, chat: bool) -> SamplingParams:
         if body.model != self.model_name:
             raise ApiError(HTTP_NOT_FOUND, f"the model {body.model!r} does not exist; this server serves "
                                            f"{self.model_name!r}", param="model", code="model_not_found")
@@ -252,7 +202,7 @@ class _Response:
     """One request's response: each batch of new tokens turned into text and OpenAI's JSON, whole or as
     server-sent events, and the request's metrics once it ends."""
 
-    def __init__(self, server: Server, request_id: str, body: _Sampling, chat: bool, prompt: list[int],
+    def __init__(self, server: Server, request_id: str, body: Sampling, chat: bool, prompt: list[int],
                  params: SamplingParams, arrival: float, stop: tuple[str, ...], stream: RequestStream):
         self.server, self.request_id, self.body, self.chat = server, request_id, body, chat
         self.model, self.prompt_tokens, self.params, self.arrival = body.model, len(prompt), params, arrival
@@ -428,4 +378,7 @@ def _validation_error(err: RequestValidationError) -> ApiError:
 def _framework_error(err: HTTPException) -> ApiError:
     """The framework's own refusals (an unknown route, a method it does not take) as OpenAI's error object."""
     kind = "invalid_request_error" if err.status_code < 500 else "server_error"
+    if err.status_code == HTTP_BAD_REQUEST:  # a body FastAPI could not read: not UTF-8, compressed, nested too deep
+        return ApiError(HTTP_BAD_REQUEST, "the request body could not be read as JSON; send one JSON object in UTF-8, "
+                                          "without a content encoding")
     return ApiError(err.status_code, str(err.detail), kind)

@@ -1,0 +1,139 @@
+"""The OpenAI request bodies as the server reads them (pydantic): each field's type and range, explicit nulls read
+as absent (as vLLM reads them), chat content given as a list of text parts, and every other field of vLLM's OpenAI
+protocol either at its neutral value or refused with a 400 naming it, so that nothing a vLLM client sends is dropped
+without a word (`UNSUPPORTED`). Fields outside vLLM's protocol are ignored, as vLLM ignores them.
+"""
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .scheduler import MAX_TOP_K
+
+HTTP_BAD_REQUEST, HTTP_NOT_FOUND, HTTP_TOO_LARGE, HTTP_TOO_MANY, HTTP_UNAVAILABLE = 400, 404, 413, 429, 503
+WHOLE_INT = 2 ** 31 - 1
+
+UNSUPPORTED = {
+    "best_of": (1,), "echo": (False,), "frequency_penalty": (0,), "presence_penalty": (0,),
+    "repetition_penalty": (1,), "length_penalty": (1,), "logit_bias": ({},), "min_tokens": (0,), "min_p": (0,),
+    "top_logprobs": (0,), "prompt_logprobs": (), "use_beam_search": (False,), "suffix": ("",),
+    "response_format": ({"type": "text"},), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": (), "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structured_outputs": (),
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "parallel_tool_calls": (True, False), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "chat_template": (), "chat_template_kwargs": ({},), "continue_final_message": (False,), "documents": ([],),
+    "mm_processor_kwargs": ({},), "truncate_prompt_tokens": (), "allowed_token_ids": (), "bad_words": ([],),
+    "logits_processors": ([],), "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
+    "priority": (0,), "reasoning_effort": (), "prompt_embeds": (), "kv_transfer_params": (), "vllm_xargs": ({},),
+    "modalities": (["text"],), "audio": (), "prediction": (), "web_search_options": (), "service_tier": ("auto",),
+    "store": (False,), "metadata": ({},), "cache_salt": (),
+}
+"""Fields of vLLM's OpenAI protocol this server does not implement -> the values that ask for nothing (the field's
+default; an explicit null counts as absent). Any other value is refused with a 400 naming the field."""
+
+
+class ApiError(Exception):
+    """A request refused with an HTTP status and OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def unavailable(message: str) -> ApiError:
+    return ApiError(HTTP_UNAVAILABLE, message, "server_error")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    """The fields both routes share (OpenAI's names; top_k, ignore_eos, stop_token_ids and
+    include_stop_str_in_output as vLLM adds them)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1, le=WHOLE_INT)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=WHOLE_INT)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(default=0, ge=-1, le=MAX_TOP_K)
+    seed: int | None = Field(default=None, ge=0, lt=2 ** 31)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=1)
+    ignore_eos: bool = False
+    user: str | None = None
+    request_id: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _at_the_door(cls, body):
+        """Nulls read as absent; a field of vLLM's protocol this server does not implement is refused unless it
+        asks for nothing."""
+        if not isinstance(body, dict):
+            return body
+        body = {name: value for name, value in body.items() if value is not None}
+        for name, neutral in UNSUPPORTED.items():
+            if name in body and not any(_same(body[name], value) for value in neutral):
+                raise ApiError(HTTP_BAD_REQUEST, f"{name} is not supported by this server; leave it out (or send "
+                               f"{', '.join(repr(value) for value in neutral) or 'null'})", param=name)
+        return body
+
+
+def _same(given, neutral) -> bool:
+    """`given` equals `neutral` as JSON values (1 and 1.0 alike, True not 1)."""
+    if isinstance(given, bool) or isinstance(neutral, bool):
+        return given is neutral
+    return given == neutral
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=1)
+    add_special_tokens: bool = True
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """A chat turn: its text (a string, or text parts joined by newlines, as vLLM joins them; other kinds of part
+    are refused: this server serves text models), and whatever else the turn holds (name, tool_calls,
+    tool_call_id), passed to the chat template as given."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def for_template(self) -> dict:
+        turn = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            other = next((part.type for part in self.content if part.type != "text"), None)
+            if other is not None:
+                raise ApiError(HTTP_BAD_REQUEST, f"message content of type {other!r} is not supported: this server "
+                               "serves a text model; send text parts only", param="messages")
+            turn["content"] = "\n".join(part.text or "" for part in self.content)
+        turn.setdefault("content", "")
+        return turn
+
+
+class ChatRequest(Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # the template writes them

@@ -1,0 +1,67 @@
+"""The request bodies at the door: every field of vLLM's OpenAI protocol is either read or refused with a 400
+naming it (a field added to this list that is neither fails here: nothing is dropped without a word), nulls read as
+absent, chat content as text parts."""
+import pytest
+
+from starscream_jax.serving.requests import UNSUPPORTED, ApiError, ChatRequest, CompletionRequest
+
+VLLM_COMPLETION_FIELDS = (
+    "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n",
+    "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix", "temperature", "top_p", "user",
+    "use_beam_search", "top_k", "min_p", "repetition_penalty", "length_penalty", "stop_token_ids",
+    "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens",
+    "truncate_prompt_tokens", "allowed_token_ids", "prompt_logprobs", "add_special_tokens", "response_format",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+    "guided_whitespace_pattern", "structured_outputs", "priority", "logits_processors",
+    "return_tokens_as_token_ids", "return_token_ids", "bad_words", "prompt_embeds", "kv_transfer_params",
+    "vllm_xargs", "cache_salt", "request_id")
+VLLM_CHAT_FIELDS = (
+    "messages", "model", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "max_tokens",
+    "max_completion_tokens", "n", "presence_penalty", "response_format", "seed", "stop", "stream", "stream_options",
+    "temperature", "top_p", "tools", "tool_choice", "reasoning_effort", "parallel_tool_calls", "user", "best_of",
+    "use_beam_search", "top_k", "min_p", "repetition_penalty", "length_penalty", "stop_token_ids",
+    "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens",
+    "truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids", "bad_words", "echo", "add_generation_prompt",
+    "continue_final_message", "add_special_tokens", "documents", "chat_template", "chat_template_kwargs",
+    "mm_processor_kwargs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs", "priority", "request_id",
+    "logits_processors", "return_tokens_as_token_ids", "cache_salt", "kv_transfer_params", "vllm_xargs",
+    "metadata", "store", "modalities", "audio", "prediction", "service_tier", "web_search_options", "functions",
+    "function_call")
+BASE = {"completions": (CompletionRequest, {"model": "m", "prompt": "hi"}),
+        "chat": (ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}]})}
+
+
+@pytest.mark.parametrize("route, fields", [("completions", VLLM_COMPLETION_FIELDS), ("chat", VLLM_CHAT_FIELDS)])
+def test_every_vllm_field_is_read_or_refused_by_name(route, fields):
+    model, base = BASE[route]
+    silent = [name for name in fields if name not in model.model_fields and name not in UNSUPPORTED]
+    assert not silent, f"fields a vLLM client sends that {route} would drop without a word: {silent}"
+    for name in fields:
+        if name in UNSUPPORTED:
+            with pytest.raises(ApiError) as refused:
+                model.model_validate({**base, name: {"asks": "for something"}})
+            assert refused.value.param == name and refused.value.status == 400 and name in refused.value.message
+            for neutral in UNSUPPORTED[name]:
+                model.model_validate({**base, name: neutral})  # its default asks for nothing: accepted
+
+
+def test_nulls_read_as_absent_and_penalties_at_zero_pass():
+    body = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "temperature": None, "stop": None,
+                                             "presence_penalty": 0.0, "best_of": None, "max_tokens": None})
+    assert body.temperature == 1.0 and body.stop is None and body.max_tokens is None
+    with pytest.raises(ApiError, match="presence_penalty"):
+        CompletionRequest.model_validate({"model": "m", "prompt": "hi", "presence_penalty": 0.5})
+
+
+def test_chat_content_as_text_parts_and_a_tool_call_turn():
+    body = ChatRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}]})
+    turns = [message.for_template() for message in body.messages]
+    assert turns[0] == {"role": "user", "content": "a\nb"}
+    assert turns[1]["content"] == "" and turns[1]["tool_calls"][0]["id"] == "1"
+    image = ChatRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+    with pytest.raises(ApiError, match="image_url"):
+        image.messages[0].for_template()
