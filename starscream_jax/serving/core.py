@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import shutil
 import signal
 import sys
 import tempfile
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -134,17 +134,21 @@ class ReadyEngine:
     follows: bool = False
 
 
-def new_addresses() -> tuple[protocol.Addresses, str]:
-    """Fresh ipc:// endpoints in a private directory of their own (returned, for removal)."""
-    directory = tempfile.mkdtemp(prefix="starscream-")
-    return protocol.Addresses(f"ipc://{directory}/inputs", f"ipc://{directory}/outputs"), directory
+def new_addresses() -> protocol.Addresses:
+    """Fresh ipc:// endpoints: in Linux's abstract socket namespace (no file to leave behind, whatever ends the
+    process), elsewhere in a fresh private directory."""
+    if sys.platform.startswith("linux"):
+        name = f"@starscream-{os.getpid()}-{uuid.uuid4().hex}"
+    else:
+        name = tempfile.mkdtemp(prefix="starscream-") + "/socket"
+    return protocol.Addresses(f"ipc://{name}-inputs", f"ipc://{name}-outputs")
 
 
 class EngineThread:
     """An engine loop on a thread of this process, for tests and programs that hold the engine themselves."""
 
     def __init__(self, engine):
-        self.addresses, self._directory = new_addresses()
+        self.addresses = new_addresses()
         self.core = EngineCore(engine, self.addresses)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="starscream-engine", daemon=True)
@@ -155,8 +159,6 @@ class EngineThread:
             self.core.run()
         except Exception as err:  # already reported to the API as EngineFailed
             self.error = err
-        finally:
-            shutil.rmtree(self._directory, ignore_errors=True)
 
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -170,7 +172,7 @@ class EngineProcess:
     loads the model and returns a `ReadyEngine`."""
 
     def __init__(self, build: Callable[[], ReadyEngine], memory_fraction: float | None = None):
-        self.addresses, self._directory = new_addresses()
+        self.addresses = new_addresses()
         context = multiprocessing.get_context("spawn")
         self._pipe, child_end = context.Pipe(duplex=False)
         self.process = context.Process(target=_engine_main, name="starscream-engine", daemon=True,
@@ -202,7 +204,6 @@ class EngineProcess:
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
-        shutil.rmtree(self._directory, ignore_errors=True)
         return self.process.exitcode
 
 
