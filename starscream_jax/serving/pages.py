@@ -20,9 +20,10 @@ from ..errors import StarscreamError
 NULL_PAGE = 0
 
 
-def page_hashes(tokens: list[int], page_size: int) -> list[bytes]:
-    """The prefix hash of each full page of `tokens`: hash i covers tokens[: (i + 1) * page_size]."""
-    hashes, previous = [], b""
+def page_hashes(tokens: list[int], page_size: int, previous: bytes = b"") -> list[bytes]:
+    """The prefix hash of each full page of `tokens`: hash i covers tokens[: (i + 1) * page_size] (after the pages
+    whose last hash is `previous`, when `tokens` continue them)."""
+    hashes = []
     for start in range(0, len(tokens) - page_size + 1, page_size):
         digest = hashlib.blake2b(previous, digest_size=16)
         digest.update(b",".join(str(token).encode() for token in tokens[start:start + page_size]))

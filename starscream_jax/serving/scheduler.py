@@ -94,6 +94,17 @@ class Sequence:
     admitted: int = -1  # admission order while running (newest is preempted first)
     preemptions: int = 0
     scheduled_at: float | None = None  # when its first step began (its queue time ends)
+    _hashes: list[bytes] = field(default_factory=list, repr=False)
+
+    def prefix_hashes(self, positions: int, page_size: int) -> list[bytes]:
+        """`pages.page_hashes` of tokens[:positions], each page hashed once in the sequence's life (its tokens
+        only grow, and each page's hash chains its predecessor's)."""
+        full = positions // page_size
+        if len(self._hashes) < full:
+            start = len(self._hashes) * page_size
+            self._hashes += page_hashes(self.token_slice(start, full * page_size), page_size,
+                                        self._hashes[-1] if self._hashes else b"")
+        return self._hashes[:full]
 
     @property
     def tokens(self) -> list[int]:
@@ -227,9 +238,7 @@ class Scheduler:
         if not self.config.prefix_caching:
             return
         shard = self.shards[sequence.shard]
-        full_pages = sequence.computed // self.config.page_size
-        for index, digest in enumerate(page_hashes(sequence.token_slice(0, full_pages * self.config.page_size),
-                                                   self.config.page_size)):
+        for index, digest in enumerate(sequence.prefix_hashes(sequence.computed, self.config.page_size)):
             shard.register(sequence.pages[index], digest)
 
     def _chunk(self, sequence: Sequence, budget: int) -> Chunk:
@@ -268,10 +277,10 @@ class Scheduler:
     def _admit(self, sequence: Sequence, full: set[int]) -> bool:
         """Places `sequence` on a shard (not in `full`: no prefill row left this step) with a free row and the pages
         of its tokens; False when none has them."""
-        tokens = sequence.tokens
-        hashes = page_hashes(tokens[:len(tokens) - 1], self.config.page_size) if self.config.prefix_caching else []
+        length = sequence.length
+        hashes = sequence.prefix_hashes(length - 1, self.config.page_size) if self.config.prefix_caching else []
         # (the last token is always computed: its logits give the next)
-        needed = self.config.pages_for(len(tokens))
+        needed = self.config.pages_for(length)
         best = None
         for index, shard in enumerate(self.shards):
             rows = sum(1 for s in self.running if s.shard == index)

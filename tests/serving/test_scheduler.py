@@ -5,6 +5,7 @@ import random
 import pytest
 
 from starscream_jax.errors import StarscreamError
+from starscream_jax.serving.pages import page_hashes
 from starscream_jax.serving.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence, check_fits
 
 CONFIG = SchedulerConfig(shards=2, pages_per_shard=9, page_size=4, rows_per_shard=3, token_budget=12, chunk=5,
@@ -108,3 +109,12 @@ def test_requests_that_cannot_fit_are_refused():
         check_fits(0, 10, 32)
     with pytest.raises(StarscreamError, match="top_p"):
         SamplingParams(top_p=0.0)
+
+
+def test_a_sequence_hashes_each_prompt_page_once_and_alike():
+    """Hashes asked for as the sequence grows equal the hashes of its whole prefix at once."""
+    sequence = Sequence("s", list(range(10, 23)), SamplingParams(), 0, 0.0)
+    assert sequence.prefix_hashes(5, 4) == page_hashes(list(range(10, 14)), 4)
+    sequence.generated += [7, 8, 9]
+    assert sequence.prefix_hashes(16, 4) == page_hashes(sequence.tokens[:16], 4)
+    assert sequence.prefix_hashes(3, 4) == []
