@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from ..errors import StarscreamError
 
@@ -85,5 +86,21 @@ def check_reserve(programs, reserve: int) -> None:
             return
 
 
-def devices_of(mesh) -> list:
-    return list(mesh.devices.flat) if mesh is not None else [jax.devices()[0]]
+def local_devices_of(mesh) -> list:
+    """The devices of `mesh` this process drives (the default device without a mesh): the ones whose memory it
+    can read."""
+    if mesh is None:
+        return [jax.devices()[0]]
+    return [device for device in mesh.devices.flat if device.process_index == jax.process_index()]
+
+
+def agreed(size: CacheSize) -> CacheSize:
+    """`size` with the fewest pages any process of the run found room for: every process must build pools of one
+    shape. One process: `size` itself."""
+    if jax.process_count() == 1:
+        return size
+    fewest = int(np.min(multihost_utils.process_allgather(np.array([size.pages_per_shard]))))
+    if fewest == size.pages_per_shard:
+        return size
+    return CacheSize(fewest, size.why + f" (another process had room for {fewest})",
+                     size.pool_bytes_per_device * fewest // size.pages_per_shard, size.reserve_bytes)

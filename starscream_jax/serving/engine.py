@@ -154,8 +154,8 @@ class Engine:
             rows=self.buckets.rows[-1], table_positions=max_pages * config.page_size, d_model=c.d_model,
             d_ff=c.d_ff, vocab=c.vocab_size, kv_width=kv_width, itemsize=jnp.dtype(c.dtype).itemsize)
         floor = self.config.rows_per_shard * max_pages + 1
-        return capacity.size_from_memory(capacity.devices_of(self.mesh), page_bytes, reserve,
-                                         config.memory_utilization, floor)
+        return capacity.agreed(capacity.size_from_memory(capacity.local_devices_of(self.mesh), page_bytes, reserve,
+                                                         config.memory_utilization, floor))
 
     def _pool_layout(self, pages_per_shard: int) -> tuple[list, list, list]:
         """(shardings, (layers, shape) and dtypes) of the key/value pools and of an 8-bit cache's scales, for

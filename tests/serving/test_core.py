@@ -2,7 +2,17 @@
 engine (`serving.fake`): one message per step holding every running request's tokens, a refusal that reaches its
 request alone, a stop that drains, and an engine that fails ending every open stream with its error."""
 import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
 
+import httpx
+import pytest
+
+from conftest import FIXTURE
 from starscream_jax.serving.client import EngineClient
 from starscream_jax.serving.core import EngineThread
 from starscream_jax.serving.fake import FakeEngine
@@ -101,3 +111,36 @@ def test_a_failed_engine_ends_every_stream_and_refuses_the_next():
     assert "device lost" in later.error and "device lost" in client.failed
     loop.join(5)
     assert not loop.alive() and isinstance(loop.error, RuntimeError)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_starscream_serve_over_two_processes(cpu_child_env, free_port):
+    """`starscream serve` on two processes of 4 CPU devices each (the 1 x 2 x 4 mesh across them): each starts its
+    engine process, which joins the mesh; process 0's serves, process 1's follows; a completion comes back, and
+    SIGTERM to process 0 ends both."""
+    port, coordinator = free_port(), f"127.0.0.1:{free_port()}"
+    common = ["--model-dir", str(FIXTURE), "--preset", "mi300x-qpx-nps1", "--nodes", "2", "--gpus", "1",
+              "--no-simulate", "--coordinator", coordinator, "--num-processes", "2", "--port", str(port),
+              "--max-num-seqs", "8", "--max-model-len", "64", "--chunk", "8", "--page-size", "4",
+              "--max-num-batched-tokens", "16", "--compilation-cache", ""]
+    processes = [subprocess.Popen([sys.executable, "-m", "starscream_jax.cli.main", "serve", *common, "--process-id",
+                                   str(index)], env=cpu_child_env(4), stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, start_new_session=True) for index in range(2)]
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.5)
+        answer = httpx.post(url + "/v1/completions", timeout=60, json={"model": "llama", "prompt": "hello",
+                                                                       "max_tokens": 4, "temperature": 0}).json()
+        assert answer["usage"]["completion_tokens"] == 4
+        processes[0].send_signal(signal.SIGTERM)
+        assert processes[1].wait(60) == 0 and processes[0].wait(60) == -signal.SIGTERM
+    finally:
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
