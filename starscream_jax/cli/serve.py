@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
+import logging
 import math
 import os
 import socket
@@ -25,6 +27,7 @@ from ..errors import StarscreamError
 from ..model.paged import KERNELS
 from ..serving.client import EngineClient
 from ..serving.core import EngineProcess, ReadyEngine
+from ..serving.scheduler import MAX_TOP_K
 from ..serving.server import Server
 from .arguments import (
     MODEL_SOURCE_EXCLUSIVE,
@@ -46,6 +49,9 @@ EXCLUSIVE = MODEL_SOURCE_EXCLUSIVE + (
 STARTED = time.perf_counter()
 DEFAULT_COMPILATION_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "starscream" / "jax"
 """Where compiled programs are kept between runs (JAX's persistent compilation cache), unless --compilation-cache."""
+API_KEY_ENV = "STARSCREAM_API_KEY"
+"""The environment variable --api-key defaults to."""
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,6 +88,82 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--port", type=port_number, default=8000)
     http.add_argument("--max-pending", type=count, default=1024,
                       help="requests in flight before new ones get 429 (default 1024)")
+    http.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                      help=f"every /v1/ route then asks for 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, "
+                           "else none)")
+    http.add_argument("--allowed-origins", type=json_list, default=[], metavar="JSON",
+                      help='browser origins CORS lets in, a JSON list such as \'["*"]\' (default none)')
+    http.add_argument("--allowed-methods", type=json_list, default=["*"], metavar="JSON",
+                      help="HTTP methods CORS allows (default all)")
+    http.add_argument("--allowed-headers", type=json_list, default=["*"], metavar="JSON",
+                      help="request headers CORS allows (default all)")
+    http.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                      help="the server's and uvicorn's log level; at info a line per request and the engine's load "
+                           "every 10 s while busy (default info)")
+    http.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                      help="sampling defaults (temperature, top_p, top_k) for requests that leave them out: 'auto' "
+                           "reads generation_config.json of --model-dir, a directory reads its own, 'vllm' keeps "
+                           "the API's defaults (default auto)")
+
+
+def json_list(text: str) -> list[str]:
+    """A JSON list of strings, as vLLM's --allowed-origins takes it; a bare word is a list of that one."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = [text] if text and not text.lstrip().startswith(("[", "{", '"')) else None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f"{text}: give a JSON list of strings, such as '[\"*\"]'")
+    return value
+
+
+def sampling_defaults(args: argparse.Namespace) -> tuple[dict, Path | None]:
+    """(the sampling defaults --generation-config asks for, the file they came from): temperature, top_p and top_k
+    of a generation_config.json (--model-dir's with 'auto', or the directory given), as vLLM's
+    `--generation-config auto` reads them; max_new_tokens and the rest are not read. ({}, None) with 'vllm', or
+    where there is no such file."""
+    if args.generation_config == "vllm":
+        return {}, None
+    directory = args.model_dir if args.generation_config == "auto" else args.generation_config
+    if directory is None:
+        return {}, None
+    path = Path(directory) / "generation_config.json"
+    if not path.is_file():
+        if args.generation_config != "auto":
+            raise StarscreamError(f"--generation-config {directory}: {path} not found; give a directory holding one, "
+                                  "'auto' or 'vllm'")
+        return {}, None
+    try:
+        settings = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise StarscreamError(f"{path} is not JSON ({err}); fix it or pass --generation-config vllm") from None
+    if not isinstance(settings, dict):
+        raise StarscreamError(f"{path} holds no JSON object; fix it or pass --generation-config vllm")
+    checks = {"temperature": lambda v: _number(v) and 0 <= v <= 2, "top_p": lambda v: _number(v) and 0 < v <= 1,
+              "top_k": lambda v: isinstance(v, int) and not isinstance(v, bool) and -1 <= v <= MAX_TOP_K}
+    defaults = {}
+    for name, valid in checks.items():
+        if name in settings and settings[name] is not None:
+            if not valid(settings[name]):
+                raise StarscreamError(f"{path}: {name} {settings[name]!r} is out of range; fix it or pass "
+                                      "--generation-config vllm")
+            defaults[name] = settings[name]
+    return defaults, path
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def configure_logging(level: str) -> None:
+    """The server's own log lines (the load every 10 s) to stderr at `level`, beside uvicorn's."""
+    logger = logging.getLogger("starscream")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%m-%d %H:%M:%S"))
+        logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False
 
 
 def port_number(text: str) -> int:
@@ -146,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
     failure. Over a mesh spanning processes (--coordinator ...), process 0 serves and schedules and the others run
     its steps (`serving.multihost`): their command only waits for the engine process."""
     follower = args.process_id not in (None, 0)
+    defaults, defaults_path = ({}, None) if follower else sampling_defaults(args)
     sock = None if follower else bind(args.host, args.port)
     build = functools.partial(build_fake_engine if args.fake_engine else build_engine, args)
     engine = EngineProcess(build, None if args.fake_engine else args.gpu_memory_utilization)
@@ -163,15 +246,21 @@ def run(args: argparse.Namespace) -> int:
 
     client = EngineClient(engine.addresses, engine.alive)
     name = info.model_name
-    server = Server(client, tokenizer, name, info, args.max_pending, on_engine_failure=engine_failed)
-    http = uvicorn.Server(uvicorn.Config(server.app(), log_level="warning"))
+    server = Server(client, tokenizer, name, info, args.max_pending, on_engine_failure=engine_failed,
+                    api_key=args.api_key, allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+                    allowed_headers=args.allowed_headers, sampling_defaults=defaults)
+    configure_logging(args.log_level)
+    http = uvicorn.Server(uvicorn.Config(server.app(), log_level=args.log_level, access_log=True))
     host, port = sock.getsockname()[:2]
+    if defaults:
+        print(f"starscream serve: sampling defaults from {defaults_path} for requests that leave them out: "
+              f"{', '.join(f'{key} {value}' for key, value in defaults.items())} (--generation-config vllm: the "
+              "API's)", flush=True)
     print(f"starscream serve: {name} ready in {time.perf_counter() - STARTED:.0f} s; http://{host}:{port}/v1",
           flush=True)
     http.run(sockets=[sock])
     status = engine.stop(timeout=60)
     return 1 if failed or status not in (0, None) else 0
-
 
 
 def build_engine(args: argparse.Namespace) -> ReadyEngine:

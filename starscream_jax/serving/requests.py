@@ -10,11 +10,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .scheduler import MAX_TOP_K
 
-HTTP_BAD_REQUEST, HTTP_NOT_FOUND, HTTP_TOO_LARGE, HTTP_TOO_MANY, HTTP_UNAVAILABLE = 400, 404, 413, 429, 503
+HTTP_BAD_REQUEST, HTTP_UNAUTHORIZED, HTTP_NOT_FOUND = 400, 401, 404
+HTTP_TOO_LARGE, HTTP_TOO_MANY, HTTP_UNAVAILABLE = 413, 429, 503
 WHOLE_INT = 2 ** 31 - 1
+MAX_N = 16
+"""The most choices (`n`) one request may ask for; each is an engine request of its own."""
 
 UNSUPPORTED = {
-    "best_of": (1,), "echo": (False,), "frequency_penalty": (0,), "presence_penalty": (0,),
+    "echo": (False,), "frequency_penalty": (0,), "presence_penalty": (0,),
     "repetition_penalty": (1,), "length_penalty": (1,), "logit_bias": ({},), "min_tokens": (0,), "min_p": (0,),
     "top_logprobs": (0,), "prompt_logprobs": (), "use_beam_search": (False,), "suffix": ("",),
     "response_format": ({"type": "text"},), "guided_json": (), "guided_regex": (), "guided_choice": (),
@@ -72,7 +75,8 @@ class Sampling(BaseModel):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    best_of: int | None = Field(default=None, ge=1)
     ignore_eos: bool = False
     user: str | None = None
     request_id: str | None = None
@@ -91,6 +95,15 @@ class Sampling(BaseModel):
                                f"{', '.join(repr(value) for value in neutral) or 'null'})", param=name)
         return body
 
+    @model_validator(mode="after")
+    def _best_of_is_n(self):
+        """best_of would sample more choices than it returns, keeping the likeliest: only best_of = n (every
+        choice returned) is served."""
+        if self.best_of is not None and self.best_of != self.n:
+            raise ApiError(HTTP_BAD_REQUEST, f"best_of {self.best_of} is not supported by this server: it returns "
+                           f"every choice it samples; leave best_of out or send n ({self.n})", param="best_of")
+        return self
+
 
 def _same(given, neutral) -> bool:
     """`given` equals `neutral` as JSON values (1 and 1.0 alike, True not 1)."""
@@ -100,9 +113,16 @@ def _same(given, neutral) -> bool:
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=1)
     add_special_tokens: bool = True
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one (a text or token ids), or a batch (a list of texts or of token-id lists),
+        each served as its own choices."""
+        if isinstance(self.prompt, str) or not self.prompt or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
 
 
 class ContentPart(BaseModel):
@@ -137,3 +157,30 @@ class ChatRequest(Sampling):
     logprobs: bool = False
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # the template writes them
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize, as vLLM reads it: a `prompt`, or chat `messages` rendered by the chat template; special
+    tokens added by default to a prompt only (the template writes a chat's)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ApiError(HTTP_BAD_REQUEST, "give either prompt or messages", param="prompt")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize: token ids back to text."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]

@@ -2,28 +2,39 @@
 (`serving.core`) and is reached through an `EngineClient`.
 
 Routes: POST /v1/completions and /v1/chat/completions (the tokenizer's chat template), both streaming by
-server-sent events with `"stream": true`; GET /v1/models, /health and /metrics (Prometheus text, `serving.metrics`).
+server-sent events with `"stream": true`, each request's choices (`n` per prompt, and a batch of prompts for
+completions) served as engine requests of their own; GET /v1/models; and as vLLM's, GET /health and /ping,
+/version, /metrics (Prometheus text, `serving.metrics`), POST /tokenize and /detokenize. /v1/embeddings is a 404
+saying that this server generates only. With an API key every /v1/ route asks for it (401 otherwise); CORS
+answers browsers from the origins allowed.
 Per request the API process tokenizes (on a worker thread, after a length check, so a huge prompt stalls no other
 stream), hands the token ids to the engine, and turns each batch of new tokens into text incrementally
 (`detokenize.IncrementalText`, which also ends the text at a stop string and then cancels the request in the
 engine). Errors are OpenAI's object ({"error": {"message", "type", "param", "code"}}) for every status, the
-framework's own included: 400 for malformed JSON, bad parameter values and prompts beyond the context, 404 for an
-unknown model or route, 405, 413 for a body beyond the limit, 429 when `max_pending` requests are in flight, 503
-while shutting down or once the engine has failed (running streams then end with an error event). A client that
-disconnects has its request cancelled (its pages freed). On SIGTERM uvicorn stops accepting connections and lets
-open ones finish; the engine then drains and stops.
+framework's own included: 400 for malformed JSON, bad parameter values and prompts beyond the context, 401 without
+the API key, 404 for an unknown model or route, 405, 413 for a body beyond the limit, 429 when `max_pending`
+requests are in flight, 503 while shutting down or once the engine has failed (running streams then end with an
+error event). A client that disconnects has its request cancelled (its pages freed). On SIGTERM uvicorn stops
+accepting connections and lets open ones finish; the engine then drains and stops. While the engine is busy a
+line of its load is logged every `STATS_INTERVAL_S`.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
+import hmac
+import importlib.metadata
 import itertools
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
@@ -38,10 +49,14 @@ from .requests import (
     HTTP_NOT_FOUND,
     HTTP_TOO_LARGE,
     HTTP_TOO_MANY,
+    HTTP_UNAUTHORIZED,
     ApiError,
+    ChatMessage,
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
     Sampling,
+    TokenizeRequest,
     unavailable,
 )
 from .scheduler import SamplingParams, check_fits
@@ -53,22 +68,39 @@ MIN_BODY_BYTES = 8 * 2 ** 20
 """The request body limit is this, or four bytes per character of the longest prompt that could fit if more."""
 DRAIN_S = 600.0
 """How long a shutdown waits for the engine to finish its running requests."""
+STATS_INTERVAL_S = 10.0
+"""How often a line of the engine's load is logged while it is busy (as vLLM logs its own)."""
+VERSION = importlib.metadata.version("starscream-jax")
+LOG = logging.getLogger("starscream.serve")
 
 
 class Server:
     """The routes over one engine client (see the module docstring). `on_engine_failure` is called once when the
-    engine stops unexpectedly (the command then ends the process with a non-zero status)."""
+    engine stops unexpectedly (the command then ends the process with a non-zero status). `api_key`: every /v1/
+    route then asks for `Authorization: Bearer <api_key>`. `allowed_origins` (with `allowed_methods` and
+    `allowed_headers`): the browser origins CORS lets in ("*": any; none by default). `sampling_defaults`: the
+    temperature / top_p / top_k a request that leaves them out gets (a model's generation_config.json)."""
 
     def __init__(self, client: EngineClient, tokenizer, model_name: str, info: EngineInfo, max_pending: int = 256,
-                 on_engine_failure: Callable[[], None] = lambda: None):
+                 on_engine_failure: Callable[[], None] = lambda: None, api_key: str | None = None,
+                 allowed_origins: Sequence[str] = (), allowed_methods: Sequence[str] = ("*",),
+                 allowed_headers: Sequence[str] = ("*",), sampling_defaults: dict | None = None,
+                 stats_interval_s: float = STATS_INTERVAL_S):
         self.client, self.tokenizer, self.model_name, self.info = client, tokenizer, model_name, info
         self.max_pending = max_pending
         self.metrics = ServerMetrics(model_name, info.page_size)
         client.on_step = self.metrics.observe_step
         self._on_engine_failure = on_engine_failure
+        self.api_key = api_key
+        self.cors = (tuple(allowed_origins), tuple(allowed_methods), tuple(allowed_headers))
+        self.sampling_defaults = dict(sampling_defaults or {})
+        self.stats_interval_s = stats_interval_s
         self._ids = itertools.count()
         self._json = msgspec.json.Encoder()
         self.shutting_down = False
+        self.prompt_tokens_submitted = 0
+        """Prompt tokens sent to the engine so far (for the periodic stats line)."""
+        self._stats_since: tuple[float, int, int] | None = None
 
     @property
     def context(self) -> int:
@@ -78,10 +110,11 @@ class Server:
         @asynccontextmanager
         async def lifespan(_):
             await self.client.start()
-            watcher = asyncio.create_task(self._watch_engine())
+            tasks = [asyncio.create_task(self._watch_engine()), asyncio.create_task(self._log_stats())]
             yield
             self.shutting_down = True
-            watcher.cancel()
+            for task in tasks:
+                task.cancel()
             await self.client.stop(drain=True, timeout=DRAIN_S)
             await self.client.close()
 
@@ -92,8 +125,19 @@ class Server:
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat)
         app.get("/v1/models")(self.models)
+        app.post("/v1/embeddings")(self.embeddings)
         app.get("/health")(self.health)
+        app.api_route("/ping", methods=["GET", "POST"])(self.health)
+        app.get("/version")(self.version)
+        app.post("/tokenize")(self.tokenize)
+        app.post("/detokenize")(self.detokenize)
         app.get("/metrics")(self.prometheus)
+        if self.api_key:
+            app.add_middleware(ApiKey, key=self.api_key)
+        origins, methods, headers = self.cors
+        if origins:  # outside the key's check: a preflight carries no key, and a 401 still reaches the page
+            app.add_middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=list(methods),
+                               allow_headers=list(headers))
         limit = max(MIN_BODY_BYTES, 4 * self.context * MAX_CHARS_PER_TOKEN)
         return BodyLimit(app, limit)
 
@@ -104,6 +148,33 @@ class Server:
             await asyncio.sleep(0.2)
         await asyncio.sleep(1.0)
         self._on_engine_failure()
+
+    async def _log_stats(self) -> None:
+        """Logs `stats_line()` every `stats_interval_s` while the engine is busy."""
+        self.stats_line(time.monotonic())
+        while True:
+            await asyncio.sleep(self.stats_interval_s)
+            line = self.stats_line(time.monotonic())
+            if line is not None:
+                LOG.info(line)
+
+    def stats_line(self, now: float) -> str | None:
+        """The engine's load since the last call, from the counters of its latest step (nothing per token):
+        prompt and generation tokens/s over the interval, requests running and waiting, KV-cache use; None while
+        idle (nothing ran, nothing waits), before the first step and on the first call (which starts the
+        interval)."""
+        load = self.client.load
+        generated_in_all = 0 if load is None else load.generated_tokens
+        last, self._stats_since = self._stats_since, (now, generated_in_all, self.prompt_tokens_submitted)
+        if load is None or last is None or now <= last[0]:
+            return None
+        generated, prompt = load.generated_tokens - last[1], self.prompt_tokens_submitted - last[2]
+        if not (generated or prompt or load.running or load.waiting):
+            return None
+        seconds = now - last[0]
+        return (f"prompt throughput: {prompt / seconds:.1f} tokens/s, generation throughput: "
+                f"{generated / seconds:.1f} tokens/s, running: {load.running} reqs, waiting: {load.waiting} reqs, "
+                f"KV cache usage: {100 * load.pages_used / max(load.pages_total, 1):.1f}%")
 
     async def models(self):
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
@@ -116,30 +187,90 @@ class Server:
             raise unavailable("shutting down")
         return {"status": "ok"}
 
+    async def version(self):
+        return {"version": VERSION}
+
+    async def embeddings(self):
+        raise ApiError(HTTP_NOT_FOUND, f"this server serves generation only: {self.model_name!r} is a decoder "
+                                       "and its pooled hidden state is not offered as an embedding; use "
+                                       "/v1/completions or /v1/chat/completions, or an embedding model's server",
+                       code="model_not_found")
+
     async def prometheus(self):
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    async def tokenize(self, body: TokenizeRequest):
+        self._check_model(body.model)
+        if body.messages is not None:
+            tokens = await self._chat_tokens(body.messages, body.add_generation_prompt,
+                                             bool(body.add_special_tokens))
+        else:
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            tokens = await self._tokenize(body.prompt, "prompt", lambda: self.tokenizer.encode(body.prompt, special))
+        decode = self.tokenizer.decode
+        strings = [decode([token]) for token in tokens] if body.return_token_strs else None
+        return {"count": len(tokens), "max_model_len": self.context, "tokens": tokens, "token_strs": strings}
+
+    async def detokenize(self, body: DetokenizeRequest):
+        self._check_model(body.model)
+        self._check_vocabulary("tokens", body.tokens)
+        return {"prompt": await asyncio.to_thread(self.tokenizer.decode, body.tokens)}
+
     async def completions(self, body: CompletionRequest, request: Request):
         arrival = request.state.arrival
-        if isinstance(body.prompt, list):
-            prompt = body.prompt
-        else:
-            prompt = await self._tokenize(body.prompt, "prompt",
-                                          lambda: self.tokenizer.encode(body.prompt, body.add_special_tokens))
-        return await self._serve(body, prompt, request, arrival, chat=False, logprobs=body.logprobs is not None)
+        self._check_model(body.model)
+        prompts = body.prompts()
+        self._admit(len(prompts) * body.n)
+        texts = [prompt for prompt in prompts if isinstance(prompt, str)]
+        for text in texts:
+            self._check_length(text, "prompt")
+        encoded = iter(await asyncio.gather(*(
+            self._tokenize(text, "prompt", functools.partial(self.tokenizer.encode, text, body.add_special_tokens))
+            for text in texts)))
+        prompts = [next(encoded) if isinstance(prompt, str) else prompt for prompt in prompts]
+        return await self._serve(body, prompts, request, arrival, chat=False, logprobs=body.logprobs is not None)
 
     async def chat(self, body: ChatRequest, request: Request):
         arrival = request.state.arrival
-        messages = [message.for_template() for message in body.messages]
+        self._check_model(body.model)
+        self._admit(body.n)
+        prompt = await self._chat_tokens(body.messages, body.add_generation_prompt, body.add_special_tokens)
+        return await self._serve(body, [prompt], request, arrival, chat=True, logprobs=body.logprobs)
+
+    async def _chat_tokens(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                           add_special_tokens: bool) -> list[int]:
+        turns = [message.for_template() for message in messages]
 
         def encode():
-            text = self.tokenizer.render_chat(messages, add_generation_prompt=body.add_generation_prompt)
+            text = self.tokenizer.render_chat(turns, add_generation_prompt=add_generation_prompt)
             self._check_length(text, "messages")
-            return self.tokenizer.encode(text, special_tokens=body.add_special_tokens)
+            return self.tokenizer.encode(text, special_tokens=add_special_tokens)
 
-        self._check_length("".join(message["content"] for message in messages), "messages")
-        prompt = await self._tokenize(None, "messages", encode)
-        return await self._serve(body, prompt, request, arrival, chat=True, logprobs=body.logprobs)
+        self._check_length("".join(turn["content"] for turn in turns), "messages")
+        return await self._tokenize(None, "messages", encode)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(HTTP_NOT_FOUND, f"the model {model!r} does not exist; this server serves "
+                                           f"{self.model_name!r}", param="model", code="model_not_found")
+
+    def _check_vocabulary(self, field: str, ids) -> None:
+        vocab = self.info.vocab_size
+        if any(not 0 <= token < vocab for token in ids):
+            raise ApiError(HTTP_BAD_REQUEST, f"{field} holds token ids outside the model's vocabulary of {vocab}",
+                           param=field)
+
+    def _admit(self, count: int) -> None:
+        """Refuses new work (`count` engine requests) while the engine has failed, the server shuts down, or the
+        requests in flight would pass `max_pending`."""
+        if self.client.failed is not None:
+            raise unavailable(f"the engine stopped: {self.client.failed}")
+        if self.shutting_down:
+            raise unavailable("the server is shutting down; send the request to another one")
+        if self.client.pending + count > self.max_pending:
+            raise ApiError(HTTP_TOO_MANY, f"{self.client.pending} requests are in flight and this one needs "
+                                          f"{count}, beyond the {self.max_pending} this server queues; retry later",
+                           "rate_limit_error")
 
     def _check_length(self, text: str, field: str) -> None:
         if len(text) > self.context * MAX_CHARS_PER_TOKEN:
@@ -156,65 +287,75 @@ class Server:
         except StarscreamError as err:
             raise ApiError(HTTP_BAD_REQUEST, str(err), param=field) from None
 
-    async def _serve(self, body: Sampling, prompt: list[int], request: Request, arrival: float, chat: bool,
+    async def _serve(self, body: Sampling, prompts: list[list[int]], request: Request, arrival: float, chat: bool,
                      logprobs: bool):
-        params = self._params(body, prompt, logprobs, chat)
-        if self.client.failed is not None:
-            raise unavailable(f"the engine stopped: {self.client.failed}")
-        if self.shutting_down:
-            raise unavailable("the server is shutting down; send the request to another one")
-        if self.client.pending >= self.max_pending:
-            raise ApiError(HTTP_TOO_MANY, f"{self.client.pending} requests are in flight, the most this server "
-                                          "queues; retry later", "rate_limit_error")
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}"
-        stream = self.client.submit(request_id, prompt, params)
-        first = await stream.take()  # a refusal surfaces here, before any response is sent
-        if first.error is not None:
-            raise (ApiError(HTTP_BAD_REQUEST, first.error) if first.finish_reason == "refused"
-                   else unavailable(first.error))
+        """Submits `body.n` engine requests per prompt (choice `p * n + i` is prompt p's i-th, seeded seed + i
+        when a seed is given) and answers with all their choices, whole or streamed."""
+        params = [self._params(body, prompt, logprobs, chat) for prompt in prompts]
+        self._admit(len(prompts) * body.n)
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}"
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-        response = _Response(self, request_id, body, chat, prompt, params, arrival, stop, stream)
+        choices = []
+        for number, (prompt, base) in enumerate(zip(prompts, params)):
+            for i in range(body.n):
+                index = number * body.n + i
+                request_id = response_id if len(prompts) * body.n == 1 else f"{response_id}-{index}"
+                seeded = base if i == 0 or base.seed is None else replace(base, seed=(base.seed + i) % 2 ** 31)
+                stream = self.client.submit(request_id, prompt, seeded)
+                choices.append(_Choice(self, index, request_id, prompt, seeded, stop, body.include_stop_str_in_output,
+                                       stream))
+            self.prompt_tokens_submitted += len(prompt) * body.n
+        firsts = await asyncio.gather(*(choice.stream.take() for choice in choices))  # refusals surface here
+        refused = next((first for first in firsts if first.error is not None), None)
+        if refused is not None:
+            for choice in choices:
+                self.client.cancel(choice.request_id)
+            raise (ApiError(HTTP_BAD_REQUEST, refused.error) if refused.finish_reason == "refused"
+                   else unavailable(refused.error))
+        response = _Response(self, response_id, body, chat, sum(map(len, prompts)), arrival, choices, firsts)
         if body.stream:
-            return StreamingResponse(response.sse(first), media_type="text/event-stream")
-        return await response.whole(first, request)
+            return StreamingResponse(response.sse(), media_type="text/event-stream")
+        return await response.whole(request)
 
     def _params(self, body: Sampling, prompt: list[int], logprobs: bool, chat: bool) -> SamplingParams:
-        if body.model != self.model_name:
-            raise ApiError(HTTP_NOT_FOUND, f"the model {body.model!r} does not exist; this server serves "
-                                           f"{self.model_name!r}", param="model", code="model_not_found")
+        self._check_model(body.model)
         room = max(1, self.context - len(prompt))
         max_tokens = body.max_completion_tokens or body.max_tokens or (room if chat else min(16, room))
         eos = () if body.ignore_eos else tuple(getattr(self.tokenizer, "eos_ids", ()))
+        given = body.model_fields_set
+
+        def sampling(field: str):
+            value = getattr(body, field)
+            return value if field in given else self.sampling_defaults.get(field, value)
+
+        self._check_vocabulary("prompt", prompt)
+        self._check_vocabulary("stop_token_ids", body.stop_token_ids or ())
         try:
             check_fits(len(prompt), max_tokens, self.context)
-            vocab = self.info.vocab_size
-            for field, ids in (("prompt", prompt), ("stop_token_ids", body.stop_token_ids or ())):
-                if any(not 0 <= token < vocab for token in ids):
-                    raise StarscreamError(f"{field} holds token ids outside the model's vocabulary of {vocab}")
-            return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                  top_k=max(body.top_k, 0), seed=body.seed,
+            return SamplingParams(max_tokens=max_tokens, temperature=sampling("temperature"),
+                                  top_p=sampling("top_p"), top_k=max(sampling("top_k"), 0), seed=body.seed,
                                   stop_tokens=eos + tuple(body.stop_token_ids or ()), logprobs=logprobs)
         except StarscreamError as err:
             raise ApiError(HTTP_BAD_REQUEST, str(err)) from None
 
 
-class _Response:
-    """One request's response: each batch of new tokens turned into text and OpenAI's JSON, whole or as
-    server-sent events, and the request's metrics once it ends."""
+class _Choice:
+    """One engine request of a response (a choice): its tokens turned into text as they come, its end, and its
+    metrics once it ends."""
 
-    def __init__(self, server: Server, request_id: str, body: Sampling, chat: bool, prompt: list[int],
-                 params: SamplingParams, arrival: float, stop: tuple[str, ...], stream: RequestStream):
-        self.server, self.request_id, self.body, self.chat = server, request_id, body, chat
-        self.model, self.prompt_tokens, self.params, self.arrival = body.model, len(prompt), params, arrival
-        self.stream, self.created = stream, int(time.time())
-        self.text = IncrementalText(server.tokenizer.decode, prompt, stop, body.include_stop_str_in_output)
+    def __init__(self, server: Server, index: int, request_id: str, prompt: list[int], params: SamplingParams,
+                 stop: tuple[str, ...], include_stop: bool, stream: RequestStream):
+        self.server, self.index, self.request_id, self.params, self.stream = server, index, request_id, params, stream
+        self.prompt_tokens = len(prompt)
+        self.text = IncrementalText(server.tokenizer.decode, prompt, stop, include_stop)
+        self.parts: list[str] = []
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.finish_reason: str | None = None
         self.engine_done = False
         self.first_at = self.last_at = self.queued_s = None
 
-    def _advance(self, delta: Delta) -> tuple[str, list[int], list[float]]:
+    def advance(self, delta: Delta) -> tuple[str, list[int], list[float]]:
         """(new text, its token ids and log-probabilities) of `delta`; sets finish_reason on the last."""
         now = time.monotonic()
         if delta.tokens:
@@ -232,61 +373,119 @@ class _Response:
             self.finish_reason = "stop" if self.text.stopped else delta.finish_reason
         return text, tokens, values
 
-    def _finished(self) -> None:
-        """Cancels the request in the engine if it still runs (a stop string, or the client gone) and records its
-        metrics."""
+    def finished(self, arrival: float) -> None:
+        """Cancels the request in the engine if it still runs (a stop string, the client gone, another choice
+        failed) and records its metrics."""
         if not self.engine_done:
             self.server.client.cancel(self.request_id)
-        start = self.arrival
         self.server.metrics.observe_request(RequestTimes(
-            first_token_s=None if self.first_at is None else self.first_at - start,
-            last_token_s=None if self.last_at is None else self.last_at - start, queued_s=self.queued_s,
+            first_token_s=None if self.first_at is None else self.first_at - arrival,
+            last_token_s=None if self.last_at is None else self.last_at - arrival, queued_s=self.queued_s,
             prompt_tokens=self.prompt_tokens, generated_tokens=len(self.tokens),
             finish_reason=self.finish_reason or "abort"))
 
-    async def whole(self, first: Delta, request: Request) -> dict:
-        watcher = asyncio.create_task(_hang_up(request, self.stream))
+
+class _FanIn:
+    """Each choice's deltas as they come, in arrival order: the first ones given, then what the streams give. One
+    choice is read from its stream directly; several through one queue, filled by a task per choice (a wake-up per
+    step and choice, none per token)."""
+
+    def __init__(self, choices: list[_Choice], firsts: list[Delta]):
+        self._choices, self._first = choices, firsts[0] if len(choices) == 1 else None
+        self._queue: asyncio.Queue | None = None
+        self._pumps: list[asyncio.Task] = []
+        if len(choices) > 1:
+            self._queue = asyncio.Queue()
+            for choice, first in zip(choices, firsts):
+                self._queue.put_nowait((choice, first))
+            self._pumps = [asyncio.create_task(self._pump(choice)) for choice in choices]
+
+    async def _pump(self, choice: _Choice) -> None:
+        while True:
+            delta = await choice.stream.take()
+            self._queue.put_nowait((choice, delta))
+            if delta.finish_reason is not None or delta.error is not None:
+                return
+
+    async def next(self) -> tuple[_Choice, Delta]:
+        if self._queue is not None:
+            return await self._queue.get()
+        delta, self._first = self._first, None
+        return self._choices[0], delta if delta is not None else await self._choices[0].stream.take()
+
+    def close(self) -> None:
+        for pump in self._pumps:
+            pump.cancel()
+
+
+class _Response:
+    """One HTTP request's response: its choices' text as OpenAI's JSON, whole or as server-sent events (chunks of
+    every choice interleaved as they come, each naming its choice's index)."""
+
+    def __init__(self, server: Server, response_id: str, body: Sampling, chat: bool, prompt_tokens: int,
+                 arrival: float, choices: list[_Choice], firsts: list[Delta]):
+        self.server, self.response_id, self.body, self.chat = server, response_id, body, chat
+        self.model, self.prompt_tokens, self.arrival = body.model, prompt_tokens, arrival
+        self.choices, self.firsts, self.created = choices, firsts, int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _finished(self, fan_in: _FanIn) -> None:
+        fan_in.close()
+        for choice in self.choices:
+            choice.finished(self.arrival)
+
+    async def whole(self, request: Request) -> dict:
+        watcher = asyncio.create_task(_hang_up(request, [choice.stream for choice in self.choices]))
+        fan_in = _FanIn(self.choices, self.firsts)
         try:
-            parts, delta = [], first
-            while True:
+            running = len(self.choices)
+            while running:
+                choice, delta = await fan_in.next()
+                if choice.finish_reason is not None:
+                    continue  # what came after its stop string
                 if delta.error is not None:
                     raise (ApiError(HTTP_BAD_REQUEST, "the client disconnected") if delta.error == _HUNG_UP
                            else unavailable(delta.error))
-                parts.append(self._advance(delta)[0])
-                if self.finish_reason is not None:
-                    return self._body("".join(parts))
-                delta = await self.stream.take()
+                choice.parts.append(choice.advance(delta)[0])
+                running -= choice.finish_reason is not None
+            return self._body()
         finally:
             watcher.cancel()
-            self._finished()
+            self._finished(fan_in)
 
-    async def sse(self, first: Delta):
+    async def sse(self):
         encode = self.server._json.encode
+        fan_in = _FanIn(self.choices, self.firsts)
         try:
             if self.chat:
-                yield _sse(encode(self._chunk({"role": "assistant", "content": ""}, None)))
-            delta = first
-            while True:
+                for choice in self.choices:
+                    yield _sse(encode(self._chunk(choice, {"role": "assistant", "content": ""}, None)))
+            failed, running = False, len(self.choices)
+            while running:
+                choice, delta = await fan_in.next()
+                if choice.finish_reason is not None:
+                    continue
                 if delta.error is not None:
                     yield _sse(encode(unavailable(delta.error).body()))
+                    failed = True
                     break
-                text, tokens, values = self._advance(delta)
-                if text or tokens or self.finish_reason is not None:
-                    logprobs = self._logprobs(tokens, values) if self.params.logprobs else None
-                    yield _sse(encode(self._chunk(text, self.finish_reason, logprobs)))
-                if self.finish_reason is not None:
-                    break
-                delta = await self.stream.take()
+                text, tokens, values = choice.advance(delta)
+                if text or tokens or choice.finish_reason is not None:
+                    logprobs = self._logprobs(tokens, values) if choice.params.logprobs else None
+                    yield _sse(encode(self._chunk(choice, text, choice.finish_reason, logprobs)))
+                running -= choice.finish_reason is not None
             options = self.body.stream_options
-            if options is not None and options.include_usage and delta.error is None:
-                yield _sse(encode(self._usage_chunk()))
+            if options is not None and options.include_usage and not failed:
+                yield _sse(encode({"id": self.response_id, "object": self._chunk_object(), "created": self.created,
+                                   "model": self.model, "choices": [], "usage": self._usage()}))
             yield b"data: [DONE]\n\n"
         finally:
-            self._finished()
+            self._finished(fan_in)
 
     def _usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
-                "total_tokens": self.prompt_tokens + len(self.tokens)}
+        completion = sum(len(choice.tokens) for choice in self.choices)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
 
     def _logprobs(self, tokens: list[int], values: list[float]) -> dict:
         decode = self.server.tokenizer.decode
@@ -296,39 +495,43 @@ class _Response:
         return {"tokens": [decode([t]) for t in tokens], "token_logprobs": values, "top_logprobs": None,
                 "text_offset": None}
 
-    def _body(self, text: str) -> dict:
-        logprobs = self._logprobs(self.tokens, self.logprobs) if self.params.logprobs else None
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": self.finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
-        return {"id": self.request_id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice], "usage": self._usage()}
+    def _body(self) -> dict:
+        choices = []
+        for choice in self.choices:
+            text = "".join(choice.parts)
+            logprobs = self._logprobs(choice.tokens, choice.logprobs) if choice.params.logprobs else None
+            if self.chat:
+                choices.append({"index": choice.index, "message": {"role": "assistant", "content": text},
+                                "logprobs": logprobs, "finish_reason": choice.finish_reason})
+            else:
+                choices.append({"index": choice.index, "text": text, "logprobs": logprobs,
+                                "finish_reason": choice.finish_reason})
+        return {"id": self.response_id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self._usage()}
 
-    def _chunk(self, delta, finish_reason, logprobs=None) -> dict:
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def _chunk(self, choice: _Choice, delta, finish_reason, logprobs=None) -> dict:
         if self.chat:
             content = delta if isinstance(delta, dict) else {"content": delta}
-            choice = {"index": 0, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
+            part = {"index": choice.index, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        return {"id": self.request_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice]}
-
-    def _usage_chunk(self) -> dict:
-        return {"id": self.request_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [], "usage": self._usage()}
+            part = {"index": choice.index, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"id": self.response_id, "object": self._chunk_object(), "created": self.created,
+                "model": self.model, "choices": [part]}
 
 
 _HUNG_UP = "the client disconnected"
 
 
-async def _hang_up(request: Request, stream: RequestStream) -> None:
-    """Ends `stream` once the client of a whole (not streamed) response disconnects: one waiting task per request,
-    no poll per token."""
+async def _hang_up(request: Request, streams: list[RequestStream]) -> None:
+    """Ends `streams` once the client of a whole (not streamed) response disconnects: one waiting task per
+    request, no poll per token."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    stream.fail(_HUNG_UP)
+    for stream in streams:
+        stream.fail(_HUNG_UP)
 
 
 def _sse(payload: bytes) -> bytes:
@@ -364,6 +567,25 @@ class BodyLimit:
 
     def _message(self) -> str:
         return f"the request body exceeds {self.limit} bytes, more than any prompt that fits the context; shorten it"
+
+
+class ApiKey:
+    """ASGI middleware: every /v1/ route asks for `Authorization: Bearer <key>` and answers 401 in OpenAI's error
+    shape without it; the other routes (/health, /ping, /version, /metrics, /tokenize, /detokenize) stay open, as
+    vLLM leaves them, and so does a CORS preflight (a browser sends it without the key)."""
+
+    def __init__(self, app, key: str):
+        self.app, self._expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and (path == "/v1" or path.startswith("/v1/")):
+            given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                error = ApiError(HTTP_UNAUTHORIZED, "a valid API key is needed: send the header 'Authorization: "
+                                 "Bearer <key>' with the key this server was started with", code="invalid_api_key")
+                return await error.response()(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 def _validation_error(err: RequestValidationError) -> ApiError:

@@ -1,10 +1,13 @@
 """`starscream serve`: its flags become the engine's configuration; bad input is one error line before anything
 loads; run as a user runs it (its own process and its engine's, here the model-free engine) it serves the `openai`
 client, refuses a taken port in one line, ends on SIGTERM, and when its engine dies fails the running streams,
-answers 503 and exits with status 1 (the server itself: tests/serving/test_server.py)."""
+answers 503 and exits with status 1; an API key, CORS, logging and a model directory's generation config reach the
+server (the server itself: tests/serving/test_server.py)."""
 import argparse
 import contextlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +20,10 @@ import pytest
 
 from starscream_jax.cli import main as cli
 from starscream_jax.cli import generate, serve
+from starscream_jax.errors import StarscreamError
 from starscream_jax.serving.engine import EngineConfig
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "hf" / "llama"
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -117,8 +123,8 @@ class ServeCommand:
 def serve_command(cpu_child_env, free_port):
     started = []
 
-    def start(*flags: str, port: int | None = None) -> ServeCommand:
-        started.append(ServeCommand(port or free_port(), cpu_child_env(1), *flags))
+    def start(*flags: str, port: int | None = None, env: dict | None = None) -> ServeCommand:
+        started.append(ServeCommand(port or free_port(), {**cpu_child_env(1), **(env or {})}, *flags))
         return started[-1]
 
     yield start
@@ -158,3 +164,64 @@ def test_a_dead_engine_fails_the_streams_answers_503_and_ends_the_command(serve_
     refused = httpx.post(server.url + "/v1/completions", json={"model": "fake", "prompt": "x"}, timeout=10)
     assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_error"
     assert server.process.wait(30) == 1
+
+
+def test_http_flags_and_the_api_key_from_the_environment(monkeypatch, capsys):
+    monkeypatch.delenv(serve.API_KEY_ENV, raising=False)
+    defaults = parse()
+    assert (defaults.api_key, defaults.allowed_origins, defaults.allowed_methods, defaults.allowed_headers,
+            defaults.log_level, defaults.generation_config) == (None, [], ["*"], ["*"], "info", "auto")
+    monkeypatch.setenv(serve.API_KEY_ENV, "from-env")
+    assert parse().api_key == "from-env" and parse("--api-key", "given").api_key == "given"
+    assert parse("--allowed-origins", '["https://a.example", "*"]').allowed_origins == ["https://a.example", "*"]
+    assert parse("--allowed-origins", "*").allowed_origins == ["*"]
+    for argv, message in ((("--allowed-origins", '{"a": 1}'), "give a JSON list of strings"),
+                          (("--log-level", "loud"), "invalid choice: 'loud'")):
+        with pytest.raises(SystemExit):
+            cli.main(["serve", *argv])
+        assert message in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_generation_config_gives_the_sampling_defaults(tmp_path):
+    """As vLLM's --generation-config: 'auto' reads --model-dir's file (temperature, top_p, top_k; max_new_tokens
+    and the rest not), a directory its own, 'vllm' none."""
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 99, "repetition_penalty": 1.1,
+         "eos_token_id": 1}))
+    read = {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
+    assert serve.sampling_defaults(parse("--model-dir", str(tmp_path))) == (read, tmp_path / "generation_config.json")
+    assert serve.sampling_defaults(parse("--model-dir", str(tmp_path), "--generation-config", "vllm")) == ({}, None)
+    assert serve.sampling_defaults(parse("--generation-config", str(tmp_path)))[0] == read
+    assert serve.sampling_defaults(parse("--model-dir", str(tmp_path / "none"))) == ({}, None)
+    with pytest.raises(StarscreamError, match="not found"):
+        serve.sampling_defaults(parse("--generation-config", str(tmp_path / "none")))
+    (tmp_path / "generation_config.json").write_text('{"temperature": -1}')
+    with pytest.raises(StarscreamError, match="temperature -1 is out of range"):
+        serve.sampling_defaults(parse("--model-dir", str(tmp_path)))
+
+
+def test_the_command_asks_for_its_key_answers_browsers_and_logs(serve_command, tmp_path):
+    """A key from the environment guards /v1/ (not /health), CORS answers the allowed origin's preflight, the
+    model directory's generation_config.json is announced as the defaults, and each request is an access-log
+    line."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(FIXTURE / name, tmp_path / name)
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.5, "max_new_tokens": 10}')
+    server = serve_command("--model-dir", str(tmp_path), "--allowed-origins", '["https://ui.example"]',
+                           env={serve.API_KEY_ENV: "sesame"})
+    server.healthy()
+    refused = httpx.get(server.url + "/v1/models")
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="sesame", max_retries=0)
+    assert client.completions.create(model="fake", prompt="hello", max_tokens=3).usage.completion_tokens == 3
+    preflight = httpx.options(server.url + "/v1/completions", headers={
+        "Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization"})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "https://ui.example"
+    server.process.send_signal(signal.SIGTERM)
+    server.process.wait(30)
+    output = server.process.stdout.read()
+    assert "sampling defaults from" in output and "temperature 0.5" in output and "max_new_tokens" not in output
+    assert '"POST /v1/completions HTTP/1.1" 200' in output and '"GET /v1/models HTTP/1.1" 401' in output

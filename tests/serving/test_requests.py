@@ -1,9 +1,10 @@
 """The request bodies at the door: every field of vLLM's OpenAI protocol is either read or refused with a 400
 naming it (a field added to this list that is neither fails here: nothing is dropped without a word), nulls read as
-absent, chat content as text parts."""
+absent, chat content as text parts; a batch of prompts, n and best_of, and the /tokenize body."""
 import pytest
+from pydantic import ValidationError
 
-from starscream_jax.serving.requests import UNSUPPORTED, ApiError, ChatRequest, CompletionRequest
+from starscream_jax.serving.requests import UNSUPPORTED, ApiError, ChatRequest, CompletionRequest, TokenizeRequest
 
 VLLM_COMPLETION_FIELDS = (
     "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n",
@@ -65,3 +66,21 @@ def test_chat_content_as_text_parts_and_a_tool_call_turn():
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
     with pytest.raises(ApiError, match="image_url"):
         image.messages[0].for_template()
+
+
+def test_prompt_batches_n_best_of_and_the_tokenize_bodies():
+    def prompts(prompt):
+        return CompletionRequest.model_validate({"model": "m", "prompt": prompt}).prompts()
+
+    assert prompts("a") == ["a"] and prompts([1, 2]) == [[1, 2]]
+    assert prompts(["a", "b"]) == ["a", "b"] and prompts([[1], [2, 3]]) == [[1], [2, 3]]
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "a", "n": 2, "best_of": 2}).n == 2
+    with pytest.raises(ApiError, match="best_of 3") as refused:
+        CompletionRequest.model_validate({"model": "m", "prompt": "a", "n": 2, "best_of": 3})
+    assert refused.value.param == "best_of"
+    with pytest.raises(ValidationError, match="less than or equal to 16"):
+        ChatRequest.model_validate({**BASE["chat"][1], "n": 17})
+    assert TokenizeRequest.model_validate({"prompt": "a"}).add_special_tokens is None
+    for body in ({}, {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}):
+        with pytest.raises(ApiError, match="either prompt or messages"):
+            TokenizeRequest.model_validate(body)

@@ -1,9 +1,12 @@
 """The HTTP server on a real uvicorn on a localhost port, over the tiny Hugging Face checkpoint's engine on a
 simulated (1, 2, 4) mesh (conftest.py), its loop on a thread behind the same sockets and messages as the engine
-process: the official `openai` client (completions, chat, streaming, logprobs), OpenAI-style errors, /health,
-/models, /metrics, a bounded load of concurrent clients (some cancelled midway, some refused with 429) after which
-every page is free, and a shutdown that lets the running stream finish."""
+process: the official `openai` client (completions, chat, streaming, logprobs, a batch of prompts and n choices
+each), OpenAI-style errors, /health, /ping, /version, /models, /metrics, /tokenize and /detokenize, a bounded
+load of concurrent clients (some cancelled midway, some refused with 429) after which every page is free, and a
+shutdown that lets the running stream finish. Without an engine: the API key, CORS, the generation config's
+sampling defaults and the stats line."""
 import asyncio
+import importlib.metadata
 import socket
 import threading
 import time
@@ -12,9 +15,12 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from starlette.testclient import TestClient
 
 from starscream_jax.serving.client import EngineClient
 from starscream_jax.serving.core import EngineThread
+from starscream_jax.serving.protocol import EngineInfo, EngineStats
+from starscream_jax.serving.requests import CompletionRequest
 from starscream_jax.serving.server import Server
 
 MODEL = "tiny-llama"
@@ -118,6 +124,148 @@ def test_health_models_and_metrics(client, served):
                    'when="serving"} 0.0'):
         assert series in text, series
     assert f'vllm:num_requests_running{{model_name="{MODEL}"}}' in text
+
+
+def _texts(chunks) -> dict[int, str]:
+    """Each choice's text, joined from interleaved stream chunks."""
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.text or "")
+    return texts
+
+
+def test_a_batch_of_prompts_with_n_choices_each(client, served):
+    """Choice p * n + i is prompt p's i-th, seeded seed + i; usage counts each prompt once and every choice's
+    tokens; the stream interleaves the choices' chunks and ends in one usage chunk and one [DONE]."""
+    sampling = {"model": MODEL, "max_tokens": 5, "temperature": 0.9, "seed": 7, "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(prompt=["hello world", "abc"], n=2, **sampling)
+    assert [choice.index for choice in whole.choices] == [0, 1, 2, 3]
+    alone = [client.completions.create(prompt=prompt, **{**sampling, "seed": seed}).choices[0].text
+             for prompt in ("hello world", "abc") for seed in (7, 8)]
+    assert [choice.text for choice in whole.choices] == alone
+    prompt_tokens = sum(len(httpx.post(served[0] + "/tokenize", json={"model": MODEL, "prompt": text}).json()["tokens"])
+                        for text in ("hello world", "abc"))
+    assert whole.usage.prompt_tokens == prompt_tokens and whole.usage.completion_tokens == 20
+    chunks = list(client.completions.create(prompt=["hello world", "abc"], n=2, stream=True,
+                                            stream_options={"include_usage": True}, **sampling))
+    assert _texts(chunks) == {index: text for index, text in enumerate(alone)}
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 20
+    ids = httpx.post(served[0] + "/tokenize", json={"prompt": "abc"}).json()["tokens"]
+    by_ids = client.completions.create(prompt=[ids, ids], **{**sampling, "seed": 8})
+    assert [choice.text for choice in by_ids.choices] == [alone[3], alone[3]]
+    with httpx.stream("POST", served[0] + "/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": "abc", "n": 3, "max_tokens": 3, "stream": True}) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines.count("data: [DONE]") == 1 and lines[-1] == "data: [DONE]"
+    assert _wait_idle(served[1]).pages_used == 0
+
+
+def test_chat_with_n_choices_and_n_bounds(client):
+    messages = [{"role": "user", "content": "hi"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0, n=2)
+    assert [choice.index for choice in whole.choices] == [0, 1]
+    assert whole.choices[0].message.content == whole.choices[1].message.content  # greedy: alike
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0, n=2,
+                                                 stream=True))
+    for index in (0, 1):
+        mine = [chunk.choices[0] for chunk in chunks if chunk.choices[0].index == index]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason in ("stop", "length")
+        assert "".join(choice.delta.content or "" for choice in mine) == whole.choices[index].message.content
+    with pytest.raises(openai.BadRequestError, match="n:") as refused:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=17)
+    assert refused.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, best_of=2)
+    assert len(client.completions.create(model=MODEL, prompt="x", max_tokens=2, best_of=2, n=2).choices) == 2
+    with pytest.raises(openai.RateLimitError):  # more choices than the server queues
+        client.completions.create(model=MODEL, prompt=["x"] * (MAX_PENDING // 2 + 1), max_tokens=2, n=2)
+
+
+def test_tokenize_detokenize_version_ping_and_no_embeddings(served, llama_tokenizer):
+    url = served[0]
+    tokens = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": "hello world"}).json()
+    assert tokens["tokens"] == llama_tokenizer.encode("hello world").tolist()
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == served[1].context
+    bare = httpx.post(url + "/tokenize", json={"prompt": "hello world", "add_special_tokens": False}).json()
+    assert bare["tokens"] == llama_tokenizer.encode("hello world", False).tolist()
+    chat = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}],
+                                               "return_token_strs": True}).json()
+    assert len(chat["token_strs"]) == chat["count"] > 0
+    text = httpx.post(url + "/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]}).json()
+    assert text == {"prompt": llama_tokenizer.decode(tokens["tokens"])} and "hello" in text["prompt"]
+    outside = httpx.post(url + "/detokenize", json={"tokens": [10 ** 9]})
+    assert outside.status_code == 400 and outside.json()["error"]["param"] == "tokens"
+    other = httpx.post(url + "/tokenize", json={"model": "gpt-9", "prompt": "x"})
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+    assert httpx.post(url + "/tokenize", json={"model": MODEL}).status_code == 400
+    assert httpx.get(url + "/version").json() == {"version": importlib.metadata.version("starscream-jax")}
+    assert httpx.get(url + "/ping").status_code == httpx.post(url + "/ping").status_code == 200
+    embeddings = httpx.post(url + "/v1/embeddings", json={"model": MODEL, "input": "x"})
+    assert embeddings.status_code == 404 and "generation only" in embeddings.json()["error"]["message"]
+
+
+class _IdleClient:
+    """An engine client that was never started (the routes that need no engine, and the stats line)."""
+
+    failed, pending, load, on_step = None, 0, None, None
+
+
+def _offline_server(tokenizer, **options) -> Server:
+    info = EngineInfo(context=64, vocab_size=512, max_num_seqs=8, pages_total=100, page_size=4, programs=0)
+    return Server(_IdleClient(), tokenizer, MODEL, info, **options)
+
+
+def test_the_api_key_guards_v1_only_and_cors_answers_preflights(llama_tokenizer):
+    app = _offline_server(llama_tokenizer, api_key="sesame", allowed_origins=["https://ui.example"]).app()
+    http = TestClient(app)  # no lifespan: these routes need no engine
+    missing = http.get("/v1/models")
+    assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+    assert http.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert http.get("/v1/models", headers={"Authorization": "Bearer sesame"}).json()["data"][0]["id"] == MODEL
+    for route in ("/health", "/ping", "/version", "/metrics"):
+        assert http.get(route).status_code == 200, route
+    preflight = http.options("/v1/chat/completions", headers={
+        "Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "https://ui.example"
+    refused = http.get("/v1/models", headers={"Origin": "https://ui.example"})
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "https://ui.example"
+    stranger = http.options("/v1/models", headers={"Origin": "https://evil.example",
+                                                   "Access-Control-Request-Method": "GET"})
+    assert stranger.status_code == 400 and "access-control-allow-origin" not in stranger.headers
+    plain = TestClient(_offline_server(llama_tokenizer).app())
+    assert plain.get("/v1/models").status_code == 200
+    assert plain.options("/v1/models", headers={"Origin": "https://ui.example",
+                                                "Access-Control-Request-Method": "GET"}).status_code == 405
+
+
+def test_sampling_defaults_fill_only_what_a_request_leaves_out(llama_tokenizer):
+    server = _offline_server(llama_tokenizer, sampling_defaults={"temperature": 0.6, "top_p": 0.9, "top_k": 20})
+    bare = CompletionRequest.model_validate({"model": MODEL, "prompt": "x"})
+    params = server._params(bare, [1, 2], logprobs=False, chat=False)
+    assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.9, 20)
+    given = CompletionRequest.model_validate({"model": MODEL, "prompt": "x", "temperature": 0, "top_k": -1,
+                                              "top_p": None})
+    params = server._params(given, [1, 2], logprobs=False, chat=False)
+    assert (params.temperature, params.top_p, params.top_k) == (0.0, 0.9, 0)
+    params = _offline_server(llama_tokenizer)._params(bare, [1, 2], logprobs=False, chat=False)
+    assert (params.temperature, params.top_p, params.top_k) == (1.0, 1.0, 0)
+
+
+def test_the_stats_line_reads_the_step_counters_while_busy(llama_tokenizer):
+    server = _offline_server(llama_tokenizer)
+    assert server.stats_line(0.0) is None  # the first call starts the interval
+    assert server.stats_line(5.0) is None  # no step yet
+    load = dict(prefix_queried_pages=0, prefix_hit_pages=0, preemptions=0, programs=2, programs_after_start=0)
+    server.client.load = EngineStats(running=3, waiting=1, pages_used=25, pages_total=100, generated_tokens=500, **load)
+    server.prompt_tokens_submitted = 200
+    assert server.stats_line(15.0) == ("prompt throughput: 20.0 tokens/s, generation throughput: 50.0 tokens/s, "
+                                       "running: 3 reqs, waiting: 1 reqs, KV cache usage: 25.0%")
+    server.client.load = EngineStats(running=0, waiting=0, pages_used=0, pages_total=100, generated_tokens=600, **load)
+    assert "generation throughput: 10.0 tokens/s, running: 0 reqs" in server.stats_line(25.0)  # the last tokens
+    assert server.stats_line(35.0) is None  # idle: nothing logged
 
 
 async def _one_client(url, index):
