@@ -122,9 +122,9 @@ def run(args: argparse.Namespace) -> int:
     result = train(config, mesh, resume=args.resume, allow_changes=args.allow_change,
                    device_memory_bytes=topology.hbm_bytes, show_progress=not args.no_progress,
                    profile_dir=args.profile, overwrite=args.overwrite)
-    print_layout_summary(inspect_compiled(result.compiled_step, mesh).to_dict(), config.layout, echo)
+    print_layout_summary(inspect_compiled(result.compiled_step, mesh).to_dict(), result.layout, echo)
     if args.profile:
-        print_time_breakdown(args.profile, result, mesh, config.layout, echo)
+        print_time_breakdown(args.profile, result, mesh, result.layout, echo)
     return 0
 
 

@@ -62,8 +62,9 @@ CHANGEABLE = tuple(field.name for field in dataclasses.fields(TrainConfig)
 
 @dataclass
 class TrainResult:
-    """What a run leaves behind: per-step losses (nats), the final state (global arrays) and the compiled training
-    step it ran (for `starscream_jax.analysis.report.inspect_compiled`)."""
+    """What a run leaves behind: per-step losses (nats), the final state (global arrays), the compiled training
+    step it ran (for `starscream_jax.analysis.report.inspect_compiled`) and the layout that placed it (the one asked
+    for, fitted to the batch: `fit_batch`)."""
 
     losses: list[tuple[int, float]]
     eval_losses: list[tuple[int, float]]
@@ -72,6 +73,7 @@ class TrainResult:
     unigram_entropy_nats: float
     compiled_step: object
     profiled_steps: int = 0
+    layout: str = ""
 
 
 def initial_state(config: TrainConfig, model_config, layout, mesh):
@@ -99,11 +101,13 @@ def training_tokens(config: TrainConfig, model_config) -> tuple[np.ndarray, list
 
 
 def run_description(config: TrainConfig, model_config, mesh, step: int, changes: list[dict] = (),
-                    data_files: list[DataFingerprint] = (), tokenizer: str | None = None) -> dict:
-    """The JSON saved with each checkpoint: enough for `starscream generate` to rebuild the model, the content
-    fingerprints of each data file and of the tokenizer, and the changes resumes made to the run's TrainConfig
-    ({"step", "field", "from", "to"}, oldest first)."""
-    return {"step": step, "model_config": dataclasses.asdict(model_config), "layout": config.layout,
+                    data_files: list[DataFingerprint] = (), tokenizer: str | None = None,
+                    layout: str | None = None) -> dict:
+    """The JSON saved with each checkpoint: enough for `starscream generate` to rebuild the model, the layout that
+    ran (fitted to the batch: `layout`, default the one asked for), the content fingerprints of each data file and
+    of the tokenizer, and the changes resumes made to the run's TrainConfig ({"step", "field", "from", "to"},
+    oldest first)."""
+    return {"step": step, "model_config": dataclasses.asdict(model_config), "layout": layout or config.layout,
             "mesh_shape": dict(mesh.shape), "train_config": dataclasses.asdict(config), "changes": list(changes),
             "data_files": [fingerprint.to_dict() for fingerprint in data_files], "tokenizer_sha256": tokenizer}
 
@@ -263,7 +267,7 @@ class RunPlan:
 
     def description(self, step: int, changes: list[dict]) -> dict:
         return run_description(self.config, self.model_config, self.mesh, step, changes, self.data_files,
-                               self.tokenizer)
+                               self.tokenizer, self.layout.name)
 
 
 @dataclass
@@ -348,9 +352,11 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, allow_changes=(), 
     if stop.requested:
         raise RunStopped(f"interrupted at step {state.step} (checkpoint saved); rerun with --resume to continue", 130)
     if log.losses:
-        report_run(config, log.losses, plan.unigram_nats, store.directory, say)
-    return TrainResult(log.losses, log.eval_losses, state.params, state.opt_state, plan.unigram_nats,
-                       program.compiled, len(profile.steps) if profile else 0)
+        report_run(config, log.losses, plan.unigram_nats, store.directory, say, plan.layout.name)
+    return TrainResult(losses=log.losses, eval_losses=log.eval_losses, params=state.params,
+                       opt_state=state.opt_state, unigram_entropy_nats=plan.unigram_nats,
+                       compiled_step=program.compiled, profiled_steps=len(profile.steps) if profile else 0,
+                       layout=plan.layout.name)
 
 
 def plan_run(config: TrainConfig, mesh, allow_changes, stop_at_step: int | None, resume: bool) -> RunPlan:
@@ -640,7 +646,7 @@ class StopRequests:
               file=sys.stderr, flush=True)
 
 
-def report_run(config: TrainConfig, losses, unigram_nats: float, checkpoint_dir, say) -> None:
+def report_run(config: TrainConfig, losses, unigram_nats: float, checkpoint_dir, say, layout: str) -> None:
     """Print the final losses beside the unigram entropy (same units) and write the loss plot."""
     run_dir = Path(config.run_dir)
     final_step, final_loss = losses[-1]
@@ -648,5 +654,5 @@ def report_run(config: TrainConfig, losses, unigram_nats: float, checkpoint_dir,
     metrics_path = run_dir / METRICS_FILE
     if metrics_path.is_file():
         plot_path = plot_losses(read_metrics(metrics_path), run_dir / PLOT_FILE, reference_nats=unigram_nats,
-                                title=f"{config.init or config.model} under {config.layout}")
+                                title=f"{config.init or config.model} under {layout}")
         say(f"metrics {metrics_path}, plot {plot_path}, checkpoints {checkpoint_dir}")
