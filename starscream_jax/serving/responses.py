@@ -1,0 +1,223 @@
+"""One HTTP request's response: each of its choices (an engine request) turned into text as its tokens come, and
+the whole as OpenAI's JSON or as server-sent events, with each choice's metrics once it ends.
+
+A response reads its choices' deltas through a `FanIn` (one choice straight from its stream; several through one
+queue), turns each into text (`detokenize.IncrementalText`, which ends a choice at a stop string), and when it ends,
+for whatever reason (finished, a stop string, the client gone, an engine failure), cancels in the engine every
+choice still running.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+
+from .client import Delta, RequestStream
+from .detokenize import IncrementalText
+from .metrics import RequestTimes
+from .requests import HTTP_BAD_REQUEST, ApiError, Sampling, unavailable
+from .scheduler import SamplingParams
+
+if TYPE_CHECKING:
+    from .server import Server
+
+
+class Choice:
+    """One engine request of a response (a choice): its tokens turned into text as they come, its end, and its
+    metrics once it ends."""
+
+    def __init__(self, server: Server, index: int, request_id: str, prompt: list[int], params: SamplingParams,
+                 stop: tuple[str, ...], include_stop: bool, stream: RequestStream):
+        self.server, self.index, self.request_id, self.params, self.stream = server, index, request_id, params, stream
+        self.prompt_tokens = len(prompt)
+        self.text = IncrementalText(server.tokenizer.decode, prompt, stop, include_stop)
+        self.parts: list[str] = []
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish_reason: str | None = None
+        self.engine_done = False
+        self.first_at = self.last_at = self.queued_s = None
+
+    def advance(self, delta: Delta) -> tuple[str, list[int], list[float]]:
+        """(new text, its token ids and log-probabilities) of `delta`; sets finish_reason on the last."""
+        now = time.monotonic()
+        if delta.tokens:
+            self.first_at = self.first_at or now
+            self.last_at = now
+        self.queued_s = delta.queued_s if delta.queued_s is not None else self.queued_s
+        self.engine_done = delta.finish_reason is not None or delta.error is not None
+        kept = [(token, value) for token, value in zip(delta.tokens, delta.logprobs)
+                if token not in self.params.stop_tokens]  # a stop token ends the text and is not part of it
+        tokens, values = [token for token, _ in kept], [value for _, value in kept]
+        self.tokens += tokens
+        self.logprobs += values
+        text = self.text.add(tokens, final=self.engine_done)
+        if self.text.stopped or delta.finish_reason is not None:
+            self.finish_reason = "stop" if self.text.stopped else delta.finish_reason
+        return text, tokens, values
+
+    def finished(self, arrival: float) -> None:
+        """Cancels the request in the engine if it still runs (a stop string, the client gone, another choice
+        failed) and records its metrics."""
+        if not self.engine_done:
+            self.server.client.cancel(self.request_id)
+        self.server.metrics.observe_request(RequestTimes(
+            first_token_s=None if self.first_at is None else self.first_at - arrival,
+            last_token_s=None if self.last_at is None else self.last_at - arrival, queued_s=self.queued_s,
+            prompt_tokens=self.prompt_tokens, generated_tokens=len(self.tokens),
+            finish_reason=self.finish_reason or "abort"))
+
+
+class FanIn:
+    """Each choice's deltas as they come, in arrival order: the first ones given, then what the streams give. One
+    choice is read from its stream directly; several through one queue, filled by a task per choice (a wake-up per
+    step and choice, none per token)."""
+
+    def __init__(self, choices: list[Choice], firsts: list[Delta]):
+        self._choices, self._first = choices, firsts[0] if len(choices) == 1 else None
+        self._queue: asyncio.Queue | None = None
+        self._pumps: list[asyncio.Task] = []
+        if len(choices) > 1:
+            self._queue = asyncio.Queue()
+            for choice, first in zip(choices, firsts):
+                self._queue.put_nowait((choice, first))
+            self._pumps = [asyncio.create_task(self._pump(choice)) for choice in choices]
+
+    async def _pump(self, choice: Choice) -> None:
+        while True:
+            delta = await choice.stream.take()
+            self._queue.put_nowait((choice, delta))
+            if delta.finish_reason is not None or delta.error is not None:
+                return
+
+    async def next(self) -> tuple[Choice, Delta]:
+        if self._queue is not None:
+            return await self._queue.get()
+        delta, self._first = self._first, None
+        return self._choices[0], delta if delta is not None else await self._choices[0].stream.take()
+
+    def close(self) -> None:
+        for pump in self._pumps:
+            pump.cancel()
+
+
+class CompletionResponse:
+    """One HTTP request's response: its choices' text as OpenAI's JSON, whole or as server-sent events (chunks of
+    every choice interleaved as they come, each naming its choice's index)."""
+
+    def __init__(self, server: Server, response_id: str, body: Sampling, chat: bool, prompt_tokens: int,
+                 arrival: float, choices: list[Choice], firsts: list[Delta]):
+        self.server, self.response_id, self.body, self.chat = server, response_id, body, chat
+        self.model, self.prompt_tokens, self.arrival = body.model, prompt_tokens, arrival
+        self.choices, self.firsts, self.created = choices, firsts, int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _finished(self, fan_in: FanIn) -> None:
+        fan_in.close()
+        for choice in self.choices:
+            choice.finished(self.arrival)
+
+    async def whole(self, request: Request) -> dict:
+        watcher = asyncio.create_task(hang_up(request, [choice.stream for choice in self.choices]))
+        fan_in = FanIn(self.choices, self.firsts)
+        try:
+            running = len(self.choices)
+            while running:
+                choice, delta = await fan_in.next()
+                if choice.finish_reason is not None:
+                    continue  # what came after its stop string
+                if delta.error is not None:
+                    raise (ApiError(HTTP_BAD_REQUEST, "the client disconnected") if delta.error == _HUNG_UP
+                           else unavailable(delta.error))
+                choice.parts.append(choice.advance(delta)[0])
+                running -= choice.finish_reason is not None
+            return self._body()
+        finally:
+            watcher.cancel()
+            self._finished(fan_in)
+
+    async def sse(self):
+        encode = self.server._json.encode
+        fan_in = FanIn(self.choices, self.firsts)
+        try:
+            if self.chat:
+                for choice in self.choices:
+                    yield _sse(encode(self._chunk(choice, {"role": "assistant", "content": ""}, None)))
+            failed, running = False, len(self.choices)
+            while running:
+                choice, delta = await fan_in.next()
+                if choice.finish_reason is not None:
+                    continue
+                if delta.error is not None:
+                    yield _sse(encode(unavailable(delta.error).body()))
+                    failed = True
+                    break
+                text, tokens, values = choice.advance(delta)
+                if text or tokens or choice.finish_reason is not None:
+                    logprobs = self._logprobs(tokens, values) if choice.params.logprobs else None
+                    yield _sse(encode(self._chunk(choice, text, choice.finish_reason, logprobs)))
+                running -= choice.finish_reason is not None
+            options = self.body.stream_options
+            if options is not None and options.include_usage and not failed:
+                yield _sse(encode({"id": self.response_id, "object": self._chunk_object(), "created": self.created,
+                                   "model": self.model, "choices": [], "usage": self._usage()}))
+            yield b"data: [DONE]\n\n"
+        finally:
+            self._finished(fan_in)
+
+    def _usage(self) -> dict:
+        completion = sum(len(choice.tokens) for choice in self.choices)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+    def _logprobs(self, tokens: list[int], values: list[float]) -> dict:
+        decode = self.server.tokenizer.decode
+        if self.chat:
+            return {"content": [{"token": decode([t]), "logprob": v, "bytes": None, "top_logprobs": []}
+                                for t, v in zip(tokens, values)]}
+        return {"tokens": [decode([t]) for t in tokens], "token_logprobs": values, "top_logprobs": None,
+                "text_offset": None}
+
+    def _body(self) -> dict:
+        choices = []
+        for choice in self.choices:
+            text = "".join(choice.parts)
+            logprobs = self._logprobs(choice.tokens, choice.logprobs) if choice.params.logprobs else None
+            if self.chat:
+                choices.append({"index": choice.index, "message": {"role": "assistant", "content": text},
+                                "logprobs": logprobs, "finish_reason": choice.finish_reason})
+            else:
+                choices.append({"index": choice.index, "text": text, "logprobs": logprobs,
+                                "finish_reason": choice.finish_reason})
+        return {"id": self.response_id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self._usage()}
+
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def _chunk(self, choice: Choice, delta, finish_reason, logprobs=None) -> dict:
+        if self.chat:
+            content = delta if isinstance(delta, dict) else {"content": delta}
+            part = {"index": choice.index, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
+        else:
+            part = {"index": choice.index, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"id": self.response_id, "object": self._chunk_object(), "created": self.created,
+                "model": self.model, "choices": [part]}
+
+
+_HUNG_UP = "the client disconnected"
+
+
+async def hang_up(request: Request, streams: list[RequestStream]) -> None:
+    """Ends `streams` once the client of a whole (not streamed) response disconnects: one waiting task per
+    request, no poll per token."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    for stream in streams:
+        stream.fail(_HUNG_UP)
+
+
+def _sse(payload: bytes) -> bytes:
+    return b"data: " + payload + b"\n\n"
