@@ -179,15 +179,15 @@ def port_number(text: str) -> int:
 
 def fraction(text: str) -> float:
     """A fraction in (0, 1], as --gpu-memory-utilization takes it."""
-    return _number(text, lambda value: 0.0 < value <= 1.0, "give a fraction above 0 and at most 1, such as 0.9")
+    return _float_flag(text, lambda value: 0.0 < value <= 1.0, "give a fraction above 0 and at most 1, such as 0.9")
 
 
 def positive_float(text: str) -> float:
     """A positive, finite number (--fake-engine's milliseconds)."""
-    return _number(text, lambda value: 0.0 < value < math.inf, "give a positive number of milliseconds")
+    return _float_flag(text, lambda value: 0.0 < value < math.inf, "give a positive number of milliseconds")
 
 
-def _number(text: str, accepted, fix: str) -> float:
+def _float_flag(text: str, accepted, fix: str) -> float:
     try:
         value = float(text)
     except ValueError:

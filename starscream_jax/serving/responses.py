@@ -10,29 +10,39 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
+import msgspec
 from fastapi import Request
 
-from .client import Delta, RequestStream
+from .client import Delta, EngineClient, RequestStream
 from .detokenize import IncrementalText
-from .metrics import RequestTimes
+from .metrics import RequestTimes, ServerMetrics
 from .requests import HTTP_BAD_REQUEST, ApiError, Sampling, unavailable
 from .scheduler import SamplingParams
 
-if TYPE_CHECKING:
-    from .server import Server
+
+@dataclass(frozen=True)
+class Serving:
+    """What every response of a server uses: the tokenizer's decode, the engine client (to cancel a choice), the
+    metrics and the JSON encoder."""
+
+    decode: Callable[[list[int]], str]
+    client: EngineClient
+    metrics: ServerMetrics
+    json: msgspec.json.Encoder
 
 
 class Choice:
     """One engine request of a response (a choice): its tokens turned into text as they come, its end, and its
     metrics once it ends."""
 
-    def __init__(self, server: Server, index: int, request_id: str, prompt: list[int], params: SamplingParams,
+    def __init__(self, serving: Serving, index: int, request_id: str, prompt: list[int], params: SamplingParams,
                  stop: tuple[str, ...], include_stop: bool, stream: RequestStream):
-        self.server, self.index, self.request_id, self.params, self.stream = server, index, request_id, params, stream
+        self.serving, self.index, self.request_id, self.params, self.stream = serving, index, request_id, params, stream
         self.prompt_tokens = len(prompt)
-        self.text = IncrementalText(server.tokenizer.decode, prompt, stop, include_stop)
+        self.text = IncrementalText(serving.decode, prompt, stop, include_stop)
         self.parts: list[str] = []
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
@@ -62,8 +72,8 @@ class Choice:
         """Cancels the request in the engine if it still runs (a stop string, the client gone, another choice
         failed) and records its metrics."""
         if not self.engine_done:
-            self.server.client.cancel(self.request_id)
-        self.server.metrics.observe_request(RequestTimes(
+            self.serving.client.cancel(self.request_id)
+        self.serving.metrics.observe_request(RequestTimes(
             first_token_s=None if self.first_at is None else self.first_at - arrival,
             last_token_s=None if self.last_at is None else self.last_at - arrival, queued_s=self.queued_s,
             prompt_tokens=self.prompt_tokens, generated_tokens=len(self.tokens),
@@ -107,9 +117,9 @@ class CompletionResponse:
     """One HTTP request's response: its choices' text as OpenAI's JSON, whole or as server-sent events (chunks of
     every choice interleaved as they come, each naming its choice's index)."""
 
-    def __init__(self, server: Server, response_id: str, body: Sampling, chat: bool, prompt_tokens: int,
+    def __init__(self, serving: Serving, response_id: str, body: Sampling, chat: bool, prompt_tokens: int,
                  arrival: float, choices: list[Choice], firsts: list[Delta]):
-        self.server, self.response_id, self.body, self.chat = server, response_id, body, chat
+        self.serving, self.response_id, self.body, self.chat = serving, response_id, body, chat
         self.model, self.prompt_tokens, self.arrival = body.model, prompt_tokens, arrival
         self.choices, self.firsts, self.created = choices, firsts, int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -139,7 +149,7 @@ class CompletionResponse:
             self._finished(fan_in)
 
     async def sse(self):
-        encode = self.server._json.encode
+        encode = self.serving.json.encode
         fan_in = FanIn(self.choices, self.firsts)
         try:
             if self.chat:
@@ -173,7 +183,7 @@ class CompletionResponse:
                 "total_tokens": self.prompt_tokens + completion}
 
     def _logprobs(self, tokens: list[int], values: list[float]) -> dict:
-        decode = self.server.tokenizer.decode
+        decode = self.serving.decode
         if self.chat:
             return {"content": [{"token": decode([t]), "logprob": v, "bytes": None, "top_logprobs": []}
                                 for t, v in zip(tokens, values)]}

@@ -56,7 +56,7 @@ from .requests import (
     TokenizeRequest,
     unavailable,
 )
-from .responses import Choice, CompletionResponse
+from .responses import Choice, CompletionResponse, Serving
 from .scheduler import SamplingParams, check_fits
 
 MAX_CHARS_PER_TOKEN = 256
@@ -94,7 +94,8 @@ class Server:
         self.sampling_defaults = dict(sampling_defaults or {})
         self.stats_interval_s = stats_interval_s
         self._ids = itertools.count()
-        self._json = msgspec.json.Encoder()
+        self.serving = Serving(decode=tokenizer.decode, client=client, metrics=self.metrics,
+                               json=msgspec.json.Encoder())
         self.shutting_down = False
         self.prompt_tokens_submitted = 0
         """Prompt tokens sent to the engine so far (for the periodic stats line)."""
@@ -300,7 +301,7 @@ class Server:
                 request_id = response_id if len(prompts) * body.n == 1 else f"{response_id}-{index}"
                 seeded = base if i == 0 or base.seed is None else replace(base, seed=(base.seed + i) % 2 ** 31)
                 stream = self.client.submit(request_id, prompt, seeded)
-                choices.append(Choice(self, index, request_id, prompt, seeded, stop, body.include_stop_str_in_output,
+                choices.append(Choice(self.serving, index, request_id, prompt, seeded, stop, body.include_stop_str_in_output,
                                        stream))
             self.prompt_tokens_submitted += len(prompt) * body.n
         firsts = await asyncio.gather(*(choice.stream.take() for choice in choices))  # refusals surface here
@@ -310,7 +311,7 @@ class Server:
                 self.client.cancel(choice.request_id)
             raise (ApiError(HTTP_BAD_REQUEST, refused.error) if refused.finish_reason == "refused"
                    else unavailable(refused.error))
-        response = CompletionResponse(self, response_id, body, chat, sum(map(len, prompts)), arrival, choices, firsts)
+        response = CompletionResponse(self.serving, response_id, body, chat, sum(map(len, prompts)), arrival, choices, firsts)
         if body.stream:
             return StreamingResponse(response.sse(), media_type="text/event-stream")
         return await response.whole(request)
