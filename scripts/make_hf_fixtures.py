@@ -47,7 +47,16 @@ FAMILIES = {
     "qwen3_moe": (transformers.Qwen3MoeConfig, dict(
         head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
         decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0, use_sliding_window=False)),
+    # Gemma 2: a window of 6 on the even layer (the batch's 16 tokens and the greedy path's 29 run past it), an
+    # attention scale other than head_dim's, and caps low enough to bend the scores and logits of this model
+    "gemma2": (transformers.Gemma2Config, dict(
+        head_dim=16, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=8.0,
+        final_logit_softcapping=10.0, tie_word_embeddings=True, rope_theta=10000.0, pad_token_id=None)),
 }
+EMBEDDING_STD = {"gemma2": COMMON["hidden_size"] ** -0.5}
+"""Families whose embeddings are drawn smaller than N(0, 1): Gemma 2 multiplies them by sqrt(hidden_size), and at
+N(0, 1) its tied embedding then makes every token predict itself."""
 SHARD_SIZE = {"llama": "200KB"}
 """Families saved as several shards with an index (the others as one model.safetensors)."""
 
@@ -71,8 +80,9 @@ def train_tokenizer(out: Path) -> Tokenizer:
     return tokenizer
 
 
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    """Every weight drawn from N(0, 0.15^2) (embeddings N(0, 1)), norm scales 1 + N(0, 0.1^2), biases N(0, 0.1^2)."""
+def randomize(model: torch.nn.Module, seed: int, embedding_std: float = 1.0) -> None:
+    """Every weight drawn from N(0, 0.15^2) (embeddings N(0, embedding_std^2)), norm scales 1 + N(0, 0.1^2), biases
+    N(0, 0.1^2)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, tensor in model.named_parameters():
@@ -82,7 +92,7 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             elif name.endswith("bias"):
                 tensor.copy_(0.1 * noise)
             elif "embed_tokens" in name:
-                tensor.copy_(noise)
+                tensor.copy_(embedding_std * noise)
             else:
                 tensor.copy_(0.15 * noise)
 
@@ -105,7 +115,7 @@ def build(family: str, tokenizer_dir: Path, tokenizer: Tokenizer, seed: int) -> 
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    randomize(model, seed)
+    randomize(model, seed, EMBEDDING_STD.get(family, 1.0))
     out = OUT / family
     shutil.rmtree(out, ignore_errors=True)
     model.save_pretrained(out, max_shard_size=SHARD_SIZE.get(family, "50MB"))

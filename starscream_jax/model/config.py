@@ -15,6 +15,9 @@ from ..resources import data_dir
 from .quantize import MATMUL_FORMATS, SCALE_GRANULARITIES, WEIGHT_FORMATS
 
 REMAT_POLICIES = ("none", "dots", "full")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+"""The gated MLP's activation of its gate: SiLU (SwiGLU: Llama, Mistral, Qwen) or the tanh approximation of GELU
+(GeGLU: Gemma 2's gelu_pytorch_tanh)."""
 """What the backward pass keeps of each layer's forward: everything ("none": nothing recomputed), the outputs of the
 projection matmuls ("dots": norms, rotary, attention and activations recomputed), or only the layer's input ("full":
 the whole layer recomputed)."""
@@ -32,6 +35,15 @@ class ModelConfig:
     head_dim before the rotary embedding (Qwen3). rope_scaling "llama3": Llama 3.1's frequency-dependent stretch of
     the rotary wavelengths by rope_factor between rope_original_max_len / rope_low_freq_factor and
     rope_original_max_len / rope_high_freq_factor ("" = plain rotary embedding).
+
+    Gemma 2's differences from Llama, each off by default: mlp_activation "gelu_tanh" (one of MLP_ACTIVATIONS);
+    norm_plus_one: every RMSNorm scales by (1 + weight) rather than weight; post_norms: the attention's and the
+    MLP's outputs are RMSNormed (weights `attn_post_norm`, `mlp_post_norm`) before they join the residual stream;
+    scale_embedding: the embedding's rows are multiplied by sqrt(d_model), rounded to the compute dtype;
+    attn_softcap / logit_softcap (0 = none): attention scores and final logits soft-capped as cap * tanh(x / cap);
+    query_pre_attn_scalar: attention scores scaled by its inverse square root (0 = head_dim's);
+    sliding_window (0 = none): the layers listed in sliding_layers attend to the sliding_window latest positions up
+    to their own (a query at position p sees keys at p - sliding_window + 1 .. p), the others to every earlier one.
 
     remat: one of REMAT_POLICIES (True / False are read as "full" / "none").
 
@@ -85,8 +97,19 @@ class ModelConfig:
     weight_scales: str = "channel"
     kv_format: str = ""
     matmul_format: str = ""
+    mlp_activation: str = "silu"
+    norm_plus_one: bool = False
+    post_norms: bool = False
+    scale_embedding: bool = False
+    attn_softcap: float = 0.0
+    logit_softcap: float = 0.0
+    query_pre_attn_scalar: float = 0.0
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
+        if isinstance(self.sliding_layers, list):  # TOML and saved runs give a list
+            object.__setattr__(self, "sliding_layers", tuple(self.sliding_layers))
         if isinstance(self.remat, bool):  # older configurations and checkpoints say true / false
             object.__setattr__(self, "remat", "full" if self.remat else "none")
         if self.remat not in REMAT_POLICIES:
@@ -120,6 +143,25 @@ class ModelConfig:
                               f"{', '.join(SCALE_GRANULARITIES)}")
         if self.rope_scaling not in ("", "llama3"):
             raise PresetError(f"model {self.name}: rope_scaling {self.rope_scaling!r}; use '' (none) or 'llama3'")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise PresetError(f"model {self.name}: mlp_activation {self.mlp_activation!r}; use one of "
+                              f"{', '.join(MLP_ACTIVATIONS)}")
+        self._check_sliding_layers()
+        if self.n_experts and self.mlp_activation != "silu":
+            raise PresetError(f"model {self.name}: mlp_activation {self.mlp_activation!r} with experts; a mixture of "
+                              "experts runs SwiGLU (silu)")
+
+    def _check_sliding_layers(self) -> None:
+        """sliding_layers: distinct layer indices, given exactly when there is a sliding window."""
+        layers = self.sliding_layers
+        if not isinstance(layers, tuple) or any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
+            raise PresetError(f"model {self.name}: sliding_layers {layers!r}; give a list of layer indices")
+        if any(not 0 <= i < self.n_layers for i in layers) or len(set(layers)) != len(layers):
+            raise PresetError(f"model {self.name}: sliding_layers {list(layers)} must be distinct layer indices in "
+                              f"0..{self.n_layers - 1}")
+        if bool(layers) != bool(self.sliding_window):
+            raise PresetError(f"model {self.name}: sliding_window {self.sliding_window} with sliding_layers "
+                              f"{list(layers)}; give both (a window and the layers that use it) or neither")
 
     def _check_field_types(self) -> None:
         """Sizes are whole numbers of at least 1 (n_experts at least 0), rope_theta and norm_eps positive numbers,
@@ -130,8 +172,12 @@ class ModelConfig:
         whole_number(self.n_experts, f"model {self.name}: n_experts", minimum=0)
         for field in ("rope_theta", "norm_eps"):
             finite_number(getattr(self, field), f"model {self.name}: {field}", positive=True)
+        for field in ("attn_softcap", "logit_softcap", "query_pre_attn_scalar"):
+            finite_number(getattr(self, field), f"model {self.name}: {field}")
         whole_number(self.scan_unroll, f"model {self.name}: scan_unroll", minimum=0)
-        for field in ("tie_embeddings", "qkv_bias", "qk_norm", "normalize_gates", "fuse_projections"):
+        whole_number(self.sliding_window, f"model {self.name}: sliding_window", minimum=0)
+        for field in ("tie_embeddings", "qkv_bias", "qk_norm", "normalize_gates", "fuse_projections", "norm_plus_one",
+                      "post_norms", "scale_embedding"):
             if not isinstance(getattr(self, field), bool):
                 raise PresetError(f"model {self.name}: {field} {getattr(self, field)!r}; use true or false")
 
@@ -145,7 +191,8 @@ class ModelConfig:
         attention += (hd * (h + 2 * k) if self.qkv_bias else 0) + (2 * hd if self.qk_norm else 0)
         mlp = 3 * d * f * max(1, self.n_experts) + (d * self.n_experts if self.n_experts else 0)
         embeddings = self.vocab_size * d * (1 if self.tie_embeddings else 2)
-        return self.n_layers * (attention + mlp + 2 * d) + embeddings + d
+        norms = (4 if self.post_norms else 2) * d
+        return self.n_layers * (attention + mlp + norms) + embeddings + d
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x active matmul parameters + attention (12 L S D_attn), as in the PaLM paper's

@@ -47,7 +47,7 @@ from ..sharding.layouts import Layout
 from .config import ModelConfig
 from .moe import routed_mlp
 from .names import ATTN_KV, ATTN_Q, CACHE, KV_CACHE, KV_CACHE_SCALE, LOGITS, POSITIONS, RESIDUAL, TOKENS
-from .ops import attention, cross_entropy, embed_lookup
+from .ops import AttentionOptions, attention, cross_entropy, embed_lookup
 from .paged import PagedCache, PagedLayer, paged_attention, with_layers
 from .quantize import (
     OCP_TO_FNUZ,
@@ -78,11 +78,38 @@ def _normal(rngs: nnx.Rngs, shape, fan_in: int) -> jax.Array:
     return jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in ** -0.5
 
 
-def rms_norm(x_BSD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm in float32, returned in x's dtype."""
+def rms_norm(x_BSD: jax.Array, scale_D: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
+    """RMSNorm in float32, returned in x's dtype; scaled by (1 + scale) with `plus_one` (Gemma), else by scale."""
     x32 = x_BSD.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if plus_one:
+        scale_D = 1.0 + scale_D.astype(jnp.float32)
     return scale(normed, scale_D, ("norm",), "norm scale").astype(x_BSD.dtype)
+
+
+def _norm(c: ModelConfig, x: jax.Array, scale_D: jax.Array) -> jax.Array:
+    """`rms_norm` of x over its last axis as `c` computes it."""
+    return rms_norm(x, scale_D, c.norm_eps, c.norm_plus_one)
+
+
+FULL_WINDOW = 1 << 30
+"""The window of a layer that attends to every earlier position, in a model with sliding-window layers."""
+
+
+def attention_options(c: ModelConfig) -> AttentionOptions | None:
+    """How attention departs from plain causal softmax(q k / sqrt(head_dim)) under `c` (Gemma 2's scale,
+    soft-capping, sliding window); None where it does not, and attention runs as it always has."""
+    if not (c.query_pre_attn_scalar or c.attn_softcap or c.sliding_window):
+        return None
+    return AttentionOptions(c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar else None, c.attn_softcap,
+                            bool(c.sliding_window))
+
+
+def layer_windows(c: ModelConfig) -> np.ndarray:
+    """Each layer's attention window [L] int32: `c.sliding_window` for the layers of `c.sliding_layers`,
+    FULL_WINDOW for the others."""
+    return np.array([c.sliding_window if layer in c.sliding_layers else FULL_WINDOW for layer in range(c.n_layers)],
+                    np.int32)
 
 
 def rope_frequencies(c: ModelConfig) -> jax.Array:
@@ -133,6 +160,9 @@ class LayerStack(nnx.Module):
             self.q_norm = param(jnp.ones((L, E)), ("layers", "norm"))
             self.k_norm = param(jnp.ones((L, E)), ("layers", "norm"))
         self.mlp_norm = param(jnp.ones((L, D)), ("layers", "norm"))
+        if c.post_norms:
+            self.attn_post_norm = param(jnp.ones((L, D)), ("layers", "norm"))
+            self.mlp_post_norm = param(jnp.ones((L, D)), ("layers", "norm"))
         if c.n_experts:
             X = c.n_experts
             self.router = param(_normal(rngs, (L, D, X), D), ("layers", "embed", "experts"))
@@ -224,19 +254,25 @@ class Transformer(nnx.Module):
         """(the embedding table as used [V, D], the tokens' rows [B, S, D] placed by RESIDUAL)."""
         with jax.named_scope("embed"):
             table_VD = weight(self.embedding[...], ("vocab", "embed"), jnp.dtype(self.config.dtype), "embedding")
-            return table_VD, embed_lookup(table_VD, tokens_BS, out=RESIDUAL)
+            rows_BSD = embed_lookup(table_VD, tokens_BS, out=RESIDUAL)
+            if self.config.scale_embedding:  # sqrt(D) rounded to the compute dtype first, as transformers does
+                rows_BSD = rows_BSD * jnp.asarray(self.config.d_model ** 0.5, table_VD.dtype)
+            return table_VD, rows_BSD
 
     def _logits(self, x_BSD, table_VD):
         """The final norm of x [B, S, D], then the vocabulary projection: logits [B, S, V] float32 (LOGITS)."""
         c = self.config
-        x_BSD = rms_norm(x_BSD, self.final_norm[...], c.norm_eps)
+        x_BSD = _norm(c, x_BSD, self.final_norm[...])
         with jax.named_scope("logits"):
             if c.tie_embeddings:
                 logits_BSV = einsum("bsd,vd->bsv", x_BSD, table_VD, out=LOGITS, tensor="logits")
             else:
                 head_DV = weight(self.lm_head[...], ("embed", "vocab"), jnp.dtype(c.dtype), "lm_head")
                 logits_BSV = einsum("bsd,dv->bsv", x_BSD, head_DV, out=LOGITS, tensor="logits")
-            return logits_BSV.astype(jnp.float32)
+            logits_BSV = logits_BSV.astype(jnp.float32)
+            if c.logit_softcap:
+                logits_BSV = c.logit_softcap * jnp.tanh(logits_BSV / c.logit_softcap)
+            return logits_BSV
 
     def _run_layers(self, x_BSD, stacked, positions_BS, cache, cache_index):
         """The L blocks over x [B, S, D] -> (x, (cache or None, load-balancing loss per layer [L])). Without a
@@ -390,6 +426,7 @@ def _cache_room(cache: dict, cache_index, new_tokens: int) -> jax.Array | None:
 
 def _layer_weight_names(c: ModelConfig) -> list[str]:
     names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
+    names += ["attn_post_norm", "mlp_post_norm"] if c.post_norms else []
     names += ["bq", "bk", "bv"] if c.qkv_bias else []
     names += ["q_norm", "k_norm"] if c.qk_norm else []
     names += ["router"] if c.n_experts else []
@@ -409,8 +446,11 @@ def _layer_weights(c: ModelConfig, layers: LayerStack) -> dict:
     stored, and a weight held per layer (`split_layer_weights`: a tuple of L arrays) as held."""
     dtype = jnp.dtype(c.dtype)
     stored = {name: getattr(layers, name).get_value() for name in _layer_weight_names(c)}
-    return {name: value.astype(dtype) if name in CAST_ONCE and not isinstance(value, tuple)
-            and value.dtype.itemsize > 1 else value for name, value in stored.items()}
+    weights = {name: value.astype(dtype) if name in CAST_ONCE and not isinstance(value, tuple)
+               and value.dtype.itemsize > 1 else value for name, value in stored.items()}
+    if c.sliding_window:  # each layer's attention window travels with its weights (`layer_windows`)
+        weights["window"] = jnp.asarray(layer_windows(c))
+    return weights
 
 
 def _used(scope: str, c: ModelConfig, weights: dict, key: str, names: tuple[str, ...]) -> jax.Array | Scaled | Fp8Weight:
@@ -495,7 +535,9 @@ def _padded_matmul(subscripts: str, x: jax.Array, w: jax.Array | Scaled, out: tu
 
 
 def _block(c: ModelConfig, x_BSD, w, positions_BS, cached=None):
-    """One pre-norm block: x + attention(norm(x)), then + mlp(norm(x)). x [B, S, D] placed by RESIDUAL.
+    """One pre-norm block: x + attention(norm(x)), then + mlp(norm(x)); with `c.post_norms` (Gemma 2) the attention's
+    and the MLP's outputs are normed again before they are added. x [B, S, D] placed by RESIDUAL. Attention follows
+    `attention_options(c)`, each layer with its own window (w["window"], `layer_windows`) in a sliding-window model.
 
     cached: None, or (cache, layer, cache_index): the KV cache of every layer ([L, B, T, K, E] each), this block's
     layer index and the position of the first new token; or (this layer's cache, [B, T, K, E] each, None,
@@ -503,17 +545,21 @@ def _block(c: ModelConfig, x_BSD, w, positions_BS, cached=None):
     tokens' own positions). The new keys and values are written into the cache in place (`write_cache`) and
     attention reads this layer's part. Returns (x, cache or None, the layer's load-balancing loss: 0 for a dense
     MLP)."""
-    h_BSD = rms_norm(x_BSD, w["attn_norm"], c.norm_eps)
+    h_BSD = _norm(c, x_BSD, w["attn_norm"])
     q_BSHE, k_BSKE, v_BSKE = _qkv(c, h_BSD, w)
     if c.qkv_bias:
         q_BSHE, k_BSKE, v_BSKE = (_add_bias(x, w[key], names) for x, key, names in (
             (q_BSHE, "bq", ("heads", "head_dim")), (k_BSKE, "bk", ("kv_heads", "head_dim")),
             (v_BSKE, "bv", ("kv_heads", "head_dim"))))
     if c.qk_norm:
-        q_BSHE, k_BSKE = rms_norm(q_BSHE, w["q_norm"], c.norm_eps), rms_norm(k_BSKE, w["k_norm"], c.norm_eps)
+        q_BSHE, k_BSKE = _norm(c, q_BSHE, w["q_norm"]), _norm(c, k_BSKE, w["k_norm"])
     inv_freq = rope_frequencies(c)
     q_BSHE, k_BSKE = rope(q_BSHE, positions_BS, inv_freq), rope(k_BSKE, positions_BS, inv_freq)
+    options = attention_options(c)
     if isinstance(cached, PagedLayer):
+        if options is not None:
+            raise StarscreamError(f"model {c.name}: paged attention does not implement {options.describe()}; "
+                                  "serve a model without them")
         with jax.named_scope("attention"):
             attended_BSHE, cache = paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cached)
     else:
@@ -524,15 +570,20 @@ def _block(c: ModelConfig, x_BSD, w, positions_BS, cached=None):
             layer_cache = cache if layer is None else {name: cache[name][layer] for name in cache}
         with jax.named_scope("attention"):
             attended_BSHE = attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, layer_cache,
-                                      None if cached is None else cached[2])
+                                      None if cached is None else cached[2], options, w.get("window"))
     attended_BSHE = constrain(attended_BSHE, ("batch", "seq", "heads", "head_dim"), "attention output")
     wo_HED = _used("o", c, w, "wo", ("heads", "head_dim", "embed"))
-    x_BSD = x_BSD + _project("o", "bshe,hed->bsd", attended_BSHE, wo_HED, RESIDUAL, c)
-    h_BSD = rms_norm(x_BSD, w["mlp_norm"], c.norm_eps)
+    attn_out_BSD = _project("o", "bshe,hed->bsd", attended_BSHE, wo_HED, RESIDUAL, c)
+    if c.post_norms:
+        attn_out_BSD = _norm(c, attn_out_BSD, w["attn_post_norm"])
+    x_BSD = x_BSD + attn_out_BSD
+    h_BSD = _norm(c, x_BSD, w["mlp_norm"])
     if c.n_experts:
         mlp_BSD, balance = routed_mlp(c, h_BSD, w)
     else:
         mlp_BSD, balance = _dense_mlp(c, h_BSD, w), jnp.zeros((), jnp.float32)
+    if c.post_norms:
+        mlp_BSD = _norm(c, mlp_BSD, w["mlp_post_norm"])
     return x_BSD + mlp_BSD, cache, balance
 
 
@@ -692,10 +743,13 @@ def _gate_up(c: ModelConfig, h_BSD, w):
 
 
 def _dense_mlp(c: ModelConfig, h_BSD, w):
-    """SwiGLU: down(silu(h @ gate) * (h @ up)), [B, S, D] -> [B, S, D] with the hidden [B, S, F] over `mlp`."""
+    """SwiGLU: down(silu(h @ gate) * (h @ up)), [B, S, D] -> [B, S, D] with the hidden [B, S, F] over `mlp`; GeGLU
+    (GELU's tanh approximation in silu's place) where `c.mlp_activation` is "gelu_tanh"."""
     gate_BSF, up_BSF = _gate_up(c, h_BSD, w)
     w_down_FD = _used("down", c, w, "w_down", ("mlp", "embed"))
-    return _project("down", "bsf,fd->bsd", jax.nn.silu(gate_BSF) * up_BSF, w_down_FD, RESIDUAL, c)
+    gelu = c.mlp_activation == "gelu_tanh"
+    activated_BSF = jax.nn.gelu(gate_BSF, approximate=True) if gelu else jax.nn.silu(gate_BSF)
+    return _project("down", "bsf,fd->bsd", activated_BSF * up_BSF, w_down_FD, RESIDUAL, c)
 
 
 def cache_entries(config: ModelConfig, batch: int, length: int) -> dict[str, jax.ShapeDtypeStruct]:

@@ -121,6 +121,10 @@ def sources(config: ModelConfig) -> dict[str, Source]:
         "layers/wo": Source(layer + "self_attn.o_proj.weight", 1, (1, 2, 0), (1, E)),
         "layers/mlp_norm": Source(layer + "post_attention_layernorm.weight", 1),
     }
+    if config.post_norms:  # Gemma 2: post_attention_layernorm norms the attention's output, not the MLP's input
+        table["layers/mlp_norm"] = Source(layer + "pre_feedforward_layernorm.weight", 1)
+        table["layers/attn_post_norm"] = Source(layer + "post_attention_layernorm.weight", 1)
+        table["layers/mlp_post_norm"] = Source(layer + "post_feedforward_layernorm.weight", 1)
     if not config.tie_embeddings:
         table["lm_head"] = Source(HEAD, order=(1, 0))
     if config.qkv_bias:

@@ -1,10 +1,12 @@
-"""Hugging Face `config.json` <-> `ModelConfig`, for the Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen3-MoE families.
+"""Hugging Face `config.json` <-> `ModelConfig`, for the Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE and Gemma 2
+families.
 
 Reading accepts both spellings of the rotary settings (`rope_theta` and `rope_scaling`, or the newer
 `rope_parameters`). A field that would change the computation and that the decoder does not implement (another
 rope type, an attention or MLP bias, a different activation, ...) is a `CheckpointError` naming the field and its
 value, never a quietly different model. A sliding window no shorter than the sequences run is full causal
-attention: the window becomes the model's `max_seq_len`.
+attention: the window becomes the model's `max_seq_len`. Gemma 2's window is a true sliding window on the layers its
+`layer_types` names (`ModelConfig.sliding_layers`).
 """
 from __future__ import annotations
 
@@ -15,15 +17,29 @@ from ..errors import CheckpointError
 from .config import ModelConfig
 
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+            "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+            "gemma2": "Gemma2ForCausalLM"}
 """model_type -> the architecture name config.json gives it."""
 CONFIG_FILE = "config.json"
-QKV_BIAS = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "mixtral": False, "qwen3_moe": False}
+QKV_BIAS = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "mixtral": False, "qwen3_moe": False,
+            "gemma2": False}
 """Whether each family's q, k, v projections carry biases (Qwen2's always do, whatever `attention_bias` says; in
 the others `attention_bias` would add them to the output projection too, which is refused)."""
 WIDTH_FIELD = {"qwen3_moe": "moe_intermediate_size"}
 """The field holding d_ff where it is not intermediate_size (Qwen3-MoE's intermediate_size is the width of dense
 layers, which only a non-empty mlp_only_layers would have)."""
+
+
+GEMMA2_DEFAULTS = {"head_dim": 256, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+                   "query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+                   "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh"}
+"""What transformers' Gemma2Config takes for a field config.json leaves out (a null soft-capping or window is
+none)."""
+GEMMA2_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
+"""Gemma 2's `hidden_activation` values that are GELU's tanh approximation (`ModelConfig.mlp_activation`
+"gelu_tanh")."""
+LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
+"""Gemma 2's `layer_types` entries: whether the layer attends through the sliding window."""
 
 
 def read_hf_config(model_dir: str | Path) -> dict:
@@ -83,6 +99,8 @@ def model_config_from_hf(model_dir: str | Path, **overrides) -> ModelConfig:
     family = raw.get("model_type")
     if not isinstance(family, str) or family not in FAMILIES:
         raise CheckpointError(f"{where}: model_type {family!r} is not supported; supported: {', '.join(FAMILIES)}")
+    if family == "gemma2":
+        raw = {**GEMMA2_DEFAULTS, **raw}
     try:
         _refuse_unimplemented(raw, family, where)
         fields = _model_fields(raw, family, where)
@@ -102,7 +120,8 @@ def _model_fields(raw: dict, family: str, where: str) -> dict:
         n_layers=_whole(raw, "num_hidden_layers", where), n_heads=heads,
         n_kv_heads=_whole(raw, "num_key_value_heads", where, heads),
         head_dim=_whole(raw, "head_dim", where, d_model // heads),
-        d_ff=_whole(raw, WIDTH_FIELD.get(family, "intermediate_size"), where), max_seq_len=_max_seq_len(raw, where),
+        d_ff=_whole(raw, WIDTH_FIELD.get(family, "intermediate_size"), where),
+        max_seq_len=_max_seq_len(raw, where, family != "gemma2"),
         norm_eps=_number(raw, "rms_norm_eps", where, 1e-6),
         tie_embeddings=_flag(raw, "tie_word_embeddings", where),
         qkv_bias=QKV_BIAS[family], qk_norm=family in ("qwen3", "qwen3_moe"), dtype=_compute_dtype(raw),
@@ -116,7 +135,36 @@ def _model_fields(raw: dict, family: str, where: str) -> dict:
                       experts_per_token=_whole(raw, "num_experts_per_tok", where),
                       normalize_gates=_flag(raw, "norm_topk_prob", where),
                       load_balance_weight=float(raw.get("router_aux_loss_coef") or 0.0))
+    if family == "gemma2":
+        fields.update(_gemma2_fields(raw, fields["n_layers"], where))
     return fields
+
+
+def _gemma2_fields(raw: dict, n_layers: int, where: str) -> dict:
+    """Gemma 2's departures from Llama (raw with GEMMA2_DEFAULTS filled in): GeGLU, (1 + weight) norms, the norms
+    after attention and the MLP, the embedding scaled by sqrt(d_model), soft-capped attention scores and logits,
+    `query_pre_attn_scalar` as the attention scale, and the sliding window of the layers `layer_types` names."""
+    kinds = raw.get("layer_types")
+    if kinds is None:  # transformers' default: the even layers slide
+        kinds = ["sliding_attention" if layer % 2 == 0 else "full_attention" for layer in range(n_layers)]
+    if not isinstance(kinds, list) or len(kinds) != n_layers or any(kind not in LAYER_TYPES for kind in kinds):
+        raise CheckpointError(f"{where}: layer_types = {kinds!r}; expected {n_layers} entries, each one of "
+                              f"{', '.join(LAYER_TYPES)}")
+    sliding = tuple(layer for layer, kind in enumerate(kinds) if LAYER_TYPES[kind])
+    window = _whole(raw, "sliding_window", where, 0) if sliding else 0
+    if sliding and not window:
+        raise CheckpointError(f"{where}: layer_types names sliding_attention layers but sliding_window is null; "
+                              "give the window")
+    return dict(mlp_activation="gelu_tanh", norm_plus_one=True, post_norms=True, scale_embedding=True,
+                attn_softcap=_cap(raw, "attn_logit_softcapping", where),
+                logit_softcap=_cap(raw, "final_logit_softcapping", where),
+                query_pre_attn_scalar=_number(raw, "query_pre_attn_scalar", where, None),
+                sliding_window=window, sliding_layers=sliding if window else ())
+
+
+def _cap(raw: dict, field: str, where: str) -> float:
+    """A soft-capping field: its value (a number above zero), or 0 (none) where it is null."""
+    return 0.0 if raw.get(field) is None else _number(raw, field, where, None)
 
 
 def _compute_dtype(raw: dict) -> str:
@@ -163,7 +211,9 @@ def quantization_fields(quantization: dict | None, where: str) -> dict:
 def _refuse_unimplemented(raw: dict, family: str, where: str) -> None:
     """A CheckpointError for the first field whose value would make the reference compute something else."""
     unsupported = {
-        "hidden_act": lambda v: v not in ("silu", None),
+        "hidden_act": lambda v: v not in ("silu", None) and family != "gemma2",  # Gemma 2 reads hidden_activation
+        "hidden_activation": lambda v: family == "gemma2" and v not in GEMMA2_ACTIVATIONS,
+        "use_bidirectional_attention": lambda v: bool(v),
         "mlp_bias": lambda v: bool(v),
         "attention_bias": lambda v: bool(v) and not QKV_BIAS[family],
         "use_sliding_window": lambda v: bool(v) and family in ("qwen2", "qwen3", "qwen3_moe"),
@@ -174,7 +224,7 @@ def _refuse_unimplemented(raw: dict, family: str, where: str) -> None:
         "num_shared_experts": lambda v: bool(v),
         "pretraining_tp": lambda v: v not in (None, 1),
         "router_jitter_noise": lambda v: bool(v),
-        "layer_types": lambda v: any(kind != "full_attention" for kind in v or ()),
+        "layer_types": lambda v: family != "gemma2" and any(kind != "full_attention" for kind in v or ()),
     }
     for field, refused in unsupported.items():
         if field in raw and refused(raw[field]):
@@ -182,10 +232,12 @@ def _refuse_unimplemented(raw: dict, family: str, where: str) -> None:
                                   f"computation of the standard {FAMILIES[family]} is")
 
 
-def _max_seq_len(raw: dict, where: str) -> int:
-    """max_position_embeddings, cut to an active sliding window (inside the window attention is fully causal)."""
+def _max_seq_len(raw: dict, where: str, window_cuts: bool = True) -> int:
+    """max_position_embeddings, cut to an active sliding window where `window_cuts` (inside the window attention is
+    fully causal; Gemma 2 runs its window instead)."""
     length = _whole(raw, "max_position_embeddings", where, 2048)
-    window = _whole(raw, "sliding_window", where, 0) if raw.get("use_sliding_window", True) else None
+    window = (_whole(raw, "sliding_window", where, 0) if raw.get("use_sliding_window", True) and window_cuts
+              else None)
     return min(length, window) if window else length
 
 
@@ -208,9 +260,26 @@ def _rope_fields(raw: dict, where: str) -> dict:
             "rope_original_max_len": _whole(rope, "original_max_position_embeddings", scaling)}
 
 
+GEMMA2_FEATURES = {"mlp_activation": "gelu_tanh", "norm_plus_one": True, "post_norms": True, "scale_embedding": True}
+"""The ModelConfig fields that make a Gemma 2, all four together."""
+
+
 def family_of(config: ModelConfig) -> str:
-    """The model_type whose computation `config` is: qwen3_moe (experts and q/k norms), mixtral (experts, gates
-    renormalised), qwen3 (q/k norms), qwen2 (q/k/v biases), mistral (head_dim other than d_model / heads) or llama."""
+    """The model_type whose computation `config` is: gemma2 (GEMMA2_FEATURES), qwen3_moe (experts and q/k norms),
+    mixtral (experts, gates renormalised), qwen3 (q/k norms), qwen2 (q/k/v biases), mistral (head_dim other than
+    d_model / heads) or llama. Gemma 2's other features (soft-capping, attention scale, sliding window) exist in no
+    other family."""
+    gemma = {field: getattr(config, field) == value for field, value in GEMMA2_FEATURES.items()}
+    gemma_only = {"attn_softcap": config.attn_softcap, "logit_softcap": config.logit_softcap,
+                  "query_pre_attn_scalar": config.query_pre_attn_scalar, "sliding_window": config.sliding_window}
+    if any(gemma.values()) or any(gemma_only.values()):
+        others = {"qkv_bias": config.qkv_bias, "qk_norm": config.qk_norm, "n_experts": config.n_experts,
+                  "rope_scaling": config.rope_scaling}
+        if not all(gemma.values()) or any(others.values()):
+            raise CheckpointError(f"model {config.name}: {_fields_text(config, GEMMA2_FEATURES)} with "
+                                  f"{_fields_text(config, {**gemma_only, **others})} is no Hugging Face family; "
+                                  f"Gemma 2 is {GEMMA2_FEATURES} with none of {sorted(others)}")
+        return "gemma2"
     if config.n_experts:
         if config.qk_norm:
             return "qwen3_moe"
@@ -224,6 +293,10 @@ def family_of(config: ModelConfig) -> str:
     if config.qkv_bias:
         return "qwen2"
     return "mistral" if config.head_dim * config.n_heads != config.d_model else "llama"
+
+
+def _fields_text(config: ModelConfig, fields) -> str:
+    return ", ".join(f"{field} = {getattr(config, field)!r}" for field in fields)
 
 
 def hf_config_from_model(config: ModelConfig, dtype: str, extra: dict | None = None) -> dict:
@@ -251,5 +324,15 @@ def hf_config_from_model(config: ModelConfig, dtype: str, extra: dict | None = N
         written.update(num_experts=config.n_experts, num_experts_per_tok=config.experts_per_token,
                        moe_intermediate_size=config.d_ff, norm_topk_prob=config.normalize_gates,
                        router_aux_loss_coef=config.load_balance_weight, decoder_sparse_step=1, mlp_only_layers=[])
+    if family == "gemma2":
+        del written["use_sliding_window"]
+        slides = set(config.sliding_layers)
+        written.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
+                       query_pre_attn_scalar=config.query_pre_attn_scalar or config.head_dim,
+                       attn_logit_softcapping=config.attn_softcap or None,
+                       final_logit_softcapping=config.logit_softcap or None,
+                       sliding_window=config.sliding_window or None,
+                       layer_types=["sliding_attention" if layer in slides else "full_attention"
+                                    for layer in range(config.n_layers)])
     kept = {key: value for key, value in (extra or {}).items() if key not in written and key != "rope_parameters"}
     return {**kept, **written}

@@ -6,6 +6,8 @@ axes that shard the vocabulary, one axis at a time (inside the GPU first), so it
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
@@ -18,6 +20,57 @@ from ..sharding.collectives import hierarchical_all_gather, hierarchical_psum
 from ..sharding.rules import LogicalNames
 from .names import ATTN_KV, ATTN_Q, CACHE, CACHE_SCALE, LOGITS, POSITIONS, RESIDUAL, TOKENS
 from .split_k import merge_partials, partial_attention, strided_positions
+
+
+class AttentionOptions(NamedTuple):
+    """How attention departs from causal softmax(q k / sqrt(head_dim)) v (Gemma 2): `scale` multiplies the scores
+    (None: head_dim ** -0.5), `softcap` caps them as softcap * tanh(scores / softcap) (0: not capped), and with
+    `sliding` each query sees only the keys less than a window (given per layer, `attention`'s `window`) behind it.
+    Attention with options runs in XLA's form with an explicit mask (`_explicit_attention`) in every phase."""
+
+    scale: float | None = None
+    softcap: float = 0.0
+    sliding: bool = False
+
+    def describe(self) -> str:
+        parts = [f"an attention scale of {self.scale}" if self.scale is not None else "",
+                 f"attention soft-capping at {self.softcap}" if self.softcap else "",
+                 "a sliding attention window" if self.sliding else ""]
+        return ", ".join(part for part in parts if part)
+
+    def scores(self, scores: jax.Array, head_dim: int) -> jax.Array:
+        """Raw float32 scores q k scaled and soft-capped."""
+        scores = scores * (head_dim ** -0.5 if self.scale is None else self.scale)
+        return self.softcap * jnp.tanh(scores / self.softcap) if self.softcap else scores
+
+
+def visible_keys(query_positions_BS: jax.Array, key_positions_BT: jax.Array, window=None) -> jax.Array:
+    """[B, S, T]: whether each query sees each key, those at its position or before it and, given a `window` (a
+    scalar), less than `window` positions behind it."""
+    behind_BST = query_positions_BS[:, :, None] - key_positions_BT[:, None, :]
+    visible_BST = behind_BST >= 0
+    return visible_BST if window is None else visible_BST & (behind_BST < window)
+
+
+def _explicit_attention(q_BSHE, k_BTKE, v_BTKE, visible_BST, options: AttentionOptions, k_scale_BTK=None,
+                        v_scale_BTK=None):
+    """Grouped-query attention in XLA's form under `options`, each query seeing the keys where `visible_BST`
+    [B, S, T]: scores in float32 (an 8-bit cache's key scales [B, T, K] applied to them and its value scales to the
+    probabilities), probabilities cast to the queries' dtype before they weigh the values, as transformers does."""
+    B, S, H, E = q_BSHE.shape
+    K = k_BTKE.shape[2]
+    q_BSKGE = q_BSHE.reshape(B, S, K, H // K, E)
+    scores_BKGST = jnp.einsum("bskge,btke->bkgst", q_BSKGE, k_BTKE.astype(q_BSHE.dtype),
+                              preferred_element_type=jnp.float32)
+    if k_scale_BTK is not None:
+        scores_BKGST = scores_BKGST * jnp.swapaxes(k_scale_BTK, 1, 2)[:, :, None, None, :]
+    scores_BKGST = options.scores(scores_BKGST, E)
+    masked_BKGST = jnp.where(visible_BST[:, None, None], scores_BKGST, jnp.finfo(jnp.float32).min)
+    probabilities_BKGST = jax.nn.softmax(masked_BKGST, axis=-1)
+    if v_scale_BTK is not None:
+        probabilities_BKGST = probabilities_BKGST * jnp.swapaxes(v_scale_BTK, 1, 2)[:, :, None, None, :]
+    out_BSKGE = jnp.einsum("bkgst,btke->bskge", probabilities_BKGST.astype(q_BSHE.dtype), v_BTKE.astype(q_BSHE.dtype))
+    return out_BSKGE.reshape(B, S, H, E)
 
 
 def _offset(axes: tuple[str, ...], local_size: int):
@@ -116,18 +169,23 @@ def _cached_attention(q_BSHE, cache_k_BTKE, cache_v_BTKE, positions_BS):
     return jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, mask=mask)
 
 
-def _sequence_split_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, seq_axes: tuple[str, ...]):
+def _sequence_split_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, seq_axes: tuple[str, ...],
+                              options: AttentionOptions | None = None, window=None):
     """Causal attention of this device's stretch of the sequence (context parallelism): the keys and values of the
     whole sequence, and their positions, are all-gathered over the mesh axes that split it, one axis at a time from
     the innermost (inside the GPU first), and each query sees the keys at positions up to its own. The gathers'
-    transposes reduce-scatter the key and value gradients back."""
+    transposes reduce-scatter the key and value gradients back. With `options`, `_explicit_attention` (`window`:
+    the layer's sliding window, or None)."""
     key_positions = hierarchical_all_gather(positions_BS, seq_axes, dimension=1)
-    mask = key_positions[:, None, None, :] <= positions_BS[:, None, :, None]  # [B, 1, S_local, T]
     keys, values = (hierarchical_all_gather(x, seq_axes, dimension=1) for x in (k_BSKE, v_BSKE))
+    if options is not None:
+        return _explicit_attention(q_BSHE, keys, values, visible_keys(positions_BS, key_positions, window), options)
+    mask = key_positions[:, None, None, :] <= positions_BS[:, None, :, None]  # [B, 1, S_local, T]
     return jax.nn.dot_product_attention(q_BSHE, keys, values, mask=mask)
 
 
-def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, cache_index=None):
+def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, cache_index=None,
+              options: AttentionOptions | None = None, window=None):
     """Causal grouped-query attention through `jax.nn.dot_product_attention` (cuDNN's fused kernel on NVIDIA GPUs
     in training and decode; prefill into a KV cache, with its explicit mask, uses XLA's; see `_cached_attention`).
     Returns out [B, S, H, E].
@@ -142,6 +200,10 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, c
     which the unsharded model reads). A layout that splits the cache's positions (`cache_seq`) attends split-K
     (`_split_k_attention`), 8-bit caches too: decode, and a later chunk of a prompt split over the sequence
     (chunked prefill), whose queries are gathered over the partitions that split it.
+
+    `options` (Gemma 2's scale, soft-capping, sliding window: `AttentionOptions`; None for plain attention) runs
+    every form but split-K in XLA's form with an explicit mask (`_explicit_attention`); `window` is this layer's
+    window, a scalar int32 (traced inside a layer loop), when `options.sliding`.
     """
     n_heads, n_kv = q_BSHE.shape[2], k_BSKE.shape[2]
     group = n_heads // n_kv
@@ -149,15 +211,24 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, c
 
     def local(q, k, v, pos, *rest, specs):
         q_axes, kv_axes, seq_axes = dim_axes(specs[0], 2), dim_axes(specs[1], 2), dim_axes(specs[0], 1)
+        layer_window = None
+        if options is not None and options.sliding:
+            *rest, layer_window = rest
         if cache is None or (seq_axes and _from_start(cache_index) and len(rest) == 2):
             k_sel = _kv_heads_for_local_queries(k, q.shape[2], group, q_axes, kv_axes)
             v_sel = _kv_heads_for_local_queries(v, q.shape[2], group, q_axes, kv_axes)
             if seq_axes:
-                return _sequence_split_attention(q, k_sel, v_sel, pos, seq_axes)
+                return _sequence_split_attention(q, k_sel, v_sel, pos, seq_axes, options, layer_window)
+            if options is not None:
+                return _explicit_attention(q, k_sel, v_sel, visible_keys(pos, pos, layer_window), options)
             return _causal_attention(q, k_sel, v_sel)
         selected = [_kv_heads_for_local_queries(entry, q.shape[2], group, q_axes, kv_axes) for entry in rest]
         if cache_axes := dim_axes(specs[4], 1):
-            return _split_k_attention(q, pos, cache_axes, seq_axes, *selected)
+            return _split_k_attention(q, pos, cache_axes, seq_axes, *selected, options=options, window=layer_window)
+        if options is not None:
+            key_positions_BT = jnp.broadcast_to(jnp.arange(selected[0].shape[1]), (q.shape[0], selected[0].shape[1]))
+            return _explicit_attention(q, *selected[:2], visible_keys(pos, key_positions_BT, layer_window), options,
+                                       *selected[2:])
         if len(selected) == 4:
             return _attention_over_8_bit_cache(q, *selected, pos)
         return _cached_attention(q, *selected, pos)
@@ -174,6 +245,10 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, c
         args, names = [*args, cache["k"], cache["v"]], [*names, CACHE, CACHE]
     if cache is not None and "k_scale" in cache:
         args, names = [*args, cache["k_scale"], cache["v_scale"]], [*names, CACHE_SCALE, CACHE_SCALE]
+    if options is not None and options.sliding:
+        if window is None:
+            raise ShardingRuleError("sliding-window attention needs the layer's window; pass window=")
+        args, names = [*args, jnp.asarray(window, jnp.int32)], [*names, None]
     return _run_sharded(local, args, names, [(ATTN_Q, q_BSHE.shape)], "attention")
 
 
@@ -199,22 +274,26 @@ def _check_cache_split(q_spec, cache_spec, layout: str) -> None:
 
 
 def _split_k_attention(q_BSHE, positions_BS, cache_axes: tuple[str, ...], seq_axes: tuple[str, ...],
-                       cache_k_BTKE, cache_v_BTKE, *scales_BTK):
+                       cache_k_BTKE, cache_v_BTKE, *scales_BTK, options: AttentionOptions | None = None,
+                       window=None):
     """Attention of the queries to this device's slots of a cache whose positions are split over `cache_axes`
     (strided order, names.CACHE), merged with the other devices' parts (`split_k.merge_partials`: one collective
     per axis, inside the GPU first). Each query sees the positions up to its own. An 8-bit cache's k / v scales
     [B, T, K] are split with its positions. Queries split over `seq_axes` (a later chunk of a prompt split over the
     sequence, `seq_axes` those of the cache) are first gathered over them, every device attending the whole chunk
     to its slots, and each keeps its own stretch of the merged output: the merge moves the chunk's
-    [B, S, H, E + 2] float32 parts, not the cache."""
+    [B, S, H, E + 2] float32 parts, not the cache. `options` and `window` as `attention` takes them."""
     local_S = q_BSHE.shape[1]
     first = _offset(seq_axes, local_S)
     q_BSHE, positions_BS = (hierarchical_all_gather(x, seq_axes, dimension=1) for x in (q_BSHE, positions_BS))
     parts, mine = jax.lax.axis_size(cache_axes), jax.lax.axis_index(cache_axes)
     key_positions_T = strided_positions(cache_k_BTKE.shape[1], parts, mine)
     visible_BST = key_positions_T[None, None, :] <= positions_BS[:, :, None]
+    if window is not None:
+        visible_BST = visible_BST & (positions_BS[:, :, None] - key_positions_T[None, None, :] < window)
+    extra = {} if options is None else {"scale": options.scale, "softcap": options.softcap}
     with jax.named_scope("split_k"):
-        part = partial_attention(q_BSHE, cache_k_BTKE, cache_v_BTKE, visible_BST, *scales_BTK)
+        part = partial_attention(q_BSHE, cache_k_BTKE, cache_v_BTKE, visible_BST, *scales_BTK, **extra)
         out_BSHE = merge_partials(part, cache_axes).out.astype(q_BSHE.dtype)
     return jax.lax.dynamic_slice_in_dim(out_BSHE, first, local_S, axis=1) if seq_axes else out_BSHE
 

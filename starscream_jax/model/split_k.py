@@ -39,18 +39,22 @@ class PartialAttention:
 
 
 def partial_attention(q_BSHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, visible_BST: jax.Array,
-                      k_scale_BTK: jax.Array | None = None, v_scale_BTK: jax.Array | None = None) -> PartialAttention:
-    """Softmax attention of the queries to the keys where `visible_BST` is True, scaled by 1/sqrt(E), as one part of
-    a split-K attention (see the module docstring). Scores and sums in float32. Keys and values of an 8-bit cache
-    come with their float32 scales per position and kv head [B, T, K], applied to the scores (the keys') and to
-    the weights (the values'), as `ops._attention_over_8_bit_cache` applies them."""
+                      k_scale_BTK: jax.Array | None = None, v_scale_BTK: jax.Array | None = None, *,
+                      scale: float | None = None, softcap: float = 0.0) -> PartialAttention:
+    """Softmax attention of the queries to the keys where `visible_BST` is True, scaled by 1/sqrt(E) (or `scale`),
+    as one part of a split-K attention (see the module docstring). Scores and sums in float32. Keys and values of an
+    8-bit cache come with their float32 scales per position and kv head [B, T, K], applied to the scores (the
+    keys') and to the weights (the values'), as `ops._attention_over_8_bit_cache` applies them. `softcap` (0: none)
+    caps the scaled scores as softcap * tanh(scores / softcap) (Gemma 2)."""
     B, S, H, E = q_BSHE.shape
     K = k_BTKE.shape[2]
     q_BSKGE = q_BSHE.reshape(B, S, K, H // K, E)
     scores_BSKGT = jnp.einsum("bskge,btke->bskgt", q_BSKGE, k_BTKE.astype(q_BSHE.dtype),
-                              preferred_element_type=jnp.float32) * E ** -0.5
+                              preferred_element_type=jnp.float32) * (E ** -0.5 if scale is None else scale)
     if k_scale_BTK is not None:
         scores_BSKGT = scores_BSKGT * jnp.swapaxes(k_scale_BTK, 1, 2)[:, None, :, None, :]
+    if softcap:
+        scores_BSKGT = softcap * jnp.tanh(scores_BSKGT / softcap)
     scores_BSKGT = jnp.where(visible_BST[:, :, None, None, :], scores_BSKGT, -jnp.inf)
     max_BSKG = jnp.max(scores_BSKGT, axis=-1)
     finite_max = jnp.where(jnp.isfinite(max_BSKG), max_BSKG, 0.0)

@@ -19,6 +19,12 @@ TINY = (
     ("norm_eps = -1e-5", "model broken: norm_eps -1e-05: must be a finite number above zero"),
     ("n_experts = -1", "model broken: n_experts -1: must be at least 0"),
     ('tie_embeddings = "yes"', "model broken: tie_embeddings 'yes'; use true or false"),
+    ('mlp_activation = "gelu"', r"model broken: mlp_activation 'gelu'; use one of silu, gelu_tanh"),
+    ("attn_softcap = -50.0", "model broken: attn_softcap -50.0: must be a finite number zero or more"),
+    ("sliding_window = 4096", r"sliding_window 4096 with sliding_layers \[\]; give both .* or neither"),
+    ("sliding_layers = [0, 2]", r"sliding_window 0 with sliding_layers \[0, 2\]; give both"),
+    ("sliding_layers = [0, 4]", r"sliding_layers \[0, 4\] must be distinct layer indices in 0..3"),
+    ('post_norms = "yes"', "model broken: post_norms 'yes'; use true or false"),
 ])
 def test_fields_of_the_wrong_type_or_sign_are_refused(tmp_path, change, message):
     field = change.split(" = ")[0]
@@ -27,6 +33,17 @@ def test_fields_of_the_wrong_type_or_sign_are_refused(tmp_path, change, message)
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(StarscreamError, match=message):
         load_model_config(path)
+
+
+def test_gemma2_fields_read_from_toml(tmp_path):
+    """Gemma 2's fields as a TOML file gives them: the sliding layers as a list, held as a tuple."""
+    path = tmp_path / "gemma.toml"
+    path.write_text(TINY + 'mlp_activation = "gelu_tanh"\nnorm_plus_one = true\npost_norms = true\n'
+                    "scale_embedding = true\nattn_softcap = 50.0\nlogit_softcap = 30.0\n"
+                    "query_pre_attn_scalar = 256.0\nsliding_window = 4096\nsliding_layers = [0, 2]\n")
+    config = load_model_config(path)
+    assert config.sliding_layers == (0, 2) and hash(config)
+    assert config.num_params() == load_model_config(path).replace(post_norms=False).num_params() + 4 * 2 * 128
 
 
 def test_every_shipped_model_passes_the_checks():

@@ -40,7 +40,7 @@ from starscream_jax.training.generate import generate
 from starscream_jax.training.steps import Sampling
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "hf"
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2")
 TOLERANCE = 1e-4
 """Largest absolute logit difference allowed against the reference (float32 on both sides; about 5e-6 is seen, 3e-5
 for the llama fixture whose tied N(0, 1) embeddings give logits up to 43)."""
@@ -98,7 +98,7 @@ def test_logits_equal_the_reference_on_every_layout_with_a_data_axis(family):
 
 
 ANY_BATCH = {"llama": ("1x2x4", 1), "mistral": ("2x2x2", 3), "qwen2": ("1x2x8", 5), "qwen3": ("1x1x1", 2),
-             "mixtral": ("1x2x8", 2), "qwen3_moe": ("2x2x2", 1)}
+             "mixtral": ("1x2x8", 2), "qwen3_moe": ("2x2x2", 1), "gemma2": ("1x2x4", 2)}
 """A mesh and a batch per family, together every mesh and batches 1, 2, 3 and 5: fewer sequences than the (data x)
 xcd split of the batch, so prefill splits each 9-token prompt over the partitions (padded to a multiple of them)
 and decode attends split-K; batch 5 on 2 x 8 partitions and 3 on a data axis of 2 leave parts of the batch split
@@ -127,11 +127,11 @@ def test_logits_of_a_batch_split_by_sequence_equal_the_reference(family):
     assert np.max(np.abs(logits - expected["logits"][:rows])) <= TOLERANCE
 
 
-@pytest.mark.parametrize("family", ["llama", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "mixtral", "qwen3_moe", "gemma2"])
 def test_export_then_load_is_bit_identical(family, tmp_path):
     """llama: three shards and an index, tied embeddings; mixtral: one file, experts; qwen3_moe: experts under their
-    own names, q/k norms, gates not renormalised. Exported from a 2 x 4 mesh in several shards; every tensor and the
-    configuration read back the same."""
+    own names, q/k norms, gates not renormalised; gemma2: four norms a layer and its own fields. Exported from a
+    2 x 4 mesh in several shards; every tensor and the configuration read back the same."""
     mesh = mesh_of("1x2x4")
     model = load_hf_model(FIXTURES / family, "starscream_tp", mesh)
     written = export_hf_model(model, tmp_path, tokenizer_dir=FIXTURES / family, max_shard_bytes=150_000,
@@ -348,6 +348,30 @@ def test_gradients_of_biases_and_qk_norms_match_the_unsharded_model():
     assert abs(float(loss) - float(expected_loss)) <= 2e-5
     for (path, gradient), (_, wanted) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(expected)):
         assert float(np.max(np.abs(wanted.get_value()))) > 1e-3, path  # every gradient is informative
+        error = float(np.max(np.abs(np.asarray(gradient.get_value()) - np.asarray(wanted.get_value()))))
+        assert error <= 2e-5, (path, error)
+
+
+def test_gradients_of_gemma2_match_the_unsharded_model():
+    """Gemma 2's post-attention and post-MLP norm scales, (1 + weight) norms, soft-caps and sliding window in
+    training: the gradients under starscream_tp on (2, 2, 2) equal the unsharded ones."""
+    graphdef, params = nnx.split(load_hf_model(FIXTURES / "gemma2", "gpu_tp", mesh_of("1x1x1")))
+    params = jax.tree.map(np.asarray, params)
+    tokens = reference("gemma2")["input_ids"]
+
+    def loss_and_grads(params, tokens_BS):
+        return jax.value_and_grad(lambda p: next_token_loss(nnx.merge(graphdef, p), tokens_BS))(params)
+
+    expected_loss, expected = jax.jit(loss_and_grads)(params, tokens)
+    mesh = mesh_of("2x2x2")
+    with use_layout("starscream_tp", mesh):
+        loss, grads = jax.jit(loss_and_grads)(
+            jax.device_put(params, param_shardings(params, "starscream_tp", mesh)),
+            jax.device_put(tokens, batch_sharding("starscream_tp", mesh, len(tokens))))
+    assert {"attn_post_norm", "mlp_post_norm"} <= set(grads["layers"].keys())
+    assert abs(float(loss) - float(expected_loss)) <= 2e-5
+    for (path, gradient), (_, wanted) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(expected)):
+        assert float(np.max(np.abs(wanted.get_value()))) > 1e-3, path
         error = float(np.max(np.abs(np.asarray(gradient.get_value()) - np.asarray(wanted.get_value()))))
         assert error <= 2e-5, (path, error)
 

@@ -46,6 +46,9 @@ def test_llama_3_1_8b(tmp_path):
     ("mixtral", {"n_experts": 4, "experts_per_token": 2, "normalize_gates": True, "d_ff": 64}),
     ("qwen3_moe", {"n_experts": 8, "experts_per_token": 2, "normalize_gates": False, "d_ff": 32, "qk_norm": True,
                    "load_balance_weight": 0.001}),
+    ("gemma2", {"mlp_activation": "gelu_tanh", "norm_plus_one": True, "post_norms": True, "scale_embedding": True,
+                "attn_softcap": 8.0, "logit_softcap": 10.0, "query_pre_attn_scalar": 24.0, "sliding_window": 6,
+                "sliding_layers": (0,), "tie_embeddings": True, "max_seq_len": 256}),
 ])
 def test_each_fixture_family_reads_with_its_features(family, features):
     config = model_config_from_hf(FIXTURES / family)
@@ -71,7 +74,7 @@ def test_llama3_rope_scaling_stretches_only_the_long_wavelengths(tmp_path):
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"model_type": "gemma2"}, r"model_type 'gemma2' is not supported; supported: llama, mistral, qwen2, qwen3"),
+    ({"model_type": "gemma3"}, r"model_type 'gemma3' is not supported; supported: llama, mistral, qwen2, qwen3"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope type 'yarn' is not implemented"),
     ({"mlp_bias": True}, r"mlp_bias = True is not implemented for llama"),
     ({"hidden_act": "gelu"}, r"hidden_act = 'gelu' is not implemented for llama"),
@@ -143,7 +146,68 @@ def test_a_missing_or_broken_config_is_named(tmp_path):
         model_config_from_hf(tmp_path)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"])
+GEMMA_2_2B = {  # the fields of Gemma 2 2B's config.json that differ from Llama 3.1 8B's
+    "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "vocab_size": 256000, "hidden_size": 2304,
+    "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 256, "sliding_window": 4096, "final_logit_softcapping": 30.0,
+    "attn_logit_softcapping": 50.0, "max_position_embeddings": 8192, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
+    "rope_scaling": None, "cache_implementation": "hybrid", "torch_dtype": "float32", "tie_word_embeddings": True,
+}
+
+
+def test_gemma_2_2b(tmp_path):
+    """Gemma 2 2B's config.json (no layer_types: transformers slides the even layers) and its published parameter
+    count; a window shorter than max_position_embeddings stays a window. Fields left out take transformers'
+    Gemma 2 defaults."""
+    config = model_config_from_hf(model_dir(tmp_path, **GEMMA_2_2B))
+    assert config.sliding_layers == tuple(range(0, 26, 2)) and config.sliding_window == 4096
+    assert (config.max_seq_len, config.tie_embeddings, config.attn_softcap, config.logit_softcap) == (8192, True,
+                                                                                                  50.0, 30.0)
+    assert config.num_params() == 2_614_341_888
+    assert family_of(config) == "gemma2"
+    left_out = ("head_dim", "sliding_window", "attn_logit_softcapping", "tie_word_embeddings")
+    (tmp_path / "config.json").write_text(json.dumps({key: value for key, value in GEMMA_2_2B.items()
+                                                      if key not in left_out}))
+    defaults = model_config_from_hf(tmp_path)
+    assert (defaults.head_dim, defaults.sliding_window, defaults.attn_softcap, defaults.tie_embeddings) == (
+        256, 4096, 50.0, True)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"hidden_activation": "gelu"}, r"hidden_activation = 'gelu' is not implemented for gemma2"),
+    ({"layer_types": ["sliding_attention"] * 25}, r"layer_types = .*; expected 26 entries"),
+    ({"layer_types": ["local"] * 26}, r"layer_types = .*; expected 26 entries, each one of full_attention"),
+    ({"sliding_window": None}, r"layer_types names sliding_attention layers but sliding_window is null"),
+    ({"use_bidirectional_attention": True}, r"use_bidirectional_attention = True is not implemented"),
+    ({"attention_bias": True}, r"attention_bias = True is not implemented for gemma2"),
+])
+def test_gemma2_features_the_decoder_lacks_are_refused(tmp_path, fields, message):
+    with pytest.raises(CheckpointError, match=message):
+        model_config_from_hf(model_dir(tmp_path, **{**GEMMA_2_2B, **fields}))
+
+
+def test_gemma2_without_windows_or_caps_reads_and_writes_back(tmp_path):
+    """Null caps and window, every layer full: Gemma 2's norms, GeGLU and scaled embedding without the rest."""
+    config = model_config_from_hf(model_dir(tmp_path, **{
+        **GEMMA_2_2B, "attn_logit_softcapping": None, "final_logit_softcapping": None, "sliding_window": None,
+        "layer_types": ["full_attention"] * 26}))
+    assert (config.attn_softcap, config.logit_softcap, config.sliding_window, config.sliding_layers) == (0, 0, 0, ())
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_from_model(config, "float32")))
+    assert model_config_from_hf(tmp_path) == config
+
+
+def test_part_of_gemma2_is_no_family_at_export():
+    config = model_config_from_hf(FIXTURES / "gemma2")
+    with pytest.raises(CheckpointError, match=r"post_norms = False.* is no Hugging Face family; Gemma 2 is"):
+        family_of(config.replace(post_norms=False))
+    with pytest.raises(CheckpointError, match=r"qkv_bias = True.* is no Hugging Face family"):
+        family_of(config.replace(qkv_bias=True))
+    with pytest.raises(CheckpointError, match=r"mlp_activation = 'silu'.*logit_softcap = 10.0.* is no Hugging Face"):
+        family_of(model_config_from_hf(FIXTURES / "llama").replace(logit_softcap=10.0))
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2"])
 def test_config_json_written_back_reads_as_the_same_model(family, tmp_path):
     config = model_config_from_hf(FIXTURES / family)
     (tmp_path / "config.json").write_text(json.dumps(hf_config_from_model(config, "float32")))
