@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from starscream_jax.benchmarks import harness
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model import moe
-from starscream_jax.model.config import load_model_config
+from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.grouped_matmul import DEFAULT_BLOCKS, grouped_matmul
 from starscream_jax.model.moe import tile_rows
 from starscream_jax.model.names import RESIDUAL

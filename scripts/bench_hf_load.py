@@ -31,7 +31,7 @@ def write_checkpoint(model: str, directory: Path, shard_gib: float) -> None:
     import ml_dtypes
     from safetensors.numpy import save_file
 
-    from starscream_jax.model.config import load_model_config
+    from starscream_jax.model.catalog import load_model_config
     from starscream_jax.model.hf_checkpoint import INDEX_FILE, sources
     from starscream_jax.model.hf_config import hf_config_from_model
 

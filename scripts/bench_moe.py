@@ -35,7 +35,7 @@ from flax import nnx
 from starscream_jax.benchmarks import harness
 from starscream_jax.cli.arguments import count
 from starscream_jax.model import decoder, moe
-from starscream_jax.model.config import load_model_config
+from starscream_jax.model.catalog import load_model_config
 from starscream_jax.training.config import TrainConfig
 from starscream_jax.training.steps import accumulated_gradients, make_optimizer, train_step
 

@@ -95,7 +95,7 @@ def memory_rows(measured: list[dict]) -> list[dict]:
     from starscream_jax.analysis.layout_report import _shard_bytes
     from starscream_jax.analysis.memory import gpu_memory
     from starscream_jax.hardware.mesh import build_topology_mesh
-    from starscream_jax.model.config import load_model_config
+    from starscream_jax.model.catalog import load_model_config
     from starscream_jax.sharding.apply import use_layout
     from starscream_jax.sharding.layouts import get_layout
 

@@ -118,7 +118,7 @@ def compile_case(model: str, phase: str, batch: int, seq: int, remat: str, layou
     devices present (the step of training.steps, as analysis.compile builds it), with `grad_accum` micro-batches
     (train) and `scan_unroll` layers per trip of the layer loop."""
     from starscream_jax.analysis.compile import make_settings, step_program
-    from starscream_jax.model.config import load_model_config
+    from starscream_jax.model.catalog import load_model_config
     from starscream_jax.sharding.apply import use_layout
     from starscream_jax.sharding.layouts import get_layout
 

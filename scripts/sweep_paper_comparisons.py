@@ -29,7 +29,7 @@ from bench_kernels import flops, kernels, layout_mesh
 from starscream_jax.analysis.costmodel import measurements, shape_seconds
 from starscream_jax.benchmarks import harness
 from starscream_jax.hardware.topology import Topology
-from starscream_jax.model.config import load_model_config
+from starscream_jax.model.catalog import load_model_config
 from starscream_jax.sharding.layouts import get_layout
 
 PRESETS = ("mi300x-cpx-nps1", "mi355x-cpx-nps2")

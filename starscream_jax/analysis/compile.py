@@ -36,7 +36,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..checks import writable_directory
 from ..errors import StarscreamError
-from ..model.config import ModelConfig, load_model_config
+from ..model.config import ModelConfig
+from ..model.catalog import load_model_config
 from ..model.decoder import (
     LAYER_SCOPE,
     abstract_model,

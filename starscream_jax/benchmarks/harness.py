@@ -29,7 +29,9 @@ from typing import Any, Generic, TypeVar
 
 import jax
 
-from ..model.config import ModelConfig, load_model_config
+from ..model.config import ModelConfig
+
+from ..model.catalog import load_model_config
 
 State = TypeVar("State")
 Output = TypeVar("Output")

@@ -18,7 +18,7 @@ from ..analysis.json_form import to_json
 from ..analysis.plan import JUDGED, plan_phase
 from ..analysis.serve_plan import ServePlan, ServeWorkload, choose_serving, price_serving, serve_batches
 from ..errors import StarscreamError
-from ..model.config import load_model_config
+from ..model.catalog import load_model_config
 from ..sharding.layouts import EXPERT_LAYOUTS, LAYOUTS, PHASE_DEFAULTS, get_layout
 from .arguments import (
     add_cache_arguments,

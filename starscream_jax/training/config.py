@@ -7,7 +7,8 @@ from pathlib import Path
 
 from ..checks import finite_number, whole_number
 from ..errors import CheckpointError, StarscreamError
-from ..model.config import REMAT_POLICIES, ModelConfig, load_model_config
+from ..model.config import REMAT_POLICIES, ModelConfig
+from ..model.catalog import load_model_config
 from ..model.quantize import MATMUL_FORMATS
 from ..sharding.layouts import PHASE_DEFAULTS
 from .data import DEFAULT_CORPUS

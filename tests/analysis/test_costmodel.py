@@ -45,7 +45,7 @@ def test_a_projection_reads_its_8_bit_weight_at_its_stored_byte():
     """Decode of 4 tokens per device through the qkv projection [K=4096, N=1024] with int8 weights: the weight costs
     1 byte per element, the activations and output the compute dtype's 2; attention and a float model pay 2."""
     from starscream_jax.analysis.layout_report import Depth, priced_matmul
-    from starscream_jax.model.config import load_model_config
+    from starscream_jax.model.catalog import load_model_config
 
     config = load_model_config("tiny", dtype="bfloat16")
     qkv = dataclasses.replace(matmul(4, 4096, 1024), op_name="jit(step)/closed_call/qkv/bsd,dke->bske/dot_general")

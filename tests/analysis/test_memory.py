@@ -17,7 +17,7 @@ from starscream_jax.analysis.memory import (
 )
 from starscream_jax.hardware.mesh import build_topology_mesh
 from starscream_jax.hardware.presets import load_chip
-from starscream_jax.model.config import load_model_config
+from starscream_jax.model.catalog import load_model_config
 from starscream_jax.sharding.layouts import get_layout
 
 RESULTS = Path(__file__).parents[2] / "benchmarks" / "results"

@@ -14,7 +14,7 @@ from starscream_jax.analysis.plan import head_counts, padding_cost, plan_phase, 
 from starscream_jax.cli.plan import commands, format_plans, generate_command
 from starscream_jax.hardware.mesh import build_topology_mesh
 from starscream_jax.hardware.topology import Topology
-from starscream_jax.model.config import load_model_config
+from starscream_jax.model.catalog import load_model_config
 
 TINY = Path(__file__).resolve().parents[2] / "models" / "tiny.toml"
 TOPOLOGY = Topology.from_preset("mi300x-qpx-nps1", gpus=2)

@@ -23,7 +23,7 @@ from starscream_jax.cli.arguments import STUDY_MESH
 from starscream_jax.errors import ShardingRuleError, StarscreamError
 from starscream_jax.hardware.presets import load_chip
 from starscream_jax.hardware.topology import Topology
-from starscream_jax.model.config import load_model_config
+from starscream_jax.model.catalog import load_model_config
 
 MIB = 1 << 20
 PARTITIONS = 8

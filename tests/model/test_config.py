@@ -2,7 +2,7 @@
 import pytest
 
 from starscream_jax.errors import StarscreamError
-from starscream_jax.model.config import list_model_configs, load_model_config
+from starscream_jax.model.catalog import list_model_configs, load_model_config
 
 TINY = (
     'name = "broken"\nvocab_size = 256\nd_model = 128\nn_layers = 4\nn_heads = 8\nn_kv_heads = 4\nhead_dim = 16\n'

@@ -17,7 +17,7 @@ from flax import nnx
 from starscream_jax.errors import ShardingRuleError, StarscreamError
 from starscream_jax.hardware.backend import CUDA, PORTABLE
 from starscream_jax.hardware.mesh import build_mesh
-from starscream_jax.model.config import load_model_config
+from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.decoder import Transformer, create_sharded_model, init_cache, next_token_loss
 from starscream_jax.sharding.apply import activation_spec, batch_sharding, param_shardings, use_layout
 from starscream_jax.sharding.layouts import EXPERT_LAYOUTS, LAYOUTS, fit_batch

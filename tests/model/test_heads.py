@@ -11,7 +11,7 @@ from flax import nnx
 from starscream_jax.analysis.compile import fitted_layout, make_settings, step_program
 from starscream_jax.errors import ShardingRuleError
 from starscream_jax.hardware.mesh import build_mesh
-from starscream_jax.model.config import load_model_config
+from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.decoder import Transformer
 from starscream_jax.model.heads import (
     heads_parts,

@@ -10,7 +10,7 @@ import pytest
 
 from starscream_jax.analysis.compile import make_settings
 from starscream_jax.errors import CheckpointError
-from starscream_jax.model.config import load_model_config
+from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.decoder import rope_frequencies
 from starscream_jax.model.hf_config import family_of, hf_config_from_model, model_config_from_hf
 

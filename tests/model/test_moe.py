@@ -19,7 +19,7 @@ from starscream_jax.analysis.report import inspect_compiled
 from starscream_jax.errors import PresetError, ShardingRuleError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model import moe
-from starscream_jax.model.config import load_model_config
+from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.names import RESIDUAL
 from starscream_jax.sharding.apply import activation_spec, use_layout
 from starscream_jax.sharding.layouts import get_layout

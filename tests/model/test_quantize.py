@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 from starscream_jax.errors import CheckpointError, PresetError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.hardware.presets import load_chip
-from starscream_jax.model.config import load_model_config
+from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.decoder import (abstract_model, create_sharded_model, init_cache, split_cache,
                                           split_layer_weights, to_fnuz)
 from starscream_jax.model.hf_checkpoint import load_hf_model

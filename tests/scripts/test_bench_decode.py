@@ -6,7 +6,7 @@ import jax
 import pytest
 from flax import nnx
 
-from starscream_jax.model.config import load_model_config
+from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.decoder import Transformer
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_decode.py"

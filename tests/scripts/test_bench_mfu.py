@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from starscream_jax.model.config import load_model_config
+from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.decoder import Transformer, next_token_loss
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_mfu.py"

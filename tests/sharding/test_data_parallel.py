@@ -15,7 +15,7 @@ from flax import nnx
 from starscream_jax.analysis.principles import check_principles
 from starscream_jax.analysis.report import inspect_compiled
 from starscream_jax.hardware.mesh import build_mesh
-from starscream_jax.model.config import load_model_config
+from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.decoder import next_token_loss
 from starscream_jax.sharding.apply import Placement, batch_sharding, use_layout
 from starscream_jax.training.config import TrainConfig

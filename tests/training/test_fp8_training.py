@@ -21,7 +21,7 @@ from starscream_jax.cli.train import add_arguments, config_from_args
 from starscream_jax.errors import CheckpointError, PresetError, StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.hardware.presets import load_chip
-from starscream_jax.model.config import load_model_config
+from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.decoder import Transformer, create_sharded_model, next_token_loss
 from starscream_jax.model.quantize import fp8_einsum, fp8_weight, largest
 from starscream_jax.sharding.apply import Placement, batch_sharding, use_layout

@@ -15,7 +15,7 @@ from starscream_jax.cli import main as cli
 from starscream_jax.errors import StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.hardware.presets import load_chip
-from starscream_jax.model.config import load_model_config
+from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.decoder import Transformer, cache_shardings
 from starscream_jax.sharding.apply import use_layout
 from starscream_jax.sharding.layouts import get_layout

@@ -14,7 +14,7 @@ from starscream_jax.analysis.profile import latest_trace
 from starscream_jax.cli import main as cli
 from starscream_jax.errors import CheckpointError, RunStopped, StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
-from starscream_jax.model.config import load_model_config
+from starscream_jax.model.catalog import load_model_config
 from starscream_jax.sharding.apply import param_shardings
 from starscream_jax.sharding.layouts import get_layout
 from starscream_jax.training import corpus, data, loop

@@ -11,7 +11,7 @@ from flax import nnx
 
 from starscream_jax.errors import StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
-from starscream_jax.model.config import load_model_config
+from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.decoder import (
     Transformer,
     abstract_model,
