@@ -27,7 +27,7 @@ from ..errors import StarscreamError
 from ..model.paged import KERNELS
 from ..serving.client import EngineClient
 from ..serving.core import EngineProcess, ReadyEngine
-from ..serving.scheduler import MAX_TOP_K
+from ..serving.requests import generation_defaults
 from ..serving.server import Server
 from .arguments import (
     MODEL_SOURCE_EXCLUSIVE,
@@ -118,10 +118,9 @@ def json_list(text: str) -> list[str]:
 
 
 def sampling_defaults(args: argparse.Namespace) -> tuple[dict, Path | None]:
-    """(the sampling defaults --generation-config asks for, the file they came from): temperature, top_p and top_k
-    of a generation_config.json (--model-dir's with 'auto', or the directory given), as vLLM's
-    `--generation-config auto` reads them; max_new_tokens and the rest are not read. ({}, None) with 'vllm', or
-    where there is no such file."""
+    """(the sampling defaults --generation-config asks for, the file they came from): 'auto' reads --model-dir's
+    generation_config.json, a directory its own (`requests.generation_defaults`); ({}, None) with 'vllm', or where
+    'auto' finds no such file."""
     if args.generation_config == "vllm":
         return {}, None
     directory = args.model_dir if args.generation_config == "auto" else args.generation_config
@@ -133,26 +132,7 @@ def sampling_defaults(args: argparse.Namespace) -> tuple[dict, Path | None]:
             raise StarscreamError(f"--generation-config {directory}: {path} not found; give a directory holding one, "
                                   "'auto' or 'vllm'")
         return {}, None
-    try:
-        settings = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise StarscreamError(f"{path} is not JSON ({err}); fix it or pass --generation-config vllm") from None
-    if not isinstance(settings, dict):
-        raise StarscreamError(f"{path} holds no JSON object; fix it or pass --generation-config vllm")
-    checks = {"temperature": lambda v: _number(v) and 0 <= v <= 2, "top_p": lambda v: _number(v) and 0 < v <= 1,
-              "top_k": lambda v: isinstance(v, int) and not isinstance(v, bool) and -1 <= v <= MAX_TOP_K}
-    defaults = {}
-    for name, valid in checks.items():
-        if name in settings and settings[name] is not None:
-            if not valid(settings[name]):
-                raise StarscreamError(f"{path}: {name} {settings[name]!r} is out of range; fix it or pass "
-                                      "--generation-config vllm")
-            defaults[name] = settings[name]
-    return defaults, path
-
-
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return generation_defaults(path), path
 
 
 def configure_logging(level: str) -> None:

@@ -5,9 +5,14 @@ without a word (`UNSUPPORTED`). Fields outside vLLM's protocol are ignored, as v
 """
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
+
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..errors import StarscreamError
 from .scheduler import MAX_TOP_K
 
 HTTP_BAD_REQUEST, HTTP_UNAUTHORIZED, HTTP_NOT_FOUND = 400, 401, 404
@@ -184,3 +189,29 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     tokens: list[int]
+
+
+def generation_defaults(path: Path) -> dict:
+    """temperature, top_p and top_k of a generation_config.json (the ones it holds), as vLLM's `--generation-config
+    auto` reads them for requests that leave them out; max_new_tokens and the rest are not read. StarscreamError
+    naming the file and the field when one is out of range or the file is not a JSON object."""
+    try:
+        settings = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise StarscreamError(f"{path} is not JSON ({err}); fix it or pass --generation-config vllm") from None
+    if not isinstance(settings, dict):
+        raise StarscreamError(f"{path} holds no JSON object; fix it or pass --generation-config vllm")
+    checks = {"temperature": lambda v: _finite(v) and 0 <= v <= 2, "top_p": lambda v: _finite(v) and 0 < v <= 1,
+              "top_k": lambda v: isinstance(v, int) and not isinstance(v, bool) and -1 <= v <= MAX_TOP_K}
+    defaults = {}
+    for name, valid in checks.items():
+        if settings.get(name) is not None:
+            if not valid(settings[name]):
+                raise StarscreamError(f"{path}: {name} {settings[name]!r} is out of range; fix it or pass "
+                                      "--generation-config vllm")
+            defaults[name] = settings[name]
+    return defaults
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

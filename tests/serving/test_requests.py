@@ -4,7 +4,15 @@ absent, chat content as text parts; a batch of prompts, n and best_of, and the /
 import pytest
 from pydantic import ValidationError
 
-from starscream_jax.serving.requests import UNSUPPORTED, ApiError, ChatRequest, CompletionRequest, TokenizeRequest
+from starscream_jax.errors import StarscreamError
+from starscream_jax.serving.requests import (
+    UNSUPPORTED,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    TokenizeRequest,
+    generation_defaults,
+)
 
 VLLM_COMPLETION_FIELDS = (
     "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n",
@@ -84,3 +92,12 @@ def test_prompt_batches_n_best_of_and_the_tokenize_bodies():
     for body in ({}, {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}):
         with pytest.raises(ApiError, match="either prompt or messages"):
             TokenizeRequest.model_validate(body)
+
+
+def test_generation_defaults_read_the_sampling_fields_and_refuse_bad_ones(tmp_path):
+    path = tmp_path / "generation_config.json"
+    path.write_text('{"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 5, "eos_token_id": [1, 2]}')
+    assert generation_defaults(path) == {"temperature": 0.6, "top_p": 0.9}
+    path.write_text('{"top_k": true}')
+    with pytest.raises(StarscreamError, match="top_k True is out of range"):
+        generation_defaults(path)
