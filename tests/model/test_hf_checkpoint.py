@@ -323,6 +323,26 @@ def test_a_layout_that_cannot_place_the_model_says_why():
         load_hf_model(FIXTURES / "qwen2", "starscream_tp", mesh_of("1x2x4"), config=config)
 
 
+def gradients_match_unsharded(graphdef, params, tokens):
+    """The next-token loss's gradients under starscream_tp on (2, 2, 2), checked against the unsharded ones (loss
+    and every gradient within 2e-5, every gradient informative); returns them."""
+    def loss_and_grads(params, tokens_BS):
+        return jax.value_and_grad(lambda p: next_token_loss(nnx.merge(graphdef, p), tokens_BS))(params)
+
+    expected_loss, expected = jax.jit(loss_and_grads)(params, tokens)
+    mesh = mesh_of("2x2x2")
+    with use_layout("starscream_tp", mesh):
+        loss, grads = jax.jit(loss_and_grads)(
+            jax.device_put(params, param_shardings(params, "starscream_tp", mesh)),
+            jax.device_put(tokens, batch_sharding("starscream_tp", mesh, len(tokens))))
+    assert abs(float(loss) - float(expected_loss)) <= 2e-5
+    for (path, gradient), (_, wanted) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(expected)):
+        assert float(np.max(np.abs(wanted.get_value()))) > 1e-3, path  # every gradient is informative
+        error = float(np.max(np.abs(np.asarray(gradient.get_value()) - np.asarray(wanted.get_value()))))
+        assert error <= 2e-5, (path, error)
+    return grads
+
+
 def test_gradients_of_biases_and_qk_norms_match_the_unsharded_model():
     """starscream_tp on (2, 2, 2) splits the tokens inside and across GPUs, where a weight's gradient is summed in
     two stages (`weight`): the q/k/v biases and the per-head q/k norm scales (whose gradient also sums over the
@@ -333,23 +353,8 @@ def test_gradients_of_biases_and_qk_norms_match_the_unsharded_model():
     rng = np.random.default_rng(1)  # biases and norm scales away from their zeros and ones too
     params = jax.tree.map_with_path(lambda path, x: rng.normal("norm" in jax.tree_util.keystr(path), 0.3, x.shape)
                                     .astype(np.float32), params)
-    tokens = reference("qwen3")["input_ids"]
-
-    def loss_and_grads(params, tokens_BS):
-        return jax.value_and_grad(lambda p: next_token_loss(nnx.merge(graphdef, p), tokens_BS))(params)
-
-    expected_loss, expected = jax.jit(loss_and_grads)(params, tokens)
-    mesh = mesh_of("2x2x2")
-    with use_layout("starscream_tp", mesh):
-        loss, grads = jax.jit(loss_and_grads)(
-            jax.device_put(params, param_shardings(params, "starscream_tp", mesh)),
-            jax.device_put(tokens, batch_sharding("starscream_tp", mesh, len(tokens))))
+    grads = gradients_match_unsharded(graphdef, params, reference("qwen3")["input_ids"])
     assert {"bq", "bk", "bv", "q_norm", "k_norm"} <= set(grads["layers"].keys())
-    assert abs(float(loss) - float(expected_loss)) <= 2e-5
-    for (path, gradient), (_, wanted) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(expected)):
-        assert float(np.max(np.abs(wanted.get_value()))) > 1e-3, path  # every gradient is informative
-        error = float(np.max(np.abs(np.asarray(gradient.get_value()) - np.asarray(wanted.get_value()))))
-        assert error <= 2e-5, (path, error)
 
 
 def test_gradients_of_gemma2_match_the_unsharded_model():
@@ -357,23 +362,8 @@ def test_gradients_of_gemma2_match_the_unsharded_model():
     training: the gradients under starscream_tp on (2, 2, 2) equal the unsharded ones."""
     graphdef, params = nnx.split(load_hf_model(FIXTURES / "gemma2", "gpu_tp", mesh_of("1x1x1")))
     params = jax.tree.map(np.asarray, params)
-    tokens = reference("gemma2")["input_ids"]
-
-    def loss_and_grads(params, tokens_BS):
-        return jax.value_and_grad(lambda p: next_token_loss(nnx.merge(graphdef, p), tokens_BS))(params)
-
-    expected_loss, expected = jax.jit(loss_and_grads)(params, tokens)
-    mesh = mesh_of("2x2x2")
-    with use_layout("starscream_tp", mesh):
-        loss, grads = jax.jit(loss_and_grads)(
-            jax.device_put(params, param_shardings(params, "starscream_tp", mesh)),
-            jax.device_put(tokens, batch_sharding("starscream_tp", mesh, len(tokens))))
+    grads = gradients_match_unsharded(graphdef, params, reference("gemma2")["input_ids"])
     assert {"attn_post_norm", "mlp_post_norm"} <= set(grads["layers"].keys())
-    assert abs(float(loss) - float(expected_loss)) <= 2e-5
-    for (path, gradient), (_, wanted) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(expected)):
-        assert float(np.max(np.abs(wanted.get_value()))) > 1e-3, path
-        error = float(np.max(np.abs(np.asarray(gradient.get_value()) - np.asarray(wanted.get_value()))))
-        assert error <= 2e-5, (path, error)
 
 
 def equivalence_table() -> str:
