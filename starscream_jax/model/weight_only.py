@@ -1,0 +1,198 @@
+"""Weight-only 8-bit decode matmul: x [M, K] (a few rows, the compute dtype) times W [K, N] stored in int8 or fp8
+e4m3 with a float32 scale per output channel [N], out [M, N] in x's dtype, reading each weight byte once.
+
+Why a kernel of its own: in decode the weights' bytes bound the step, and XLA's GEMM fusion that converts the 8-bit
+operand as it reads it read int8 and fp8 weights at 1.5-1.6 TB/s on an H200, where cuBLAS reads bf16 at 2.85
+(benchmarks/NOTES.md run 24), so 8-bit weights, half the bytes, gave no speed. This kernel streams the 8-bit tile
+from HBM, converts it in registers (int8 and e4m3 values are exact in bf16) and accumulates in float32.
+
+Lowering: Pallas on its Triton backend (`jax.experimental.pallas`, `pallas.triton.CompilerParams`). On NVIDIA it is
+the GPU lowering Pallas has for every CUDA generation (the Mosaic GPU backend targets Hopper's TMA and warpgroup
+MMA, which a memory-bound stream of a few rows does not need); ROCm's XLA also lowers Pallas through Triton's AMD
+backend, so the same kernel source serves MI300X (int8, e4m3fnuz) and MI355X (e4m3fn). XLA:CPU has no lowering:
+there the kernel runs in Pallas interpret mode (tests) or the caller takes the XLA path.
+
+Layout of the work: one program per (column block of `cols` output channels, split of the contraction); each
+program loops over its part of K in steps of `depth` rows, loads x [M, depth] and the 8-bit tile [depth, cols]
+(`cols` contiguous bytes per row), converts the tile to x's dtype and accumulates [M, cols] in float32: through a
+tensor-core dot where M is padded to at least 16 rows, or, for 1-4 rows, as a broadcast multiply and a sum over
+depth (no 16-row tensor-core minimum, no wasted rows). The scale multiplies the accumulator in the epilogue
+(scale commutes with the sum over K). With several splits (too few column blocks to fill the GPU, e.g. k and v
+at N = 1024) each split writes its float32 partial [M, cols] and one small XLA pass adds them and casts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ..errors import StarscreamError
+
+IMPLEMENTATIONS = ("pallas", "interpret", "xla")
+MAX_ROWS = 64
+"""The most rows (tokens) the kernel takes: decode's batches; more rows are compute-bound GEMMs for XLA."""
+TARGET_PROGRAMS = 264
+"""Programs a call aims at (two per SM of an H200's 132): a column block alone is too few for narrow outputs."""
+MAX_SPLITS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """Tiling of the kernel. cols: output channels per program; depth: rows of W per loop step; splits: parts of K
+    (0: chosen by shape, `split_count`); reduce: "dot" (tensor cores, rows padded to 16), "sum" (multiply and sum,
+    at most 4 rows) or "auto" (sum for 1-4 rows, dot above); "dot" by default, the form Triton's matmul
+    lowering is built for (the padded rows cost no bytes: x is a few kilobytes); warps, stages: Triton's launch width and pipeline
+    depth. Each block size is cut to the largest power of two that divides its dimension."""
+
+    cols: int = 128
+    depth: int = 64
+    splits: int = 0
+    reduce: str = "dot"
+    warps: int = 4
+    stages: int = 4
+
+    def __post_init__(self):
+        wrong = [f"{name} = {value!r}" for name, value in (("cols", self.cols), ("depth", self.depth))
+                 if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1)]
+        if self.reduce not in ("auto", "dot", "sum"):
+            wrong.append(f"reduce = {self.reduce!r}")
+        if not (isinstance(self.splits, int) and 0 <= self.splits <= MAX_SPLITS):
+            wrong.append(f"splits = {self.splits!r}")
+        if wrong:
+            raise StarscreamError(f"weight-only matmul Blocks {', '.join(wrong)}: cols and depth are powers of two "
+                                  f"of at least 16, reduce one of auto, dot, sum, splits 0..{MAX_SPLITS}")
+
+
+DEFAULT_BLOCKS = Blocks()
+
+
+def default_implementation(device=None) -> str:
+    """'pallas' on a GPU (CUDA or ROCm), 'xla' elsewhere (no Pallas lowering on CPU)."""
+    platform = (device or jax.devices()[0]).platform
+    return "pallas" if platform in ("gpu", "cuda", "rocm") else "xla"
+
+
+def applies(rows: int, depth: int, cols: int, implementation: str) -> bool:
+    """Whether x [rows, depth] @ W [depth, cols] runs on the kernel: `implementation` not "xla", at most MAX_ROWS
+    rows, and K and N multiples of 16 (the smallest block)."""
+    return implementation != "xla" and 0 < rows <= MAX_ROWS and depth % 16 == 0 and cols % 16 == 0
+
+
+def reference(x_MK: jax.Array, w_KN: jax.Array, scale_N: jax.Array) -> jax.Array:
+    """The exact product the kernel computes: x @ (values * scale) in float32, cast to x's dtype."""
+    product = jnp.dot(x_MK.astype(jnp.float32), w_KN.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return (product * jnp.broadcast_to(scale_N, (w_KN.shape[1],)).astype(jnp.float32)).astype(x_MK.dtype)
+
+
+def weight_only_matmul(x_MK: jax.Array, w_KN: jax.Array, scale_N: jax.Array, implementation: str = "pallas",
+                       blocks: Blocks = DEFAULT_BLOCKS) -> jax.Array:
+    """out [M, N] in x's dtype = (x [M, K] @ W [K, N] (int8 or fp8, converted exactly)) * scale [N] (float32, or a
+    scalar: one scale for the tensor). "pallas" (GPU), "interpret" (the same kernel interpreted: CPU tests) or
+    "xla" (`reference`)."""
+    rows, depth = x_MK.shape
+    cols = w_KN.shape[1]
+    if w_KN.shape[0] != depth or jnp.dtype(w_KN.dtype).itemsize != 1:
+        raise StarscreamError(f"weight-only matmul of x {x_MK.shape} by W {w_KN.shape} {w_KN.dtype}: W must be "
+                              "[K, N] in an 8-bit format")
+    if implementation not in IMPLEMENTATIONS:
+        raise StarscreamError(f"weight-only matmul implementation {implementation!r}; use one of "
+                              f"{', '.join(IMPLEMENTATIONS)}")
+    scale_N = jnp.broadcast_to(jnp.asarray(scale_N, jnp.float32), (cols,))
+    if not applies(rows, depth, cols, implementation):
+        if implementation != "xla":
+            raise StarscreamError(f"weight-only matmul of x {x_MK.shape} by W {w_KN.shape}: the kernel takes 1 to "
+                                  f"{MAX_ROWS} rows and K, N multiples of 16; use implementation 'xla'")
+        return reference(x_MK, w_KN, scale_N)
+    return _kernel_call(x_MK, w_KN, scale_N, blocks, interpret=implementation == "interpret")
+
+
+def padded_rows(rows: int, reduce: str) -> tuple[int, bool]:
+    """(rows the kernel computes, whether by tensor-core dot): a power of two (Triton's blocks are), at least 16
+    for a dot; "auto" sums 1-4 rows and dots more."""
+    power = 1 << (rows - 1).bit_length()
+    use_dot = reduce == "dot" or (reduce == "auto" and power > 4)
+    if not use_dot and power > 4:
+        raise StarscreamError(f"weight-only matmul reduce 'sum' takes at most 4 rows, not {rows}; use 'dot' or "
+                              "'auto'")
+    return (max(power, 16), True) if use_dot else (power, False)
+
+
+def _block(dim: int, wanted: int) -> int:
+    """The largest power of two up to `wanted` that divides `dim`."""
+    block = 1
+    while block * 2 <= wanted and dim % (block * 2) == 0:
+        block *= 2
+    return block
+
+
+def split_count(rows: int, depth: int, col_blocks: int, depth_steps: int, given: int = 0) -> int:
+    """Parts the contraction is split into: `given`, or doubled from 1 while the programs (col_blocks x splits) are
+    under TARGET_PROGRAMS, the steps divide evenly, and the float32 partials (splits x rows x 4 bytes per column)
+    stay under a quarter of the weight's bytes (depth per column), so that the extra pass stays small."""
+    if given:
+        if depth_steps % given:
+            raise StarscreamError(f"weight-only matmul splits {given} does not divide the {depth_steps} steps of K")
+        return given
+    splits = 1
+    while (col_blocks * splits < TARGET_PROGRAMS and splits * 2 <= MAX_SPLITS and depth_steps % (splits * 2) == 0
+           and splits * 2 * rows * 4 * 4 <= depth):
+        splits *= 2
+    return splits
+
+
+def _kernel_call(x_MK, w_KN, scale_N, blocks: Blocks, interpret: bool) -> jax.Array:
+    rows, depth = x_MK.shape
+    cols = w_KN.shape[1]
+    padded, use_dot = padded_rows(rows, blocks.reduce)
+    col_block, depth_block = _block(cols, blocks.cols), _block(depth, blocks.depth)
+    if use_dot and not interpret:
+        col_block, depth_block = max(col_block, 16), max(depth_block, 16)
+    col_blocks, depth_steps = cols // col_block, depth // depth_block
+    splits = split_count(padded, depth, col_blocks, depth_steps, blocks.splits)
+    x_PK = jnp.pad(x_MK, ((0, padded - rows), (0, 0))) if padded != rows else x_MK
+    partial = splits > 1
+    out_dtype = jnp.float32 if partial else x_MK.dtype
+    kernel = functools.partial(_kernel, col_block=col_block, depth_block=depth_block,
+                               steps=depth_steps // splits, use_dot=use_dot)
+    params = None if interpret else plgpu.CompilerParams(num_warps=blocks.warps, num_stages=blocks.stages)
+    out_SPN = pl.pallas_call(kernel, out_shape=_out_shape((splits, padded, cols), out_dtype, x_PK, w_KN, scale_N),
+                             grid=(col_blocks, splits), interpret=interpret, compiler_params=params,
+                             name="weight_only_matmul")(x_PK, w_KN, scale_N.reshape(1, cols))
+    out_PN = jnp.sum(out_SPN, axis=0).astype(x_MK.dtype) if partial else out_SPN[0]
+    return out_PN[:rows]
+
+
+def _out_shape(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
+    """The kernel's output; inside a shard map typed as varying over the manual mesh axes its operands vary over
+    (none where they are replicated)."""
+    manual = [jax.typeof(x).manual_axis_type for x in operands]
+    if all(axis_type is None for axis_type in manual):
+        return jax.ShapeDtypeStruct(shape, dtype)
+    varying = frozenset().union(*(axis_type.varying for axis_type in manual if axis_type is not None))
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
+
+
+def _kernel(x_ref, w_ref, scale_ref, out_ref, *, col_block, depth_block, steps, use_dot):
+    """One (column block, split) of out: x [P, K-part] times W [K-part, cols] converted to x's dtype, float32
+    accumulation, times the columns' scales; written to out[split] (float32 partials, or x's dtype unsplit)."""
+    col_index, split = pl.program_id(0), pl.program_id(1)
+    cols = pl.ds(pl.multiple_of(col_index * col_block, col_block), col_block)
+    first = split * steps
+
+    def step(index, acc_PC):
+        depth = pl.ds(pl.multiple_of((first + index) * depth_block, depth_block), depth_block)
+        x_PD = x_ref[:, depth]
+        w_DC = w_ref[depth, cols].astype(x_PD.dtype)
+        if use_dot:
+            return acc_PC + jax.lax.dot_general(x_PD, w_DC, (((1,), (0,)), ((), ())),
+                                                preferred_element_type=jnp.float32)
+        products_PDC = x_PD.astype(jnp.float32)[:, :, None] * w_DC.astype(jnp.float32)[None, :, :]
+        return acc_PC + jnp.sum(products_PDC, axis=1)
+
+    acc_PC = jax.lax.fori_loop(0, steps, step, jnp.zeros((x_ref.shape[0], col_block), jnp.float32))
+    scaled_PC = acc_PC * scale_ref[:, cols]
+    out_ref[split, :, cols] = scaled_PC.astype(out_ref.dtype)
