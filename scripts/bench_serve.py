@@ -139,10 +139,22 @@ def metrics(traces: list[Trace], prompts: list[list[int]]) -> dict:
 def decode_step_ms(engine, since: int) -> dict:
     """Mean decode-step milliseconds per batch size (rows running) over the steps after index `since`."""
     rows: dict[int, list[float]] = {}
-    for phase, batch, seconds in list(engine.step_seconds)[since:]:
-        if phase == "decode":
-            rows.setdefault(batch, []).append(seconds)
+    for step in list(engine.step_times)[since:]:
+        if step.prefill_rows == 0:
+            rows.setdefault(step.decode_rows, []).append(step.seconds)
     return {str(batch): statistics.fmean(times) * MILLISECONDS for batch, times in sorted(rows.items())}
+
+
+def host_ms(engine, since: int) -> dict:
+    """The host's milliseconds per step (scheduling, inputs, launch) over the steps after index `since`: mean, and
+    as a share of the steps' seconds (with the engine's overlap, host work under that share runs while the device
+    computes)."""
+    steps = list(engine.step_times)[since:]
+    if not steps:
+        return {}
+    host = [step.host_seconds for step in steps]
+    return {"mean": statistics.fmean(host) * MILLISECONDS,
+            "share_of_step": sum(host) / max(sum(step.seconds for step in steps), 1e-9)}
 
 
 def roofline(config, workload: Workload, prompts, outputs, efficiency: float, peak: float, read_rate: float) -> dict:
@@ -459,11 +471,12 @@ def engine_only(args, argv) -> int:
         for label, prefix_caching in variants:
             engine.use_prefix_caching(prefix_caching)
             run_engine(engine, workload, *warm)
-            before, since = engine.stats(), len(engine.step_seconds)
+            before, since = engine.stats(), len(engine.step_times)
             figures = metrics(run_engine(engine, workload, prompts, outputs), prompts)
             stats = engine.stats()
             row = {"workload": dataclasses.asdict(workload), "mode": "in_process", "prefix_caching": prefix_caching,
                    **figures, "decode_step_ms_by_batch": decode_step_ms(engine, since),
+                   "host_ms_per_step": host_ms(engine, since),
                    "prefix_hit_pages": stats.prefix_hit_pages - before.prefix_hit_pages,
                    "programs": stats.programs, "new_programs_in_timed_run": stats.programs - before.programs,
                    "roofline": line, "vs_roofline": figures["output_tokens_per_s"] / line["output_tokens_per_s"]}

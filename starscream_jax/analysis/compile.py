@@ -50,7 +50,7 @@ from ..model.decoder import (
 from ..model.paged import PAGES, SCALES
 from ..model.quantize import held_dtype
 from ..serving.engine import cache_shards
-from ..serving.steps import RowSampling, StepInputs, paged_step
+from ..serving.steps import SLOTS, StepInputs, paged_step
 from ..sharding.apply import (
     Placement,
     abstract_placed,
@@ -146,6 +146,7 @@ class PagedArgs(NamedTuple):
     params: Any
     rest: Any
     pages: Any
+    recent: Any
     inputs: Any
 
 
@@ -325,11 +326,10 @@ def abstract_paged_args(config: ModelConfig, layout: Layout, mesh, batch: int, l
     def row_array(shape, dtype=jnp.int32):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
 
-    sampling = RowSampling(row_array((batch,), jnp.float32), row_array((batch,), jnp.float32), row_array((batch,)),
-                           row_array((batch,)))
-    inputs = StepInputs(row_array((batch, 1)), row_array((batch, 1)), row_array((batch, pages_per_row)),
-                        row_array((batch,)), sampling)
-    return graphdef, PagedArgs(params, rest, pages, inputs)
+    inputs = jax.tree.map(lambda array: row_array(array.shape, array.dtype), StepInputs.zeros(batch, 1, pages_per_row))
+    recent = jax.ShapeDtypeStruct((batch,), jnp.int32,
+                                  sharding=NamedSharding(mesh, activation_spec(SLOTS, (batch,), "slot tokens")))
+    return graphdef, PagedArgs(params, rest, pages, recent, inputs)
 
 
 def abstract_cache(config: ModelConfig, layout: Layout, mesh, batch: int, length: int,

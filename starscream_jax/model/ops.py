@@ -78,7 +78,7 @@ def _offset(axes: tuple[str, ...], local_size: int):
     return jax.lax.axis_index(axes) * local_size if axes else 0
 
 
-def _run_sharded(local_fn, args, names: list[LogicalNames | None], outs: list[tuple[LogicalNames, tuple]],
+def run_sharded(local_fn, args, names: list[LogicalNames | None], outs: list[tuple[LogicalNames, tuple]],
                  tensor: str, check_vma: bool = True):
     """Runs `local_fn(*local_args, specs=...)` on every device's shards. `names` are the logical names of `args`
     (None = a replicated scalar); `outs` the (logical names, global shape) of each result; `specs` hands the local
@@ -249,7 +249,7 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, c
         if window is None:
             raise ShardingRuleError("sliding-window attention needs the layer's window; pass window=")
         args, names = [*args, jnp.asarray(window, jnp.int32)], [*names, None]
-    return _run_sharded(local, args, names, [(ATTN_Q, q_BSHE.shape)], "attention")
+    return run_sharded(local, args, names, [(ATTN_Q, q_BSHE.shape)], "attention")
 
 
 def _from_start(cache_index) -> bool:
@@ -367,5 +367,5 @@ def cross_entropy(logits_BSV, targets_BS):
         total, picked = hierarchical_psum(total, vocab_axes), hierarchical_psum(picked, vocab_axes)
         return jnp.log(total) + peak - picked
 
-    return _run_sharded(local, [logits_BSV, targets_BS], [LOGITS, TOKENS], [(TOKENS, targets_BS.shape)],
+    return run_sharded(local, [logits_BSV, targets_BS], [LOGITS, TOKENS], [(TOKENS, targets_BS.shape)],
                         "cross entropy")

@@ -31,7 +31,7 @@ from ..hardware.axes import dim_axes
 from ..sharding.apply import compute_device
 from .quantize import quantize_cache_entry
 from .names import ATTN_KV, ATTN_Q, POSITIONS
-from .ops import _fused_attention, _kv_heads_for_local_queries, _run_sharded
+from .ops import _fused_attention, _kv_heads_for_local_queries, run_sharded
 
 PAGES = ("kv_heads", "attn_batch", "seq", "head_dim")
 """One layer's pool of key (or value) pages [K, pages, page_size, E]."""
@@ -125,7 +125,7 @@ def paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: PagedLayer):
     pool_names = [PAGES, PAGES] + ([SCALES, SCALES] if eight_bit else [])
     args = [q_BSHE, k_BSKE, v_BSKE, positions_BS, cache.table, *pools]
     names = [ATTN_Q, ATTN_KV, ATTN_KV, POSITIONS, TABLE, *pool_names]
-    out, *pools = _run_sharded(local, args, names, [(ATTN_Q, q_BSHE.shape)] + [
+    out, *pools = run_sharded(local, args, names, [(ATTN_Q, q_BSHE.shape)] + [
         (name, pool.shape) for name, pool in zip(pool_names, pools)], "paged attention",
         check_vma=cache.kernel != "pallas")
     scales = {"k_scale": pools[2], "v_scale": pools[3]} if eight_bit else {}

@@ -40,11 +40,57 @@ from ..sharding.layouts import PHASE_DEFAULTS, get_layout
 from . import capacity
 from .multihost import StepBroadcast
 from .protocol import EngineInfo, EngineStats
-from .scheduler import Chunk, SamplingParams, Scheduler, SchedulerConfig, Sequence, TokenEvent, check_fits
-from .steps import Buckets, RowSampling, StepInputs, paged_step
+from .scheduler import PENDING, Chunk, SamplingParams, Scheduler, SchedulerConfig, Sequence, TokenEvent, check_fits
+from .steps import SLOTS, Buckets, StepInputs, paged_step
 
 STEPS_KEPT = 100_000
-"""How many of the latest steps' (phase, rows, seconds) an engine keeps (`Engine.step_seconds`, for benchmarks)."""
+"""How many of the latest steps' times an engine keeps (`Engine.step_times`, for benchmarks)."""
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One engine step: its prompt-chunk rows and decode rows, the seconds from the previous step's outputs (or
+    its own launch, if later) to its own, and the host's seconds to schedule, build and launch it."""
+
+    prefill_rows: int
+    decode_rows: int
+    seconds: float
+    host_seconds: float
+
+
+@dataclass(frozen=True)
+class _Token:
+    """A PENDING token: its sequence, its index in the sequence's `generated`, its row in the step's outputs, and
+    "length" when it is the sequence's last whatever its value."""
+
+    sequence: Sequence
+    index: int
+    row: int
+    reason: str | None
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """One launched program: its phase, its rows in use, its outputs (tokens [B], log-probabilities [B]; device
+    arrays, or host arrays where a mesh spans processes) and the PENDING tokens they hold."""
+
+    phase: str
+    rows: int
+    outputs: tuple
+    tokens: list[_Token]
+
+
+@dataclass(frozen=True)
+class _Launched:
+    """One engine step whose outputs are not read yet: its programs, when it began, its host seconds."""
+
+    rows: list[_Rows]
+    started: float
+    host_seconds: float
+
+    def time(self, seconds: float) -> StepTime:
+        rows = {phase: sum(r.rows for r in self.rows if r.phase == phase) for phase in ("prefill", "decode")}
+        return StepTime(rows["prefill"], rows["decode"], seconds, self.host_seconds)
 
 
 @dataclass(frozen=True)
@@ -56,7 +102,9 @@ class EngineConfig:
     the compiled shapes (default `Buckets.for_limits` these limits); prefix_caching: share full prompt pages by
     hash; kv_format: the pages' format, "" the compute dtype or an 8-bit one of `quantize.WEIGHT_FORMATS` (None:
     the model's `kv_format`, which `--kv-cache` sets); max_model_len: most positions of a sequence (None: the
-    model's context)."""
+    model's context); overlap: launch each step before reading the previous step's tokens, so the host's work
+    runs while the device computes (on a mesh within one process; a mesh spanning processes reads each step's
+    tokens at once, since every process must gather them in the same order as its steps)."""
 
     page_size: int = 16
     pages_per_shard: int | None = None
@@ -69,6 +117,7 @@ class EngineConfig:
     kv_format: str | None = None
     max_model_len: int | None = None
     memory_utilization: float = 0.9
+    overlap: bool = True
 
     def __post_init__(self):
         for name in ("page_size", "pages_per_shard", "rows_per_shard", "token_budget", "chunk", "max_model_len"):
@@ -138,7 +187,11 @@ class Engine:
         self._sequences: dict[str, Sequence] = {}
         self._seeds = np.random.default_rng()
         self._generated = self._preemptions = 0
-        self.step_seconds: deque[tuple[str, int, float]] = deque(maxlen=STEPS_KEPT)  # (phase, rows, seconds)
+        self._recent = None  # the slot tokens (`steps.SLOTS`), allocated with the pools
+        self._overlap = config.overlap and jax.process_count() == 1
+        self._in_flight: _Launched | None = None
+        self._last_resolved = 0.0
+        self.step_times: deque[StepTime] = deque(maxlen=STEPS_KEPT)
 
     def _cache_size(self, max_pages: int) -> capacity.CacheSize:
         """The pages of each cache shard: as configured, or from the device memory left after the weights."""
@@ -199,6 +252,23 @@ class Engine:
     @pages.setter
     def pages(self, pools: dict) -> None:
         self._pages = pools
+
+    @property
+    def recent(self) -> jax.Array:
+        """The newest token of each shard's slots [shards * rows_per_shard] int32 (`steps.SLOTS`), allocated on
+        first use."""
+        if self._recent is None:
+            abstract = self._abstract_recent()
+            self._recent = jnp.zeros(abstract.shape, abstract.dtype, device=abstract.sharding)
+        return self._recent
+
+    def _abstract_recent(self) -> jax.ShapeDtypeStruct:
+        shape = (self.shards * self.config.rows_per_shard,)
+        sharding = None
+        if self.mesh is not None:
+            with self._phase("decode"):
+                sharding = NamedSharding(self.mesh, activation_spec(SLOTS, shape, "slot tokens"))
+        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
 
     def _abstract_pages(self) -> dict:
         """The page pools' shapes, types and placement, for compiling before they are allocated."""
@@ -266,7 +336,10 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.waiting)
+        """Whether a request runs or waits, or a launched step holds a token of a request not yet ended."""
+        return bool(self.scheduler.running or self.scheduler.waiting or self._in_flight is not None and any(
+            self._sequences.get(token.sequence.request_id) is token.sequence
+            for rows in self._in_flight.rows for token in rows.tokens))
 
     def stats(self) -> EngineStats:
         shards = self.scheduler.shards
@@ -279,26 +352,27 @@ class Engine:
                            generated_tokens=self._generated)
 
     def step(self) -> list[TokenEvent]:
-        """One scheduler plan run: prompt chunks prefilled, decoding sequences decoded; their new tokens."""
+        """One scheduler plan launched (prompt chunks prefilled, decoding sequences decoded), then the new tokens of
+        the step launched before it, read while this one runs (with `EngineConfig.overlap`; else this step's own).
+        A sequence that the earlier step's token ends (a stop token) may have run one wasted row in this step; a
+        sequence its length ends is finished when its last row launches."""
+        started = time.perf_counter()
         plan = self.scheduler.schedule()
         self._preemptions += len(plan.preempted)
-        now = time.monotonic()
         for chunk in plan.prefill:
             if chunk.sequence.scheduled_at is None:
-                chunk.sequence.scheduled_at = now
-        events = []
+                chunk.sequence.scheduled_at = started
+        launched = []
         if plan.prefill:
-            tokens, logprobs = self._run("prefill", list(plan.prefill))
-            for chunk, token, logprob in zip(plan.prefill, tokens, logprobs):
-                self.scheduler.computed(chunk)
-                if chunk.last:
-                    events.append(self._append(chunk.sequence, token, logprob))
+            launched.append(self._launch("prefill", list(plan.prefill)))
         if plan.decode:
-            chunks = [Chunk(sequence, sequence.length - 1, 1) for sequence in plan.decode]
-            tokens, logprobs = self._run("decode", chunks)
-            for chunk, token, logprob in zip(chunks, tokens, logprobs):
-                chunk.sequence.computed += 1
-                events.append(self._append(chunk.sequence, token, logprob))
+            launched.append(self._launch("decode", [Chunk(s, s.length - 1, 1) for s in plan.decode]))
+        step = _Launched(launched, started, time.perf_counter() - started) if launched else None
+        events = self._resolve(self._in_flight) if self._in_flight is not None else []
+        self._in_flight = step
+        if step is not None and not self._overlap:
+            events += self._resolve(step)
+            self._in_flight = None
         return events
 
     def generate(self, prompts: list[list[int]], params: SamplingParams = SamplingParams()) -> list[list[int]]:
@@ -317,48 +391,95 @@ class Engine:
                 outputs[event.request_id].append(event.token)
         return [outputs[request_id] for request_id in ids]
 
-    def _append(self, sequence: Sequence, token: int, logprob: float) -> TokenEvent:
-        sequence.generated.append(token)
-        sequence.logprobs.append(logprob)
-        self._generated += 1
-        queued = sequence.scheduled_at - sequence.arrival if len(sequence.generated) == 1 else None
-        reason = self._finish_reason(sequence, token)
-        if reason is not None:
-            self._sequences.pop(sequence.request_id, None)
-            self.scheduler.finish(sequence)
-        return TokenEvent(sequence.request_id, token, logprob, reason, queued)
-
-    def _finish_reason(self, sequence: Sequence, token: int) -> str | None:
-        params = sequence.params
-        if token in params.stop_tokens:
-            return "stop"
-        if len(sequence.generated) >= params.max_tokens or sequence.length >= self.context:
-            return "length"
-        return None
-
-    def _run(self, phase: str, chunks: list[Chunk]) -> tuple[list[int], list[float]]:
-        """One compiled step over `chunks` (rows grouped by shard, padded to the buckets), announced to the other
-        processes first where the mesh spans several (`multihost`); each row's sampled token and log-probability,
-        in the order of `chunks`."""
+    def _launch(self, phase: str, chunks: list[Chunk]) -> _Rows:
+        """One compiled step over `chunks` launched (announced to the other processes first where the mesh spans
+        several, `multihost`); each chunk that ends its prompt, and each decode row, gets a PENDING token, and a
+        sequence that token brings to its length limit is finished now."""
         inputs, rows = self._inputs(phase, chunks)
         if self.channel is not None:
             self.channel.send(phase, inputs)
-        started = time.perf_counter()
-        token_B, logprob_B = self.execute(phase, inputs)
-        self.step_seconds.append((phase, len(chunks), time.perf_counter() - started))
-        return [int(token_B[row]) for row in rows], [float(logprob_B[row]) for row in rows]
+        outputs = self._dispatch(phase, inputs)
+        if jax.process_count() > 1:  # every process gathers right after the step, as `multihost.follow` does
+            outputs = self._gathered(outputs)
+        tokens = []
+        for chunk, row in zip(chunks, rows):
+            if phase == "prefill":
+                self.scheduler.computed(chunk)
+                if not chunk.last:
+                    continue
+            else:
+                chunk.sequence.computed += 1
+            tokens.append(self._pending(chunk.sequence, row))
+        return _Rows(phase, len(chunks), outputs, tokens)
+
+    def _pending(self, sequence: Sequence, row: int) -> _Token:
+        """A PENDING token appended to `sequence` for step row `row`; the sequence finished at once (its pages and
+        slot released) when this token reaches max_tokens or the context, whatever its value."""
+        sequence.generated.append(PENDING)
+        sequence.logprobs.append(0.0)
+        sequence.pending += 1
+        at_length = len(sequence.generated) >= sequence.params.max_tokens or sequence.length >= self.context
+        if at_length:
+            self.scheduler.finish(sequence)
+        return _Token(sequence, len(sequence.generated) - 1, row, "length" if at_length else None)
+
+    def _resolve(self, step: _Launched) -> list[TokenEvent]:
+        """The tokens of a launched step read from the device (waiting for it) and written into their sequences;
+        their events, in launch order. A sequence cancelled or stopped since yields none."""
+        events = []
+        for rows in step.rows:
+            token_B, logprob_B = (np.asarray(array) for array in rows.outputs)
+            for token in rows.tokens:
+                event = self._arrived(token, int(token_B[token.row]), float(logprob_B[token.row]))
+                if event is not None:
+                    events.append(event)
+        now = time.perf_counter()
+        seconds = now - max(step.started, self._last_resolved)
+        self._last_resolved = now
+        self.step_times.append(step.time(seconds))
+        return events
+
+    def _arrived(self, pending: _Token, token: int, logprob: float) -> TokenEvent | None:
+        """A PENDING token's value: stored, and the sequence finished on a stop token; its event, None when the
+        sequence was cancelled or finished by an earlier token."""
+        sequence = pending.sequence
+        if self._sequences.get(sequence.request_id) is not sequence:
+            return None
+        sequence.generated[pending.index], sequence.logprobs[pending.index] = token, logprob
+        sequence.pending -= 1
+        self._generated += 1
+        reason = "stop" if token in sequence.params.stop_tokens else pending.reason
+        if reason is not None:
+            self._sequences.pop(sequence.request_id)
+            self.scheduler.finish(sequence)
+        queued = sequence.scheduled_at - sequence.arrival if pending.index == 0 else None
+        return TokenEvent(sequence.request_id, token, logprob, reason, queued)
 
     def execute(self, phase: str, inputs: StepInputs) -> tuple[np.ndarray, np.ndarray]:
-        """The compiled step of `phase` over host `inputs`, the pools updated in place; (tokens [B],
+        """The compiled step of `phase` over host `inputs`, the pools and slot tokens updated in place; (tokens [B],
         log-probabilities [B]) on the host, gathered from every process where the mesh spans several. Every process
         of such a mesh runs it with the same inputs (`multihost.follow`)."""
+        outputs = self._dispatch(phase, inputs)
+        if jax.process_count() > 1:
+            return self._gathered(outputs)
+        return tuple(np.asarray(array) for array in outputs)
+
+    def _dispatch(self, phase: str, inputs: StepInputs) -> tuple[jax.Array, jax.Array]:
+        """The compiled step launched (not waited for): (tokens [B], log-probabilities [B]) on the devices, their
+        copy to the host begun."""
         rows, width = inputs.tokens.shape
         program = self._program(phase, rows, width, inputs.table.shape[1])
         with self._phase(phase):
-            token_B, logprob_B, self.pages = program(self.params, self.rest, self.pages, self._placed(inputs))
-        if jax.process_count() > 1:
-            return tuple(multihost_utils.process_allgather((token_B, logprob_B), tiled=True))
-        return np.asarray(token_B), np.asarray(logprob_B)
+            token_B, logprob_B, self.pages, self._recent = program(self.params, self.rest, self.pages, self.recent,
+                                                                   self._placed(inputs))
+        if jax.process_count() == 1:
+            token_B.copy_to_host_async()
+            logprob_B.copy_to_host_async()
+        return token_B, logprob_B
+
+    @staticmethod
+    def _gathered(outputs) -> tuple[np.ndarray, np.ndarray]:
+        return tuple(multihost_utils.process_allgather(outputs, tiled=True))
 
     def warm_up(self, progress=None, threads: int | None = None) -> int:
         """Compiles the program of every bucket (`Buckets.shapes`) now, so that no request waits for a compile:
@@ -380,7 +501,7 @@ class Engine:
         self._programs_at_start = len(self._programs)
         if self.cache_size.reserve_bytes:
             capacity.check_reserve(self._programs, self.cache_size.reserve_bytes)
-        jax.block_until_ready(self.pages)
+        jax.block_until_ready((self.pages, self.recent))
         return len(shapes)
 
     def _program(self, phase: str, rows: int, width: int, pages: int):
@@ -395,7 +516,7 @@ class Engine:
     def _lowered(self, phase: str, rows: int, width: int, pages: int):
         """The step of `phase` traced for one bucket, against the pools' and inputs' shapes (nothing allocated)."""
         with self._phase(phase):
-            return self._steps[phase].lower(self.params, self.rest, self._abstract_pages(),
+            return self._steps[phase].lower(self.params, self.rest, self._abstract_pages(), self._abstract_recent(),
                                             self._abstract_inputs(rows, width, pages))
 
     def keep_followers(self) -> None:
@@ -415,25 +536,23 @@ class Engine:
         width = 1 if phase == "decode" else Buckets.round_up(max(c.count for c in chunks), self.buckets.positions,
                                                              "prompt positions")
         pages = Buckets.round_up(max(len(c.sequence.pages) for c in chunks), self.buckets.pages, "pages per row")
-        total = rows * self.shards
-        tokens, positions = np.zeros((total, width), np.int32), np.full((total, width), -1, np.int32)
-        table, last = np.zeros((total, pages), np.int32), np.zeros((total,), np.int32)
-        temperature, top_p = np.zeros((total,), np.float32), np.ones((total,), np.float32)
-        top_k, seed = np.zeros((total,), np.int32), np.zeros((total,), np.int32)
-        where = {}
+        inputs = StepInputs.zeros(rows * self.shards, width, pages)
+        sampling = inputs.sampling
+        row_of = {}
         for shard, group in enumerate(by_shard):
             for offset, chunk in enumerate(group):
                 row, sequence = shard * rows + offset, chunk.sequence
-                where[id(chunk)] = row
-                tokens[row, :chunk.count] = sequence.token_slice(chunk.start, chunk.start + chunk.count)
-                positions[row, :chunk.count] = np.arange(chunk.start, chunk.start + chunk.count)
-                table[row, :len(sequence.pages)] = sequence.pages
-                last[row] = chunk.count - 1
+                row_of[id(chunk)] = row
+                inputs.tokens[row, :chunk.count] = sequence.token_slice(chunk.start, chunk.start + chunk.count)
+                inputs.positions[row, :chunk.count] = np.arange(chunk.start, chunk.start + chunk.count)
+                inputs.table[row, :len(sequence.pages)] = sequence.pages
+                inputs.last[row] = chunk.count - 1
+                inputs.slot[row] = sequence.slot if chunk.last else -1
                 params = sequence.params
-                temperature[row], top_p[row], top_k[row] = params.temperature, params.top_p, params.top_k
-                seed[row] = sequence.seed
-        arrays = StepInputs(tokens, positions, table, last, RowSampling(temperature, top_p, top_k, seed))
-        return arrays, [where[id(chunk)] for chunk in chunks]
+                sampling.temperature[row], sampling.top_p[row], sampling.top_k[row] = \
+                    params.temperature, params.top_p, params.top_k
+                sampling.seed[row] = sequence.seed
+        return inputs, [row_of[id(chunk)] for chunk in chunks]
 
     def _row_sharding(self) -> NamedSharding | None:
         """Step inputs' rows split as the attention batch (and the page pool) are; None without a mesh."""
@@ -443,23 +562,21 @@ class Engine:
         return NamedSharding(self.mesh, PartitionSpec(axes or None))
 
     def _placed(self, inputs: StepInputs) -> StepInputs:
-        """The step inputs on the devices, rows split as the attention batch (and the page pool) are."""
+        """The step inputs on the devices, rows split as the attention batch (and the page pool) are: one transfer
+        of every array in one process, each process its own rows where the mesh spans several."""
         rows = self._row_sharding()
         if rows is None:
-            return jax.tree.map(jnp.asarray, inputs)
+            return jax.device_put(inputs)
+        if jax.process_count() == 1:
+            return jax.device_put(inputs, rows)
         return jax.tree.map(lambda array: jax.make_array_from_callback(array.shape, rows, lambda at: array[at]),
                             inputs)
 
     def _abstract_inputs(self, rows: int, width: int, pages: int) -> StepInputs:
         """Shapes, types and placement of the step inputs of one bucket, for compiling before any request."""
         sharding = self._row_sharding()
-
-        def spec(shape, dtype):
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-        row_i32, row_f32 = spec((rows,), jnp.int32), spec((rows,), jnp.float32)
-        return StepInputs(spec((rows, width), jnp.int32), spec((rows, width), jnp.int32), spec((rows, pages), jnp.int32),
-                          row_i32, RowSampling(row_f32, row_f32, row_i32, row_i32))
+        return jax.tree.map(lambda array: jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=sharding),
+                            StepInputs.zeros(rows, width, pages))
 
 
 def _check_buckets(buckets: Buckets, config: EngineConfig) -> None:

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from .steps import RowSampling, StepInputs
+from .steps import StepInputs
 
 PHASES = ("prefill", "decode")
 STOP, IDLE = -1, -2
@@ -51,10 +51,7 @@ class StepBroadcast:
             phase, rows, width, pages = (int(value) for value in self._header(np.zeros(4, np.int32)))
         if phase == STOP:
             return None
-        empty = StepInputs(np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32),
-                           np.zeros((rows, pages), np.int32), np.zeros((rows,), np.int32),
-                           RowSampling(np.zeros((rows,), np.float32), np.zeros((rows,), np.float32),
-                                       np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)))
+        empty = StepInputs.zeros(rows, width, pages)
         inputs = multihost_utils.broadcast_one_to_all(empty, is_source=False)
         return PHASES[phase], jax.tree.map(np.asarray, inputs)
 

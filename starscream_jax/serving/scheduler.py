@@ -11,6 +11,11 @@ Pure Python, no arrays: the engine turns each `StepPlan` into the compiled steps
      least busy one.
 A sequence has its K/V for `computed` positions in the cache; it decodes when only its last token is missing
 (computed = len(tokens) - 1), and prefills while more are.
+
+A running sequence holds a slot of its shard (0 .. rows_per_shard - 1): the row of the engine's per-shard device
+buffers where each step leaves the sequence's newest token (`steps.paged_step`), so the next step can read a token
+the host has not seen yet. A token still on its way to the host is `PENDING` in `Sequence.generated`; a sequence
+holding one is not admitted again (its prompt pages would be recomputed from tokens the host does not have).
 """
 from __future__ import annotations
 
@@ -22,6 +27,9 @@ from dataclasses import dataclass, field
 from ..errors import StarscreamError
 from .pages import ShardPages, page_hashes
 
+
+PENDING = -1
+"""A generated token sampled by a step whose outputs the host has not read yet (`Engine.step`)."""
 
 MAX_TOP_K = 2 ** 31 - 1
 """The largest top_k a row holds (int32); any larger keeps every token, as top_k 0 does."""
@@ -94,6 +102,8 @@ class Sequence:
     admitted: int = -1  # admission order while running (newest is preempted first)
     preemptions: int = 0
     scheduled_at: float | None = None  # when its first step began (its queue time ends)
+    slot: int = -1  # its row of the shard's device token buffer while running
+    pending: int = 0  # generated tokens still PENDING (sampled on the device, not read yet)
     _hashes: list[bytes] = field(default_factory=list, repr=False)
 
     def prefix_hashes(self, positions: int, page_size: int) -> list[bytes]:
@@ -183,6 +193,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.shards = [ShardPages(config.pages_per_shard) for _ in range(config.shards)]
+        self._free_slots = [list(range(config.rows_per_shard - 1, -1, -1)) for _ in range(config.shards)]
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._admissions = itertools.count()
@@ -272,11 +283,14 @@ class Scheduler:
 
     def _release(self, sequence: Sequence) -> None:
         self.shards[sequence.shard].release(sequence.pages)
-        sequence.pages, sequence.computed, sequence.shard, sequence.admitted = [], 0, -1, -1
+        self._free_slots[sequence.shard].append(sequence.slot)
+        sequence.pages, sequence.computed, sequence.shard, sequence.admitted, sequence.slot = [], 0, -1, -1, -1
 
     def _admit(self, sequence: Sequence, full: set[int]) -> bool:
         """Places `sequence` on a shard (not in `full`: no prefill row left this step) with a free row and the pages
-        of its tokens; False when none has them."""
+        of its tokens; False when none has them, or while a token of it is PENDING."""
+        if sequence.pending:
+            return False
         length = sequence.length
         hashes = sequence.prefix_hashes(length - 1, self.config.page_size) if self.config.prefix_caching else []
         # (the last token is always computed: its logits give the next)
@@ -294,6 +308,7 @@ class Scheduler:
             return False
         shard = self.shards[best[1]]
         sequence.shard = best[1]
+        sequence.slot = self._free_slots[best[1]].pop()
         sequence.pages = shard.take_prefix(hashes)
         sequence.computed = len(sequence.pages) * self.config.page_size
         sequence.pages += shard.allocate(needed - len(sequence.pages))

@@ -1,8 +1,11 @@
 """The one serving step, compiled per bucket, and the per-row sampling it ends with.
 
-  paged step  (params, rest, pages {"k", "v"[, "k_scale", "v_scale"]}, StepInputs) -> (tokens [B],
-              log-probabilities [B], pages): the tokens [B, S] of every row through the model over the paged KV cache (`Transformer.paged`, pages
-              donated, written in place), then each row's next token drawn from the logits at its `last` index.
+  paged step  (params, rest, pages {"k", "v"[, "k_scale", "v_scale"]}, recent [shards * slots], StepInputs) ->
+              (tokens [B], log-probabilities [B], pages, recent): the tokens [B, S] of every row through the model
+              over the paged KV cache (`Transformer.paged`, pages donated, written in place), then each row's next
+              token drawn from the logits at its `last` index and left in its sequence's slot of `recent`
+              (donated). A token the host does not know yet (-1, sampled by the step before and not read back) is
+              read from the row's slot, so the engine builds and launches the next step while this one runs.
               Decode runs it with S = 1 under the decode layout, prefill chunks with S > 1 under the prefill
               layout; both layouts place the pages alike, so neither copies the cache.
 
@@ -18,14 +21,16 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.tree_util import register_dataclass
 
 from ..errors import StarscreamError
 from ..hardware.backend import policy_of
+from ..model.ops import run_sharded
 from ..model.paged import PagedCache
 from ..sharding.apply import Jitted, Placement, constrain, jit
-from ..training.steps import _whole_vocabulary
+from ..training.steps import whole_vocabulary
 
 
 @register_dataclass
@@ -39,17 +44,35 @@ class RowSampling:
     seed: jax.Array
 
 
+SLOTS = ("attn_batch",)
+"""The device token buffer [shards * slots_per_shard] and each row's slot [B]: split as the attention batch is, a
+row's slot an index local to its shard (as its block table's pages are), so reading and writing it stay on one
+device."""
+
+
 @register_dataclass
 @dataclass(frozen=True)
 class StepInputs:
-    """One step's rows: tokens and positions [B, S] (position -1: padding), block tables [B, M], the index of
-    each row's last token [B] and its sampling."""
+    """One step's rows: tokens and positions [B, S] (position -1: padding; token -1: the row's sequence's newest
+    token, still on the device in its slot), block tables [B, M], the index of each row's last token [B], the
+    slot [B] its sampled token goes to (-1: none, for padding rows and prompt chunks that do not end their prompt)
+    and its sampling. Rows are grouped by cache shard (shard s holds rows s * B / shards onwards)."""
 
     tokens: jax.Array
     positions: jax.Array
     table: jax.Array
     last: jax.Array
+    slot: jax.Array
     sampling: RowSampling
+
+    @classmethod
+    def zeros(cls, rows: int, width: int, pages: int) -> StepInputs:
+        """Host inputs of one bucket with every row padding: no token, position -1, the null page, no slot,
+        greedy (every field's shape and dtype, for the engine, its compiles and the followers of `multihost`)."""
+        row_i32, row_f32 = np.zeros((rows,), np.int32), np.zeros((rows,), np.float32)
+        return cls(np.zeros((rows, width), np.int32), np.full((rows, width), -1, np.int32),
+                   np.zeros((rows, pages), np.int32), row_i32.copy(), np.full((rows,), -1, np.int32),
+                   RowSampling(row_f32.copy(), np.ones((rows,), np.float32), row_i32.copy(), row_i32.copy()))
 
 
 def paged_step(graphdef, kernel: str = "gather", decode: bool = True, *, under: Placement | None) -> Jitted:
@@ -59,19 +82,37 @@ def paged_step(graphdef, kernel: str = "gather", decode: bool = True, *, under: 
     device = under.mesh.devices.flat[0] if under is not None else jax.devices()[0]
     options = dict(policy_of(device).decode_compiler_options) if decode else None
 
-    @jit(under=under, donate_argnums=(2,), compiler_options=options)
-    def step(params, rest, pages, inputs: StepInputs):
+    @jit(under=under, donate_argnums=(2, 3), compiler_options=options)
+    def step(params, rest, pages, recent, inputs: StepInputs):
         model = nnx.merge(graphdef, params, rest)
         cache = PagedCache(pages["k"], pages["v"], inputs.table, kernel, pages.get("k_scale"), pages.get("v_scale"))
-        logits_BV, cache = model.paged(inputs.tokens, inputs.positions, inputs.last, cache)
+        tokens_BS = jnp.where(inputs.tokens < 0, read_slots(recent, inputs.slot)[:, None], inputs.tokens)
+        logits_BV, cache = model.paged(tokens_BS, inputs.positions, inputs.last, cache)
         positions_B = inputs.positions[:, 0] + inputs.last  # a row's positions run on from its first
         token_B, logprob_B = sample_rows(logits_BV, inputs.sampling, positions_B + 1)
         written = {"k": cache.k, "v": cache.v}
         if cache.k_scale is not None:
             written.update(k_scale=cache.k_scale, v_scale=cache.v_scale)
-        return token_B, logprob_B, written
+        return token_B, logprob_B, written, write_slots(recent, inputs.slot, token_B)
 
     return step
+
+
+def read_slots(recent: jax.Array, slot_B: jax.Array) -> jax.Array:
+    """recent[slot] of each row [B] int32 (0 where the slot is -1), each shard reading its own slots (SLOTS)."""
+    def local(recent_R, slot_B, specs):
+        return jnp.where(slot_B >= 0, recent_R[jnp.maximum(slot_B, 0)], 0)
+
+    return run_sharded(local, [recent, slot_B], [SLOTS, SLOTS], [(SLOTS, slot_B.shape)], "slot tokens")
+
+
+def write_slots(recent: jax.Array, slot_B: jax.Array, token_B: jax.Array) -> jax.Array:
+    """`recent` [shards * slots] with each row's token [B] written at its slot (rows of slot -1 write nothing)."""
+    def local(recent_R, slot_B, token_B, specs):
+        return recent_R.at[jnp.where(slot_B >= 0, slot_B, recent_R.shape[0])].set(token_B, mode="drop")
+
+    return run_sharded(local, [recent, slot_B, token_B], [SLOTS, SLOTS, SLOTS], [(SLOTS, recent.shape)],
+                       "slot tokens")
 
 
 def sample_rows(logits_BV: jax.Array, rows: RowSampling, position_B: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -79,7 +120,7 @@ def sample_rows(logits_BV: jax.Array, rows: RowSampling, position_B: jax.Array) 
     [B, V] (placed by the layout's ("batch", "vocab") rules), drawn for sequence position `position_B`. A step
     whose rows are all greedy skips the sort that sampling needs (`jax.lax.cond`)."""
     with jax.named_scope("sample"):
-        logits_BV = _whole_vocabulary(logits_BV)
+        logits_BV = whole_vocabulary(logits_BV)
         rows, position_B = jax.tree.map(lambda row_B: constrain(row_B, ("batch",), "sampling"), (rows, position_B))
         greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
         token_B = jax.lax.cond(jnp.any(rows.temperature > 0), _drawn, lambda *_: greedy_B, logits_BV, rows,

@@ -205,7 +205,7 @@ def choose_token(logits_BV: jax.Array, position, sampling: Sampling) -> jax.Arra
     """The next token of each row [B] int32 from the last position's logits [B, V] (float32, placed by the layout's
     ("batch", "vocab") rules), drawn for sequence position `position`."""
     with jax.named_scope("sample"):
-        logits_BV = _whole_vocabulary(logits_BV)
+        logits_BV = whole_vocabulary(logits_BV)
         if sampling.top_p is None:
             return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
         scaled_BV = logits_BV / sampling.temperature
@@ -220,7 +220,7 @@ def choose_token(logits_BV: jax.Array, position, sampling: Sampling) -> jax.Arra
         return jax.random.categorical(key, nucleus_BV, axis=-1).astype(jnp.int32)
 
 
-def _whole_vocabulary(logits_BV: jax.Array) -> jax.Array:
+def whole_vocabulary(logits_BV: jax.Array) -> jax.Array:
     """The logits [B, V] with the vocabulary whole on every device (rows stay where the layout puts them), gathered
     inside each GPU first and then across GPUs, so neither gather spans both levels. Identity outside a layout."""
     spec = activation_spec(("batch", "vocab"), logits_BV.shape, "next-token logits")

@@ -41,6 +41,28 @@ def test_greedy_tokens_equal_generate(engine_for, prompts, reference, case):
         assert stats.preemptions > 0  # 8 x 3 pages asked of 12: the newest were recomputed
 
 
+def test_steps_launched_ahead_give_the_tokens_of_steps_run_one_at_a_time(engine_for, prompts, reference):
+    """With overlap a step's tokens are read after the next step launched (so the first step returns none); the
+    tokens are those of an engine that reads each step's before the next, with preemption, a stop token that a
+    sequence only learns of one step late, and seeded sampling."""
+    ahead, sync = engine_for("1x1x1"), engine_for("1x1x1-sync")
+    ahead.submit("first", [3, 4, 5], SamplingParams(max_tokens=2))
+    sync.submit("first", [3, 4, 5], SamplingParams(max_tokens=2))
+    assert ahead.step() == [] and [event.request_id for event in sync.step()] == ["first"]
+    while ahead.busy or sync.busy:
+        ahead.step(), sync.step()
+    stop = reference[0][2]
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, stop_tokens=(stop,))
+    expected = [row[:row.index(stop) + 1] if stop in row else row for row in reference]
+    sampled = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, top_k=50, seed=3)
+    for engine in (ahead, sync):
+        assert engine.generate([list(p) for p in prompts], greedy) == expected
+        stats = engine.stats()
+        assert stats.pages_used == 0 and stats.preemptions > 0 and not engine.busy
+    assert ahead.generate([list(p) for p in prompts], sampled) == sync.generate([list(p) for p in prompts], sampled)
+    assert sum(step.host_seconds for step in ahead.step_times) > 0
+
+
 def test_one_by_one_equals_all_at_once(engine_for):
     engine = engine_for("1x2x4")
     rng = np.random.default_rng(1)
