@@ -351,6 +351,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--kernel", default="gather", choices=["gather", "pallas"])
+    parser.add_argument("--no-overlap", action="store_true", help="the engine reads each step before the next")
     parser.add_argument("--http", action="store_true", help="also through `starscream serve` in its own process")
     parser.add_argument("--transformers", action="store_true", help="also transformers' continuous batching (GPU)")
     parser.add_argument("--chip", default="h200", help="measured figures of the roofline (meshes/measured)")
@@ -377,6 +378,8 @@ def serve_args(args, model_dir: Path, workloads: list[Workload]) -> list[str]:
     flags = ["--model-dir", str(model_dir), "--max-num-seqs", str(args.max_num_seqs), "--max-model-len",
              str(max(longest, 16)), "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--chunk",
              str(args.chunk), "--kernel", args.kernel, "--compilation-cache", str(args.work_dir / "compiled")]
+    if args.no_overlap:
+        flags.append("--no-overlap")
     if args.quick:
         flags += ["--simulate", "--topology", "1x1", "--page-size", "4", "--dtype", "float32"]
     else:

@@ -77,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--cache-pages", type=count, help="KV pages per cache shard (each partition holds one "
                                                           "shard), instead of sizing the cache from memory")
     engine.add_argument("--kernel", choices=KERNELS, default="gather", help="paged decode attention")
+    engine.add_argument("--no-overlap", dest="overlap", action="store_false",
+                        help="read each step's tokens before launching the next (by default the next step is "
+                             "scheduled and launched while the device runs the current one)")
     engine.add_argument("--compilation-cache", default=str(DEFAULT_COMPILATION_CACHE), metavar="DIR",
                         help="keep compiled programs here so that a restart compiles nothing ('' turns it off; "
                              f"default {DEFAULT_COMPILATION_CACHE})")
@@ -185,7 +188,8 @@ def engine_config(args: argparse.Namespace, shards: int):
     return EngineConfig(page_size=args.page_size, pages_per_shard=args.cache_pages,
                         rows_per_shard=math.ceil(args.max_num_seqs / shards),
                         token_budget=args.max_num_batched_tokens, chunk=args.chunk, kernel=args.kernel,
-                        max_model_len=args.max_model_len, memory_utilization=args.gpu_memory_utilization)
+                        max_model_len=args.max_model_len, memory_utilization=args.gpu_memory_utilization,
+                        overlap=args.overlap)
 
 
 def bind(host: str, port: int) -> socket.socket:
