@@ -1,0 +1,243 @@
+"""Decode's projections with 8-bit weights, one at a time: the library's weight-only kernel (model/weight_only.py)
+against XLA's path as decode ran it before (a GEMM of the weights converted to bfloat16, `decoder._project` with
+eight_bit_matmul "xla", compiled with the 8-bit decode options) and against the bfloat16 GEMM of the same shape
+(`decoder._project` of bfloat16 weights, decode's options: cuBLAS, one-row projections padded as decode pads them).
+
+Shapes: each projection of the model's layer as x [M, K] @ W [K, N] (Llama 3 8B: q and o 4096 x 4096, k and v
+4096 x 1024, gate and up 4096 x 14336, down 14336 x 4096) at M = 1 and 64 rows (decode's batches), int8 and fp8
+e4m3 weights with float32 scales per output channel. Each timed call multiplies x by `copies` distinct weights of
+the shape, together at least --gigabytes of 8-bit weights (at most MAX_COPIES; so that no weight stays in the GPU's L2 between uses,
+as in a decode step, which reads 32 layers' weights); rate = weight bytes read (values and scales; bfloat16: 2 per
+value) / time. The kernel runs with its default blocks and each of ALTERNATIVE_BLOCKS (its best is reported beside
+the default, a guide to the defaults), every candidate checked against XLA's product. Candidates take turns in
+rounds (`harness.alternating_rounds`). "layer" sums the seven projections of one layer per implementation.
+
+    python scripts/bench_weight_only.py --out weight_only.json             # on the GPU
+    python scripts/bench_weight_only.py --quick                            # CPU smoke run, kernel interpreted
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+from starscream_jax.benchmarks import harness
+
+ALTERNATIVE_BLOCKS = ({"reduce": "sum", "depth": 64}, {"cols": 64, "depth": 128}, {"cols": 256, "depth": 32,
+                                                                                     "warps": 8})
+"""Blocks tried beside the default (weight_only.Blocks fields); "sum" only where the rows are at most 4."""
+ROWS = (1, 64)
+MAX_COPIES = 32
+"""At most this many distinct weights per call (k and v of Llama 3 8B: 32 x 4.2 MB, beyond the H200's 50 MB L2)."""
+
+
+def projections(config) -> list[tuple[str, int, int]]:
+    """(names, K, N) of each distinct projection shape of one layer, names joined by "," (k,v and gate,up share)."""
+    D, HE, KE, F = config.d_model, config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim, config.d_ff
+    return [("q", D, HE), ("k,v", D, KE), ("o", HE, D), ("gate,up", D, F), ("down", F, D)]
+
+
+def copies_for(weight_bytes: int, gigabytes: float) -> int:
+    """Distinct weights per timed call: together at least `gigabytes`, 1 to MAX_COPIES."""
+    return min(MAX_COPIES, max(1, math.ceil(gigabytes * 1e9 / weight_bytes)))
+
+
+def candidates(rows: int, implementation: str, quick: bool) -> dict:
+    """{name: weight_only.Blocks} of the kernel to time at `rows` rows: "kernel" (the defaults), and in a full
+    run each of ALTERNATIVE_BLOCKS that applies."""
+    from starscream_jax.model.weight_only import DEFAULT_BLOCKS, Blocks
+
+    found = {"kernel": DEFAULT_BLOCKS}
+    if quick:
+        return found
+    for fields in ALTERNATIVE_BLOCKS:
+        if fields.get("reduce") == "sum" and rows > 4:
+            continue
+        found["kernel " + ",".join(f"{key}={value}" for key, value in fields.items())] = Blocks(**fields)
+    return found
+
+
+def programs(config, K: int, N: int, rows: int, format_name: str, copies: int, implementation: str, quick: bool):
+    """{name: (jitted function, args, weight bytes per call)} of the candidates for one shape, and x."""
+    import jax
+    import jax.numpy as jnp
+
+    from starscream_jax.hardware.backend import policy_of
+    from starscream_jax.model import decoder
+    from starscream_jax.model.quantize import Scaled, quantize
+    from starscream_jax.model.weight_only import weight_only_matmul
+    from starscream_jax.training.steps import EIGHT_BIT_DECODE_OPTIONS
+
+    keys = jax.random.split(jax.random.key(K * 7 + N + rows), copies + 1)
+    x = jax.random.normal(keys[0], (rows, 1, K), jnp.float32).astype(jnp.bfloat16)
+    make = jax.jit(lambda key: quantize(jax.random.normal(key, (K, N), jnp.float32), "w_gate", ("embed", "mlp"),
+                                        format_name))
+    scaled = [Scaled(*make(key)) for key in keys[1:]]
+    floats = [jax.jit(lambda w: (w.values.astype(jnp.float32) * w.scale).astype(jnp.bfloat16))(w) for w in scaled]
+    decode_options = dict(policy_of(jax.devices()[0]).decode_compiler_options)
+    eight_bit_options = {**decode_options,
+                         **{k: v for k, v in EIGHT_BIT_DECODE_OPTIONS.items() if k in decode_options}}
+    xla_config = config.replace(eight_bit_matmul="xla")
+    out = ("batch", "seq", "mlp")
+
+    def project(x, weights):
+        return [decoder._project("bench", "bsd,df->bsf", x, w, out, xla_config) for w in weights]
+
+    def kernel(blocks):
+        def run(x, weights):
+            return [weight_only_matmul(x[:, 0], w.values, w.scale, implementation, blocks)[:, None] for w in weights]
+        return jax.jit(run, compiler_options=decode_options or None)
+
+    eight_bit_bytes = sum(w.values.nbytes + w.scale.nbytes for w in scaled)
+    found = {name: (kernel(blocks), (x, scaled), eight_bit_bytes)
+             for name, blocks in candidates(rows, implementation, quick).items()}
+    found["xla"] = (jax.jit(project, compiler_options=eight_bit_options or None), (x, scaled), eight_bit_bytes)
+    found["bf16"] = (jax.jit(project, compiler_options=decode_options or None), (x, floats),
+                     sum(w.nbytes for w in floats))
+    return found
+
+
+def measure_shape(config, names: str, K: int, N: int, rows: int, format_name: str, args, implementation: str,
+                  deadline: float) -> list[dict]:
+    """One row per candidate of one shape: seconds per projection, GB/s of weight bytes, the error against XLA's
+    product, ratios to XLA's path and to bfloat16 (time over time). Alternatives are left out past `deadline`."""
+    import jax
+    import numpy as np
+
+    copies = copies_for(K * N, args.gigabytes)
+    found = programs(config, K, N, rows, format_name, copies, implementation, args.quick)
+    if time.perf_counter() > deadline:
+        found = {name: entry for name, entry in found.items() if not name.startswith("kernel ")}
+    compiled, failed = {}, {}
+    for name, (function, call_args, _) in found.items():
+        try:
+            outputs = function(*call_args)
+            jax.block_until_ready(outputs)
+            compiled[name] = (function, call_args, outputs[0])
+        except Exception as error:  # noqa: BLE001 - a candidate that does not compile is reported, not fatal
+            failed[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+    timed = harness.alternating_rounds({name: entry[:2] for name, entry in compiled.items()}, rounds=args.rounds,
+                                       warmup=args.warmup, calls=args.calls)
+    expected = np.asarray(compiled["xla"][2], np.float32) if "xla" in compiled else None
+    rows_out = []
+    for name in found:
+        row = {"projection": names, "K": K, "N": N, "rows": rows, "format": format_name, "implementation": name,
+               "copies": copies}
+        if name in failed:
+            rows_out.append({**row, "error": failed[name]})
+            continue
+        seconds = timed[name].median / copies
+        weight_bytes = found[name][2] / copies
+        row.update(seconds=seconds, weight_bytes=weight_bytes, bytes_per_s=weight_bytes / seconds,
+                   rounds_s=[mean / copies for mean in timed[name].means])
+        if expected is not None:
+            got = np.asarray(compiled[name][2], np.float32)
+            row["relative_error_vs_xla"] = float(np.linalg.norm(got - expected) / max(np.linalg.norm(expected), 1e-30))
+        rows_out.append(row)
+    for row in rows_out:
+        for other in ("xla", "bf16"):
+            if "seconds" in row and other in timed:
+                row[f"speedup_over_{other}"] = timed[other].median / copies / row["seconds"]
+    return rows_out
+
+
+def layer_totals(rows: list[dict]) -> list[dict]:
+    """Per (format, rows): one layer's seven projections summed for the default kernel, the best kernel
+    candidate of each shape, XLA's path and bfloat16, with the ratios."""
+    totals = []
+    for key in sorted({(row["format"], row["rows"]) for row in rows}):
+        mine = [row for row in rows if (row["format"], row["rows"]) == key and "seconds" in row]
+        sums = {"kernel": 0.0, "best kernel": 0.0, "xla": 0.0, "bf16": 0.0}
+        complete = True
+        for names in dict.fromkeys(row["projection"] for row in mine):
+            count = len(names.split(","))
+            shape_rows = {row["implementation"]: row["seconds"] for row in mine if row["projection"] == names}
+            kernels = [s for name, s in shape_rows.items() if name.startswith("kernel")]
+            if not all(name in shape_rows for name in ("kernel", "xla", "bf16")):
+                complete = False
+                continue
+            sums["kernel"] += count * shape_rows["kernel"]
+            sums["best kernel"] += count * min(kernels)
+            sums["xla"] += count * shape_rows["xla"]
+            sums["bf16"] += count * shape_rows["bf16"]
+        total = {"format": key[0], "rows": key[1], "complete": complete, **{f"{k}_s": v for k, v in sums.items()}}
+        if sums["kernel"] > 0:
+            total.update(kernel_over_xla=sums["xla"] / sums["kernel"], kernel_over_bf16=sums["bf16"] / sums["kernel"],
+                         best_over_bf16=sums["bf16"] / sums["best kernel"], xla_over_bf16=sums["bf16"] / sums["xla"])
+        totals.append(total)
+    return totals
+
+
+def row_line(row: dict) -> str:
+    head = f"{row['format']:<14} {row['rows']:>3} {row['projection']:<8} {row['K']:>6}x{row['N']:<6} " \
+           f"{row['implementation']:<34}"
+    if "error" in row:
+        return head + " FAILED " + row["error"]
+    ratios = " ".join(f"{row[key]:>6.2f}x" if key in row else f"{'':>7}"
+                      for key in ("speedup_over_xla", "speedup_over_bf16"))
+    error = row.get("relative_error_vs_xla")
+    return (head + f" {1e6 * row['seconds']:>9.1f} {row['bytes_per_s'] / 1e9:>8.0f} {ratios} "
+            f"{'' if error is None else f'{error:.1e}'}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    harness.add_model_arguments(parser, model="llama3-8b")
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="token rows (decode's batch)")
+    parser.add_argument("--formats", nargs="+", default=["int8", "float8_e4m3fn"],
+                        choices=("int8", "float8_e4m3fn", "float8_e4m3fnuz"), help="8-bit weight formats")
+    parser.add_argument("--gigabytes", type=float, default=1.0,
+                        help="8-bit weight bytes per timed call (distinct copies of the shape; default 1.0 GB)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (the median is reported)")
+    parser.add_argument("--calls", type=int, default=5, help="calls per round")
+    parser.add_argument("--budget-s", type=float, default=150.0,
+                        help="seconds after which the alternative kernel blocks are no longer tried (default 150)")
+    parser.add_argument("--warmup", type=int, default=1, help="calls before each round's clock starts (default 1)")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here (rewritten after every shape)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: tiny model, 1 and 3 rows, int8, the kernel interpreted, one round")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.model, args.rows, args.formats, args.gigabytes, args.rounds, args.calls = \
+            "tiny", [1, 3], ["int8"], 0.0, 1, 1
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import jax
+
+    from starscream_jax.model.weight_only import default_implementation
+
+    implementation = "interpret" if args.quick else default_implementation()
+    config = harness.model_config(args, dtype="bfloat16")
+    info = harness.run_info(__file__, argv)
+    result = {"meta": {"model": config.name, "implementation": implementation, "gigabytes": args.gigabytes,
+                       "rounds": args.rounds, "calls": args.calls, **info.as_dict()}, "rows": [], "layer": []}
+    print(f"{config.name} projections on {info.device_kind}, jax {info.jax}, kernel {implementation}", flush=True)
+    print(f"{'format':<14} {'M':>3} {'proj':<8} {'K x N':<13} {'implementation':<34} {'us':>9} {'GB/s':>8} "
+          f"{'vs xla':>7} {'vs bf16':>7} error vs xla", flush=True)
+    deadline = time.perf_counter() + args.budget_s
+    for format_name in args.formats:
+        for rows in args.rows:
+            for names, K, N in projections(config):
+                for row in measure_shape(config, names, K, N, rows, format_name, args, implementation, deadline):
+                    result["rows"].append(row)
+                    print(row_line(row), flush=True)
+                harness.write_json(args.out, result)
+    result["layer"] = layer_totals(result["rows"])
+    harness.write_json(args.out, result)
+    for total in result["layer"]:
+        if "kernel_over_bf16" in total:
+            print(f"one layer, {total['format']} at {total['rows']} rows: kernel {1e6 * total['kernel_s']:.0f} us, "
+                  f"XLA {1e6 * total['xla_s']:.0f} us, bf16 {1e6 * total['bf16_s']:.0f} us; kernel over XLA "
+                  f"{total['kernel_over_xla']:.2f}x, over bf16 {total['kernel_over_bf16']:.2f}x (best blocks "
+                  f"{total['best_over_bf16']:.2f}x), XLA's over bf16 {total['xla_over_bf16']:.2f}x", flush=True)
+    jax.clear_caches()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""scripts/bench_weight_only.py: the quick run times every candidate of every shape (the kernel interpreted) and
+its sums per layer; the shapes are the layer's projections."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from starscream_jax.model.catalog import load_model_config
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_weight_only.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_weight_only", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_weight_only"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_llama3_8b_projection_shapes_and_copies_past_the_l2(bench):
+    shapes = bench.projections(load_model_config("llama3-8b"))
+    assert shapes == [("q", 4096, 4096), ("k,v", 4096, 1024), ("o", 4096, 4096), ("gate,up", 4096, 14336),
+                      ("down", 14336, 4096)]
+    assert bench.copies_for(4096 * 1024, 1.0) == bench.MAX_COPIES and bench.copies_for(4096 * 14336, 1.0) == 18
+    assert list(bench.candidates(1, "pallas", quick=False)) == ["kernel", "kernel reduce=sum,depth=64",
+                                                                "kernel cols=64,depth=128",
+                                                                "kernel cols=256,depth=32,warps=8"]
+    assert "kernel reduce=sum,depth=64" not in bench.candidates(64, "pallas", quick=False)
+
+
+def test_quick_run_times_each_implementation_and_sums_a_layer(bench, tmp_path):
+    out = tmp_path / "weight_only.json"
+    assert bench.main(["--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["meta"]["implementation"] == "interpret" and result["meta"]["platform"] == "cpu"
+    rows = result["rows"]
+    assert {row["implementation"] for row in rows} == {"kernel", "xla", "bf16"} and len(rows) == 2 * 5 * 3
+    assert all(row["seconds"] > 0 and row["relative_error_vs_xla"] < 1e-2 for row in rows)
+    layer = {total["rows"]: total for total in result["layer"]}
+    assert set(layer) == {1, 3} and all(total["complete"] for total in layer.values())
+    one = [row for row in rows if row["rows"] == 1]
+    by = {(row["projection"], row["implementation"]): row["seconds"] for row in one}
+    assert layer[1]["xla_s"] == pytest.approx(by["q", "xla"] + 2 * by["k,v", "xla"] + by["o", "xla"]
+                                              + 2 * by["gate,up", "xla"] + by["down", "xla"])
