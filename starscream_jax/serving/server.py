@@ -68,8 +68,19 @@ DRAIN_S = 600.0
 """How long a shutdown waits for the engine to finish its running requests."""
 STATS_INTERVAL_S = 10.0
 """How often a line of the engine's load is logged while it is busy (as vLLM logs its own)."""
-VERSION = importlib.metadata.version("starscream-jax")
 LOG = logging.getLogger("starscream.serve")
+
+
+def package_version() -> str:
+    """The installed package's version (/version); "0+source" when the package runs from a source tree on the path
+    without being installed."""
+    try:
+        return importlib.metadata.version("starscream-jax")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+source"
+
+
+VERSION = package_version()
 
 
 class Server:
