@@ -50,6 +50,7 @@ from ..model.decoder import (
 from ..model.paged import PAGES, SCALES
 from ..model.quantize import held_dtype
 from ..serving.engine import cache_shards
+from ..serving.sampling import SLOT_TABLE, SlotState
 from ..serving.steps import SLOTS, StepInputs, paged_step
 from ..sharding.apply import (
     Placement,
@@ -147,6 +148,7 @@ class PagedArgs(NamedTuple):
     rest: Any
     pages: Any
     recent: Any
+    slots: Any
     inputs: Any
 
 
@@ -329,7 +331,9 @@ def abstract_paged_args(config: ModelConfig, layout: Layout, mesh, batch: int, l
     inputs = jax.tree.map(lambda array: row_array(array.shape, array.dtype), StepInputs.zeros(batch, 1, pages_per_row))
     recent = jax.ShapeDtypeStruct((batch,), jnp.int32,
                                   sharding=NamedSharding(mesh, activation_spec(SLOTS, (batch,), "slot tokens")))
-    return graphdef, PagedArgs(params, rest, pages, recent, inputs)
+    table = (batch, config.vocab_size)  # a slot per sequence
+    slots = SlotState.abstract(*table, NamedSharding(mesh, activation_spec(SLOT_TABLE, table, "slot state")))
+    return graphdef, PagedArgs(params, rest, pages, recent, slots, inputs)
 
 
 def abstract_cache(config: ModelConfig, layout: Layout, mesh, batch: int, length: int,

@@ -463,9 +463,8 @@ def layer_stack_names(step: CompiledStep) -> set[str]:
     decode step returns."""
     names = arrays_named_by(named_variables(step), frozenset({"layers"}))
     caches = {"cache": getattr(step.args, "cache", None), "output/1": step.outputs[1]
-              if isinstance(step.args, (DecodeArgs, PrefillArgs)) else None,
-              "pages": getattr(step.args, "pages", None),
-              "output/2": step.outputs[2] if isinstance(step.args, PagedArgs) else None}
+              if isinstance(step.args, (DecodeArgs, PrefillArgs, PagedArgs)) else None,
+              "pages": getattr(step.args, "pages", None)}
     for prefix, cache in caches.items():
         for path, _ in jax.tree_util.tree_flatten_with_path(cache)[0] if cache is not None else []:
             names.add(prefix + "/" + jax.tree_util.keystr(path, simple=True, separator="/"))

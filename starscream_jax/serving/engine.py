@@ -35,13 +35,14 @@ from ..errors import StarscreamError
 from ..model.decoder import split_layer_weights
 from ..model.paged import KERNELS, PAGES, SCALES, init_page_scales, init_pages
 from ..model.quantize import WEIGHT_FORMATS, check_format, held_as_read
-from ..sharding.apply import Placement, activation_spec, param_shardings, use_layout
+from ..sharding.apply import Placement, activation_spec, jit, param_shardings, use_layout
 from ..sharding.layouts import PHASE_DEFAULTS, get_layout
 from . import capacity
 from .multihost import StepBroadcast
 from .protocol import EngineInfo, EngineStats
 from .scheduler import PENDING, Chunk, SamplingParams, Scheduler, SchedulerConfig, Sequence, TokenEvent, check_fits
-from .steps import SLOTS, Buckets, StepInputs, paged_step
+from .sampling import SLOT_TABLE, SlotReset, SlotState, reset_slot
+from .steps import SLOTS, Buckets, RowSampling, Sampled, StepInputs, paged_step
 
 STEPS_KEPT = 100_000
 """How many of the latest steps' times an engine keeps (`Engine.step_times`, for benchmarks)."""
@@ -71,12 +72,12 @@ class _Token:
 
 @dataclass(frozen=True)
 class _Rows:
-    """One launched program: its phase, its rows in use, its outputs (tokens [B], log-probabilities [B]; device
+    """One launched program: its phase, its rows in use, its outputs (`steps.Sampled`; device
     arrays, or host arrays where a mesh spans processes) and the PENDING tokens they hold."""
 
     phase: str
     rows: int
-    outputs: tuple
+    outputs: Sampled
     tokens: list[_Token]
 
 
@@ -188,6 +189,10 @@ class Engine:
         self._seeds = np.random.default_rng()
         self._generated = self._preemptions = 0
         self._recent = None  # the slot tokens (`steps.SLOTS`), allocated with the pools
+        self._slot_state: SlotState | None = None  # penalties' counts, logit bias, stop ids per slot (`sampling`)
+        self._slot_holders: dict[tuple[int, int], Sequence] = {}  # (shard, slot) -> the sequence it was last set for
+        self._reset = jit(reset_slot, under=None if mesh is None else Placement(self.layouts["decode"], mesh),
+                          donate_argnums=(0,))
         self._overlap = config.overlap and jax.process_count() == 1
         self._in_flight: _Launched | None = None
         self._last_resolved = 0.0
@@ -262,6 +267,27 @@ class Engine:
             self._recent = jnp.zeros(abstract.shape, abstract.dtype, device=abstract.sharding)
         return self._recent
 
+    @property
+    def slot_state(self) -> SlotState:
+        """Per slot of every shard, what the step's penalties, logit bias and min_tokens read (`sampling.SlotState`,
+        [shards * rows_per_shard, ...]), allocated on first use."""
+        if self._slot_state is None:
+            self._slot_state = SlotState.empty(self.shards * self.config.rows_per_shard, self.model_config.vocab_size,
+                                               self._slot_sharding())
+        return self._slot_state
+
+    def _slot_sharding(self) -> NamedSharding | None:
+        """The slot state's placement: a shard's slots on the devices of its rows (`sampling.SLOT_TABLE`)."""
+        if self.mesh is None:
+            return None
+        with self._phase("decode"):
+            shape = (self.shards * self.config.rows_per_shard, self.model_config.vocab_size)
+            return NamedSharding(self.mesh, activation_spec(SLOT_TABLE, shape, "slot state"))
+
+    def _abstract_slot_state(self) -> SlotState:
+        return SlotState.abstract(self.shards * self.config.rows_per_shard, self.model_config.vocab_size,
+                                  self._slot_sharding())
+
     def _abstract_recent(self) -> jax.ShapeDtypeStruct:
         shape = (self.shards * self.config.rows_per_shard,)
         sharding = None
@@ -297,10 +323,23 @@ class Engine:
             raise StarscreamError(f"prompt token id {outside} is outside the model's vocabulary of {vocab}; give ids "
                                   f"from 0 to {vocab - 1}")
         check_fits(len(tokens), params.max_tokens, self.context)
+        self._check_slot_settings(params)
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2 ** 31))
         sequence = Sequence(request_id, tokens, params, seed, time.monotonic())
         self.scheduler.add(sequence)
         self._sequences[request_id] = sequence
+
+    def _check_slot_settings(self, params: SamplingParams) -> None:
+        """StarscreamError for a logit_bias id outside the vocabulary, and for settings that read a slot's state
+        on a mesh spanning processes (the followers would not see the slot written)."""
+        vocab = self.model_config.vocab_size
+        outside = next((token for token, _ in params.logit_bias if not 0 <= token < vocab), None)
+        if outside is not None:
+            raise StarscreamError(f"logit_bias token id {outside} is outside the model's vocabulary of {vocab}; give "
+                                  f"ids from 0 to {vocab - 1}")
+        if params.uses_slot and self.channel is not None:
+            raise StarscreamError("penalties, logit_bias and min_tokens are not served on a mesh spanning processes "
+                                  "yet; leave them out")
 
     def cancel(self, request_id: str) -> bool:
         """Ends a request now, releasing its pages; False when it is not known (already finished)."""
@@ -428,9 +467,12 @@ class Engine:
         their events, in launch order. A sequence cancelled or stopped since yields none."""
         events = []
         for rows in step.rows:
-            token_B, logprob_B = (np.asarray(array) for array in rows.outputs)
+            sampled = jax.tree.map(np.asarray, rows.outputs)
             for token in rows.tokens:
-                event = self._arrived(token, int(token_B[token.row]), float(logprob_B[token.row]))
+                top = token.sequence.params.top_logprobs
+                event = self._arrived(token, int(sampled.token[token.row]), float(sampled.logprob[token.row]),
+                                      tuple(sampled.top_token[token.row, :top].tolist()),
+                                      tuple(sampled.top_logprob[token.row, :top].tolist()))
                 if event is not None:
                     events.append(event)
         now = time.perf_counter()
@@ -439,7 +481,8 @@ class Engine:
         self.step_times.append(step.time(seconds))
         return events
 
-    def _arrived(self, pending: _Token, token: int, logprob: float) -> TokenEvent | None:
+    def _arrived(self, pending: _Token, token: int, logprob: float, top_tokens: tuple[int, ...] = (),
+                 top_logprobs: tuple[float, ...] = ()) -> TokenEvent | None:
         """A PENDING token's value: stored, and the sequence finished on a stop token; its event, None when the
         sequence was cancelled or finished by an earlier token."""
         sequence = pending.sequence
@@ -453,33 +496,34 @@ class Engine:
             self._sequences.pop(sequence.request_id)
             self.scheduler.finish(sequence)
         queued = sequence.scheduled_at - sequence.arrival if pending.index == 0 else None
-        return TokenEvent(sequence.request_id, token, logprob, reason, queued)
+        return TokenEvent(sequence.request_id, token, logprob, reason, queued, top_tokens, top_logprobs)
 
-    def execute(self, phase: str, inputs: StepInputs) -> tuple[np.ndarray, np.ndarray]:
-        """The compiled step of `phase` over host `inputs`, the pools and slot tokens updated in place; (tokens [B],
-        log-probabilities [B]) on the host, gathered from every process where the mesh spans several. Every process
-        of such a mesh runs it with the same inputs (`multihost.follow`)."""
+    def execute(self, phase: str, inputs: StepInputs) -> Sampled:
+        """The compiled step of `phase` over host `inputs`, the pools, slot tokens and slot state updated in place;
+        its `Sampled` (tokens [B], log-probabilities [B], the likeliest tokens [B, K]) on the host, gathered from
+        every process where the mesh spans several. Every process of such a mesh runs it with the same inputs
+        (`multihost.follow`)."""
         outputs = self._dispatch(phase, inputs)
         if jax.process_count() > 1:
             return self._gathered(outputs)
-        return tuple(np.asarray(array) for array in outputs)
+        return jax.tree.map(np.asarray, outputs)
 
-    def _dispatch(self, phase: str, inputs: StepInputs) -> tuple[jax.Array, jax.Array]:
-        """The compiled step launched (not waited for): (tokens [B], log-probabilities [B]) on the devices, their
-        copy to the host begun."""
+    def _dispatch(self, phase: str, inputs: StepInputs) -> Sampled:
+        """The compiled step launched (not waited for): its `Sampled` on the devices, their copy to the host
+        begun."""
         rows, width = inputs.tokens.shape
         program = self._program(phase, rows, width, inputs.table.shape[1])
         with self._phase(phase):
-            token_B, logprob_B, self.pages, self._recent = program(self.params, self.rest, self.pages, self.recent,
-                                                                   self._placed(inputs))
+            sampled, self.pages, self._recent, self._slot_state = program(
+                self.params, self.rest, self.pages, self.recent, self.slot_state, self._placed(inputs))
         if jax.process_count() == 1:
-            token_B.copy_to_host_async()
-            logprob_B.copy_to_host_async()
-        return token_B, logprob_B
+            for array in jax.tree.leaves(sampled):
+                array.copy_to_host_async()
+        return sampled
 
     @staticmethod
-    def _gathered(outputs) -> tuple[np.ndarray, np.ndarray]:
-        return tuple(multihost_utils.process_allgather(outputs, tiled=True))
+    def _gathered(outputs: Sampled) -> Sampled:
+        return multihost_utils.process_allgather(outputs, tiled=True)
 
     def warm_up(self, progress=None, threads: int | None = None) -> int:
         """Compiles the program of every bucket (`Buckets.shapes`) now, so that no request waits for a compile:
@@ -501,7 +545,8 @@ class Engine:
         self._programs_at_start = len(self._programs)
         if self.cache_size.reserve_bytes:
             capacity.check_reserve(self._programs, self.cache_size.reserve_bytes)
-        jax.block_until_ready((self.pages, self.recent))
+        self._slot_state = self._reset(self.slot_state, SlotReset.of(-1, self.model_config.vocab_size, [], []))
+        jax.block_until_ready((self.pages, self.recent, self.slot_state))  # (a reset of no slot: compiled now)
         return len(shapes)
 
     def _program(self, phase: str, rows: int, width: int, pages: int):
@@ -517,7 +562,7 @@ class Engine:
         """The step of `phase` traced for one bucket, against the pools' and inputs' shapes (nothing allocated)."""
         with self._phase(phase):
             return self._steps[phase].lower(self.params, self.rest, self._abstract_pages(), self._abstract_recent(),
-                                            self._abstract_inputs(rows, width, pages))
+                                            self._abstract_slot_state(), self._abstract_inputs(rows, width, pages))
 
     def keep_followers(self) -> None:
         """Tells the other processes, waiting for the next step, that the leader is idle but alive (else nothing)."""
@@ -552,7 +597,28 @@ class Engine:
                 sampling.temperature[row], sampling.top_p[row], sampling.top_k[row] = \
                     params.temperature, params.top_p, params.top_k
                 sampling.seed[row] = sequence.seed
+                self._slot_settings(sampling, row, sequence)
         return inputs, [row_of[id(chunk)] for chunk in chunks]
+
+    def _slot_settings(self, sampling: RowSampling, row: int, sequence: Sequence) -> None:
+        """Row `row`'s min_p, penalties, min_tokens, logit bias and top_logprobs; the sequence's slot state written
+        first when it has just taken its slot and reads it (`sampling.SlotReset`: its prompt's ids, its generated
+        tokens' counts, its bias and stop ids), in order on the device before this step."""
+        params, key = sequence.params, (sequence.shard, sequence.slot)
+        sampling.min_p[row], sampling.top_logprobs[row] = params.min_p, params.top_logprobs
+        sampling.presence[row], sampling.frequency[row], sampling.repetition[row] = \
+            params.presence_penalty, params.frequency_penalty, params.repetition_penalty
+        sampling.min_position[row] = len(sequence.prompt) + params.min_tokens if params.min_tokens else 0
+        sampling.biased[row] = bool(params.logit_bias)
+        if self._slot_holders.get(key) is sequence:
+            return
+        self._slot_holders[key] = sequence
+        if params.uses_slot:
+            stops = params.stop_tokens if params.min_tokens else ()
+            reset = SlotReset.of(sequence.shard * self.config.rows_per_shard + sequence.slot,
+                                 self.model_config.vocab_size, sequence.prompt,
+                                 [token for token in sequence.generated if token >= 0], params.logit_bias, stops)
+            self._slot_state = self._reset(self.slot_state, reset)
 
     def _row_sharding(self) -> NamedSharding | None:
         """Step inputs' rows split as the attention batch (and the page pool) are; None without a mesh."""

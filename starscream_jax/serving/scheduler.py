@@ -33,15 +33,26 @@ PENDING = -1
 
 MAX_TOP_K = 2 ** 31 - 1
 """The largest top_k a row holds (int32); any larger keeps every token, as top_k 0 does."""
+MAX_LOGIT_BIAS = 300
+"""The most logit_bias entries of one request (OpenAI's limit; a slot of `sampling.SlotState` holds this many)."""
+MAX_TOP_LOGPROBS = 20
+"""The most top log-probabilities per generated position (vLLM's default `max_logprobs`)."""
+MAX_STOP_IDS = 32
+"""The most stop token ids (EOS ids included) of a request with min_tokens: the step masks them itself."""
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """What one request asks of the engine. temperature 0 is greedy; top_p 1 and top_k 0 keep every token; a seed
     makes the draw of each position a function of (seed, position) alone, whatever else runs in the batch; a token
-    of `stop_tokens` (the tokenizer's EOS ids) ends the sequence; `logprobs` returns the log-probability of each
-    chosen token. Stop strings are text, so the API process applies them to the detokenized text
-    (`serving.detokenize`) and cancels the request; the engine stops on token ids and lengths alone."""
+    of `stop_tokens` (the tokenizer's EOS ids) ends the sequence, none is drawn before `min_tokens`; `logprobs`
+    returns the log-probability of each chosen token, and `top_logprobs` that many of the likeliest tokens with
+    theirs. As vLLM defines them: `min_p` drops tokens less likely than it times the likeliest; the presence and
+    frequency penalties subtract from the logit of each id generated so far (once, or once per time); the
+    repetition penalty divides positive logits and multiplies negative ones of ids in the prompt or generated;
+    `logit_bias` ((id, value) pairs) adds to logits. Stop strings are text, so the API process applies them to
+    the detokenized text (`serving.detokenize`) and cancels the request; the engine stops on token ids and
+    lengths alone."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -50,6 +61,13 @@ class SamplingParams:
     seed: int | None = None
     stop_tokens: tuple[int, ...] = ()
     logprobs: bool = False
+    top_logprobs: int = 0
+    min_tokens: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         problems = [(not _is_int(self.max_tokens) or self.max_tokens < 1,
@@ -62,27 +80,64 @@ class SamplingParams:
                      f"seed {self.seed!r} is outside [0, 2**31)"),
                     (isinstance(self.stop_tokens, (str, bytes)) or
                      not all(_is_int(token) and 0 <= token < 2 ** 31 for token in self.stop_tokens),
-                     f"stop_tokens {self.stop_tokens!r} must be a tuple of token ids")]
+                     f"stop_tokens {self.stop_tokens!r} must be a tuple of token ids")] + self._problems_beyond_top_k()
         for failed, message in problems:
             if failed:
                 raise StarscreamError(message)
+
+    def _problems_beyond_top_k(self) -> list[tuple[bool, str]]:
+        """(failed, message) of the settings the step applies from the row's slot, and of top_logprobs."""
+        return [(not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+                 f"top_logprobs {self.top_logprobs!r} is outside [0, {MAX_TOP_LOGPROBS}]"),
+                (not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens,
+                 f"min_tokens {self.min_tokens!r} must be a whole number from 0 to max_tokens ({self.max_tokens})"),
+                (self.min_tokens > 0 and len(self.stop_tokens) > MAX_STOP_IDS,
+                 f"min_tokens with {len(self.stop_tokens)} stop token ids (EOS ids included); give at most "
+                 f"{MAX_STOP_IDS} stop_token_ids with min_tokens"),
+                (not _number_in(self.min_p, 0.0, 1.0), f"min_p {self.min_p!r} is outside [0, 1]"),
+                (not _number_in(self.presence_penalty, -2.0, 2.0),
+                 f"presence_penalty {self.presence_penalty!r} is outside [-2, 2]"),
+                (not _number_in(self.frequency_penalty, -2.0, 2.0),
+                 f"frequency_penalty {self.frequency_penalty!r} is outside [-2, 2]"),
+                (not _number_in(self.repetition_penalty, 1e-6, 1e6),
+                 f"repetition_penalty {self.repetition_penalty!r} must be above 0 (1: off)"),
+                (len(self.logit_bias) > MAX_LOGIT_BIAS,
+                 f"logit_bias holds {len(self.logit_bias)} entries; give at most {MAX_LOGIT_BIAS}"),
+                (not all(isinstance(pair, (tuple, list)) and len(pair) == 2 and _is_int(pair[0])
+                         and 0 <= pair[0] < 2 ** 31 and _number_in(pair[1], -100.0, 100.0)
+                         for pair in self.logit_bias),
+                 "logit_bias must map token ids to values in [-100, 100]")]
+
+    @property
+    def uses_slot(self) -> bool:
+        """Whether the step reads this request's slot state: a penalty, a logit bias or min_tokens
+        (`sampling.SlotState`)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _number_in(value, low: float, high: float) -> bool:
+    """A real number (not a bool, not NaN) within [low, high]."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     """A new token of request `request_id` ([its log-probability]); `finish_reason` "stop" (a stop token) or
     "length" (max_tokens or the context) on its last; on its first, the seconds the request waited before its
-    first step (`queued_s`)."""
+    first step (`queued_s`); the request's `top_logprobs` likeliest ids and their log-probabilities, best first."""
 
     request_id: str
     token: int
     logprob: float
     finish_reason: str | None
     queued_s: float | None = None
+    top_tokens: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(eq=False)

@@ -1,18 +1,21 @@
 """The one serving step, compiled per bucket, and the per-row sampling it ends with.
 
-  paged step  (params, rest, pages {"k", "v"[, "k_scale", "v_scale"]}, recent [shards * slots], StepInputs) ->
-              (tokens [B], log-probabilities [B], pages, recent): the tokens [B, S] of every row through the model
+  paged step  (params, rest, pages {"k", "v"[, "k_scale", "v_scale"]}, recent [shards * slots], slot state
+              (`sampling.SlotState`), StepInputs) -> (`Sampled`: tokens [B], log-probabilities [B] and the
+              likeliest tokens [B, K]; pages, recent, slot state): the tokens [B, S] of every row through the model
               over the paged KV cache (`Transformer.paged`, pages donated, written in place), then each row's next
               token drawn from the logits at its `last` index and left in its sequence's slot of `recent`
-              (donated). A token the host does not know yet (-1, sampled by the step before and not read back) is
-              read from the row's slot, so the engine builds and launches the next step while this one runs.
+              (donated), and counted in the slot state (donated) where a row has a penalty. A token the host
+              does not know yet (-1, sampled by the step before and not read back) is read from the row's slot,
+              so the engine builds and launches the next step while this one runs.
               Decode runs it with S = 1 under the decode layout, prefill chunks with S > 1 under the prefill
               layout; both layouts place the pages alike, so neither copies the cache.
 
 Shapes are bucketed (`Buckets`): rows per shard, positions per row (prefill) and pages per row round up to the
 next bucket, so a server compiles each (phase, rows, positions, pages) program once, at start, and holds
-`Buckets.programs()` of them. Sampling is per row: temperature 0 is greedy, then top-k, then top-p (nucleus) at the
-row's temperature, the draw keyed by (row's seed, the new token's position) alone.
+`Buckets.programs()` of them. Sampling is per row: logit bias, the min_tokens mask and the penalties first
+(`serving.sampling`), then temperature 0 is greedy, else min_p, top-k, then top-p (nucleus) at the row's
+temperature, the draw keyed by (row's seed, the new token's position) alone.
 """
 from __future__ import annotations
 
@@ -31,17 +34,49 @@ from ..model.ops import run_sharded
 from ..model.paged import PagedCache
 from ..sharding.apply import Jitted, Placement, constrain, jit
 from ..training.steps import whole_vocabulary
+from .sampling import SlotState, apply_bias, apply_penalties, keep_min_p, record, top_logprobs
 
 
 @register_dataclass
 @dataclass(frozen=True)
 class RowSampling:
-    """Each row's sampling settings [B]: temperature (0: greedy), top_p, top_k (0: off), seed."""
+    """Each row's sampling settings [B]: temperature (0: greedy), top_p, top_k (0: off), seed; min_p (0: off);
+    presence, frequency (0: off) and repetition (1: off) penalties; min_position (its stop ids are masked while
+    the new token's position is below it: the prompt's length plus min_tokens; 0: off); biased (1: its slot's
+    logit bias applies); top_logprobs (how many of the likeliest tokens it returns, at most
+    `sampling.MAX_TOP_LOGPROBS`). The last five read the row's slot (`sampling.SlotState`)."""
 
     temperature: jax.Array
     top_p: jax.Array
     top_k: jax.Array
     seed: jax.Array
+    min_p: jax.Array
+    presence: jax.Array
+    frequency: jax.Array
+    repetition: jax.Array
+    min_position: jax.Array
+    biased: jax.Array
+    top_logprobs: jax.Array
+
+    @classmethod
+    def neutral(cls, rows: int) -> RowSampling:
+        """Host settings [rows] that ask for nothing: greedy, no filter, no penalty, no bias, no top tokens."""
+        f32, i32 = np.zeros((rows,), np.float32), np.zeros((rows,), np.int32)
+        return cls(f32.copy(), np.ones((rows,), np.float32), i32.copy(), i32.copy(), f32.copy(), f32.copy(),
+                   f32.copy(), np.ones((rows,), np.float32), i32.copy(), i32.copy(), i32.copy())
+
+
+@register_dataclass
+@dataclass(frozen=True)
+class Sampled:
+    """What a step returns per row: the token [B] int32, its log-probability under the model [B] float32, and the
+    `sampling.MAX_TOP_LOGPROBS` likeliest tokens [B, K] int32 with their log-probabilities [B, K] float32 (zeros in
+    a step where no row asks for them)."""
+
+    token: jax.Array
+    logprob: jax.Array
+    top_token: jax.Array
+    top_logprob: jax.Array
 
 
 SLOTS = ("attn_batch",)
@@ -69,10 +104,10 @@ class StepInputs:
     def zeros(cls, rows: int, width: int, pages: int) -> StepInputs:
         """Host inputs of one bucket with every row padding: no token, position -1, the null page, no slot,
         greedy (every field's shape and dtype, for the engine, its compiles and the followers of `multihost`)."""
-        row_i32, row_f32 = np.zeros((rows,), np.int32), np.zeros((rows,), np.float32)
+        row_i32 = np.zeros((rows,), np.int32)
         return cls(np.zeros((rows, width), np.int32), np.full((rows, width), -1, np.int32),
                    np.zeros((rows, pages), np.int32), row_i32.copy(), np.full((rows,), -1, np.int32),
-                   RowSampling(row_f32.copy(), np.ones((rows,), np.float32), row_i32.copy(), row_i32.copy()))
+                   RowSampling.neutral(rows))
 
 
 def paged_step(graphdef, kernel: str = "gather", decode: bool = True, *, under: Placement | None) -> Jitted:
@@ -82,18 +117,18 @@ def paged_step(graphdef, kernel: str = "gather", decode: bool = True, *, under: 
     device = under.mesh.devices.flat[0] if under is not None else jax.devices()[0]
     options = dict(policy_of(device).decode_compiler_options) if decode else None
 
-    @jit(under=under, donate_argnums=(2, 3), compiler_options=options)
-    def step(params, rest, pages, recent, inputs: StepInputs):
+    @jit(under=under, donate_argnums=(2, 3, 4), compiler_options=options)
+    def step(params, rest, pages, recent, slots: SlotState, inputs: StepInputs):
         model = nnx.merge(graphdef, params, rest)
         cache = PagedCache(pages["k"], pages["v"], inputs.table, kernel, pages.get("k_scale"), pages.get("v_scale"))
         tokens_BS = jnp.where(inputs.tokens < 0, read_slots(recent, inputs.slot)[:, None], inputs.tokens)
         logits_BV, cache = model.paged(tokens_BS, inputs.positions, inputs.last, cache)
         positions_B = inputs.positions[:, 0] + inputs.last  # a row's positions run on from its first
-        token_B, logprob_B = sample_rows(logits_BV, inputs.sampling, positions_B + 1)
+        sampled, slots = sample_rows(logits_BV, inputs.sampling, positions_B + 1, slots, inputs.slot)
         written = {"k": cache.k, "v": cache.v}
         if cache.k_scale is not None:
             written.update(k_scale=cache.k_scale, v_scale=cache.v_scale)
-        return token_B, logprob_B, written, write_slots(recent, inputs.slot, token_B)
+        return sampled, written, write_slots(recent, inputs.slot, sampled.token), slots
 
     return step
 
@@ -115,18 +150,27 @@ def write_slots(recent: jax.Array, slot_B: jax.Array, token_B: jax.Array) -> jax
                        "slot tokens")
 
 
-def sample_rows(logits_BV: jax.Array, rows: RowSampling, position_B: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The next token of each row [B] int32 and its log-probability under the model [B] float32, from the logits
-    [B, V] (placed by the layout's ("batch", "vocab") rules), drawn for sequence position `position_B`. A step
-    whose rows are all greedy skips the sort that sampling needs (`jax.lax.cond`)."""
+def sample_rows(logits_BV: jax.Array, rows: RowSampling, position_B: jax.Array, slots: SlotState,
+                slot_B: jax.Array) -> tuple[Sampled, SlotState]:
+    """Each row's next token, drawn for sequence position `position_B` [B] from the logits [B, V] (placed by the
+    layout's ("batch", "vocab") rules) after its logit bias, min_tokens mask and penalties (`serving.sampling`,
+    reading the row's slot `slot_B` [B] of `slots`, -1: none), with the model's log-probabilities of it and of
+    the likeliest tokens (`Sampled`); `slots` with the tokens counted. A step whose rows are all greedy skips
+    the sort that sampling needs, and one whose rows ask for none of the other settings skips their work
+    (`jax.lax.cond`)."""
     with jax.named_scope("sample"):
         logits_BV = whole_vocabulary(logits_BV)
-        rows, position_B = jax.tree.map(lambda row_B: constrain(row_B, ("batch",), "sampling"), (rows, position_B))
+        rows, position_B, slot_B = jax.tree.map(lambda row_B: constrain(row_B, ("batch",), "sampling"),
+                                                (rows, position_B, slot_B))
+        logprob_BV = jax.nn.log_softmax(logits_BV, axis=-1)  # the model's own, as vLLM returns them
+        logits_BV = apply_bias(logits_BV, slots, slot_B, rows, position_B)
+        logits_BV = apply_penalties(logits_BV, slots, slot_B, rows)
         greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
         token_B = jax.lax.cond(jnp.any(rows.temperature > 0), _drawn, lambda *_: greedy_B, logits_BV, rows,
                                position_B, greedy_B)
-        logprob_BV = jax.nn.log_softmax(logits_BV, axis=-1)
-        return token_B, _at_column(logprob_BV, token_B)[:, 0]
+        top_token_BK, top_logprob_BK = top_logprobs(logprob_BV, rows.top_logprobs)
+        sampled = Sampled(token_B, _at_column(logprob_BV, token_B)[:, 0], top_token_BK, top_logprob_BK)
+        return sampled, record(slots, slot_B, token_B, rows)
 
 
 def _drawn(logits_BV, rows: RowSampling, position_B, greedy_B):
@@ -134,7 +178,7 @@ def _drawn(logits_BV, rows: RowSampling, position_B, greedy_B):
     nucleus always holds the most likely token: a top_p that flushes to zero (1e-38, below float32's normal range)
     would otherwise keep none, and the draw from no token at all would be token 0."""
     vocab = logits_BV.shape[-1]
-    scaled_BV = logits_BV / jnp.maximum(rows.temperature, 1e-6)[:, None]
+    scaled_BV = keep_min_p(logits_BV / jnp.maximum(rows.temperature, 1e-6)[:, None], rows.min_p)
     descending_BV = jnp.sort(scaled_BV, axis=-1)[:, ::-1]
     k_B = jnp.where(rows.top_k > 0, jnp.minimum(rows.top_k, vocab), vocab)
     kth_B1 = _at_column(descending_BV, k_B - 1)

@@ -1,0 +1,226 @@
+"""What the serving step does to a row's logits before it draws, as vLLM defines each setting, and the per-slot
+device state the settings need. Everything runs inside the compiled step; nothing crosses to the host per token.
+
+Order, as vLLM's sampler applies them: `logit_bias` added and the stop tokens masked while fewer than
+`min_tokens` are generated (`apply_bias`), then the repetition, frequency and presence penalties
+(`apply_penalties`), then temperature, `min_p`, top-k and top-p (`keep_min_p` inside the step's draw). The
+log-probabilities returned (the chosen token's and the `top_logprobs` best, `top_logprobs`) are the model's own,
+before any of these.
+
+`SlotState` holds, for every slot of every cache shard (a running sequence holds one slot of its shard, its
+index local to the shard, `Sequence.slot`), the counts of its generated tokens per vocabulary id [slots, V] int32,
+which ids its prompt holds [slots, V] bool, its logit bias as (id, value) pairs [slots, MAX_LOGIT_BIAS] and its stop
+ids [slots, MAX_STOP_IDS] (-1: none). Its slots are split as the attention batch is (`SLOT_TABLE`), as the step's
+rows are: shard s's rows read and write only shard s's slots, on the device that holds both (`run_sharded`), so no
+slot is stored twice and none moves. The host writes a slot's row once, when a sequence that uses these settings
+takes it (`reset_slot`, with `SlotReset.of`); the step counts each sampled token itself (`record`). A step none of
+whose rows uses a setting skips its work (`jax.lax.cond`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.tree_util import register_dataclass
+
+from ..errors import StarscreamError
+from ..model.ops import run_sharded
+from ..sharding.apply import active, constrain
+from .scheduler import MAX_LOGIT_BIAS, MAX_STOP_IDS, MAX_TOP_LOGPROBS
+
+SLOT_ROWS = ("attn_batch",)
+"""A step's rows [B] and the slot of each, split as the attention batch is."""
+SLOT_TABLE = ("attn_batch", None)
+"""Each `SlotState` array: slots split as the attention batch is (a shard's slots on its device), the rest whole."""
+
+
+@register_dataclass
+@dataclass(frozen=True)
+class SlotState:
+    """Per slot of every cache shard (see the module docstring): counts [slots, V] int32 of generated tokens,
+    prompt [slots, V] bool, bias_ids [slots, MAX_LOGIT_BIAS] int32 and bias [slots, MAX_LOGIT_BIAS] float32 (the
+    logit bias, id -1: none), stops [slots, MAX_STOP_IDS] int32 (-1: none). `slots` is shards * slots per shard."""
+
+    counts: jax.Array
+    prompt: jax.Array
+    bias_ids: jax.Array
+    bias: jax.Array
+    stops: jax.Array
+
+    @staticmethod
+    def shapes(slots: int, vocab: int) -> SlotState:
+        """Each array's (shape, dtype), as a SlotState of `jax.ShapeDtypeStruct`s without placement."""
+        def spec(width, dtype):
+            return jax.ShapeDtypeStruct((slots, width), dtype)
+
+        return SlotState(spec(vocab, jnp.int32), spec(vocab, jnp.bool_), spec(MAX_LOGIT_BIAS, jnp.int32),
+                         spec(MAX_LOGIT_BIAS, jnp.float32), spec(MAX_STOP_IDS, jnp.int32))
+
+    @staticmethod
+    def abstract(slots: int, vocab: int, sharding=None) -> SlotState:
+        """The state's shapes and types on `sharding` (a NamedSharding by SLOT_TABLE; None: the default device)."""
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                            SlotState.shapes(slots, vocab))
+
+    @staticmethod
+    def empty(slots: int, vocab: int, sharding=None) -> SlotState:
+        """Every slot cleared (no counts, no prompt, no bias or stop ids), on `sharding`."""
+        shapes = SlotState.shapes(slots, vocab)
+        return SlotState(*(jnp.full(s.shape, fill, s.dtype, device=sharding)
+                           for s, fill in zip(jax.tree.leaves(shapes), (0, False, -1, 0.0, -1))))
+
+
+@register_dataclass
+@dataclass(frozen=True)
+class SlotReset:
+    """One slot's new row, written by `reset_slot`: `slot` (a scalar, shard * slots per shard + the sequence's
+    slot), counts [V] of its generated tokens so far (more than none after a preemption), prompt [V] bool,
+    bias_ids / bias [MAX_LOGIT_BIAS], stops [MAX_STOP_IDS] (-1: none). Host arrays, built by `of`."""
+
+    slot: np.ndarray
+    counts: np.ndarray
+    prompt: np.ndarray
+    bias_ids: np.ndarray
+    bias: np.ndarray
+    stops: np.ndarray
+
+    @classmethod
+    def of(cls, slot: int, vocab: int, prompt: list[int], generated: list[int], logit_bias=(), stops=()) -> SlotReset:
+        """The row of a sequence of `prompt` and `generated` tokens, with `logit_bias` ((id, value) pairs) and
+        `stops` (stop token ids masked while min_tokens are not reached); StarscreamError beyond what a slot holds."""
+        if len(logit_bias) > MAX_LOGIT_BIAS:
+            raise StarscreamError(f"logit_bias holds {len(logit_bias)} entries; give at most {MAX_LOGIT_BIAS}")
+        if len(stops) > MAX_STOP_IDS:
+            raise StarscreamError(f"{len(stops)} stop token ids with min_tokens; give at most {MAX_STOP_IDS}")
+        bias_ids, bias = np.full(MAX_LOGIT_BIAS, -1, np.int32), np.zeros(MAX_LOGIT_BIAS, np.float32)
+        for index, (token, value) in enumerate(logit_bias):
+            bias_ids[index], bias[index] = token, value
+        stop_ids = np.full(MAX_STOP_IDS, -1, np.int32)
+        stop_ids[:len(stops)] = stops
+        present = np.zeros(vocab, bool)
+        present[np.asarray(prompt, np.int64)] = True
+        counts = np.bincount(np.asarray(generated, np.int64), minlength=vocab).astype(np.int32)
+        return cls(np.asarray(slot, np.int32), counts, present, bias_ids, bias, stop_ids)
+
+
+def reset_slot(state: SlotState, reset: SlotReset) -> SlotState:
+    """`state` with slot `reset.slot`'s row replaced by `reset`'s (jit it with `state` donated: an update in
+    place); each shard writes only if the slot is its own."""
+    def local(*arrays, specs):
+        state_now, (slot, *rows) = SlotState(*arrays[:5]), arrays[5:]
+        local_slots = state_now.counts.shape[0]
+        axes = specs[0][0] if len(specs[0]) else None
+        first = jax.lax.axis_index(axes) * local_slots if axes else 0
+        at = jnp.where((slot >= first) & (slot < first + local_slots), slot - first, local_slots)
+        return tuple(array.at[at].set(row, mode="drop") for array, row in zip(arrays[:5], rows))
+
+    fields = (reset.slot, reset.counts, reset.prompt, reset.bias_ids, reset.bias, reset.stops)
+    out = run_sharded(local, [*jax.tree.leaves(state), *fields], [SLOT_TABLE] * 5 + [None] * 6,
+                      [(SLOT_TABLE, array.shape) for array in jax.tree.leaves(state)], "slot state")
+    return SlotState(*out)
+
+
+def apply_penalties(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, rows) -> jax.Array:
+    """The logits [B, V] (vocabulary whole) after each row's repetition penalty (ids of its prompt or its generated
+    tokens: positive logits divided by it, negative ones multiplied), frequency penalty (minus it times each id's
+    count among the generated tokens) and presence penalty (minus it for each id generated at least once), as vLLM
+    applies them; `rows` holds presence, frequency and repetition [B]. Rows of slot -1 are left as they are; a step
+    where no row has a penalty skips the work. The result is placed as `logits_BV` is."""
+    penalized_B = (slot_B >= 0) & ((rows.presence != 0) | (rows.frequency != 0) | (rows.repetition != 1))
+
+    def penalize(logits_BV):
+        def local(logits_bV, counts_RV, prompt_RV, slot_b, presence_b, frequency_b, repetition_b, specs):
+            used_b = slot_b >= 0
+            at_b = jnp.maximum(slot_b, 0)
+            counts_bV = jnp.where(used_b[:, None], counts_RV[at_b], 0)
+            seen_bV = used_b[:, None] & (prompt_RV[at_b] | (counts_bV > 0))
+            repetition_bV = jnp.where(seen_bV, repetition_b[:, None], 1.0)
+            logits_bV = jnp.where(logits_bV > 0, logits_bV / repetition_bV, logits_bV * repetition_bV)
+            return logits_bV - frequency_b[:, None] * counts_bV - presence_b[:, None] * (counts_bV > 0)
+
+        args = [logits_BV, state.counts, state.prompt, slot_B, rows.presence, rows.frequency, rows.repetition]
+        out = run_sharded(local, args, [SLOT_TABLE] * 3 + [SLOT_ROWS] * 4, [(SLOT_TABLE, logits_BV.shape)],
+                          "penalties")
+        return _like(out, logits_BV)
+
+    return jax.lax.cond(jnp.any(penalized_B), penalize, lambda logits: logits, logits_BV)
+
+
+def apply_bias(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, rows, position_B: jax.Array) -> jax.Array:
+    """The logits [B, V] with each row's logit bias added (`rows.biased` [B] > 0: its slot's) and its slot's stop
+    ids masked (-inf) while the new token's position `position_B` [B] is below `rows.min_position` [B] (the prompt's
+    length plus min_tokens). Rows of slot -1 are left as they are; a step where no row has either skips the work.
+    The result is placed as `logits_BV` is."""
+    biased_B, stopping_B = rows.biased > 0, position_B < rows.min_position
+    used_B = (slot_B >= 0) & (biased_B | stopping_B)
+
+    def bias(logits_BV):
+        def local(logits_bV, ids_RK, bias_RK, stops_RS, slot_b, biased_b, stopping_b, specs):
+            vocab = logits_bV.shape[-1]
+            at_b, used_b = jnp.maximum(slot_b, 0), slot_b >= 0
+            ids_bK = jnp.where((used_b & biased_b)[:, None] & (ids_RK[at_b] >= 0), ids_RK[at_b], vocab)
+            added_bV = jax.vmap(lambda ids, values: jnp.zeros(vocab).at[ids].add(values, mode="drop"))(
+                ids_bK, bias_RK[at_b])
+            stops_bS = jnp.where((used_b & stopping_b)[:, None] & (stops_RS[at_b] >= 0), stops_RS[at_b], vocab)
+            masked_bV = jax.vmap(lambda ids: jnp.zeros(vocab, bool).at[ids].set(True, mode="drop"))(stops_bS)
+            return jnp.where(masked_bV, -jnp.inf, logits_bV + added_bV)
+
+        args = [logits_BV, state.bias_ids, state.bias, state.stops, slot_B, biased_B, stopping_B]
+        out = run_sharded(local, args, [SLOT_TABLE] * 4 + [SLOT_ROWS] * 3, [(SLOT_TABLE, logits_BV.shape)],
+                          "logit bias")
+        return _like(out, logits_BV)
+
+    return jax.lax.cond(jnp.any(used_B), bias, lambda logits: logits, logits_BV)
+
+
+def record(state: SlotState, slot_B: jax.Array, token_B: jax.Array, rows) -> SlotState:
+    """`state` with each row's sampled token [B] counted in its slot (rows of slot -1 count nothing), in a step
+    where some row has a penalty (`rows`: presence, frequency, repetition [B]); unchanged otherwise (no row of
+    the step reads the counts, and a sequence's slot is written afresh when it takes it)."""
+    penalized_B = (slot_B >= 0) & ((rows.presence != 0) | (rows.frequency != 0) | (rows.repetition != 1))
+
+    def count(counts_SV):
+        def local(counts_RV, slot_b, token_b, specs):
+            at_b = jnp.where(slot_b >= 0, slot_b, counts_RV.shape[0])
+            return counts_RV.at[at_b, token_b].add(1, mode="drop")
+
+        token_B_placed = constrain(token_B, SLOT_ROWS, "sampled tokens")
+        return run_sharded(local, [counts_SV, slot_B, token_B_placed], [SLOT_TABLE, SLOT_ROWS, SLOT_ROWS],
+                           [(SLOT_TABLE, counts_SV.shape)], "token counts")
+
+    counts = jax.lax.cond(jnp.any(penalized_B), count, lambda counts: counts, state.counts)
+    return SlotState(counts, state.prompt, state.bias_ids, state.bias, state.stops)
+
+
+def keep_min_p(scaled_BV: jax.Array, min_p_B: jax.Array) -> jax.Array:
+    """The temperature-scaled logits [B, V] with every token less likely than min_p [B] times the row's likeliest
+    set to -inf (min_p 0 keeps all)."""
+    floor_B1 = jnp.max(scaled_BV, axis=-1, keepdims=True) + jnp.log(jnp.maximum(min_p_B, 1e-30))[:, None]
+    return jnp.where((min_p_B[:, None] > 0) & (scaled_BV < floor_B1), -jnp.inf, scaled_BV)
+
+
+def top_logprobs(logprob_BV: jax.Array, count_B: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The MAX_TOP_LOGPROBS likeliest ids [B, K] int32 and their log-probabilities [B, K] float32 of each row,
+    best first, from the log-probabilities [B, V]; zeros in a step where no row asks for any (`count_B` [B])."""
+    def top(logprob_BV):
+        values_BK, ids_BK = jax.lax.top_k(logprob_BV, min(MAX_TOP_LOGPROBS, logprob_BV.shape[-1]))
+        short = MAX_TOP_LOGPROBS - values_BK.shape[-1]  # a vocabulary smaller than K (test models)
+        values_BK = jnp.pad(values_BK, ((0, 0), (0, short)), constant_values=-jnp.inf)
+        return jnp.pad(ids_BK.astype(jnp.int32), ((0, 0), (0, short))), values_BK
+
+    def none(logprob_BV):
+        zeros_BK = jnp.zeros_like(logprob_BV[:, :1]) * jnp.zeros(MAX_TOP_LOGPROBS)  # placed as the rows are
+        return zeros_BK.astype(jnp.int32), zeros_BK
+
+    return jax.lax.cond(jnp.any(count_B > 0), top, none, logprob_BV)
+
+
+def _like(x: jax.Array, like: jax.Array) -> jax.Array:
+    """`x` placed as `like` is under the active layout (identity outside one, or on Auto mesh axes, where XLA's
+    propagation places it)."""
+    current = active()
+    if current is None or current.auto:
+        return x
+    return jax.sharding.reshard(x, jax.typeof(like).sharding.spec)

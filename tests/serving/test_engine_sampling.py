@@ -1,0 +1,101 @@
+"""The engine's per-row settings end to end on the tiny checkpoint (1, 2, 4 mesh, conftest.engine_for): penalties
+give the greedy tokens of a numpy reference over the unsharded model's logits (and other tokens than without
+them), logit_bias forces a token, min_tokens holds back a stop token, top_logprobs return the model's likeliest
+tokens, and a request without any of them runs as before beside one with them."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from starscream_jax.errors import StarscreamError
+from starscream_jax.serving.scheduler import SamplingParams
+
+PROMPT = [5, 17, 42, 9, 300, 7]
+NEW = 8
+
+
+def _run(engine, params, prompts=(PROMPT,)):
+    """Every event of `prompts` run to the end, by request."""
+    ids = [f"s{index}" for index in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.submit(request_id, list(prompt), params[request_id] if isinstance(params, dict) else params)
+    events = {request_id: [] for request_id in ids}
+    while engine.busy:
+        for event in engine.step():
+            events[event.request_id].append(event)
+    return [events[request_id] for request_id in ids]
+
+
+def _reference(model, prompt, new, presence=0.0, frequency=0.0, repetition=1.0, bias=()):
+    """Greedy tokens with vLLM's logit bias, then penalties, applied in numpy to the unsharded model's logits."""
+    tokens = list(prompt)
+    for _ in range(new):
+        logits = np.asarray(model(jnp.asarray([tokens], jnp.int32)).logits[0, -1], np.float64)
+        for token, value in bias:
+            logits[token] += value
+        generated = tokens[len(prompt):]
+        counts = np.bincount(generated, minlength=logits.size) if generated else np.zeros(logits.size)
+        seen = (counts > 0) | np.isin(np.arange(logits.size), prompt)
+        scale = np.where(seen, repetition, 1.0)
+        logits = np.where(logits > 0, logits / scale, logits * scale) - frequency * counts - presence * (counts > 0)
+        tokens.append(int(np.argmax(logits)))
+    return tokens[len(prompt):]
+
+
+@pytest.mark.parametrize("penalty", [{"presence": 2.0}, {"frequency": 2.0}, {"repetition": 1.8}])
+def test_penalties_give_the_reference_greedy_tokens(engine_for, unsharded_llama, penalty):
+    """The random checkpoint repeats the prompt's last token (7) with a margin of 12 in its logit; a bias of -11
+    on it leaves a margin a presence penalty of 2 can overturn."""
+    engine = engine_for("1x2x4")
+    bias = ((7, -11.0),)
+    plain = _reference(unsharded_llama, PROMPT, NEW, bias=bias)
+    want = _reference(unsharded_llama, PROMPT, NEW, **penalty, bias=bias)
+    assert want != plain, "the penalty changes nothing on this prompt: the check could not fail"
+    params = SamplingParams(max_tokens=NEW, logit_bias=bias,
+                            **{f"{name}_penalty": value for name, value in penalty.items()})
+    together = _run(engine, {"s0": params, "s1": SamplingParams(max_tokens=NEW)}, [PROMPT, PROMPT])
+    assert [event.token for event in together[0]] == want
+    # a row without any setting beside it is untouched
+    assert [event.token for event in together[1]] == _reference(unsharded_llama, PROMPT, NEW)
+
+
+def test_logit_bias_forces_a_token(engine_for):
+    engine = engine_for("1x2x4")
+    events = _run(engine, SamplingParams(max_tokens=5, logit_bias=((123, 100.0),)))[0]
+    assert [event.token for event in events] == [123] * 5
+
+
+def test_min_tokens_holds_back_a_stop_token(engine_for):
+    engine = engine_for("1x2x4")
+    first = _run(engine, SamplingParams(max_tokens=NEW))[0][0].token
+    stopped = _run(engine, SamplingParams(max_tokens=NEW, stop_tokens=(first,)))[0]
+    assert [event.finish_reason for event in stopped] == ["stop"]
+    held = _run(engine, SamplingParams(max_tokens=NEW, stop_tokens=(first,), min_tokens=4))[0]
+    assert len(held) >= 4 and first not in [event.token for event in held[:4]]
+
+
+def test_top_logprobs_are_the_models_likeliest(engine_for, unsharded_llama):
+    engine = engine_for("1x2x4")
+    events = _run(engine, SamplingParams(max_tokens=3, top_logprobs=5, logprobs=True))[0]
+    logits = unsharded_llama(jnp.asarray([PROMPT], jnp.int32)).logits[0, -1]
+    want = np.asarray(jax.nn.log_softmax(logits))
+    first = events[0]
+    assert len(first.top_tokens) == 5 and first.top_tokens[0] == first.token
+    assert list(first.top_tokens) == np.argsort(-want)[:5].tolist()
+    np.testing.assert_allclose(first.top_logprobs, np.sort(want)[::-1][:5], rtol=1e-4, atol=1e-5)
+    assert all(len(event.top_tokens) == 5 for event in events)
+    assert not _run(engine, SamplingParams(max_tokens=2))[0][0].top_tokens
+
+
+def test_bad_settings_are_one_line_refusals(engine_for):
+    engine = engine_for("1x2x4")
+    vocab = engine.model_config.vocab_size
+    with pytest.raises(StarscreamError, match=f"logit_bias token id {vocab} is outside"):
+        engine.submit("b", [1, 2], SamplingParams(logit_bias=((vocab, 1.0),)))
+    for bad, field in (({"presence_penalty": 3.0}, "presence_penalty"), ({"min_p": 1.5}, "min_p"),
+                       ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"top_logprobs": 21}, "top_logprobs"),
+                       ({"min_tokens": 20, "max_tokens": 4}, "min_tokens"),
+                       ({"logit_bias": ((1, 101.0),)}, "logit_bias")):
+        with pytest.raises(StarscreamError, match=field):
+            SamplingParams(**bad)
+    assert not engine.busy
