@@ -28,10 +28,13 @@ WATCH_S = 0.5
 @dataclass
 class Delta:
     """What a stream's consumer takes at once: the tokens (and log-probabilities) of one or more steps, the finish
-    reason once finished, the engine's refusal or failure, and (in the first) the seconds it queued."""
+    reason once finished, the engine's refusal or failure, (in the first) the seconds it queued, and with
+    top_logprobs each token's likeliest ids and their log-probabilities."""
 
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_tokens: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
     queued_s: float | None = None
@@ -50,6 +53,8 @@ class RequestStream:
         delta = self._delta
         delta.tokens += output.tokens
         delta.logprobs += output.logprobs
+        delta.top_tokens += output.top_tokens
+        delta.top_logprobs += output.top_logprobs
         delta.finish_reason = output.finish_reason or delta.finish_reason
         delta.error = output.error or delta.error
         delta.queued_s = output.queued_s if output.queued_s is not None else delta.queued_s

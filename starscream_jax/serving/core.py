@@ -85,7 +85,8 @@ class EngineCore:
         started = time.perf_counter()
         events = self.engine.step() if self.engine.busy else []
         outputs = self._refused + [protocol.RequestOutput(event.request_id, [event.token], [event.logprob],
-                                                          event.finish_reason, None, event.queued_s)
+                                                          event.finish_reason, None, event.queued_s,
+                                                          *_top(event))
                                    for event in events]
         self._refused = []
         message = protocol.StepOutputs(outputs, self.engine.stats(), time.perf_counter() - started)
@@ -121,6 +122,11 @@ class EngineCore:
             if not message.drain:
                 for request_id in list(self.engine.running_ids()):
                     self.engine.cancel(request_id)
+
+
+def _top(event) -> tuple[list, list]:
+    """An event's likeliest tokens and log-probabilities as one entry per token (none without top_logprobs)."""
+    return ([list(event.top_tokens)], [list(event.top_logprobs)]) if event.top_tokens else ([], [])
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,8 @@ EngineInput = SubmitRequest | CancelRequests | StopEngine
 class RequestOutput(msgspec.Struct, array_like=True, frozen=True):
     """What one request got in one step: its new token ids and their log-probabilities, the finish reason on its
     last ("stop": a stop token, "length": max_tokens or the context, "abort": cancelled), `error` when the engine
-    refused it (nothing else follows), and on its first output the seconds it waited before its first step."""
+    refused it (nothing else follows), on its first output the seconds it waited before its first step, and for a
+    request of `top_logprobs` each new token's likeliest ids and their log-probabilities (one list per token)."""
 
     request_id: str
     tokens: list[int]
@@ -50,6 +51,8 @@ class RequestOutput(msgspec.Struct, array_like=True, frozen=True):
     finish_reason: str | None = None
     error: str | None = None
     queued_s: float | None = None
+    top_tokens: list[list[int]] = msgspec.field(default_factory=list)
+    top_logprobs: list[list[float]] = msgspec.field(default_factory=list)
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):

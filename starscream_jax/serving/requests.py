@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import StarscreamError
-from .scheduler import MAX_TOP_K
+from .scheduler import MAX_LOGIT_BIAS, MAX_TOP_K, MAX_TOP_LOGPROBS
 
 HTTP_BAD_REQUEST, HTTP_UNAUTHORIZED, HTTP_NOT_FOUND = 400, 401, 404
 HTTP_TOO_LARGE, HTTP_TOO_MANY, HTTP_UNAVAILABLE = 413, 429, 503
@@ -22,9 +22,7 @@ MAX_N = 16
 """The most choices (`n`) one request may ask for; each is an engine request of its own."""
 
 UNSUPPORTED = {
-    "echo": (False,), "frequency_penalty": (0,), "presence_penalty": (0,),
-    "repetition_penalty": (1,), "length_penalty": (1,), "logit_bias": ({},), "min_tokens": (0,), "min_p": (0,),
-    "top_logprobs": (0,), "prompt_logprobs": (), "use_beam_search": (False,), "suffix": ("",),
+    "echo": (False,), "length_penalty": (1,), "prompt_logprobs": (), "use_beam_search": (False,), "suffix": ("",),
     "response_format": ({"type": "text"},), "guided_json": (), "guided_regex": (), "guided_choice": (),
     "guided_grammar": (), "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structured_outputs": (),
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
@@ -64,8 +62,9 @@ class StreamOptions(BaseModel):
 
 
 class Sampling(BaseModel):
-    """The fields both routes share (OpenAI's names; top_k, ignore_eos, stop_token_ids and
-    include_stop_str_in_output as vLLM adds them)."""
+    """The fields both routes share (OpenAI's names; top_k, min_p, min_tokens, repetition_penalty, ignore_eos,
+    stop_token_ids and include_stop_str_in_output as vLLM adds them). logit_bias maps token ids (as JSON keys) to
+    values in [-100, 100], at most MAX_LOGIT_BIAS of them, as OpenAI takes it."""
 
     model_config = ConfigDict(extra="ignore")
     model: str
@@ -74,6 +73,12 @@ class Sampling(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(default=0, ge=-1, le=MAX_TOP_K)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=1e6, allow_inf_nan=False)
+    min_tokens: int = Field(default=0, ge=0, le=WHOLE_INT)
+    logit_bias: dict[str, float] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2 ** 31)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -101,6 +106,23 @@ class Sampling(BaseModel):
         return body
 
     @model_validator(mode="after")
+    def _logit_bias_is_ids_to_values(self):
+        if not self.logit_bias:
+            return self
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ApiError(HTTP_BAD_REQUEST, f"logit_bias holds {len(self.logit_bias)} entries; give at most "
+                           f"{MAX_LOGIT_BIAS}", param="logit_bias")
+        for key, value in self.logit_bias.items():
+            if not key.strip().isdigit() or not (math.isfinite(value) and -100 <= value <= 100):
+                raise ApiError(HTTP_BAD_REQUEST, f"logit_bias entry {key!r}: {value} must map a token id to a value "
+                               "in [-100, 100]", param="logit_bias")
+        return self
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, value) pairs."""
+        return tuple((int(key), float(value)) for key, value in (self.logit_bias or {}).items())
+
+    @model_validator(mode="after")
     def _best_of_is_n(self):
         """best_of would sample more choices than it returns, keeping the likeliest: only best_of = n (every
         choice returned) is served."""
@@ -119,7 +141,7 @@ def _same(given, neutral) -> bool:
 
 class CompletionRequest(Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_special_tokens: bool = True
 
     def prompts(self) -> list[str | list[int]]:
@@ -160,8 +182,16 @@ class ChatMessage(BaseModel):
 class ChatRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
+    top_logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # the template writes them
+
+    @model_validator(mode="after")
+    def _top_logprobs_with_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(HTTP_BAD_REQUEST, "top_logprobs needs logprobs; send \"logprobs\": true with it",
+                           param="top_logprobs")
+        return self
 
 
 class TokenizeRequest(BaseModel):

@@ -46,27 +46,31 @@ class Choice:
         self.parts: list[str] = []
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
+        self.tops: list[tuple[list[int], list[float]] | None] = []  # each token's likeliest (ids, log-probabilities)
         self.finish_reason: str | None = None
         self.engine_done = False
         self.first_at = self.last_at = self.queued_s = None
 
-    def advance(self, delta: Delta) -> tuple[str, list[int], list[float]]:
-        """(new text, its token ids and log-probabilities) of `delta`; sets finish_reason on the last."""
+    def advance(self, delta: Delta) -> tuple[str, list[int], list[float], list]:
+        """(new text, its token ids, log-probabilities and likeliest tokens) of `delta`; sets finish_reason on the
+        last."""
         now = time.monotonic()
         if delta.tokens:
             self.first_at = self.first_at or now
             self.last_at = now
         self.queued_s = delta.queued_s if delta.queued_s is not None else self.queued_s
         self.engine_done = delta.finish_reason is not None or delta.error is not None
-        kept = [(token, value) for token, value in zip(delta.tokens, delta.logprobs)
+        tops = list(zip(delta.top_tokens, delta.top_logprobs)) or [None] * len(delta.tokens)
+        kept = [(token, value, top) for token, value, top in zip(delta.tokens, delta.logprobs, tops)
                 if token not in self.params.stop_tokens]  # a stop token ends the text and is not part of it
-        tokens, values = [token for token, _ in kept], [value for _, value in kept]
+        tokens, values, tops = [k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept]
         self.tokens += tokens
         self.logprobs += values
+        self.tops += tops
         text = self.text.add(tokens, final=self.engine_done)
         if self.text.stopped or delta.finish_reason is not None:
             self.finish_reason = "stop" if self.text.stopped else delta.finish_reason
-        return text, tokens, values
+        return text, tokens, values, tops
 
     def finished(self, arrival: float) -> None:
         """Cancels the request in the engine if it still runs (a stop string, the client gone, another choice
@@ -164,9 +168,9 @@ class CompletionResponse:
                     yield _sse(encode(unavailable(delta.error).body()))
                     failed = True
                     break
-                text, tokens, values = choice.advance(delta)
+                text, tokens, values, tops = choice.advance(delta)
                 if text or tokens or choice.finish_reason is not None:
-                    logprobs = self._logprobs(tokens, values) if choice.params.logprobs else None
+                    logprobs = self._logprobs(tokens, values, tops) if choice.params.logprobs else None
                     yield _sse(encode(self._chunk(choice, text, choice.finish_reason, logprobs)))
                 running -= choice.finish_reason is not None
             options = self.body.stream_options
@@ -182,19 +186,27 @@ class CompletionResponse:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion}
 
-    def _logprobs(self, tokens: list[int], values: list[float]) -> dict:
+    def _logprobs(self, tokens: list[int], values: list[float], tops: list) -> dict:
+        """OpenAI's logprobs object of `tokens`: chat's content entries, each with its `top_logprobs` list, or
+        completions' parallel lists, whose `top_logprobs` holds per token a dict of the likeliest tokens' text
+        and the chosen one's (as vLLM gives it)."""
         decode = self.serving.decode
+        tops = [top or ((), ()) for top in tops]
         if self.chat:
-            return {"content": [{"token": decode([t]), "logprob": v, "bytes": None, "top_logprobs": []}
-                                for t, v in zip(tokens, values)]}
-        return {"tokens": [decode([t]) for t in tokens], "token_logprobs": values, "top_logprobs": None,
+            return {"content": [{"token": decode([t]), "logprob": v, "bytes": None,
+                                 "top_logprobs": [{"token": decode([i]), "logprob": lp, "bytes": None}
+                                                  for i, lp in zip(*top)]}
+                                for t, v, top in zip(tokens, values, tops)]}
+        return {"tokens": [decode([t]) for t in tokens], "token_logprobs": values,
+                "top_logprobs": [{**{decode([i]): lp for i, lp in zip(*top)}, decode([t]): v}
+                                 for t, v, top in zip(tokens, values, tops)],
                 "text_offset": None}
 
     def _body(self) -> dict:
         choices = []
         for choice in self.choices:
             text = "".join(choice.parts)
-            logprobs = self._logprobs(choice.tokens, choice.logprobs) if choice.params.logprobs else None
+            logprobs = self._logprobs(choice.tokens, choice.logprobs, choice.tops) if choice.params.logprobs else None
             if self.chat:
                 choices.append({"index": choice.index, "message": {"role": "assistant", "content": text},
                                 "logprobs": logprobs, "finish_reason": choice.finish_reason})

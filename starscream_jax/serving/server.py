@@ -340,11 +340,17 @@ class Server:
 
         self._check_vocabulary("prompt", prompt)
         self._check_vocabulary("stop_token_ids", body.stop_token_ids or ())
+        bias = body.bias_pairs()
+        self._check_vocabulary("logit_bias", [token for token, _ in bias])
+        top = (body.top_logprobs if chat else body.logprobs or 0) if logprobs else 0
         try:
             check_fits(len(prompt), max_tokens, self.context)
             return SamplingParams(max_tokens=max_tokens, temperature=sampling("temperature"),
                                   top_p=sampling("top_p"), top_k=max(sampling("top_k"), 0), seed=body.seed,
-                                  stop_tokens=eos + tuple(body.stop_token_ids or ()), logprobs=logprobs)
+                                  stop_tokens=eos + tuple(body.stop_token_ids or ()), logprobs=logprobs,
+                                  top_logprobs=top, min_tokens=body.min_tokens, min_p=body.min_p,
+                                  presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                                  repetition_penalty=body.repetition_penalty, logit_bias=bias)
         except StarscreamError as err:
             raise ApiError(HTTP_BAD_REQUEST, str(err)) from None
 

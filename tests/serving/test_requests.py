@@ -55,12 +55,32 @@ def test_every_vllm_field_is_read_or_refused_by_name(route, fields):
                 model.model_validate({**base, name: neutral})  # its default asks for nothing: accepted
 
 
-def test_nulls_read_as_absent_and_penalties_at_zero_pass():
+def test_nulls_read_as_absent_and_neutral_values_of_unbuilt_fields_pass():
     body = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "temperature": None, "stop": None,
-                                             "presence_penalty": 0.0, "best_of": None, "max_tokens": None})
+                                             "length_penalty": 1.0, "best_of": None, "max_tokens": None})
     assert body.temperature == 1.0 and body.stop is None and body.max_tokens is None
-    with pytest.raises(ApiError, match="presence_penalty"):
-        CompletionRequest.model_validate({"model": "m", "prompt": "hi", "presence_penalty": 0.5})
+    with pytest.raises(ApiError, match="length_penalty"):
+        CompletionRequest.model_validate({"model": "m", "prompt": "hi", "length_penalty": 0.5})
+
+
+def test_sampling_fields_are_read_and_bad_values_name_their_field():
+    body = ChatRequest.model_validate({**BASE["chat"][1], "presence_penalty": 0.5, "frequency_penalty": -1,
+                                       "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 3, "logprobs": True,
+                                       "top_logprobs": 20, "logit_bias": {"12": 5, " 7": -100}})
+    assert (body.presence_penalty, body.frequency_penalty, body.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert body.bias_pairs() == ((12, 5.0), (7, -100.0)) and body.top_logprobs == 20
+    assert CompletionRequest.model_validate({**BASE["completions"][1], "logprobs": 20}).logprobs == 20
+    for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
+                         ("min_p", 1.5), ("min_tokens", -1), ("top_logprobs", 21)):
+        with pytest.raises(ValidationError, match=field):
+            ChatRequest.model_validate({**BASE["chat"][1], "logprobs": True, field: value})
+    for bias, message in (({"x": 1}, "'x'"), ({"1": 101}, "101"), ({str(i): 1 for i in range(301)}, "at most 300")):
+        with pytest.raises(ApiError, match=message) as refused:
+            ChatRequest.model_validate({**BASE["chat"][1], "logit_bias": bias})
+        assert refused.value.param == "logit_bias" and refused.value.status == 400
+    with pytest.raises(ApiError, match="top_logprobs needs logprobs") as refused:
+        ChatRequest.model_validate({**BASE["chat"][1], "top_logprobs": 3})
+    assert refused.value.param == "top_logprobs"
 
 
 def test_chat_content_as_text_parts_and_a_tool_call_turn():

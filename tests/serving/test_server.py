@@ -101,6 +101,42 @@ def test_chat_uses_the_template_and_streams(client):
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
+def test_top_logprobs_penalties_and_logit_bias_through_the_openai_client(client, served, llama_tokenizer):
+    """Chat's top_logprobs and completions' logprobs N come back in OpenAI's shapes (greedy: the chosen token is
+    the likeliest); a repetition penalty changes the greedy text (the random checkpoint repeats its last token);
+    a logit bias of 100 forces a token; a bias outside the vocabulary is a 400 naming logit_bias."""
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                          logprobs=True, top_logprobs=5)
+    content = chat.choices[0].logprobs.content
+    assert content and all(len(entry.top_logprobs) == 5 for entry in content)
+    for entry in content:
+        values = [top.logprob for top in entry.top_logprobs]
+        assert values == sorted(values, reverse=True) and values[0] == pytest.approx(entry.logprob, abs=1e-5)
+        assert entry.top_logprobs[0].token == entry.token
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                              logprobs=True, top_logprobs=5, stream=True)
+    streamed_top = [[top.logprob for top in entry.top_logprobs] for chunk in streamed if chunk.choices
+                    and chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content]
+    assert streamed_top == [[top.logprob for top in entry.top_logprobs] for entry in content]
+    sampling = {"model": MODEL, "prompt": "hello world", "max_tokens": 6, "temperature": 0,
+                "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(logprobs=3, **sampling).choices[0]
+    assert len(whole.logprobs.top_logprobs) == len(whole.logprobs.tokens) == 6
+    for top, token, value in zip(whole.logprobs.top_logprobs, whole.logprobs.tokens,
+                                 whole.logprobs.token_logprobs):
+        assert 1 <= len(top) <= 4 and top[token] == pytest.approx(value) and max(top.values()) == pytest.approx(value)
+    penalized = client.completions.create(**{**sampling, "extra_body": {"ignore_eos": True,
+                                                                        "repetition_penalty": 1.8}}).choices[0]
+    assert penalized.text != whole.text
+    forced = llama_tokenizer.encode("world", False).tolist()[-1]
+    biased = client.completions.create(**sampling, logit_bias={str(forced): 100}, logprobs=0).choices[0]
+    assert biased.logprobs.tokens == [llama_tokenizer.decode([forced])] * 6
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(**sampling, logit_bias={"100000": 1})
+    assert _wait_idle(served[1]).pages_used == 0
+
+
 def test_bad_requests_get_openai_errors(client, served):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-9", prompt="x", max_tokens=2)
