@@ -9,10 +9,16 @@ compiled by `torch.compile`, parameters in float32 (the master weights) and comp
 fused AdamW on the library's warm-up + cosine schedule with no weight decay on norm scales. It starts from the
 library's initial parameters (`load_library_params`), so its step-0 loss is the library's on the same tokens.
 
-Decode (`decode_benchmark`, in gpt-fast's manner): the same Llama with bfloat16 weights, a static KV cache per layer
-([B, K, T, E] buffers written in place at the decoded position), one token per step (greedy), the step compiled by
-`torch.compile(mode="reduce-overhead")` (CUDA graphs); attention reads the cache through SDPA with each kv head's
-query heads as its queries (no copy of the cache per query head) and a mask up to the position.
+Decode (`decode_benchmark`, at gpt-fast's strength): `Decoder`, the same Llama with bfloat16 weights held as a
+PyTorch user tuning decode holds them: q, k and v in one weight and gate and up in one (4 GEMMs per layer, not 7), a
+static KV cache per layer ([B, K, T, E] buffers of a fixed shape, the new keys and values written in place with
+`index_copy_` at the decoded position), attention as two batched matmuls over the cache with each kv head's query
+heads as its rows (no copy of the cache per query head) and a float32 softmax masked up to the position. The whole
+step (embedding to the next token, greedy) is one `torch.compile(mode="reduce-overhead", fullgraph=True)` graph, run
+as one CUDA graph; the position is a device tensor, so a new position replays the same graph instead of compiling
+another. The benchmark reports the compile time, the compiles a second position caused (0), inductor's count of
+steps it could not capture as CUDA graphs (0), and from a profile of a few steps the CUDA graph launches per step (1)
+and the kernels launched outside a graph per step (0).
 
 Both use the library's rotary embedding (rotate-half over E / 2 frequencies, in float32) and the library's formulas
 for what they report: bench_mfu's tokens / s and FLOP accounting (applied by the caller), bench_decode's bytes per
@@ -61,21 +67,6 @@ def rotate(x_BSNE: torch.Tensor, cos_SE: torch.Tensor, sin_SE: torch.Tensor) -> 
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x_BSNE.dtype)
 
 
-class KVCache(nn.Module):
-    """One layer's static cache: keys and values [B, K, T, E], written in place at the decoded position."""
-
-    def __init__(self, batch: int, kv_heads: int, length: int, head_dim: int, dtype: torch.dtype):
-        super().__init__()
-        shape = (batch, kv_heads, length, head_dim)
-        self.register_buffer("k", torch.randn(shape, dtype=dtype), persistent=False)  # never zeros: real reads
-        self.register_buffer("v", torch.randn(shape, dtype=dtype), persistent=False)
-
-    def update(self, position: torch.Tensor, k_BK1E: torch.Tensor, v_BK1E: torch.Tensor):
-        self.k.index_copy_(2, position, k_BK1E)
-        self.v.index_copy_(2, position, v_BK1E)
-        return self.k, self.v
-
-
 class Attention(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -84,24 +75,16 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.d_model, self.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(config.d_model, self.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.heads * self.head_dim, config.d_model, bias=False)
-        self.cache: KVCache | None = None
 
-    def forward(self, x_BSD, cos_SE, sin_SE, position=None):
+    def forward(self, x_BSD, cos_SE, sin_SE):
         batch, seq, _ = x_BSD.shape
         q = rotate(self.wq(x_BSD).view(batch, seq, self.heads, self.head_dim), cos_SE, sin_SE)
         k = rotate(self.wk(x_BSD).view(batch, seq, self.kv_heads, self.head_dim), cos_SE, sin_SE)
         v = self.wv(x_BSD).view(batch, seq, self.kv_heads, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, N, S, E]
-        group = self.heads // self.kv_heads
-        if self.cache is None:  # training: causal self-attention, kv heads repeated to their query heads
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-            out_BHSE = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:  # decode, one token: each kv head's `group` query heads read its cache as `group` queries
-            k, v = self.cache.update(position, k, v)
-            mask = (torch.arange(k.shape[2], device=k.device) <= position).view(1, 1, 1, -1)
-            q_BKGE = q.reshape(batch, self.kv_heads, group, self.head_dim)
-            out_BHSE = F.scaled_dot_product_attention(q_BKGE, k, v, attn_mask=mask).reshape(
-                batch, self.heads, 1, self.head_dim)
+        group = self.heads // self.kv_heads  # causal self-attention, kv heads repeated to their query heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out_BHSE = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out_BHSE.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim))
 
 
@@ -125,8 +108,8 @@ class Block(nn.Module):
         self.mlp_norm = nn.Parameter(torch.ones(config.d_model))
         self.mlp = FeedForward(config)
 
-    def forward(self, x, cos, sin, position=None):
-        x = x + self.attention(rms_norm(x, self.attn_norm, self.eps), cos, sin, position)
+    def forward(self, x, cos, sin):
+        x = x + self.attention(rms_norm(x, self.attn_norm, self.eps), cos, sin)
         return x + self.mlp(rms_norm(x, self.mlp_norm, self.eps))
 
 
@@ -136,10 +119,7 @@ class Llama(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        unsupported = [name for name in ("qkv_bias", "qk_norm", "rope_scaling") if getattr(config, name, None)]
-        if unsupported or getattr(config, "n_experts", 0):
-            raise ValueError(f"model {config.name}: the PyTorch peer implements the plain Llama; it lacks "
-                             f"{', '.join(unsupported or ['experts'])}")
+        self.check_supported(config)
         self.config = config
         self.embedding = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
@@ -147,16 +127,23 @@ class Llama(nn.Module):
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.remat = config.remat not in (False, "none")
 
-    def forward(self, tokens_BS, position=None):
+    @staticmethod
+    def check_supported(config) -> None:
+        """Refuses a configuration with what this plain Llama lacks (biases, q/k norms, rope scaling, experts)."""
+        unsupported = [name for name in ("qkv_bias", "qk_norm", "rope_scaling") if getattr(config, name, None)]
+        if unsupported or getattr(config, "n_experts", 0):
+            raise ValueError(f"model {config.name}: the PyTorch peer implements the plain Llama; it lacks "
+                             f"{', '.join(unsupported or ['experts'])}")
+
+    def forward(self, tokens_BS):
         dtype = getattr(torch, self.config.dtype)
         x = self.embedding(tokens_BS).to(dtype)
-        positions = torch.arange(tokens_BS.shape[1], device=tokens_BS.device) if position is None else position
-        cos, sin = rope_tables(self.config, positions)
+        cos, sin = rope_tables(self.config, torch.arange(tokens_BS.shape[1], device=tokens_BS.device))
         for layer in self.layers:
             if self.remat and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, position)
+                x = layer(x, cos, sin)
         x = rms_norm(x, self.final_norm, self.config.norm_eps)
         head = self.embedding.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head.to(x.dtype)).float()
@@ -273,7 +260,114 @@ def release_memory(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def decode_bytes(model: Llama, batch: int, cache_length: int) -> dict:
+
+
+class DecodeLayer(nn.Module):
+    """One block of `Decoder` for a batch of B sequences: q | k | v as one weight [(H + 2K) E, D], gate | up as one
+    [2F, D] (nn.Linear's [out, in]), and this layer's static cache, keys and values [B, K, T, E] (random, never
+    zeros: real reads), written in place at the decoded position."""
+
+    def __init__(self, config, batch: int, cache_length: int):
+        super().__init__()
+        D, H, K, E = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
+        self.heads, self.kv_heads, self.head_dim, self.eps = H, K, E, config.norm_eps
+        self.attn_norm = nn.Parameter(torch.ones(D))
+        self.wqkv = nn.Linear(D, (H + 2 * K) * E, bias=False)
+        self.wo = nn.Linear(H * E, D, bias=False)
+        self.mlp_norm = nn.Parameter(torch.ones(D))
+        self.w_gate_up = nn.Linear(D, 2 * config.d_ff, bias=False)
+        self.w_down = nn.Linear(config.d_ff, D, bias=False)
+        self.register_buffer("k_cache", None, persistent=False)
+        self.register_buffer("v_cache", None, persistent=False)
+        self.new_cache(batch, cache_length)
+
+    def new_cache(self, batch: int, cache_length: int) -> None:
+        """Replaces the cache by a random one of `batch` sequences (the old one freed first)."""
+        shape = (batch, self.kv_heads, cache_length, self.head_dim)
+        device, dtype = self.wo.weight.device, self.wo.weight.dtype
+        self.k_cache = self.v_cache = None
+        self.k_cache = torch.randn(shape, device=device, dtype=dtype)
+        self.v_cache = torch.randn(shape, device=device, dtype=dtype)
+
+    def forward(self, x_B1D, cos_1E, sin_1E, position_1, visible_T):
+        """x [B, 1, D] at `position_1` [1] (a device tensor) -> [B, 1, D]; `visible_T` [T] bool: the cached
+        positions attention reads (those up to the position)."""
+        B, H, K, E = x_B1D.shape[0], self.heads, self.kv_heads, self.head_dim
+        q, k, v = self.wqkv(rms_norm(x_B1D, self.attn_norm, self.eps)).split((H * E, K * E, K * E), dim=-1)
+        q_B1HE = rotate(q.view(B, 1, H, E), cos_1E, sin_1E)
+        k_B1KE = rotate(k.view(B, 1, K, E), cos_1E, sin_1E)
+        self.k_cache.index_copy_(2, position_1, k_B1KE.transpose(1, 2))
+        self.v_cache.index_copy_(2, position_1, v.view(B, 1, K, E).transpose(1, 2))
+        out_BKGE = cached_attention(q_B1HE.view(B, K, H // K, E), self.k_cache, self.v_cache, visible_T)
+        x_B1D = x_B1D + self.wo(out_BKGE.reshape(B, 1, H * E))
+        gate, up = self.w_gate_up(rms_norm(x_B1D, self.mlp_norm, self.eps)).chunk(2, dim=-1)
+        return x_B1D + self.w_down(F.silu(gate) * up)
+
+
+def cached_attention(q_BKGE: torch.Tensor, k_BKTE: torch.Tensor, v_BKTE: torch.Tensor,
+                     visible_T: torch.Tensor) -> torch.Tensor:
+    """One decoded token's attention [B, K, G, E]: each kv head's G query heads as the rows of two batched matmuls
+    over that head's cache [B, K, T, E] (read once, in place: no copy per query head), the softmax in float32 over
+    the visible positions."""
+    scores_BKGT = torch.matmul(q_BKGE * q_BKGE.shape[-1] ** -0.5, k_BKTE.transpose(-1, -2))
+    scores_BKGT = scores_BKGT.float().masked_fill(~visible_T, float("-inf"))
+    return torch.matmul(torch.softmax(scores_BKGT, dim=-1).to(q_BKGE.dtype), v_BKTE)
+
+
+class Decoder(nn.Module):
+    """The library's Llama for decode at gpt-fast's strength (module docstring): `logits` of one token per sequence
+    at a position, every layer's cache written in place."""
+
+    def __init__(self, config, batch: int, cache_length: int):
+        super().__init__()
+        Llama.check_supported(config)
+        self.config = config
+        self.embedding = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(DecodeLayer(config, batch, cache_length) for _ in range(config.n_layers))
+        self.final_norm = nn.Parameter(torch.ones(config.d_model))
+        self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
+
+    def new_cache(self, batch: int, cache_length: int) -> None:
+        for layer in self.layers:
+            layer.new_cache(batch, cache_length)
+
+    def logits(self, token_B1: torch.Tensor, position_1: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] float32 of tokens [B, 1] at `position_1` [1] (int64, on the device)."""
+        x_B1D = self.embedding(token_B1)
+        cos, sin = rope_tables(self.config, position_1)
+        visible_T = torch.arange(self.layers[0].k_cache.shape[2], device=position_1.device) <= position_1
+        for layer in self.layers:
+            x_B1D = layer(x_B1D, cos, sin, position_1, visible_T)
+        x_BD = rms_norm(x_B1D[:, 0], self.final_norm, self.config.norm_eps)
+        head = self.embedding.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x_BD, head).float()
+
+
+def fuse_from(decoder: Decoder, llama: Llama) -> None:
+    """Copies the weights of `llama` (the training peer's modules) into `decoder`, q | k | v and gate | up stacked
+    along the output dimension."""
+    with torch.no_grad():
+        decoder.embedding.weight.copy_(llama.embedding.weight)
+        decoder.final_norm.copy_(llama.final_norm)
+        if decoder.lm_head is not None:
+            decoder.lm_head.weight.copy_(llama.lm_head.weight)
+        for mine, theirs in zip(decoder.layers, llama.layers):
+            attention, mlp = theirs.attention, theirs.mlp
+            mine.attn_norm.copy_(theirs.attn_norm)
+            mine.mlp_norm.copy_(theirs.mlp_norm)
+            mine.wqkv.weight.copy_(torch.cat([attention.wq.weight, attention.wk.weight, attention.wv.weight]))
+            mine.wo.weight.copy_(attention.wo.weight)
+            mine.w_gate_up.weight.copy_(torch.cat([mlp.w_gate.weight, mlp.w_up.weight]))
+            mine.w_down.weight.copy_(mlp.w_down.weight)
+
+
+def decode_step(model: Decoder, token_B1: torch.Tensor, position_1: torch.Tensor) -> torch.Tensor:
+    """The next token [B, 1] (greedy) after `token_B1` at `position_1`, the caches written in place: the function
+    compiled whole."""
+    return torch.argmax(model.logits(token_B1, position_1), dim=-1, keepdim=True)
+
+
+def decode_bytes(model: Decoder, batch: int, cache_length: int) -> dict:
     """{"weights", "kv_cache"}: bytes one decode step must read, as bench_decode counts them: every weight once
     (the embedding table only for the `batch` rows it looks up, unless it is the head too) and the whole cache."""
     config = model.config
@@ -297,51 +391,105 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def decode_benchmark(model_config, batches: list[int], cache_length: int, *, warmup: int, steps: int,
-                     device: str = "cuda", compile_mode: str | None = "reduce-overhead") -> list[dict]:
-    """Time the gpt-fast-style decode step at each batch size against a full cache of `cache_length` positions
-    (random bfloat16 weights and cache, decoding at the last position, as bench_decode does).
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process (dynamo's count)."""
+    from torch._dynamo.utils import counters
 
-    Each row: batch, cache_length, compile_s (the first step's wall time), step_s, tokens_per_s, bytes_per_step
-    (`decode_bytes`) and bandwidth_bytes_per_s."""
+    return int(counters["stats"]["unique_graphs"])
+
+
+def cudagraph_skips() -> int:
+    """Compiled graphs inductor ran without a CUDA graph (reduce-overhead could not capture them)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
+def launches_per_step(step, state, steps: int) -> dict:
+    """From a torch.profiler trace of `steps` more steps: CUDA graph launches and kernel launches outside a graph,
+    per step (a step captured whole launches one graph and no kernel)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+            for _ in range(steps):
+                state, _ = step(state)
+            torch.cuda.synchronize()
+        names = [event.name for event in trace.events()]
+    except Exception as error:  # noqa: BLE001 - a profiler that fails leaves the timing standing
+        return {"profile_error": f"{type(error).__name__}: {error}"[:300]}
+    return {"graph_launches_per_step": sum("GraphLaunch" in name for name in names) / steps,
+            "kernel_launches_per_step": sum("LaunchKernel" in name for name in names) / steps}
+
+
+def decode_benchmark(model_config, batches: list[int], cache_length: int, *, warmup: int, steps: int,
+                     device: str = "cuda", compile_mode: str | None = "reduce-overhead", tuned: bool = True,
+                     profile_steps: int = 5) -> list[dict]:
+    """Time the gpt-fast-strength decode step (`Decoder`, `decode_step` compiled whole) at each batch size
+    against a full cache of `cache_length` positions (random bfloat16 weights and cache, decoding at the last
+    position, as bench_decode does). `tuned`: inductor's coordinate-descent tuning of its kernels, as gpt-fast
+    turns on (longer compiles).
+
+    Each row: batch, cache_length, compile_s (the first step's wall time: tracing, compiling, running),
+    capture_s (the next two steps': CUDA graph trees warm up, then record), recompiles_at_new_position (graphs
+    compiled when the same step ran at another position: 0 where the position is data), cudagraph_skips (0 where
+    every compiled graph runs as a CUDA graph), graph_launches_per_step and kernel_launches_per_step (from a
+    profile of `profile_steps` steps, on CUDA), step_s, tokens_per_s, bytes_per_step (`decode_bytes`) and
+    bandwidth_bytes_per_s."""
     config = model_config.replace(dtype="bfloat16")
+    if tuned and device == "cuda":
+        torch._inductor.config.coordinate_descent_tuning = True
     with torch.device(device), default_dtype(torch.bfloat16):
         torch.manual_seed(0)
-        model = Llama(config).eval()
-    decode_one = torch.compile(decode_one_token, mode=compile_mode, fullgraph=True, dynamic=False) \
-        if compile_mode else decode_one_token
+        model = Decoder(config, batches[0], cache_length).eval().requires_grad_(False)
+    decode = torch.compile(decode_step, mode=compile_mode, fullgraph=True, dynamic=False) if compile_mode \
+        else decode_step
     sync = synchronizer(device)
     rows = []
     for batch in batches:
-        for block in model.layers:
-            block.attention.cache = None  # the previous batch's cache freed before the next one is made
-        with torch.device(device):
-            for block in model.layers:
-                block.attention.cache = KVCache(batch, config.n_kv_heads, cache_length, config.head_dim,
-                                                torch.bfloat16)
-        position = torch.tensor([cache_length - 1], device=device)
+        model.new_cache(batch, cache_length)
+        last = torch.tensor([cache_length - 1], device=device)
         token = torch.randint(config.vocab_size, (batch, 1), device=device)
 
-        def step(token):
-            return decode_one(model, token, position).clone(), None
+        def step(token, position=last):
+            return decode(model, token, position).clone(), None  # a CUDA graph's output is overwritten next replay
 
-        with torch.inference_mode():
+        with torch.no_grad():
+            skips = cudagraph_skips()
             start = time.perf_counter()
             token, _ = step(token)
             sync(None)
             compile_s = time.perf_counter() - start
-            timed = harness.timed_steps(step, token, warmup=max(warmup - 1, 0), steps=steps, sync=sync)
+            start = time.perf_counter()
+            for _ in range(2):
+                token, _ = step(token)
+            sync(None)
+            capture_s = time.perf_counter() - start
+            graphs = compiled_graphs()
+            token, _ = step(token, torch.tensor([cache_length - 2], device=device))
+            sync(None)
+            recompiles = compiled_graphs() - graphs
+            timed = harness.timed_steps(step, token, warmup=max(warmup - 3, 0), steps=steps, sync=sync)
+            launches = launches_per_step(step, timed.state, profile_steps) if device == "cuda" else {}
         read = decode_bytes(model, batch, cache_length)
-        rows.append({"name": DECODE_NAME, "batch": batch, "cache_length": cache_length, "compile_s": compile_s,
-                     "step_s": timed.seconds_per_step, "tokens_per_s": batch / timed.seconds_per_step,
-                     "bytes_per_step": read, "bandwidth_bytes_per_s": sum(read.values()) / timed.seconds_per_step})
-    del model, decode_one
+        row = {"name": DECODE_NAME, "batch": batch, "cache_length": cache_length, "compile_s": compile_s,
+               "capture_s": capture_s, "recompiles_at_new_position": recompiles,
+               "cudagraph_skips": cudagraph_skips() - skips,
+               **launches, "step_s": timed.seconds_per_step, "tokens_per_s": batch / timed.seconds_per_step,
+               "bytes_per_step": read, "bandwidth_bytes_per_s": sum(read.values()) / timed.seconds_per_step}
+        rows.append(row)
+        print(graph_line(row), flush=True)
+    del model, decode
     torch._dynamo.reset()  # the CUDA graphs' memory pool goes with the compiled step
     release_memory(device)
     return rows
 
 
-def decode_one_token(model: Llama, token_B1: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """The next token [B, 1] (greedy) after `token_B1` at `position`, the caches written in place."""
-    logits = model(token_B1, position)
-    return torch.argmax(logits[:, -1], dim=-1, keepdim=True)
+def graph_line(row: dict) -> str:
+    """The peer's compile and capture figures for one batch, printed beside the benchmark's table."""
+    launches = (f"; per step {row['graph_launches_per_step']:.1f} CUDA graph launches, "
+                f"{row['kernel_launches_per_step']:.1f} kernel launches outside a graph"
+                if "graph_launches_per_step" in row else "")
+    return (f"{row['name']} batch {row['batch']}: compile {row['compile_s']:.1f} s, capture {row['capture_s']:.2f} s, "
+            f"{row['recompiles_at_new_position']} recompiles at a new position, {row['cudagraph_skips']} graphs "
+            f"not captured{launches}; {1e3 * row['step_s']:.2f} ms/step")
