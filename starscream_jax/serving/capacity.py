@@ -35,8 +35,10 @@ class CacheSize:
 
 def page_bytes_per_device(page_shardings, page_shapes, dtypes) -> int:
     """Bytes each device holds for one page per cache shard, over every pool (`page_shapes` for one page per shard,
-    placed by `page_shardings`, stored in `dtypes`; one entry per pool kind, each for every layer)."""
-    return max(sum(math.prod(sharding.shard_shape(shape)) * np.dtype(dtype).itemsize * layers
+    placed by `page_shardings` (None: on one device), stored in `dtypes`; one entry per pool kind, each for every
+    layer)."""
+    return max(sum(math.prod(sharding.shard_shape(shape) if sharding is not None else shape) *
+                   np.dtype(dtype).itemsize * layers
                    for sharding, (layers, shape), dtype in zip(page_shardings, page_shapes, dtypes)), 1)
 
 

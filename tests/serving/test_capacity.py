@@ -46,3 +46,9 @@ def test_a_page_costs_each_device_its_split_of_every_pool():
     shapes = [(12, (4, 4, 16, 32)), (12, (4, 4, 16))]
     per_device = capacity.page_bytes_per_device([pools, pools], shapes, ["bfloat16", "float32"])
     assert per_device == 12 * (2 * 1 * 16 * 32 * 2) + 12 * (2 * 1 * 16 * 4)
+
+
+def test_pools_on_one_device_cost_their_whole_page():
+    """Without a mesh (an engine on one device, placed by no layout) a page costs every byte of every pool."""
+    per_device = capacity.page_bytes_per_device([None], [(12, (4, 1, 16, 32))], ["bfloat16"])
+    assert per_device == 12 * 4 * 16 * 32 * 2
