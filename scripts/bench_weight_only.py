@@ -8,8 +8,9 @@ Shapes: each projection of the model's layer as x [M, K] @ W [K, N] (Llama 3 8B:
 e4m3 weights with float32 scales per output channel. Each timed call multiplies x by `copies` distinct weights of
 the shape, together at least --gigabytes of 8-bit weights (at most MAX_COPIES; so that no weight stays in the GPU's L2 between uses,
 as in a decode step, which reads 32 layers' weights); rate = weight bytes read (values and scales; bfloat16: 2 per
-value) / time. The kernel runs with its default blocks and each of ALTERNATIVE_BLOCKS (its best is reported beside
-the default, a guide to the defaults), every candidate checked against XLA's product. Candidates take turns in
+value) / time. The kernel runs with its default blocks (every shape first, with XLA's path and bf16) and then, while
+--budget-s lasts, each of ALTERNATIVE_BLOCKS (its best is reported beside the default, a guide to the defaults),
+every candidate checked against XLA's product. Candidates take turns in
 rounds (`harness.alternating_rounds`). "layer" sums the seven projections of one layer per implementation.
 
     python scripts/bench_weight_only.py --out weight_only.json             # on the GPU
@@ -25,12 +26,13 @@ from pathlib import Path
 
 from starscream_jax.benchmarks import harness
 
-ALTERNATIVE_BLOCKS = ({"reduce": "sum", "depth": 64}, {"cols": 64, "depth": 128}, {"cols": 256, "depth": 32,
-                                                                                     "warps": 8})
+ALTERNATIVE_BLOCKS = ({"reduce": "sum", "depth": 64}, {"cols": 64, "depth": 128},
+                      {"cols": 256, "depth": 32, "warps": 8}, {"splits": 1})
 """Blocks tried beside the default (weight_only.Blocks fields); "sum" only where the rows are at most 4."""
 ROWS = (1, 64)
-MAX_COPIES = 32
-"""At most this many distinct weights per call (k and v of Llama 3 8B: 32 x 4.2 MB, beyond the H200's 50 MB L2)."""
+MAX_COPIES = 16
+"""At most this many distinct weights per call (k and v of Llama 3 8B: 16 x 4.2 MB, beyond the H200's 50 MB L2;
+each copy is one more kernel call for the compiler)."""
 
 
 def projections(config) -> list[tuple[str, int, int]]:
@@ -99,17 +101,22 @@ def programs(config, K: int, N: int, rows: int, format_name: str, copies: int, i
     return found
 
 
+ESSENTIAL = ("kernel", "xla", "bf16")
+"""The candidates every shape is timed with first; the alternative blocks follow while time is left."""
+
+
 def measure_shape(config, names: str, K: int, N: int, rows: int, format_name: str, args, implementation: str,
-                  deadline: float) -> list[dict]:
+                  alternatives: bool = False) -> list[dict]:
     """One row per candidate of one shape: seconds per projection, GB/s of weight bytes, the error against XLA's
-    product, ratios to XLA's path and to bfloat16 (time over time). Alternatives are left out past `deadline`."""
+    product, ratios to XLA's path and to bfloat16 (time over time). ESSENTIAL's candidates, or with
+    `alternatives` the kernel's alternative blocks beside XLA's path (whose row is not returned again)."""
     import jax
     import numpy as np
 
     copies = copies_for(K * N, args.gigabytes)
     found = programs(config, K, N, rows, format_name, copies, implementation, args.quick)
-    if time.perf_counter() > deadline:
-        found = {name: entry for name, entry in found.items() if not name.startswith("kernel ")}
+    found = {name: entry for name, entry in found.items()
+             if (name.startswith("kernel ") or name == "xla" if alternatives else name in ESSENTIAL)}
     compiled, failed = {}, {}
     for name, (function, call_args, _) in found.items():
         try:
@@ -140,7 +147,16 @@ def measure_shape(config, names: str, K: int, N: int, rows: int, format_name: st
         for other in ("xla", "bf16"):
             if "seconds" in row and other in timed:
                 row[f"speedup_over_{other}"] = timed[other].median / copies / row["seconds"]
-    return rows_out
+    return [row for row in rows_out if not (alternatives and row["implementation"] == "xla")]
+
+
+def with_bf16_ratio(row: dict, rows: list[dict]) -> dict:
+    """An alternative's row with its ratio to the bfloat16 GEMM of the same shape timed in the first pass."""
+    for other in rows:
+        if other["implementation"] == "bf16" and "seconds" in other and "seconds" in row and all(
+                other[key] == row[key] for key in ("projection", "rows", "format")):
+            return {**row, "speedup_over_bf16": other["seconds"] / row["seconds"]}
+    return row
 
 
 def layer_totals(rows: list[dict]) -> list[dict]:
@@ -188,12 +204,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="token rows (decode's batch)")
     parser.add_argument("--formats", nargs="+", default=["int8", "float8_e4m3fn"],
                         choices=("int8", "float8_e4m3fn", "float8_e4m3fnuz"), help="8-bit weight formats")
-    parser.add_argument("--gigabytes", type=float, default=1.0,
-                        help="8-bit weight bytes per timed call (distinct copies of the shape; default 1.0 GB)")
+    parser.add_argument("--gigabytes", type=float, default=0.15,
+                        help="8-bit weight bytes per timed call (distinct copies of the shape, at most MAX_COPIES; "
+                             "default 0.15 GB, three times the H200's L2)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (the median is reported)")
     parser.add_argument("--calls", type=int, default=5, help="calls per round")
-    parser.add_argument("--budget-s", type=float, default=150.0,
-                        help="seconds after which the alternative kernel blocks are no longer tried (default 150)")
+    parser.add_argument("--budget-s", type=float, default=120.0,
+                        help="seconds from the start after which no more shapes are timed with the alternative kernel "
+                             "blocks, which follow the default kernel, XLA's path and bf16 of every shape (default "
+                             "120)")
     parser.add_argument("--warmup", type=int, default=1, help="calls before each round's clock starts (default 1)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here (rewritten after every shape)")
     parser.add_argument("--quick", action="store_true",
@@ -220,13 +239,21 @@ def main(argv=None) -> int:
     print(f"{'format':<14} {'M':>3} {'proj':<8} {'K x N':<13} {'implementation':<34} {'us':>9} {'GB/s':>8} "
           f"{'vs xla':>7} {'vs bf16':>7} error vs xla", flush=True)
     deadline = time.perf_counter() + args.budget_s
-    for format_name in args.formats:
-        for rows in args.rows:
-            for names, K, N in projections(config):
-                for row in measure_shape(config, names, K, N, rows, format_name, args, implementation, deadline):
-                    result["rows"].append(row)
-                    print(row_line(row), flush=True)
-                harness.write_json(args.out, result)
+    cases = [(format_name, rows, shape) for format_name in args.formats for rows in args.rows
+             for shape in projections(config)]
+    for format_name, rows, (names, K, N) in cases:
+        for row in measure_shape(config, names, K, N, rows, format_name, args, implementation):
+            result["rows"].append(row)
+            print(row_line(row), flush=True)
+        harness.write_json(args.out, result)
+    for format_name, rows, (names, K, N) in ([] if args.quick else cases):
+        if time.perf_counter() > deadline:
+            print(f"--budget-s {args.budget_s:.0f} spent: the remaining alternative blocks are not tried", flush=True)
+            break
+        for row in measure_shape(config, names, K, N, rows, format_name, args, implementation, alternatives=True):
+            result["rows"].append(with_bf16_ratio(row, result["rows"]))
+            print(row_line(result["rows"][-1]), flush=True)
+        harness.write_json(args.out, result)
     result["layer"] = layer_totals(result["rows"])
     harness.write_json(args.out, result)
     for total in result["layer"]:
