@@ -441,6 +441,23 @@ def test_serve_phase_judges_the_paged_decode_step(serve):
     assert pages and all(entry["replication_xcd"] == 1 for entry in pages)
 
 
+MIXTRAL = Path(__file__).parents[1] / "fixtures" / "hf" / "mixtral"
+"""A tiny Mixtral checkpoint's directory (4 experts, 2 per token): inspect reads its config.json."""
+
+
+@pytest.mark.parametrize("phase", ["decode", pytest.param("serve", marks=pytest.mark.slow)])
+def test_mixture_of_experts_decode_reads_each_expert_weight_once_per_gpu_under_starscream_decode(phase):
+    """On 2 GPUs x 4 partitions: starscream_decode keeps the three principles in the decode step and the paged
+    serving step of a mixture of experts (the router's and experts' weights read once per GPU, kept split over the
+    partitions; no flat collective); starscream_ep, which gathers its weights inside the GPU as in training, reads
+    each partition's GPU share of them."""
+    results = inspect_json("--model", str(MIXTRAL), "--topology", "2x4", "--phase", phase, "--batch", "8", "--seq",
+                           "64", "--layout", "starscream_decode,starscream_ep")
+    assert verdicts(results["starscream_decode"]) == ALL_OK, results["starscream_decode"]["principles"]
+    gathered = " ".join(results["starscream_ep"]["principles"]["shape_preservation"]["violations"])
+    assert all(f"/{scope}/" in gathered for scope in ("router", "gate", "up", "down")), gathered
+
+
 @pytest.fixture(scope="module")
 def one_sequence():
     """Decode (a cache of 512) and prefill (a prompt of 509, which the 8 partitions of a GPU do not divide) of one
