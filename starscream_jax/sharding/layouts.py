@@ -25,7 +25,10 @@ The layouts (X partitions per GPU, Y GPUs):
                      tokens over xcd to match the KV cache (kv heads over gpu, batch over xcd), logits vocab over
                      (gpu, xcd) (reduce-scattered inside the GPU). Each weight byte is read once per GPU per step.
                      The MLP hidden and attention output are whole on every partition of a GPU (they meet weights
-                     split over xcd on the embed side): small at one token per sequence, so not for prefill.
+                     split over xcd on the embed side): small at one token per sequence, so not for prefill. A
+                     mixture of experts' router and experts are placed alike (each expert whole on every GPU, its
+                     hidden dim over gpu, embed over xcd) and never gathered either: the block sums each partition's
+                     partial logits and gate / up inside the GPU (`model.moe`), so they too are read once per GPU.
   flat_fsdp          fully sharded data parallel over all devices: weights' embed over (gpu, xcd), gathered before
                      use by flat all-gathers; batch over (data, gpu, xcd); gradients reduce-scattered flat.
   starscream_fsdp    hierarchical FSDP: weights sharded inside each GPU (embed over xcd), replicated across GPUs;
