@@ -323,23 +323,28 @@ class Engine:
             raise StarscreamError(f"prompt token id {outside} is outside the model's vocabulary of {vocab}; give ids "
                                   f"from 0 to {vocab - 1}")
         check_fits(len(tokens), params.max_tokens, self.context)
-        self._check_slot_settings(params)
+        self._check_bias(params)
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2 ** 31))
         sequence = Sequence(request_id, tokens, params, seed, time.monotonic())
         self.scheduler.add(sequence)
         self._sequences[request_id] = sequence
 
-    def _check_slot_settings(self, params: SamplingParams) -> None:
-        """StarscreamError for a logit_bias id outside the vocabulary, and for settings that read a slot's state
-        on a mesh spanning processes (the followers would not see the slot written)."""
+    def _check_bias(self, params: SamplingParams) -> None:
+        """StarscreamError for a logit_bias id outside the vocabulary."""
         vocab = self.model_config.vocab_size
         outside = next((token for token, _ in params.logit_bias if not 0 <= token < vocab), None)
         if outside is not None:
             raise StarscreamError(f"logit_bias token id {outside} is outside the model's vocabulary of {vocab}; give "
                                   f"ids from 0 to {vocab - 1}")
-        if params.uses_slot and self.channel is not None:
-            raise StarscreamError("penalties, logit_bias and min_tokens are not served on a mesh spanning processes "
-                                  "yet; leave them out")
+
+    def reset_slot(self, reset: SlotReset) -> None:
+        """Writes one slot's state (`sampling.reset_slot`, in place), in order before the steps launched after it;
+        every process of a mesh spanning several runs it (the leader announces it first, `multihost`)."""
+        if self.mesh is not None and jax.process_count() > 1:
+            everywhere = NamedSharding(self.mesh, PartitionSpec())
+            reset = jax.tree.map(lambda array: jax.make_array_from_callback(array.shape, everywhere,
+                                                                            lambda at: array[at]), reset)
+        self._slot_state = self._reset(self.slot_state, reset)
 
     def cancel(self, request_id: str) -> bool:
         """Ends a request now, releasing its pages; False when it is not known (already finished)."""
@@ -545,7 +550,7 @@ class Engine:
         self._programs_at_start = len(self._programs)
         if self.cache_size.reserve_bytes:
             capacity.check_reserve(self._programs, self.cache_size.reserve_bytes)
-        self._slot_state = self._reset(self.slot_state, SlotReset.of(-1, self.model_config.vocab_size, [], []))
+        self.reset_slot(SlotReset.of(-1, self.model_config.vocab_size, [], []))
         jax.block_until_ready((self.pages, self.recent, self.slot_state))  # (a reset of no slot: compiled now)
         return len(shapes)
 
@@ -618,7 +623,9 @@ class Engine:
             reset = SlotReset.of(sequence.shard * self.config.rows_per_shard + sequence.slot,
                                  self.model_config.vocab_size, sequence.prompt,
                                  [token for token in sequence.generated if token >= 0], params.logit_bias, stops)
-            self._slot_state = self._reset(self.slot_state, reset)
+            if self.channel is not None:
+                self.channel.send_reset(reset)
+            self.reset_slot(reset)
 
     def _row_sharding(self) -> NamedSharding | None:
         """Step inputs' rows split as the attention batch (and the page pool) are; None without a mesh."""

@@ -17,11 +17,13 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from .sampling import SlotReset
 from .steps import StepInputs
 
 PHASES = ("prefill", "decode")
-STOP, IDLE = -1, -2
-"""The header's phase index that ends `follow`, and the one of a leader idle but alive (no step follows)."""
+STOP, IDLE, RESET = -1, -2, -3
+"""The header's phase index that ends `follow`, the one of a leader idle but alive (no step follows), and the one
+of a slot's new state (`sampling.SlotReset`, written before the step that reads it)."""
 
 
 class StepBroadcast:
@@ -36,6 +38,11 @@ class StepBroadcast:
         self._header(np.array([PHASES.index(phase), rows, width, inputs.table.shape[1]], np.int32))
         multihost_utils.broadcast_one_to_all(inputs, is_source=True)
 
+    def send_reset(self, reset: SlotReset) -> None:
+        """Leader: announce a slot's new state (`Engine.reset_slot`), before the step that first reads it."""
+        self._header(np.array([RESET, reset.counts.shape[0], 0, 0], np.int32))
+        multihost_utils.broadcast_one_to_all(reset, is_source=True)
+
     def stop(self) -> None:
         """Leader: end every follower's loop."""
         self._header(np.array([STOP, 0, 0, 0], np.int32))
@@ -44,13 +51,17 @@ class StepBroadcast:
         """Leader: no step yet, still alive (keeps the followers' wait in the broadcast short of its timeout)."""
         self._header(np.array([IDLE, 0, 0, 0], np.int32))
 
-    def receive(self) -> tuple[str, StepInputs] | None:
-        """Follower: the next step's (phase, host inputs), or None once the leader stops."""
+    def receive(self) -> tuple[str, StepInputs | SlotReset] | None:
+        """Follower: the next step's (phase, host inputs) or a slot's ("reset", SlotReset), or None once the
+        leader stops."""
         phase = IDLE
         while phase == IDLE:
             phase, rows, width, pages = (int(value) for value in self._header(np.zeros(4, np.int32)))
         if phase == STOP:
             return None
+        if phase == RESET:
+            reset = multihost_utils.broadcast_one_to_all(SlotReset.of(-1, rows, [], []), is_source=False)
+            return "reset", jax.tree.map(np.asarray, reset)
         empty = StepInputs.zeros(rows, width, pages)
         inputs = multihost_utils.broadcast_one_to_all(empty, is_source=False)
         return PHASES[phase], jax.tree.map(np.asarray, inputs)
@@ -60,9 +71,14 @@ class StepBroadcast:
 
 
 def follow(engine) -> int:
-    """Follower: run the leader's steps on this process' devices until it stops; returns the steps run."""
+    """Follower: run the leader's steps (and slot resets) on this process' devices until it stops; returns the
+    steps run."""
     steps = 0
     while (message := engine.channel.receive()) is not None:
-        engine.execute(*message)
+        phase, inputs = message
+        if phase == "reset":
+            engine.reset_slot(inputs)
+            continue
+        engine.execute(phase, inputs)
         steps += 1
     return steps

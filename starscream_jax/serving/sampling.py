@@ -76,7 +76,8 @@ class SlotState:
 @dataclass(frozen=True)
 class SlotReset:
     """One slot's new row, written by `reset_slot`: `slot` (a scalar, shard * slots per shard + the sequence's
-    slot), counts [V] of its generated tokens so far (more than none after a preemption), prompt [V] bool,
+    slot), counts [V] of its generated tokens so far (more than none after a preemption), prompt [V] (1: the id is
+    in the prompt; int32, as `multihost` broadcasts it),
     bias_ids / bias [MAX_LOGIT_BIAS], stops [MAX_STOP_IDS] (-1: none). Host arrays, built by `of`."""
 
     slot: np.ndarray
@@ -99,8 +100,8 @@ class SlotReset:
             bias_ids[index], bias[index] = token, value
         stop_ids = np.full(MAX_STOP_IDS, -1, np.int32)
         stop_ids[:len(stops)] = stops
-        present = np.zeros(vocab, bool)
-        present[np.asarray(prompt, np.int64)] = True
+        present = np.zeros(vocab, np.int32)
+        present[np.asarray(prompt, np.int64)] = 1
         counts = np.bincount(np.asarray(generated, np.int64), minlength=vocab).astype(np.int32)
         return cls(np.asarray(slot, np.int32), counts, present, bias_ids, bias, stop_ids)
 
@@ -114,7 +115,7 @@ def reset_slot(state: SlotState, reset: SlotReset) -> SlotState:
         axes = specs[0][0] if len(specs[0]) else None
         first = jax.lax.axis_index(axes) * local_slots if axes else 0
         at = jnp.where((slot >= first) & (slot < first + local_slots), slot - first, local_slots)
-        return tuple(array.at[at].set(row, mode="drop") for array, row in zip(arrays[:5], rows))
+        return tuple(array.at[at].set(row.astype(array.dtype), mode="drop") for array, row in zip(arrays[:5], rows))
 
     fields = (reset.slot, reset.counts, reset.prompt, reset.bias_ids, reset.bias, reset.stops)
     out = run_sharded(local, [*jax.tree.leaves(state), *fields], [SLOT_TABLE] * 5 + [None] * 6,

@@ -5,7 +5,8 @@ Both processes join through jax.distributed (CPU collectives over gloo, 4 simula
 1 x 2 x 4 mesh, its gpu axis spanning the processes, and the same engine as tests/serving/conftest.py's "1x2x4".
 Process 0 schedules and serves the prompts, broadcasting each step (`serving.multihost.StepBroadcast`), then
 stops the other, which runs every step it is sent (`serving.multihost.follow`). Process 0 prints "tokens" and the
-greedy tokens as JSON, process 1 "followed" and the steps it ran.
+greedy tokens as JSON, then "penalized" and the greedy tokens under PENALIZED (its slots written on both
+processes), process 1 "followed" and the steps it ran.
 """
 import json
 import sys
@@ -23,6 +24,7 @@ from starscream_jax.serving.multihost import StepBroadcast, follow  # noqa: E402
 from starscream_jax.serving.scheduler import SamplingParams  # noqa: E402
 
 CASE = "1x2x4"
+PENALIZED = dict(repetition_penalty=1.8, presence_penalty=1.0, logit_bias=((7, -11.0),), min_tokens=2)
 
 
 def main(coordinator: str, process_id: int, prompts: list[list[int]], new_tokens: int) -> None:
@@ -35,8 +37,10 @@ def main(coordinator: str, process_id: int, prompts: list[list[int]], new_tokens
     if process_id == 0:
         engine.keep_followers()  # an idle leader's word first: the follower waits on for a step
         tokens = engine.generate(prompts, SamplingParams(max_tokens=new_tokens))
+        penalized = engine.generate(prompts, SamplingParams(max_tokens=new_tokens, **PENALIZED))
         engine.stop_followers()
         print("tokens", json.dumps(tokens), flush=True)
+        print("penalized", json.dumps(penalized), flush=True)
     else:
         print("followed", follow(engine), flush=True)
     jax.distributed.shutdown()

@@ -18,6 +18,8 @@ from starscream_jax.training.generate import generate
 
 ROWS, NEW_TOKENS = 8, 6
 WORKER = Path(__file__).with_name("multihost_serve_worker.py")
+PENALIZED = dict(repetition_penalty=1.8, presence_penalty=1.0, logit_bias=((7, -11.0),), min_tokens=2)
+"""multihost_serve_worker.PENALIZED: settings that read each sequence's slot state."""
 CASES = ("1x1x1", "1x2x4", "2x2x2", "1x2x4-flat")  # conftest.CASES: the meshes and layouts
 
 
@@ -129,17 +131,20 @@ def test_an_8_bit_cache_decodes_close_to_the_full_precision_pages(engine_for, pr
 @pytest.mark.multiprocess
 def test_two_processes_serve_the_tokens_of_one(engine_for, prompts, cpu_child_env, free_port, local_processes):
     """Two CPU processes of 4 devices each join the 1x2x4 mesh (its gpu axis across them, `multihost_serve_worker`):
-    process 0 schedules and broadcasts every step, process 1 runs each; their greedy tokens equal the single-process
-    engine's on the same mesh."""
+    process 0 schedules and broadcasts every step (and each slot's penalty state), process 1 runs each; their
+    greedy tokens, plain and under penalties, equal the single-process engine's on the same mesh."""
     coordinator = f"127.0.0.1:{free_port()}"
     outputs = local_processes([[sys.executable, str(WORKER), coordinator, str(process), json.dumps(prompts.tolist()),
                                 str(NEW_TOKENS)] for process in range(2)], cpu_child_env(4), timeout=240)
     lines = [line.split(" ", 1) for stdout, _ in outputs for line in stdout.splitlines()
-             if line.startswith(("tokens ", "followed "))]  # stdout also holds gloo's connection messages
+             if line.startswith(("tokens ", "penalized ", "followed "))]  # stdout also holds gloo's messages
     reported = {kind: json.loads(value) for kind, value in lines}
     assert reported["followed"] >= NEW_TOKENS  # a prefill, then a decode step per further token at least
     single = engine_for("1x2x4").generate([list(p) for p in prompts], SamplingParams(max_tokens=NEW_TOKENS))
     assert reported["tokens"] == single
+    penalized = engine_for("1x2x4").generate([list(p) for p in prompts],
+                                             SamplingParams(max_tokens=NEW_TOKENS, **PENALIZED))
+    assert reported["penalized"] == penalized and penalized != single
 
 
 def test_the_engine_api_checks_what_the_server_checks(engine_for):
