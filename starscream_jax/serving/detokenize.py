@@ -9,7 +9,8 @@ window grows. The last few prompt tokens seed the window, so the first generated
 
 Stop strings are matched in the text not yet sent plus the new text only: up to the longest stop string's length
 less one character is held back (it may be the start of a stop string), so a stop string spanning tokens is found
-exactly once, and the text ends where it begins (or after it, `include_stop`).
+exactly once, and the text ends where it begins (or after it, `include_stop`). As vLLM does, stop strings are
+looked for only once more than `min_tokens` tokens have arrived.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ class IncrementalText:
     """One request's generated text, emitted as its tokens arrive (see the module docstring)."""
 
     def __init__(self, decode: Callable[[list[int]], str], prompt: list[int], stop: tuple[str, ...] = (),
-                 include_stop: bool = False):
+                 include_stop: bool = False, min_tokens: int = 0):
         self._decode = decode
         self._ids = list(prompt[-PROMPT_CONTEXT:])
         self._prefix = 0
@@ -31,6 +32,7 @@ class IncrementalText:
         self._stop = tuple(s for s in stop if s)
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._include_stop = include_stop
+        self._min_tokens, self._tokens = min_tokens, 0
         self._unsent = ""
         self.stopped = False
         """True once a stop string was met: the text is complete, later tokens are ignored."""
@@ -41,8 +43,10 @@ class IncrementalText:
         if self.stopped:
             return ""
         self._ids.extend(token_ids)
+        self._tokens += len(token_ids)
         text = self._unsent + self._new_text(final)
-        cut = min((found for found in (text.find(s) + (len(s) if self._include_stop else 0) for s in self._stop
+        stops = self._stop if self._tokens > self._min_tokens else ()
+        cut = min((found for found in (text.find(s) + (len(s) if self._include_stop else 0) for s in stops
                                        if s in text)), default=-1)
         if cut >= 0:
             self.stopped, self._unsent = True, ""

@@ -42,7 +42,7 @@ class Choice:
                  stop: tuple[str, ...], include_stop: bool, stream: RequestStream):
         self.serving, self.index, self.request_id, self.params, self.stream = serving, index, request_id, params, stream
         self.prompt_tokens = len(prompt)
-        self.text = IncrementalText(serving.decode, prompt, stop, include_stop)
+        self.text = IncrementalText(serving.decode, prompt, stop, include_stop, params.min_tokens)
         self.parts: list[str] = []
         self.tokens: list[int] = []
         self.logprobs: list[float] = []

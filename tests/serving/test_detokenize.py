@@ -54,3 +54,11 @@ def test_held_back_text_is_sent_at_the_end():
     text = IncrementalText(tokenizer.decode, [], stop=("xyz!",))
     assert text.add(tokenizer.encode("abcxy").tolist()) == "ab"  # "cxy" may start the stop string
     assert text.add([], final=True) == "cxy" and not text.stopped
+
+
+def test_stop_strings_wait_for_min_tokens():
+    """As vLLM: a stop string met within the first min_tokens tokens does not end the text; one after does."""
+    tokenizer = ByteTokenizer()
+    ids = tokenizer.encode("ab.cd.ef").tolist()
+    assert "".join(stream(IncrementalText(tokenizer.decode, [], (".",)), ids, (1,))) == "ab"
+    assert "".join(stream(IncrementalText(tokenizer.decode, [], (".",), min_tokens=4), ids, (1,))) == "ab.cd"
