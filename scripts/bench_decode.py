@@ -199,6 +199,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="precisions to time side by side (weights-cache; bf16 first for the speed-ups)")
     parser.add_argument("--fp8-format", default="float8_e4m3fn", choices=("float8_e4m3fn", "float8_e4m3fnuz"),
                         help="the chip's fp8 e4m3 format (OCP on H200 and MI355X, FNUZ on MI300X)")
+    parser.add_argument("--eight-bit-matmul", default="", choices=("", "pallas", "interpret", "xla"),
+                        help="how 8-bit weights' projections run (ModelConfig.eight_bit_matmul; default '': the "
+                             "backend's choice, the weight-only kernel on CUDA)")
     parser.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True,
                         help="also time the PyTorch peer (scripts/torch_peers.py) where torch and a CUDA GPU are "
                              "present (default: on; --quick skips it)")
@@ -234,6 +237,7 @@ def main(argv=None) -> int:
     devices = mesh.devices.size
     info = harness.run_info(__file__, argv)
     meta = {"model": config.name, "layout": args.layout, "scan_unroll": args.unroll, "mesh": dict(mesh.shape),
+            "eight_bit_matmul": args.eight_bit_matmul,
             "devices": devices, "peak_bandwidth_bytes_per_s": args.peak_bandwidth,
             "copy_bandwidth_bytes_per_s": copy, "read_bandwidth_bytes_per_s": measured["read"],
             "read_sum_bytes_per_s": measured["read_sum"], "read_rows_bytes_per_s": measured["read_rows"],
@@ -253,12 +257,14 @@ def main(argv=None) -> int:
         result["peer_rows"] = peer_rows(peers, config, args)
         for row in result["peer_rows"]:
             print(row_line(row["name"], row), flush=True)
+        harness.write_json(args.out, result)  # kept should a later row not finish
     peer_by_batch = {row["batch"]: row for row in result.get("peer_rows", [])}
     rows, bf16_tokens_per_s = result["rows"], {}
     for variant, batch in ((variant, batch) for variant in args.variants for batch in args.batches):
         if batch == args.batches[0]:  # the variant's model, served as stored: bfloat16, or 8-bit with scales
             weights, cache = (args.fp8_format if kind == "fp8" else kind for kind in VARIANTS[variant])
-            variant_config = config.replace(weight_format=weights, kv_format=cache)
+            variant_config = config.replace(weight_format=weights, kv_format=cache,
+                                            eight_bit_matmul=args.eight_bit_matmul)
             params = rest = None  # the previous variant's weights leave the device first
             with use_layout(args.layout, mesh):
                 graphdef, params, rest = nnx.split(create_sharded_model(variant_config, args.layout, mesh),

@@ -438,7 +438,9 @@ def decode_benchmark(model_config, batches: list[int], cache_length: int, *, war
     bandwidth_bytes_per_s."""
     config = model_config.replace(dtype="bfloat16")
     if tuned and device == "cuda":
-        torch._inductor.config.coordinate_descent_tuning = True
+        import torch._inductor.config as inductor_config
+
+        inductor_config.coordinate_descent_tuning = True
     with torch.device(device), default_dtype(torch.bfloat16):
         torch.manual_seed(0)
         model = Decoder(config, batches[0], cache_length).eval().requires_grad_(False)
