@@ -44,9 +44,9 @@ MAX_SPLITS = 16
 class Blocks:
     """Tiling of the kernel. cols: output channels per program; depth: rows of W per loop step; splits: parts of K
     (0: chosen by shape, `split_count`); reduce: "dot" (tensor cores, rows padded to 16), "sum" (multiply and sum,
-    at most 4 rows) or "auto" (sum for 1-4 rows, dot above); "dot" by default, the form Triton's matmul
-    lowering is built for (the padded rows cost no bytes: x is a few kilobytes); warps, stages: Triton's launch width and pipeline
-    depth. Each block size is cut to the largest power of two that divides its dimension."""
+    at most 4 rows) or "auto" (sum for 1-4 rows, dot above); "dot" by default, the form Triton's matmul lowering is
+    built for (the padded rows cost no bytes: x is a few kilobytes); warps, stages: Triton's launch width and
+    pipeline depth. Each block size is cut to the largest power of two that divides its dimension."""
 
     cols: int = 128
     depth: int = 64
