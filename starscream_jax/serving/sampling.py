@@ -27,7 +27,7 @@ from jax.tree_util import register_dataclass
 
 from ..errors import StarscreamError
 from ..model.ops import run_sharded
-from ..sharding.apply import active, constrain
+from ..sharding.apply import active
 from .scheduler import MAX_LOGIT_BIAS, MAX_STOP_IDS, MAX_TOP_LOGPROBS
 
 SLOT_ROWS = ("attn_batch",)
@@ -123,14 +123,22 @@ def reset_slot(state: SlotState, reset: SlotReset) -> SlotState:
     return SlotState(*out)
 
 
+def penalized(rows, slot_B: jax.Array) -> jax.Array:
+    """[B] bool: the rows with a slot and a presence, frequency or repetition penalty."""
+    return (slot_B >= 0) & ((rows.presence != 0) | (rows.frequency != 0) | (rows.repetition != 1))
+
+
+def biased(rows, slot_B: jax.Array, position_B: jax.Array) -> jax.Array:
+    """[B] bool: the rows with a slot and a logit bias, or whose stop ids are masked at `position_B` (min_tokens)."""
+    return (slot_B >= 0) & ((rows.biased > 0) | (position_B < rows.min_position))
+
+
 def apply_penalties(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, rows) -> jax.Array:
     """The logits [B, V] (vocabulary whole) after each row's repetition penalty (ids of its prompt or its generated
     tokens: positive logits divided by it, negative ones multiplied), frequency penalty (minus it times each id's
     count among the generated tokens) and presence penalty (minus it for each id generated at least once), as vLLM
     applies them; `rows` holds presence, frequency and repetition [B]. Rows of slot -1 are left as they are; a step
     where no row has a penalty skips the work. The result is placed as `logits_BV` is."""
-    penalized_B = (slot_B >= 0) & ((rows.presence != 0) | (rows.frequency != 0) | (rows.repetition != 1))
-
     def penalize(logits_BV):
         def local(logits_bV, counts_RV, prompt_RV, slot_b, presence_b, frequency_b, repetition_b, specs):
             used_b = slot_b >= 0
@@ -146,7 +154,7 @@ def apply_penalties(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, r
                           "penalties")
         return _like(out, logits_BV)
 
-    return jax.lax.cond(jnp.any(penalized_B), penalize, lambda logits: logits, logits_BV)
+    return jax.lax.cond(jnp.any(penalized(rows, slot_B)), penalize, lambda logits: logits, logits_BV)
 
 
 def apply_bias(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, rows, position_B: jax.Array) -> jax.Array:
@@ -155,7 +163,6 @@ def apply_bias(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, rows, 
     length plus min_tokens). Rows of slot -1 are left as they are; a step where no row has either skips the work.
     The result is placed as `logits_BV` is."""
     biased_B, stopping_B = rows.biased > 0, position_B < rows.min_position
-    used_B = (slot_B >= 0) & (biased_B | stopping_B)
 
     def bias(logits_BV):
         def local(logits_bV, ids_RK, bias_RK, stops_RS, slot_b, biased_b, stopping_b, specs):
@@ -173,25 +180,20 @@ def apply_bias(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, rows, 
                           "logit bias")
         return _like(out, logits_BV)
 
-    return jax.lax.cond(jnp.any(used_B), bias, lambda logits: logits, logits_BV)
+    return jax.lax.cond(jnp.any(biased(rows, slot_B, position_B)), bias, lambda logits: logits, logits_BV)
 
 
 def record(state: SlotState, slot_B: jax.Array, token_B: jax.Array, rows) -> SlotState:
-    """`state` with each row's sampled token [B] counted in its slot (rows of slot -1 count nothing), in a step
-    where some row has a penalty (`rows`: presence, frequency, repetition [B]); unchanged otherwise (no row of
-    the step reads the counts, and a sequence's slot is written afresh when it takes it)."""
-    penalized_B = (slot_B >= 0) & ((rows.presence != 0) | (rows.frequency != 0) | (rows.repetition != 1))
+    """`state` with each penalized row's sampled token [B] counted in its slot, in place (a scatter of B ones,
+    none where no row has a penalty: only those rows read the counts, and a sequence's slot is written afresh
+    when it takes it); `rows` holds presence, frequency and repetition [B]."""
+    def local(counts_RV, slot_b, counted_b, token_b, specs):
+        at_b = jnp.where(counted_b, slot_b, counts_RV.shape[0])
+        return counts_RV.at[at_b, token_b].add(1, mode="drop")
 
-    def count(counts_SV):
-        def local(counts_RV, slot_b, token_b, specs):
-            at_b = jnp.where(slot_b >= 0, slot_b, counts_RV.shape[0])
-            return counts_RV.at[at_b, token_b].add(1, mode="drop")
-
-        token_B_placed = constrain(token_B, SLOT_ROWS, "sampled tokens")
-        return run_sharded(local, [counts_SV, slot_B, token_B_placed], [SLOT_TABLE, SLOT_ROWS, SLOT_ROWS],
-                           [(SLOT_TABLE, counts_SV.shape)], "token counts")
-
-    counts = jax.lax.cond(jnp.any(penalized_B), count, lambda counts: counts, state.counts)
+    counts = run_sharded(local, [state.counts, slot_B, penalized(rows, slot_B), token_B],
+                         [SLOT_TABLE, SLOT_ROWS, SLOT_ROWS, SLOT_ROWS], [(SLOT_TABLE, state.counts.shape)],
+                         "token counts")
     return SlotState(counts, state.prompt, state.bias_ids, state.bias, state.stops)
 
 

@@ -34,7 +34,16 @@ from ..model.ops import run_sharded
 from ..model.paged import PagedCache
 from ..sharding.apply import Jitted, Placement, constrain, jit
 from ..training.steps import whole_vocabulary
-from .sampling import SlotState, apply_bias, apply_penalties, keep_min_p, record, top_logprobs
+from .sampling import (
+    SlotState,
+    apply_bias,
+    apply_penalties,
+    biased,
+    keep_min_p,
+    penalized,
+    record,
+    top_logprobs,
+)
 
 
 @register_dataclass
@@ -155,22 +164,34 @@ def sample_rows(logits_BV: jax.Array, rows: RowSampling, position_B: jax.Array, 
     """Each row's next token, drawn for sequence position `position_B` [B] from the logits [B, V] (placed by the
     layout's ("batch", "vocab") rules) after its logit bias, min_tokens mask and penalties (`serving.sampling`,
     reading the row's slot `slot_B` [B] of `slots`, -1: none), with the model's log-probabilities of it and of
-    the likeliest tokens (`Sampled`); `slots` with the tokens counted. A step whose rows are all greedy skips
-    the sort that sampling needs, and one whose rows ask for none of the other settings skips their work
-    (`jax.lax.cond`)."""
+    the likeliest tokens (`Sampled`); `slots` with the tokens counted. A step whose rows are all greedy and
+    plain takes the argmax alone; otherwise the sort that drawing needs and the work of each setting run only in
+    a step where some row asks for them (`jax.lax.cond`, each branch's result [B] where it can be, so the plain
+    path copies no [B, V] array)."""
     with jax.named_scope("sample"):
         logits_BV = whole_vocabulary(logits_BV)
         rows, position_B, slot_B = jax.tree.map(lambda row_B: constrain(row_B, ("batch",), "sampling"),
                                                 (rows, position_B, slot_B))
         logprob_BV = jax.nn.log_softmax(logits_BV, axis=-1)  # the model's own, as vLLM returns them
-        logits_BV = apply_bias(logits_BV, slots, slot_B, rows, position_B)
-        logits_BV = apply_penalties(logits_BV, slots, slot_B, rows)
-        greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-        token_B = jax.lax.cond(jnp.any(rows.temperature > 0), _drawn, lambda *_: greedy_B, logits_BV, rows,
-                               position_B, greedy_B)
+        plain = ~jnp.any(rows.temperature > 0) & ~jnp.any(biased(rows, slot_B, position_B) | penalized(rows, slot_B))
+        token_B = jax.lax.cond(plain, _greedy, _adjusted, logits_BV, rows, position_B, slots, slot_B)
         top_token_BK, top_logprob_BK = top_logprobs(logprob_BV, rows.top_logprobs)
         sampled = Sampled(token_B, _at_column(logprob_BV, token_B)[:, 0], top_token_BK, top_logprob_BK)
         return sampled, record(slots, slot_B, token_B, rows)
+
+
+def _greedy(logits_BV, *_):
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+
+
+def _adjusted(logits_BV, rows: RowSampling, position_B, slots: SlotState, slot_B):
+    """Each row's token after its bias, min_tokens mask and penalties: greedy, or drawn where its temperature is
+    above 0 (the sort only in a step where some row draws)."""
+    logits_BV = apply_bias(logits_BV, slots, slot_B, rows, position_B)
+    logits_BV = apply_penalties(logits_BV, slots, slot_B, rows)
+    greedy_B = _greedy(logits_BV)
+    return jax.lax.cond(jnp.any(rows.temperature > 0), _drawn, lambda *_: greedy_B, logits_BV, rows, position_B,
+                        greedy_B)
 
 
 def _drawn(logits_BV, rows: RowSampling, position_B, greedy_B):
