@@ -13,8 +13,8 @@ which ids its prompt holds [slots, V] bool, its logit bias as (id, value) pairs 
 ids [slots, MAX_STOP_IDS] (-1: none). Its slots are split as the attention batch is (`SLOT_TABLE`), as the step's
 rows are: shard s's rows read and write only shard s's slots, on the device that holds both (`run_sharded`), so no
 slot is stored twice and none moves. The host writes a slot's row once, when a sequence that uses these settings
-takes it (`reset_slot`, with `SlotReset.of`); the step counts each sampled token itself (`record`). A step none of
-whose rows uses a setting skips its work (`jax.lax.cond`).
+takes it (`reset_slot`, with `SlotReset.of`); the step counts each penalized row's sampled token itself (`record`,
+a scatter of B ones). A step none of whose rows uses a setting skips its work (`jax.lax.cond`).
 """
 from __future__ import annotations
 
@@ -213,9 +213,8 @@ def top_logprobs(logprob_BV: jax.Array, count_B: jax.Array) -> tuple[jax.Array, 
         values_BK = jnp.pad(values_BK, ((0, 0), (0, short)), constant_values=-jnp.inf)
         return jnp.pad(ids_BK.astype(jnp.int32), ((0, 0), (0, short))), values_BK
 
-    def none(logprob_BV):
-        zeros_BK = jnp.zeros_like(logprob_BV[:, :1]) * jnp.zeros(MAX_TOP_LOGPROBS)  # placed as the rows are
-        return zeros_BK.astype(jnp.int32), zeros_BK
+    def none(logprob_BV):  # zeros from the same ops over K columns (no [B, V] top-k): both branches' types match
+        return tuple(jnp.zeros_like(result) for result in top(logprob_BV[:, :MAX_TOP_LOGPROBS]))
 
     return jax.lax.cond(jnp.any(count_B > 0), top, none, logprob_BV)
 
