@@ -472,15 +472,17 @@ def decode_benchmark(model_config, batches: list[int], cache_length: int, *, war
             sync(None)
             recompiles = compiled_graphs() - graphs
             timed = harness.timed_steps(step, token, warmup=max(warmup - 3, 0), steps=steps, sync=sync)
-            launches = launches_per_step(step, timed.state, profile_steps) if device == "cuda" else {}
-        read = decode_bytes(model, batch, cache_length)
-        row = {"name": DECODE_NAME, "batch": batch, "cache_length": cache_length, "compile_s": compile_s,
-               "capture_s": capture_s, "recompiles_at_new_position": recompiles,
-               "cudagraph_skips": cudagraph_skips() - skips,
-               **launches, "step_s": timed.seconds_per_step, "tokens_per_s": batch / timed.seconds_per_step,
-               "bytes_per_step": read, "bandwidth_bytes_per_s": sum(read.values()) / timed.seconds_per_step}
+            read = decode_bytes(model, batch, cache_length)
+            row = {"name": DECODE_NAME, "batch": batch, "cache_length": cache_length, "compile_s": compile_s,
+                   "capture_s": capture_s, "recompiles_at_new_position": recompiles,
+                   "cudagraph_skips": cudagraph_skips() - skips, "step_s": timed.seconds_per_step,
+                   "tokens_per_s": batch / timed.seconds_per_step, "bytes_per_step": read,
+                   "bandwidth_bytes_per_s": sum(read.values()) / timed.seconds_per_step}
+            print(graph_line(row), flush=True)  # before the profile: its figures stand whatever the profiler does
+            if device == "cuda":
+                row.update(launches_per_step(step, timed.state, profile_steps))
+                print(launches_line(row), flush=True)
         rows.append(row)
-        print(graph_line(row), flush=True)
     del model, decode
     torch._dynamo.reset()  # the CUDA graphs' memory pool goes with the compiled step
     release_memory(device)
@@ -488,10 +490,16 @@ def decode_benchmark(model_config, batches: list[int], cache_length: int, *, war
 
 
 def graph_line(row: dict) -> str:
-    """The peer's compile and capture figures for one batch, printed beside the benchmark's table."""
-    launches = (f"; per step {row['graph_launches_per_step']:.1f} CUDA graph launches, "
-                f"{row['kernel_launches_per_step']:.1f} kernel launches outside a graph"
-                if "graph_launches_per_step" in row else "")
+    """The peer's compile and capture figures and its speed for one batch, printed beside the benchmark's table."""
     return (f"{row['name']} batch {row['batch']}: compile {row['compile_s']:.1f} s, capture {row['capture_s']:.2f} s, "
             f"{row['recompiles_at_new_position']} recompiles at a new position, {row['cudagraph_skips']} graphs "
-            f"not captured{launches}; {1e3 * row['step_s']:.2f} ms/step")
+            f"not captured as CUDA graphs; {1e3 * row['step_s']:.2f} ms/step, "
+            f"{row['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s")
+
+
+def launches_line(row: dict) -> str:
+    """What the profile of a few steps saw (`launches_per_step`)."""
+    if "profile_error" in row:
+        return f"{row['name']} batch {row['batch']}: the profile failed ({row['profile_error']})"
+    return (f"{row['name']} batch {row['batch']}: per step {row['graph_launches_per_step']:.1f} CUDA graph launches, "
+            f"{row['kernel_launches_per_step']:.1f} kernel launches outside a graph (profile of a few steps)")

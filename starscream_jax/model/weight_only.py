@@ -148,9 +148,7 @@ def _kernel_call(x_MK, w_KN, scale_N, blocks: Blocks, interpret: bool) -> jax.Ar
     rows, depth = x_MK.shape
     cols = w_KN.shape[1]
     padded, use_dot = padded_rows(rows, blocks.reduce)
-    col_block, depth_block = _block(cols, blocks.cols), _block(depth, blocks.depth)
-    if use_dot and not interpret:
-        col_block, depth_block = max(col_block, 16), max(depth_block, 16)
+    col_block, depth_block = _block(cols, blocks.cols), _block(depth, blocks.depth)  # at least 16: see `applies`
     col_blocks, depth_steps = cols // col_block, depth // depth_block
     splits = split_count(padded, depth, col_blocks, depth_steps, blocks.splits)
     x_PK = jnp.pad(x_MK, ((0, padded - rows), (0, 0))) if padded != rows else x_MK

@@ -63,3 +63,11 @@ def test_the_decode_benchmark_rows_carry_what_bench_decode_stores(peers):
         assert row["bytes_per_step"]["kv_cache"] == 2 * 2 * row["batch"] * 16 * config.n_kv_heads * config.head_dim * 2
         assert row["tokens_per_s"] == pytest.approx(row["batch"] / row["step_s"])
     assert "graphs not captured" in peers.graph_line(rows[0])
+
+
+def test_the_profile_line_says_what_it_saw_or_why_not(peers):
+    row = {"name": peers.DECODE_NAME, "batch": 1}
+    assert "per step 1.0 CUDA graph launches, 0.0 kernel launches" in peers.launches_line(
+        {**row, "graph_launches_per_step": 1.0, "kernel_launches_per_step": 0.0})
+    assert "the profile failed (RuntimeError: no CUPTI)" in peers.launches_line(
+        {**row, "profile_error": "RuntimeError: no CUPTI"})
