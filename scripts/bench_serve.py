@@ -24,6 +24,10 @@ Workloads: A, 256 requests of 512 prompt tokens and 128 output tokens at once; B
 run with prefix caching and without. `--workload custom` takes --requests, --prompt, --output, --rate,
 --random-lengths (each length drawn uniformly from [n/2, 3n/2]).
 
+`--sampling-settings` runs each workload in process a second time with every request greedy under a presence,
+frequency and repetition penalty, a logit bias and 5 top log-probabilities (`SETTINGS`): the decode step's time
+with and without the work the step does for them (`serving.sampling`).
+
 Roofline (printed beside): prefill FLOPs at the device's measured matmul efficiency (meshes/measured/<chip>.json,
 its best large-GEMM figure) plus decode steps reading every weight and the batch's KV cache at the read rate measured
 in this run (a sum over a 4 GiB array, scripts/bench_decode.py's measure), all requests decoding together.
@@ -226,9 +230,14 @@ def matmul_efficiency(chip: str) -> tuple[float, float]:
     return max(entry["efficiency"] for entry in data["matmul"]), data["peak_flops"]
 
 
-def run_engine(engine, workload: Workload, prompts, outputs) -> list[Trace]:
-    """The workload driven straight through the engine: each request submitted at its arrival, steps run back to
-    back, each token timed when its step returns."""
+SETTINGS = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1, logit_bias=((0, -1.0),),
+                top_logprobs=5, logprobs=True)
+"""--sampling-settings: what every request of the second in-process run asks for besides max_tokens."""
+
+
+def run_engine(engine, workload: Workload, prompts, outputs, settings: dict | None = None) -> list[Trace]:
+    """The workload driven straight through the engine: each request submitted at its arrival (with `settings`,
+    SamplingParams fields, where given), steps run back to back, each token timed when its step returns."""
     from starscream_jax.serving.scheduler import SamplingParams
 
     traces, due = [Trace(0.0) for _ in prompts], arrivals(workload)
@@ -238,7 +247,8 @@ def run_engine(engine, workload: Workload, prompts, outputs) -> list[Trace]:
         while sent < len(prompts) and start + due[sent] <= now:
             traces[sent].arrival = now
             by_id[f"{workload.name}-{sent}"] = traces[sent]
-            engine.submit(f"{workload.name}-{sent}", prompts[sent], SamplingParams(max_tokens=outputs[sent]))
+            engine.submit(f"{workload.name}-{sent}", prompts[sent],
+                          SamplingParams(max_tokens=outputs[sent], **(settings or {})))
             sent += 1
         if not engine.busy:
             time.sleep(max(0.0, min(0.001, start + due[sent] - time.perf_counter())))
@@ -352,6 +362,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--kernel", default="gather", choices=["gather", "pallas"])
     parser.add_argument("--no-overlap", action="store_true", help="the engine reads each step before the next")
+    parser.add_argument("--sampling-settings", action="store_true",
+                        help="also run each workload in process with penalties, a logit bias and top logprobs")
     parser.add_argument("--http", action="store_true", help="also through `starscream serve` in its own process")
     parser.add_argument("--transformers", action="store_true", help="also transformers' continuous batching (GPU)")
     parser.add_argument("--chip", default="h200", help="measured figures of the roofline (meshes/measured)")
@@ -391,7 +403,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.quick:
         args.model, args.layers, args.chunk, args.max_num_batched_tokens = "tiny", 2, 16, 48
-        args.max_num_seqs, args.http = 4, True
+        args.max_num_seqs, args.http, args.sampling_settings = 4, True, True
         args.fake_engine = args.fake_engine or 20.0
         args.streams = min(args.streams, 16)
     if args.engine_only:
@@ -470,14 +482,18 @@ def engine_only(args, argv) -> int:
         prompts, outputs = prompts_of(workload, config.vocab_size)
         warm = prompts_of(workload, config.vocab_size, seed=1)
         line = roofline(engine.model_config, workload, prompts, outputs, efficiency, peak, read_rate)
-        variants = [("prefix", True), ("no_prefix", False)] if workload.shared_prefix else [("", True)]
-        for label, prefix_caching in variants:
+        variants = [("prefix", True, None), ("no_prefix", False, None)] if workload.shared_prefix else \
+            [("", True, None)]
+        if args.sampling_settings:
+            variants.append(("settings", True, SETTINGS))
+        for label, prefix_caching, settings in variants:
             engine.use_prefix_caching(prefix_caching)
-            run_engine(engine, workload, *warm)
+            run_engine(engine, workload, *warm, settings)
             before, since = engine.stats(), len(engine.step_times)
-            figures = metrics(run_engine(engine, workload, prompts, outputs), prompts)
+            figures = metrics(run_engine(engine, workload, prompts, outputs, settings), prompts)
             stats = engine.stats()
             row = {"workload": dataclasses.asdict(workload), "mode": "in_process", "prefix_caching": prefix_caching,
+                   "sampling_settings": settings is not None,
                    **figures, "decode_step_ms_by_batch": decode_step_ms(engine, since),
                    "host_ms_per_step": host_ms(engine, since),
                    "prefix_hit_pages": stats.prefix_hit_pages - before.prefix_hit_pages,
@@ -562,10 +578,13 @@ def front_end(args) -> dict:
 
 
 def ratios(result: dict) -> dict:
-    """Output tokens/s of the server over the engine in process, and over transformers, per workload."""
+    """Output tokens/s of the server over the engine in process, and over transformers, per workload; of the
+    engine with --sampling-settings over without."""
     engine = {row["workload"]["name"]: row["output_tokens_per_s"] for row in result.get("runs", ())
-              if row["prefix_caching"]}
-    out = {}
+              if row["prefix_caching"] and not row.get("sampling_settings")}
+    out = {f"{row['workload']['name']}_with_sampling_settings_over_without":
+           row["output_tokens_per_s"] / engine[row["workload"]["name"]]
+           for row in result.get("runs", ()) if row.get("sampling_settings")}
     for row in result.get("http", {}).get("runs", ()):
         name = row["workload"]["name"]
         out[f"{name}_http_over_in_process"] = row["output_tokens_per_s"] / engine[name]
