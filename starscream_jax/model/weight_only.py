@@ -131,8 +131,8 @@ def _block(dim: int, wanted: int) -> int:
 
 def split_count(rows: int, depth: int, col_blocks: int, depth_steps: int, given: int = 0) -> int:
     """Parts the contraction is split into: `given`, or doubled from 1 while the programs (col_blocks x splits) are
-    under TARGET_PROGRAMS, the steps divide evenly, and the float32 partials (splits x rows x 4 bytes per column)
-    stay under a quarter of the weight's bytes (depth per column), so that the extra pass stays small."""
+    under TARGET_PROGRAMS, the steps divide evenly, and the float32 partials (splits x `rows` written x 4 bytes per
+    column) stay under a quarter of the weight's bytes (depth per column), so that the extra pass stays small."""
     if given:
         if depth_steps % given:
             raise StarscreamError(f"weight-only matmul splits {given} does not divide the {depth_steps} steps of K")
@@ -150,14 +150,15 @@ def _kernel_call(x_MK, w_KN, scale_N, blocks: Blocks, interpret: bool) -> jax.Ar
     padded, use_dot = padded_rows(rows, blocks.reduce)
     col_block, depth_block = _block(cols, blocks.cols), _block(depth, blocks.depth)  # at least 16: see `applies`
     col_blocks, depth_steps = cols // col_block, depth // depth_block
-    splits = split_count(padded, depth, col_blocks, depth_steps, blocks.splits)
+    out_rows = 1 if rows == 1 else padded  # one row: the padded rows' zeros summed away in the kernel
+    splits = split_count(out_rows, depth, col_blocks, depth_steps, blocks.splits)
     x_PK = jnp.pad(x_MK, ((0, padded - rows), (0, 0))) if padded != rows else x_MK
     partial = splits > 1
     out_dtype = jnp.float32 if partial else x_MK.dtype
     kernel = functools.partial(_kernel, col_block=col_block, depth_block=depth_block,
-                               steps=depth_steps // splits, use_dot=use_dot)
+                               steps=depth_steps // splits, use_dot=use_dot, collapse=out_rows < padded)
     params = None if interpret else plgpu.CompilerParams(num_warps=blocks.warps, num_stages=blocks.stages)
-    out_SPN = pl.pallas_call(kernel, out_shape=_out_shape((splits, padded, cols), out_dtype, x_PK, w_KN, scale_N),
+    out_SPN = pl.pallas_call(kernel, out_shape=_out_shape((splits, out_rows, cols), out_dtype, x_PK, w_KN, scale_N),
                              grid=(col_blocks, splits), interpret=interpret, compiler_params=params,
                              name="weight_only_matmul")(x_PK, w_KN, scale_N.reshape(1, cols))
     out_PN = jnp.sum(out_SPN, axis=0).astype(x_MK.dtype) if partial else out_SPN[0]
@@ -174,9 +175,11 @@ def _out_shape(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
 
 
-def _kernel(x_ref, w_ref, scale_ref, out_ref, *, col_block, depth_block, steps, use_dot):
+def _kernel(x_ref, w_ref, scale_ref, out_ref, *, col_block, depth_block, steps, use_dot, collapse):
     """One (column block, split) of out: x [P, K-part] times W [K-part, cols] converted to x's dtype, float32
-    accumulation, times the columns' scales; written to out[split] (float32 partials, or x's dtype unsplit)."""
+    accumulation, times the columns' scales; written to out[split] (float32 partials, or x's dtype unsplit).
+    `collapse`: one real row and P - 1 rows of zeros, summed into the one row written (partials of one row, not
+    of P)."""
     col_index, split = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(pl.multiple_of(col_index * col_block, col_block), col_block)
     first = split * steps
@@ -192,5 +195,7 @@ def _kernel(x_ref, w_ref, scale_ref, out_ref, *, col_block, depth_block, steps, 
         return acc_PC + jnp.sum(products_PDC, axis=1)
 
     acc_PC = jax.lax.fori_loop(0, steps, step, jnp.zeros((x_ref.shape[0], col_block), jnp.float32))
+    if collapse:
+        acc_PC = jnp.sum(acc_PC, axis=0, keepdims=True)
     scaled_PC = acc_PC * scale_ref[:, cols]
     out_ref[split, :, cols] = scaled_PC.astype(out_ref.dtype)

@@ -52,6 +52,17 @@ def test_splits_of_the_contraction_add_up_to_the_whole_product(splits):
                                rtol=1e-2, atol=1e-6)
 
 
+def test_one_row_writes_partials_of_one_row_not_of_the_padded_sixteen():
+    """Decode at batch 1: x padded to 16 rows for the tensor-core dot, but each split writes one row of float32
+    partials (the zero rows summed away in the kernel), so the extra pass moves 1/16 of the padded bytes."""
+    x, values, scale = operands(1, 256, 64, "int8", seed=4)
+    blocks = Blocks(cols=32, depth=32, splits=8)
+    jaxpr = str(jax.make_jaxpr(lambda x: weight_only_matmul(x, values, scale, "interpret", blocks))(x))
+    assert "f32[8,1,64]" in jaxpr and "f32[8,16,64]" not in jaxpr
+    np.testing.assert_allclose(np.asarray(weight_only_matmul(x, values, scale, "interpret", blocks), np.float32),
+                               np.asarray(reference(x, values, scale), np.float32), rtol=1e-2, atol=1e-6)
+
+
 def test_one_scale_for_the_tensor_scales_every_channel():
     x, values, _ = operands(1, 64, 32, "float8_e4m3fn", seed=2)
     got = weight_only_matmul(x, values, jnp.float32(0.5), "interpret", SMALL)
