@@ -248,6 +248,7 @@ def main(argv=None) -> int:
             result["rows"].append(row)
             print(row_line(row), flush=True)
         harness.write_json(args.out, result)
+    summarize(result, args.out)
     for format_name, rows, (names, K, N) in ([] if args.quick else cases):
         if time.perf_counter() > deadline:
             print(f"--budget-s {args.budget_s:.0f} spent: the remaining alternative blocks are not tried", flush=True)
@@ -256,16 +257,22 @@ def main(argv=None) -> int:
             result["rows"].append(with_bf16_ratio(row, result["rows"]))
             print(row_line(result["rows"][-1]), flush=True)
         harness.write_json(args.out, result)
+    if not args.quick:
+        summarize(result, args.out)
+    jax.clear_caches()
+    return 0
+
+
+def summarize(result: dict, out: Path | None) -> None:
+    """Stores and prints the sums per layer of the rows so far (`layer_totals`)."""
     result["layer"] = layer_totals(result["rows"])
-    harness.write_json(args.out, result)
+    harness.write_json(out, result)
     for total in result["layer"]:
         if "kernel_over_bf16" in total:
             print(f"one layer, {total['format']} at {total['rows']} rows: kernel {1e6 * total['kernel_s']:.0f} us, "
                   f"XLA {1e6 * total['xla_s']:.0f} us, bf16 {1e6 * total['bf16_s']:.0f} us; kernel over XLA "
                   f"{total['kernel_over_xla']:.2f}x, over bf16 {total['kernel_over_bf16']:.2f}x (best blocks "
                   f"{total['best_over_bf16']:.2f}x), XLA's over bf16 {total['xla_over_bf16']:.2f}x", flush=True)
-    jax.clear_caches()
-    return 0
 
 
 if __name__ == "__main__":
