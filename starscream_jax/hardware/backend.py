@@ -28,6 +28,8 @@ class BackendPolicy:
         that XLA runs a GEMM where its simplifier would run a multiply and a reduction (0: never padded).
     small_dot_elements: below this many elements per device (both sides) such a projection is padded.
     decode_compiler_options: XLA options of the decode step, as (name, value) pairs.
+    eight_bit_matmul: how a projection of a few rows by 8-bit weights runs (`model.weight_only` implementations):
+        "pallas", the library's weight-only kernel, or "xla", XLA's matmul of the converted weights.
     """
 
     name: str
@@ -35,6 +37,7 @@ class BackendPolicy:
     padded_rows: int = 0
     small_dot_elements: int = 0
     decode_compiler_options: tuple[tuple[str, bool | int], ...] = ()
+    eight_bit_matmul: str = "xla"
 
     def fuses_attention(self, dtype) -> bool:
         """Whether attention on inputs of `dtype` runs the vendor's fused kernel."""
@@ -52,15 +55,19 @@ CUDA = BackendPolicy(
     padded_rows=8,
     small_dot_elements=SMALL_DOT_ELEMENTS,
     decode_compiler_options=(("xla_gpu_enable_triton_gemm", False), ("xla_gpu_dot_merger_threshold_mb", 0)),
+    eight_bit_matmul="pallas",
 )
 """NVIDIA GPUs (measured on an H200): cuDNN's fused attention for 16-bit inputs (flash attention in training and
 prefill; in decode it reads the KV cache with its strides, no transposed copy); one-row projections padded to 8 rows,
 the multiple XLA pads a GEMM's rows to for the tensor cores itself, so one kernel does both; decode's GEMMs as cuBLAS
 calls rather than XLA's Triton GEMM fusions (which read the weights more slowly and copy each layer's o weight out of
 the stacked array first), and no merging of GEMMs that share an input (q, k and v), which would concatenate their
-weights in every step."""
+weights in every step; 8-bit weights of decode's few-row projections read by the library's weight-only kernel
+(`model.weight_only`), where XLA's converting GEMM fusions read them at half the HBM rate (benchmarks/NOTES.md run
+24)."""
 PORTABLE = BackendPolicy(name="portable")
-"""Every other backend (CPU, ROCm): JAX's and XLA's defaults."""
+"""Every other backend (CPU, ROCm): JAX's and XLA's defaults (the weight-only kernel lowers on ROCm's Triton too,
+but has not been measured there: `ModelConfig.eight_bit_matmul` "pallas" asks for it)."""
 
 
 def policy_of(device: jax.Device) -> BackendPolicy:

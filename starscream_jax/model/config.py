@@ -10,6 +10,10 @@ from dataclasses import dataclass
 from ..checks import finite_number, whole_number
 from ..errors import PresetError
 from .quantize import MATMUL_FORMATS, SCALE_GRANULARITIES, WEIGHT_FORMATS
+from .weight_only import IMPLEMENTATIONS as WEIGHT_ONLY_IMPLEMENTATIONS
+
+EIGHT_BIT_MATMULS = ("", *WEIGHT_ONLY_IMPLEMENTATIONS)
+"""ModelConfig.eight_bit_matmul's values: "" for the backend's choice, or a `weight_only` implementation."""
 
 REMAT_POLICIES = ("none", "dots", "full")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
@@ -56,6 +60,9 @@ class ModelConfig:
     projections stored in 8 bits with float32 scales per output channel (`weight_scales` "channel") or per layer
     ("tensor"), for inference (`quantize`). kv_format: "" (the KV cache in `dtype`) or one of
     quantize.WEIGHT_FORMATS: keys and values stored in 8 bits with a float32 scale per position and kv head.
+    eight_bit_matmul: how decode's projections by 8-bit weights run (a few rows: `model.weight_only`): "" (the
+    backend's choice, `hardware.backend.BackendPolicy.eight_bit_matmul`: the Pallas kernel on CUDA, XLA's matmul of
+    the converted weights elsewhere), "pallas", "interpret" (the kernel interpreted: CPU tests) or "xla".
 
     matmul_format: "" (the projections compute in `dtype`) or one of quantize.MATMUL_FORMATS, the e4m3 format of
     fp8 training: the q, k, v, o, gate, up and down projections read e4m3 operands and their output gradients in the
@@ -92,6 +99,7 @@ class ModelConfig:
     scan_unroll: int = 0
     weight_format: str = ""
     weight_scales: str = "channel"
+    eight_bit_matmul: str = ""
     kv_format: str = ""
     matmul_format: str = ""
     mlp_activation: str = "silu"
@@ -135,6 +143,9 @@ class ModelConfig:
         if self.matmul_format and self.weight_format:
             raise PresetError(f"model {self.name}: matmul_format {self.matmul_format!r} (fp8 training) with "
                               f"weight_format {self.weight_format!r} (8-bit stored weights); train from float weights")
+        if self.eight_bit_matmul not in EIGHT_BIT_MATMULS:
+            raise PresetError(f"model {self.name}: eight_bit_matmul {self.eight_bit_matmul!r}; use one of "
+                              f"{', '.join(map(repr, EIGHT_BIT_MATMULS))} ('': the backend's choice)")
         if self.weight_scales not in SCALE_GRANULARITIES:
             raise PresetError(f"model {self.name}: weight_scales {self.weight_scales!r}; use one of "
                               f"{', '.join(SCALE_GRANULARITIES)}")

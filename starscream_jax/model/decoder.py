@@ -49,6 +49,7 @@ from .moe import routed_mlp
 from .names import ATTN_KV, ATTN_Q, CACHE, KV_CACHE, KV_CACHE_SCALE, LOGITS, POSITIONS, RESIDUAL, TOKENS
 from .ops import AttentionOptions, attention, cross_entropy, embed_lookup
 from .paged import PagedCache, PagedLayer, paged_attention, with_layers
+from .weight_only import applies as weight_only_applies, weight_only_matmul
 from .quantize import (
     OCP_TO_FNUZ,
     QUANTIZED_INPUTS,
@@ -495,10 +496,68 @@ def _project(scope: str, subscripts: str, x: jax.Array, w: jax.Array | Scaled | 
     """One projection `einsum(subscripts, x, w)` of x [B, S, ...] placed by `out` ([B, S, ...]), under the named
     scope `scope` (`_matmul`); on rows padded with zeros where the backend policy pads it (`_padded_rows`)."""
     with jax.named_scope(scope):
+        implementation = _weight_only_implementation(subscripts, x, w, c)
+        if implementation:
+            return _weight_only(subscripts, x, w, out, scope, implementation)
         rows = _padded_rows(x, _values(w))
         if rows:
             return _padded_matmul(subscripts, x, w, out, scope, rows)
         return _matmul(subscripts, x, w, out, scope, x_scale)
+
+
+def _weight_only_implementation(subscripts: str, x: jax.Array, w, c: ModelConfig) -> str:
+    """The `weight_only` implementation a projection runs on, or "" for `_matmul`'s: an 8-bit weight (`Scaled`)
+    times a few token rows (decode: B x S up to weight_only.MAX_ROWS), x's trailing axes contracted with w's
+    leading ones (`_weight_only_axes`), every operand whole on each device (a weight split over the mesh runs
+    `_matmul`, whose placement rules hold its collectives), and `c.eight_bit_matmul` (or the backend policy's
+    choice) not "xla"."""
+    if not isinstance(w, Scaled) or _weight_only_axes(subscripts) is None:
+        return ""
+    implementation = c.eight_bit_matmul or policy_of(compute_device()).eight_bit_matmul
+    contracted = int(np.prod(w.values.shape[:x.ndim - 2]))
+    if not weight_only_applies(x.shape[0] * x.shape[1], contracted, w.values.size // contracted, implementation):
+        return ""
+    whole = all(_local_shape(t) == t.shape for t in (x, w.values, w.scale))
+    return implementation if whole else ""
+
+
+def _weight_only_axes(subscripts: str) -> tuple[str, str] | None:
+    """(x's contracted letters, w's output letters) of an einsum x [B, S, contracted...] @ w [contracted...,
+    out...] -> [B, S, out...] (every decode projection: "bsd,dhe->bshe", "bshe,hed->bsd", ...); None for another
+    form."""
+    inputs, result = subscripts.replace(" ", "").split("->")
+    x_letters, w_letters = inputs.split(",")
+    contracted = x_letters[2:]
+    if not w_letters.startswith(contracted) or result != x_letters[:2] + w_letters[len(contracted):]:
+        return None
+    return contracted, w_letters[len(contracted):]
+
+
+def _weight_only(subscripts: str, x: jax.Array, w: Scaled, out: tuple[str, ...], scope: str,
+                 implementation: str) -> jax.Array:
+    """`_matmul(subscripts, x, w)` of x [B, S, ...] by an 8-bit weight on the weight-only kernel: x as [B S, K],
+    the values as [K, N] (a reshape of a row-major array, no copy), the scale per output channel [N] (or one
+    number), applied in the kernel's epilogue; the result [B, S, out...] in x's dtype, placed by `out`. Under a
+    layout the operands, whole on each device, enter the kernel as replicated arrays of a shard map (each device
+    computes the whole product, as the XLA path would; a shared input's `reduced` type, gradient bookkeeping that
+    decode does not use, is dropped there)."""
+    contracted, _ = _weight_only_axes(subscripts)
+    B, S = x.shape[:2]
+    K = int(np.prod(x.shape[2:]))
+    out_shape = w.values.shape[len(contracted):]
+    N = int(np.prod(out_shape))
+
+    def local(x, values, scale):
+        scale_N = scale if scale.ndim == 0 else scale.reshape(N)
+        y_MN = weight_only_matmul(x.reshape(B * S, K), values.reshape(K, N), scale_N, implementation)
+        return y_MN.reshape(B, S, *out_shape)
+
+    if active() is None:
+        return local(x, w.values, w.scale)
+    whole = PartitionSpec()
+    y = jax.shard_map(local, mesh=active().mesh, in_specs=(whole,) * 3, out_specs=whole)(
+        *(placed_as(t, whole) for t in (x, w.values, w.scale)))
+    return constrain(y, out, f"{scope} output")
 
 
 def _fp8_scale(c: ModelConfig, x: jax.Array) -> jax.Array | None:

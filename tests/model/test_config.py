@@ -25,6 +25,8 @@ TINY = (
     ("sliding_layers = [0, 2]", r"sliding_window 0 with sliding_layers \[0, 2\]; give both"),
     ("sliding_layers = [0, 4]", r"sliding_layers \[0, 4\] must be distinct layer indices in 0..3"),
     ('post_norms = "yes"', "model broken: post_norms 'yes'; use true or false"),
+    ('eight_bit_matmul = "cublas"', r"model broken: eight_bit_matmul 'cublas'; use one of '', 'pallas', "
+                                    r"'interpret', 'xla'"),
 ])
 def test_fields_of_the_wrong_type_or_sign_are_refused(tmp_path, change, message):
     field = change.split(" = ")[0]
