@@ -108,3 +108,16 @@ def test_what_the_kernel_takes_and_what_it_refuses():
         weight_only_matmul(jnp.zeros((65, 64), jnp.bfloat16), values, scale, "interpret")
     with pytest.raises(StarscreamError, match="cols = 24"):
         Blocks(cols=24)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("format_name", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("reduce", ["dot", "auto"])
+def test_the_compiled_kernel_on_a_gpu_gives_the_dequantized_product(format_name, rows, reduce):
+    """The Triton kernel compiled (Llama 3 8B's k / v shape, 4096 x 1024, split over K): within bfloat16's
+    rounding of the float64 product, as interpreted on the CPU."""
+    x, values, scale = operands(rows, 4096, 1024, format_name, seed=rows)
+    got = jax.jit(lambda x: weight_only_matmul(x, values, scale, "pallas", Blocks(reduce=reduce)))(x)
+    expected = dequantized_product(x, values, scale)
+    assert np.linalg.norm(np.asarray(got, np.float64) - expected) <= 1e-2 * np.linalg.norm(expected)
