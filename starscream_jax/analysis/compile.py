@@ -51,7 +51,7 @@ from ..model.paged import PAGES, SCALES
 from ..model.quantize import held_dtype
 from ..serving.engine import cache_shards
 from ..serving.sampling import SLOT_TABLE, SlotState
-from ..serving.steps import SLOTS, StepInputs, paged_step
+from ..serving.steps import SLOTS, PackedInputs, paged_step
 from ..sharding.apply import (
     Placement,
     abstract_placed,
@@ -323,12 +323,7 @@ def abstract_paged_args(config: ModelConfig, layout: Layout, mesh, batch: int, l
         pages.update({name: tuple(jax.ShapeDtypeStruct(pool[:3], jnp.float32, sharding=scales)
                                   for _ in range(config.n_layers)) for name in ("k_scale", "v_scale")})
     _, axes = layout.activations.lookup("attn_batch")
-    rows = NamedSharding(mesh, PartitionSpec(axes or None))
-
-    def row_array(shape, dtype=jnp.int32):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
-
-    inputs = jax.tree.map(lambda array: row_array(array.shape, array.dtype), StepInputs.zeros(batch, 1, pages_per_row))
+    inputs = PackedInputs.abstract(batch, 1, pages_per_row, NamedSharding(mesh, PartitionSpec(axes or None)))
     recent = jax.ShapeDtypeStruct((batch,), jnp.int32,
                                   sharding=NamedSharding(mesh, activation_spec(SLOTS, (batch,), "slot tokens")))
     table = (batch, config.vocab_size)  # a slot per sequence

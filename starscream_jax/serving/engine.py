@@ -42,7 +42,7 @@ from .multihost import StepBroadcast
 from .protocol import EngineInfo, EngineStats
 from .scheduler import PENDING, Chunk, SamplingParams, Scheduler, SchedulerConfig, Sequence, TokenEvent, check_fits
 from .sampling import SLOT_TABLE, SlotReset, SlotState, reset_slot
-from .steps import SLOTS, Buckets, RowSampling, Sampled, StepInputs, paged_step
+from .steps import SLOTS, Buckets, PackedInputs, RowSampling, Sampled, StepInputs, paged_step
 
 STEPS_KEPT = 100_000
 """How many of the latest steps' times an engine keeps (`Engine.step_times`, for benchmarks)."""
@@ -72,12 +72,12 @@ class _Token:
 
 @dataclass(frozen=True)
 class _Rows:
-    """One launched program: its phase, its rows in use, its outputs (`steps.Sampled`; device
-    arrays, or host arrays where a mesh spans processes) and the PENDING tokens they hold."""
+    """One launched program: its phase, its rows in use, its outputs (`steps.Sampled.packed` [B, F] int32: on the
+    devices, or on the host where a mesh spans processes) and the PENDING tokens they hold."""
 
     phase: str
     rows: int
-    outputs: Sampled
+    outputs: jax.Array | np.ndarray
     tokens: list[_Token]
 
 
@@ -472,12 +472,13 @@ class Engine:
         their events, in launch order. A sequence cancelled or stopped since yields none."""
         events = []
         for rows in step.rows:
-            sampled = jax.tree.map(np.asarray, rows.outputs)
+            sampled = Sampled.unpacked(np.asarray(rows.outputs))
+            tokens, logprobs = sampled.token.tolist(), sampled.logprob.tolist()
             for token in rows.tokens:
                 top = token.sequence.params.top_logprobs
-                event = self._arrived(token, int(sampled.token[token.row]), float(sampled.logprob[token.row]),
-                                      tuple(sampled.top_token[token.row, :top].tolist()),
-                                      tuple(sampled.top_logprob[token.row, :top].tolist()))
+                event = self._arrived(token, tokens[token.row], logprobs[token.row],
+                                      tuple(sampled.top_token[token.row, :top].tolist()) if top else (),
+                                      tuple(sampled.top_logprob[token.row, :top].tolist()) if top else ())
                 if event is not None:
                     events.append(event)
         now = time.perf_counter()
@@ -509,26 +510,23 @@ class Engine:
         every process where the mesh spans several. Every process of such a mesh runs it with the same inputs
         (`multihost.follow`)."""
         outputs = self._dispatch(phase, inputs)
-        if jax.process_count() > 1:
-            return self._gathered(outputs)
-        return jax.tree.map(np.asarray, outputs)
+        return Sampled.unpacked(self._gathered(outputs) if jax.process_count() > 1 else np.asarray(outputs))
 
-    def _dispatch(self, phase: str, inputs: StepInputs) -> Sampled:
-        """The compiled step launched (not waited for): its `Sampled` on the devices, their copy to the host
-        begun."""
+    def _dispatch(self, phase: str, inputs: StepInputs) -> jax.Array:
+        """The compiled step launched (not waited for): its `Sampled.packed` outputs [B, F] on the devices, their
+        copy to the host begun."""
         rows, width = inputs.tokens.shape
         program = self._program(phase, rows, width, inputs.table.shape[1])
         with self._phase(phase):
-            sampled, self.pages, self._recent, self._slot_state = program(
+            outputs, self.pages, self._recent, self._slot_state = program(
                 self.params, self.rest, self.pages, self.recent, self.slot_state, self._placed(inputs))
         if jax.process_count() == 1:
-            for array in jax.tree.leaves(sampled):
-                array.copy_to_host_async()
-        return sampled
+            outputs.copy_to_host_async()
+        return outputs
 
     @staticmethod
-    def _gathered(outputs: Sampled) -> Sampled:
-        return multihost_utils.process_allgather(outputs, tiled=True)
+    def _gathered(outputs: jax.Array) -> np.ndarray:
+        return np.asarray(multihost_utils.process_allgather(outputs, tiled=True))
 
     def warm_up(self, progress=None, threads: int | None = None) -> int:
         """Compiles the program of every bucket (`Buckets.shapes`) now, so that no request waits for a compile:
@@ -634,22 +632,20 @@ class Engine:
         _, axes = self.layouts["decode"].activations.lookup("attn_batch")
         return NamedSharding(self.mesh, PartitionSpec(axes or None))
 
-    def _placed(self, inputs: StepInputs) -> StepInputs:
-        """The step inputs on the devices, rows split as the attention batch (and the page pool) are: one transfer
-        of every array in one process, each process its own rows where the mesh spans several."""
+    def _placed(self, inputs: StepInputs) -> PackedInputs:
+        """The step inputs packed (`steps.PackedInputs`) and sent to the devices in one transfer, rows split as the
+        attention batch (and the page pool) are; each process its own rows where the mesh spans several."""
+        packed = PackedInputs.pack(inputs)
         rows = self._row_sharding()
-        if rows is None:
-            return jax.device_put(inputs)
-        if jax.process_count() == 1:
-            return jax.device_put(inputs, rows)
-        return jax.tree.map(lambda array: jax.make_array_from_callback(array.shape, rows, lambda at: array[at]),
-                            inputs)
+        if rows is None or jax.process_count() == 1:
+            return jax.device_put(packed, rows)
+        columns = packed.columns
+        return dataclasses.replace(packed, columns=jax.make_array_from_callback(columns.shape, rows,
+                                                                               lambda at: columns[at]))
 
-    def _abstract_inputs(self, rows: int, width: int, pages: int) -> StepInputs:
-        """Shapes, types and placement of the step inputs of one bucket, for compiling before any request."""
-        sharding = self._row_sharding()
-        return jax.tree.map(lambda array: jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=sharding),
-                            StepInputs.zeros(rows, width, pages))
+    def _abstract_inputs(self, rows: int, width: int, pages: int) -> PackedInputs:
+        """Shape, type and placement of the packed step inputs of one bucket, for compiling before any request."""
+        return PackedInputs.abstract(rows, width, pages, self._row_sharding())
 
 
 def _check_buckets(buckets: Buckets, config: EngineConfig) -> None:

@@ -20,7 +20,7 @@ temperature, the draw keyed by (row's seed, the new token's position) alone.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +87,22 @@ class Sampled:
     top_token: jax.Array
     top_logprob: jax.Array
 
+    def packed(self) -> jax.Array:
+        """One int32 array [B, 2 + 2K] of every field (floats by their bits), so the host reads a step's outputs
+        in one transfer."""
+        def bits(array_BX):
+            return jax.lax.bitcast_convert_type(array_BX, jnp.int32) if array_BX.dtype != jnp.int32 else array_BX
+
+        return jnp.concatenate([bits(self.token[:, None]), bits(self.logprob[:, None]), bits(self.top_token),
+                                bits(self.top_logprob)], axis=1)
+
+    @staticmethod
+    def unpacked(rows_BF: np.ndarray) -> Sampled:
+        """The host's `Sampled` of a step's `packed` outputs [B, 2 + 2K] (numpy)."""
+        top = (rows_BF.shape[1] - 2) // 2
+        return Sampled(rows_BF[:, 0], rows_BF[:, 1].view(np.float32), rows_BF[:, 2:2 + top],
+                       rows_BF[:, 2 + top:].view(np.float32))
+
 
 SLOTS = ("attn_batch",)
 """The device token buffer [shards * slots_per_shard] and each row's slot [B]: split as the attention batch is, a
@@ -119,6 +135,43 @@ class StepInputs:
                    RowSampling.neutral(rows))
 
 
+@register_dataclass
+@dataclass(frozen=True)
+class PackedInputs:
+    """A step's `StepInputs` as one int32 array [B, F] (every field's columns side by side, floats by their bits),
+    so a step costs the host one transfer however many fields the rows carry; `width` and `pages` (static) say
+    how wide the tokens and the block tables are. Rows are placed as the StepInputs' are."""
+
+    columns: jax.Array
+    width: int = field(metadata={"static": True})
+    pages: int = field(metadata={"static": True})
+
+    @classmethod
+    def pack(cls, inputs: StepInputs) -> PackedInputs:
+        """The host inputs (numpy, every field [B] or [B, X] of a 4-byte type) packed."""
+        rows, width = inputs.tokens.shape
+        columns = [np.ascontiguousarray(leaf).reshape(rows, -1).view(np.int32) for leaf in jax.tree.leaves(inputs)]
+        return cls(np.concatenate(columns, axis=1), width, inputs.table.shape[1])
+
+    @classmethod
+    def abstract(cls, rows: int, width: int, pages: int, sharding=None) -> PackedInputs:
+        """The packed inputs' shape and type for one bucket, on `sharding` (rows split; None: one device)."""
+        columns = sum(leaf.size // rows for leaf in jax.tree.leaves(StepInputs.zeros(rows, width, pages)))
+        return cls(jax.ShapeDtypeStruct((rows, columns), jnp.int32, sharding=sharding), width, pages)
+
+    def unpacked(self) -> StepInputs:
+        """The StepInputs again (inside the step: slices of the one array, floats bitcast back)."""
+        rows = self.columns.shape[0]
+        leaves, tree = jax.tree.flatten(StepInputs.zeros(rows, self.width, self.pages))
+        fields, start = [], 0
+        for leaf in leaves:
+            count = leaf.size // rows
+            column = self.columns[:, start:start + count].reshape(leaf.shape)
+            fields.append(column if leaf.dtype == np.int32 else jax.lax.bitcast_convert_type(column, leaf.dtype))
+            start += count
+        return jax.tree.unflatten(tree, fields)
+
+
 def paged_step(graphdef, kernel: str = "gather", decode: bool = True, *, under: Placement | None) -> Jitted:
     """The jitted paged step (see the module docstring) under `under` (`sharding.apply.jit`); the pages are
     donated. Decode steps compile with the backend policy's decode options (`BackendPolicy.decode_compiler_options`),
@@ -127,7 +180,8 @@ def paged_step(graphdef, kernel: str = "gather", decode: bool = True, *, under: 
     options = dict(policy_of(device).decode_compiler_options) if decode else None
 
     @jit(under=under, donate_argnums=(2, 3, 4), compiler_options=options)
-    def step(params, rest, pages, recent, slots: SlotState, inputs: StepInputs):
+    def step(params, rest, pages, recent, slots: SlotState, packed: PackedInputs):
+        inputs = packed.unpacked()
         model = nnx.merge(graphdef, params, rest)
         cache = PagedCache(pages["k"], pages["v"], inputs.table, kernel, pages.get("k_scale"), pages.get("v_scale"))
         tokens_BS = jnp.where(inputs.tokens < 0, read_slots(recent, inputs.slot)[:, None], inputs.tokens)
@@ -137,7 +191,7 @@ def paged_step(graphdef, kernel: str = "gather", decode: bool = True, *, under: 
         written = {"k": cache.k, "v": cache.v}
         if cache.k_scale is not None:
             written.update(k_scale=cache.k_scale, v_scale=cache.v_scale)
-        return sampled, written, write_slots(recent, inputs.slot, sampled.token), slots
+        return sampled.packed(), written, write_slots(recent, inputs.slot, sampled.token), slots
 
     return step
 

@@ -19,7 +19,7 @@ from starscream_jax.serving.sampling import (
     record,
     reset_slot,
 )
-from starscream_jax.serving.steps import RowSampling, sample_rows
+from starscream_jax.serving.steps import PackedInputs, RowSampling, Sampled, StepInputs, sample_rows
 from starscream_jax.sharding.apply import use_layout
 
 B, V = 8, 32
@@ -194,3 +194,25 @@ def test_on_a_mesh_each_shard_reads_and_counts_its_own_slots():
     np.testing.assert_allclose(got_logits, want_logits, rtol=1e-6)
     np.testing.assert_array_equal(got.token, want.token)
     np.testing.assert_array_equal(got_state.counts, want_state.counts)
+
+
+def test_a_steps_inputs_and_outputs_cross_as_one_array_each_and_come_back_whole():
+    """Every field of the step's inputs (ints and floats) and of its outputs survives packing into one int32 array
+    and unpacking (the inputs' inside a compiled function, as the step unpacks them)."""
+    rng = np.random.default_rng(0)
+    inputs = StepInputs.zeros(4, 3, 5)
+    for leaf in jax.tree.leaves(inputs):
+        floats = leaf.dtype == np.float32
+        leaf[...] = rng.standard_normal(leaf.shape) * 100 if floats else rng.integers(-5, 99, leaf.shape)
+    packed = PackedInputs.pack(inputs)
+    assert packed.columns.dtype == np.int32 and packed.columns.shape[0] == 4
+    assert PackedInputs.abstract(4, 3, 5).columns.shape == packed.columns.shape
+    back = jax.jit(lambda p: p.unpacked())(packed)
+    for want, got in zip(jax.tree.leaves(inputs), jax.tree.leaves(back)):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got), want)
+    sampled = Sampled(jnp.arange(4, dtype=jnp.int32), -jnp.arange(4, dtype=jnp.float32) / 3,
+                      jnp.ones((4, MAX_TOP_LOGPROBS), jnp.int32), jnp.full((4, MAX_TOP_LOGPROBS), -0.5))
+    host = Sampled.unpacked(np.asarray(jax.jit(Sampled.packed)(sampled)))
+    for want, got in zip(jax.tree.leaves(sampled), jax.tree.leaves(host)):
+        np.testing.assert_array_equal(got, np.asarray(want))
