@@ -11,13 +11,22 @@ token.
 Under a layout the block runs per device (`jax.shard_map` over the layout's mesh), because a grouped matmul works on
 the tokens and experts a device holds:
   tokens    the residual stream as the layout places it (RESIDUAL), gathered over the axes that split its embed dim;
-  weights   the expert weights as stored (`params` rules), their embed dimension gathered inside the shard map over the
-            axes that split it (inside the GPU under the starscream layouts; the gradient is reduce-scattered there),
-            their experts and hidden (expert_mlp) dimensions left split; the router gathered whole (it is small);
+  weights   the expert weights as stored (`params` rules), their embed dimension gathered inside the shard map to its
+            placement at use (the `weights` rules: inside the GPU under starscream_tp and starscream_ep, the gradient
+            reduce-scattered there), their experts and hidden (expert_mlp) dimensions left split; the router's
+            embed dimension likewise, its experts dimension gathered whole (it is small);
   compute   each device routes its own tokens and runs those that chose its experts through its share of them;
   combine   the partial outputs summed over the mesh axes that split the experts and their hidden dimension: an
             all-reduce across GPUs between same-index partitions under starscream_ep, over every partition under
             flat_ep, over the GPUs (as the dense MLP's) under the tensor-parallel layouts.
+Where the weights stay split over embed at use (`contract`: starscream_decode's 2-D weight-stationary placement,
+embed over xcd, as the residual stream), the tokens stay split too and every contraction over embed is partial:
+the router's logits [T, X] and the experts' gate and up pre-activations, in assignment order [T k, F / gpu], are
+summed inside the GPU before their nonlinearities, and the down projection gives each partition its share of the
+embed dimension directly. Each partition then reads 1 / xcd of its GPU's router and expert weights, so each weight
+byte is read once per GPU, as the dense MLP of that layout reads its weights (decode, where a gather would have every
+partition read the GPU's whole share). A contraction split over axes that also split the tokens would sum different
+tokens' products; it is refused.
 A layout whose tokens and experts share a mesh axis would leave assignments to other devices' experts uncomputed;
 it is refused. The optional load-balancing loss (Switch Transformer form) is X * sum_x f_x * P_x, with f_x the share
 of the T x k assignments that expert x got and P_x its mean router probability: 1 when the load is even.
@@ -33,7 +42,7 @@ from jax.sharding import PartitionSpec
 
 from ..errors import ShardingRuleError
 from ..hardware.axes import dim_axes, spec_axes
-from ..sharding.apply import activation_spec, active, constrain
+from ..sharding.apply import activation_spec, active, constrain, weight_spec
 from ..sharding.collectives import hierarchical_all_gather, hierarchical_psum
 from .config import ModelConfig
 from .grouped_matmul import default_implementation, grouped_matmul
@@ -45,10 +54,15 @@ EMBED_DIM = {"w_gate": 1, "w_up": 1, "w_down": 2}
 """Which dimension of each expert weight ([X, D, F], [X, D, F], [X, F, D]) is embed."""
 
 
-def route(h_TD: jax.Array, router_DX: jax.Array, k: int, normalize_gates: bool):
-    """(gates [T, k] float32, experts [T, k] int32, router probabilities [T, X] float32) of tokens h [T, D]."""
+def route(h_TD: jax.Array, router_DX: jax.Array, k: int, normalize_gates: bool, total=None):
+    """(gates [T, k] float32, experts [T, k] int32, router probabilities [T, X] float32) of tokens h [T, D].
+
+    `total` (per device: a sum over the mesh axes that split D, e.g. `hierarchical_psum` over xcd) completes logits
+    that h and the router, both split over D, give as partial sums; None where D is whole."""
     with jax.named_scope("router"):
         logits_TX = jnp.einsum("td,dx->tx", h_TD.astype(jnp.float32), router_DX.astype(jnp.float32))
+    if total is not None:
+        logits_TX = total(logits_TX)
     probabilities_TX = jax.nn.softmax(logits_TX, axis=-1)
     gates_TK, experts_TK = jax.lax.top_k(probabilities_TX, k)
     if normalize_gates:
@@ -57,9 +71,13 @@ def route(h_TD: jax.Array, router_DX: jax.Array, k: int, normalize_gates: bool):
 
 
 def expert_outputs(h_TD, gates_TK, experts_TK, w_gate_XDF, w_up_XDF, w_down_XFD, first_expert=0,
-                   implementation: str | None = None) -> jax.Array:
+                   implementation: str | None = None, total=None) -> jax.Array:
     """[T, D]: the sum over each token's assignments to experts first_expert .. first_expert + X_local - 1 (the
     experts whose weights [X_local, ...] are given) of gate x SwiGLU expert(token); other assignments add nothing.
+
+    With `total` (per device: a sum over the mesh axes that split D), h [T, D_local] and the weights hold one part
+    of D: the gate and up pre-activations are partial sums, completed by `total` in assignment order ([T k, F],
+    `_total_by_assignment`) before the SwiGLU, and the result is that part of D, [T, D_local].
 
     The assignments are sorted by expert into rows R = N tiles x M (`tile_rows`), each local expert's rows padded to
     whole tiles, and run through the grouped matmul (`grouped_matmul`, its `implementation`: by default the Pallas
@@ -93,10 +111,20 @@ def expert_outputs(h_TD, gates_TK, experts_TK, w_gate_XDF, w_up_XDF, w_down_XFD,
         with jax.named_scope(name):
             return grouped_matmul(rows_RK, weights_XKF, padded_X, tile, implementation)
 
-    hidden_RF = jax.nn.silu(per_expert("gate", x_RD, w_gate_XDF)) * per_expert("up", x_RD, w_up_XDF)
+    gate_RF, up_RF = per_expert("gate", x_RD, w_gate_XDF), per_expert("up", x_RD, w_up_XDF)
+    if total is not None:
+        gate_RF, up_RF = _total_by_assignment(total, (gate_RF, up_RF), source_R, row_A)
+    hidden_RF = jax.nn.silu(gate_RF) * up_RF
     out_RD = per_expert("down", hidden_RF, w_down_XFD)
     out_TKD = permute_rows(out_RD, row_A, source_R).reshape(tokens, k, d_model)
     return jnp.einsum("tkd,tk->td", out_TKD, gates_TK.astype(out_TKD.dtype))
+
+
+def _total_by_assignment(total, partial_RF: tuple[jax.Array, ...], source_R, row_A) -> tuple[jax.Array, ...]:
+    """Each partial sum [R, F] of the grouped rows completed by `total`, which runs on the T k assignments' rows
+    alone ([A, F]: the R rows hold up to X_local tiles of padding besides) and the result put back in its rows."""
+    by_assignment = tuple(permute_rows(x_RF, row_A, source_R) for x_RF in partial_RF)
+    return tuple(permute_rows(x_AF, source_R, row_A) for x_AF in total(by_assignment))
 
 
 @jax.custom_vjp
@@ -157,13 +185,15 @@ def balance_loss(counts_X: jax.Array, probability_sums_X: jax.Array, k: int) -> 
 @dataclasses.dataclass(frozen=True)
 class _Placement:
     """Mesh axes the per-device block works with: those that split the tokens' embed dim, the router's dims and
-    each expert weight's embed dim (gathered on entry), the tokens (batch and seq: the load-balancing statistics are
-    summed over them), the experts (which experts a device holds) and the experts with their hidden dim (the
-    partial outputs are summed over them)."""
+    each expert weight's embed dim (gathered on entry), the embed dim kept split at use (`contract`: the
+    contractions over it are partial, summed over these axes), the tokens (batch and seq: the load-balancing
+    statistics are summed over them), the experts (which experts a device holds) and the experts with their hidden
+    dim (the partial outputs are summed over them)."""
 
     token_embed: tuple[str, ...] = ()
     router: tuple[tuple[str, ...], ...] = ()
     weight_embed: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    contract: tuple[str, ...] = ()
     tokens: tuple[str, ...] = ()
     experts: tuple[str, ...] = ()
     combine: tuple[str, ...] = ()
@@ -181,10 +211,13 @@ def routed_mlp(c: ModelConfig, h_BSD: jax.Array, w: dict) -> tuple[jax.Array, ja
     token_spec = activation_spec(RESIDUAL, h_BSD.shape, "moe input")
     specs = {name: jax.typeof(value).sharding.spec for name, value in weights.items()}
     router_spec = jax.typeof(w["router"]).sharding.spec
+    contract = _contract_axes(weights["w_gate"].shape, specs, router_spec, token_spec)
     placement = _Placement(
-        token_embed=dim_axes(token_spec, 2),
-        router=tuple(dim_axes(router_spec, dim) for dim in range(2)),
-        weight_embed=tuple((name, dim_axes(specs[name], EMBED_DIM[name])) for name in EXPERT_WEIGHTS),
+        token_embed=() if contract else dim_axes(token_spec, 2),
+        router=(() if contract else dim_axes(router_spec, 0), dim_axes(router_spec, 1)),
+        weight_embed=tuple((name, () if contract else dim_axes(specs[name], EMBED_DIM[name]))
+                           for name in EXPERT_WEIGHTS),
+        contract=contract,
         tokens=(*dim_axes(token_spec, 0), *dim_axes(token_spec, 1)),
         experts=dim_axes(specs["w_gate"], 0),
         combine=_combine_axes(specs["w_gate"], token_spec),
@@ -221,10 +254,36 @@ def _combine_axes(expert_spec: PartitionSpec, token_spec: PartitionSpec) -> tupl
     return axes
 
 
+def _contract_axes(w_gate_shape, specs: dict, router_spec: PartitionSpec, token_spec: PartitionSpec) -> tuple[str, ...]:
+    """The mesh axes that split the experts' embed dimension at use (the active layout's `weights` rules for w_gate
+    [X, D, F]): () where it is gathered whole (train and prefill layouts). Where it stays split (starscream_decode),
+    the tokens' embed dimension and the stored router and expert weights must be split over the same axes and the
+    tokens over none of them, so that each partial contraction sums one token's products; else refused."""
+    contract = dim_axes(weight_spec(EXPERT_NAMES["w_gate"], w_gate_shape, "w_gate"), EMBED_DIM["w_gate"])
+    if not contract:
+        return ()
+    split = {"tokens": dim_axes(token_spec, 2), "router": dim_axes(router_spec, 0),
+             **{name: dim_axes(specs[name], EMBED_DIM[name]) for name in EXPERT_WEIGHTS}}
+    differ = {name: axes for name, axes in split.items() if axes != contract}
+    if differ:
+        raise ShardingRuleError(
+            f"the layout keeps the experts' embed dimension split over {contract} at use, but splits the embed "
+            f"dimension of {differ} otherwise; map 'embed' to the same axes in the params, weights and activations "
+            f"rules, or gather it at use (weights rule 'embed': None)")
+    shared = sorted(set(contract) & {*dim_axes(token_spec, 0), *dim_axes(token_spec, 1)})
+    if shared:
+        raise ShardingRuleError(
+            f"the layout splits both the tokens ({token_spec}) and the experts' embed dimension at use over mesh "
+            f"axes {shared}, so a partial contraction would sum different tokens' products; gather the weights' "
+            f"embed dimension at use (weights rule 'embed': None) or keep the tokens whole on those axes")
+    return contract
+
+
 def _per_device(c: ModelConfig, placement: _Placement, h_BSD, router_DX, weights):
     """The block on the tokens and experts one device holds (the whole block outside a layout): gather the
-    dimensions `placement` names, route, run the local experts, sum the partial outputs over the combine axes and
-    the load-balancing statistics over the token axes."""
+    dimensions `placement` names, route, run the local experts (contractions over an embed dim kept split completed
+    by a sum over `placement.contract`), sum the partial outputs over the combine axes and the load-balancing
+    statistics over the token axes."""
     h_BSD = hierarchical_all_gather(h_BSD, placement.token_embed, 2)
     for dim, axes in enumerate(placement.router):
         router_DX = hierarchical_all_gather(router_DX, axes, dim)
@@ -232,12 +291,13 @@ def _per_device(c: ModelConfig, placement: _Placement, h_BSD, router_DX, weights
         weights[name] = hierarchical_all_gather(weights[name], axes, EMBED_DIM[name])
     batch, seq, d_model = h_BSD.shape
     h_TD = h_BSD.reshape(batch * seq, d_model)
-    gates_TK, experts_TK, probabilities_TX = route(h_TD, router_DX, c.experts_per_token, c.normalize_gates)
+    total = functools.partial(hierarchical_psum, axes=placement.contract) if placement.contract else None
+    gates_TK, experts_TK, probabilities_TX = route(h_TD, router_DX, c.experts_per_token, c.normalize_gates, total)
     if placement.combine:  # typed as differing over the experts' axes before the experts use it: its gradient sums
         h_TD = jax.lax.pcast(h_TD, placement.combine, to="varying")  # there (the gather by expert would not say so)
     first_expert = jax.lax.axis_index(placement.experts) * weights["w_gate"].shape[0] if placement.experts else 0
     out_TD = expert_outputs(h_TD, gates_TK, experts_TK, weights["w_gate"], weights["w_up"], weights["w_down"],
-                            first_expert)
+                            first_expert, total=total)
     if placement.combine:
         out_TD = jax.lax.psum(out_TD, placement.combine)
     if placement.token_embed:  # the device's share of the embed dim, as the tokens came in

@@ -27,6 +27,9 @@ from starscream_jax.sharding.rules import resolve
 
 TOLERANCE = 2e-5
 """float32: the routed and dense blocks add the same products in another order."""
+RELATIVE_TOLERANCE = 2e-6
+"""float32, of each result's largest magnitude (gradients up to 42 here): about 16 ulps, for a layout that also
+splits the contractions over embed into partial sums (starscream_decode)."""
 D, F = 16, 32
 NAMES = {"router": ("embed", "experts"), "w_gate": ("experts", "embed", "expert_mlp"),
          "w_up": ("experts", "embed", "expert_mlp"), "w_down": ("experts", "expert_mlp", "embed")}
@@ -106,6 +109,79 @@ def test_routed_block_under_the_expert_layouts_equals_the_dense_reference(layout
     (out, grads), _, _, _ = sharded(layout, mesh_name)
     errors = max_errors((out, grads), reference())
     assert max(errors) <= TOLERANCE, errors
+
+
+@pytest.mark.parametrize("mesh_name", ["1x2x4", "2x2x2"])
+def test_routed_block_under_starscream_decode_equals_the_dense_reference(mesh_name):
+    """The weights stay split over embed (xcd) at use: the router's logits and the experts' gate and up are summed
+    inside the GPU, the outputs across GPUs; forward and every gradient as the dense block gives them."""
+    (out, grads), _, _, placed = sharded("starscream_decode", mesh_name)
+    assert placed["w_gate"].sharding.spec == P(None, "xcd", "gpu")
+    scales = [float(np.max(np.abs(leaf))) for leaf in jax.tree.leaves(reference())]
+    errors = [error / scale for error, scale in zip(max_errors((out, grads), reference()), scales)]
+    assert max(errors) <= RELATIVE_TOLERANCE, errors
+
+
+def decode_block(layout, experts=4, d_model=128, d_ff=256):
+    """The routed block's forward alone under `layout` on 2 GPUs x 4 partitions, compiled, and its mesh: a decode
+    step's expert block (one token of each of 16 sequences), wide enough that each device's share of a weight
+    ([experts, 32, 64] under starscream_decode) has more rows and columns than a tile has tokens (16)."""
+    c = load_model_config("tiny-moe", d_model=d_model, d_ff=d_ff, n_experts=experts, experts_per_token=2)
+    rng = np.random.default_rng(0)
+    shapes = {"router": (d_model, experts), "w_gate": (experts, d_model, d_ff), "w_up": (experts, d_model, d_ff),
+              "w_down": (experts, d_ff, d_model)}
+    w = {name: rng.normal(size=shape).astype(np.float32) for name, shape in shapes.items()}
+    h = rng.normal(size=(16, 1, d_model)).astype(np.float32)
+    mesh = build_mesh("2x4")
+    rules = get_layout(layout).params
+    placed = {name: jax.device_put(value, NamedSharding(mesh, resolve(NAMES[name], value.shape, rules, mesh)))
+              for name, value in w.items()}
+    with use_layout(layout, mesh):
+        tokens = jax.device_put(h, NamedSharding(mesh, activation_spec(RESIDUAL, h.shape)))
+        return jax.jit(functools.partial(routed_block, c)).lower(tokens, placed).compile(), mesh
+
+
+def expert_reads(layout) -> dict[str, int]:
+    """Weight-side elements each device's router, gate, up and down matmuls read in `decode_block`."""
+    compiled, _ = decode_block(layout)
+    reads = {}
+    for dot in parse_hlo(compiled.as_text()).dots:
+        scope = next((s for s in ("router", "gate", "up", "down") if f"/{s}/" in dot.op_name), None)
+        if scope:
+            reads[scope] = reads.get(scope, 0) + dot.batch * dot.m * dot.k * dot.n // min(dot.m, dot.k, dot.n) * dot.count
+    return reads
+
+
+def test_starscream_decode_reads_each_expert_weight_once_per_gpu():
+    """Each of a GPU's 4 partitions reads a quarter of what gpu_tp's device reads (the GPU's share, once); the same
+    layout gathering the weights' embed dimension at use reads the GPU's whole share on every partition."""
+    once, reference_reads = expert_reads("starscream_decode"), expert_reads("gpu_tp")
+    gathered = expert_reads(get_layout("starscream_decode").with_rules(weights={"embed": None}))
+    assert set(once) == set(reference_reads) == {"router", "gate", "up", "down"}
+    assert {scope: 4 * count for scope, count in once.items()} == reference_reads
+    assert all(gathered[scope] == reference_reads[scope] for scope in ("gate", "up", "down"))
+
+
+def test_starscream_decode_block_collectives_stay_on_one_level():
+    """Logits and gate / up summed inside the GPU, the outputs across GPUs; no weight is gathered."""
+    compiled, mesh = decode_block("starscream_decode")
+    report = inspect_compiled(compiled, mesh)
+    verdict = check_principles(report, None).hierarchical_collectives
+    assert verdict.ok, verdict.violations
+    kinds = {(collective.kind, collective.scope) for collective in report.collectives}
+    assert ("all-reduce", "intra_gpu") in kinds and ("all-reduce", "inter_gpu") in kinds
+    assert not any(kind == "all-gather" for kind, _ in kinds), kinds
+
+
+def test_an_embed_dimension_split_at_use_but_not_on_the_tokens_is_refused():
+    layout = get_layout("starscream_decode").with_rules(activations={"embed": None})
+    h, w = block_inputs()
+    mesh = build_mesh("2x4")
+    placed = {name: jax.device_put(value, NamedSharding(mesh, resolve(NAMES[name], value.shape, layout.params, mesh)))
+              for name, value in w.items()}
+    with use_layout(layout, mesh), pytest.raises(ShardingRuleError, match=r"embed dimension split over \('xcd',\) "
+                                                                          r"at use.*'tokens': \(\)"):
+        jax.jit(lambda h, w: moe.routed_mlp(config(), h, w)).lower(h, placed)
 
 
 def test_a_token_routed_to_another_gpus_experts_comes_back_to_its_place():
