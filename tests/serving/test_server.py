@@ -132,6 +132,12 @@ def test_top_logprobs_penalties_and_logit_bias_through_the_openai_client(client,
     forced = llama_tokenizer.encode("world", False).tolist()[-1]
     biased = client.completions.create(**sampling, logit_bias={str(forced): 100}, logprobs=0).choices[0]
     assert biased.logprobs.tokens == [llama_tokenizer.decode([forced])] * 6
+    stopping = {**sampling, "logit_bias": {str(forced): 100}, "logprobs": 0}
+    stopped = client.completions.create(**{**stopping, "extra_body": {"stop_token_ids": [forced]}}).choices[0]
+    assert stopped.finish_reason == "stop" and stopped.logprobs.tokens == []  # the forced token stops it at once
+    held = client.completions.create(**{**stopping, "extra_body": {"stop_token_ids": [forced], "min_tokens": 3}})
+    held = held.choices[0]  # the stop id masked for 3 tokens, then forced
+    assert held.finish_reason == "stop" and len(held.logprobs.tokens) == 3
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         client.completions.create(**sampling, logit_bias={"100000": 1})
     assert _wait_idle(served[1]).pages_used == 0
