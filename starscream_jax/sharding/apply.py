@@ -401,7 +401,13 @@ def einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, out: LogicalNames, t
            preferred_element_type=None) -> jax.Array:
     """`jnp.einsum` (explicit "...->..." form) whose result is placed by the active layout's rule for the logical
     names `out`: a contraction over a sharded dimension all-reduces, or reduce-scatters when `out` shards another
-    dimension over the reduced axis. `preferred_element_type`: the result's dtype (that of 8-bit operands' GEMMs)."""
+    dimension over the reduced axis. `preferred_element_type`: the result's dtype (that of 8-bit operands' GEMMs).
+
+    A reduce-scatter whose result is copied over some mesh axis (kv heads fewer than the GPUs: the k and v
+    projections' results are whole on every GPU) is written as the product summed in place, then scattered
+    (`_scattered_axes`): left to choose, XLA splits such a product's rows over the idle axis and sends each block
+    to its owner by collective-permutes between partitions of different GPUs at different partition indices
+    (flat)."""
     inputs, result = subscripts.replace(" ", "").split("->")
     sizes = {}
     for letters, operand in zip(inputs.split(","), (lhs, rhs)):
@@ -410,7 +416,33 @@ def einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, out: LogicalNames, t
     spec = activation_spec(out, shape, tensor)
     if spec is not None and active().auto:
         return placed_as(jnp.einsum(subscripts, lhs, rhs, preferred_element_type=preferred_element_type), spec)
-    return jnp.einsum(subscripts, lhs, rhs, out_sharding=spec, preferred_element_type=preferred_element_type)
+    scattered = _scattered_axes(inputs, result, (lhs, rhs), spec)
+    if not scattered:
+        return jnp.einsum(subscripts, lhs, rhs, out_sharding=spec, preferred_element_type=preferred_element_type)
+    kept = [tuple(axis for axis in axes_of(entry) if axis not in scattered) for entry in spec.partitions]
+    summed = PartitionSpec(*(axes or None for axes in kept), unreduced=scattered)
+    return reshard(jnp.einsum(subscripts, lhs, rhs, out_sharding=summed,
+                              preferred_element_type=preferred_element_type), spec)
+
+
+def _scattered_axes(inputs: str, result: str, operands, spec: PartitionSpec | None) -> frozenset[str]:
+    """The mesh axes an einsum (`inputs` -> `result` letters) reduce-scatters over: those that split a contracted
+    dimension of both operands and a dimension of the result `spec`; empty unless the result is also whole over
+    some other mesh axis of more than one device (the case `einsum` writes out), or an operand is typed reduced."""
+    if spec is None:
+        return frozenset()
+    contracted = set(inputs.replace(",", "")) - set(result)
+    split = []
+    for letters, operand in zip(inputs.split(","), operands):
+        operand_spec = jax.typeof(operand).sharding.spec
+        if operand_spec.reduced or operand_spec.unreduced:
+            return frozenset()
+        entries = (*operand_spec.partitions, *(None,) * (len(letters) - len(operand_spec.partitions)))
+        split.append({axis for letter, entry in zip(letters, entries) if letter in contracted
+                      for axis in axes_of(entry)})
+    mesh = active().mesh
+    copied = [axis for axis in mesh.axis_names if mesh.shape[axis] > 1 and axis not in spec_axes(spec)]
+    return frozenset(split[0] & split[1] & spec_axes(spec)) if copied else frozenset()
 
 
 def transposed_einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, like: jax.Array, scale: jax.Array,

@@ -43,18 +43,25 @@ CASES = [("tiny", mesh, layout) for mesh in MESHES for layout in BATCH_LAYOUTS i
 CASES += [("tiny-moe", "1x2x4", layout) for layout in BATCH_LAYOUTS if layout != "flat_ep"]
 """flat_ep's attention is flat_tp's and its MoE block is checked in test_moe."""
 CASES += [("tiny-tied", "1x2x4", layout) for layout in BATCH_LAYOUTS if layout not in EXPERT_LAYOUTS]
+FEW_KV = "tiny-kv2"
+"""The tiny model with 2 kv heads (4 query heads each): on 4 GPUs each kv head is copied over 2 of them."""
 SLOW_MESHES = ("1x4x2",)
 """Meshes whose cases run only with `-m slow`: 4 GPUs of 2 partitions repeats 1x2x4's placements with a wider gpu
 axis, which the placement tests of tests/sharding check at 8 x 8."""
 CASES = [pytest.param(*case, marks=pytest.mark.slow) if case[1] in SLOW_MESHES else case for case in CASES]
+CASES += [pytest.param(FEW_KV, "1x4x2", "starscream_decode", marks=pytest.mark.slow)]
+"""Decode with kv heads fewer than the GPUs: the k and v projections summed and scattered inside each GPU
+(`sharding.apply.einsum`) give the unsharded model's tokens."""
 TIED = "tiny-tied"
 """The tiny model with its output head tied to the embedding table (as Llama 3.2 1B ties them)."""
 
 
 def config_of(name: str):
-    """The model configuration of a case: a file in models/, or TIED."""
+    """The model configuration of a case: a file in models/, TIED or FEW_KV."""
     if name == TIED:
         return load_model_config("tiny").replace(name=TIED, tie_embeddings=True)
+    if name == FEW_KV:
+        return load_model_config("tiny").replace(name=FEW_KV, n_kv_heads=2)
     return load_model_config(name)
 
 

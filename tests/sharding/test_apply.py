@@ -16,7 +16,7 @@ from flax import nnx
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from flax.core import spmd as flax_spmd
-from jax.sharding import AbstractMesh, AxisType
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from starscream_jax.analysis.report import inspect_compiled
@@ -42,6 +42,7 @@ from starscream_jax.sharding.apply import (
     weight,
 )
 from starscream_jax.sharding.layouts import LAYOUTS
+from starscream_jax.sharding.rules import resolve
 
 ABSTRACT_2x4 = AbstractMesh((1, 2, 4), AXES)
 FP32_TOLERANCE = 2e-5
@@ -205,6 +206,34 @@ def test_weights_are_gathered_inside_the_gpu_before_use_and_outputs_placed_by_ei
     assert hidden.sharding.spec == P(("data", "xcd"), "gpu")
     # the same float32 sums as the unsharded product, perhaps in another order: entries near zero differ by ulps
     np.testing.assert_allclose(hidden, jnp.ones((8, 16)) @ model.w_in[...], rtol=1e-6, atol=1e-5)
+
+
+def _kv_projection(x_BSD, w_DKE, through_einsum: bool):
+    """The k projection of decode under starscream_decode: tokens split over xcd by embed, kv heads fewer than the
+    GPUs (each one's projection whole on every GPU), the result's batch over xcd."""
+    x_BSD = constrain(x_BSD, ("batch", "seq", "embed"))
+    w_DKE = weight(w_DKE, ("embed", "kv_heads", "head_dim"))
+    out = ("attn_batch", "seq", "kv_heads", "head_dim")
+    if through_einsum:
+        return einsum("bsd,dke->bske", x_BSD, w_DKE, out=out)
+    return jnp.einsum("bsd,dke->bske", x_BSD, w_DKE, out_sharding=activation_spec(out, (8, 1, 2, 4)))
+
+
+@pytest.mark.parametrize("through_einsum", [True, False])
+def test_a_reduce_scatter_to_kv_heads_copied_over_gpus_stays_hierarchical(through_einsum):
+    """2 kv heads on 4 GPUs of 2 partitions: einsum sums the product inside the GPU and scatters it there (the
+    result equals the unsharded one); the same product placed by jnp.einsum's own out_sharding alone compiles to
+    flat collective-permutes, which einsum avoids."""
+    mesh = build_mesh("4x2")
+    x, w = jax.random.normal(jax.random.key(0), (8, 1, 16)), jax.random.normal(jax.random.key(1), (16, 2, 4))
+    stored = resolve(("embed", "kv_heads", "head_dim"), w.shape, LAYOUTS["starscream_decode"].params, mesh)
+    placed_w = jax.device_put(w, NamedSharding(mesh, stored))
+    with use_layout("starscream_decode", mesh):
+        compiled = jax.jit(lambda x, w: _kv_projection(x, w, through_einsum)).lower(x, placed_w).compile()
+        result = compiled(x, placed_w)
+    scopes = {collective.scope for collective in inspect_compiled(compiled, mesh).collectives}
+    assert ("flat" not in scopes) == through_einsum, scopes
+    np.testing.assert_allclose(result, jnp.einsum("bsd,dke->bske", x, w), rtol=1e-5, atol=1e-5)
 
 
 def _two_projections(x, w_a, w_b, shared: bool):
