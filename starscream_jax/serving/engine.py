@@ -211,6 +211,7 @@ class Engine:
             tokens=self.buckets.rows_of("prefill")[-1] * self.buckets.positions[-1],
             rows=self.buckets.rows[-1], table_positions=max_pages * config.page_size, d_model=c.d_model,
             d_ff=c.d_ff, vocab=c.vocab_size, kv_width=kv_width, itemsize=jnp.dtype(c.dtype).itemsize)
+        reserve += self._slot_state_bytes()  # allocated beside the pools
         floor = self.config.rows_per_shard * max_pages + 1
         return capacity.agreed(capacity.size_from_memory(capacity.local_devices_of(self.mesh), page_bytes, reserve,
                                                          config.memory_utilization, floor))
@@ -283,6 +284,11 @@ class Engine:
         with self._phase("decode"):
             shape = (self.shards * self.config.rows_per_shard, self.model_config.vocab_size)
             return NamedSharding(self.mesh, activation_spec(SLOT_TABLE, shape, "slot state"))
+
+    def _slot_state_bytes(self) -> int:
+        """Bytes of the slot state on each device (its shard's slots, `sampling.SlotState`)."""
+        return sum(math.prod(array.sharding.shard_shape(array.shape) if array.sharding is not None else array.shape)
+                   * array.dtype.itemsize for array in jax.tree.leaves(self._abstract_slot_state()))
 
     def _abstract_slot_state(self) -> SlotState:
         return SlotState.abstract(self.shards * self.config.rows_per_shard, self.model_config.vocab_size,
