@@ -48,26 +48,29 @@ WARM_SECONDS = 0.5
 def measured_bandwidth(gigabytes: float, repeats: int = 10, warm_seconds: float = WARM_SECONDS) -> dict:
     """Bytes per second of passes over a random bfloat16 array of `gigabytes`, median of `repeats` after
     `warm_seconds` of untimed passes: "copy", an elementwise pass (bytes read + written); "read_sum", one sum of
-    the whole array, and "read_rows", a sum of each row of READ_ROW elements (a decode step's GEMVs read as these
-    rows do, every row reduced by its own block); "read", the faster of the two reads: the ceiling benchmarks
-    divide by (a single sum's last reduction stages leave most of the chip idle, so it reads under what a decode
-    step reads)."""
+    the whole array, "read_rows", a sum of each row of READ_ROW elements (every row reduced by its own block), and
+    "read_gemv", one row times the array held as a [elements / READ_ROW, READ_ROW] weight (the library's GEMV, which
+    is how a decode step at batch 1 reads its weights); "read", the fastest of the three: the ceiling benchmarks
+    divide by (a single sum's last reduction stages leave most of the chip idle, so it reads well under what a
+    decode step reads)."""
     import jax
     import jax.numpy as jnp
 
     elements = int(gigabytes * 2**30) // 2 // READ_ROW * READ_ROW
     x = jax.random.normal(jax.random.key(0), (elements,), jnp.bfloat16)
+    row = jnp.ones((1, elements // READ_ROW), jnp.bfloat16)
     rates = {}
     for name, step, moved in (("copy", jax.jit(lambda x: x + 1), 2 * x.nbytes),
                               ("read_sum", jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32)), x.nbytes),
                               ("read_rows", jax.jit(lambda x: jnp.sum(x.reshape(-1, READ_ROW), axis=1,
-                                                                      dtype=jnp.float32)), x.nbytes)):
+                                                                      dtype=jnp.float32)), x.nbytes),
+                              ("read_gemv", jax.jit(lambda x: row @ x.reshape(-1, READ_ROW)), x.nbytes)):
         warm_until = time.perf_counter() + warm_seconds
         while time.perf_counter() < warm_until:
             harness.block(step(x))
         times = [harness.seconds_per_call(step, (x,), warmup=1, calls=1) for _ in range(repeats)]
         rates[name] = moved / sorted(times)[len(times) // 2]
-    rates["read"] = max(rates["read_sum"], rates["read_rows"])
+    rates["read"] = max(rates["read_sum"], rates["read_rows"], rates["read_gemv"])
     return rates
 
 
@@ -241,6 +244,7 @@ def main(argv=None) -> int:
             "devices": devices, "peak_bandwidth_bytes_per_s": args.peak_bandwidth,
             "copy_bandwidth_bytes_per_s": copy, "read_bandwidth_bytes_per_s": measured["read"],
             "read_sum_bytes_per_s": measured["read_sum"], "read_rows_bytes_per_s": measured["read_rows"],
+            "read_gemv_bytes_per_s": measured["read_gemv"],
             "decode_attention_relative_error": check_decode_attention(*QUICK_ATTENTION_CHECK if args.quick else ()),
             "warmup": args.warmup, "steps": args.steps, **info.as_dict()}
     print(f"{config.name} decode under {args.layout} on {devices} x {info.device_kind}, jax {info.jax}; "

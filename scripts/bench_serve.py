@@ -217,7 +217,8 @@ def transformers_peer(config, prompts, outputs) -> dict:
 
 
 def measured_read_rate() -> float:
-    """Bytes per second of a sum over a 4 GiB bfloat16 array (scripts/bench_decode.py's `measured_bandwidth`)."""
+    """Bytes per second of the fastest read of a 4 GiB bfloat16 array (scripts/bench_decode.py's
+    `measured_bandwidth`: a sum, row sums, or a GEMV as decode reads its weights)."""
     spec = importlib.util.spec_from_file_location("bench_decode", Path(__file__).with_name("bench_decode.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
