@@ -8,8 +8,7 @@ policy:
   heads      where a model's query heads do not split over `gpu` (Qwen2-7B: 28 heads, 4 kv heads, on 8 GPUs), the
              same candidates again with each kv head's group padded with zero heads (`model.heads.padded_heads`),
              priced beside the meshes of fewer GPUs per tensor-parallel group: the compiled step runs the zero
-             heads' projections and attention, and `padding_cost` states their extra FLOPs and weight bytes; in
-             train and prefill only (`head_counts`: padded decode copies kv heads over GPUs, principle 3 fails);
+             heads' projections and attention, and `padding_cost` states their extra FLOPs and weight bytes;
   training   micro-batches n dividing the batch (the step runs n micro-batches of batch / n sequences, gradients
              accumulated) and remat policies none, dots, full (`model.config.REMAT_POLICIES`).
 Every candidate is judged, in order, and none raises:
@@ -102,8 +101,7 @@ def plan_phase(settings: Settings, topology, *, cache: ResultCache | None = None
     start = time.perf_counter()
     gpus = topology.gpus_per_node * topology.nodes
     meshes = {data: build_topology_mesh(topology, data=data, simulate=True)[1] for data in divisors(gpus)}
-    entries = [entry for data, mesh in meshes.items()
-               for heads in head_counts(settings.config, gpus // data, settings.phase)
+    entries = [entry for data, mesh in meshes.items() for heads in head_counts(settings.config, gpus // data)
                for layout in settings.layouts
                for entry in _sized(with_heads(settings, heads), topology, mesh,
                                    Candidate(layout, data, gpus // data, heads=heads))]
@@ -129,23 +127,13 @@ def plan_phase(settings: Settings, topology, *, cache: ResultCache | None = None
             "compiled": len(compiled), "elapsed_s": time.perf_counter() - start}
 
 
-PADDED_PHASES = ("train", "prefill")
-"""The phases whose candidates include padded query heads. Padding is needed only where the GPUs outnumber the kv
-heads (where the kv heads divide over the GPUs, so do the query heads), so each kv head is then copied over several
-GPUs; a decode step (and serving's) computes those copies' k and v projections with collective-permutes between
-partitions of different GPUs at different partition indices, which principle 3 fails (docs/proving.md, where the
-principles do not hold). Training and prefill of the same padded model keep all three."""
-
-
-def head_counts(config: ModelConfig, gpu: int, phase: str = "train") -> tuple[int, ...]:
+def head_counts(config: ModelConfig, gpu: int) -> tuple[int, ...]:
     """0 (the model's own heads), and the padded count where the query heads do not split over `gpu` GPUs. Only
     where the kv heads divide or are divided by `gpu`: otherwise each GPU's share of query heads splits some kv
-    head's group unevenly whatever the group size (`model.ops` refuses it), and padding query heads cannot help;
-    and only in PADDED_PHASES."""
+    head's group unevenly whatever the group size (`model.ops` refuses it), and padding query heads cannot help."""
     kv = config.n_kv_heads
     padded = padded_heads(config, gpu)
-    offered = padded != config.n_heads and (gpu % kv == 0 or kv % gpu == 0) and phase in PADDED_PHASES
-    return (0, padded) if offered else (0,)
+    return (0, padded) if padded != config.n_heads and (gpu % kv == 0 or kv % gpu == 0) else (0,)
 
 
 def with_heads(settings: Settings, heads: int) -> Settings:

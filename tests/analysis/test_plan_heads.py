@@ -75,20 +75,17 @@ def test_padding_is_offered_only_where_it_lets_the_heads_split(heads, kv_heads, 
     assert head_counts(config, gpu) == counts
 
 
-@pytest.mark.parametrize("phase, counts", [("train", (0, 32)), ("prefill", (0, 32)), ("decode", (0,)),
-                                           ("serve", (0,))])
-def test_padding_is_not_offered_to_decode_where_it_copies_kv_heads_over_gpus(phase, counts):
-    """Qwen2-7B's heads padded to 32 on 8 GPUs copy each of its 4 kv heads over 2 GPUs: decode (and serving) would
-    compute those copies with flat collective-permutes, so only training and prefill are offered the padding."""
-    config = load_model_config("tiny").replace(n_heads=28, n_kv_heads=4)
-    assert head_counts(config, 8, phase) == counts
-
-
-def test_a_decode_plan_of_heads_the_gpus_do_not_divide_has_no_padded_candidate(three_heads):
-    plan = plan_phase(make_settings(three_heads, "decode", 4, 16, "starscream_decode", 2), TOPOLOGY)
-    assert plan["candidates"] and all(entry["heads"] == 0 for entry in plan["candidates"])
+def test_a_padded_decode_candidate_keeps_its_collectives_hierarchical(three_heads):
+    """3 query heads sharing 1 kv head on 2 GPUs of 2 partitions: padded to 4, the kv head is copied over both
+    GPUs, and the decode step still sums and scatters its k and v projections inside each GPU (XLA, left to place
+    that product, sent it between GPUs by flat collective-permutes)."""
+    topology = Topology.from_preset("mi300x-dpx-nps1", gpus=2)
+    plan = plan_phase(make_settings(three_heads, "decode", 8, 16, "starscream_decode", 2), topology)
     by_name = {entry["name"]: entry for entry in plan["candidates"]}
     assert by_name["starscream_decode data 1 x gpu 2"]["status"] == "cannot place"
+    padded = by_name["starscream_decode data 1 x gpu 2, heads padded to 4"]
+    assert padded["estimate"] is not None
+    assert padded["principles"] == {"no_redundancy": True, "hierarchical_collectives": True}
 
 
 def test_the_printed_commands_of_a_padded_choice_pad_the_heads_and_run(three_heads, prefill_plan, tmp_path,
