@@ -254,6 +254,20 @@ def test_the_expert_layouts_are_candidates_by_default_only_for_a_mixture_of_expe
     assert plan_command.candidate_layouts("tiny", "flat_ep") == "flat_ep"
 
 
+def test_a_mixture_of_experts_decodes_under_starscream_decode():
+    """Mixtral 8x7B (2 layers) on 2 GPUs of 8 partitions: starscream_decode, which reads each expert weight once per
+    GPU, is the fastest decode and keeps principles 2 and 3, ahead of flat_tp (which fails them) and of
+    starscream_ep (whose partitions each gather their GPU's expert weights, 20x the step)."""
+    settings = make_settings("mixtral-8x7b", "decode", 16, 1024, "flat_tp,starscream_decode,starscream_ep", 2)
+    result = plan_phase(settings, Topology.from_preset("mi300x-cpx-nps1", gpus=2))
+    assert result["choice"] == "starscream_decode data 1 x gpu 2"
+    steps = {entry["name"]: entry["estimate"]["serial_s"] for entry in result["candidates"] if entry["estimate"]}
+    assert steps["flat_tp data 1 x gpu 2"] > steps["starscream_decode data 1 x gpu 2"]
+    assert steps["starscream_ep data 1 x gpu 2"] > 10 * steps["starscream_decode data 1 x gpu 2"]
+    chosen = next(entry for entry in result["candidates"] if entry["status"] == "chosen")
+    assert chosen["principles"] == {"no_redundancy": True, "hierarchical_collectives": True}
+
+
 def test_generate_takes_the_fastest_prefill_on_the_decode_plans_mesh():
     def entry(layout, data, serial, status):
         return {"layout": layout, "mesh": {"data": data, "gpu": 8 // data}, "heads": 0, "status": status,
