@@ -445,7 +445,7 @@ MIXTRAL = Path(__file__).parents[1] / "fixtures" / "hf" / "mixtral"
 """A tiny Mixtral checkpoint's directory (4 experts, 2 per token): inspect reads its config.json."""
 
 
-@pytest.mark.parametrize("phase", ["decode", pytest.param("serve", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("phase", ["decode", "serve"])
 def test_mixture_of_experts_decode_reads_each_expert_weight_once_per_gpu_under_starscream_decode(phase):
     """On 2 GPUs x 4 partitions: starscream_decode keeps the three principles in the decode step and the paged
     serving step of a mixture of experts (the router's and experts' weights read once per GPU, kept split over the
