@@ -148,7 +148,8 @@ def expert_reads(layout) -> dict[str, int]:
     for dot in parse_hlo(compiled.as_text()).dots:
         scope = next((s for s in ("router", "gate", "up", "down") if f"/{s}/" in dot.op_name), None)
         if scope:
-            reads[scope] = reads.get(scope, 0) + dot.batch * dot.m * dot.k * dot.n // min(dot.m, dot.k, dot.n) * dot.count
+            weight_side = dot.m * dot.k * dot.n // min(dot.m, dot.k, dot.n)
+            reads[scope] = reads.get(scope, 0) + dot.batch * weight_side * dot.count
     return reads
 
 
