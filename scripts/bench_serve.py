@@ -150,15 +150,17 @@ def decode_step_ms(engine, since: int) -> dict:
 
 
 def host_ms(engine, since: int) -> dict:
-    """The host's milliseconds per step (scheduling, inputs, launch) over the steps after index `since`: mean, and
-    as a share of the steps' seconds (with the engine's overlap, host work under that share runs while the device
-    computes)."""
+    """Milliseconds per step over the steps after index `since`: the host's own work (scheduling, building the
+    inputs) and the program calls' return (placing the inputs, enqueueing; a call the runtime makes wait for the
+    device counts here), each as a mean and as a share of the steps' seconds (with the engine's overlap, host work
+    under a share of 1 runs while the device computes)."""
     steps = list(engine.step_times)[since:]
     if not steps:
         return {}
-    host = [step.host_seconds for step in steps]
-    return {"mean": statistics.fmean(host) * MILLISECONDS,
-            "share_of_step": sum(host) / max(sum(step.seconds for step in steps), 1e-9)}
+    total = max(sum(step.seconds for step in steps), 1e-9)
+    host, calls = [step.host_seconds for step in steps], [step.call_seconds for step in steps]
+    return {"mean": statistics.fmean(host) * MILLISECONDS, "share_of_step": sum(host) / total,
+            "calls_mean": statistics.fmean(calls) * MILLISECONDS, "calls_share_of_step": sum(calls) / total}
 
 
 def roofline(config, workload: Workload, prompts, outputs, efficiency: float, peak: float, read_rate: float) -> dict:

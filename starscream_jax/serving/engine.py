@@ -51,12 +51,15 @@ STEPS_KEPT = 100_000
 @dataclass(frozen=True)
 class StepTime:
     """One engine step: its prompt-chunk rows and decode rows, the seconds from the previous step's outputs (or
-    its own launch, if later) to its own, and the host's seconds to schedule, build and launch it."""
+    its own launch, if later) to its own, the host's seconds to schedule it and build its inputs, and the seconds
+    its program calls took to return (placing the inputs and enqueueing the programs; a call that waits for the
+    device, where the runtime makes it wait, counts here, not as host work)."""
 
     prefill_rows: int
     decode_rows: int
     seconds: float
     host_seconds: float
+    call_seconds: float
 
 
 @dataclass(frozen=True)
@@ -79,19 +82,21 @@ class _Rows:
     rows: int
     outputs: jax.Array | np.ndarray
     tokens: list[_Token]
+    call_seconds: float
 
 
 @dataclass(frozen=True)
 class _Launched:
-    """One engine step whose outputs are not read yet: its programs, when it began, its host seconds."""
+    """One engine step whose outputs are not read yet: its programs, when it began, the seconds its launch took."""
 
     rows: list[_Rows]
     started: float
-    host_seconds: float
+    launch_seconds: float
 
     def time(self, seconds: float) -> StepTime:
         rows = {phase: sum(r.rows for r in self.rows if r.phase == phase) for phase in ("prefill", "decode")}
-        return StepTime(rows["prefill"], rows["decode"], seconds, self.host_seconds)
+        calls = sum(r.call_seconds for r in self.rows)
+        return StepTime(rows["prefill"], rows["decode"], seconds, self.launch_seconds - calls, calls)
 
 
 @dataclass(frozen=True)
@@ -448,7 +453,9 @@ class Engine:
         inputs, rows = self._inputs(phase, chunks)
         if self.channel is not None:
             self.channel.send(phase, inputs)
+        called = time.perf_counter()
         outputs = self._dispatch(phase, inputs)
+        call_seconds = time.perf_counter() - called
         if jax.process_count() > 1:  # every process gathers right after the step, as `multihost.follow` does
             outputs = self._gathered(outputs)
         tokens = []
@@ -460,7 +467,7 @@ class Engine:
             else:
                 chunk.sequence.computed += 1
             tokens.append(self._pending(chunk.sequence, row))
-        return _Rows(phase, len(chunks), outputs, tokens)
+        return _Rows(phase, len(chunks), outputs, tokens, call_seconds)
 
     def _pending(self, sequence: Sequence, row: int) -> _Token:
         """A PENDING token appended to `sequence` for step row `row`; the sequence finished at once (its pages and
