@@ -266,6 +266,11 @@ def build_engine(args: argparse.Namespace) -> ReadyEngine:
     shards = cache_shards(args.decode_layout, mesh)
     engine = Engine(model, engine_config(args, shards), mesh, args.prefill_layout, args.decode_layout, channel)
     leader = channel is None or channel.leader
+    try:
+        engine.use_tokenizer(tokenizer)  # structured output (`serving.guided`)
+    except StarscreamError as err:
+        if leader:
+            print(f"starscream serve: no structured output: {err}", flush=True)
     name = args.served_model_name or model.config.name
     if leader:
         print(start_line(engine, name, source, mesh, args), flush=True)

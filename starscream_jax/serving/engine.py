@@ -21,6 +21,7 @@ import dataclasses
 import math
 import os
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass
 
@@ -41,7 +42,8 @@ from . import capacity
 from .multihost import StepBroadcast
 from .protocol import EngineInfo, EngineStats
 from .scheduler import PENDING, Chunk, SamplingParams, Scheduler, SchedulerConfig, Sequence, TokenEvent, check_fits
-from .sampling import SLOT_TABLE, SlotReset, SlotState, reset_slot
+from .guided import Guide, MaskBuilder, grammar_tokenizer
+from .sampling import SLOT_TABLE, SlotReset, SlotState, reset_slot, write_masks
 from .steps import SLOTS, Buckets, PackedInputs, RowSampling, Sampled, StepInputs, paged_step
 
 STEPS_KEPT = 100_000
@@ -198,6 +200,13 @@ class Engine:
         self._slot_holders: dict[tuple[int, int], Sequence] = {}  # (shard, slot) -> the sequence it was last set for
         self._reset = jit(reset_slot, under=None if mesh is None else Placement(self.layouts["decode"], mesh),
                           donate_argnums=(0,))
+        self._write = jit(write_masks, under=None if mesh is None else Placement(self.layouts["decode"], mesh),
+                          donate_argnums=(0,))
+        slots = self.shards * config.rows_per_shard
+        self.mask_rows = tuple(sorted({min(2 ** power, slots) for power in range(slots.bit_length() + 1)}))
+        """How many slots one grammar-mask write holds (`write_masks`'s K), each bucket compiled at start."""
+        self._grammar_tokenizer = None  # the model's tokenizer for structured output (`use_tokenizer`)
+        self._masks: MaskBuilder | None = None
         self._overlap = config.overlap and jax.process_count() == 1
         self._in_flight: _Launched | None = None
         self._last_resolved = 0.0
@@ -335,10 +344,27 @@ class Engine:
                                   f"from 0 to {vocab - 1}")
         check_fits(len(tokens), params.max_tokens, self.context)
         self._check_bias(params)
+        guide = self._guide(params)
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2 ** 31))
-        sequence = Sequence(request_id, tokens, params, seed, time.monotonic())
+        sequence = Sequence(request_id, tokens, params, seed, time.monotonic(), guide=guide)
         self.scheduler.add(sequence)
         self._sequences[request_id] = sequence
+
+    def use_tokenizer(self, tokenizer) -> None:
+        """Serves structured output with `tokenizer` (the model's: `serving.guided.grammar_tokenizer`); until then a
+        request with a grammar is refused."""
+        self._grammar_tokenizer = grammar_tokenizer(tokenizer, self.model_config.vocab_size)
+        self._masks = MaskBuilder(self.model_config.vocab_size)
+
+    def _guide(self, params: SamplingParams) -> Guide | None:
+        """The request's grammar compiled against the tokenizer (StarscreamError naming its field if it fails);
+        None without one."""
+        if params.grammar is None:
+            return None
+        if self._grammar_tokenizer is None:
+            raise StarscreamError(f"{params.grammar.field}: this engine serves no structured output (no tokenizer "
+                                  "was given to it: Engine.use_tokenizer)")
+        return Guide(self._grammar_tokenizer, params.grammar)
 
     def _check_bias(self, params: SamplingParams) -> None:
         """StarscreamError for a logit_bias id outside the vocabulary."""
@@ -425,10 +451,15 @@ class Engine:
         step = _Launched(launched, started, time.perf_counter() - started) if launched else None
         events = self._resolve(self._in_flight) if self._in_flight is not None else []
         self._in_flight = step
-        if step is not None and not self._overlap:
+        if step is not None and (not self._overlap or self._only_guided()):
             events += self._resolve(step)
             self._in_flight = None
         return events
+
+    def _only_guided(self) -> bool:
+        """Whether every running sequence is guided and none waits: the next step could launch nothing before
+        this one's tokens are read (each would sit out, `Sequence.held`), so they are read at once."""
+        return not self.scheduler.waiting and all(s.guide is not None for s in self.scheduler.running)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams = SamplingParams()) -> list[list[int]]:
         """Every prompt's generated tokens, all requests submitted at once and run to the end."""
@@ -510,12 +541,27 @@ class Engine:
         sequence.generated[pending.index], sequence.logprobs[pending.index] = token, logprob
         sequence.pending -= 1
         self._generated += 1
-        reason = "stop" if token in sequence.params.stop_tokens else pending.reason
+        reason = "stop" if token in sequence.params.stop_tokens or self._grammar_ended(sequence, token) \
+            else pending.reason
         if reason is not None:
             self._sequences.pop(sequence.request_id)
             self.scheduler.finish(sequence)
         queued = sequence.scheduled_at - sequence.arrival if pending.index == 0 else None
         return TokenEvent(sequence.request_id, token, logprob, reason, queued, top_tokens, top_logprobs)
+
+    @staticmethod
+    def _grammar_ended(sequence: Sequence, token: int) -> bool:
+        """Advances a guided sequence's matcher by its new token; True once its grammar takes no more (it ended,
+        or took an EOS id). A token the grammar refuses (the mask was not applied: never expected) ends it too,
+        with a warning."""
+        guide = sequence.guide
+        if guide is None:
+            return False
+        if not guide.advance(token):
+            warnings.warn(f"request {sequence.request_id}: token {token} is outside its grammar ({guide.error}); "
+                          "the request ends here", RuntimeWarning, stacklevel=2)
+            return True
+        return guide.finished
 
     def execute(self, phase: str, inputs: StepInputs) -> Sampled:
         """The compiled step of `phase` over host `inputs`, the pools, slot tokens and slot state updated in place;
@@ -562,6 +608,8 @@ class Engine:
         if self.cache_size.reserve_bytes:
             capacity.check_reserve(self._programs, self.cache_size.reserve_bytes)
         self.reset_slot(SlotReset.of(-1, self.model_config.vocab_size, [], []))
+        for rows in self.mask_rows:  # (writes of no slot: each mask bucket compiled now)
+            self.write_masks(np.full(rows, -1, np.int32), np.zeros((rows, self.slot_state.allowed.shape[1]), np.int32))
         jax.block_until_ready((self.pages, self.recent, self.slot_state))  # (a reset of no slot: compiled now)
         return len(shapes)
 
@@ -599,7 +647,7 @@ class Engine:
         pages = Buckets.round_up(max(len(c.sequence.pages) for c in chunks), self.buckets.pages, "pages per row")
         inputs = StepInputs.zeros(rows * self.shards, width, pages)
         sampling = inputs.sampling
-        row_of = {}
+        row_of, guided = {}, []
         for shard, group in enumerate(by_shard):
             for offset, chunk in enumerate(group):
                 row, sequence = shard * rows + offset, chunk.sequence
@@ -614,7 +662,35 @@ class Engine:
                     params.temperature, params.top_p, params.top_k
                 sampling.seed[row] = sequence.seed
                 self._slot_settings(sampling, row, sequence)
+                if sequence.guide is not None and chunk.last:
+                    sampling.guided[row] = 1
+                    guided.append(sequence)
+        self._write_guides(guided)
         return inputs, [row_of[id(chunk)] for chunk in chunks]
+
+    def _write_guides(self, sequences: list[Sequence]) -> None:
+        """Each guided sequence's allowed-token bits for its next token (its matcher has taken every token it
+        generated: a guided sequence is not scheduled while one is PENDING) written into its slot, in order on
+        the device before the step that reads them; one write per bucket of `mask_rows` slots."""
+        for start in range(0, len(sequences), self.mask_rows[-1]):
+            group = sequences[start:start + self.mask_rows[-1]]
+            rows = Buckets.round_up(len(group), self.mask_rows, "guided rows")
+            slots = np.full(rows, -1, np.int32)
+            slots[:len(group)] = [s.shard * self.config.rows_per_shard + s.slot for s in group]
+            masks = self._masks.masks([s.guide for s in group], rows)
+            if self.channel is not None:
+                self.channel.send_masks(slots, masks)
+            self.write_masks(slots, masks)
+
+    def write_masks(self, slots: np.ndarray, masks: np.ndarray) -> None:
+        """Writes grammar masks [K, W] int32 into slots [K] (-1: none) of the slot state (`sampling.write_masks`,
+        in place), in order before the steps launched after it; every process of a mesh spanning several runs it
+        (the leader announces it first, `multihost`)."""
+        if self.mesh is not None and jax.process_count() > 1:
+            everywhere = NamedSharding(self.mesh, PartitionSpec())
+            slots, masks = (jax.make_array_from_callback(array.shape, everywhere, lambda at, a=array: a[at])
+                            for array in (slots, masks))
+        self._slot_state = self._write(self.slot_state, slots, masks)
 
     def _slot_settings(self, sampling: RowSampling, row: int, sequence: Sequence) -> None:
         """Row `row`'s min_p, penalties, min_tokens, logit bias and top_logprobs; the sequence's slot state written

@@ -21,9 +21,10 @@ from .sampling import SlotReset
 from .steps import StepInputs
 
 PHASES = ("prefill", "decode")
-STOP, IDLE, RESET = -1, -2, -3
-"""The header's phase index that ends `follow`, the one of a leader idle but alive (no step follows), and the one
-of a slot's new state (`sampling.SlotReset`, written before the step that reads it)."""
+STOP, IDLE, RESET, MASKS = -1, -2, -3, -4
+"""The header's phase index that ends `follow`, the one of a leader idle but alive (no step follows), the one of
+a slot's new state (`sampling.SlotReset`, written before the step that reads it) and the one of guided rows'
+grammar masks (`Engine.write_masks`, likewise)."""
 
 
 class StepBroadcast:
@@ -43,6 +44,12 @@ class StepBroadcast:
         self._header(np.array([RESET, reset.counts.shape[0], 0, 0], np.int32))
         multihost_utils.broadcast_one_to_all(reset, is_source=True)
 
+    def send_masks(self, slots: np.ndarray, masks: np.ndarray) -> None:
+        """Leader: announce grammar masks [K, W] for slots [K] (`Engine.write_masks`), before the step that reads
+        them."""
+        self._header(np.array([MASKS, *masks.shape, 0], np.int32))
+        multihost_utils.broadcast_one_to_all((slots, masks), is_source=True)
+
     def stop(self) -> None:
         """Leader: end every follower's loop."""
         self._header(np.array([STOP, 0, 0, 0], np.int32))
@@ -51,9 +58,9 @@ class StepBroadcast:
         """Leader: no step yet, still alive (keeps the followers' wait in the broadcast short of its timeout)."""
         self._header(np.array([IDLE, 0, 0, 0], np.int32))
 
-    def receive(self) -> tuple[str, StepInputs | SlotReset] | None:
-        """Follower: the next step's (phase, host inputs) or a slot's ("reset", SlotReset), or None once the
-        leader stops."""
+    def receive(self) -> tuple[str, StepInputs | SlotReset | tuple] | None:
+        """Follower: the next step's (phase, host inputs), a slot's ("reset", SlotReset), grammar masks ("masks",
+        (slots [K], masks [K, W])), or None once the leader stops."""
         phase = IDLE
         while phase == IDLE:
             phase, rows, width, pages = (int(value) for value in self._header(np.zeros(4, np.int32)))
@@ -62,6 +69,9 @@ class StepBroadcast:
         if phase == RESET:
             reset = multihost_utils.broadcast_one_to_all(SlotReset.of(-1, rows, [], []), is_source=False)
             return "reset", jax.tree.map(np.asarray, reset)
+        if phase == MASKS:  # (rows: the slots, width: the words of a mask)
+            empty = (np.zeros(rows, np.int32), np.zeros((rows, width), np.int32))
+            return "masks", jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(empty, is_source=False))
         empty = StepInputs.zeros(rows, width, pages)
         inputs = multihost_utils.broadcast_one_to_all(empty, is_source=False)
         return PHASES[phase], jax.tree.map(np.asarray, inputs)
@@ -71,13 +81,16 @@ class StepBroadcast:
 
 
 def follow(engine) -> int:
-    """Follower: run the leader's steps (and slot resets) on this process' devices until it stops; returns the
+    """Follower: run the leader's steps (and slot resets and grammar masks) on this process' devices until it stops; returns the
     steps run."""
     steps = 0
     while (message := engine.channel.receive()) is not None:
         phase, inputs = message
         if phase == "reset":
             engine.reset_slot(inputs)
+            continue
+        if phase == "masks":
+            engine.write_masks(*inputs)
             continue
         engine.execute(phase, inputs)
         steps += 1

@@ -10,11 +10,15 @@ before any of these.
 `SlotState` holds, for every slot of every cache shard (a running sequence holds one slot of its shard, its
 index local to the shard, `Sequence.slot`), the counts of its generated tokens per vocabulary id [slots, V] int32,
 which ids its prompt holds [slots, V] bool, its logit bias as (id, value) pairs [slots, MAX_LOGIT_BIAS] and its stop
-ids [slots, MAX_STOP_IDS] (-1: none). Its slots are split as the attention batch is (`SLOT_TABLE`), as the step's
+ids [slots, MAX_STOP_IDS] (-1: none), and the allowed-token bits of a guided row's next token [slots, W] int32
+(structured output, `serving.guided`: W = ceil(V / 32) words, bit v % 32 of word v // 32 for token v). Its slots are split as the attention batch is (`SLOT_TABLE`), as the step's
 rows are: shard s's rows read and write only shard s's slots, on the device that holds both (`run_sharded`), so no
 slot is stored twice and none moves. The host writes a slot's row once, when a sequence that uses these settings
 takes it (`reset_slot`, with `SlotReset.of`); the step counts each penalized row's sampled token itself (`record`,
-a scatter of B ones). A step none of whose rows uses a setting skips its work (`jax.lax.cond`).
+a scatter of B ones). A guided row's bits change with every token it takes, so the host writes them before each
+step that samples it, after reading its previous token (`write_masks`, one scatter of the guided rows' masks);
+the step then sets every token a guided row's grammar forbids to -inf before anything else (`apply_grammar`), as
+vLLM applies its grammar bitmask. A step none of whose rows uses a setting skips its work (`jax.lax.cond`).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from jax.tree_util import register_dataclass
 from ..errors import StarscreamError
 from ..model.ops import run_sharded
 from ..sharding.apply import active
+from .guided import mask_words
 from .scheduler import MAX_LOGIT_BIAS, MAX_STOP_IDS, MAX_TOP_LOGPROBS
 
 SLOT_ROWS = ("attn_batch",)
@@ -41,13 +46,15 @@ SLOT_TABLE = ("attn_batch", None)
 class SlotState:
     """Per slot of every cache shard (see the module docstring): counts [slots, V] int32 of generated tokens,
     prompt [slots, V] bool, bias_ids [slots, MAX_LOGIT_BIAS] int32 and bias [slots, MAX_LOGIT_BIAS] float32 (the
-    logit bias, id -1: none), stops [slots, MAX_STOP_IDS] int32 (-1: none). `slots` is shards * slots per shard."""
+    logit bias, id -1: none), stops [slots, MAX_STOP_IDS] int32 (-1: none), allowed [slots, ceil(V / 32)] int32
+    (a guided row's allowed-token bits). `slots` is shards * slots per shard."""
 
     counts: jax.Array
     prompt: jax.Array
     bias_ids: jax.Array
     bias: jax.Array
     stops: jax.Array
+    allowed: jax.Array
 
     @staticmethod
     def shapes(slots: int, vocab: int) -> SlotState:
@@ -56,7 +63,8 @@ class SlotState:
             return jax.ShapeDtypeStruct((slots, width), dtype)
 
         return SlotState(spec(vocab, jnp.int32), spec(vocab, jnp.bool_), spec(MAX_LOGIT_BIAS, jnp.int32),
-                         spec(MAX_LOGIT_BIAS, jnp.float32), spec(MAX_STOP_IDS, jnp.int32))
+                         spec(MAX_LOGIT_BIAS, jnp.float32), spec(MAX_STOP_IDS, jnp.int32),
+                         spec(mask_words(vocab), jnp.int32))
 
     @staticmethod
     def abstract(slots: int, vocab: int, sharding=None) -> SlotState:
@@ -66,10 +74,10 @@ class SlotState:
 
     @staticmethod
     def empty(slots: int, vocab: int, sharding=None) -> SlotState:
-        """Every slot cleared (no counts, no prompt, no bias or stop ids), on `sharding`."""
+        """Every slot cleared (no counts, no prompt, no bias or stop ids, every token allowed), on `sharding`."""
         shapes = SlotState.shapes(slots, vocab)
         return SlotState(*(jnp.full(s.shape, fill, s.dtype, device=sharding)
-                           for s, fill in zip(jax.tree.leaves(shapes), (0, False, -1, 0.0, -1))))
+                           for s, fill in zip(jax.tree.leaves(shapes), (0, False, -1, 0.0, -1, -1))))
 
 
 @register_dataclass
@@ -110,17 +118,56 @@ def reset_slot(state: SlotState, reset: SlotReset) -> SlotState:
     """`state` with slot `reset.slot`'s row replaced by `reset`'s (jit it with `state` donated: an update in
     place); each shard writes only if the slot is its own."""
     def local(*arrays, specs):
-        state_now, (slot, *rows) = SlotState(*arrays[:5]), arrays[5:]
-        local_slots = state_now.counts.shape[0]
-        axes = specs[0][0] if len(specs[0]) else None
-        first = jax.lax.axis_index(axes) * local_slots if axes else 0
-        at = jnp.where((slot >= first) & (slot < first + local_slots), slot - first, local_slots)
+        (slot, *rows), local_slots = arrays[5:], arrays[0].shape[0]
+        at = _local_index(slot, local_slots, specs)
         return tuple(array.at[at].set(row.astype(array.dtype), mode="drop") for array, row in zip(arrays[:5], rows))
 
+    written = jax.tree.leaves(state)[:5]  # the allowed bits are `write_masks`'
     fields = (reset.slot, reset.counts, reset.prompt, reset.bias_ids, reset.bias, reset.stops)
-    out = run_sharded(local, [*jax.tree.leaves(state), *fields], [SLOT_TABLE] * 5 + [None] * 6,
-                      [(SLOT_TABLE, array.shape) for array in jax.tree.leaves(state)], "slot state")
-    return SlotState(*out)
+    out = run_sharded(local, [*written, *fields], [SLOT_TABLE] * 5 + [None] * 6,
+                      [(SLOT_TABLE, array.shape) for array in written], "slot state")
+    return SlotState(*out, state.allowed)
+
+
+def _local_index(slot, local_slots: int, specs):
+    """Global slot index (scalar or [K]) -> its index among this shard's `local_slots` slots, or `local_slots`
+    (out of range: a scatter with mode="drop" writes nothing) where another shard owns it or it is -1."""
+    axes = specs[0][0] if len(specs[0]) else None
+    first = jax.lax.axis_index(axes) * local_slots if axes else 0
+    return jnp.where((slot >= first) & (slot < first + local_slots), slot - first, local_slots)
+
+
+def write_masks(state: SlotState, slot_K: jax.Array, masks_KW: jax.Array) -> SlotState:
+    """`state` with the allowed-token bits of slots `slot_K` [K] int32 (global indices, -1: none) replaced by
+    `masks_KW` [K, W] int32 (jit it with `state` donated: an update in place). The K rows cross to every device
+    whole (a few KB) and each shard keeps the slots that are its own, so the bits land beside the rows that read
+    them. K is bucketed by the engine, so a handful of these small programs serve every step."""
+    def local(allowed_RW, slot_K, masks_KW, specs):
+        return allowed_RW.at[_local_index(slot_K, allowed_RW.shape[0], specs)].set(masks_KW, mode="drop")
+
+    allowed = run_sharded(local, [state.allowed, slot_K, masks_KW], [SLOT_TABLE, None, None],
+                          [(SLOT_TABLE, state.allowed.shape)], "grammar masks")
+    return SlotState(state.counts, state.prompt, state.bias_ids, state.bias, state.stops, allowed)
+
+
+def apply_grammar(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, rows) -> jax.Array:
+    """The logits [B, V] with every token the grammar of a guided row (`rows.guided` [B] > 0, with a slot) does not
+    allow set to -inf, from its slot's bits (`SlotState.allowed`); other rows are left as they are, and a step with
+    no guided row skips the work. Placed as `logits_BV` is."""
+    def mask(logits_BV):
+        def local(logits_bV, allowed_RW, slot_b, guided_b, specs):
+            vocab = logits_bV.shape[-1]
+            ids_V = jnp.arange(vocab)
+            words_bV = allowed_RW[jnp.maximum(slot_b, 0)][:, ids_V // 32]
+            allowed_bV = ((words_bV >> (ids_V % 32)[None, :]) & 1) > 0
+            keep_bV = allowed_bV | ~((slot_b >= 0) & (guided_b > 0))[:, None]
+            return jnp.where(keep_bV, logits_bV, -jnp.inf)
+
+        out = run_sharded(local, [logits_BV, state.allowed, slot_B, rows.guided],
+                          [SLOT_TABLE, SLOT_TABLE, SLOT_ROWS, SLOT_ROWS], [(SLOT_TABLE, logits_BV.shape)], "grammar")
+        return _like(out, logits_BV)
+
+    return jax.lax.cond(jnp.any((rows.guided > 0) & (slot_B >= 0)), mask, lambda logits: logits, logits_BV)
 
 
 def penalized(rows, slot_B: jax.Array) -> jax.Array:
@@ -194,7 +241,7 @@ def record(state: SlotState, slot_B: jax.Array, token_B: jax.Array, rows) -> Slo
     counts = run_sharded(local, [state.counts, slot_B, penalized(rows, slot_B), token_B],
                          [SLOT_TABLE, SLOT_ROWS, SLOT_ROWS, SLOT_ROWS], [(SLOT_TABLE, state.counts.shape)],
                          "token counts")
-    return SlotState(counts, state.prompt, state.bias_ids, state.bias, state.stops)
+    return SlotState(counts, state.prompt, state.bias_ids, state.bias, state.stops, state.allowed)
 
 
 def keep_min_p(scaled_BV: jax.Array, min_p_B: jax.Array) -> jax.Array:

@@ -15,7 +15,9 @@ A sequence has its K/V for `computed` positions in the cache; it decodes when on
 A running sequence holds a slot of its shard (0 .. rows_per_shard - 1): the row of the engine's per-shard device
 buffers where each step leaves the sequence's newest token (`steps.paged_step`), so the next step can read a token
 the host has not seen yet. A token still on its way to the host is `PENDING` in `Sequence.generated`; a sequence
-holding one is not admitted again (its prompt pages would be recomputed from tokens the host does not have).
+holding one is not admitted again (its prompt pages would be recomputed from tokens the host does not have). A
+guided sequence (structured output: its next token's mask follows from its last token, `serving.guided`) whose
+last token is PENDING sits the step out (`Sequence.held`): it decodes in the step after its token is read.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..errors import StarscreamError
+from .guided import Grammar
 from .pages import ShardPages, page_hashes
 
 
@@ -50,7 +53,8 @@ class SamplingParams:
     theirs. As vLLM defines them: `min_p` drops tokens less likely than it times the likeliest; the presence and
     frequency penalties subtract from the logit of each id generated so far (once, or once per time); the
     repetition penalty divides positive logits and multiplies negative ones of ids in the prompt or generated;
-    `logit_bias` ((id, value) pairs) adds to logits. Stop strings are text, so the API process applies them to
+    `logit_bias` ((id, value) pairs) adds to logits; `grammar` (structured output, `serving.guided`) allows only
+    the tokens that keep the text within it, and the request ends ("stop") when the grammar does. Stop strings are text, so the API process applies them to
     the detokenized text (`serving.detokenize`) and cancels the request; the engine stops on token ids and
     lengths alone."""
 
@@ -68,6 +72,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: Grammar | None = None
 
     def __post_init__(self):
         problems = [(not _is_int(self.max_tokens) or self.max_tokens < 1,
@@ -103,6 +108,8 @@ class SamplingParams:
                  f"repetition_penalty {self.repetition_penalty!r} must be above 0 (1: off)"),
                 (len(self.logit_bias) > MAX_LOGIT_BIAS,
                  f"logit_bias holds {len(self.logit_bias)} entries; give at most {MAX_LOGIT_BIAS}"),
+                (self.grammar is not None and not isinstance(self.grammar, Grammar),
+                 f"grammar is a {type(self.grammar).__name__}; pass a serving.guided.Grammar"),
                 (not all(isinstance(pair, (tuple, list)) and len(pair) == 2 and _is_int(pair[0])
                          and 0 <= pair[0] < 2 ** 31 and _number_in(pair[1], -100.0, 100.0)
                          for pair in self.logit_bias),
@@ -159,6 +166,7 @@ class Sequence:
     scheduled_at: float | None = None  # when its first step began (its queue time ends)
     slot: int = -1  # its row of the shard's device token buffer while running
     pending: int = 0  # generated tokens still PENDING (sampled on the device, not read yet)
+    guide: object = None  # its grammar's matcher (`serving.guided.Guide`), held by the engine
     _hashes: list[bytes] = field(default_factory=list, repr=False)
 
     def prefix_hashes(self, positions: int, page_size: int) -> list[bytes]:
@@ -188,6 +196,11 @@ class Sequence:
     @property
     def decoding(self) -> bool:
         return self.computed == self.length - 1
+
+    @property
+    def held(self) -> bool:
+        """Guided with its last token PENDING: the mask of its next token is not known yet, so it sits out."""
+        return self.guide is not None and self.pending > 0
 
 
 @dataclass(frozen=True)
@@ -277,7 +290,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """The next step's plan (see the module docstring); preempted sequences are back in `waiting`."""
         preempted = self._grow_decoding()
-        decode = tuple(sequence for sequence in self.running if sequence.decoding)
+        decode = tuple(sequence for sequence in self.running if sequence.decoding and not sequence.held)
         budget = self.config.token_budget - len(decode)
         chunks, per_shard = [], [0] * self.config.shards
         for sequence in sorted((s for s in self.running if not s.decoding), key=lambda s: s.admitted):

@@ -13,8 +13,8 @@
 
 Shapes are bucketed (`Buckets`): rows per shard, positions per row (prefill) and pages per row round up to the
 next bucket, so a server compiles each (phase, rows, positions, pages) program once, at start, and holds
-`Buckets.programs()` of them. Sampling is per row: logit bias, the min_tokens mask and the penalties first
-(`serving.sampling`), then temperature 0 is greedy, else min_p, top-k, then top-p (nucleus) at the row's
+`Buckets.programs()` of them. Sampling is per row: a guided row's grammar mask, then logit bias, the min_tokens
+mask and the penalties (`serving.sampling`), then temperature 0 is greedy, else min_p, top-k, then top-p (nucleus) at the row's
 temperature, the draw keyed by (row's seed, the new token's position) alone.
 """
 from __future__ import annotations
@@ -37,6 +37,7 @@ from ..training.steps import whole_vocabulary
 from .sampling import (
     SlotState,
     apply_bias,
+    apply_grammar,
     apply_penalties,
     biased,
     keep_min_p,
@@ -53,7 +54,8 @@ class RowSampling:
     presence, frequency (0: off) and repetition (1: off) penalties; min_position (its stop ids are masked while
     the new token's position is below it: the prompt's length plus min_tokens; 0: off); biased (1: its slot's
     logit bias applies); top_logprobs (how many of the likeliest tokens it returns, at most
-    `sampling.MAX_TOP_LOGPROBS`). The last five read the row's slot (`sampling.SlotState`)."""
+    `sampling.MAX_TOP_LOGPROBS`); guided (1: its grammar's allowed-token bits, written into its slot before the
+    step, mask its logits). Those from min_p on read the row's slot (`sampling.SlotState`)."""
 
     temperature: jax.Array
     top_p: jax.Array
@@ -66,13 +68,15 @@ class RowSampling:
     min_position: jax.Array
     biased: jax.Array
     top_logprobs: jax.Array
+    guided: jax.Array
 
     @classmethod
     def neutral(cls, rows: int) -> RowSampling:
-        """Host settings [rows] that ask for nothing: greedy, no filter, no penalty, no bias, no top tokens."""
+        """Host settings [rows] that ask for nothing: greedy, no filter, no penalty, no bias, no top tokens, no
+        grammar."""
         f32, i32 = np.zeros((rows,), np.float32), np.zeros((rows,), np.int32)
         return cls(f32.copy(), np.ones((rows,), np.float32), i32.copy(), i32.copy(), f32.copy(), f32.copy(),
-                   f32.copy(), np.ones((rows,), np.float32), i32.copy(), i32.copy(), i32.copy())
+                   f32.copy(), np.ones((rows,), np.float32), i32.copy(), i32.copy(), i32.copy(), i32.copy())
 
 
 @register_dataclass
@@ -227,6 +231,7 @@ def sample_rows(logits_BV: jax.Array, rows: RowSampling, position_B: jax.Array, 
         rows, position_B, slot_B = jax.tree.map(lambda row_B: constrain(row_B, ("batch",), "sampling"),
                                                 (rows, position_B, slot_B))
         logprob_BV = jax.nn.log_softmax(logits_BV, axis=-1)  # the model's own, as vLLM returns them
+        logits_BV = apply_grammar(logits_BV, slots, slot_B, rows)  # before everything else, as vLLM masks
         plain = ~jnp.any(rows.temperature > 0) & ~jnp.any(biased(rows, slot_B, position_B) | penalized(rows, slot_B))
         token_B = jax.lax.cond(plain, _greedy, _adjusted, logits_BV, rows, position_B, slots, slot_B)
         top_token_BK, top_logprob_BK = top_logprobs(logprob_BV, rows.top_logprobs)

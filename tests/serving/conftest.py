@@ -47,6 +47,7 @@ def _engine(case: str) -> Engine:
     compiled before any test, as a server compiles them."""
     mesh, (prefill, decode) = build_mesh(case.split("-")[0]), CASES[case]
     engine = Engine(load_hf_model(FIXTURE, prefill, mesh), engine_config(case, mesh), mesh, prefill, decode)
+    engine.use_tokenizer(tokenizer())  # structured output
     engine.warm_up()
     return engine
 
