@@ -13,7 +13,13 @@ value) / time. The kernel runs with its default blocks (every shape first, with 
 every candidate checked against XLA's product. Candidates take turns in
 rounds (`harness.alternating_rounds`). "layer" sums the seven projections of one layer per implementation.
 
+"grouped_layer" times one layer's seven projections as one program per implementation, as decode runs them: the
+grouped kernel (model/weight_only_group.py: q, k, v in one launch, gate and up in one, o and down alone: 4
+launches), the single-projection kernel (7 launches), XLA's converting GEMMs and bfloat16 GEMMs; each call runs
+LAYER_COPIES distinct layers' weights (no layer's weights stay in L2). --layer-only times only these.
+
     python scripts/bench_weight_only.py --out weight_only.json             # on the GPU
+    python scripts/bench_weight_only.py --layer-only --out layer.json      # the grouped launches per layer
     python scripts/bench_weight_only.py --quick                            # CPU smoke run, kernel interpreted
 """
 from __future__ import annotations
@@ -100,6 +106,122 @@ def programs(config, K: int, N: int, rows: int, format_name: str, copies: int, i
     found["bf16"] = (jax.jit(project, compiler_options=decode_options or None), (x, floats),
                      sum(w.nbytes for w in floats))
     return found
+
+
+LAYER_COPIES = 2
+"""Distinct layers per timed call of a whole layer (Llama 3 8B's 8-bit layer is 218 MB, four times the L2)."""
+LAYER_IMPLEMENTATIONS = ("grouped", "kernel", "xla", "bf16")
+
+
+def layer_weights(config, format_name: str, seed: int) -> dict:
+    """{projection: quantize.Scaled [K, N]} of one layer (q, k, v, o, gate, up, down), random, per channel."""
+    import jax
+    import jax.numpy as jnp
+
+    from starscream_jax.model.quantize import Scaled, quantize
+
+    make = jax.jit(lambda key, K, N: quantize(jax.random.normal(key, (K, N), jnp.float32), "w_gate",
+                                              ("embed", "mlp"), format_name), static_argnums=(1, 2))
+    shapes = {name: (K, N) for names, K, N in projections(config) for name in names.split(",")}
+    keys = jax.random.split(jax.random.key(seed), len(shapes))
+    return {name: Scaled(*make(key, K, N)) for key, (name, (K, N)) in zip(keys, shapes.items())}
+
+
+LAYER_GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))
+"""The projections that share an input, one launch each on the grouped kernel."""
+
+
+def layer_function(name: str, implementation: str, config):
+    """f(x_by_input, layers) -> outputs of every projection of every layer, as `name` (LAYER_IMPLEMENTATIONS)
+    runs them. x_by_input: {group's first projection: x [M, K]}; layers: [{projection: Scaled or bf16 [K, N]}]."""
+    from starscream_jax.model import decoder
+    from starscream_jax.model.weight_only import weight_only_matmul
+    from starscream_jax.model.weight_only_group import grouped_weight_only_matmul
+
+    xla_config = config.replace(eight_bit_matmul="xla")
+
+    def run(xs, layers):
+        outputs = []
+        for weights in layers:
+            for group in LAYER_GROUPS:
+                x = xs[group[0]]
+                if name == "grouped":
+                    outputs += grouped_weight_only_matmul(x, [tuple(weights[p]) for p in group], implementation)
+                elif name == "kernel":
+                    outputs += [weight_only_matmul(x, *weights[p], implementation) for p in group]
+                else:
+                    outputs += [decoder._project("bench", "bsd,df->bsf", x[:, None], weights[p],
+                                                 ("batch", "seq", "mlp"), xla_config)[:, 0] for p in group]
+        return outputs
+
+    return run
+
+
+def layer_programs(config, rows: int, format_name: str, implementation: str) -> dict:
+    """{name: (jitted function, args, weight bytes per layer)} of LAYER_IMPLEMENTATIONS at `rows` rows."""
+    import jax
+    import jax.numpy as jnp
+
+    from starscream_jax.hardware.backend import policy_of
+    from starscream_jax.training.steps import EIGHT_BIT_DECODE_OPTIONS
+
+    layers = [layer_weights(config, format_name, seed) for seed in range(LAYER_COPIES)]
+    floats = [{p: (w.values.astype(jnp.float32) * w.scale).astype(jnp.bfloat16) for p, w in layer.items()}
+              for layer in layers]
+    xs = {group[0]: jax.random.normal(jax.random.key(rows), (rows, layers[0][group[0]].values.shape[0]),
+                                      jnp.float32).astype(jnp.bfloat16) for group in LAYER_GROUPS}
+    decode_options = dict(policy_of(jax.devices()[0]).decode_compiler_options)
+    eight_bit_options = {**decode_options, **{k: v for k, v in EIGHT_BIT_DECODE_OPTIONS.items()
+                                              if k in decode_options}}
+    eight_bit_bytes = sum(w.values.nbytes + w.scale.nbytes for w in layers[0].values())
+    found = {}
+    for name in LAYER_IMPLEMENTATIONS:
+        options = eight_bit_options if name == "xla" else decode_options
+        function = jax.jit(layer_function(name, implementation, config), compiler_options=options or None)
+        found[name] = ((function, (xs, floats if name == "bf16" else layers)),
+                       sum(w.nbytes for w in floats[0].values()) if name == "bf16" else eight_bit_bytes)
+    return found
+
+
+def measure_layer(config, rows: int, format_name: str, args, implementation: str) -> dict:
+    """One layer's seven projections per implementation (`layer_programs`): seconds per layer, weight bytes per
+    second, ratios of the grouped kernel to the others, the error of each against XLA's products, pallas launches."""
+    import jax
+    import numpy as np
+
+    found = layer_programs(config, rows, format_name, implementation)
+    compiled, result = {}, {"format": format_name, "rows": rows, "layers_per_call": LAYER_COPIES}
+    for name, ((function, call_args), _) in found.items():
+        try:
+            outputs = jax.block_until_ready(function(*call_args))
+            compiled[name] = (function, call_args, outputs)
+            result[f"{name}_launches"] = str(jax.make_jaxpr(function)(*call_args)).count("pallas_call") or None
+        except Exception as error:  # noqa: BLE001 - reported, not fatal
+            result[f"{name}_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+    timed = harness.alternating_rounds({name: entry[:2] for name, entry in compiled.items()}, rounds=args.rounds,
+                                       warmup=args.warmup, calls=args.calls)
+    for name, rounds in timed.items():
+        seconds = rounds.median / LAYER_COPIES
+        result.update({f"{name}_s": seconds, f"{name}_bytes_per_s": found[name][1] / seconds})
+        if "xla" in compiled and name != "bf16":
+            got, expected = (np.concatenate([np.asarray(o, np.float32).ravel() for o in compiled[n][2]])
+                             for n in (name, "xla"))
+            result[f"{name}_error_vs_xla"] = float(np.linalg.norm(got - expected) / np.linalg.norm(expected))
+    for other in ("kernel", "xla", "bf16"):
+        if "grouped" in timed and other in timed:
+            result[f"grouped_over_{other}"] = timed[other].median / timed["grouped"].median
+    return result
+
+
+def layer_line(result: dict) -> str:
+    times = " ".join(f"{name} {1e6 * result[name + '_s']:.0f} us ({result[name + '_bytes_per_s'] / 1e12:.2f} TB/s)"
+                     for name in LAYER_IMPLEMENTATIONS if name + "_s" in result)
+    ratios = ", ".join(f"over {other} {result['grouped_over_' + other]:.2f}x" for other in ("kernel", "xla", "bf16")
+                       if "grouped_over_" + other in result)
+    errors = "; ".join(f"{name}: {result[name + '_error']}" for name in LAYER_IMPLEMENTATIONS
+                       if name + "_error" in result)
+    return (f"one layer, {result['format']} at {result['rows']} rows: {times}; grouped {ratios}"
+            + (f"; FAILED {errors}" if errors else ""))
 
 
 ESSENTIAL = ("kernel", "xla", "bf16")
@@ -216,6 +338,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "120)")
     parser.add_argument("--warmup", type=int, default=1, help="calls before each round's clock starts (default 1)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here (rewritten after every shape)")
+    parser.add_argument("--layer-only", action="store_true",
+                        help="time only one layer's projections per implementation (grouped launches, the "
+                             "single-projection kernel, XLA, bf16), not each shape")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: tiny model, 1 and 3 rows, int8, the kernel interpreted, one round")
     args = parser.parse_args(argv)
@@ -237,6 +362,15 @@ def main(argv=None) -> int:
     result = {"meta": {"model": config.name, "implementation": implementation, "gigabytes": args.gigabytes,
                        "rounds": args.rounds, "calls": args.calls, **info.as_dict()}, "rows": [], "layer": []}
     print(f"{config.name} projections on {info.device_kind}, jax {info.jax}, kernel {implementation}", flush=True)
+    result["grouped_layer"] = []
+    layer_rows = args.rows if not args.quick else args.rows[:1] if args.layer_only else []  # interpreting is slow
+    for rows in layer_rows:
+        for format_name in args.formats:
+            result["grouped_layer"].append(measure_layer(config, rows, format_name, args, implementation))
+            print(layer_line(result["grouped_layer"][-1]), flush=True)
+            harness.write_json(args.out, result)
+    if args.layer_only:
+        return 0
     print(f"{'format':<14} {'M':>3} {'proj':<8} {'K x N':<13} {'implementation':<34} {'us':>9} {'GB/s':>8} "
           f"{'vs xla':>7} {'vs bf16':>7} error vs xla", flush=True)
     deadline = time.perf_counter() + args.budget_s

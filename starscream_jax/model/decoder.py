@@ -49,7 +49,8 @@ from .moe import routed_mlp
 from .names import ATTN_KV, ATTN_Q, CACHE, KV_CACHE, KV_CACHE_SCALE, LOGITS, POSITIONS, RESIDUAL, TOKENS
 from .ops import AttentionOptions, attention, cross_entropy, embed_lookup
 from .paged import PagedCache, PagedLayer, paged_attention, with_layers
-from .weight_only import applies as weight_only_applies, weight_only_matmul
+from .weight_only import applies as weight_only_applies
+from .weight_only_group import grouped_weight_only_matmul
 from .quantize import (
     OCP_TO_FNUZ,
     QUANTIZED_INPUTS,
@@ -498,7 +499,7 @@ def _project(scope: str, subscripts: str, x: jax.Array, w: jax.Array | Scaled | 
     with jax.named_scope(scope):
         implementation = _weight_only_implementation(subscripts, x, w, c)
         if implementation:
-            return _weight_only(subscripts, x, w, out, scope, implementation)
+            return _weight_only(x, [(subscripts, w, out)], scope, implementation)[0]
         rows = _padded_rows(x, _values(w))
         if rows:
             return _padded_matmul(subscripts, x, w, out, scope, rows)
@@ -533,31 +534,46 @@ def _weight_only_axes(subscripts: str) -> tuple[str, str] | None:
     return contracted, w_letters[len(contracted):]
 
 
-def _weight_only(subscripts: str, x: jax.Array, w: Scaled, out: tuple[str, ...], scope: str,
-                 implementation: str) -> jax.Array:
-    """`_matmul(subscripts, x, w)` of x [B, S, ...] by an 8-bit weight on the weight-only kernel: x as [B S, K],
-    the values as [K, N] (a reshape of a row-major array, no copy), the scale per output channel [N] (or one
-    number), applied in the kernel's epilogue; the result [B, S, out...] in x's dtype, placed by `out`. Under a
-    layout the operands, whole on each device, enter the kernel as replicated arrays of a shard map (each device
-    computes the whole product, as the XLA path would; a shared input's `reduced` type, gradient bookkeeping that
-    decode does not use, is dropped there)."""
-    contracted, _ = _weight_only_axes(subscripts)
+def _projections(scope: str, x: jax.Array, projections: list[tuple[str, jax.Array | Scaled | Fp8Weight,
+                                                                    tuple[str, ...]]],
+                 c: ModelConfig, x_scale: jax.Array | None = None) -> list[jax.Array]:
+    """The projections (subscripts, weight, out) of one input x [B, S, ...] under the named scope `scope`: where
+    every weight is 8-bit and runs on the same weight-only implementation (`_weight_only_implementation`: decode's
+    few rows, operands whole on each device), all of them in one launch (`_weight_only`: q, k, v or gate, up, each
+    weight read in place); otherwise each by `_project`."""
+    with jax.named_scope(scope):
+        chosen = {_weight_only_implementation(subscripts, x, w, c) for subscripts, w, _ in projections}
+        if len(projections) > 1 and len(chosen) == 1 and "" not in chosen:
+            return _weight_only(x, projections, scope, chosen.pop())
+    return [_project(scope, subscripts, x, w, out, c, x_scale) for subscripts, w, out in projections]
+
+
+def _weight_only(x: jax.Array, projections: list[tuple[str, Scaled, tuple[str, ...]]], scope: str,
+                 implementation: str) -> list[jax.Array]:
+    """`_matmul(subscripts, x, w)` of x [B, S, ...] by each 8-bit weight of `projections` ((subscripts, weight,
+    out) sharing x) in one launch of the grouped weight-only kernel (`weight_only_group`): x as [B S, K], each
+    weight's values as [K, N] (a reshape of a row-major array, no copy) with its scale per output channel [N] (or
+    one number), applied in the kernel's epilogue; each result [B, S, out...] in x's dtype, placed by its `out`.
+    Under a layout the operands, whole on each device, enter the kernel as replicated arrays of a shard map (each
+    device computes the whole products, as the XLA path would; a shared input's `reduced` type, gradient
+    bookkeeping that decode does not use, is dropped there)."""
     B, S = x.shape[:2]
     K = int(np.prod(x.shape[2:]))
-    out_shape = w.values.shape[len(contracted):]
-    N = int(np.prod(out_shape))
+    shapes = [w.values.shape[len(_weight_only_axes(subscripts)[0]):] for subscripts, w, _ in projections]
 
-    def local(x, values, scale):
-        scale_N = scale if scale.ndim == 0 else scale.reshape(N)
-        y_MN = weight_only_matmul(x.reshape(B * S, K), values.reshape(K, N), scale_N, implementation)
-        return y_MN.reshape(B, S, *out_shape)
+    def local(x, *arrays):
+        pairs = [(values.reshape(K, -1), scale if scale.ndim == 0 else scale.reshape(-1))
+                 for values, scale in zip(arrays[::2], arrays[1::2])]
+        outs = grouped_weight_only_matmul(x.reshape(B * S, K), pairs, implementation)
+        return tuple(y.reshape(B, S, *shape) for y, shape in zip(outs, shapes))
 
+    arrays = [t for _, w, _ in projections for t in (w.values, w.scale)]
     if active() is None:
-        return local(x, w.values, w.scale)
+        return list(local(x, *arrays))
     whole = PartitionSpec()
-    y = jax.shard_map(local, mesh=active().mesh, in_specs=(whole,) * 3, out_specs=whole)(
-        *(placed_as(t, whole) for t in (x, w.values, w.scale)))
-    return constrain(y, out, f"{scope} output")
+    outs = jax.shard_map(local, mesh=active().mesh, in_specs=(whole,) * (1 + len(arrays)),
+                         out_specs=(whole,) * len(projections))(*(placed_as(t, whole) for t in (x, *arrays)))
+    return [constrain(y, out, f"{scope} output") for y, (_, _, out) in zip(outs, projections)]
 
 
 def _fp8_scale(c: ModelConfig, x: jax.Array) -> jax.Array | None:
@@ -755,7 +771,8 @@ def _qkv(c: ModelConfig, h_BSD, w):
     [D, K, G + 2, E] (each kv head's G query heads, then its key, then its value), used (cast, gathered) as one
     weight and multiplied in one GEMM. Stacking by kv head keeps the stack local wherever a layout splits query
     heads and kv heads over the same mesh axes (every layout except flat_tp with fewer kv heads than devices, which
-    copies kv heads); there, and when not fused (decode), three GEMMs run. Either way under the named scope "qkv"."""
+    copies kv heads); there, and when not fused (decode), three GEMMs run, or with 8-bit weights on the weight-only
+    kernel one launch of all three (`_projections`). Either way under the named scope "qkv"."""
     H, E, K = c.n_heads, c.head_dim, c.n_kv_heads
     G = H // K
     if not (_fuses(c, h_BSD) and _same_split([w["wq"], w["wk"], w["wv"]], 1)):
@@ -764,9 +781,8 @@ def _qkv(c: ModelConfig, h_BSD, w):
         wv_DKE = _used("qkv", c, w, "wv", ("embed", "kv_heads", "head_dim"))
         h_scale = _fp8_scale(c, h_BSD)
         h_BSD = shared_input(h_BSD, [_values(wq_DHE), _values(wk_DKE), _values(wv_DKE)])
-        return (_project("qkv", "bsd,dhe->bshe", h_BSD, wq_DHE, ATTN_Q, c, h_scale),
-                _project("qkv", "bsd,dke->bske", h_BSD, wk_DKE, ATTN_KV, c, h_scale),
-                _project("qkv", "bsd,dke->bske", h_BSD, wv_DKE, ATTN_KV, c, h_scale))
+        return tuple(_projections("qkv", h_BSD, [("bsd,dhe->bshe", wq_DHE, ATTN_Q), ("bsd,dke->bske", wk_DKE, ATTN_KV),
+                                                 ("bsd,dke->bske", wv_DKE, ATTN_KV)], c, h_scale))
     with jax.named_scope("qkv"):
         stacked_DKCE = jnp.concatenate([_by_kv_head(w["wq"], K), w["wk"][:, :, None], w["wv"][:, :, None]], axis=2)
         w_DKCE = _weight_at_use(c, stacked_DKCE, ("embed", "kv_heads", None, "head_dim"), "wq|wk|wv")
@@ -783,15 +799,16 @@ def _gate_up(c: ModelConfig, h_BSD, w):
 
     Fused (`_fuses`: training and prefill): the stored gate and up weights [D, F] are stacked on a new axis right
     after `embed` ([D, 2, F]), which no layout splits, so the stack is local; it is used (cast, gathered) as one
-    weight in one GEMM. Otherwise two GEMMs. Either way under the named scope "gate_up". (A routed mixture of
+    weight in one GEMM. Otherwise two GEMMs, or with 8-bit weights on the weight-only kernel one launch of both
+    (`_projections`). Either way under the named scope "gate_up". (A routed mixture of
     experts runs its own grouped gate and up matmuls, `moe.routed_mlp`.)"""
     names, out = ("embed", "mlp"), ("batch", "seq", "mlp")
     if not _fuses(c, h_BSD):
         w_gate, w_up = _used("gate_up", c, w, "w_gate", names), _used("gate_up", c, w, "w_up", names)
         h_scale = _fp8_scale(c, h_BSD)
         h_BSD = shared_input(h_BSD, [_values(w_gate), _values(w_up)])
-        return (_project("gate_up", "bsd,df->bsf", h_BSD, w_gate, out, c, h_scale),
-                _project("gate_up", "bsd,df->bsf", h_BSD, w_up, out, c, h_scale))
+        return tuple(_projections("gate_up", h_BSD, [("bsd,df->bsf", w_gate, out), ("bsd,df->bsf", w_up, out)], c,
+                                  h_scale))
     with jax.named_scope("gate_up"):
         stacked_DTF = jnp.stack([w["w_gate"], w["w_up"]], axis=1)
         used_DTF = _weight_at_use(c, stacked_DTF, ("embed", None, "mlp"), "w_gate|w_up")

@@ -46,3 +46,20 @@ def test_quick_run_times_each_implementation_and_sums_a_layer(bench, tmp_path):
     by = {(row["projection"], row["implementation"]): row["seconds"] for row in one}
     assert layer[1]["xla_s"] == pytest.approx(by["q", "xla"] + 2 * by["k,v", "xla"] + by["o", "xla"]
                                               + 2 * by["gate,up", "xla"] + by["down", "xla"])
+
+
+def test_quick_run_times_a_layer_grouped_against_each_projection_alone(bench, tmp_path):
+    """--layer-only: one layer's 7 projections per implementation (quick: at the first row count), the grouped
+    kernel in 4 launches per layer (q, k, v; o; gate, up; down) where the single-projection kernel takes 7, every
+    product XLA's to rounding."""
+    out = tmp_path / "layer.json"
+    assert bench.main(["--quick", "--layer-only", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["rows"] == [] and [(layer["rows"], layer["format"]) for layer in result["grouped_layer"]] == [
+        (1, "int8")]
+    for layer in result["grouped_layer"]:
+        assert all(layer[f"{name}_s"] > 0 for name in bench.LAYER_IMPLEMENTATIONS)
+        assert layer["grouped_error_vs_xla"] < 1e-2 and layer["kernel_error_vs_xla"] < 1e-2
+        assert layer["grouped_launches"] == 4 * bench.LAYER_COPIES
+        assert layer["kernel_launches"] == 7 * bench.LAYER_COPIES
+        assert layer["xla_launches"] is None and layer["grouped_over_bf16"] > 0
