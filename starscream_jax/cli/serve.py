@@ -29,6 +29,7 @@ from ..serving.client import EngineClient
 from ..serving.core import EngineProcess, ReadyEngine
 from ..serving.requests import generation_defaults
 from ..serving.server import Server
+from ..serving.tools import PARSERS, default_parser
 from .arguments import (
     MODEL_SOURCE_EXCLUSIVE,
     RUN_MESH,
@@ -107,6 +108,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="sampling defaults (temperature, top_p, top_k) for requests that leave them out: 'auto' "
                            "reads generation_config.json of --model-dir, a directory reads its own, 'vllm' keeps "
                            "the API's defaults (default auto)")
+    http.add_argument("--tool-call-parser", choices=("auto", "none", *PARSERS), default="auto",
+                      help="how tool calls are read out of an answer under tool_choice 'auto' (vLLM's names): "
+                           "'auto' picks the parser of --model-dir's family (llama: llama3_json, qwen2 / qwen3: "
+                           "hermes, mistral / mixtral: mistral), 'none' refuses tool_choice auto (default auto)")
 
 
 def json_list(text: str) -> list[str]:
@@ -136,6 +141,19 @@ def sampling_defaults(args: argparse.Namespace) -> tuple[dict, Path | None]:
                                   "'auto' or 'vllm'")
         return {}, None
     return generation_defaults(path), path
+
+
+def tool_call_parser(args: argparse.Namespace) -> str | None:
+    """The --tool-call-parser to serve with: as given, or with 'auto' the one of --model-dir's family (its
+    config.json's model_type; `serving.tools.default_parser`), None for none."""
+    if args.tool_call_parser != "auto":
+        return None if args.tool_call_parser == "none" else args.tool_call_parser
+    path = Path(args.model_dir) / "config.json" if getattr(args, "model_dir", None) else None
+    try:
+        model_type = json.loads(path.read_text()).get("model_type") if path is not None and path.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        model_type = None
+    return default_parser(model_type)
 
 
 def configure_logging(level: str) -> None:
@@ -231,7 +249,8 @@ def run(args: argparse.Namespace) -> int:
     name = info.model_name
     server = Server(client, tokenizer, name, info, args.max_pending, on_engine_failure=engine_failed,
                     api_key=args.api_key, allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
-                    allowed_headers=args.allowed_headers, sampling_defaults=defaults)
+                    allowed_headers=args.allowed_headers, sampling_defaults=defaults,
+                    tool_parser=tool_call_parser(args))
     configure_logging(args.log_level)
     http = uvicorn.Server(uvicorn.Config(server.app(), log_level=args.log_level, access_log=True))
     host, port = sock.getsockname()[:2]

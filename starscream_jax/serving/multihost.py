@@ -81,8 +81,8 @@ class StepBroadcast:
 
 
 def follow(engine) -> int:
-    """Follower: run the leader's steps (and slot resets and grammar masks) on this process' devices until it stops; returns the
-    steps run."""
+    """Follower: run the leader's steps (and slot resets and grammar masks) on this process' devices until it
+    stops; returns the steps run."""
     steps = 0
     while (message := engine.channel.receive()) is not None:
         phase, inputs = message

@@ -13,7 +13,16 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import StarscreamError
+from .guided import (
+    Grammar,
+    choice_grammar,
+    json_object_grammar,
+    json_schema_grammar,
+    lark_grammar,
+    regex_grammar,
+)
 from .scheduler import MAX_LOGIT_BIAS, MAX_TOP_K, MAX_TOP_LOGPROBS
+from .tools import PARSERS, ToolMode, function_of, named_grammar, required_grammar
 
 HTTP_BAD_REQUEST, HTTP_UNAUTHORIZED, HTTP_NOT_FOUND = 400, 401, 404
 HTTP_TOO_LARGE, HTTP_TOO_MANY, HTTP_UNAVAILABLE = 413, 429, 503
@@ -23,10 +32,8 @@ MAX_N = 16
 
 UNSUPPORTED = {
     "echo": (False,), "length_penalty": (1,), "prompt_logprobs": (), "use_beam_search": (False,), "suffix": ("",),
-    "response_format": ({"type": "text"},), "guided_json": (), "guided_regex": (), "guided_choice": (),
-    "guided_grammar": (), "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structured_outputs": (),
-    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "parallel_tool_calls": (True, False), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "functions": ([],), "function_call": ("none",),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
     "chat_template": (), "chat_template_kwargs": ({},), "continue_final_message": (False,), "documents": ([],),
     "mm_processor_kwargs": ({},), "truncate_prompt_tokens": (), "allowed_token_ids": (), "bad_words": ([],),
     "logits_processors": ([],), "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
@@ -35,7 +42,16 @@ UNSUPPORTED = {
     "store": (False,), "metadata": ({},), "cache_salt": (),
 }
 """Fields of vLLM's OpenAI protocol this server does not implement -> the values that ask for nothing (the field's
-default; an explicit null counts as absent). Any other value is refused with a 400 naming the field."""
+default; an explicit null counts as absent). Any other value is refused with a 400 naming the field. (`functions`
+and `function_call`, OpenAI's deprecated form of tools, are not in vLLM's protocol either: send `tools`.)"""
+GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                  "structured_outputs")
+"""The fields that ask for structured output (`serving.guided`); a request gives at most one of them."""
+BACKENDS = ("auto", "guidance", "llguidance")
+"""guided_decoding_backend values served (every grammar runs on llguidance, vLLM's `guidance` backend)."""
+STRUCTURED_OUTPUT_KEYS = {"json", "regex", "choice", "grammar", "json_object", "whitespace_pattern",
+                          "disable_any_whitespace", "disable_additional_properties", "disable_fallback"}
+"""Keys of vLLM's `structured_outputs` read (`disable_fallback` asks for nothing: there is no other backend)."""
 
 
 class ApiError(Exception):
@@ -90,6 +106,14 @@ class Sampling(BaseModel):
     ignore_eos: bool = False
     user: str | None = None
     request_id: str | None = None
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: dict | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -130,6 +154,89 @@ class Sampling(BaseModel):
             raise ApiError(HTTP_BAD_REQUEST, f"best_of {self.best_of} is not supported by this server: it returns "
                            f"every choice it samples; leave best_of out or send n ({self.n})", param="best_of")
         return self
+
+
+    def grammar(self) -> Grammar | None:
+        """The structured output the request asks for (`serving.guided`, not yet validated), or None; an
+        ApiError naming the field when it is malformed or more than one field asks."""
+        asked = [name for name in GRAMMAR_FIELDS if _asks(name, getattr(self, name))]
+        if self.guided_decoding_backend not in (None, *BACKENDS):
+            raise ApiError(HTTP_BAD_REQUEST, f"guided_decoding_backend {self.guided_decoding_backend!r} is not "
+                           f"served; every grammar runs on llguidance: send one of {', '.join(BACKENDS)} or leave "
+                           "it out", param="guided_decoding_backend")
+        if len(asked) > 1:
+            raise ApiError(HTTP_BAD_REQUEST, f"{' and '.join(asked)} each ask for structured output; give one",
+                           param=asked[1])
+        if not asked:
+            return None
+        try:
+            return self._grammar_of(asked[0])
+        except StarscreamError as err:
+            raise ApiError(HTTP_BAD_REQUEST, str(err), param=asked[0]) from None
+
+    def _grammar_of(self, name: str) -> Grammar:
+        value, whitespace = getattr(self, name), self.guided_whitespace_pattern
+        if name == "response_format":
+            return _response_format(value)
+        if name == "structured_outputs":
+            return _structured_outputs(value, whitespace)
+        if name == "guided_json":
+            return json_schema_grammar(value, name, whitespace=whitespace)
+        if name == "guided_regex":
+            return regex_grammar(value, name)
+        return choice_grammar(value, name) if name == "guided_choice" else lark_grammar(value, name)
+
+
+def _asks(name: str, value) -> bool:
+    """Whether grammar field `name` holding `value` asks for structured output (response_format text does not)."""
+    if name == "response_format":
+        return value is not None and value.get("type") != "text"
+    if name == "structured_outputs":
+        return value is not None and any(value.get(key) not in (None, False) for key in
+                                         ("json", "regex", "choice", "grammar", "json_object"))
+    return value is not None
+
+
+def _response_format(value: dict) -> Grammar:
+    """OpenAI's response_format: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name",
+    "schema", "strict"}}."""
+    kind = value.get("type")
+    if kind == "json_object":
+        return json_object_grammar("response_format")
+    if kind != "json_schema":
+        raise StarscreamError(f"response_format type {kind!r} is not supported; send text, json_object or "
+                              "json_schema")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise StarscreamError("response_format json_schema must be {\"name\": ..., \"schema\": {...}}")
+    return json_schema_grammar(spec.get("schema", {}), "response_format", strict=spec.get("strict") is True)
+
+
+def _structured_outputs(value: dict, whitespace: str | None) -> Grammar:
+    """vLLM's structured_outputs: one of json, regex, choice, grammar, json_object, with whitespace options."""
+    unknown = sorted(set(value) - STRUCTURED_OUTPUT_KEYS)
+    if unknown:
+        raise StarscreamError(f"structured_outputs.{unknown[0]} is not supported; give json, regex, choice, "
+                              "grammar or json_object")
+    asked = [key for key in ("json", "regex", "choice", "grammar", "json_object")
+             if value.get(key) not in (None, False)]
+    if len(asked) > 1:
+        raise StarscreamError(f"structured_outputs gives {' and '.join(asked)}; give one")
+    key, field = asked[0], "structured_outputs"
+    whitespace = value.get("whitespace_pattern") or whitespace
+    flexible = value.get("disable_any_whitespace") is False
+    if key == "json":
+        return json_schema_grammar(value["json"], field, strict=value.get("disable_additional_properties") is True,
+                                   whitespace=whitespace, flexible=flexible)
+    if key == "json_object":
+        return json_object_grammar(field, flexible=flexible)
+    if key == "regex" and isinstance(value["regex"], str):
+        return regex_grammar(value["regex"], field)
+    if key == "choice" and isinstance(value["choice"], list):
+        return choice_grammar(value["choice"], field)
+    if key == "grammar" and isinstance(value["grammar"], str):
+        return lark_grammar(value["grammar"], field)
+    raise StarscreamError(f"structured_outputs.{key} has the wrong type; see vLLM's structured outputs")
 
 
 def _same(given, neutral) -> bool:
@@ -176,15 +283,85 @@ class ChatMessage(BaseModel):
                                "serves a text model; send text parts only", param="messages")
             turn["content"] = "\n".join(part.text or "" for part in self.content)
         turn.setdefault("content", "")
+        if isinstance(turn.get("tool_calls"), list):
+            turn["tool_calls"] = [_arguments_read(call) for call in turn["tool_calls"]]
         return turn
 
 
+def _arguments_read(call):
+    """A tool call of an assistant turn with its `function.arguments` JSON text read into an object, as chat
+    templates expect it (they write it back out with `tojson`); text that is not JSON is left as it is."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
 class ChatRequest(Sampling):
+    """A chat request; `tools` (OpenAI's function tools) reach the chat template, and `tool_choice` says how the
+    answer becomes calls (`serving.tools`)."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # the template writes them
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _tools_are_functions(self):
+        try:
+            for tool in self.tools or ():
+                function_of(tool)
+        except StarscreamError as err:
+            raise ApiError(HTTP_BAD_REQUEST, str(err), param="tools") from None
+        return self
+
+    def tool_mode(self, parser: str | None) -> ToolMode | None:
+        """How the answer becomes tool calls (`serving.tools.ToolMode`), None when it does not (no tools, or
+        tool_choice "none"); `parser` is the server's --tool-call-parser for "auto". ApiError naming tool_choice
+        for a choice it cannot serve."""
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
+        if choice == "none":
+            return None
+        if not self.tools:
+            raise ApiError(HTTP_BAD_REQUEST, f"tool_choice {choice!r} needs tools; send tools or leave tool_choice "
+                           "out", param="tool_choice")
+        if choice == "auto":
+            if parser is None:
+                raise ApiError(HTTP_BAD_REQUEST, "tool_choice \"auto\" needs a tool-call parser, which this server "
+                               "has none of for its model; start it with --tool-call-parser, or send tool_choice "
+                               "\"required\" or a named function", param="tool_choice")
+            return ToolMode("auto", PARSERS[parser])
+        if choice == "required":
+            return ToolMode("required")
+        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        if not isinstance(name, str) or choice.get("type", "function") != "function":
+            raise ApiError(HTTP_BAD_REQUEST, f"tool_choice {choice!r} is not one of none, auto, required or "
+                           "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
+        return ToolMode("named", name=name)
+
+    def grammar(self) -> Grammar | None:
+        """The request's structured output (`Sampling.grammar`), or the grammar tool_choice "required" or a named
+        function makes the answer follow (the two cannot be combined)."""
+        asked = super().grammar()
+        mode = self.tool_mode(next(iter(PARSERS)))  # (the parser does not matter here)
+        if mode is None or mode.kind == "auto":
+            return asked
+        if asked is not None:
+            raise ApiError(HTTP_BAD_REQUEST, f"tool_choice {mode.kind} makes the answer a tool call; it cannot also "
+                           f"follow {asked.field}", param="tool_choice")
+        try:
+            return named_grammar(self.tools, mode.name) if mode.kind == "named" else \
+                required_grammar(self.tools, self.parallel_tool_calls)
+        except StarscreamError as err:
+            raise ApiError(HTTP_BAD_REQUEST, str(err), param="tool_choice") from None
 
     @model_validator(mode="after")
     def _top_logprobs_with_logprobs(self):

@@ -21,6 +21,7 @@ from .detokenize import IncrementalText
 from .metrics import RequestTimes, ServerMetrics
 from .requests import HTTP_BAD_REQUEST, ApiError, Sampling, unavailable
 from .scheduler import SamplingParams
+from .tools import ToolMode, ToolStream
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class Serving:
     client: EngineClient
     metrics: ServerMetrics
     json: msgspec.json.Encoder
+    decode_special: Callable[[list[int]], str] | None = None
+    """The tokenizer's decode with special tokens kept, for the text a tool-call parser reads (default `decode`)."""
 
 
 class Choice:
@@ -39,10 +42,14 @@ class Choice:
     metrics once it ends."""
 
     def __init__(self, serving: Serving, index: int, request_id: str, prompt: list[int], params: SamplingParams,
-                 stop: tuple[str, ...], include_stop: bool, stream: RequestStream):
+                 stop: tuple[str, ...], include_stop: bool, stream: RequestStream, tools: ToolMode | None = None):
         self.serving, self.index, self.request_id, self.params, self.stream = serving, index, request_id, params, stream
         self.prompt_tokens = len(prompt)
-        self.text = IncrementalText(serving.decode, prompt, stop, include_stop, params.min_tokens)
+        self.tools = tools
+        self.tool_stream = ToolStream(tools) if tools is not None else None
+        decode = serving.decode_special or serving.decode if tools is not None and tools.kind == "auto" else \
+            serving.decode
+        self.text = IncrementalText(decode, prompt, stop, include_stop, params.min_tokens)
         self.parts: list[str] = []
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
@@ -71,6 +78,28 @@ class Choice:
         if self.text.stopped or delta.finish_reason is not None:
             self.finish_reason = "stop" if self.text.stopped else delta.finish_reason
         return text, tokens, values, tops
+
+    def split(self, text: str) -> tuple[str, list[dict]]:
+        """(content, tool-call deltas) of the choice's new `text` while streaming (`tools.ToolStream`)."""
+        if self.tool_stream is None:
+            return text, []
+        return self.tool_stream.add(text, final=self.finish_reason is not None)
+
+    def outcome(self) -> tuple[str | None, list[dict], str | None]:
+        """The whole choice's (content, OpenAI tool_calls, finish_reason): "tool_calls" when it ended by itself
+        ("stop") with calls."""
+        text = "".join(self.parts)
+        if self.tools is None:
+            return text, [], self.finish_reason
+        content, calls = self.tools.calls(text)
+        return content, [call.openai() for call in calls], self._reason(bool(calls))
+
+    def streamed_reason(self) -> str | None:
+        """The finish reason of a streamed choice (after its last `split`)."""
+        return self._reason(bool(self.tool_stream and self.tool_stream.calls))
+
+    def _reason(self, called: bool) -> str | None:
+        return "tool_calls" if called and self.finish_reason == "stop" else self.finish_reason
 
     def finished(self, arrival: float) -> None:
         """Cancels the request in the engine if it still runs (a stop string, the client gone, another choice
@@ -169,9 +198,12 @@ class CompletionResponse:
                     failed = True
                     break
                 text, tokens, values, tops = choice.advance(delta)
-                if text or tokens or choice.finish_reason is not None:
+                text, calls = choice.split(text) if self.chat else (text, [])
+                if text or tokens or calls or choice.finish_reason is not None:
                     logprobs = self._logprobs(tokens, values, tops) if choice.params.logprobs else None
-                    yield _sse(encode(self._chunk(choice, text, choice.finish_reason, logprobs)))
+                    part = ({"content": text or None, "tool_calls": calls} if calls else {"content": text}) \
+                        if self.chat else text
+                    yield _sse(encode(self._chunk(choice, part, choice.streamed_reason(), logprobs)))
                 running -= choice.finish_reason is not None
             options = self.body.stream_options
             if options is not None and options.include_usage and not failed:
@@ -205,14 +237,14 @@ class CompletionResponse:
     def _body(self) -> dict:
         choices = []
         for choice in self.choices:
-            text = "".join(choice.parts)
+            text, calls, reason = choice.outcome()
             logprobs = self._logprobs(choice.tokens, choice.logprobs, choice.tops) if choice.params.logprobs else None
             if self.chat:
-                choices.append({"index": choice.index, "message": {"role": "assistant", "content": text},
-                                "logprobs": logprobs, "finish_reason": choice.finish_reason})
+                message = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+                choices.append({"index": choice.index, "message": message, "logprobs": logprobs,
+                                "finish_reason": reason})
             else:
-                choices.append({"index": choice.index, "text": text, "logprobs": logprobs,
-                                "finish_reason": choice.finish_reason})
+                choices.append({"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": reason})
         return {"id": self.response_id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self._usage()}
 

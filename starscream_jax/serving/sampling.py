@@ -7,18 +7,19 @@ Order, as vLLM's sampler applies them: `logit_bias` added and the stop tokens ma
 log-probabilities returned (the chosen token's and the `top_logprobs` best, `top_logprobs`) are the model's own,
 before any of these.
 
-`SlotState` holds, for every slot of every cache shard (a running sequence holds one slot of its shard, its
-index local to the shard, `Sequence.slot`), the counts of its generated tokens per vocabulary id [slots, V] int32,
-which ids its prompt holds [slots, V] bool, its logit bias as (id, value) pairs [slots, MAX_LOGIT_BIAS] and its stop
-ids [slots, MAX_STOP_IDS] (-1: none), and the allowed-token bits of a guided row's next token [slots, W] int32
-(structured output, `serving.guided`: W = ceil(V / 32) words, bit v % 32 of word v // 32 for token v). Its slots are split as the attention batch is (`SLOT_TABLE`), as the step's
-rows are: shard s's rows read and write only shard s's slots, on the device that holds both (`run_sharded`), so no
-slot is stored twice and none moves. The host writes a slot's row once, when a sequence that uses these settings
-takes it (`reset_slot`, with `SlotReset.of`); the step counts each penalized row's sampled token itself (`record`,
-a scatter of B ones). A guided row's bits change with every token it takes, so the host writes them before each
-step that samples it, after reading its previous token (`write_masks`, one scatter of the guided rows' masks);
-the step then sets every token a guided row's grammar forbids to -inf before anything else (`apply_grammar`), as
-vLLM applies its grammar bitmask. A step none of whose rows uses a setting skips its work (`jax.lax.cond`).
+`SlotState` holds, for every slot of every cache shard (a running sequence holds one slot of its shard, its index local
+to the shard, `Sequence.slot`), the counts of its generated tokens per vocabulary id [slots, V] int32, which ids its
+prompt holds [slots, V] bool, its logit bias as (id, value) pairs [slots, MAX_LOGIT_BIAS] and its stop ids [slots,
+MAX_STOP_IDS] (-1: none), and the allowed-token bits of a guided row's next token [slots, W] int32 (structured output,
+`serving.guided`: W = ceil(V / 32) words, bit v % 32 of word v // 32 for token v). Its slots are split as the attention
+batch is (`SLOT_TABLE`), as the step's rows are: shard s's rows read and write only shard s's slots, on the device that
+holds both (`run_sharded`), so no slot is stored twice and none moves. The host writes a slot's row once, when a
+sequence that uses these settings takes it (`reset_slot`, with `SlotReset.of`); the step counts each penalized row's
+sampled token itself (`record`, a scatter of B ones). A guided row's bits change with every token it takes, so the host
+writes them before each step that samples it, after reading its previous token (`write_masks`, one scatter of the guided
+rows' masks); the step then sets every token a guided row's grammar forbids to -inf before anything else
+(`apply_grammar`), as vLLM applies its grammar bitmask. A step none of whose rows uses a setting skips its work
+(`jax.lax.cond`).
 """
 from __future__ import annotations
 

@@ -54,9 +54,9 @@ class SamplingParams:
     frequency penalties subtract from the logit of each id generated so far (once, or once per time); the
     repetition penalty divides positive logits and multiplies negative ones of ids in the prompt or generated;
     `logit_bias` ((id, value) pairs) adds to logits; `grammar` (structured output, `serving.guided`) allows only
-    the tokens that keep the text within it, and the request ends ("stop") when the grammar does. Stop strings are text, so the API process applies them to
-    the detokenized text (`serving.detokenize`) and cancels the request; the engine stops on token ids and
-    lengths alone."""
+    the tokens that keep the text within it, and the request ends ("stop") when the grammar does. Stop strings are
+    text, so the API process applies them to the detokenized text (`serving.detokenize`) and cancels the request;
+    the engine stops on token ids and lengths alone."""
 
     max_tokens: int = 16
     temperature: float = 0.0

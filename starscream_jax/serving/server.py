@@ -57,7 +57,9 @@ from .requests import (
     unavailable,
 )
 from .responses import Choice, CompletionResponse, Serving
+from .guided import Grammar, checked
 from .scheduler import SamplingParams, check_fits
+from .tools import PARSERS, ToolMode
 
 MAX_CHARS_PER_TOKEN = 256
 """A prompt longer than the context times this many characters cannot fit whatever the tokenizer, and is refused
@@ -88,13 +90,15 @@ class Server:
     engine stops unexpectedly (the command then ends the process with a non-zero status). `api_key`: every /v1/
     route then asks for `Authorization: Bearer <api_key>`. `allowed_origins` (with `allowed_methods` and
     `allowed_headers`): the browser origins CORS lets in ("*": any; none by default). `sampling_defaults`: the
-    temperature / top_p / top_k a request that leaves them out gets (a model's generation_config.json)."""
+    temperature / top_p / top_k a request that leaves them out gets (a model's generation_config.json).
+    `tool_parser`: the `serving.tools.PARSERS` name that reads calls out of an answer under tool_choice "auto"
+    (None: such requests are refused)."""
 
     def __init__(self, client: EngineClient, tokenizer, model_name: str, info: EngineInfo, max_pending: int = 256,
                  on_engine_failure: Callable[[], None] = lambda: None, api_key: str | None = None,
                  allowed_origins: Sequence[str] = (), allowed_methods: Sequence[str] = ("*",),
                  allowed_headers: Sequence[str] = ("*",), sampling_defaults: dict | None = None,
-                 stats_interval_s: float = STATS_INTERVAL_S):
+                 stats_interval_s: float = STATS_INTERVAL_S, tool_parser: str | None = None):
         self.client, self.tokenizer, self.model_name, self.info = client, tokenizer, model_name, info
         self.max_pending = max_pending
         self.metrics = ServerMetrics(model_name, info.page_size)
@@ -104,9 +108,13 @@ class Server:
         self.cors = (tuple(allowed_origins), tuple(allowed_methods), tuple(allowed_headers))
         self.sampling_defaults = dict(sampling_defaults or {})
         self.stats_interval_s = stats_interval_s
+        if tool_parser is not None and tool_parser not in PARSERS:
+            raise StarscreamError(f"unknown tool-call parser {tool_parser!r}; choose one of {', '.join(PARSERS)}")
+        self.tool_parser = tool_parser
         self._ids = itertools.count()
         self.serving = Serving(decode=tokenizer.decode, client=client, metrics=self.metrics,
-                               json=msgspec.json.Encoder())
+                               json=msgspec.json.Encoder(),
+                               decode_special=functools.partial(tokenizer.decode, skip_special_tokens=False))
         self.shutting_down = False
         self.prompt_tokens_submitted = 0
         """Prompt tokens sent to the engine so far (for the periodic stats line)."""
@@ -238,21 +246,40 @@ class Server:
             self._tokenize(text, "prompt", functools.partial(self.tokenizer.encode, text, body.add_special_tokens))
             for text in texts)))
         prompts = [next(encoded) if isinstance(prompt, str) else prompt for prompt in prompts]
-        return await self._serve(body, prompts, request, arrival, chat=False, logprobs=body.logprobs is not None)
+        grammar = await self._grammar(body)
+        return await self._serve(body, prompts, request, arrival, chat=False, logprobs=body.logprobs is not None,
+                                 grammar=grammar)
 
     async def chat(self, body: ChatRequest, request: Request):
         arrival = request.state.arrival
         self._check_model(body.model)
         self._admit(body.n)
-        prompt = await self._chat_tokens(body.messages, body.add_generation_prompt, body.add_special_tokens)
-        return await self._serve(body, [prompt], request, arrival, chat=True, logprobs=body.logprobs)
+        tools = body.tool_mode(self.tool_parser)
+        grammar = await self._grammar(body)
+        prompt = await self._chat_tokens(body.messages, body.add_generation_prompt, body.add_special_tokens,
+                                         body.tools)
+        return await self._serve(body, [prompt], request, arrival, chat=True, logprobs=body.logprobs,
+                                 grammar=grammar, tools=tools)
+
+    @staticmethod
+    async def _grammar(body: Sampling) -> Grammar | None:
+        """The request's structured output (`Sampling.grammar`), validated by llguidance on a worker thread (a
+        large schema takes a while); a 400 naming its field when it is not valid."""
+        grammar = body.grammar()
+        if grammar is None:
+            return None
+        try:
+            return await asyncio.to_thread(checked, grammar)
+        except StarscreamError as err:
+            raise ApiError(HTTP_BAD_REQUEST, str(err), param=grammar.field) from None
 
     async def _chat_tokens(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                           add_special_tokens: bool) -> list[int]:
+                           add_special_tokens: bool, tools: list | None = None) -> list[int]:
         turns = [message.for_template() for message in messages]
 
         def encode():
-            text = self.tokenizer.render_chat(turns, add_generation_prompt=add_generation_prompt)
+            text = self.tokenizer.render_chat(turns, add_generation_prompt=add_generation_prompt,
+                                              **({"tools": tools} if tools else {}))
             self._check_length(text, "messages")
             return self.tokenizer.encode(text, special_tokens=add_special_tokens)
 
@@ -298,10 +325,11 @@ class Server:
             raise ApiError(HTTP_BAD_REQUEST, str(err), param=field) from None
 
     async def _serve(self, body: Sampling, prompts: list[list[int]], request: Request, arrival: float, chat: bool,
-                     logprobs: bool):
+                     logprobs: bool, grammar: Grammar | None = None, tools: ToolMode | None = None):
         """Submits `body.n` engine requests per prompt (choice `p * n + i` is prompt p's i-th, seeded seed + i
-        when a seed is given) and answers with all their choices, whole or streamed."""
-        params = [self._params(body, prompt, logprobs, chat) for prompt in prompts]
+        when a seed is given) and answers with all their choices, whole or streamed; each follows `grammar`
+        (structured output) and its text becomes tool calls as `tools` says."""
+        params = [replace(self._params(body, prompt, logprobs, chat), grammar=grammar) for prompt in prompts]
         self._admit(len(prompts) * body.n)
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}"
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
@@ -312,8 +340,8 @@ class Server:
                 request_id = response_id if len(prompts) * body.n == 1 else f"{response_id}-{index}"
                 seeded = base if i == 0 or base.seed is None else replace(base, seed=(base.seed + i) % 2 ** 31)
                 stream = self.client.submit(request_id, prompt, seeded)
-                choices.append(Choice(self.serving, index, request_id, prompt, seeded, stop, body.include_stop_str_in_output,
-                                       stream))
+                choices.append(Choice(self.serving, index, request_id, prompt, seeded, stop,
+                                      body.include_stop_str_in_output, stream, tools))
             self.prompt_tokens_submitted += len(prompt) * body.n
         firsts = await asyncio.gather(*(choice.stream.take() for choice in choices))  # refusals surface here
         refused = next((first for first in firsts if first.error is not None), None)

@@ -11,11 +11,11 @@
               Decode runs it with S = 1 under the decode layout, prefill chunks with S > 1 under the prefill
               layout; both layouts place the pages alike, so neither copies the cache.
 
-Shapes are bucketed (`Buckets`): rows per shard, positions per row (prefill) and pages per row round up to the
-next bucket, so a server compiles each (phase, rows, positions, pages) program once, at start, and holds
-`Buckets.programs()` of them. Sampling is per row: a guided row's grammar mask, then logit bias, the min_tokens
-mask and the penalties (`serving.sampling`), then temperature 0 is greedy, else min_p, top-k, then top-p (nucleus) at the row's
-temperature, the draw keyed by (row's seed, the new token's position) alone.
+Shapes are bucketed (`Buckets`): rows per shard, positions per row (prefill) and pages per row round up to the next
+bucket, so a server compiles each (phase, rows, positions, pages) program once, at start, and holds `Buckets.programs()`
+of them. Sampling is per row: a guided row's grammar mask, then logit bias, the min_tokens mask and the penalties
+(`serving.sampling`), then temperature 0 is greedy, else min_p, top-k, then top-p (nucleus) at the row's temperature,
+the draw keyed by (row's seed, the new token's position) alone.
 """
 from __future__ import annotations
 

@@ -62,10 +62,10 @@ class ByteTokenizer:
         """The UTF-8 bytes of `text`; bytes a command line gave that are not UTF-8 (PEP 383) stay those bytes."""
         return data.encode(require_unicode(text, escaped_bytes=True)).astype(np.int32)
 
-    def decode(self, token_ids) -> str:
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
         return data.decode(token_ids)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False, tools: list | None = None) -> str:
         raise StarscreamError("the byte-level tokenizer has no chat template; pass --tokenizer DIR (or --init DIR) "
                               "with a tokenizer_config.json that holds one, or give JSON Lines with a 'text' field")
 
@@ -139,11 +139,14 @@ class HFTokenizer:
             ids = ids + [self.eos_id]
         return np.asarray(ids, np.int32)
 
-    def decode(self, token_ids) -> str:
-        return self._tokenizer.decode([int(i) for i in token_ids], skip_special_tokens=True)
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        """The text of `token_ids`; special tokens left out unless `skip_special_tokens` is False (a tool-call
+        parser reads markers such as Mistral's [TOOL_CALLS], which are special)."""
+        return self._tokenizer.decode([int(i) for i in token_ids], skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """The messages as the checkpoint's chat template (its "default" one, where it names several) writes them.
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False, tools: list | None = None) -> str:
+        """The messages as the checkpoint's chat template (its "default" one, where it names several) writes them,
+        with `tools` (OpenAI's tool definitions, which tool-calling templates write into the prompt) where given.
         Whatever the template raises (its raise_exception, a TypeError, a ZeroDivisionError, ...) is one
         StarscreamError naming the template's failure."""
         if not self.chat_template:
@@ -158,7 +161,7 @@ class HFTokenizer:
         try:
             return environment.from_string(self.chat_template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "")
+                eos_token=self.eos_token or "", **({"tools": tools} if tools else {}))
         except Exception as err:  # a template may raise anything; TemplateError is its own raise_exception's
             failure = str(err) if isinstance(err, TemplateError) else f"{type(err).__name__}: {err}"
             raise StarscreamError(f"the chat template of {self.directory} failed on these messages: "

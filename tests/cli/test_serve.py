@@ -225,3 +225,15 @@ def test_the_command_asks_for_its_key_answers_browsers_and_logs(serve_command, t
     output = server.process.stdout.read()
     assert "sampling defaults from" in output and "temperature 0.5" in output and "max_new_tokens" not in output
     assert '"POST /v1/completions HTTP/1.1" 200' in output and '"GET /v1/models HTTP/1.1" 401' in output
+
+
+def test_the_tool_call_parser_follows_the_model_family_unless_given():
+    fixtures = FIXTURE.parent
+
+    def parser(choice, model_dir):
+        return serve.tool_call_parser(argparse.Namespace(tool_call_parser=choice, model_dir=model_dir))
+
+    assert [parser("auto", str(fixtures / name)) for name in ("llama", "qwen3", "mixtral", "gemma2")] == \
+        ["llama3_json", "hermes", "mistral", None]
+    assert parser("auto", None) is None and parser("none", str(FIXTURE)) is None
+    assert parser("mistral", str(FIXTURE)) == "mistral"

@@ -121,3 +121,72 @@ def test_generation_defaults_read_the_sampling_fields_and_refuse_bad_ones(tmp_pa
     path.write_text('{"top_k": true}')
     with pytest.raises(StarscreamError, match="top_k True is out of range"):
         generation_defaults(path)
+
+
+def test_structured_output_fields_give_one_grammar_named_by_its_field():
+    def grammar(**fields):
+        return ChatRequest.model_validate({**BASE["chat"][1], **fields}).grammar()
+
+    assert grammar() is None and grammar(response_format={"type": "text"}) is None
+    assert grammar(response_format={"type": "json_object"}).field == "response_format"
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    strict = grammar(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
+                                                                            "strict": True}})
+    assert strict.field == "response_format" and '"additionalProperties":false' in strict.text
+    assert grammar(guided_json=schema, guided_whitespace_pattern=" ?").field == "guided_json"
+    assert grammar(guided_regex="a+", guided_decoding_backend="guidance").field == "guided_regex"
+    assert grammar(structured_outputs={"choice": ["a", "b"]}).field == "structured_outputs"
+    assert CompletionRequest.model_validate({**BASE["completions"][1], "guided_choice": ["a"]}).grammar()
+    for fields, param, message in (
+            ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "each ask for structured output"),
+            ({"guided_regex": "a", "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "llguidance"),
+            ({"response_format": {"type": "structural_tag"}}, "response_format", "structural_tag"),
+            ({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}, "response_format",
+             "json_schema must be"),
+            ({"structured_outputs": {"regex": "a", "structural_tag": {}}}, "structured_outputs", "structural_tag"),
+            ({"guided_choice": []}, "guided_choice", "non-empty list")):
+        with pytest.raises(ApiError, match=message) as refused:
+            grammar(**fields)
+        assert refused.value.param == param and refused.value.status == 400
+
+
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]}}, "required": ["city"]}}}]
+
+
+def test_tool_choice_gives_a_mode_and_a_grammar_or_names_what_is_wrong():
+    def chat(**fields):
+        return ChatRequest.model_validate({**BASE["chat"][1], **fields})
+
+    assert chat().tool_mode("hermes") is None and chat(tools=TOOLS, tool_choice="none").tool_mode(None) is None
+    assert chat(tools=TOOLS).tool_mode("hermes").kind == "auto" and chat(tools=TOOLS).grammar() is None
+    required = chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    assert required.tool_mode(None).kind == "required" and '"maxItems":1' in required.grammar().text
+    named = chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "weather"}})
+    assert named.tool_mode(None).name == "weather" and named.grammar().field == "tool_choice"
+    for fields, parser, message in (
+            ({"tools": TOOLS}, None, "needs a tool-call parser"),
+            ({"tool_choice": "required"}, "hermes", "needs tools"),
+            ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}}, "hermes",
+             "'x', which tools does not hold"),
+            ({"tools": TOOLS, "tool_choice": "sometimes"}, "hermes", "is not one of"),
+            ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "hermes", "cannot also follow")):
+        with pytest.raises(ApiError, match=message) as refused:
+            request = chat(**fields)
+            request.tool_mode(parser)
+            request.grammar()
+        assert refused.value.param == "tool_choice"
+    with pytest.raises(ApiError, match="each tool must be") as refused:
+        chat(tools=[{"type": "function", "function": {"description": "no name"}}])
+    assert refused.value.param == "tools"
+
+
+def test_a_tool_call_turn_reaches_the_template_with_its_arguments_read():
+    body = ChatRequest.model_validate({"model": "m", "messages": [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]})
+    turns = [message.for_template() for message in body.messages]
+    assert turns[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert turns[1] == {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}

@@ -7,6 +7,8 @@ shutdown that lets the running stream finish. Without an engine: the API key, CO
 sampling defaults and the stats line."""
 import asyncio
 import importlib.metadata
+import json
+import re
 import socket
 import threading
 import time
@@ -222,6 +224,89 @@ def test_chat_with_n_choices_and_n_bounds(client):
     assert len(client.completions.create(model=MODEL, prompt="x", max_tokens=2, best_of=2, n=2).choices) == 2
     with pytest.raises(openai.RateLimitError):  # more choices than the server queues
         client.completions.create(model=MODEL, prompt=["x"] * (MAX_PENDING // 2 + 1), max_tokens=2, n=2)
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]}},
+          "required": ["ok", "color"]}
+TOOLS = [{"type": "function", "function": {"name": "w", "parameters": {
+    "type": "object", "properties": {"c": {"enum": ["O", "R"]}, "d": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["c", "d"]}, "strict": True}},
+         {"type": "function", "function": {"name": "t", "parameters": {"type": "object", "properties": {}}}}]
+"""Short names: the test engine's context is 64 tokens, and its tokenizer spends about one token a character."""
+
+
+def test_structured_output_through_the_openai_client(client):
+    """A json_schema (strict) answer parses and validates whatever the seed, whole and streamed; a regex and a
+    choice are obeyed on completions; a bad schema, regex or grammar is a 400 naming its field."""
+    messages = [{"role": "user", "content": "hi"}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+    for seed in range(3):
+        answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=1.0,
+                                                seed=seed, response_format=response_format).choices[0]
+        value = json.loads(answer.message.content)
+        assert answer.finish_reason == "stop" and set(value) == {"ok", "color"} and value["color"] in ("red", "green")
+    chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=1.0, seed=0,
+                                            response_format=response_format, stream=True)
+    assert json.loads("".join(c.choices[0].delta.content or "" for c in chunks)) == json.loads(
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=1.0, seed=0,
+                                       response_format=response_format).choices[0].message.content)
+    regex = client.completions.create(model=MODEL, prompt="hello", max_tokens=20, temperature=1.0, seed=1,
+                                      extra_body={"guided_regex": r"[0-9]{3}-(ab|cd)"}).choices[0]
+    assert re.fullmatch(r"[0-9]{3}-(ab|cd)", regex.text) and regex.finish_reason == "stop"
+    choice = client.completions.create(model=MODEL, prompt="hello", max_tokens=20, temperature=1.0, seed=2,
+                                       extra_body={"structured_outputs": {"choice": ["left", "right"]}})
+    assert choice.choices[0].text in ("left", "right")
+    for extra, param in (({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "objekt"}}}}, "response_format"),
+            ({"guided_regex": "a(b"}, "guided_regex"), ({"guided_grammar": "start: nothing_here"}, "guided_grammar")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, extra_body=extra)
+        assert refused.value.body["param"] == param and param in refused.value.body["message"]
+
+
+def test_tool_choice_required_and_named_give_parsed_calls_whole_and_streamed(client, served):
+    """Named and required calls parse (a named one calls its function), whole and streamed (ids, names, then
+    arguments that join into JSON), with finish_reason tool_calls; a conversation holding an assistant turn of
+    tool calls and a tool turn is served; tool_choice auto needs a parser, and an answer without calls is text."""
+    turns = [{"role": "user", "content": "w"},
+             {"role": "assistant", "content": None, "tool_calls": [{"id": "call_0", "type": "function", "function": {
+                 "name": "time", "arguments": "{}"}}]},
+             {"role": "tool", "tool_call_id": "call_0", "content": "9"}]
+    assert client.chat.completions.create(model=MODEL, messages=turns, tools=TOOLS, tool_choice="none",
+                                          max_tokens=3).choices[0].message.content is not None
+    messages = turns[:1]
+    named = {"type": "function", "function": {"name": "w"}}
+    cases = ((named, TOOLS), ("required", TOOLS[1:]))  # (one call of t: what 40 tokens hold)
+    for choice, tools in cases:
+        answer = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice=choice,
+                                                max_tokens=40, temperature=1.0, seed=3,
+                                                parallel_tool_calls=False).choices[0]
+        assert answer.finish_reason == "tool_calls" and answer.message.content is None, answer
+        calls = answer.message.tool_calls
+        assert len(calls) == 1 and calls[0].type == "function" and calls[0].id.startswith("call_")
+        arguments = json.loads(calls[0].function.arguments)
+        if choice is named:
+            assert calls[0].function.name == "w" and set(arguments) == {"c", "d"} and 1 <= arguments["d"] <= 7
+        else:
+            assert calls[0].function.name == "t" and arguments == {}
+    for choice, tools in cases:
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice=choice,
+                                                     max_tokens=40, temperature=1.0, seed=3, stream=True,
+                                                     parallel_tool_calls=False))
+        deltas = [call for chunk in chunks for call in chunk.choices[0].delta.tool_calls or ()]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls" and deltas[0].id and deltas[0].function.name
+        whole = {}
+        for delta in deltas:
+            whole[delta.index] = whole.get(delta.index, "") + (delta.function.arguments or "")
+        assert all(isinstance(json.loads(arguments), dict) for arguments in whole.values())
+    served[1].tool_parser = None
+    with pytest.raises(openai.BadRequestError, match="needs a tool-call parser"):
+        client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=5)
+    served[1].tool_parser = "hermes"
+    plain = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=5,
+                                           temperature=0).choices[0]  # auto: no call in the random model's text
+    assert plain.message.tool_calls is None and plain.finish_reason in ("stop", "length")
+    served[1].tool_parser = None
 
 
 def test_tokenize_detokenize_version_ping_and_no_embeddings(served, llama_tokenizer):

@@ -196,3 +196,14 @@ def test_text_that_is_not_valid_unicode_is_refused_naming_the_index():
                                                   r"U\+D800"):
             tokenizer.encode("a\ud800b")
     assert list(ByteTokenizer().encode("a\udce9")) == [97, 0xE9]  # a command line's byte that is not UTF-8
+
+
+def test_tools_reach_the_chat_template_and_special_tokens_can_be_kept(tmp_path):
+    template = ("{% if tools %}{{ tools | map(attribute='function.name') | join(',') }}|{% endif %}"
+                "{{ messages[0].content }}")
+    tokenizer = HFTokenizer(copied_tokenizer(tmp_path, chat_template=template))
+    tools = [{"type": "function", "function": {"name": "weather"}}]
+    assert tokenizer.render_chat([{"role": "user", "content": "hi"}], tools=tools) == "weather|hi"
+    assert tokenizer.render_chat([{"role": "user", "content": "hi"}]) == "hi"
+    ids = tokenizer.encode("ab", special_tokens=False).tolist() + [tokenizer.eos_id]
+    assert tokenizer.decode(ids) == "ab" and tokenizer.decode(ids, skip_special_tokens=False) == "ab</s>"
