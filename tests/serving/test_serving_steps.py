@@ -15,9 +15,11 @@ from starscream_jax.serving.sampling import (
     SlotReset,
     SlotState,
     apply_bias,
+    apply_grammar,
     apply_penalties,
     record,
     reset_slot,
+    write_masks,
 )
 from starscream_jax.serving.steps import PackedInputs, RowSampling, Sampled, StepInputs, sample_rows
 from starscream_jax.sharding.apply import use_layout
@@ -194,6 +196,47 @@ def test_on_a_mesh_each_shard_reads_and_counts_its_own_slots():
     np.testing.assert_allclose(got_logits, want_logits, rtol=1e-6)
     np.testing.assert_array_equal(got.token, want.token)
     np.testing.assert_array_equal(got_state.counts, want_state.counts)
+
+
+def _bits(allowed_KV: np.ndarray) -> np.ndarray:
+    """llguidance's layout of allowed-token masks [K, V] bool: [K, ceil(V / 32)] int32, bit v % 32 of word v // 32."""
+    words = np.zeros((allowed_KV.shape[0], (allowed_KV.shape[1] + 31) // 32), np.uint32)
+    for token in range(allowed_KV.shape[1]):
+        words[:, token // 32] |= allowed_KV[:, token].astype(np.uint32) << np.uint32(token % 32)
+    return words.view(np.int32)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_grammar_masks_written_per_slot_mask_only_the_guided_rows(sharded):
+    """Masks written into some slots (global indices; -1 writes nothing) set the forbidden tokens of each guided
+    row to -inf and leave unguided rows and rows without a slot alone, whichever shard holds the slot (70 ids:
+    three words, the last one partly used, the sign bit set)."""
+    vocab, rng = 70, np.random.default_rng(5)
+    allowed = rng.random((SLOTS, vocab)) < 0.3
+    allowed[:, 31] = True  # a word's sign bit
+    logits = jnp.asarray(rng.normal(size=(B, vocab)), jnp.float32)
+    written = np.asarray([6, 1, 3, -1, 0, 2, 5, 7], np.int32)  # slot 4 keeps its default (every token)
+    local_slot = np.asarray([1, 0, 0, 1, 0, -1, 0, 1], np.int32)  # rows 2s, 2s+1 are shard s's (as on the mesh)
+    global_slot = np.where(local_slot >= 0, local_slot + 2 * (np.arange(B) // 2), -1)
+    guided = np.asarray([1, 1, 0, 1, 1, 1, 0, 1], np.int32)
+    masks = _bits(np.where((written >= 0)[:, None], allowed[np.maximum(written, 0)], False))  # -1: none
+    allowed[4] = True
+    want = np.where(allowed[np.maximum(global_slot, 0)] | ~((global_slot >= 0) & (guided > 0))[:, None],
+                    np.asarray(logits), -np.inf)
+    rows = rows_with(guided=guided)
+
+    def step(state, slots, masks, slot):
+        return apply_grammar(logits, write_masks(state, slots, masks), slot, rows)
+
+    if not sharded:
+        got = jax.jit(step)(SlotState.empty(SLOTS, vocab), written, masks, jnp.asarray(global_slot))
+    else:
+        mesh = build_mesh("1x2x4")
+        with use_layout("starscream_decode", mesh):
+            placed = jax.device_put(SlotState.empty(SLOTS, vocab),
+                                    jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "xcd"))))
+            got = jax.jit(step)(placed, written, masks, jnp.asarray(local_slot))
+    np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def test_a_steps_inputs_and_outputs_cross_as_one_array_each_and_come_back_whole():
