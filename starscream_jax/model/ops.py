@@ -140,8 +140,11 @@ def _causal_attention(q_BSHE, k_BTKE, v_BTKE):
 def _attention_over_8_bit_cache(q_BSHE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK, positions_BS):
     """Attention of the queries at `positions` [B, S] to one layer's 8-bit cache (values [B, T, K, E], a float32
     scale per position and kv head [B, T, K]): each query sees the cached positions up to its own. The scales are
-    applied to the scores (keys') and to the probabilities (values'), so the matmuls read the 8-bit values,
-    converted in their own fusions, and no dequantized copy of the cache is made."""
+    applied to the scores (keys') and to the probabilities (values'), so no dequantized copy of the cache is made.
+    Decode (S = 1) reads the cache in place (`_decode_over_8_bit_cache`); a prefill chunk (S > 1) runs batched
+    matmuls of the 8-bit values converted in their own fusions."""
+    if q_BSHE.shape[1] == 1:
+        return _decode_over_8_bit_cache(q_BSHE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK, positions_BS)
     B, S, H, E = q_BSHE.shape
     K = k_BTKE.shape[2]
     q_BSKGE = q_BSHE.reshape(B, S, K, H // K, E)
@@ -153,6 +156,30 @@ def _attention_over_8_bit_cache(q_BSHE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK
     weighted_BKGST = probabilities_BKGST * jnp.swapaxes(v_scale_BTK, 1, 2)[:, :, None, None, :]
     out_BSKGE = jnp.einsum("bkgst,btke->bskge", weighted_BKGST.astype(q_BSHE.dtype), v_BTKE.astype(q_BSHE.dtype))
     return out_BSKGE.reshape(B, S, H, E)
+
+
+def _decode_over_8_bit_cache(q_B1HE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK, positions_B1):
+    """Decode attention (one query per row, at `positions` [B, 1]) to an 8-bit cache [B, T, K, E] read in place:
+    out [B, 1, H, E] in q's dtype.
+
+    Why not matmuls: a batched dot of q [B, K, G, E] with the cache needs (b, k) as the cache's leading dimensions,
+    so XLA copied the converted cache [B, T, K, E] into [B, K, T, E] bfloat16 every step (an int8 cache ran 0.25x of
+    bfloat16's at batch 64 on an H200, benchmarks/NOTES.md run 19). Here every product keeps the cache's own order:
+    scores [B, T, K, G] = sum over E of k [B, T, K, 1, E] * q [B, 1, K, G, E], a reduction over the cache's minor
+    dimension whose fusion converts each 8-bit row as it reads it; out [B, K, G, E] = sum over T of
+    p [B, T, K, G, 1] * v [B, T, K, 1, E], a reduction over the cache's positions, likewise. Both in float32 (each
+    cache byte meets G queries: a few multiply-adds per byte, under the read's time); the key scales multiply the
+    scores and the value scales the probabilities, so nothing the size of the cache is written."""
+    B, _, H, E = q_B1HE.shape
+    K = k_BTKE.shape[2]
+    q_BKGE = q_B1HE[:, 0].reshape(B, K, H // K, E).astype(jnp.float32)
+    scores_BTKG = jnp.sum(k_BTKE.astype(jnp.float32)[:, :, :, None, :] * q_BKGE[:, None], axis=-1)
+    scores_BTKG = scores_BTKG * (k_scale_BTK * E ** -0.5)[..., None]
+    seen_BT = jnp.arange(k_BTKE.shape[1])[None, :] <= positions_B1
+    masked_BTKG = jnp.where(seen_BT[:, :, None, None], scores_BTKG, jnp.finfo(jnp.float32).min)
+    weighted_BTKG = jax.nn.softmax(masked_BTKG, axis=1) * v_scale_BTK[..., None]
+    out_BKGE = jnp.sum(weighted_BTKG[..., None] * v_BTKE.astype(jnp.float32)[:, :, :, None, :], axis=1)
+    return out_BKGE.reshape(B, 1, H, E).astype(q_B1HE.dtype)
 
 
 def _cached_attention(q_BSHE, cache_k_BTKE, cache_v_BTKE, positions_BS):

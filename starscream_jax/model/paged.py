@@ -14,7 +14,7 @@ shard, the null page no sequence holds, and their outputs are discarded.
 An 8-bit cache (the model's `kv_format`: int8 or an fp8 format) holds the pages in that format and beside them a
 float32 scale per position and kv head [K, pages, page_size] (SCALES, placed as the pages are): each new key or value
 is quantized as the dense cache quantizes it (`quantize.quantize_cache_entry`, its head's amax over head_dim), the
-gather path multiplies the gathered pages by their scales, the Pallas kernel takes the scales as its own
+gather path gathers the 8-bit pages and their scales and attends as the dense 8-bit cache does, the Pallas kernel takes the scales as its own
 `k_scales_pages` / `v_scales_pages`. The pages of a layer take 1 byte per value and 4 per position and kv head.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from ..hardware.axes import dim_axes
 from ..sharding.apply import compute_device
 from .quantize import quantize_cache_entry
 from .names import ATTN_KV, ATTN_Q, POSITIONS
-from .ops import _fused_attention, _kv_heads_for_local_queries, run_sharded
+from .ops import _attention_over_8_bit_cache, _fused_attention, _kv_heads_for_local_queries, run_sharded
 
 PAGES = ("kv_heads", "attn_batch", "seq", "head_dim")
 """One layer's pool of key (or value) pages [K, pages, page_size, E]."""
@@ -159,27 +159,30 @@ def _write(pages_KPAE, new_BSKE, positions_BS, table_BM):
 
 
 def _gathered_attention(q_BSHE, pools, positions_BS, table_BM, q_axes, kv_axes, group):
-    """Each row's pages gathered into [B, M * page_size, K, E] (an 8-bit cache's times their scales); a query sees
-    the positions up to its own. Decode (S = 1) passes the visible length to `_fused_attention` (cuDNN on NVIDIA
-    GPUs), prefill chunks a mask."""
-    rows, max_pages = table_BM.shape
-    pages_k = pools[0]
-    length = max_pages * pages_k.shape[2]
-
-    def gathered(pages_KPAE, scales_KPA):
-        rows_KBMAE = pages_KPAE[:, table_BM]
-        if scales_KPA is not None:
-            rows_KBMAE = rows_KBMAE.astype(jnp.float32) * scales_KPA[:, table_BM][..., None]
-        keys_BTKE = jnp.moveaxis(rows_KBMAE, 0, -2).reshape(rows, length, pages_KPAE.shape[0], pages_KPAE.shape[3])
-        return _kv_heads_for_local_queries(keys_BTKE, q_BSHE.shape[2], group, q_axes, kv_axes).astype(q_BSHE.dtype)
-
-    scales = pools[2:] if len(pools) == 4 else (None, None)
-    keys_BTKE, values_BTKE = gathered(pools[0], scales[0]), gathered(pools[1], scales[1])
+    """Each row's pages gathered into [B, M * page_size, K, E]; a query sees the positions up to its own. Decode
+    (S = 1) passes the visible length to `_fused_attention` (cuDNN on NVIDIA GPUs), prefill chunks a mask. An
+    8-bit cache's pages are gathered in their format with their scales [B, M * page_size, K] and attended as the
+    dense 8-bit cache is (`ops._attention_over_8_bit_cache`: the scales on the scores and the probabilities), so
+    the gathered copy is of 8-bit values, not of dequantized floats."""
     seen_BS = jnp.maximum(positions_BS, 0)  # padding sees position 0 only, so no row is all masked
+    gathered = [_gathered_rows(pool, table_BM, q_BSHE.shape[2], group, q_axes, kv_axes) for pool in pools]
+    if len(pools) == 4:
+        return _attention_over_8_bit_cache(q_BSHE, *gathered, seen_BS)
+    keys_BTKE, values_BTKE = (rows.astype(q_BSHE.dtype) for rows in gathered)
     if q_BSHE.shape[1] == 1:
         return _fused_attention(q_BSHE, keys_BTKE, values_BTKE, key_value_seq_lengths=seen_BS[:, 0] + 1)
-    mask = jnp.arange(length)[None, None, None, :] <= seen_BS[:, None, :, None]
+    mask = jnp.arange(keys_BTKE.shape[1])[None, None, None, :] <= seen_BS[:, None, :, None]
     return jax.nn.dot_product_attention(q_BSHE, keys_BTKE, values_BTKE, mask=mask)
+
+
+def _gathered_rows(pool_KPA, table_BM, local_heads: int, group: int, q_axes, kv_axes) -> jax.Array:
+    """A pool of pages [K, pages, page_size, E] (or of their scales [K, pages, page_size]) gathered by the block
+    tables [B, M] into each row's positions [B, M * page_size, K, (E)], as stored, with the kv heads this device's
+    `local_heads` query heads read."""
+    rows_KBMA = pool_KPA[:, table_BM]
+    rows, length = table_BM.shape[0], table_BM.shape[1] * pool_KPA.shape[2]
+    rows_BTK = jnp.moveaxis(rows_KBMA, 0, 3).reshape(rows, length, pool_KPA.shape[0], *pool_KPA.shape[3:])
+    return _kv_heads_for_local_queries(rows_BTK, local_heads, group, q_axes, kv_axes)
 
 
 def _pallas_decode(q_B1HE, pools, positions_BS, table_BM, q_axes, kv_axes, group):

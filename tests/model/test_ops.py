@@ -271,3 +271,72 @@ def test_split_k_decode_over_an_8_bit_cache_equals_the_unsharded_8_bit_cache():
     for name in cache:
         np.testing.assert_array_equal(np.asarray(split[name][0], np.float32),
                                       np.asarray(whole[name][0][:, order], np.float32))
+
+
+def _eight_bit_decode_operands(format_name: str, batch: int = 3, length: int = 24, kv_heads: int = 2,
+                               group: int = 4, head_dim: int = 16):
+    """A bfloat16 query per row [B, 1, H, E], a float cache [B, T, K, E] (ranges spread over positions), its 8-bit
+    values and scales [B, T, K], and each row's position [B, 1] (rows at the start, middle and end)."""
+    from starscream_jax.model.quantize import quantize_cache_entry
+
+    keys = jax.random.split(jax.random.key(7), 3)
+    q = jax.random.normal(keys[0], (batch, 1, kv_heads * group, head_dim)).astype(jnp.bfloat16)
+    spread = jnp.linspace(0.5, 3.0, length)[None, :, None, None]
+    k, v = (jax.random.normal(key, (batch, length, kv_heads, head_dim)) * spread for key in keys[1:])
+    (k8, k_scale), (v8, v_scale) = (quantize_cache_entry(x, format_name) for x in (k, v))
+    positions_B1 = (jnp.arange(batch)[:, None] * (length - 1)) // max(batch - 1, 1)
+    return q, (k, v), (k8, v8, k_scale, v_scale), positions_B1
+
+
+@pytest.mark.parametrize("format_name", ["int8", "float8_e4m3fn"])
+def test_decode_over_an_8_bit_cache_reads_it_in_place_as_the_matmul_form_computes(format_name):
+    """One query per row: the in-place form (`ops._decode_over_8_bit_cache`) gives the batched-matmul form's
+    output (the prefill form, run here at S = 1) to bfloat16's rounding, and attention over the dequantized cache
+    to the format's step."""
+    from starscream_jax.model import ops
+
+    q, (k, v), (k8, v8, k_scale, v_scale), positions_B1 = _eight_bit_decode_operands(format_name)
+    got = jax.jit(ops._decode_over_8_bit_cache)(q, k8, v8, k_scale, v_scale, positions_B1)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    B, _, H, E = q.shape
+    scores = jnp.einsum("bkge,btke->bkgt", q[:, 0].reshape(B, 2, H // 2, E).astype(jnp.float32),
+                        k8.astype(jnp.float32)) * jnp.swapaxes(k_scale, 1, 2)[:, :, None] * E ** -0.5
+    seen = jnp.arange(k8.shape[1])[None, None, None] <= positions_B1[:, :, None, None]
+    weights = jax.nn.softmax(jnp.where(seen, scores, -jnp.inf), axis=-1) * jnp.swapaxes(v_scale, 1, 2)[:, :, None]
+    expected = jnp.einsum("bkgt,btke->bkge", weights, v8.astype(jnp.float32)).reshape(B, 1, H, E)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected), rtol=2e-2, atol=2e-2)
+    floats = [(x.astype(jnp.float32) * scale[..., None]).astype(jnp.bfloat16) for x, scale in ((k8, k_scale),
+                                                                                               (v8, v_scale))]
+    dequantized = attention(q, floats[0][:, :1], floats[1][:, :1], positions_B1, {"k": floats[0], "v": floats[1]})
+    error = float(jnp.sqrt(jnp.mean((got.astype(jnp.float32) - dequantized.astype(jnp.float32)) ** 2)))
+    assert error <= 0.02 * float(jnp.sqrt(jnp.mean(dequantized.astype(jnp.float32) ** 2)))
+
+
+def test_decode_over_an_8_bit_cache_has_no_matmul_and_no_float_copy_of_the_cache():
+    """The dense cache's path (`attention`) at one query per row: no dot_general and no transpose in the traced
+    program (the batched dot's layout is what made XLA copy the converted cache per step); a chunk of several
+    queries keeps the matmul form."""
+    q, _, (k8, v8, k_scale, v_scale), positions_B1 = _eight_bit_decode_operands("int8")
+    cache = {"k": k8, "v": v8, "k_scale": k_scale, "v_scale": v_scale}
+    new = k8[:, :1].astype(q.dtype)  # the new keys and values, already in the cache: only their shape is read
+    jaxpr = str(jax.make_jaxpr(lambda q, c: attention(q, new, new, positions_B1, c))(q, cache))
+    assert "dot_general" not in jaxpr and "transpose" not in jaxpr
+    prefill = str(jax.make_jaxpr(lambda q, c: attention(q, jnp.concatenate([new, new], axis=1), jnp.concatenate(
+        [new, new], axis=1), jnp.concatenate([positions_B1, positions_B1], axis=1), c))(
+        jnp.concatenate([q, q], axis=1), cache))
+    assert "dot_general" in prefill  # a chunk of several queries keeps the matmul form
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("format_name", ["int8", "float8_e4m3fn"])
+def test_compiled_decode_over_an_8_bit_cache_on_a_gpu_matches_the_matmul_form(format_name):
+    """Llama 3 8B's attention shape at batch 8 (8 kv heads of 4 queries, head_dim 128, 4096 positions) compiled:
+    the in-place form within bfloat16's rounding of the batched-matmul form."""
+    from starscream_jax.model import ops
+
+    q, _, (k8, v8, k_scale, v_scale), positions_B1 = _eight_bit_decode_operands(format_name, batch=8, length=4096,
+                                                                                 kv_heads=8, head_dim=128)
+    got = jax.jit(ops._decode_over_8_bit_cache)(q, k8, v8, k_scale, v_scale, positions_B1)
+    q2, positions_B2 = jnp.concatenate([q, q], axis=1), jnp.concatenate([positions_B1, positions_B1], axis=1)
+    expected = jax.jit(ops._attention_over_8_bit_cache)(q2, k8, v8, k_scale, v_scale, positions_B2)[:, :1]
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32), rtol=2e-2, atol=2e-2)

@@ -71,3 +71,15 @@ def test_an_8_bit_cache_stores_quantized_pages_and_attends_to_them_dequantized(k
         keys, values = _dense(q, keys_f, table, row, position + 1), _dense(q, values_f, table, row, position + 1)
         expected = jax.nn.dot_product_attention(q[row:row + 1], keys, values)
         np.testing.assert_allclose(out[row:row + 1], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_gather_path_copies_an_8_bit_cache_in_8_bits():
+    """Decode over int8 pages by the gather kernel: the pages' gathers yield int8 rows [K, B, M, page, E] (the
+    scales applied to scores and probabilities, `ops._attention_over_8_bit_cache`), never dequantized float rows
+    (the test above checks the output against the dequantized pages)."""
+    q, k, v, table, pages_k, pages_v = _inputs(3)
+    (values_k, scales_k), (values_v, scales_v) = (quantize_cache_entry(pages, "int8") for pages in (pages_k, pages_v))
+    cache = PagedLayer(values_k, values_v, table, "gather", scales_k, scales_v)
+    positions = jnp.array([[9], [5]], jnp.int32)
+    text = str(jax.make_jaxpr(paged_attention)(q, k, v, positions, cache))
+    assert f"i8[{K},2,4,{PAGE},{E}]" in text and f"f32[{K},2,4,{PAGE},{E}]" not in text
