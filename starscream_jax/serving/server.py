@@ -10,7 +10,9 @@ answers browsers from the origins allowed.
 Per request the API process tokenizes (on a worker thread, after a length check, so a huge prompt stalls no other
 stream), hands the token ids to the engine, and turns each batch of new tokens into text incrementally
 (`detokenize.IncrementalText`, which also ends the text at a stop string and then cancels the request in the
-engine). Errors are OpenAI's object ({"error": {"message", "type", "param", "code"}}) for every status, the
+engine). A request's structured output becomes one grammar, validated here and applied by the engine
+(`serving.guided`); chat `tools` reach the template and the answer becomes tool calls as `tool_choice` says
+(`serving.tools`). Errors are OpenAI's object ({"error": {"message", "type", "param", "code"}}) for every status, the
 framework's own included: 400 for malformed JSON, bad parameter values and prompts beyond the context, 401 without
 the API key, 404 for an unknown model or route, 405, 413 for a body beyond the limit, 429 when `max_pending`
 requests are in flight, 503 while shutting down or once the engine has failed (running streams then end with an
