@@ -267,7 +267,9 @@ def test_structured_output_through_the_openai_client(client):
 def test_tool_choice_required_and_named_give_parsed_calls_whole_and_streamed(client, served):
     """Named and required calls parse (a named one calls its function), whole and streamed (ids, names, then
     arguments that join into JSON), with finish_reason tool_calls; a conversation holding an assistant turn of
-    tool calls and a tool turn is served; tool_choice auto needs a parser, and an answer without calls is text."""
+    tool calls and a tool turn is served; tool_choice auto needs a parser, an answer without calls is text, and a
+    Hermes call (the random model made to write one by a regex) is read by the hermes parser, whole and streamed
+    (the text before it as content, the call whole)."""
     turns = [{"role": "user", "content": "w"},
              {"role": "assistant", "content": None, "tool_calls": [{"id": "call_0", "type": "function", "function": {
                  "name": "time", "arguments": "{}"}}]},
@@ -306,6 +308,17 @@ def test_tool_choice_required_and_named_give_parsed_calls_whole_and_streamed(cli
     plain = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=5,
                                            temperature=0).choices[0]  # auto: no call in the random model's text
     assert plain.message.tool_calls is None and plain.finish_reason in ("stop", "length")
+    forced = {"guided_regex": r'o<tool_call>\{"name":"t","arguments":\{\}\}'}  # auto, the text made a Hermes call
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=40,
+                                            extra_body=forced).choices[0]
+    assert answer.finish_reason == "tool_calls" and answer.message.content == "o"
+    assert [(c.function.name, c.function.arguments) for c in answer.message.tool_calls] == [("t", "{}")]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=40,
+                                                 extra_body=forced, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "o"
+    calls = [call for c in chunks for call in c.choices[0].delta.tool_calls or ()]
+    assert [(c.index, c.function.name, c.function.arguments) for c in calls] == [(0, "t", "{}")]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
     served[1].tool_parser = None
 
 
