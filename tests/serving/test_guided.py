@@ -91,3 +91,19 @@ def test_a_guided_request_without_a_tokenizer_is_refused(engine_for):
             engine.submit("x", [3, 4], SamplingParams(grammar=regex_grammar("a", "guided_regex")))
     finally:
         engine._grammar_tokenizer = tokenizer
+
+
+def test_guided_requests_survive_preemption(engine_for, llama_tokenizer):
+    """Eight guided requests on one shard of 12 usable pages: some are preempted and recomputed, and each still
+    ends at its grammar's end (its matcher kept what it had taken; the mask of its slot is rewritten)."""
+    engine = engine_for("1x1x1")
+    before = engine.stats().preemptions
+    prompts = [f"p{index} q" for index in range(8)]
+    pattern = r"[0-9]{4,6}-[a-c]{2,3}!"
+    out = _run(engine, checked(regex_grammar(pattern, "guided_regex")), llama_tokenizer, prompts=prompts,
+               temperature=1.0, seed=11)
+    assert engine.stats().preemptions > before
+    for index in range(8):
+        text, reason, _ = out[f"g{index}"]
+        assert re.fullmatch(pattern, text) and reason == "stop", (index, text, reason)
+    assert engine.scheduler.pages_used == 0
