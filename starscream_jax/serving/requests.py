@@ -44,6 +44,8 @@ UNSUPPORTED = {
 """Fields of vLLM's OpenAI protocol this server does not implement -> the values that ask for nothing (the field's
 default; an explicit null counts as absent). Any other value is refused with a 400 naming the field. (`functions`
 and `function_call`, OpenAI's deprecated form of tools, are not in vLLM's protocol either: send `tools`.)"""
+INSTEAD = {"functions": "; send tools instead", "function_call": "; send tool_choice instead"}
+"""What to send instead of a refused field, where something else does its work."""
 GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                   "structured_outputs")
 """The fields that ask for structured output (`serving.guided`); a request gives at most one of them."""
@@ -125,8 +127,9 @@ class Sampling(BaseModel):
         body = {name: value for name, value in body.items() if value is not None}
         for name, neutral in UNSUPPORTED.items():
             if name in body and not any(_same(body[name], value) for value in neutral):
+                instead = INSTEAD.get(name, "")
                 raise ApiError(HTTP_BAD_REQUEST, f"{name} is not supported by this server; leave it out (or send "
-                               f"{', '.join(repr(value) for value in neutral) or 'null'})", param=name)
+                               f"{', '.join(repr(value) for value in neutral) or 'null'}){instead}", param=name)
         return body
 
     @model_validator(mode="after")

@@ -190,3 +190,10 @@ def test_a_tool_call_turn_reaches_the_template_with_its_arguments_read():
     turns = [message.for_template() for message in body.messages]
     assert turns[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
     assert turns[1] == {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+
+
+def test_the_deprecated_function_fields_point_to_tools():
+    for name, instead in (("functions", "send tools instead"), ("function_call", "send tool_choice instead")):
+        with pytest.raises(ApiError, match=instead) as refused:
+            ChatRequest.model_validate({**BASE["chat"][1], name: [{"name": "f"}]})
+        assert refused.value.param == name
