@@ -342,13 +342,14 @@ class ChatRequest(Sampling):
                                "has none of for its model; start it with --tool-call-parser, or send tool_choice "
                                "\"required\" or a named function", param="tool_choice")
             return ToolMode("auto", PARSERS[parser])
+        known = PARSERS.get(parser) if parser else None
         if choice == "required":
-            return ToolMode("required")
+            return ToolMode("required", known)
         name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
         if not isinstance(name, str) or choice.get("type", "function") != "function":
             raise ApiError(HTTP_BAD_REQUEST, f"tool_choice {choice!r} is not one of none, auto, required or "
                            "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
-        return ToolMode("named", name=name)
+        return ToolMode("named", known, name)
 
     def grammar(self) -> Grammar | None:
         """The request's structured output (`Sampling.grammar`), or the grammar tool_choice "required" or a named

@@ -56,13 +56,13 @@ def new_id(alphanumeric9: bool = False) -> str:
     return f"call_{secrets.token_hex(12)}"
 
 
-def _call(entry, arguments_key: str, mistral: bool = False) -> ToolCall | None:
-    """A ToolCall of a parsed {"name", arguments_key} object; None when it is not one."""
+def _call(entry, arguments_key: str, make_id=new_id) -> ToolCall | None:
+    """A ToolCall of a parsed {"name", arguments_key} object, its id from `make_id()`; None when it is not one."""
     if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
         return None
     arguments = entry.get(arguments_key, entry.get("arguments", entry.get("parameters", {})))
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(new_id(mistral), entry["name"], text)
+    return ToolCall(make_id(), entry["name"], text)
 
 
 class ToolParser:
@@ -184,7 +184,7 @@ class MistralParser(ToolParser):
         except ValueError:
             return None
         entries = entries if isinstance(entries, list) else [entries]
-        calls = [_call(entry, "arguments", mistral=True) for entry in entries]
+        calls = [_call(entry, "arguments", lambda: new_id(True)) for entry in entries]
         return None if not calls or None in calls else calls
 
 
@@ -236,11 +236,15 @@ def required_grammar(tools: list, parallel: bool = True) -> Grammar:
 @dataclass(frozen=True)
 class ToolMode:
     """How a request's text becomes tool calls: "auto" (read by `parser`), "required" (a JSON array of calls) or
-    "named" (the arguments of function `name`)."""
+    "named" (the arguments of function `name`); the server's `parser` also decides the calls' ids (Mistral's
+    templates take back only 9 letters and digits)."""
 
     kind: str
     parser: ToolParser | None = None
     name: str = ""
+
+    def new_id(self) -> str:
+        return new_id(self.parser is not None and self.parser.name == "mistral")
 
     def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a whole generated text; text that does not parse is content, with no calls."""
@@ -251,12 +255,12 @@ class ToolMode:
                 json.loads(text)
             except ValueError:
                 return text, []
-            return None, [ToolCall(new_id(), self.name, text)]
+            return None, [ToolCall(self.new_id(), self.name, text)]
         try:
             entries = json.loads(text)
         except ValueError:
             return text, []
-        calls = [_call(entry, "parameters") for entry in entries] if isinstance(entries, list) else [None]
+        calls = [_call(entry, "parameters", self.new_id) for entry in entries] if isinstance(entries, list) else [None]
         return (text, []) if not calls or None in calls else (None, calls)
 
 
@@ -294,7 +298,7 @@ class ToolStream:
     def _named_deltas(self, text: str) -> list[dict]:
         deltas = []
         if self._named is None:
-            self._named = ToolCall(new_id(), self.mode.name, "")
+            self._named = ToolCall(self.mode.new_id(), self.mode.name, "")
             self.calls = [self._named]
             deltas.append(self._named.openai(0))
         if text:

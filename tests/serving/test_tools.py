@@ -120,3 +120,10 @@ def test_a_named_stream_sends_the_arguments_as_they_come():
     assert first[0] == "" and first[1][0]["function"] == {"name": "weather", "arguments": ""}
     assert first[1][1] == {"index": 0, "function": {"arguments": '{"city": '}}
     assert second[1] == [{"index": 0, "function": {"arguments": '"Oslo"}'}}]
+
+
+def test_forced_calls_take_mistral_ids_under_the_mistral_parser():
+    for parser, short in ((PARSERS["mistral"], True), (PARSERS["hermes"], False), (None, False)):
+        call = ToolMode("named", parser, "weather").calls('{"city": "Oslo"}')[1][0]
+        listed = ToolMode("required", parser).calls('[{"name": "time", "parameters": {}}]')[1][0]
+        assert (len(call.id) == 9) == short and (len(listed.id) == 9) == short
