@@ -47,8 +47,8 @@ FLUSH_MS = 2000
 
 
 class EngineCore:
-    """Runs an engine (`serving.engine.Engine`, or any object with its submit / cancel / step / busy / stats)
-    against the API's sockets until told to stop (see the module docstring)."""
+    """Runs an engine (`serving.engine.Engine`, or any object with its submit / cancel / step / busy / stats /
+    refused) against the API's sockets until told to stop (see the module docstring)."""
 
     def __init__(self, engine, addresses: protocol.Addresses):
         self.engine = engine
@@ -84,10 +84,12 @@ class EngineCore:
     def _step(self) -> None:
         started = time.perf_counter()
         events = self.engine.step() if self.engine.busy else []
-        outputs = self._refused + [protocol.RequestOutput(event.request_id, [event.token], [event.logprob],
-                                                          event.finish_reason, None, event.queued_s,
-                                                          *_top(event))
-                                   for event in events]
+        refused = [protocol.RequestOutput(request_id, [], [], "refused", why) for request_id, why in
+                   self.engine.refused()]
+        outputs = self._refused + refused + [protocol.RequestOutput(event.request_id, [event.token], [event.logprob],
+                                                                    event.finish_reason, None, event.queued_s,
+                                                                    *_top(event))
+                                             for event in events]
         self._refused = []
         message = protocol.StepOutputs(outputs, self.engine.stats(), time.perf_counter() - started)
         self._outputs.send(self._encoder.encode(message), copy=False)

@@ -46,6 +46,8 @@ from .guided import Guide, MaskBuilder, grammar_tokenizer
 from .sampling import SLOT_TABLE, SlotReset, SlotState, reset_slot, write_masks
 from .steps import SLOTS, Buckets, PackedInputs, RowSampling, Sampled, StepInputs, paged_step
 
+COMPILE_WAIT_S = 0.05
+"""How long an engine step with nothing to run waits for a grammar to compile before it returns."""
 STEPS_KEPT = 100_000
 """How many of the latest steps' times an engine keeps (`Engine.step_times`, for benchmarks)."""
 
@@ -207,6 +209,9 @@ class Engine:
         """How many slots one grammar-mask write holds (`write_masks`'s K), each bucket compiled at start."""
         self._grammar_tokenizer = None  # the model's tokenizer for structured output (`use_tokenizer`)
         self._masks: MaskBuilder | None = None
+        self._compiler: concurrent.futures.ThreadPoolExecutor | None = None  # compiles grammars off the loop
+        self._compiling: dict[str, tuple[Sequence, concurrent.futures.Future]] = {}
+        self._refusals: list[tuple[str, str]] = []
         self._overlap = config.overlap and jax.process_count() == 1
         self._in_flight: _Launched | None = None
         self._last_resolved = 0.0
@@ -344,27 +349,57 @@ class Engine:
                                   f"from 0 to {vocab - 1}")
         check_fits(len(tokens), params.max_tokens, self.context)
         self._check_bias(params)
-        guide = self._guide(params)
+        self._check_grammar(params)
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2 ** 31))
-        sequence = Sequence(request_id, tokens, params, seed, time.monotonic(), guide=guide)
+        sequence = Sequence(request_id, tokens, params, seed, time.monotonic())
         self.scheduler.add(sequence)
         self._sequences[request_id] = sequence
+        if params.grammar is not None:  # compiled off the loop; the sequence waits for it (`_take_compiled`)
+            sequence.compiling = True
+            self._compiling[request_id] = (sequence, self._compiler.submit(Guide, self._grammar_tokenizer,
+                                                                           params.grammar))
 
     def use_tokenizer(self, tokenizer) -> None:
         """Serves structured output with `tokenizer` (the model's: `serving.guided.grammar_tokenizer`); until then a
         request with a grammar is refused."""
         self._grammar_tokenizer = grammar_tokenizer(tokenizer, self.model_config.vocab_size)
         self._masks = MaskBuilder(self.model_config.vocab_size)
+        self._compiler = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="starscream-grammar")
 
-    def _guide(self, params: SamplingParams) -> Guide | None:
-        """The request's grammar compiled against the tokenizer (StarscreamError naming its field if it fails);
-        None without one."""
-        if params.grammar is None:
-            return None
-        if self._grammar_tokenizer is None:
+    def _check_grammar(self, params: SamplingParams) -> None:
+        """StarscreamError for a grammar this engine cannot serve (no tokenizer was given to it)."""
+        if params.grammar is not None and self._grammar_tokenizer is None:
             raise StarscreamError(f"{params.grammar.field}: this engine serves no structured output (no tokenizer "
                                   "was given to it: Engine.use_tokenizer)")
-        return Guide(self._grammar_tokenizer, params.grammar)
+
+    def _take_compiled(self) -> None:
+        """Hands each grammar compiled since the last step to its sequence (`guided.Guide`), which may then be
+        admitted; a grammar that failed to compile ends its request, refused (`refused`). When the queue's head
+        waits for its grammar and nothing runs, waits up to COMPILE_WAIT_S for one (the loop would spin)."""
+        if not self._compiling:
+            return
+        waiting = self.scheduler.waiting
+        if waiting and waiting[0].compiling and not self.scheduler.running and self._in_flight is None:
+            concurrent.futures.wait([future for _, future in self._compiling.values()], timeout=COMPILE_WAIT_S,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        for request_id, (sequence, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            if self._sequences.get(request_id) is not sequence:
+                continue  # cancelled meanwhile
+            try:
+                sequence.guide = future.result()
+            except StarscreamError as err:
+                self.cancel(request_id)
+                self._refusals.append((request_id, str(err)))
+            sequence.compiling = False
+
+    def refused(self) -> list[tuple[str, str]]:
+        """(request id, why) of each request refused since the last call after it was submitted (a grammar that
+        failed to compile against the tokenizer); it is no longer running."""
+        refusals, self._refusals = self._refusals, []
+        return refusals
 
     def _check_bias(self, params: SamplingParams) -> None:
         """StarscreamError for a logit_bias id outside the vocabulary."""
@@ -438,6 +473,7 @@ class Engine:
         A sequence that the earlier step's token ends (a stop token) may have run one wasted row in this step; a
         sequence its length ends is finished when its last row launches."""
         started = time.perf_counter()
+        self._take_compiled()
         plan = self.scheduler.schedule()
         self._preemptions += len(plan.preempted)
         for chunk in plan.prefill:

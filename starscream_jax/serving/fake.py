@@ -47,6 +47,9 @@ class FakeEngine:
     def cancel(self, request_id: str) -> bool:
         return self._requests.pop(request_id, None) is not None
 
+    def refused(self) -> list[tuple[str, str]]:
+        return []  # (it refuses at submit only)
+
     def running_ids(self) -> list[str]:
         return list(self._requests)
 

@@ -167,6 +167,7 @@ class Sequence:
     slot: int = -1  # its row of the shard's device token buffer while running
     pending: int = 0  # generated tokens still PENDING (sampled on the device, not read yet)
     guide: object = None  # its grammar's matcher (`serving.guided.Guide`), held by the engine
+    compiling: bool = False  # its grammar still compiling: not admitted yet
     _hashes: list[bytes] = field(default_factory=list, repr=False)
 
     def prefix_hashes(self, positions: int, page_size: int) -> list[bytes]:
@@ -356,8 +357,8 @@ class Scheduler:
 
     def _admit(self, sequence: Sequence, full: set[int]) -> bool:
         """Places `sequence` on a shard (not in `full`: no prefill row left this step) with a free row and the pages
-        of its tokens; False when none has them, or while a token of it is PENDING."""
-        if sequence.pending:
+        of its tokens; False when none has them, while a token of it is PENDING, or while its grammar compiles."""
+        if sequence.pending or sequence.compiling:
             return False
         length = sequence.length
         hashes = sequence.prefix_hashes(length - 1, self.config.page_size) if self.config.prefix_caching else []

@@ -4,10 +4,12 @@ were; a guided request ends ("stop") when its grammar does; bad grammars name th
 import json
 import re
 
+import llguidance
 import pytest
 
 from starscream_jax.errors import StarscreamError
 from starscream_jax.serving.guided import (
+    Grammar,
     checked,
     choice_grammar,
     closed_objects,
@@ -107,3 +109,26 @@ def test_guided_requests_survive_preemption(engine_for, llama_tokenizer):
         text, reason, _ = out[f"g{index}"]
         assert re.fullmatch(pattern, text) and reason == "stop", (index, text, reason)
     assert engine.scheduler.pages_used == 0
+
+
+def test_a_grammar_that_fails_to_compile_refuses_its_request_after_submit(engine_for, llama_tokenizer):
+    """Grammars compile off the engine's loop: one the tokenizer-free check would have caught (here sent
+    unchecked) is refused at the next step, naming its field, while a plain request beside it runs."""
+    engine = engine_for("1x2x4")
+    bad = Grammar("guided_regex", llguidance.LLMatcher.grammar_from_regex("a(b"))
+    engine.submit("bad", [3, 4, 5], SamplingParams(grammar=bad))
+    engine.submit("fine", [3, 4, 5], SamplingParams(max_tokens=3))
+    tokens = []
+    while engine.busy:
+        tokens += [event for event in engine.step() if event.request_id == "fine"]
+        refused = engine.refused()
+        if refused:
+            assert [request_id for request_id, _ in refused] == ["bad"]
+            assert refused[0][1].startswith("guided_regex: ") and "regex" in refused[0][1]
+            break
+    else:
+        raise AssertionError("the bad grammar was not refused")
+    assert "bad" not in engine.running_ids()
+    while engine.busy:
+        tokens += engine.step()
+    assert len(tokens) == 3 and engine.scheduler.pages_used == 0
