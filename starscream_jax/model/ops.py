@@ -19,6 +19,7 @@ from ..sharding.apply import activation_spec, active, compute_device, placed_as,
 from ..sharding.collectives import hierarchical_all_gather, hierarchical_psum
 from ..sharding.rules import LogicalNames
 from .names import ATTN_KV, ATTN_Q, CACHE, CACHE_SCALE, LOGITS, POSITIONS, RESIDUAL, TOKENS
+from . import eight_bit_decode
 from .split_k import merge_partials, partial_attention, strided_positions
 
 
@@ -141,9 +142,14 @@ def _attention_over_8_bit_cache(q_BSHE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK
     """Attention of the queries at `positions` [B, S] to one layer's 8-bit cache (values [B, T, K, E], a float32
     scale per position and kv head [B, T, K]): each query sees the cached positions up to its own. The scales are
     applied to the scores (keys') and to the probabilities (values'), so no dequantized copy of the cache is made.
-    Decode (S = 1) reads the cache in place (`_decode_over_8_bit_cache`); a prefill chunk (S > 1) runs batched
-    matmuls of the 8-bit values converted in their own fusions."""
+    Decode (S = 1) reads the cache in place: on a GPU by the Pallas kernel of `eight_bit_decode` (tensor cores),
+    elsewhere, or for a shape it does not take, by reductions in XLA (`_decode_over_8_bit_cache`); a prefill chunk
+    (S > 1) runs batched matmuls of the 8-bit values converted in their own fusions."""
     if q_BSHE.shape[1] == 1:
+        implementation = _eight_bit_decode_implementation(q_BSHE.shape[2], *k_BTKE.shape[1:])
+        if implementation:
+            return eight_bit_decode.decode_attention(q_BSHE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK,
+                                                     positions_BS[:, 0] + 1, interpret=implementation == "interpret")
         return _decode_over_8_bit_cache(q_BSHE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK, positions_BS)
     B, S, H, E = q_BSHE.shape
     K = k_BTKE.shape[2]
@@ -158,6 +164,14 @@ def _attention_over_8_bit_cache(q_BSHE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK
     return out_BSKGE.reshape(B, S, H, E)
 
 
+def _eight_bit_decode_implementation(query_heads: int, length: int, kv_heads: int, head_dim: int) -> str:
+    """"pallas" where decode over an 8-bit cache runs on `eight_bit_decode`'s kernel: where the backend policy runs
+    the 8-bit Pallas kernels (`BackendPolicy.eight_bit_matmul`: CUDA; ROCm's Triton lowers them too, unmeasured)
+    and the kernel takes the shape; else "" (`_decode_over_8_bit_cache`)."""
+    kernels = policy_of(compute_device()).eight_bit_matmul == "pallas"
+    return "pallas" if kernels and eight_bit_decode.applies(query_heads, kv_heads, length, head_dim) else ""
+
+
 def _decode_over_8_bit_cache(q_B1HE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK, positions_B1):
     """Decode attention (one query per row, at `positions` [B, 1]) to an 8-bit cache [B, T, K, E] read in place:
     out [B, 1, H, E] in q's dtype.
@@ -167,9 +181,10 @@ def _decode_over_8_bit_cache(q_B1HE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK, p
     bfloat16's at batch 64 on an H200, benchmarks/NOTES.md run 19). Here every product keeps the cache's own order:
     scores [B, T, K, G] = sum over E of k [B, T, K, 1, E] * q [B, 1, K, G, E], a reduction over the cache's minor
     dimension whose fusion converts each 8-bit row as it reads it; out [B, K, G, E] = sum over T of
-    p [B, T, K, G, 1] * v [B, T, K, 1, E], a reduction over the cache's positions, likewise. Both in float32 (each
-    cache byte meets G queries: a few multiply-adds per byte, under the read's time); the key scales multiply the
-    scores and the value scales the probabilities, so nothing the size of the cache is written."""
+    p [B, T, K, G, 1] * v [B, T, K, 1, E], a reduction over the cache's positions, likewise. Both in float32 on
+    CUDA cores (each cache value meets G queries twice: at large batches as much time as the read, which is why a
+    GPU runs `eight_bit_decode`'s tensor-core kernel instead); the key scales multiply the scores and the value
+    scales the probabilities, so nothing the size of the cache is written."""
     B, _, H, E = q_B1HE.shape
     K = k_BTKE.shape[2]
     q_BKGE = q_B1HE[:, 0].reshape(B, K, H // K, E).astype(jnp.float32)
@@ -276,7 +291,9 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, c
         if window is None:
             raise ShardingRuleError("sliding-window attention needs the layer's window; pass window=")
         args, names = [*args, jnp.asarray(window, jnp.int32)], [*names, None]
-    return run_sharded(local, args, names, [(ATTN_Q, q_BSHE.shape)], "attention")
+    kernel = (cache is not None and "k_scale" in cache and q_BSHE.shape[1] == 1
+              and bool(_eight_bit_decode_implementation(n_heads, *cache["k"].shape[1:])))
+    return run_sharded(local, args, names, [(ATTN_Q, q_BSHE.shape)], "attention", check_vma=not kernel)
 
 
 def _from_start(cache_index) -> bool:

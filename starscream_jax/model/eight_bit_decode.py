@@ -1,0 +1,116 @@
+"""Decode attention over an 8-bit KV cache read in place by a Pallas kernel: one query per row q [B, 1, H, E] (the
+compute dtype), the cache's keys and values [B, T, K, E] in int8 or fp8 e4m3 with float32 scales per position and
+kv head [B, T, K], each row seeing its first `lengths` [B] positions; out [B, 1, H, E] in q's dtype.
+
+Why a kernel: XLA's batched dot wants (batch, kv head) leading and copied the converted cache into that order every
+step (an int8 cache ran 0.25x bf16 at batch 64 on an H200, benchmarks/NOTES.md run 19); written as reductions in
+the cache's own order (`ops._decode_over_8_bit_cache`) it reads in place but multiplies on CUDA cores, each cache
+value meeting G queries twice (scores and values): about 8 float32 operations per byte, as much time as the read
+itself at batch 64. Here the tensor cores do the products: each program takes one row, one kv head and one stretch
+of positions (flash-decoding), loads a [positions, E] tile of keys with the cache's strides (E contiguous bytes per
+position), converts it in registers (exact: int8 and e4m3 values are bf16 values), computes the scores of the
+head's G queries (padded to 16 rows) with a dot, multiplies by the key scales and 1 / sqrt(E), keeps an online
+softmax, weighs the probabilities by the value scales and accumulates their dot with the value tile. Each
+program writes its float32 partial (running max, sum, weighted values); XLA merges the stretches. Nothing the size
+of the cache is written. Lowered by Pallas' Triton backend (NVIDIA and ROCm); interpreted on CPU for the tests.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .weight_only import _out_shape
+
+BLOCK = 64
+"""Positions per loop step of a program (a [64, E] tile of keys and of values)."""
+TARGET_PROGRAMS = 264
+"""Programs a call aims at (two per SM of an H200): few rows and kv heads split the positions."""
+QUERY_ROWS = 16
+"""A kv head's queries are padded to the tensor cores' smallest dot (16 rows)."""
+MASKED = -1e30
+
+
+def applies(query_heads: int, kv_heads: int, length: int, head_dim: int) -> bool:
+    """Whether the kernel takes the shape: whole blocks of positions, a power-of-two head_dim of at least 16 and
+    a kv head's queries within one padded dot (at most QUERY_ROWS, or a power of two)."""
+    group = query_heads // kv_heads
+    return (length % BLOCK == 0 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+            and (group <= QUERY_ROWS or group & (group - 1) == 0))
+
+
+def split_count(rows: int, kv_heads: int, length: int, block: int = BLOCK) -> int:
+    """Stretches of positions per (row, kv head): doubled from 1 while the programs are under TARGET_PROGRAMS and
+    each stretch keeps whole blocks (Llama 3 8B at batch 1: 8 kv heads, 4096 positions: 64 stretches of 64)."""
+    splits = 1
+    while rows * kv_heads * splits < TARGET_PROGRAMS and length % (splits * 2 * block) == 0:
+        splits *= 2
+    return splits
+
+
+def decode_attention(q_B1HE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK, lengths_B, interpret: bool = False,
+                     block: int = BLOCK) -> jax.Array:
+    """out [B, 1, H, E] in q's dtype: each row's query heads attending to its first `lengths` positions of the
+    8-bit cache (module docstring); kv head k serves query heads k G .. k G + G - 1."""
+    B, _, H, E = q_B1HE.shape
+    T, K = k_BTKE.shape[1], k_BTKE.shape[2]
+    G = H // K
+    block = min(block, T)
+    splits = split_count(B, K, T, block)
+    q_BKQE = jnp.pad(q_B1HE[:, 0].reshape(B, K, G, E), ((0, 0), (0, 0), (0, max(QUERY_ROWS, G) - G), (0, 0)))
+    operands = [q_BKQE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK, lengths_B.astype(jnp.int32).reshape(B, 1)]
+    rows = q_BKQE.shape[2]
+    kernel = functools.partial(_kernel, block=block, steps=T // splits // block, scale=E ** -0.5)
+    params = None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=2)
+    peak, total, mixed = pl.pallas_call(
+        kernel, grid=(B, K, splits), interpret=interpret, compiler_params=params, name="eight_bit_decode",
+        out_shape=[_out_shape((B, K, splits, rows), jnp.float32, *operands),
+                   _out_shape((B, K, splits, rows), jnp.float32, *operands),
+                   _out_shape((B, K, splits, rows, E), jnp.float32, *operands)])(*operands)
+    return _merged(peak, total, mixed)[:, :, :G].reshape(B, 1, H, E).astype(q_B1HE.dtype)
+
+
+def _merged(peak_BKSQ, total_BKSQ, mixed_BKSQE) -> jax.Array:
+    """The stretches' partial softmaxes merged: [B, K, Q, E] float32 (a stretch with no visible position has
+    peak MASKED and weighs nothing)."""
+    overall_BKQ = jnp.max(peak_BKSQ, axis=2)
+    weight_BKSQ = jnp.exp(peak_BKSQ - overall_BKQ[:, :, None])
+    total_BKQ = jnp.sum(weight_BKSQ * total_BKSQ, axis=2)
+    return jnp.sum(weight_BKSQ[..., None] * mixed_BKSQE, axis=2) / jnp.maximum(total_BKQ, 1e-30)[..., None]
+
+
+def _kernel(q_ref, k_ref, v_ref, k_scale_ref, v_scale_ref, lengths_ref, peak_ref, total_ref, mixed_ref, *, block,
+            steps, scale):
+    """Program (row b, kv head k, stretch s): positions s * steps * block onwards, `steps` blocks of `block`."""
+    b, head, stretch = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q_QE = q_ref[b, head]
+    length = lengths_ref[b, 0]
+    rows = q_QE.shape[0]
+
+    def step(index, carry):
+        peak_Q, total_Q, mixed_QE = carry
+        start = pl.multiple_of((stretch * steps + index) * block, block)
+        positions = pl.ds(start, block)
+        k_CE = k_ref[b, positions, head, :].astype(q_QE.dtype)
+        scores_QC = jax.lax.dot_general(q_QE, k_CE, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        scores_QC = scores_QC * (k_scale_ref[b, positions, head] * scale)[None, :]
+        seen_C = start + jax.lax.broadcasted_iota(jnp.int32, (block,), 0) < length
+        scores_QC = jnp.where(seen_C[None, :], scores_QC, MASKED)
+        new_peak_Q = jnp.maximum(peak_Q, jnp.max(scores_QC, axis=1))
+        kept_Q = jnp.exp(peak_Q - new_peak_Q)
+        probabilities_QC = jnp.where(seen_C[None, :], jnp.exp(scores_QC - new_peak_Q[:, None]), 0.0)
+        weighted_QC = probabilities_QC * v_scale_ref[b, positions, head][None, :]
+        v_CE = v_ref[b, positions, head, :].astype(q_QE.dtype)
+        mixed_QE = mixed_QE * kept_Q[:, None] + jax.lax.dot_general(
+            weighted_QC.astype(q_QE.dtype), v_CE, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return new_peak_Q, total_Q * kept_Q + jnp.sum(probabilities_QC, axis=1), mixed_QE
+
+    start = (jnp.full((rows,), MASKED, jnp.float32), jnp.zeros((rows,), jnp.float32),
+             jnp.zeros((rows, q_QE.shape[1]), jnp.float32))
+    peak_Q, total_Q, mixed_QE = jax.lax.fori_loop(0, steps, step, start)
+    peak_ref[b, head, stretch, :] = peak_Q
+    total_ref[b, head, stretch, :] = total_Q
+    mixed_ref[b, head, stretch, :, :] = mixed_QE
