@@ -8,6 +8,7 @@ Outside `use_layout(...)` every helper is the identity, so the same model runs u
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -212,6 +213,22 @@ def weight(value: jax.Array, names: LogicalNames, dtype=None, tensor: str = "wei
     return _at_use(value, move)
 
 
+def read_at_use(value: jax.Array, names: LogicalNames, tensor: str = "weight") -> jax.Array:
+    """`weight(value, names)` for a parameter read by code that never calls `weight` (Flax's own layers, through
+    `at_use.ParamAtUse`). On Auto axes, where the gradient's sum over the token axes the weight at use does not split
+    stays on one level (inside GPUs, or across them), it is first placed as the weight is used, then as stored: a
+    lookup's gradient (the scatter-add of `nnx.Embed`'s gather, tokens over `xcd`, the table's vocabulary over `gpu`)
+    is then summed inside each GPU, where XLA, asked for the stored placement straight away, moved rows between
+    partitions of different GPUs (a flat collective-permute). Where that sum spans both levels (starscream_fsdp's
+    tokens over `gpu` and `xcd`) the sum whole would be one flat all-reduce, so the gradient goes straight to its
+    stored placement, as `weight` sends it."""
+    move = _move(value, names, tensor, None)
+    if move.mesh is None:
+        return weight(value, names, tensor=tensor)
+    summed = _token_axes(active()) - spec_axes(move.use)
+    return _at_use(value, dataclasses.replace(move, via_use=not _inside_and_across_gpus(summed, move.mesh)))
+
+
 def encoded_weight(value: jax.Array, names: LogicalNames, dtype, tensor: str,
                    encode: Callable[[jax.Array], tuple[jax.Array, jax.Array]]) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A weight as a matmul that reads its encoded form uses it (fp8 training's `quantize.fp8_einsum`): `encode`d
@@ -254,6 +271,8 @@ class _Move:
     stored: PartitionSpec | None = None
     summed_over: frozenset[str] = frozenset()
     mesh: Mesh | None = None
+    via_use: bool = False
+    """Auto axes: the gradient is constrained to the placement at use before the stored one (`read_at_use`)."""
 
     def placed(self, x: jax.Array) -> jax.Array:
         if self.use is None:
@@ -273,6 +292,8 @@ class _Move:
         if self.use is None:
             return gradient
         if self.mesh is not None:
+            if self.via_use:
+                gradient = jax.lax.with_sharding_constraint(gradient, NamedSharding(self.mesh, self.use))
             return jax.lax.with_sharding_constraint(gradient, NamedSharding(self.mesh, self.stored))
         if not self.summed_over:
             return reshard(gradient, self.stored)
@@ -533,15 +554,21 @@ def create_sharded(factory, layout: Layout | str, mesh):
 
     The full model is never materialised on one device: parameters are initialised inside jit with those output
     shardings. `factory` takes no arguments (close over config and rngs seed). Flax's own placement of variables
-    with `out_sharding` metadata as they are created is turned off here: the layout places them.
+    with `out_sharding` metadata as they are created is turned off here: the layout places them. On a mesh with
+    Auto axes each named `nnx.Param` becomes an `at_use.ParamAtUse`, which Flax's layers read as the layout uses
+    it inside `use_layout` (they never call `weight`), so an unedited Flax model is gathered at use as this
+    library's layers are.
     """
+    from .at_use import read_params_at_use  # it reads weights through this module
+
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(factory)
         graphdef, abstract_state = nnx.split(abstract)
         shardings = param_shardings(abstract_state, layout, mesh)
         with jax.set_mesh(mesh):
             state = jax.jit(lambda: nnx.state(factory()), out_shardings=shardings)()
-    return nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state)
+    return read_params_at_use(model) if is_auto(mesh) else model
 
 
 def batch_sharding(layout: Layout | str, mesh, batch_size: int | None = None) -> NamedSharding:

@@ -31,6 +31,7 @@ from flax import nnx
 
 from ..errors import ShardingRuleError
 from .apply import active, logical_names, path_name, weight
+from .at_use import ParamAtUse
 from .layouts import ACTIVATION_NAMES, RULE_TABLES, WEIGHT_NAMES, FlaxRules, Layout, flax_table, get_layout
 from .rules import Rules
 
@@ -112,7 +113,8 @@ def weights_at_use(model: nnx.Module) -> nnx.Module:
 
     Parameters named by one of the layout's `replicated_ok` names (norm scales) are left as they are: Flax's norms
     multiply by them elementwise, which a weight typed for the two-stage reduction cannot enter (`apply.scale` is
-    the library's form), so XLA sums their gradients itself, over every token axis at once."""
+    the library's form), so XLA sums their gradients itself, over every token axis at once. Parameters that
+    `create_sharded` made `ParamAtUse`s (on Auto axes) read at use already and are left as they are."""
     current = active()
     if current is None:
         return model
@@ -120,8 +122,8 @@ def weights_at_use(model: nnx.Module) -> nnx.Module:
 
     def at_use(path, variable):
         names = logical_names(variable)
-        if names is None or current.layout.replicated_ok & set(names):
-            return variable
+        if names is None or current.layout.replicated_ok & set(names) or isinstance(variable, ParamAtUse):
+            return variable  # a ParamAtUse reads at use already
         return variable.replace(weight(variable.get_value(), names, tensor=path_name(path)))
 
     used = jax.tree.map_with_path(at_use, params, is_leaf=lambda node: isinstance(node, nnx.Variable))

@@ -1,0 +1,63 @@
+"""Flax parameters that read as a matmul uses them on Auto axes, so that a model written for Flax's GSPMD guide needs
+no edit.
+
+Flax NNX's layers read their parameters themselves (`self.kernel[...]`, `self.embedding[...]`) and never call
+`weight`, so on a mesh with Auto axes each parameter enters the step as stored. Under `starscream_tp` that is a
+kernel [D, F] split (D over `xcd`, F over `gpu`) and a table [V, D] split (V over `gpu`, D over `xcd`), and XLA's
+sharding propagation carries the split of D into the model: a model without activation constraints gets kernels
+split where only the tokens should be (principle 1), and `nnx.Embed`'s gather from the stored table, against tokens
+split over `xcd`, moves rows between partitions of different GPUs (principle 3).
+
+`create_sharded` on an Auto mesh gives every named `nnx.Param` the type `ParamAtUse` (a subclass, so `nnx.Param`
+filters, optimizers and checkpoints see a Param). Read inside a step traced under `use_layout`, it is the weight
+as the layout uses it (`apply.read_at_use`: gathered inside the GPU, [D, F] whole over `xcd`), and its gradient
+comes back summed inside the GPU to the stored placement. Read anywhere else (no active layout, an Explicit mesh,
+outside a trace) it is the stored value. Norm scales (the layout's `replicated_ok` names) are read as stored.
+"""
+from __future__ import annotations
+
+import jax
+from flax import nnx
+from flax.typing import MISSING
+
+from .apply import active, logical_names, read_at_use
+
+LIBRARY = __name__.split(".")[0]
+"""The package whose own modules read their weights through `weight` already: their parameters are left as they are."""
+
+
+class ParamAtUse(nnx.Param):
+    """An `nnx.Param` that reads, inside a step traced under `use_layout` on Auto axes, as the layout uses it."""
+
+    def get_value(self, *, index=MISSING):
+        value = super().get_value(index=index)
+        return value if index not in (MISSING, ...) else _at_use(self, value)
+
+
+def _at_use(variable: nnx.Variable, value):
+    """`value` of `variable` as the active layout uses it (`read_at_use`), or as it is where none applies."""
+    current = active()
+    names = logical_names(variable)
+    if current is None or not current.auto or not isinstance(value, jax.core.Tracer) or names is None:
+        return value
+    if current.layout.replicated_ok & set(names):
+        return value
+    return read_at_use(value, names, tensor=f"parameter {names}")
+
+
+def read_params_at_use(model: nnx.Module) -> nnx.Module:
+    """`model` with each of its named `nnx.Param`s turned into a `ParamAtUse` in place (shared parameters stay
+    shared: the object keeps its identity); parameters of this library's own modules and Param subclasses of the
+    model's own are left as they are. Returns `model`."""
+    for variable in _user_params(model):
+        object.__setattr__(variable, "__class__", ParamAtUse)
+    return model
+
+
+def _user_params(model: nnx.Module) -> list[nnx.Param]:
+    """The named parameters of type exactly `nnx.Param` outside this library's modules."""
+    nodes = list(nnx.iter_graph(model))
+    library = [path for path, node in nodes
+               if isinstance(node, nnx.Module) and type(node).__module__.split(".")[0] == LIBRARY]
+    return [node for path, node in nodes if type(node) is nnx.Param and logical_names(node) is not None
+            and not any(path[:len(owner)] == owner for owner in library)]
