@@ -11,7 +11,7 @@ The public API, in the order data flows through it:
   annotations     `param` (a parameter with logical axis names), `constrain` (an activation placed by name),
                   `weight` (a weight as a matmul uses it), `einsum` (a contraction with a placed result),
                   `shared_input` (one input of several matmuls, its gradient summed once), `create_sharded`
-                  (a module created already sharded);
+                  (a module created already sharded), `batch_sharding` (where a token batch goes);
   collectives     hierarchical collectives for per-device code inside `jax.shard_map`;
   Flax models     `in_vocabulary` (a layout under your logical names, `MAXTEXT`'s or a dict), `flax_rules` (a
                   rule table for Flax's `logical_axis_rules`), `weights_at_use` (Flax layers' weights gathered at
@@ -37,6 +37,7 @@ from .model.ops import cross_entropy, embed_lookup
 from .sharding.apply import (
     Placement,
     activation_spec,
+    batch_sharding,
     constrain,
     create_sharded,
     einsum,
@@ -62,7 +63,7 @@ __all__ = [
     "AXES", "Check", "CheckpointError", "LAYOUTS", "Layout", "MAXTEXT", "Placement", "PresetError", "RunStopped",
     "STARSCREAM", "ShardingRuleError", "StarscreamError", "StepCheck", "Topology", "TopologyError", "Vocabulary",
     "activation_spec", "all_gather_inside_gpu", "all_reduce_across_gpus", "auto_axes", "build_mesh",
-    "build_topology_mesh", "cross_entropy", "embed_lookup",
+    "batch_sharding", "build_topology_mesh", "cross_entropy", "embed_lookup",
     "check", "check_compiled", "constrain", "create_sharded", "derive", "einsum", "export_hf_model", "fit_batch",
     "flax_rules",
     "get_layout", "hierarchical_all_gather", "hierarchical_all_reduce", "hierarchical_psum", "in_vocabulary",

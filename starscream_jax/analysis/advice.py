@@ -11,9 +11,13 @@ leave, each named by the primitive whose partitioning emitted the collective (th
   transpose of a dot_general)               one collective: on an Explicit mesh `weights_at_use(model)` in the loss
                                             sums it in two stages (inside each GPU, then across GPUs); on Auto axes the
                                             reduction is XLA's to choose, and only the Explicit path types it so.
+A token batch that enters the step whole on every partition of a GPU, where the layout splits tokens over them and
+nothing in the step splits it (a model without activation constraints), leaves each partition computing every token:
+`advise_batch` names the one line that places it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..hardware.axes import ACROSS_GPUS, XCD
@@ -63,3 +67,27 @@ def _flat_by_design(layout: Layout) -> bool:
     """Whether a params rule of `layout` maps a name to `xcd` together with an axis across GPUs."""
     return any(XCD in axes and set(axes) & set(ACROSS_GPUS)
                for name in layout.params.names() for axes in [layout.params.lookup(name)[1]])
+
+
+def advise_batch(report: Report, layout: Layout) -> tuple[Advice, ...]:
+    """Advice for each integer input of two or more dimensions (a token batch [B, S, ...]) held whole by several
+    partitions of a GPU while the layout splits tokens over `xcd` by the batch, when the step's matmuls work on more
+    tokens per device than the layout's share of that batch (B x S over the batch split): nothing in the step split
+    it, so every partition computes every token. The fix places it before the call, as the layout places tokens."""
+    axes = layout.activations.lookup("batch")[1]
+    if XCD not in axes or report.tokens_per_device is None:
+        return ()
+    split = math.prod(report.mesh_axes.get(axis, 1) for axis in axes)
+    return tuple(Advice(entry.name, "", _copied_batch(entry, report.tokens_per_device, layout.name, split, axes),
+                        "place it before the step as the layout places tokens: tokens = jax.device_put(tokens, "
+                        "starscream_jax.batch_sharding(layout, mesh))")
+                 for entry in report.inputs
+                 if entry.dtype.startswith(("int", "uint")) and len(entry.shape) >= 2 and entry.replication_xcd > 1
+                 and report.tokens_per_device * split > math.prod(entry.shape))
+
+
+def _copied_batch(entry, tokens_per_device: int, layout: str, split: int, axes: tuple[str, ...]) -> str:
+    """Why a token batch `entry` (an `InputReport`) is a copy, in words."""
+    return (f"the token batch (argument {entry.name}, {entry.dtype} {entry.shape}) enters whole on the partitions of "
+            f"each GPU and nothing in the step splits it: {tokens_per_device} tokens per device, where {layout} "
+            f"splits the batch {split} ways ({' x '.join(axes)})")

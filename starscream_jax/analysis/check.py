@@ -32,7 +32,7 @@ from ..sharding.layouts import Layout, get_layout
 from ..sharding.rules import resolve
 from .compile import COMPILER_OPTIONS, REFERENCE
 from .format import clip, format_bytes, format_columns, principle_rows, violation_lines
-from .advice import Advice, advise
+from .advice import Advice, advise, advise_batch
 from .placement import ParameterPlacement, format_placements, parameter_placements
 from .principles import Check, arrays_named_by, check_principles
 from .hlo import Matmul
@@ -52,7 +52,8 @@ class StepCheck(Check):
     left as given, out of the layout's reach)."""
 
     advice: tuple[Advice, ...] = ()
-    """For each flat collective of a known cause, why it is there and the smallest fix (`advice`)."""
+    """For each flat collective of a known cause, and each token batch that enters whole on the partitions of a GPU
+    with nothing in the step to split it, why it is there and the smallest fix (`advice`)."""
 
     def unnamed(self) -> tuple[str, ...]:
         """The paths of the parameters without logical names."""
@@ -95,8 +96,22 @@ def check(step: Callable, *args: Any, mesh: Mesh, layout: Layout | str | None = 
     verdicts = check_principles(report, reference_report, replicated_ok=allowed, layer_stack=layer_stack,
                                 no_reference="reference=None: no layout to compare kernel shapes with; leave "
                                              "reference at its default, gpu_tp, to judge principle 1")
-    return StepCheck(report, verdicts, layout.name, None if reference is None else reference.name,
-                     parameter_placements(args, layout), advise(report, layout, is_auto(mesh)))
+    copied_batch = advise_batch(report, layout)
+    return StepCheck(report, _with_copied_batch(verdicts, copied_batch), layout.name,
+                     None if reference is None else reference.name, parameter_placements(args, layout),
+                     advise(report, layout, is_auto(mesh)) + copied_batch)
+
+
+def _with_copied_batch(verdicts, copied_batch: tuple[Advice, ...]):
+    """`verdicts` with principle 2 failed for each token batch that enters whole on the partitions of a GPU and is
+    never split (`advise_batch`): every partition then computes every token, each activation a copy over xcd, which
+    the activations' own check sees only with `token_dims`."""
+    if not copied_batch:
+        return verdicts
+    redundancy = verdicts.no_redundancy
+    lines = tuple(f"{advice.why}: every activation is copied over xcd" for advice in copied_batch)
+    return dataclasses.replace(verdicts, no_redundancy=dataclasses.replace(
+        redundancy, ok=False, violations=(*redundancy.violations, *lines)))
 
 
 _REFERENCE_REPORTS: dict[tuple[str, Mesh, int | None], Report] = {}
