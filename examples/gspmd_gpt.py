@@ -1,8 +1,8 @@
 """A GPT-2-style model written the way Flax's GSPMD guide writes models: nothing here knows about starscream_jax.
 
 Parameters carry logical names through `nnx.with_partitioning` (Flax's `out_sharding` metadata), activations through
-Linen's `nn.with_logical_constraint` (which reads the `logical_axis_rules` context NNX shares), and the loss is
-optax's. The names are the model's own: `embed`, `hidden`, `heads`, `head_dim`, `vocab`, `qkv`; `batch`, `length`
+Linen's `nn.with_logical_constraint` (which reads the `logical_axis_rules` context NNX shares; none with
+`Config(constraints=False)`, as many GSPMD models are written), and the loss is optax's. The names are the model's own: `embed`, `hidden`, `heads`, `head_dim`, `vocab`, `qkv`; `batch`, `length`
 for the tokens. Flax's layers as they ship: `nnx.Embed` (tied: the output head is `attend`), `nnx.LayerNorm` with
 scale and bias, `nnx.Linear` and `nnx.LinearGeneral` with biases, GELU, and q/k/v fused in one projection or three.
 """
@@ -30,10 +30,16 @@ class Config:
     d_ff: int = 128
     layers: int = 2
     fused_qkv: bool = True
+    constraints: bool = True  # False: no activation constraint anywhere, as many GSPMD models are written
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.heads
+
+
+def constrained(config: Config, x: jax.Array, names: tuple[str, ...]) -> jax.Array:
+    """x placed by the logical `names` through Flax's rules, or x itself for a model written without constraints."""
+    return nn.with_logical_constraint(x, names) if config.constraints else x
 
 
 def named(initializer, *names):
@@ -53,6 +59,7 @@ class Attention(nnx.Module):
     """Causal self-attention, x [B, S, D] -> [B, S, D]; q/k/v from one [D, 3, H, E] projection or three [D, H, E]."""
 
     def __init__(self, config: Config, rngs: nnx.Rngs):
+        self.config = config
         heads = (config.heads, config.head_dim)
         if config.fused_qkv:
             self.qkv = nnx.LinearGeneral(config.d_model, (3, *heads),
@@ -72,8 +79,8 @@ class Attention(nnx.Module):
             q, k, v = (self.qkv(x_BSD)[:, :, i] for i in range(3))
         else:
             q, k, v = self.q(x_BSD), self.k(x_BSD), self.v(x_BSD)
-        q, k, v = (nn.with_logical_constraint(t, HEADS) for t in (q, k, v))
-        attended_BSHE = nn.with_logical_constraint(nnx.dot_product_attention(q, k, v, is_causal=True), HEADS)
+        q, k, v = (constrained(self.config, t, HEADS) for t in (q, k, v))
+        attended_BSHE = constrained(self.config, nnx.dot_product_attention(q, k, v, is_causal=True), HEADS)
         return self.out(attended_BSHE)
 
 
@@ -81,6 +88,7 @@ class Block(nnx.Module):
     """Pre-norm block: x + attention(ln(x)), then x + mlp(ln(x)); x [B, S, D]."""
 
     def __init__(self, config: Config, rngs: nnx.Rngs):
+        self.config = config
         self.ln_1 = layer_norm(config, rngs)
         self.attention = Attention(config, rngs)
         self.ln_2 = layer_norm(config, rngs)
@@ -90,15 +98,16 @@ class Block(nnx.Module):
                                bias_init=named(ZEROS, "embed"), rngs=rngs)
 
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
-        x_BSD = nn.with_logical_constraint(x_BSD + self.attention(self.ln_1(x_BSD)), RESIDUAL)
-        hidden_BSF = nn.with_logical_constraint(jax.nn.gelu(self.up(self.ln_2(x_BSD))), HIDDEN)
-        return nn.with_logical_constraint(x_BSD + self.down(hidden_BSF), RESIDUAL)
+        x_BSD = constrained(self.config, x_BSD + self.attention(self.ln_1(x_BSD)), RESIDUAL)
+        hidden_BSF = constrained(self.config, jax.nn.gelu(self.up(self.ln_2(x_BSD))), HIDDEN)
+        return constrained(self.config, x_BSD + self.down(hidden_BSF), RESIDUAL)
 
 
 class GPT(nnx.Module):
     """tokens [B, S] int32 -> logits [B, S, V], the output head tied to the embedding table."""
 
     def __init__(self, config: Config, rngs: nnx.Rngs):
+        self.config = config
         self.embed = nnx.Embed(config.vocab, config.d_model,
                                embedding_init=named(nnx.initializers.normal(0.5), "vocab", "embed"), rngs=rngs)
         self.blocks = nnx.List([Block(config, rngs) for _ in range(config.layers)])
@@ -109,10 +118,10 @@ class GPT(nnx.Module):
         return self.embed(tokens_BS)
 
     def __call__(self, tokens_BS: jax.Array) -> jax.Array:
-        x_BSD = nn.with_logical_constraint(self.embed_tokens(tokens_BS), RESIDUAL)
+        x_BSD = constrained(self.config, self.embed_tokens(tokens_BS), RESIDUAL)
         for block in self.blocks:
             x_BSD = block(x_BSD)
-        return nn.with_logical_constraint(self.embed.attend(self.ln_f(x_BSD)), LOGITS)
+        return constrained(self.config, self.embed.attend(self.ln_f(x_BSD)), LOGITS)
 
 
 def loss_fn(model: GPT, tokens_BS: jax.Array) -> jax.Array:
