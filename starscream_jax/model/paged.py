@@ -127,7 +127,7 @@ def paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: PagedLayer):
     names = [ATTN_Q, ATTN_KV, ATTN_KV, POSITIONS, TABLE, *pool_names]
     out, *pools = run_sharded(local, args, names, [(ATTN_Q, q_BSHE.shape)] + [
         (name, pool.shape) for name, pool in zip(pool_names, pools)], "paged attention",
-        check_vma=cache.kernel != "pallas")
+        check_vma=cache.kernel != "pallas" and not eight_bit)  # an 8-bit cache's decode may run a Pallas kernel
     scales = {"k_scale": pools[2], "v_scale": pools[3]} if eight_bit else {}
     return out, replace(cache, k=pools[0], v=pools[1], **scales)
 

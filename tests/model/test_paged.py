@@ -83,3 +83,19 @@ def test_the_gather_path_copies_an_8_bit_cache_in_8_bits():
     positions = jnp.array([[9], [5]], jnp.int32)
     text = str(jax.make_jaxpr(paged_attention)(q, k, v, positions, cache))
     assert f"i8[{K},2,4,{PAGE},{E}]" in text and f"f32[{K},2,4,{PAGE},{E}]" not in text
+
+
+def test_the_gather_path_decodes_8_bit_pages_on_the_decode_kernel_where_chosen(monkeypatch):
+    """Where `eight_bit_decode`'s kernel is chosen (CUDA; here interpreted), the gathered 8-bit rows are attended
+    by it inside the paged op's shard map, as the XLA form attends them."""
+    from starscream_jax.model import ops
+
+    q, k, v, table, pages_k, pages_v = _inputs(4)
+    (values_k, scales_k), (values_v, scales_v) = (quantize_cache_entry(pages, "int8") for pages in (pages_k, pages_v))
+    cache = PagedLayer(values_k, values_v, table, "gather", scales_k, scales_v)
+    positions = jnp.array([[9], [5]], jnp.int32)
+    expected, _ = jax.jit(lambda *args: paged_attention(*args))(q, k, v, positions, cache)  # fresh: no cached trace
+    monkeypatch.setattr(ops, "_eight_bit_decode_implementation", lambda *shape: "interpret")
+    assert "pallas_call" in str(jax.make_jaxpr(lambda *args: paged_attention(*args))(q, k, v, positions, cache))
+    got, _ = jax.jit(lambda *args: paged_attention(*args))(q, k, v, positions, cache)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-2, atol=1e-2)
