@@ -14,8 +14,9 @@ shard, the null page no sequence holds, and their outputs are discarded.
 An 8-bit cache (the model's `kv_format`: int8 or an fp8 format) holds the pages in that format and beside them a
 float32 scale per position and kv head [K, pages, page_size] (SCALES, placed as the pages are): each new key or value
 is quantized as the dense cache quantizes it (`quantize.quantize_cache_entry`, its head's amax over head_dim), the
-gather path gathers the 8-bit pages and their scales and attends as the dense 8-bit cache does, the Pallas kernel takes the scales as its own
-`k_scales_pages` / `v_scales_pages`. The pages of a layer take 1 byte per value and 4 per position and kv head.
+gather path gathers the 8-bit pages and their scales and attends as the dense 8-bit cache does
+(`ops._attention_over_8_bit_cache`), the Pallas kernel takes the scales as its own `k_scales_pages` /
+`v_scales_pages`. The pages of a layer take 1 byte per value and 4 per position and kv head.
 """
 from __future__ import annotations
 
