@@ -5,7 +5,9 @@ starscream layouts, so nothing is copied between phases), one page pool per laye
 (`scheduler.Scheduler`) and the compiled paged steps (`steps.paged_step`, one per bucket, all compiled by
 `warm_up`). `step()` runs one scheduler plan: a prefill program for the planned prompt chunks under the prefill
 layout, then a decode program for the decoding sequences under the decode layout, and returns each new token as a
-`TokenEvent`. A server runs it in a process of its own (`serving.core`).
+`TokenEvent`. A server runs it in a process of its own (`serving.core`). A request with a grammar (structured
+output, `serving.guided`) has its matcher compiled beside the loop and its allowed tokens written to its slot before
+each step that samples it; it sits out a step while its last token is still on the device (`Sequence.held`).
 
 Memory: the pools hold 2 * L * K * pages * page_size * E values in the compute dtype, or in an 8-bit cache
 (`EngineConfig.kv_format`) one byte each and a float32 scale per position and kv head (`Engine.pool_bytes`); their

@@ -143,7 +143,10 @@ class Guide:
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: Grammar):
         self.field = grammar.field
-        self.matcher = llguidance.LLMatcher(tokenizer, grammar.text, log_level=0)
+        try:
+            self.matcher = llguidance.LLMatcher(tokenizer, grammar.text, log_level=0)
+        except Exception as err:  # misuse at the API level (grammar errors leave the matcher in error instead)
+            raise StarscreamError(f"{grammar.field}: {_one_line(str(err))}") from None
         if self.matcher.is_error():
             raise StarscreamError(f"{grammar.field}: {_one_line(self.matcher.get_error())}")
 
