@@ -137,7 +137,7 @@ class Llama3JsonParser(ToolParser):
     def start(self, text):
         body = text.lstrip()
         if body.startswith(("{", self.marker)):
-            return len(text) - len(body), 0
+            return 0, 0  # (the whole answer is the calls: its leading whitespace is not content)
         if not body or self.marker.startswith(body):
             return None, len(text)
         return None, 0
