@@ -573,12 +573,21 @@ def create_sharded(factory, layout: Layout | str, mesh):
 
 def batch_sharding(layout: Layout | str, mesh, batch_size: int | None = None) -> NamedSharding:
     """Where a token batch [B, S] goes under the layout: B over the layout's `batch` axes, S whole. With
-    `batch_size` the divisibility is checked, so a batch the mesh cannot split is a clear error."""
+    `batch_size` the divisibility is checked, so a batch the mesh cannot split is a clear error, which says how to
+    call `fit_batch` for the layout that places it."""
     layout = get_layout(layout)
     spec = PartitionSpec(layout.activations.lookup("batch")[1] or None, None)
     if batch_size is not None:
-        spec = resolve(("batch", None), (batch_size, 1), layout.activations, mesh, "token batch",
-                       f"activation rules of {layout.name}")
+        try:
+            spec = resolve(("batch", None), (batch_size, 1), layout.activations, mesh, "token batch",
+                           f"activation rules of {layout.name}")
+        except ShardingRuleError as err:
+            name = repr(layout.name) if layout.name in LAYOUTS else "layout"
+            raise ShardingRuleError(
+                f"{err}; or fit the layout to a batch of {batch_size}, as the starscream commands do: layout = "
+                f"fit_batch({name}, mesh, batch={batch_size}, positions=P) (P the tokens per sequence; in your "
+                "names: in_vocabulary(layout, vocabulary)), then batch_sharding(layout, mesh) and use_layout(layout, "
+                "mesh); fit_batch is starscream_jax.fit_batch (docs/any_batch.md)") from err
     return NamedSharding(mesh, spec)
 
 

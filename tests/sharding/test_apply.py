@@ -431,3 +431,16 @@ def test_a_batch_the_layout_does_not_divide_is_refused_with_how_to_fit_the_layou
     with use_layout("starscream_tp", mesh), pytest.raises(ShardingRuleError) as refused:
         activation_spec(("batch", "mlp"), (4, 3))
     assert "fit_batch" not in str(refused.value)
+
+
+def test_batch_sharding_refuses_a_batch_the_layout_does_not_divide_with_how_to_fit_the_layout_to_it():
+    """batch_sharding (where a script places its token batch) refuses a batch of 2 under starscream_tp on 2 GPUs x
+    4 partitions as use_layout does, naming fit_batch; the fitted layout's batch sharding places it."""
+    import starscream_jax as ss
+
+    mesh = build_mesh("2x4")
+    call = "layout = fit_batch('starscream_tp', mesh, batch=2, positions=P)"
+    with pytest.raises(ShardingRuleError, match=re.escape(call)):
+        ss.batch_sharding("starscream_tp", mesh, 2)
+    fitted = ss.fit_batch("starscream_tp", mesh, batch=2, positions=16)
+    assert ss.batch_sharding(fitted, mesh, 2).spec == P("data", None)
