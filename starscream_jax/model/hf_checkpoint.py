@@ -13,6 +13,7 @@ and how its axes map onto ours; loading and export both read it, so they are eac
 from __future__ import annotations
 
 import errno
+import functools
 import glob
 import json
 import math
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
@@ -105,6 +107,10 @@ class Source:
         for ours, theirs in enumerate(self.order):
             view[theirs] = per_layer[ours]
         return tuple(view)
+
+    def permutation(self) -> tuple[int, ...]:
+        """The axes of a block [stacked..., *view] in our order: ours = block.transpose(permutation())."""
+        return tuple(range(self.stacked)) + tuple(self.stacked + theirs for theirs in self.order)
 
 
 def sources(config: ModelConfig) -> dict[str, Source]:
@@ -276,39 +282,51 @@ class CheckpointReader:
             raise CheckpointError(f"{where} is stored as {dtype}, which cannot be converted to a floating parameter; "
                                   f"expected one of {', '.join(DTYPES)}")
 
-    def read(self, source: Source, index: tuple[slice, ...], shape: tuple[int, ...], dtype) -> np.ndarray:
-        """Our parameter's block `index` (slices of `shape`) in `dtype`, read layer by layer from the checkpoint and
-        converted and transposed in one copy into the block; each layer's part checked finite once converted (a
-        float32 check runs several times faster than one on the stored bfloat16)."""
+    def read(self, source: Source, index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[np.ndarray, list[str]]:
+        """Our parameter's block `index` (slices of `shape`) as the checkpoint stores it: [stacked..., *view] (view:
+        `source.view_shape` of our per-layer block, a split dimension cut in two) in the first tensor's stored dtype,
+        each layer's bytes copied in one straight pass; and the names of its tensors, layer by layer. Ours is its
+        transpose by `source.permutation()` in the parameter's dtype, which `_load_param` takes on the device:
+        numpy's transposing copies and ml_dtypes' casts run tens of times slower than a straight pass (they made
+        loading an 8B checkpoint take minutes), and the stored bytes are the fewest to send."""
         bounds = [slice(*s.indices(n)) for s, n in zip(index, shape)]
         stacked, per_layer = bounds[:source.stacked], bounds[source.stacked:]
-        block = np.empty(tuple(s.stop - s.start for s in bounds), dtype)
+        ours = tuple(s.stop - s.start for s in bounds)
+        names = [source.name(*(s.start + i for s, i in zip(stacked, at)))
+                 for at in np.ndindex(*ours[:source.stacked])]
+        first = self._view(source, names[0], per_layer)
+        block = np.empty(ours[:source.stacked] + source.view_shape(ours[source.stacked:]), first.dtype)
         layers = block.reshape((-1,) + block.shape[source.stacked:])
-        for position, at in enumerate(np.ndindex(*block.shape[:source.stacked])):
-            name = source.name(*(s.start + i for s, i in zip(stacked, at)))
-            layers[position] = self._read_one(source, name, per_layer)
-            if not np.isfinite(layers[position]).all():
-                raise CheckpointError(f"tensor {name} in {self.model_dir / self.file_of(name)} holds "
-                                      f"{_nonfinite(layers[position])}; the checkpoint is damaged: download or "
-                                      "export it again")
-        return block
+        for position, name in enumerate(names):
+            layers[position] = first if position == 0 else self._view(source, name, per_layer)
+        return block, names
 
-    def _read_one(self, source: Source, name: str, ours: list[slice]) -> np.ndarray:
-        """One tensor's bytes for our per-layer slices `ours`, in our axis order (a view, in the stored dtype): the
-        view's slices, the split dimension read as one contiguous range of whole outer rows and cut after."""
+    def nonfinite(self, block: np.ndarray, names: list[str]) -> CheckpointError | None:
+        """The error naming the first tensor of a block read by `read` that holds a NaN or an infinity (None when
+        all are finite): checked on the host only once the device found one."""
+        for name, layer in zip(names, block.reshape((len(names), -1))):
+            values = layer.astype(np.float32)
+            if not np.isfinite(values).all():
+                return CheckpointError(f"tensor {name} in {self.model_dir / self.file_of(name)} holds "
+                                       f"{_nonfinite(values)}; the checkpoint is damaged: download or export it "
+                                       "again")
+        return None
+
+    def _view(self, source: Source, name: str, ours: list[slice]) -> np.ndarray:
+        """One tensor's bytes for our per-layer slices `ours`, in the checkpoint's axis order (a view, in the
+        stored dtype): the view's slices, the split dimension read as one contiguous range of whole outer rows and
+        cut after."""
         view = [slice(None)] * len(ours)
         for axis, theirs in enumerate(source.order):
             view[theirs] = ours[axis]
         if source.split is None:
-            block = self.tensor(name)[tuple(view)]
-        else:
-            dim, inner = source.split
-            outer, cut = view[dim], view[dim + 1]
-            read = view[:dim] + [slice(outer.start * inner, outer.stop * inner)] + view[dim + 2:]
-            block = self.tensor(name)[tuple(read)]
-            block = block.reshape(block.shape[:dim] + (outer.stop - outer.start, inner) + block.shape[dim + 1:])
-            block = block[(slice(None),) * (dim + 1) + (cut,)]
-        return block.transpose(source.order)
+            return self.tensor(name)[tuple(view)]
+        dim, inner = source.split
+        outer, cut = view[dim], view[dim + 1]
+        read = view[:dim] + [slice(outer.start * inner, outer.stop * inner)] + view[dim + 2:]
+        block = self.tensor(name)[tuple(read)]
+        block = block.reshape(block.shape[:dim] + (outer.stop - outer.start, inner) + block.shape[dim + 1:])
+        return block[(slice(None),) * (dim + 1) + (cut,)]
 
 
 def _nonfinite(block: np.ndarray) -> str:
@@ -417,6 +435,17 @@ def _mapped(path: Path, name: str, dtype) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", offset=8 + header_length + start, shape=tuple(entry["shape"]))
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _as_ours(block, permutation: tuple[int, ...], dtype):
+    """A block read as stored ([stacked..., *view], its stored dtype) in our axis order and dtype, on its device."""
+    return jnp.transpose(block, permutation).astype(dtype)
+
+
+@jax.jit
+def _all_finite(block) -> jax.Array:
+    return jnp.isfinite(block).all()
+
+
 def _load_param(reader: CheckpointReader, source: Source, variable: nnx.Variable, sharding) -> nnx.Variable:
     """`variable` (abstract) holding the global array read from the checkpoint: each distinct block this process'
     devices hold is read once, placed on every device that holds it, and dropped before the next is read."""
@@ -425,10 +454,13 @@ def _load_param(reader: CheckpointReader, source: Source, variable: nnx.Variable
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         bounds = tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
         devices_of_block.setdefault(tuple((s.start, s.stop) for s in bounds), []).append((device, bounds))
-    shards = {}
+    shards, permutation = {}, source.permutation()
     for holders in devices_of_block.values():
-        block = reader.read(source, holders[0][1], shape, variable.dtype)
-        shards.update({device: jax.device_put(block, device) for device, _ in holders})
+        block, names = reader.read(source, holders[0][1], shape)
+        for device, _ in holders:
+            shards[device] = _as_ours(jax.device_put(block, device), permutation, np.dtype(variable.dtype))
+        if not bool(_all_finite(shards[holders[0][0]])):
+            raise reader.nonfinite(block, names)
     ordered = [shards[device] for device in sharding.addressable_devices_indices_map(shape)]
     return variable.replace(jax.make_array_from_single_device_arrays(shape, sharding, ordered))
 
