@@ -190,6 +190,11 @@ class ModelConfig:
                 raise PresetError(f"model {self.name}: {field} {getattr(self, field)!r}; use true or false")
 
     def replace(self, **changes) -> ModelConfig:
+        """A copy with `changes`. A new depth (n_layers) without new sliding_layers repeats the sliding pattern by its
+        period (`sliding_at_depth`): 2 of Gemma 2's 46 layers, as inspect and plan compile them, are one local and
+        one global layer, as the 46 alternate, and the full depth restored from them is the 46 again."""
+        if "n_layers" in changes and "sliding_layers" not in changes and self.sliding_layers:
+            changes["sliding_layers"] = sliding_at_depth(self.sliding_layers, self.n_layers, changes["n_layers"])
         return dataclasses.replace(self, **changes)
 
     def num_params(self) -> int:
@@ -213,3 +218,11 @@ class ModelConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}
+
+
+def sliding_at_depth(layers: tuple[int, ...], depth: int, new_depth: int) -> tuple[int, ...]:
+    """The sliding layers among `new_depth` layers that repeat those of `depth` layers (`layers`) by the pattern's
+    shortest period (`depth` itself for a pattern that does not repeat: then its first `new_depth` layers)."""
+    chosen = set(layers)
+    period = next(p for p in range(1, depth + 1) if all((i in chosen) == (i % p in chosen) for i in range(depth)))
+    return tuple(i for i in range(new_depth) if i % period in chosen)

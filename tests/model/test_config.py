@@ -50,3 +50,17 @@ def test_gemma2_fields_read_from_toml(tmp_path):
 
 def test_every_shipped_model_passes_the_checks():
     assert all(load_model_config(name).n_layers >= 1 for name in list_model_configs())
+
+
+def test_a_new_depth_repeats_the_sliding_pattern_by_its_period():
+    """inspect and plan compile 2 layers and scale to the full depth: Gemma 2 27B's alternating local and global
+    layers give one of each at 2 layers and the 23 even layers again at 46; a pattern that does not repeat keeps
+    its first layers; a depth change with sliding_layers given takes them as given."""
+    gemma = load_model_config("gemma2-27b")
+    assert gemma.sliding_layers == tuple(range(0, 46, 2)) and gemma.sliding_window == 4096
+    assert gemma.replace(n_layers=2).sliding_layers == (0,)
+    assert gemma.replace(n_layers=2).replace(n_layers=46) == gemma
+    local_first = gemma.replace(n_layers=6, sliding_layers=(0, 1, 2, 3, 4))  # Gemma 3's five local, one global
+    assert local_first.replace(n_layers=12).sliding_layers == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)
+    aperiodic = gemma.replace(n_layers=5, sliding_layers=(0, 1, 3))
+    assert aperiodic.replace(n_layers=3).sliding_layers == (0, 1)
