@@ -16,7 +16,8 @@ rounds (`harness.alternating_rounds`). "layer" sums the seven projections of one
 "grouped_layer" times one layer's seven projections as one program per implementation, as decode runs them: the
 grouped kernel (model/weight_only_group.py: q, k, v in one launch, gate and up in one, o and down alone: 4
 launches), the single-projection kernel (7 launches), XLA's converting GEMMs and bfloat16 GEMMs; each call runs
-LAYER_COPIES distinct layers' weights (no layer's weights stay in L2). --layer-only times only these.
+LAYER_COPIES distinct layers' weights (no layer's weights stay in L2). --layer-only times only these;
+--layer-alternatives adds the grouped kernel at each of LAYER_ALTERNATIVE_BLOCKS' tilings.
 
     python scripts/bench_weight_only.py --out weight_only.json             # on the GPU
     python scripts/bench_weight_only.py --layer-only --out layer.json      # the grouped launches per layer
@@ -131,9 +132,26 @@ LAYER_GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))
 """The projections that share an input, one launch each on the grouped kernel."""
 
 
-def layer_function(name: str, implementation: str, config):
-    """f(x_by_input, layers) -> outputs of every projection of every layer, as `name` (LAYER_IMPLEMENTATIONS)
-    runs them. x_by_input: {group's first projection: x [M, K]}; layers: [{projection: Scaled or bf16 [K, N]}]."""
+LAYER_ALTERNATIVE_BLOCKS = ({"depth": 256}, {"depth": 128, "warps": 8}, {"cols": 256, "depth": 128, "warps": 8},
+                            {"stages": 6})
+"""Tilings of the grouped kernel tried beside its choice (`weight_only_group.blocks_for`) with --layer-alternatives:
+every tiling of the first kernel run moved 8 KB of weights per loop step; these move 16 to 32 KB, or pipeline
+deeper, for the wide projections (gate, up, down: 81% of a layer's bytes) that read at 1.4-1.7 TB/s."""
+
+
+def grouped_blocks(rows: int, fields: dict):
+    """`weight_only_group.blocks_for(rows)` with `fields` replaced (a weight_only.Blocks)."""
+    import dataclasses
+
+    from starscream_jax.model.weight_only_group import blocks_for
+
+    return dataclasses.replace(blocks_for(rows), **fields)
+
+
+def layer_function(name: str, implementation: str, config, blocks=None):
+    """f(x_by_input, layers) -> outputs of every projection of every layer, as `name` (LAYER_IMPLEMENTATIONS, or
+    "grouped ..." with `blocks`) runs them. x_by_input: {group's first projection: x [M, K]}; layers:
+    [{projection: Scaled or bf16 [K, N]}]."""
     from starscream_jax.model import decoder
     from starscream_jax.model.weight_only import weight_only_matmul
     from starscream_jax.model.weight_only_group import grouped_weight_only_matmul
@@ -145,8 +163,9 @@ def layer_function(name: str, implementation: str, config):
         for weights in layers:
             for group in LAYER_GROUPS:
                 x = xs[group[0]]
-                if name == "grouped":
-                    outputs += grouped_weight_only_matmul(x, [tuple(weights[p]) for p in group], implementation)
+                if name.startswith("grouped"):
+                    outputs += grouped_weight_only_matmul(x, [tuple(weights[p]) for p in group], implementation,
+                                                          blocks)
                 elif name == "kernel":
                     outputs += [weight_only_matmul(x, *weights[p], implementation) for p in group]
                 else:
@@ -157,8 +176,9 @@ def layer_function(name: str, implementation: str, config):
     return run
 
 
-def layer_programs(config, rows: int, format_name: str, implementation: str) -> dict:
-    """{name: (jitted function, args, weight bytes per layer)} of LAYER_IMPLEMENTATIONS at `rows` rows."""
+def layer_programs(config, rows: int, format_name: str, implementation: str, alternatives=()) -> dict:
+    """{name: (jitted function, args, weight bytes per layer)} of LAYER_IMPLEMENTATIONS at `rows` rows, and of
+    the grouped kernel with each of `alternatives` (fields of weight_only.Blocks) in place of its own tiling."""
     import jax
     import jax.numpy as jnp
 
@@ -180,6 +200,10 @@ def layer_programs(config, rows: int, format_name: str, implementation: str) -> 
         function = jax.jit(layer_function(name, implementation, config), compiler_options=options or None)
         found[name] = ((function, (xs, floats if name == "bf16" else layers)),
                        sum(w.nbytes for w in floats[0].values()) if name == "bf16" else eight_bit_bytes)
+    for fields in alternatives:
+        name = "grouped " + ",".join(f"{key}={value}" for key, value in fields.items())
+        function = layer_function(name, implementation, config, grouped_blocks(rows, fields))
+        found[name] = ((jax.jit(function, compiler_options=decode_options or None), (xs, layers)), eight_bit_bytes)
     return found
 
 
@@ -189,7 +213,8 @@ def measure_layer(config, rows: int, format_name: str, args, implementation: str
     import jax
     import numpy as np
 
-    found = layer_programs(config, rows, format_name, implementation)
+    found = layer_programs(config, rows, format_name, implementation,
+                           LAYER_ALTERNATIVE_BLOCKS if args.layer_alternatives else ())
     compiled, result = {}, {"format": format_name, "rows": rows, "layers_per_call": LAYER_COPIES}
     for name, ((function, call_args), _) in found.items():
         try:
@@ -210,6 +235,10 @@ def measure_layer(config, rows: int, format_name: str, args, implementation: str
     for other in ("kernel", "xla", "bf16"):
         if "grouped" in timed and other in timed:
             result[f"grouped_over_{other}"] = timed[other].median / timed["grouped"].median
+    grouped = {name: rounds.median for name, rounds in timed.items() if name.startswith("grouped")}
+    if grouped and "bf16" in timed:
+        result["best_grouped"] = min(grouped, key=grouped.get)
+        result["best_grouped_over_bf16"] = timed["bf16"].median / min(grouped.values())
     return result
 
 
@@ -218,9 +247,10 @@ def layer_line(result: dict) -> str:
                      for name in LAYER_IMPLEMENTATIONS if name + "_s" in result)
     ratios = ", ".join(f"over {other} {result['grouped_over_' + other]:.2f}x" for other in ("kernel", "xla", "bf16")
                        if "grouped_over_" + other in result)
-    errors = "; ".join(f"{name}: {result[name + '_error']}" for name in LAYER_IMPLEMENTATIONS
-                       if name + "_error" in result)
-    return (f"one layer, {result['format']} at {result['rows']} rows: {times}; grouped {ratios}"
+    errors = "; ".join(f"{key[:-len('_error')]}: {value}" for key, value in result.items() if key.endswith("_error"))
+    best = (f"; best grouped tiling {result['best_grouped']} {result['best_grouped_over_bf16']:.2f}x bf16"
+            if "best_grouped" in result else "")
+    return (f"one layer, {result['format']} at {result['rows']} rows: {times}; grouped {ratios}{best}"
             + (f"; FAILED {errors}" if errors else ""))
 
 
@@ -341,6 +371,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layer-only", action="store_true",
                         help="time only one layer's projections per implementation (grouped launches, the "
                              "single-projection kernel, XLA, bf16), not each shape")
+    parser.add_argument("--layer-alternatives", action="store_true",
+                        help="also time one layer on the grouped kernel with each of LAYER_ALTERNATIVE_BLOCKS")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: tiny model, 1 and 3 rows, int8, the kernel interpreted, one round")
     args = parser.parse_args(argv)
