@@ -43,10 +43,13 @@ def applies(query_heads: int, kv_heads: int, length: int, head_dim: int) -> bool
 
 
 def split_count(rows: int, kv_heads: int, length: int, block: int = BLOCK) -> int:
-    """Stretches of positions per (row, kv head): doubled from 1 while the programs are under TARGET_PROGRAMS and
-    each stretch keeps whole blocks (Llama 3 8B at batch 1: 8 kv heads, 4096 positions: 64 stretches of 64)."""
+    """Stretches of positions per (row, kv head): doubled from 1 while the programs are under TARGET_PROGRAMS, each
+    stretch keeps whole blocks, and the float32 partials (QUERY_ROWS x E x 4 bytes per stretch) stay within a
+    quarter of the 8-bit keys and values they sum (T x E x 2 bytes). Llama 3 8B at batch 1 (8 kv heads, 4096
+    positions): 32 stretches of 128 positions, 256 programs."""
     splits = 1
-    while rows * kv_heads * splits < TARGET_PROGRAMS and length % (splits * 2 * block) == 0:
+    while (rows * kv_heads * splits < TARGET_PROGRAMS and length % (splits * 2 * block) == 0
+           and splits * 2 * QUERY_ROWS * 8 <= length):
         splits *= 2
     return splits
 
