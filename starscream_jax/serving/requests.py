@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import ClassVar
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -31,7 +32,7 @@ MAX_N = 16
 """The most choices (`n`) one request may ask for; each is an engine request of its own."""
 
 UNSUPPORTED = {
-    "echo": (False,), "length_penalty": (1,), "prompt_logprobs": (), "use_beam_search": (False,), "suffix": ("",),
+    "length_penalty": (1,), "prompt_logprobs": (), "use_beam_search": (False,), "suffix": ("",),
     "functions": ([],), "function_call": ("none",),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
     "chat_template": (), "chat_template_kwargs": ({},), "continue_final_message": (False,), "documents": ([],),
@@ -85,6 +86,8 @@ class Sampling(BaseModel):
     values in [-100, 100], at most MAX_LOGIT_BIAS of them, as OpenAI takes it."""
 
     model_config = ConfigDict(extra="ignore")
+    REFUSED_HERE: ClassVar[dict[str, tuple]] = {}
+    """Fields refused as UNSUPPORTED's are, on this route only (what the other route serves)."""
     model: str
     max_tokens: int | None = Field(default=None, ge=1, le=WHOLE_INT)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=WHOLE_INT)
@@ -125,7 +128,7 @@ class Sampling(BaseModel):
         if not isinstance(body, dict):
             return body
         body = {name: value for name, value in body.items() if value is not None}
-        for name, neutral in UNSUPPORTED.items():
+        for name, neutral in {**UNSUPPORTED, **cls.REFUSED_HERE}.items():
             if name in body and not any(_same(body[name], value) for value in neutral):
                 instead = INSTEAD.get(name, "")
                 raise ApiError(HTTP_BAD_REQUEST, f"{name} is not supported by this server; leave it out (or send "
@@ -250,9 +253,20 @@ def _same(given, neutral) -> bool:
 
 
 class CompletionRequest(Sampling):
+    """A completions request; `echo` returns each prompt's text before its completion (as given, or decoded from
+    its token ids), which with `logprobs` would need the prompt's log-probabilities: refused."""
+
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_special_tokens: bool = True
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self):
+        if self.echo and self.logprobs is not None:
+            raise ApiError(HTTP_BAD_REQUEST, "echo with logprobs asks for the prompt's log-probabilities, which this "
+                           "server does not compute; leave out logprobs (or echo)", param="echo")
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one (a text or token ids), or a batch (a list of texts or of token-id lists),
@@ -308,6 +322,7 @@ class ChatRequest(Sampling):
     """A chat request; `tools` (OpenAI's function tools) reach the chat template, and `tool_choice` says how the
     answer becomes calls (`serving.tools`)."""
 
+    REFUSED_HERE: ClassVar[dict[str, tuple]] = {"echo": (False,)}
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)

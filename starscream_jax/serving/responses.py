@@ -39,11 +39,13 @@ class Serving:
 
 class Choice:
     """One engine request of a response (a choice): its tokens turned into text as they come, its end, and its
-    metrics once it ends."""
+    metrics once it ends; `echo` is text its answer begins with (a completions prompt echoed)."""
 
     def __init__(self, serving: Serving, index: int, request_id: str, prompt: list[int], params: SamplingParams,
-                 stop: tuple[str, ...], include_stop: bool, stream: RequestStream, tools: ToolMode | None = None):
+                 stop: tuple[str, ...], include_stop: bool, stream: RequestStream, tools: ToolMode | None = None,
+                 echo: str = ""):
         self.serving, self.index, self.request_id, self.params, self.stream = serving, index, request_id, params, stream
+        self.echo = echo
         self.prompt_tokens = len(prompt)
         self.tools = tools
         self.tool_stream = ToolStream(tools) if tools is not None else None
@@ -88,7 +90,7 @@ class Choice:
     def outcome(self) -> tuple[str | None, list[dict], str | None]:
         """The whole choice's (content, OpenAI tool_calls, finish_reason): "tool_calls" when it ended by itself
         ("stop") with calls."""
-        text = "".join(self.parts)
+        text = self.echo + "".join(self.parts)
         if self.tools is None:
             return text, [], self.finish_reason
         content, calls = self.tools.calls(text)
@@ -185,9 +187,11 @@ class CompletionResponse:
         encode = self.serving.json.encode
         fan_in = FanIn(self.choices, self.firsts)
         try:
-            if self.chat:
-                for choice in self.choices:
+            for choice in self.choices:
+                if self.chat:
                     yield _sse(encode(self._chunk(choice, {"role": "assistant", "content": ""}, None)))
+                elif choice.echo:
+                    yield _sse(encode(self._chunk(choice, choice.echo, None)))
             failed, running = False, len(self.choices)
             while running:
                 choice, delta = await fan_in.next()

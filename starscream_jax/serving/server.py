@@ -247,10 +247,12 @@ class Server:
         encoded = iter(await asyncio.gather(*(
             self._tokenize(text, "prompt", functools.partial(self.tokenizer.encode, text, body.add_special_tokens))
             for text in texts)))
+        echoes = [(prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)) if body.echo else ""
+                  for prompt in prompts]
         prompts = [next(encoded) if isinstance(prompt, str) else prompt for prompt in prompts]
         grammar = await self._grammar(body)
         return await self._serve(body, prompts, request, arrival, chat=False, logprobs=body.logprobs is not None,
-                                 grammar=grammar)
+                                 grammar=grammar, echoes=echoes)
 
     async def chat(self, body: ChatRequest, request: Request):
         arrival = request.state.arrival
@@ -327,23 +329,25 @@ class Server:
             raise ApiError(HTTP_BAD_REQUEST, str(err), param=field) from None
 
     async def _serve(self, body: Sampling, prompts: list[list[int]], request: Request, arrival: float, chat: bool,
-                     logprobs: bool, grammar: Grammar | None = None, tools: ToolMode | None = None):
+                     logprobs: bool, grammar: Grammar | None = None, tools: ToolMode | None = None,
+                     echoes: list[str] | None = None):
         """Submits `body.n` engine requests per prompt (choice `p * n + i` is prompt p's i-th, seeded seed + i
         when a seed is given) and answers with all their choices, whole or streamed; each follows `grammar`
-        (structured output) and its text becomes tool calls as `tools` says."""
+        (structured output), its text becomes tool calls as `tools` says, and begins with its prompt's echo."""
         params = [replace(self._params(body, prompt, logprobs, chat), grammar=grammar) for prompt in prompts]
         self._admit(len(prompts) * body.n)
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}"
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         choices = []
-        for number, (prompt, base) in enumerate(zip(prompts, params)):
+        echoes = echoes or [""] * len(prompts)
+        for number, (prompt, base, echo) in enumerate(zip(prompts, params, echoes)):
             for i in range(body.n):
                 index = number * body.n + i
                 request_id = response_id if len(prompts) * body.n == 1 else f"{response_id}-{index}"
                 seeded = base if i == 0 or base.seed is None else replace(base, seed=(base.seed + i) % 2 ** 31)
                 stream = self.client.submit(request_id, prompt, seeded)
                 choices.append(Choice(self.serving, index, request_id, prompt, seeded, stop,
-                                      body.include_stop_str_in_output, stream, tools))
+                                      body.include_stop_str_in_output, stream, tools, echo))
             self.prompt_tokens_submitted += len(prompt) * body.n
         firsts = await asyncio.gather(*(choice.stream.take() for choice in choices))  # refusals surface here
         refused = next((first for first in firsts if first.error is not None), None)

@@ -44,14 +44,15 @@ BASE = {"completions": (CompletionRequest, {"model": "m", "prompt": "hi"}),
 @pytest.mark.parametrize("route, fields", [("completions", VLLM_COMPLETION_FIELDS), ("chat", VLLM_CHAT_FIELDS)])
 def test_every_vllm_field_is_read_or_refused_by_name(route, fields):
     model, base = BASE[route]
-    silent = [name for name in fields if name not in model.model_fields and name not in UNSUPPORTED]
+    refused_here = {**UNSUPPORTED, **model.REFUSED_HERE}
+    silent = [name for name in fields if name not in model.model_fields and name not in refused_here]
     assert not silent, f"fields a vLLM client sends that {route} would drop without a word: {silent}"
     for name in fields:
-        if name in UNSUPPORTED:
+        if name in refused_here:
             with pytest.raises(ApiError) as refused:
                 model.model_validate({**base, name: {"asks": "for something"}})
             assert refused.value.param == name and refused.value.status == 400 and name in refused.value.message
-            for neutral in UNSUPPORTED[name]:
+            for neutral in refused_here[name]:
                 model.model_validate({**base, name: neutral})  # its default asks for nothing: accepted
 
 
@@ -197,3 +198,12 @@ def test_the_deprecated_function_fields_point_to_tools():
         with pytest.raises(ApiError, match=instead) as refused:
             ChatRequest.model_validate({**BASE["chat"][1], name: [{"name": "f"}]})
         assert refused.value.param == name
+
+
+def test_echo_is_read_on_completions_refused_with_logprobs_and_refused_on_chat():
+    assert CompletionRequest.model_validate({**BASE["completions"][1], "echo": True}).echo
+    with pytest.raises(ApiError, match="echo with logprobs") as refused:
+        CompletionRequest.model_validate({**BASE["completions"][1], "echo": True, "logprobs": 1})
+    assert refused.value.param == "echo"
+    with pytest.raises(ApiError, match="echo is not supported"):
+        ChatRequest.model_validate({**BASE["chat"][1], "echo": True})

@@ -80,6 +80,21 @@ def test_completions_whole_and_streamed_agree(client, served):
     assert _wait_idle(served[1]).pages_used == 0
 
 
+def test_echo_returns_the_prompt_before_the_completion(client, llama_tokenizer):
+    """As given for a text prompt, decoded for token ids; whole and streamed alike; with logprobs a 400."""
+    sampling = {"model": MODEL, "max_tokens": 4, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    plain = client.completions.create(prompt="hello world", **sampling).choices[0].text
+    echoed = client.completions.create(prompt="hello world", echo=True, **sampling).choices[0].text
+    assert echoed == "hello world" + plain
+    streamed = client.completions.create(prompt="hello world", echo=True, stream=True, **sampling)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == echoed
+    ids = [int(token) for token in llama_tokenizer.encode("hello world", False)]
+    by_ids = client.completions.create(prompt=ids, echo=True, **sampling).choices[0].text
+    assert by_ids.startswith(llama_tokenizer.decode(ids))
+    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
+        client.completions.create(prompt="hello world", echo=True, logprobs=1, **sampling)
+
+
 def test_a_stop_string_ends_the_text_before_it(client):
     free = client.completions.create(model=MODEL, prompt="hello world", max_tokens=8, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
