@@ -188,7 +188,7 @@ def add_pad_heads_argument(group) -> None:
 
 
 def add_model_source_arguments(group) -> None:
-    """Add to `group` where `generate` and `serve` read the model from (`generate.load_for_generation`): a training
+    """Add to `group` where `generate` and `serve` read the model from (`generate.load_request`): a training
     run's checkpoint (and step) or a Hugging Face directory, its compute dtype, the prefill and decode layouts, and
     the 8-bit formats (`add_precision_arguments`). `MODEL_SOURCE_EXCLUSIVE` lists the pairs that contradict."""
     group.add_argument("--checkpoint", default="runs/train/checkpoints",

@@ -272,7 +272,8 @@ def build_engine(args: argparse.Namespace) -> ReadyEngine:
 
     from ..serving.engine import Engine, cache_shards
     from ..serving.multihost import StepBroadcast
-    from .generate import load_for_generation
+    from ..inference.loading import load_for_inference
+    from .generate import load_request
 
     if args.compilation_cache:
         jax.config.update("jax_compilation_cache_dir", str(Path(args.compilation_cache).expanduser()))
@@ -280,7 +281,8 @@ def build_engine(args: argparse.Namespace) -> ReadyEngine:
     prepare_simulation(args)
     initialize_from_args(args)
     topology, mesh = mesh_from_args(args)
-    model, source, tokenizer = load_for_generation(args, mesh, topology.preset.chip)
+    chip = topology.preset.chip
+    model, source, tokenizer = load_for_inference(load_request(args, chip), mesh, chip)
     channel = StepBroadcast() if jax.process_count() > 1 else None  # a mesh spanning processes: 0 schedules
     shards = cache_shards(args.decode_layout, mesh)
     engine = Engine(model, engine_config(args, shards), mesh, args.prefill_layout, args.decode_layout, channel)

@@ -9,9 +9,9 @@ layout, then a decode program for the decoding sequences under the decode layout
 output, `serving.guided`) has its matcher compiled beside the loop and its allowed tokens written to its slot before
 each step that samples it; it sits out a step while its last token is still on the device (`Sequence.held`).
 
-Memory: the pools hold 2 * L * K * pages * page_size * E values in the compute dtype, or in an 8-bit cache
-(`EngineConfig.kv_format`) one byte each and a float32 scale per position and kv head (`Engine.pool_bytes`); their
-pages follow from the device memory left after the weights (`serving.capacity`) unless given. The engine reads the
+Memory: the pools hold 2 * L * K * pages * page_size * E values in the compute dtype, or in an 8-bit cache (the
+model's `ModelConfig.kv_format`, which `--kv-cache` sets) one byte each and a float32 scale per position and kv head
+(`Engine.pool_bytes`); their pages follow from the device memory left after the weights (`serving.capacity`) unless given. The engine reads the
 weights as stored: decode runs q, k, v and gate, up as separate GEMMs (`decoder._fuses`), so no fused copy of any
 weight is held.
 """
@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ..errors import StarscreamError
 from ..model.decoder import split_layer_weights
 from ..model.paged import KERNELS, PAGES, SCALES, init_page_scales, init_pages
-from ..model.quantize import WEIGHT_FORMATS, check_format, held_as_read
+from ..model.quantize import held_as_read
 from ..sharding.apply import Placement, activation_spec, jit, param_shardings, use_layout
 from ..sharding.layouts import PHASE_DEFAULTS, get_layout
 from . import capacity
@@ -112,11 +112,10 @@ class EngineConfig:
     rows_per_shard: most sequences a shard runs at once; token_budget: most tokens a step computes; chunk: most
     prompt tokens of one sequence per step; kernel: the paged decode attention (`model.paged.KERNELS`); buckets:
     the compiled shapes (default `Buckets.for_limits` these limits); prefix_caching: share full prompt pages by
-    hash; kv_format: the pages' format, "" the compute dtype or an 8-bit one of `quantize.WEIGHT_FORMATS` (None:
-    the model's `kv_format`, which `--kv-cache` sets); max_model_len: most positions of a sequence (None: the
-    model's context); overlap: launch each step before reading the previous step's tokens, so the host's work
-    runs while the device computes (on a mesh within one process; a mesh spanning processes reads each step's
-    tokens at once, since every process must gather them in the same order as its steps)."""
+    hash; max_model_len: most positions of a sequence (None: the model's context); overlap: launch each step
+    before reading the previous step's tokens, so the host's work runs while the device computes (on a mesh within
+    one process; a mesh spanning processes reads each step's tokens at once, since every process must gather them
+    in the same order as its steps). The KV pages' format is the model's (`ModelConfig.kv_format`)."""
 
     page_size: int = 16
     pages_per_shard: int | None = None
@@ -126,7 +125,6 @@ class EngineConfig:
     kernel: str = "gather"
     buckets: Buckets | None = None
     prefix_caching: bool = True
-    kv_format: str | None = None
     max_model_len: int | None = None
     memory_utilization: float = 0.9
     overlap: bool = True
@@ -144,8 +142,6 @@ class EngineConfig:
                                   "fraction of device memory the server may use, such as 0.9")
         if self.kernel not in KERNELS:
             raise StarscreamError(f"unknown paged-attention kernel {self.kernel!r}; choose one of {', '.join(KERNELS)}")
-        if self.kv_format:
-            check_format(self.kv_format, WEIGHT_FORMATS, "KV cache format")
 
 
 def cache_shards(layout, mesh) -> int:
@@ -163,7 +159,7 @@ class Engine:
                  prefill_layout=PHASE_DEFAULTS["prefill"], decode_layout=PHASE_DEFAULTS["decode"],
                  channel: StepBroadcast | None = None):
         self.model_config = c = model.config
-        self.kv_format = c.kv_format if config.kv_format is None else config.kv_format
+        self.kv_format = c.kv_format  # the cache's format travels on the model's configuration
         self.config = config
         self.mesh = mesh
         self.channel = channel  # a mesh spanning processes: the leader's broadcast of each step (`multihost`)

@@ -1,6 +1,6 @@
-"""`starscream generate` (and `serve`, which loads its model the same way, `generate.load_for_generation`): query
-heads the prefill or decode layout cannot split over the mesh are refused before anything runs, naming the
---pad-heads N that splits them. Nothing is compiled: the Llama fixture (8 query heads sharing 4 kv heads) is only
+"""`starscream generate` (and `serve`, which loads its model the same way: `generate.load_request`, then
+`inference.loading.load_for_inference`): query heads the prefill or decode layout cannot split over the mesh are
+refused before anything runs, naming the --pad-heads N that splits them. Nothing is compiled: the Llama fixture (8 query heads sharing 4 kv heads) is only
 placed."""
 import argparse
 from pathlib import Path
@@ -11,6 +11,7 @@ from starscream_jax.cli import generate as generate_command
 from starscream_jax.errors import ShardingRuleError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.hardware.presets import load_chip
+from starscream_jax.inference.loading import load_for_inference
 
 LLAMA = Path(__file__).resolve().parents[1] / "fixtures" / "hf" / "llama"
 
@@ -18,8 +19,9 @@ LLAMA = Path(__file__).resolve().parents[1] / "fixtures" / "hf" / "llama"
 def load(*argv: str):
     parser = argparse.ArgumentParser()
     generate_command.add_arguments(parser)
-    return generate_command.load_for_generation(parser.parse_args(["--model-dir", str(LLAMA), *argv]),
-                                                build_mesh("16x1"), load_chip("mi300x"))
+    chip = load_chip("mi300x")
+    request = generate_command.load_request(parser.parse_args(["--model-dir", str(LLAMA), *argv]), chip)
+    return load_for_inference(request, build_mesh("16x1"), chip)
 
 
 @pytest.mark.parametrize("argv, refused", [

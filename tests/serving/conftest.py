@@ -46,10 +46,18 @@ def _engine(case: str) -> Engine:
     """8 rows in all, chunks of 8 positions, 16 pages of 4 positions per row (a context of 64); its two programs
     compiled before any test, as a server compiles them."""
     mesh, (prefill, decode) = build_mesh(case.split("-")[0]), CASES[case]
-    engine = Engine(load_hf_model(FIXTURE, prefill, mesh), engine_config(case, mesh), mesh, prefill, decode)
+    engine = Engine(load_case_model(case, prefill, mesh), engine_config(case, mesh), mesh, prefill, decode)
     engine.use_tokenizer(tokenizer())  # structured output
     engine.warm_up()
     return engine
+
+
+def load_case_model(case: str, layout, mesh):
+    """The checkpoint's model placed by `layout` on `mesh`; the int8 variant's KV cache in int8."""
+    model = load_hf_model(FIXTURE, layout, mesh)
+    if case.endswith("-int8"):
+        model.config = model.config.replace(kv_format="int8")
+    return model
 
 
 def engine_config(case: str, mesh) -> EngineConfig:
@@ -57,7 +65,6 @@ def engine_config(case: str, mesh) -> EngineConfig:
     shards = cache_shards(CASES[case][1], mesh)
     return EngineConfig(page_size=4, pages_per_shard=PAGES_PER_SHARD.get(case, 40), rows_per_shard=ROWS // shards,
                         token_budget=64, chunk=8, buckets=Buckets((ROWS // shards,), (8,), (16,)),
-                        kv_format="int8" if case.endswith("-int8") else None,
                         kernel="pallas" if case.endswith("-int8") else "gather", overlap=not case.endswith("-sync"))
 
 

@@ -15,10 +15,9 @@ from pathlib import Path
 import jax
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import CASES, FIXTURE, engine_config  # noqa: E402
+from conftest import CASES, engine_config, load_case_model  # noqa: E402
 
 from starscream_jax.hardware.mesh import build_mesh  # noqa: E402
-from starscream_jax.model.hf_checkpoint import load_hf_model  # noqa: E402
 from starscream_jax.serving.engine import Engine  # noqa: E402
 from starscream_jax.serving.multihost import StepBroadcast, follow  # noqa: E402
 from starscream_jax.serving.scheduler import SamplingParams  # noqa: E402
@@ -32,7 +31,7 @@ def main(coordinator: str, process_id: int, prompts: list[list[int]], new_tokens
     jax.distributed.initialize(coordinator, num_processes=2, process_id=process_id)
     mesh, (prefill, decode) = build_mesh(CASE), CASES[CASE]
     assert sorted({device.process_index for device in mesh.devices[0, 1]}) == [1]  # the second GPU: process 1
-    engine = Engine(load_hf_model(FIXTURE, prefill, mesh), engine_config(CASE, mesh), mesh, prefill, decode,
+    engine = Engine(load_case_model(CASE, prefill, mesh), engine_config(CASE, mesh), mesh, prefill, decode,
                     channel=StepBroadcast())
     if process_id == 0:
         engine.keep_followers()  # an idle leader's word first: the follower waits on for a step

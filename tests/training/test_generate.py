@@ -15,6 +15,7 @@ from starscream_jax.cli import main as cli
 from starscream_jax.errors import StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.hardware.presets import load_chip
+from starscream_jax.inference.loading import load_for_inference
 from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.decoder import Transformer, cache_shardings
 from starscream_jax.sharding.apply import use_layout
@@ -177,8 +178,9 @@ def test_padded_query_heads_generate_the_reference_tokens(generate_command):
     parser = argparse.ArgumentParser()
     generate_cli.add_arguments(parser)
     mesh = build_mesh("1x2x4")
-    model, _, _ = generate_cli.load_for_generation(parser.parse_args(["--model-dir", str(fixture), "--pad-heads",
-                                                                      "12"]), mesh, load_chip("mi300x"))
+    chip = load_chip("mi300x")
+    request = generate_cli.load_request(parser.parse_args(["--model-dir", str(fixture), "--pad-heads", "12"]), chip)
+    model = load_for_inference(request, mesh, chip).model
     assert model.config.n_heads == 12 and model.layers.wq.shape[2] == 12
     expected = load_file(fixture / "reference.safetensors")
     result = generate(model, expected["prompt_ids"][None], 8, Sampling(top_p=None), mesh)
