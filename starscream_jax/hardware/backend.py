@@ -30,6 +30,10 @@ class BackendPolicy:
     decode_compiler_options: XLA options of the decode step, as (name, value) pairs.
     eight_bit_matmul: how a projection of a few rows by 8-bit weights runs (`model.weight_only` implementations):
         "pallas", the library's weight-only kernel, or "xla", XLA's matmul of the converted weights.
+    eight_bit_groups: whether decode's 8-bit projections that share an input (q, k, v; gate, up) run in one launch
+        (`model.weight_only_group`) where they run on the weight-only kernel.
+    eight_bit_attention: decode attention over an 8-bit cache: "pallas" (`model.eight_bit_decode`'s kernel) or
+        "xla" (`ops._decode_over_8_bit_cache`).
     """
 
     name: str
@@ -38,6 +42,8 @@ class BackendPolicy:
     small_dot_elements: int = 0
     decode_compiler_options: tuple[tuple[str, bool | int], ...] = ()
     eight_bit_matmul: str = "xla"
+    eight_bit_groups: bool = False
+    eight_bit_attention: str = "xla"
 
     def fuses_attention(self, dtype) -> bool:
         """Whether attention on inputs of `dtype` runs the vendor's fused kernel."""
@@ -64,7 +70,9 @@ calls rather than XLA's Triton GEMM fusions (which read the weights more slowly 
 the stacked array first), and no merging of GEMMs that share an input (q, k and v), which would concatenate their
 weights in every step; 8-bit weights of decode's few-row projections read by the library's weight-only kernel
 (`model.weight_only`), where XLA's converting GEMM fusions read them at half the HBM rate (benchmarks/NOTES.md run
-24)."""
+24; the kernel compiled and matched on an H200 in run 31). The grouped launches and the 8-bit-cache attention kernel
+stay off until a GPU run has compiled and timed them (benchmarks/NOTES.md, "Next GPU run (issue 39)"): a default
+no GPU has compiled could break 8-bit decode there.)"""
 PORTABLE = BackendPolicy(name="portable")
 """Every other backend (CPU, ROCm): JAX's and XLA's defaults (the weight-only kernel lowers on ROCm's Triton too,
 but has not been measured there: `ModelConfig.eight_bit_matmul` "pallas" asks for it)."""

@@ -539,11 +539,13 @@ def _projections(scope: str, x: jax.Array, projections: list[tuple[str, jax.Arra
                  c: ModelConfig, x_scale: jax.Array | None = None) -> list[jax.Array]:
     """The projections (subscripts, weight, out) of one input x [B, S, ...] under the named scope `scope`: where
     every weight is 8-bit and runs on the same weight-only implementation (`_weight_only_implementation`: decode's
-    few rows, operands whole on each device), all of them in one launch (`_weight_only`: q, k, v or gate, up, each
-    weight read in place); otherwise each by `_project`."""
+    few rows, operands whole on each device) and grouping is asked for (`c.eight_bit_matmul` named, or the backend
+    policy's `eight_bit_groups`), all of them in one launch (`_weight_only`: q, k, v or gate, up, each weight read
+    in place); otherwise each by `_project`."""
     with jax.named_scope(scope):
         chosen = {_weight_only_implementation(subscripts, x, w, c) for subscripts, w, _ in projections}
-        if len(projections) > 1 and len(chosen) == 1 and "" not in chosen:
+        grouped = bool(c.eight_bit_matmul) or policy_of(compute_device()).eight_bit_groups
+        if grouped and len(projections) > 1 and len(chosen) == 1 and "" not in chosen:
             return _weight_only(x, projections, scope, chosen.pop())
     return [_project(scope, subscripts, x, w, out, c, x_scale) for subscripts, w, out in projections]
 
