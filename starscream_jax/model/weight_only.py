@@ -176,12 +176,21 @@ def _out_shape(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
 
 
 def _kernel(x_ref, w_ref, scale_ref, out_ref, *, col_block, depth_block, steps, use_dot, collapse):
-    """One (column block, split) of out: x [P, K-part] times W [K-part, cols] converted to x's dtype, float32
-    accumulation, times the columns' scales; written to out[split] (float32 partials, or x's dtype unsplit).
-    `collapse`: one real row and P - 1 rows of zeros, summed into the one row written (partials of one row, not
-    of P)."""
+    """One (column block, split) of out: `column_block_product` written to out[split] (float32 partials, or x's
+    dtype unsplit)."""
     col_index, split = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(pl.multiple_of(col_index * col_block, col_block), col_block)
+    out_ref[split, :, cols] = column_block_product(x_ref, w_ref, scale_ref, cols, split, col_block=col_block,
+                                                   depth_block=depth_block, steps=steps, use_dot=use_dot,
+                                                   collapse=collapse).astype(out_ref.dtype)
+
+
+def column_block_product(x_ref, w_ref, scale_ref, cols, split, *, col_block, depth_block, steps, use_dot,
+                         collapse) -> jax.Array:
+    """Inside a kernel: x [P, the `steps` x `depth_block` rows of K of split `split`] times W's columns `cols`
+    [.., col_block] converted to x's dtype, float32 accumulation (a tensor-core dot where `use_dot`, else
+    products summed on the CUDA cores), times the columns' scales: [P, col_block] float32, or [1, col_block] with
+    `collapse` (one real row and P - 1 rows of zeros, summed into the one row: partials of one row, not of P)."""
     first = split * steps
 
     def step(index, acc_PC):
@@ -197,5 +206,4 @@ def _kernel(x_ref, w_ref, scale_ref, out_ref, *, col_block, depth_block, steps, 
     acc_PC = jax.lax.fori_loop(0, steps, step, jnp.zeros((x_ref.shape[0], col_block), jnp.float32))
     if collapse:
         acc_PC = jnp.sum(acc_PC, axis=0, keepdims=True)
-    scaled_PC = acc_PC * scale_ref[:, cols]
-    out_ref[split, :, cols] = scaled_PC.astype(out_ref.dtype)
+    return acc_PC * scale_ref[:, cols]

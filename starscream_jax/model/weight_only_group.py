@@ -32,7 +32,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..errors import StarscreamError
-from .weight_only import IMPLEMENTATIONS, MAX_ROWS, Blocks, _block, _out_shape, padded_rows, reference, split_count
+from .weight_only import (
+    IMPLEMENTATIONS,
+    MAX_ROWS,
+    Blocks,
+    _block,
+    _out_shape,
+    column_block_product,
+    padded_rows,
+    reference,
+    split_count,
+)
 
 FEW_ROWS_BLOCKS = Blocks(cols=128, depth=64)
 """Blocks at 1 to 16 rows: on the H200 at one row the kernel's default (128 columns, 64 rows deep, 4 warps, dot)
@@ -138,23 +148,10 @@ def _kernel(x_ref, *refs, starts, col_block, depth_block, steps, use_dot, collap
 
 def _column_block(x_ref, w_ref, scale_ref, out_ref, local, block, split, *, col_block, depth_block, steps, use_dot,
                   collapse):
-    """x [P, the `steps` x `depth_block` rows of K of split `split`] @ W's column block `local` [.., cols] in
-    float32, times its scales, written at the joint output's column block `block` of out[split]. `collapse`: one
-    real row and P - 1 rows of zeros, summed into the one row written."""
-    first = split * steps
+    """W's column block `local` (`weight_only.column_block_product` of split `split`) written at the joint
+    output's column block `block` of out[split]."""
     cols = pl.ds(pl.multiple_of(local * col_block, col_block), col_block)
-
-    def step(index, acc_PC):
-        depth = pl.ds(pl.multiple_of((first + index) * depth_block, depth_block), depth_block)
-        x_PD = x_ref[:, depth]
-        w_DC = w_ref[depth, cols].astype(x_PD.dtype)
-        if use_dot:
-            return acc_PC + jax.lax.dot_general(x_PD, w_DC, (((1,), (0,)), ((), ())),
-                                                preferred_element_type=jnp.float32)
-        return acc_PC + jnp.sum(x_PD.astype(jnp.float32)[:, :, None] * w_DC.astype(jnp.float32)[None], axis=1)
-
-    acc_PC = jax.lax.fori_loop(0, steps, step, jnp.zeros((x_ref.shape[0], col_block), jnp.float32))
-    if collapse:
-        acc_PC = jnp.sum(acc_PC, axis=0, keepdims=True)
     out_cols = pl.ds(pl.multiple_of(block * col_block, col_block), col_block)
-    out_ref[split, :, out_cols] = (acc_PC * scale_ref[:, cols]).astype(out_ref.dtype)
+    out_ref[split, :, out_cols] = column_block_product(x_ref, w_ref, scale_ref, cols, split, col_block=col_block,
+                                                       depth_block=depth_block, steps=steps, use_dot=use_dot,
+                                                       collapse=collapse).astype(out_ref.dtype)
