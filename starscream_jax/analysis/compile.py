@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..checks import writable_directory
 from ..errors import StarscreamError
+from ..inference.generate import generation_cache_length
 from ..model.config import ModelConfig
 from ..model.catalog import load_model_config
 from ..model.decoder import (
@@ -49,9 +50,8 @@ from ..model.decoder import (
 )
 from ..model.paged import PAGES, SCALES
 from ..model.quantize import held_dtype
-from ..serving.engine import cache_shards
 from ..serving.sampling import SLOT_TABLE, SlotState
-from ..serving.steps import SLOTS, PackedInputs, paged_step
+from ..serving.steps import SLOTS, PackedInputs, cache_shards, paged_step
 from ..sharding.apply import (
     Placement,
     abstract_placed,
@@ -63,7 +63,6 @@ from ..sharding.apply import (
 )
 from ..sharding.layouts import Layout, fit_batch, get_layout
 from ..training.config import TrainConfig
-from ..training.generate import generation_cache_length
 from ..training.steps import Sampling, decode_step, make_optimizer, prefill_step, train_step
 from .hlo import instructions_in_loops, scope_shares
 

@@ -21,7 +21,7 @@ import math
 
 from ..errors import StarscreamError
 from ..hardware.mesh import build_topology_mesh
-from ..serving.engine import cache_shards, check_same_cache_placement
+from ..serving.steps import cache_shards, check_same_cache_placement
 from ..sharding.layouts import get_layout
 from .compile import Settings
 from .layout_report import ResultCache, inspect_layouts

@@ -1,5 +1,5 @@
 """`starscream generate`: text from a training checkpoint or a Hugging Face model directory (loaded by
-`inference.loading`), prefilled under one layout and decoded under another (`starscream_jax.training.generate`),
+`inference.loading`), prefilled under one layout and decoded under another (`starscream_jax.inference.generate`),
 with the model's tokenizer (bytes for the demo's runs), stopping at any of its EOS ids (`eos_ids`: tokenizer_config.json's, generation_config.json's and
 config.json's)."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import numpy as np
 
 from ..hardware.distributed import is_main_process
 from ..hardware.presets import Chip
+from ..inference.generate import generate, stop_ids_of
 from ..inference.loading import LoadRequest, load_for_inference
-from ..training.generate import generate, stop_ids_of
 from ..training.steps import Sampling
 from .arguments import (
     MODEL_SOURCE_EXCLUSIVE,

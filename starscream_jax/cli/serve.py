@@ -270,9 +270,10 @@ def build_engine(args: argparse.Namespace) -> ReadyEngine:
     program (printing what was chosen), and give the engine with its tokenizer."""
     import jax
 
-    from ..serving.engine import Engine, cache_shards
-    from ..serving.multihost import StepBroadcast
     from ..inference.loading import load_for_inference
+    from ..serving.engine import Engine
+    from ..serving.multihost import StepBroadcast
+    from ..serving.steps import cache_shards
     from .generate import load_request
 
     if args.compilation_cache:
@@ -332,7 +333,7 @@ def build_fake_engine(args: argparse.Namespace) -> ReadyEngine:
     """In the engine process: the front-end benchmark's engine (no model, no device), with the tokenizer of
     --model-dir (or the byte-level one)."""
     from ..serving.fake import FakeEngine
-    from ..training.tokenizer import load_tokenizer
+    from ..text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.model_dir)
     engine = FakeEngine(vocab_size=tokenizer.vocab_size, context=args.max_model_len or 8192,

@@ -22,9 +22,9 @@ from ..model.hf_checkpoint import load_hf_model
 from ..model.hf_config import model_config_from_hf
 from ..model.quantize import OCP_TO_FNUZ
 from ..sharding.layouts import PHASE_DEFAULTS
+from ..text.tokenizer import ByteTokenizer, HFTokenizer, model_dir_tokenizer, tokenizer_for_model
 from ..training.checkpoint import CheckpointStore, restore_model
 from ..training.config import TrainConfig
-from ..training.tokenizer import ByteTokenizer, HFTokenizer, model_dir_tokenizer, tokenizer_for_model
 
 PADDING_LOAD_LAYOUT = "starscream_fsdp"
 """The layout a model whose query heads are padded is loaded under: it splits no heads (weights inside each GPU by

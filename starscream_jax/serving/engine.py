@@ -46,7 +46,17 @@ from .protocol import EngineInfo, EngineStats
 from .scheduler import PENDING, Chunk, SamplingParams, Scheduler, SchedulerConfig, Sequence, TokenEvent, check_fits
 from .guided import Guide, MaskBuilder, grammar_tokenizer
 from .sampling import SLOT_TABLE, SlotReset, SlotState, reset_slot, write_masks
-from .steps import SLOTS, Buckets, PackedInputs, RowSampling, Sampled, StepInputs, paged_step
+from .steps import (
+    SLOTS,
+    Buckets,
+    PackedInputs,
+    RowSampling,
+    Sampled,
+    StepInputs,
+    cache_shards,
+    check_same_cache_placement,
+    paged_step,
+)
 
 COMPILE_WAIT_S = 0.05
 """How long an engine step with nothing to run waits for a grammar to compile before it returns."""
@@ -142,14 +152,6 @@ class EngineConfig:
                                   "fraction of device memory the server may use, such as 0.9")
         if self.kernel not in KERNELS:
             raise StarscreamError(f"unknown paged-attention kernel {self.kernel!r}; choose one of {', '.join(KERNELS)}")
-
-
-def cache_shards(layout, mesh) -> int:
-    """How many shards a layout splits the attention batch (and the page pool) into on `mesh` (1 without one)."""
-    if mesh is None:
-        return 1
-    _, axes = get_layout(layout).activations.lookup("attn_batch")
-    return math.prod(mesh.shape[axis] for axis in axes)
 
 
 class Engine:
@@ -777,20 +779,3 @@ def _check_buckets(buckets: Buckets, config: EngineConfig) -> None:
         raise StarscreamError(f"buckets of at most {buckets.rows[-1]} rows and {buckets.positions[-1]} positions "
                               f"cannot run {config.rows_per_shard} sequences per shard and chunks of {config.chunk}; "
                               "raise the largest buckets or lower rows_per_shard / chunk")
-
-
-def check_same_cache_placement(layouts: dict, mesh, c, shards: int) -> None:
-    """The prefill and decode layouts must place the page pools alike (else every step would copy the cache; the
-    placement does not depend on the pool's size)."""
-    shape = (c.n_kv_heads, 2 * shards, 16, c.head_dim)
-    specs = {}
-    for phase, layout in layouts.items():
-        if layout.splits_sequence:
-            raise StarscreamError(f"layout {layout.name} splits the sequence and cannot serve from a KV cache; prefill "
-                                  f"with {PHASE_DEFAULTS['prefill']} and decode with {PHASE_DEFAULTS['decode']}")
-        with use_layout(layout, mesh):
-            specs[phase] = activation_spec(PAGES, shape, "kv pages")
-    if specs["prefill"] != specs["decode"] or cache_shards(layouts["prefill"], mesh) != shards:
-        raise StarscreamError(f"prefill layout {layouts['prefill'].name} places the KV pages as {specs['prefill']} and "
-                              f"decode layout {layouts['decode'].name} as {specs['decode']}; serve with layouts that "
-                              "place the cache alike (e.g. starscream_tp and starscream_decode)")

@@ -11,6 +11,9 @@
               Decode runs it with S = 1 under the decode layout, prefill chunks with S > 1 under the prefill
               layout; both layouts place the pages alike, so neither copies the cache.
 
+The pages' placement is the decode layout's, split into `cache_shards` shards (one page pool each); the prefill
+layout must place them alike (`check_same_cache_placement`).
+
 Shapes are bucketed (`Buckets`): rows per shard, positions per row (prefill) and pages per row round up to the next
 bucket, so a server compiles each (phase, rows, positions, pages) program once, at start, and holds `Buckets.programs()`
 of them. Sampling is per row: a guided row's grammar mask, then logit bias, the min_tokens mask and the penalties
@@ -20,6 +23,7 @@ the draw keyed by (row's seed, the new token's position) alone.
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 
 import jax
@@ -31,8 +35,9 @@ from jax.tree_util import register_dataclass
 from ..errors import StarscreamError
 from ..hardware.backend import policy_of
 from ..model.ops import run_sharded
-from ..model.paged import PagedCache
-from ..sharding.apply import Jitted, Placement, constrain, jit
+from ..model.paged import PAGES, PagedCache
+from ..sharding.apply import Jitted, Placement, activation_spec, constrain, jit, use_layout
+from ..sharding.layouts import PHASE_DEFAULTS, get_layout
 from ..training.steps import whole_vocabulary
 from .sampling import (
     SlotState,
@@ -328,3 +333,28 @@ class Buckets:
         if index == len(sizes):
             raise StarscreamError(f"{size} {what} exceed the largest compiled bucket {sizes[-1]}")
         return sizes[index]
+
+
+def cache_shards(layout, mesh) -> int:
+    """How many shards a layout splits the attention batch (and the page pool) into on `mesh` (1 without one)."""
+    if mesh is None:
+        return 1
+    _, axes = get_layout(layout).activations.lookup("attn_batch")
+    return math.prod(mesh.shape[axis] for axis in axes)
+
+
+def check_same_cache_placement(layouts: dict, mesh, c, shards: int) -> None:
+    """The prefill and decode layouts must place the page pools alike (else every step would copy the cache; the
+    placement does not depend on the pool's size)."""
+    shape = (c.n_kv_heads, 2 * shards, 16, c.head_dim)
+    specs = {}
+    for phase, layout in layouts.items():
+        if layout.splits_sequence:
+            raise StarscreamError(f"layout {layout.name} splits the sequence and cannot serve from a KV cache; prefill "
+                                  f"with {PHASE_DEFAULTS['prefill']} and decode with {PHASE_DEFAULTS['decode']}")
+        with use_layout(layout, mesh):
+            specs[phase] = activation_spec(PAGES, shape, "kv pages")
+    if specs["prefill"] != specs["decode"] or cache_shards(layouts["prefill"], mesh) != shards:
+        raise StarscreamError(f"prefill layout {layouts['prefill'].name} places the KV pages as {specs['prefill']} and "
+                              f"decode layout {layouts['decode'].name} as {specs['decode']}; serve with layouts that "
+                              "place the cache alike (e.g. starscream_tp and starscream_decode)")

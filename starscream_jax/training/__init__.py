@@ -1,3 +1,2 @@
 """Running a model: the one definition of each step (`steps`), the run's configuration (`config`), the training loop
-(`loop`), generation (`generate`), data (`data`), checkpoints (`checkpoint`), metrics (`metrics`) and the
-run directory's lock (`lock`)."""
+(`loop`), data (`data`), checkpoints (`checkpoint`), metrics (`metrics`) and the run directory's lock (`lock`)."""

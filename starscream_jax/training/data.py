@@ -1,6 +1,6 @@
-"""Corpus, byte-level tokenizer and deterministic batches placed straight onto a sharded mesh.
+"""The demo corpus and deterministic batches placed straight onto a sharded mesh.
 
-The tokenizer is byte-level: token ids are the UTF-8 bytes of the text (vocabulary of 256). It needs no download or
+The demo's tokens are the UTF-8 bytes of its text (`text.byte_level`, a vocabulary of 256). It needs no download or
 training, every byte is representable and encoding then decoding returns the original text exactly.
 
 The batch for a training step is a pure function of (seed, step): resuming from a checkpoint at step s replays exactly
@@ -19,26 +19,9 @@ import numpy as np
 
 from ..errors import StarscreamError
 from ..resources import data_dir
+from ..text.byte_level import VOCAB_SIZE
 
-VOCAB_SIZE = 256
 DEFAULT_CORPUS = data_dir("data") / "tinyshakespeare.txt"  # data/README.md says where it comes from
-
-
-def encode(text: str) -> np.ndarray:
-    """Text -> token ids [n] (uint8): its UTF-8 bytes. Exact inverse of `decode` for any text. Bytes that are not
-    UTF-8, as Python keeps them in command-line arguments (lone surrogates, PEP 383), come back as those bytes."""
-    return np.frombuffer(text.encode("utf-8", errors="surrogateescape"), dtype=np.uint8).copy()
-
-
-def decode(token_ids) -> str:
-    """Token ids [n] (ints in 0..255) -> text. Byte runs that are not valid UTF-8 become U+FFFD."""
-    token_array = np.asarray(token_ids)
-    if token_array.size and (token_array.min() < 0 or token_array.max() >= VOCAB_SIZE):
-        raise StarscreamError(
-            f"token ids span {token_array.min()}..{token_array.max()}; the byte tokenizer expects 0..{VOCAB_SIZE - 1}; "
-            "decode only ids produced by this tokenizer or a model with vocab_size 256"
-        )
-    return token_array.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
 def load_corpus(path: str | Path = DEFAULT_CORPUS) -> np.ndarray:

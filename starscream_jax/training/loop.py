@@ -39,14 +39,14 @@ from ..model.decoder import create_sharded_model
 from ..model.hf_checkpoint import load_hf_model
 from ..sharding.apply import Placement, batch_sharding, use_layout
 from ..sharding.layouts import Layout, fit_batch
+from ..text.corpus import DataFingerprint, load_token_stream
+from ..text.tokenizer import tokenizer_for_model
 from . import data
 from .checkpoint import CheckpointStore, MisnamedCheckpointError, abstract_model_state, all_finite
 from .config import TrainConfig, flag
-from .corpus import DataFingerprint, load_token_stream
 from .lock import RunLock
 from .metrics import MetricsLog, format_loss, plot_losses, read_metrics
 from .steps import eval_step, load_balance_step, make_optimizer, train_step
-from .tokenizer import tokenizer_for_model
 
 METRICS_FILE, PLOT_FILE = "metrics.jsonl", "loss.png"
 """What a run writes into its --run-dir beside its checkpoints (and the lock)."""

@@ -11,9 +11,9 @@ from starscream_jax.analysis.json_form import to_json
 from starscream_jax.analysis.layout_report import inspect_layouts
 from starscream_jax.errors import StarscreamError
 from starscream_jax.hardware.mesh import build_mesh, build_topology_mesh
+from starscream_jax.inference.generate import generate
 from starscream_jax.model.decoder import create_sharded_model
 from starscream_jax.training.config import TrainConfig
-from starscream_jax.training.generate import generate
 from starscream_jax.training.loop import train
 from starscream_jax.training.steps import Sampling
 

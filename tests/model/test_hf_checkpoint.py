@@ -24,6 +24,7 @@ from safetensors.numpy import load_file, save_file
 
 from starscream_jax.errors import CheckpointError, ShardingRuleError, StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.inference.generate import generate
 from starscream_jax.model.decoder import Transformer, next_token_loss
 from starscream_jax.model.hf_checkpoint import (
     INDEX_FILE,
@@ -36,7 +37,6 @@ from starscream_jax.model.hf_checkpoint import (
 from starscream_jax.model.hf_config import model_config_from_hf
 from starscream_jax.sharding.apply import batch_sharding, param_shardings, use_layout
 from starscream_jax.sharding.layouts import LAYOUTS, fit_batch
-from starscream_jax.training.generate import generate
 from starscream_jax.training.steps import Sampling
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "hf"

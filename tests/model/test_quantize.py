@@ -17,6 +17,7 @@ from safetensors.numpy import load_file
 from starscream_jax.errors import CheckpointError, PresetError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.hardware.presets import load_chip
+from starscream_jax.inference.generate import generate
 from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.decoder import (abstract_model, create_sharded_model, init_cache, split_cache,
                                           split_layer_weights, to_fnuz)
@@ -26,7 +27,6 @@ from starscream_jax.model.quantize import Scaled, dequantize, largest, quantize,
 from starscream_jax.sharding.apply import (Placement, batch_sharding, param_shardings, param_specs, token_sharding,
                                           use_layout)
 from starscream_jax.sharding.layouts import LAYOUTS
-from starscream_jax.training.generate import generate
 from starscream_jax.training.steps import Sampling, decode_step
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "hf"

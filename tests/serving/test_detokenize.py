@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from starscream_jax.serving.detokenize import IncrementalText
-from starscream_jax.training.tokenizer import ByteTokenizer, load_tokenizer
+from starscream_jax.text.tokenizer import ByteTokenizer, load_tokenizer
 
 LLAMA = Path(__file__).parents[1] / "fixtures" / "hf" / "llama"
 

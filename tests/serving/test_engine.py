@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from starscream_jax.errors import StarscreamError
+from starscream_jax.inference.generate import generate
 from starscream_jax.serving.engine import EngineConfig
 from starscream_jax.serving.scheduler import SamplingParams
-from starscream_jax.training.generate import generate
 
 ROWS, NEW_TOKENS = 8, 6
 WORKER = Path(__file__).with_name("multihost_serve_worker.py")

@@ -1,40 +1,21 @@
-"""Byte tokenizer, corpus split, unigram entropy and deterministic sharded batches."""
+"""Corpus split, unigram entropy and deterministic sharded batches."""
 import math
 
 import jax
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from starscream_jax.errors import StarscreamError
+from starscream_jax.text import byte_level
 from starscream_jax.training import data
-
-
-@settings(max_examples=50, deadline=None)
-@given(st.text())
-def test_encode_decode_round_trip_is_exact(text):
-    assert data.decode(data.encode(text)) == text
-
-
-def test_tokens_are_the_utf8_bytes():
-    ascii_text = bytes(range(128)).decode("ascii")
-    assert data.encode(ascii_text).tolist() == list(range(128))
-    assert data.encode("é").tolist() == [0xC3, 0xA9]
-    assert data.decode([0xC3, 0xA9]) == "é"
-
-
-def test_decode_rejects_ids_outside_the_vocabulary():
-    with pytest.raises(StarscreamError, match="0..255"):
-        data.decode([72, 256])
 
 
 def test_corpus_loads_as_bytes_and_holds_out_the_last_tenth():
     tokens = data.load_corpus()
     assert tokens.dtype == np.uint8 and len(tokens) == 1_115_394
-    assert data.decode(tokens[:9]) == "First Cit"
+    assert byte_level.decode(tokens[:9]) == "First Cit"
     train, validation = data.split_corpus(tokens)
     assert len(train) == int(len(tokens) * 0.9)
     assert np.array_equal(np.concatenate([train, validation]), tokens)

@@ -17,7 +17,8 @@ from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model.catalog import load_model_config
 from starscream_jax.sharding.apply import param_shardings
 from starscream_jax.sharding.layouts import get_layout
-from starscream_jax.training import corpus, data, loop
+from starscream_jax.text import corpus
+from starscream_jax.training import data, loop
 from starscream_jax.training.checkpoint import CheckpointStore, restore_model
 from starscream_jax.training.config import TrainConfig
 from starscream_jax.training.lock import RunLock

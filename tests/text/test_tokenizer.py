@@ -9,7 +9,7 @@ import pytest
 from starscream_jax.errors import CheckpointError, StarscreamError
 from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.hf_config import model_config_from_hf
-from starscream_jax.training.tokenizer import (
+from starscream_jax.text.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     load_tokenizer,

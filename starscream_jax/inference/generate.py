@@ -24,7 +24,7 @@ from ..model.decoder import cache_shardings, decode_holds_cache_per_layer, split
 from ..model.quantize import held_as_read
 from ..sharding.apply import Placement, batch_sharding, param_shardings, placed, token_sharding
 from ..sharding.layouts import PHASE_DEFAULTS, Layout, fit_batch, positions_multiple
-from .steps import Sampling, decode_step, prefill_step
+from ..training.steps import Sampling, decode_step, prefill_step
 
 STOP_CHECK_EVERY = 16
 

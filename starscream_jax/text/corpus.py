@@ -9,7 +9,7 @@ characters. Each file is fingerprinted by its content (`DataFingerprint`: size a
 which a resumed run compares with the run's. Tokens are appended to a cache file as they come: the cache
 (`CACHE_DIR/<key>.tokens`, raw int32) is keyed by that content and by the tokenizer, so a second run (or a resumed
 one) reads it back as a memory map without tokenizing again. Documents are packed end to end, each closed by EOS
-where the tokenizer has one, and training windows are drawn from the packed stream (`data.TokenBatches`).
+where the tokenizer has one, and training windows are drawn from the packed stream (`training.data.TokenBatches`).
 """
 from __future__ import annotations
 
@@ -24,9 +24,8 @@ from typing import Iterator
 
 import numpy as np
 
-from ..checks import created_directory
+from ..checks import created_directory, process_alive
 from ..errors import StarscreamError
-from .lock import process_alive
 from .tokenizer import ByteTokenizer, HFTokenizer, require_unicode
 
 LINES_PER_BLOCK = 4096

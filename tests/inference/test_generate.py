@@ -15,19 +15,19 @@ from starscream_jax.cli import main as cli
 from starscream_jax.errors import StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.hardware.presets import load_chip
+from starscream_jax.inference.generate import generate, is_stop, stop_ids_of
 from starscream_jax.inference.loading import load_for_inference
 from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.decoder import Transformer, cache_shardings
 from starscream_jax.sharding.apply import use_layout
 from starscream_jax.sharding.layouts import get_layout
-from starscream_jax.training import data
+from starscream_jax.text import byte_level
 from starscream_jax.training.checkpoint import CheckpointStore
 from starscream_jax.training.config import TrainConfig
-from starscream_jax.training.generate import generate, is_stop, stop_ids_of
 from starscream_jax.training.loop import initial_state, run_description
 from starscream_jax.training.steps import Sampling, choose_token
 
-PROMPT = np.tile(data.encode("ROMEO:"), (4, 1))
+PROMPT = np.tile(byte_level.encode("ROMEO:"), (4, 1))
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from starscream_jax.errors import StarscreamError
-from starscream_jax.training import corpus
-from starscream_jax.training.tokenizer import load_tokenizer
+from starscream_jax.text import corpus
+from starscream_jax.text.tokenizer import load_tokenizer
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "hf" / "llama"
 MESSAGES = [{"role": "user", "content": "Who goes there?"}, {"role": "assistant", "content": "A friend."}]

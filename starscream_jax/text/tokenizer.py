@@ -1,5 +1,5 @@
 """Tokenizers: a model directory's `tokenizer.json` (the `tokenizers` library) with BOS, EOS and the chat template of
-its `tokenizer_config.json`, or the byte-level tokenizer of the built-in demo (`data.encode` / `data.decode`).
+its `tokenizer_config.json`, or the byte-level tokenizer of the built-in demo (`byte_level.encode` / `byte_level.decode`).
 
 Both give token ids as int32 arrays and text back. `render_chat` turns chat messages ([{"role", "content"}]) into
 text with the checkpoint's own Jinja template, run in Jinja's sandbox; that text is encoded without adding special
@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 
 from ..errors import CheckpointError, StarscreamError
 from ..model.config import ModelConfig
-from . import data
+from . import byte_level
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -51,19 +51,19 @@ def require_unicode(text: str, what: str = "text to encode", escaped_bytes: bool
 class ByteTokenizer:
     """Token ids are UTF-8 bytes (vocabulary 256); no BOS, EOS or chat template."""
 
-    vocab_size = data.VOCAB_SIZE
+    vocab_size = byte_level.VOCAB_SIZE
     bos_id = eos_id = None
     eos_ids: tuple[int, ...] = ()
-    highest_id, highest_source = data.VOCAB_SIZE - 1, "byte 0xff"
+    highest_id, highest_source = byte_level.VOCAB_SIZE - 1, "byte 0xff"
     fingerprint = "bytes"
     """What decides the ids it gives (compared on resume, part of the token cache's key)."""
 
     def encode(self, text: str, special_tokens: bool = True) -> np.ndarray:
         """The UTF-8 bytes of `text`; bytes a command line gave that are not UTF-8 (PEP 383) stay those bytes."""
-        return data.encode(require_unicode(text, escaped_bytes=True)).astype(np.int32)
+        return byte_level.encode(require_unicode(text, escaped_bytes=True)).astype(np.int32)
 
     def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
-        return data.decode(token_ids)
+        return byte_level.decode(token_ids)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = False, tools: list | None = None) -> str:
         raise StarscreamError("the byte-level tokenizer has no chat template; pass --tokenizer DIR (or --init DIR) "
