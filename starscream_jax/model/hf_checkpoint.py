@@ -12,6 +12,7 @@ and how its axes map onto ours; loading and export both read it, so they are eac
 """
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import functools
 import glob
@@ -54,6 +55,8 @@ SCALE_TENSOR = "_scale"
 """A quantized weight `<name>.weight`'s scale is the tensor `<name>.weight_scale`."""
 SAVED_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 DEFAULT_SHARD_BYTES = 5 << 30
+LOAD_THREADS = min(8, os.cpu_count() or 1)
+"""Parameters read at once when a checkpoint loads (each holds one block of itself on the host at a time)."""
 STAGING, REPLACED = "partial", "old"
 """An export is written into `.<out>.partial-<host>-<pid>-<random>` beside `out`, and what it replaces is moved to
 `.<out>.old-<host>-<pid>-<random>` until the export is in place; a later export removes those of writers gone."""
@@ -388,7 +391,9 @@ def load_hf_model(model_dir: str | Path, layout, mesh, dtype: str | None = None,
 
 
 def _load(reader: CheckpointReader, config: ModelConfig, layout, mesh) -> Transformer:
-    """The Transformer `config` describes, its parameters read from `reader` into `layout`'s placement."""
+    """The Transformer `config` describes, its parameters read from `reader` into `layout`'s placement, up to
+    LOAD_THREADS parameters at a time (reading the files, copying the bytes and sending them to the devices release
+    Python's lock, so the parameters' reads overlap one another's transfers)."""
     table = sources(config)
     graphdef, abstract, rest = nnx.split(abstract_model(config), nnx.Param, ...)
     shardings = param_shardings(abstract, layout, mesh)
@@ -404,8 +409,14 @@ def _load(reader: CheckpointReader, config: ModelConfig, layout, mesh) -> Transf
         if expected is not None:
             reader.check(name, *expected)
     leaves = jax.tree.leaves(shardings, is_leaf=lambda node: isinstance(node, jax.sharding.Sharding))
-    loaded = [(path, (_load_scale if is_scale(path_name(path)) else _load_param)(
-        reader, table[path_name(path)], variable, sharding)) for (path, variable), sharding in zip(variables, leaves)]
+
+    def load(item):
+        (path, variable), sharding = item
+        loader = _load_scale if is_scale(path_name(path)) else _load_param
+        return path, loader(reader, table[path_name(path)], variable, sharding)
+
+    with concurrent.futures.ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="starscream-load") as pool:
+        loaded = list(pool.map(load, zip(variables, leaves)))
     return nnx.merge(graphdef, nnx.from_flat_state(loaded), rest)
 
 
