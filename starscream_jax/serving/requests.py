@@ -36,8 +36,8 @@ UNSUPPORTED = {
     "functions": ([],), "function_call": ("none",),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
     "chat_template": (), "chat_template_kwargs": ({},), "continue_final_message": (False,), "documents": ([],),
-    "mm_processor_kwargs": ({},), "truncate_prompt_tokens": (), "allowed_token_ids": (), "bad_words": ([],),
-    "logits_processors": ([],), "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
+    "mm_processor_kwargs": ({},), "allowed_token_ids": (), "bad_words": ([],),
+    "logits_processors": ([],),
     "priority": (0,), "reasoning_effort": (), "prompt_embeds": (), "kv_transfer_params": (), "vllm_xargs": ({},),
     "modalities": (["text"],), "audio": (), "prediction": (), "web_search_options": (), "service_tier": ("auto",),
     "store": (False,), "metadata": ({},), "cache_salt": (),
@@ -119,6 +119,22 @@ class Sampling(BaseModel):
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     structured_outputs: dict | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=WHOLE_INT)
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+
+    def truncated(self, prompt: list[int], context: int) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (-1: the model's context; None or a longer value: all
+        of it), as vLLM truncates it."""
+        keep = context if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+        return prompt[-keep:] if keep and keep < len(prompt) else prompt
+
+    @model_validator(mode="after")
+    def _truncation_leaves_a_prompt(self):
+        if self.truncate_prompt_tokens == 0:
+            raise ApiError(HTTP_BAD_REQUEST, "truncate_prompt_tokens 0 leaves no prompt; give -1 (the model's "
+                           "context) or a number of tokens to keep, at least 1", param="truncate_prompt_tokens")
+        return self
 
     @model_validator(mode="before")
     @classmethod

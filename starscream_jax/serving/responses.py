@@ -24,7 +24,7 @@ from .scheduler import SamplingParams
 from .tools import ToolMode, ToolStream
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Serving:
     """What every response of a server uses: the tokenizer's decode, the engine client (to cancel a choice), the
     metrics and the JSON encoder."""
@@ -46,6 +46,7 @@ class Choice:
                  echo: str = ""):
         self.serving, self.index, self.request_id, self.params, self.stream = serving, index, request_id, params, stream
         self.echo = echo
+        self.prompt = prompt
         self.prompt_tokens = len(prompt)
         self.tools = tools
         self.tool_stream = ToolStream(tools) if tools is not None else None
@@ -189,9 +190,12 @@ class CompletionResponse:
         try:
             for choice in self.choices:
                 if self.chat:
-                    yield _sse(encode(self._chunk(choice, {"role": "assistant", "content": ""}, None)))
-                elif choice.echo:
-                    yield _sse(encode(self._chunk(choice, choice.echo, None)))
+                    first = self._chunk(choice, {"role": "assistant", "content": ""}, None)
+                    yield _sse(encode({**first, **self._ids("prompt_token_ids", choice.prompt)}))
+                elif choice.echo or self.body.return_token_ids:
+                    first = self._chunk(choice, choice.echo, None)
+                    first["choices"][0].update(self._ids("prompt_token_ids", choice.prompt))
+                    yield _sse(encode(first))
             failed, running = False, len(self.choices)
             while running:
                 choice, delta = await fan_in.next()
@@ -207,7 +211,9 @@ class CompletionResponse:
                     logprobs = self._logprobs(tokens, values, tops) if choice.params.logprobs else None
                     part = ({"content": text or None, "tool_calls": calls} if calls else {"content": text}) \
                         if self.chat else text
-                    yield _sse(encode(self._chunk(choice, part, choice.streamed_reason(), logprobs)))
+                    chunk = self._chunk(choice, part, choice.streamed_reason(), logprobs)
+                    chunk["choices"][0].update(self._ids("token_ids", tokens))
+                    yield _sse(encode(chunk))
                 running -= choice.finish_reason is not None
             options = self.body.stream_options
             if options is not None and options.include_usage and not failed:
@@ -226,7 +232,7 @@ class CompletionResponse:
         """OpenAI's logprobs object of `tokens`: chat's content entries, each with its `top_logprobs` list, or
         completions' parallel lists, whose `top_logprobs` holds per token a dict of the likeliest tokens' text
         and the chosen one's (as vLLM gives it)."""
-        decode = self.serving.decode
+        decode = (lambda ids: f"token_id:{ids[0]}") if self.body.return_tokens_as_token_ids else self.serving.decode
         tops = [top or ((), ()) for top in tops]
         if self.chat:
             return {"content": [{"token": decode([t]), "logprob": v, "bytes": None,
@@ -246,11 +252,19 @@ class CompletionResponse:
             if self.chat:
                 message = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
                 choices.append({"index": choice.index, "message": message, "logprobs": logprobs,
-                                "finish_reason": reason})
+                                "finish_reason": reason, **self._ids("token_ids", choice.tokens)})
             else:
-                choices.append({"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": reason})
+                choices.append({"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": reason,
+                                **self._ids("prompt_token_ids", choice.prompt),
+                                **self._ids("token_ids", choice.tokens)})
+        prompt = self._ids("prompt_token_ids", self.choices[0].prompt) if self.chat else {}
         return {"id": self.response_id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": choices, "usage": self._usage()}
+                "choices": choices, "usage": self._usage(), **prompt}
+
+    def _ids(self, name: str, tokens: list[int]) -> dict:
+        """{name: tokens} where the request asks for token ids (vLLM's `return_token_ids`: a choice's generated
+        ids, and its prompt's, in a completions choice or at the top of a chat response or its first chunk)."""
+        return {name: list(tokens)} if self.body.return_token_ids else {}
 
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"

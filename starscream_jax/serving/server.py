@@ -334,6 +334,7 @@ class Server:
         """Submits `body.n` engine requests per prompt (choice `p * n + i` is prompt p's i-th, seeded seed + i
         when a seed is given) and answers with all their choices, whole or streamed; each follows `grammar`
         (structured output), its text becomes tool calls as `tools` says, and begins with its prompt's echo."""
+        prompts = [body.truncated(prompt, self.context) for prompt in prompts]
         params = [replace(self._params(body, prompt, logprobs, chat), grammar=grammar) for prompt in prompts]
         self._admit(len(prompts) * body.n)
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}"
@@ -356,7 +357,8 @@ class Server:
                 self.client.cancel(choice.request_id)
             raise (ApiError(HTTP_BAD_REQUEST, refused.error) if refused.finish_reason == "refused"
                    else unavailable(refused.error))
-        response = CompletionResponse(self.serving, response_id, body, chat, sum(map(len, prompts)), arrival, choices, firsts)
+        response = CompletionResponse(self.serving, response_id, body, chat, sum(map(len, prompts)), arrival, choices,
+                                      firsts)
         if body.stream:
             return StreamingResponse(response.sse(), media_type="text/event-stream")
         return await response.whole(request)

@@ -95,6 +95,32 @@ def test_echo_returns_the_prompt_before_the_completion(client, llama_tokenizer):
         client.completions.create(prompt="hello world", echo=True, logprobs=1, **sampling)
 
 
+def test_token_ids_truncation_and_ids_as_logprob_tokens(client, llama_tokenizer):
+    """return_token_ids gives a choice's generated ids (which decode to its text) and its prompt's, whole and
+    streamed, on both routes; truncate_prompt_tokens keeps the prompt's last tokens (0 is a 400); with
+    return_tokens_as_token_ids the logprobs name ids."""
+    sampling = {"model": MODEL, "max_tokens": 4, "temperature": 0}
+    ids = [int(token) for token in llama_tokenizer.encode("hello world again and again", False)]
+    whole = client.completions.create(prompt=ids, **sampling, extra_body={"return_token_ids": True}).choices[0]
+    assert whole.prompt_token_ids == ids and llama_tokenizer.decode(whole.token_ids) == whole.text
+    chunks = list(client.completions.create(prompt=ids, stream=True, **sampling,
+                                            extra_body={"return_token_ids": True}))
+    assert chunks[0].choices[0].prompt_token_ids == ids
+    assert [i for chunk in chunks for i in getattr(chunk.choices[0], "token_ids", [])] == whole.token_ids
+    cut = client.completions.create(prompt=ids, **sampling,
+                                    extra_body={"return_token_ids": True, "truncate_prompt_tokens": 2})
+    assert cut.choices[0].prompt_token_ids == ids[-2:] and cut.usage.prompt_tokens == 2
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **sampling,
+                                          extra_body={"return_token_ids": True})
+    answer = chat.choices[0]
+    assert chat.prompt_token_ids and llama_tokenizer.decode(answer.token_ids) == answer.message.content
+    named = client.completions.create(prompt=ids, logprobs=1, **sampling,
+                                      extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    assert named.logprobs.tokens == [f"token_id:{i}" for i in whole.token_ids]
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens 0"):
+        client.completions.create(prompt=ids, **sampling, extra_body={"truncate_prompt_tokens": 0})
+
+
 def test_a_stop_string_ends_the_text_before_it(client):
     free = client.completions.create(model=MODEL, prompt="hello world", max_tokens=8, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
