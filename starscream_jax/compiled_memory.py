@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class MemoryReport:
     """Per-device memory of a compiled program, from `compiled.memory_analysis()`, in bytes."""
 

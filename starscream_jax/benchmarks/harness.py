@@ -39,7 +39,7 @@ Output = TypeVar("Output")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RunInfo:
     """Where and how a benchmark ran; `as_dict` gives the keys every result's metadata carries."""
 

@@ -18,7 +18,7 @@ dot strength reduction; the threshold is fixed in XLA's GPU algebraic simplifier
 k and v projections of grouped-query attention, which then read their weights at a quarter of the rate of a GEMM."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BackendPolicy:
     """What the model does differently on one backend.
 

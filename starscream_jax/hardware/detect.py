@@ -38,7 +38,7 @@ GPU_NODE_FIELDS = ("location_id", "domain", "drm_render_minor")
 _BDF = re.compile(r"([0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})\.[0-7]")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GpuPartition:
     """One compute partition of a physical GPU: one KFD GPU node, one logical HIP device.
 
@@ -61,7 +61,7 @@ class GpuPartition:
     drm_render_minor: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AmdSmiGpu:
     """One logical GPU as `amd-smi list --json` or `amd-smi static --json` reports it; None where it says N/A.
 

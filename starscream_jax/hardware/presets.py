@@ -28,7 +28,7 @@ PRESET_FIELDS = ("name", "chip", "compute_mode", "memory_mode")
 _PRESET_NAME = re.compile(r"^([a-z0-9]+)-([a-z]px)-(nps\d)$")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Chip:
     """Whole-GPU figures of one chip (bandwidths in bytes/s, latencies in s, FLOP/s dense bf16).
 
@@ -83,7 +83,7 @@ class Chip:
         return ", ".join(f"{compute}+{memory}" for compute, memories in self.modes for memory in memories)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Preset:
     """A chip in one compute x memory partition mode (`preview`: the vendor ships the mode as a preview)."""
 

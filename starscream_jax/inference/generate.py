@@ -29,7 +29,7 @@ from ..training.steps import Sampling, decode_step, prefill_step
 STOP_CHECK_EVERY = 16
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Generation:
     """Generated token ids [batch, new_tokens] (numpy int32), the measured throughput of each phase and the two
     compiled programs that ran (`steps.prefill_step`, `steps.decode_step`)."""

@@ -24,7 +24,7 @@ projection matmuls ("dots": norms, rotary, attention and activations recomputed)
 the whole layer recomputed)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """A Llama-family decoder. d_model D, n_heads H query heads of head_dim, n_kv_heads K (H % K == 0), d_ff F (each
     expert's hidden width in a mixture of experts), n_experts X (0 = dense MLP) with experts_per_token routed per

@@ -25,7 +25,7 @@ WATCH_S = 0.5
 """How often the client checks that the engine's process (or thread) is still alive."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Delta:
     """What a stream's consumer takes at once: the tokens (and log-probabilities) of one or more steps, the finish
     reason once finished, the engine's refusal or failure, (in the first) the seconds it queued, and with

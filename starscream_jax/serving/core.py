@@ -84,12 +84,8 @@ class EngineCore:
     def _step(self) -> None:
         started = time.perf_counter()
         events = self.engine.step() if self.engine.busy else []
-        refused = [protocol.RequestOutput(request_id, [], [], "refused", why) for request_id, why in
-                   self.engine.refused()]
-        outputs = self._refused + refused + [protocol.RequestOutput(event.request_id, [event.token], [event.logprob],
-                                                                    event.finish_reason, None, event.queued_s,
-                                                                    *_top(event))
-                                             for event in events]
+        refused = [refusal(request_id, "refused", why) for request_id, why in self.engine.refused()]
+        outputs = self._refused + refused + [output_of(event) for event in events]
         self._refused = []
         message = protocol.StepOutputs(outputs, self.engine.stats(), time.perf_counter() - started)
         self._outputs.send(self._encoder.encode(message), copy=False)
@@ -115,7 +111,7 @@ class EngineCore:
                 self.engine.submit(message.request_id, message.prompt, message.params)
             except StarscreamError as err:
                 reason = "unavailable" if self.stopping else "refused"
-                self._refused.append(protocol.RequestOutput(message.request_id, [], [], reason, str(err)))
+                self._refused.append(refusal(message.request_id, reason, str(err)))
         elif isinstance(message, protocol.CancelRequests):
             for request_id in message.request_ids:
                 self.engine.cancel(request_id)
@@ -126,9 +122,18 @@ class EngineCore:
                     self.engine.cancel(request_id)
 
 
-def _top(event) -> tuple[list, list]:
-    """An event's likeliest tokens and log-probabilities as one entry per token (none without top_logprobs)."""
-    return ([list(event.top_tokens)], [list(event.top_logprobs)]) if event.top_tokens else ([], [])
+def output_of(event) -> protocol.RequestOutput:
+    """An engine's `TokenEvent` as the message the API process reads: its token, its log-probability, and its
+    likeliest tokens and their log-probabilities as one entry per token (none without top_logprobs)."""
+    top_tokens, top_logprobs = ([list(event.top_tokens)], [list(event.top_logprobs)]) if event.top_tokens else ([], [])
+    return protocol.RequestOutput(request_id=event.request_id, tokens=[event.token], logprobs=[event.logprob],
+                                  finish_reason=event.finish_reason, queued_s=event.queued_s, top_tokens=top_tokens,
+                                  top_logprobs=top_logprobs)
+
+
+def refusal(request_id: str, reason: str, error: str) -> protocol.RequestOutput:
+    """The one message of a request the engine did not take: no tokens, `reason` and why (`error`)."""
+    return protocol.RequestOutput(request_id=request_id, tokens=[], logprobs=[], finish_reason=reason, error=error)
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ STEPS_KEPT = 100_000
 """How many of the latest steps' times an engine keeps (`Engine.step_times`, for benchmarks)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepTime:
     """One engine step: its prompt-chunk rows and decode rows, the seconds from the previous step's outputs (or
     its own launch, if later) to its own, the host's seconds to schedule it and build its inputs, and the seconds
@@ -89,7 +89,7 @@ class _Token:
     reason: str | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Rows:
     """One launched program: its phase, its rows in use, its outputs (`steps.Sampled.packed` [B, F] int32: on the
     devices, or on the host where a mesh spans processes) and the PENDING tokens they hold."""
@@ -112,10 +112,11 @@ class _Launched:
     def time(self, seconds: float) -> StepTime:
         rows = {phase: sum(r.rows for r in self.rows if r.phase == phase) for phase in ("prefill", "decode")}
         calls = sum(r.call_seconds for r in self.rows)
-        return StepTime(rows["prefill"], rows["decode"], seconds, self.launch_seconds - calls, calls)
+        return StepTime(prefill_rows=rows["prefill"], decode_rows=rows["decode"], seconds=seconds,
+                        host_seconds=self.launch_seconds - calls, call_seconds=calls)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """page_size: positions per page; pages_per_shard: pages of each cache shard (one is its null page; None: as
     many as `memory_utilization` of the device memory holds after the weights, `serving.capacity`);
@@ -351,7 +352,7 @@ class Engine:
         self._check_bias(params)
         self._check_grammar(params)
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2 ** 31))
-        sequence = Sequence(request_id, tokens, params, seed, time.monotonic())
+        sequence = Sequence(request_id=request_id, prompt=tokens, params=params, seed=seed, arrival=time.monotonic())
         self.scheduler.add(sequence)
         self._sequences[request_id] = sequence
         if params.grammar is not None:  # compiled off the loop; the sequence waits for it (`_take_compiled`)
@@ -534,7 +535,7 @@ class Engine:
             else:
                 chunk.sequence.computed += 1
             tokens.append(self._pending(chunk.sequence, row))
-        return _Rows(phase, len(chunks), outputs, tokens, call_seconds)
+        return _Rows(phase=phase, rows=len(chunks), outputs=outputs, tokens=tokens, call_seconds=call_seconds)
 
     def _pending(self, sequence: Sequence, row: int) -> _Token:
         """A PENDING token appended to `sequence` for step row `row`; the sequence finished at once (its pages and
@@ -583,7 +584,8 @@ class Engine:
             self._sequences.pop(sequence.request_id)
             self.scheduler.finish(sequence)
         queued = sequence.scheduled_at - sequence.arrival if pending.index == 0 else None
-        return TokenEvent(sequence.request_id, token, logprob, reason, queued, top_tokens, top_logprobs)
+        return TokenEvent(request_id=sequence.request_id, token=token, logprob=logprob, finish_reason=reason,
+                          queued_s=queued, top_tokens=top_tokens, top_logprobs=top_logprobs)
 
     @staticmethod
     def _grammar_ended(sequence: Sequence, token: int) -> bool:

@@ -16,7 +16,7 @@ from .protocol import EngineInfo, EngineStats
 from .scheduler import SamplingParams, TokenEvent, check_fits
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Request:
     prompt: list[int]
     params: SamplingParams
@@ -42,7 +42,7 @@ class FakeEngine:
         if any(not 0 <= token < self.vocab_size for token in prompt):
             raise StarscreamError(f"a prompt token id is outside the vocabulary of {self.vocab_size}")
         check_fits(len(prompt), params.max_tokens, self.context)
-        self._requests[request_id] = _Request(list(prompt), params, time.monotonic())
+        self._requests[request_id] = _Request(prompt=list(prompt), params=params, arrival=time.monotonic())
 
     def cancel(self, request_id: str) -> bool:
         return self._requests.pop(request_id, None) is not None
@@ -80,7 +80,8 @@ class FakeEngine:
                 reason = None
             if reason is not None:
                 del self._requests[request_id]
-            events.append(TokenEvent(request_id, token, -1.0, reason, queued))
+            events.append(TokenEvent(request_id=request_id, token=token, logprob=-1.0, finish_reason=reason,
+                                     queued_s=queued))
         return events
 
     def stats(self) -> EngineStats:

@@ -18,7 +18,7 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    20.0, 40.0, 80.0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RequestTimes:
     """One finished request: seconds from arrival to its first and last token, seconds queued in the engine, its
     prompt and generated tokens and how it ended."""

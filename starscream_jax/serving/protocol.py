@@ -39,7 +39,7 @@ class StopEngine(msgspec.Struct, tag="stop", frozen=True):
 EngineInput = SubmitRequest | CancelRequests | StopEngine
 
 
-class RequestOutput(msgspec.Struct, array_like=True, frozen=True):
+class RequestOutput(msgspec.Struct, array_like=True, frozen=True, kw_only=True):
     """What one request got in one step: its new token ids and their log-probabilities, the finish reason on its
     last ("stop": a stop token, "length": max_tokens or the context, "abort": cancelled), `error` when the engine
     refused it (nothing else follows), on its first output the seconds it waited before its first step, and for a

@@ -23,6 +23,7 @@ rows' masks); the step then sets every token a guided row's grammar forbids to -
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -42,8 +43,12 @@ SLOT_TABLE = ("attn_batch", None)
 """Each `SlotState` array: slots split as the attention batch is (a shard's slots on its device), the rest whole."""
 
 
+RESET_FIELDS = ("counts", "prompt", "bias_ids", "bias", "stops")
+"""The fields of `SlotState` a `SlotReset` writes (`reset_slot`), as its own fields of those names."""
+
+
 @register_dataclass
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SlotState:
     """Per slot of every cache shard (see the module docstring): counts [slots, V] int32 of generated tokens,
     prompt [slots, V] bool, bias_ids [slots, MAX_LOGIT_BIAS] int32 and bias [slots, MAX_LOGIT_BIAS] float32 (the
@@ -63,9 +68,9 @@ class SlotState:
         def spec(width, dtype):
             return jax.ShapeDtypeStruct((slots, width), dtype)
 
-        return SlotState(spec(vocab, jnp.int32), spec(vocab, jnp.bool_), spec(MAX_LOGIT_BIAS, jnp.int32),
-                         spec(MAX_LOGIT_BIAS, jnp.float32), spec(MAX_STOP_IDS, jnp.int32),
-                         spec(mask_words(vocab), jnp.int32))
+        return SlotState(counts=spec(vocab, jnp.int32), prompt=spec(vocab, jnp.bool_),
+                         bias_ids=spec(MAX_LOGIT_BIAS, jnp.int32), bias=spec(MAX_LOGIT_BIAS, jnp.float32),
+                         stops=spec(MAX_STOP_IDS, jnp.int32), allowed=spec(mask_words(vocab), jnp.int32))
 
     @staticmethod
     def abstract(slots: int, vocab: int, sharding=None) -> SlotState:
@@ -77,12 +82,13 @@ class SlotState:
     def empty(slots: int, vocab: int, sharding=None) -> SlotState:
         """Every slot cleared (no counts, no prompt, no bias or stop ids, every token allowed), on `sharding`."""
         shapes = SlotState.shapes(slots, vocab)
-        return SlotState(*(jnp.full(s.shape, fill, s.dtype, device=sharding)
-                           for s, fill in zip(jax.tree.leaves(shapes), (0, False, -1, 0.0, -1, -1))))
+        fills = {"counts": 0, "prompt": False, "bias_ids": -1, "bias": 0.0, "stops": -1, "allowed": -1}
+        return SlotState(**{name: jnp.full(getattr(shapes, name).shape, fill, getattr(shapes, name).dtype,
+                                           device=sharding) for name, fill in fills.items()})
 
 
 @register_dataclass
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SlotReset:
     """One slot's new row, written by `reset_slot`: `slot` (a scalar, shard * slots per shard + the sequence's
     slot), counts [V] of its generated tokens so far (more than none after a preemption), prompt [V] (1: the id is
@@ -112,7 +118,8 @@ class SlotReset:
         present = np.zeros(vocab, np.int32)
         present[np.asarray(prompt, np.int64)] = 1
         counts = np.bincount(np.asarray(generated, np.int64), minlength=vocab).astype(np.int32)
-        return cls(np.asarray(slot, np.int32), counts, present, bias_ids, bias, stop_ids)
+        return cls(slot=np.asarray(slot, np.int32), counts=counts, prompt=present, bias_ids=bias_ids, bias=bias,
+                   stops=stop_ids)
 
 
 def reset_slot(state: SlotState, reset: SlotReset) -> SlotState:
@@ -123,11 +130,11 @@ def reset_slot(state: SlotState, reset: SlotReset) -> SlotState:
         at = _local_index(slot, local_slots, specs)
         return tuple(array.at[at].set(row.astype(array.dtype), mode="drop") for array, row in zip(arrays[:5], rows))
 
-    written = jax.tree.leaves(state)[:5]  # the allowed bits are `write_masks`'
+    written = [getattr(state, name) for name in RESET_FIELDS]  # the allowed bits are `write_masks`'
     fields = (reset.slot, reset.counts, reset.prompt, reset.bias_ids, reset.bias, reset.stops)
     out = run_sharded(local, [*written, *fields], [SLOT_TABLE] * 5 + [None] * 6,
                       [(SLOT_TABLE, array.shape) for array in written], "slot state")
-    return SlotState(*out, state.allowed)
+    return dataclasses.replace(state, **dict(zip(RESET_FIELDS, out)))
 
 
 def _local_index(slot, local_slots: int, specs):
@@ -148,7 +155,7 @@ def write_masks(state: SlotState, slot_K: jax.Array, masks_KW: jax.Array) -> Slo
 
     allowed = run_sharded(local, [state.allowed, slot_K, masks_KW], [SLOT_TABLE, None, None],
                           [(SLOT_TABLE, state.allowed.shape)], "grammar masks")
-    return SlotState(state.counts, state.prompt, state.bias_ids, state.bias, state.stops, allowed)
+    return dataclasses.replace(state, allowed=allowed)
 
 
 def apply_grammar(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, rows) -> jax.Array:
@@ -242,7 +249,7 @@ def record(state: SlotState, slot_B: jax.Array, token_B: jax.Array, rows) -> Slo
     counts = run_sharded(local, [state.counts, slot_B, penalized(rows, slot_B), token_B],
                          [SLOT_TABLE, SLOT_ROWS, SLOT_ROWS, SLOT_ROWS], [(SLOT_TABLE, state.counts.shape)],
                          "token counts")
-    return SlotState(counts, state.prompt, state.bias_ids, state.bias, state.stops, state.allowed)
+    return dataclasses.replace(state, counts=counts)
 
 
 def keep_min_p(scaled_BV: jax.Array, min_p_B: jax.Array) -> jax.Array:

@@ -44,7 +44,7 @@ MAX_STOP_IDS = 32
 """The most stop token ids (EOS ids included) of a request with min_tokens: the step masks them itself."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """What one request asks of the engine. temperature 0 is greedy; top_p 1 and top_k 0 keep every token; a seed
     makes the draw of each position a function of (seed, position) alone, whatever else runs in the batch; a token
@@ -132,7 +132,7 @@ def _number_in(value, low: float, high: float) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TokenEvent:
     """A new token of request `request_id` ([its log-probability]); `finish_reason` "stop" (a stop token) or
     "length" (max_tokens or the context) on its last; on its first, the seconds the request waited before its
@@ -147,7 +147,7 @@ class TokenEvent:
     top_logprobs: tuple[float, ...] = ()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class Sequence:
     """One request inside the engine: its tokens so far (prompt, then generated), its shard and pages."""
 
@@ -227,7 +227,7 @@ class StepPlan:
     preempted: tuple[Sequence, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     """shards: cache shards (the partitions the attention batch is split over); pages_per_shard: each shard's pages
     (one is its null page); page_size: positions per page; rows_per_shard: most sequences a shard runs at once;

@@ -53,7 +53,7 @@ from .sampling import (
 
 
 @register_dataclass
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RowSampling:
     """Each row's sampling settings [B]: temperature (0: greedy), top_p, top_k (0: off), seed; min_p (0: off);
     presence, frequency (0: off) and repetition (1: off) penalties; min_position (its stop ids are masked while
@@ -80,8 +80,10 @@ class RowSampling:
         """Host settings [rows] that ask for nothing: greedy, no filter, no penalty, no bias, no top tokens, no
         grammar."""
         f32, i32 = np.zeros((rows,), np.float32), np.zeros((rows,), np.int32)
-        return cls(f32.copy(), np.ones((rows,), np.float32), i32.copy(), i32.copy(), f32.copy(), f32.copy(),
-                   f32.copy(), np.ones((rows,), np.float32), i32.copy(), i32.copy(), i32.copy(), i32.copy())
+        ones = np.ones((rows,), np.float32)
+        return cls(temperature=f32.copy(), top_p=ones.copy(), top_k=i32.copy(), seed=i32.copy(), min_p=f32.copy(),
+                   presence=f32.copy(), frequency=f32.copy(), repetition=ones.copy(), min_position=i32.copy(),
+                   biased=i32.copy(), top_logprobs=i32.copy(), guided=i32.copy())
 
 
 @register_dataclass
@@ -120,7 +122,7 @@ device."""
 
 
 @register_dataclass
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepInputs:
     """One step's rows: tokens and positions [B, S] (position -1: padding; token -1: the row's sequence's newest
     token, still on the device in its slot), block tables [B, M], the index of each row's last token [B], the
@@ -139,9 +141,9 @@ class StepInputs:
         """Host inputs of one bucket with every row padding: no token, position -1, the null page, no slot,
         greedy (every field's shape and dtype, for the engine, its compiles and the followers of `multihost`)."""
         row_i32 = np.zeros((rows,), np.int32)
-        return cls(np.zeros((rows, width), np.int32), np.full((rows, width), -1, np.int32),
-                   np.zeros((rows, pages), np.int32), row_i32.copy(), np.full((rows,), -1, np.int32),
-                   RowSampling.neutral(rows))
+        return cls(tokens=np.zeros((rows, width), np.int32), positions=np.full((rows, width), -1, np.int32),
+                   table=np.zeros((rows, pages), np.int32), last=row_i32.copy(), slot=np.full((rows,), -1, np.int32),
+                   sampling=RowSampling.neutral(rows))
 
 
 @register_dataclass

@@ -14,7 +14,7 @@ from ..sharding.layouts import PHASE_DEFAULTS
 from .data import DEFAULT_CORPUS
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Everything that decides a run's numbers. The defaults are the README's main command."""
 

@@ -60,7 +60,7 @@ CHANGEABLE = tuple(field.name for field in dataclasses.fields(TrainConfig)
 """TrainConfig fields a resume changes only with --allow-change (and then records)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainResult:
     """What a run leaves behind: per-step losses (nats), the final state (global arrays), the compiled training
     step it ran (for `starscream_jax.analysis.report.inspect_compiled`) and the layout that placed it (the one asked
@@ -243,7 +243,7 @@ PROFILED_STEPS = 3
 """Steps a profiled run traces, from its second step on (the first may still wait on autotuning and transfers)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunPlan:
     """What a run computes, settled and checked before anything is compiled or written: the model, the layout,
     the batches (rows of seq_len + 1 tokens: the model reads the first seq_len and predicts the last seq_len),
@@ -270,7 +270,7 @@ class RunPlan:
                                self.tokenizer, self.layout.name)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunState:
     """Where the run is: the last step done and its state (params and opt_state as the compiled step takes them,
     rest: the model's other state), the newest step saved, and the changes resumes recorded."""
@@ -376,11 +376,11 @@ def plan_run(config: TrainConfig, mesh, allow_changes, stop_at_step: int | None,
     tokens, data_files, tokenizer = training_tokens(config, model_config)
     train_tokens, validation_tokens = data.split_corpus(tokens)
     rows = config.seq_len + 1
-    return RunPlan(config, model_config, layout, mesh, token_sharding,
-                   data.TokenBatches(train_tokens, config.batch_size, rows, config.seed),
-                   data.TokenBatches(validation_tokens, config.batch_size, rows, EVAL_SEED),
-                   data.unigram_entropy_nats(train_tokens), data_files, tokenizer,
-                   config.steps if stop_at_step is None else min(stop_at_step, config.steps))
+    return RunPlan(config=config, model_config=model_config, layout=layout, mesh=mesh, token_sharding=token_sharding,
+                   train_batches=data.TokenBatches(train_tokens, config.batch_size, rows, config.seed),
+                   eval_batches=data.TokenBatches(validation_tokens, config.batch_size, rows, EVAL_SEED),
+                   unigram_nats=data.unigram_entropy_nats(train_tokens), data_files=data_files, tokenizer=tokenizer,
+                   last_step=config.steps if stop_at_step is None else min(stop_at_step, config.steps))
 
 
 def check_checkpoints(store: CheckpointStore, plan: RunPlan, resume: bool, allow_changes,
@@ -449,13 +449,13 @@ def starting_state(store: CheckpointStore, plan: RunPlan, program: TrainProgram,
     params, opt_state, rest = program.adopt(params, opt_state, rest)
     restored = store.restore_newest_intact(params, opt_state, say) if resume else None
     if restored is None:
-        return RunState(0, params, opt_state, rest, 0, [])
+        return RunState(step=0, params=params, opt_state=opt_state, rest=rest, saved_step=0, changes=[])
     step, saved, params, opt_state = restored
     check_resumable(saved, plan.model_config)
     changes = resume_changes(saved, plan.config, step, allow_changes, plan.data_files, plan.tokenizer)
     say(f"resumed from {store.directory} at step {step} of {plan.config.steps}")
     params, opt_state, rest = program.adopt(params, opt_state, rest)
-    return RunState(step, params, opt_state, rest, step, changes)
+    return RunState(step=step, params=params, opt_state=opt_state, rest=rest, saved_step=step, changes=changes)
 
 
 def profile_window(profile_dir: str | Path | None, start_step: int, last_step: int) -> ProfileWindow | None:

@@ -50,7 +50,8 @@ def test_run_info_names_the_devices_and_versions():
 def test_write_json_replaces_the_file_whole_and_converts_dataclasses(tmp_path):
     out = tmp_path / "deeper" / "r.json"
     harness.write_json(out, {"rows": [1]})
-    harness.write_json(out, {"info": harness.RunInfo("c", "d", "j", "k", "cpu", 1, ""), "path": tmp_path})
+    harness.write_json(out, {"info": harness.RunInfo(command="c", date="d", jax="j", device_kind="k", platform="cpu", device_count=1,
+                                                    xla_flags=""), "path": tmp_path})
     stored = json.loads(out.read_text())
     assert stored["info"]["command"] == "c" and stored["path"] == str(tmp_path)
     assert [path.name for path in out.parent.iterdir()] == ["r.json"]

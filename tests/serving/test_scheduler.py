@@ -13,7 +13,7 @@ CONFIG = SchedulerConfig(shards=2, pages_per_shard=9, page_size=4, rows_per_shar
 
 
 def _sequence(name, prompt, max_tokens=8):
-    return Sequence(name, prompt, SamplingParams(max_tokens=max_tokens), seed=0, arrival=0.0)
+    return Sequence(request_id=name, prompt=prompt, params=SamplingParams(max_tokens=max_tokens), seed=0, arrival=0.0)
 
 
 def _check_invariants(scheduler):
@@ -113,7 +113,7 @@ def test_requests_that_cannot_fit_are_refused():
 
 def test_a_sequence_hashes_each_prompt_page_once_and_alike():
     """Hashes asked for as the sequence grows equal the hashes of its whole prefix at once."""
-    sequence = Sequence("s", list(range(10, 23)), SamplingParams(), 0, 0.0)
+    sequence = Sequence(request_id="s", prompt=list(range(10, 23)), params=SamplingParams(), seed=0, arrival=0.0)
     assert sequence.prefix_hashes(5, 4) == page_hashes(list(range(10, 14)), 4)
     sequence.generated += [7, 8, 9]
     assert sequence.prefix_hashes(16, 4) == page_hashes(sequence.tokens[:16], 4)
