@@ -127,14 +127,18 @@ def grammar_tokenizer(tokenizer, vocab: int) -> llguidance.LLTokenizer:
     """The model's tokenizer as llguidance reads it (its token trie, built once per engine): the tokenizer.json
     of a Hugging Face tokenizer's directory, `vocab` ids (the model's, which may exceed the tokenizer's: the
     ids beyond it are never allowed), its EOS ids ending a grammar. StarscreamError for a tokenizer without a
-    tokenizer.json (the byte-level demo one)."""
+    tokenizer.json (the byte-level demo one) or with one llguidance cannot read (the server then serves without
+    structured output, refusing a grammar by name)."""
     directory = getattr(tokenizer, "directory", None)
     path = Path(directory) / "tokenizer.json" if directory is not None else None
     if path is None or not path.is_file():
         raise StarscreamError("structured output needs a Hugging Face tokenizer (tokenizer.json); this model's "
                               "tokenizer has none")
     eos = list(getattr(tokenizer, "eos_ids", ()))
-    return llguidance.LLTokenizer(path.read_text(), n_vocab=vocab, eos_token=eos or None)
+    try:
+        return llguidance.LLTokenizer(path.read_text(), n_vocab=vocab, eos_token=eos or None)
+    except (ValueError, RuntimeError) as err:  # a tokenizer.json llguidance cannot read (its decoder, its model)
+        raise StarscreamError(f"structured output cannot read {path} ({_one_line(str(err))})") from None
 
 
 class Guide:

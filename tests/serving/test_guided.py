@@ -13,6 +13,7 @@ from starscream_jax.serving.guided import (
     checked,
     choice_grammar,
     closed_objects,
+    grammar_tokenizer,
     json_schema_grammar,
     lark_grammar,
     regex_grammar,
@@ -132,3 +133,19 @@ def test_a_grammar_that_fails_to_compile_refuses_its_request_after_submit(engine
     while engine.busy:
         tokens += engine.step()
     assert len(tokens) == 3 and engine.scheduler.pages_used == 0
+
+
+def test_a_tokenizer_llguidance_cannot_read_is_a_clear_error(tmp_path):
+    """A WordPiece decoder (the random-weight benchmark model's) is refused in one line, so a server starts without
+    structured output instead of failing."""
+    from tokenizers import Tokenizer, decoders, models
+
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(8)}, unk_token="t0"))
+    words.decoder = decoders.WordPiece(prefix="##")
+    words.save(str(tmp_path / "tokenizer.json"))
+
+    class Words:
+        directory, eos_ids = tmp_path, (1,)
+
+    with pytest.raises(StarscreamError, match="structured output cannot read"):
+        grammar_tokenizer(Words(), 8)
