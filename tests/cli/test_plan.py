@@ -287,6 +287,7 @@ SHORTENING = {"train": ("--steps", "1"), "generate": ("--max-new-tokens", "2")}
 """Flags the test appends to shorten a printed command (the run's length, nothing about its placement)."""
 
 
+@pytest.mark.slow  # over a minute and a half on two cores: a plan over every phase, then each printed command
 def test_every_printed_command_runs_as_printed(cache_dir, tmp_path, monkeypatch):
     """plan over every phase on the tiny model, then each command it printed, in order, through the CLI, in a
     fresh directory (train writes runs/train, which generate reads); train runs 1 step and generate 2 tokens. The

@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+SLOW = {"bench_serve"}
+"""Quick runs of over a minute on two cores (bench_serve compiles its twelve serving programs, then serves twice over
+HTTP), left to -m slow."""
 BENCHMARKS = ("bench_decode", "bench_grouped_matmul", "bench_kernels", "bench_mfu", "bench_moe", "bench_serve",
               "bench_train_step")
 
@@ -26,7 +29,8 @@ def metadata(result: dict) -> dict:
     return result.get("meta", result)
 
 
-@pytest.mark.parametrize("name", BENCHMARKS)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name
+                                  for name in BENCHMARKS])
 def test_quick_run_stores_its_figures_and_the_command_it_was_given(name, tmp_path):
     out = tmp_path / f"{name}.json"
     argv = ["--quick", "--out", str(out)]
