@@ -145,6 +145,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise StarscreamError(f"EngineConfig {name} is {value!r}; give a whole number of at least 1")
+        for name in ("prefix_caching", "overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise StarscreamError(f"EngineConfig {name} is {getattr(self, name)!r}; give True or False")
         if self.pages_per_shard is not None and self.pages_per_shard < 2:
             raise StarscreamError(f"EngineConfig pages_per_shard is {self.pages_per_shard}; a shard needs its null "
                                   "page and at least one more")

@@ -20,6 +20,7 @@ special); text that does not parse as calls is the answer as written.
 """
 from __future__ import annotations
 
+import abc
 import json
 import re
 import secrets
@@ -65,16 +66,17 @@ def _call(entry, arguments_key: str, make_id=new_id) -> ToolCall | None:
     return ToolCall(make_id(), entry["name"], text)
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
     """Reads a family's calls out of generated text (`parse`) and, while streaming, says where they may begin
     (`start`), so the text before them streams as content and the calls come whole."""
 
     name = ""
     marker = ""
 
+    @abc.abstractmethod
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(the content before the calls, None if empty; the calls), or (text, []) when it holds none."""
-        raise NotImplementedError
+        """(the content before the calls, None if empty; the calls), or (text, []) when it holds none (each
+        family's parser says how)."""
 
     def start(self, text: str) -> tuple[int | None, int]:
         """(where the calls begin in `text`, None while not; how many characters at its end to hold back, as the

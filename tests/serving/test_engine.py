@@ -160,6 +160,8 @@ def test_the_engine_api_checks_what_the_server_checks(engine_for):
         SamplingParams(stop_tokens="nxyz")
     with pytest.raises(StarscreamError, match="page_size"):
         EngineConfig(page_size=0)
+    with pytest.raises(StarscreamError, match="overlap is 'no'; give True or False"):
+        EngineConfig(overlap="no")
     with pytest.raises(StarscreamError, match="outside the model's vocabulary"):
         engine.generate([[1, 2], [vocab + 5]], SamplingParams(max_tokens=2))
     assert not engine.busy and engine.generate([[1, 2]], SamplingParams(max_tokens=2))[0]
