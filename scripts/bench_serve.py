@@ -202,7 +202,7 @@ def transformers_peer(config, prompts, outputs) -> dict:
         torch.set_default_dtype(torch.bfloat16)
         with torch.device("cuda"):
             model = LlamaForCausalLM(hf_config)
-        model.config._attn_implementation = "sdpa_paged"
+        model.config._attn_implementation = "paged|sdpa"
         generation = GenerationConfig(max_new_tokens=max(outputs), do_sample=False, eos_token_id=None,
                                       pad_token_id=0)
         model.generate_batch(inputs=prompts[:4], generation_config=generation, progress_bar=False)  # warm-up

@@ -166,7 +166,7 @@ def _attention_over_8_bit_cache(q_BSHE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK
 
 def _eight_bit_decode_implementation(query_heads: int, length: int, kv_heads: int, head_dim: int) -> str:
     """"pallas" where decode over an 8-bit cache runs on `eight_bit_decode`'s kernel: where the backend policy asks
-    for it (`BackendPolicy.eight_bit_attention`; no policy does until a GPU run has compiled and timed it) and the
+    for it (`BackendPolicy.eight_bit_attention`: the CUDA policy) and the
     kernel takes the shape; else "" (`_decode_over_8_bit_cache`)."""
     kernels = policy_of(compute_device()).eight_bit_attention == "pallas"
     return "pallas" if kernels and eight_bit_decode.applies(query_heads, kv_heads, length, head_dim) else ""
