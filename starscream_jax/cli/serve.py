@@ -81,6 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-overlap", dest="overlap", action="store_false",
                         help="read each step's tokens before launching the next (by default the next step is "
                              "scheduled and launched while the device runs the current one)")
+    engine.add_argument("--enable-prompt-logprobs", action="store_true",
+                        help="serve prompt log-probabilities (prompt_logprobs, and completions echo with logprobs, "
+                             "as lm-eval's loglikelihood tasks ask): compiles a scored prefill of each prefill "
+                             "bucket at start")
     engine.add_argument("--compilation-cache", default=str(DEFAULT_COMPILATION_CACHE), metavar="DIR",
                         help="keep compiled programs here so that a restart compiles nothing ('' turns it off; "
                              f"default {DEFAULT_COMPILATION_CACHE})")
@@ -207,7 +211,7 @@ def engine_config(args: argparse.Namespace, shards: int):
                         rows_per_shard=math.ceil(args.max_num_seqs / shards),
                         token_budget=args.max_num_batched_tokens, chunk=args.chunk, kernel=args.kernel,
                         max_model_len=args.max_model_len, memory_utilization=args.gpu_memory_utilization,
-                        overlap=args.overlap)
+                        overlap=args.overlap, prompt_logprobs=args.enable_prompt_logprobs)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -234,12 +234,13 @@ class Transformer(nnx.Module):
             logits_BSV = jnp.where(fits, logits_BSV, jnp.nan)
         return ModelOutput(logits_BSV, new_cache, jnp.mean(balance_L))
 
-    def paged(self, tokens_BS: jax.Array, positions_BS: jax.Array, last_B: jax.Array,
-              cache: PagedCache) -> tuple[jax.Array, PagedCache]:
+    def paged(self, tokens_BS: jax.Array, positions_BS: jax.Array, last_B: jax.Array, cache: PagedCache,
+              every_position: bool = False) -> tuple[jax.Array, ...]:
         """tokens [B, S] at `positions` [B, S] (-1: padding) through the model over a paged KV cache, each block
         writing its keys and values into its layer's pages (`paged.paged_attention`), the layers one after another
         (the pools are held per layer). Returns the logits [B, V] float32 of each row's token at index `last_B`
-        [B] (only those rows reach the final norm and the vocabulary projection) and the updated cache."""
+        [B] (only those rows reach the final norm and the vocabulary projection) and the updated cache; with
+        `every_position` (a prompt's log-probabilities) also the logits [B, S, V] float32 of every position."""
         c = self.config
         table_VD, x_BSD = self._embed(tokens_BS)
         positions_BS = constrain(positions_BS, POSITIONS, "positions")
@@ -250,7 +251,8 @@ class Transformer(nnx.Module):
             layers.append(layer)
         last_B11 = jnp.broadcast_to(last_B[:, None, None], (x_BSD.shape[0], 1, x_BSD.shape[2]))
         x_B1D = jnp.take_along_axis(x_BSD, constrain(last_B11, RESIDUAL, "last rows"), axis=1)
-        return self._logits(x_B1D, table_VD)[:, 0], with_layers(cache, layers)
+        logits_BV, cache = self._logits(x_B1D, table_VD)[:, 0], with_layers(cache, layers)
+        return (logits_BV, cache, self._logits(x_BSD, table_VD)) if every_position else (logits_BV, cache)
 
     def _embed(self, tokens_BS):
         """(the embedding table as used [V, D], the tokens' rows [B, S, D] placed by RESIDUAL)."""

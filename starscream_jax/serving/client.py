@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from . import protocol
-from .scheduler import SamplingParams
+from .scheduler import PromptLogprobs, SamplingParams
 
 WATCH_S = 0.5
 """How often the client checks that the engine's process (or thread) is still alive."""
@@ -28,8 +28,9 @@ WATCH_S = 0.5
 @dataclass(kw_only=True)
 class Delta:
     """What a stream's consumer takes at once: the tokens (and log-probabilities) of one or more steps, the finish
-    reason once finished, the engine's refusal or failure, (in the first) the seconds it queued, and with
-    top_logprobs each token's likeliest ids and their log-probabilities."""
+    reason once finished, the engine's refusal or failure, (in the first) the seconds it queued and the prompt's
+    log-probabilities where the request asks, and with top_logprobs each token's likeliest ids and their
+    log-probabilities."""
 
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -38,6 +39,7 @@ class Delta:
     finish_reason: str | None = None
     error: str | None = None
     queued_s: float | None = None
+    prompt: PromptLogprobs | None = None
 
 
 class RequestStream:
@@ -58,6 +60,7 @@ class RequestStream:
         delta.finish_reason = output.finish_reason or delta.finish_reason
         delta.error = output.error or delta.error
         delta.queued_s = output.queued_s if output.queued_s is not None else delta.queued_s
+        delta.prompt = output.prompt or delta.prompt
         self.done = self.done or output.finish_reason is not None or output.error is not None
         self._ready.set()
 

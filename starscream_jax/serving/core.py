@@ -123,12 +123,13 @@ class EngineCore:
 
 
 def output_of(event) -> protocol.RequestOutput:
-    """An engine's `TokenEvent` as the message the API process reads: its token, its log-probability, and its
-    likeliest tokens and their log-probabilities as one entry per token (none without top_logprobs)."""
+    """An engine's `TokenEvent` as the message the API process reads: its token, its log-probability, its
+    likeliest tokens and their log-probabilities as one entry per token (none without top_logprobs), and the
+    prompt's log-probabilities where it carries them."""
     top_tokens, top_logprobs = ([list(event.top_tokens)], [list(event.top_logprobs)]) if event.top_tokens else ([], [])
     return protocol.RequestOutput(request_id=event.request_id, tokens=[event.token], logprobs=[event.logprob],
                                   finish_reason=event.finish_reason, queued_s=event.queued_s, top_tokens=top_tokens,
-                                  top_logprobs=top_logprobs)
+                                  top_logprobs=top_logprobs, prompt=event.prompt)
 
 
 def refusal(request_id: str, reason: str, error: str) -> protocol.RequestOutput:

@@ -4,7 +4,8 @@ An `Engine` holds the parameters (placed once by the decode layout; the prefill 
 starscream layouts, so nothing is copied between phases), one page pool per layer (`model.paged`), the scheduler
 (`scheduler.Scheduler`) and the compiled paged steps (`steps.paged_step`, one per bucket, all compiled by
 `warm_up`). `step()` runs one scheduler plan: a prefill program for the planned prompt chunks under the prefill
-layout, then a decode program for the decoding sequences under the decode layout, and returns each new token as a
+layout (its scored variant where a chunk's prompt log-probabilities are asked for, `EngineConfig.prompt_logprobs`),
+then a decode program for the decoding sequences under the decode layout, and returns each new token as a
 `TokenEvent`. A server runs it in a process of its own (`serving.core`). A request with a grammar (structured
 output, `serving.guided`) has its matcher compiled beside the loop and its allowed tokens written to its slot before
 each step that samples it; it sits out a step while its last token is still on the device (`Sequence.held`).
@@ -43,13 +44,25 @@ from ..sharding.layouts import PHASE_DEFAULTS, get_layout
 from . import capacity
 from .multihost import StepBroadcast
 from .protocol import EngineInfo, EngineStats
-from .scheduler import PENDING, Chunk, SamplingParams, Scheduler, SchedulerConfig, Sequence, TokenEvent, check_fits
+from .scheduler import (
+    PENDING,
+    Chunk,
+    PromptLogprobs,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    Sequence,
+    TokenEvent,
+    check_fits,
+)
 from .guided import Guide, MaskBuilder, grammar_tokenizer
 from .sampling import SLOT_TABLE, SlotReset, SlotState, reset_slot, write_masks
 from .steps import (
+    LAYOUT_OF,
     SLOTS,
     Buckets,
     PackedInputs,
+    PromptScores,
     RowSampling,
     Sampled,
     StepInputs,
@@ -89,16 +102,30 @@ class _Token:
     reason: str | None
 
 
+@dataclass(frozen=True)
+class _Scored:
+    """Prompt positions a scored prefill computes for a sequence: `count` of them from index `first` of step row
+    `row` (positions chunk.start + first onwards)."""
+
+    sequence: Sequence
+    row: int
+    first: int
+    count: int
+
+
 @dataclass(frozen=True, kw_only=True)
 class _Rows:
-    """One launched program: its phase, its rows in use, its outputs (`steps.Sampled.packed` [B, F] int32: on the
-    devices, or on the host where a mesh spans processes) and the PENDING tokens they hold."""
+    """One launched program: its phase, its rows in use, its outputs (`steps.Sampled.packed` [B, F] int32, then
+    in a scored prefill `steps.PromptScores.packed` of `width` positions a row: on the devices, or on the host where
+    a mesh spans processes), the PENDING tokens they hold and the prompt positions they score."""
 
     phase: str
     rows: int
     outputs: jax.Array | np.ndarray
     tokens: list[_Token]
     call_seconds: float
+    width: int = 1
+    scores: list[_Scored] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -110,7 +137,7 @@ class _Launched:
     launch_seconds: float
 
     def time(self, seconds: float) -> StepTime:
-        rows = {phase: sum(r.rows for r in self.rows if r.phase == phase) for phase in ("prefill", "decode")}
+        rows = {phase: sum(r.rows for r in self.rows if LAYOUT_OF[r.phase] == phase) for phase in ("prefill", "decode")}
         calls = sum(r.call_seconds for r in self.rows)
         return StepTime(prefill_rows=rows["prefill"], decode_rows=rows["decode"], seconds=seconds,
                         host_seconds=self.launch_seconds - calls, call_seconds=calls)
@@ -126,7 +153,10 @@ class EngineConfig:
     hash; max_model_len: most positions of a sequence (None: the model's context); overlap: launch each step
     before reading the previous step's tokens, so the host's work runs while the device computes (on a mesh within
     one process; a mesh spanning processes reads each step's tokens at once, since every process must gather them
-    in the same order as its steps). The KV pages' format is the model's (`ModelConfig.kv_format`)."""
+    in the same order as its steps); prompt_logprobs: serve requests that ask for their prompt's log-probabilities
+    (`SamplingParams.prompt_logprobs`) with a scored prefill of each prefill bucket, compiled at start beside the
+    others (`steps` says why at start); off, such a request is refused. The KV pages' format is the model's
+    (`ModelConfig.kv_format`)."""
 
     page_size: int = 16
     pages_per_shard: int | None = None
@@ -139,13 +169,14 @@ class EngineConfig:
     max_model_len: int | None = None
     memory_utilization: float = 0.9
     overlap: bool = True
+    prompt_logprobs: bool = False
 
     def __post_init__(self):
         for name in ("page_size", "pages_per_shard", "rows_per_shard", "token_budget", "chunk", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise StarscreamError(f"EngineConfig {name} is {value!r}; give a whole number of at least 1")
-        for name in ("prefix_caching", "overlap"):
+        for name in ("prefix_caching", "overlap", "prompt_logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise StarscreamError(f"EngineConfig {name} is {getattr(self, name)!r}; give True or False")
         if self.pages_per_shard is not None and self.pages_per_shard < 2:
@@ -179,8 +210,8 @@ class Engine:
         self.max_model_len = config.max_model_len or c.max_seq_len
         max_pages = math.ceil(self.max_model_len / config.page_size)
         prefill_rows = min(config.rows_per_shard, math.ceil(config.token_budget / config.chunk))
-        self.buckets = config.buckets or Buckets.for_limits(config.rows_per_shard, config.chunk, max_pages,
-                                                            prefill_rows)
+        self.buckets = dataclasses.replace(config.buckets or Buckets.for_limits(
+            config.rows_per_shard, config.chunk, max_pages, prefill_rows), scored=config.prompt_logprobs)
         _check_buckets(self.buckets, config)
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         params = held_as_read(params, c.dtype)  # float weights in the compute dtype, 8-bit ones as stored
@@ -233,7 +264,8 @@ class Engine:
         reserve = capacity.step_reserve_bytes(
             tokens=self.buckets.rows_of("prefill")[-1] * self.buckets.positions[-1],
             rows=self.buckets.rows[-1], table_positions=max_pages * config.page_size, d_model=c.d_model,
-            d_ff=c.d_ff, vocab=c.vocab_size, kv_width=kv_width, itemsize=jnp.dtype(c.dtype).itemsize)
+            d_ff=c.d_ff, vocab=c.vocab_size, kv_width=kv_width, itemsize=jnp.dtype(c.dtype).itemsize,
+            scored=config.prompt_logprobs)
         reserve += self._slot_state_bytes()  # allocated beside the pools
         floor = self.config.rows_per_shard * max_pages + 1
         return capacity.agreed(capacity.size_from_memory(capacity.local_devices_of(self.mesh), page_bytes, reserve,
@@ -257,7 +289,8 @@ class Engine:
         return shardings, shapes, dtypes
 
     def _phase(self, phase: str):
-        return use_layout(self.layouts[phase], self.mesh) if self.mesh is not None else contextlib.nullcontext()
+        layout = self.layouts[LAYOUT_OF[phase]]
+        return use_layout(layout, self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def _empty_pages(self) -> dict:
         """Zeroed key and value page pools of every layer in the cache's format, placed by the decode layout (PAGES),
@@ -352,10 +385,15 @@ class Engine:
             raise StarscreamError(f"prompt token id {outside} is outside the model's vocabulary of {vocab}; give ids "
                                   f"from 0 to {vocab - 1}")
         check_fits(len(tokens), params.max_tokens, self.context)
+        if params.prompt_logprobs is not None and not self.config.prompt_logprobs:
+            raise StarscreamError("prompt_logprobs: this engine does not compute prompt log-probabilities; start it "
+                                  "with EngineConfig prompt_logprobs (the server's --enable-prompt-logprobs)")
         self._check_bias(params)
         self._check_grammar(params)
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2 ** 31))
         sequence = Sequence(request_id=request_id, prompt=tokens, params=params, seed=seed, arrival=time.monotonic())
+        if params.prompt_logprobs is not None:
+            sequence.prompt_scores = PromptLogprobs(logprobs=[], ranks=[], top_tokens=[], top_logprobs=[])
         self.scheduler.add(sequence)
         self._sequences[request_id] = sequence
         if params.grammar is not None:  # compiled off the loop; the sequence waits for it (`_take_compiled`)
@@ -448,7 +486,7 @@ class Engine:
                           max_num_seqs=self.config.rows_per_shard * self.shards,
                           pages_total=(self.cache_size.pages_per_shard - 1) * self.shards,
                           page_size=self.config.page_size, programs=len(self._programs),
-                          model_name=self.model_config.name)
+                          model_name=self.model_config.name, prompt_logprobs=self.config.prompt_logprobs)
 
     def running_ids(self) -> list[str]:
         """The ids of every request running or waiting."""
@@ -485,7 +523,8 @@ class Engine:
                 chunk.sequence.scheduled_at = started
         launched = []
         if plan.prefill:
-            launched.append(self._launch("prefill", list(plan.prefill)))
+            scored = any(_scored_span(chunk) for chunk in plan.prefill)
+            launched.append(self._launch("scored" if scored else "prefill", list(plan.prefill)))
         if plan.decode:
             launched.append(self._launch("decode", [Chunk(s, s.length - 1, 1) for s in plan.decode]))
         step = _Launched(launched, started, time.perf_counter() - started) if launched else None
@@ -522,6 +561,7 @@ class Engine:
         several, `multihost`); each chunk that ends its prompt, and each decode row, gets a PENDING token, and a
         sequence that token brings to its length limit is finished now."""
         inputs, rows = self._inputs(phase, chunks)
+        scores = self._scored(chunks, rows) if phase == "scored" else []
         if self.channel is not None:
             self.channel.send(phase, inputs)
         called = time.perf_counter()
@@ -531,14 +571,27 @@ class Engine:
             outputs = self._gathered(outputs)
         tokens = []
         for chunk, row in zip(chunks, rows):
-            if phase == "prefill":
+            if phase != "decode":
                 self.scheduler.computed(chunk)
                 if not chunk.last:
                     continue
             else:
                 chunk.sequence.computed += 1
             tokens.append(self._pending(chunk.sequence, row))
-        return _Rows(phase=phase, rows=len(chunks), outputs=outputs, tokens=tokens, call_seconds=call_seconds)
+        return _Rows(phase=phase, rows=len(chunks), outputs=outputs, tokens=tokens, call_seconds=call_seconds,
+                     width=inputs.tokens.shape[1], scores=scores)
+
+    @staticmethod
+    def _scored(chunks: list[Chunk], rows: list[int]) -> list[_Scored]:
+        """The prompt positions a scored prefill computes for each chunk that asks (`_scored_span`), each sequence's
+        `scored` moved past them (a position is scored once, though a preempted prompt is computed again)."""
+        scores = []
+        for chunk, row in zip(chunks, rows):
+            span = _scored_span(chunk)
+            if span is not None:
+                scores.append(_Scored(chunk.sequence, row, span.start - chunk.start, len(span)))
+                chunk.sequence.scored = span.stop
+        return scores
 
     def _pending(self, sequence: Sequence, row: int) -> _Token:
         """A PENDING token appended to `sequence` for step row `row`; the sequence finished at once (its pages and
@@ -556,7 +609,10 @@ class Engine:
         their events, in launch order. A sequence cancelled or stopped since yields none."""
         events = []
         for rows in step.rows:
-            sampled = Sampled.unpacked(np.asarray(rows.outputs))
+            outputs = np.asarray(rows.outputs)
+            if rows.scores:
+                self._read_scores(rows.scores, PromptScores.unpacked(outputs, rows.width))
+            sampled = Sampled.unpacked(outputs)
             tokens, logprobs = sampled.token.tolist(), sampled.logprob.tolist()
             for token in rows.tokens:
                 top = token.sequence.params.top_logprobs
@@ -570,6 +626,19 @@ class Engine:
         self._last_resolved = now
         self.step_times.append(step.time(seconds))
         return events
+
+    def _read_scores(self, scored: list[_Scored], scores: PromptScores) -> None:
+        """Each sequence's prompt positions of a scored step appended to its `prompt_scores` (its own
+        `prompt_logprobs` likeliest tokens of each); a sequence cancelled since takes none."""
+        for entry in scored:
+            sequence, kept = entry.sequence, entry.sequence.prompt_scores
+            if self._sequences.get(sequence.request_id) is not sequence:
+                continue
+            at, top = (entry.row, slice(entry.first, entry.first + entry.count)), sequence.params.prompt_logprobs
+            kept.logprobs.extend(scores.logprob[at].tolist())
+            kept.ranks.extend(scores.rank[at].tolist())
+            kept.top_tokens.extend(scores.top_token[at][:, :top].tolist())
+            kept.top_logprobs.extend(scores.top_logprob[at][:, :top].tolist())
 
     def _arrived(self, pending: _Token, token: int, logprob: float, top_tokens: tuple[int, ...] = (),
                  top_logprobs: tuple[float, ...] = ()) -> TokenEvent | None:
@@ -588,7 +657,8 @@ class Engine:
             self.scheduler.finish(sequence)
         queued = sequence.scheduled_at - sequence.arrival if pending.index == 0 else None
         return TokenEvent(request_id=sequence.request_id, token=token, logprob=logprob, finish_reason=reason,
-                          queued_s=queued, top_tokens=top_tokens, top_logprobs=top_logprobs)
+                          queued_s=queued, top_tokens=top_tokens, top_logprobs=top_logprobs,
+                          prompt=sequence.prompt_scores if pending.index == 0 else None)
 
     @staticmethod
     def _grammar_ended(sequence: Sequence, token: int) -> bool:
@@ -666,8 +736,9 @@ class Engine:
     def _lowered(self, phase: str, rows: int, width: int, pages: int):
         """The step of `phase` traced for one bucket, against the pools' and inputs' shapes (nothing allocated)."""
         with self._phase(phase):
-            return self._steps[phase].lower(self.params, self.rest, self._abstract_pages(), self._abstract_recent(),
-                                            self._abstract_slot_state(), self._abstract_inputs(rows, width, pages))
+            return self._steps[LAYOUT_OF[phase]].lower(
+                self.params, self.rest, self._abstract_pages(), self._abstract_recent(), self._abstract_slot_state(),
+                self._abstract_inputs(rows, width, pages, phase == "scored"))
 
     def keep_followers(self) -> None:
         """Tells the other processes, waiting for the next step, that the leader is idle but alive (else nothing)."""
@@ -686,7 +757,7 @@ class Engine:
         width = 1 if phase == "decode" else Buckets.round_up(max(c.count for c in chunks), self.buckets.positions,
                                                              "prompt positions")
         pages = Buckets.round_up(max(len(c.sequence.pages) for c in chunks), self.buckets.pages, "pages per row")
-        inputs = StepInputs.zeros(rows * self.shards, width, pages)
+        inputs = StepInputs.zeros(rows * self.shards, width, pages, phase == "scored")
         sampling = inputs.sampling
         row_of, guided = {}, []
         for shard, group in enumerate(by_shard):
@@ -698,6 +769,10 @@ class Engine:
                 inputs.table[row, :len(sequence.pages)] = sequence.pages
                 inputs.last[row] = chunk.count - 1
                 inputs.slot[row] = sequence.slot if chunk.last else -1
+                span = _scored_span(chunk) if phase == "scored" else None
+                if span is not None:
+                    inputs.following[row, span.start - chunk.start:span.stop - chunk.start] = \
+                        sequence.prompt[span.start + 1:span.stop + 1]
                 params = sequence.params
                 sampling.temperature[row], sampling.top_p[row], sampling.top_k[row] = \
                     params.temperature, params.top_p, params.top_k
@@ -773,9 +848,19 @@ class Engine:
         return dataclasses.replace(packed, columns=jax.make_array_from_callback(columns.shape, rows,
                                                                                lambda at: columns[at]))
 
-    def _abstract_inputs(self, rows: int, width: int, pages: int) -> PackedInputs:
+    def _abstract_inputs(self, rows: int, width: int, pages: int, scored: bool) -> PackedInputs:
         """Shape, type and placement of the packed step inputs of one bucket, for compiling before any request."""
-        return PackedInputs.abstract(rows, width, pages, self._row_sharding())
+        return PackedInputs.abstract(rows, width, pages, self._row_sharding(), scored)
+
+
+def _scored_span(chunk: Chunk) -> range | None:
+    """The positions of `chunk` whose next prompt token's log-probability its sequence still needs (from its
+    `scored` on, up to the prompt's last but one), or None."""
+    sequence = chunk.sequence
+    if not sequence.unscored:
+        return None
+    span = range(max(chunk.start, sequence.scored), min(chunk.start + chunk.count, len(sequence.prompt) - 1))
+    return span if len(span) else None
 
 
 def _check_buckets(buckets: Buckets, config: EngineConfig) -> None:

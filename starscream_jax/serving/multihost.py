@@ -18,9 +18,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from .sampling import SlotReset
-from .steps import StepInputs
+from .steps import PHASES, StepInputs
 
-PHASES = ("prefill", "decode")
 STOP, IDLE, RESET, MASKS = -1, -2, -3, -4
 """The header's phase index that ends `follow`, the one of a leader idle but alive (no step follows), the one of
 a slot's new state (`sampling.SlotReset`, written before the step that reads it) and the one of guided rows'
@@ -72,7 +71,7 @@ class StepBroadcast:
         if phase == MASKS:  # (rows: the slots, width: the words of a mask)
             empty = (np.zeros(rows, np.int32), np.zeros((rows, width), np.int32))
             return "masks", jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(empty, is_source=False))
-        empty = StepInputs.zeros(rows, width, pages)
+        empty = StepInputs.zeros(rows, width, pages, PHASES[phase] == "scored")
         inputs = multihost_utils.broadcast_one_to_all(empty, is_source=False)
         return PHASES[phase], jax.tree.map(np.asarray, inputs)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import msgspec
 
-from .scheduler import SamplingParams
+from .scheduler import PromptLogprobs, SamplingParams
 
 
 class SubmitRequest(msgspec.Struct, tag="submit", frozen=True):
@@ -42,8 +42,9 @@ EngineInput = SubmitRequest | CancelRequests | StopEngine
 class RequestOutput(msgspec.Struct, array_like=True, frozen=True, kw_only=True):
     """What one request got in one step: its new token ids and their log-probabilities, the finish reason on its
     last ("stop": a stop token, "length": max_tokens or the context, "abort": cancelled), `error` when the engine
-    refused it (nothing else follows), on its first output the seconds it waited before its first step, and for a
-    request of `top_logprobs` each new token's likeliest ids and their log-probabilities (one list per token)."""
+    refused it (nothing else follows), on its first output the seconds it waited before its first step (and, where
+    the request asks, its prompt's log-probabilities), and for a request of `top_logprobs` each new token's
+    likeliest ids and their log-probabilities (one list per token)."""
 
     request_id: str
     tokens: list[int]
@@ -53,6 +54,7 @@ class RequestOutput(msgspec.Struct, array_like=True, frozen=True, kw_only=True):
     queued_s: float | None = None
     top_tokens: list[list[int]] = msgspec.field(default_factory=list)
     top_logprobs: list[list[float]] = msgspec.field(default_factory=list)
+    prompt: PromptLogprobs | None = None
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -98,8 +100,8 @@ class Addresses(msgspec.Struct, frozen=True):
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     """What the API process needs to know of a ready engine: the context (most positions of a sequence), the
-    vocabulary, the most sequences at once, the cache's pages and their size, the programs compiled at start, and
-    the model's name in the API."""
+    vocabulary, the most sequences at once, the cache's pages and their size, the programs compiled at start, the
+    model's name in the API, and whether it computes prompt log-probabilities (`EngineConfig.prompt_logprobs`)."""
 
     context: int
     vocab_size: int
@@ -108,6 +110,7 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     page_size: int
     programs: int
     model_name: str = ""
+    prompt_logprobs: bool = False
 
 
 def encoder() -> msgspec.msgpack.Encoder:

@@ -32,7 +32,7 @@ MAX_N = 16
 """The most choices (`n`) one request may ask for; each is an engine request of its own."""
 
 UNSUPPORTED = {
-    "length_penalty": (1,), "prompt_logprobs": (), "use_beam_search": (False,), "suffix": ("",),
+    "length_penalty": (1,), "use_beam_search": (False,), "suffix": ("",),
     "functions": ([],), "function_call": ("none",),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
     "chat_template": (), "chat_template_kwargs": ({},), "continue_final_message": (False,), "documents": ([],),
@@ -82,14 +82,15 @@ class StreamOptions(BaseModel):
 
 class Sampling(BaseModel):
     """The fields both routes share (OpenAI's names; top_k, min_p, min_tokens, repetition_penalty, ignore_eos,
-    stop_token_ids and include_stop_str_in_output as vLLM adds them). logit_bias maps token ids (as JSON keys) to
-    values in [-100, 100], at most MAX_LOGIT_BIAS of them, as OpenAI takes it."""
+    stop_token_ids, include_stop_str_in_output and prompt_logprobs as vLLM adds them). logit_bias maps token ids (as
+    JSON keys) to values in [-100, 100], at most MAX_LOGIT_BIAS of them, as OpenAI takes it. max_tokens 0 asks
+    for the prompt alone: completions with echo (its text and log-probabilities), as vLLM serves it."""
 
     model_config = ConfigDict(extra="ignore")
     REFUSED_HERE: ClassVar[dict[str, tuple]] = {}
     """Fields refused as UNSUPPORTED's are, on this route only (what the other route serves)."""
     model: str
-    max_tokens: int | None = Field(default=None, ge=1, le=WHOLE_INT)
+    max_tokens: int | None = Field(default=None, ge=0, le=WHOLE_INT)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=WHOLE_INT)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
@@ -122,12 +123,20 @@ class Sampling(BaseModel):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=WHOLE_INT)
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
 
     def truncated(self, prompt: list[int], context: int) -> list[int]:
         """The prompt's last `truncate_prompt_tokens` tokens (-1: the model's context; None or a longer value: all
         of it), as vLLM truncates it."""
         keep = context if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
         return prompt[-keep:] if keep and keep < len(prompt) else prompt
+
+    @model_validator(mode="after")
+    def _nothing_generated_only_with_echo(self):
+        if self.max_tokens == 0 and not getattr(self, "echo", False):
+            raise ApiError(HTTP_BAD_REQUEST, "max_tokens 0 generates nothing; it is served with echo on completions "
+                           "(the prompt and its log-probabilities); give at least 1", param="max_tokens")
+        return self
 
     @model_validator(mode="after")
     def _truncation_leaves_a_prompt(self):
@@ -270,19 +279,13 @@ def _same(given, neutral) -> bool:
 
 class CompletionRequest(Sampling):
     """A completions request; `echo` returns each prompt's text before its completion (as given, or decoded from
-    its token ids), which with `logprobs` would need the prompt's log-probabilities: refused."""
+    its token ids), and with `logprobs` N its tokens' log-probabilities before the completion's (as lm-eval's
+    loglikelihood tasks read them: with max_tokens 0, the prompt's alone)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_special_tokens: bool = True
     echo: bool = False
-
-    @model_validator(mode="after")
-    def _echo_without_logprobs(self):
-        if self.echo and self.logprobs is not None:
-            raise ApiError(HTTP_BAD_REQUEST, "echo with logprobs asks for the prompt's log-probabilities, which this "
-                           "server does not compute; leave out logprobs (or echo)", param="echo")
-        return self
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one (a text or token ids), or a batch (a list of texts or of token-id lists),

@@ -9,6 +9,7 @@ choice still running.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from .client import Delta, EngineClient, RequestStream
 from .detokenize import IncrementalText
 from .metrics import RequestTimes, ServerMetrics
 from .requests import HTTP_BAD_REQUEST, ApiError, Sampling, unavailable
-from .scheduler import SamplingParams
+from .scheduler import PromptLogprobs, SamplingParams
 from .tools import ToolMode, ToolStream
 
 
@@ -39,13 +40,16 @@ class Serving:
 
 class Choice:
     """One engine request of a response (a choice): its tokens turned into text as they come, its end, and its
-    metrics once it ends; `echo` is text its answer begins with (a completions prompt echoed)."""
+    metrics once it ends; `echo` is text its answer begins with (a completions prompt echoed), and with
+    `echo_only` (max_tokens 0) its whole answer: the one token the engine generates is dropped."""
 
     def __init__(self, serving: Serving, index: int, request_id: str, prompt: list[int], params: SamplingParams,
                  stop: tuple[str, ...], include_stop: bool, stream: RequestStream, tools: ToolMode | None = None,
-                 echo: str = ""):
+                 echo: str = "", echo_only: bool = False):
         self.serving, self.index, self.request_id, self.params, self.stream = serving, index, request_id, params, stream
-        self.echo = echo
+        self.echo, self.echo_only = echo, echo_only
+        self.prompt_scores: PromptLogprobs | None = None  # the prompt's log-probabilities, from the first delta
+        self.offset = 0  # characters of the token texts its completions logprobs gave so far (text_offset)
         self.prompt = prompt
         self.prompt_tokens = len(prompt)
         self.tools = tools
@@ -64,6 +68,8 @@ class Choice:
     def advance(self, delta: Delta) -> tuple[str, list[int], list[float], list]:
         """(new text, its token ids, log-probabilities and likeliest tokens) of `delta`; sets finish_reason on the
         last."""
+        if self.echo_only:
+            delta = Delta(finish_reason=delta.finish_reason and "length", error=delta.error, queued_s=delta.queued_s)
         now = time.monotonic()
         if delta.tokens:
             self.first_at = self.first_at or now
@@ -159,6 +165,10 @@ class CompletionResponse:
         self.model, self.prompt_tokens, self.arrival = body.model, prompt_tokens, arrival
         self.choices, self.firsts, self.created = choices, firsts, int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
+        for choice, first in zip(choices, firsts):
+            choice.prompt_scores = first.prompt
+        self.echoes_logprobs = not chat and body.echo and body.logprobs is not None
+        """Whether a choice's completions logprobs begin with its prompt's (echo with logprobs, as lm-eval asks)."""
 
     def _finished(self, fan_in: FanIn) -> None:
         fan_in.close()
@@ -191,10 +201,13 @@ class CompletionResponse:
             for choice in self.choices:
                 if self.chat:
                     first = self._chunk(choice, {"role": "assistant", "content": ""}, None)
-                    yield _sse(encode({**first, **self._ids("prompt_token_ids", choice.prompt)}))
-                elif choice.echo or self.body.return_token_ids:
-                    first = self._chunk(choice, choice.echo, None)
-                    first["choices"][0].update(self._ids("prompt_token_ids", choice.prompt))
+                    yield _sse(encode({**first, **self._ids("prompt_token_ids", choice.prompt),
+                                       **self._prompt_logprobs(choice)}))
+                elif choice.echo or self.body.return_token_ids or self.body.prompt_logprobs is not None:
+                    logprobs = self._logprobs(choice, [], [], []) if self.echoes_logprobs else None
+                    first = self._chunk(choice, choice.echo, None, logprobs)
+                    first["choices"][0].update({**self._ids("prompt_token_ids", choice.prompt),
+                                                **self._prompt_logprobs(choice)})
                     yield _sse(encode(first))
             failed, running = False, len(self.choices)
             while running:
@@ -208,7 +221,8 @@ class CompletionResponse:
                 text, tokens, values, tops = choice.advance(delta)
                 text, calls = choice.split(text) if self.chat else (text, [])
                 if text or tokens or calls or choice.finish_reason is not None:
-                    logprobs = self._logprobs(tokens, values, tops) if choice.params.logprobs else None
+                    logprobs = self._logprobs(choice, tokens, values, tops, streamed=True) \
+                        if choice.params.logprobs else None
                     part = ({"content": text or None, "tool_calls": calls} if calls else {"content": text}) \
                         if self.chat else text
                     chunk = self._chunk(choice, part, choice.streamed_reason(), logprobs)
@@ -228,27 +242,65 @@ class CompletionResponse:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion}
 
-    def _logprobs(self, tokens: list[int], values: list[float], tops: list) -> dict:
+    def _logprobs(self, choice: Choice, tokens: list[int], values: list[float], tops: list,
+                  streamed: bool = False) -> dict:
         """OpenAI's logprobs object of `tokens`: chat's content entries, each with its `top_logprobs` list, or
         completions' parallel lists, whose `top_logprobs` holds per token a dict of the likeliest tokens' text
-        and the chosen one's (as vLLM gives it)."""
-        decode = (lambda ids: f"token_id:{ids[0]}") if self.body.return_tokens_as_token_ids else self.serving.decode
+        and the chosen one's (as vLLM gives it), and `text_offset` each token's first character in the choice's
+        text. A completions choice that echoes its prompt with logprobs begins with the prompt's tokens (the
+        first without a log-probability: null, as vLLM and OpenAI give it), in its first chunk when streamed."""
+        decode = self._token_text
         tops = [top or ((), ()) for top in tops]
         if self.chat:
             return {"content": [{"token": decode([t]), "logprob": v, "bytes": None,
                                  "top_logprobs": [{"token": decode([i]), "logprob": lp, "bytes": None}
                                                   for i, lp in zip(*top)]}
                                 for t, v, top in zip(tokens, values, tops)]}
-        return {"tokens": [decode([t]) for t in tokens], "token_logprobs": values,
-                "top_logprobs": [{**{decode([i]): lp for i, lp in zip(*top)}, decode([t]): v}
-                                 for t, v, top in zip(tokens, values, tops)],
-                "text_offset": None}
+        entries = list(zip(tokens, values, tops))
+        if self.echoes_logprobs and not streamed:
+            entries = self._prompt_entries(choice) + entries
+        texts = [decode([token]) for token, _, _ in entries]
+        offsets = list(itertools.accumulate(map(len, texts[:-1]), initial=choice.offset)) if texts else []
+        choice.offset += sum(map(len, texts))
+        return {"tokens": texts, "token_logprobs": [value for _, value, _ in entries],
+                "top_logprobs": [None if value is None else {**{decode([i]): lp for i, lp in zip(*top)}, text: value}
+                                 for (_, value, top), text in zip(entries, texts)],
+                "text_offset": offsets}
+
+    def _prompt_entries(self, choice: Choice) -> list[tuple]:
+        """(token, log-probability, (likeliest ids, theirs)) of each prompt token of `choice`, the request's
+        `logprobs` likeliest of each; the first token's log-probability None (nothing precedes it)."""
+        scores, count = choice.prompt_scores, self.body.logprobs
+        return [(choice.prompt[0], None, ((), ()))] + [
+            (token, value, (ids[:count], values[:count])) for token, value, ids, values in
+            zip(choice.prompt[1:], scores.logprobs, scores.top_tokens, scores.top_logprobs)]
+
+    def _prompt_logprobs(self, choice: Choice) -> dict:
+        """{"prompt_logprobs": ...} where the request asks (vLLM's field; else {}): per prompt token None for the
+        first, then a dict of the token and the request's `prompt_logprobs` likeliest at its position, each id ->
+        {"logprob", "rank" (1: the likeliest), "decoded_token"}."""
+        count, scores = self.body.prompt_logprobs, choice.prompt_scores
+        if count is None or scores is None:
+            return {}
+        decode, entries = self._token_text, [None]
+        for token, value, rank, ids, values in zip(choice.prompt[1:], scores.logprobs, scores.ranks,
+                                                   scores.top_tokens, scores.top_logprobs):
+            entry = {token: {"logprob": value, "rank": rank, "decoded_token": decode([token])}}
+            for place, (other, other_value) in enumerate(zip(ids[:count], values[:count]), 1):
+                entry.setdefault(other, {"logprob": other_value, "rank": place, "decoded_token": decode([other])})
+            entries.append(entry)
+        return {"prompt_logprobs": entries}
+
+    def _token_text(self, ids: list[int]) -> str:
+        """One token's text in a logprobs object: decoded, or `token_id:N` (`return_tokens_as_token_ids`)."""
+        return f"token_id:{ids[0]}" if self.body.return_tokens_as_token_ids else self.serving.decode(ids)
 
     def _body(self) -> dict:
         choices = []
         for choice in self.choices:
             text, calls, reason = choice.outcome()
-            logprobs = self._logprobs(choice.tokens, choice.logprobs, choice.tops) if choice.params.logprobs else None
+            logprobs = self._logprobs(choice, choice.tokens, choice.logprobs, choice.tops) \
+                if choice.params.logprobs else None
             if self.chat:
                 message = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
                 choices.append({"index": choice.index, "message": message, "logprobs": logprobs,
@@ -256,8 +308,9 @@ class CompletionResponse:
             else:
                 choices.append({"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": reason,
                                 **self._ids("prompt_token_ids", choice.prompt),
-                                **self._ids("token_ids", choice.tokens)})
-        prompt = self._ids("prompt_token_ids", self.choices[0].prompt) if self.chat else {}
+                                **self._ids("token_ids", choice.tokens), **self._prompt_logprobs(choice)})
+        first = self.choices[0]
+        prompt = {**self._ids("prompt_token_ids", first.prompt), **self._prompt_logprobs(first)} if self.chat else {}
         return {"id": self.response_id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self._usage(), **prompt}
 

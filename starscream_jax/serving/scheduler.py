@@ -54,7 +54,9 @@ class SamplingParams:
     frequency penalties subtract from the logit of each id generated so far (once, or once per time); the
     repetition penalty divides positive logits and multiplies negative ones of ids in the prompt or generated;
     `logit_bias` ((id, value) pairs) adds to logits; `grammar` (structured output, `serving.guided`) allows only
-    the tokens that keep the text within it, and the request ends ("stop") when the grammar does. Stop strings are
+    the tokens that keep the text within it, and the request ends ("stop") when the grammar does; `prompt_logprobs`
+    N (None: off) returns each prompt token's log-probability and rank after the first, with the N likeliest
+    tokens at its position (`PromptLogprobs`, on the first token's event). Stop strings are
     text, so the API process applies them to the detokenized text (`serving.detokenize`) and cancels the request;
     the engine stops on token ids and lengths alone."""
 
@@ -73,6 +75,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     grammar: Grammar | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         problems = [(not _is_int(self.max_tokens) or self.max_tokens < 1,
@@ -94,6 +97,9 @@ class SamplingParams:
         """(failed, message) of the settings the step applies from the row's slot, and of top_logprobs."""
         return [(not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
                  f"top_logprobs {self.top_logprobs!r} is outside [0, {MAX_TOP_LOGPROBS}]"),
+                (self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                       or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
+                 f"prompt_logprobs {self.prompt_logprobs!r} is outside [0, {MAX_TOP_LOGPROBS}]"),
                 (not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens,
                  f"min_tokens {self.min_tokens!r} must be a whole number from 0 to max_tokens ({self.max_tokens})"),
                 (self.min_tokens > 0 and len(self.stop_tokens) > MAX_STOP_IDS,
@@ -133,10 +139,24 @@ def _number_in(value, low: float, high: float) -> bool:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PromptLogprobs:
+    """A prompt's log-probabilities, one entry per prompt token after the first (the first has no context): the
+    token's log-probability under the model given the tokens before it, its rank in the vocabulary (1: the
+    likeliest), and the request's `prompt_logprobs` likeliest ids at its position with their log-probabilities,
+    best first."""
+
+    logprobs: list[float]
+    ranks: list[int]
+    top_tokens: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+@dataclass(frozen=True, kw_only=True)
 class TokenEvent:
     """A new token of request `request_id` ([its log-probability]); `finish_reason` "stop" (a stop token) or
     "length" (max_tokens or the context) on its last; on its first, the seconds the request waited before its
-    first step (`queued_s`); the request's `top_logprobs` likeliest ids and their log-probabilities, best first."""
+    first step (`queued_s`) and, where the request asks, its prompt's log-probabilities (`prompt`); the request's
+    `top_logprobs` likeliest ids and their log-probabilities, best first."""
 
     request_id: str
     token: int
@@ -145,6 +165,7 @@ class TokenEvent:
     queued_s: float | None = None
     top_tokens: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    prompt: PromptLogprobs | None = None
 
 
 @dataclass(eq=False, kw_only=True)
@@ -168,7 +189,15 @@ class Sequence:
     pending: int = 0  # generated tokens still PENDING (sampled on the device, not read yet)
     guide: object = None  # its grammar's matcher (`serving.guided.Guide`), held by the engine
     compiling: bool = False  # its grammar still compiling: not admitted yet
+    scored: int = 0  # prompt positions whose next token's log-probability a launched step computes
+    prompt_scores: PromptLogprobs | None = None  # those read so far (`SamplingParams.prompt_logprobs`)
     _hashes: list[bytes] = field(default_factory=list, repr=False)
+
+    @property
+    def unscored(self) -> bool:
+        """Whether it asks for its prompt's log-probabilities and a position still needs a step to compute them
+        (position p gives prompt token p + 1's, so positions 0 .. len(prompt) - 2 do)."""
+        return self.params.prompt_logprobs is not None and self.scored < len(self.prompt) - 1
 
     def prefix_hashes(self, positions: int, page_size: int) -> list[bytes]:
         """`pages.page_hashes` of tokens[:positions], each page hashed once in the sequence's life (its tokens
@@ -361,7 +390,8 @@ class Scheduler:
         if sequence.pending or sequence.compiling:
             return False
         length = sequence.length
-        hashes = sequence.prefix_hashes(length - 1, self.config.page_size) if self.config.prefix_caching else []
+        shared = self.config.prefix_caching and not sequence.unscored  # (its prompt's positions must be computed)
+        hashes = sequence.prefix_hashes(length - 1, self.config.page_size) if shared else []
         # (the last token is always computed: its logits give the next)
         needed = self.config.pages_for(length)
         best = None

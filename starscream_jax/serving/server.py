@@ -333,7 +333,8 @@ class Server:
                      echoes: list[str] | None = None):
         """Submits `body.n` engine requests per prompt (choice `p * n + i` is prompt p's i-th, seeded seed + i
         when a seed is given) and answers with all their choices, whole or streamed; each follows `grammar`
-        (structured output), its text becomes tool calls as `tools` says, and begins with its prompt's echo."""
+        (structured output), its text becomes tool calls as `tools` says, and begins with its prompt's echo (is
+        only that with max_tokens 0: the engine's one token is dropped)."""
         prompts = [body.truncated(prompt, self.context) for prompt in prompts]
         params = [replace(self._params(body, prompt, logprobs, chat), grammar=grammar) for prompt in prompts]
         self._admit(len(prompts) * body.n)
@@ -348,7 +349,7 @@ class Server:
                 seeded = base if i == 0 or base.seed is None else replace(base, seed=(base.seed + i) % 2 ** 31)
                 stream = self.client.submit(request_id, prompt, seeded)
                 choices.append(Choice(self.serving, index, request_id, prompt, seeded, stop,
-                                      body.include_stop_str_in_output, stream, tools, echo))
+                                      body.include_stop_str_in_output, stream, tools, echo, body.max_tokens == 0))
             self.prompt_tokens_submitted += len(prompt) * body.n
         firsts = await asyncio.gather(*(choice.stream.take() for choice in choices))  # refusals surface here
         refused = next((first for first in firsts if first.error is not None), None)
@@ -366,7 +367,8 @@ class Server:
     def _params(self, body: Sampling, prompt: list[int], logprobs: bool, chat: bool) -> SamplingParams:
         self._check_model(body.model)
         room = max(1, self.context - len(prompt))
-        max_tokens = body.max_completion_tokens or body.max_tokens or (room if chat else min(16, room))
+        max_tokens = 1 if body.max_tokens == 0 else \
+            body.max_completion_tokens or body.max_tokens or (room if chat else min(16, room))
         eos = () if body.ignore_eos else tuple(getattr(self.tokenizer, "eos_ids", ()))
         given = body.model_fields_set
 
@@ -379,6 +381,7 @@ class Server:
         bias = body.bias_pairs()
         self._check_vocabulary("logit_bias", [token for token, _ in bias])
         top = (body.top_logprobs if chat else body.logprobs or 0) if logprobs else 0
+        scored = self._prompt_logprobs(body, chat)
         try:
             check_fits(len(prompt), max_tokens, self.context)
             return SamplingParams(max_tokens=max_tokens, temperature=sampling("temperature"),
@@ -386,9 +389,24 @@ class Server:
                                   stop_tokens=eos + tuple(body.stop_token_ids or ()), logprobs=logprobs,
                                   top_logprobs=top, min_tokens=body.min_tokens, min_p=body.min_p,
                                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                                  repetition_penalty=body.repetition_penalty, logit_bias=bias)
+                                  repetition_penalty=body.repetition_penalty, logit_bias=bias,
+                                  prompt_logprobs=scored)
         except StarscreamError as err:
             raise ApiError(HTTP_BAD_REQUEST, str(err)) from None
+
+    def _prompt_logprobs(self, body: Sampling, chat: bool) -> int | None:
+        """The likeliest tokens the engine gives at each prompt position (`SamplingParams.prompt_logprobs`): the
+        larger of vLLM's prompt_logprobs and completions' logprobs N where echo shows the prompt's; None where
+        neither asks. A 400 naming the field that asks when the engine computes none (started without
+        --enable-prompt-logprobs)."""
+        asked = {"prompt_logprobs": body.prompt_logprobs,
+                 "echo": body.logprobs if not chat and body.echo else None}
+        asked = {field: count for field, count in asked.items() if count is not None}
+        if asked and not self.info.prompt_logprobs:
+            field = next(iter(asked))
+            raise ApiError(HTTP_BAD_REQUEST, f"{field} asks for the prompt's log-probabilities, which this server "
+                           "computes only when started with --enable-prompt-logprobs", param=field)
+        return max(asked.values(), default=None)
 
 
 def _validation_error(err: RequestValidationError) -> ApiError:

@@ -9,7 +9,15 @@
               does not know yet (-1, sampled by the step before and not read back) is read from the row's slot,
               so the engine builds and launches the next step while this one runs.
               Decode runs it with S = 1 under the decode layout, prefill chunks with S > 1 under the prefill
-              layout; both layouts place the pages alike, so neither copies the cache.
+              layout; both layouts place the pages alike, so neither copies the cache. A scored prefill (phase
+              "scored", inputs packed with `following`) also returns each position's prompt log-probabilities
+              (`PromptScores`, beside `Sampled` in the one output array).
+
+A scored prefill is a program variant of its own, compiled at start only where the engine serves prompt
+log-probabilities (`EngineConfig.prompt_logprobs`, `Buckets.scored`): it projects every position onto the vocabulary
+([B, S, V] logits, where the plain prefill projects one position a row), so its working memory must be known before
+the page pools take the device memory left (`capacity.check_reserve` reads the compiled programs), and no request
+waits behind a compile; a server that is not asked for it compiles and holds the programs it always did.
 
 The pages' placement is the decode layout's, split into `cache_shards` shards (one page pool each); the prefill
 layout must place them alike (`check_same_cache_placement`).
@@ -40,6 +48,7 @@ from ..sharding.apply import Jitted, Placement, activation_spec, constrain, jit,
 from ..sharding.layouts import PHASE_DEFAULTS, get_layout
 from ..training.steps import whole_vocabulary
 from .sampling import (
+    MAX_TOP_LOGPROBS,
     SlotState,
     apply_bias,
     apply_grammar,
@@ -50,6 +59,13 @@ from .sampling import (
     record,
     top_logprobs,
 )
+
+
+PHASES = ("prefill", "decode", "scored")
+"""The steps an engine runs: a prefill of prompt chunks, a decode, and a scored prefill (a prefill that also returns
+its prompt's log-probabilities, `PromptScores`)."""
+LAYOUT_OF = {"prefill": "prefill", "decode": "decode", "scored": "prefill"}
+"""Each phase's layout: a scored prefill runs as a prefill does."""
 
 
 @register_dataclass
@@ -99,20 +115,57 @@ class Sampled:
     top_logprob: jax.Array
 
     def packed(self) -> jax.Array:
-        """One int32 array [B, 2 + 2K] of every field (floats by their bits), so the host reads a step's outputs
-        in one transfer."""
-        def bits(array_BX):
-            return jax.lax.bitcast_convert_type(array_BX, jnp.int32) if array_BX.dtype != jnp.int32 else array_BX
-
-        return jnp.concatenate([bits(self.token[:, None]), bits(self.logprob[:, None]), bits(self.top_token),
-                                bits(self.top_logprob)], axis=1)
+        """One int32 array [B, SAMPLED_COLUMNS] of every field (floats by their bits), so the host reads a step's
+        outputs in one transfer."""
+        return jnp.concatenate([_bits(self.token[:, None]), _bits(self.logprob[:, None]), _bits(self.top_token),
+                                _bits(self.top_logprob)], axis=1)
 
     @staticmethod
     def unpacked(rows_BF: np.ndarray) -> Sampled:
-        """The host's `Sampled` of a step's `packed` outputs [B, 2 + 2K] (numpy)."""
-        top = (rows_BF.shape[1] - 2) // 2
+        """The host's `Sampled` of a step's outputs [B, F] (numpy; its first SAMPLED_COLUMNS columns, `packed`)."""
+        top = MAX_TOP_LOGPROBS
         return Sampled(rows_BF[:, 0], rows_BF[:, 1].view(np.float32), rows_BF[:, 2:2 + top],
-                       rows_BF[:, 2 + top:].view(np.float32))
+                       rows_BF[:, 2 + top:SAMPLED_COLUMNS].view(np.float32))
+
+
+SAMPLED_COLUMNS = 2 + 2 * MAX_TOP_LOGPROBS
+"""Columns of `Sampled.packed`: token, log-probability, the likeliest tokens and theirs."""
+
+
+def _bits(array_BX: jax.Array) -> jax.Array:
+    """An int32 or float32 array as int32 (floats by their bits), for one packed output array."""
+    return jax.lax.bitcast_convert_type(array_BX, jnp.int32) if array_BX.dtype != jnp.int32 else array_BX
+
+
+@register_dataclass
+@dataclass(frozen=True, kw_only=True)
+class PromptScores:
+    """A scored prefill's prompt log-probabilities per row and position [B, S]: the log-probability of the prompt
+    token that follows the position (`StepInputs.following`; 0 where none does) and its rank in the vocabulary (1:
+    the likeliest, as vLLM ranks), and the MAX_TOP_LOGPROBS likeliest tokens [B, S, K] with theirs. A few numbers
+    a position: what the host reads of the [B, S, V] logits, which never leave the devices."""
+
+    logprob: jax.Array
+    rank: jax.Array
+    top_token: jax.Array
+    top_logprob: jax.Array
+
+    def packed(self) -> jax.Array:
+        """One int32 array [B, S * SAMPLED_COLUMNS] (per position: log-probability, rank, the likeliest tokens and
+        theirs), placed after a step's `Sampled.packed` columns."""
+        rows, width = self.rank.shape
+        per_position = jnp.concatenate([_bits(self.logprob[..., None]), _bits(self.rank[..., None]),
+                                        _bits(self.top_token), _bits(self.top_logprob)], axis=2)
+        return per_position.reshape(rows, width * SAMPLED_COLUMNS)
+
+    @staticmethod
+    def unpacked(rows_BF: np.ndarray, width: int) -> PromptScores:
+        """The host's scores of a scored step's outputs [B, F] (numpy) over `width` positions a row."""
+        per_position = rows_BF[:, SAMPLED_COLUMNS:].reshape(rows_BF.shape[0], width, SAMPLED_COLUMNS)
+        top = MAX_TOP_LOGPROBS
+        return PromptScores(logprob=per_position[..., 0].view(np.float32), rank=per_position[..., 1],
+                            top_token=per_position[..., 2:2 + top],
+                            top_logprob=per_position[..., 2 + top:].view(np.float32))
 
 
 SLOTS = ("attn_batch",)
@@ -127,7 +180,10 @@ class StepInputs:
     """One step's rows: tokens and positions [B, S] (position -1: padding; token -1: the row's sequence's newest
     token, still on the device in its slot), block tables [B, M], the index of each row's last token [B], the
     slot [B] its sampled token goes to (-1: none, for padding rows and prompt chunks that do not end their prompt)
-    and its sampling. Rows are grouped by cache shard (shard s holds rows s * B / shards onwards)."""
+    and its sampling; in a scored prefill only, `following` [B, S]: the prompt token after each position whose
+    log-probability the row asks for (-1: none; the next chunk's first token at a chunk's last position), None in
+    every other step (no column of it is packed). Rows are grouped by cache shard (shard s holds rows s * B /
+    shards onwards)."""
 
     tokens: jax.Array
     positions: jax.Array
@@ -135,15 +191,18 @@ class StepInputs:
     last: jax.Array
     slot: jax.Array
     sampling: RowSampling
+    following: jax.Array | None = None
 
     @classmethod
-    def zeros(cls, rows: int, width: int, pages: int) -> StepInputs:
+    def zeros(cls, rows: int, width: int, pages: int, scored: bool = False) -> StepInputs:
         """Host inputs of one bucket with every row padding: no token, position -1, the null page, no slot,
-        greedy (every field's shape and dtype, for the engine, its compiles and the followers of `multihost`)."""
+        greedy, and where `scored` no position scored (every field's shape and dtype, for the engine, its compiles
+        and the followers of `multihost`)."""
         row_i32 = np.zeros((rows,), np.int32)
+        following = np.full((rows, width), -1, np.int32) if scored else None
         return cls(tokens=np.zeros((rows, width), np.int32), positions=np.full((rows, width), -1, np.int32),
                    table=np.zeros((rows, pages), np.int32), last=row_i32.copy(), slot=np.full((rows,), -1, np.int32),
-                   sampling=RowSampling.neutral(rows))
+                   sampling=RowSampling.neutral(rows), following=following)
 
 
 @register_dataclass
@@ -151,29 +210,31 @@ class StepInputs:
 class PackedInputs:
     """A step's `StepInputs` as one int32 array [B, F] (every field's columns side by side, floats by their bits),
     so a step costs the host one transfer however many fields the rows carry; `width` and `pages` (static) say
-    how wide the tokens and the block tables are. Rows are placed as the StepInputs' are."""
+    how wide the tokens and the block tables are, `scored` (static) whether `following` is packed (a scored
+    prefill, a program of its own). Rows are placed as the StepInputs' are."""
 
     columns: jax.Array
     width: int = field(metadata={"static": True})
     pages: int = field(metadata={"static": True})
+    scored: bool = field(default=False, metadata={"static": True})
 
     @classmethod
     def pack(cls, inputs: StepInputs) -> PackedInputs:
         """The host inputs (numpy, every field [B] or [B, X] of a 4-byte type) packed."""
         rows, width = inputs.tokens.shape
         columns = [np.ascontiguousarray(leaf).reshape(rows, -1).view(np.int32) for leaf in jax.tree.leaves(inputs)]
-        return cls(np.concatenate(columns, axis=1), width, inputs.table.shape[1])
+        return cls(np.concatenate(columns, axis=1), width, inputs.table.shape[1], inputs.following is not None)
 
     @classmethod
-    def abstract(cls, rows: int, width: int, pages: int, sharding=None) -> PackedInputs:
+    def abstract(cls, rows: int, width: int, pages: int, sharding=None, scored: bool = False) -> PackedInputs:
         """The packed inputs' shape and type for one bucket, on `sharding` (rows split; None: one device)."""
-        columns = sum(leaf.size // rows for leaf in jax.tree.leaves(StepInputs.zeros(rows, width, pages)))
-        return cls(jax.ShapeDtypeStruct((rows, columns), jnp.int32, sharding=sharding), width, pages)
+        columns = sum(leaf.size // rows for leaf in jax.tree.leaves(StepInputs.zeros(rows, width, pages, scored)))
+        return cls(jax.ShapeDtypeStruct((rows, columns), jnp.int32, sharding=sharding), width, pages, scored)
 
     def unpacked(self) -> StepInputs:
         """The StepInputs again (inside the step: slices of the one array, floats bitcast back)."""
         rows = self.columns.shape[0]
-        leaves, tree = jax.tree.flatten(StepInputs.zeros(rows, self.width, self.pages))
+        leaves, tree = jax.tree.flatten(StepInputs.zeros(rows, self.width, self.pages, self.scored))
         fields, start = [], 0
         for leaf in leaves:
             count = leaf.size // rows
@@ -196,13 +257,17 @@ def paged_step(graphdef, kernel: str = "gather", decode: bool = True, *, under: 
         model = nnx.merge(graphdef, params, rest)
         cache = PagedCache(pages["k"], pages["v"], inputs.table, kernel, pages.get("k_scale"), pages.get("v_scale"))
         tokens_BS = jnp.where(inputs.tokens < 0, read_slots(recent, inputs.slot)[:, None], inputs.tokens)
-        logits_BV, cache = model.paged(tokens_BS, inputs.positions, inputs.last, cache)
+        logits_BV, cache, *every_BSV = model.paged(tokens_BS, inputs.positions, inputs.last, cache,
+                                                   every_position=packed.scored)
         positions_B = inputs.positions[:, 0] + inputs.last  # a row's positions run on from its first
         sampled, slots = sample_rows(logits_BV, inputs.sampling, positions_B + 1, slots, inputs.slot)
+        outputs = sampled.packed()
+        if packed.scored:
+            outputs = jnp.concatenate([outputs, score_prompt(every_BSV[0], inputs.following).packed()], axis=1)
         written = {"k": cache.k, "v": cache.v}
         if cache.k_scale is not None:
             written.update(k_scale=cache.k_scale, v_scale=cache.v_scale)
-        return sampled.packed(), written, write_slots(recent, inputs.slot, sampled.token), slots
+        return outputs, written, write_slots(recent, inputs.slot, sampled.token), slots
 
     return step
 
@@ -244,6 +309,23 @@ def sample_rows(logits_BV: jax.Array, rows: RowSampling, position_B: jax.Array, 
         top_token_BK, top_logprob_BK = top_logprobs(logprob_BV, rows.top_logprobs)
         sampled = Sampled(token_B, _at_column(logprob_BV, token_B)[:, 0], top_token_BK, top_logprob_BK)
         return sampled, record(slots, slot_B, token_B, rows)
+
+
+def score_prompt(logits_BSV: jax.Array, following_BS: jax.Array) -> PromptScores:
+    """The prompt log-probabilities (`PromptScores`) of every position from its logits [B, S, V]: log_softmax over
+    the whole vocabulary (the positions as rows [B * S, V], gathered as the sampler gathers a row,
+    `whole_vocabulary`), the log-probability and rank of the token that follows it, `following_BS` [B, S] (-1:
+    none, read as token 0), and the likeliest tokens (`sampling.top_logprobs`)."""
+    with jax.named_scope("prompt_logprobs"):
+        rows, width, vocab = logits_BSV.shape
+        logprob_NV = jax.nn.log_softmax(whole_vocabulary(logits_BSV.reshape(rows * width, vocab)), axis=-1)
+        following_N = constrain(following_BS.reshape(rows * width), ("batch",), "prompt tokens")
+        logprob_N = _at_column(logprob_NV, jnp.maximum(following_N, 0))[:, 0]
+        rank_N = 1 + jnp.sum(logprob_NV > logprob_N[:, None], axis=-1, dtype=jnp.int32)
+        top_token_NK, top_logprob_NK = top_logprobs(logprob_NV, (following_N >= 0).astype(jnp.int32))
+        return PromptScores(logprob=logprob_N.reshape(rows, width), rank=rank_N.reshape(rows, width),
+                            top_token=top_token_NK.reshape(rows, width, -1),
+                            top_logprob=top_logprob_NK.reshape(rows, width, -1))
 
 
 def _greedy(logits_BV, *_):
@@ -299,13 +381,16 @@ def _steps_down(limit: int, factor: int, count: int) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class Buckets:
     """The shapes a server compiles: rows per cache shard of decode steps and of prefill steps, prompt positions per
-    prefill row, pages per row (each a rising tuple; a size rounds up to the next). `for_limits` gives a server's
-    defaults; every bucket is compiled at start (`Engine.warm_up`), so their count sets the start-up time."""
+    prefill row, pages per row (each a rising tuple; a size rounds up to the next), and with `scored` a scored
+    prefill of every prefill shape (prompt log-probabilities; the engine sets it from
+    `EngineConfig.prompt_logprobs`). `for_limits` gives a server's defaults; every bucket is compiled at start
+    (`Engine.warm_up`), so their count sets the start-up time."""
 
     rows: tuple[int, ...]
     positions: tuple[int, ...]
     pages: tuple[int, ...]
     prefill_rows: tuple[int, ...] | None = None  # None: as `rows`
+    scored: bool = False
 
     @classmethod
     def for_limits(cls, rows: int, chunk: int, pages: int, prefill_rows: int) -> Buckets:
@@ -316,17 +401,18 @@ class Buckets:
         return cls(_steps_down(rows, 4, 3), (chunk,), _steps_down(pages, 2, 4), tuple(sorted({1, prefill_rows})))
 
     def rows_of(self, phase: str) -> tuple[int, ...]:
-        return (self.prefill_rows or self.rows) if phase == "prefill" else self.rows
+        return (self.prefill_rows or self.rows) if LAYOUT_OF[phase] == "prefill" else self.rows
 
     def shapes(self) -> list[tuple[str, int, int, int]]:
         """Every (phase, rows per shard, positions per row, pages per row) a server may run, decode first."""
         decode = [("decode", rows, 1, pages) for pages in self.pages for rows in self.rows]
-        prefill = [("prefill", rows, positions, pages) for pages in self.pages for rows in self.rows_of("prefill")
-                   for positions in self.positions]
+        prefill = [(phase, rows, positions, pages) for phase in ("prefill", "scored")[:1 + self.scored]
+                   for pages in self.pages for rows in self.rows_of("prefill") for positions in self.positions]
         return decode + prefill
 
     def programs(self) -> int:
-        """Most programs a server compiles: decode (rows x pages) and prefill (rows x positions x pages)."""
+        """Most programs a server compiles: decode (rows x pages) and prefill (rows x positions x pages), twice
+        the prefill where `scored`."""
         return len(self.shapes())
 
     @staticmethod

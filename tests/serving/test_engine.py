@@ -165,3 +165,37 @@ def test_the_engine_api_checks_what_the_server_checks(engine_for):
     with pytest.raises(StarscreamError, match="outside the model's vocabulary"):
         engine.generate([[1, 2], [vocab + 5]], SamplingParams(max_tokens=2))
     assert not engine.busy and engine.generate([[1, 2]], SamplingParams(max_tokens=2))[0]
+
+
+def _reference_prompt_logprobs(model, prompt: list[int]) -> np.ndarray:
+    """log_softmax of the unsharded model's full-sequence logits [S, V] at each position."""
+    logits = np.asarray(model(np.asarray([prompt], np.int32)).logits[0], np.float64)
+    return logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - \
+        logits.max(-1, keepdims=True)
+
+
+def test_prompt_logprobs_equal_the_unsharded_models_across_chunks(engine_for, unsharded_llama):
+    """A scored prefill on the 1x2x4 mesh: a prompt of 19 tokens runs as three chunks of 8 (a chunk's last position
+    scores the next chunk's first token); each prompt token's log-probability, rank and the likeliest tokens at its
+    position equal log_softmax of the unsharded model's full-sequence logits; a prefix that another request cached
+    is computed again for a request that asks, and one that does not ask gets none and shares the prefix."""
+    engine = engine_for("1x2x4-logprobs")
+    prompt = [int(t) for t in np.random.default_rng(2).integers(2, 384, 19)]
+    reference = _reference_prompt_logprobs(unsharded_llama, prompt)
+    engine.generate([prompt], SamplingParams(max_tokens=2))  # its full pages now cached
+    hits = engine.stats().prefix_hit_pages
+    engine.submit("scored", prompt, SamplingParams(max_tokens=2, prompt_logprobs=5))
+    engine.submit("plain", prompt[:12] + [7], SamplingParams(max_tokens=2))
+    events = {}
+    while engine.busy:
+        for event in engine.step():
+            events.setdefault(event.request_id, []).append(event)
+    scores = events["scored"][0].prompt
+    assert events["plain"][0].prompt is None and engine.stats().prefix_hit_pages == hits + 3
+    want = reference[np.arange(len(prompt) - 1), prompt[1:]]
+    np.testing.assert_allclose(scores.logprobs, want, atol=2e-4)
+    ranks = [1 + int(np.sum(row > row[token] + 1e-4)) for row, token in zip(reference, prompt[1:])]
+    assert all(abs(rank - want_rank) <= 1 for rank, want_rank in zip(scores.ranks, ranks))
+    assert [tops[0] for tops in scores.top_tokens] == [int(row.argmax()) for row in reference[:-1]]
+    np.testing.assert_allclose(scores.top_logprobs, np.sort(reference[:-1], -1)[:, ::-1][:, :5], atol=2e-4)
+    assert engine.stats().programs == 3 and engine.buckets.programs() == 3 and engine.stats().pages_used == 0

@@ -200,10 +200,18 @@ def test_the_deprecated_function_fields_point_to_tools():
         assert refused.value.param == name
 
 
-def test_echo_is_read_on_completions_refused_with_logprobs_and_refused_on_chat():
+def test_echo_and_prompt_logprobs_are_read_max_tokens_0_only_with_echo_and_echo_refused_on_chat():
     assert CompletionRequest.model_validate({**BASE["completions"][1], "echo": True}).echo
-    with pytest.raises(ApiError, match="echo with logprobs") as refused:
-        CompletionRequest.model_validate({**BASE["completions"][1], "echo": True, "logprobs": 1})
-    assert refused.value.param == "echo"
+    lm_eval = CompletionRequest.model_validate({**BASE["completions"][1], "echo": True, "max_tokens": 0,
+                                                "logprobs": 1, "temperature": 0})
+    assert (lm_eval.echo, lm_eval.max_tokens, lm_eval.logprobs) == (True, 0, 1)
+    for model, base in BASE.values():
+        assert model.model_validate({**base, "prompt_logprobs": 20}).prompt_logprobs == 20
+        for bad in (-1, 21, 1.5, "2", True):
+            with pytest.raises(ValidationError, match="prompt_logprobs"):
+                model.model_validate({**base, "prompt_logprobs": bad})
+        with pytest.raises(ApiError, match="max_tokens 0") as refused:
+            model.model_validate({**base, "max_tokens": 0})
+        assert refused.value.param == "max_tokens"
     with pytest.raises(ApiError, match="echo is not supported"):
         ChatRequest.model_validate({**BASE["chat"][1], "echo": True})

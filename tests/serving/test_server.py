@@ -14,6 +14,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import uvicorn
@@ -38,7 +39,19 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def served(engine_for, llama_tokenizer):
     """(base URL, Server, uvicorn.Server) of a server on a thread over the (1, 2, 4) engine of conftest.py."""
-    engine = engine_for("1x2x4")
+    yield from _serving(engine_for("1x2x4"), llama_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def scoring_client(engine_for, llama_tokenizer):
+    """An `openai` client of a server over conftest's (1, 2, 4) engine that computes prompt log-probabilities (as
+    `--enable-prompt-logprobs` starts one)."""
+    for url, _, _ in _serving(engine_for("1x2x4-logprobs"), llama_tokenizer):
+        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+def _serving(engine, llama_tokenizer):
+    """Yields (base URL, Server, uvicorn.Server) of a server on a thread over `engine`, then stops it."""
     loop = EngineThread(engine)
     server = Server(EngineClient(loop.addresses, loop.alive), llama_tokenizer, MODEL, engine.info(),
                     max_pending=MAX_PENDING)
@@ -91,8 +104,53 @@ def test_echo_returns_the_prompt_before_the_completion(client, llama_tokenizer):
     ids = [int(token) for token in llama_tokenizer.encode("hello world", False)]
     by_ids = client.completions.create(prompt=ids, echo=True, **sampling).choices[0].text
     assert by_ids.startswith(llama_tokenizer.decode(ids))
-    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
-        client.completions.create(prompt="hello world", echo=True, logprobs=1, **sampling)
+    for asks, field in (({"echo": True, "logprobs": 1}, "echo"), ({"extra_body": {"prompt_logprobs": 1}},
+                                                                   "prompt_logprobs")):
+        with pytest.raises(openai.BadRequestError, match="--enable-prompt-logprobs") as refused:
+            client.completions.create(prompt="hello world", **{**sampling, **asks})  # (this server computes none)
+        assert refused.value.body["param"] == field
+
+
+def test_loglikelihood_as_lm_eval_asks_and_prompt_logprobs(scoring_client, llama_tokenizer, unsharded_llama):
+    """lm-eval's local-completions loglikelihood request (echo, max_tokens 0, logprobs 1, temperature 0) of a
+    prompt longer than a prefill chunk: its logprobs cover the prompt alone, the first token's null, the others the
+    unsharded model's log_softmax (and each top-1 tells whether the token is greedy, as lm-eval reads it); streamed
+    alike in the first chunk; vLLM's prompt_logprobs on completions and chat; bad values are a 400 naming it."""
+    ids = [int(token) for token in llama_tokenizer.encode("the quick brown fox jumps over the lazy dog", False)]
+    assert len(ids) > 8  # conftest's chunk
+    logits = np.asarray(unsharded_llama(np.asarray([ids], np.int32)).logits[0], np.float64)
+    reference = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    want = [None] + reference[np.arange(len(ids) - 1), ids[1:]].tolist()
+    asked = dict(model=MODEL, prompt=ids, echo=True, max_tokens=0, logprobs=1, temperature=0)
+    whole = scoring_client.completions.create(**asked)
+    choice, logprobs = whole.choices[0], whole.choices[0].logprobs
+    assert choice.text == llama_tokenizer.decode(ids) and whole.usage.completion_tokens == 0
+    assert logprobs.tokens == [llama_tokenizer.decode([token]) for token in ids] and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[0] is None and logprobs.text_offset[0] == 0
+    np.testing.assert_allclose(logprobs.token_logprobs[1:], want[1:], atol=2e-4)
+    greedy = [max(top, key=top.get) == text for top, text in zip(logprobs.top_logprobs[1:], logprobs.tokens[1:])]
+    assert greedy == [int(row.argmax()) == token for row, token in zip(reference, ids[1:])]
+    streamed = list(scoring_client.completions.create(**asked, stream=True))
+    assert streamed[0].choices[0].logprobs.token_logprobs == logprobs.token_logprobs
+    assert "".join(chunk.choices[0].text for chunk in streamed) == choice.text
+    scored = scoring_client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0,
+                                               extra_body={"prompt_logprobs": 2}).choices[0]
+    entries = scored.model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids) and 2 <= len(entries[1]) <= 3
+    np.testing.assert_allclose([entry[str(token)]["logprob"] for entry, token in zip(entries[1:], ids[1:])],
+                               want[1:], atol=2e-4)
+    assert all(entry[str(token)]["rank"] >= 1 for entry, token in zip(entries[1:], ids[1:]))
+    chat = scoring_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=1, extra_body={"prompt_logprobs": 0})
+    assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) > 1
+    for bad in (-1, 21, 1.5, "2", True):
+        with pytest.raises(openai.BadRequestError) as refused:
+            scoring_client.completions.create(model=MODEL, prompt=ids, extra_body={"prompt_logprobs": bad})
+        assert refused.value.body["param"] == "prompt_logprobs"
+    with pytest.raises(openai.BadRequestError) as refused:
+        scoring_client.completions.create(model=MODEL, prompt=ids, max_tokens=0)
+    assert refused.value.body["param"] == "max_tokens"
 
 
 def test_token_ids_truncation_and_ids_as_logprob_tokens(client, llama_tokenizer):

@@ -21,7 +21,14 @@ from starscream_jax.serving.sampling import (
     reset_slot,
     write_masks,
 )
-from starscream_jax.serving.steps import PackedInputs, RowSampling, Sampled, StepInputs, sample_rows
+from starscream_jax.serving.steps import (
+    PackedInputs,
+    PromptScores,
+    RowSampling,
+    Sampled,
+    StepInputs,
+    sample_rows,
+)
 from starscream_jax.sharding.apply import use_layout
 
 B, V = 8, 32
@@ -258,4 +265,26 @@ def test_a_steps_inputs_and_outputs_cross_as_one_array_each_and_come_back_whole(
                       jnp.ones((4, MAX_TOP_LOGPROBS), jnp.int32), jnp.full((4, MAX_TOP_LOGPROBS), -0.5))
     host = Sampled.unpacked(np.asarray(jax.jit(Sampled.packed)(sampled)))
     for want, got in zip(jax.tree.leaves(sampled), jax.tree.leaves(host)):
+        np.testing.assert_array_equal(got, np.asarray(want))
+
+
+def test_a_scored_prefill_packs_its_following_tokens_and_returns_its_scores_after_the_sampled_columns():
+    """A scored step's inputs carry `following` [B, S] (a plain step's pack none of it: their columns are as
+    before), and its prompt scores [B, S] come back from the columns after `Sampled`'s."""
+    inputs = StepInputs.zeros(4, 3, 5, scored=True)
+    inputs.following[...] = np.arange(12).reshape(4, 3)
+    packed = PackedInputs.pack(inputs)
+    assert packed.scored and packed.columns.shape[1] == PackedInputs.abstract(4, 3, 5).columns.shape[1] + 3
+    assert PackedInputs.abstract(4, 3, 5, scored=True).columns.shape == packed.columns.shape
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda p: p.unpacked().following)(packed)), inputs.following)
+    rng = np.random.default_rng(1)
+    scores = PromptScores(logprob=jnp.asarray(-rng.random((4, 3)), jnp.float32),
+                          rank=jnp.arange(12, dtype=jnp.int32).reshape(4, 3),
+                          top_token=jnp.asarray(rng.integers(0, 99, (4, 3, MAX_TOP_LOGPROBS)), jnp.int32),
+                          top_logprob=jnp.asarray(-rng.random((4, 3, MAX_TOP_LOGPROBS)), jnp.float32))
+    sampled = Sampled(jnp.arange(4, dtype=jnp.int32), -jnp.ones(4), jnp.ones((4, MAX_TOP_LOGPROBS), jnp.int32),
+                      jnp.full((4, MAX_TOP_LOGPROBS), -0.5))
+    outputs = np.asarray(jnp.concatenate([sampled.packed(), scores.packed()], axis=1))
+    np.testing.assert_array_equal(Sampled.unpacked(outputs).token, np.arange(4))
+    for want, got in zip(jax.tree.leaves(scores), jax.tree.leaves(PromptScores.unpacked(outputs, 3))):
         np.testing.assert_array_equal(got, np.asarray(want))
