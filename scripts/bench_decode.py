@@ -40,38 +40,59 @@ VARIANTS = {"bf16": ("", ""), "w-int8": ("int8", ""), "w-fp8": ("fp8", ""), "kv-
 
 READ_ROW = 8192
 """Elements per row of the row-wise read pass (`measured_bandwidth`)."""
+GEMM_WEIGHT = (4096, 14336)
+"""Shape of each weight of the GEMM read pass: Llama 3 8B's gate projection, the largest of its decode's reads."""
+GEMM_ROWS = 8
+"""Token rows of the GEMM read pass: the rows XLA pads a decode GEMM to on the tensor cores."""
 WARM_SECONDS = 0.5
 """How long each bandwidth pass runs before it is timed: the first GPU work of the process finds the clocks at idle
 (an H200 reads 345 MHz before work, 1980 MHz under it), which a few milliseconds of timed calls would measure."""
 
 
 def measured_bandwidth(gigabytes: float, repeats: int = 10, warm_seconds: float = WARM_SECONDS) -> dict:
-    """Bytes per second of passes over a random bfloat16 array of `gigabytes`, median of `repeats` after
+    """Bytes per second of passes over `gigabytes` of random bfloat16 values, median of `repeats` after
     `warm_seconds` of untimed passes: "copy", an elementwise pass (bytes read + written); "read_sum", one sum of
-    the whole array, "read_rows", a sum of each row of READ_ROW elements (every row reduced by its own block), and
-    "read_gemv", one row times the array held as a [elements / READ_ROW, READ_ROW] weight (the library's GEMV, which
-    is how a decode step at batch 1 reads its weights); "read", the fastest of the three: the ceiling benchmarks
-    divide by (a single sum's last reduction stages leave most of the chip idle, so it reads well under what a
-    decode step reads)."""
+    the whole array, "read_rows", a sum of each row of READ_ROW elements (every row reduced by its own block),
+    "read_gemv", one row times the array held as a [elements / READ_ROW, READ_ROW] weight, and "read_gemm",
+    GEMM_ROWS rows times each of as many separate GEMM_WEIGHT weights as fill `gigabytes`, compiled with the
+    backend's decode options (`BackendPolicy.decode_compiler_options`): how a decode step reads its weights, one
+    GEMM per projection, each weight its own buffer. "read" is the fastest: the ceiling benchmarks divide by (a
+    single sum's last reduction stages leave most of the chip idle, and a GEMV of one huge weight splits its
+    reduction poorly: on an H200 both read near 2.2 TB/s where decode's GEMMs read 3.8)."""
     import jax
     import jax.numpy as jnp
+
+    from starscream_jax.hardware.backend import policy_of
 
     elements = int(gigabytes * 2**30) // 2 // READ_ROW * READ_ROW
     x = jax.random.normal(jax.random.key(0), (elements,), jnp.bfloat16)
     row = jnp.ones((1, elements // READ_ROW), jnp.bfloat16)
     rates = {}
-    for name, step, moved in (("copy", jax.jit(lambda x: x + 1), 2 * x.nbytes),
-                              ("read_sum", jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32)), x.nbytes),
-                              ("read_rows", jax.jit(lambda x: jnp.sum(x.reshape(-1, READ_ROW), axis=1,
-                                                                      dtype=jnp.float32)), x.nbytes),
-                              ("read_gemv", jax.jit(lambda x: row @ x.reshape(-1, READ_ROW)), x.nbytes)):
-        warm_until = time.perf_counter() + warm_seconds
-        while time.perf_counter() < warm_until:
-            harness.block(step(x))
-        times = [harness.seconds_per_call(step, (x,), warmup=1, calls=1) for _ in range(repeats)]
-        rates[name] = moved / sorted(times)[len(times) // 2]
-    rates["read"] = max(rates["read_sum"], rates["read_rows"], rates["read_gemv"])
+    passes = [("copy", jax.jit(lambda x: x + 1), 2 * x.nbytes),
+              ("read_sum", jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32)), x.nbytes),
+              ("read_rows", jax.jit(lambda x: jnp.sum(x.reshape(-1, READ_ROW), axis=1, dtype=jnp.float32)), x.nbytes),
+              ("read_gemv", jax.jit(lambda x: row @ x.reshape(-1, READ_ROW)), x.nbytes)]
+    for name, step, moved in passes:
+        rates[name] = _median_rate(step, (x,), moved, repeats, warm_seconds)
+    del x
+    K, N = GEMM_WEIGHT[0], max(1, min(GEMM_WEIGHT[1], elements // GEMM_WEIGHT[0]))  # a small run: one narrower
+    weights = [jax.random.normal(jax.random.key(n), (K, N), jnp.bfloat16) for n in range(max(1, elements // (K * N)))]
+    rows = jnp.ones((GEMM_ROWS, K), jnp.bfloat16)
+    options = dict(policy_of(jax.devices()[0]).decode_compiler_options) or None
+    gemms = jax.jit(lambda rows, weights: [rows @ w for w in weights], compiler_options=options)
+    rates["read_gemm"] = _median_rate(gemms, (rows, weights), sum(w.nbytes for w in weights), repeats,
+                                      warm_seconds)
+    rates["read"] = max(rates["read_sum"], rates["read_rows"], rates["read_gemv"], rates["read_gemm"])
     return rates
+
+
+def _median_rate(step, args: tuple, moved: int, repeats: int, warm_seconds: float) -> float:
+    """`moved` bytes over the median seconds of one call of `step(*args)`, after `warm_seconds` of untimed calls."""
+    warm_until = time.perf_counter() + warm_seconds
+    while time.perf_counter() < warm_until:
+        harness.block(step(*args))
+    times = [harness.seconds_per_call(step, args, warmup=1, calls=1) for _ in range(repeats)]
+    return moved / sorted(times)[len(times) // 2]
 
 
 def check_decode_attention(batch: int = 4, length: int = 4096, heads: int = 32, kv_heads: int = 8,
@@ -249,7 +270,7 @@ def main(argv=None) -> int:
             "devices": devices, "peak_bandwidth_bytes_per_s": args.peak_bandwidth,
             "copy_bandwidth_bytes_per_s": copy, "read_bandwidth_bytes_per_s": measured["read"],
             "read_sum_bytes_per_s": measured["read_sum"], "read_rows_bytes_per_s": measured["read_rows"],
-            "read_gemv_bytes_per_s": measured["read_gemv"],
+            "read_gemv_bytes_per_s": measured["read_gemv"], "read_gemm_bytes_per_s": measured["read_gemm"],
             "decode_attention_relative_error": check_decode_attention(*QUICK_ATTENTION_CHECK if args.quick else ()),
             "warmup": args.warmup, "steps": args.steps, **info.as_dict()}
     print(f"{config.name} decode under {args.layout} on {devices} x {info.device_kind}, jax {info.jax}; "

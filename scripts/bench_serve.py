@@ -219,8 +219,9 @@ def transformers_peer(config, prompts, outputs) -> dict:
 
 
 def measured_read_rate() -> float:
-    """Bytes per second of the fastest read of a 4 GiB bfloat16 array (scripts/bench_decode.py's
-    `measured_bandwidth`: a sum, row sums, or a GEMV as decode reads its weights)."""
+    """Bytes per second of the fastest read of 4 GiB of bfloat16 values (scripts/bench_decode.py's
+    `measured_bandwidth`: a sum, row sums, a GEMV, or GEMMs of a few rows over separate weights as decode reads
+    them)."""
     spec = importlib.util.spec_from_file_location("bench_decode", Path(__file__).with_name("bench_decode.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

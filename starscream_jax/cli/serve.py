@@ -271,7 +271,8 @@ def run(args: argparse.Namespace) -> int:
 
 def build_engine(args: argparse.Namespace) -> ReadyEngine:
     """In the engine process: join the processes of the mesh, load the model, size the cache, compile every
-    program (printing what was chosen), and give the engine with its tokenizer."""
+    program (printing what was chosen and where the start's seconds went), and give the engine with its tokenizer."""
+    phases = _Phases()
     import jax
 
     from ..inference.loading import load_for_inference
@@ -287,7 +288,9 @@ def build_engine(args: argparse.Namespace) -> ReadyEngine:
     initialize_from_args(args)
     topology, mesh = mesh_from_args(args)
     chip = topology.preset.chip
+    phases.end("imports and mesh")
     model, source, tokenizer = load_for_inference(load_request(args, chip), mesh, chip)
+    phases.end("model")
     channel = StepBroadcast() if jax.process_count() > 1 else None  # a mesh spanning processes: 0 schedules
     shards = cache_shards(args.decode_layout, mesh)
     engine = Engine(model, engine_config(args, shards), mesh, args.prefill_layout, args.decode_layout, channel)
@@ -297,14 +300,32 @@ def build_engine(args: argparse.Namespace) -> ReadyEngine:
     except StarscreamError as err:
         if leader:
             print(f"starscream serve: no structured output: {err}", flush=True)
+    phases.end("engine")
     name = args.served_model_name or model.config.name
     if leader:
         print(start_line(engine, name, source, mesh, args), flush=True)
     seconds = warm_up(engine, show=leader)
+    phases.end("programs")
     if leader:
         print(f"starscream serve: {engine.buckets.programs()} programs compiled in {seconds:.1f} s "
-              f"(compilation cache: {args.compilation_cache or 'off'})", flush=True)
+              f"(compilation cache: {args.compilation_cache or 'off'}); the engine's start: {phases}", flush=True)
     return ReadyEngine(engine, tokenizer, msgspec.structs.replace(engine.info(), model_name=name), follows=not leader)
+
+
+class _Phases:
+    """Seconds of each phase of the engine's start, in order, so that a slow start says where it went."""
+
+    def __init__(self):
+        self._last = time.perf_counter()
+        self._seconds: list[tuple[str, float]] = []
+
+    def end(self, name: str) -> None:
+        now = time.perf_counter()
+        self._seconds.append((name, now - self._last))
+        self._last = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self._seconds)
 
 
 def start_line(engine, name: str, source, mesh, args) -> str:

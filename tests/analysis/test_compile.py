@@ -30,7 +30,7 @@ def mesh():
     return build_mesh("1x2x4")
 
 
-@pytest.mark.parametrize("layout", ["starscream_tp", "flat_fsdp"])
+@pytest.mark.parametrize("layout", ["starscream_tp", pytest.param("flat_fsdp", marks=pytest.mark.slow)])
 def test_inspect_compiles_the_training_step_that_train_ran(tmp_path, mesh, layout):
     config = TrainConfig(layout=layout, steps=2, batch_size=8, seq_len=32, learning_rate=1e-3, warmup_steps=1,
                          clip_norm=0.5, weight_decay=0.2, eval_every=2, eval_batches=1, checkpoint_every=2,
@@ -51,7 +51,8 @@ def test_a_different_optimizer_is_a_different_program(mesh):
         compile_step(other, "starscream_tp", mesh).compiled)
 
 
-@pytest.mark.parametrize("sampling, scan_unroll", [(Sampling(), 0), (Sampling(top_p=0.9, temperature=0.8, seed=3), 1)])
+@pytest.mark.parametrize("sampling, scan_unroll", [(Sampling(), 0), pytest.param(
+    Sampling(top_p=0.9, temperature=0.8, seed=3), 1, marks=pytest.mark.slow)])
 def test_inspect_compiles_the_prefill_and_decode_steps_that_generate_ran(mesh, sampling, scan_unroll):
     """scan_unroll 0 (the default): decode runs no layer loop and takes the KV cache as one array per layer, as
     generation holds it after prefill; scan_unroll 1: the rolled loop over the stacked cache."""

@@ -48,7 +48,21 @@ FEW_KV = "tiny-kv2"
 SLOW_MESHES = ("1x4x2",)
 """Meshes whose cases run only with `-m slow`: 4 GPUs of 2 partitions repeats 1x2x4's placements with a wider gpu
 axis, which the placement tests of tests/sharding check at 8 x 8."""
-CASES = [pytest.param(*case, marks=pytest.mark.slow) if case[1] in SLOW_MESHES else case for case in CASES]
+KEPT_BY_DEFAULT = {"1x1x1": ("starscream_tp",), "tiny-tied": ("starscream_tp", "starscream_decode"),
+                   "tiny-moe": ("starscream_tp", "starscream_decode", "starscream_ep", "flat_tp"),
+                   "2x2x2": ("gpu_tp", "starscream_tp", "starscream_fsdp", "starscream_decode")}
+"""The cases of a mesh or model that the default run keeps; the rest run with `-m slow`. One device places nothing,
+so every layout there computes the same program; the tied head and the routed block each change one part of the
+model, which the library's own layouts and one flat baseline exercise; 2 x 2 x 2 repeats 1 x 2 x 4's flat baselines
+with a data axis, which tests/sharding/test_data_parallel checks."""
+
+
+def _slow(model: str, mesh: str, layout: str) -> bool:
+    kept = KEPT_BY_DEFAULT.get(model if model != "tiny" else mesh)
+    return mesh in SLOW_MESHES or (kept is not None and layout not in kept)
+
+
+CASES = [pytest.param(*case, marks=pytest.mark.slow) if _slow(*case) else case for case in CASES]
 CASES += [pytest.param(FEW_KV, "1x4x2", "starscream_decode", marks=pytest.mark.slow)]
 """Decode with kv heads fewer than the GPUs: the k and v projections summed and scattered inside each GPU
 (`sharding.apply.einsum`) give the unsharded model's tokens."""

@@ -32,6 +32,7 @@ def test_llama3_8b_projection_shapes_and_copies_past_the_l2(bench):
     assert "kernel reduce=sum,depth=64" not in bench.candidates(64, "pallas", quick=False)
 
 
+@pytest.mark.slow  # about 30 s on two cores; the grouped layer's quick run below runs by default
 def test_quick_run_times_each_implementation_and_sums_a_layer(bench, tmp_path):
     out = tmp_path / "weight_only.json"
     assert bench.main(["--quick", "--out", str(out)]) == 0

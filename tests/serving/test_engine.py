@@ -33,7 +33,8 @@ def reference(prompts, unsharded_llama):
     return generate(unsharded_llama, prompts, NEW_TOKENS).tokens.tolist()
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow) if case.endswith("-flat") else case
+                                  for case in CASES])  # a flat layout's engine: -m slow (generate checks flat ones)
 def test_greedy_tokens_equal_generate(engine_for, prompts, reference, case):
     engine = engine_for(case)
     assert engine.generate([list(p) for p in prompts], SamplingParams(max_tokens=NEW_TOKENS)) == reference

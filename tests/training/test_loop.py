@@ -75,6 +75,7 @@ def test_resumed_run_repeats_the_uninterrupted_losses_step_for_step(runs, mesh_2
     assert [record["step"] for record in replayed if "loss" in record] == list(range(1, 7))
 
 
+@pytest.mark.slow  # remat's gradients: tests/training/test_steps.py; its matmuls: tests/model/test_decoder.py
 def test_rematerialized_run_follows_the_kept_activations_run(runs, tmp_path, mesh_2x4):
     """--remat recomputes each layer in the backward pass: the same losses, up to float32 rounding."""
     _, whole, _ = runs
@@ -85,6 +86,7 @@ def test_rematerialized_run_follows_the_kept_activations_run(runs, tmp_path, mes
     assert description["model_config"]["remat"] == "full"
 
 
+@pytest.mark.slow  # over 30 s on two cores; the trace's reading is tested on stored traces in tests/analysis
 def test_profiled_run_traces_three_steps_and_trains_the_same(runs, tmp_path, mesh_2x4):
     _, whole, _ = runs
     profiled = quiet_train(small_run(tmp_path, "profiled"), mesh_2x4, profile_dir=tmp_path / "trace")
