@@ -636,11 +636,9 @@ def _block(c: ModelConfig, x_BSD, w, positions_BS, cached=None):
     q_BSHE, k_BSKE = rope(q_BSHE, positions_BS, inv_freq), rope(k_BSKE, positions_BS, inv_freq)
     options = attention_options(c)
     if isinstance(cached, PagedLayer):
-        if options is not None:
-            raise StarscreamError(f"model {c.name}: paged attention does not implement {options.describe()}; "
-                                  "serve a model without them")
         with jax.named_scope("attention"):
-            attended_BSHE, cache = paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cached)
+            attended_BSHE, cache = paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cached, options,
+                                                   w.get("window"))
     else:
         cache = layer_cache = None
         if cached is not None:

@@ -32,7 +32,15 @@ from ..hardware.axes import dim_axes
 from ..sharding.apply import compute_device
 from .quantize import quantize_cache_entry
 from .names import ATTN_KV, ATTN_Q, POSITIONS
-from .ops import _attention_over_8_bit_cache, _fused_attention, _kv_heads_for_local_queries, run_sharded
+from .ops import (
+    AttentionOptions,
+    _attention_over_8_bit_cache,
+    _explicit_attention,
+    _fused_attention,
+    _kv_heads_for_local_queries,
+    run_sharded,
+    visible_keys,
+)
 
 PAGES = ("kv_heads", "attn_batch", "seq", "head_dim")
 """One layer's pool of key (or value) pages [K, pages, page_size, E]."""
@@ -103,29 +111,33 @@ def with_layers(cache: PagedCache, layers: list[PagedLayer]) -> PagedCache:
     return replace(cache, k=tuple(layer.k for layer in layers), v=tuple(layer.v for layer in layers), **scales)
 
 
-def paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: PagedLayer):
+def paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: PagedLayer, options: AttentionOptions | None = None,
+                    window=None):
     """Writes the S new keys and values of each row into its pages at their positions (quantized first in an 8-bit
     cache), then attends each query to its row's cached positions up to its own. q [B, S, H, E] (ATTN_Q), k / v
-    [B, S, K, E] (ATTN_KV), positions [B, S] (-1: padding). Returns (out [B, S, H, E], the layer with its updated
-    pages and scales)."""
+    [B, S, K, E] (ATTN_KV), positions [B, S] (-1: padding). With attention `options` (Gemma 2's scale and
+    soft-capping; with a sliding window, `window` [] int32 is this layer's) every phase attends in XLA's explicit
+    form over the gathered pages (`_gathered_attention`), which neither cuDNN's fused kernel nor the Pallas kernel
+    computes. Returns (out [B, S, H, E], the layer with its updated pages and scales)."""
     if cache.kernel not in KERNELS:
         raise StarscreamError(f"unknown paged-attention kernel {cache.kernel!r}; choose one of {', '.join(KERNELS)}")
     group = q_BSHE.shape[2] // k_BSKE.shape[2]
     eight_bit = cache.k_scale is not None
+    windows = [] if window is None else [jnp.asarray(window, jnp.int32)]
 
-    def local(q, k, v, positions, table, *pools, specs):
-        pools = _written(pools, k, v, positions, table)
+    def local(q, k, v, positions, table, *rest, specs):
+        window, pools = (rest[0] if windows else None), _written(rest[len(windows):], k, v, positions, table)
         q_axes, kv_axes = dim_axes(specs[0], 2), dim_axes(specs[1], 2)
-        if cache.kernel == "pallas" and q.shape[1] == 1:
+        if cache.kernel == "pallas" and q.shape[1] == 1 and options is None:
             out = _pallas_decode(q, pools, positions, table, q_axes, kv_axes, group)
         else:
-            out = _gathered_attention(q, pools, positions, table, q_axes, kv_axes, group)
+            out = _gathered_attention(q, pools, positions, table, q_axes, kv_axes, group, options, window)
         return out, *pools
 
     pools = [cache.k, cache.v] + ([cache.k_scale, cache.v_scale] if eight_bit else [])
     pool_names = [PAGES, PAGES] + ([SCALES, SCALES] if eight_bit else [])
-    args = [q_BSHE, k_BSKE, v_BSKE, positions_BS, cache.table, *pools]
-    names = [ATTN_Q, ATTN_KV, ATTN_KV, POSITIONS, TABLE, *pool_names]
+    args = [q_BSHE, k_BSKE, v_BSKE, positions_BS, cache.table, *windows, *pools]
+    names = [ATTN_Q, ATTN_KV, ATTN_KV, POSITIONS, TABLE, *[None] * len(windows), *pool_names]
     out, *pools = run_sharded(local, args, names, [(ATTN_Q, q_BSHE.shape)] + [
         (name, pool.shape) for name, pool in zip(pool_names, pools)], "paged attention",
         check_vma=cache.kernel != "pallas" and not eight_bit)  # an 8-bit cache's decode may run a Pallas kernel
@@ -159,14 +171,20 @@ def _write(pages_KPAE, new_BSKE, positions_BS, table_BM):
     return pages_KPAE.at[:, page_BS, slot_BS].set(jnp.moveaxis(new_BSKE, 2, 0).astype(pages_KPAE.dtype))
 
 
-def _gathered_attention(q_BSHE, pools, positions_BS, table_BM, q_axes, kv_axes, group):
+def _gathered_attention(q_BSHE, pools, positions_BS, table_BM, q_axes, kv_axes, group,
+                        options: AttentionOptions | None = None, window=None):
     """Each row's pages gathered into [B, M * page_size, K, E]; a query sees the positions up to its own. Decode
     (S = 1) passes the visible length to `_fused_attention` (cuDNN on NVIDIA GPUs), prefill chunks a mask. An
     8-bit cache's pages are gathered in their format with their scales [B, M * page_size, K] and attended as the
     dense 8-bit cache is (`ops._attention_over_8_bit_cache`: the scales on the scores and the probabilities), so
-    the gathered copy is of 8-bit values, not of dequantized floats."""
+    the gathered copy is of 8-bit values, not of dequantized floats. With `options`, `ops._explicit_attention`
+    over the positions each query sees (less than `window` behind it, where given)."""
     seen_BS = jnp.maximum(positions_BS, 0)  # padding sees position 0 only, so no row is all masked
     gathered = [_gathered_rows(pool, table_BM, q_BSHE.shape[2], group, q_axes, kv_axes) for pool in pools]
+    if options is not None:
+        key_positions_BT = jnp.broadcast_to(jnp.arange(gathered[0].shape[1]), gathered[0].shape[:2])
+        return _explicit_attention(q_BSHE, gathered[0], gathered[1], visible_keys(seen_BS, key_positions_BT, window),
+                                   options, *gathered[2:])
     if len(pools) == 4:
         return _attention_over_8_bit_cache(q_BSHE, *gathered, seen_BS)
     keys_BTKE, values_BTKE = (rows.astype(q_BSHE.dtype) for rows in gathered)

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from starscream_jax.model.ops import AttentionOptions, _explicit_attention, visible_keys
 from starscream_jax.model.paged import PagedLayer, paged_attention
 from starscream_jax.model.quantize import quantize_cache_entry
 
@@ -39,6 +40,29 @@ def test_decode_writes_its_position_and_attends_to_the_row_prefix(kernel):
         values = _dense(q, layer.v, table, row, position + 1)
         expected = jax.nn.dot_product_attention(q[row:row + 1], keys, values)
         np.testing.assert_allclose(out[row:row + 1], expected, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("kernel", ["gather", "pallas"])
+def test_gemma_2s_scaled_capped_windowed_attention_reads_the_pages_as_the_dense_form(kernel):
+    """Attention options (a score scale, soft-capping, a window of 3 positions) in decode and in a prefill chunk:
+    each row's output is the explicit form's over its dense prefix, whichever kernel the cache names (the Pallas
+    kernel computes none of them, so the gathered pages are attended)."""
+    options = AttentionOptions(scale=0.3, softcap=2.0, sliding=True)
+    q, k, v, table, pages_k, pages_v = _inputs(3)
+    for positions in (jnp.array([[9], [5]], jnp.int32), jnp.array([[4, 5, 6], [0, 1, 2]], jnp.int32)):
+        width = positions.shape[1]
+        q_, k_, v_ = (jnp.concatenate([x * (1.0 + i) for i in range(width)], axis=1) for x in (q, k, v))
+        attend = jax.jit(lambda *a: paged_attention(*a, options=options, window=jnp.int32(3)))
+        out, layer = attend(q_, k_, v_, positions, PagedLayer(pages_k, pages_v, table, kernel))
+        for row in range(2):
+            last = int(positions[row, -1]) + 1
+            keys, values = _dense(q, layer.k, table, row, last), _dense(q, layer.v, table, row, last)
+            visible = visible_keys(positions[row:row + 1], jnp.arange(last)[None], 3)
+            expected = _explicit_attention(q_[row:row + 1], keys, values, visible, options)
+            np.testing.assert_allclose(out[row:row + 1], expected, rtol=2e-5, atol=2e-5)
+        whole = jax.jit(lambda *a: paged_attention(*a, options=options))(
+            q_, k_, v_, positions, PagedLayer(pages_k, pages_v, table, kernel))[0]
+        assert np.abs(np.asarray(out) - np.asarray(whole)).max() > 1e-3  # the window bites
 
 
 def test_padding_writes_only_the_null_page_and_prefill_is_causal():

@@ -11,10 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from safetensors.numpy import load_file
+
 from starscream_jax.errors import StarscreamError
+from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.inference.generate import generate
-from starscream_jax.serving.engine import EngineConfig
+from starscream_jax.model.hf_checkpoint import load_hf_model
+from starscream_jax.serving.engine import Engine, EngineConfig
 from starscream_jax.serving.scheduler import SamplingParams
+from starscream_jax.serving.steps import Buckets, cache_shards
 
 ROWS, NEW_TOKENS = 8, 6
 WORKER = Path(__file__).with_name("multihost_serve_worker.py")
@@ -42,6 +47,24 @@ def test_greedy_tokens_equal_generate(engine_for, prompts, reference, case):
     assert stats.programs == 2 and stats.pages_used == 0 and stats.running == stats.waiting == 0
     if case == "1x1x1":
         assert stats.preemptions > 0  # 8 x 3 pages asked of 12: the newest were recomputed
+
+
+@pytest.mark.parametrize("family", ["gemma2", "mixtral"])
+def test_gemma_2_and_routed_experts_serve_the_reference_tokens(family):
+    """Gemma 2 (scaled and soft-capped scores, a window of 6 on alternate layers: paged attention in XLA's explicit
+    form, the window passed 20 tokens before the end) and Mixtral (routed experts, each expert's weights read once
+    per GPU under starscream_decode) served on 2 GPUs x 4 partitions: 4 rows of the fixture's prompt give the greedy
+    tokens Hugging Face transformers generated (tests/fixtures/hf/<family>/reference.safetensors)."""
+    fixture = Path(__file__).parents[1] / "fixtures" / "hf" / family
+    expected, mesh = load_file(fixture / "reference.safetensors"), build_mesh("1x2x4")
+    shards = cache_shards("starscream_decode", mesh)
+    config = EngineConfig(page_size=4, pages_per_shard=40, rows_per_shard=ROWS // shards, token_budget=64, chunk=8,
+                          buckets=Buckets((ROWS // shards,), (8,), (16,)))
+    engine = Engine(load_hf_model(fixture, "starscream_tp", mesh), config, mesh, "starscream_tp", "starscream_decode")
+    generated = expected["generated_ids"].tolist()
+    prompts = [expected["prompt_ids"].tolist()] * 4
+    assert engine.generate(prompts, SamplingParams(max_tokens=len(generated))) == [generated] * 4
+    assert len(expected["prompt_ids"]) + len(generated) > 6 + 8  # past the window, over two prompt chunks
 
 
 def test_steps_launched_ahead_give_the_tokens_of_steps_run_one_at_a_time(engine_for, prompts, reference):
