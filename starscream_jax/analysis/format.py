@@ -35,13 +35,17 @@ Row = tuple[str, str]
 
 
 def verdict_cell(verdict: Verdict) -> str:
-    """"ok" or "FAIL (violations)", followed by how many ops went unjudged when some did; "not judged (n op(s))"
-    when none was judged (unjudged ops never read as passing)."""
-    unpaired = getattr(verdict, "unpaired", ())
+    """"ok" (every op judged, none failed), "FAIL (violations)" (followed by how many ops went unjudged when some
+    did: a failure stands whatever was left out), or "not judged (N ops)" / "not judged (K of N ops)" when nothing,
+    or only part of the program, was judged: unjudged ops never read as passing."""
+    unjudged = len(getattr(verdict, "unjudged", ()))
     if verdict.ok is None:
-        return f"not judged ({len(unpaired)} op{'s' * (len(unpaired) != 1)})" if unpaired else "not judged"
-    unjudged = f", {len(unpaired)} unjudged" if unpaired else ""
-    return ("ok" if verdict.ok else f"FAIL ({len(verdict.violations)})") + unjudged
+        judged = getattr(verdict, "judged_ops", 0)
+        ops = f"{unjudged} of {unjudged + judged} ops" if judged else f"{unjudged} op{'s' * (unjudged != 1)}"
+        return f"not judged ({ops})" if unjudged else "not judged"
+    if verdict.ok:
+        return "ok"
+    return f"FAIL ({len(verdict.violations)})" + (f", {unjudged} unjudged" if unjudged else "")
 
 
 def attention_cell(summary: AttentionRatio) -> str:
@@ -78,8 +82,8 @@ def format_columns(columns: dict[str, list[Row]], names: bool = True) -> list[st
 
 
 def violation_lines(name: str, principles: Principles, width: int) -> list[str]:
-    """The first violations of each failed principle of `name`'s program, why principle 1 was not judged where it
-    was not, then the ops principle 1 left unjudged."""
+    """Why principle 1 was not judged, or judged only in part, where so; the first violations of each failed
+    principle of `name`'s program; then the ops principle 1 left unjudged, each with its reason."""
     lines = []
     shapes = principles.shape_preservation
     if not shapes.judged:
@@ -89,8 +93,7 @@ def violation_lines(name: str, principles: Principles, width: int) -> list[str]:
         if verdict.violations:
             lines.append(f"{name} {principle}: {len(verdict.violations)} violation(s), e.g.")
             lines += [clip(f"  {line}", width) for line in verdict.violations[:SHOWN_VIOLATIONS]]
-    unpaired = shapes.unpaired
-    if unpaired:
-        lines.append(clip(f"{name} shape_preservation: {len(unpaired)} op(s) unjudged (no gpu_tp counterpart, or work "
-                          "the program text does not show): " + ", ".join(unpaired), width))
+    if shapes.unjudged:
+        lines.append(clip(f"{name} shape_preservation: {len(shapes.unjudged)} op(s) unjudged: " + ", ".join(
+            f"{op.name} ({op.reason})" for op in shapes.unjudged), width))
     return lines

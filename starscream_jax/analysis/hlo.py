@@ -427,17 +427,52 @@ class _DataFlow:
         self.neighbours[b].append(a)
 
     def nearest_op_name(self, name: str, max_steps: int = 4) -> str:
-        """The op name of the most deeply scoped named instruction among the nearest named ones to `name` (through
-        unnamed ones, up to `max_steps` steps away); empty when there is none."""
-        seen, frontier = {name}, [name]
+        """The op name of the best named instruction among the nearest named ones to `name` (through unnamed ones,
+        up to `max_steps` steps away) that lie in a scope of the model's code; empty when there is none.
+
+        Best: the most scopes of code (`_code_depth`), then a `dot_general`'s (XLA keeps a rewritten dot's own name
+        on the reshapes it puts around it). A name in no scope of code (the sampling's `jit(_where)/select_n` after
+        the logits, a norm's einsum at the top level) says nothing of the dot: the search goes one step further, and
+        takes the nearest such name only where it finds no other. An op name XLA merged from several (joined by
+        ";") offers each of them. So a matrix-vector product beside a norm's scale
+        (an einsum of its own) and its weight's gather in the projection's scope takes the projection's name, and
+        the logits' product beside the sampling's masking takes the logits'."""
+        seen, frontier, fallback = {name}, [name], ""
         for _ in range(max_steps):
             frontier = [other for current in frontier for other in self.neighbours[current] if other not in seen]
             seen.update(frontier)
-            named = [self.op_names[other] for other in frontier if self.op_names.get(other)]
-            if named:
-                return max(named, key=lambda op_name: op_name.count("/"))
+            named = [part for other in frontier for part in self.op_names.get(other, "").split(";") if part]
+            in_code = [op_name for op_name in named if _code_depth(op_name)]
+            if in_code:
+                return max(in_code, key=lambda op_name: (_code_depth(op_name), op_name.endswith("/dot_general")))
+            fallback = fallback or next(iter(named), "")
             frontier = list(dict.fromkeys(frontier))
-        return ""
+        return fallback
+
+
+def is_einsum_scope(scope: str) -> bool:
+    """Whether a scope is the one `jnp.einsum` names by its subscripts ("bsd,dke->bske", or wrapped, as
+    "jvp(bsd,dke->bske)"): the name of one product, not a scope of the model's code. A dot XLA left unnamed takes
+    its name from its neighbours by their scopes of code (`_DataFlow.nearest_op_name`), and may then lack the
+    subscripts its counterpart in another program carries (`principles` pairs such ops by their scopes of code)."""
+    return "->" in scope
+
+
+_SUBSCRIPTS = re.compile(r"[\w.]*(?:,[\w.]*)*->[\w.]*")
+
+
+def without_subscripts(scope: str) -> str:
+    """A scope without the einsum subscripts in it, its transformations kept: "jvp(vmap(BTNH,BSNH->BNTS))" ->
+    "jvp(vmap())", "bsd,dke->bske" -> ""."""
+    return _SUBSCRIPTS.sub("", scope)
+
+
+def _code_depth(op_name: str) -> int:
+    """How many scopes of the model's code an op name holds: its scopes inside the outermost jit(...) and before the
+    primitive, without einsum subscripts (`is_einsum_scope`) and the jit(...) wrappers of library functions
+    (`jit(_where)`, `jit(silu)`)."""
+    scopes = op_name.split("/")[1:-1] if op_name.startswith("jit(") else op_name.split("/")[:-1]
+    return sum(not is_einsum_scope(scope) and not scope.startswith("jit(") for scope in scopes)
 
 
 def _is_collective(inst: _Instruction, kind: str) -> bool:

@@ -78,12 +78,12 @@ def inspect_layouts(settings: Settings, topology, mesh, refused: dict[str, str] 
     2 and 3 only; `reference=False` skips compiling it (the planner's choice: half the compiles). Either way
     principle 1 is then not judged, and its verdict says why (`KernelVerdict.not_judged`). `cache` returns results
     compiled before for the same settings and mesh without compiling again, and keeps the new ones; with
-    `reference`, a cached result whose principle 1 was not judged (one the planner kept) is compiled and judged
-    again, so a principle skipped once is never shown as passing."""
+    `reference`, a cached result never compared with gpu_tp (one the planner kept) is compiled and judged again,
+    so a principle skipped once is never shown as passing."""
     results = {}
     for name in settings.layouts:
         cached = cache.get(settings, topology, mesh, name) if cache is not None else None
-        if cached is not None and (cached.principles.shape_preservation.judged or not reference):
+        if cached is not None and (cached.principles.shape_preservation.compared or not reference):
             results[name] = cached
     missing = [name for name in settings.layouts if name not in results]
     if not missing:
@@ -452,8 +452,8 @@ def principles(settings: Settings, step: CompiledStep, report, reference, partit
     verdicts = check_principles(report, reference, replicated_ok=allowed, layer_stack=layer_stack_names(step),
                                 no_reference=no_reference)
     if settings.phase == "decode" and reference is not None:
-        verdicts = dataclasses.replace(verdicts, shape_preservation=reads_once_per_gpu(report.matmuls,
-                                                                                       reference.matmuls, partitions))
+        verdicts = dataclasses.replace(verdicts, shape_preservation=reads_once_per_gpu(
+            report.matmuls, reference.matmuls, partitions, report.kernels, reference.kernels))
     return verdicts
 
 

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from fnmatch import fnmatchcase
@@ -17,8 +18,8 @@ from jax.sharding import Mesh
 
 from ..hardware.axes import XCD
 from ..sharding.apply import logical_names
-from .hlo import Matmul
-from .report import AttentionReport, Report, inspect_compiled, is_attention_key, matmul_key
+from .hlo import Matmul, without_subscripts
+from .report import AttentionReport, KernelReport, Report, inspect_compiled, is_attention_key, matmul_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,23 +32,49 @@ class AttentionRatio:
     ok: bool | None = None
 
 
+NO_COUNTERPART = "no counterpart in the reference"
+"""Why an op was not judged: the reference program has no op of its named scope (`matmul_key`) and direction."""
+ATTENTION_WORK_NOT_SHOWN = "a fused attention kernel whose work the program text does not give"
+KERNEL_WEIGHT_UNKNOWN = "a custom kernel whose weight-side operands are unknown: name them in principles.KERNEL_WEIGHTS"
+
+
+@dataclasses.dataclass(frozen=True)
+class UnjudgedOp:
+    """An op principle 1 did not judge: its name (an instruction; in decode the op's named scope) and why."""
+
+    name: str
+    reason: str
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelVerdict:
-    """Principle 1: `violations` (one line per op whose kernels shrank, or read more than once per GPU),
-    `unpaired` (ops and kernels not judged: no counterpart in the reference, or work the text does not show) and
-    attention's ratio to the reference. `ok` is None when nothing was judged (no reference, or no op the reference
-    has too): unjudged ops never count as passing; `not_judged` then says why and how to judge them."""
+    """Principle 1: `violations` (one line per op whose kernels shrank, or read more than once per GPU), the ops
+    left `unjudged` with their reasons (no counterpart in the reference, or work the text does not show), how many
+    ops were judged (`judged_ops`) and attention's ratio to the reference.
+
+    `ok` is True only when every op was judged and none shrank; False when one shrank, whatever was left unjudged (a
+    FAIL stands); None otherwise: nothing judged (no reference, or no op the reference has too) or partly judged
+    (the judged ops pass, others were left out). Unjudged ops never count as passing; `not_judged` then says which,
+    why and how to judge them."""
 
     ok: bool | None
     violations: tuple[str, ...]
-    unpaired: tuple[str, ...] = ()
+    unjudged: tuple[UnjudgedOp, ...] = ()
     attention: AttentionRatio = AttentionRatio()
     not_judged: str = ""
+    judged_ops: int = 0
 
     @property
     def judged(self) -> bool:
-        """Whether any op was compared with the reference (a program without matmuls is judged: nothing shrank)."""
+        """Whether the verdict holds for the whole program: every op judged (a program without matmuls is: nothing
+        shrank), or one failed."""
         return self.ok is not None
+
+    @property
+    def compared(self) -> bool:
+        """Whether the program was compared with a reference at all: judged, or partly judged (a cached result
+        without it is judged again, one with it would only give the same verdict)."""
+        return self.judged or self.judged_ops > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +150,7 @@ def check_compiled(compiled: Any, mesh: Mesh, *, reference: Any = None, args: An
 
     `compiled` is `jax.jit(f).lower(*args).compile()`, from real or abstract (ShapeDtypeStruct) arguments.
     `reference`, the same function compiled under plain tensor parallelism over `gpu` (replicated over `xcd`), is
-    what principle 1 compares kernel shapes with; without it no matmul is judged (all are listed as unpaired, and
+    what principle 1 compares kernel shapes with; without it no op is judged (all are listed as unjudged, and
     the verdict's `ok` is None: not judged).
     `args` names the inputs ("0/layers/wq"); `lowered_text` (`lowered.as_text(debug_info=True)`) with `token_dims`
     (the model's (batch, seq)) adds the activations to principle 2. Other options as `check_principles` and
@@ -159,14 +186,18 @@ def check_principles(
     """Judge a layout's report against the three principles; `reference` is the gpu_tp program's report.
 
     Returns the three verdicts, each with `ok` and `violations` (one line per offending op, input or collective);
-    shape_preservation also lists as `unpaired` the layout's
-    matmuls and fused attention kernels that have no counterpart in the reference (all of them when `reference` is
-    None), and fused attention kernels whose work the program text does not give, none of which is judged. Where
-    nothing was judged (`reference` None: `no_reference` says why; or no op has a counterpart) its `ok` is None.
+    shape_preservation also lists as `unjudged` (with the reason) the layout's matmuls, fused attention kernels and
+    custom kernels that have no counterpart in the reference (all of them when `reference` is None), fused
+    attention kernels whose work the program text does not give and custom kernels whose weight side is not known
+    (`KERNEL_WEIGHTS`). Its `ok` is True only when nothing was left unjudged; False when an op shrank; else None:
+    nothing judged (`reference` None: `no_reference` says why; or no op has a counterpart) or partly judged, with
+    `not_judged` naming the ops left out (see `KernelVerdict`).
 
     1. shape_preservation: each op keeps per device at least the weight-side elements of the reference, summed over
        its matmuls per direction (`weight_side_elements`, from each report's `tokens_per_device`): a layout may
-       divide only the tokens. Ops that the reference lacks are listed as unpaired. Kernels whose work is split
+       divide only the tokens. Ops that the reference lacks are left unjudged. Custom kernels (Pallas: the grouped
+       matmul, the 8-bit weight-only matmul, paged and 8-bit attention) are judged by their weight-side operands
+       (`kernel_weight_elements`) against the reference's kernels of the same op and kind. Kernels whose work is split
        into several matmuls of the same op under the layout alone are not told apart from one whole kernel.
        Attention is one op per direction (its scores and values matmuls, or its fused kernel): per token it must keep
        the reference's heads x head_dim x keys, so heads per device equal gpu_tp's heads per GPU and head_dim and the
@@ -232,43 +263,182 @@ def weight_side_elements(matmuls: list[Matmul], tokens_per_device: int,
 
 def _shape_preservation(report: Report, reference: Report | None,
                         no_reference: str = NO_REFERENCE) -> KernelVerdict:
-    judged_attention = [call for call in report.attention if call.flops is not None]
-    unjudged = [call.name for call in report.attention if call.flops is None] + _custom_kernels(report)
+    """Principle 1 by kernel shapes (train, prefill): see `check_principles`."""
     if reference is None:
-        return KernelVerdict(None, (), (*(m.name for m in report.matmuls),
-                                        *(call.name for call in report.attention), *_custom_kernels(report)),
-                             not_judged=no_reference)
+        return _no_reference(report, no_reference)
+    judged_attention = [call for call in report.attention if call.flops is not None]
+    unjudged = [UnjudgedOp(call.name, ATTENTION_WORK_NOT_SHOWN) for call in report.attention if call.flops is None]
     elements = weight_side_elements(report.matmuls, report.tokens_per_device, judged_attention)
     reference_elements = weight_side_elements(reference.matmuls, reference.tokens_per_device, reference.attention)
+    key_of = _pairing(elements, reference_elements)
+    elements, reference_elements = _rekeyed(elements, key_of), _rekeyed(reference_elements, key_of)
     violations = []
-    ops = [(m.name, m.op_name) for m in (*report.matmuls, *judged_attention)]
+    ops = [(m.name, key_of(matmul_key(m.op_name))) for m in (*report.matmuls, *judged_attention)]
     for (key, backward), held in elements.items():
         reference_held = reference_elements.get((key, backward))
         if reference_held is not None and held < reference_held:
-            names = [name for name, op_name in ops if matmul_key(op_name) == (key, backward)]
+            names = [name for name, op in ops if op == (key, backward)]
             violations.append(
                 f"op {key or '(unnamed)'} ({'backward' if backward else 'forward'}, {', '.join(names)}) has "
                 f"{held:g} weight-side elements per device at {report.tokens_per_device} tokens, fewer than the "
                 f"reference's {reference_held:g} at {reference.tokens_per_device} tokens: its local kernels shrank"
             )
-    unpaired = [name for name, op_name in ops if matmul_key(op_name) not in reference_elements]
-    if not set(elements) & set(reference_elements) and unpaired + unjudged:
-        return _nothing_paired(unpaired + unjudged)
-    return KernelVerdict(not violations, tuple(violations), tuple(unpaired + unjudged),
-                         _attention_summary(elements, reference_elements))
+    paired = [name for name, op in ops if op in reference_elements]
+    unjudged += [UnjudgedOp(name, NO_COUNTERPART) for name, op in ops if op not in reference_elements]
+    kernels = _judge_kernels(report.kernels, reference.kernels)
+    return kernel_verdict(violations + kernels.violations, unjudged + kernels.unjudged,
+                          len(paired) + kernels.judged, _attention_summary(elements, reference_elements))
 
 
-def _nothing_paired(unjudged: list[str]) -> KernelVerdict:
-    """The verdict of a program none of whose ops the reference has: not judged, never ok."""
-    return KernelVerdict(None, (), tuple(unjudged), not_judged=(
-        f"none of the program's {len(unjudged)} op(s) has a counterpart in the reference program; principle 1 pairs "
-        "matmuls by the named scope of their op (`matmul_key`): compile both under the same names"))
+OpKey = tuple[str, bool]
+"""An op and direction, as `matmul_key` gives them."""
 
 
-def _custom_kernels(report: Report) -> list[str]:
-    """The program's custom kernels (a Pallas grouped matmul, say), named for the list of unjudged work: the text does
-    not show their work, so principle 1 cannot weigh them."""
-    return [f"{kernel.name} ({kernel.kernel or kernel.target}: a custom kernel)" for kernel in report.kernels]
+def _pairing(layout: Iterable[OpKey], reference: Iterable[OpKey]) -> Callable[[OpKey], OpKey]:
+    """The key each op is judged under: its own (`matmul_key`) where every op of its scopes of code pairs so; else,
+    for every op of those scopes in both programs, the key without einsum subscripts (`_code_scopes`).
+
+    XLA drops the name of a dot it rewrites (every matrix-vector product: one token per device in decode), and the
+    name the reader gives it from its neighbours holds the op's scopes ("qkv") but not the subscripts its
+    counterpart carries ("qkv/bsd,dke->bske"); its whole op is then compared at once, its products summed on both
+    sides, and one program's subscripts never pair with another's part of the op alone."""
+    reference = set(reference)
+    merged = {_code_scopes(key) for key in layout if key not in reference}
+    return lambda key: _code_scopes(key) if _code_scopes(key) in merged else key
+
+
+def _code_scopes(key: OpKey) -> OpKey:
+    """An op key without its einsum subscripts (`hlo.without_subscripts`)."""
+    scopes = (without_subscripts(scope) for scope in key[0].split("/"))
+    return "/".join(scope for scope in scopes if scope), key[1]
+
+
+def _rekeyed(totals: dict[OpKey, float], key_of: Callable[[OpKey], OpKey]) -> dict[OpKey, float]:
+    """Per-op totals under the keys `key_of` gives (`_pairing`), summed where several fall on one."""
+    found: dict[OpKey, float] = defaultdict(int)
+    for key, total in totals.items():
+        found[key_of(key)] += total
+    return dict(found)
+
+
+def _no_reference(report: Report, why: str) -> KernelVerdict:
+    """The verdict of a program judged without a reference: every op listed, none judged, `why` the reason."""
+    names = [*(m.name for m in report.matmuls), *(call.name for call in report.attention),
+             *(_kernel_name(kernel) for kernel in report.kernels)]
+    return KernelVerdict(None, (), tuple(UnjudgedOp(name, "no reference program") for name in names), not_judged=why)
+
+
+def kernel_verdict(violations: list[str], unjudged: list[UnjudgedOp], judged_ops: int,
+                   attention: AttentionRatio = AttentionRatio()) -> KernelVerdict:
+    """FAIL where an op shrank, whatever was left unjudged; ok only where every op was judged; otherwise not judged
+    (`ok` None), `not_judged` naming the ops left out and why: passing the ops judged says nothing of the others."""
+    why = _why_unjudged(unjudged, judged_ops) if unjudged else ""
+    if violations:
+        return KernelVerdict(False, tuple(violations), tuple(unjudged), attention, why, judged_ops)
+    return KernelVerdict(None if unjudged else True, (), tuple(unjudged), attention, why, judged_ops)
+
+
+SHOWN_UNJUDGED = 4
+"""How many unjudged ops `KernelVerdict.not_judged` names (the verdict's `unjudged` lists them all)."""
+
+
+def _why_unjudged(unjudged: list[UnjudgedOp], judged_ops: int) -> str:
+    """`not_judged` in words: how many ops of how many were left out, the first ones with their reasons, and the fix
+    where the reference lacked counterparts."""
+    total = len(unjudged) + judged_ops
+    named = ", ".join(f"{op.name} ({op.reason})" for op in unjudged[:SHOWN_UNJUDGED])
+    more = f" and {len(unjudged) - SHOWN_UNJUDGED} more" if len(unjudged) > SHOWN_UNJUDGED else ""
+    fix = ("; principle 1 pairs ops by the named scope of their op (`matmul_key`): compile the reference under the "
+           "same names" if any(op.reason == NO_COUNTERPART for op in unjudged) else "")
+    return f"{len(unjudged)} of {total} op(s) left out: {named}{more}{fix}"
+
+
+def _kernel_name(kernel: KernelReport) -> str:
+    """A custom kernel as the unjudged list names it: its instruction and the kernel's name (or target)."""
+    return f"{kernel.name} ({kernel.kernel or kernel.target})"
+
+
+KERNEL_WEIGHTS: dict[str, Callable[[list[list[int]], list[list[int]]], list[list[int]]]] = {
+    "grouped_matmul": lambda operands, results: operands[-1:],
+    "grouped_matmul_t": lambda operands, results: operands[-1:],
+    "grouped_matmul_dw": lambda operands, results: results[:1],
+    "weight_only_matmul": lambda operands, results: operands[1:2],
+    "weight_only_group": lambda operands, results: operands[1: 1 + (len(operands) - 1) // 2],
+    "eight_bit_decode": lambda operands, results: operands[1:3],
+    "paged_attention*": lambda operands, results: [shape for shape in operands[1:] if len(shape) == 4],
+}
+"""The weight side of each custom kernel the library runs, by its name (fnmatch patterns): (operand shapes, result
+shapes) -> the shapes of the arrays the kernel multiplies the device's tokens with, the arrays a layout may not shrink:
+  grouped_matmul(_t)  (tile groups, live tiles, tokens x [R, K], expert weights [G, K, F]): the expert weights;
+  grouped_matmul_dw   (offsets, tokens x [R, K], output gradient [R, F]) -> [G, K, F]: the weight gradient it writes;
+  weight_only_matmul  (tokens x [M, K], 8-bit weight [K, N], scales): the 8-bit weight;
+  weight_only_group   (tokens x, 8-bit weights..., their scales...): the 8-bit weights;
+  eight_bit_decode    (queries, 8-bit K and V caches, scales, lengths): K and V, what decode attention reads;
+  paged_attention*    (queries, K pages, [K scales,] V pages, [V scales,] page table, lengths): the page pools (the
+                      only operands of four dimensions after the queries), K and V.
+A kernel not named here is left unjudged: the text gives its operands but not which of them is the weight."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelJudgement:
+    """Principle 1 over a program's custom kernels: violations, kernels left unjudged, and how many were judged."""
+
+    violations: list[str]
+    unjudged: list[UnjudgedOp]
+    judged: int
+
+
+def kernel_weight_elements(kernel: KernelReport) -> int | None:
+    """Weight-side elements per device of one custom kernel over its runs (`KERNEL_WEIGHTS`); None for a kernel whose
+    weight side is not known, or where its rule finds no such operand (a call whose operands are not in the order
+    the rule expects is never judged as holding nothing). A kernel multiplies the device's tokens with these, so
+    they are its work per token on the weight side, the figure matmuls are compared by (`weight_side_elements`)."""
+    select = next((rule for pattern, rule in KERNEL_WEIGHTS.items() if fnmatchcase(kernel.kernel, pattern)), None)
+    shapes = [] if select is None else select(kernel.operand_shapes, kernel.result_shapes)
+    return sum(math.prod(shape) for shape in shapes) * kernel.count if shapes else None
+
+
+def _kernel_key(kernel: KernelReport) -> tuple[tuple[str, bool], str]:
+    """What pairs a custom kernel with the reference's: its op (`matmul_key`) and the `KERNEL_WEIGHTS` pattern its name
+    matches (block sizes in a name differ between layouts)."""
+    pattern = next((pattern for pattern in KERNEL_WEIGHTS if fnmatchcase(kernel.kernel, pattern)), kernel.kernel)
+    return matmul_key(kernel.op_name), pattern
+
+
+def _judge_kernels(kernels: list[KernelReport], reference_kernels: list[KernelReport],
+                   partitions: int | None = None) -> KernelJudgement:
+    """Each custom kernel against the reference's kernels of the same op and kind (`_kernel_key`), their weight-side
+    elements per device (`kernel_weight_elements`) summed per pair. By kernel shapes (`partitions` None: train,
+    prefill) the layout's must reach the reference's; by bytes read (decode) `partitions` times the layout's, what
+    one GPU reads, must not exceed the reference's. A kernel whose weight side is unknown, or which the reference
+    lacks, is left unjudged with the reason."""
+    def totals(group: list[KernelReport]) -> dict[tuple[tuple[str, bool], str], int]:
+        found: dict[tuple[tuple[str, bool], str], int] = defaultdict(int)
+        for kernel in group:
+            found[_kernel_key(kernel)] += kernel_weight_elements(kernel)
+        return found
+
+    known = [kernel for kernel in kernels if kernel_weight_elements(kernel) is not None]
+    layout = totals(known)
+    reference = totals([kernel for kernel in reference_kernels if kernel_weight_elements(kernel) is not None])
+    unjudged = [UnjudgedOp(_kernel_name(kernel), KERNEL_WEIGHT_UNKNOWN) for kernel in kernels if kernel not in known]
+    unjudged += [UnjudgedOp(_kernel_name(kernel), NO_COUNTERPART) for kernel in known
+                 if _kernel_key(kernel) not in reference]
+    violations = []
+    for pair, held in layout.items():
+        if pair not in reference:
+            continue
+        (key, backward), kind = pair
+        names = ", ".join(kernel.name for kernel in known if _kernel_key(kernel) == pair)
+        where = f"kernel {kind} of op {key or '(unnamed)'} ({'backward' if backward else 'forward'}, {names})"
+        if partitions is None and held < reference[pair]:
+            violations.append(f"{where} has {held} weight-side elements per device, fewer than the reference's "
+                              f"{reference[pair]}: its local kernel shrank")
+        elif partitions is not None and partitions * held > reference[pair]:
+            violations.append(f"{where}: the {partitions} partitions of a GPU read "
+                              f"{partitions * held / reference[pair]:.2f}x the weight-side elements gpu_tp reads "
+                              f"once per GPU ({partitions} x {held} vs {reference[pair]})")
+    return KernelJudgement(violations, unjudged, sum(_kernel_key(kernel) in reference for kernel in known))
 
 
 def _attention_summary(layout: dict[tuple[str, bool], float], reference: dict[tuple[str, bool], float],
@@ -284,8 +454,8 @@ def _attention_summary(layout: dict[tuple[str, bool], float], reference: dict[tu
     return AttentionRatio(ratio, ratio >= 1 - 1e-9 if at_least else ratio <= 1 + 1e-9)
 
 
-def reads_once_per_gpu(matmuls: list[Matmul], reference_matmuls: list[Matmul],
-                       partitions: int) -> KernelVerdict:
+def reads_once_per_gpu(matmuls: list[Matmul], reference_matmuls: list[Matmul], partitions: int,
+                       kernels: list[KernelReport] = (), reference_kernels: list[KernelReport] = ()) -> KernelVerdict:
     """Principle 1 for memory-bound decode: every weight (and K/V) byte is read once per GPU per step.
 
     A decode matmul multiplies a few new tokens (one per sequence; for attention, the query heads that share a kv
@@ -294,7 +464,10 @@ def reads_once_per_gpu(matmuls: list[Matmul], reference_matmuls: list[Matmul],
     matmuls are one op, those XLA left unnamed named by their neighbours, see `hlo`), `partitions` times a device's
     reads is what one GPU reads; it must not exceed what a gpu_tp device reads, which is the GPU's share read once.
     For attention this says every kernel keeps together the query heads that share a kv head: a layout that spreads
-    them over the partitions reads each kv head once per query head.
+    them over the partitions reads each kv head once per query head. Custom `kernels` (the weight-only 8-bit matmul,
+    paged or 8-bit attention) read their weight-side operands (`KERNEL_WEIGHTS`), judged the same way against the
+    `reference_kernels` of the same op and kind; ops and kernels the reference lacks, or whose weight side is not
+    known, are left unjudged, and the verdict is then not ok (see `KernelVerdict`).
     """
     def reads(group) -> dict[tuple[str, bool], int]:
         totals: dict[tuple[str, bool], int] = defaultdict(int)
@@ -303,6 +476,8 @@ def reads_once_per_gpu(matmuls: list[Matmul], reference_matmuls: list[Matmul],
         return totals
 
     layout_reads, reference_reads = reads(matmuls), reads(reference_matmuls)
+    key_of = _pairing(layout_reads, reference_reads)
+    layout_reads, reference_reads = _rekeyed(layout_reads, key_of), _rekeyed(reference_reads, key_of)
     violations = [
         f"{key[0] or '(unnamed)'}: the {partitions} partitions of a GPU read "
         f"{partitions * count / reference_reads[key]:.2f}x the weight-side elements gpu_tp reads once per GPU "
@@ -310,12 +485,12 @@ def reads_once_per_gpu(matmuls: list[Matmul], reference_matmuls: list[Matmul],
         for key, count in layout_reads.items()
         if key in reference_reads and partitions * count > reference_reads[key]
     ]
-    unpaired = [key[0] or "(unnamed)" for key in layout_reads if key not in reference_reads]
-    if unpaired and len(unpaired) == len(layout_reads):
-        return _nothing_paired(unpaired)
+    unjudged = [UnjudgedOp(key[0] or "(unnamed)", NO_COUNTERPART) for key in layout_reads if key not in reference_reads]
+    judged = sum(key in reference_reads for key in layout_reads)
+    custom = _judge_kernels(list(kernels), list(reference_kernels), partitions)
     per_gpu = {key: partitions * count for key, count in layout_reads.items()}
-    return KernelVerdict(not violations, tuple(violations), tuple(unpaired),
-                         _attention_summary(per_gpu, reference_reads, at_least=False))
+    return kernel_verdict(violations + custom.violations, unjudged + custom.unjudged, judged + custom.judged,
+                           _attention_summary(per_gpu, reference_reads, at_least=False))
 
 
 def arrays_named_by(named_variables: Iterable[tuple[str, Any]], names: frozenset[str]) -> set[str]:

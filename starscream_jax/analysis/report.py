@@ -78,7 +78,8 @@ class AttentionReport:
 @dataclasses.dataclass(frozen=True)
 class KernelReport:
     """One custom kernel of the program (`hlo.KernelCall`: a Pallas kernel, say): its name, target and per-device
-    operand shapes. Its work is not in the program text, so no principle judges it; the report lists it."""
+    operand and result shapes. Its work is not in the program text; principle 1 judges a kernel it knows by the
+    operands on its weight side (`principles.KERNEL_WEIGHTS`) and lists any other as unjudged."""
 
     name: str
     op_name: str
@@ -86,6 +87,7 @@ class KernelReport:
     kernel: str
     operand_shapes: list[list[int]]
     count: int
+    result_shapes: list[list[int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,7 +345,7 @@ def inspect_text(
             for call in program.attention
         ],
         kernels=[KernelReport(call.name, call.op_name, call.target, call.kernel, [list(s.dims) for s in call.operands],
-                              call.count) for call in program.kernels],
+                              call.count, [list(s.dims) for s in call.results]) for call in program.kernels],
         inputs=[],
         memory=None,
         tokens_per_device=tokens_per_device or infer_tokens_per_device(matmuls),

@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """`starscream inspect`: compile, inspect and print a side-by-side table (or JSON). Returns 0, or 1 when
-    principle 1 could not be judged for some layout (why, and the fix, on stderr)."""
+    principle 1 could not be judged, wholly or in part, for some layout (which ops, why, and the fix, on stderr)."""
     if not args.simulate:
         raise StarscreamError("--no-simulate given, but inspect always compiles on simulated CPU devices; drop "
                               "--no-simulate (the preset supplies the hardware figures)")
@@ -117,7 +117,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _report_unjudged(results: dict[str, LayoutResult], settings: Settings, mesh) -> int:
-    """1, after saying on stderr for which layouts principle 1 was not judged, why and how to judge it; else 0."""
+    """1, after saying on stderr, one line per layout, for which layouts principle 1 was not judged or judged only
+    in part (`KernelVerdict.ok` None: a verdict that failed stands, and is printed as FAIL), which ops, why and how
+    to judge them; else 0."""
     unjudged = {name: result.principles.shape_preservation.not_judged for name, result in results.items()
                 if not result.principles.shape_preservation.judged}
     fix = pad_heads_fix(settings.config, [REFERENCE], mesh)
@@ -228,7 +230,8 @@ def format_table(results: dict[str, LayoutResult], refused: dict[str, str] | Non
         "beyond a split over xcd; a copy is large above 1% of the step's working set, a copy of the layer stack",
         "(weights, optimizer state, KV cache) above 1% of what the layer stack holds per device. Attention: its work",
         "per token (decode: its K/V reads per GPU) over gpu_tp's. Unjudged: ops principle 1 could not compare with",
-        "gpu_tp's, listed below. On the CPU backend bfloat16 moves as float32 and a",
+        "gpu_tp's, listed below; a verdict that left any out reads not judged (K of N ops), never ok, unless it",
+        "failed. On the CPU backend bfloat16 moves as float32 and a",
         "reduce-scatter runs as all-reduce + slice, so bytes and compiled memory are up to 2x a GPU's (gradient",
         "reduce-scatters 4x); intensity is computed from each matmul's shape at the model's dtype. The estimate is the",
         "cost model's (starscream_jax.analysis.costmodel): matmul rooflines and collective latency + bytes / bus "

@@ -54,8 +54,8 @@ def test_a_result_reads_back_from_its_json_and_the_cache_as_it_was_written(tiny_
         assert cache.get(settings, topology, mesh, name) == result
         assert written["memory_per_device"]["compiled"]["temp_bytes"] == result.memory_per_device.compiled.temp_bytes
         assert written["estimate"]["serial_s"] == result.estimate.serial_s  # derived figures written beside
-        assert set(written["principles"]["shape_preservation"]) == {"ok", "violations", "unpaired", "attention",
-                                                                    "not_judged"}
+        assert set(written["principles"]["shape_preservation"]) == {"ok", "violations", "unjudged", "attention",
+                                                                    "not_judged", "judged_ops"}
     assert compiled["flat_tp"].principles.shape_preservation.violations  # non-empty tuples round trip too
 
 
@@ -63,18 +63,20 @@ def test_a_cached_result_without_principle_1_is_judged_again_when_inspect_asks_f
                                                                                        monkeypatch):
     """What `plan` keeps (principle 1 skipped: gpu_tp not compiled) serves the next plan as it is, but `inspect`,
     which judges principle 1, compiles the layout and gpu_tp again instead of showing the skipped verdict; a judged
-    result serves both. (Compiling is replaced by a refusal here: what is asked to compile is what is checked.)"""
+    result serves both, as does one compared with gpu_tp but judged in part (compiling again would judge the same
+    ops). (Compiling is replaced by a refusal here: what is asked to compile is what is checked.)"""
     import dataclasses
 
     from starscream_jax.analysis import layout_report
     from starscream_jax.analysis.layout_report import SKIPPED, ResultCache, inspect_layouts
-    from starscream_jax.analysis.principles import KernelVerdict
+    from starscream_jax.analysis.principles import KernelVerdict, UnjudgedOp
     from starscream_jax.errors import ShardingRuleError
 
     settings, topology, mesh, compiled = tiny_decode
     judged = compiled["starscream_decode"]
     skipped = dataclasses.replace(judged, principles=dataclasses.replace(
-        judged.principles, shape_preservation=KernelVerdict(None, (), ("dot.1",), not_judged=SKIPPED)))
+        judged.principles, shape_preservation=KernelVerdict(None, (), (UnjudgedOp("dot.1", "no reference program"),),
+                                                            not_judged=SKIPPED)))
     one = dataclasses.replace(settings, layouts=("starscream_decode",))
     compiles = []
 
@@ -93,3 +95,7 @@ def test_a_cached_result_without_principle_1_is_judged_again_when_inspect_asks_f
     cache.put(one, topology, mesh, "starscream_decode", judged)
     assert inspect_layouts(one, topology, mesh, cache=cache) == {"starscream_decode": judged}
     assert judged.principles.shape_preservation.judged and len(compiles) == 2
+    partly = dataclasses.replace(judged, principles=dataclasses.replace(judged.principles, shape_preservation=(
+        KernelVerdict(None, (), (UnjudgedOp("dot.1", "no counterpart in the reference"),), judged_ops=3))))
+    cache.put(one, topology, mesh, "starscream_decode", partly)  # compared with gpu_tp: compiling again gives the same
+    assert inspect_layouts(one, topology, mesh, cache=cache) == {"starscream_decode": partly} and len(compiles) == 2

@@ -9,7 +9,14 @@ import starscream_jax as ss
 from starscream_jax.analysis.compile import compile_step, make_settings
 from starscream_jax.analysis.hlo import Matmul
 from starscream_jax.analysis.layout_report import tokens_per_device
-from starscream_jax.analysis.principles import RedundancyVerdict, check_principles, reads_once_per_gpu
+from starscream_jax.analysis.principles import (
+    KERNEL_WEIGHT_UNKNOWN,
+    RedundancyVerdict,
+    UnjudgedOp,
+    check_principles,
+    kernel_weight_elements,
+    reads_once_per_gpu,
+)
 from starscream_jax.analysis.report import (
     ActivationReport,
     KernelReport,
@@ -44,7 +51,7 @@ def test_without_a_reference_no_kernel_is_judged(programs):
     mesh, steps = programs
     check = ss.check_compiled(steps["starscream_tp"].compiled, mesh)
     assert check.principles.shape_preservation.violations == ()
-    assert len(check.principles.shape_preservation.unpaired) == len(check.report.matmuls) > 0
+    assert len(check.principles.shape_preservation.unjudged) == len(check.report.matmuls) > 0
     assert check.principles.shape_preservation.ok is None and not check.ok  # not judged is never passing
 
 
@@ -53,26 +60,42 @@ def unit_matmul(op: str) -> Matmul:
     return Matmul(f"dot.{op}", f"jit(step)/{op}/dot_general", 1, 4, 64, 64, "f32", 2 * 4 * 64 * 64, 0, 0.0, None, 1)
 
 
+def unit_report(*ops: str) -> Report:
+    """A program of 4-token matmuls, one per op of `ops`, on 2 GPUs x 4 partitions."""
+    return Report({"data": 1, "gpu": 2, "xcd": 4}, [], [unit_matmul(op) for op in ops], [], [], None,
+                  tokens_per_device=4)
+
+
 def test_a_verdict_over_unjudged_ops_alone_is_not_judged_and_never_ok():
     """Without a reference, or against one that has none of the program's ops, principle 1 judged nothing: its `ok`
-    is None with the reason, and the program's principles do not hold though 2 and 3 do. Beside an op it judged,
-    unjudged ops are listed and the verdict is the judged op's."""
-    def report(*ops: str) -> Report:
-        return Report({"data": 1, "gpu": 2, "xcd": 4}, [], [unit_matmul(op) for op in ops], [], [], None,
-                      tokens_per_device=4)
-
-    layout, elsewhere = report("up", "down"), report("other")
+    is None with the reason, and the program's principles do not hold though 2 and 3 do."""
+    layout, elsewhere = unit_report("up", "down"), unit_report("other")
     for verdict in (check_principles(layout, None).shape_preservation,
                     check_principles(layout, elsewhere).shape_preservation,
                     reads_once_per_gpu(layout.matmuls, elsewhere.matmuls, partitions=4)):
         assert verdict.ok is None and not verdict.judged and verdict.violations == ()
-        assert len(verdict.unpaired) == 2 and verdict.not_judged
+        assert len(verdict.unjudged) == 2 and verdict.not_judged and not verdict.compared
     assert "counterpart" in check_principles(layout, elsewhere).shape_preservation.not_judged
     unjudged = check_principles(layout, None, no_reference="gpu_tp was not compiled")
     assert unjudged.shape_preservation.not_judged == "gpu_tp was not compiled"
     assert unjudged.no_redundancy.ok and unjudged.hierarchical_collectives.ok and not unjudged.ok
-    partly = check_principles(layout, report("up")).shape_preservation
-    assert partly.ok is True and partly.judged and partly.unpaired == ("dot.down",)
+
+
+def test_one_unpaired_op_beside_passing_ones_is_not_judged_and_a_failure_beside_it_stands():
+    """Passing the ops it judged says nothing of an op the reference lacks: the verdict is partly judged (`ok` None,
+    never ok), names the op, why and the fix, and the program's principles do not hold. Where a judged op shrank,
+    the verdict fails whatever it left unjudged."""
+    layout = unit_report("up", "down", "extra")
+    for verdict in (check_principles(layout, unit_report("up", "down")).shape_preservation,
+                    reads_once_per_gpu(layout.matmuls, unit_report("up", "down").matmuls, partitions=1)):
+        assert verdict.ok is None and not verdict.judged and verdict.compared and verdict.judged_ops == 2
+        assert [op.name for op in verdict.unjudged] in (["dot.extra"], ["extra"])
+        assert verdict.not_judged.startswith("1 of 3 op(s) left out: ") and "same names" in verdict.not_judged
+    assert not check_principles(layout, unit_report("up", "down")).ok
+    wide = dataclasses.replace(unit_report("up"), matmuls=[dataclasses.replace(unit_matmul("up"), n=128,
+                                                                                    flops=2 * 4 * 64 * 128)])
+    failed = check_principles(layout, wide).shape_preservation
+    assert failed.ok is False and len(failed.violations) == 1 and len(failed.unjudged) == 2 and failed.judged
 
 
 def test_a_copy_is_large_against_the_steps_working_set_not_a_fixed_size():
@@ -94,21 +117,80 @@ def test_a_copy_is_large_against_the_steps_working_set_not_a_fixed_size():
     assert small.copied_bytes.activations == large.copied_bytes.activations == (1792 << 10) * 7 / 8
 
 
-def test_a_custom_kernel_is_listed_as_unjudged_work_beside_judged_matmuls():
-    """A Pallas kernel's work is not in the program text: the verdict cannot weigh it, so it says so by name, with
-    or without a reference."""
-    kernel = KernelReport(name="custom-call.3", op_name="jit(step)/moe/gate/pallas_call", target="__gpu$xla.gpu.triton",
-                          kernel="grouped_matmul", operand_shapes=[[40], [5120, 4096], [8, 4096, 14336]], count=1)
-    report = Report({"data": 1, "gpu": 1, "xcd": 1}, [], [], [], [], None, tokens_per_device=4096, kernels=[kernel])
-    for reference in (None, dataclasses.replace(report, kernels=[])):
-        verdict = check_principles(report, reference).shape_preservation
-        assert verdict.unpaired == ("custom-call.3 (grouped_matmul: a custom kernel)",)
+def grouped_matmul(name: str, experts_per_device: int, count: int = 1, kernel: str = "grouped_matmul") -> KernelReport:
+    """Mixtral's grouped gate matmul as a Triton custom-call: (tile groups, live tiles, tokens [R, K], the device's
+    expert weights [G, K, F]), in the "moe/gate" scope."""
+    return KernelReport(name=name, op_name="jit(step)/moe/gate/pallas_call", target="__gpu$xla.gpu.triton",
+                        kernel=kernel, operand_shapes=[[40], [1], [5120, 4096], [experts_per_device, 4096, 14336]],
+                        count=count, result_shapes=[[5120, 14336]])
+
+
+def kernel_report(*kernels: KernelReport) -> Report:
+    return Report({"data": 1, "gpu": 2, "xcd": 4}, [], [], [], [], None, tokens_per_device=2560, kernels=list(kernels))
+
+
+def test_a_custom_kernel_is_judged_by_its_weight_side_operands_against_the_references():
+    """A grouped matmul holding the reference's 4 experts per device keeps its kernel (ok); one holding 1 (its
+    expert weights split 4 ways more) shrank and fails, in train by kernel shapes and in decode by reads per GPU
+    (4 partitions each reading 1 expert: once per GPU, so that passes; each reading all 4 reads 4x)."""
+    reference = kernel_report(grouped_matmul("custom-call.1", 4))
+    kept, shrunk = kernel_report(grouped_matmul("custom-call.2", 4)), kernel_report(grouped_matmul("custom-call.2", 1))
+    assert check_principles(kept, reference).shape_preservation.ok is True
+    verdict = check_principles(shrunk, reference).shape_preservation
+    assert verdict.ok is False and verdict.unjudged == () and verdict.judged_ops == 1
+    assert verdict.violations == ("kernel grouped_matmul of op moe/gate (forward, custom-call.2) has 58720256 "
+                                  "weight-side elements per device, fewer than the reference's 234881024: its "
+                                  "local kernel shrank",)
+    assert reads_once_per_gpu([], [], 4, shrunk.kernels, reference.kernels).ok is True
+    gathered = reads_once_per_gpu([], [], 4, kept.kernels, reference.kernels)
+    assert gathered.ok is False and "read 4.00x the weight-side elements" in gathered.violations[0]
+
+
+def test_a_custom_kernel_without_a_counterpart_or_a_known_weight_side_is_left_unjudged_never_ok():
+    """A kernel the reference lacks, or one whose weight side `KERNEL_WEIGHTS` does not name, is listed with the
+    reason, with or without a reference; beside a judged kernel that passes, the verdict is not judged, and beside
+    one that shrank it fails."""
+    unknown = dataclasses.replace(grouped_matmul("custom-call.3", 4), kernel="my_kernel")
+    report = kernel_report(grouped_matmul("custom-call.2", 4), unknown)
+    verdict = check_principles(report, kernel_report(grouped_matmul("custom-call.1", 4))).shape_preservation
+    assert verdict.ok is None and verdict.judged_ops == 1
+    assert verdict.unjudged == (UnjudgedOp("custom-call.3 (my_kernel)", KERNEL_WEIGHT_UNKNOWN),)
+    assert verdict.not_judged.startswith("1 of 2 op(s) left out: custom-call.3 (my_kernel) (a custom kernel whose ")
+    alone = check_principles(report, kernel_report()).shape_preservation
+    assert alone.ok is None and alone.judged_ops == 0 and len(alone.unjudged) == 2
+    assert [op.name for op in check_principles(report, None).shape_preservation.unjudged] == [
+        "custom-call.2 (grouped_matmul)", "custom-call.3 (my_kernel)"]
+    shrunk = kernel_report(grouped_matmul("custom-call.2", 1), unknown)
+    failed = check_principles(shrunk, kernel_report(grouped_matmul("custom-call.1", 4))).shape_preservation
+    assert failed.ok is False and len(failed.unjudged) == 1
+
+
+def test_the_weight_side_of_each_library_kernel():
+    """The expert weights of the grouped matmul, the weight gradient its backward kernel writes, the 8-bit weights
+    of the weight-only kernels, the K and V caches of the attention kernels (with or without scale pools)."""
+    def elements(kernel: str, operands: list[list[int]], results: list[list[int]] = ()) -> int | None:
+        return kernel_weight_elements(KernelReport("k", "jit(s)/o/pallas_call", "__gpu$xla.gpu.triton", kernel,
+                                                   operands, 1, list(results)))
+
+    assert elements("grouped_matmul_t", [[40], [1], [64, 32], [8, 16, 32]]) == 8 * 16 * 32
+    assert elements("grouped_matmul_dw", [[9], [64, 16], [64, 32]], [[8, 16, 32]]) == 8 * 16 * 32
+    assert elements("weight_only_matmul", [[16, 64], [64, 128], [1, 128]]) == 64 * 128
+    assert elements("weight_only_group", [[16, 64], [64, 32], [64, 96], [1, 32], [1, 96]]) == 64 * 128
+    assert elements("eight_bit_decode", [[2, 4, 16, 8], [2, 64, 4, 8], [2, 64, 4, 8], [2, 64, 4], [2, 64, 4],
+                                         [2, 1]]) == 2 * 2 * 64 * 4 * 8
+    pools = [[4, 20, 16, 8], [4, 20, 16, 8]]
+    assert elements("paged_attention_block_h=16_pages_per_compute_block=8",
+                    [[2, 4, 2, 8], pools[0], pools[1], [2, 5], [2]]) == 2 * 4 * 20 * 16 * 8
+    assert elements("paged_attention_block_h=16_pages_per_compute_block=8",
+                    [[2, 4, 2, 8], pools[0], [4, 20, 16], pools[1], [4, 20, 16], [2, 5], [2]]) == 2 * 4 * 20 * 16 * 8
+    assert elements("my_kernel", [[16, 64]]) is None
+    assert elements("grouped_matmul_dw", [[9], [64, 16], [64, 32]]) is None  # no result read: unknown, not empty
 
 
 @pytest.fixture(scope="module")
 def decode_programs():
     mesh = ss.build_mesh("2x4")
-    settings = make_settings("tiny", "decode", 8, 32, "flat_tp,starscream_decode,gpu_tp", 2)
+    settings = make_settings("tiny", "decode", 8, 32, "flat_tp,starscream_decode,starscream_fsdp,gpu_tp", 2)
     return mesh, {name: compile_step(settings, name, mesh) for name in settings.layouts}
 
 
@@ -133,7 +215,22 @@ def test_attention_is_judged_and_flat_tp_with_more_partitions_than_kv_heads_fail
     assert (verdict.attention.ratio, verdict.attention.ok) == (pytest.approx(ratio), ok)
     attention_violations = [line for line in verdict.violations if "/attention " in line or "/attention:" in line]
     assert len(attention_violations) == (0 if ok else 1)  # one op: forward and backward together
-    assert not [op for op in verdict.unpaired if "attention" in op]
+    assert not [op for op in verdict.unjudged if "attention" in op.name]
+
+
+def test_matrix_vector_products_that_lost_their_names_are_paired_by_their_scopes(decode_programs):
+    """starscream_fsdp decodes one token per device: XLA drops the names of its matrix-vector products, and the ones
+    they take from their neighbours lack the einsum subscripts gpu_tp's carry. Each op is paired by its scopes
+    (qkv, o, gate_up, down, logits) and judged: every partition reads the whole gathered weight, which fails (it read
+    "ok, 4 unjudged" while they were left unpaired)."""
+    mesh, steps = decode_programs
+    reference, report = (inspect_compiled(steps[name].compiled, mesh, tokens_per_device=tokens_per_device(
+        steps[name].layout, mesh, (8, 1))) for name in ("gpu_tp", "starscream_fsdp"))
+    assert all(matmul.inferred_name for matmul in report.matmuls if "attention" not in matmul.op_name)
+    verdict = reads_once_per_gpu(report.matmuls, reference.matmuls, mesh.shape["xcd"])
+    assert verdict.unjudged == () and verdict.ok is False
+    assert {line.split(":")[0] for line in verdict.violations} >= {"closed_call/qkv", "closed_call/o",
+                                                                   "closed_call/gate_up", "closed_call/down"}
 
 
 def test_fused_attention_kernels_are_judged_from_their_operand_shapes():
@@ -145,5 +242,5 @@ def test_fused_attention_kernels_are_judged_from_their_operand_shapes():
                                   tokens_per_device=count) for name, count in tokens.items()}
     for name, ok in (("starscream_tp", True), ("flat_tp", False)):
         verdict = check_principles(reports[name], reports["gpu_tp"]).shape_preservation
-        assert verdict.ok is ok and verdict.attention.ok is ok and verdict.unpaired == ()
+        assert verdict.ok is ok and verdict.attention.ok is ok and verdict.unjudged == ()
         assert verdict.attention.ratio == pytest.approx(1.0 if ok else 1 / 8)

@@ -20,9 +20,11 @@ from jax.sharding import PartitionSpec as P
 
 from starscream_jax.analysis.hlo import Matmul
 from starscream_jax.analysis.principles import (
+    NO_COUNTERPART,
     NO_REFERENCE,
     AttentionRatio,
     KernelVerdict,
+    UnjudgedOp,
     check_principles,
     reads_once_per_gpu,
     weight_side_elements,
@@ -191,7 +193,7 @@ def test_starscream_layout_is_hierarchical_and_keeps_kernel_shapes(gpus, xcds):
     assert (report.tokens_per_device, mlp_report(gpus, xcds, "gpu_tp").tokens_per_device) == (B // xcds, B)
     verdicts = check_principles(report, mlp_report(gpus, xcds, "gpu_tp"), large_bytes=1024)
     assert verdicts.ok, verdicts
-    assert verdicts.shape_preservation.unpaired == ()
+    assert verdicts.shape_preservation.unjudged == ()
 
 
 def test_training_steps_judged_on_backward_matmuls_too():
@@ -296,8 +298,8 @@ def test_activations_need_both_the_lowered_text_and_the_token_dims():
 def test_without_reference_no_matmul_is_judged():
     report = mlp_report(2, 4, "flat")
     verdict = check_principles(report, None).shape_preservation
-    assert verdict == KernelVerdict(None, (), tuple(m.name for m in report.matmuls), AttentionRatio(None, None),
-                                    NO_REFERENCE)
+    assert verdict == KernelVerdict(None, (), tuple(UnjudgedOp(m.name, "no reference program") for m in report.matmuls),
+                                    AttentionRatio(None, None), NO_REFERENCE)
 
 
 def test_report_is_json_serialisable_with_memory_and_bytes_by_scope():
@@ -351,8 +353,8 @@ def test_decode_reads_each_weight_once_per_gpu_or_is_flagged():
     assert reads_once_per_gpu(split, reference, partitions=4).ok
     gathered = reads_once_per_gpu(reference, reference, partitions=4)
     assert not gathered.ok and "read 4.00x the weight-side elements" in gathered.violations[0]
-    assert reads_once_per_gpu([matmul("dot", "jit(d)/other/dot_general", 4, 8, 8)], reference, 4).unpaired == (
-        "other",)
+    assert reads_once_per_gpu([matmul("dot", "jit(d)/other/dot_general", 4, 8, 8)], reference, 4).unjudged == (
+        UnjudgedOp("other", NO_COUNTERPART),)
 
 
 def test_weight_side_elements_do_not_depend_on_operand_order_or_merging():
@@ -445,7 +447,8 @@ def test_gpu_matmuls_merged_weight_first_and_split_keep_starscream_tp_kernels():
     reference, starscream = gpu_step_report("gpu_tp"), gpu_step_report("starscream_tp")
     assert (reference.tokens_per_device, starscream.tokens_per_device) == (256, 128)
     verdict = check_principles(starscream, reference).shape_preservation
-    assert verdict == KernelVerdict(True, (), (), AttentionRatio(None, None))
+    assert (verdict.ok, verdict.violations, verdict.unjudged, verdict.attention) == (True, (), (),
+                                                                                     AttentionRatio(None, None))
 
 
 def test_gpu_matmuls_of_flat_tp_shrink_every_op():

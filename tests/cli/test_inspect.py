@@ -17,7 +17,7 @@ import pytest
 from starscream_jax.analysis.compile import PHASES
 from starscream_jax.analysis.json_form import from_json
 from starscream_jax.analysis.layout_report import LayoutResult
-from starscream_jax.analysis.principles import KernelVerdict
+from starscream_jax.analysis.principles import NO_COUNTERPART, KernelVerdict, UnjudgedOp, kernel_verdict
 from starscream_jax.cli import inspect as inspect_command
 from starscream_jax.cli.arguments import STUDY_MESH
 from starscream_jax.errors import ShardingRuleError, StarscreamError
@@ -308,14 +308,38 @@ def test_table_puts_layouts_side_by_side_with_verdicts(train):
     assert "flat_tp no_redundancy:" in table and "starscream_tp no_redundancy:" not in table
 
 
-def test_the_table_shows_unjudged_ops_and_says_the_verdict_left_them_out(train):
-    """An op principle 1 could not pair with gpu_tp's is counted in the verdict cell and listed by name."""
-    result = json.loads(json.dumps(train["starscream_tp"]))
-    result["principles"]["shape_preservation"]["unpaired"] = ["custom-call.7", "dot.12"]
-    table = format_table({"starscream_tp": result})
-    assert re.search(r"^  1 kernel shapes\s+ok, 2 unjudged$", table, re.MULTILINE)
-    assert ("starscream_tp shape_preservation: 2 op(s) unjudged (no gpu_tp counterpart, or work the program text does "
-            "not show): custom-call.7, dot.12") in table
+def test_one_unpaired_op_beside_passing_ones_reads_not_judged_and_inspect_exits_1_naming_it(train, monkeypatch,
+                                                                                           capsys):
+    """An op principle 1 could not pair with gpu_tp's, beside ops it judged and passed, leaves the verdict not judged
+    (never ok): the cell counts it, the notes name it with its reason, and inspect exits 1 with one line on stderr
+    naming the op and the fix. (The compile is replaced by the train fixture's result with one op unpaired.)"""
+    result = from_json(LayoutResult, train["starscream_tp"])
+    shapes = result.principles.shape_preservation
+    assert shapes.ok is True and shapes.judged_ops > 0
+    partly = kernel_verdict([], [UnjudgedOp("dot.12", NO_COUNTERPART)], shapes.judged_ops, shapes.attention)
+    unpaired = dataclasses.replace(result, principles=dataclasses.replace(result.principles,
+                                                                          shape_preservation=partly))
+    monkeypatch.setattr(inspect_command, "inspect_layouts", lambda *args: {"starscream_tp": unpaired})
+    status = inspect_command.run(parse("--phase", "train", "--batch", "8", "--seq", "256", "--layout",
+                                       "starscream_tp"))
+    printed = capsys.readouterr()
+    assert status == 1
+    total = shapes.judged_ops + 1
+    assert re.search(rf"^  1 kernel shapes\s+not judged \(1 of {total} ops\)$", printed.out, re.MULTILINE)
+    assert f"starscream_tp shape_preservation: 1 op(s) unjudged: dot.12 ({NO_COUNTERPART})" in printed.out
+    (line,) = printed.err.splitlines()
+    assert line == (f"starscream inspect: principle 1 (kernel shapes) was not judged for starscream_tp: 1 of {total} "
+                    f"op(s) left out: dot.12 ({NO_COUNTERPART}); principle 1 pairs ops by the named scope of their "
+                    "op (`matmul_key`): compile the reference under the same names")
+
+
+def test_a_failure_beside_unjudged_ops_reads_fail(train):
+    """A verdict that failed stands whatever it left unjudged: FAIL, with the unjudged ops counted beside it."""
+    result = json.loads(json.dumps(train["flat_tp"]))
+    result["principles"]["shape_preservation"]["unjudged"] = [{"name": "dot.12", "reason": NO_COUNTERPART}]
+    table = format_table({"flat_tp": result})
+    assert re.search(r"^  1 kernel shapes\s+FAIL \(\d+\), 1 unjudged$", table, re.MULTILINE)
+    assert f"flat_tp shape_preservation: 1 op(s) unjudged: dot.12 ({NO_COUNTERPART})" in table
 
 
 SEVEN_GROUPS = "\n".join(['name = "tiny-14-heads"', "vocab_size = 256", "d_model = 112", "n_layers = 4", "n_heads = 14",
@@ -333,7 +357,9 @@ def test_a_principle_not_judged_is_shown_so_and_inspect_exits_1_with_the_fix(tra
     result = from_json(LayoutResult, train["starscream_tp"])
     reason = "gpu_tp, the reference of kernel shapes, cannot place the model: 'heads' of size 14 is not divisible"
     unjudged = dataclasses.replace(result, principles=dataclasses.replace(
-        result.principles, shape_preservation=KernelVerdict(None, (), ("dot.1", "dot.2"), not_judged=reason)))
+        result.principles, shape_preservation=KernelVerdict(
+            None, (), (UnjudgedOp("dot.1", "no reference program"), UnjudgedOp("dot.2", "no reference program")),
+            not_judged=reason)))
 
     def inspect_layouts(settings, topology, mesh, refused, cache):
         refused["starscream_decode"] = "layers/wo: dimension 'heads' of size 14 is not divisible by mesh axes ('gpu',)"
