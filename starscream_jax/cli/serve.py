@@ -30,6 +30,7 @@ from ..serving.core import EngineProcess, ReadyEngine
 from ..serving.requests import generation_defaults
 from ..serving.server import Server
 from ..serving.tools import PARSERS, default_parser
+from ..text.tokenizer import check_template
 from .arguments import (
     MODEL_SOURCE_EXCLUSIVE,
     RUN_MESH,
@@ -116,6 +117,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="how tool calls are read out of an answer under tool_choice 'auto' (vLLM's names): "
                            "'auto' picks the parser of --model-dir's family (llama: llama3_json, qwen2 / qwen3: "
                            "hermes, mistral / mixtral: mistral), 'none' refuses tool_choice auto (default auto)")
+    http.add_argument("--chat-template", metavar="FILE|TEMPLATE",
+                      help="the Jinja chat template rendering chats instead of the tokenizer's, as vLLM's flag: a "
+                           "file, or the template itself in one line (escapes such as \\n read as characters); a "
+                           "request's chat_template replaces it")
+    http.add_argument("--trust-request-chat-template", action="store_true",
+                      help="render a request's own chat_template (refused otherwise, as vLLM refuses it: a template "
+                           "can loop or grow its output until a worker thread or the memory is spent)")
 
 
 def json_list(text: str) -> list[str]:
@@ -145,6 +153,28 @@ def sampling_defaults(args: argparse.Namespace) -> tuple[dict, Path | None]:
                                   "'auto' or 'vllm'")
         return {}, None
     return generation_defaults(path), path
+
+
+def chat_template(args: argparse.Namespace) -> str | None:
+    """--chat-template as vLLM reads it: the text of the file it names, or where no such file exists and it looks
+    like a template (it holds a brace or a newline) the template itself, its backslash escapes read (a one-line
+    form's \\n is a newline); checked by Jinja (`text.tokenizer.check_template`). None when not given;
+    StarscreamError naming the flag otherwise."""
+    given = args.chat_template
+    if given is None:
+        return None
+    path = Path(given)
+    if path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise StarscreamError(f"--chat-template {given}: cannot read it as UTF-8 text ({err})") from None
+    elif any(mark in given for mark in "{}\n"):
+        text = given.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    else:
+        raise StarscreamError(f"--chat-template {given}: no such file, and it holds no brace or newline, so it is not "
+                              "a template either; give a template file or the template itself")
+    return check_template(text, f"--chat-template {given[:60]}")
 
 
 def tool_call_parser(args: argparse.Namespace) -> str | None:
@@ -234,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
     its steps (`serving.multihost`): their command only waits for the engine process."""
     follower = args.process_id not in (None, 0)
     defaults, defaults_path = ({}, None) if follower else sampling_defaults(args)
+    template = None if follower else chat_template(args)
     sock = None if follower else bind(args.host, args.port)
     build = functools.partial(build_fake_engine if args.fake_engine else build_engine, args)
     engine = EngineProcess(build, None if args.fake_engine else args.gpu_memory_utilization)
@@ -254,7 +285,8 @@ def run(args: argparse.Namespace) -> int:
     server = Server(client, tokenizer, name, info, args.max_pending, on_engine_failure=engine_failed,
                     api_key=args.api_key, allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                     allowed_headers=args.allowed_headers, sampling_defaults=defaults,
-                    tool_parser=tool_call_parser(args))
+                    tool_parser=tool_call_parser(args), chat_template=template,
+                    trust_request_chat_template=args.trust_request_chat_template)
     configure_logging(args.log_level)
     http = uvicorn.Server(uvicorn.Config(server.app(), log_level=args.log_level, access_log=True))
     host, port = sock.getsockname()[:2]

@@ -8,7 +8,9 @@ layout (its scored variant where a chunk's prompt log-probabilities are asked fo
 then a decode program for the decoding sequences under the decode layout, and returns each new token as a
 `TokenEvent`. A server runs it in a process of its own (`serving.core`). A request with a grammar (structured
 output, `serving.guided`) has its matcher compiled beside the loop and its allowed tokens written to its slot before
-each step that samples it; it sits out a step while its last token is still on the device (`Sequence.held`).
+each step that samples it; it sits out a step while its last token is still on the device (`Sequence.held`). A
+request's allowed_token_ids are bits of the same slot, written once (and intersected with its grammar's, if it has
+one); its bad words are matched in the step against the tokens the step itself keeps per slot.
 
 Memory: the pools hold 2 * L * K * pages * page_size * E values in the compute dtype, or in an 8-bit cache (the
 model's `ModelConfig.kv_format`, which `--kv-cache` sets) one byte each and a float32 scale per position and kv head
@@ -55,7 +57,7 @@ from .scheduler import (
     TokenEvent,
     check_fits,
 )
-from .guided import Guide, MaskBuilder, grammar_tokenizer
+from .guided import Guide, MaskBuilder, allowed_bits, grammar_tokenizer
 from .sampling import SLOT_TABLE, SlotReset, SlotState, reset_slot, write_masks
 from .steps import (
     LAYOUT_OF,
@@ -388,7 +390,7 @@ class Engine:
         if params.prompt_logprobs is not None and not self.config.prompt_logprobs:
             raise StarscreamError("prompt_logprobs: this engine does not compute prompt log-probabilities; start it "
                                   "with EngineConfig prompt_logprobs (the server's --enable-prompt-logprobs)")
-        self._check_bias(params)
+        self._check_ids(params)
         self._check_grammar(params)
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2 ** 31))
         sequence = Sequence(request_id=request_id, prompt=tokens, params=params, seed=seed, arrival=time.monotonic())
@@ -443,13 +445,17 @@ class Engine:
         refusals, self._refusals = self._refusals, []
         return refusals
 
-    def _check_bias(self, params: SamplingParams) -> None:
-        """StarscreamError for a logit_bias id outside the vocabulary."""
+    def _check_ids(self, params: SamplingParams) -> None:
+        """StarscreamError naming the setting for a logit_bias, allowed_token_ids or bad_words id outside the
+        vocabulary."""
         vocab = self.model_config.vocab_size
-        outside = next((token for token, _ in params.logit_bias if not 0 <= token < vocab), None)
-        if outside is not None:
-            raise StarscreamError(f"logit_bias token id {outside} is outside the model's vocabulary of {vocab}; give "
-                                  f"ids from 0 to {vocab - 1}")
+        for field, ids in (("logit_bias", [token for token, _ in params.logit_bias]),
+                           ("allowed_token_ids", params.allowed_token_ids),
+                           ("bad_words", [token for word in params.bad_words for token in word])):
+            outside = next((token for token in ids if not 0 <= token < vocab), None)
+            if outside is not None:
+                raise StarscreamError(f"{field} token id {outside} is outside the model's vocabulary of {vocab}; "
+                                      f"give ids from 0 to {vocab - 1}")
 
     def reset_slot(self, reset: SlotReset) -> None:
         """Writes one slot's state (`sampling.reset_slot`, in place), in order before the steps launched after it;
@@ -759,7 +765,7 @@ class Engine:
         pages = Buckets.round_up(max(len(c.sequence.pages) for c in chunks), self.buckets.pages, "pages per row")
         inputs = StepInputs.zeros(rows * self.shards, width, pages, phase == "scored")
         sampling = inputs.sampling
-        row_of, guided = {}, []
+        row_of, masked = {}, []
         for shard, group in enumerate(by_shard):
             for offset, chunk in enumerate(group):
                 row, sequence = shard * rows + offset, chunk.sequence
@@ -777,23 +783,30 @@ class Engine:
                 sampling.temperature[row], sampling.top_p[row], sampling.top_k[row] = \
                     params.temperature, params.top_p, params.top_k
                 sampling.seed[row] = sequence.seed
-                self._slot_settings(sampling, row, sequence)
-                if sequence.guide is not None and chunk.last:
-                    sampling.guided[row] = 1
-                    guided.append(sequence)
-        self._write_guides(guided)
+                taken = self._slot_settings(sampling, row, sequence)
+                sampling.masked[row] = chunk.last and (sequence.guide is not None or bool(params.allowed_token_ids))
+                if sequence.guide is not None and chunk.last or taken and params.allowed_token_ids:
+                    masked.append(sequence)
+        self._write_allowed(masked)
         return inputs, [row_of[id(chunk)] for chunk in chunks]
 
-    def _write_guides(self, sequences: list[Sequence]) -> None:
-        """Each guided sequence's allowed-token bits for its next token (its matcher has taken every token it
-        generated: a guided sequence is not scheduled while one is PENDING) written into its slot, in order on
-        the device before the step that reads them; one write per bucket of `mask_rows` slots."""
+    def _write_allowed(self, sequences: list[Sequence]) -> None:
+        """Each sequence's allowed-token bits for its next token written into its slot, in order on the device
+        before the step that reads them; one write per bucket of `mask_rows` slots. A guided sequence's are its
+        grammar's (its matcher has taken every token it generated: it is not scheduled while one is PENDING),
+        and with allowed_token_ids their intersection; allowed_token_ids alone give bits that never change, written
+        when the sequence takes its slot."""
+        vocab = self.model_config.vocab_size
         for start in range(0, len(sequences), self.mask_rows[-1]):
             group = sequences[start:start + self.mask_rows[-1]]
-            rows = Buckets.round_up(len(group), self.mask_rows, "guided rows")
+            rows = Buckets.round_up(len(group), self.mask_rows, "masked rows")
             slots = np.full(rows, -1, np.int32)
             slots[:len(group)] = [s.shard * self.config.rows_per_shard + s.slot for s in group]
-            masks = self._masks.masks([s.guide for s in group], rows)
+            masks = self._masks.masks([s.guide for s in group], rows) if self._masks is not None else \
+                np.full((rows, self.slot_state.allowed.shape[1]), -1, np.int32)
+            for index, sequence in enumerate(group):
+                if sequence.params.allowed_token_ids:
+                    masks[index] &= allowed_bits(sequence.params.allowed_token_ids, vocab)
             if self.channel is not None:
                 self.channel.send_masks(slots, masks)
             self.write_masks(slots, masks)
@@ -808,27 +821,31 @@ class Engine:
                             for array in (slots, masks))
         self._slot_state = self._write(self.slot_state, slots, masks)
 
-    def _slot_settings(self, sampling: RowSampling, row: int, sequence: Sequence) -> None:
-        """Row `row`'s min_p, penalties, min_tokens, logit bias and top_logprobs; the sequence's slot state written
-        first when it has just taken its slot and reads it (`sampling.SlotReset`: its prompt's ids, its generated
-        tokens' counts, its bias and stop ids), in order on the device before this step."""
+    def _slot_settings(self, sampling: RowSampling, row: int, sequence: Sequence) -> bool:
+        """Row `row`'s min_p, penalties, min_tokens, logit bias, bad words and top_logprobs; the sequence's slot
+        state written first when it has just taken its slot and reads it (`sampling.SlotReset`: its prompt's ids,
+        its generated tokens' counts and newest tokens, its bias, stop ids and bad words), in order on the device
+        before this step. Returns whether it has just taken its slot."""
         params, key = sequence.params, (sequence.shard, sequence.slot)
         sampling.min_p[row], sampling.top_logprobs[row] = params.min_p, params.top_logprobs
         sampling.presence[row], sampling.frequency[row], sampling.repetition[row] = \
             params.presence_penalty, params.frequency_penalty, params.repetition_penalty
         sampling.min_position[row] = len(sequence.prompt) + params.min_tokens if params.min_tokens else 0
         sampling.biased[row] = bool(params.logit_bias)
+        sampling.banning[row] = bool(params.bad_words)
         if self._slot_holders.get(key) is sequence:
-            return
+            return False
         self._slot_holders[key] = sequence
         if params.uses_slot:
             stops = params.stop_tokens if params.min_tokens else ()
             reset = SlotReset.of(sequence.shard * self.config.rows_per_shard + sequence.slot,
                                  self.model_config.vocab_size, sequence.prompt,
-                                 [token for token in sequence.generated if token >= 0], params.logit_bias, stops)
+                                 [token for token in sequence.generated if token >= 0], params.logit_bias, stops,
+                                 params.bad_words)
             if self.channel is not None:
                 self.channel.send_reset(reset)
             self.reset_slot(reset)
+        return True
 
     def _row_sharding(self) -> NamedSharding | None:
         """Step inputs' rows split as the attention batch (and the page pool) are; None without a mesh."""

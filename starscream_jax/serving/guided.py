@@ -48,6 +48,15 @@ def mask_words(vocab: int) -> int:
     return (vocab + 31) // 32
 
 
+def allowed_bits(token_ids, vocab: int) -> np.ndarray:
+    """The mask [mask_words(vocab)] int32 that allows exactly `token_ids` (vLLM's allowed_token_ids), in
+    llguidance's layout, so that it intersects a grammar's mask by a bitwise and."""
+    ids = np.asarray(token_ids, np.int64)
+    words = np.zeros(mask_words(vocab), np.uint32)
+    np.bitwise_or.at(words, ids // 32, np.left_shift(np.uint32(1), (ids % 32).astype(np.uint32)))
+    return words.view(np.int32)
+
+
 def json_schema_grammar(schema, field: str, strict: bool = False, whitespace: str | None = None,
                         flexible: bool = False) -> Grammar:
     """The grammar of JSON text that validates against `schema` (a dict, or its JSON text). `strict` (OpenAI's
@@ -175,10 +184,11 @@ class MaskBuilder:
         self.words = mask_words(vocab)
         self._executor = llguidance.LLExecutor(threads)
 
-    def masks(self, guides: list[Guide], rows: int) -> np.ndarray:
-        """[rows, words] int32: guide i's mask in row i (rows >= len(guides)); the rest allow every token."""
+    def masks(self, guides: list[Guide | None], rows: int) -> np.ndarray:
+        """[rows, words] int32: guide i's mask in row i (rows >= len(guides)); the rest, and rows whose guide is
+        None, allow every token."""
         out = np.full((rows, self.words), -1, np.int32)
-        if guides:
-            fill_next_token_bitmask_par(self._executor, [(guide.matcher, index) for index, guide in enumerate(guides)],
-                                        out)
+        pairs = [(guide.matcher, index) for index, guide in enumerate(guides) if guide is not None]
+        if pairs:
+            fill_next_token_bitmask_par(self._executor, pairs, out)
         return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -22,7 +23,7 @@ from .guided import (
     lark_grammar,
     regex_grammar,
 )
-from .scheduler import MAX_LOGIT_BIAS, MAX_TOP_K, MAX_TOP_LOGPROBS
+from .scheduler import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_TOP_K, MAX_TOP_LOGPROBS
 from .tools import PARSERS, ToolMode, function_of, named_grammar, required_grammar
 
 HTTP_BAD_REQUEST, HTTP_UNAUTHORIZED, HTTP_NOT_FOUND = 400, 401, 404
@@ -33,11 +34,8 @@ MAX_N = 16
 
 UNSUPPORTED = {
     "length_penalty": (1,), "use_beam_search": (False,), "suffix": ("",),
-    "functions": ([],), "function_call": ("none",),
-    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
-    "chat_template": (), "chat_template_kwargs": ({},), "continue_final_message": (False,), "documents": ([],),
-    "mm_processor_kwargs": ({},), "allowed_token_ids": (), "bad_words": ([],),
-    "logits_processors": ([],),
+    "functions": ([],), "function_call": ("none",), "documents": ([],),
+    "mm_processor_kwargs": ({},), "logits_processors": ([],),
     "priority": (0,), "reasoning_effort": (), "prompt_embeds": (), "kv_transfer_params": (), "vllm_xargs": ({},),
     "modalities": (["text"],), "audio": (), "prediction": (), "web_search_options": (), "service_tier": ("auto",),
     "store": (False,), "metadata": ({},), "cache_salt": (),
@@ -52,6 +50,8 @@ GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choi
 """The fields that ask for structured output (`serving.guided`); a request gives at most one of them."""
 BACKENDS = ("auto", "guidance", "llguidance")
 """guided_decoding_backend values served (every grammar runs on llguidance, vLLM's `guidance` backend)."""
+TEMPLATE_RESERVED = ("chat_template", "tokenize", "messages")
+"""Names chat_template_kwargs may not hold (vLLM refuses the first two; the messages are the request's own)."""
 STRUCTURED_OUTPUT_KEYS = {"json", "regex", "choice", "grammar", "json_object", "whitespace_pattern",
                           "disable_any_whitespace", "disable_additional_properties", "disable_fallback"}
 """Keys of vLLM's `structured_outputs` read (`disable_fallback` asks for nothing: there is no other backend)."""
@@ -82,9 +82,10 @@ class StreamOptions(BaseModel):
 
 class Sampling(BaseModel):
     """The fields both routes share (OpenAI's names; top_k, min_p, min_tokens, repetition_penalty, ignore_eos,
-    stop_token_ids, include_stop_str_in_output and prompt_logprobs as vLLM adds them). logit_bias maps token ids (as
-    JSON keys) to values in [-100, 100], at most MAX_LOGIT_BIAS of them, as OpenAI takes it. max_tokens 0 asks
-    for the prompt alone: completions with echo (its text and log-probabilities), as vLLM serves it."""
+    stop_token_ids, include_stop_str_in_output, prompt_logprobs, allowed_token_ids, bad_words, skip_special_tokens
+    and spaces_between_special_tokens as vLLM adds them). logit_bias maps token ids (as JSON keys) to values in
+    [-100, 100], at most MAX_LOGIT_BIAS of them, as OpenAI takes it. max_tokens 0 asks for the prompt alone:
+    completions with echo (its text and log-probabilities), as vLLM serves it."""
 
     model_config = ConfigDict(extra="ignore")
     REFUSED_HERE: ClassVar[dict[str, tuple]] = {}
@@ -124,6 +125,10 @@ class Sampling(BaseModel):
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def truncated(self, prompt: list[int], context: int) -> list[int]:
         """The prompt's last `truncate_prompt_tokens` tokens (-1: the model's context; None or a longer value: all
@@ -172,6 +177,34 @@ class Sampling(BaseModel):
                 raise ApiError(HTTP_BAD_REQUEST, f"logit_bias entry {key!r}: {value} must map a token id to a value "
                                "in [-100, 100]", param="logit_bias")
         return self
+
+    @model_validator(mode="after")
+    def _allowed_token_ids_allow_one(self):
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ApiError(HTTP_BAD_REQUEST, "allowed_token_ids is empty: no token could be drawn; give at least one "
+                           "token id or leave it out", param="allowed_token_ids")
+        return self
+
+    def bad_word_ids(self, encode) -> tuple[tuple[int, ...], ...]:
+        """bad_words as token-id sequences, as vLLM reads them: each word (its leading spaces dropped) encoded
+        without special tokens, and again after one space where that gives as many tokens beginning with another
+        (the word inside a text, where tokenizers write the space into its first token); `encode(text)` gives ids.
+        ApiError naming bad_words for an empty word, a word of more than MAX_BAD_WORD_TOKENS tokens, or more than
+        MAX_BAD_WORDS sequences."""
+        sequences = []
+        for word in self.bad_words or ():
+            alone = tuple(int(token) for token in encode(word.lstrip()))
+            spaced = tuple(int(token) for token in encode(" " + word.lstrip()))
+            if not alone or len(alone) > MAX_BAD_WORD_TOKENS:
+                raise ApiError(HTTP_BAD_REQUEST, f"bad_words entry {word!r} is {len(alone)} tokens; give words of 1 "
+                               f"to {MAX_BAD_WORD_TOKENS} tokens", param="bad_words")
+            sequences.append(alone)
+            if len(spaced) == len(alone) and spaced[0] != alone[0]:
+                sequences.append(spaced)
+        if len(sequences) > MAX_BAD_WORDS:
+            raise ApiError(HTTP_BAD_REQUEST, f"bad_words give {len(sequences)} token sequences (a word gives one or "
+                           f"two); give at most {MAX_BAD_WORDS}", param="bad_words")
+        return tuple(sequences)
 
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """logit_bias as (token id, value) pairs."""
@@ -337,15 +370,54 @@ def _arguments_read(call):
     return {**call, "function": {**function, "arguments": arguments}}
 
 
-class ChatRequest(Sampling):
+@dataclass(frozen=True)
+class TemplateOptions:
+    """How a request's messages are rendered: `template` (the request's chat_template; None: the server's),
+    `variables` (chat_template_kwargs, less the two below), `add_generation_prompt` and `continue_final` (the
+    request's fields, or chat_template_kwargs' values of those names, which override them as in vLLM)."""
+
+    template: str | None
+    variables: dict
+    add_generation_prompt: bool
+    continue_final: bool
+
+
+class ChatTemplateFields(BaseModel):
+    """The fields that say how messages become the prompt, as vLLM reads them (chat, and /tokenize with
+    messages): `add_generation_prompt` (the template's cue for a new assistant turn), `continue_final_message` (the
+    last message is continued: nothing the template writes after it, no generation prompt), `chat_template` (a
+    Jinja template instead of the server's) and `chat_template_kwargs` (more names for the template)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
+
+    def template_options(self) -> TemplateOptions:
+        """The request's `TemplateOptions`; ApiError naming the field for a reserved name in chat_template_kwargs,
+        or a generation prompt asked for with continue_final_message (the two cannot both hold)."""
+        variables = dict(self.chat_template_kwargs or {})
+        reserved = next((name for name in TEMPLATE_RESERVED if name in variables), None)
+        if reserved is not None:
+            raise ApiError(HTTP_BAD_REQUEST, f"chat_template_kwargs may not set {reserved!r}; send the request's own "
+                           "field instead", param="chat_template_kwargs")
+        prompt = variables.pop("add_generation_prompt", self.add_generation_prompt)
+        continue_final = variables.pop("continue_final_message", self.continue_final_message)
+        if continue_final and prompt:
+            raise ApiError(HTTP_BAD_REQUEST, "continue_final_message continues the last message, and "
+                           "add_generation_prompt (true unless given) starts a new one; send \"add_generation_prompt\""
+                           ": false with it", param="continue_final_message")
+        return TemplateOptions(self.chat_template, variables, bool(prompt), bool(continue_final))
+
+
+class ChatRequest(Sampling, ChatTemplateFields):
     """A chat request; `tools` (OpenAI's function tools) reach the chat template, and `tool_choice` says how the
-    answer becomes calls (`serving.tools`)."""
+    answer becomes calls (`serving.tools`); the template fields of `ChatTemplateFields`."""
 
     REFUSED_HERE: ClassVar[dict[str, tuple]] = {"echo": (False,)}
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
-    add_generation_prompt: bool = True
     add_special_tokens: bool = False  # the template writes them
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
@@ -409,15 +481,15 @@ class ChatRequest(Sampling):
         return self
 
 
-class TokenizeRequest(BaseModel):
-    """POST /tokenize, as vLLM reads it: a `prompt`, or chat `messages` rendered by the chat template; special
-    tokens added by default to a prompt only (the template writes a chat's)."""
+class TokenizeRequest(ChatTemplateFields):
+    """POST /tokenize, as vLLM reads it: a `prompt`, or chat `messages` rendered by the chat template (with the
+    template fields of `ChatTemplateFields`); special tokens added by default to a prompt only (the template writes
+    a chat's)."""
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
 

@@ -41,11 +41,13 @@ class Serving:
 class Choice:
     """One engine request of a response (a choice): its tokens turned into text as they come, its end, and its
     metrics once it ends; `echo` is text its answer begins with (a completions prompt echoed), and with
-    `echo_only` (max_tokens 0) its whole answer: the one token the engine generates is dropped."""
+    `echo_only` (max_tokens 0) its whole answer: the one token the engine generates is dropped. Special tokens'
+    text is left out of its text unless `skip_special` is False (vLLM's skip_special_tokens), or a tool-call parser
+    reads it (tool_choice auto: the parsers' markers are special tokens)."""
 
     def __init__(self, serving: Serving, index: int, request_id: str, prompt: list[int], params: SamplingParams,
                  stop: tuple[str, ...], include_stop: bool, stream: RequestStream, tools: ToolMode | None = None,
-                 echo: str = "", echo_only: bool = False):
+                 echo: str = "", echo_only: bool = False, skip_special: bool = True):
         self.serving, self.index, self.request_id, self.params, self.stream = serving, index, request_id, params, stream
         self.echo, self.echo_only = echo, echo_only
         self.prompt_scores: PromptLogprobs | None = None  # the prompt's log-probabilities, from the first delta
@@ -54,8 +56,8 @@ class Choice:
         self.prompt_tokens = len(prompt)
         self.tools = tools
         self.tool_stream = ToolStream(tools) if tools is not None else None
-        decode = serving.decode_special or serving.decode if tools is not None and tools.kind == "auto" else \
-            serving.decode
+        keep_special = not skip_special or tools is not None and tools.kind == "auto"
+        decode = serving.decode_special or serving.decode if keep_special else serving.decode
         self.text = IncrementalText(decode, prompt, stop, include_stop, params.min_tokens)
         self.parts: list[str] = []
         self.tokens: list[int] = []

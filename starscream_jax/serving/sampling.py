@@ -1,24 +1,29 @@
 """What the serving step does to a row's logits before it draws, as vLLM defines each setting, and the per-slot
 device state the settings need. Everything runs inside the compiled step; nothing crosses to the host per token.
 
-Order, as vLLM's sampler applies them: `logit_bias` added and the stop tokens masked while fewer than
-`min_tokens` are generated (`apply_bias`), then the repetition, frequency and presence penalties
-(`apply_penalties`), then temperature, `min_p`, top-k and top-p (`keep_min_p` inside the step's draw). The
+Order, as vLLM's sampler applies them: the allowed-token bits (a grammar's, `allowed_token_ids`, or both
+intersected: `apply_grammar`), then `bad_words` (`apply_bad_words`), then `logit_bias` added and the stop tokens
+masked while fewer than `min_tokens` are generated (`apply_bias`), then the repetition, frequency and presence
+penalties (`apply_penalties`), then temperature, `min_p`, top-k and top-p (`keep_min_p` inside the step's draw). The
 log-probabilities returned (the chosen token's and the `top_logprobs` best, `top_logprobs`) are the model's own,
 before any of these.
 
 `SlotState` holds, for every slot of every cache shard (a running sequence holds one slot of its shard, its index local
 to the shard, `Sequence.slot`), the counts of its generated tokens per vocabulary id [slots, V] int32, which ids its
 prompt holds [slots, V] bool, its logit bias as (id, value) pairs [slots, MAX_LOGIT_BIAS] and its stop ids [slots,
-MAX_STOP_IDS] (-1: none), and the allowed-token bits of a guided row's next token [slots, W] int32 (structured output,
-`serving.guided`: W = ceil(V / 32) words, bit v % 32 of word v // 32 for token v). Its slots are split as the attention
+MAX_STOP_IDS] (-1: none), its bad words' token sequences [slots, MAX_BAD_WORDS * MAX_BAD_WORD_TOKENS] and the last
+MAX_BAD_WORD_TOKENS - 1 tokens it generated [slots, MAX_BAD_WORD_TOKENS - 1] (-1: none), and the allowed-token bits of a
+masked row's next token [slots, W] int32 (a grammar's, `serving.guided`, and `allowed_token_ids`: W = ceil(V / 32)
+words, bit v % 32 of word v // 32 for token v). Its slots are split as the attention
 batch is (`SLOT_TABLE`), as the step's rows are: shard s's rows read and write only shard s's slots, on the device that
 holds both (`run_sharded`), so no slot is stored twice and none moves. The host writes a slot's row once, when a
 sequence that uses these settings takes it (`reset_slot`, with `SlotReset.of`); the step counts each penalized row's
-sampled token itself (`record`, a scatter of B ones). A guided row's bits change with every token it takes, so the host
-writes them before each step that samples it, after reading its previous token (`write_masks`, one scatter of the guided
-rows' masks); the step then sets every token a guided row's grammar forbids to -inf before anything else
-(`apply_grammar`), as vLLM applies its grammar bitmask. A step none of whose rows uses a setting skips its work
+sampled token itself (`record`, a scatter of B ones) and appends it to a banning row's tail of generated tokens, so a
+bad word of several tokens is matched against every token, the newest included, with nothing read by the host. A
+guided row's bits change with every token it takes, so the host writes them before each step that samples it, after
+reading its previous token (`write_masks`, one scatter of the masked rows' masks); the bits of `allowed_token_ids`
+alone do not change, so they are written once, when the sequence takes its slot. The step then sets every token a
+masked row's bits forbid to -inf before anything else (`apply_grammar`), as vLLM applies its grammar bitmask. A step none of whose rows uses a setting skips its work
 (`jax.lax.cond`).
 """
 from __future__ import annotations
@@ -35,7 +40,7 @@ from ..errors import StarscreamError
 from ..model.ops import run_sharded
 from ..sharding.apply import active
 from .guided import mask_words
-from .scheduler import MAX_LOGIT_BIAS, MAX_STOP_IDS, MAX_TOP_LOGPROBS
+from .scheduler import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_STOP_IDS, MAX_TOP_LOGPROBS
 
 SLOT_ROWS = ("attn_batch",)
 """A step's rows [B] and the slot of each, split as the attention batch is."""
@@ -43,7 +48,9 @@ SLOT_TABLE = ("attn_batch", None)
 """Each `SlotState` array: slots split as the attention batch is (a shard's slots on its device), the rest whole."""
 
 
-RESET_FIELDS = ("counts", "prompt", "bias_ids", "bias", "stops")
+TAIL = MAX_BAD_WORD_TOKENS - 1
+"""Generated tokens a slot keeps (`SlotState.tail`): the longest bad word's tokens before its last."""
+RESET_FIELDS = ("counts", "prompt", "bias_ids", "bias", "stops", "bad_words", "tail")
 """The fields of `SlotState` a `SlotReset` writes (`reset_slot`), as its own fields of those names."""
 
 
@@ -52,14 +59,19 @@ RESET_FIELDS = ("counts", "prompt", "bias_ids", "bias", "stops")
 class SlotState:
     """Per slot of every cache shard (see the module docstring): counts [slots, V] int32 of generated tokens,
     prompt [slots, V] bool, bias_ids [slots, MAX_LOGIT_BIAS] int32 and bias [slots, MAX_LOGIT_BIAS] float32 (the
-    logit bias, id -1: none), stops [slots, MAX_STOP_IDS] int32 (-1: none), allowed [slots, ceil(V / 32)] int32
-    (a guided row's allowed-token bits). `slots` is shards * slots per shard."""
+    logit bias, id -1: none), stops [slots, MAX_STOP_IDS] int32 (-1: none), bad_words [slots, MAX_BAD_WORDS *
+    MAX_BAD_WORD_TOKENS] int32 (each word's token ids right-aligned in its MAX_BAD_WORD_TOKENS columns, -1 before
+    them; all -1: no word), tail [slots, TAIL] int32 (the newest generated tokens, oldest first, -1 where fewer were
+    generated), allowed [slots, ceil(V / 32)] int32 (a masked row's allowed-token bits). `slots` is shards * slots
+    per shard."""
 
     counts: jax.Array
     prompt: jax.Array
     bias_ids: jax.Array
     bias: jax.Array
     stops: jax.Array
+    bad_words: jax.Array
+    tail: jax.Array
     allowed: jax.Array
 
     @staticmethod
@@ -70,7 +82,9 @@ class SlotState:
 
         return SlotState(counts=spec(vocab, jnp.int32), prompt=spec(vocab, jnp.bool_),
                          bias_ids=spec(MAX_LOGIT_BIAS, jnp.int32), bias=spec(MAX_LOGIT_BIAS, jnp.float32),
-                         stops=spec(MAX_STOP_IDS, jnp.int32), allowed=spec(mask_words(vocab), jnp.int32))
+                         stops=spec(MAX_STOP_IDS, jnp.int32),
+                         bad_words=spec(MAX_BAD_WORDS * MAX_BAD_WORD_TOKENS, jnp.int32), tail=spec(TAIL, jnp.int32),
+                         allowed=spec(mask_words(vocab), jnp.int32))
 
     @staticmethod
     def abstract(slots: int, vocab: int, sharding=None) -> SlotState:
@@ -80,9 +94,11 @@ class SlotState:
 
     @staticmethod
     def empty(slots: int, vocab: int, sharding=None) -> SlotState:
-        """Every slot cleared (no counts, no prompt, no bias or stop ids, every token allowed), on `sharding`."""
+        """Every slot cleared (no counts, no prompt, no bias, stop ids or bad words, every token allowed), on
+        `sharding`."""
         shapes = SlotState.shapes(slots, vocab)
-        fills = {"counts": 0, "prompt": False, "bias_ids": -1, "bias": 0.0, "stops": -1, "allowed": -1}
+        fills = {"counts": 0, "prompt": False, "bias_ids": -1, "bias": 0.0, "stops": -1, "bad_words": -1, "tail": -1,
+                 "allowed": -1}
         return SlotState(**{name: jnp.full(getattr(shapes, name).shape, fill, getattr(shapes, name).dtype,
                                            device=sharding) for name, fill in fills.items()})
 
@@ -93,7 +109,8 @@ class SlotReset:
     """One slot's new row, written by `reset_slot`: `slot` (a scalar, shard * slots per shard + the sequence's
     slot), counts [V] of its generated tokens so far (more than none after a preemption), prompt [V] (1: the id is
     in the prompt; int32, as `multihost` broadcasts it),
-    bias_ids / bias [MAX_LOGIT_BIAS], stops [MAX_STOP_IDS] (-1: none). Host arrays, built by `of`."""
+    bias_ids / bias [MAX_LOGIT_BIAS], stops [MAX_STOP_IDS] (-1: none), bad_words [MAX_BAD_WORDS *
+    MAX_BAD_WORD_TOKENS] and tail [TAIL] (as `SlotState`'s). Host arrays, built by `of`."""
 
     slot: np.ndarray
     counts: np.ndarray
@@ -101,15 +118,28 @@ class SlotReset:
     bias_ids: np.ndarray
     bias: np.ndarray
     stops: np.ndarray
+    bad_words: np.ndarray
+    tail: np.ndarray
 
     @classmethod
-    def of(cls, slot: int, vocab: int, prompt: list[int], generated: list[int], logit_bias=(), stops=()) -> SlotReset:
-        """The row of a sequence of `prompt` and `generated` tokens, with `logit_bias` ((id, value) pairs) and
-        `stops` (stop token ids masked while min_tokens are not reached); StarscreamError beyond what a slot holds."""
+    def of(cls, slot: int, vocab: int, prompt: list[int], generated: list[int], logit_bias=(), stops=(),
+           bad_words=()) -> SlotReset:
+        """The row of a sequence of `prompt` and `generated` tokens, with `logit_bias` ((id, value) pairs), `stops`
+        (stop token ids masked while min_tokens are not reached) and `bad_words` (token-id sequences);
+        StarscreamError beyond what a slot holds."""
         if len(logit_bias) > MAX_LOGIT_BIAS:
             raise StarscreamError(f"logit_bias holds {len(logit_bias)} entries; give at most {MAX_LOGIT_BIAS}")
         if len(stops) > MAX_STOP_IDS:
             raise StarscreamError(f"{len(stops)} stop token ids with min_tokens; give at most {MAX_STOP_IDS}")
+        if len(bad_words) > MAX_BAD_WORDS or any(not 1 <= len(word) <= MAX_BAD_WORD_TOKENS for word in bad_words):
+            raise StarscreamError(f"bad_words: at most {MAX_BAD_WORDS} token sequences of 1 to "
+                                  f"{MAX_BAD_WORD_TOKENS} tokens each")
+        words = np.full((MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), -1, np.int32)
+        for index, word in enumerate(bad_words):
+            words[index, MAX_BAD_WORD_TOKENS - len(word):] = word
+        tail = np.full(TAIL, -1, np.int32)
+        newest = generated[len(generated) - TAIL:]
+        tail[TAIL - len(newest):] = newest
         bias_ids, bias = np.full(MAX_LOGIT_BIAS, -1, np.int32), np.zeros(MAX_LOGIT_BIAS, np.float32)
         for index, (token, value) in enumerate(logit_bias):
             bias_ids[index], bias[index] = token, value
@@ -119,20 +149,23 @@ class SlotReset:
         present[np.asarray(prompt, np.int64)] = 1
         counts = np.bincount(np.asarray(generated, np.int64), minlength=vocab).astype(np.int32)
         return cls(slot=np.asarray(slot, np.int32), counts=counts, prompt=present, bias_ids=bias_ids, bias=bias,
-                   stops=stop_ids)
+                   stops=stop_ids, bad_words=words.reshape(-1), tail=tail)
 
 
 def reset_slot(state: SlotState, reset: SlotReset) -> SlotState:
     """`state` with slot `reset.slot`'s row replaced by `reset`'s (jit it with `state` donated: an update in
     place); each shard writes only if the slot is its own."""
+    count = len(RESET_FIELDS)
+
     def local(*arrays, specs):
-        (slot, *rows), local_slots = arrays[5:], arrays[0].shape[0]
+        (slot, *rows), local_slots = arrays[count:], arrays[0].shape[0]
         at = _local_index(slot, local_slots, specs)
-        return tuple(array.at[at].set(row.astype(array.dtype), mode="drop") for array, row in zip(arrays[:5], rows))
+        return tuple(array.at[at].set(row.astype(array.dtype), mode="drop")
+                     for array, row in zip(arrays[:count], rows))
 
     written = [getattr(state, name) for name in RESET_FIELDS]  # the allowed bits are `write_masks`'
-    fields = (reset.slot, reset.counts, reset.prompt, reset.bias_ids, reset.bias, reset.stops)
-    out = run_sharded(local, [*written, *fields], [SLOT_TABLE] * 5 + [None] * 6,
+    fields = (reset.slot, *(getattr(reset, name) for name in RESET_FIELDS))
+    out = run_sharded(local, [*written, *fields], [SLOT_TABLE] * count + [None] * (count + 1),
                       [(SLOT_TABLE, array.shape) for array in written], "slot state")
     return dataclasses.replace(state, **dict(zip(RESET_FIELDS, out)))
 
@@ -159,23 +192,55 @@ def write_masks(state: SlotState, slot_K: jax.Array, masks_KW: jax.Array) -> Slo
 
 
 def apply_grammar(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, rows) -> jax.Array:
-    """The logits [B, V] with every token the grammar of a guided row (`rows.guided` [B] > 0, with a slot) does not
-    allow set to -inf, from its slot's bits (`SlotState.allowed`); other rows are left as they are, and a step with
-    no guided row skips the work. Placed as `logits_BV` is."""
+    """The logits [B, V] with every token the bits of a masked row (`rows.masked` [B] > 0, with a slot: its
+    grammar's allowed tokens, its allowed_token_ids, or both intersected) do not allow set to -inf, from its slot's
+    bits (`SlotState.allowed`); other rows are left as they are, and a step with no masked row skips the work.
+    Placed as `logits_BV` is."""
     def mask(logits_BV):
-        def local(logits_bV, allowed_RW, slot_b, guided_b, specs):
+        def local(logits_bV, allowed_RW, slot_b, masked_b, specs):
             vocab = logits_bV.shape[-1]
             ids_V = jnp.arange(vocab)
             words_bV = allowed_RW[jnp.maximum(slot_b, 0)][:, ids_V // 32]
             allowed_bV = ((words_bV >> (ids_V % 32)[None, :]) & 1) > 0
-            keep_bV = allowed_bV | ~((slot_b >= 0) & (guided_b > 0))[:, None]
+            keep_bV = allowed_bV | ~((slot_b >= 0) & (masked_b > 0))[:, None]
             return jnp.where(keep_bV, logits_bV, -jnp.inf)
 
-        out = run_sharded(local, [logits_BV, state.allowed, slot_B, rows.guided],
+        out = run_sharded(local, [logits_BV, state.allowed, slot_B, rows.masked],
                           [SLOT_TABLE, SLOT_TABLE, SLOT_ROWS, SLOT_ROWS], [(SLOT_TABLE, logits_BV.shape)], "grammar")
         return _like(out, logits_BV)
 
-    return jax.lax.cond(jnp.any((rows.guided > 0) & (slot_B >= 0)), mask, lambda logits: logits, logits_BV)
+    return jax.lax.cond(jnp.any((rows.masked > 0) & (slot_B >= 0)), mask, lambda logits: logits, logits_BV)
+
+
+def apply_bad_words(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, rows) -> jax.Array:
+    """The logits [B, V] with, for each banning row (`rows.banning` [B] > 0, with a slot), the last token of each of
+    its bad words set to -inf where the tokens it generated last equal the word's other tokens (a one-token word:
+    always), as vLLM bans them; the tail compared is the slot's (`SlotState.tail`), which the step itself extends,
+    so the newest token counts though the host has not read it. A word longer than the tokens generated so far plus
+    one is not matched (its earlier tokens would lie in the prompt). A step with no banning row skips the work.
+    Placed as `logits_BV` is."""
+    def ban(logits_BV):
+        def local(logits_bV, words_RX, tail_RT, slot_b, banning_b, specs):
+            vocab, at_b = logits_bV.shape[-1], jnp.maximum(slot_b, 0)
+            words_bNL = words_RX[at_b].reshape(-1, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS)
+            before_bNT, last_bN = words_bNL[..., :-1], words_bNL[..., -1]
+            follows_bN = jnp.all((before_bNT < 0) | (before_bNT == tail_RT[at_b][:, None, :]), axis=-1)
+            used_b1 = ((slot_b >= 0) & (banning_b > 0))[:, None]
+            banned_bN = jnp.where(used_b1 & follows_bN & (last_bN >= 0), last_bN, vocab)
+            hit_bV = jax.vmap(lambda ids: jnp.zeros(vocab, bool).at[ids].set(True, mode="drop"))(banned_bN)
+            return jnp.where(hit_bV, -jnp.inf, logits_bV)
+
+        args = [logits_BV, state.bad_words, state.tail, slot_B, rows.banning]
+        out = run_sharded(local, args, [SLOT_TABLE] * 3 + [SLOT_ROWS] * 2, [(SLOT_TABLE, logits_BV.shape)],
+                          "bad words")
+        return _like(out, logits_BV)
+
+    return jax.lax.cond(jnp.any(banning(rows, slot_B)), ban, lambda logits: logits, logits_BV)
+
+
+def banning(rows, slot_B: jax.Array) -> jax.Array:
+    """[B] bool: the rows with a slot and bad words."""
+    return (slot_B >= 0) & (rows.banning > 0)
 
 
 def penalized(rows, slot_B: jax.Array) -> jax.Array:
@@ -239,17 +304,22 @@ def apply_bias(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, rows, 
 
 
 def record(state: SlotState, slot_B: jax.Array, token_B: jax.Array, rows) -> SlotState:
-    """`state` with each penalized row's sampled token [B] counted in its slot, in place (a scatter of B ones,
-    none where no row has a penalty: only those rows read the counts, and a sequence's slot is written afresh
-    when it takes it); `rows` holds presence, frequency and repetition [B]."""
-    def local(counts_RV, slot_b, counted_b, token_b, specs):
-        at_b = jnp.where(counted_b, slot_b, counts_RV.shape[0])
-        return counts_RV.at[at_b, token_b].add(1, mode="drop")
+    """`state` with each penalized row's sampled token [B] counted in its slot and each banning row's appended to
+    its slot's tail (dropping the oldest), in place (scatters of B rows, none written where no row has a penalty or
+    bad words: only those rows read them, and a sequence's slot is written afresh when it takes it); `rows` holds
+    presence, frequency, repetition and banning [B]."""
+    def local(counts_RV, tail_RT, slot_b, counted_b, banned_b, token_b, specs):
+        counted_at_b = jnp.where(counted_b, slot_b, counts_RV.shape[0])
+        banned_at_b = jnp.where(banned_b, slot_b, tail_RT.shape[0])
+        tail_bT = jnp.concatenate([tail_RT[jnp.maximum(slot_b, 0)][:, 1:], token_b[:, None]], axis=1)
+        return (counts_RV.at[counted_at_b, token_b].add(1, mode="drop"),
+                tail_RT.at[banned_at_b].set(tail_bT, mode="drop"))
 
-    counts = run_sharded(local, [state.counts, slot_B, penalized(rows, slot_B), token_B],
-                         [SLOT_TABLE, SLOT_ROWS, SLOT_ROWS, SLOT_ROWS], [(SLOT_TABLE, state.counts.shape)],
-                         "token counts")
-    return dataclasses.replace(state, counts=counts)
+    counts, tail = run_sharded(local, [state.counts, state.tail, slot_B, penalized(rows, slot_B),
+                                       banning(rows, slot_B), token_B],
+                               [SLOT_TABLE, SLOT_TABLE] + [SLOT_ROWS] * 4,
+                               [(SLOT_TABLE, state.counts.shape), (SLOT_TABLE, state.tail.shape)], "token counts")
+    return dataclasses.replace(state, counts=counts, tail=tail)
 
 
 def keep_min_p(scaled_BV: jax.Array, min_p_B: jax.Array) -> jax.Array:

@@ -42,6 +42,12 @@ MAX_TOP_LOGPROBS = 20
 """The most top log-probabilities per generated position (vLLM's default `max_logprobs`)."""
 MAX_STOP_IDS = 32
 """The most stop token ids (EOS ids included) of a request with min_tokens: the step masks them itself."""
+MAX_BAD_WORDS = 128
+"""The most token sequences of one request's bad_words (a word gives one or two: with and without a leading space;
+a slot of `sampling.SlotState` holds this many)."""
+MAX_BAD_WORD_TOKENS = 8
+"""The most tokens of one bad word's sequence (the step compares the word's earlier tokens with the slot's last
+MAX_BAD_WORD_TOKENS - 1 generated ones)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +59,9 @@ class SamplingParams:
     theirs. As vLLM defines them: `min_p` drops tokens less likely than it times the likeliest; the presence and
     frequency penalties subtract from the logit of each id generated so far (once, or once per time); the
     repetition penalty divides positive logits and multiplies negative ones of ids in the prompt or generated;
-    `logit_bias` ((id, value) pairs) adds to logits; `grammar` (structured output, `serving.guided`) allows only
+    `logit_bias` ((id, value) pairs) adds to logits; `allowed_token_ids` (empty: all) are the only ids drawn;
+    `bad_words` (token-id sequences) ban each sequence's last id where the tokens generated last are the rest of it
+    (always, for one id); `grammar` (structured output, `serving.guided`) allows only
     the tokens that keep the text within it, and the request ends ("stop") when the grammar does; `prompt_logprobs`
     N (None: off) returns each prompt token's log-probability and rank after the first, with the N likeliest
     tokens at its position (`PromptLogprobs`, on the first token's event). Stop strings are
@@ -74,6 +82,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
     grammar: Grammar | None = None
     prompt_logprobs: int | None = None
 
@@ -119,18 +129,27 @@ class SamplingParams:
                 (not all(isinstance(pair, (tuple, list)) and len(pair) == 2 and _is_int(pair[0])
                          and 0 <= pair[0] < 2 ** 31 and _number_in(pair[1], -100.0, 100.0)
                          for pair in self.logit_bias),
-                 "logit_bias must map token ids to values in [-100, 100]")]
+                 "logit_bias must map token ids to values in [-100, 100]"),
+                (not _ids(self.allowed_token_ids), "allowed_token_ids must be a tuple of token ids"),
+                (isinstance(self.bad_words, (str, bytes)) or len(self.bad_words) > MAX_BAD_WORDS or
+                 not all(_ids(word) and 1 <= len(word) <= MAX_BAD_WORD_TOKENS for word in self.bad_words),
+                 f"bad_words must be at most {MAX_BAD_WORDS} tuples of 1 to {MAX_BAD_WORD_TOKENS} token ids")]
 
     @property
     def uses_slot(self) -> bool:
-        """Whether the step reads this request's slot state: a penalty, a logit bias or min_tokens
-        (`sampling.SlotState`)."""
+        """Whether the step reads this request's slot state written when it takes its slot (`sampling.SlotReset`):
+        a penalty, a logit bias, min_tokens or bad words."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or self.min_tokens or self.bad_words)
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _ids(values) -> bool:
+    """A tuple or list of token ids (whole numbers in [0, 2**31))."""
+    return isinstance(values, (tuple, list)) and all(_is_int(value) and 0 <= value < 2 ** 31 for value in values)
 
 
 def _number_in(value, low: float, high: float) -> bool:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI on uvicorn), the API process' half of a server; the engine runs apart
 (`serving.core`) and is reached through an `EngineClient`.
 
-Routes: POST /v1/completions and /v1/chat/completions (the tokenizer's chat template), both streaming by
+Routes: POST /v1/completions and /v1/chat/completions (the request's chat template, else the server's, else the
+tokenizer's, with the request's chat_template_kwargs), both streaming by
 server-sent events with `"stream": true`, each request's choices (`n` per prompt, and a batch of prompts for
 completions) served as engine requests of their own; GET /v1/models; and as vLLM's, GET /health and /ping,
 /version, /metrics (Prometheus text, `serving.metrics`), POST /tokenize and /detokenize. /v1/embeddings is a 404
@@ -41,6 +42,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from ..errors import StarscreamError
+from ..text.tokenizer import check_template, continued
 from .client import EngineClient
 from .metrics import ServerMetrics
 from .middleware import ApiKey, BodyLimit
@@ -55,6 +57,7 @@ from .requests import (
     CompletionRequest,
     DetokenizeRequest,
     Sampling,
+    TemplateOptions,
     TokenizeRequest,
     unavailable,
 )
@@ -94,13 +97,17 @@ class Server:
     `allowed_headers`): the browser origins CORS lets in ("*": any; none by default). `sampling_defaults`: the
     temperature / top_p / top_k a request that leaves them out gets (a model's generation_config.json).
     `tool_parser`: the `serving.tools.PARSERS` name that reads calls out of an answer under tool_choice "auto"
-    (None: such requests are refused)."""
+    (None: such requests are refused). `chat_template`: a Jinja template rendering chats instead of the
+    tokenizer's (vLLM's --chat-template; a request's chat_template replaces either, where
+    `trust_request_chat_template`: as in vLLM a request's template is refused otherwise, since a template can
+    loop or grow its output until the worker thread or the memory is spent)."""
 
     def __init__(self, client: EngineClient, tokenizer, model_name: str, info: EngineInfo, max_pending: int = 256,
                  on_engine_failure: Callable[[], None] = lambda: None, api_key: str | None = None,
                  allowed_origins: Sequence[str] = (), allowed_methods: Sequence[str] = ("*",),
                  allowed_headers: Sequence[str] = ("*",), sampling_defaults: dict | None = None,
-                 stats_interval_s: float = STATS_INTERVAL_S, tool_parser: str | None = None):
+                 stats_interval_s: float = STATS_INTERVAL_S, tool_parser: str | None = None,
+                 chat_template: str | None = None, trust_request_chat_template: bool = False):
         self.client, self.tokenizer, self.model_name, self.info = client, tokenizer, model_name, info
         self.max_pending = max_pending
         self.metrics = ServerMetrics(model_name, info.page_size)
@@ -113,6 +120,8 @@ class Server:
         if tool_parser is not None and tool_parser not in PARSERS:
             raise StarscreamError(f"unknown tool-call parser {tool_parser!r}; choose one of {', '.join(PARSERS)}")
         self.tool_parser = tool_parser
+        self.chat_template = None if chat_template is None else check_template(chat_template, "the chat template")
+        self.trust_request_chat_template = trust_request_chat_template
         self._ids = itertools.count()
         self.serving = Serving(decode=tokenizer.decode, client=client, metrics=self.metrics,
                                json=msgspec.json.Encoder(),
@@ -222,8 +231,7 @@ class Server:
     async def tokenize(self, body: TokenizeRequest):
         self._check_model(body.model)
         if body.messages is not None:
-            tokens = await self._chat_tokens(body.messages, body.add_generation_prompt,
-                                             bool(body.add_special_tokens))
+            tokens = await self._chat_tokens(body.messages, body.template_options(), bool(body.add_special_tokens))
         else:
             special = True if body.add_special_tokens is None else body.add_special_tokens
             tokens = await self._tokenize(body.prompt, "prompt", lambda: self.tokenizer.encode(body.prompt, special))
@@ -260,8 +268,7 @@ class Server:
         self._admit(body.n)
         tools = body.tool_mode(self.tool_parser)
         grammar = await self._grammar(body)
-        prompt = await self._chat_tokens(body.messages, body.add_generation_prompt, body.add_special_tokens,
-                                         body.tools)
+        prompt = await self._chat_tokens(body.messages, body.template_options(), body.add_special_tokens, body.tools)
         return await self._serve(body, [prompt], request, arrival, chat=True, logprobs=body.logprobs,
                                  grammar=grammar, tools=tools)
 
@@ -277,13 +284,32 @@ class Server:
         except StarscreamError as err:
             raise ApiError(HTTP_BAD_REQUEST, str(err), param=grammar.field) from None
 
-    async def _chat_tokens(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                           add_special_tokens: bool, tools: list | None = None) -> list[int]:
+    async def _chat_tokens(self, messages: list[ChatMessage], options: TemplateOptions, add_special_tokens: bool,
+                           tools: list | None = None) -> list[int]:
+        """The token ids of `messages` rendered as `options` say (the request's template, else the server's, else
+        the tokenizer's; cut after the final message where it is continued), on a worker thread. A template that
+        fails is a 400 naming chat_template where the request gave one (else messages); a final message the
+        rendered text does not hold, one naming continue_final_message."""
+        if options.template is not None and not self.trust_request_chat_template:
+            raise ApiError(HTTP_BAD_REQUEST, "chat_template: this server renders only its own chat template; leave "
+                           "chat_template out, or start the server with --trust-request-chat-template",
+                           param="chat_template")
         turns = [message.for_template() for message in messages]
+        field = "messages" if options.template is None else "chat_template"
 
         def encode():
-            text = self.tokenizer.render_chat(turns, add_generation_prompt=add_generation_prompt,
-                                              **({"tools": tools} if tools else {}))
+            try:
+                text = self.tokenizer.render_chat(turns, add_generation_prompt=options.add_generation_prompt,
+                                                  **({"tools": tools} if tools else {}),
+                                                  template=options.template or self.chat_template,
+                                                  variables=options.variables)
+            except StarscreamError as err:
+                raise ApiError(HTTP_BAD_REQUEST, str(err), param=field) from None
+            if options.continue_final:
+                try:
+                    text = continued(text, turns[-1]["content"])
+                except StarscreamError as err:
+                    raise ApiError(HTTP_BAD_REQUEST, str(err), param="continue_final_message") from None
             self._check_length(text, "messages")
             return self.tokenizer.encode(text, special_tokens=add_special_tokens)
 
@@ -349,7 +375,8 @@ class Server:
                 seeded = base if i == 0 or base.seed is None else replace(base, seed=(base.seed + i) % 2 ** 31)
                 stream = self.client.submit(request_id, prompt, seeded)
                 choices.append(Choice(self.serving, index, request_id, prompt, seeded, stop,
-                                      body.include_stop_str_in_output, stream, tools, echo, body.max_tokens == 0))
+                                      body.include_stop_str_in_output, stream, tools, echo, body.max_tokens == 0,
+                                      body.skip_special_tokens))
             self.prompt_tokens_submitted += len(prompt) * body.n
         firsts = await asyncio.gather(*(choice.stream.take() for choice in choices))  # refusals surface here
         refused = next((first for first in firsts if first.error is not None), None)
@@ -380,6 +407,9 @@ class Server:
         self._check_vocabulary("stop_token_ids", body.stop_token_ids or ())
         bias = body.bias_pairs()
         self._check_vocabulary("logit_bias", [token for token, _ in bias])
+        self._check_vocabulary("allowed_token_ids", body.allowed_token_ids or ())
+        bad_words = body.bad_word_ids(lambda text: self.tokenizer.encode(text, special_tokens=False).tolist())
+        self._check_vocabulary("bad_words", [token for word in bad_words for token in word])
         top = (body.top_logprobs if chat else body.logprobs or 0) if logprobs else 0
         scored = self._prompt_logprobs(body, chat)
         try:
@@ -390,6 +420,7 @@ class Server:
                                   top_logprobs=top, min_tokens=body.min_tokens, min_p=body.min_p,
                                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                   repetition_penalty=body.repetition_penalty, logit_bias=bias,
+                                  allowed_token_ids=tuple(body.allowed_token_ids or ()), bad_words=bad_words,
                                   prompt_logprobs=scored)
         except StarscreamError as err:
             raise ApiError(HTTP_BAD_REQUEST, str(err)) from None

@@ -24,8 +24,8 @@ layout must place them alike (`check_same_cache_placement`).
 
 Shapes are bucketed (`Buckets`): rows per shard, positions per row (prefill) and pages per row round up to the next
 bucket, so a server compiles each (phase, rows, positions, pages) program once, at start, and holds `Buckets.programs()`
-of them. Sampling is per row: a guided row's grammar mask, then logit bias, the min_tokens mask and the penalties
-(`serving.sampling`), then temperature 0 is greedy, else min_p, top-k, then top-p (nucleus) at the row's temperature,
+of them. Sampling is per row: a masked row's allowed tokens (grammar, allowed_token_ids), its bad words, then logit
+bias, the min_tokens mask and the penalties (`serving.sampling`), then temperature 0 is greedy, else min_p, top-k, then top-p (nucleus) at the row's temperature,
 the draw keyed by (row's seed, the new token's position) alone.
 """
 from __future__ import annotations
@@ -50,6 +50,7 @@ from ..training.steps import whole_vocabulary
 from .sampling import (
     MAX_TOP_LOGPROBS,
     SlotState,
+    apply_bad_words,
     apply_bias,
     apply_grammar,
     apply_penalties,
@@ -75,8 +76,9 @@ class RowSampling:
     presence, frequency (0: off) and repetition (1: off) penalties; min_position (its stop ids are masked while
     the new token's position is below it: the prompt's length plus min_tokens; 0: off); biased (1: its slot's
     logit bias applies); top_logprobs (how many of the likeliest tokens it returns, at most
-    `sampling.MAX_TOP_LOGPROBS`); guided (1: its grammar's allowed-token bits, written into its slot before the
-    step, mask its logits). Those from min_p on read the row's slot (`sampling.SlotState`)."""
+    `sampling.MAX_TOP_LOGPROBS`); masked (1: the allowed-token bits in its slot mask its logits: its grammar's,
+    written before each step that samples it, its allowed_token_ids', or both intersected); banning (1: its slot's
+    bad words apply). Those from min_p on read the row's slot (`sampling.SlotState`)."""
 
     temperature: jax.Array
     top_p: jax.Array
@@ -89,17 +91,18 @@ class RowSampling:
     min_position: jax.Array
     biased: jax.Array
     top_logprobs: jax.Array
-    guided: jax.Array
+    masked: jax.Array
+    banning: jax.Array
 
     @classmethod
     def neutral(cls, rows: int) -> RowSampling:
         """Host settings [rows] that ask for nothing: greedy, no filter, no penalty, no bias, no top tokens, no
-        grammar."""
+        mask, no bad words."""
         f32, i32 = np.zeros((rows,), np.float32), np.zeros((rows,), np.int32)
         ones = np.ones((rows,), np.float32)
         return cls(temperature=f32.copy(), top_p=ones.copy(), top_k=i32.copy(), seed=i32.copy(), min_p=f32.copy(),
                    presence=f32.copy(), frequency=f32.copy(), repetition=ones.copy(), min_position=i32.copy(),
-                   biased=i32.copy(), top_logprobs=i32.copy(), guided=i32.copy())
+                   biased=i32.copy(), top_logprobs=i32.copy(), masked=i32.copy(), banning=i32.copy())
 
 
 @register_dataclass
@@ -292,9 +295,10 @@ def write_slots(recent: jax.Array, slot_B: jax.Array, token_B: jax.Array) -> jax
 def sample_rows(logits_BV: jax.Array, rows: RowSampling, position_B: jax.Array, slots: SlotState,
                 slot_B: jax.Array) -> tuple[Sampled, SlotState]:
     """Each row's next token, drawn for sequence position `position_B` [B] from the logits [B, V] (placed by the
-    layout's ("batch", "vocab") rules) after its logit bias, min_tokens mask and penalties (`serving.sampling`,
-    reading the row's slot `slot_B` [B] of `slots`, -1: none), with the model's log-probabilities of it and of
-    the likeliest tokens (`Sampled`); `slots` with the tokens counted. A step whose rows are all greedy and
+    layout's ("batch", "vocab") rules) after its allowed-token bits, bad words, logit bias, min_tokens mask and
+    penalties (`serving.sampling`, reading the row's slot `slot_B` [B] of `slots`, -1: none), with the model's
+    log-probabilities of it and of the likeliest tokens (`Sampled`); `slots` with the tokens counted and the bad
+    words' tails extended. A step whose rows are all greedy and
     plain takes the argmax alone; otherwise the sort that drawing needs and the work of each setting run only in
     a step where some row asks for them (`jax.lax.cond`, each branch's result [B] where it can be, so the plain
     path copies no [B, V] array)."""
@@ -304,6 +308,7 @@ def sample_rows(logits_BV: jax.Array, rows: RowSampling, position_B: jax.Array, 
                                                 (rows, position_B, slot_B))
         logprob_BV = jax.nn.log_softmax(logits_BV, axis=-1)  # the model's own, as vLLM returns them
         logits_BV = apply_grammar(logits_BV, slots, slot_B, rows)  # before everything else, as vLLM masks
+        logits_BV = apply_bad_words(logits_BV, slots, slot_B, rows)
         plain = ~jnp.any(rows.temperature > 0) & ~jnp.any(biased(rows, slot_B, position_B) | penalized(rows, slot_B))
         token_B = jax.lax.cond(plain, _greedy, _adjusted, logits_BV, rows, position_B, slots, slot_B)
         top_token_BK, top_logprob_BK = top_logprobs(logprob_BV, rows.top_logprobs)

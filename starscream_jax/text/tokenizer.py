@@ -2,8 +2,9 @@
 its `tokenizer_config.json`, or the byte-level tokenizer of the built-in demo (`byte_level.encode` / `byte_level.decode`).
 
 Both give token ids as int32 arrays and text back. `render_chat` turns chat messages ([{"role", "content"}]) into
-text with the checkpoint's own Jinja template, run in Jinja's sandbox; that text is encoded without adding special
-tokens again (the template writes them). `eos_ids` holds every id that ends a generation: tokenizer_config.json's
+text with the checkpoint's own Jinja template, or one given (a server's --chat-template, a request's
+chat_template), run in Jinja's sandbox (`render_template`); that text is encoded without adding special tokens
+again (the template writes them). `continued` cuts a rendered chat after its final message, so that it is continued. `eos_ids` holds every id that ends a generation: tokenizer_config.json's
 eos_token, then the `eos_token_id` (an id or a list) of generation_config.json and of config.json, as transformers'
 generation stops on each (Llama 3's <|eot_id|> beside <|end_of_text|>).
 
@@ -65,9 +66,16 @@ class ByteTokenizer:
     def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
         return byte_level.decode(token_ids)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False, tools: list | None = None) -> str:
-        raise StarscreamError("the byte-level tokenizer has no chat template; pass --tokenizer DIR (or --init DIR) "
-                              "with a tokenizer_config.json that holds one, or give JSON Lines with a 'text' field")
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False, tools: list | None = None, *,
+                    template: str | None = None, variables: dict | None = None) -> str:
+        """The messages as `template` writes them (`render_template`, no BOS or EOS text); the byte-level tokenizer
+        has no template of its own."""
+        if template is None:
+            raise StarscreamError("the byte-level tokenizer has no chat template; pass --tokenizer DIR (or --init DIR) "
+                                  "with a tokenizer_config.json that holds one, or give JSON Lines with a 'text' field")
+        return render_template(template, "the given chat template", messages=messages,
+                               add_generation_prompt=add_generation_prompt, bos_token="", eos_token="",
+                               **({"tools": tools} if tools else {}), **(variables or {}))
 
 
 class HFTokenizer:
@@ -144,11 +152,16 @@ class HFTokenizer:
         parser reads markers such as Mistral's [TOOL_CALLS], which are special)."""
         return self._tokenizer.decode([int(i) for i in token_ids], skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False, tools: list | None = None) -> str:
-        """The messages as the checkpoint's chat template (its "default" one, where it names several) writes them,
-        with `tools` (OpenAI's tool definitions, which tool-calling templates write into the prompt) where given.
-        Whatever the template raises (its raise_exception, a TypeError, a ZeroDivisionError, ...) is one
-        StarscreamError naming the template's failure."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False, tools: list | None = None, *,
+                    template: str | None = None, variables: dict | None = None) -> str:
+        """The messages as the checkpoint's chat template (its "default" one, where it names several), or
+        `template` where given, writes them, with `tools` (OpenAI's tool definitions, which tool-calling templates
+        write into the prompt) where given and `variables` (more names for the template, vLLM's
+        chat_template_kwargs, such as Qwen3's enable_thinking; they override the others) (`render_template`)."""
+        values = dict(messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
+                      eos_token=self.eos_token or "", **({"tools": tools} if tools else {}))
+        if template is not None:
+            return render_template(template, "the given chat template", **{**values, **(variables or {})})
         if not self.chat_template:
             if self.chat_templates:
                 raise StarscreamError(f"{self.directory / TOKENIZER_CONFIG_FILE} holds chat templates named "
@@ -156,16 +169,46 @@ class HFTokenizer:
                                       "is the one rendered; name one of them 'default'")
             raise StarscreamError(f"{self.directory / TOKENIZER_CONFIG_FILE} has no chat_template; give JSON Lines "
                                   "with a 'text' field, or a tokenizer whose configuration holds a template")
-        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        environment.globals["raise_exception"] = _template_error
-        try:
-            return environment.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "", **({"tools": tools} if tools else {}))
-        except Exception as err:  # a template may raise anything; TemplateError is its own raise_exception's
-            failure = str(err) if isinstance(err, TemplateError) else f"{type(err).__name__}: {err}"
-            raise StarscreamError(f"the chat template of {self.directory} failed on these messages: "
-                                  f"{' '.join(failure.split())}; fix the messages or the template") from None
+        return render_template(self.chat_template, f"the chat template of {self.directory}",
+                               **{**values, **(variables or {})})
+
+
+def render_template(template: str, what: str, **values) -> str:
+    """`template` (Jinja, as Hugging Face renders chat templates: trimmed blocks, `raise_exception`) rendered with
+    `values` in Jinja's sandbox. Whatever it raises (a syntax error, its raise_exception, a TypeError, ...) is one
+    StarscreamError naming `what` and the failure."""
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    environment.globals["raise_exception"] = _template_error
+    try:
+        return environment.from_string(template).render(**values)
+    except Exception as err:  # a template may raise anything; TemplateError is its own raise_exception's
+        failure = str(err) if isinstance(err, TemplateError) else f"{type(err).__name__}: {err}"
+        raise StarscreamError(f"{what} failed on these messages: {' '.join(failure.split())}; fix the messages or "
+                              "the template") from None
+
+
+def check_template(template: str, what: str) -> str:
+    """`template` once Jinja compiles it; StarscreamError naming `what` and the syntax error otherwise."""
+    try:
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).parse(template)
+    except TemplateError as err:
+        raise StarscreamError(f"{what} is not a Jinja template: {' '.join(str(err).split())}") from None
+    return template
+
+
+def continued(rendered: str, final: str) -> str:
+    """`rendered` (a chat rendered without a generation prompt) cut right after the final message's text `final`,
+    so that the model continues that message (vLLM's continue_final_message, as transformers cuts it): whatever the
+    template writes after it (an end-of-turn, an EOS) is dropped; its trailing spaces are kept where the template
+    kept them. StarscreamError when the text does not appear in `rendered`."""
+    text = final.strip()
+    at = rendered.rfind(text)
+    if at < 0:
+        raise StarscreamError("the final message's text does not appear in what the chat template wrote, so it "
+                              "cannot be continued; send a template that writes message content as given")
+    end = at + len(text)
+    spacing = final[len(final.rstrip()):]
+    return rendered[:end + len(spacing)] if rendered.startswith(spacing, end) else rendered[:end]
 
 
 def _template_error(message: str):

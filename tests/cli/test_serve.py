@@ -237,3 +237,16 @@ def test_the_tool_call_parser_follows_the_model_family_unless_given():
         ["llama3_json", "hermes", "mistral", None]
     assert parser("auto", None) is None and parser("none", str(FIXTURE)) is None
     assert parser("mistral", str(FIXTURE)) == "mistral"
+
+
+def test_the_chat_template_flag_reads_a_file_or_the_template_itself(tmp_path):
+    path = tmp_path / "chat.jinja"
+    path.write_text("{% for m in messages %}{{ m.content }}\n{% endfor %}")
+    assert serve.chat_template(parse("--chat-template", str(path))) == path.read_text()
+    assert serve.chat_template(parse("--chat-template", r"{{ messages[0].content }}\n")) == \
+        "{{ messages[0].content }}\n"
+    assert serve.chat_template(parse()) is None
+    with pytest.raises(StarscreamError, match="no such file"):
+        serve.chat_template(parse("--chat-template", str(tmp_path / "missing.jinja")))
+    with pytest.raises(StarscreamError, match="not a Jinja template"):
+        serve.chat_template(parse("--chat-template", "{% if %}"))

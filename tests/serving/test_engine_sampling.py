@@ -99,3 +99,31 @@ def test_bad_settings_are_one_line_refusals(engine_for):
         with pytest.raises(StarscreamError, match=field):
             SamplingParams(**bad)
     assert not engine.busy
+
+
+def test_allowed_token_ids_restrict_every_token(engine_for):
+    """The plain greedy tokens are never among the three allowed ids: every token is then one of them (the EOS id
+    is not allowed, so the request runs to max_tokens, as vLLM's)."""
+    engine = engine_for("1x2x4")
+    plain = [event.token for event in _run(engine, SamplingParams(max_tokens=NEW))[0]]
+    allowed = tuple(token for token in (3, 11, 250, 77) if token not in plain)[:3]
+    events = _run(engine, SamplingParams(max_tokens=NEW, allowed_token_ids=allowed))[0]
+    assert len(events) == NEW and {event.token for event in events} <= set(allowed)
+
+
+def test_bad_words_ban_a_token_and_a_two_token_sequence(engine_for):
+    """A one-token bad word never appears; a two-token one (the greedy output's first two tokens: the random
+    checkpoint repeats the prompt's last token) never completes, though its first token still comes (the prompt's
+    tokens do not count, as in vLLM), whether the host has read that token yet or not (the step keeps each slot's
+    newest tokens itself); a row without bad words beside them is untouched."""
+    engine = engine_for("1x2x4")
+    plain = [event.token for event in _run(engine, SamplingParams(max_tokens=NEW))[0]]
+    single = _run(engine, SamplingParams(max_tokens=NEW, bad_words=((plain[0],),)))[0]
+    assert plain[0] not in [event.token for event in single]
+    first, second = plain[:2]
+    together = _run(engine, {"s0": SamplingParams(max_tokens=NEW, bad_words=((first, second),)),
+                             "s1": SamplingParams(max_tokens=NEW)}, [PROMPT, PROMPT])
+    banned = [event.token for event in together[0]]
+    assert banned != plain and banned[0] == first
+    assert all((a, b) != (first, second) for a, b in zip(banned, banned[1:]))
+    assert [event.token for event in together[1]] == plain

@@ -149,3 +149,15 @@ def test_a_tokenizer_llguidance_cannot_read_is_a_clear_error(tmp_path):
 
     with pytest.raises(StarscreamError, match="structured output cannot read"):
         grammar_tokenizer(Words(), 8)
+
+
+def test_allowed_token_ids_intersect_the_grammars_mask(engine_for, llama_tokenizer):
+    """A choice's greedy answer, then the same grammar with allowed_token_ids holding only the other answer's
+    tokens (and the EOS ids): both masks apply, so the other answer comes."""
+    engine = engine_for("1x2x4")
+    grammar = checked(choice_grammar(["yes", "no"], "guided_choice"))
+    first = _run(engine, grammar, llama_tokenizer, prompts=("hello world",))["g0"][0]
+    other = "no" if first == "yes" else "yes"
+    allowed = tuple(llama_tokenizer.encode(other, False).tolist()) + tuple(llama_tokenizer.eos_ids)
+    text, reason, _ = _run(engine, grammar, llama_tokenizer, prompts=("hello world",), allowed_token_ids=allowed)["g0"]
+    assert (text, reason) == (other, "stop")

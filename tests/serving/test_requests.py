@@ -215,3 +215,57 @@ def test_echo_and_prompt_logprobs_are_read_max_tokens_0_only_with_echo_and_echo_
         assert refused.value.param == "max_tokens"
     with pytest.raises(ApiError, match="echo is not supported"):
         ChatRequest.model_validate({**BASE["chat"][1], "echo": True})
+
+
+def _refused(model, body: dict, field: str):
+    """The ApiError `body` meets, which must be a 400 naming `field` (or fail the test)."""
+    with pytest.raises(ApiError) as refused:
+        model.model_validate(body)
+    assert refused.value.status == 400 and refused.value.param == field, refused.value.message
+    return refused.value
+
+
+def test_template_options_read_the_template_fields_as_vllm_does():
+    chat = BASE["chat"][1]
+    plain = ChatRequest.model_validate(chat).template_options()
+    assert (plain.template, plain.variables, plain.add_generation_prompt, plain.continue_final) == (None, {}, True,
+                                                                                                  False)
+    given = ChatRequest.model_validate({**chat, "chat_template": "{{ x }}", "add_generation_prompt": False,
+                                        "continue_final_message": True,
+                                        "chat_template_kwargs": {"enable_thinking": False}}).template_options()
+    assert (given.template, given.variables, given.continue_final) == ("{{ x }}", {"enable_thinking": False}, True)
+    # chat_template_kwargs override the fields of the same names, as vLLM merges them
+    overridden = ChatRequest.model_validate({**chat, "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert not overridden.template_options().add_generation_prompt
+    for body in ({"continue_final_message": True}, {"continue_final_message": True, "add_generation_prompt": True}):
+        with pytest.raises(ApiError, match="add_generation_prompt") as refused:
+            ChatRequest.model_validate({**chat, **body}).template_options()
+        assert refused.value.param == "continue_final_message"
+    for reserved in ("chat_template", "tokenize", "messages"):
+        with pytest.raises(ApiError, match=reserved) as refused:
+            ChatRequest.model_validate({**chat, "chat_template_kwargs": {reserved: 1}}).template_options()
+        assert refused.value.param == "chat_template_kwargs"
+    tokenize = TokenizeRequest.model_validate({"messages": chat["messages"], "continue_final_message": True,
+                                               "add_generation_prompt": False})
+    assert tokenize.template_options().continue_final
+    with pytest.raises(ValidationError, match="chat_template_kwargs"):
+        ChatRequest.model_validate({**chat, "chat_template_kwargs": "enable_thinking"})
+
+
+def test_allowed_token_ids_bad_words_and_special_token_fields():
+    body = CompletionRequest.model_validate({**BASE["completions"][1], "allowed_token_ids": [3, 5],
+                                             "bad_words": ["ab", " c"], "skip_special_tokens": False,
+                                             "spaces_between_special_tokens": False})
+    assert body.allowed_token_ids == [3, 5] and not body.skip_special_tokens
+    # each word alone, and after a space where that gives as many tokens beginning with another
+    encode = {"ab": [1, 2], " ab": [9, 2], "c": [4], " c": [4, 4]}.__getitem__
+    assert body.bad_word_ids(encode) == ((1, 2), (9, 2), (4,))
+    _refused(CompletionRequest, {**BASE["completions"][1], "allowed_token_ids": []}, "allowed_token_ids")
+    for words, message in ((["a" * 9], "9 tokens"), ([""], "0 tokens"), (["a"] * 129, "at most 128")):
+        body = CompletionRequest.model_validate({**BASE["completions"][1], "bad_words": words})
+        with pytest.raises(ApiError, match=message) as refused:
+            body.bad_word_ids(lambda text: [ord(character) for character in text.strip()])
+        assert refused.value.param == "bad_words"
+    for field, value in (("allowed_token_ids", ["x"]), ("bad_words", "word"), ("skip_special_tokens", "maybe")):
+        with pytest.raises(ValidationError, match=field):
+            CompletionRequest.model_validate({**BASE["completions"][1], field: value})

@@ -54,7 +54,7 @@ def _serving(engine, llama_tokenizer):
     """Yields (base URL, Server, uvicorn.Server) of a server on a thread over `engine`, then stops it."""
     loop = EngineThread(engine)
     server = Server(EngineClient(loop.addresses, loop.alive), llama_tokenizer, MODEL, engine.info(),
-                    max_pending=MAX_PENDING)
+                    max_pending=MAX_PENDING, trust_request_chat_template=True)
     server.engine_loop, server.engine = loop, engine
     port = _free_port()
     http = uvicorn.Server(uvicorn.Config(server.app(), host="127.0.0.1", port=port, log_level="warning"))
@@ -241,6 +241,37 @@ def test_top_logprobs_penalties_and_logit_bias_through_the_openai_client(client,
     assert held.finish_reason == "stop" and len(held.logprobs.tokens) == 3
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         client.completions.create(**sampling, logit_bias={"100000": 1})
+    assert _wait_idle(served[1]).pages_used == 0
+
+
+def test_special_tokens_allowed_ids_bad_words_and_a_request_template(client, served, llama_tokenizer):
+    """skip_special_tokens false shows a special token's text (a bias of 100 forces <s>), true leaves it out;
+    allowed_token_ids hold every generated token to the list; a bad word's token never comes; a request's
+    chat_template renders the prompt with its chat_template_kwargs; bad values are 400s naming the field."""
+    sampling = {"model": MODEL, "prompt": "hello world", "max_tokens": 4, "temperature": 0, "logit_bias": {"0": 100}}
+    skipped = client.completions.create(**sampling).choices[0]
+    kept = client.completions.create(**sampling, extra_body={"skip_special_tokens": False}).choices[0]
+    assert skipped.text == "" and kept.text == llama_tokenizer.decode([0], skip_special_tokens=False) * 4
+    plain = {"model": MODEL, "prompt": "hello world", "max_tokens": 4, "temperature": 0}
+    greedy = client.completions.create(**plain, extra_body={"return_token_ids": True}).choices[0].token_ids
+    allowed = [token for token in (40, 41, 42) if token not in greedy]
+    held = client.completions.create(**plain, extra_body={"return_token_ids": True, "allowed_token_ids": allowed})
+    assert held.choices[0].token_ids and set(held.choices[0].token_ids) <= set(allowed)
+    word = llama_tokenizer.decode([greedy[0]])
+    banned = client.completions.create(**plain, extra_body={"return_token_ids": True, "bad_words": [word]})
+    assert greedy[0] not in banned.choices[0].token_ids
+    template = "{{ greeting }}|{% for m in messages %}{{ m.content }}{% endfor %}"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          extra_body={"chat_template": template, "return_token_ids": True,
+                                                      "chat_template_kwargs": {"greeting": "howdy"}})
+    assert chat.model_extra["prompt_token_ids"] == llama_tokenizer.encode("howdy|hi", False).tolist()
+    for body, field in (({"allowed_token_ids": [10 ** 6]}, "allowed_token_ids"),
+                        ({"chat_template": "{% if %}"}, "chat_template"),
+                        ({"continue_final_message": True}, "continue_final_message")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                           extra_body=body)
+        assert refused.value.body["param"] == field
     assert _wait_idle(served[1]).pages_used == 0
 
 
@@ -442,6 +473,38 @@ def test_tokenize_detokenize_version_ping_and_no_embeddings(served, llama_tokeni
     assert httpx.get(url + "/ping").status_code == httpx.post(url + "/ping").status_code == 200
     embeddings = httpx.post(url + "/v1/embeddings", json={"model": MODEL, "input": "x"})
     assert embeddings.status_code == 404 and "generation only" in embeddings.json()["error"]["message"]
+
+
+def test_chat_templates_of_the_server_and_the_request_continue_and_kwargs_through_tokenize(llama_tokenizer):
+    """The server's template replaces the tokenizer's, a request's replaces both and reads chat_template_kwargs
+    (where the server trusts request templates; else it is refused);
+    continue_final_message ends the prompt with the final message's text (no end-of-turn, no generation prompt);
+    a template that fails names chat_template, one that drops the final message names continue_final_message."""
+    http = TestClient(_offline_server(llama_tokenizer, chat_template="S:{% for m in messages %}{{ m.content }}"
+                                                                     "{% endfor %}",
+                                      trust_request_chat_template=True).app())
+    hi = [{"role": "user", "content": "hi"}]
+
+    def tokens(**body):
+        response = http.post("/tokenize", json={"messages": hi, **body})
+        return response.json()["tokens"] if response.status_code == 200 else response.json()["error"]["param"]
+
+    assert tokens() == llama_tokenizer.encode("S:hi", False).tolist()
+    assert tokens(chat_template="{{ mode }}/{{ messages[0].content }}",
+                  chat_template_kwargs={"mode": "fast"}) == llama_tokenizer.encode("fast/hi", False).tolist()
+    own = TestClient(_offline_server(llama_tokenizer).app())
+    turns = hi + [{"role": "assistant", "content": "Hello"}]
+    body = {"messages": turns, "continue_final_message": True, "add_generation_prompt": False}
+    continued = own.post("/tokenize", json=body).json()["tokens"]
+    text = llama_tokenizer.decode(continued, skip_special_tokens=False)
+    whole = llama_tokenizer.render_chat(turns)
+    assert text.endswith("Hello") and whole.startswith(text) and whole != text
+    assert tokens(chat_template="{% if %}") == "chat_template"
+    assert tokens(chat_template="{{ raise_exception('no') }}") == "chat_template"
+    assert tokens(continue_final_message=True, add_generation_prompt=False, chat_template="x") == \
+        "continue_final_message"
+    untrusted = own.post("/tokenize", json={"messages": hi, "chat_template": "{{ 1 }}"})
+    assert untrusted.status_code == 400 and "--trust-request-chat-template" in untrusted.json()["error"]["message"]
 
 
 class _IdleClient:

@@ -230,7 +230,7 @@ def test_grammar_masks_written_per_slot_mask_only_the_guided_rows(sharded):
     allowed[4] = True
     want = np.where(allowed[np.maximum(global_slot, 0)] | ~((global_slot >= 0) & (guided > 0))[:, None],
                     np.asarray(logits), -np.inf)
-    rows = rows_with(guided=guided)
+    rows = rows_with(masked=guided)
 
     def step(state, slots, masks, slot):
         return apply_grammar(logits, write_masks(state, slots, masks), slot, rows)
