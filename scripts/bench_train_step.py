@@ -1,9 +1,9 @@
 """Whole training steps of several layouts on one mesh: the collectives each compiled step runs, and tokens/s.
 
-For each layout the AdamW training step of `starscream train` (starscream_jax.training.steps.train_step) is compiled on the
-mesh and read by the inspector (each collective's kind, replica groups as partition ids, scope, bytes per device and
-runs per step), then run on tinyshakespeare batches: warm-up steps, then timed steps (`harness.timed_steps`),
-tokens/s = tokens per step x timed steps / wall time (the last loss ready before the clock stops).
+For each layout the AdamW training step of `starscream train` (starscream_jax.training.steps.train_step) is compiled on
+the mesh and read by the inspector (each collective's kind, replica groups as partition ids, scope, bytes per device and
+runs per step), then run on tinyshakespeare batches: warm-up steps, then timed steps (`harness.timed_steps`), tokens/s =
+tokens per step x timed steps / wall time (the last loss ready before the clock stops).
 
 The mesh: `--grouping` lists the device ids of each physical GPU, so devices that are whole GPUs (NVIDIA) can stand in
 for the partitions of one. Without it the mesh is what the machine shows (`build_mesh()`).

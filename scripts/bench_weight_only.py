@@ -3,12 +3,12 @@ against XLA's path as decode ran it before (a GEMM of the weights converted to b
 eight_bit_matmul "xla", compiled with the 8-bit decode options) and against the bfloat16 GEMM of the same shape
 (`decoder._project` of bfloat16 weights, decode's options: cuBLAS, one-row projections padded as decode pads them).
 
-Shapes: each projection of the model's layer as x [M, K] @ W [K, N] (Llama 3 8B: q and o 4096 x 4096, k and v
-4096 x 1024, gate and up 4096 x 14336, down 14336 x 4096) at M = 1 and 64 rows (decode's batches), int8 and fp8
-e4m3 weights with float32 scales per output channel. Each timed call multiplies x by `copies` distinct weights of
-the shape, together at least --gigabytes of 8-bit weights (at most MAX_COPIES), so that no weight stays in the GPU's
-L2 between uses, as in a decode step, which reads 32 layers' weights; rate = weight bytes read (values and scales; bfloat16: 2 per
-value) / time. The kernel runs with its default blocks (every shape first, with XLA's path and bf16) and then, while
+Shapes: each projection of the model's layer as x [M, K] @ W [K, N] (Llama 3 8B: q and o 4096 x 4096, k and v 4096 x
+1024, gate and up 4096 x 14336, down 14336 x 4096) at M = 1 and 64 rows (decode's batches), int8 and fp8 e4m3 weights
+with float32 scales per output channel. Each timed call multiplies x by `copies` distinct weights of the shape, together
+at least --gigabytes of 8-bit weights (at most MAX_COPIES), so that no weight stays in the GPU's L2 between uses, as in
+a decode step, which reads 32 layers' weights; rate = weight bytes read (values and scales; bfloat16: 2 per value) /
+time. The kernel runs with its default blocks (every shape first, with XLA's path and bf16) and then, while
 --budget-s lasts, each of ALTERNATIVE_BLOCKS (its best is reported beside the default, a guide to the defaults),
 every candidate checked against XLA's product. Candidates take turns in
 rounds (`harness.alternating_rounds`). "layer" sums the seven projections of one layer per implementation.

@@ -14,7 +14,8 @@ class PresetError(StarscreamError):
 
 
 class ShardingRuleError(StarscreamError):
-    """A layout cannot place a tensor: unknown logical name, missing mesh axis, axis reused, or indivisible dimension."""
+    """A layout cannot place a tensor: unknown logical name, missing mesh axis, axis reused, or indivisible
+    dimension."""
 
 
 class CheckpointError(StarscreamError):

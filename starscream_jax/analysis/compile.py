@@ -303,9 +303,9 @@ def held_as_inference(params: nnx.State, dtype) -> nnx.State:
 
 def abstract_paged_args(config: ModelConfig, layout: Layout, mesh, batch: int, length: int) -> tuple[Any, PagedArgs]:
     """(graphdef, PagedArgs) of a serving decode step: `batch` sequences of `length` positions each in pages of
-    SERVE_PAGE_SIZE (in the 8-bit `kv_format` with their scales where the config asks), every sequence's pages in
-    its own cache shard (as `serving.scheduler` places them), plus one null page per shard; one token per sequence
-    at its last position; 8-bit weights held per layer, as the engine holds them. Call inside `use_layout(layout, mesh)`."""
+    SERVE_PAGE_SIZE (in the 8-bit `kv_format` with their scales where the config asks), every sequence's pages in its
+    own cache shard (as `serving.scheduler` places them), plus one null page per shard; one token per sequence at its
+    last position; 8-bit weights held per layer, as the engine holds them. Call inside `use_layout(layout, mesh)`."""
     graphdef, params, rest = nnx.split(abstract_model(config), nnx.Param, ...)
     params = split_layer_weights(held_as_inference(abstract_placed(params, layout, mesh), jnp.dtype(config.dtype)))
     shards = cache_shards(layout, mesh)

@@ -138,8 +138,9 @@ def _canonical(value) -> list | str:
 
 class ResultCache:
     """Results of `layout_result` kept as JSON files in `directory`, one per (model, compiled depth, phase, shapes,
-    remat policy, decode cache form (paged or not), training and sampling settings, preset, mesh shape, layout rules, package and
-    JAX versions): a second `plan`, or an `inspect` of a planned candidate, reads them instead of compiling."""
+    remat policy, decode cache form (paged or not), training and sampling settings, preset, mesh shape, layout rules,
+    package and JAX versions): a second `plan`, or an `inspect` of a planned candidate, reads them instead of
+    compiling."""
 
     def __init__(self, directory: Path | str):
         self.directory = Path(directory)

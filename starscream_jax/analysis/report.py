@@ -2,9 +2,9 @@
 
 `inspect_compiled` reads what one device runs (collectives with their scope and bytes, matmuls with their per-device
 shapes, attention kernels, memory, how each input array is laid out, and, given the lowered program too, how each
-activation is laid out: `inspect_activations`); `inspect_text` reads the same from a
-program's text alone (a dump from another machine), without inputs or memory. Everything works from abstract inputs: a program
-lowered from `jax.ShapeDtypeStruct`s with shardings and compiled, never run.
+activation is laid out: `inspect_activations`); `inspect_text` reads the same from a program's text alone (a dump from
+another machine), without inputs or memory. Everything works from abstract inputs: a program lowered from
+`jax.ShapeDtypeStruct`s with shardings and compiled, never run.
 
 Replica-group ids in the compiled text are partition ids: positions in `mesh.devices.flat`. A device's physical GPU is
 given by its coordinates on every mesh axis but `xcd`; its node by `gpus_per_node` when given, else by the device's

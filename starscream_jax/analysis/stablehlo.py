@@ -10,11 +10,12 @@ global shape, which the compiled per-device program no longer shows.
     #loc37 = loc("bsd,df->bsf/dot_general"(#loc30))
 
 Each dimension lists the mesh axes that split it (a sub-axis `"xcd":(1)2` splits by its size, 2); `unreduced` axes hold
-partial sums: each device a whole-size buffer of its own part of the sum, as much memory as a copy. Values inside `sdy.manual_computation` bodies (shard_map)
-have per-device shapes and are skipped, and so are those of the helpers through which a scan reads and writes one
-layer of a stacked array (`dynamic_index_in_dim`, `dynamic_update_index_in_dim`): they are that layer's slice with a
-leading axis of one, a copy of a value the loop body shows, and for a weight its shape can mimic an activation's.
-Names come from the location table (`loc("name"(...))`, following `callsite(callee at caller)` to the callee).
+partial sums: each device a whole-size buffer of its own part of the sum, as much memory as a copy. Values inside
+`sdy.manual_computation` bodies (shard_map) have per-device shapes and are skipped, and so are those of the helpers
+through which a scan reads and writes one layer of a stacked array (`dynamic_index_in_dim`,
+`dynamic_update_index_in_dim`): they are that layer's slice with a leading axis of one, a copy of a value the loop body
+shows, and for a weight its shape can mimic an activation's. Names come from the location table (`loc("name"(...))`,
+following `callsite(callee at caller)` to the callee).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """`starscream generate`: text from a training checkpoint or a Hugging Face model directory (loaded by
-`inference.loading`), prefilled under one layout and decoded under another (`starscream_jax.inference.generate`),
-with the model's tokenizer (bytes for the demo's runs), stopping at any of its EOS ids (`eos_ids`: tokenizer_config.json's, generation_config.json's and
-config.json's)."""
+`inference.loading`), prefilled under one layout and decoded under another (`starscream_jax.inference.generate`), with
+the model's tokenizer (bytes for the demo's runs), stopping at any of its EOS ids (`eos_ids`: tokenizer_config.json's,
+generation_config.json's and config.json's)."""
 from __future__ import annotations
 
 import argparse

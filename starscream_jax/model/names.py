@@ -1,6 +1,7 @@
 """The model's vocabulary: shape letters and the logical names of its activations.
 
-Shape suffixes. Every array name in this package ends in its dimensions, one capital letter each (`x_BSD`, `cache_LBTKE`):
+Shape suffixes. Every array name in this package ends in its dimensions, one capital letter each (`x_BSD`,
+`cache_LBTKE`):
   B batch (sequences)            S positions of the step's tokens   T key positions (KV cache length)
   P prompt positions             N new (generated) tokens           D d_model (the residual stream)
   H query heads                  K kv heads                         G query heads per kv head (H / K)

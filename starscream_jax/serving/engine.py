@@ -12,11 +12,11 @@ each step that samples it; it sits out a step while its last token is still on t
 request's allowed_token_ids are bits of the same slot, written once (and intersected with its grammar's, if it has
 one); its bad words are matched in the step against the tokens the step itself keeps per slot.
 
-Memory: the pools hold 2 * L * K * pages * page_size * E values in the compute dtype, or in an 8-bit cache (the
-model's `ModelConfig.kv_format`, which `--kv-cache` sets) one byte each and a float32 scale per position and kv head
-(`Engine.pool_bytes`); their pages follow from the device memory left after the weights (`serving.capacity`) unless given. The engine reads the
-weights as stored: decode runs q, k, v and gate, up as separate GEMMs (`decoder._fuses`), so no fused copy of any
-weight is held.
+Memory: the pools hold 2 * L * K * pages * page_size * E values in the compute dtype, or in an 8-bit cache (the model's
+`ModelConfig.kv_format`, which `--kv-cache` sets) one byte each and a float32 scale per position and kv head
+(`Engine.pool_bytes`); their pages follow from the device memory left after the weights (`serving.capacity`) unless
+given. The engine reads the weights as stored: decode runs q, k, v and gate, up as separate GEMMs (`decoder._fuses`), so
+no fused copy of any weight is held.
 """
 from __future__ import annotations
 

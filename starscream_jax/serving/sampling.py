@@ -14,17 +14,17 @@ prompt holds [slots, V] bool, its logit bias as (id, value) pairs [slots, MAX_LO
 MAX_STOP_IDS] (-1: none), its bad words' token sequences [slots, MAX_BAD_WORDS * MAX_BAD_WORD_TOKENS] and the last
 MAX_BAD_WORD_TOKENS - 1 tokens it generated [slots, MAX_BAD_WORD_TOKENS - 1] (-1: none), and the allowed-token bits of a
 masked row's next token [slots, W] int32 (a grammar's, `serving.guided`, and `allowed_token_ids`: W = ceil(V / 32)
-words, bit v % 32 of word v // 32 for token v). Its slots are split as the attention
-batch is (`SLOT_TABLE`), as the step's rows are: shard s's rows read and write only shard s's slots, on the device that
-holds both (`run_sharded`), so no slot is stored twice and none moves. The host writes a slot's row once, when a
-sequence that uses these settings takes it (`reset_slot`, with `SlotReset.of`); the step counts each penalized row's
-sampled token itself (`record`, a scatter of B ones) and appends it to a banning row's tail of generated tokens, so a
-bad word of several tokens is matched against every token, the newest included, with nothing read by the host. A
-guided row's bits change with every token it takes, so the host writes them before each step that samples it, after
-reading its previous token (`write_masks`, one scatter of the masked rows' masks); the bits of `allowed_token_ids`
-alone do not change, so they are written once, when the sequence takes its slot. The step then sets every token a
-masked row's bits forbid to -inf before anything else (`apply_grammar`), as vLLM applies its grammar bitmask. A step none of whose rows uses a setting skips its work
-(`jax.lax.cond`).
+words, bit v % 32 of word v // 32 for token v). Its slots are split as the attention batch is (`SLOT_TABLE`), as the
+step's rows are: shard s's rows read and write only shard s's slots, on the device that holds both (`run_sharded`), so
+no slot is stored twice and none moves. The host writes a slot's row once, when a sequence that uses these settings
+takes it (`reset_slot`, with `SlotReset.of`); the step counts each penalized row's sampled token itself (`record`, a
+scatter of B ones) and appends it to a banning row's tail of generated tokens, so a bad word of several tokens is
+matched against every token, the newest included, with nothing read by the host. A guided row's bits change with every
+token it takes, so the host writes them before each step that samples it, after reading its previous token
+(`write_masks`, one scatter of the masked rows' masks); the bits of `allowed_token_ids` alone do not change, so they are
+written once, when the sequence takes its slot. The step then sets every token a masked row's bits forbid to -inf before
+anything else (`apply_grammar`), as vLLM applies its grammar bitmask. A step none of whose rows uses a setting skips its
+work (`jax.lax.cond`).
 """
 from __future__ import annotations
 

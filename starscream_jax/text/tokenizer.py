@@ -1,12 +1,14 @@
 """Tokenizers: a model directory's `tokenizer.json` (the `tokenizers` library) with BOS, EOS and the chat template of
-its `tokenizer_config.json`, or the byte-level tokenizer of the built-in demo (`byte_level.encode` / `byte_level.decode`).
+its `tokenizer_config.json`, or the byte-level tokenizer of the built-in demo (`byte_level.encode` /
+`byte_level.decode`).
 
-Both give token ids as int32 arrays and text back. `render_chat` turns chat messages ([{"role", "content"}]) into
-text with the checkpoint's own Jinja template, or one given (a server's --chat-template, a request's
-chat_template), run in Jinja's sandbox (`render_template`); that text is encoded without adding special tokens
-again (the template writes them). `continued` cuts a rendered chat after its final message, so that it is continued. `eos_ids` holds every id that ends a generation: tokenizer_config.json's
-eos_token, then the `eos_token_id` (an id or a list) of generation_config.json and of config.json, as transformers'
-generation stops on each (Llama 3's <|eot_id|> beside <|end_of_text|>).
+Both give token ids as int32 arrays and text back. `render_chat` turns chat messages ([{"role", "content"}]) into text
+with the checkpoint's own Jinja template, or one given (a server's --chat-template, a request's chat_template), run in
+Jinja's sandbox (`render_template`); that text is encoded without adding special tokens again (the template writes
+them). `continued` cuts a rendered chat after its final message, so that it is continued. `eos_ids` holds every id that
+ends a generation: tokenizer_config.json's eos_token, then the `eos_token_id` (an id or a list) of
+generation_config.json and of config.json, as transformers' generation stops on each (Llama 3's <|eot_id|> beside
+<|end_of_text|>).
 
 Text that is not valid Unicode (a lone surrogate: half of a UTF-16 pair, as a JSON "\ud800" escape gives) is a
 `StarscreamError` naming its index, not a traceback from the tokenizers library.

@@ -1,15 +1,15 @@
 """The training loop: a model from models/ trained under a layout on a mesh, with metrics, checkpoints and resume.
 
-README's main command (`starscream train` with no arguments) on a machine without GPUs trains the tiny Llama on tinyshakespeare (byte-level
-tokens) on a simulated MI300X QPX mesh of 2 GPUs x 4 partitions (8 CPU devices) under `starscream_tp`, then prints
-the losses beside the corpus' unigram entropy and a summary of the compiled training step (memory per device,
-collectives by scope). Where JAX finds GPUs it trains on them, on the detected topology.
+README's main command (`starscream train` with no arguments) on a machine without GPUs trains the tiny Llama on
+tinyshakespeare (byte-level tokens) on a simulated MI300X QPX mesh of 2 GPUs x 4 partitions (8 CPU devices) under
+`starscream_tp`, then prints the losses beside the corpus' unigram entropy and a summary of the compiled training step
+(memory per device, collectives by scope). Where JAX finds GPUs it trains on them, on the detected topology.
 
 The step (`steps.train_step`): AdamW (warm-up then cosine decay, no weight decay on norm scales and biases) after
-global-norm clipping; parameters and optimizer state in float32 and placed by the layout's `params` rules; compute in the model's dtype (`--dtype
-bfloat16` casts each weight as it is used). The batch of step s is a pure function of (seed, s), and each process
-builds only its own devices' shards of it. Checkpoints (orbax) hold parameters, optimizer state and the run's
-description; resuming continues from the latest one exactly as if the run had never stopped.
+global-norm clipping; parameters and optimizer state in float32 and placed by the layout's `params` rules; compute in
+the model's dtype (`--dtype bfloat16` casts each weight as it is used). The batch of step s is a pure function of (seed,
+s), and each process builds only its own devices' shards of it. Checkpoints (orbax) hold parameters, optimizer state and
+the run's description; resuming continues from the latest one exactly as if the run had never stopped.
 """
 from __future__ import annotations
 
