@@ -43,6 +43,7 @@ def test_inspect_compiles_the_training_step_that_train_ran(tmp_path, mesh, layou
     assert program_text(judged) == program_text(ran)
 
 
+@pytest.mark.slow  # two more compiles of the training step (20 s on two cores)
 def test_a_different_optimizer_is_a_different_program(mesh):
     """The comparison above can fail: the clipping norm is a constant of the compiled step."""
     settings = make_settings("tiny", "train", 8, 32, "starscream_tp", 4)

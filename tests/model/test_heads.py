@@ -99,6 +99,7 @@ def traces(config, phase: str, batch: int, layout: str, mesh_name: str) -> bool:
     return True
 
 
+@pytest.mark.slow  # a sweep over meshes; the padded heads' logits and refusals run by default
 def test_awkward_head_counts_trace_on_every_mesh_whose_weights_place():
     """Prefill (q, k and v fused into one GEMM) at a batch the layout splits (under starscream_tp and flat_tp) and at
     one it fits (starscream_tp+seq, `fit_batch`) on each mesh, and training where one kv head meets one GPU: where

@@ -1,4 +1,4 @@
-"""scripts/bench_mfu.py: the plain JAX Llama computes the library model's loss (its --quick run: test_benchmarks.py)."""
+"""scripts/bench_mfu.py: the plain JAX Llama computes the library model's loss (its --quick run: test_benchmarks.py, under -m slow)."""
 import importlib.util
 from pathlib import Path
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-SLOW = {"bench_serve"}
-"""Quick runs of over a minute on two cores (bench_serve compiles its twelve serving programs, then serves twice over
-HTTP), left to -m slow."""
+SLOW = {"bench_serve", "bench_mfu"}
+"""Quick runs left to -m slow: bench_serve's takes over a minute on two cores (it compiles its twelve serving programs,
+then serves twice over HTTP); bench_mfu's figures are checked by tests/scripts/test_bench_mfu.py."""
 BENCHMARKS = ("bench_decode", "bench_grouped_matmul", "bench_kernels", "bench_mfu", "bench_moe", "bench_serve",
               "bench_train_step")
 

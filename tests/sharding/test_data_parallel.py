@@ -88,6 +88,7 @@ def test_starscream_tp_sends_one_partition_count_th_of_gpu_tp_gradient_bytes_acr
     assert starscream[("data",)] / reference[("data",)] == pytest.approx(1 / mesh().shape["xcd"], rel=0.01)
 
 
+@pytest.mark.slow  # the flat baseline's negative case; the hierarchical layouts' reductions run by default
 def test_flat_fsdp_reduces_gradients_over_both_levels_at_once():
     verdict = check_principles(train_step_report("flat_fsdp"), None).hierarchical_collectives
     assert not verdict.ok

@@ -53,6 +53,7 @@ def _assert_close(actual, expected, rtol=2e-5, atol=2e-6):
 GRADIENT = jax.jit(accumulated_gradients, static_argnums=(3, 4))
 
 
+@pytest.mark.slow  # the same under a layout runs by default
 def test_accumulated_gradients_equal_the_big_batch_gradients_unsharded():
     graphdef, params, rest = _state()
     tokens = _tokens()
