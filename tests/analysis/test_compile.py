@@ -78,7 +78,7 @@ def test_a_cache_shorter_than_the_prompt_is_refused_before_compiling(mesh):
         compile_step(settings, "starscream_tp", mesh)
 
 
-@pytest.mark.parametrize("unroll, per_layer_cache", [(0, True), (2, False)])
+@pytest.mark.parametrize("unroll, per_layer_cache", [(0, True), pytest.param(2, False, marks=pytest.mark.slow)])
 def test_decode_without_a_layer_loop_gives_the_rolled_loops_per_layer_bytes_and_verdicts(unroll, per_layer_cache):
     """Decode as generation runs it (scan_unroll 0: no layer loop, the KV cache one array per layer, each layer
     under the layer scope) and with the scan unrolled over a stacked cache: the layers' ops are read from the layer

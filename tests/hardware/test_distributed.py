@@ -41,6 +41,7 @@ def test_process_id_outside_the_range_is_refused():
 
 
 
+@pytest.mark.slow  # 40 s of two processes; tests/serving/test_engine.py serves over two processes by default
 @pytest.mark.multiprocess
 def test_two_processes_train_like_one_with_the_same_global_mesh(tmp_path, cpu_child_env, free_port,
                                                                  local_processes):

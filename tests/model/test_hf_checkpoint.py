@@ -82,10 +82,10 @@ def equivalence_errors(family: str, mesh_names) -> dict[str, float]:
     return errors
 
 
-SWEPT_ONLY = ("mistral", "qwen3", "mixtral")
+SWEPT_ONLY = ("mistral", "qwen3", "mixtral", "qwen2")
 """Families whose every-layout sweep runs with `-m slow`: Mistral's weights map as Llama's, Qwen3's q/k norms are
-Qwen3-MoE's, whose sweep of routed experts runs by default, and Mixtral's tokens are served under the decode layout by
-tests/serving/test_engine.py."""
+Qwen3-MoE's, whose sweep of routed experts runs by default, Mixtral's tokens are served under the decode layout by
+tests/serving/test_engine.py, and Qwen2's biases are checked by its greedy tokens at any batch."""
 
 
 @pytest.mark.parametrize("family", [pytest.param(family, marks=pytest.mark.slow) if family in SWEPT_ONLY else family

@@ -357,7 +357,7 @@ def forward_and_loss(graphdef, params, tokens_BS):
     return model(tokens_BS).logits, next_token_loss(model, tokens_BS)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=model_configs(), mesh_shape=st.sampled_from(MESH_SHAPES), layout=st.sampled_from(list(LAYOUTS)),
        batch=st.sampled_from([2, 4, 8, 8, 8]))
 def test_random_models_shard_and_match_or_are_refused_for_a_true_reason(config, mesh_shape, layout, batch):

@@ -99,6 +99,7 @@ def loss_and_gradients(graphdef, params, rest, tokens):
     return jax.value_and_grad(lambda p: next_token_loss(nnx.merge(graphdef, p, rest), tokens))(params)
 
 
+@pytest.mark.slow  # tests/model/test_decoder.py checks both layouts' numerics on 2 x 2 x 2 by default
 @pytest.mark.parametrize("layout", HIERARCHICAL_LAYOUTS)
 def test_loss_and_gradients_match_the_unsharded_model(layout):
     graphdef, params, rest, _, _, tokens = sharded_state(layout)
