@@ -274,7 +274,8 @@ def test_check_names_the_line_that_places_a_batch_nothing_splits():
 gspmd_linen_gpt = load_example("gspmd_linen_gpt")  # imports nothing of this library either
 
 
-@pytest.mark.parametrize("mesh_name", DATA_AXIS_SLOW)
+@pytest.mark.slow  # the NNX GSPMD-style model's run and the Linen block's run by default
+@pytest.mark.parametrize("mesh_name", MESHES)
 def test_a_gspmd_style_linen_model_matches_its_unsharded_run_unchanged(mesh_name):
     """The Linen twin, its parameters created placed by the layout's params table (Flax's own resolution), its
     apply traced inside use_layout, whose rules Linen reads as it unboxes each parameter: the loss and every
