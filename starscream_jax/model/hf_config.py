@@ -47,14 +47,20 @@ def read_hf_config(model_dir: str | Path) -> dict:
     path = Path(model_dir) / CONFIG_FILE
     if not path.is_file():
         raise CheckpointError(f"{path} not found; pass a Hugging Face model directory holding config.json")
+    return read_json_object(path, "model fields")
+
+
+def read_json_object(path: Path, holding: str) -> dict:
+    """The JSON object in the checkpoint file `path` (an object of `holding`, for the error); CheckpointError in one
+    line, naming the file, when it is not UTF-8, not JSON or not an object."""
     try:
         raw = json.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as err:
-        raise CheckpointError(f"{path}: byte {err.start} is not UTF-8; config.json must be UTF-8 JSON") from None
+        raise CheckpointError(f"{path}: byte {err.start} is not UTF-8; {path.name} must be UTF-8 JSON") from None
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{path} is not valid JSON ({err}); fix or replace the file") from None
     if not isinstance(raw, dict):
-        raise CheckpointError(f"{path} holds a JSON {type(raw).__name__}, not an object of model fields; fix or "
+        raise CheckpointError(f"{path} holds a JSON {type(raw).__name__}, not an object of {holding}; fix or "
                               "replace the file")
     return raw
 

@@ -27,6 +27,7 @@ from tokenizers import Tokenizer
 
 from ..errors import CheckpointError, StarscreamError
 from ..model.config import ModelConfig
+from ..model.hf_config import read_json_object
 from . import byte_level
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -219,18 +220,7 @@ def _template_error(message: str):
 
 def _read_json(path: Path) -> dict:
     """The JSON object in `path` ({} when there is no such file)."""
-    if not path.is_file():
-        return {}
-    try:
-        settings = json.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as err:
-        raise CheckpointError(f"{path}: byte {err.start} is not UTF-8; the file must be UTF-8 JSON") from None
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path} is not valid JSON ({err}); fix or replace the file") from None
-    if not isinstance(settings, dict):
-        raise CheckpointError(f"{path} holds a JSON {type(settings).__name__}, not an object of settings; fix or "
-                              "replace the file")
-    return settings
+    return read_json_object(path, "settings") if path.is_file() else {}
 
 
 def _boolean(settings: dict, key: str, path: Path) -> bool:
