@@ -364,7 +364,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--chunk", type=int, default=512)
-    parser.add_argument("--kernel", default="gather", choices=["gather", "pallas"])
+    parser.add_argument("--kernel", default="", choices=["", "gather", "cudnn"],
+                        help="paged decode attention (default: the backend's, cuDNN's paged kernel on NVIDIA GPUs)")
     parser.add_argument("--no-overlap", action="store_true", help="the engine reads each step before the next")
     parser.add_argument("--sampling-settings", action="store_true",
                         help="also run each workload in process with penalties, a logit bias and top logprobs")
@@ -393,7 +394,9 @@ def serve_args(args, model_dir: Path, workloads: list[Workload]) -> list[str]:
     longest = max(int((w.prompt + w.output) * (1.5 if w.random_lengths else 1.0)) for w in workloads)
     flags = ["--model-dir", str(model_dir), "--max-num-seqs", str(args.max_num_seqs), "--max-model-len",
              str(max(longest, 16)), "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--chunk",
-             str(args.chunk), "--kernel", args.kernel, "--compilation-cache", str(args.work_dir / "compiled")]
+             str(args.chunk), "--compilation-cache", str(args.work_dir / "compiled")]
+    if args.kernel:
+        flags += ["--kernel", args.kernel]
     if args.no_overlap:
         flags.append("--no-overlap")
     if args.quick:

@@ -48,7 +48,7 @@ from ..model.decoder import (
     rolls_layers,
     split_layer_weights,
 )
-from ..model.paged import PAGES, SCALES
+from ..model.paged import PAGES, SCALES, pool_shape
 from ..model.quantize import held_dtype
 from ..serving.sampling import SLOT_TABLE, SlotState
 from ..serving.steps import SLOTS, PackedInputs, cache_shards, paged_step
@@ -313,7 +313,8 @@ def abstract_paged_args(config: ModelConfig, layout: Layout, mesh, batch: int, l
         raise StarscreamError(f"a batch of {batch} sequences cannot fill the {shards} cache shards of layout "
                               f"{layout.name}; pass --batch a multiple of {shards}")
     pages_per_row = -(-length // SERVE_PAGE_SIZE)
-    pool = (config.n_kv_heads, shards * (batch // shards * pages_per_row + 1), SERVE_PAGE_SIZE, config.head_dim)
+    pool = pool_shape(shards * (batch // shards * pages_per_row + 1), SERVE_PAGE_SIZE, config.n_kv_heads,
+                      config.head_dim)
     sharding = NamedSharding(mesh, activation_spec(PAGES, pool, "kv pages"))
     pages = {name: tuple(jax.ShapeDtypeStruct(pool, jnp.dtype(config.kv_format or config.dtype), sharding=sharding)
                          for _ in range(config.n_layers)) for name in ("k", "v")}

@@ -78,7 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--page-size", type=count, default=16, help="positions per KV page (default 16)")
     engine.add_argument("--cache-pages", type=count, help="KV pages per cache shard (each partition holds one "
                                                           "shard), instead of sizing the cache from memory")
-    engine.add_argument("--kernel", choices=KERNELS, default="gather", help="paged decode attention")
+    engine.add_argument("--kernel", choices=KERNELS, default="",
+                        help="paged decode attention (default: the backend's, cuDNN's paged kernel on NVIDIA GPUs, "
+                             "gather elsewhere)")
     engine.add_argument("--no-overlap", dest="overlap", action="store_false",
                         help="read each step's tokens before launching the next (by default the next step is "
                              "scheduled and launched while the device runs the current one)")

@@ -34,6 +34,8 @@ class BackendPolicy:
         (`model.weight_only_group`) where they run on the weight-only kernel.
     eight_bit_attention: decode attention over an 8-bit cache: "pallas" (`model.eight_bit_decode`'s kernel) or
         "xla" (`ops._decode_over_8_bit_cache`).
+    paged_attention: the serving engine's paged decode attention (`model.paged.KERNELS`) where the engine is not
+        told: "cudnn" (cuDNN's paged attention, the pages read in place) or "gather" (every backend).
     """
 
     name: str
@@ -44,6 +46,7 @@ class BackendPolicy:
     eight_bit_matmul: str = "xla"
     eight_bit_groups: bool = False
     eight_bit_attention: str = "xla"
+    paged_attention: str = "gather"
 
     def fuses_attention(self, dtype) -> bool:
         """Whether attention on inputs of `dtype` runs the vendor's fused kernel."""
@@ -64,6 +67,7 @@ CUDA = BackendPolicy(
     eight_bit_matmul="pallas",
     eight_bit_groups=True,
     eight_bit_attention="pallas",
+    paged_attention="cudnn",
 )
 """NVIDIA GPUs (measured on an H200): cuDNN's fused attention for 16-bit inputs (flash attention in training and
 prefill; in decode it reads the KV cache with its strides, no transposed copy); one-row projections padded to 8 rows,
@@ -75,7 +79,9 @@ weights in every step; 8-bit weights of decode's few-row projections read by the
 24; the kernel compiled and matched on an H200 in run 31), the projections that share an input in one launch
 (one layer 1.21x bf16 for int8 and 1.15x for fp8 at one row, 1.25x and 1.18x the single-projection kernel at 64 rows:
 run 32); decode attention over an 8-bit cache by the library's kernel, which reads the cache in place (XLA's
-reductions read it at 0.59 TB/s at batch 64 in run 32; the kernel compiled and matched there)."""
+reductions read it at 0.59 TB/s at batch 64 in run 32; the kernel compiled and matched there); the paged decode
+attention by cuDNN's paged kernel, which reads each row's pages in place at 3.5-4.0 TB/s where gathering them into
+rows first reads 1.25 TB/s (run 38)."""
 PORTABLE = BackendPolicy(name="portable")
 """Every other backend (CPU, ROCm): JAX's and XLA's defaults (the weight-only kernel lowers on ROCm's Triton too,
 but has not been measured there: `ModelConfig.eight_bit_matmul` "pallas" asks for it)."""

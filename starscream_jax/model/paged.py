@@ -1,26 +1,24 @@
-"""The paged KV cache as the model reads and writes it: per layer, pools of pages [K, pages, page_size, E] for keys
+"""The paged KV cache as the model reads and writes it: per layer, pools of pages [pages, page_size, K, E] for keys
 and values, and each row's block table [B, M] of page indices.
 
-Placement (PAGES, TABLE): kv heads over the layout's `kv_heads` axes (gpu), the page dimension over its
-`attn_batch` axes (the partitions under the starscream layouts), as are the rows of the batch and of the block
-table. Each shard of the batch owns the pages of the same shard of the pool, and its block tables hold indices
-local to that shard, so writing and reading the cache are local to a device: no page is stored twice and none
-moves. Kv heads lead the pool so that one kv head's pages are contiguous, as JAX's Pallas paged-attention kernel
-for GPUs reads them (no copy per step).
+Placement (PAGES, TABLE): the page dimension over the layout's `attn_batch` axes (the partitions under the starscream
+layouts), as are the rows of the batch and of the block table, kv heads over its `kv_heads` axes (gpu). Each shard
+of the batch owns the pages of the same shard of the pool, and its block tables hold indices local to that shard, so
+writing and reading the cache are local to a device: no page is stored twice and none moves. Pages lead the pool,
+each page's positions in order with their kv heads, as cuDNN's paged attention reads them (no copy per step) and as
+a row's gathered pages are laid out ([B, M * page_size, K, E] is a reshape of the gathered [B, M, page_size, K, E]).
 
 Positions of padding (rows without a sequence, tokens past a row's chunk) are -1: they write to page 0 of their
 shard, the null page no sequence holds, and their outputs are discarded.
 
 An 8-bit cache (the model's `kv_format`: int8 or an fp8 format) holds the pages in that format and beside them a
-float32 scale per position and kv head [K, pages, page_size] (SCALES, placed as the pages are): each new key or value
-is quantized as the dense cache quantizes it (`quantize.quantize_cache_entry`, its head's amax over head_dim), the
-gather path gathers the 8-bit pages and their scales and attends as the dense 8-bit cache does
-(`ops._attention_over_8_bit_cache`), the Pallas kernel takes the scales as its own `k_scales_pages` /
-`v_scales_pages`. The pages of a layer take 1 byte per value and 4 per position and kv head.
+float32 scale per position and kv head [pages, page_size, K] (SCALES, placed as the pages are): each new key or value
+is quantized as the dense cache quantizes it (`quantize.quantize_cache_entry`, its head's amax over head_dim), and
+the gathered 8-bit pages and their scales are attended as the dense 8-bit cache is
+(`ops._attention_over_8_bit_cache`). The pages of a layer take 1 byte per value and 4 per position and kv head.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 import jax
@@ -29,9 +27,9 @@ from jax.tree_util import register_dataclass
 
 from ..errors import StarscreamError
 from ..hardware.axes import dim_axes
-from ..sharding.apply import compute_device
 from .quantize import quantize_cache_entry
 from .names import ATTN_KV, ATTN_Q, POSITIONS
+from ..jax_private import cudnn_paged_decode
 from .ops import (
     AttentionOptions,
     _attention_over_8_bit_cache,
@@ -42,25 +40,27 @@ from .ops import (
     visible_keys,
 )
 
-PAGES = ("kv_heads", "attn_batch", "seq", "head_dim")
-"""One layer's pool of key (or value) pages [K, pages, page_size, E]."""
+PAGES = ("attn_batch", "seq", "kv_heads", "head_dim")
+"""One layer's pool of key (or value) pages [pages, page_size, K, E]."""
 SCALES = PAGES[:3]
-"""One layer's scales of an 8-bit pool [K, pages, page_size]: one per position and kv head."""
+"""One layer's scales of an 8-bit pool [pages, page_size, K]: one per position and kv head."""
 TABLE = ("attn_batch", None)
 """Block tables [B, M]: row b's i-th page (an index local to the row's shard)."""
-KERNELS = ("gather", "pallas")
+KERNELS = ("gather", "cudnn")
 """Paged decode attention: `gather` copies each row's pages into [B, M * page_size, K, E] and runs
 `jax.nn.dot_product_attention` (cuDNN's fused kernel on NVIDIA GPUs, XLA's elsewhere: exact, every backend);
-`pallas` runs JAX's Pallas paged-attention kernel for GPUs on the pages in place (decode steps only; prefill
-chunks use `gather`)."""
+`cudnn` runs cuDNN's paged attention on the pages in place (NVIDIA GPUs; 16-bit pages, decode steps whose every
+query head has its kv head on its device; prefill chunks, 8-bit caches and Gemma 2's attention options gather).
+JAX's Pallas paged-attention kernel for GPUs was measured and dropped: it reads a head-major pool at 2.1 TB/s where
+cuDNN's kernel reads 3.5-4.0 (benchmarks/NOTES.md run 38)."""
 
 
 @register_dataclass
 @dataclass(frozen=True)
 class PagedCache:
-    """Key and value page pools, one array per layer (L arrays of [K, pages, page_size, E] each), and the block
+    """Key and value page pools, one array per layer (L arrays of [pages, page_size, K, E] each), and the block
     tables [B, M] of the rows of the step that reads them; `kernel` (static) picks the decode attention. An 8-bit
-    cache has the pools in its format and `k_scale` / `v_scale` (L arrays of [K, pages, page_size] float32); None
+    cache has the pools in its format and `k_scale` / `v_scale` (L arrays of [pages, page_size, K] float32); None
     otherwise."""
 
     k: tuple[jax.Array, ...]
@@ -78,8 +78,8 @@ class PagedCache:
 @register_dataclass
 @dataclass(frozen=True)
 class PagedLayer:
-    """One layer's key and value pages [K, pages, page_size, E], the block tables [B, M] and the kernel; an 8-bit
-    layer's scales [K, pages, page_size] (None otherwise)."""
+    """One layer's key and value pages [pages, page_size, K, E], the block tables [B, M] and the kernel; an 8-bit
+    layer's scales [pages, page_size, K] (None otherwise)."""
 
     k: jax.Array
     v: jax.Array
@@ -89,17 +89,21 @@ class PagedLayer:
     v_scale: jax.Array | None = None
 
 
-def init_pages(n_layers: int, n_kv_heads: int, pages: int, page_size: int, head_dim: int, dtype,
-               sharding=None) -> tuple:
-    """L empty page pools [K, pages, page_size, E], each its own buffer, on `sharding` (a NamedSharding by PAGES
-    under the layout that serves; the default device without)."""
-    shape = (n_kv_heads, pages, page_size, head_dim)
+def pool_shape(pages: int, page_size: int, n_kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
+    """One layer's key (or value) pool [pages, page_size, K, E]; its scales in an 8-bit cache are the first three."""
+    return pages, page_size, n_kv_heads, head_dim
+
+
+def init_pages(n_layers: int, shape: tuple[int, ...], dtype, sharding=None) -> tuple:
+    """L empty page pools of `shape` ([pages, page_size, K, E], `pool_shape`), each its own buffer, on `sharding`
+    (a NamedSharding by PAGES under the layout that serves; the default device without)."""
     return tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(n_layers))
 
 
-def init_page_scales(n_layers: int, n_kv_heads: int, pages: int, page_size: int, sharding=None) -> tuple:
-    """L scale pools [K, pages, page_size] float32 of an 8-bit cache, all ones, on `sharding` (SCALES)."""
-    return tuple(jnp.ones((n_kv_heads, pages, page_size), jnp.float32, device=sharding) for _ in range(n_layers))
+def init_page_scales(n_layers: int, shape: tuple[int, ...], sharding=None) -> tuple:
+    """L scale pools [pages, page_size, K] float32 of an 8-bit cache (`shape`: a pool's first three), all ones, on
+    `sharding` (SCALES)."""
+    return tuple(jnp.ones(shape[:3], jnp.float32, device=sharding) for _ in range(n_layers))
 
 
 def with_layers(cache: PagedCache, layers: list[PagedLayer]) -> PagedCache:
@@ -117,8 +121,8 @@ def paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: PagedLayer, opt
     cache), then attends each query to its row's cached positions up to its own. q [B, S, H, E] (ATTN_Q), k / v
     [B, S, K, E] (ATTN_KV), positions [B, S] (-1: padding). With attention `options` (Gemma 2's scale and
     soft-capping; with a sliding window, `window` [] int32 is this layer's) every phase attends in XLA's explicit
-    form over the gathered pages (`_gathered_attention`), which neither cuDNN's fused kernel nor the Pallas kernel
-    computes. Returns (out [B, S, H, E], the layer with its updated pages and scales)."""
+    form over the gathered pages (`_gathered_attention`), which cuDNN's kernels do not compute. Returns (out
+    [B, S, H, E], the layer with its updated pages and scales)."""
     if cache.kernel not in KERNELS:
         raise StarscreamError(f"unknown paged-attention kernel {cache.kernel!r}; choose one of {', '.join(KERNELS)}")
     group = q_BSHE.shape[2] // k_BSKE.shape[2]
@@ -128,8 +132,8 @@ def paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: PagedLayer, opt
     def local(q, k, v, positions, table, *rest, specs):
         window, pools = (rest[0] if windows else None), _written(rest[len(windows):], k, v, positions, table)
         q_axes, kv_axes = dim_axes(specs[0], 2), dim_axes(specs[1], 2)
-        if cache.kernel == "pallas" and q.shape[1] == 1 and options is None:
-            out = _pallas_decode(q, pools, positions, table, q_axes, kv_axes, group)
+        if _reads_in_place(cache.kernel, q, pools, group, options):
+            out = cudnn_paged_decode(q, *pools, table, jnp.maximum(positions[:, 0], 0) + 1, q.shape[-1] ** -0.5)
         else:
             out = _gathered_attention(q, pools, positions, table, q_axes, kv_axes, group, options, window)
         return out, *pools
@@ -140,9 +144,18 @@ def paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: PagedLayer, opt
     names = [ATTN_Q, ATTN_KV, ATTN_KV, POSITIONS, TABLE, *[None] * len(windows), *pool_names]
     out, *pools = run_sharded(local, args, names, [(ATTN_Q, q_BSHE.shape)] + [
         (name, pool.shape) for name, pool in zip(pool_names, pools)], "paged attention",
-        check_vma=cache.kernel != "pallas" and not eight_bit)  # an 8-bit cache's decode may run a Pallas kernel
+        check_vma=cache.kernel == "gather" and not eight_bit)  # custom calls and Pallas kernels carry no varying axes
     scales = {"k_scale": pools[2], "v_scale": pools[3]} if eight_bit else {}
     return out, replace(cache, k=pools[0], v=pools[1], **scales)
+
+
+def _reads_in_place(kernel: str, q_BSHE, pools, group: int, options: AttentionOptions | None) -> bool:
+    """Whether cuDNN's paged kernel attends this layer: asked for, a decode step (one query per row), 16-bit pages
+    without scales, no attention options, and every local query head's kv head on this device (a layout that
+    splits query heads over more axes than kv heads gathers instead)."""
+    pages_k = pools[0]
+    return (kernel == "cudnn" and q_BSHE.shape[1] == 1 and len(pools) == 2 and options is None
+            and pages_k.dtype in (jnp.bfloat16, jnp.float16) and q_BSHE.shape[2] == pages_k.shape[2] * group)
 
 
 def _written(pools, k_BSKE, v_BSKE, positions_BS, table_BM) -> tuple:
@@ -160,15 +173,15 @@ def _written(pools, k_BSKE, v_BSKE, positions_BS, table_BM) -> tuple:
     return pages_k, pages_v, scales_k, scales_v
 
 
-def _write(pages_KPAE, new_BSKE, positions_BS, table_BM):
+def _write(pages_PAKE, new_BSKE, positions_BS, table_BM):
     """The pages with each valid token's key (or value) written at (its row's page of its position, slot); also
-    scales [K, pages, page_size] from new scales [B, S, K]."""
-    page_size = pages_KPAE.shape[2]
+    scales [pages, page_size, K] from new scales [B, S, K]."""
+    page_size = pages_PAKE.shape[1]
     valid = positions_BS >= 0
     at = jnp.maximum(positions_BS, 0)
     page_BS = jnp.where(valid, jnp.take_along_axis(table_BM, at // page_size, axis=1), 0)
     slot_BS = jnp.where(valid, at % page_size, 0)
-    return pages_KPAE.at[:, page_BS, slot_BS].set(jnp.moveaxis(new_BSKE, 2, 0).astype(pages_KPAE.dtype))
+    return pages_PAKE.at[page_BS, slot_BS].set(new_BSKE.astype(pages_PAKE.dtype))
 
 
 def _gathered_attention(q_BSHE, pools, positions_BS, table_BM, q_axes, kv_axes, group,
@@ -194,37 +207,10 @@ def _gathered_attention(q_BSHE, pools, positions_BS, table_BM, q_axes, kv_axes, 
     return jax.nn.dot_product_attention(q_BSHE, keys_BTKE, values_BTKE, mask=mask)
 
 
-def _gathered_rows(pool_KPA, table_BM, local_heads: int, group: int, q_axes, kv_axes) -> jax.Array:
-    """A pool of pages [K, pages, page_size, E] (or of their scales [K, pages, page_size]) gathered by the block
+def _gathered_rows(pool_PAK, table_BM, local_heads: int, group: int, q_axes, kv_axes) -> jax.Array:
+    """A pool of pages [pages, page_size, K, E] (or of their scales [pages, page_size, K]) gathered by the block
     tables [B, M] into each row's positions [B, M * page_size, K, (E)], as stored, with the kv heads this device's
     `local_heads` query heads read."""
-    rows_KBMA = pool_KPA[:, table_BM]
-    rows, length = table_BM.shape[0], table_BM.shape[1] * pool_KPA.shape[2]
-    rows_BTK = jnp.moveaxis(rows_KBMA, 0, 3).reshape(rows, length, pool_KPA.shape[0], *pool_KPA.shape[3:])
+    rows_BMAK = pool_PAK[table_BM]
+    rows_BTK = rows_BMAK.reshape(table_BM.shape[0], table_BM.shape[1] * pool_PAK.shape[1], *pool_PAK.shape[2:])
     return _kv_heads_for_local_queries(rows_BTK, local_heads, group, q_axes, kv_axes)
-
-
-def _pallas_decode(q_B1HE, pools, positions_BS, table_BM, q_axes, kv_axes, group):
-    """Decode attention by JAX's Pallas paged-attention kernel for GPUs (Triton), reading the pages in place (an
-    8-bit cache's with its scales, which the kernel applies to the scores and the mixed values); off GPUs in
-    Pallas' interpreter (tests). Queries come scaled by 1 / sqrt(E). A row's pages are read up to 8 at a time and
-    split into up to 16 parts read in parallel, as the table's width allows (the kernel needs both to divide it)."""
-    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as pallas_paged_attention
-
-    pages_k, pages_v = pools[:2]
-    if q_B1HE.shape[2] != pages_k.shape[0] * group:
-        raise StarscreamError("the pallas paged-attention kernel needs every query head's kv head on its device; "
-                              "decode under a layout that splits query and kv heads alike, or use --kernel gather")
-    lengths_B = jnp.maximum(positions_BS[:, 0], 0) + 1
-    width = table_BM.shape[1]
-    block = math.gcd(width, 8)  # pages read at a time
-    splits = max(d for d in range(1, 17) if (width // block) % d == 0)  # parts of the row read in parallel
-    scaled_BHE = q_B1HE[:, 0] * q_B1HE.shape[-1] ** -0.5  # the kernel does not scale the scores itself
-    if len(pools) == 2:
-        pages_k, pages_v, scales = pages_k.astype(q_B1HE.dtype), pages_v.astype(q_B1HE.dtype), (None, None)
-    else:
-        scales = pools[2:]
-    out_BHE = pallas_paged_attention(scaled_BHE, pages_k, pages_v, table_BM, lengths_B.astype(jnp.int32), *scales,
-                                     k_splits=splits, pages_per_compute_block=block,
-                                     interpret=compute_device().platform != "gpu")
-    return out_BHE[:, None]

@@ -5,7 +5,7 @@ Per device the budget is `memory_utilization` of its memory (JAX's allocator is 
 start, `XLA_PYTHON_CLIENT_MEM_FRACTION`), less what the placed weights hold, less a reserve for the largest
 step's temporaries (`step_reserve_bytes`, compared with the compiled programs' after warm-up,
 `check_reserve`). What remains holds pages: each page of a cache shard costs every device its part of a
-`[kv_heads, shards, page_size, head_dim]` key and value pool per layer (and an 8-bit cache's scales), as the decode
+`[shards, page_size, kv_heads, head_dim]` key and value pool per layer (and an 8-bit cache's scales), as the decode
 layout splits them. Devices that report no memory (the CPU) get pages for every row at the full context.
 """
 from __future__ import annotations

@@ -38,8 +38,9 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import StarscreamError
+from ..hardware.backend import policy_of
 from ..model.decoder import split_layer_weights
-from ..model.paged import KERNELS, PAGES, SCALES, init_page_scales, init_pages
+from ..model.paged import KERNELS, PAGES, SCALES, init_page_scales, init_pages, pool_shape
 from ..model.quantize import held_as_read
 from ..sharding.apply import Placement, activation_spec, jit, param_shardings, use_layout
 from ..sharding.layouts import PHASE_DEFAULTS, get_layout
@@ -150,7 +151,8 @@ class EngineConfig:
     """page_size: positions per page; pages_per_shard: pages of each cache shard (one is its null page; None: as
     many as `memory_utilization` of the device memory holds after the weights, `serving.capacity`);
     rows_per_shard: most sequences a shard runs at once; token_budget: most tokens a step computes; chunk: most
-    prompt tokens of one sequence per step; kernel: the paged decode attention (`model.paged.KERNELS`); buckets:
+    prompt tokens of one sequence per step; kernel: the paged decode attention (`model.paged.KERNELS`; "": the
+    backend policy's, `BackendPolicy.paged_attention`: cuDNN's paged kernel on NVIDIA GPUs); buckets:
     the compiled shapes (default `Buckets.for_limits` these limits); prefix_caching: share full prompt pages by
     hash; max_model_len: most positions of a sequence (None: the model's context); overlap: launch each step
     before reading the previous step's tokens, so the host's work runs while the device computes (on a mesh within
@@ -165,7 +167,7 @@ class EngineConfig:
     rows_per_shard: int = 16
     token_budget: int = 512
     chunk: int = 256
-    kernel: str = "gather"
+    kernel: str = ""
     buckets: Buckets | None = None
     prefix_caching: bool = True
     max_model_len: int | None = None
@@ -187,7 +189,7 @@ class EngineConfig:
         if not 0.0 < self.memory_utilization <= 1.0:
             raise StarscreamError(f"memory utilization {self.memory_utilization} is outside (0, 1]; give the "
                                   "fraction of device memory the server may use, such as 0.9")
-        if self.kernel not in KERNELS:
+        if self.kernel and self.kernel not in KERNELS:
             raise StarscreamError(f"unknown paged-attention kernel {self.kernel!r}; choose one of {', '.join(KERNELS)}")
 
 
@@ -226,7 +228,8 @@ class Engine:
             rows_per_shard=config.rows_per_shard, token_budget=config.token_budget, chunk=config.chunk,
             prefix_caching=config.prefix_caching, prefill_rows=self.buckets.rows_of("prefill")[-1]))
         self._pages = None  # allocated after the warm-up: XLA's autotuning wants free device memory to compile
-        self._steps = {phase: paged_step(self.graphdef, config.kernel, decode=phase == "decode",
+        self.kernel = _paged_kernel(config.kernel, mesh)
+        self._steps = {phase: paged_step(self.graphdef, self.kernel, decode=phase == "decode",
                                          under=None if mesh is None else Placement(self.layouts[phase], mesh))
                        for phase in ("prefill", "decode")}
         self._programs: dict[tuple, object] = {}
@@ -277,7 +280,7 @@ class Engine:
         """(shardings, (layers, shape) and dtypes) of the key/value pools and of an 8-bit cache's scales, for
         `pages_per_shard` pages of each shard (shardings None without a mesh)."""
         c, config = self.model_config, self.config
-        shape = (c.n_kv_heads, pages_per_shard * self.shards, config.page_size, c.head_dim)
+        shape = pool_shape(pages_per_shard * self.shards, config.page_size, c.n_kv_heads, c.head_dim)
         sharding = scale_sharding = None
         if self.mesh is not None:
             with self._phase("decode"):
@@ -300,9 +303,9 @@ class Engine:
         c = self.model_config
         shardings, shapes, dtypes = self._pool_layout(self.cache_size.pages_per_shard)
         (_, shape), sharding, dtype = shapes[0], shardings[0], dtypes[0]
-        pages = {name: init_pages(c.n_layers, *shape, dtype, sharding) for name in ("k", "v")}
+        pages = {name: init_pages(c.n_layers, shape, dtype, sharding) for name in ("k", "v")}
         if self.kv_format:
-            pages.update({name: init_page_scales(c.n_layers, *shape[:3], shardings[1])
+            pages.update({name: init_page_scales(c.n_layers, shape, shardings[1])
                           for name in ("k_scale", "v_scale")})
         return pages
 
@@ -878,6 +881,17 @@ def _scored_span(chunk: Chunk) -> range | None:
         return None
     span = range(max(chunk.start, sequence.scored), min(chunk.start + chunk.count, len(sequence.prompt) - 1))
     return span if len(span) else None
+
+
+def _paged_kernel(asked: str, mesh) -> str:
+    """The paged decode attention the engine runs: `asked`, or the backend policy's where it is "" (cuDNN's paged
+    kernel on NVIDIA GPUs, gathering elsewhere). cuDNN's kernel off an NVIDIA GPU is refused."""
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    policy = policy_of(device)
+    if asked == "cudnn" and policy.paged_attention != "cudnn":
+        raise StarscreamError(f"the cudnn paged-attention kernel runs on NVIDIA GPUs, not on {device.platform} "
+                              f"({policy.name}); pass --kernel gather, or leave --kernel out for the backend's choice")
+    return asked or policy.paged_attention
 
 
 def _check_buckets(buckets: Buckets, config: EngineConfig) -> None:

@@ -1,6 +1,6 @@
 """The page allocator of a paged KV cache: one pool of pages per cache shard, with prefix caching of full pages.
 
-The cache of each layer is [K, pages, page_size, E] (`model.paged`); its page dimension is split over the mesh axes
+The cache of each layer is [pages, page_size, K, E] (`model.paged`); its page dimension is split over the mesh axes
 that split the attention batch (the partitions under the starscream layouts), so each shard holds its own pages
 and its own sequences. A `ShardPages` allocates that shard's pages by local index; index 0 is never handed out: it
 is the shard's null page, where padding rows and padding positions write and which nothing reads.

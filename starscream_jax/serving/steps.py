@@ -43,7 +43,7 @@ from jax.tree_util import register_dataclass
 from ..errors import StarscreamError
 from ..hardware.backend import policy_of
 from ..model.ops import run_sharded
-from ..model.paged import PAGES, PagedCache
+from ..model.paged import PAGES, PagedCache, pool_shape
 from ..sharding.apply import Jitted, Placement, activation_spec, constrain, jit, use_layout
 from ..sharding.layouts import PHASE_DEFAULTS, get_layout
 from ..training.steps import whole_vocabulary
@@ -439,7 +439,7 @@ def cache_shards(layout, mesh) -> int:
 def check_same_cache_placement(layouts: dict, mesh, c, shards: int) -> None:
     """The prefill and decode layouts must place the page pools alike (else every step would copy the cache; the
     placement does not depend on the pool's size)."""
-    shape = (c.n_kv_heads, 2 * shards, 16, c.head_dim)
+    shape = pool_shape(2 * shards, 16, c.n_kv_heads, c.head_dim)
     specs = {}
     for phase, layout in layouts.items():
         if layout.splits_sequence:

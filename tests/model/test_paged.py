@@ -1,51 +1,73 @@
 """The paged KV cache's per-device op: new keys and values land in their rows' pages (padding in the null page only),
-and paged attention (gather and Pallas kernels) equals dense attention over each row's positions."""
+and paged attention (the gather path everywhere, cuDNN's paged kernel on a GPU) equals dense attention over each
+row's positions."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from starscream_jax.model.ops import AttentionOptions, _explicit_attention, visible_keys
-from starscream_jax.model.paged import PagedLayer, paged_attention
+from starscream_jax.model.paged import PagedLayer, _reads_in_place, paged_attention
 from starscream_jax.model.quantize import quantize_cache_entry
 
 K, H, E, PAGE, POOL = 2, 4, 8, 4, 10
 
 
-def _inputs(seed=0):
+def _inputs(seed=0, dtype=jnp.float32):
     keys = jax.random.split(jax.random.key(seed), 5)
-    pages_k, pages_v = (jax.random.normal(key, (K, POOL, PAGE, E)) for key in keys[:2])
+    pages_k, pages_v = (jax.random.normal(key, (POOL, PAGE, K, E), dtype) for key in keys[:2])
     table = jnp.array([[3, 7, 1, 0], [5, 2, 0, 0]], jnp.int32)  # row 0: 3 pages, row 1: 2 pages
-    q = jax.random.normal(keys[2], (2, 1, H, E))
-    k, v = (jax.random.normal(key, (2, 1, K, E)) for key in keys[3:5])
+    q = jax.random.normal(keys[2], (2, 1, H, E), dtype)
+    k, v = (jax.random.normal(key, (2, 1, K, E), dtype) for key in keys[3:5])
     return q, k, v, table, pages_k, pages_v
 
 
 def _dense(q, pages, table, row, length):
     """[1, length, K, E]: a row's first `length` positions of the pool, in order."""
-    return pages[:, table[row]].transpose(1, 2, 0, 3).reshape(-1, K, E)[None, :length]
+    return pages[table[row]].reshape(-1, K, E)[None, :length]
 
 
-@pytest.mark.parametrize("kernel", ["gather", "pallas"])
-def test_decode_writes_its_position_and_attends_to_the_row_prefix(kernel):
-    q, k, v, table, pages_k, pages_v = _inputs()
+def _written_slots(before, after) -> list[tuple[int, int]]:
+    """(page, slot) of every position whose keys changed."""
+    return sorted(map(tuple, np.argwhere(np.any(np.asarray(after != before), axis=(2, 3)))))
+
+
+@pytest.mark.parametrize("kernel, dtype, tolerance", [
+    ("gather", jnp.float32, 2e-5),
+    pytest.param("cudnn", jnp.bfloat16, 2e-2, marks=pytest.mark.gpu)])  # cuDNN's kernel takes 16-bit pages
+def test_decode_writes_its_position_and_attends_to_the_row_prefix(kernel, dtype, tolerance):
+    q, k, v, table, pages_k, pages_v = _inputs(dtype=dtype)
     positions = jnp.array([[9], [5]], jnp.int32)  # row 0 at its third page, slot 1; row 1 at its second, slot 1
     out, layer = jax.jit(paged_attention)(q, k, v, positions, PagedLayer(pages_k, pages_v, table, kernel))
-    np.testing.assert_allclose(layer.k[:, 1, 1], k[0, 0])
-    np.testing.assert_allclose(layer.v[:, 2, 1], v[1, 0])
-    changed = np.argwhere(np.any(np.asarray(layer.k != pages_k), axis=(0, 3)))
-    assert sorted(map(tuple, changed)) == [(1, 1), (2, 1)]  # nothing else written
+    np.testing.assert_allclose(layer.k[1, 1], k[0, 0])
+    np.testing.assert_allclose(layer.v[2, 1], v[1, 0])
+    assert _written_slots(pages_k, layer.k) == [(1, 1), (2, 1)]  # nothing else written
     for row, position in enumerate((9, 5)):
         keys = _dense(q, layer.k, table, row, position + 1)
         values = _dense(q, layer.v, table, row, position + 1)
         expected = jax.nn.dot_product_attention(q[row:row + 1], keys, values)
-        np.testing.assert_allclose(out[row:row + 1], expected, rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(out[row:row + 1], np.float32), np.asarray(expected, np.float32),
+                                   rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize("kernel", ["gather", "pallas"])
+def test_cudnns_kernel_reads_in_place_only_what_it_computes():
+    """cuDNN's paged kernel takes decode steps over 16-bit pages whose every query head has its kv head local; a
+    prefill chunk, an 8-bit cache, Gemma 2's options or query heads split finer than kv heads gather instead."""
+    q, _, _, _, pages_k, pages_v = _inputs(dtype=jnp.bfloat16)
+    pools, group = (pages_k, pages_v), H // K
+    assert _reads_in_place("cudnn", q, pools, group, None)
+    assert not _reads_in_place("gather", q, pools, group, None)
+    assert not _reads_in_place("cudnn", jnp.concatenate([q, q], axis=1), pools, group, None)
+    assert not _reads_in_place("cudnn", q, pools + pools, group, None)  # scales beside the pages: 8-bit
+    assert not _reads_in_place("cudnn", q, pools, group, AttentionOptions(scale=0.3))
+    assert not _reads_in_place("cudnn", q, tuple(pool.astype(jnp.float32) for pool in pools), group, None)
+    assert not _reads_in_place("cudnn", q[:, :, :H // 2], pools, group, None)  # half the queries: a kv head apart
+
+
+@pytest.mark.parametrize("kernel", ["gather", "cudnn"])
 def test_gemma_2s_scaled_capped_windowed_attention_reads_the_pages_as_the_dense_form(kernel):
     """Attention options (a score scale, soft-capping, a window of 3 positions) in decode and in a prefill chunk:
-    each row's output is the explicit form's over its dense prefix, whichever kernel the cache names (the Pallas
+    each row's output is the explicit form's over its dense prefix, whichever kernel the cache names (cuDNN's paged
     kernel computes none of them, so the gathered pages are attended)."""
     options = AttentionOptions(scale=0.3, softcap=2.0, sliding=True)
     q, k, v, table, pages_k, pages_v = _inputs(3)
@@ -70,27 +92,26 @@ def test_padding_writes_only_the_null_page_and_prefill_is_causal():
     q, k, v = (jnp.concatenate([x, x * 0.5, x * 2.0], axis=1) for x in (q, k, v))  # 3 positions per row
     positions = jnp.array([[4, 5, -1], [0, 1, 2]], jnp.int32)
     out, layer = jax.jit(paged_attention)(q, k, v, positions, PagedLayer(pages_k, pages_v, table))
-    changed = {tuple(index) for index in np.argwhere(np.any(np.asarray(layer.k != pages_k), axis=(0, 3)))}
+    changed = set(_written_slots(pages_k, layer.k))
     assert changed == {(7, 0), (7, 1), (5, 0), (5, 1), (5, 2), (0, 0)}  # (0, 0): the padding, in the null page
     keys, values = _dense(q, layer.k, table, 1, 3), _dense(q, layer.v, table, 1, 3)
     expected = jax.nn.dot_product_attention(q[1:], keys, values, is_causal=True)
     np.testing.assert_allclose(out[1:], expected, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("kernel, fmt", [("gather", "int8"), ("pallas", "float8_e4m3fn")])  # the engine: pallas, int8
+@pytest.mark.parametrize("kernel, fmt", [("gather", "int8"), ("cudnn", "float8_e4m3fn")])  # 8-bit pages gather
 def test_an_8_bit_cache_stores_quantized_pages_and_attends_to_them_dequantized(kernel, fmt):
     q, k, v, table, pages_k, pages_v = _inputs(2)
     (values_k, scales_k), (values_v, scales_v) = (quantize_cache_entry(pages, fmt) for pages in (pages_k, pages_v))
     positions = jnp.array([[9], [5]], jnp.int32)
     cache = PagedLayer(values_k, values_v, table, kernel, scales_k, scales_v)
     out, layer = jax.jit(paged_attention)(q, k, v, positions, cache)
-    assert layer.k.dtype == jnp.dtype(fmt) and layer.k_scale.shape == (K, POOL, PAGE)
+    assert layer.k.dtype == jnp.dtype(fmt) and layer.k_scale.shape == (POOL, PAGE, K)
     keys_f, values_f = (pages.astype(jnp.float32) * scales[..., None]
                         for pages, scales in ((layer.k, layer.k_scale), (layer.v, layer.v_scale)))
     step = 0.005 if fmt == "int8" else 0.07  # half a step of the format at the head's largest value, relative
-    np.testing.assert_allclose(keys_f[:, 1, 1], k[0, 0], atol=step * float(jnp.max(jnp.abs(k[0, 0]))))
-    changed = np.argwhere(np.any(np.asarray(layer.k != values_k), axis=(0, 3)))
-    assert {tuple(index) for index in changed} <= {(1, 1), (2, 1)}  # nothing else written
+    np.testing.assert_allclose(keys_f[1, 1], k[0, 0], atol=step * float(jnp.max(jnp.abs(k[0, 0]))))
+    assert set(_written_slots(values_k, layer.k)) <= {(1, 1), (2, 1)}  # nothing else written
     for row, position in enumerate((9, 5)):
         keys, values = _dense(q, keys_f, table, row, position + 1), _dense(q, values_f, table, row, position + 1)
         expected = jax.nn.dot_product_attention(q[row:row + 1], keys, values)
@@ -98,7 +119,7 @@ def test_an_8_bit_cache_stores_quantized_pages_and_attends_to_them_dequantized(k
 
 
 def test_the_gather_path_copies_an_8_bit_cache_in_8_bits():
-    """Decode over int8 pages by the gather kernel: the pages' gathers yield int8 rows [K, B, M, page, E] (the
+    """Decode over int8 pages by the gather kernel: the pages' gathers yield int8 rows [B, M, page, K, E] (the
     scales applied to scores and probabilities, `ops._attention_over_8_bit_cache`), never dequantized float rows
     (the test above checks the output against the dequantized pages)."""
     q, k, v, table, pages_k, pages_v = _inputs(3)
@@ -106,7 +127,7 @@ def test_the_gather_path_copies_an_8_bit_cache_in_8_bits():
     cache = PagedLayer(values_k, values_v, table, "gather", scales_k, scales_v)
     positions = jnp.array([[9], [5]], jnp.int32)
     text = str(jax.make_jaxpr(paged_attention)(q, k, v, positions, cache))
-    assert f"i8[{K},2,4,{PAGE},{E}]" in text and f"f32[{K},2,4,{PAGE},{E}]" not in text
+    assert f"i8[2,4,{PAGE},{K},{E}]" in text and f"f32[2,4,{PAGE},{K},{E}]" not in text
 
 
 def test_the_gather_path_decodes_8_bit_pages_on_the_decode_kernel_where_chosen(monkeypatch):

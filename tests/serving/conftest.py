@@ -23,7 +23,7 @@ CASES = {"1x1x1": ("starscream_tp", "starscream_decode"), "1x2x4": ("starscream_
          "1x2x4-int8": ("starscream_tp", "starscream_decode"), "1x1x1-sync": ("starscream_tp", "starscream_decode"),
          "1x2x4-logprobs": ("starscream_tp", "starscream_decode")}
 """mesh (-variant) -> (prefill layout, decode layout); the int8 variant holds its KV pages in int8 and decodes with
-the pallas kernel; the sync variant reads each step's tokens before it launches the next (no overlap); the logprobs
+the gather path; the sync variant reads each step's tokens before it launches the next (no overlap); the logprobs
 variant serves prompt log-probabilities (a third program: the scored prefill)."""
 PAGES_PER_SHARD = {"1x1x1": 13, "1x1x1-sync": 13}
 """Pages per cache shard where fewer than the default 40: one shard of 12 usable pages cannot hold 8 requests of 12
@@ -67,7 +67,7 @@ def engine_config(case: str, mesh) -> EngineConfig:
     shards = cache_shards(CASES[case][1], mesh)
     return EngineConfig(page_size=4, pages_per_shard=PAGES_PER_SHARD.get(case, 40), rows_per_shard=ROWS // shards,
                         token_budget=64, chunk=8, buckets=Buckets((ROWS // shards,), (8,), (16,)),
-                        kernel="pallas" if case.endswith("-int8") else "gather", overlap=not case.endswith("-sync"),
+                        kernel="gather", overlap=not case.endswith("-sync"),
                         prompt_logprobs=case.endswith("-logprobs"))
 
 
