@@ -89,6 +89,25 @@ def check_reserve(programs, reserve: int) -> None:
             return
 
 
+def check_room(devices, size: CacheSize) -> None:
+    """StarscreamError, before the pools are allocated, when the devices no longer have room for them: what the
+    compiled programs and the runtime took since the cache was sized came out of the pools' share. The error gives
+    the pages that fit now (keeping `size.reserve_bytes` for the steps)."""
+    stats = [device.memory_stats() for device in devices]
+    if any(not stat or "bytes_limit" not in stat for stat in stats):
+        return
+    free = min(stat["bytes_limit"] - stat.get("bytes_in_use", 0) for stat in stats)
+    if size.pool_bytes_per_device <= free:
+        return
+    page_bytes = size.pool_bytes_per_device // size.pages_per_shard
+    fits = max(0, (free - size.reserve_bytes) // page_bytes)
+    raise StarscreamError(f"the KV cache of {size.pages_per_shard} pages per shard needs "
+                          f"{size.pool_bytes_per_device / 2 ** 30:.2f} GiB per device, but only {free / 2 ** 30:.2f} "
+                          f"GiB are free once the programs compiled; pass --cache-pages {fits} (what fits now, "
+                          f"{size.reserve_bytes / 2 ** 30:.2f} GiB kept for the steps) or lower "
+                          "--gpu-memory-utilization")
+
+
 def local_devices_of(mesh) -> list:
     """The devices of `mesh` this process drives (the default device without a mesh): the ones whose memory it
     can read."""

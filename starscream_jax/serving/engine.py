@@ -264,8 +264,9 @@ class Engine:
         page_bytes = capacity.page_bytes_per_device(shardings, shapes, dtypes)
         if config.pages_per_shard is not None:
             return capacity.CacheSize(config.pages_per_shard, "as configured", config.pages_per_shard * page_bytes, 0)
-        kv_width = shardings[0].shard_shape(shapes[0][1])[0] * c.head_dim if shardings[0] is not None else \
-            c.n_kv_heads * c.head_dim
+        kv_heads = shardings[0].shard_shape(shapes[0][1])[PAGES.index("kv_heads")] if shardings[0] is not None \
+            else c.n_kv_heads
+        kv_width = kv_heads * c.head_dim
         reserve = capacity.step_reserve_bytes(
             tokens=self.buckets.rows_of("prefill")[-1] * self.buckets.positions[-1],
             rows=self.buckets.rows[-1], table_positions=max_pages * config.page_size, d_model=c.d_model,
@@ -301,6 +302,7 @@ class Engine:
         """Zeroed key and value page pools of every layer in the cache's format, placed by the decode layout (PAGES),
         and in an 8-bit cache their scales ("k_scale", "v_scale", SCALES)."""
         c = self.model_config
+        capacity.check_room(capacity.local_devices_of(self.mesh), self.cache_size)
         shardings, shapes, dtypes = self._pool_layout(self.cache_size.pages_per_shard)
         (_, shape), sharding, dtype = shapes[0], shardings[0], dtypes[0]
         pages = {name: init_pages(c.n_layers, shape, dtype, sharding) for name in ("k", "v")}

@@ -38,6 +38,16 @@ def test_no_room_is_refused_naming_the_flags():
                                   floor_pages=3)
 
 
+def test_pools_that_no_longer_fit_after_compiling_are_refused_with_the_pages_that_do():
+    """What the programs took since the cache was sized comes out of the pools' share: refused before the
+    allocation, naming --cache-pages with what fits now beside the reserve."""
+    size = capacity.CacheSize(100, "sized", pool_bytes_per_device=100 * GIB, reserve_bytes=2 * GIB)
+    capacity.check_room([Device(120 * GIB, 20 * GIB)], size)  # exactly room
+    with pytest.raises(StarscreamError, match="--cache-pages 88 "):
+        capacity.check_room([Device(120 * GIB, 30 * GIB)], size)
+    capacity.check_room([Device(0, 0)], size)  # no memory figures: nothing to check
+
+
 def test_a_page_costs_each_device_its_split_of_every_pool():
     """[kv_heads 4, 8 pages, 16 positions, 32] bf16 pools for 6 layers (k and v) split kv heads over gpu (2) and
     pages over xcd (4): each device holds 2 heads x 2 pages; the float32 scales likewise."""
