@@ -19,8 +19,14 @@ Where torch and a CUDA GPU are present (`--no-torch` leaves it out, `--quick` sk
 scripts/torch_peers.py decodes at the same batches against the same cache length, its bytes counted alike; its rows
 are stored as "peer_rows" and each library row's tokens/s over the peer's at its batch is "vs_torch".
 
+`--paged KERNEL ...` also times the serving engine's paged decode step (`serving.engine.Engine.dispatch`) at each
+batch, every row at the same cache length in pages of its own (`model.paged.KERNELS`: cuDNN's paged kernel reading
+the pages in place, or gathering them), launched back to back as a server launches it; its rows ("paged_rows") carry
+their step time over the dense bf16 step's at the same batch ("vs_dense").
+
     CUDA_VISIBLE_DEVICES=0 python scripts/bench_decode.py --model llama3-8b --batches 1 64 --cache 4096 --out d.json
     CUDA_VISIBLE_DEVICES=0 python scripts/bench_decode.py --variants bf16 w-int8 w-fp8 kv-int8 kv-fp8 --out d8.json
+    CUDA_VISIBLE_DEVICES=0 python scripts/bench_decode.py --no-torch --paged cudnn gather --out paged.json
     python scripts/bench_decode.py --quick                          # CPU smoke run (tiny model)
 """
 from __future__ import annotations
@@ -29,6 +35,8 @@ import argparse
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 from starscream_jax.benchmarks import harness
 
@@ -198,6 +206,62 @@ def run_batch(graphdef, params, rest, config, layout: str, mesh, batch: int, cac
             "temp_bytes": None if memory is None else int(memory.temp_size_in_bytes), "time_breakdown": breakdown}
 
 
+PAGE_SIZE = 16
+"""Positions per page of the paged rows (the server's default)."""
+
+
+def run_paged(model, layout: str, mesh, batch: int, cache_length: int, kernel: str, warmup: int, steps: int) -> dict:
+    """The engine's paged decode step at `batch` rows, each at its last of `cache_length` positions over pages of
+    its own (what the pages hold does not change what attention reads), launched back to back; compile and step
+    seconds. The engine holds its own per-layer copy of the weights."""
+    from starscream_jax.serving.engine import Engine, EngineConfig
+    from starscream_jax.serving.steps import Buckets, StepInputs, cache_shards
+
+    shards = cache_shards(layout, mesh)
+    rows, pages = batch // shards, -(-cache_length // PAGE_SIZE)
+    if batch % shards:
+        raise SystemExit(f"bench_decode: batch {batch} does not split over the {shards} cache shards of {layout}; "
+                         f"give --batches multiples of {shards}")
+    config = EngineConfig(page_size=PAGE_SIZE, pages_per_shard=rows * pages + 1, rows_per_shard=rows,
+                          token_budget=max(rows, PAGE_SIZE), chunk=PAGE_SIZE, kernel=kernel, overlap=False,
+                          buckets=Buckets((rows,), (PAGE_SIZE,), (pages,), (1,)), prefix_caching=False)
+    engine = Engine(model, config, mesh, decode_layout=layout)
+    inputs = StepInputs.zeros(batch, 1, pages)
+    inputs.table[:] = 1 + (np.arange(batch)[:, None] % rows) * pages + np.arange(pages)  # shard-local pages
+    inputs.positions[:] = cache_length - 1
+    inputs.tokens[:] = 1
+    start = time.perf_counter()
+    engine.dispatch("decode", inputs).block_until_ready()
+    compile_s = time.perf_counter() - start
+    warm_until = time.perf_counter() + WARM_SECONDS
+    while time.perf_counter() < warm_until:
+        engine.dispatch("decode", inputs).block_until_ready()
+    for _ in range(warmup):
+        engine.dispatch("decode", inputs)
+    start = time.perf_counter()
+    for _ in range(steps):
+        outputs = engine.dispatch("decode", inputs)
+    outputs.block_until_ready()
+    step_s = (time.perf_counter() - start) / steps
+    return {"kernel": engine.kernel, "batch": batch, "cache_length": cache_length, "compile_s": compile_s,
+            "step_s": step_s, "tokens_per_s": batch / step_s}
+
+
+def paged_rows(model, args, mesh, dense_by_batch: dict) -> list[dict]:
+    """`run_paged` per kernel of --paged and batch, each with its step time over the dense bf16 step's."""
+    rows = []
+    for kernel in args.paged:
+        for batch in args.batches:
+            row = run_paged(model, args.layout, mesh, batch, args.cache, kernel, args.warmup, args.steps)
+            if batch in dense_by_batch:
+                row["vs_dense"] = row["step_s"] / dense_by_batch[batch]
+            print(f"paged decode ({row['kernel']:<6}) {batch:>5} {args.cache:>6} {1e3 * row['step_s']:>8.2f} "
+                  f"{row['tokens_per_s']:>10,.0f}   {row.get('vs_dense', float('nan')):.3f}x the dense step's time",
+                  flush=True)
+            rows.append(row)
+    return rows
+
+
 def peer_rows(peers, config, args) -> list[dict]:
     """The PyTorch peer's rows (`torch_peers.decode_benchmark`, gpt-fast's manner) at the library's batches and
     cache, each with its fraction of the datasheet bandwidth. Run before the library's rows: JAX's allocator keeps
@@ -231,6 +295,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--eight-bit-matmul", default="", choices=("", "pallas", "interpret", "xla"),
                         help="how 8-bit weights' projections run (ModelConfig.eight_bit_matmul; default '': the "
                              "backend's choice, the weight-only kernel on CUDA)")
+    parser.add_argument("--paged", nargs="*", default=[], choices=["", "gather", "cudnn"],
+                        help="also time the serving engine's paged decode step with these kernels ('': the "
+                             "backend's) beside the dense bf16 step")
     parser.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True,
                         help="also time the PyTorch peer (scripts/torch_peers.py) where torch and a CUDA GPU are "
                              "present (default: on; --quick skips it)")
@@ -314,6 +381,13 @@ def main(argv=None) -> int:
         row["fraction_of_read"] = row["bandwidth_bytes_per_s"] / (devices * measured["read"])
         rows.append(row)
         print(row_line(f"{args.layout} {variant}", row), flush=True)
+        harness.write_json(args.out, result)
+    if args.paged:
+        params = rest = None  # the last variant's weights leave the device first
+        with use_layout(args.layout, mesh):
+            model = create_sharded_model(config, args.layout, mesh)
+        dense = {row["batch"]: row["step_s"] for row in rows if row["variant"] == "bf16"}
+        result["paged_rows"] = paged_rows(model, args, mesh, dense)
         harness.write_json(args.out, result)
     speedups = [f"{row['variant']} batch {row['batch']} {row['speedup_over_bf16']:.2f}x" for row in rows
                 if row["speedup_over_bf16"] is not None and row["variant"] != "bf16"]

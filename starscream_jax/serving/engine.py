@@ -576,7 +576,7 @@ class Engine:
         if self.channel is not None:
             self.channel.send(phase, inputs)
         called = time.perf_counter()
-        outputs = self._dispatch(phase, inputs)
+        outputs = self.dispatch(phase, inputs)
         call_seconds = time.perf_counter() - called
         if jax.process_count() > 1:  # every process gathers right after the step, as `multihost.follow` does
             outputs = self._gathered(outputs)
@@ -690,10 +690,10 @@ class Engine:
         its `Sampled` (tokens [B], log-probabilities [B], the likeliest tokens [B, K]) on the host, gathered from
         every process where the mesh spans several. Every process of such a mesh runs it with the same inputs
         (`multihost.follow`)."""
-        outputs = self._dispatch(phase, inputs)
+        outputs = self.dispatch(phase, inputs)
         return Sampled.unpacked(self._gathered(outputs) if jax.process_count() > 1 else np.asarray(outputs))
 
-    def _dispatch(self, phase: str, inputs: StepInputs) -> jax.Array:
+    def dispatch(self, phase: str, inputs: StepInputs) -> jax.Array:
         """The compiled step launched (not waited for): its `Sampled.packed` outputs [B, F] on the devices, their
         copy to the host begun."""
         rows, width = inputs.tokens.shape
