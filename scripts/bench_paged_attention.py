@@ -32,8 +32,9 @@ QUICK_SHAPES = ((2, 64, 16, 64), (2, 64, 16, 20))
 
 
 def forms(rows: int, table_positions: int, page: int, visible: int, gpu: bool) -> dict:
-    """The jitted forms of one shape and their arguments: the query, the dense cache, the pool (with 37 pages no
-    row names), the block tables (a random permutation of the pool) and the visible lengths."""
+    """The jitted forms of one shape and their arguments: the query, the dense caches, the key and value pools
+    (each with 37 pages no row names), the block tables (a random permutation of the pool) and the visible
+    lengths."""
     import jax
     import jax.numpy as jnp
 
@@ -41,12 +42,14 @@ def forms(rows: int, table_positions: int, page: int, visible: int, gpu: bool) -
 
     width = table_positions // page
     pool_pages = rows * width + 37
-    keys = jax.random.split(jax.random.key(0), 3)
+    keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (rows, 1, HEADS, HEAD_DIM), jnp.bfloat16)
-    pool = jax.random.normal(keys[1], (pool_pages, page, KV_HEADS, HEAD_DIM), jnp.bfloat16)
-    table = jax.random.permutation(keys[2], pool_pages)[:rows * width].reshape(rows, width).astype(jnp.int32)
+    pool_k, pool_v = (jax.random.normal(key, (pool_pages, page, KV_HEADS, HEAD_DIM), jnp.bfloat16)
+                      for key in keys[1:3])
+    table = jax.random.permutation(keys[3], pool_pages)[:rows * width].reshape(rows, width).astype(jnp.int32)
     lengths = jnp.full((rows,), visible, jnp.int32)
-    dense_cache = pool[:rows * width].reshape(rows, table_positions, KV_HEADS, HEAD_DIM)
+    dense_k, dense_v = (pool[:rows * width].reshape(rows, table_positions, KV_HEADS, HEAD_DIM)
+                        for pool in (pool_k, pool_v))
     implementation = "cudnn" if gpu else None
 
     def attend(q, k, v, lengths):
@@ -58,11 +61,11 @@ def forms(rows: int, table_positions: int, page: int, visible: int, gpu: bool) -
     def gathered(q, pool_k, pool_v, table, lengths):
         return attend(q, rows_of(pool_k, table), rows_of(pool_v, table), lengths)
 
-    programs = {"dense": (jax.jit(attend), (q, dense_cache, dense_cache, lengths)),
-                "gather": (jax.jit(gathered), (q, pool, pool, table, lengths))}
+    programs = {"dense": (jax.jit(attend), (q, dense_k, dense_v, lengths)),
+                "gather": (jax.jit(gathered), (q, pool_k, pool_v, table, lengths))}
     if gpu:
         paged = jax.jit(lambda q, k, v, table, lengths: cudnn_paged_decode(q, k, v, table, lengths, HEAD_DIM ** -0.5))
-        programs["cudnn"] = (paged, (q, pool, pool, table, lengths))
+        programs["cudnn"] = (paged, (q, pool_k, pool_v, table, lengths))
     return programs
 
 
