@@ -259,7 +259,7 @@ def paged_step(graphdef, kernel: str = "gather", decode: bool = True, *, under: 
         inputs = packed.unpacked()
         model = nnx.merge(graphdef, params, rest)
         cache = PagedCache(pages["k"], pages["v"], inputs.table, kernel, pages.get("k_scale"), pages.get("v_scale"))
-        tokens_BS = jnp.where(inputs.tokens < 0, read_slots(recent, inputs.slot)[:, None], inputs.tokens)
+        tokens_BS = with_slot_tokens(inputs.tokens, recent, inputs.slot)
         logits_BV, cache, *every_BSV = model.paged(tokens_BS, inputs.positions, inputs.last, cache,
                                                    every_position=packed.scored)
         positions_B = inputs.positions[:, 0] + inputs.last  # a row's positions run on from its first
@@ -275,12 +275,17 @@ def paged_step(graphdef, kernel: str = "gather", decode: bool = True, *, under: 
     return step
 
 
-def read_slots(recent: jax.Array, slot_B: jax.Array) -> jax.Array:
-    """recent[slot] of each row [B] int32 (0 where the slot is -1), each shard reading its own slots (SLOTS)."""
-    def local(recent_R, slot_B, specs):
-        return jnp.where(slot_B >= 0, recent_R[jnp.maximum(slot_B, 0)], 0)
+def with_slot_tokens(tokens_BS: jax.Array, recent: jax.Array, slot_B: jax.Array) -> jax.Array:
+    """The step's tokens [B, S] with each -1 replaced by recent[slot] of its row (0 where the slot is -1), each
+    shard reading its own slots (SLOTS). Done inside one shard map, so the tokens keep their own placement whatever
+    the rows' count (a select of two differently placed operands is refused under explicit mesh axes)."""
+    def local(tokens_BS, recent_R, slot_B, specs):
+        newest_B = jnp.where(slot_B >= 0, recent_R[jnp.maximum(slot_B, 0)], 0)
+        return jnp.where(tokens_BS < 0, newest_B[:, None], tokens_BS)
 
-    return run_sharded(local, [recent, slot_B], [SLOTS, SLOTS], [(SLOTS, slot_B.shape)], "slot tokens")
+    rows = (SLOTS[0], None)
+    return run_sharded(local, [tokens_BS, recent, slot_B], [rows, SLOTS, SLOTS], [(rows, tokens_BS.shape)],
+                       "slot tokens")
 
 
 def write_slots(recent: jax.Array, slot_B: jax.Array, token_B: jax.Array) -> jax.Array:
