@@ -38,7 +38,7 @@ UNSUPPORTED = {
     "mm_processor_kwargs": ({},), "logits_processors": ([],),
     "priority": (0,), "reasoning_effort": (), "prompt_embeds": (), "kv_transfer_params": (), "vllm_xargs": ({},),
     "modalities": (["text"],), "audio": (), "prediction": (), "web_search_options": (), "service_tier": ("auto",),
-    "store": (False,), "metadata": ({},), "cache_salt": (),
+    "store": (False,), "metadata": ({},),
 }
 """Fields of vLLM's OpenAI protocol this server does not implement -> the values that ask for nothing (the field's
 default; an explicit null counts as absent). Any other value is refused with a 400 naming the field. (`functions`
@@ -82,9 +82,9 @@ class StreamOptions(BaseModel):
 
 class Sampling(BaseModel):
     """The fields both routes share (OpenAI's names; top_k, min_p, min_tokens, repetition_penalty, ignore_eos,
-    stop_token_ids, include_stop_str_in_output, prompt_logprobs, allowed_token_ids, bad_words, skip_special_tokens
-    and spaces_between_special_tokens as vLLM adds them). logit_bias maps token ids (as JSON keys) to values in
-    [-100, 100], at most MAX_LOGIT_BIAS of them, as OpenAI takes it. max_tokens 0 asks for the prompt alone:
+    stop_token_ids, include_stop_str_in_output, prompt_logprobs, allowed_token_ids, bad_words, skip_special_tokens,
+    spaces_between_special_tokens and cache_salt as vLLM adds them). logit_bias maps token ids (as JSON keys) to
+    values in [-100, 100], at most MAX_LOGIT_BIAS of them, as OpenAI takes it. max_tokens 0 asks for the prompt alone:
     completions with echo (its text and log-probabilities), as vLLM serves it."""
 
     model_config = ConfigDict(extra="ignore")
@@ -129,6 +129,7 @@ class Sampling(BaseModel):
     bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    cache_salt: str | None = None
 
     def truncated(self, prompt: list[int], context: int) -> list[int]:
         """The prompt's last `truncate_prompt_tokens` tokens (-1: the model's context; None or a longer value: all
@@ -176,6 +177,13 @@ class Sampling(BaseModel):
             if not key.strip().isdigit() or not (math.isfinite(value) and -100 <= value <= 100):
                 raise ApiError(HTTP_BAD_REQUEST, f"logit_bias entry {key!r}: {value} must map a token id to a value "
                                "in [-100, 100]", param="logit_bias")
+        return self
+
+    @model_validator(mode="after")
+    def _cache_salt_is_text(self):
+        if self.cache_salt == "":
+            raise ApiError(HTTP_BAD_REQUEST, "cache_salt is empty; give a non-empty text or leave it out",
+                           param="cache_salt")
         return self
 
     @model_validator(mode="after")

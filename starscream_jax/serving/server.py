@@ -421,7 +421,7 @@ class Server:
                                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                   repetition_penalty=body.repetition_penalty, logit_bias=bias,
                                   allowed_token_ids=tuple(body.allowed_token_ids or ()), bad_words=bad_words,
-                                  prompt_logprobs=scored)
+                                  prompt_logprobs=scored, cache_salt=body.cache_salt)
         except StarscreamError as err:
             raise ApiError(HTTP_BAD_REQUEST, str(err)) from None
 

@@ -275,6 +275,23 @@ def test_special_tokens_allowed_ids_bad_words_and_a_request_template(client, ser
     assert _wait_idle(served[1]).pages_used == 0
 
 
+def test_cache_salt_shares_prefix_pages_only_with_the_same_salt(client, served):
+    """A prompt's two full pages are found again under its salt, never under another salt or none; an empty salt
+    is a 400 naming cache_salt."""
+    prompt = list(range(70, 79))
+
+    def hits_after(salt):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"cache_salt": salt})
+        return _wait_idle(served[1]).prefix_hit_pages
+
+    start = hits_after("tenant-a")
+    assert hits_after("tenant-b") == hits_after(None) == start
+    assert hits_after("tenant-a") == start + 2
+    with pytest.raises(openai.BadRequestError) as refused:
+        hits_after("")
+    assert refused.value.body["param"] == "cache_salt"
+
+
 def test_bad_requests_get_openai_errors(client, served):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-9", prompt="x", max_tokens=2)
