@@ -22,6 +22,7 @@ from .guided import (
     json_schema_grammar,
     lark_grammar,
     regex_grammar,
+    structural_tag_grammar,
 )
 from .scheduler import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_TOP_K, MAX_TOP_LOGPROBS
 from .tools import PARSERS, ToolMode, function_of, named_grammar, required_grammar
@@ -52,9 +53,12 @@ BACKENDS = ("auto", "guidance", "llguidance")
 """guided_decoding_backend values served (every grammar runs on llguidance, vLLM's `guidance` backend)."""
 TEMPLATE_RESERVED = ("chat_template", "tokenize", "messages")
 """Names chat_template_kwargs may not hold (vLLM refuses the first two; the messages are the request's own)."""
-STRUCTURED_OUTPUT_KEYS = {"json", "regex", "choice", "grammar", "json_object", "whitespace_pattern",
-                          "disable_any_whitespace", "disable_additional_properties", "disable_fallback"}
+STRUCTURED_OUTPUT_KEYS = {"json", "regex", "choice", "grammar", "json_object", "structural_tag",
+                          "whitespace_pattern", "disable_any_whitespace", "disable_additional_properties",
+                          "disable_fallback"}
 """Keys of vLLM's `structured_outputs` read (`disable_fallback` asks for nothing: there is no other backend)."""
+GRAMMAR_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+"""The keys of `structured_outputs` that each ask for a grammar (a request gives one)."""
 
 
 class ApiError(Exception):
@@ -264,20 +268,21 @@ def _asks(name: str, value) -> bool:
     if name == "response_format":
         return value is not None and value.get("type") != "text"
     if name == "structured_outputs":
-        return value is not None and any(value.get(key) not in (None, False) for key in
-                                         ("json", "regex", "choice", "grammar", "json_object"))
+        return value is not None and any(value.get(key) not in (None, False) for key in GRAMMAR_KEYS)
     return value is not None
 
 
 def _response_format(value: dict) -> Grammar:
-    """OpenAI's response_format: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name",
-    "schema", "strict"}}."""
+    """OpenAI's response_format: {"type": "json_object"}, {"type": "json_schema", "json_schema": {"name",
+    "schema", "strict"}}, or vLLM's {"type": "structural_tag", "structures": [...], "triggers": [...]}."""
     kind = value.get("type")
     if kind == "json_object":
         return json_object_grammar("response_format")
+    if kind == "structural_tag":
+        return structural_tag_grammar({key: item for key, item in value.items() if key != "type"}, "response_format")
     if kind != "json_schema":
-        raise StarscreamError(f"response_format type {kind!r} is not supported; send text, json_object or "
-                              "json_schema")
+        raise StarscreamError(f"response_format type {kind!r} is not supported; send text, json_object, "
+                              "json_schema or structural_tag")
     spec = value.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
         raise StarscreamError("response_format json_schema must be {\"name\": ..., \"schema\": {...}}")
@@ -285,13 +290,13 @@ def _response_format(value: dict) -> Grammar:
 
 
 def _structured_outputs(value: dict, whitespace: str | None) -> Grammar:
-    """vLLM's structured_outputs: one of json, regex, choice, grammar, json_object, with whitespace options."""
+    """vLLM's structured_outputs: one of json, regex, choice, grammar, json_object, structural_tag, with
+    whitespace options."""
     unknown = sorted(set(value) - STRUCTURED_OUTPUT_KEYS)
     if unknown:
         raise StarscreamError(f"structured_outputs.{unknown[0]} is not supported; give json, regex, choice, "
-                              "grammar or json_object")
-    asked = [key for key in ("json", "regex", "choice", "grammar", "json_object")
-             if value.get(key) not in (None, False)]
+                              "grammar, json_object or structural_tag")
+    asked = [key for key in GRAMMAR_KEYS if value.get(key) not in (None, False)]
     if len(asked) > 1:
         raise StarscreamError(f"structured_outputs gives {' and '.join(asked)}; give one")
     key, field = asked[0], "structured_outputs"
@@ -308,6 +313,8 @@ def _structured_outputs(value: dict, whitespace: str | None) -> Grammar:
         return choice_grammar(value["choice"], field)
     if key == "grammar" and isinstance(value["grammar"], str):
         return lark_grammar(value["grammar"], field)
+    if key == "structural_tag":
+        return structural_tag_grammar(value["structural_tag"], field)
     raise StarscreamError(f"structured_outputs.{key} has the wrong type; see vLLM's structured outputs")
 
 

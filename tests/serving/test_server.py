@@ -411,6 +411,22 @@ def test_structured_output_through_the_openai_client(client):
         assert refused.value.body["param"] == param and param in refused.value.body["message"]
 
 
+def test_a_structural_tag_makes_each_trigger_a_whole_structure(client, llama_tokenizer):
+    """A bias forces the trigger "@" wherever the text is free; the structural tag makes each one the rest of its
+    begin, JSON of its schema and its end."""
+    colors = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}}, "required": ["color"],
+              "additionalProperties": False}
+    tag = {"type": "structural_tag", "triggers": ["@"],
+           "structures": [{"begin": "@call", "schema": colors, "end": ";"}]}
+    at = llama_tokenizer.encode("@", False).tolist()[0]
+    text = client.completions.create(model=MODEL, prompt="hello", max_tokens=30, temperature=0,
+                                     logit_bias={str(at): 100}, extra_body={"response_format": tag}).choices[0].text
+    calls = text.split("@call")
+    assert calls[0] == "" and len(calls) > 2, text
+    for call in calls[1:-1]:
+        assert call.endswith(";") and json.loads(call[:-1])["color"] in ("red", "green"), text
+
+
 def test_tool_choice_required_and_named_give_parsed_calls_whole_and_streamed(client, served):
     """Named and required calls parse (a named one calls its function), whole and streamed (ids, names, then
     arguments that join into JSON), with finish_reason tool_calls; a conversation holding an assistant turn of
