@@ -245,13 +245,17 @@ def test_top_logprobs_penalties_and_logit_bias_through_the_openai_client(client,
 
 
 def test_special_tokens_allowed_ids_bad_words_and_a_request_template(client, served, llama_tokenizer):
-    """skip_special_tokens false shows a special token's text (a bias of 100 forces <s>), true leaves it out;
-    allowed_token_ids hold every generated token to the list; a bad word's token never comes; a request's
-    chat_template renders the prompt with its chat_template_kwargs; bad values are 400s naming the field."""
+    """skip_special_tokens false shows a special token's text (a bias of 100 forces <s>), one space apart from the
+    text beside it unless spaces_between_special_tokens is false; true leaves it out; allowed_token_ids hold every
+    generated token to the list; a bad word's token never comes; a request's chat_template renders the prompt with
+    its chat_template_kwargs; bad values are 400s naming the field."""
     sampling = {"model": MODEL, "prompt": "hello world", "max_tokens": 4, "temperature": 0, "logit_bias": {"0": 100}}
     skipped = client.completions.create(**sampling).choices[0]
     kept = client.completions.create(**sampling, extra_body={"skip_special_tokens": False}).choices[0]
-    assert skipped.text == "" and kept.text == llama_tokenizer.decode([0], skip_special_tokens=False) * 4
+    joined = client.completions.create(**sampling, extra_body={"skip_special_tokens": False,
+                                                                "spaces_between_special_tokens": False}).choices[0]
+    special = llama_tokenizer.decode([0], skip_special_tokens=False)
+    assert skipped.text == "" and joined.text == special * 4 and kept.text == f" {special}" * 4
     plain = {"model": MODEL, "prompt": "hello world", "max_tokens": 4, "temperature": 0}
     greedy = client.completions.create(**plain, extra_body={"return_token_ids": True}).choices[0].token_ids
     allowed = [token for token in (40, 41, 42) if token not in greedy]
