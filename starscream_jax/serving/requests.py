@@ -47,8 +47,9 @@ and `function_call`, OpenAI's deprecated form of tools, are not in vLLM's protoc
 INSTEAD = {"functions": "; send tools instead", "function_call": "; send tool_choice instead"}
 """What to send instead of a refused field, where something else does its work."""
 GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                  "structured_outputs")
-"""The fields that ask for structured output (`serving.guided`); a request gives at most one of them."""
+                  "structured_outputs", "structural_tag")
+"""The fields that ask for structured output (`serving.guided`); a request gives at most one of them
+(`structural_tag`, the structural tag's JSON text, is a field of chat requests only, as in vLLM)."""
 BACKENDS = ("auto", "guidance", "llguidance")
 """guided_decoding_backend values served (every grammar runs on llguidance, vLLM's `guidance` backend)."""
 TEMPLATE_RESERVED = ("chat_template", "tokenize", "messages")
@@ -235,7 +236,7 @@ class Sampling(BaseModel):
     def grammar(self) -> Grammar | None:
         """The structured output the request asks for (`serving.guided`, not yet validated), or None; an
         ApiError naming the field when it is malformed or more than one field asks."""
-        asked = [name for name in GRAMMAR_FIELDS if _asks(name, getattr(self, name))]
+        asked = [name for name in GRAMMAR_FIELDS if _asks(name, getattr(self, name, None))]
         if self.guided_decoding_backend not in (None, *BACKENDS):
             raise ApiError(HTTP_BAD_REQUEST, f"guided_decoding_backend {self.guided_decoding_backend!r} is not "
                            f"served; every grammar runs on llguidance: send one of {', '.join(BACKENDS)} or leave "
@@ -260,6 +261,8 @@ class Sampling(BaseModel):
             return json_schema_grammar(value, name, whitespace=whitespace)
         if name == "guided_regex":
             return regex_grammar(value, name)
+        if name == "structural_tag":
+            return structural_tag_grammar(value, name)
         return choice_grammar(value, name) if name == "guided_choice" else lark_grammar(value, name)
 
 
@@ -427,10 +430,12 @@ class ChatTemplateFields(BaseModel):
 
 class ChatRequest(Sampling, ChatTemplateFields):
     """A chat request; `tools` (OpenAI's function tools) reach the chat template, and `tool_choice` says how the
-    answer becomes calls (`serving.tools`); the template fields of `ChatTemplateFields`."""
+    answer becomes calls (`serving.tools`); the template fields of `ChatTemplateFields`; vLLM's `structural_tag`
+    (a structural tag's JSON text, beside the other grammar fields)."""
 
     REFUSED_HERE: ClassVar[dict[str, tuple]] = {"echo": (False,)}
     messages: list[ChatMessage] = Field(min_length=1)
+    structural_tag: str | None = None
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
     add_special_tokens: bool = False  # the template writes them

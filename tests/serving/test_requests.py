@@ -38,7 +38,7 @@ VLLM_CHAT_FIELDS = (
     "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs", "priority", "request_id",
     "logits_processors", "return_tokens_as_token_ids", "cache_salt", "kv_transfer_params", "vllm_xargs",
     "metadata", "store", "modalities", "audio", "prediction", "service_tier", "web_search_options", "functions",
-    "function_call")
+    "function_call", "structural_tag", "return_token_ids")
 BASE = {"completions": (CompletionRequest, {"model": "m", "prompt": "hi"}),
         "chat": (ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}]})}
 
@@ -147,7 +147,7 @@ def test_structured_output_fields_give_one_grammar_named_by_its_field():
     tag = grammar(response_format=TAG)
     assert tag.field == "response_format" and '"<f=w>"' not in tag.text and '"w>" %json' in tag.text
     spec = json.dumps({key: value for key, value in TAG.items() if key != "type"})
-    assert grammar(structured_outputs={"structural_tag": spec}).text == tag.text
+    assert grammar(structured_outputs={"structural_tag": spec}).text == grammar(structural_tag=spec).text == tag.text
     for fields, param, message in (
             ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "each ask for structured output"),
             ({"guided_regex": "a", "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "llguidance"),
