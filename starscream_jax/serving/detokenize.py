@@ -11,13 +11,30 @@ Stop strings are matched in the text not yet sent plus the new text only: up to 
 less one character is held back (it may be the start of a stop string), so a stop string spanning tokens is found
 exactly once, and the text ends where it begins (or after it, `include_stop`). As vLLM does, stop strings are
 looked for only once more than `min_tokens` tokens have arrived.
+
+Special tokens kept in the text (skip_special_tokens false) stand one space apart from their neighbours where a
+request leaves vLLM's `spaces_between_special_tokens` true (`spaced_special`), as vLLM's and Hugging Face's slow
+detokenizers join them; false writes them as the tokenizer's decoder does.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Collection
 
 PROMPT_CONTEXT = 5
 """Prompt tokens that seed the window (vLLM's initial read offset is as many)."""
+
+
+def spaced_special(decode: Callable[[list[int]], str], special_ids: Collection[int]) -> Callable[[list[int]], str]:
+    """`decode` (one that keeps special tokens) with each token of `special_ids` and each run of other tokens
+    decoded apart and the non-empty pieces joined by one space."""
+    def spaced(token_ids: list[int]) -> str:
+        pieces = []
+        for special, run in itertools.groupby(token_ids, special_ids.__contains__):
+            run = list(run)
+            pieces += [decode([token]) for token in run] if special else [decode(run)]
+        return " ".join(piece for piece in pieces if piece)
+    return spaced
 
 
 class IncrementalText:

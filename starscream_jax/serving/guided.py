@@ -1,6 +1,6 @@
 """Structured output: a request's grammar (a JSON schema, any JSON object, a regular expression, a choice of
-strings, a Lark or GBNF grammar) as the `llguidance` library builds it, and the matcher that says, before each
-token, which tokens the grammar allows.
+strings, a Lark or GBNF grammar, vLLM's structural tags) as the `llguidance` library builds it, and the matcher that
+says, before each token, which tokens the grammar allows.
 
 Why llguidance (over xgrammar or outlines-core): it needs no PyTorch (the masks are plain int32 bit words this
 library moves into the compiled step itself); it is the engine behind vLLM's `guidance` backend; it computes a
@@ -116,6 +116,45 @@ def lark_grammar(text: str, field: str) -> Grammar:
         return Grammar(field, llguidance.grammar_from("grammar", text))
     except ValueError as err:
         raise StarscreamError(f"{field}: {' '.join(str(err).split())}") from None
+
+
+def structural_tag_grammar(spec, field: str) -> Grammar:
+    """vLLM's structural tags (`{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`, or its JSON
+    text): free text in which, wherever a trigger is written, one of the structures follows whole: its `begin`
+    (which starts with that trigger), JSON that validates against its `schema` (compact, `COMPACT_JSON`; no
+    schema: any JSON), then its `end`; llguidance's lazy lexemes (`StructTag`) build it."""
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except ValueError as err:
+            raise StarscreamError(f"{field}: the structural tag is not JSON ({err})") from None
+    if not isinstance(spec, dict):
+        raise StarscreamError(f"{field}: the structural tag must be an object with structures and triggers")
+    if "format" in spec:
+        raise StarscreamError(f"{field}: the structural tag's \"format\" form is not supported; give structures and "
+                              "triggers")
+    triggers, structures = spec.get("triggers"), spec.get("structures")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise StarscreamError(f"{field}: triggers must be a non-empty list of non-empty strings")
+    if not isinstance(structures, list) or not structures:
+        raise StarscreamError(f"{field}: structures must be a non-empty list of {{begin, schema, end}} objects")
+    return Grammar(field, llguidance.StructTag.to_grammar([_struct_tag(item, triggers, field)
+                                                            for item in structures]))
+
+
+def _struct_tag(structure, triggers: list[str], field: str) -> llguidance.StructTag:
+    """One structure of a structural tag as llguidance's `StructTag`, under the first trigger its begin starts
+    with."""
+    schema = structure.get("schema") if isinstance(structure, dict) else None
+    if not isinstance(structure, dict) or not isinstance(structure.get("begin"), str) \
+            or not isinstance(structure.get("end"), str) or not isinstance(schema, (dict, type(None))):
+        raise StarscreamError(f"{field}: each structure must be {{\"begin\": text, \"schema\": {{...}}, "
+                              "\"end\": text}")
+    trigger = next((t for t in triggers if structure["begin"].startswith(t)), None)
+    if trigger is None:
+        raise StarscreamError(f"{field}: structure begin {structure['begin']!r} starts with none of the triggers")
+    return llguidance.StructTag(trigger=trigger, begin=structure["begin"], end=structure["end"],
+                                grammar={**(schema or {}), "x-guidance": COMPACT_JSON})
 
 
 def checked(grammar: Grammar) -> Grammar:

@@ -7,7 +7,9 @@ is the shard's null page, where padding rows and padding positions write and whi
 
 A full page of a prompt is registered under a hash of every token up to its end (the chain of its page's tokens and
 its predecessor's hash), so a later prompt with the same prefix reuses the page, counted once per holder. A page no
-sequence holds stays registered (and counted free) until it is taken for new tokens, oldest released first.
+sequence holds stays registered (and counted free) until it is taken for new tokens, oldest released first. A
+request's cache salt (vLLM's `cache_salt`) stands in for the first page's predecessor (`salt_key`), so prompts with
+different salts (or one salted, one not) never share a page, and prompts with the same salt do.
 """
 from __future__ import annotations
 
@@ -30,6 +32,14 @@ def page_hashes(tokens: list[int], page_size: int, previous: bytes = b"") -> lis
         previous = digest.digest()
         hashes.append(previous)
     return hashes
+
+
+def salt_key(salt: str | None) -> bytes:
+    """What the first page's hash chains from: nothing without a salt, else a hash of the salt kept apart from
+    every page hash (its own personalization), so a salted chain never meets an unsalted one."""
+    if salt is None:
+        return b""
+    return hashlib.blake2b(salt.encode(), digest_size=16, person=b"cache_salt").digest()
 
 
 @dataclass

@@ -22,6 +22,7 @@ from .guided import (
     json_schema_grammar,
     lark_grammar,
     regex_grammar,
+    structural_tag_grammar,
 )
 from .scheduler import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_TOP_K, MAX_TOP_LOGPROBS
 from .tools import PARSERS, ToolMode, function_of, named_grammar, required_grammar
@@ -38,7 +39,7 @@ UNSUPPORTED = {
     "mm_processor_kwargs": ({},), "logits_processors": ([],),
     "priority": (0,), "reasoning_effort": (), "prompt_embeds": (), "kv_transfer_params": (), "vllm_xargs": ({},),
     "modalities": (["text"],), "audio": (), "prediction": (), "web_search_options": (), "service_tier": ("auto",),
-    "store": (False,), "metadata": ({},), "cache_salt": (),
+    "store": (False,), "metadata": ({},),
 }
 """Fields of vLLM's OpenAI protocol this server does not implement -> the values that ask for nothing (the field's
 default; an explicit null counts as absent). Any other value is refused with a 400 naming the field. (`functions`
@@ -46,15 +47,19 @@ and `function_call`, OpenAI's deprecated form of tools, are not in vLLM's protoc
 INSTEAD = {"functions": "; send tools instead", "function_call": "; send tool_choice instead"}
 """What to send instead of a refused field, where something else does its work."""
 GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                  "structured_outputs")
-"""The fields that ask for structured output (`serving.guided`); a request gives at most one of them."""
+                  "structured_outputs", "structural_tag")
+"""The fields that ask for structured output (`serving.guided`); a request gives at most one of them
+(`structural_tag`, the structural tag's JSON text, is a field of chat requests only, as in vLLM)."""
 BACKENDS = ("auto", "guidance", "llguidance")
 """guided_decoding_backend values served (every grammar runs on llguidance, vLLM's `guidance` backend)."""
 TEMPLATE_RESERVED = ("chat_template", "tokenize", "messages")
 """Names chat_template_kwargs may not hold (vLLM refuses the first two; the messages are the request's own)."""
-STRUCTURED_OUTPUT_KEYS = {"json", "regex", "choice", "grammar", "json_object", "whitespace_pattern",
-                          "disable_any_whitespace", "disable_additional_properties", "disable_fallback"}
+STRUCTURED_OUTPUT_KEYS = {"json", "regex", "choice", "grammar", "json_object", "structural_tag",
+                          "whitespace_pattern", "disable_any_whitespace", "disable_additional_properties",
+                          "disable_fallback"}
 """Keys of vLLM's `structured_outputs` read (`disable_fallback` asks for nothing: there is no other backend)."""
+GRAMMAR_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+"""The keys of `structured_outputs` that each ask for a grammar (a request gives one)."""
 
 
 class ApiError(Exception):
@@ -82,9 +87,9 @@ class StreamOptions(BaseModel):
 
 class Sampling(BaseModel):
     """The fields both routes share (OpenAI's names; top_k, min_p, min_tokens, repetition_penalty, ignore_eos,
-    stop_token_ids, include_stop_str_in_output, prompt_logprobs, allowed_token_ids, bad_words, skip_special_tokens
-    and spaces_between_special_tokens as vLLM adds them). logit_bias maps token ids (as JSON keys) to values in
-    [-100, 100], at most MAX_LOGIT_BIAS of them, as OpenAI takes it. max_tokens 0 asks for the prompt alone:
+    stop_token_ids, include_stop_str_in_output, prompt_logprobs, allowed_token_ids, bad_words, skip_special_tokens,
+    spaces_between_special_tokens and cache_salt as vLLM adds them). logit_bias maps token ids (as JSON keys) to
+    values in [-100, 100], at most MAX_LOGIT_BIAS of them, as OpenAI takes it. max_tokens 0 asks for the prompt alone:
     completions with echo (its text and log-probabilities), as vLLM serves it."""
 
     model_config = ConfigDict(extra="ignore")
@@ -129,6 +134,7 @@ class Sampling(BaseModel):
     bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    cache_salt: str | None = None
 
     def truncated(self, prompt: list[int], context: int) -> list[int]:
         """The prompt's last `truncate_prompt_tokens` tokens (-1: the model's context; None or a longer value: all
@@ -179,6 +185,13 @@ class Sampling(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _cache_salt_is_text(self):
+        if self.cache_salt == "":
+            raise ApiError(HTTP_BAD_REQUEST, "cache_salt is empty; give a non-empty text or leave it out",
+                           param="cache_salt")
+        return self
+
+    @model_validator(mode="after")
     def _allowed_token_ids_allow_one(self):
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ApiError(HTTP_BAD_REQUEST, "allowed_token_ids is empty: no token could be drawn; give at least one "
@@ -223,7 +236,7 @@ class Sampling(BaseModel):
     def grammar(self) -> Grammar | None:
         """The structured output the request asks for (`serving.guided`, not yet validated), or None; an
         ApiError naming the field when it is malformed or more than one field asks."""
-        asked = [name for name in GRAMMAR_FIELDS if _asks(name, getattr(self, name))]
+        asked = [name for name in GRAMMAR_FIELDS if _asks(name, getattr(self, name, None))]
         if self.guided_decoding_backend not in (None, *BACKENDS):
             raise ApiError(HTTP_BAD_REQUEST, f"guided_decoding_backend {self.guided_decoding_backend!r} is not "
                            f"served; every grammar runs on llguidance: send one of {', '.join(BACKENDS)} or leave "
@@ -248,6 +261,8 @@ class Sampling(BaseModel):
             return json_schema_grammar(value, name, whitespace=whitespace)
         if name == "guided_regex":
             return regex_grammar(value, name)
+        if name == "structural_tag":
+            return structural_tag_grammar(value, name)
         return choice_grammar(value, name) if name == "guided_choice" else lark_grammar(value, name)
 
 
@@ -256,20 +271,21 @@ def _asks(name: str, value) -> bool:
     if name == "response_format":
         return value is not None and value.get("type") != "text"
     if name == "structured_outputs":
-        return value is not None and any(value.get(key) not in (None, False) for key in
-                                         ("json", "regex", "choice", "grammar", "json_object"))
+        return value is not None and any(value.get(key) not in (None, False) for key in GRAMMAR_KEYS)
     return value is not None
 
 
 def _response_format(value: dict) -> Grammar:
-    """OpenAI's response_format: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name",
-    "schema", "strict"}}."""
+    """OpenAI's response_format: {"type": "json_object"}, {"type": "json_schema", "json_schema": {"name",
+    "schema", "strict"}}, or vLLM's {"type": "structural_tag", "structures": [...], "triggers": [...]}."""
     kind = value.get("type")
     if kind == "json_object":
         return json_object_grammar("response_format")
+    if kind == "structural_tag":
+        return structural_tag_grammar({key: item for key, item in value.items() if key != "type"}, "response_format")
     if kind != "json_schema":
-        raise StarscreamError(f"response_format type {kind!r} is not supported; send text, json_object or "
-                              "json_schema")
+        raise StarscreamError(f"response_format type {kind!r} is not supported; send text, json_object, "
+                              "json_schema or structural_tag")
     spec = value.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
         raise StarscreamError("response_format json_schema must be {\"name\": ..., \"schema\": {...}}")
@@ -277,13 +293,13 @@ def _response_format(value: dict) -> Grammar:
 
 
 def _structured_outputs(value: dict, whitespace: str | None) -> Grammar:
-    """vLLM's structured_outputs: one of json, regex, choice, grammar, json_object, with whitespace options."""
+    """vLLM's structured_outputs: one of json, regex, choice, grammar, json_object, structural_tag, with
+    whitespace options."""
     unknown = sorted(set(value) - STRUCTURED_OUTPUT_KEYS)
     if unknown:
         raise StarscreamError(f"structured_outputs.{unknown[0]} is not supported; give json, regex, choice, "
-                              "grammar or json_object")
-    asked = [key for key in ("json", "regex", "choice", "grammar", "json_object")
-             if value.get(key) not in (None, False)]
+                              "grammar, json_object or structural_tag")
+    asked = [key for key in GRAMMAR_KEYS if value.get(key) not in (None, False)]
     if len(asked) > 1:
         raise StarscreamError(f"structured_outputs gives {' and '.join(asked)}; give one")
     key, field = asked[0], "structured_outputs"
@@ -300,6 +316,8 @@ def _structured_outputs(value: dict, whitespace: str | None) -> Grammar:
         return choice_grammar(value["choice"], field)
     if key == "grammar" and isinstance(value["grammar"], str):
         return lark_grammar(value["grammar"], field)
+    if key == "structural_tag":
+        return structural_tag_grammar(value["structural_tag"], field)
     raise StarscreamError(f"structured_outputs.{key} has the wrong type; see vLLM's structured outputs")
 
 
@@ -412,10 +430,12 @@ class ChatTemplateFields(BaseModel):
 
 class ChatRequest(Sampling, ChatTemplateFields):
     """A chat request; `tools` (OpenAI's function tools) reach the chat template, and `tool_choice` says how the
-    answer becomes calls (`serving.tools`); the template fields of `ChatTemplateFields`."""
+    answer becomes calls (`serving.tools`); the template fields of `ChatTemplateFields`; vLLM's `structural_tag`
+    (a structural tag's JSON text, beside the other grammar fields)."""
 
     REFUSED_HERE: ClassVar[dict[str, tuple]] = {"echo": (False,)}
     messages: list[ChatMessage] = Field(min_length=1)
+    structural_tag: str | None = None
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
     add_special_tokens: bool = False  # the template writes them

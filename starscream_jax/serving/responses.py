@@ -18,7 +18,7 @@ import msgspec
 from fastapi import Request
 
 from .client import Delta, EngineClient, RequestStream
-from .detokenize import IncrementalText
+from .detokenize import IncrementalText, spaced_special
 from .metrics import RequestTimes, ServerMetrics
 from .requests import HTTP_BAD_REQUEST, ApiError, Sampling, unavailable
 from .scheduler import PromptLogprobs, SamplingParams
@@ -36,18 +36,31 @@ class Serving:
     json: msgspec.json.Encoder
     decode_special: Callable[[list[int]], str] | None = None
     """The tokenizer's decode with special tokens kept, for the text a tool-call parser reads (default `decode`)."""
+    special_ids: frozenset[int] = frozenset()
+    """The tokenizer's special token ids (`spaces_between_special_tokens` sets them apart in kept text)."""
+
+
+def _decode_of(serving: Serving, skip_special: bool, spaced: bool, tools: ToolMode | None):
+    """The decode of a choice's text (see `Choice`)."""
+    if not skip_special:
+        keeping = serving.decode_special or serving.decode
+        return spaced_special(keeping, serving.special_ids) if spaced and serving.special_ids else keeping
+    if tools is not None and tools.kind == "auto":
+        return serving.decode_special or serving.decode
+    return serving.decode
 
 
 class Choice:
     """One engine request of a response (a choice): its tokens turned into text as they come, its end, and its
     metrics once it ends; `echo` is text its answer begins with (a completions prompt echoed), and with
     `echo_only` (max_tokens 0) its whole answer: the one token the engine generates is dropped. Special tokens'
-    text is left out of its text unless `skip_special` is False (vLLM's skip_special_tokens), or a tool-call parser
-    reads it (tool_choice auto: the parsers' markers are special tokens)."""
+    text is left out of its text unless `skip_special` is False (vLLM's skip_special_tokens; then `spaced`, vLLM's
+    spaces_between_special_tokens, sets each one apart by a space), or a tool-call parser reads it (tool_choice
+    auto: the parsers' markers are special tokens)."""
 
     def __init__(self, serving: Serving, index: int, request_id: str, prompt: list[int], params: SamplingParams,
                  stop: tuple[str, ...], include_stop: bool, stream: RequestStream, tools: ToolMode | None = None,
-                 echo: str = "", echo_only: bool = False, skip_special: bool = True):
+                 echo: str = "", echo_only: bool = False, skip_special: bool = True, spaced: bool = True):
         self.serving, self.index, self.request_id, self.params, self.stream = serving, index, request_id, params, stream
         self.echo, self.echo_only = echo, echo_only
         self.prompt_scores: PromptLogprobs | None = None  # the prompt's log-probabilities, from the first delta
@@ -56,9 +69,8 @@ class Choice:
         self.prompt_tokens = len(prompt)
         self.tools = tools
         self.tool_stream = ToolStream(tools) if tools is not None else None
-        keep_special = not skip_special or tools is not None and tools.kind == "auto"
-        decode = serving.decode_special or serving.decode if keep_special else serving.decode
-        self.text = IncrementalText(decode, prompt, stop, include_stop, params.min_tokens)
+        self.text = IncrementalText(_decode_of(serving, skip_special, spaced, tools), prompt, stop, include_stop,
+                                    params.min_tokens)
         self.parts: list[str] = []
         self.tokens: list[int] = []
         self.logprobs: list[float] = []

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from ..errors import StarscreamError
 from .guided import Grammar
-from .pages import ShardPages, page_hashes
+from .pages import ShardPages, page_hashes, salt_key
 
 
 PENDING = -1
@@ -64,7 +64,9 @@ class SamplingParams:
     (always, for one id); `grammar` (structured output, `serving.guided`) allows only
     the tokens that keep the text within it, and the request ends ("stop") when the grammar does; `prompt_logprobs`
     N (None: off) returns each prompt token's log-probability and rank after the first, with the N likeliest
-    tokens at its position (`PromptLogprobs`, on the first token's event). Stop strings are
+    tokens at its position (`PromptLogprobs`, on the first token's event); `cache_salt` (a non-empty text, None:
+    none) keeps the request's prompt pages apart from those of requests with another salt or none (`pages`), so
+    only requests with the same salt share cached pages. Stop strings are
     text, so the API process applies them to the detokenized text (`serving.detokenize`) and cancels the request;
     the engine stops on token ids and lengths alone."""
 
@@ -86,6 +88,7 @@ class SamplingParams:
     bad_words: tuple[tuple[int, ...], ...] = ()
     grammar: Grammar | None = None
     prompt_logprobs: int | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self):
         problems = [(not _is_int(self.max_tokens) or self.max_tokens < 1,
@@ -133,7 +136,9 @@ class SamplingParams:
                 (not _ids(self.allowed_token_ids), "allowed_token_ids must be a tuple of token ids"),
                 (isinstance(self.bad_words, (str, bytes)) or len(self.bad_words) > MAX_BAD_WORDS or
                  not all(_ids(word) and 1 <= len(word) <= MAX_BAD_WORD_TOKENS for word in self.bad_words),
-                 f"bad_words must be at most {MAX_BAD_WORDS} tuples of 1 to {MAX_BAD_WORD_TOKENS} token ids")]
+                 f"bad_words must be at most {MAX_BAD_WORDS} tuples of 1 to {MAX_BAD_WORD_TOKENS} token ids"),
+                (self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt),
+                 f"cache_salt {self.cache_salt!r} must be a non-empty text (or None)")]
 
     @property
     def uses_slot(self) -> bool:
@@ -220,12 +225,13 @@ class Sequence:
 
     def prefix_hashes(self, positions: int, page_size: int) -> list[bytes]:
         """`pages.page_hashes` of tokens[:positions], each page hashed once in the sequence's life (its tokens
-        only grow, and each page's hash chains its predecessor's)."""
+        only grow, and each page's hash chains its predecessor's; the first page's chains the request's
+        cache_salt)."""
         full = positions // page_size
         if len(self._hashes) < full:
             start = len(self._hashes) * page_size
             self._hashes += page_hashes(self.token_slice(start, full * page_size), page_size,
-                                        self._hashes[-1] if self._hashes else b"")
+                                        self._hashes[-1] if self._hashes else salt_key(self.params.cache_salt))
         return self._hashes[:full]
 
     @property

@@ -125,7 +125,8 @@ class Server:
         self._ids = itertools.count()
         self.serving = Serving(decode=tokenizer.decode, client=client, metrics=self.metrics,
                                json=msgspec.json.Encoder(),
-                               decode_special=functools.partial(tokenizer.decode, skip_special_tokens=False))
+                               decode_special=functools.partial(tokenizer.decode, skip_special_tokens=False),
+                               special_ids=tokenizer.special_ids)
         self.shutting_down = False
         self.prompt_tokens_submitted = 0
         """Prompt tokens sent to the engine so far (for the periodic stats line)."""
@@ -376,7 +377,7 @@ class Server:
                 stream = self.client.submit(request_id, prompt, seeded)
                 choices.append(Choice(self.serving, index, request_id, prompt, seeded, stop,
                                       body.include_stop_str_in_output, stream, tools, echo, body.max_tokens == 0,
-                                      body.skip_special_tokens))
+                                      body.skip_special_tokens, body.spaces_between_special_tokens))
             self.prompt_tokens_submitted += len(prompt) * body.n
         firsts = await asyncio.gather(*(choice.stream.take() for choice in choices))  # refusals surface here
         refused = next((first for first in firsts if first.error is not None), None)
@@ -421,7 +422,7 @@ class Server:
                                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                   repetition_penalty=body.repetition_penalty, logit_bias=bias,
                                   allowed_token_ids=tuple(body.allowed_token_ids or ()), bad_words=bad_words,
-                                  prompt_logprobs=scored)
+                                  prompt_logprobs=scored, cache_salt=body.cache_salt)
         except StarscreamError as err:
             raise ApiError(HTTP_BAD_REQUEST, str(err)) from None
 

@@ -59,6 +59,7 @@ class ByteTokenizer:
     bos_id = eos_id = None
     eos_ids: tuple[int, ...] = ()
     highest_id, highest_source = byte_level.VOCAB_SIZE - 1, "byte 0xff"
+    special_ids: frozenset[int] = frozenset()
     fingerprint = "bytes"
     """What decides the ids it gives (compared on resume, part of the token cache's key)."""
 
@@ -86,7 +87,8 @@ class HFTokenizer:
     and `chat_template` (a string, or Hugging Face's list of named templates, of which "default" renders) from
     `directory/tokenizer_config.json` where present; `eos_ids` adds the `eos_token_id` of generation_config.json and
     config.json beside it. `highest_id` is the largest id it can give (its vocabulary with the added tokens, and the
-    special ids its post-processor inserts), `highest_source` what gives it."""
+    special ids its post-processor inserts), `highest_source` what gives it; `special_ids` the ids of the tokens
+    tokenizer.json marks special (what `decode` skips)."""
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
@@ -108,6 +110,8 @@ class HFTokenizer:
                                             *(found for name in EOS_FILES
                                               for found in _declared_eos(self.directory / name))]))
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self.special_ids = frozenset(token_id for token_id, token in self._tokenizer.get_added_tokens_decoder().items()
+                                     if token.special)
         self.highest_id, self.highest_source = self._highest_id()
         identity = f"{self.add_bos}{self.add_eos}{settings.get('chat_template')}{self.bos_id}{self.eos_id}".encode()
         self.fingerprint = hashlib.sha256(path.read_bytes() + identity).hexdigest()

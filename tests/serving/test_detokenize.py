@@ -1,12 +1,13 @@
 """Incremental detokenization: the pieces of a stream join to the whole text for any split of the tokens, a
 character whose bytes span tokens is never cut, and a stop string spanning tokens ends the text exactly where it
 begins (or after it), with nothing of it sent before."""
+import functools
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from starscream_jax.serving.detokenize import IncrementalText
+from starscream_jax.serving.detokenize import IncrementalText, spaced_special
 from starscream_jax.text.tokenizer import ByteTokenizer, load_tokenizer
 
 LLAMA = Path(__file__).parents[1] / "fixtures" / "hf" / "llama"
@@ -62,3 +63,16 @@ def test_stop_strings_wait_for_min_tokens():
     ids = tokenizer.encode("ab.cd.ef").tolist()
     assert "".join(stream(IncrementalText(tokenizer.decode, [], (".",)), ids, (1,))) == "ab"
     assert "".join(stream(IncrementalText(tokenizer.decode, [], (".",), min_tokens=4), ids, (1,))) == "ab.cd"
+
+
+def test_special_tokens_stand_a_space_apart_when_spaced():
+    """As vLLM's slow detokenizer joins them: each special token and each run of other tokens decoded apart, the
+    pieces joined by one space, whole or streamed."""
+    tokenizer = load_tokenizer(LLAMA)
+    keep = functools.partial(tokenizer.decode, skip_special_tokens=False)
+    hello, world = tokenizer.encode("hello", False).tolist(), tokenizer.encode("world", False).tolist()
+    spaced = spaced_special(keep, tokenizer.special_ids)
+    tokens = [1] + hello + [0, 0] + world
+    assert tokenizer.special_ids == {0, 1} and spaced(tokens) == "</s> hello <s> <s> world"
+    assert keep(tokens) == "</s>hello<s><s>world"
+    assert "".join(stream(IncrementalText(spaced, world), tokens, (1,))) == " </s> hello <s> <s> world"

@@ -1,6 +1,8 @@
 """The request bodies at the door: every field of vLLM's OpenAI protocol is either read or refused with a 400
 naming it (a field added to this list that is neither fails here: nothing is dropped without a word), nulls read as
 absent, chat content as text parts; a batch of prompts, n and best_of, and the /tokenize body."""
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -36,7 +38,7 @@ VLLM_CHAT_FIELDS = (
     "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs", "priority", "request_id",
     "logits_processors", "return_tokens_as_token_ids", "cache_salt", "kv_transfer_params", "vllm_xargs",
     "metadata", "store", "modalities", "audio", "prediction", "service_tier", "web_search_options", "functions",
-    "function_call")
+    "function_call", "structural_tag", "return_token_ids")
 BASE = {"completions": (CompletionRequest, {"model": "m", "prompt": "hi"}),
         "chat": (ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}]})}
 
@@ -124,6 +126,10 @@ def test_generation_defaults_read_the_sampling_fields_and_refuse_bad_ones(tmp_pa
         generation_defaults(path)
 
 
+TAG = {"type": "structural_tag", "triggers": ["<f="],
+       "structures": [{"begin": "<f=w>", "schema": {"type": "object"}, "end": "</f>"}]}
+
+
 def test_structured_output_fields_give_one_grammar_named_by_its_field():
     def grammar(**fields):
         return ChatRequest.model_validate({**BASE["chat"][1], **fields}).grammar()
@@ -138,10 +144,17 @@ def test_structured_output_fields_give_one_grammar_named_by_its_field():
     assert grammar(guided_regex="a+", guided_decoding_backend="guidance").field == "guided_regex"
     assert grammar(structured_outputs={"choice": ["a", "b"]}).field == "structured_outputs"
     assert CompletionRequest.model_validate({**BASE["completions"][1], "guided_choice": ["a"]}).grammar()
+    tag = grammar(response_format=TAG)
+    assert tag.field == "response_format" and '"<f=w>"' not in tag.text and '"w>" %json' in tag.text
+    spec = json.dumps({key: value for key, value in TAG.items() if key != "type"})
+    assert grammar(structured_outputs={"structural_tag": spec}).text == grammar(structural_tag=spec).text == tag.text
     for fields, param, message in (
             ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "each ask for structured output"),
             ({"guided_regex": "a", "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "llguidance"),
-            ({"response_format": {"type": "structural_tag"}}, "response_format", "structural_tag"),
+            ({"response_format": {"type": "structural_tag"}}, "response_format", "triggers must be"),
+            ({"response_format": {"type": "structural_tag", "format": {}}}, "response_format", "format"),
+            ({"response_format": {**TAG, "triggers": ["<g"]}}, "response_format", "none of the triggers"),
+            ({"structured_outputs": {"structural_tag": "{"}}, "structured_outputs", "not JSON"),
             ({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}, "response_format",
              "json_schema must be"),
             ({"structured_outputs": {"regex": "a", "structural_tag": {}}}, "structured_outputs", "structural_tag"),

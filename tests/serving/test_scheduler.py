@@ -118,3 +118,24 @@ def test_a_sequence_hashes_each_prompt_page_once_and_alike():
     sequence.generated += [7, 8, 9]
     assert sequence.prefix_hashes(16, 4) == page_hashes(sequence.tokens[:16], 4)
     assert sequence.prefix_hashes(3, 4) == []
+
+
+def test_cache_salt_keeps_prefix_pages_to_requests_with_the_same_salt():
+    """A prompt computed under one salt is found again under that salt only: not unsalted, not under another."""
+    scheduler = Scheduler(SchedulerConfig(shards=1, pages_per_shard=20, page_size=2, rows_per_shard=4,
+                                          token_budget=32, chunk=32))
+
+    def admitted_hits(name, salt):
+        sequence = Sequence(request_id=name, prompt=[1, 2, 3, 4, 5], params=SamplingParams(cache_salt=salt),
+                            seed=0, arrival=0.0)
+        scheduler.add(sequence)
+        for chunk in scheduler.schedule().prefill:
+            scheduler.computed(chunk)
+        return sequence.pages, scheduler.shards[0].stats.hit_pages
+
+    first, _ = admitted_hits("a", "tenant-a")
+    assert admitted_hits("b", None)[1] == 0 and admitted_hits("c", "tenant-b")[1] == 0
+    same, hits = admitted_hits("d", "tenant-a")
+    assert hits == 2 and same[:2] == first[:2]
+    with pytest.raises(StarscreamError, match="cache_salt"):
+        SamplingParams(cache_salt="")

@@ -245,13 +245,17 @@ def test_top_logprobs_penalties_and_logit_bias_through_the_openai_client(client,
 
 
 def test_special_tokens_allowed_ids_bad_words_and_a_request_template(client, served, llama_tokenizer):
-    """skip_special_tokens false shows a special token's text (a bias of 100 forces <s>), true leaves it out;
-    allowed_token_ids hold every generated token to the list; a bad word's token never comes; a request's
-    chat_template renders the prompt with its chat_template_kwargs; bad values are 400s naming the field."""
+    """skip_special_tokens false shows a special token's text (a bias of 100 forces <s>), one space apart from the
+    text beside it unless spaces_between_special_tokens is false; true leaves it out; allowed_token_ids hold every
+    generated token to the list; a bad word's token never comes; a request's chat_template renders the prompt with
+    its chat_template_kwargs; bad values are 400s naming the field."""
     sampling = {"model": MODEL, "prompt": "hello world", "max_tokens": 4, "temperature": 0, "logit_bias": {"0": 100}}
     skipped = client.completions.create(**sampling).choices[0]
     kept = client.completions.create(**sampling, extra_body={"skip_special_tokens": False}).choices[0]
-    assert skipped.text == "" and kept.text == llama_tokenizer.decode([0], skip_special_tokens=False) * 4
+    joined = client.completions.create(**sampling, extra_body={"skip_special_tokens": False,
+                                                                "spaces_between_special_tokens": False}).choices[0]
+    special = llama_tokenizer.decode([0], skip_special_tokens=False)
+    assert skipped.text == "" and joined.text == special * 4 and kept.text == f" {special}" * 4
     plain = {"model": MODEL, "prompt": "hello world", "max_tokens": 4, "temperature": 0}
     greedy = client.completions.create(**plain, extra_body={"return_token_ids": True}).choices[0].token_ids
     allowed = [token for token in (40, 41, 42) if token not in greedy]
@@ -273,6 +277,23 @@ def test_special_tokens_allowed_ids_bad_words_and_a_request_template(client, ser
                                            extra_body=body)
         assert refused.value.body["param"] == field
     assert _wait_idle(served[1]).pages_used == 0
+
+
+def test_cache_salt_shares_prefix_pages_only_with_the_same_salt(client, served):
+    """A prompt's two full pages are found again under its salt, never under another salt or none; an empty salt
+    is a 400 naming cache_salt."""
+    prompt = list(range(70, 79))
+
+    def hits_after(salt):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"cache_salt": salt})
+        return _wait_idle(served[1]).prefix_hit_pages
+
+    start = hits_after("tenant-a")
+    assert hits_after("tenant-b") == hits_after(None) == start
+    assert hits_after("tenant-a") == start + 2
+    with pytest.raises(openai.BadRequestError) as refused:
+        hits_after("")
+    assert refused.value.body["param"] == "cache_salt"
 
 
 def test_bad_requests_get_openai_errors(client, served):
@@ -392,6 +413,22 @@ def test_structured_output_through_the_openai_client(client):
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, extra_body=extra)
         assert refused.value.body["param"] == param and param in refused.value.body["message"]
+
+
+def test_a_structural_tag_makes_each_trigger_a_whole_structure(client, llama_tokenizer):
+    """A bias forces the trigger "@" wherever the text is free; the structural tag makes each one the rest of its
+    begin, JSON of its schema and its end."""
+    colors = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}}, "required": ["color"],
+              "additionalProperties": False}
+    tag = {"type": "structural_tag", "triggers": ["@"],
+           "structures": [{"begin": "@call", "schema": colors, "end": ";"}]}
+    at = llama_tokenizer.encode("@", False).tolist()[0]
+    text = client.completions.create(model=MODEL, prompt="hello", max_tokens=30, temperature=0,
+                                     logit_bias={str(at): 100}, extra_body={"response_format": tag}).choices[0].text
+    calls = text.split("@call")
+    assert calls[0] == "" and len(calls) > 2, text
+    for call in calls[1:-1]:
+        assert call.endswith(";") and json.loads(call[:-1])["color"] in ("red", "green"), text
 
 
 def test_tool_choice_required_and_named_give_parsed_calls_whole_and_streamed(client, served):
