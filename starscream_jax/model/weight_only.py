@@ -40,7 +40,7 @@ TARGET_PROGRAMS = 264
 MAX_SPLITS = 16
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Blocks:
     """Tiling of the kernel. cols: output channels per program; depth: rows of W per loop step; splits: parts of K
     (0: chosen by shape, `split_count`); reduce: "dot" (tensor cores, rows padded to 16), "sum" (multiply and sum,

@@ -252,14 +252,14 @@ def _move(value: jax.Array, names: LogicalNames, tensor: str, summed_over: froze
     if current.auto:
         stored = resolve(names, value.shape, current.layout.params, current.mesh, tensor,
                          f"param rules of {current.layout.name}")
-        return _Move(spec, stored, mesh=current.mesh)
+        return _Move(use=spec, stored=stored, mesh=current.mesh)
     summed_over = (_token_axes(current) if summed_over is None else summed_over) - spec_axes(spec)
     if not _inside_and_across_gpus(summed_over, current.mesh):
         summed_over = frozenset()
-    return _Move(spec, jax.typeof(value).sharding.spec, summed_over)
+    return _Move(use=spec, stored=jax.typeof(value).sharding.spec, summed_over=summed_over)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Move:
     """A weight's way from its stored placement to its placement at use, and its gradient's way back. `use` None:
     no layout (identity). `mesh` given: Auto axes (sharding constraints; the gradient is constrained to the stored

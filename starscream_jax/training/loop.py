@@ -377,8 +377,10 @@ def plan_run(config: TrainConfig, mesh, allow_changes, stop_at_step: int | None,
     train_tokens, validation_tokens = data.split_corpus(tokens)
     rows = config.seq_len + 1
     return RunPlan(config=config, model_config=model_config, layout=layout, mesh=mesh, token_sharding=token_sharding,
-                   train_batches=data.TokenBatches(train_tokens, config.batch_size, rows, config.seed),
-                   eval_batches=data.TokenBatches(validation_tokens, config.batch_size, rows, EVAL_SEED),
+                   train_batches=data.TokenBatches(tokens=train_tokens, batch_size=config.batch_size, seq_len=rows,
+                                                   seed=config.seed),
+                   eval_batches=data.TokenBatches(tokens=validation_tokens, batch_size=config.batch_size, seq_len=rows,
+                                                  seed=EVAL_SEED),
                    unigram_nats=data.unigram_entropy_nats(train_tokens), data_files=data_files, tokenizer=tokenizer,
                    last_step=config.steps if stop_at_step is None else min(stop_at_step, config.steps))
 
