@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from starscream_jax.model.ops import AttentionOptions, _explicit_attention, visible_keys
+from starscream_jax.model.ops import AttentionOptions, explicit_attention, visible_keys
 from starscream_jax.model.paged import PagedLayer, paged_attention
 from starscream_jax.model.quantize import quantize_cache_entry
 
@@ -58,7 +58,7 @@ def test_gemma_2s_scaled_capped_windowed_attention_reads_the_pages_as_the_dense_
             last = int(positions[row, -1]) + 1
             keys, values = _dense(q, layer.k, table, row, last), _dense(q, layer.v, table, row, last)
             visible = visible_keys(positions[row:row + 1], jnp.arange(last)[None], 3)
-            expected = _explicit_attention(q_[row:row + 1], keys, values, visible, options)
+            expected = explicit_attention(q_[row:row + 1], keys, values, visible, options)
             np.testing.assert_allclose(out[row:row + 1], expected, rtol=2e-5, atol=2e-5)
         whole = jax.jit(lambda *a: paged_attention(*a, options=options))(
             q_, k_, v_, positions, PagedLayer(pages_k, pages_v, table, kernel))[0]
@@ -99,7 +99,7 @@ def test_an_8_bit_cache_stores_quantized_pages_and_attends_to_them_dequantized(k
 
 def test_the_gather_path_copies_an_8_bit_cache_in_8_bits():
     """Decode over int8 pages by the gather kernel: the pages' gathers yield int8 rows [K, B, M, page, E] (the
-    scales applied to scores and probabilities, `ops._attention_over_8_bit_cache`), never dequantized float rows
+    scales applied to scores and probabilities, `ops.attention_over_8_bit_cache`), never dequantized float rows
     (the test above checks the output against the dequantized pages)."""
     q, k, v, table, pages_k, pages_v = _inputs(3)
     (values_k, scales_k), (values_v, scales_v) = (quantize_cache_entry(pages, "int8") for pages in (pages_k, pages_v))
