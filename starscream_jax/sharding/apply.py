@@ -549,28 +549,6 @@ def abstract_placed(state: nnx.State, layout: Layout | str, mesh, dtype=None) ->
                         is_leaf=lambda node: isinstance(node, NamedSharding))
 
 
-def create_sharded(factory, layout: Layout | str, mesh):
-    """Builds the module `factory()` with every parameter created already sharded by the layout's params rules.
-
-    The full model is never materialised on one device: parameters are initialised inside jit with those output
-    shardings. `factory` takes no arguments (close over config and rngs seed). Flax's own placement of variables
-    with `out_sharding` metadata as they are created is turned off here: the layout places them. On a mesh with
-    Auto axes each named `nnx.Param` becomes an `at_use.ParamAtUse`, which Flax's layers read as the layout uses
-    it inside `use_layout` (they never call `weight`), so an unedited Flax model is gathered at use as this
-    library's layers are.
-    """
-    from .at_use import read_params_at_use  # it reads weights through this module
-
-    with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(factory)
-        graphdef, abstract_state = nnx.split(abstract)
-        shardings = param_shardings(abstract_state, layout, mesh)
-        with jax.set_mesh(mesh):
-            state = jax.jit(lambda: nnx.state(factory()), out_shardings=shardings)()
-    model = nnx.merge(graphdef, state)
-    return read_params_at_use(model) if is_auto(mesh) else model
-
-
 def batch_sharding(layout: Layout | str, mesh, batch_size: int | None = None) -> NamedSharding:
     """Where a token batch [B, S] goes under the layout: B over the layout's `batch` axes, S whole. With
     `batch_size` the divisibility is checked, so a batch the mesh cannot split is a clear error, which says how to
