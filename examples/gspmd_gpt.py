@@ -22,7 +22,7 @@ HIDDEN = ("batch", "length", "hidden")
 LOGITS = ("batch", "length", "vocab")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Config:
     vocab: int = 64
     d_model: int = 32

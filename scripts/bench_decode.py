@@ -224,7 +224,8 @@ def run_paged(model, layout: str, mesh, batch: int, cache_length: int, kernel: s
                          f"give --batches multiples of {shards}")
     config = EngineConfig(page_size=PAGE_SIZE, pages_per_shard=rows * pages + 1, rows_per_shard=rows,
                           token_budget=max(rows, PAGE_SIZE), chunk=PAGE_SIZE, kernel=kernel, overlap=False,
-                          buckets=Buckets((rows,), (PAGE_SIZE,), (pages,), (1,)), prefix_caching=False)
+                          buckets=Buckets(rows=(rows,), positions=(PAGE_SIZE,), pages=(pages,), prefill_rows=(1,)),
+                          prefix_caching=False)
     engine = Engine(model, config, mesh, decode_layout=layout)
     inputs = StepInputs.zeros(batch, 1, pages)
     inputs.table[:] = 1 + (np.arange(batch)[:, None] % rows) * pages + np.arange(pages)  # shard-local pages

@@ -59,7 +59,7 @@ ATTENTION = ("attn_prefill", "attn_decode", "attn_split_k")
 DTYPE = jnp.bfloat16
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Kernel:
     """One kernel under both layouts: its per-device shapes (M, K, N for matmuls; q and k/v for attention)."""
 
@@ -69,7 +69,7 @@ class Kernel:
     hier_shape: list
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Measured:
     """One kernel's times (microseconds), rates (TFLOP/s) and ratios."""
 
@@ -130,13 +130,14 @@ def kernels(config, flat: Layout, hier: Layout, mesh, tokens, prefill, decode) -
     model = abstract_model(config)
     head = "embedding" if config.tie_embeddings else "lm_head"      # tied: logits = x @ embedding^T
     matmuls = {**MATMULS, "lm_head": ((head,), ("embed",))}
-    found = [Kernel(name, f"{count} tokens", *(matmul_shape(model, *spec, layout, mesh, count)
-                                               for layout in (flat, hier)))
+    found = [Kernel(kernel=name, case=f"{count} tokens", flat_shape=matmul_shape(model, *spec, flat, mesh, count),
+                    hier_shape=matmul_shape(model, *spec, hier, mesh, count))
              for count in tokens for name, spec in matmuls.items()]
-    found += [Kernel("attn_prefill", f"B{b} S{s}", *(attention_shapes(config, layout, mesh, b, s, s)
-                                                     for layout in (flat, hier))) for b, s in prefill]
-    found += [Kernel("attn_decode", f"B{b} L{length}", *(attention_shapes(config, layout, mesh, b, 1, length)
-                                                         for layout in (flat, hier))) for b, length in decode]
+    found += [Kernel(kernel="attn_prefill", case=f"B{b} S{s}", flat_shape=attention_shapes(config, flat, mesh, b, s, s),
+                     hier_shape=attention_shapes(config, hier, mesh, b, s, s)) for b, s in prefill]
+    found += [Kernel(kernel="attn_decode", case=f"B{b} L{length}",
+                     flat_shape=attention_shapes(config, flat, mesh, b, 1, length),
+                     hier_shape=attention_shapes(config, hier, mesh, b, 1, length)) for b, length in decode]
     return found
 
 
@@ -147,9 +148,9 @@ def split_k_kernels(config, mesh, cases) -> list[Kernel]:
     for batch, length in cases:
         split = fit_batch("starscream_decode", mesh, batch, 1)
         parts = positions_multiple(split, mesh, "cache_seq")
-        found.append(Kernel("attn_split_k", f"B{batch} L{length}",
-                            attention_shapes(config, get_layout("gpu_tp"), mesh, batch, 1, length),
-                            attention_shapes(config, split, mesh, batch, 1, -(-length // parts))))
+        found.append(Kernel(kernel="attn_split_k", case=f"B{batch} L{length}",
+                            flat_shape=attention_shapes(config, get_layout("gpu_tp"), mesh, batch, 1, length),
+                            hier_shape=attention_shapes(config, split, mesh, batch, 1, -(-length // parts))))
     return found
 
 

@@ -61,7 +61,7 @@ from starscream_jax.benchmarks import harness
 MILLISECONDS = 1000.0
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Workload:
     """requests, prompt and output tokens each (drawn from [n/2, 3n/2] with random_lengths), arrival rate (requests
     per second; inf: all at once), a shared prefix of that many tokens at the start of every prompt."""
@@ -75,10 +75,12 @@ class Workload:
     shared_prefix: int = 0
 
 
-WORKLOADS = {"A": Workload("A", 256, 512, 128), "B": Workload("B", 256, 512, 128, rate=8.0),
-             "C": Workload("C", 64, 1088, 64, shared_prefix=1024)}
-QUICK = {"A": Workload("A", 8, 12, 6), "B": Workload("B", 8, 12, 6, rate=50.0),
-         "C": Workload("C", 6, 20, 4, shared_prefix=16)}
+WORKLOADS = {"A": Workload(name="A", requests=256, prompt=512, output=128),
+             "B": Workload(name="B", requests=256, prompt=512, output=128, rate=8.0),
+             "C": Workload(name="C", requests=64, prompt=1088, output=64, shared_prefix=1024)}
+QUICK = {"A": Workload(name="A", requests=8, prompt=12, output=6),
+         "B": Workload(name="B", requests=8, prompt=12, output=6, rate=50.0),
+         "C": Workload(name="C", requests=6, prompt=20, output=4, shared_prefix=16)}
 
 
 @dataclasses.dataclass
@@ -384,7 +386,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def workloads_of(args) -> list[Workload]:
     chosen = [QUICK[name] if args.quick else WORKLOADS[name] for name in args.workload if name != "custom"]
     if "custom" in args.workload:
-        chosen.append(Workload("custom", args.requests, args.prompt, args.output, args.rate, args.random_lengths))
+        chosen.append(Workload(name="custom", requests=args.requests, prompt=args.prompt, output=args.output,
+                               rate=args.rate, random_lengths=args.random_lengths))
     return [dataclasses.replace(w, rate=args.rate) if w.name == "B" and not math.isinf(args.rate) else w
             for w in chosen]
 
@@ -567,7 +570,7 @@ def front_end(args) -> dict:
                            "--compilation-cache", ""], log)
     try:
         server.wait_healthy(timeout=120)
-        workload = Workload("front-end", args.streams, 16, output)
+        workload = Workload(name="front-end", requests=args.streams, prompt=16, output=output)
         prompts = [[1 + (i + j) % 200 for j in range(16)] for i in range(args.streams)]
         asyncio.run(http_load(server.url, workload, prompts[:8], [4] * 8, "fake"))
         cpu = server.cpu_seconds()

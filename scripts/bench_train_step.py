@@ -33,8 +33,8 @@ def compiled_step(layout: str, mesh, model_config, train_config):
     with use_layout(layout, mesh):
         graphdef, params, rest, optimizer, opt_state = initial_state(train_config, model_config, layout, mesh)
         train_step = make_train_step(graphdef, optimizer, under=Placement.of(layout, mesh))
-        batches = data.TokenBatches(data.load_corpus(train_config.data), train_config.batch_size,
-                                    train_config.seq_len + 1, train_config.seed)
+        batches = data.TokenBatches(tokens=data.load_corpus(train_config.data), batch_size=train_config.batch_size,
+                                    seq_len=train_config.seq_len + 1, seed=train_config.seed)
         sharding = batch_sharding(layout, mesh, train_config.batch_size)
         args = (params, opt_state, rest, batches.global_batch(0, sharding))
         return train_step.lower(*args).compile(), args, lambda step: batches.global_batch(step, sharding)

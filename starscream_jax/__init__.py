@@ -39,7 +39,6 @@ from .sharding.apply import (
     activation_spec,
     batch_sharding,
     constrain,
-    create_sharded,
     einsum,
     jit,
     param,
@@ -47,6 +46,7 @@ from .sharding.apply import (
     use_layout,
     weight,
 )
+from .sharding.at_use import create_sharded
 from .sharding.collectives import (
                                    all_gather_inside_gpu,
                                    all_reduce_across_gpus,

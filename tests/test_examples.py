@@ -13,7 +13,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from starscream_jax.hardware.mesh import auto_axes, build_mesh
-from starscream_jax.sharding.apply import batch_sharding, create_sharded, use_layout
+from starscream_jax.sharding.apply import batch_sharding, use_layout
+from starscream_jax.sharding.at_use import create_sharded
 from starscream_jax.sharding.flax_rules import flax_rules, in_vocabulary
 
 FP32_TOLERANCE = 2e-5

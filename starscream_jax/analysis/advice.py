@@ -28,7 +28,7 @@ LOOKUP = ("gather", "scatter", "scatter-add")
 GRADIENT_SUMS = ("reduce_sum", "dot_general")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Advice:
     """One flat collective (`name`, its op_name), why the partitioning emitted it, and the smallest fix."""
 
@@ -44,22 +44,25 @@ def advise(report: Report, layout: Layout, auto_axes: bool) -> tuple[Advice, ...
     once (flat_tp, flat_fsdp), flatness is the layout's design: one piece of advice says so."""
     flat = [collective for collective in report.collectives if collective.scope == "flat"]
     if flat and _flat_by_design(layout):
-        return (Advice(f"{len(flat)} flat collectives", "", f"layout {layout.name} splits weights over partitions of "
-                       "several GPUs at once", "a hierarchical layout (starscream_tp, starscream_fsdp, ...)"),)
+        return (Advice(name=f"{len(flat)} flat collectives", op_name="",
+                       why=f"layout {layout.name} splits weights over partitions of several GPUs at once",
+                       fix="a hierarchical layout (starscream_tp, starscream_fsdp, ...)"),)
     found = []
     for collective in flat:
         primitive = collective.op_name.rsplit("/", 1)[-1]
         if primitive in LOOKUP:
-            found.append(Advice(collective.name, collective.op_name,
-                                "XLA partitions a lookup in a vocabulary-split table against tokens split otherwise",
-                                "look the tokens up with embed_lookup(table, tokens)"))
+            found.append(Advice(
+                name=collective.name, op_name=collective.op_name,
+                why="XLA partitions a lookup in a vocabulary-split table against tokens split otherwise",
+                fix="look the tokens up with embed_lookup(table, tokens)"))
         elif "transpose" in collective.op_name and any(kind in primitive for kind in GRADIENT_SUMS):
-            found.append(Advice(collective.name, collective.op_name,
-                                "a weight gradient summed over every token axis in one collective",
-                                "on Auto axes XLA chooses this sum; on an Explicit mesh weights_at_use(model) in the "
-                                "loss sums it inside each GPU, then across GPUs" if auto_axes else
-                                "weights_at_use(model) in the loss sums it inside each GPU, then across GPUs (norm "
-                                "scales excepted: Flax's norms multiply by them elementwise)"))
+            found.append(Advice(
+                name=collective.name, op_name=collective.op_name,
+                why="a weight gradient summed over every token axis in one collective",
+                fix="on Auto axes XLA chooses this sum; on an Explicit mesh weights_at_use(model) in the loss sums it "
+                "inside each GPU, then across GPUs" if auto_axes else
+                "weights_at_use(model) in the loss sums it inside each GPU, then across GPUs (norm scales excepted: "
+                "Flax's norms multiply by them elementwise)"))
     return tuple(found)
 
 
@@ -78,8 +81,9 @@ def advise_batch(report: Report, layout: Layout) -> tuple[Advice, ...]:
     if XCD not in axes or report.tokens_per_device is None:
         return ()
     split = math.prod(report.mesh_axes.get(axis, 1) for axis in axes)
-    return tuple(Advice(entry.name, "", _copied_batch(entry, report.tokens_per_device, layout.name, split, axes),
-                        "place it before the step as the layout places tokens: tokens = jax.device_put(tokens, "
+    return tuple(Advice(name=entry.name, op_name="",
+                        why=_copied_batch(entry, report.tokens_per_device, layout.name, split, axes),
+                        fix="place it before the step as the layout places tokens: tokens = jax.device_put(tokens, "
                         "starscream_jax.batch_sharding(layout, mesh))")
                  for entry in report.inputs
                  if entry.dtype.startswith(("int", "uint")) and len(entry.shape) >= 2 and entry.replication_xcd > 1

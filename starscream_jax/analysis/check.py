@@ -41,7 +41,7 @@ from .report import Report, inspect_compiled
 LINE_WIDTH = 120
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class StepCheck(Check):
     """`Check` (the report and the three verdicts) of a user's step, with the layouts it was judged under."""
 
@@ -97,9 +97,10 @@ def check(step: Callable, *args: Any, mesh: Mesh, layout: Layout | str | None = 
                                 no_reference="reference=None: no layout to compare kernel shapes with; leave "
                                              "reference at its default, gpu_tp, to judge principle 1")
     copied_batch = advise_batch(report, layout)
-    return StepCheck(report, _with_copied_batch(verdicts, copied_batch), layout.name,
-                     None if reference is None else reference.name, parameter_placements(args, layout),
-                     advise(report, layout, is_auto(mesh)) + copied_batch)
+    return StepCheck(report=report, principles=_with_copied_batch(verdicts, copied_batch), layout=layout.name,
+                     reference=None if reference is None else reference.name,
+                     placements=parameter_placements(args, layout),
+                     advice=advise(report, layout, is_auto(mesh)) + copied_batch)
 
 
 def _with_copied_batch(verdicts, copied_batch: tuple[Advice, ...]):

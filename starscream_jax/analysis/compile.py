@@ -80,7 +80,7 @@ COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 compiled HLO and its memory analysis unchanged."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Settings:
     """What to compile: `config` has the compiled depth (`layers`), `full_layers` is the model's own depth;
     `training` sets the train step's optimizer and `sampling` the prefill and decode steps' choice of token;
@@ -151,7 +151,7 @@ class PagedArgs(NamedTuple):
     inputs: Any
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CompiledStep:
     """One layout's compiled step: the layout's name as asked for and the layout as fitted to the batch
     (`fitted_layout`), the abstract arguments it was lowered from and its abstract result, its layer-loop
@@ -196,8 +196,9 @@ def make_settings(model: str, phase: str, batch: int | None, seq: int | None, la
         raise StarscreamError(f"--layout {layouts!r} names no layout; give names separated by commas")
     for name in names:
         get_layout(name)
-    return Settings(full.replace(n_layers=layers), full.n_layers, phase, batch, seq, tuple(dict.fromkeys(names)),
-                    dump_hlo, cache_per_layer=True if paged else None, paged=paged)
+    return Settings(config=full.replace(n_layers=layers), full_layers=full.n_layers, phase=phase, batch=batch, seq=seq,
+                    layouts=tuple(dict.fromkeys(names)), dump_hlo=dump_hlo, cache_per_layer=True if paged else None,
+                    paged=paged)
 
 
 def step_program(settings: Settings, layout: Layout, mesh, config: ModelConfig | None = None):
@@ -241,9 +242,9 @@ def compile_step(settings: Settings, layout_name: str, mesh) -> CompiledStep:
         traced = step.trace(*args)
         lowered = traced.lower()
         compiled = lowered.compile(compiler_options=COMPILER_OPTIONS)
-    return CompiledStep(layout_name, layout, args, traced.out_info, compiled,
-                        layer_loop_ops(compiled.as_text(), settings.layers, runs_layer_loop(settings)),
-                        lowered.as_text(debug_info=True))
+    return CompiledStep(name=layout_name, layout=layout, args=args, outputs=traced.out_info, compiled=compiled,
+                        loop_ops=layer_loop_ops(compiled.as_text(), settings.layers, runs_layer_loop(settings)),
+                        lowered_text=lowered.as_text(debug_info=True))
 
 
 def fitted_layout(settings: Settings, layout_name: str, mesh) -> Layout:

@@ -71,7 +71,7 @@ class LinkCost:
         return self.latency + bytes_per_device / self.bandwidth
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class StepEstimate:
     """Seconds of one full-depth step on one device: matmul time (and the part of it in memory-bound matmuls),
     memory passes by kind (`memory.memory_passes`, priced; "accumulate" counts only with several micro-batches)
@@ -116,9 +116,10 @@ class StepEstimate:
             raise ValueError("accumulated() scales the estimate of one micro-step")
         n = micro_batches
         passes = {kind: seconds * (1 if kind == "update" else n) for kind, seconds in self.passes_s.items()}
-        return StepEstimate(n * self.compute_s, n * self.memory_bound_s,
-                            {scope: n * seconds for scope, seconds in self.communication_s.items()}, n * self.tokens,
-                            passes, n)
+        return StepEstimate(compute_s=n * self.compute_s, memory_bound_s=n * self.memory_bound_s,
+                            communication_s={scope: n * seconds for scope, seconds in self.communication_s.items()},
+                            tokens=n * self.tokens,
+                            passes_s=passes, micro_batches=n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +254,8 @@ def estimate_step(matmuls: Sequence[Matmul], collectives: Sequence[CollectiveRep
             continue
         scope = collective.scope
         communication[scope] += collective.full_depth_runs * collective_seconds(collective, costs[scope], measured)
-    return StepEstimate(compute, memory_bound, communication, tokens, passes_s)
+    return StepEstimate(compute_s=compute, memory_bound_s=memory_bound, communication_s=communication, tokens=tokens,
+                        passes_s=passes_s)
 
 
 def hbm_rate(topology, measured: Measurements | None) -> float:

@@ -94,7 +94,7 @@ class ArrayShape:
         return math.ceil(math.prod(self.dims) * dtype_bits(self.dtype) / 8)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Collective:
     """One collective instruction.
 
@@ -126,7 +126,7 @@ class Collective:
         return sum(shape.bytes for shape in self.results)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Matmul:
     """One local matmul on one device: out[batch, M, N] = lhs[batch, M, K] @ rhs[batch, K, N], as `parse_hlo` reads
     it, the report judges it and a layout's result prices it.
@@ -160,7 +160,7 @@ class Matmul:
     full_depth_runs: float | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CustomCall:
     """One custom-call the reader understands: its target and operand and result arrays."""
 
@@ -172,7 +172,7 @@ class CustomCall:
     count: int
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class AttentionCall(CustomCall):
     """One fused attention kernel (a cuDNN fMHA custom-call).
 
@@ -185,14 +185,14 @@ class AttentionCall(CustomCall):
     flops: int | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelCall(CustomCall):
     """One custom kernel (`KERNEL_TARGETS`), with the name its backend config gives it ('' when none)."""
 
     kernel: str = ""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class HloProgram:
     """Everything `parse_hlo` reads from one program, each list in execution order of first appearance."""
 
@@ -203,7 +203,7 @@ class HloProgram:
     kernels: list[KernelCall] = dataclasses.field(default_factory=list)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class _Instruction:
     name: str
     opcode: str
@@ -350,19 +350,21 @@ class _ProgramReader:
         op_name = _op_name(inst.attrs)
         inferred = "" if op_name else self.flow.nearest_op_name(inst.name)
         flops, moved = 2 * batch * m * k * n, lhs.bytes + rhs.bytes + out.bytes
-        return Matmul(inst.name, op_name or inferred, batch, m, k, n, lhs.dtype, flops, moved, flops / moved, None,
+        return Matmul(name=inst.name, op_name=op_name or inferred, batch=batch, m=m, k=k, n=n, dtype=lhs.dtype,
+                      flops=flops, bytes=moved, intensity=flops / moved, below_ridge=None,
                       count=0, inferred_name=bool(inferred), split_k=split_k)
 
     def _attention(self, inst: _Instruction) -> AttentionCall:
         operands = tuple(self._operand(inst, index) for index in range(len(inst.operands)))
-        return AttentionCall(inst.name, _op_name(inst.attrs), _target(inst.attrs), operands,
-                             parse_shapes(inst.result_type), count=0, flops=attention_flops(inst.attrs, operands))
+        return AttentionCall(name=inst.name, op_name=_op_name(inst.attrs), target=_target(inst.attrs),
+                             operands=operands, results=parse_shapes(inst.result_type), count=0,
+                             flops=attention_flops(inst.attrs, operands))
 
     def _kernel(self, inst: _Instruction) -> KernelCall:
         operands = tuple(self._operand(inst, index) for index in range(len(inst.operands)))
         name = _KERNEL_NAME.search(inst.attrs)
-        return KernelCall(inst.name, _op_name(inst.attrs), _target(inst.attrs), operands, parse_shapes(inst.result_type),
-                          count=0, kernel=name.group(1) if name else "")
+        return KernelCall(name=inst.name, op_name=_op_name(inst.attrs), target=_target(inst.attrs), operands=operands,
+                          results=parse_shapes(inst.result_type), count=0, kernel=name.group(1) if name else "")
 
 
 def attention_flops(attrs: str, operands: tuple[ArrayShape, ...]) -> int | None:
@@ -572,7 +574,8 @@ def _parse_instruction(line: str) -> _Instruction | None:
     open_at = opcode.end() - 1
     close_at = _closing(rest, open_at, "(", ")")
     operands = [_operand_name(token) for token in _split_top(rest[open_at + 1 : close_at])]
-    return _Instruction(head.group(1), opcode.group(1), result_type, operands, rest[close_at + 1 :])
+    return _Instruction(name=head.group(1), opcode=opcode.group(1), result_type=result_type, operands=operands,
+                        attrs=rest[close_at + 1 :])
 
 
 def _operand_name(token: str) -> str:

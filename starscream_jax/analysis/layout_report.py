@@ -225,7 +225,7 @@ class MeshShape:
     shape: tuple[int, ...]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LinkBytes:
     """Bytes one device sends per step over the links: inter_gpu (every byte over inter-GPU links, flat and unknown
     included), intra_gpu, and the flat and unknown parts alone."""
@@ -238,11 +238,11 @@ class LinkBytes:
     @classmethod
     def of(cls, by_scope: dict[str, float]) -> LinkBytes:
         """The link totals of bytes by collective scope (`report.SCOPES`)."""
-        return cls(by_scope["inter_gpu"] + by_scope["inter_node"] + by_scope["flat"] + by_scope["unknown"],
-                   by_scope["intra_gpu"], by_scope["flat"], by_scope["unknown"])
+        return cls(inter_gpu=by_scope["inter_gpu"] + by_scope["inter_node"] + by_scope["flat"] + by_scope["unknown"],
+                   intra_gpu=by_scope["intra_gpu"], flat=by_scope["flat"], unknown=by_scope["unknown"])
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class BytesPerDevice(LinkBytes):
     """Bytes one device sends per full-depth step (the link totals, and `by_scope`), per layer and outside the layer
     loop."""
@@ -252,14 +252,14 @@ class BytesPerDevice(LinkBytes):
     outside_layers: LinkBytes
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CompiledMemory(MemoryReport):
     """XLA's memory analysis of the compiled program, which holds `layers` layers."""
 
     layers: int
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class MemoryPerDevice:
     """Persistent bytes per device at full depth (params, optimizer state, KV cache and their sum, from the
     shardings of the full-depth model), the preset's HBM per device, and the compiled program's memory analysis at
@@ -277,7 +277,7 @@ class MemoryPerDevice:
         return {"params": self.params, "optimizer_state": self.optimizer_state, "kv_cache": self.kv_cache}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelIntensity:
     """The local matmuls' intensity at the compute `dtype` (FLOP/B): the smallest, the FLOP-weighted mean and the
     share of FLOPs below the preset's `ridge_point`, each matmul weighted by its full-depth runs (None without
@@ -290,7 +290,7 @@ class KernelIntensity:
     below_ridge_flop_share: float | None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class LayoutResult:
     """One layout's compiled step on a mesh, read and judged (see the module): what was compiled (`layout` as asked,
     `placement` the layout that placed it, fitted to the batch where it had to be), the verdicts, bytes, memory,

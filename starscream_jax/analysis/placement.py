@@ -20,7 +20,7 @@ from ..sharding.layouts import Layout
 SHOWN_PATHS = 3
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParameterPlacement:
     """One parameter: its path among the step's arguments ("0/blocks/0/up/kernel": argument 0's variable; Linen's
     "1/params/Dense_0/kernel"), its shape, its logical names (None: it has none) and, per dimension, the params rule
@@ -57,9 +57,9 @@ def _placement(path: str, variable, layout: Layout) -> ParameterPlacement:
 
 def _placed(path: str, shape: tuple[int, ...], names, layout: Layout) -> ParameterPlacement:
     if names is None:
-        return ParameterPlacement(path, shape, None, ())
+        return ParameterPlacement(path=path, shape=shape, names=None, rules=())
     rules = tuple("-" if name is None else f"{name} -> {_axes(layout.params.lookup(name)[1])}" for name in names)
-    return ParameterPlacement(path, shape, tuple(names), rules)
+    return ParameterPlacement(path=path, shape=shape, names=tuple(names), rules=rules)
 
 
 def _axes(axes: tuple[str, ...]) -> str:

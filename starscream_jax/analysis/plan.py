@@ -55,7 +55,7 @@ JUDGED = ("no_redundancy", "hierarchical_collectives")
 the planner skips that (half the compiles) and `starscream inspect` of the chosen candidate judges it."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Candidate:
     """One configuration: `layout` on a mesh of `data` x `gpu` GPUs (x the partitions of each), in training with
     `micro_batches` accumulated micro-batches and remat policy `remat`; `heads`: the query heads padded to this
@@ -104,7 +104,7 @@ def plan_phase(settings: Settings, topology, *, cache: ResultCache | None = None
     entries = [entry for data, mesh in meshes.items() for heads in head_counts(settings.config, gpus // data)
                for layout in settings.layouts
                for entry in _sized(with_heads(settings, heads), topology, mesh,
-                                   Candidate(layout, data, gpus // data, heads=heads))]
+                                   Candidate(layout=layout, data=data, gpu=gpus // data, heads=heads))]
     for entry in entries:
         if entry["heads"]:
             entry["padding_cost"] = padding_cost(settings, entry["heads"])

@@ -46,7 +46,7 @@ class UnjudgedOp:
     reason: str
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelVerdict:
     """Principle 1: `violations` (one line per op whose kernels shrank, or read more than once per GPU), the ops
     left `unjudged` with their reasons (no counterpart in the reference, or work the text does not show), how many
@@ -86,7 +86,7 @@ class CopiedBytes:
     activations: float
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RedundancyVerdict:
     """Principle 2: `violations` (one line per large copy), the thresholds that made a copy large (the layer
     stack's None without one), the rule in words and the bytes copied."""
@@ -325,7 +325,8 @@ def _no_reference(report: Report, why: str) -> KernelVerdict:
     """The verdict of a program judged without a reference: every op listed, none judged, `why` the reason."""
     names = [*(m.name for m in report.matmuls), *(call.name for call in report.attention),
              *(_kernel_name(kernel) for kernel in report.kernels)]
-    return KernelVerdict(None, (), tuple(UnjudgedOp(name, "no reference program") for name in names), not_judged=why)
+    return KernelVerdict(ok=None, violations=(),
+                         unjudged=tuple(UnjudgedOp(name, "no reference program") for name in names), not_judged=why)
 
 
 def kernel_verdict(violations: list[str], unjudged: list[UnjudgedOp], judged_ops: int,
@@ -334,8 +335,10 @@ def kernel_verdict(violations: list[str], unjudged: list[UnjudgedOp], judged_ops
     (`ok` None), `not_judged` naming the ops left out and why: passing the ops judged says nothing of the others."""
     why = _why_unjudged(unjudged, judged_ops) if unjudged else ""
     if violations:
-        return KernelVerdict(False, tuple(violations), tuple(unjudged), attention, why, judged_ops)
-    return KernelVerdict(None if unjudged else True, (), tuple(unjudged), attention, why, judged_ops)
+        return KernelVerdict(ok=False, violations=tuple(violations), unjudged=tuple(unjudged), attention=attention,
+                             not_judged=why, judged_ops=judged_ops)
+    return KernelVerdict(ok=None if unjudged else True, violations=(), unjudged=tuple(unjudged), attention=attention,
+                         not_judged=why, judged_ops=judged_ops)
 
 
 SHOWN_UNJUDGED = 4
@@ -535,7 +538,8 @@ def _no_redundancy(report: Report, allowed: Callable[[str], bool], large_bytes: 
     copied = CopiedBytes(_copied_bytes(entry for entry in arrays if not entry.name.startswith("output/")),
                          _copied_bytes(entry for entry in arrays if entry.name.startswith("output/")),
                          _copied_bytes(report.activations))
-    return RedundancyVerdict(not violations, tuple(violations), large_bytes, layer_bytes, rule, copied)
+    return RedundancyVerdict(ok=not violations, violations=tuple(violations), threshold_bytes=large_bytes,
+                             layer_threshold_bytes=layer_bytes, rule=rule, copied_bytes=copied)
 
 
 def _how_held(entry) -> str:

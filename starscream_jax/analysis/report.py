@@ -37,7 +37,7 @@ different partition indices (neither hierarchical level); a collective whose kin
 (never assumed narrow)."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CollectiveReport:
     """One collective: its widest group's scope, the full buffer it works on, and ring-formula bytes per device.
 
@@ -62,7 +62,7 @@ class CollectiveReport:
     full_depth_runs: float | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class AttentionReport:
     """One fused attention kernel (cuDNN fMHA), the per-device shapes of its operands (q, k, v, ...) and its matmul
     FLOPs per run (None when the program text does not give them; see `hlo.attention_flops`)."""
@@ -75,7 +75,7 @@ class AttentionReport:
     flops: int | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelReport:
     """One custom kernel of the program (`hlo.KernelCall`: a Pallas kernel, say): its name, target and per-device
     operand and result shapes. Its work is not in the program text; principle 1 judges a kernel it knows by the
@@ -90,7 +90,7 @@ class KernelReport:
     result_shapes: list[list[int]] = dataclasses.field(default_factory=list)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class InputReport:
     """One input array: global shape, PartitionSpec (as a list, None when not a NamedSharding), global and per-device
     bytes, and how many devices along `xcd` and along `gpu` hold the same shard (1 = sharded over all of that axis)."""
@@ -105,7 +105,7 @@ class InputReport:
     replication_gpu: int
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ActivationReport:
     """One activation of the program (a value whose shape starts with the token dimensions): its op name, global
     shape and PartitionSpec-like placement (the mesh axes of each dimension, and `unreduced` axes holding partial
@@ -124,7 +124,7 @@ class ActivationReport:
     count: int
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Report:
     """What one compiled program does on one device of `mesh_axes` (axis name -> size).
 
@@ -294,10 +294,12 @@ def inspect_activations(lowered_text: str, mesh: Mesh, token_dims: tuple[int, ..
     counts = Counter(dataclasses.replace(value, name=_scope_name(value.name))
                      for value in sharded_values(lowered_text) if value.shape[: len(token_dims)] == tuple(token_dims))
     reports = [
-        ActivationReport(value.name, list(value.shape), value.dtype, [[axis for axis, _ in dim] for dim in value.dims],
-                         sorted(value.unreduced), value.bytes,
-                         value.bytes // math.prod(value.split(axis, size) for axis, size in mesh.shape.items()),
-                         xcd // value.split(XCD, xcd), count)
+        ActivationReport(name=value.name, shape=list(value.shape), dtype=value.dtype,
+                         spec=[[axis for axis, _ in dim] for dim in value.dims],
+                         unreduced=sorted(value.unreduced), bytes=value.bytes,
+                         shard_bytes=value.bytes // math.prod(value.split(axis, size)
+                                                              for axis, size in mesh.shape.items()),
+                         replication_xcd=xcd // value.split(XCD, xcd), count=count)
         for value, count in counts.items()
     ]
     return sorted(reports, key=lambda entry: -entry.bytes)
@@ -340,12 +342,13 @@ def inspect_text(
         collectives=[_collective_report(collective, placement) for collective in program.collectives],
         matmuls=matmuls,
         attention=[
-            AttentionReport(call.name, call.op_name, call.target, [list(s.dims) for s in call.operands], call.count,
-                            call.flops)
+            AttentionReport(name=call.name, op_name=call.op_name, target=call.target,
+                            operand_shapes=[list(s.dims) for s in call.operands], count=call.count, flops=call.flops)
             for call in program.attention
         ],
-        kernels=[KernelReport(call.name, call.op_name, call.target, call.kernel, [list(s.dims) for s in call.operands],
-                              call.count, [list(s.dims) for s in call.results]) for call in program.kernels],
+        kernels=[KernelReport(name=call.name, op_name=call.op_name, target=call.target, kernel=call.kernel,
+                              operand_shapes=[list(s.dims) for s in call.operands], count=call.count,
+                              result_shapes=[list(s.dims) for s in call.results]) for call in program.kernels],
         inputs=[],
         memory=None,
         tokens_per_device=tokens_per_device or infer_tokens_per_device(matmuls),

@@ -47,7 +47,7 @@ class ServeWorkload:
         return self.prompt + self.output
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ServePoint:
     """One decode batch priced: the fastest decode candidate that fits (`plan.Candidate.name`, its layout and data
     x gpu mesh), its step `decode_s`, the prefill seconds per request `prefill_s` (under `prefill_layout`), the
@@ -71,7 +71,7 @@ class ServePoint:
         return self.candidate is not None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ServePlan:
     """The workload, the model, every batch priced (rising), the chosen one and why it was chosen."""
 
@@ -152,12 +152,14 @@ def prefill_seconds(prefill: Settings, topology, data: int, prompt: int, cache: 
 def _priced(batch: int, entry: dict, prefill_s: float, workload: ServeWorkload) -> ServePoint:
     decode_s = entry["estimate"]["serial_s"]
     tpot_s = decode_s + batch * prefill_s / workload.output
-    return ServePoint(batch, entry["name"], entry["layout"], entry["mesh"]["data"], entry["mesh"]["gpu"], decode_s,
-                      prefill_s, tpot_s, batch / tpot_s, batch / (workload.output * tpot_s))
+    return ServePoint(batch=batch, candidate=entry["name"], layout=entry["layout"], data=entry["mesh"]["data"],
+                      gpu=entry["mesh"]["gpu"], decode_s=decode_s, prefill_s=prefill_s, tpot_s=tpot_s,
+                      output_tokens_per_s=batch / tpot_s, requests_per_s=batch / (workload.output * tpot_s))
 
 
 def _unpriced(batch: int, reason: str) -> ServePoint:
-    return ServePoint(batch, None, None, 0, 0, None, None, None, None, None, reason)
+    return ServePoint(batch=batch, candidate=None, layout=None, data=0, gpu=0, decode_s=None, prefill_s=None,
+                      tpot_s=None, output_tokens_per_s=None, requests_per_s=None, reason=reason)
 
 
 def choose_serving(points: tuple[ServePoint, ...], workload: ServeWorkload, model: str,
@@ -177,4 +179,4 @@ def choose_serving(points: tuple[ServePoint, ...], workload: ServeWorkload, mode
                               f"{fastest.tpot_s * 1e3:.3g} ms (batch {fastest.batch}, {fastest.candidate}); raise "
                               f"--tpot-ms to at least {math.ceil(fastest.tpot_s * 1e4) / 10:g}")
     chosen = max(meeting, key=lambda point: (point.output_tokens_per_s, -point.batch))
-    return ServePlan(workload, model, prefill_layout, tuple(points), chosen)
+    return ServePlan(workload=workload, model=model, prefill_layout=prefill_layout, points=tuple(points), chosen=chosen)

@@ -39,7 +39,7 @@ _DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "i64": 8, "i32": 4, "ui
                 "ui8": 1, "i1": 1, "f8E4M3FN": 1, "f8E5M2": 1}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ShardedValue:
     """One value of the program: its op name, global shape and element type, and for each dimension the mesh axes
     that split it as (axis, split factor) pairs (the factor is the axis size unless a sub-axis is used)."""
@@ -96,7 +96,8 @@ def _value(found: re.Match, names: dict[str, str]) -> ShardedValue:
     unreduced = frozenset(re.findall(r"\"([^\"]+)\"", found["unreduced"] or ""))
     location = found["loc"] or ""
     name = names.get(location, location.strip('"'))
-    return ShardedValue(name, tuple(int(size) for size in sizes), dtype, dims, unreduced)
+    return ShardedValue(name=name, shape=tuple(int(size) for size in sizes), dtype=dtype, dims=dims,
+                        unreduced=unreduced)
 
 
 def _location_names(text: str) -> dict[str, str]:

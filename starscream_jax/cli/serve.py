@@ -343,7 +343,8 @@ def build_engine(args: argparse.Namespace) -> ReadyEngine:
     if leader:
         print(f"starscream serve: {engine.buckets.programs()} programs compiled in {seconds:.1f} s "
               f"(compilation cache: {args.compilation_cache or 'off'}); the engine's start: {phases}", flush=True)
-    return ReadyEngine(engine, tokenizer, msgspec.structs.replace(engine.info(), model_name=name), follows=not leader)
+    return ReadyEngine(engine=engine, tokenizer=tokenizer, info=msgspec.structs.replace(engine.info(), model_name=name),
+                       follows=not leader)
 
 
 class _Phases:
@@ -400,4 +401,4 @@ def build_fake_engine(args: argparse.Namespace) -> ReadyEngine:
     print(f"starscream serve: fake engine, a token per running request every {args.fake_engine} ms, at most "
           f"{args.max_num_seqs} sequences", flush=True)
     name = args.served_model_name or "fake"
-    return ReadyEngine(engine, tokenizer, msgspec.structs.replace(engine.info(), model_name=name))
+    return ReadyEngine(engine=engine, tokenizer=tokenizer, info=msgspec.structs.replace(engine.info(), model_name=name))

@@ -16,7 +16,7 @@ from ..hardware.presets import Chip, load_chip
 from ..model.config import REMAT_POLICIES
 from ..sharding.layouts import LAYOUTS
 from ..training.config import TrainConfig
-from ..training.loop import CHANGEABLE, train
+from ..training.loop import CHANGEABLE, fitted_layout, layout_label, train
 from .arguments import (
     RUN_MESH,
     add_distributed_arguments,
@@ -117,8 +117,9 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args, topology.preset.chip)
     check_fp8_training(config.model_config().matmul_format, topology.preset.chip)
     echo = print if is_main_process() else (lambda *_: None)
-    echo(f"{config.init or config.model} on mesh {dict(mesh.shape)} ({topology.preset.name}), layout "
-         f"{config.layout}, {config.steps} steps of {config.batch_size} x {config.seq_len} tokens")
+    layout = layout_label(fitted_layout(config, mesh).name, config.layout)
+    echo(f"{config.init or config.model} on mesh {dict(mesh.shape)} ({topology.preset.name}), layout {layout}, "
+         f"{config.steps} steps of {config.batch_size} x {config.seq_len} tokens")
     result = train(config, mesh, resume=args.resume, allow_changes=args.allow_change,
                    device_memory_bytes=topology.hbm_bytes, show_progress=not args.no_progress,
                    profile_dir=args.profile, overwrite=args.overwrite)

@@ -104,9 +104,9 @@ def detect_topology(devices: Sequence | None = None, groups: Sequence[Sequence] 
             preset = load_preset("cpu") if platform == "cpu" else _other_gpu_preset(devices[0])
         partitions = 1
     if groups is not None:
-        return Topology(preset, nodes=processes, gpus_per_node=len(groups) // processes,
+        return Topology(preset=preset, nodes=processes, gpus_per_node=len(groups) // processes,
                         partitions_per_gpu=len(groups[0]))
-    return Topology(preset, nodes=processes, gpus_per_node=len(devices) // processes // partitions,
+    return Topology(preset=preset, nodes=processes, gpus_per_node=len(devices) // processes // partitions,
                     partitions_per_gpu=partitions)
 
 

@@ -17,7 +17,7 @@ OVERRIDE_ENV = "STARSCREAM_TOPOLOGY"
 MODE_FOR_PARTITIONS = {count: mode for mode, count in PARTITIONS_PER_MODE.items()}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Topology:
     """nodes x gpus_per_node physical GPUs, each split into partitions_per_gpu logical devices.
 

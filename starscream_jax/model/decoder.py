@@ -30,7 +30,6 @@ from ..sharding.apply import (
     active,
     compute_device,
     constrain,
-    create_sharded,
     einsum,
     logical_names,
     param,
@@ -43,6 +42,7 @@ from ..sharding.apply import (
     use_layout,
     weight,
 )
+from ..sharding.at_use import create_sharded
 from ..sharding.layouts import Layout
 from .config import ModelConfig
 from .moe import routed_mlp

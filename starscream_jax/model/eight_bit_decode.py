@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .weight_only import _out_shape
+from .weight_only import kernel_out_shape
 
 BLOCK = 64
 """Positions per loop step of a program (a [64, E] tile of keys and of values)."""
@@ -70,9 +70,9 @@ def decode_attention(q_B1HE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK, lengths_B
     params = None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=2)
     peak, total, mixed = pl.pallas_call(
         kernel, grid=(B, K, splits), interpret=interpret, compiler_params=params, name="eight_bit_decode",
-        out_shape=[_out_shape((B, K, splits, rows), jnp.float32, *operands),
-                   _out_shape((B, K, splits, rows), jnp.float32, *operands),
-                   _out_shape((B, K, splits, rows, E), jnp.float32, *operands)])(*operands)
+        out_shape=[kernel_out_shape((B, K, splits, rows), jnp.float32, *operands),
+                   kernel_out_shape((B, K, splits, rows), jnp.float32, *operands),
+                   kernel_out_shape((B, K, splits, rows, E), jnp.float32, *operands)])(*operands)
     return _merged(peak, total, mixed)[:, :, :G].reshape(B, 1, H, E).astype(q_B1HE.dtype)
 
 

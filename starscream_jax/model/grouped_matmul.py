@@ -32,7 +32,7 @@ from ..sharding.apply import compute_device
 IMPLEMENTATIONS = ("pallas", "interpret", "xla")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Blocks:
     """Block sizes of the Pallas kernels (powers of two; each is cut to the largest power of two that divides its
     dimension). cols x depth: the output block and the contraction step of the tile kernel; weight_block: the side

@@ -78,7 +78,7 @@ EXPERT_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
 """model_type -> (the mixture-of-experts block's name, each expert's (gate, up, down) projection names)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Source:
     """Where one parameter comes from. `template` names the checkpoint tensor of one layer (and expert);
     `stacked` leading axes of ours (0, layers, or layers and experts) index those tensors. The tensor is viewed with
@@ -121,30 +121,31 @@ def sources(config: ModelConfig) -> dict[str, Source]:
     E = config.head_dim
     layer = "model.layers.{layer}."
     table = {
-        "embedding": Source(EMBEDDING, order=(0, 1)),
-        "final_norm": Source("model.norm.weight"),
-        "layers/attn_norm": Source(layer + "input_layernorm.weight", 1),
-        "layers/wq": Source(layer + "self_attn.q_proj.weight", 1, (2, 0, 1), (0, E)),
-        "layers/wk": Source(layer + "self_attn.k_proj.weight", 1, (2, 0, 1), (0, E)),
-        "layers/wv": Source(layer + "self_attn.v_proj.weight", 1, (2, 0, 1), (0, E)),
-        "layers/wo": Source(layer + "self_attn.o_proj.weight", 1, (1, 2, 0), (1, E)),
-        "layers/mlp_norm": Source(layer + "post_attention_layernorm.weight", 1),
+        "embedding": Source(template=EMBEDDING, order=(0, 1)),
+        "final_norm": Source(template="model.norm.weight"),
+        "layers/attn_norm": Source(template=layer + "input_layernorm.weight", stacked=1),
+        "layers/wq": Source(template=layer + "self_attn.q_proj.weight", stacked=1, order=(2, 0, 1), split=(0, E)),
+        "layers/wk": Source(template=layer + "self_attn.k_proj.weight", stacked=1, order=(2, 0, 1), split=(0, E)),
+        "layers/wv": Source(template=layer + "self_attn.v_proj.weight", stacked=1, order=(2, 0, 1), split=(0, E)),
+        "layers/wo": Source(template=layer + "self_attn.o_proj.weight", stacked=1, order=(1, 2, 0), split=(1, E)),
+        "layers/mlp_norm": Source(template=layer + "post_attention_layernorm.weight", stacked=1),
     }
     if config.post_norms:  # Gemma 2: post_attention_layernorm norms the attention's output, not the MLP's input
-        table["layers/mlp_norm"] = Source(layer + "pre_feedforward_layernorm.weight", 1)
-        table["layers/attn_post_norm"] = Source(layer + "post_attention_layernorm.weight", 1)
-        table["layers/mlp_post_norm"] = Source(layer + "post_feedforward_layernorm.weight", 1)
+        table["layers/mlp_norm"] = Source(template=layer + "pre_feedforward_layernorm.weight", stacked=1)
+        table["layers/attn_post_norm"] = Source(template=layer + "post_attention_layernorm.weight", stacked=1)
+        table["layers/mlp_post_norm"] = Source(template=layer + "post_feedforward_layernorm.weight", stacked=1)
     if not config.tie_embeddings:
-        table["lm_head"] = Source(HEAD, order=(1, 0))
+        table["lm_head"] = Source(template=HEAD, order=(1, 0))
     if config.qkv_bias:
         for ours, theirs in (("bq", "q"), ("bk", "k"), ("bv", "v")):
-            table[f"layers/{ours}"] = Source(layer + f"self_attn.{theirs}_proj.bias", 1, (0, 1), (0, E))
+            table[f"layers/{ours}"] = Source(template=layer + f"self_attn.{theirs}_proj.bias", stacked=1, order=(0, 1),
+                                             split=(0, E))
     if config.qk_norm:
-        table["layers/q_norm"] = Source(layer + "self_attn.q_norm.weight", 1)
-        table["layers/k_norm"] = Source(layer + "self_attn.k_norm.weight", 1)
+        table["layers/q_norm"] = Source(template=layer + "self_attn.q_norm.weight", stacked=1)
+        table["layers/k_norm"] = Source(template=layer + "self_attn.k_norm.weight", stacked=1)
     _add_experts(config, table, layer)
     if config.weight_format:
-        table.update({path + SCALE_SUFFIX: Source(source.template + SCALE_TENSOR, source.stacked)
+        table.update({path + SCALE_SUFFIX: Source(template=source.template + SCALE_TENSOR, stacked=source.stacked)
                       for path, source in table.items() if path.rsplit("/", 1)[-1] in QUANTIZED_INPUTS})
     return table
 
@@ -154,14 +155,14 @@ def _add_experts(config: ModelConfig, table: dict[str, Source], layer: str) -> N
     if config.n_experts:
         block, (gate, up, down) = EXPERT_NAMES[family_of(config)]
         expert = layer + block + ".experts.{expert}."
-        table["layers/router"] = Source(layer + block + ".gate.weight", 1, (1, 0))
-        table["layers/w_gate"] = Source(expert + gate + ".weight", 2, (1, 0))
-        table["layers/w_up"] = Source(expert + up + ".weight", 2, (1, 0))
-        table["layers/w_down"] = Source(expert + down + ".weight", 2, (1, 0))
+        table["layers/router"] = Source(template=layer + block + ".gate.weight", stacked=1, order=(1, 0))
+        table["layers/w_gate"] = Source(template=expert + gate + ".weight", stacked=2, order=(1, 0))
+        table["layers/w_up"] = Source(template=expert + up + ".weight", stacked=2, order=(1, 0))
+        table["layers/w_down"] = Source(template=expert + down + ".weight", stacked=2, order=(1, 0))
     else:
-        table["layers/w_gate"] = Source(layer + "mlp.gate_proj.weight", 1, (1, 0))
-        table["layers/w_up"] = Source(layer + "mlp.up_proj.weight", 1, (1, 0))
-        table["layers/w_down"] = Source(layer + "mlp.down_proj.weight", 1, (1, 0))
+        table["layers/w_gate"] = Source(template=layer + "mlp.gate_proj.weight", stacked=1, order=(1, 0))
+        table["layers/w_up"] = Source(template=layer + "mlp.up_proj.weight", stacked=1, order=(1, 0))
+        table["layers/w_down"] = Source(template=layer + "mlp.down_proj.weight", stacked=1, order=(1, 0))
 
 
 class CheckpointReader:

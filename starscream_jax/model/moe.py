@@ -182,7 +182,7 @@ def balance_loss(counts_X: jax.Array, probability_sums_X: jax.Array, k: int) -> 
     return counts_X.shape[0] * jnp.sum(counts_X / assignments * probability_sums_X / (assignments / k))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class _Placement:
     """Mesh axes the per-device block works with: those that split the tokens' embed dim, the router's dims and
     each expert weight's embed dim (gathered on entry), the embed dim kept split at use (`contract`: the

@@ -27,7 +27,7 @@ class AttentionOptions(NamedTuple):
     """How attention departs from causal softmax(q k / sqrt(head_dim)) v (Gemma 2): `scale` multiplies the scores
     (None: head_dim ** -0.5), `softcap` caps them as softcap * tanh(scores / softcap) (0: not capped), and with
     `sliding` each query sees only the keys less than a window (given per layer, `attention`'s `window`) behind it.
-    Attention with options runs in XLA's form with an explicit mask (`_explicit_attention`) in every phase."""
+    Attention with options runs in XLA's form with an explicit mask (`explicit_attention`) in every phase."""
 
     scale: float | None = None
     softcap: float = 0.0
@@ -53,7 +53,7 @@ def visible_keys(query_positions_BS: jax.Array, key_positions_BT: jax.Array, win
     return visible_BST if window is None else visible_BST & (behind_BST < window)
 
 
-def _explicit_attention(q_BSHE, k_BTKE, v_BTKE, visible_BST, options: AttentionOptions, k_scale_BTK=None,
+def explicit_attention(q_BSHE, k_BTKE, v_BTKE, visible_BST, options: AttentionOptions, k_scale_BTK=None,
                         v_scale_BTK=None):
     """Grouped-query attention in XLA's form under `options`, each query seeing the keys where `visible_BST`
     [B, S, T]: scores in float32 (an 8-bit cache's key scales [B, T, K] applied to them and its value scales to the
@@ -95,7 +95,7 @@ def run_sharded(local_fn, args, names: list[LogicalNames | None], outs: list[tup
     return fn(*[placed_as(a, s) for a, s in zip(args, specs)])
 
 
-def _kv_heads_for_local_queries(kv_BTKE, local_heads: int, group: int, q_axes, kv_axes):
+def kv_heads_for_local_queries(kv_BTKE, local_heads: int, group: int, q_axes, kv_axes):
     """The kv heads that serve this device's query heads. When kv heads are copied over some axes the queries are
     split over (fewer kv heads than devices), each device slices out the one(s) its query heads share."""
     local_kv = kv_BTKE.shape[2]
@@ -120,7 +120,7 @@ def _check_head_split(n_heads: int, n_kv: int, q_axes, kv_axes, mesh_shape: dict
                                 f"per-device share divides or is divided by {group}")
 
 
-def _fused_attention(q_BSHE, k_BTKE, v_BTKE, **options):
+def fused_attention(q_BSHE, k_BTKE, v_BTKE, **options):
     """`jax.nn.dot_product_attention(q, k, v, **options)` through the vendor's fused kernel where the backend policy
     asks for it (`BackendPolicy.fuses_attention`: cuDNN's flash attention on NVIDIA GPUs with bf16 / fp16 inputs,
     where JAX would pick XLA's unfused form, [B, H, S, T] scores in memory); XLA's form elsewhere, and for shapes
@@ -134,11 +134,11 @@ def _fused_attention(q_BSHE, k_BTKE, v_BTKE, **options):
 
 
 def _causal_attention(q_BSHE, k_BTKE, v_BTKE):
-    """Causal attention of one device's shards (`_fused_attention`)."""
-    return _fused_attention(q_BSHE, k_BTKE, v_BTKE, is_causal=True)
+    """Causal attention of one device's shards (`fused_attention`)."""
+    return fused_attention(q_BSHE, k_BTKE, v_BTKE, is_causal=True)
 
 
-def _attention_over_8_bit_cache(q_BSHE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK, positions_BS):
+def attention_over_8_bit_cache(q_BSHE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK, positions_BS):
     """Attention of the queries at `positions` [B, S] to one layer's 8-bit cache (values [B, T, K, E], a float32
     scale per position and kv head [B, T, K]): each query sees the cached positions up to its own. The scales are
     applied to the scores (keys') and to the probabilities (values'), so no dequantized copy of the cache is made.
@@ -201,11 +201,11 @@ def _cached_attention(q_BSHE, cache_k_BTKE, cache_v_BTKE, positions_BS):
     """Attention of the queries at `positions` [B, S] to a cache [B, T, K, E] of one layer: each query sees the
     cached positions up to its own. Decode (S = 1): the positions a query sees are a prefix of the cache, given as
     `key_value_seq_lengths` [B] (position + 1), which cuDNN's fused kernel takes on NVIDIA GPUs (reading the cache
-    with its strides, no transpose, no [B, H, 1, T] mask; `_fused_attention`). Prefill into a cache (S > 1): XLA's
+    with its strides, no transpose, no [B, H, 1, T] mask; `fused_attention`). Prefill into a cache (S > 1): XLA's
     form with an explicit [B, 1, S, T] mask."""
     k_BTKE, v_BTKE = cache_k_BTKE.astype(q_BSHE.dtype), cache_v_BTKE.astype(q_BSHE.dtype)
     if q_BSHE.shape[1] == 1:
-        return _fused_attention(q_BSHE, k_BTKE, v_BTKE, key_value_seq_lengths=positions_BS[:, 0] + 1)
+        return fused_attention(q_BSHE, k_BTKE, v_BTKE, key_value_seq_lengths=positions_BS[:, 0] + 1)
     key_positions = jnp.arange(cache_k_BTKE.shape[1])
     mask = key_positions[None, None, None, :] <= positions_BS[:, None, :, None]
     return jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, mask=mask)
@@ -216,12 +216,12 @@ def _sequence_split_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, seq_axes: tu
     """Causal attention of this device's stretch of the sequence (context parallelism): the keys and values of the
     whole sequence, and their positions, are all-gathered over the mesh axes that split it, one axis at a time from
     the innermost (inside the GPU first), and each query sees the keys at positions up to its own. The gathers'
-    transposes reduce-scatter the key and value gradients back. With `options`, `_explicit_attention` (`window`:
+    transposes reduce-scatter the key and value gradients back. With `options`, `explicit_attention` (`window`:
     the layer's sliding window, or None)."""
     key_positions = hierarchical_all_gather(positions_BS, seq_axes, dimension=1)
     keys, values = (hierarchical_all_gather(x, seq_axes, dimension=1) for x in (k_BSKE, v_BSKE))
     if options is not None:
-        return _explicit_attention(q_BSHE, keys, values, visible_keys(positions_BS, key_positions, window), options)
+        return explicit_attention(q_BSHE, keys, values, visible_keys(positions_BS, key_positions, window), options)
     mask = key_positions[:, None, None, :] <= positions_BS[:, None, :, None]  # [B, 1, S_local, T]
     return jax.nn.dot_product_attention(q_BSHE, keys, values, mask=mask)
 
@@ -235,7 +235,7 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, c
     Without a cache: keys are the S new positions. With a cache {"k", "v"} of [B, T, K, E] (one layer) that already
     holds the new keys and values at their positions (the model writes them into its cache of every layer in place,
     `decoder.write_cache`), queries attend to every cached position <= their own, and k / v are not read. An 8-bit
-    cache (with "k_scale" and "v_scale" [B, T, K]) is read by `_attention_over_8_bit_cache`.
+    cache (with "k_scale" and "v_scale" [B, T, K]) is read by `attention_over_8_bit_cache`.
     Placement: ATTN_Q / ATTN_KV names; the cache uses CACHE's. A layout that splits `seq` runs context-parallel
     attention (`_sequence_split_attention`), from the new keys alone where the cache holds nothing before them
     (`cache_index` 0, known while tracing: a whole prompt's prefill) and holds them as they are (not in 8 bits,
@@ -244,7 +244,7 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, c
     (chunked prefill), whose queries are gathered over the partitions that split it.
 
     `options` (Gemma 2's scale, soft-capping, sliding window: `AttentionOptions`; None for plain attention) runs
-    every form but split-K in XLA's form with an explicit mask (`_explicit_attention`); `window` is this layer's
+    every form but split-K in XLA's form with an explicit mask (`explicit_attention`); `window` is this layer's
     window, a scalar int32 (traced inside a layer loop), when `options.sliding`.
     """
     n_heads, n_kv = q_BSHE.shape[2], k_BSKE.shape[2]
@@ -257,22 +257,22 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, c
         if options is not None and options.sliding:
             *rest, layer_window = rest
         if cache is None or (seq_axes and _from_start(cache_index) and len(rest) == 2):
-            k_sel = _kv_heads_for_local_queries(k, q.shape[2], group, q_axes, kv_axes)
-            v_sel = _kv_heads_for_local_queries(v, q.shape[2], group, q_axes, kv_axes)
+            k_sel = kv_heads_for_local_queries(k, q.shape[2], group, q_axes, kv_axes)
+            v_sel = kv_heads_for_local_queries(v, q.shape[2], group, q_axes, kv_axes)
             if seq_axes:
                 return _sequence_split_attention(q, k_sel, v_sel, pos, seq_axes, options, layer_window)
             if options is not None:
-                return _explicit_attention(q, k_sel, v_sel, visible_keys(pos, pos, layer_window), options)
+                return explicit_attention(q, k_sel, v_sel, visible_keys(pos, pos, layer_window), options)
             return _causal_attention(q, k_sel, v_sel)
-        selected = [_kv_heads_for_local_queries(entry, q.shape[2], group, q_axes, kv_axes) for entry in rest]
+        selected = [kv_heads_for_local_queries(entry, q.shape[2], group, q_axes, kv_axes) for entry in rest]
         if cache_axes := dim_axes(specs[4], 1):
             return _split_k_attention(q, pos, cache_axes, seq_axes, *selected, options=options, window=layer_window)
         if options is not None:
             key_positions_BT = jnp.broadcast_to(jnp.arange(selected[0].shape[1]), (q.shape[0], selected[0].shape[1]))
-            return _explicit_attention(q, *selected[:2], visible_keys(pos, key_positions_BT, layer_window), options,
+            return explicit_attention(q, *selected[:2], visible_keys(pos, key_positions_BT, layer_window), options,
                                        *selected[2:])
         if len(selected) == 4:
-            return _attention_over_8_bit_cache(q, *selected, pos)
+            return attention_over_8_bit_cache(q, *selected, pos)
         return _cached_attention(q, *selected, pos)
 
     if current is not None:

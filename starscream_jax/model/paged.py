@@ -15,7 +15,7 @@ An 8-bit cache (the model's `kv_format`: int8 or an fp8 format) holds the pages 
 float32 scale per position and kv head [pages, page_size, K] (SCALES, placed as the pages are): each new key or value
 is quantized as the dense cache quantizes it (`quantize.quantize_cache_entry`, its head's amax over head_dim), and
 the gathered 8-bit pages and their scales are attended as the dense 8-bit cache is
-(`ops._attention_over_8_bit_cache`). The pages of a layer take 1 byte per value and 4 per position and kv head.
+(`ops.attention_over_8_bit_cache`). The pages of a layer take 1 byte per value and 4 per position and kv head.
 """
 from __future__ import annotations
 
@@ -32,10 +32,10 @@ from .names import ATTN_KV, ATTN_Q, POSITIONS
 from ..jax_private import cudnn_paged_decode
 from .ops import (
     AttentionOptions,
-    _attention_over_8_bit_cache,
-    _explicit_attention,
-    _fused_attention,
-    _kv_heads_for_local_queries,
+    attention_over_8_bit_cache,
+    explicit_attention,
+    fused_attention,
+    kv_heads_for_local_queries,
     run_sharded,
     visible_keys,
 )
@@ -56,7 +56,7 @@ cuDNN's kernel reads 3.5-4.0 (benchmarks/NOTES.md run 38)."""
 
 
 @register_dataclass
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PagedCache:
     """Key and value page pools, one array per layer (L arrays of [pages, page_size, K, E] each), and the block
     tables [B, M] of the rows of the step that reads them; `kernel` (static) picks the decode attention. An 8-bit
@@ -72,11 +72,12 @@ class PagedCache:
 
     def layer(self, index: int) -> PagedLayer:
         scales = (self.k_scale[index], self.v_scale[index]) if self.k_scale is not None else (None, None)
-        return PagedLayer(self.k[index], self.v[index], self.table, self.kernel, *scales)
+        return PagedLayer(k=self.k[index], v=self.v[index], table=self.table, kernel=self.kernel, k_scale=scales[0],
+                          v_scale=scales[1])
 
 
 @register_dataclass
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PagedLayer:
     """One layer's key and value pages [pages, page_size, K, E], the block tables [B, M] and the kernel; an 8-bit
     layer's scales [pages, page_size, K] (None otherwise)."""
@@ -187,22 +188,22 @@ def _write(pages_PAKE, new_BSKE, positions_BS, table_BM):
 def _gathered_attention(q_BSHE, pools, positions_BS, table_BM, q_axes, kv_axes, group,
                         options: AttentionOptions | None = None, window=None):
     """Each row's pages gathered into [B, M * page_size, K, E]; a query sees the positions up to its own. Decode
-    (S = 1) passes the visible length to `_fused_attention` (cuDNN on NVIDIA GPUs), prefill chunks a mask. An
+    (S = 1) passes the visible length to `fused_attention` (cuDNN on NVIDIA GPUs), prefill chunks a mask. An
     8-bit cache's pages are gathered in their format with their scales [B, M * page_size, K] and attended as the
-    dense 8-bit cache is (`ops._attention_over_8_bit_cache`: the scales on the scores and the probabilities), so
-    the gathered copy is of 8-bit values, not of dequantized floats. With `options`, `ops._explicit_attention`
+    dense 8-bit cache is (`ops.attention_over_8_bit_cache`: the scales on the scores and the probabilities), so
+    the gathered copy is of 8-bit values, not of dequantized floats. With `options`, `ops.explicit_attention`
     over the positions each query sees (less than `window` behind it, where given)."""
     seen_BS = jnp.maximum(positions_BS, 0)  # padding sees position 0 only, so no row is all masked
     gathered = [_gathered_rows(pool, table_BM, q_BSHE.shape[2], group, q_axes, kv_axes) for pool in pools]
     if options is not None:
         key_positions_BT = jnp.broadcast_to(jnp.arange(gathered[0].shape[1]), gathered[0].shape[:2])
-        return _explicit_attention(q_BSHE, gathered[0], gathered[1], visible_keys(seen_BS, key_positions_BT, window),
+        return explicit_attention(q_BSHE, gathered[0], gathered[1], visible_keys(seen_BS, key_positions_BT, window),
                                    options, *gathered[2:])
     if len(pools) == 4:
-        return _attention_over_8_bit_cache(q_BSHE, *gathered, seen_BS)
+        return attention_over_8_bit_cache(q_BSHE, *gathered, seen_BS)
     keys_BTKE, values_BTKE = (rows.astype(q_BSHE.dtype) for rows in gathered)
     if q_BSHE.shape[1] == 1:
-        return _fused_attention(q_BSHE, keys_BTKE, values_BTKE, key_value_seq_lengths=seen_BS[:, 0] + 1)
+        return fused_attention(q_BSHE, keys_BTKE, values_BTKE, key_value_seq_lengths=seen_BS[:, 0] + 1)
     mask = jnp.arange(keys_BTKE.shape[1])[None, None, None, :] <= seen_BS[:, None, :, None]
     return jax.nn.dot_product_attention(q_BSHE, keys_BTKE, values_BTKE, mask=mask)
 
@@ -213,4 +214,4 @@ def _gathered_rows(pool_PAK, table_BM, local_heads: int, group: int, q_axes, kv_
     `local_heads` query heads read."""
     rows_BMAK = pool_PAK[table_BM]
     rows_BTK = rows_BMAK.reshape(table_BM.shape[0], table_BM.shape[1] * pool_PAK.shape[1], *pool_PAK.shape[2:])
-    return _kv_heads_for_local_queries(rows_BTK, local_heads, group, q_axes, kv_axes)
+    return kv_heads_for_local_queries(rows_BTK, local_heads, group, q_axes, kv_axes)

@@ -44,7 +44,7 @@ def partial_attention(q_BSHE: jax.Array, k_BTKE: jax.Array, v_BTKE: jax.Array, v
     """Softmax attention of the queries to the keys where `visible_BST` is True, scaled by 1/sqrt(E) (or `scale`),
     as one part of a split-K attention (see the module docstring). Scores and sums in float32. Keys and values of an
     8-bit cache come with their float32 scales per position and kv head [B, T, K], applied to the scores (the
-    keys') and to the weights (the values'), as `ops._attention_over_8_bit_cache` applies them. `softcap` (0: none)
+    keys') and to the weights (the values'), as `ops.attention_over_8_bit_cache` applies them. `softcap` (0: none)
     caps the scaled scores as softcap * tanh(scores / softcap) (Gemma 2)."""
     B, S, H, E = q_BSHE.shape
     K = k_BTKE.shape[2]

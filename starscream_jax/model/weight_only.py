@@ -40,7 +40,7 @@ TARGET_PROGRAMS = 264
 MAX_SPLITS = 16
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Blocks:
     """Tiling of the kernel. cols: output channels per program; depth: rows of W per loop step; splits: parts of K
     (0: chosen by shape, `split_count`); reduce: "dot" (tensor cores, rows padded to 16), "sum" (multiply and sum,
@@ -121,7 +121,7 @@ def padded_rows(rows: int, reduce: str) -> tuple[int, bool]:
     return (max(power, 16), True) if use_dot else (power, False)
 
 
-def _block(dim: int, wanted: int) -> int:
+def power_of_two_block(dim: int, wanted: int) -> int:
     """The largest power of two up to `wanted` that divides `dim`."""
     block = 1
     while block * 2 <= wanted and dim % (block * 2) == 0:
@@ -148,7 +148,8 @@ def _kernel_call(x_MK, w_KN, scale_N, blocks: Blocks, interpret: bool) -> jax.Ar
     rows, depth = x_MK.shape
     cols = w_KN.shape[1]
     padded, use_dot = padded_rows(rows, blocks.reduce)
-    col_block, depth_block = _block(cols, blocks.cols), _block(depth, blocks.depth)  # at least 16: see `applies`
+    # each block at least 16: see `applies`
+    col_block, depth_block = power_of_two_block(cols, blocks.cols), power_of_two_block(depth, blocks.depth)
     col_blocks, depth_steps = cols // col_block, depth // depth_block
     out_rows = 1 if rows == 1 else padded  # one row: the padded rows' zeros summed away in the kernel
     splits = split_count(out_rows, depth, col_blocks, depth_steps, blocks.splits)
@@ -158,14 +159,15 @@ def _kernel_call(x_MK, w_KN, scale_N, blocks: Blocks, interpret: bool) -> jax.Ar
     kernel = functools.partial(_kernel, col_block=col_block, depth_block=depth_block,
                                steps=depth_steps // splits, use_dot=use_dot, collapse=out_rows < padded)
     params = None if interpret else plgpu.CompilerParams(num_warps=blocks.warps, num_stages=blocks.stages)
-    out_SPN = pl.pallas_call(kernel, out_shape=_out_shape((splits, out_rows, cols), out_dtype, x_PK, w_KN, scale_N),
+    out_SPN = pl.pallas_call(kernel,
+                             out_shape=kernel_out_shape((splits, out_rows, cols), out_dtype, x_PK, w_KN, scale_N),
                              grid=(col_blocks, splits), interpret=interpret, compiler_params=params,
                              name="weight_only_matmul")(x_PK, w_KN, scale_N.reshape(1, cols))
     out_PN = jnp.sum(out_SPN, axis=0).astype(x_MK.dtype) if partial else out_SPN[0]
     return out_PN[:rows]
 
 
-def _out_shape(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
+def kernel_out_shape(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
     """The kernel's output; inside a shard map typed as varying over the manual mesh axes its operands vary over
     (none where they are replicated)."""
     manual = [jax.typeof(x).manual_axis_type for x in operands]

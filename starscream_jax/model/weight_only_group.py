@@ -36,10 +36,10 @@ from .weight_only import (
     IMPLEMENTATIONS,
     MAX_ROWS,
     Blocks,
-    _block,
-    _out_shape,
     column_block_product,
+    kernel_out_shape,
     padded_rows,
+    power_of_two_block,
     reference,
     split_count,
 )
@@ -104,8 +104,8 @@ def group_grid(rows: int, depth: int, widths: Sequence[int], blocks: Blocks) -> 
     """(columns per block, rows of K per step, each weight's first block in the joint grid plus the total, splits
     of K): the columns divide every width, the depth divides K, and the splits fill the GPU for the group's blocks
     together (`weight_only.split_count`, `rows`: the rows of partials written)."""
-    col_block = _block(math.gcd(*widths), blocks.cols)
-    depth_block = _block(depth, blocks.depth)
+    col_block = power_of_two_block(math.gcd(*widths), blocks.cols)
+    depth_block = power_of_two_block(depth, blocks.depth)
     starts = [0, *itertools.accumulate(width // col_block for width in widths)]
     splits = split_count(rows, depth, starts[-1], depth // depth_block, blocks.splits)
     return col_block, depth_block, starts, splits
@@ -125,7 +125,7 @@ def _grouped_call(x_MK, values: list[jax.Array], scales: list[jax.Array], blocks
                                steps=depth // depth_block // splits, use_dot=use_dot, collapse=out_rows < padded)
     params = None if interpret else plgpu.CompilerParams(num_warps=blocks.warps, num_stages=blocks.stages)
     operands = [x_PK, *values, *(scale.reshape(1, -1) for scale in scales)]
-    out_SPT = pl.pallas_call(kernel, out_shape=_out_shape((splits, out_rows, sum(widths)), out_dtype, *operands),
+    out_SPT = pl.pallas_call(kernel, out_shape=kernel_out_shape((splits, out_rows, sum(widths)), out_dtype, *operands),
                              grid=(starts[-1], splits), interpret=interpret, compiler_params=params,
                              name="weight_only_group")(*operands)
     out_PT = jnp.sum(out_SPT, axis=0).astype(x_MK.dtype) if splits > 1 else out_SPT[0]

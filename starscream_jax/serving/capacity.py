@@ -21,7 +21,7 @@ from jax.experimental import multihost_utils
 from ..errors import StarscreamError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CacheSize:
     """pages_per_shard: pages of each cache shard (one is its null page); why: how it was chosen, for the start
     line; pool_bytes_per_device: what those pages hold on each device; reserve_bytes: what was kept for the steps'
@@ -60,8 +60,9 @@ def size_from_memory(devices, page_bytes: int, reserve: int, utilization: float,
     worth fits."""
     stats = [device.memory_stats() for device in devices]
     if any(not stat or "bytes_limit" not in stat for stat in stats):
-        return CacheSize(floor_pages, "every row at the full context (the devices report no memory size)",
-                         floor_pages * page_bytes, 0)
+        return CacheSize(pages_per_shard=floor_pages,
+                         why="every row at the full context (the devices report no memory size)",
+                         pool_bytes_per_device=floor_pages * page_bytes, reserve_bytes=0)
     free = min(stat["bytes_limit"] - stat.get("bytes_in_use", 0) for stat in stats) - reserve
     pages = free // page_bytes
     limit = min(stat["bytes_limit"] for stat in stats)
@@ -72,7 +73,8 @@ def size_from_memory(devices, page_bytes: int, reserve: int, utilization: float,
                               "--max-num-batched-tokens or --max-num-seqs, or spread the model over more devices")
     why = (f"{utilization:.2f} of device memory ({limit / 2 ** 30:.1f} GiB per device) less the weights and "
            f"{reserve / 2 ** 30:.2f} GiB for the steps")
-    return CacheSize(int(pages), why, int(pages) * page_bytes, reserve)
+    return CacheSize(pages_per_shard=int(pages), why=why, pool_bytes_per_device=int(pages) * page_bytes,
+                     reserve_bytes=reserve)
 
 
 def check_reserve(programs, reserve: int) -> None:
@@ -124,5 +126,6 @@ def agreed(size: CacheSize) -> CacheSize:
     fewest = int(np.min(multihost_utils.process_allgather(np.array([size.pages_per_shard]))))
     if fewest == size.pages_per_shard:
         return size
-    return CacheSize(fewest, size.why + f" (another process had room for {fewest})",
-                     size.pool_bytes_per_device * fewest // size.pages_per_shard, size.reserve_bytes)
+    return CacheSize(pages_per_shard=fewest, why=size.why + f" (another process had room for {fewest})",
+                     pool_bytes_per_device=size.pool_bytes_per_device * fewest // size.pages_per_shard,
+                     reserve_bytes=size.reserve_bytes)

@@ -137,7 +137,7 @@ def refusal(request_id: str, reason: str, error: str) -> protocol.RequestOutput:
     return protocol.RequestOutput(request_id=request_id, tokens=[], logprobs=[], finish_reason=reason, error=error)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ReadyEngine:
     """What an engine builder gives the loop: the engine, its tokenizer, and what the API needs to know of it;
     `follows` on a process of a multi-process mesh other than process 0, which runs that process' steps."""

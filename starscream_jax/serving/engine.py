@@ -263,7 +263,8 @@ class Engine:
         shardings, shapes, dtypes = self._pool_layout(1)
         page_bytes = capacity.page_bytes_per_device(shardings, shapes, dtypes)
         if config.pages_per_shard is not None:
-            return capacity.CacheSize(config.pages_per_shard, "as configured", config.pages_per_shard * page_bytes, 0)
+            return capacity.CacheSize(pages_per_shard=config.pages_per_shard, why="as configured",
+                                      pool_bytes_per_device=config.pages_per_shard * page_bytes, reserve_bytes=0)
         kv_heads = shardings[0].shard_shape(shapes[0][1])[PAGES.index("kv_heads")] if shardings[0] is not None \
             else c.n_kv_heads
         kv_width = kv_heads * c.head_dim

@@ -388,7 +388,7 @@ def _arguments_read(call):
     return {**call, "function": {**function, "arguments": arguments}}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TemplateOptions:
     """How a request's messages are rendered: `template` (the request's chat_template; None: the server's),
     `variables` (chat_template_kwargs, less the two below), `add_generation_prompt` and `continue_final` (the
@@ -425,7 +425,8 @@ class ChatTemplateFields(BaseModel):
             raise ApiError(HTTP_BAD_REQUEST, "continue_final_message continues the last message, and "
                            "add_generation_prompt (true unless given) starts a new one; send \"add_generation_prompt\""
                            ": false with it", param="continue_final_message")
-        return TemplateOptions(self.chat_template, variables, bool(prompt), bool(continue_final))
+        return TemplateOptions(template=self.chat_template, variables=variables, add_generation_prompt=bool(prompt),
+                               continue_final=bool(continue_final))
 
 
 class ChatRequest(Sampling, ChatTemplateFields):

@@ -258,7 +258,8 @@ def paged_step(graphdef, kernel: str = "gather", decode: bool = True, *, under: 
     def step(params, rest, pages, recent, slots: SlotState, packed: PackedInputs):
         inputs = packed.unpacked()
         model = nnx.merge(graphdef, params, rest)
-        cache = PagedCache(pages["k"], pages["v"], inputs.table, kernel, pages.get("k_scale"), pages.get("v_scale"))
+        cache = PagedCache(k=pages["k"], v=pages["v"], table=inputs.table, kernel=kernel, k_scale=pages.get("k_scale"),
+                           v_scale=pages.get("v_scale"))
         tokens_BS = with_slot_tokens(inputs.tokens, recent, inputs.slot)
         logits_BV, cache, *every_BSV = model.paged(tokens_BS, inputs.positions, inputs.last, cache,
                                                    every_position=packed.scored)
@@ -388,7 +389,7 @@ def _steps_down(limit: int, factor: int, count: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Buckets:
     """The shapes a server compiles: rows per cache shard of decode steps and of prefill steps, prompt positions per
     prefill row, pages per row (each a rising tuple; a size rounds up to the next), and with `scored` a scored
@@ -408,7 +409,8 @@ class Buckets:
         decode step reads every weight whatever its rows, so padding rows is nearly free); prefill steps of one
         chunk or of `prefill_rows` chunks, each padded to `chunk` positions; pages per row in four halvings from
         `pages` (the gather kernel reads every page of the padded table, so pages keep finer steps)."""
-        return cls(_steps_down(rows, 4, 3), (chunk,), _steps_down(pages, 2, 4), tuple(sorted({1, prefill_rows})))
+        return cls(rows=_steps_down(rows, 4, 3), positions=(chunk,), pages=_steps_down(pages, 2, 4),
+                   prefill_rows=tuple(sorted({1, prefill_rows})))
 
     def rows_of(self, phase: str) -> tuple[int, ...]:
         return (self.prefill_rows or self.rows) if LAYOUT_OF[phase] == "prefill" else self.rows

@@ -252,14 +252,14 @@ def _move(value: jax.Array, names: LogicalNames, tensor: str, summed_over: froze
     if current.auto:
         stored = resolve(names, value.shape, current.layout.params, current.mesh, tensor,
                          f"param rules of {current.layout.name}")
-        return _Move(spec, stored, mesh=current.mesh)
+        return _Move(use=spec, stored=stored, mesh=current.mesh)
     summed_over = (_token_axes(current) if summed_over is None else summed_over) - spec_axes(spec)
     if not _inside_and_across_gpus(summed_over, current.mesh):
         summed_over = frozenset()
-    return _Move(spec, jax.typeof(value).sharding.spec, summed_over)
+    return _Move(use=spec, stored=jax.typeof(value).sharding.spec, summed_over=summed_over)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Move:
     """A weight's way from its stored placement to its placement at use, and its gradient's way back. `use` None:
     no layout (identity). `mesh` given: Auto axes (sharding constraints; the gradient is constrained to the stored
@@ -547,28 +547,6 @@ def abstract_placed(state: nnx.State, layout: Layout | str, mesh, dtype=None) ->
 
     return jax.tree.map(abstract, param_shardings(state, layout, mesh), state,
                         is_leaf=lambda node: isinstance(node, NamedSharding))
-
-
-def create_sharded(factory, layout: Layout | str, mesh):
-    """Builds the module `factory()` with every parameter created already sharded by the layout's params rules.
-
-    The full model is never materialised on one device: parameters are initialised inside jit with those output
-    shardings. `factory` takes no arguments (close over config and rngs seed). Flax's own placement of variables
-    with `out_sharding` metadata as they are created is turned off here: the layout places them. On a mesh with
-    Auto axes each named `nnx.Param` becomes an `at_use.ParamAtUse`, which Flax's layers read as the layout uses
-    it inside `use_layout` (they never call `weight`), so an unedited Flax model is gathered at use as this
-    library's layers are.
-    """
-    from .at_use import read_params_at_use  # it reads weights through this module
-
-    with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(factory)
-        graphdef, abstract_state = nnx.split(abstract)
-        shardings = param_shardings(abstract_state, layout, mesh)
-        with jax.set_mesh(mesh):
-            state = jax.jit(lambda: nnx.state(factory()), out_shardings=shardings)()
-    model = nnx.merge(graphdef, state)
-    return read_params_at_use(model) if is_auto(mesh) else model
 
 
 def batch_sharding(layout: Layout | str, mesh, batch_size: int | None = None) -> NamedSharding:

@@ -1,5 +1,5 @@
-"""Flax parameters that read as a matmul uses them on Auto axes, so that a model written for Flax's GSPMD guide needs
-no edit.
+"""Models created already sharded (`create_sharded`), and Flax parameters that read as a matmul uses them on Auto
+axes, so that a model written for Flax's GSPMD guide needs no edit.
 
 Flax NNX's layers read their parameters themselves (`self.kernel[...]`, `self.embedding[...]`) and never call
 `weight`, so on a mesh with Auto axes each parameter enters the step as stored. Under `starscream_tp` that is a
@@ -20,7 +20,8 @@ import jax
 from flax import nnx
 from flax.typing import MISSING
 
-from .apply import active, logical_names, read_at_use
+from .apply import active, is_auto, logical_names, param_shardings, read_at_use
+from .layouts import Layout
 
 LIBRARY = __name__.split(".")[0]
 """The package whose own modules read their weights through `weight` already: their parameters are left as they are."""
@@ -61,3 +62,23 @@ def _user_params(model: nnx.Module) -> list[nnx.Param]:
                if isinstance(node, nnx.Module) and type(node).__module__.split(".")[0] == LIBRARY]
     return [node for path, node in nodes if type(node) is nnx.Param and logical_names(node) is not None
             and not any(path[:len(owner)] == owner for owner in library)]
+
+
+def create_sharded(factory, layout: Layout | str, mesh):
+    """Builds the module `factory()` with every parameter created already sharded by the layout's params rules.
+
+    The full model is never materialised on one device: parameters are initialised inside jit with those output
+    shardings. `factory` takes no arguments (close over config and rngs seed). Flax's own placement of variables
+    with `out_sharding` metadata as they are created is turned off here: the layout places them. On a mesh with
+    Auto axes each named `nnx.Param` becomes a `ParamAtUse`, which Flax's layers read as the layout uses
+    it inside `use_layout` (they never call `weight`), so an unedited Flax model is gathered at use as this
+    library's layers are.
+    """
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(factory)
+        graphdef, abstract_state = nnx.split(abstract)
+        shardings = param_shardings(abstract_state, layout, mesh)
+        with jax.set_mesh(mesh):
+            state = jax.jit(lambda: nnx.state(factory()), out_shardings=shardings)()
+    model = nnx.merge(graphdef, state)
+    return read_params_at_use(model) if is_auto(mesh) else model

@@ -69,10 +69,11 @@ def derive(rules: Layout | str | Mapping[str, Table], mesh, *, decode: bool = Fa
         placed |= {"batch": tuple(a for a in placed["batch"] if a != XCD), STORAGE: (XCD,),
                    "vocab": (*placed["vocab"], XCD)}
     suffix = "decode" if decode else "derived"
-    return Layout(name or f"{_name(rules)}_{suffix}",
-                  f"derived from {_name(rules)}: GPU-level axes on gpu, tokens and weight storage over xcd"
+    return Layout(name=name or f"{_name(rules)}_{suffix}",
+                  description=f"derived from {_name(rules)}: GPU-level axes on gpu, tokens and weight storage over xcd"
                   + (" (decode: weights stationary)" if decode else ""),
-                  _rules(WEIGHT_NAMES, stored), _rules(WEIGHT_NAMES, at_use), _rules(ACTIVATION_NAMES, placed))
+                  params=_rules(WEIGHT_NAMES, stored), weights=_rules(WEIGHT_NAMES, at_use),
+                  activations=_rules(ACTIVATION_NAMES, placed))
 
 
 def _tables(rules) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:

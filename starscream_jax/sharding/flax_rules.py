@@ -83,7 +83,7 @@ def in_vocabulary(layout: Layout | str, vocabulary: VocabularyLike = STARSCREAM)
     tables = {kind: _renamed(getattr(layout, kind), named[kind]) for kind in RULE_TABLES}
     replicated_ok = layout.replicated_ok | {yours for names in named.values() for yours, ours in names.items()
                                             if ours in layout.replicated_ok}
-    return Layout(layout.name, layout.description, **tables, replicated_ok=frozenset(replicated_ok))
+    return Layout(name=layout.name, description=layout.description, **tables, replicated_ok=frozenset(replicated_ok))
 
 
 def _renamed(rules: Rules, vocabulary: Mapping[str, str]) -> Rules:

@@ -80,7 +80,7 @@ ACTIVATION_NAMES = ("layers", "batch", "attn_batch", "seq", "cache_seq", "vocab"
 RULE_TABLES = ("params", "weights", "activations")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Layout:
     """Three rule tables (see the module docstring) and a one-line description."""
 
@@ -125,9 +125,9 @@ def _rules(names: tuple[str, ...], mapping: dict[str, MeshAxes], may_replicate: 
 
 def _layout(name: str, description: str, params: dict, activations: dict, weights: dict | None = None,
             may_replicate: frozenset[str] = MAY_REPLICATE) -> Layout:
-    return Layout(name, description, _rules(WEIGHT_NAMES, params, may_replicate),
-                  _rules(WEIGHT_NAMES, {**params, **(weights or {})}, may_replicate),
-                  _rules(ACTIVATION_NAMES, activations, may_replicate))
+    return Layout(name=name, description=description, params=_rules(WEIGHT_NAMES, params, may_replicate),
+                  weights=_rules(WEIGHT_NAMES, {**params, **(weights or {})}, may_replicate),
+                  activations=_rules(ACTIVATION_NAMES, activations, may_replicate))
 
 
 FLAT = (GPU, XCD)

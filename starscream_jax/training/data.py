@@ -56,7 +56,7 @@ def nats_to_bits(nats: float) -> float:
     return nats / math.log(2.0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TokenBatches:
     """Windows of `seq_len` consecutive tokens drawn from `tokens`, `batch_size` per step.
 

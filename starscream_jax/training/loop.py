@@ -101,13 +101,12 @@ def training_tokens(config: TrainConfig, model_config) -> tuple[np.ndarray, list
 
 
 def run_description(config: TrainConfig, model_config, mesh, step: int, changes: list[dict] = (),
-                    data_files: list[DataFingerprint] = (), tokenizer: str | None = None,
-                    layout: str | None = None) -> dict:
+                    data_files: list[DataFingerprint] = (), tokenizer: str | None = None, *, layout: str) -> dict:
     """The JSON saved with each checkpoint: enough for `starscream generate` to rebuild the model, the layout that
-    ran (fitted to the batch: `layout`, default the one asked for), the content fingerprints of each data file and
-    of the tokenizer, and the changes resumes made to the run's TrainConfig ({"step", "field", "from", "to"},
-    oldest first)."""
-    return {"step": step, "model_config": dataclasses.asdict(model_config), "layout": layout or config.layout,
+    ran (`layout`: fitted to the batch, `fitted_layout`; the one asked for stays in the train_config), the content
+    fingerprints of each data file and of the tokenizer, and the changes resumes made to the run's TrainConfig
+    ({"step", "field", "from", "to"}, oldest first)."""
+    return {"step": step, "model_config": dataclasses.asdict(model_config), "layout": layout,
             "mesh_shape": dict(mesh.shape), "train_config": dataclasses.asdict(config), "changes": list(changes),
             "data_files": [fingerprint.to_dict() for fingerprint in data_files], "tokenizer_sha256": tokenizer}
 
@@ -267,7 +266,12 @@ class RunPlan:
 
     def description(self, step: int, changes: list[dict]) -> dict:
         return run_description(self.config, self.model_config, self.mesh, step, changes, self.data_files,
-                               self.tokenizer, self.layout.name)
+                               self.tokenizer, layout=self.layout.name)
+
+    @property
+    def layout_label(self) -> str:
+        """The layout that runs, with the one asked for where they differ (`layout_label`)."""
+        return layout_label(self.layout.name, self.config.layout)
 
 
 @dataclass(kw_only=True)
@@ -340,7 +344,7 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, allow_changes=(), 
                                      device_memory_bytes)
         state = starting_state(store, plan, program, resume, allow_changes, say)
         profile = profile_window(profile_dir, state.step, plan.last_step)
-        progress = tqdm(total=config.steps, initial=state.step, unit="step", desc=f"train {plan.layout.name}",
+        progress = tqdm(total=config.steps, initial=state.step, unit="step", desc=f"train {plan.layout_label}",
                         disable=not (show_progress and main_process), file=sys.stderr, dynamic_ncols=True)
         with MetricsLog(plan.run_dir / METRICS_FILE, enabled=main_process, keep_through=state.step) as metrics, \
                 StopRequests() as stop:
@@ -352,7 +356,7 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, allow_changes=(), 
     if stop.requested:
         raise RunStopped(f"interrupted at step {state.step} (checkpoint saved); rerun with --resume to continue", 130)
     if log.losses:
-        report_run(config, log.losses, plan.unigram_nats, store.directory, say, plan.layout.name)
+        report_run(config, log.losses, plan.unigram_nats, store.directory, say, plan.layout_label)
     return TrainResult(losses=log.losses, eval_losses=log.eval_losses, params=state.params,
                        opt_state=state.opt_state, unigram_entropy_nats=plan.unigram_nats,
                        compiled_step=program.compiled, profiled_steps=len(profile.steps) if profile else 0,
@@ -370,17 +374,30 @@ def plan_run(config: TrainConfig, mesh, allow_changes, stop_at_step: int | None,
     if allow_changes and not resume:
         raise StarscreamError(f"--allow-change {','.join(allow_changes)} changes a resumed run; it needs --resume "
                               "(a fresh run takes its settings from the flags)")
-    # fewer sequences per micro-batch than the layout's batch split: each sequence split over the partitions
-    layout = fit_batch(config.layout, mesh, config.batch_size // config.grad_accum, config.seq_len)
+    layout = fitted_layout(config, mesh)
     token_sharding = batch_sharding(layout, mesh, config.batch_size)
     tokens, data_files, tokenizer = training_tokens(config, model_config)
     train_tokens, validation_tokens = data.split_corpus(tokens)
     rows = config.seq_len + 1
     return RunPlan(config=config, model_config=model_config, layout=layout, mesh=mesh, token_sharding=token_sharding,
-                   train_batches=data.TokenBatches(train_tokens, config.batch_size, rows, config.seed),
-                   eval_batches=data.TokenBatches(validation_tokens, config.batch_size, rows, EVAL_SEED),
+                   train_batches=data.TokenBatches(tokens=train_tokens, batch_size=config.batch_size, seq_len=rows,
+                                                   seed=config.seed),
+                   eval_batches=data.TokenBatches(tokens=validation_tokens, batch_size=config.batch_size, seq_len=rows,
+                                                  seed=EVAL_SEED),
                    unigram_nats=data.unigram_entropy_nats(train_tokens), data_files=data_files, tokenizer=tokenizer,
                    last_step=config.steps if stop_at_step is None else min(stop_at_step, config.steps))
+
+
+def fitted_layout(config: TrainConfig, mesh) -> Layout:
+    """The layout a run of `config` trains under on `mesh`: the one asked for, fitted to a micro-batch (`fit_batch`:
+    fewer sequences per micro-batch than the layout's batch split, each sequence split over the partitions)."""
+    return fit_batch(config.layout, mesh, config.batch_size // config.grad_accum, config.seq_len)
+
+
+def layout_label(ran: str, asked: str) -> str:
+    """The layout that ran as a run prints it: its name, and the one asked for where fitting the batch changed it
+    ("starscream_tp+seq (asked: starscream_tp)")."""
+    return ran if ran == asked else f"{ran} (asked: {asked})"
 
 
 def check_checkpoints(store: CheckpointStore, plan: RunPlan, resume: bool, allow_changes,

@@ -9,7 +9,8 @@ TP = get_layout("starscream_tp")
 
 
 def collective(name: str, op_name: str, scope: str = "flat") -> CollectiveReport:
-    return CollectiveReport(name, "all-reduce", op_name, scope, [[0, 1, 2, 3]], 4, 64, 48.0, 1)
+    return CollectiveReport(name=name, kind="all-reduce", op_name=op_name, scope=scope, groups=[[0, 1, 2, 3]],
+                            group_size=4, buffer_bytes=64, bytes_per_device=48.0, count=1)
 
 
 def report_of(*collectives: CollectiveReport) -> Report:
@@ -36,8 +37,8 @@ def test_under_a_flat_layout_the_layout_is_the_cause():
 
 
 def token_input(name: str, dtype: str, shape: list[int], replication_xcd: int) -> InputReport:
-    return InputReport(name, shape, dtype, None, 4 * shape[0] * shape[1], 4 * shape[0] * shape[1],
-                       replication_xcd, 2)
+    return InputReport(name=name, shape=shape, dtype=dtype, spec=None, bytes=4 * shape[0] * shape[1],
+                       shard_bytes=4 * shape[0] * shape[1], replication_xcd=replication_xcd, replication_gpu=2)
 
 
 def test_a_token_batch_nothing_splits_is_placed_by_batch_sharding():

@@ -37,8 +37,8 @@ def test_inspect_compiles_the_training_step_that_train_ran(tmp_path, mesh, layou
                          run_dir=str(tmp_path / "run"), dtype="bfloat16")
     ran = train(config, mesh, show_progress=False, echo=lambda *_: None).compiled_step
     model_config = config.model_config()
-    settings = Settings(model_config, model_config.n_layers, "train", config.batch_size, config.seq_len, (layout,),
-                        training=config)
+    settings = Settings(config=model_config, full_layers=model_config.n_layers, phase="train", batch=config.batch_size,
+                        seq=config.seq_len, layouts=(layout,), training=config)
     judged = compile_step(settings, layout, mesh).compiled
     assert program_text(judged) == program_text(ran)
 

@@ -62,13 +62,15 @@ def test_a_projection_reads_its_8_bit_weight_at_its_stored_byte():
 
 def matmul(m: int, k: int, n: int, batch: int = 1, below_ridge: bool | None = None,
            full_depth_runs: float | None = None) -> Matmul:
-    return Matmul("dot", "jit(step)/dot_general", batch, m, k, n, "bf16", 2 * batch * m * k * n, 0, 0.0,
-                        below_ridge, 1, full_depth_runs=full_depth_runs)
+    return Matmul(name="dot", op_name="jit(step)/dot_general", batch=batch, m=m, k=k, n=n, dtype="bf16",
+                  flops=2 * batch * m * k * n, bytes=0, intensity=0.0, below_ridge=below_ridge, count=1,
+                  full_depth_runs=full_depth_runs)
 
 
 def collective(scope: str, bytes_per_device: float, count: int, full_depth_runs: float,
                kind: str = "all-reduce", buffer_bytes: int = 0) -> CollectiveReport:
-    return CollectiveReport("all-reduce.1", kind, "", scope, [], 1, buffer_bytes, bytes_per_device, count,
+    return CollectiveReport(name="all-reduce.1", kind=kind, op_name="", scope=scope, groups=[], group_size=1,
+                            buffer_bytes=buffer_bytes, bytes_per_device=bytes_per_device, count=count,
                             full_depth_runs=full_depth_runs)
 
 
@@ -104,13 +106,14 @@ def test_serial_and_overlapped_bounds():
     assert (estimate.serial_s, estimate.overlapped_s, estimate.tokens_per_s) == (3.5, 2.0, 300 / 3.5)
     as_dict = to_json(estimate)
     assert as_dict["total_communication_s"] == 1.5 and as_dict["serial_s"] == 3.5
-    assert StepEstimate(0.0, 0.0, {}, 10).tokens_per_s == math.inf
+    assert StepEstimate(compute_s=0.0, memory_bound_s=0.0, communication_s={}, tokens=10).tokens_per_s == math.inf
     passes = dataclasses.replace(estimate, passes_s={"layers": 1.0, "update": 0.25, "accumulate": 0.5})
     assert (passes.serial_s, passes.overlapped_s) == (4.75, 3.25)  # one micro-batch adds nothing up
 
 
 def test_an_accumulated_step_is_n_micro_steps_n_additions_and_one_update():
-    micro = StepEstimate(1.0, 0.5, {"inter_gpu": 0.25}, 100, {"layers": 0.5, "update": 0.25, "accumulate": 0.125})
+    micro = StepEstimate(compute_s=1.0, memory_bound_s=0.5, communication_s={"inter_gpu": 0.25}, tokens=100,
+                         passes_s={"layers": 0.5, "update": 0.25, "accumulate": 0.125})
     four = micro.accumulated(4)
     assert (four.compute_s, four.communication_s, four.tokens) == (4.0, {"inter_gpu": 1.0}, 400)
     assert four.passes_s == {"layers": 2.0, "update": 0.25, "accumulate": 0.5}

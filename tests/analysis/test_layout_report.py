@@ -75,8 +75,8 @@ def test_a_cached_result_without_principle_1_is_judged_again_when_inspect_asks_f
     settings, topology, mesh, compiled = tiny_decode
     judged = compiled["starscream_decode"]
     skipped = dataclasses.replace(judged, principles=dataclasses.replace(
-        judged.principles, shape_preservation=KernelVerdict(None, (), (UnjudgedOp("dot.1", "no reference program"),),
-                                                            not_judged=SKIPPED)))
+        judged.principles, shape_preservation=KernelVerdict(
+            ok=None, violations=(), unjudged=(UnjudgedOp("dot.1", "no reference program"),), not_judged=SKIPPED)))
     one = dataclasses.replace(settings, layouts=("starscream_decode",))
     compiles = []
 
@@ -96,6 +96,7 @@ def test_a_cached_result_without_principle_1_is_judged_again_when_inspect_asks_f
     assert inspect_layouts(one, topology, mesh, cache=cache) == {"starscream_decode": judged}
     assert judged.principles.shape_preservation.judged and len(compiles) == 2
     partly = dataclasses.replace(judged, principles=dataclasses.replace(judged.principles, shape_preservation=(
-        KernelVerdict(None, (), (UnjudgedOp("dot.1", "no counterpart in the reference"),), judged_ops=3))))
+        KernelVerdict(ok=None, violations=(), unjudged=(UnjudgedOp("dot.1", "no counterpart in the reference"),),
+                      judged_ops=3))))
     cache.put(one, topology, mesh, "starscream_decode", partly)  # compared with gpu_tp: compiling again gives the same
     assert inspect_layouts(one, topology, mesh, cache=cache) == {"starscream_decode": partly} and len(compiles) == 2

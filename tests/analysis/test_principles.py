@@ -57,13 +57,14 @@ def test_without_a_reference_no_kernel_is_judged(programs):
 
 def unit_matmul(op: str) -> Matmul:
     """A 4-token matmul of the op `op`, as `parse_hlo` reads one."""
-    return Matmul(f"dot.{op}", f"jit(step)/{op}/dot_general", 1, 4, 64, 64, "f32", 2 * 4 * 64 * 64, 0, 0.0, None, 1)
+    return Matmul(name=f"dot.{op}", op_name=f"jit(step)/{op}/dot_general", batch=1, m=4, k=64, n=64, dtype="f32",
+                  flops=2 * 4 * 64 * 64, bytes=0, intensity=0.0, below_ridge=None, count=1)
 
 
 def unit_report(*ops: str) -> Report:
     """A program of 4-token matmuls, one per op of `ops`, on 2 GPUs x 4 partitions."""
-    return Report({"data": 1, "gpu": 2, "xcd": 4}, [], [unit_matmul(op) for op in ops], [], [], None,
-                  tokens_per_device=4)
+    return Report(mesh_axes={"data": 1, "gpu": 2, "xcd": 4}, collectives=[], matmuls=[unit_matmul(op) for op in ops],
+                  attention=[], inputs=[], memory=None, tokens_per_device=4)
 
 
 def test_a_verdict_over_unjudged_ops_alone_is_not_judged_and_never_ok():
@@ -108,7 +109,8 @@ def test_a_copy_is_large_against_the_steps_working_set_not_a_fixed_size():
     def verdict(working_set: int) -> RedundancyVerdict:
         memory = MemoryReport(argument_bytes=working_set, output_bytes=0, temp_bytes=0, generated_code_bytes=0,
                               alias_bytes=0)
-        report = Report({"data": 1, "gpu": 8, "xcd": 8}, [], [], [], [], memory, activations=[hidden])
+        report = Report(mesh_axes={"data": 1, "gpu": 8, "xcd": 8}, collectives=[], matmuls=[], attention=[], inputs=[],
+                        memory=memory, activations=[hidden])
         return check_principles(report, None).no_redundancy
 
     small, large = verdict(1600 << 20), verdict(100 << 20)
@@ -126,7 +128,8 @@ def grouped_matmul(name: str, experts_per_device: int, count: int = 1, kernel: s
 
 
 def kernel_report(*kernels: KernelReport) -> Report:
-    return Report({"data": 1, "gpu": 2, "xcd": 4}, [], [], [], [], None, tokens_per_device=2560, kernels=list(kernels))
+    return Report(mesh_axes={"data": 1, "gpu": 2, "xcd": 4}, collectives=[], matmuls=[], attention=[], inputs=[],
+                  memory=None, tokens_per_device=2560, kernels=list(kernels))
 
 
 def test_a_custom_kernel_is_judged_by_its_weight_side_operands_against_the_references():
@@ -169,8 +172,9 @@ def test_the_weight_side_of_each_library_kernel():
     """The expert weights of the grouped matmul, the weight gradient its backward kernel writes, the 8-bit weights
     of the weight-only kernels, the K and V caches of the attention kernels (with or without scale pools)."""
     def elements(kernel: str, operands: list[list[int]], results: list[list[int]] = ()) -> int | None:
-        return kernel_weight_elements(KernelReport("k", "jit(s)/o/pallas_call", "__gpu$xla.gpu.triton", kernel,
-                                                   operands, 1, list(results)))
+        return kernel_weight_elements(KernelReport(name="k", op_name="jit(s)/o/pallas_call",
+                                                   target="__gpu$xla.gpu.triton", kernel=kernel,
+                                                   operand_shapes=operands, count=1, result_shapes=list(results)))
 
     assert elements("grouped_matmul_t", [[40], [1], [64, 32], [8, 16, 32]]) == 8 * 16 * 32
     assert elements("grouped_matmul_dw", [[9], [64, 16], [64, 32]], [[8, 16, 32]]) == 8 * 16 * 32

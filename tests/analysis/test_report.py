@@ -298,8 +298,9 @@ def test_activations_need_both_the_lowered_text_and_the_token_dims():
 def test_without_reference_no_matmul_is_judged():
     report = mlp_report(2, 4, "flat")
     verdict = check_principles(report, None).shape_preservation
-    assert verdict == KernelVerdict(None, (), tuple(UnjudgedOp(m.name, "no reference program") for m in report.matmuls),
-                                    AttentionRatio(None, None), NO_REFERENCE)
+    assert verdict == KernelVerdict(ok=None, violations=(),
+                                    unjudged=tuple(UnjudgedOp(m.name, "no reference program") for m in report.matmuls),
+                                    attention=AttentionRatio(None, None), not_judged=NO_REFERENCE)
 
 
 def test_report_is_json_serialisable_with_memory_and_bytes_by_scope():
@@ -329,7 +330,8 @@ def test_program_and_mesh_of_different_sizes_is_an_error():
 
 
 def matmul(name: str, op_name: str, m: int, k: int, n: int, count: int = 1) -> Matmul:
-    return Matmul(name, op_name, 1, m, k, n, "f32", 2 * m * k * n, 0, 0.0, None, count)
+    return Matmul(name=name, op_name=op_name, batch=1, m=m, k=k, n=n, dtype="f32", flops=2 * m * k * n, bytes=0,
+                  intensity=0.0, below_ridge=None, count=count)
 
 
 def test_matmul_key_unwraps_transposes_and_drops_jit_and_primitive():

@@ -78,7 +78,7 @@ def test_values_of_the_scan_slice_helpers_are_skipped():
     (((("xcd", 2),), ()), frozenset(), {"xcd": 2, "gpu": 1}),          # a sub-axis splits by its own size
 ])
 def test_split_counts_the_ways_a_value_is_divided_over_an_axis(dims, unreduced, expected):
-    value = ShardedValue("v", (8, 16), "f32", dims, unreduced)
+    value = ShardedValue(name="v", shape=(8, 16), dtype="f32", dims=dims, unreduced=unreduced)
     assert {axis: value.split(axis, {"xcd": 4, "gpu": 2}[axis]) for axis in expected} == expected
 
 

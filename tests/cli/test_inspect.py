@@ -358,7 +358,8 @@ def test_a_principle_not_judged_is_shown_so_and_inspect_exits_1_with_the_fix(tra
     reason = "gpu_tp, the reference of kernel shapes, cannot place the model: 'heads' of size 14 is not divisible"
     unjudged = dataclasses.replace(result, principles=dataclasses.replace(
         result.principles, shape_preservation=KernelVerdict(
-            None, (), (UnjudgedOp("dot.1", "no reference program"), UnjudgedOp("dot.2", "no reference program")),
+            ok=None, violations=(),
+            unjudged=(UnjudgedOp("dot.1", "no reference program"), UnjudgedOp("dot.2", "no reference program")),
             not_judged=reason)))
 
     def inspect_layouts(settings, topology, mesh, refused, cache):

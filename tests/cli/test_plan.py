@@ -194,10 +194,10 @@ def test_a_step_of_n_micro_batches_costs_n_micro_steps():
 
 
 def test_domination_needs_the_same_mesh_and_layout_and_no_more_of_either_cost():
-    kept = Candidate("starscream_tp", 1, 2, micro_batches=2, remat="none")
-    assert kept.dominates(Candidate("starscream_tp", 1, 2, micro_batches=4, remat="full"))
-    assert not kept.dominates(Candidate("starscream_tp", 1, 2, micro_batches=1, remat="full"))
-    assert not kept.dominates(Candidate("starscream_tp", 2, 1, micro_batches=4, remat="full"))
+    kept = Candidate(layout="starscream_tp", data=1, gpu=2, micro_batches=2, remat="none")
+    assert kept.dominates(Candidate(layout="starscream_tp", data=1, gpu=2, micro_batches=4, remat="full"))
+    assert not kept.dominates(Candidate(layout="starscream_tp", data=1, gpu=2, micro_batches=1, remat="full"))
+    assert not kept.dominates(Candidate(layout="starscream_tp", data=2, gpu=1, micro_batches=4, remat="full"))
     assert not kept.dominates(kept)
 
 

@@ -240,7 +240,7 @@ class FakeClient:
     platform_version: str = "PJRT C API\nrocm 70000"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FakeRocmDevice:
     """What the mesh builder reads of a JAX device on ROCm."""
 

@@ -125,7 +125,8 @@ def save_fresh_run(directory, mesh):
     with use_layout(config.layout, mesh):
         _, params, _, _, opt_state = initial_state(config, model_config, get_layout(config.layout), mesh)
     with CheckpointStore(directory) as store:
-        store.save(1, params, opt_state, run_description(config, model_config, mesh, 1), force=True)
+        store.save(1, params, opt_state, run_description(config, model_config, mesh, 1, layout=config.layout),
+                   force=True)
 
 
 def test_command_generates_from_a_checkpoint(tmp_path, generate_command):

@@ -338,5 +338,5 @@ def test_compiled_decode_over_an_8_bit_cache_on_a_gpu_matches_the_matmul_form(fo
                                                                                  kv_heads=8, head_dim=128)
     got = jax.jit(ops._decode_over_8_bit_cache)(q, k8, v8, k_scale, v_scale, positions_B1)
     q2, positions_B2 = jnp.concatenate([q, q], axis=1), jnp.concatenate([positions_B1, positions_B1], axis=1)
-    expected = jax.jit(ops._attention_over_8_bit_cache)(q2, k8, v8, k_scale, v_scale, positions_B2)[:, :1]
+    expected = jax.jit(ops.attention_over_8_bit_cache)(q2, k8, v8, k_scale, v_scale, positions_B2)[:, :1]
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32), rtol=2e-2, atol=2e-2)

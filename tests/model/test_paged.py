@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from starscream_jax.model.ops import AttentionOptions, _explicit_attention, visible_keys
+from starscream_jax.model.ops import AttentionOptions, explicit_attention, visible_keys
 from starscream_jax.model.paged import PagedLayer, _reads_in_place, paged_attention
 from starscream_jax.model.quantize import quantize_cache_entry
 
@@ -38,7 +38,8 @@ def _written_slots(before, after) -> list[tuple[int, int]]:
 def test_decode_writes_its_position_and_attends_to_the_row_prefix(kernel, dtype, tolerance):
     q, k, v, table, pages_k, pages_v = _inputs(dtype=dtype)
     positions = jnp.array([[9], [5]], jnp.int32)  # row 0 at its third page, slot 1; row 1 at its second, slot 1
-    out, layer = jax.jit(paged_attention)(q, k, v, positions, PagedLayer(pages_k, pages_v, table, kernel))
+    cache = PagedLayer(k=pages_k, v=pages_v, table=table, kernel=kernel)
+    out, layer = jax.jit(paged_attention)(q, k, v, positions, cache)
     np.testing.assert_allclose(layer.k[1, 1], k[0, 0])
     np.testing.assert_allclose(layer.v[2, 1], v[1, 0])
     assert _written_slots(pages_k, layer.k) == [(1, 1), (2, 1)]  # nothing else written
@@ -75,15 +76,15 @@ def test_gemma_2s_scaled_capped_windowed_attention_reads_the_pages_as_the_dense_
         width = positions.shape[1]
         q_, k_, v_ = (jnp.concatenate([x * (1.0 + i) for i in range(width)], axis=1) for x in (q, k, v))
         attend = jax.jit(lambda *a: paged_attention(*a, options=options, window=jnp.int32(3)))
-        out, layer = attend(q_, k_, v_, positions, PagedLayer(pages_k, pages_v, table, kernel))
+        out, layer = attend(q_, k_, v_, positions, PagedLayer(k=pages_k, v=pages_v, table=table, kernel=kernel))
         for row in range(2):
             last = int(positions[row, -1]) + 1
             keys, values = _dense(q, layer.k, table, row, last), _dense(q, layer.v, table, row, last)
             visible = visible_keys(positions[row:row + 1], jnp.arange(last)[None], 3)
-            expected = _explicit_attention(q_[row:row + 1], keys, values, visible, options)
+            expected = explicit_attention(q_[row:row + 1], keys, values, visible, options)
             np.testing.assert_allclose(out[row:row + 1], expected, rtol=2e-5, atol=2e-5)
         whole = jax.jit(lambda *a: paged_attention(*a, options=options))(
-            q_, k_, v_, positions, PagedLayer(pages_k, pages_v, table, kernel))[0]
+            q_, k_, v_, positions, PagedLayer(k=pages_k, v=pages_v, table=table, kernel=kernel))[0]
         assert np.abs(np.asarray(out) - np.asarray(whole)).max() > 1e-3  # the window bites
 
 
@@ -91,7 +92,7 @@ def test_padding_writes_only_the_null_page_and_prefill_is_causal():
     q, k, v, table, pages_k, pages_v = _inputs(1)
     q, k, v = (jnp.concatenate([x, x * 0.5, x * 2.0], axis=1) for x in (q, k, v))  # 3 positions per row
     positions = jnp.array([[4, 5, -1], [0, 1, 2]], jnp.int32)
-    out, layer = jax.jit(paged_attention)(q, k, v, positions, PagedLayer(pages_k, pages_v, table))
+    out, layer = jax.jit(paged_attention)(q, k, v, positions, PagedLayer(k=pages_k, v=pages_v, table=table))
     changed = set(_written_slots(pages_k, layer.k))
     assert changed == {(7, 0), (7, 1), (5, 0), (5, 1), (5, 2), (0, 0)}  # (0, 0): the padding, in the null page
     keys, values = _dense(q, layer.k, table, 1, 3), _dense(q, layer.v, table, 1, 3)
@@ -104,7 +105,7 @@ def test_an_8_bit_cache_stores_quantized_pages_and_attends_to_them_dequantized(k
     q, k, v, table, pages_k, pages_v = _inputs(2)
     (values_k, scales_k), (values_v, scales_v) = (quantize_cache_entry(pages, fmt) for pages in (pages_k, pages_v))
     positions = jnp.array([[9], [5]], jnp.int32)
-    cache = PagedLayer(values_k, values_v, table, kernel, scales_k, scales_v)
+    cache = PagedLayer(k=values_k, v=values_v, table=table, kernel=kernel, k_scale=scales_k, v_scale=scales_v)
     out, layer = jax.jit(paged_attention)(q, k, v, positions, cache)
     assert layer.k.dtype == jnp.dtype(fmt) and layer.k_scale.shape == (POOL, PAGE, K)
     keys_f, values_f = (pages.astype(jnp.float32) * scales[..., None]
@@ -120,11 +121,12 @@ def test_an_8_bit_cache_stores_quantized_pages_and_attends_to_them_dequantized(k
 
 def test_the_gather_path_copies_an_8_bit_cache_in_8_bits():
     """Decode over int8 pages by the gather kernel: the pages' gathers yield int8 rows [B, M, page, K, E] (the
-    scales applied to scores and probabilities, `ops._attention_over_8_bit_cache`), never dequantized float rows
+    scales applied to scores and probabilities, `ops.attention_over_8_bit_cache`), never dequantized float rows
     (the test above checks the output against the dequantized pages)."""
     q, k, v, table, pages_k, pages_v = _inputs(3)
     (values_k, scales_k), (values_v, scales_v) = (quantize_cache_entry(pages, "int8") for pages in (pages_k, pages_v))
-    cache = PagedLayer(values_k, values_v, table, "gather", scales_k, scales_v)
+    cache = PagedLayer(k=values_k, v=values_v, table=table, kernel="gather", k_scale=scales_k,
+                       v_scale=scales_v)
     positions = jnp.array([[9], [5]], jnp.int32)
     text = str(jax.make_jaxpr(paged_attention)(q, k, v, positions, cache))
     assert f"i8[2,4,{PAGE},{K},{E}]" in text and f"f32[2,4,{PAGE},{K},{E}]" not in text
@@ -137,7 +139,8 @@ def test_the_gather_path_decodes_8_bit_pages_on_the_decode_kernel_where_chosen(m
 
     q, k, v, table, pages_k, pages_v = _inputs(4)
     (values_k, scales_k), (values_v, scales_v) = (quantize_cache_entry(pages, "int8") for pages in (pages_k, pages_v))
-    cache = PagedLayer(values_k, values_v, table, "gather", scales_k, scales_v)
+    cache = PagedLayer(k=values_k, v=values_v, table=table, kernel="gather", k_scale=scales_k,
+                       v_scale=scales_v)
     positions = jnp.array([[9], [5]], jnp.int32)
     expected, _ = jax.jit(lambda *args: paged_attention(*args))(q, k, v, positions, cache)  # fresh: no cached trace
     monkeypatch.setattr(ops, "_eight_bit_decode_implementation", lambda *shape: "interpret")

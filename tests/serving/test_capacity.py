@@ -41,7 +41,7 @@ def test_no_room_is_refused_naming_the_flags():
 def test_pools_that_no_longer_fit_after_compiling_are_refused_with_the_pages_that_do():
     """What the programs took since the cache was sized comes out of the pools' share: refused before the
     allocation, naming --cache-pages with what fits now beside the reserve."""
-    size = capacity.CacheSize(100, "sized", pool_bytes_per_device=100 * GIB, reserve_bytes=2 * GIB)
+    size = capacity.CacheSize(pages_per_shard=100, why="sized", pool_bytes_per_device=100 * GIB, reserve_bytes=2 * GIB)
     capacity.check_room([Device(120 * GIB, 20 * GIB)], size)  # exactly room
     with pytest.raises(StarscreamError, match="--cache-pages 88 "):
         capacity.check_room([Device(120 * GIB, 30 * GIB)], size)

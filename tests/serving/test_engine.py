@@ -64,7 +64,7 @@ def test_gemma_2_and_routed_experts_serve_the_reference_tokens(family):
     expected, mesh = load_file(fixture / "reference.safetensors"), build_mesh("1x2x4")
     shards = cache_shards("starscream_decode", mesh)
     config = EngineConfig(page_size=4, pages_per_shard=40, rows_per_shard=ROWS // shards, token_budget=64, chunk=8,
-                          buckets=Buckets((ROWS // shards,), (8,), (16,)))
+                          buckets=Buckets(rows=(ROWS // shards,), positions=(8,), pages=(16,)))
     engine = Engine(load_hf_model(fixture, "starscream_tp", mesh), config, mesh, "starscream_tp", "starscream_decode")
     generated = expected["generated_ids"].tolist()
     prompts = [expected["prompt_ids"].tolist()] * 4

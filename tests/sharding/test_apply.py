@@ -31,7 +31,6 @@ from starscream_jax.sharding.apply import (
     active,
     amax,
     constrain,
-    create_sharded,
     einsum,
     jit,
     param,
@@ -41,6 +40,7 @@ from starscream_jax.sharding.apply import (
     use_layout,
     weight,
 )
+from starscream_jax.sharding.at_use import create_sharded
 from starscream_jax.sharding.layouts import LAYOUTS
 from starscream_jax.sharding.rules import resolve
 

@@ -7,8 +7,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from starscream_jax.hardware.mesh import auto_axes, build_mesh
-from starscream_jax.sharding.apply import create_sharded, use_layout
-from starscream_jax.sharding.at_use import ParamAtUse
+from starscream_jax.sharding.apply import use_layout
+from starscream_jax.sharding.at_use import ParamAtUse, create_sharded
 
 KERNEL = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp"))
 

@@ -35,17 +35,17 @@ def test_unigram_entropy_of_known_distributions():
 
 def test_batches_are_a_pure_function_of_seed_and_step():
     tokens = np.arange(1000, dtype=np.uint16) % 256
-    batches = data.TokenBatches(tokens.astype(np.uint8), batch_size=4, seq_len=16, seed=3)
-    twin = data.TokenBatches(tokens.astype(np.uint8), batch_size=4, seq_len=16, seed=3)
+    batches = data.TokenBatches(tokens=tokens.astype(np.uint8), batch_size=4, seq_len=16, seed=3)
+    twin = data.TokenBatches(tokens=tokens.astype(np.uint8), batch_size=4, seq_len=16, seed=3)
     assert np.array_equal(batches.block(5), twin.block(5))
     assert not np.array_equal(batches.block(5), batches.block(6))
-    other_seed = data.TokenBatches(tokens.astype(np.uint8), batch_size=4, seq_len=16, seed=4)
+    other_seed = data.TokenBatches(tokens=tokens.astype(np.uint8), batch_size=4, seq_len=16, seed=4)
     assert not np.array_equal(batches.block(5), other_seed.block(5))
 
 
 def test_rows_are_contiguous_windows_of_the_corpus():
     tokens = (np.arange(5000) % 251).astype(np.uint8)
-    batches = data.TokenBatches(tokens, batch_size=8, seq_len=32, seed=0)
+    batches = data.TokenBatches(tokens=tokens, batch_size=8, seq_len=32, seed=0)
     block = batches.block(2)
     assert block.shape == (8, 32) and block.dtype == np.int32
     for row, start in zip(block, batches.start_offsets(2)):
@@ -54,7 +54,7 @@ def test_rows_are_contiguous_windows_of_the_corpus():
 
 def test_block_slices_match_the_full_batch():
     tokens = (np.arange(3000) % 256).astype(np.uint8)
-    batches = data.TokenBatches(tokens, batch_size=8, seq_len=16, seed=1)
+    batches = data.TokenBatches(tokens=tokens, batch_size=8, seq_len=16, seed=1)
     full = batches.block(9)
     assert np.array_equal(batches.block(9, (slice(2, 6), slice(4, 12))), full[2:6, 4:12])
 
@@ -63,7 +63,7 @@ def test_global_batch_is_placed_with_the_requested_sharding():
     mesh = jax.make_mesh((2, 4), ("gpu", "xcd"), devices=jax.devices()[:8])
     sharding = NamedSharding(mesh, P("xcd", "gpu"))
     tokens = data.load_corpus()[:20_000]
-    batches = data.TokenBatches(tokens, batch_size=8, seq_len=32, seed=0)
+    batches = data.TokenBatches(tokens=tokens, batch_size=8, seq_len=32, seed=0)
     batch = batches.global_batch(4, sharding)
     assert batch.shape == (8, 32) and batch.sharding == sharding
     assert batch.addressable_shards[0].data.shape == (2, 16)
@@ -72,4 +72,4 @@ def test_global_batch_is_placed_with_the_requested_sharding():
 
 def test_window_longer_than_the_corpus_is_refused():
     with pytest.raises(StarscreamError, match="--seq-len"):
-        data.TokenBatches(np.zeros(10, dtype=np.uint8), batch_size=2, seq_len=10, seed=0)
+        data.TokenBatches(tokens=np.zeros(10, dtype=np.uint8), batch_size=2, seq_len=10, seed=0)

@@ -44,7 +44,7 @@ def _batches(steps: int, rows: int = 8, length: int = 32) -> list[jax.Array]:
     return [jnp.asarray(np.stack([data[s:s + length + 1] for s in row]).astype(np.int32)) for row in starts]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Run:
     losses: list[float]
     params: object
@@ -68,7 +68,7 @@ def _train(config, batches, layout: str | None = None, mesh=None) -> Run:
     for tokens in batches:
         params, opt_state, loss = step(params, opt_state, rest, place(tokens))
         losses.append(float(loss))
-    return Run(losses, params, lowered, step, mesh)
+    return Run(losses=losses, params=params, lowered=lowered, compiled=step, mesh=mesh)
 
 
 @pytest.fixture(scope="module")

@@ -364,3 +364,12 @@ def test_overwrite_starts_afresh_over_an_earlier_runs_metrics_and_contradicts_re
     (run / "metrics.jsonl").write_text("")  # an empty metrics file holds nothing to lose
     with pytest.raises(Compiling):
         quiet_train(small_run(tmp_path, "run"), one_device)
+
+
+def test_a_run_names_the_layout_fitted_to_its_batch_beside_the_one_asked_for():
+    """Two sequences per step over four partitions: the run trains under starscream_tp+seq and prints both names;
+    where fitting changes nothing, the one name alone."""
+    config = dataclasses.replace(SMALL, batch_size=2, layout="starscream_tp")
+    fitted = loop.fitted_layout(config, build_mesh("1x2x4")).name
+    assert loop.layout_label(fitted, config.layout) == "starscream_tp+seq (asked: starscream_tp)"
+    assert loop.layout_label("starscream_tp", "starscream_tp") == "starscream_tp"
