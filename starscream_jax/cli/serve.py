@@ -374,8 +374,14 @@ def start_line(engine, name: str, source, mesh, args) -> str:
             f"  limits: {engine.config.rows_per_shard * engine.shards} sequences, context {engine.context}, "
             f"{engine.config.token_budget} tokens per step, prompt chunks of {engine.config.chunk}\n"
             f"  programs: decode rows per shard {list(buckets.rows)}, prefill rows {list(buckets.rows_of('prefill'))}"
-            f" x {list(buckets.positions)} positions, pages per row {list(buckets.pages)}: "
-            f"{buckets.programs()} in all")
+            f" x {list(buckets.positions)} positions, pages per row {_pages_line(buckets)}: "
+            f"{buckets.programs()} in all; paged decode attention: {engine.kernel}")
+
+
+def _pages_line(buckets) -> str:
+    """The page buckets, decode's apart where they differ (a kernel reading the pages in place needs one)."""
+    decode, prefill = list(buckets.pages_of("decode")), list(buckets.pages)
+    return str(prefill) if decode == prefill else f"{decode} in decode, {prefill} in prefill"
 
 
 def warm_up(engine, show: bool) -> float:

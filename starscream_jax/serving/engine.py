@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import StarscreamError
 from ..hardware.backend import policy_of
-from ..model.decoder import split_layer_weights
+from ..model.decoder import attention_options, split_layer_weights
 from ..model.paged import KERNELS, PAGES, SCALES, init_page_scales, init_pages, pool_shape
 from ..model.quantize import held_as_read
 from ..sharding.apply import Placement, activation_spec, jit, param_shardings, use_layout
@@ -214,8 +214,11 @@ class Engine:
         self.max_model_len = config.max_model_len or c.max_seq_len
         max_pages = math.ceil(self.max_model_len / config.page_size)
         prefill_rows = min(config.rows_per_shard, math.ceil(config.token_budget / config.chunk))
+        self.kernel = _paged_kernel(config.kernel, mesh)
+        reads_in_place = self.kernel == "cudnn" and not self.kv_format and attention_options(c) is None
         self.buckets = dataclasses.replace(config.buckets or Buckets.for_limits(
-            config.rows_per_shard, config.chunk, max_pages, prefill_rows), scored=config.prompt_logprobs)
+            config.rows_per_shard, config.chunk, max_pages, prefill_rows, reads_in_place),
+            scored=config.prompt_logprobs)
         _check_buckets(self.buckets, config)
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         params = held_as_read(params, c.dtype)  # float weights in the compute dtype, 8-bit ones as stored
@@ -228,7 +231,6 @@ class Engine:
             rows_per_shard=config.rows_per_shard, token_budget=config.token_budget, chunk=config.chunk,
             prefix_caching=config.prefix_caching, prefill_rows=self.buckets.rows_of("prefill")[-1]))
         self._pages = None  # allocated after the warm-up: XLA's autotuning wants free device memory to compile
-        self.kernel = _paged_kernel(config.kernel, mesh)
         self._steps = {phase: paged_step(self.graphdef, self.kernel, decode=phase == "decode",
                                          under=None if mesh is None else Placement(self.layouts[phase], mesh))
                        for phase in ("prefill", "decode")}
@@ -768,7 +770,8 @@ class Engine:
         rows = Buckets.round_up(max(len(group) for group in by_shard), self.buckets.rows_of(phase), "rows per shard")
         width = 1 if phase == "decode" else Buckets.round_up(max(c.count for c in chunks), self.buckets.positions,
                                                              "prompt positions")
-        pages = Buckets.round_up(max(len(c.sequence.pages) for c in chunks), self.buckets.pages, "pages per row")
+        pages = Buckets.round_up(max(len(c.sequence.pages) for c in chunks), self.buckets.pages_of(phase),
+                                 "pages per row")
         inputs = StepInputs.zeros(rows * self.shards, width, pages, phase == "scored")
         sampling = inputs.sampling
         row_of, masked = {}, []

@@ -402,22 +402,28 @@ class Buckets:
     pages: tuple[int, ...]
     prefill_rows: tuple[int, ...] | None = None  # None: as `rows`
     scored: bool = False
+    decode_pages: tuple[int, ...] | None = None  # None: as `pages`
 
     @classmethod
-    def for_limits(cls, rows: int, chunk: int, pages: int, prefill_rows: int) -> Buckets:
+    def for_limits(cls, rows: int, chunk: int, pages: int, prefill_rows: int, reads_in_place: bool = False) -> Buckets:
         """Few buckets, where padding costs little: decode rows of a sixteenth, a quarter and all of `rows` (a
         decode step reads every weight whatever its rows, so padding rows is nearly free); prefill steps of one
         chunk or of `prefill_rows` chunks, each padded to `chunk` positions; pages per row in four halvings from
-        `pages` (the gather kernel reads every page of the padded table, so pages keep finer steps)."""
+        `pages` (gathering copies every page of the padded table, so pages keep finer steps), except in decode
+        where its attention `reads_in_place` (cuDNN's paged kernel reads a row's visible positions only, whatever
+        the table's width: one decode bucket of pages, and fewer programs to compile at start)."""
         return cls(rows=_steps_down(rows, 4, 3), positions=(chunk,), pages=_steps_down(pages, 2, 4),
-                   prefill_rows=tuple(sorted({1, prefill_rows})))
+                   prefill_rows=tuple(sorted({1, prefill_rows})), decode_pages=(pages,) if reads_in_place else None)
 
     def rows_of(self, phase: str) -> tuple[int, ...]:
         return (self.prefill_rows or self.rows) if LAYOUT_OF[phase] == "prefill" else self.rows
 
+    def pages_of(self, phase: str) -> tuple[int, ...]:
+        return self.pages if LAYOUT_OF[phase] == "prefill" else (self.decode_pages or self.pages)
+
     def shapes(self) -> list[tuple[str, int, int, int]]:
         """Every (phase, rows per shard, positions per row, pages per row) a server may run, decode first."""
-        decode = [("decode", rows, 1, pages) for pages in self.pages for rows in self.rows]
+        decode = [("decode", rows, 1, pages) for pages in self.pages_of("decode") for rows in self.rows]
         prefill = [(phase, rows, positions, pages) for phase in ("prefill", "scored")[:1 + self.scored]
                    for pages in self.pages for rows in self.rows_of("prefill") for positions in self.positions]
         return decode + prefill

@@ -22,6 +22,7 @@ from starscream_jax.serving.sampling import (
     write_masks,
 )
 from starscream_jax.serving.steps import (
+    Buckets,
     PackedInputs,
     PromptScores,
     RowSampling,
@@ -288,3 +289,14 @@ def test_a_scored_prefill_packs_its_following_tokens_and_returns_its_scores_afte
     np.testing.assert_array_equal(Sampled.unpacked(outputs).token, np.arange(4))
     for want, got in zip(jax.tree.leaves(scores), jax.tree.leaves(PromptScores.unpacked(outputs, 3))):
         np.testing.assert_array_equal(got, np.asarray(want))
+
+
+def test_decode_reading_pages_in_place_takes_one_bucket_of_pages():
+    """cuDNN's paged kernel reads a row's visible positions whatever the table's width: decode compiles the widest
+    table only, prefill (which gathers) keeps its halvings."""
+    gathering = Buckets.for_limits(rows=64, chunk=512, pages=512, prefill_rows=4)
+    in_place = Buckets.for_limits(rows=64, chunk=512, pages=512, prefill_rows=4, reads_in_place=True)
+    assert gathering.pages_of("decode") == gathering.pages_of("prefill") == (64, 128, 256, 512)
+    assert in_place.pages_of("decode") == (512,) and in_place.pages_of("prefill") == (64, 128, 256, 512)
+    assert {shape[3] for shape in in_place.shapes() if shape[0] == "decode"} == {512}
+    assert (gathering.programs(), in_place.programs()) == (20, 11)
