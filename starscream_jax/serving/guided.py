@@ -57,19 +57,26 @@ def allowed_bits(token_ids, vocab: int) -> np.ndarray:
     return words.view(np.int32)
 
 
+def _json_object(value, field: str, what: str, fix: str) -> dict:
+    """`value` as a JSON object: a dict as given, or one parsed from its JSON text; StarscreamError naming `field`,
+    `what` was wrong and the `fix` otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as err:
+            raise StarscreamError(f"{field}: {what} is not JSON ({err}); {fix}") from None
+    if not isinstance(value, dict):
+        raise StarscreamError(f"{field}: {what} is a {type(value).__name__}; {fix}")
+    return value
+
+
 def json_schema_grammar(schema, field: str, strict: bool = False, whitespace: str | None = None,
                         flexible: bool = False) -> Grammar:
     """The grammar of JSON text that validates against `schema` (a dict, or its JSON text). `strict` (OpenAI's
     json_schema.strict): an object schema that does not say otherwise takes no properties beyond its own, as
     OpenAI's strict mode requires. `whitespace`: a regular expression of the whitespace allowed between tokens;
     `flexible`: any whitespace; else compact (`COMPACT_JSON`)."""
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError as err:
-            raise StarscreamError(f"{field}: the schema is not JSON ({err}); send a JSON schema object") from None
-    if not isinstance(schema, dict):
-        raise StarscreamError(f"{field}: the schema is a {type(schema).__name__}; send a JSON schema object")
+    schema = _json_object(schema, field, "the schema", "send a JSON schema object")
     if strict:
         schema = closed_objects(schema)
     options = {"whitespace_flexible": True, "whitespace_pattern": whitespace} if whitespace else \
@@ -123,13 +130,7 @@ def structural_tag_grammar(spec, field: str) -> Grammar:
     text): free text in which, wherever a trigger is written, one of the structures follows whole: its `begin`
     (which starts with that trigger), JSON that validates against its `schema` (compact, `COMPACT_JSON`; no
     schema: any JSON), then its `end`; llguidance's lazy lexemes (`StructTag`) build it."""
-    if isinstance(spec, str):
-        try:
-            spec = json.loads(spec)
-        except ValueError as err:
-            raise StarscreamError(f"{field}: the structural tag is not JSON ({err})") from None
-    if not isinstance(spec, dict):
-        raise StarscreamError(f"{field}: the structural tag must be an object with structures and triggers")
+    spec = _json_object(spec, field, "the structural tag", "send an object with structures and triggers")
     if "format" in spec:
         raise StarscreamError(f"{field}: the structural tag's \"format\" form is not supported; give structures and "
                               "triggers")
