@@ -35,6 +35,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..checks import writable_directory
+from ..hardware.backend import policy_of
 from ..errors import StarscreamError
 from ..inference.generate import generation_cache_length
 from ..model.config import ModelConfig
@@ -207,7 +208,8 @@ def step_program(settings: Settings, layout: Layout, mesh, config: ModelConfig |
     config = config or settings.config
     if settings.paged:
         graphdef, args = abstract_paged_args(config, layout, mesh, settings.batch, settings.cache)
-        return paged_step(graphdef, under=Placement(layout, mesh)), args
+        kernel = policy_of(mesh.devices.flat[0]).paged_attention  # the engine's choice on this backend
+        return paged_step(graphdef, kernel, under=Placement(layout, mesh)), args
     if settings.cache < settings.seq:
         raise StarscreamError(f"a KV cache of {settings.cache} positions cannot hold {settings.seq} tokens; give "
                               f"cache_length {settings.seq} or more")
