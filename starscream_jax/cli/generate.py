@@ -1,5 +1,7 @@
 """`starscream generate`: text from a training checkpoint or a Hugging Face model directory (loaded by
-`inference.loading`), prefilled under one layout and decoded under another (`starscream_jax.inference.generate`), with
+`inference.loading`), prefilled under one layout and decoded under another, on the serving engine
+(`inference.served`; fewer samples than the decode layout's cache shards: the static path's split-K decode,
+`inference.generate`), with
 the model's tokenizer (bytes for the demo's runs), stopping at any of its EOS ids (`eos_ids`: tokenizer_config.json's,
 generation_config.json's and config.json's)."""
 from __future__ import annotations
@@ -12,6 +14,7 @@ from ..hardware.distributed import is_main_process
 from ..hardware.presets import Chip
 from ..inference.generate import generate, stop_ids_of
 from ..inference.loading import LoadRequest, load_for_inference
+from ..inference.served import generate_served, uses_engine
 from ..training.steps import Sampling
 from .arguments import (
     MODEL_SOURCE_EXCLUSIVE,
@@ -63,16 +66,26 @@ def run(args: argparse.Namespace) -> int:
     samples = args.samples
     prompt_tokens = tokenizer.encode(args.prompt)
     prompt = np.tile(prompt_tokens, (samples, 1))
-    result = generate(model, prompt, args.max_new_tokens, sampling, mesh, args.prefill_layout, args.decode_layout,
-                      stop_token=tokenizer.eos_ids)
+    layouts = (args.prefill_layout, args.decode_layout)
+    if uses_engine(samples, mesh, args.decode_layout):
+        served = generate_served(model, prompt, args.max_new_tokens, sampling, mesh, *layouts,
+                                 stop_token=tokenizer.eos_ids)
+        tokens, footer = served.tokens, (
+            f"served by the engine: {served.generated} new tokens in {served.seconds:.2f} s, "
+            f"{served.tokens_per_s:,.0f} tokens/s ({served.programs} programs compiled before; paged decode attention "
+            f"{served.kernel})")
+    else:  # fewer samples than cache shards: the prompt split over the partitions, decoded split-K
+        result = generate(model, prompt, args.max_new_tokens, sampling, mesh, *layouts, stop_token=tokenizer.eos_ids)
+        tokens, footer = result.tokens, (
+            f"prefill {result.prefill_tokens_per_s:,.0f} tokens/s, decode {result.decode_tokens_per_s:,.0f} tokens/s "
+            f"({samples} x {result.tokens.shape[1]} new tokens; split-K decode: fewer samples than cache shards)")
     echo(f"{model.config.name} from {source} on mesh {dict(mesh.shape)}; prefill {args.prefill_layout}, decode "
          f"{args.decode_layout}")
-    shown_rows = result.tokens[:1] if args.greedy else result.tokens  # greedy rows are all the same
+    shown_rows = tokens[:1] if args.greedy else tokens  # greedy rows are all the same
     for index, row in enumerate(shown_rows):
         echo(f"--- sample {index}")
         echo(tokenizer.decode(np.concatenate([prompt_tokens, until_stop(row, tokenizer.eos_ids)])))
-    echo(f"prefill {result.prefill_tokens_per_s:,.0f} tokens/s, decode {result.decode_tokens_per_s:,.0f} tokens/s "
-         f"({samples} x {result.tokens.shape[1]} new tokens)")
+    echo(footer)
     return 0
 
 

@@ -1,0 +1,44 @@
+"""Generation on the serving engine: the static path's greedy tokens, rows that stop early padded with their stop
+id, and the static path kept where fewer rows than cache shards would leave partitions idle."""
+import numpy as np
+import pytest
+from flax import nnx
+
+from starscream_jax.hardware.mesh import build_mesh
+from starscream_jax.inference.generate import generate
+from starscream_jax.inference.served import engine_config, generate_served, uses_engine
+from starscream_jax.model.catalog import load_model_config
+from starscream_jax.model.decoder import Transformer
+from starscream_jax.text import byte_level
+from starscream_jax.training.steps import Sampling
+
+PROMPT = np.stack([byte_level.encode("ROMEO:"), byte_level.encode("JULIET")])
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer(load_model_config("tiny"), rngs=nnx.Rngs(7))
+
+
+def test_the_engine_generates_the_static_paths_greedy_tokens_and_stops_rows_apart(model):
+    static = generate(model, PROMPT, 8, Sampling()).tokens
+    served = generate_served(model, PROMPT, 8, Sampling(), None, "starscream_tp", "starscream_decode")
+    np.testing.assert_array_equal(served.tokens, static)
+    assert served.generated == static.size and served.programs == 2 and served.kernel == "gather"
+    stop = int(static[0, 2])  # row 0 ends at its third token; row 1 runs on unless it meets the same id
+    stopped = generate_served(model, PROMPT, 8, Sampling(), None, "starscream_tp", "starscream_decode", stop)
+    ends = [list(row).index(stop) if stop in row else len(row) for row in static]
+    kept = [min(end + 1, 8) for end in ends]  # the tokens up to and with the stop id
+    for index, count in enumerate(kept):
+        np.testing.assert_array_equal(stopped.tokens[index, :count], static[index, :count])
+        assert set(stopped.tokens[index, count:]) <= {stop}  # padded with the stop id
+    assert stopped.generated == sum(kept)
+
+
+def test_fewer_rows_than_cache_shards_keep_the_split_k_path():
+    mesh = build_mesh("1x2x4")  # starscream_decode splits the attention batch over 4 partitions
+    assert uses_engine(4, mesh, "starscream_decode") and not uses_engine(3, mesh, "starscream_decode")
+    assert uses_engine(1, None, "starscream_decode")
+    config = engine_config(6, 700, 100, mesh, "starscream_decode")
+    assert (config.rows_per_shard, config.chunk, config.max_model_len) == (2, 512, 800)
+    assert config.buckets.pages == (50,) and config.pages_per_shard == 2 * 50 + 1
