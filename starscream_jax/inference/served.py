@@ -16,6 +16,7 @@ import math
 import time
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 from ..serving.engine import Engine, EngineConfig
@@ -50,7 +51,11 @@ class ServedGeneration:
 
 def uses_engine(batch: int, mesh, decode_layout) -> bool:
     """Whether `starscream generate` runs a batch of `batch` rows on the engine: every cache shard of the decode
-    layout holds a row (else the static path's split-K decode keeps every partition busy)."""
+    layout holds a row (else the static path's split-K decode keeps every partition busy), in one process (a mesh
+    spanning processes runs the engine as a server's leader and followers, `serving.multihost`, which a one-shot
+    generation does not set up: it takes the static path, which every process runs alike)."""
+    if jax.process_count() > 1:
+        return False
     return mesh is None or batch >= cache_shards(decode_layout, mesh)
 
 
