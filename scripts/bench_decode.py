@@ -52,6 +52,9 @@ GEMM_WEIGHT = (4096, 14336)
 """Shape of each weight of the GEMM read pass: Llama 3 8B's gate projection, the largest of its decode's reads."""
 GEMM_ROWS = 8
 """Token rows of the GEMM read pass: the rows XLA pads a decode GEMM to on the tensor cores."""
+ATTENTION_ROWS, ATTENTION_HEADS, ATTENTION_KV_HEADS, ATTENTION_HEAD_DIM = 64, 32, 8, 128
+"""The attention read pass: one query per row over a cache of as many positions as fill the array, Llama 3 8B's
+heads (decode attention at batch 64, which reads at the HBM rate on an H200: benchmarks/NOTES.md run 39)."""
 WARM_SECONDS = 0.5
 """How long each bandwidth pass runs before it is timed: the first GPU work of the process finds the clocks at idle
 (an H200 reads 345 MHz before work, 1980 MHz under it), which a few milliseconds of timed calls would measure."""
@@ -64,9 +67,11 @@ def measured_bandwidth(gigabytes: float, repeats: int = 10, warm_seconds: float 
     "read_gemv", one row times the array held as a [elements / READ_ROW, READ_ROW] weight, and "read_gemm",
     GEMM_ROWS rows times each of as many separate GEMM_WEIGHT weights as fill `gigabytes`, compiled with the
     backend's decode options (`BackendPolicy.decode_compiler_options`): how a decode step reads its weights, one
-    GEMM per projection, each weight its own buffer. "read" is the fastest: the ceiling benchmarks divide by (a
-    single sum's last reduction stages leave most of the chip idle, and a GEMV of one huge weight splits its
-    reduction poorly: on an H200 both read near 2.2 TB/s where decode's GEMMs read 3.8)."""
+    GEMM per projection, each weight its own buffer; "read_attention", decode attention (`ops.fused_attention`:
+    cuDNN's on NVIDIA GPUs) of ATTENTION_ROWS queries over the array held as their keys and values, as a decode step
+    reads its cache. "read" is the fastest: the ceiling benchmarks divide by (a single sum's last reduction stages
+    leave most of the chip idle, and a GEMV of one huge weight splits its reduction poorly: on an H200 both read
+    near 2.2 TB/s, where cuDNN's decode attention reads 4.0)."""
     import jax
     import jax.numpy as jnp
 
@@ -82,7 +87,10 @@ def measured_bandwidth(gigabytes: float, repeats: int = 10, warm_seconds: float 
               ("read_gemv", jax.jit(lambda x: row @ x.reshape(-1, READ_ROW)), x.nbytes)]
     for name, step, moved in passes:
         rates[name] = _median_rate(step, (x,), moved, repeats, warm_seconds)
+    attend, arguments, moved = attention_read_pass(x)
     del x
+    rates["read_attention"] = _median_rate(attend, arguments, moved, repeats, warm_seconds)
+    del arguments
     K, N = GEMM_WEIGHT[0], max(1, min(GEMM_WEIGHT[1], elements // GEMM_WEIGHT[0]))  # a small run: one narrower
     weights = [jax.random.normal(jax.random.key(n), (K, N), jnp.bfloat16) for n in range(max(1, elements // (K * N)))]
     rows = jnp.ones((GEMM_ROWS, K), jnp.bfloat16)
@@ -90,8 +98,29 @@ def measured_bandwidth(gigabytes: float, repeats: int = 10, warm_seconds: float 
     gemms = jax.jit(lambda rows, weights: [rows @ w for w in weights], compiler_options=options)
     rates["read_gemm"] = _median_rate(gemms, (rows, weights), sum(w.nbytes for w in weights), repeats,
                                       warm_seconds)
-    rates["read"] = max(rates["read_sum"], rates["read_rows"], rates["read_gemv"], rates["read_gemm"])
+    rates["read"] = max(rates[name] for name in ("read_sum", "read_rows", "read_gemv", "read_gemm", "read_attention"))
     return rates
+
+
+def attention_read_pass(x) -> tuple:
+    """(the jitted pass, its arguments, the bytes it reads) of "read_attention": the values of `x` (a flat bfloat16
+    array) as the keys and values [ATTENTION_ROWS, T, ATTENTION_KV_HEADS, ATTENTION_HEAD_DIM] each (T as many
+    positions as fit; copied into arrays of their own before the clock, so the kernel reads them in place), every
+    position visible to its row's one query."""
+    import jax
+    import jax.numpy as jnp
+
+    from starscream_jax.model.ops import fused_attention
+
+    per_position = ATTENTION_ROWS * ATTENTION_KV_HEADS * ATTENTION_HEAD_DIM
+    positions = max(1, x.size // (2 * per_position))
+    shape = (ATTENTION_ROWS, positions, ATTENTION_KV_HEADS, ATTENTION_HEAD_DIM)
+    count = per_position * positions
+    keys, values = x[:count].reshape(shape), x[count:2 * count].reshape(shape)
+    q = jnp.ones((ATTENTION_ROWS, 1, ATTENTION_HEADS, ATTENTION_HEAD_DIM), jnp.bfloat16)
+    lengths = jnp.full((ATTENTION_ROWS,), positions, jnp.int32)
+    attend = jax.jit(lambda q, keys, values: fused_attention(q, keys, values, key_value_seq_lengths=lengths))
+    return attend, (q, keys, values), 2 * count * 2
 
 
 def _median_rate(step, args: tuple, moved: int, repeats: int, warm_seconds: float) -> float:
@@ -318,7 +347,6 @@ def main(argv=None) -> int:
     # Before JAX starts: torch, if its peer runs, must find GPU memory that JAX has not reserved.
     peers, skipped = harness.torch_peers(args.torch_device) if args.torch and not args.quick else (
         None, "PyTorch peer skipped: " + ("--quick" if args.quick else "--no-torch"))
-    import jax
     import jax.numpy as jnp
     from flax import nnx
 
@@ -339,6 +367,7 @@ def main(argv=None) -> int:
             "copy_bandwidth_bytes_per_s": copy, "read_bandwidth_bytes_per_s": measured["read"],
             "read_sum_bytes_per_s": measured["read_sum"], "read_rows_bytes_per_s": measured["read_rows"],
             "read_gemv_bytes_per_s": measured["read_gemv"], "read_gemm_bytes_per_s": measured["read_gemm"],
+            "read_attention_bytes_per_s": measured["read_attention"],
             "decode_attention_relative_error": check_decode_attention(*QUICK_ATTENTION_CHECK if args.quick else ()),
             "warmup": args.warmup, "steps": args.steps, **info.as_dict()}
     print(f"{config.name} decode under {args.layout} on {devices} x {info.device_kind}, jax {info.jax}; "

@@ -222,8 +222,8 @@ def transformers_peer(config, prompts, outputs) -> dict:
 
 def measured_read_rate() -> float:
     """Bytes per second of the fastest read of 4 GiB of bfloat16 values (scripts/bench_decode.py's
-    `measured_bandwidth`: a sum, row sums, a GEMV, or GEMMs of a few rows over separate weights as decode reads
-    them)."""
+    `measured_bandwidth`: a sum, row sums, a GEMV, GEMMs of a few rows over separate weights as decode reads them,
+    or decode attention over the array as a KV cache)."""
     spec = importlib.util.spec_from_file_location("bench_decode", Path(__file__).with_name("bench_decode.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
