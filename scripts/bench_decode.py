@@ -157,7 +157,7 @@ def bytes_read_per_step(params, config, batch: int, cache_length: int) -> dict:
     """{"weights", "kv_cache"}: bytes one decode step must read (see the module docstring)."""
     import jax
 
-    from starscream_jax.model.decoder import cache_entries
+    from starscream_jax.model.dense_cache import cache_entries
     from starscream_jax.sharding.apply import LOGICAL_AXES
 
     weights = 0
@@ -166,7 +166,7 @@ def bytes_read_per_step(params, config, batch: int, cache_length: int) -> dict:
         names = variable.get_metadata(LOGICAL_AXES)
         if names == ("vocab", "embed") and not config.tie_embeddings:
             weights += batch * value.shape[1] * value.dtype.itemsize  # only the looked-up rows
-        else:  # a weight held per layer (decoder.split_layer_weights) is a tuple of arrays
+        else:  # a weight held per layer (layer_weights.split_layer_weights) is a tuple of arrays
             weights += sum(part.nbytes for part in jax.tree.leaves(value))
     cache = sum(entry.size * entry.dtype.itemsize
                 for entry in cache_entries(config.replace(dtype="bfloat16"), batch, cache_length).values())
@@ -180,8 +180,9 @@ def run_batch(graphdef, params, rest, config, layout: str, mesh, batch: int, cac
     import jax
     import jax.numpy as jnp
 
-    from starscream_jax.model.decoder import (cache_entries, cache_shardings, decode_holds_cache_per_layer, split_cache,
-                                              split_layer_weights)
+    from starscream_jax.model.decoder import decode_holds_cache_per_layer
+    from starscream_jax.model.dense_cache import cache_entries, cache_shardings, split_cache
+    from starscream_jax.model.layer_weights import split_layer_weights
     from starscream_jax.sharding.apply import Placement, token_sharding, use_layout
     from starscream_jax.training.steps import Sampling, decode_step
 

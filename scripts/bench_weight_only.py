@@ -1,7 +1,7 @@
 """Decode's projections with 8-bit weights, one at a time: the library's weight-only kernel (model/weight_only.py)
-against XLA's path as decode ran it before (a GEMM of the weights converted to bfloat16, `decoder._project` with
+against XLA's path as decode ran it before (a GEMM of the weights converted to bfloat16, `projections.project` with
 eight_bit_matmul "xla", compiled with the 8-bit decode options) and against the bfloat16 GEMM of the same shape
-(`decoder._project` of bfloat16 weights, decode's options: cuBLAS, one-row projections padded as decode pads them).
+(`projections.project` of bfloat16 weights, decode's options: cuBLAS, one-row projections padded as decode pads them).
 
 Shapes: each projection of the model's layer as x [M, K] @ W [K, N] (Llama 3 8B: q and o 4096 x 4096, k and v 4096 x
 1024, gate and up 4096 x 14336, down 14336 x 4096) at M = 1 and 64 rows (decode's batches), int8 and fp8 e4m3 weights
@@ -74,7 +74,7 @@ def programs(config, K: int, N: int, rows: int, format_name: str, copies: int, i
     import jax.numpy as jnp
 
     from starscream_jax.hardware.backend import policy_of
-    from starscream_jax.model import decoder
+    from starscream_jax.model import projections as model_projections
     from starscream_jax.model.quantize import Scaled, quantize
     from starscream_jax.model.weight_only import weight_only_matmul
     from starscream_jax.training.steps import EIGHT_BIT_DECODE_OPTIONS
@@ -93,7 +93,7 @@ def programs(config, K: int, N: int, rows: int, format_name: str, copies: int, i
     out = ("batch", "seq", "mlp")
 
     def project(x, weights):
-        return [decoder._project("bench", "bsd,df->bsf", x, w, out, xla_config) for w in weights]
+        return [model_projections.project("bench", "bsd,df->bsf", x, w, out, xla_config) for w in weights]
 
     def kernel(blocks):
         def run(x, weights):
@@ -152,7 +152,7 @@ def layer_function(name: str, implementation: str, config, blocks=None):
     """f(x_by_input, layers) -> outputs of every projection of every layer, as `name` (LAYER_IMPLEMENTATIONS, or
     "grouped ..." with `blocks`) runs them. x_by_input: {group's first projection: x [M, K]}; layers:
     [{projection: Scaled or bf16 [K, N]}]."""
-    from starscream_jax.model import decoder
+    from starscream_jax.model import projections as model_projections
     from starscream_jax.model.weight_only import weight_only_matmul
     from starscream_jax.model.weight_only_group import grouped_weight_only_matmul
 
@@ -169,8 +169,8 @@ def layer_function(name: str, implementation: str, config, blocks=None):
                 elif name == "kernel":
                     outputs += [weight_only_matmul(x, *weights[p], implementation) for p in group]
                 else:
-                    outputs += [decoder._project("bench", "bsd,df->bsf", x[:, None], weights[p],
-                                                 ("batch", "seq", "mlp"), xla_config)[:, 0] for p in group]
+                    outputs += [model_projections.project("bench", "bsd,df->bsf", x[:, None], weights[p],
+                                                          ("batch", "seq", "mlp"), xla_config)[:, 0] for p in group]
         return outputs
 
     return run

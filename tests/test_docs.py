@@ -79,7 +79,7 @@ def owner(head: str) -> str | None:
 
 
 def resolve(name: str):
-    """The package's object that `name` (`decoder.split_cache`, `ModelConfig.scan_unroll`) names, None when its head
+    """The package's object that `name` (`dense_cache.split_cache`, `ModelConfig.scan_unroll`) names, None when its head
     names no module or class of the package (another library's names, say); AttributeError when the rest is gone."""
     parts = name.split(".")
     for split in range(len(parts), 0, -1):
@@ -128,7 +128,7 @@ def test_the_readme_lists_every_subcommand():
 
 
 def test_every_name_the_docs_give_the_code_exists():
-    """Names in the docs that point into the package (`decoder.split_cache`, `hardware.backend.CUDA`) name
+    """Names in the docs that point into the package (`dense_cache.split_cache`, `hardware.backend.CUDA`) name
     what is there; benchmarks/NOTES.md is history and keeps the names of its day, as do the rendered tables' notes."""
     missing = []
     for page in PAGES[:-1]:
@@ -183,14 +183,14 @@ def test_a_broken_link_is_found(tmp_path):
 
 
 def test_a_name_is_resolved_in_the_package_or_left_alone():
-    from starscream_jax.model import decoder
+    from starscream_jax.model import dense_cache
 
-    assert resolve("decoder.split_cache") is decoder.split_cache
-    assert resolve("model.decoder.split_cache") is decoder.split_cache
+    assert resolve("dense_cache.split_cache") is dense_cache.split_cache
+    assert resolve("model.dense_cache.split_cache") is dense_cache.split_cache
     assert resolve("ModelConfig.scan_unroll") is not None
     assert resolve("jax.shard_map") is None
     with pytest.raises(AttributeError):
-        resolve("decoder.no_such_function")
+        resolve("dense_cache.no_such_function")
 
 
 def test_the_readme_quickstart_runs_and_passes_the_principles():

@@ -21,7 +21,8 @@ from starscream_jax.analysis.report import inspect_compiled, matmul_key
 from starscream_jax.errors import TopologyError
 from starscream_jax.hardware.mesh import build_mesh, build_topology_mesh, device_table, resolve_topology
 from starscream_jax.model.catalog import load_model_config
-from starscream_jax.model.decoder import create_sharded_model, init_cache, next_token_loss
+from starscream_jax.model.decoder import create_sharded_model, next_token_loss
+from starscream_jax.model.dense_cache import init_cache
 from starscream_jax.sharding.apply import Placement, batch_sharding, use_layout
 from starscream_jax.sharding.layouts import LAYOUTS
 from starscream_jax.training.config import TrainConfig

@@ -40,15 +40,9 @@ from ..errors import StarscreamError
 from ..inference.generate import generation_cache_length
 from ..model.config import ModelConfig
 from ..model.catalog import load_model_config
-from ..model.decoder import (
-    LAYER_SCOPE,
-    abstract_model,
-    cache_entries,
-    cache_shardings,
-    decode_holds_cache_per_layer,
-    rolls_layers,
-    split_layer_weights,
-)
+from ..model.decoder import LAYER_SCOPE, abstract_model, decode_holds_cache_per_layer, rolls_layers
+from ..model.dense_cache import cache_entries, cache_shardings
+from ..model.layer_weights import split_layer_weights
 from ..model.paged import PAGES, SCALES, pool_shape
 from ..model.quantize import held_dtype
 from ..serving.sampling import SLOT_TABLE, SlotState
@@ -336,10 +330,10 @@ def abstract_paged_args(config: ModelConfig, layout: Layout, mesh, batch: int, l
 
 def abstract_cache(config: ModelConfig, layout: Layout, mesh, batch: int, length: int,
                    per_layer: bool = False) -> dict:
-    """The KV cache (`decoder.cache_entries`: {"k", "v"} of [L, B, T, K, E], T = `length`, in the compute dtype or
-    the 8-bit `kv_format` with its scales) as ShapeDtypeStructs placed by `layout` (`decoder.cache_shardings`, as
-    `decoder.init_cache` places it); with `per_layer`, L arrays of each entry's layer ([B, T, K, E]), placed as
-    `decoder.split_cache` places them (generation's decode cache)."""
+    """The KV cache (`dense_cache.cache_entries`: {"k", "v"} of [L, B, T, K, E], T = `length`, in the compute dtype or
+    the 8-bit `kv_format` with its scales) as ShapeDtypeStructs placed by `layout` (`dense_cache.cache_shardings`, as
+    `dense_cache.init_cache` places it); with `per_layer`, L arrays of each entry's layer ([B, T, K, E]), placed as
+    `dense_cache.split_cache` places them (generation's decode cache)."""
     shardings = cache_shardings(config, batch, length, layout, mesh, per_layer)
     entries = cache_entries(config, batch, length)
     if per_layer:

@@ -165,7 +165,7 @@ def memory_passes(config: ModelConfig, layout, mesh, phase: str, batch: int, seq
                    cache written once.
 
     The decode program is `config`'s (a layer loop unless `layers_per_trip` is every layer) with the KV cache one
-    array per layer when `cache_per_layer` (as generation holds it without a loop, `decoder.split_cache`), and
+    array per layer when `cache_per_layer` (as generation holds it without a loop, `dense_cache.split_cache`), and
     attention reading each layer's cache in place when `cache_read_in_place` (`reads_cache_in_place`).
     """
     c, itemsize = config, np.dtype(config.dtype).itemsize

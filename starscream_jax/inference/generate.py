@@ -20,7 +20,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import StarscreamError
-from ..model.decoder import cache_shardings, decode_holds_cache_per_layer, split_cache, split_layer_weights
+from ..model.decoder import decode_holds_cache_per_layer
+from ..model.dense_cache import cache_shardings, split_cache
+from ..model.layer_weights import split_layer_weights
 from ..model.quantize import held_as_read
 from ..sharding.apply import Placement, batch_sharding, param_shardings, placed, token_sharding
 from ..sharding.layouts import PHASE_DEFAULTS, Layout, fit_batch, positions_multiple

@@ -3,7 +3,7 @@ prefill layout on a mesh, its weights and KV cache in the formats asked for on a
 `starscream generate` and `starscream serve` load; the commands only turn their flags into a `LoadRequest`.
 
 The KV cache's format travels on the model's configuration (`ModelConfig.kv_format`), the one place every path that
-holds a cache reads it: static decode (`decoder.init_cache`), the serving engine's page pools and the serve step
+holds a cache reads it: static decode (`dense_cache.init_cache`), the serving engine's page pools and the serve step
 `inspect` compiles."""
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from flax import nnx
 from ..errors import ShardingRuleError
 from ..hardware.presets import Chip
 from ..model.config import ModelConfig
-from ..model.decoder import quantize_model, to_fnuz
 from ..model.heads import pad_query_heads_to, refuse_unsplit_heads
 from ..model.hf_checkpoint import load_hf_model
 from ..model.hf_config import model_config_from_hf
 from ..model.quantize import OCP_TO_FNUZ
+from ..model.weight_formats import quantize_model, to_fnuz
 from ..sharding.layouts import PHASE_DEFAULTS
 from ..text.tokenizer import ByteTokenizer, HFTokenizer, model_dir_tokenizer, tokenizer_for_model
 from ..training.checkpoint import CheckpointStore, restore_model

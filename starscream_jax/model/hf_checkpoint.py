@@ -40,9 +40,10 @@ from ..checks import created_directory, of_type, process_alive, whole_number, wr
 from ..errors import CheckpointError, StarscreamError
 from ..sharding.apply import param_shardings, path_name
 from .config import ModelConfig
-from .decoder import Transformer, abstract_model, quantize_model
+from .decoder import Transformer, abstract_model
 from .hf_config import CONFIG_FILE, family_of, hf_config_from_model, model_config_from_hf
 from .quantize import QUANTIZED_INPUTS, SCALE_SUFFIX, is_scale
+from .weight_formats import quantize_model
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -376,9 +377,9 @@ def load_hf_model(model_dir: str | Path, layout, mesh, dtype: str | None = None,
     tensor, not a model that generates nothing).
 
     `quantize` (one of quantize.WEIGHT_FORMATS) stores the layers' projections in 8 bits with `scales` per output
-    channel or per layer (`decoder.quantize_model`, on the devices). A pre-quantized fp8 checkpoint (config.json's
-    `quantization_config`, `hf_config.quantization_fields`) loads its fp8 weights and their `weight_scale` tensors
-    as stored."""
+    channel or per layer (`weight_formats.quantize_model`, on the devices). A pre-quantized fp8 checkpoint
+    (config.json's `quantization_config`, `hf_config.quantization_fields`) loads its fp8 weights and their
+    `weight_scale` tensors as stored."""
     of_type(mesh, Mesh, "mesh", "a jax.sharding.Mesh, as starscream_jax.build_mesh gives")
     of_type(config, (ModelConfig, type(None)), "config", "a ModelConfig or None (read config.json)")
     config = config or model_config_from_hf(model_dir)

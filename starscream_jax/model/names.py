@@ -21,7 +21,7 @@ POSITIONS = ("attn_batch", "seq")
 """Token positions [B, S] as attention sees them."""
 CACHE = ("attn_batch", "cache_seq", "kv_heads", "head_dim")
 """One layer's KV cache [B, T, K, E]. Where `cache_seq` splits T over n devices, the slots are in strided order
-(`model.decoder.cache_slot`): device i holds positions i, i + n, i + 2n, ..., so that every device holds an equal
+(`model.dense_cache.write_cache`): device i holds positions i, i + n, i + 2n, ..., so that every device holds an equal
 share of any prefix (split-K decode attends to its own) and the slots of a device are a prefix of its positions."""
 KV_CACHE = ("layers", *CACHE)
 """The KV cache of every layer, [L, B, T, K, E] for keys and for values."""

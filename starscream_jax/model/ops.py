@@ -234,7 +234,7 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, c
 
     Without a cache: keys are the S new positions. With a cache {"k", "v"} of [B, T, K, E] (one layer) that already
     holds the new keys and values at their positions (the model writes them into its cache of every layer in place,
-    `decoder.write_cache`), queries attend to every cached position <= their own, and k / v are not read. An 8-bit
+    `dense_cache.write_cache`), queries attend to every cached position <= their own, and k / v are not read. An 8-bit
     cache (with "k_scale" and "v_scale" [B, T, K]) is read by `attention_over_8_bit_cache`.
     Placement: ATTN_Q / ATTN_KV names; the cache uses CACHE's. A layout that splits `seq` runs context-parallel
     attention (`_sequence_split_attention`), from the new keys alone where the cache holds nothing before them

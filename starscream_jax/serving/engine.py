@@ -39,7 +39,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import StarscreamError
 from ..hardware.backend import policy_of
-from ..model.decoder import attention_options, split_layer_weights
+from ..model.decoder import attention_options
+from ..model.layer_weights import split_layer_weights
 from ..model.paged import KERNELS, PAGES, SCALES, init_page_scales, init_pages, pool_shape
 from ..model.quantize import held_as_read
 from ..sharding.apply import Placement, activation_spec, jit, param_shardings, use_layout

@@ -19,7 +19,7 @@ whichever layout is active where it is called, so one step can never run a trace
            padded to a multiple of the sequence split where the layout splits the sequence (`_padded_prompt`).
   decode   (params, rest, cache, token [B], position) -> (next token [B], cache): one token per sequence at
            `position` of the cache (donated; stacked, or held per layer as generation holds it when decode runs no
-           layer loop, `decoder.split_cache`), compiled with the backend policy's decode options
+           layer loop, `dense_cache.split_cache`), compiled with the backend policy's decode options
            (`hardware.backend.BackendPolicy.decode_compiler_options`).
 """
 from __future__ import annotations
@@ -38,7 +38,8 @@ from ..errors import StarscreamError
 from ..hardware.axes import INSIDE_GPU, axes_of, dim_axes
 from ..hardware.backend import policy_of
 from ..model.config import ModelConfig
-from ..model.decoder import init_cache, next_token_loss
+from ..model.decoder import next_token_loss
+from ..model.dense_cache import init_cache
 from ..sharding.apply import LOGICAL_AXES, Jitted, Placement, activation_spec, active, jit
 from ..sharding.layouts import positions_multiple
 from .config import TrainConfig

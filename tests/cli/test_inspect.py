@@ -148,7 +148,7 @@ def test_flat_tp_visibly_fails_redundancy_and_hierarchy(phase, request):
     if phase != "decode":  # the residual stream, whole on each partition
         assert "activation " in redundant
     if phase == "decode":
-        # the cache as generation holds it in decode: one array per layer (decoder.split_cache)
+        # the cache as generation holds it in decode: one array per layer (dense_cache.split_cache)
         assert all(f"cache/{name}/{layer} " in redundant for name in "kv" for layer in (0, 1))
     if phase == "prefill":  # what prefill leaves behind (its result (token, cache)): the cache, copied
         outputs = {entry["name"]: entry["replication_xcd"] for entry in flat["outputs"]}

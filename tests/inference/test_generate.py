@@ -18,7 +18,8 @@ from starscream_jax.hardware.presets import load_chip
 from starscream_jax.inference.generate import generate, is_stop, stop_ids_of
 from starscream_jax.inference.loading import load_for_inference
 from starscream_jax.model.catalog import load_model_config
-from starscream_jax.model.decoder import Transformer, cache_shardings
+from starscream_jax.model.decoder import Transformer
+from starscream_jax.model.dense_cache import cache_shardings
 from starscream_jax.sharding.apply import use_layout
 from starscream_jax.sharding.layouts import get_layout
 from starscream_jax.text import byte_level

@@ -18,7 +18,8 @@ from starscream_jax.errors import ShardingRuleError, StarscreamError
 from starscream_jax.hardware.backend import CUDA, PORTABLE
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model.catalog import load_model_config
-from starscream_jax.model.decoder import Transformer, create_sharded_model, init_cache, next_token_loss
+from starscream_jax.model.decoder import Transformer, create_sharded_model, next_token_loss
+from starscream_jax.model.dense_cache import init_cache
 from starscream_jax.sharding.apply import activation_spec, batch_sharding, param_shardings, use_layout
 from starscream_jax.sharding.layouts import EXPERT_LAYOUTS, LAYOUTS, fit_batch
 
@@ -311,16 +312,6 @@ def test_create_sharded_model_equals_the_unsharded_initialisation():
     assert worst(errors_by_path(created, params))[1] == 0.0
 
 
-def test_kv_cache_is_placed_by_the_layout():
-    mesh = mesh_of("1x2x4")
-    config = load_model_config("tiny")
-    with use_layout("starscream_decode", mesh):
-        cache = jit(lambda: init_cache(config, BATCH, 16))()
-    assert cache["k"].shape == (config.n_layers, BATCH, 16, config.n_kv_heads, config.head_dim)
-    assert cache["k"].sharding.spec == jax.sharding.PartitionSpec(None, ("data", "xcd"), None, "gpu", None)
-    assert cache["v"].sharding == cache["k"].sharding
-
-
 def test_batch_sharding_checks_divisibility():
     mesh = mesh_of("2x2x2")
     assert batch_sharding("starscream_tp", mesh, 8).spec == jax.sharding.PartitionSpec(("data", "xcd"), None)
@@ -388,16 +379,16 @@ def test_a_traced_index_that_would_write_past_the_kv_cache_poisons_the_logits(in
 @pytest.mark.parametrize("mesh_name, layout, batch", [("1x1x1", None, 1), ("1x2x4", "starscream_fsdp", 8)])
 def test_one_row_decode_projections_run_on_padded_rows_and_compute_the_same(mesh_name, layout, batch, monkeypatch):
     """A decode step whose devices each hold one sequence (batch 1; batch 8 split over 8 devices) runs its small
-    projections on rows padded with zeros (decoder._padded_matmul, which an optimization barrier keeps in the
+    projections on rows padded with zeros (projections._padded_matmul, which an optimization barrier keeps in the
     program) and computes the logits it computes without them."""
-    from starscream_jax.model import decoder
+    from starscream_jax.model import projections
 
     config, graphdef, params, _ = reference("tiny")
     tokens_BS = sample_tokens(config)[:batch, :1]
     mesh = mesh_of(mesh_name)
 
     def decode(padding: bool):
-        monkeypatch.setattr(decoder, "policy_of", lambda device: PADDING if padding else PORTABLE)
+        monkeypatch.setattr(projections, "policy_of", lambda device: PADDING if padding else PORTABLE)
         with contextlib.ExitStack() as stack:
             if layout:
                 stack.enter_context(use_layout(layout, mesh))
@@ -408,73 +399,3 @@ def test_one_row_decode_projections_run_on_padded_rows_and_compute_the_same(mesh
     # q, k, v, o, gate, up, down: every tiny weight is small (the layer's body is lowered once per layer or once)
     assert none == 0 and barriers > 0 and barriers % 7 == 0
     np.testing.assert_allclose(np.asarray(padded), np.asarray(plain), atol=FP32_TOLERANCE)
-
-
-def test_only_projections_xla_would_reduce_are_padded_and_only_on_cuda(monkeypatch):
-    """Under the CUDA policy, Llama 3 8B at batch 1: k and v (4096 x 1024 weights) are padded, q (4096 x 4096) is
-    not, nor any at batch 2; under the portable policy (CPU, ROCm) none is."""
-    from starscream_jax.model import decoder
-
-    def padded(batch: int, weight_shape) -> bool:
-        return decoder._padded_rows(jax.ShapeDtypeStruct((batch, 1, 4096), jnp.bfloat16),
-                                    jax.ShapeDtypeStruct(weight_shape, jnp.bfloat16)) > 1
-
-    assert not padded(1, (4096, 8, 128))  # this machine's devices run the portable policy
-    monkeypatch.setattr(decoder, "policy_of", lambda device: CUDA)
-    assert padded(1, (4096, 8, 128)) and not padded(1, (4096, 32, 128)) and not padded(2, (4096, 8, 128))
-
-
-def _eight_bit_decode(format_name: str, implementation: str, mesh=None, layout=None, batch: int = 3):
-    """(pallas calls traced, logits [batch, 1, V]) of one decode step of the 2-layer tiny model with 8-bit weights at
-    cache position 3, its projections run as `implementation` says (ModelConfig.eight_bit_matmul)."""
-    config = load_model_config("tiny").replace(n_layers=2, dtype="bfloat16", weight_format=format_name,
-                                               eight_bit_matmul=implementation)
-    with contextlib.ExitStack() as stack:
-        if layout:
-            stack.enter_context(use_layout(layout, mesh))
-            model = create_sharded_model(config, layout, mesh)
-        else:
-            model = Transformer(config, rngs=nnx.Rngs(0))
-        graphdef, params = nnx.split(model)
-        tokens_B1 = (jnp.arange(batch, dtype=jnp.int32)[:, None] * 67 + 5) % config.vocab_size
-
-        def step(params, cache):
-            return nnx.merge(graphdef, params)(tokens_B1, cache=cache, cache_index=3).logits
-
-        cache = init_cache(config, batch, 8)
-        traced = str(jax.make_jaxpr(step)(params, cache)).count("pallas_call")
-        return traced, jax.jit(step)(params, cache)
-
-
-@pytest.mark.parametrize("format_name", ["int8", "float8_e4m3fn"])
-def test_decode_projections_by_8_bit_weights_run_on_the_weight_only_kernel(format_name):
-    """ModelConfig.eight_bit_matmul "interpret": each layer's 7 projections (q, k, v, o, gate, up, down) run on the
-    weight-only kernel (interpreted) in 4 launches (q, k and v in one, o, gate and up in one, down), unsharded and
-    under starscream_decode on one device, and the logits are the XLA path's to bfloat16's rounding of the
-    projections; "xla" runs none."""
-    plain_calls, expected = _eight_bit_decode(format_name, "xla")
-    calls, got = _eight_bit_decode(format_name, "interpret")
-    placed_calls, placed = _eight_bit_decode(format_name, "interpret", build_mesh("1x1"), "starscream_decode")
-    # 4 pallas_calls per layer (a layer's body, the same for both, may be printed once)
-    assert plain_calls == 0 and calls in (4, 8) and placed_calls in (4, 8)
-    scale = float(jnp.max(jnp.abs(expected)))
-    for logits in (got, placed):
-        np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), atol=0.02 * scale)
-    assert float(jnp.max(jnp.abs(got - expected))) > 0  # the two paths round differently: both really ran
-
-
-def test_the_weight_only_kernel_is_cudas_default_and_split_weights_keep_xlas_path(monkeypatch):
-    """eight_bit_matmul "" takes the backend policy's choice: the kernel under CUDA's, the projections that share an
-    input in one launch (q, k, v; o; gate, up; down: 4 per layer; traced only: no GPU here),
-    XLA's matmul under the portable policy (CPU, ROCm); weights split over the mesh (starscream_decode on 2 GPUs x 4
-    partitions) run XLA's path, whose placement rules hold the collectives."""
-    from starscream_jax.model import decoder
-
-    assert _eight_bit_decode("int8", "")[0] == 0
-    assert _eight_bit_decode("int8", "interpret", build_mesh("2x4"), "starscream_decode", batch=8)[0] == 0
-    monkeypatch.setattr(decoder, "policy_of", lambda device: CUDA)
-    config = load_model_config("tiny").replace(n_layers=1, dtype="bfloat16", weight_format="int8")
-    graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
-    jaxpr = jax.make_jaxpr(lambda p, c: nnx.merge(graphdef, p)(jnp.zeros((2, 1), jnp.int32), cache=c,
-                                                             cache_index=3).logits)(params, init_cache(config, 2, 8))
-    assert str(jaxpr).count("pallas_call") == 4 and "interpret=False" in str(jaxpr).replace(" ", "")

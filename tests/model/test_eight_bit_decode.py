@@ -12,7 +12,8 @@ from flax import nnx
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model import ops
 from starscream_jax.model.catalog import load_model_config
-from starscream_jax.model.decoder import Transformer, create_sharded_model, init_cache
+from starscream_jax.model.decoder import Transformer, create_sharded_model
+from starscream_jax.model.dense_cache import init_cache
 from starscream_jax.model.eight_bit_decode import applies, decode_attention, split_count
 from starscream_jax.model.quantize import quantize_cache_entry
 from starscream_jax.sharding.apply import use_layout

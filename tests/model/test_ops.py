@@ -8,7 +8,7 @@ import pytest
 
 from starscream_jax.errors import ShardingRuleError
 from starscream_jax.hardware.mesh import auto_axes, build_mesh
-from starscream_jax.model.decoder import write_cache
+from starscream_jax.model.dense_cache import write_cache
 from starscream_jax.model.ops import attention, cross_entropy, embed_lookup
 from starscream_jax.sharding.apply import use_layout, weight
 from starscream_jax.sharding.layouts import fit_batch, get_layout

@@ -19,11 +19,13 @@ from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.hardware.presets import load_chip
 from starscream_jax.inference.generate import generate
 from starscream_jax.model.catalog import load_model_config
-from starscream_jax.model.decoder import (abstract_model, create_sharded_model, init_cache, split_cache,
-                                          split_layer_weights, to_fnuz)
+from starscream_jax.model.decoder import abstract_model, create_sharded_model
+from starscream_jax.model.dense_cache import init_cache, split_cache
 from starscream_jax.model.hf_checkpoint import load_hf_model
+from starscream_jax.model.layer_weights import split_layer_weights
 from starscream_jax.model.ops import attention
 from starscream_jax.model.quantize import Scaled, dequantize, largest, quantize, quantize_cache_entry, scale_names
+from starscream_jax.model.weight_formats import to_fnuz
 from starscream_jax.sharding.apply import (Placement, batch_sharding, param_shardings, param_specs, token_sharding,
                                           use_layout)
 from starscream_jax.sharding.layouts import LAYOUTS

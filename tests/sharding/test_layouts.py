@@ -32,7 +32,8 @@ from starscream_jax.errors import ShardingRuleError
 from starscream_jax.hardware.axes import AXES
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model.catalog import load_model_config
-from starscream_jax.model.decoder import Transformer, init_cache, next_token_loss
+from starscream_jax.model.decoder import Transformer, next_token_loss
+from starscream_jax.model.dense_cache import init_cache
 from starscream_jax.sharding.apply import (
     LOGICAL_AXES,
     activation_spec,

@@ -12,14 +12,8 @@ from flax import nnx
 from starscream_jax.errors import StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model.catalog import load_model_config
-from starscream_jax.model.decoder import (
-    Transformer,
-    abstract_model,
-    create_sharded_model,
-    init_cache,
-    next_token_loss,
-    split_cache,
-)
+from starscream_jax.model.decoder import Transformer, abstract_model, create_sharded_model, next_token_loss
+from starscream_jax.model.dense_cache import init_cache, split_cache
 from starscream_jax.sharding.apply import Placement, batch_sharding, use_layout
 from starscream_jax.training.config import TrainConfig
 from starscream_jax.training.steps import (
