@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 import time
 
 import numpy as np

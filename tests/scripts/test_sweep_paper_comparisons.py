@@ -1,7 +1,6 @@
 """scripts/sweep_paper_comparisons.py: the model's predicted flat / hierarchical ratios, as stored."""
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
