@@ -28,6 +28,8 @@ from .generate import stop_ids_of
 PAGE_SIZE = 16
 MAX_CHUNK = 512
 """Most prompt positions of one row per step (longer prompts prefill over several steps, as a server's do)."""
+TOKEN_BUDGET = 2048
+"""Most tokens of one step, as `starscream serve` computes by default (--max-num-batched-tokens)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,7 +90,7 @@ def engine_config(batch: int, prompt: int, new_tokens: int, mesh, decode_layout)
     rows = math.ceil(batch / shards)
     chunk = min(MAX_CHUNK, PAGE_SIZE * math.ceil(prompt / PAGE_SIZE))
     pages = math.ceil((prompt + new_tokens) / PAGE_SIZE)
-    prefill_rows = max(1, min(rows, 2048 // chunk))
+    prefill_rows = max(1, min(rows, TOKEN_BUDGET // chunk))
     return EngineConfig(page_size=PAGE_SIZE, pages_per_shard=rows * pages + 1, rows_per_shard=rows,
                         token_budget=max(rows, prefill_rows * chunk), chunk=chunk, max_model_len=prompt + new_tokens,
                         buckets=Buckets(rows=(rows,), positions=(chunk,), pages=(pages,), prefill_rows=(prefill_rows,)),

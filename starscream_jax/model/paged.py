@@ -150,13 +150,19 @@ def paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: PagedLayer, opt
     return out, replace(cache, k=pools[0], v=pools[1], **scales)
 
 
+def reads_in_place(kernel: str, dtype, options: AttentionOptions | None) -> bool:
+    """Whether decode over pages stored in `dtype` can be attended by cuDNN's paged kernel in place: asked for,
+    16-bit pages (an 8-bit cache gathers), no attention options. The engine sizes its decode buckets by it."""
+    return kernel == "cudnn" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and options is None
+
+
 def _reads_in_place(kernel: str, q_BSHE, pools, group: int, options: AttentionOptions | None) -> bool:
-    """Whether cuDNN's paged kernel attends this layer: asked for, a decode step (one query per row), 16-bit pages
-    without scales, no attention options, and every local query head's kv head on this device (a layout that
-    splits query heads over more axes than kv heads gathers instead)."""
+    """Whether cuDNN's paged kernel attends this layer: `reads_in_place` for its pages, a decode step (one query per
+    row), pages without scales, and every local query head's kv head on this device (a layout that splits query
+    heads over more axes than kv heads gathers instead)."""
     pages_k = pools[0]
-    return (kernel == "cudnn" and q_BSHE.shape[1] == 1 and len(pools) == 2 and options is None
-            and pages_k.dtype in (jnp.bfloat16, jnp.float16) and q_BSHE.shape[2] == pages_k.shape[2] * group)
+    return (reads_in_place(kernel, pages_k.dtype, options) and q_BSHE.shape[1] == 1 and len(pools) == 2
+            and q_BSHE.shape[2] == pages_k.shape[2] * group)
 
 
 def _written(pools, k_BSKE, v_BSKE, positions_BS, table_BM) -> tuple:

@@ -41,7 +41,7 @@ from ..errors import StarscreamError
 from ..hardware.backend import policy_of
 from ..model.decoder import attention_options
 from ..model.layer_weights import split_layer_weights
-from ..model.paged import KERNELS, PAGES, SCALES, init_page_scales, init_pages, pool_shape
+from ..model.paged import KERNELS, PAGES, SCALES, init_page_scales, init_pages, pool_shape, reads_in_place
 from ..model.quantize import held_as_read
 from ..sharding.apply import Placement, activation_spec, jit, param_shardings, use_layout
 from ..sharding.layouts import PHASE_DEFAULTS, get_layout
@@ -216,9 +216,9 @@ class Engine:
         max_pages = math.ceil(self.max_model_len / config.page_size)
         prefill_rows = min(config.rows_per_shard, math.ceil(config.token_budget / config.chunk))
         self.kernel = _paged_kernel(config.kernel, mesh)
-        reads_in_place = self.kernel == "cudnn" and not self.kv_format and attention_options(c) is None
+        in_place = reads_in_place(self.kernel, self.kv_format or c.dtype, attention_options(c))
         self.buckets = dataclasses.replace(config.buckets or Buckets.for_limits(
-            config.rows_per_shard, config.chunk, max_pages, prefill_rows, reads_in_place),
+            config.rows_per_shard, config.chunk, max_pages, prefill_rows, in_place),
             scored=config.prompt_logprobs)
         _check_buckets(self.buckets, config)
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)

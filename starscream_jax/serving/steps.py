@@ -247,9 +247,9 @@ class PackedInputs:
         return jax.tree.unflatten(tree, fields)
 
 
-def paged_step(graphdef, kernel: str = "gather", decode: bool = True, *, under: Placement | None) -> Jitted:
-    """The jitted paged step (see the module docstring) under `under` (`sharding.apply.jit`); the pages are
-    donated. Decode steps compile with the backend policy's decode options (`BackendPolicy.decode_compiler_options`),
+def paged_step(graphdef, kernel: str, decode: bool = True, *, under: Placement | None) -> Jitted:
+    """The jitted paged step (see the module docstring) under `under` (`sharding.apply.jit`), its decode attention
+    `kernel` (`model.paged.KERNELS`: the engine's, resolved from the backend policy); the pages are donated. Decode steps compile with the backend policy's decode options (`BackendPolicy.decode_compiler_options`),
     as the decode step does."""
     device = under.mesh.devices.flat[0] if under is not None else jax.devices()[0]
     options = dict(policy_of(device).decode_compiler_options) if decode else None

@@ -8,15 +8,18 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from conftest import FIXTURE
 from starscream_jax.serving.client import EngineClient
 from starscream_jax.serving.core import EngineThread
 from starscream_jax.serving.fake import FakeEngine
 from starscream_jax.serving.scheduler import SamplingParams
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "hf" / "llama"
+"""The Llama fixture, named here: `from conftest import` picks another folder's conftest when several run at once."""
 
 
 def fake(**overrides) -> FakeEngine:
