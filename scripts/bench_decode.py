@@ -240,10 +240,14 @@ PAGE_SIZE = 16
 """Positions per page of the paged rows (the server's default)."""
 
 
-def run_paged(model, layout: str, mesh, batch: int, cache_length: int, kernel: str, warmup: int, steps: int) -> dict:
+def run_paged(model, layout: str, mesh, batch: int, cache_length: int, kernel: str, warmup: int, steps: int,
+              profile_dir: Path | None = None) -> dict:
     """The engine's paged decode step at `batch` rows, each at its last of `cache_length` positions over pages of
     its own (what the pages hold does not change what attention reads), launched back to back; compile and step
-    seconds. The engine holds its own per-layer copy of the weights."""
+    seconds and the host's seconds per launch (a launch that returns only when the step ends means the device waits
+    on the host); with `profile_dir`, the device time of 5 more steps by category and their sum, which falls short
+    of the step's wall time by the time the device sits idle. The engine holds its own per-layer copy of the
+    weights."""
     from starscream_jax.serving.engine import Engine, EngineConfig
     from starscream_jax.serving.steps import Buckets, StepInputs, cache_shards
 
@@ -269,13 +273,23 @@ def run_paged(model, layout: str, mesh, batch: int, cache_length: int, kernel: s
         engine.dispatch("decode", inputs).block_until_ready()
     for _ in range(warmup):
         engine.dispatch("decode", inputs)
-    start = time.perf_counter()
+    start, host_s = time.perf_counter(), 0.0
     for _ in range(steps):
+        launched = time.perf_counter()
         outputs = engine.dispatch("decode", inputs)
+        host_s += time.perf_counter() - launched
     outputs.block_until_ready()
     step_s = (time.perf_counter() - start) / steps
+    breakdown = None
+    if profile_dir is not None:
+        text = engine.program("decode", inputs).as_text()
+        directory = profile_dir / f"paged_{engine.kernel}_batch{batch}"
+        breakdown = harness.traced_breakdown(lambda state: (state, engine.dispatch("decode", inputs)), None,
+                                             steps=5, directory=directory, hlo_text=text)[1]
+        breakdown["device_s"] = sum(breakdown["per_step_s"].values())
+        (directory / "step.hlo.txt").write_text(text)
     return {"kernel": engine.kernel, "batch": batch, "cache_length": cache_length, "compile_s": compile_s,
-            "step_s": step_s, "tokens_per_s": batch / step_s}
+            "step_s": step_s, "dispatch_s": host_s / steps, "tokens_per_s": batch / step_s, "time_breakdown": breakdown}
 
 
 def paged_rows(model, args, mesh, dense_by_batch: dict) -> list[dict]:
@@ -283,12 +297,18 @@ def paged_rows(model, args, mesh, dense_by_batch: dict) -> list[dict]:
     rows = []
     for kernel in args.paged:
         for batch in args.batches:
-            row = run_paged(model, args.layout, mesh, batch, args.cache, kernel, args.warmup, args.steps)
+            row = run_paged(model, args.layout, mesh, batch, args.cache, kernel, args.warmup, args.steps,
+                            args.profile_dir)
             if batch in dense_by_batch:
                 row["vs_dense"] = row["step_s"] / dense_by_batch[batch]
             print(f"paged decode ({row['kernel']:<6}) {batch:>5} {args.cache:>6} {1e3 * row['step_s']:>8.2f} "
                   f"{row['tokens_per_s']:>10,.0f}   {row.get('vs_dense', float('nan')):.3f}x the dense step's time",
                   flush=True)
+            if row["time_breakdown"] is not None:
+                print(f"  device busy {1e3 * row['time_breakdown']['device_s']:.2f} ms of the step's "
+                      f"{1e3 * row['step_s']:.2f} (the host's launch {1e3 * row['dispatch_s']:.2f}): " + ", ".join(
+                          f"{name} {1e3 * seconds:.2f}" for name, seconds in row["time_breakdown"]["per_step_s"].items()
+                          if seconds), flush=True)
             rows.append(row)
     return rows
 

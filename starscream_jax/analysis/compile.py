@@ -45,8 +45,7 @@ from ..model.dense_cache import cache_entries, cache_shardings
 from ..model.layer_weights import split_layer_weights
 from ..model.paged import PAGES, SCALES, pool_shape
 from ..model.quantize import held_dtype
-from ..serving.sampling import SLOT_TABLE, SlotState
-from ..serving.steps import SLOTS, PackedInputs, cache_shards, paged_step
+from ..serving.steps import SLOTS, PackedInputs, cache_shards, forward_step
 from ..sharding.apply import (
     Placement,
     abstract_placed,
@@ -81,7 +80,8 @@ class Settings:
     `training` sets the train step's optimizer and `sampling` the prefill and decode steps' choice of token;
     `cache_length` is the KV cache's length in prefill and decode (None: `seq`); `cache_per_layer` whether decode
     holds the cache as one array per layer (None: as generation holds it for the full-depth model); `paged` compiles
-    decode as the server runs it: `serving.steps.paged_step`, one token per sequence against `seq` positions of a
+    decode as the server runs it: `serving.steps.forward_step` (the model part of the engine's step; its sampler
+    is a program of its own), one token per sequence against `seq` positions of a
     paged KV cache (`PagedArgs`), held per layer."""
 
     config: ModelConfig
@@ -142,7 +142,6 @@ class PagedArgs(NamedTuple):
     rest: Any
     pages: Any
     recent: Any
-    slots: Any
     inputs: Any
 
 
@@ -203,7 +202,7 @@ def step_program(settings: Settings, layout: Layout, mesh, config: ModelConfig |
     if settings.paged:
         graphdef, args = abstract_paged_args(config, layout, mesh, settings.batch, settings.cache)
         kernel = policy_of(mesh.devices.flat[0]).paged_attention  # the engine's choice on this backend
-        return paged_step(graphdef, kernel, under=Placement(layout, mesh)), args
+        return forward_step(graphdef, kernel, under=Placement(layout, mesh)), args
     if settings.cache < settings.seq:
         raise StarscreamError(f"a KV cache of {settings.cache} positions cannot hold {settings.seq} tokens; give "
                               f"cache_length {settings.seq} or more")
@@ -323,9 +322,7 @@ def abstract_paged_args(config: ModelConfig, layout: Layout, mesh, batch: int, l
     inputs = PackedInputs.abstract(batch, 1, pages_per_row, NamedSharding(mesh, PartitionSpec(axes or None)))
     recent = jax.ShapeDtypeStruct((batch,), jnp.int32,
                                   sharding=NamedSharding(mesh, activation_spec(SLOTS, (batch,), "slot tokens")))
-    table = (batch, config.vocab_size)  # a slot per sequence
-    slots = SlotState.abstract(*table, NamedSharding(mesh, activation_spec(SLOT_TABLE, table, "slot state")))
-    return graphdef, PagedArgs(params, rest, pages, recent, slots, inputs)
+    return graphdef, PagedArgs(params, rest, pages, recent, inputs)
 
 
 def abstract_cache(config: ModelConfig, layout: Layout, mesh, batch: int, length: int,

@@ -463,8 +463,9 @@ def layer_stack_names(step: CompiledStep) -> set[str]:
     with a `layers` axis (weights, their optimizer state) and the KV cache a decode step reads and a prefill or
     decode step returns."""
     names = arrays_named_by(named_variables(step), frozenset({"layers"}))
-    caches = {"cache": getattr(step.args, "cache", None), "output/1": step.outputs[1]
-              if isinstance(step.args, (DecodeArgs, PrefillArgs, PagedArgs)) else None,
+    written = {DecodeArgs: 1, PrefillArgs: 1, PagedArgs: 2}.get(type(step.args))  # the output holding the cache
+    caches = {"cache": getattr(step.args, "cache", None),
+              f"output/{written}": None if written is None else step.outputs[written],
               "pages": getattr(step.args, "pages", None)}
     for prefix, cache in caches.items():
         for path, _ in jax.tree_util.tree_flatten_with_path(cache)[0] if cache is not None else []:

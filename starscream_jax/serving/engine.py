@@ -2,10 +2,11 @@
 
 An `Engine` holds the parameters (placed once by the decode layout; the prefill layout stores them alike under the
 starscream layouts, so nothing is copied between phases), one page pool per layer (`model.paged`), the scheduler
-(`scheduler.Scheduler`) and the compiled paged steps (`steps.paged_step`, one per bucket, all compiled by
-`warm_up`). `step()` runs one scheduler plan: a prefill program for the planned prompt chunks under the prefill
-layout (its scored variant where a chunk's prompt log-probabilities are asked for, `EngineConfig.prompt_logprobs`),
-then a decode program for the decoding sequences under the decode layout, and returns each new token as a
+(`scheduler.Scheduler`) and the compiled paged steps (`steps.forward_step` per bucket and `steps.sample_step` per
+bucket of rows and combination of sampling passes, all compiled by `warm_up`). `step()` runs one scheduler plan: a
+prefill step for the planned prompt chunks under the prefill layout (its scored variant where a chunk's prompt
+log-probabilities are asked for, `EngineConfig.prompt_logprobs`), then a decode step for the decoding sequences under
+the decode layout, and returns each new token as a
 `TokenEvent`. A server runs it in a process of its own (`serving.core`). A request with a grammar (structured
 output, `serving.guided`) has its matcher compiled beside the loop and its allowed tokens written to its slot before
 each step that samples it; it sits out a step while its last token is still on the device (`Sequence.held`). A
@@ -69,10 +70,12 @@ from .steps import (
     PromptScores,
     RowSampling,
     Sampled,
+    SamplerFeatures,
     StepInputs,
     cache_shards,
     check_same_cache_placement,
-    paged_step,
+    forward_step,
+    sample_step,
 )
 
 COMPILE_WAIT_S = 0.05
@@ -232,11 +235,14 @@ class Engine:
             rows_per_shard=config.rows_per_shard, token_budget=config.token_budget, chunk=config.chunk,
             prefix_caching=config.prefix_caching, prefill_rows=self.buckets.rows_of("prefill")[-1]))
         self._pages = None  # allocated after the warm-up: XLA's autotuning wants free device memory to compile
-        self._steps = {phase: paged_step(self.graphdef, self.kernel, decode=phase == "decode",
-                                         under=None if mesh is None else Placement(self.layouts[phase], mesh))
-                       for phase in ("prefill", "decode")}
-        self._programs: dict[tuple, object] = {}
-        self._programs_at_start = 0
+        placements = {phase: None if mesh is None else Placement(self.layouts[phase], mesh)
+                      for phase in ("prefill", "decode")}
+        self._steps = {phase: forward_step(self.graphdef, self.kernel, decode=phase == "decode", under=under)
+                       for phase, under in placements.items()}
+        self._sample = {phase: sample_step(under=under) for phase, under in placements.items()}
+        self._programs: dict[tuple, object] = {}  # (phase, rows, width, pages) -> its forward program
+        self._samplers: dict[tuple, object] = {}  # `_sampler_key` -> its sampler
+        self._compiled_at_start = 0
         self._sequences: dict[str, Sequence] = {}
         self._seeds = np.random.default_rng()
         self._generated = self._preemptions = 0
@@ -521,7 +527,7 @@ class Engine:
                            prefix_queried_pages=sum(shard.stats.queried_pages for shard in shards),
                            prefix_hit_pages=sum(shard.stats.hit_pages for shard in shards),
                            preemptions=self._preemptions, programs=len(self._programs),
-                           programs_after_start=len(self._programs) - self._programs_at_start,
+                           programs_after_start=len(self._programs) + len(self._samplers) - self._compiled_at_start,
                            generated_tokens=self._generated)
 
     def step(self) -> list[TokenEvent]:
@@ -698,13 +704,16 @@ class Engine:
         return Sampled.unpacked(self._gathered(outputs) if jax.process_count() > 1 else np.asarray(outputs))
 
     def dispatch(self, phase: str, inputs: StepInputs) -> jax.Array:
-        """The compiled step launched (not waited for): its `Sampled.packed` outputs [B, F] on the devices, their
-        copy to the host begun."""
-        rows, width = inputs.tokens.shape
-        program = self._program(phase, rows, width, inputs.table.shape[1])
+        """The compiled step launched (not waited for): its forward program, then its sampler with the passes the
+        rows need (`SamplerFeatures.of`); the `Sampled.packed` outputs [B, F] on the devices, their copy to the host
+        begun."""
+        forward = self.program(phase, inputs)
+        position_B = inputs.positions[:, 0] + inputs.last + 1
+        sampler = self._sampler(phase, inputs, forward, SamplerFeatures.of(inputs.sampling, inputs.slot, position_B))
         with self._phase(phase):
-            outputs, self.pages, self._recent, self._slot_state = program(
-                self.params, self.rest, self.pages, self.recent, self.slot_state, self._placed(inputs))
+            logits, rows, self.pages, scores = forward(self.params, self.rest, self.pages, self.recent,
+                                                       self._placed(inputs))
+            outputs, self._recent, self._slot_state = sampler(logits, rows, self.recent, self.slot_state, scores)
         if jax.process_count() == 1:
             outputs.copy_to_host_async()
         return outputs
@@ -714,46 +723,76 @@ class Engine:
         return np.asarray(multihost_utils.process_allgather(outputs, tiled=True))
 
     def warm_up(self, progress=None, threads: int | None = None) -> int:
-        """Compiles the program of every bucket (`Buckets.shapes`) now, so that no request waits for a compile:
-        traced one after another (tracing reads the active layout), compiled by `threads` threads at once (XLA
-        compiles outside Python's lock; default: the CPU cores, at most 8); `progress(done, total)` after each.
-        Then allocates the page pools. Returns the programs compiled. On a mesh spanning processes every process
-        calls it (each process compiles the programs it runs)."""
+        """Compiles the forward program of every bucket (`Buckets.shapes`) and after each the sampler of every
+        combination of passes (`SamplerFeatures.every`) now, so that no request waits for a compile: traced one
+        after another (tracing reads the active layout), compiled by `threads` threads at once (XLA compiles outside
+        Python's lock; default: the CPU cores, at most 8); `progress(done, total)` after each. Then allocates the
+        page pools. Returns the forward programs compiled. On a mesh spanning processes every process calls it
+        (each process compiles the programs it runs)."""
         shapes = [(phase, rows * self.shards, width, pages) for phase, rows, width, pages in self.buckets.shapes()]
+        samplers = {_sampler_key(phase, rows, width, features): (phase, rows, width, pages)
+                    for phase, rows, width, pages in shapes for features in SamplerFeatures.every()}
+        total = len(shapes) + len(samplers)
         lowered = {key: self._lowered(*key) for key in shapes if key not in self._programs}
-        done = len(shapes) - len(lowered)
+        samplers = {key: shape for key, shape in samplers.items() if key not in self._samplers}
+        done = total - len(lowered) - len(samplers)
         workers = threads or min(8, os.cpu_count() or 1)
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="starscream-compile") as pool:
-            futures = {pool.submit(program.compile): key for key, program in lowered.items()}
+
+        def compile_all(programs: dict, into: dict) -> None:
+            nonlocal done
+            futures = {pool.submit(program.compile): key for key, program in programs.items()}
             for future in concurrent.futures.as_completed(futures):
-                self._programs[futures[future]] = future.result()
+                into[futures[future]] = future.result()
                 done += 1
                 if progress is not None:
-                    progress(done, len(shapes))
-        self._programs_at_start = len(self._programs)
+                    progress(done, total)
+
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="starscream-compile") as pool:
+            compile_all(lowered, self._programs)  # the samplers are traced against the forward programs' outputs
+            compile_all({key: self._lowered_sampler(shape[0], self._programs[shape], key[-1])
+                         for key, shape in samplers.items()}, self._samplers)
+        self._compiled_at_start = len(self._programs) + len(self._samplers)
         if self.cache_size.reserve_bytes:
-            capacity.check_reserve(self._programs, self.cache_size.reserve_bytes)
+            capacity.check_reserve({**self._programs, **self._samplers}, self.cache_size.reserve_bytes)
         self.reset_slot(SlotReset.of(-1, self.model_config.vocab_size, [], []))
         for rows in self.mask_rows:  # (writes of no slot: each mask bucket compiled now)
             self.write_masks(np.full(rows, -1, np.int32), np.zeros((rows, self.slot_state.allowed.shape[1]), np.int32))
         jax.block_until_ready((self.pages, self.recent, self.slot_state))  # (a reset of no slot: compiled now)
         return len(shapes)
 
-    def _program(self, phase: str, rows: int, width: int, pages: int):
-        """The compiled step of `phase` for `rows` rows (all shards) of `width` positions over `pages` pages a row,
-        compiled on first use."""
-        key = (phase, rows, width, pages)
+    def program(self, phase: str, inputs: StepInputs):
+        """The compiled forward program of `phase` that `inputs` run on: its bucket's (rows of all shards, positions
+        a row, pages a row), compiled on first use."""
+        key = (phase, *inputs.tokens.shape, inputs.table.shape[1])
         program = self._programs.get(key)
         if program is None:
             program = self._programs[key] = self._lowered(*key).compile()
         return program
 
+    def _sampler(self, phase: str, inputs: StepInputs, forward, features: SamplerFeatures):
+        """The compiled sampler of `features` that follows `forward` (the compiled forward program of `phase` that
+        `inputs` run on), compiled on first use."""
+        key = _sampler_key(phase, *inputs.tokens.shape, features)
+        program = self._samplers.get(key)
+        if program is None:
+            program = self._samplers[key] = self._lowered_sampler(phase, forward, features).compile()
+        return program
+
     def _lowered(self, phase: str, rows: int, width: int, pages: int):
-        """The step of `phase` traced for one bucket, against the pools' and inputs' shapes (nothing allocated)."""
+        """The forward program of `phase` traced for one bucket, against the pools' and inputs' shapes (nothing
+        allocated)."""
         with self._phase(phase):
             return self._steps[LAYOUT_OF[phase]].lower(
-                self.params, self.rest, self._abstract_pages(), self._abstract_recent(), self._abstract_slot_state(),
+                self.params, self.rest, self._abstract_pages(), self._abstract_recent(),
                 self._abstract_inputs(rows, width, pages, phase == "scored"))
+
+    def _lowered_sampler(self, phase: str, forward, features: SamplerFeatures):
+        """The sampler of `features` traced against the outputs of `forward`, a compiled forward program of `phase`
+        (nothing allocated)."""
+        logits, rows, _, scores = forward.out_info
+        with self._phase(phase):
+            return self._sample[LAYOUT_OF[phase]].lower(logits, rows, self._abstract_recent(),
+                                                        self._abstract_slot_state(), scores, features=features)
 
     def keep_followers(self) -> None:
         """Tells the other processes, waiting for the next step, that the leader is idle but alive (else nothing)."""
@@ -878,6 +917,12 @@ class Engine:
     def _abstract_inputs(self, rows: int, width: int, pages: int, scored: bool) -> PackedInputs:
         """Shape, type and placement of the packed step inputs of one bucket, for compiling before any request."""
         return PackedInputs.abstract(rows, width, pages, self._row_sharding(), scored)
+
+
+def _sampler_key(phase: str, rows: int, width: int, features: SamplerFeatures) -> tuple:
+    """A compiled sampler's key: its phase's layout, its rows (of all shards), a scored prefill's positions a row
+    (whose scores it appends to its outputs; None in other steps) and its passes."""
+    return LAYOUT_OF[phase], rows, width if phase == "scored" else None, features
 
 
 def _scored_span(chunk: Chunk) -> range | None:

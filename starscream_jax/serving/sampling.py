@@ -23,8 +23,9 @@ matched against every token, the newest included, with nothing read by the host.
 token it takes, so the host writes them before each step that samples it, after reading its previous token
 (`write_masks`, one scatter of the masked rows' masks); the bits of `allowed_token_ids` alone do not change, so they are
 written once, when the sequence takes its slot. The step then sets every token a masked row's bits forbid to -inf before
-anything else (`apply_grammar`), as vLLM applies its grammar bitmask. A step none of whose rows uses a setting skips its
-work (`jax.lax.cond`).
+anything else (`apply_grammar`), as vLLM applies its grammar bitmask. Each pass runs only in a step some of whose rows
+use it: the host decides which (`steps.SamplerFeatures`), never the device, so the compiled sampler holds no
+conditional (a GPU reads a conditional's predicate on the host, which would stall the queue of launched steps).
 """
 from __future__ import annotations
 
@@ -194,22 +195,18 @@ def write_masks(state: SlotState, slot_K: jax.Array, masks_KW: jax.Array) -> Slo
 def apply_grammar(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, rows) -> jax.Array:
     """The logits [B, V] with every token the bits of a masked row (`rows.masked` [B] > 0, with a slot: its
     grammar's allowed tokens, its allowed_token_ids, or both intersected) do not allow set to -inf, from its slot's
-    bits (`SlotState.allowed`); other rows are left as they are, and a step with no masked row skips the work.
-    Placed as `logits_BV` is."""
-    def mask(logits_BV):
-        def local(logits_bV, allowed_RW, slot_b, masked_b, specs):
-            vocab = logits_bV.shape[-1]
-            ids_V = jnp.arange(vocab)
-            words_bV = allowed_RW[jnp.maximum(slot_b, 0)][:, ids_V // 32]
-            allowed_bV = ((words_bV >> (ids_V % 32)[None, :]) & 1) > 0
-            keep_bV = allowed_bV | ~((slot_b >= 0) & (masked_b > 0))[:, None]
-            return jnp.where(keep_bV, logits_bV, -jnp.inf)
+    bits (`SlotState.allowed`); other rows are left as they are. Placed as `logits_BV` is."""
+    def local(logits_bV, allowed_RW, slot_b, masked_b, specs):
+        vocab = logits_bV.shape[-1]
+        ids_V = jnp.arange(vocab)
+        words_bV = allowed_RW[jnp.maximum(slot_b, 0)][:, ids_V // 32]
+        allowed_bV = ((words_bV >> (ids_V % 32)[None, :]) & 1) > 0
+        keep_bV = allowed_bV | ~((slot_b >= 0) & (masked_b > 0))[:, None]
+        return jnp.where(keep_bV, logits_bV, -jnp.inf)
 
-        out = run_sharded(local, [logits_BV, state.allowed, slot_B, rows.masked],
-                          [SLOT_TABLE, SLOT_TABLE, SLOT_ROWS, SLOT_ROWS], [(SLOT_TABLE, logits_BV.shape)], "grammar")
-        return _like(out, logits_BV)
-
-    return jax.lax.cond(jnp.any((rows.masked > 0) & (slot_B >= 0)), mask, lambda logits: logits, logits_BV)
+    out = run_sharded(local, [logits_BV, state.allowed, slot_B, rows.masked],
+                      [SLOT_TABLE, SLOT_TABLE, SLOT_ROWS, SLOT_ROWS], [(SLOT_TABLE, logits_BV.shape)], "grammar")
+    return _like(out, logits_BV)
 
 
 def apply_bad_words(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, rows) -> jax.Array:
@@ -217,25 +214,25 @@ def apply_bad_words(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, r
     its bad words set to -inf where the tokens it generated last equal the word's other tokens (a one-token word:
     always), as vLLM bans them; the tail compared is the slot's (`SlotState.tail`), which the step itself extends,
     so the newest token counts though the host has not read it. A word longer than the tokens generated so far plus
-    one is not matched (its earlier tokens would lie in the prompt). A step with no banning row skips the work.
-    Placed as `logits_BV` is."""
-    def ban(logits_BV):
-        def local(logits_bV, words_RX, tail_RT, slot_b, banning_b, specs):
-            vocab, at_b = logits_bV.shape[-1], jnp.maximum(slot_b, 0)
-            words_bNL = words_RX[at_b].reshape(-1, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS)
-            before_bNT, last_bN = words_bNL[..., :-1], words_bNL[..., -1]
-            follows_bN = jnp.all((before_bNT < 0) | (before_bNT == tail_RT[at_b][:, None, :]), axis=-1)
-            used_b1 = ((slot_b >= 0) & (banning_b > 0))[:, None]
-            banned_bN = jnp.where(used_b1 & follows_bN & (last_bN >= 0), last_bN, vocab)
-            hit_bV = jax.vmap(lambda ids: jnp.zeros(vocab, bool).at[ids].set(True, mode="drop"))(banned_bN)
-            return jnp.where(hit_bV, -jnp.inf, logits_bV)
+    one is not matched (its earlier tokens would lie in the prompt). Placed as `logits_BV` is."""
+    def local(logits_bV, words_RX, tail_RT, slot_b, banning_b, specs):
+        vocab, at_b = logits_bV.shape[-1], jnp.maximum(slot_b, 0)
+        words_bNL = words_RX[at_b].reshape(-1, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS)
+        before_bNT, last_bN = words_bNL[..., :-1], words_bNL[..., -1]
+        follows_bN = jnp.all((before_bNT < 0) | (before_bNT == tail_RT[at_b][:, None, :]), axis=-1)
+        used_b1 = ((slot_b >= 0) & (banning_b > 0))[:, None]
+        banned_bN = jnp.where(used_b1 & follows_bN & (last_bN >= 0), last_bN, vocab)
+        hit_bV = jax.vmap(lambda ids: jnp.zeros(vocab, bool).at[ids].set(True, mode="drop"))(banned_bN)
+        return jnp.where(hit_bV, -jnp.inf, logits_bV)
 
-        args = [logits_BV, state.bad_words, state.tail, slot_B, rows.banning]
-        out = run_sharded(local, args, [SLOT_TABLE] * 3 + [SLOT_ROWS] * 2, [(SLOT_TABLE, logits_BV.shape)],
-                          "bad words")
-        return _like(out, logits_BV)
+    args = [logits_BV, state.bad_words, state.tail, slot_B, rows.banning]
+    out = run_sharded(local, args, [SLOT_TABLE] * 3 + [SLOT_ROWS] * 2, [(SLOT_TABLE, logits_BV.shape)], "bad words")
+    return _like(out, logits_BV)
 
-    return jax.lax.cond(jnp.any(banning(rows, slot_B)), ban, lambda logits: logits, logits_BV)
+
+def masking(rows, slot_B: jax.Array) -> jax.Array:
+    """[B] bool: the rows with a slot and allowed-token bits (a grammar, allowed_token_ids)."""
+    return (slot_B >= 0) & (rows.masked > 0)
 
 
 def banning(rows, slot_B: jax.Array) -> jax.Array:
@@ -257,50 +254,40 @@ def apply_penalties(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, r
     """The logits [B, V] (vocabulary whole) after each row's repetition penalty (ids of its prompt or its generated
     tokens: positive logits divided by it, negative ones multiplied), frequency penalty (minus it times each id's
     count among the generated tokens) and presence penalty (minus it for each id generated at least once), as vLLM
-    applies them; `rows` holds presence, frequency and repetition [B]. Rows of slot -1 are left as they are; a step
-    where no row has a penalty skips the work. The result is placed as `logits_BV` is."""
-    def penalize(logits_BV):
-        def local(logits_bV, counts_RV, prompt_RV, slot_b, presence_b, frequency_b, repetition_b, specs):
-            used_b = slot_b >= 0
-            at_b = jnp.maximum(slot_b, 0)
-            counts_bV = jnp.where(used_b[:, None], counts_RV[at_b], 0)
-            seen_bV = used_b[:, None] & (prompt_RV[at_b] | (counts_bV > 0))
-            repetition_bV = jnp.where(seen_bV, repetition_b[:, None], 1.0)
-            logits_bV = jnp.where(logits_bV > 0, logits_bV / repetition_bV, logits_bV * repetition_bV)
-            return logits_bV - frequency_b[:, None] * counts_bV - presence_b[:, None] * (counts_bV > 0)
+    applies them; `rows` holds presence, frequency and repetition [B]. Rows of slot -1 are left as they are. The
+    result is placed as `logits_BV` is."""
+    def local(logits_bV, counts_RV, prompt_RV, slot_b, presence_b, frequency_b, repetition_b, specs):
+        used_b = slot_b >= 0
+        at_b = jnp.maximum(slot_b, 0)
+        counts_bV = jnp.where(used_b[:, None], counts_RV[at_b], 0)
+        seen_bV = used_b[:, None] & (prompt_RV[at_b] | (counts_bV > 0))
+        repetition_bV = jnp.where(seen_bV, repetition_b[:, None], 1.0)
+        logits_bV = jnp.where(logits_bV > 0, logits_bV / repetition_bV, logits_bV * repetition_bV)
+        return logits_bV - frequency_b[:, None] * counts_bV - presence_b[:, None] * (counts_bV > 0)
 
-        args = [logits_BV, state.counts, state.prompt, slot_B, rows.presence, rows.frequency, rows.repetition]
-        out = run_sharded(local, args, [SLOT_TABLE] * 3 + [SLOT_ROWS] * 4, [(SLOT_TABLE, logits_BV.shape)],
-                          "penalties")
-        return _like(out, logits_BV)
-
-    return jax.lax.cond(jnp.any(penalized(rows, slot_B)), penalize, lambda logits: logits, logits_BV)
+    args = [logits_BV, state.counts, state.prompt, slot_B, rows.presence, rows.frequency, rows.repetition]
+    out = run_sharded(local, args, [SLOT_TABLE] * 3 + [SLOT_ROWS] * 4, [(SLOT_TABLE, logits_BV.shape)], "penalties")
+    return _like(out, logits_BV)
 
 
 def apply_bias(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, rows, position_B: jax.Array) -> jax.Array:
     """The logits [B, V] with each row's logit bias added (`rows.biased` [B] > 0: its slot's) and its slot's stop
     ids masked (-inf) while the new token's position `position_B` [B] is below `rows.min_position` [B] (the prompt's
-    length plus min_tokens). Rows of slot -1 are left as they are; a step where no row has either skips the work.
-    The result is placed as `logits_BV` is."""
-    biased_B, stopping_B = rows.biased > 0, position_B < rows.min_position
+    length plus min_tokens). Rows of slot -1 are left as they are. The result is placed as `logits_BV` is."""
+    def local(logits_bV, ids_RK, bias_RK, stops_RS, slot_b, biased_b, stopping_b, specs):
+        vocab = logits_bV.shape[-1]
+        at_b, used_b = jnp.maximum(slot_b, 0), slot_b >= 0
+        ids_bK = jnp.where((used_b & biased_b)[:, None] & (ids_RK[at_b] >= 0), ids_RK[at_b], vocab)
+        added_bV = jax.vmap(lambda ids, values: jnp.zeros(vocab).at[ids].add(values, mode="drop"))(
+            ids_bK, bias_RK[at_b])
+        stops_bS = jnp.where((used_b & stopping_b)[:, None] & (stops_RS[at_b] >= 0), stops_RS[at_b], vocab)
+        masked_bV = jax.vmap(lambda ids: jnp.zeros(vocab, bool).at[ids].set(True, mode="drop"))(stops_bS)
+        return jnp.where(masked_bV, -jnp.inf, logits_bV + added_bV)
 
-    def bias(logits_BV):
-        def local(logits_bV, ids_RK, bias_RK, stops_RS, slot_b, biased_b, stopping_b, specs):
-            vocab = logits_bV.shape[-1]
-            at_b, used_b = jnp.maximum(slot_b, 0), slot_b >= 0
-            ids_bK = jnp.where((used_b & biased_b)[:, None] & (ids_RK[at_b] >= 0), ids_RK[at_b], vocab)
-            added_bV = jax.vmap(lambda ids, values: jnp.zeros(vocab).at[ids].add(values, mode="drop"))(
-                ids_bK, bias_RK[at_b])
-            stops_bS = jnp.where((used_b & stopping_b)[:, None] & (stops_RS[at_b] >= 0), stops_RS[at_b], vocab)
-            masked_bV = jax.vmap(lambda ids: jnp.zeros(vocab, bool).at[ids].set(True, mode="drop"))(stops_bS)
-            return jnp.where(masked_bV, -jnp.inf, logits_bV + added_bV)
-
-        args = [logits_BV, state.bias_ids, state.bias, state.stops, slot_B, biased_B, stopping_B]
-        out = run_sharded(local, args, [SLOT_TABLE] * 4 + [SLOT_ROWS] * 3, [(SLOT_TABLE, logits_BV.shape)],
-                          "logit bias")
-        return _like(out, logits_BV)
-
-    return jax.lax.cond(jnp.any(biased(rows, slot_B, position_B)), bias, lambda logits: logits, logits_BV)
+    args = [logits_BV, state.bias_ids, state.bias, state.stops, slot_B, rows.biased > 0,
+            position_B < rows.min_position]
+    out = run_sharded(local, args, [SLOT_TABLE] * 4 + [SLOT_ROWS] * 3, [(SLOT_TABLE, logits_BV.shape)], "logit bias")
+    return _like(out, logits_BV)
 
 
 def record(state: SlotState, slot_B: jax.Array, token_B: jax.Array, rows) -> SlotState:
@@ -329,19 +316,14 @@ def keep_min_p(scaled_BV: jax.Array, min_p_B: jax.Array) -> jax.Array:
     return jnp.where((min_p_B[:, None] > 0) & (scaled_BV < floor_B1), -jnp.inf, scaled_BV)
 
 
-def top_logprobs(logprob_BV: jax.Array, count_B: jax.Array) -> tuple[jax.Array, jax.Array]:
+def top_logprobs(logprob_BV: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The MAX_TOP_LOGPROBS likeliest ids [B, K] int32 and their log-probabilities [B, K] float32 of each row,
-    best first, from the log-probabilities [B, V]; zeros in a step where no row asks for any (`count_B` [B])."""
-    def top(logprob_BV):
-        values_BK, ids_BK = jax.lax.top_k(logprob_BV, min(MAX_TOP_LOGPROBS, logprob_BV.shape[-1]))
-        short = MAX_TOP_LOGPROBS - values_BK.shape[-1]  # a vocabulary smaller than K (test models)
-        values_BK = jnp.pad(values_BK, ((0, 0), (0, short)), constant_values=-jnp.inf)
-        return jnp.pad(ids_BK.astype(jnp.int32), ((0, 0), (0, short))), values_BK
-
-    def none(logprob_BV):  # zeros from the same ops over K columns (no [B, V] top-k): both branches' types match
-        return tuple(jnp.zeros_like(result) for result in top(logprob_BV[:, :MAX_TOP_LOGPROBS]))
-
-    return jax.lax.cond(jnp.any(count_B > 0), top, none, logprob_BV)
+    best first, from the log-probabilities [B, V] (a vocabulary smaller than K, as test models have, padded with
+    id 0 at -inf)."""
+    values_BK, ids_BK = jax.lax.top_k(logprob_BV, min(MAX_TOP_LOGPROBS, logprob_BV.shape[-1]))
+    short = MAX_TOP_LOGPROBS - values_BK.shape[-1]
+    values_BK = jnp.pad(values_BK, ((0, 0), (0, short)), constant_values=-jnp.inf)
+    return jnp.pad(ids_BK.astype(jnp.int32), ((0, 0), (0, short))), values_BK
 
 
 def _like(x: jax.Array, like: jax.Array) -> jax.Array:

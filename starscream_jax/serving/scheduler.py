@@ -13,7 +13,7 @@ A sequence has its K/V for `computed` positions in the cache; it decodes when on
 (computed = len(tokens) - 1), and prefills while more are.
 
 A running sequence holds a slot of its shard (0 .. rows_per_shard - 1): the row of the engine's per-shard device
-buffers where each step leaves the sequence's newest token (`steps.paged_step`), so the next step can read a token
+buffers where each step leaves the sequence's newest token (`steps.sample_step`), so the next step can read a token
 the host has not seen yet. A token still on its way to the host is `PENDING` in `Sequence.generated`; a sequence
 holding one is not admitted again (its prompt pages would be recomputed from tokens the host does not have). A
 guided sequence (structured output: its next token's mask follows from its last token, `serving.guided`) whose

@@ -1,17 +1,20 @@
-"""The one serving step, compiled per bucket, and the per-row sampling it ends with.
+"""The serving step, compiled per bucket as two programs launched back to back, and the per-row sampling it ends with.
 
-  paged step  (params, rest, pages {"k", "v"[, "k_scale", "v_scale"]}, recent [shards * slots], slot state
-              (`sampling.SlotState`), StepInputs) -> (`Sampled`: tokens [B], log-probabilities [B] and the
-              likeliest tokens [B, K]; pages, recent, slot state): the tokens [B, S] of every row through the model
-              over the paged KV cache (`Transformer.paged`, pages donated, written in place), then each row's next
-              token drawn from the logits at its `last` index and left in its sequence's slot of `recent`
-              (donated), and counted in the slot state (donated) where a row has a penalty. A token the host
-              does not know yet (-1, sampled by the step before and not read back) is read from the row's slot,
-              so the engine builds and launches the next step while this one runs.
-              Decode runs it with S = 1 under the decode layout, prefill chunks with S > 1 under the prefill
-              layout; both layouts place the pages alike, so neither copies the cache. A scored prefill (phase
-              "scored", inputs packed with `following`) also returns each position's prompt log-probabilities
-              (`PromptScores`, beside `Sampled` in the one output array).
+  forward     (params, rest, pages {"k", "v"[, "k_scale", "v_scale"]}, recent [shards * slots], StepInputs) ->
+              (logits [B, V] at each row's last token, `SamplerRows`, pages, a scored prefill's scores): the tokens
+              [B, S] of every row through the model over the paged KV cache (`Transformer.paged`, pages donated,
+              written in place). A token the host does not know yet (-1, sampled by the step before and not read
+              back) is read from the row's slot of `recent`, so the engine builds and launches the next step while
+              this one runs. Decode runs it with S = 1 under the decode layout, prefill chunks with S > 1 under the
+              prefill layout; both layouts place the pages alike, so neither copies the cache.
+  sampler     (logits, `SamplerRows`, recent, slot state (`sampling.SlotState`), scores; `SamplerFeatures`, static)
+              -> (outputs [B, F]: `Sampled` packed, tokens [B], log-probabilities [B] and the likeliest tokens
+              [B, K], a scored prefill's `PromptScores` after them; recent, slot state): each row's next token drawn
+              from its logits, left in its sequence's slot of `recent` (donated) and counted in the slot state
+              (donated) where a row has a penalty. The host picks the passes each step needs (`SamplerFeatures.of`)
+              and runs the sampler compiled with those alone, so neither program holds a conditional (whose
+              predicate a GPU reads on the host, stalling the launch of the next step); a few small samplers per
+              bucket of rows serve every combination.
 
 A scored prefill is a program variant of its own, compiled at start only where the engine serves prompt
 log-probabilities (`EngineConfig.prompt_logprobs`, `Buckets.scored`): it projects every position onto the vocabulary
@@ -54,8 +57,10 @@ from .sampling import (
     apply_bias,
     apply_grammar,
     apply_penalties,
+    banning,
     biased,
     keep_min_p,
+    masking,
     penalized,
     record,
     top_logprobs,
@@ -247,15 +252,58 @@ class PackedInputs:
         return jax.tree.unflatten(tree, fields)
 
 
-def paged_step(graphdef, kernel: str, decode: bool = True, *, under: Placement | None) -> Jitted:
-    """The jitted paged step (see the module docstring) under `under` (`sharding.apply.jit`), its decode attention
-    `kernel` (`model.paged.KERNELS`: the engine's, resolved from the backend policy); the pages are donated. Decode steps compile with the backend policy's decode options (`BackendPolicy.decode_compiler_options`),
+@dataclass(frozen=True, kw_only=True)
+class SamplerFeatures:
+    """Which optional passes a step's sampler runs (`sample_rows`), decided by the host from the rows' settings and
+    compiled in (a static argument), so the compiled sampler holds no conditional: a GPU reads a conditional's
+    predicate on the host, which makes the host wait for the step to reach it before it can launch the next one
+    (measured: benchmarks/NOTES.md run 46). drawn: some row draws at a temperature above 0 (the sort of each row's
+    logits); extras: some row has a mask (grammar, allowed_token_ids), bad words, a logit bias or min_tokens mask
+    in force, or a penalty (the passes of `serving.sampling`, and the counts and tails the step keeps for them), or
+    asks for its likeliest tokens. Two flags, so that a server compiles four samplers per bucket of rows at start:
+    the plain and drawn ones most requests run, and each with every other pass. A pass that runs leaves the rows
+    that do not use it as they are, so each is exact for every row whatever else the step holds."""
+
+    drawn: bool = False
+    extras: bool = False
+
+    @classmethod
+    def of(cls, rows: RowSampling, slot_B: np.ndarray, position_B: np.ndarray) -> SamplerFeatures:
+        """The passes the host rows need: `rows` and `slot_B` [B] as a step's `StepInputs` hold them (numpy),
+        `position_B` [B] each row's new token's position."""
+        asked_B = (masking(rows, slot_B) | banning(rows, slot_B) | biased(rows, slot_B, position_B)
+                   | penalized(rows, slot_B) | (rows.top_logprobs > 0))
+        return cls(drawn=bool((rows.temperature > 0).any()), extras=bool(asked_B.any()))
+
+    @staticmethod
+    def every() -> tuple[SamplerFeatures, ...]:
+        """Every combination of the passes (what a server compiles at start for each bucket of rows)."""
+        return tuple(SamplerFeatures(drawn=drawn, extras=extras) for drawn in (False, True) for extras in (False, True))
+
+
+@register_dataclass
+@dataclass(frozen=True, kw_only=True)
+class SamplerRows:
+    """What the sampler reads of a step's rows, as the forward program leaves it on the devices: each row's settings
+    (`RowSampling` [B] fields), the position of the token it samples [B] and its slot [B] (-1: none)."""
+
+    sampling: RowSampling
+    position: jax.Array
+    slot: jax.Array
+
+
+def forward_step(graphdef, kernel: str, decode: bool = True, *, under: Placement | None) -> Jitted:
+    """The jitted model part of the paged step (see the module docstring) under `under` (`sharding.apply.jit`),
+    its decode attention `kernel` (`model.paged.KERNELS`: the engine's, resolved from the backend policy); the pages
+    are donated. (params, rest, pages, recent, packed `PackedInputs`) -> (logits [B, V] at each row's last token,
+    `SamplerRows`, pages, and in a scored prefill the rows' `PromptScores.packed` [B, S * SAMPLED_COLUMNS], else
+    None). Decode steps compile with the backend policy's decode options (`BackendPolicy.decode_compiler_options`),
     as the decode step does."""
     device = under.mesh.devices.flat[0] if under is not None else jax.devices()[0]
     options = dict(policy_of(device).decode_compiler_options) if decode else None
 
-    @jit(under=under, donate_argnums=(2, 3, 4), compiler_options=options)
-    def step(params, rest, pages, recent, slots: SlotState, packed: PackedInputs):
+    @jit(under=under, donate_argnums=(2,), compiler_options=options)
+    def step(params, rest, pages, recent, packed: PackedInputs):
         inputs = packed.unpacked()
         model = nnx.merge(graphdef, params, rest)
         cache = PagedCache(k=pages["k"], v=pages["v"], table=inputs.table, kernel=kernel, k_scale=pages.get("k_scale"),
@@ -264,16 +312,32 @@ def paged_step(graphdef, kernel: str, decode: bool = True, *, under: Placement |
         logits_BV, cache, *every_BSV = model.paged(tokens_BS, inputs.positions, inputs.last, cache,
                                                    every_position=packed.scored)
         positions_B = inputs.positions[:, 0] + inputs.last  # a row's positions run on from its first
-        sampled, slots = sample_rows(logits_BV, inputs.sampling, positions_B + 1, slots, inputs.slot)
-        outputs = sampled.packed()
-        if packed.scored:
-            outputs = jnp.concatenate([outputs, score_prompt(every_BSV[0], inputs.following).packed()], axis=1)
+        rows = SamplerRows(sampling=inputs.sampling, position=positions_B + 1, slot=inputs.slot)
+        scores = score_prompt(every_BSV[0], inputs.following).packed() if packed.scored else None
         written = {"k": cache.k, "v": cache.v}
         if cache.k_scale is not None:
             written.update(k_scale=cache.k_scale, v_scale=cache.v_scale)
-        return outputs, written, write_slots(recent, inputs.slot, sampled.token), slots
+        return logits_BV, rows, written, scores
 
     return step
+
+
+def sample_step(*, under: Placement | None) -> Jitted:
+    """The jitted sampler of the paged step under `under`: (logits [B, V], `SamplerRows`, recent, slot state,
+    scores [B, X] or None; `features`, static: `SamplerFeatures`) -> (outputs [B, F]: `Sampled.packed`, and a scored
+    prefill's scores after its columns, one array for one transfer to the host; recent with each row's token at its
+    slot; the slot state with the tokens counted), recent and the slot state donated. A program of its own beside
+    the forward one, so that the host picks the passes each step runs (no conditional in either program), and a
+    few small programs per bucket of rows serve every combination."""
+    @jit(under=under, donate_argnums=(2, 3), static_argnames=("features",))
+    def sample(logits_BV, rows: SamplerRows, recent, slots: SlotState, scores, features: SamplerFeatures):
+        sampled, slots = sample_rows(logits_BV, rows.sampling, rows.position, slots, rows.slot, features)
+        outputs = sampled.packed()
+        if scores is not None:
+            outputs = jnp.concatenate([outputs, scores], axis=1)
+        return outputs, write_slots(recent, rows.slot, sampled.token), slots
+
+    return sample
 
 
 def with_slot_tokens(tokens_BS: jax.Array, recent: jax.Array, slot_B: jax.Array) -> jax.Array:
@@ -299,27 +363,33 @@ def write_slots(recent: jax.Array, slot_B: jax.Array, token_B: jax.Array) -> jax
 
 
 def sample_rows(logits_BV: jax.Array, rows: RowSampling, position_B: jax.Array, slots: SlotState,
-                slot_B: jax.Array) -> tuple[Sampled, SlotState]:
+                slot_B: jax.Array, features: SamplerFeatures) -> tuple[Sampled, SlotState]:
     """Each row's next token, drawn for sequence position `position_B` [B] from the logits [B, V] (placed by the
     layout's ("batch", "vocab") rules) after its allowed-token bits, bad words, logit bias, min_tokens mask and
     penalties (`serving.sampling`, reading the row's slot `slot_B` [B] of `slots`, -1: none), with the model's
     log-probabilities of it and of the likeliest tokens (`Sampled`); `slots` with the tokens counted and the bad
-    words' tails extended. A step whose rows are all greedy and
-    plain takes the argmax alone; otherwise the sort that drawing needs and the work of each setting run only in
-    a step where some row asks for them (`jax.lax.cond`, each branch's result [B] where it can be, so the plain
-    path copies no [B, V] array)."""
+    words' tails extended. Only the passes `features` names run (the host's choice, `SamplerFeatures.of`): a step
+    of greedy, plain rows takes the argmax alone, the sort that drawing needs runs where some row draws."""
     with jax.named_scope("sample"):
         logits_BV = whole_vocabulary(logits_BV)
         rows, position_B, slot_B = jax.tree.map(lambda row_B: constrain(row_B, ("batch",), "sampling"),
                                                 (rows, position_B, slot_B))
         logprob_BV = jax.nn.log_softmax(logits_BV, axis=-1)  # the model's own, as vLLM returns them
-        logits_BV = apply_grammar(logits_BV, slots, slot_B, rows)  # before everything else, as vLLM masks
-        logits_BV = apply_bad_words(logits_BV, slots, slot_B, rows)
-        plain = ~jnp.any(rows.temperature > 0) & ~jnp.any(biased(rows, slot_B, position_B) | penalized(rows, slot_B))
-        token_B = jax.lax.cond(plain, _greedy, _adjusted, logits_BV, rows, position_B, slots, slot_B)
-        top_token_BK, top_logprob_BK = top_logprobs(logprob_BV, rows.top_logprobs)
+        if features.extras:  # in vLLM's order: the grammar's mask before everything else
+            logits_BV = apply_grammar(logits_BV, slots, slot_B, rows)
+            logits_BV = apply_bad_words(logits_BV, slots, slot_B, rows)
+            logits_BV = apply_bias(logits_BV, slots, slot_B, rows, position_B)
+            logits_BV = apply_penalties(logits_BV, slots, slot_B, rows)
+        token_B = _greedy(logits_BV)
+        if features.drawn:
+            token_B = _drawn(logits_BV, rows, position_B, token_B)
+        if features.extras:
+            top_token_BK, top_logprob_BK = top_logprobs(logprob_BV)
+        else:  # zeros placed as the rows are
+            top_logprob_BK = jnp.zeros_like(logprob_BV[:, :MAX_TOP_LOGPROBS])
+            top_token_BK = top_logprob_BK.astype(jnp.int32)
         sampled = Sampled(token_B, _at_column(logprob_BV, token_B)[:, 0], top_token_BK, top_logprob_BK)
-        return sampled, record(slots, slot_B, token_B, rows)
+        return sampled, record(slots, slot_B, token_B, rows) if features.extras else slots
 
 
 def score_prompt(logits_BSV: jax.Array, following_BS: jax.Array) -> PromptScores:
@@ -333,24 +403,14 @@ def score_prompt(logits_BSV: jax.Array, following_BS: jax.Array) -> PromptScores
         following_N = constrain(following_BS.reshape(rows * width), ("batch",), "prompt tokens")
         logprob_N = _at_column(logprob_NV, jnp.maximum(following_N, 0))[:, 0]
         rank_N = 1 + jnp.sum(logprob_NV > logprob_N[:, None], axis=-1, dtype=jnp.int32)
-        top_token_NK, top_logprob_NK = top_logprobs(logprob_NV, (following_N >= 0).astype(jnp.int32))
+        top_token_NK, top_logprob_NK = top_logprobs(logprob_NV)
         return PromptScores(logprob=logprob_N.reshape(rows, width), rank=rank_N.reshape(rows, width),
                             top_token=top_token_NK.reshape(rows, width, -1),
                             top_logprob=top_logprob_NK.reshape(rows, width, -1))
 
 
-def _greedy(logits_BV, *_):
+def _greedy(logits_BV):
     return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-
-
-def _adjusted(logits_BV, rows: RowSampling, position_B, slots: SlotState, slot_B):
-    """Each row's token after its bias, min_tokens mask and penalties: greedy, or drawn where its temperature is
-    above 0 (the sort only in a step where some row draws)."""
-    logits_BV = apply_bias(logits_BV, slots, slot_B, rows, position_B)
-    logits_BV = apply_penalties(logits_BV, slots, slot_B, rows)
-    greedy_B = _greedy(logits_BV)
-    return jax.lax.cond(jnp.any(rows.temperature > 0), _drawn, lambda *_: greedy_B, logits_BV, rows, position_B,
-                        greedy_B)
 
 
 def _drawn(logits_BV, rows: RowSampling, position_B, greedy_B):

@@ -19,7 +19,7 @@ from starscream_jax.inference.generate import generate
 from starscream_jax.model.hf_checkpoint import load_hf_model
 from starscream_jax.serving.engine import Engine, EngineConfig
 from starscream_jax.serving.scheduler import SamplingParams
-from starscream_jax.serving.steps import Buckets, cache_shards
+from starscream_jax.serving.steps import Buckets, SamplerFeatures, StepInputs, cache_shards
 
 ROWS, NEW_TOKENS = 8, 6
 WORKER = Path(__file__).with_name("multihost_serve_worker.py")
@@ -92,6 +92,18 @@ def test_steps_launched_ahead_give_the_tokens_of_steps_run_one_at_a_time(engine_
         assert stats.pages_used == 0 and stats.preemptions > 0 and not engine.busy
     assert ahead.generate([list(p) for p in prompts], sampled) == sync.generate([list(p) for p in prompts], sampled)
     assert sum(step.host_seconds for step in ahead.step_times) > 0
+
+
+def test_no_program_of_a_step_holds_a_conditional(engine_for):
+    """A GPU reads a conditional's predicate on the host, so a step holding one makes the host wait inside every
+    launch for the device to reach it (benchmarks/NOTES.md run 46): the forward programs and every sampler the
+    engine compiled at start (each combination of passes) are straight-line code."""
+    engine = engine_for("1x2x4")
+    texts = [engine.program(phase, StepInputs.zeros(ROWS, width, 16)).as_text()
+             for phase, width in (("decode", 1), ("prefill", 8))]
+    texts += [program.as_text() for program in engine._samplers.values()]
+    assert len(texts) == 2 + 2 * len(SamplerFeatures.every())
+    assert not [text for text in texts if " conditional(" in text]
 
 
 def test_one_by_one_equals_all_at_once(engine_for):

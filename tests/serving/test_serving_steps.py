@@ -1,4 +1,5 @@
-"""The serving step's per-row sampler (`serving.steps.sample_rows`) and what it applies before drawing
+"""The serving step's per-row sampler (`serving.steps.sample_rows`, its passes chosen as the engine chooses them,
+`SamplerFeatures.of`) and what it applies before drawing
 (`serving.sampling`: penalties, logit bias, min_tokens, min_p, top log-probabilities, the per-slot state) on tiny
 logits, compiled on the CPU: no model. Each setting is checked against a numpy reference of vLLM's definition.
 (Named apart from tests/training/test_steps.py: pytest imports test modules by their file name.)"""
@@ -27,6 +28,7 @@ from starscream_jax.serving.steps import (
     PromptScores,
     RowSampling,
     Sampled,
+    SamplerFeatures,
     StepInputs,
     sample_rows,
 )
@@ -41,6 +43,13 @@ def rows_with(**settings) -> RowSampling:
     neutral = RowSampling.neutral(B)
     return RowSampling(**{name: jnp.asarray(settings.get(name, getattr(neutral, name)),
                                             getattr(neutral, name).dtype) for name in neutral.__dataclass_fields__})
+
+
+def sample(logits, rows, position, state, slot):
+    """`sample_rows` jitted with the passes the host picks for these rows (`SamplerFeatures.of`), as the engine runs
+    it."""
+    features = SamplerFeatures.of(jax.tree.map(np.asarray, rows), np.asarray(slot), np.asarray(position))
+    return jax.jit(sample_rows, static_argnums=5)(logits, rows, position, state, slot, features)
 
 
 def filled_state(rng, prompt=None, generated=None, bias=(), stops=()) -> SlotState:
@@ -125,14 +134,14 @@ def test_logit_bias_forces_a_token_and_min_tokens_masks_the_stop_ids():
     want[np.arange(B), forced] += 100.0
     want[np.arange(B), greedy] -= 3.0
     np.testing.assert_allclose(biased, want, rtol=1e-6)
-    sampled, _ = jax.jit(sample_rows)(logits, rows_with(biased=np.ones(B)), position, state, slot)
+    sampled, _ = sample(logits, rows_with(biased=np.ones(B)), position, state, slot)
     np.testing.assert_array_equal(sampled.token, forced)
     # min_tokens: the stop id (here the greedy token) is masked while the new position is below min_position
     rows = rows_with(min_position=np.full(B, 11))
-    masked, _ = jax.jit(sample_rows)(logits, rows, position, state, slot)
+    masked, _ = sample(logits, rows, position, state, slot)
     second = np.argsort(np.asarray(logits), axis=-1)[:, -2]
     np.testing.assert_array_equal(masked.token, second)
-    reached, _ = jax.jit(sample_rows)(logits, rows, position + 1, state, slot)
+    reached, _ = sample(logits, rows, position + 1, state, slot)
     np.testing.assert_array_equal(reached.token, greedy)
     # the log-probabilities returned are the model's, before bias and masks
     np.testing.assert_allclose(masked.logprob, jax.nn.log_softmax(logits)[np.arange(B), second], rtol=1e-6)
@@ -144,7 +153,7 @@ def test_min_p_keeps_only_tokens_near_the_likeliest():
     drawn = set()
     for position in range(40):
         rows = rows_with(temperature=np.ones(B), min_p=np.full(B, 0.5), seed=np.arange(B))
-        sampled, _ = jax.jit(sample_rows)(logits, rows, jnp.full((B,), position, jnp.int32), state, slot)
+        sampled, _ = sample(logits, rows, jnp.full((B,), position, jnp.int32), state, slot)
         drawn |= set(np.asarray(sampled.token).tolist())
     assert drawn == {0, 1}  # 0.12 and 0.08 are below half of 0.5
 
@@ -153,13 +162,53 @@ def test_top_logprobs_are_log_softmaxs_best():
     logits = jax.random.normal(jax.random.key(3), (B, V)) * 2
     state, slot = SlotState.empty(SLOTS, V), jnp.arange(B, dtype=jnp.int32)
     counts = np.array([0, 1, 5, 20, 0, 0, 2, 3])
-    sampled, _ = jax.jit(sample_rows)(logits, rows_with(top_logprobs=counts), jnp.zeros((B,), jnp.int32), state, slot)
+    sampled, _ = sample(logits, rows_with(top_logprobs=counts), jnp.zeros((B,), jnp.int32), state, slot)
     want = np.asarray(jax.nn.log_softmax(logits, axis=-1))
     order = np.argsort(-want, axis=-1)[:, :MAX_TOP_LOGPROBS]
     np.testing.assert_array_equal(sampled.top_token, order)
     np.testing.assert_allclose(sampled.top_logprob, np.take_along_axis(want, order, -1), rtol=1e-6)
-    none, _ = jax.jit(sample_rows)(logits, rows_with(), jnp.zeros((B,), jnp.int32), state, slot)
+    none, _ = sample(logits, rows_with(), jnp.zeros((B,), jnp.int32), state, slot)
     assert not np.asarray(none.top_logprob).any()  # skipped where no row asks
+
+
+@pytest.mark.parametrize("setting, passes", [
+    ({}, SamplerFeatures()), ({"temperature": 0.8}, SamplerFeatures(drawn=True)),
+    ({"top_logprobs": 3}, SamplerFeatures(extras=True)), ({"presence": 0.5}, SamplerFeatures(extras=True)),
+    ({"frequency": -0.5}, SamplerFeatures(extras=True)), ({"repetition": 1.2}, SamplerFeatures(extras=True)),
+    ({"biased": 1}, SamplerFeatures(extras=True)), ({"masked": 1}, SamplerFeatures(extras=True)),
+    ({"banning": 1}, SamplerFeatures(extras=True)),
+    ({"min_position": 11}, SamplerFeatures(extras=True)), ({"min_position": 10}, SamplerFeatures()),
+])
+def test_the_host_picks_the_passes_one_row_needs(setting, passes):
+    """One row of eight asks for a setting (the new token at position 10); the settings read from a slot ask for
+    nothing where the row has none."""
+    neutral = RowSampling.neutral(B)
+    rows = RowSampling(**{name: getattr(neutral, name).copy() for name in neutral.__dataclass_fields__})
+    for name, value in setting.items():
+        getattr(rows, name)[3] = value
+    position = np.full(B, 10, np.int32)
+    assert SamplerFeatures.of(rows, np.arange(B, dtype=np.int32), position) == passes
+    if passes.extras and "top_logprobs" not in setting:
+        assert SamplerFeatures.of(rows, np.where(np.arange(B) == 3, -1, 0).astype(np.int32), position) == \
+            SamplerFeatures()
+
+
+def test_a_pass_that_runs_for_one_row_leaves_the_others_as_the_plain_sampler_does():
+    """Penalties, bias, top log-probabilities and drawing in one step, each asked for by one row: every other row's
+    token and log-probability equal the plain (greedy, no pass) sampler's."""
+    rng = np.random.default_rng(6)
+    logits = jnp.asarray(rng.normal(size=(B, V)), jnp.float32)
+    state = filled_state(rng, [[1, 2]] * SLOTS, [[3, 3]] * SLOTS, [(4, 5.0)])
+    slot, position = jnp.arange(B, dtype=jnp.int32), jnp.full((B,), 7, jnp.int32)
+    rows = rows_with(presence=np.eye(B)[0], biased=np.eye(B)[1], top_logprobs=np.eye(B)[2] * 4,
+                     temperature=np.eye(B)[3], seed=np.arange(B))
+    mixed, _ = sample(logits, rows, position, state, slot)
+    plain, _ = sample(logits, rows_with(), position, state, slot)
+    assert SamplerFeatures.of(jax.tree.map(np.asarray, rows), np.asarray(slot), np.asarray(position)) == \
+        SamplerFeatures(drawn=True, extras=True)
+    np.testing.assert_array_equal(mixed.token[4:], plain.token[4:])
+    np.testing.assert_array_equal(mixed.logprob[4:], plain.logprob[4:])
+    assert mixed.token[1] == 4  # the biased row took its bias
 
 
 def test_a_slot_refuses_more_bias_entries_than_it_holds():
@@ -173,7 +222,7 @@ def test_a_nucleus_too_small_for_any_token_keeps_the_most_likely(top_p):
     every row drew token 0 (a special token in most vocabularies)."""
     logits_BV = jax.random.normal(jax.random.key(0), (B, V)) * 3
     rows = rows_with(temperature=np.full(B, 0.7), top_p=np.full(B, top_p), seed=np.arange(B))
-    sampled, _ = jax.jit(sample_rows)(logits_BV, rows, jnp.arange(B, dtype=jnp.int32), SlotState.empty(SLOTS, V),
+    sampled, _ = sample(logits_BV, rows, jnp.arange(B, dtype=jnp.int32), SlotState.empty(SLOTS, V),
                                       jnp.arange(B, dtype=jnp.int32))
     np.testing.assert_array_equal(sampled.token, jnp.argmax(logits_BV, axis=-1))
     np.testing.assert_allclose(sampled.logprob, jnp.max(jax.nn.log_softmax(logits_BV, axis=-1), axis=-1), rtol=1e-6)
@@ -193,8 +242,10 @@ def test_on_a_mesh_each_shard_reads_and_counts_its_own_slots():
                      biased=np.ones(B), min_position=np.full(B, 5))
     position = jnp.full((B,), 3, jnp.int32)
 
+    features = SamplerFeatures.of(jax.tree.map(np.asarray, rows), np.asarray(global_slot), np.asarray(position))
+
     def step(logits, state, slot):
-        sampled, state = sample_rows(logits, rows, position, state, slot)
+        sampled, state = sample_rows(logits, rows, position, state, slot, features)
         return apply_penalties(apply_bias(logits, state, slot, rows, position), state, slot, rows), sampled, state
 
     want_logits, want, want_state = jax.jit(step)(logits, state, global_slot)
