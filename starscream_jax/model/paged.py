@@ -8,8 +8,8 @@ writing and reading the cache are local to a device: no page is stored twice and
 each page's positions in order with their kv heads, as cuDNN's paged attention reads them (no copy per step) and as
 a row's gathered pages are laid out ([B, M * page_size, K, E] is a reshape of the gathered [B, M, page_size, K, E]).
 
-Positions of padding (rows without a sequence, tokens past a row's chunk) are -1: they write to page 0 of their
-shard, the null page no sequence holds, and their outputs are discarded.
+Positions of padding (rows without a sequence, tokens past a row's chunk) are -1: they write nothing, read page 0 of
+their shard (the null page no sequence holds) and their outputs are discarded.
 
 An 8-bit cache (the model's `kv_format`: int8 or an fp8 format) holds the pages in that format and beside them a
 float32 scale per position and kv head [pages, page_size, K] (SCALES, placed as the pages are): each new key or value
@@ -182,13 +182,14 @@ def _written(pools, k_BSKE, v_BSKE, positions_BS, table_BM) -> tuple:
 
 def _write(pages_PAKE, new_BSKE, positions_BS, table_BM):
     """The pages with each valid token's key (or value) written at (its row's page of its position, slot); also
-    scales [pages, page_size, K] from new scales [B, S, K]."""
+    scales [pages, page_size, K] from new scales [B, S, K]. Padding (position -1) is dropped, not written: sent to
+    one place, the padding of a prefill chunk (thousands of positions when a cached prefix leaves a few tokens to
+    compute) made the scatter collide on one entry, which a GPU serializes (benchmarks/NOTES.md run 48)."""
     page_size = pages_PAKE.shape[1]
     valid = positions_BS >= 0
     at = jnp.maximum(positions_BS, 0)
-    page_BS = jnp.where(valid, jnp.take_along_axis(table_BM, at // page_size, axis=1), 0)
-    slot_BS = jnp.where(valid, at % page_size, 0)
-    return pages_PAKE.at[page_BS, slot_BS].set(new_BSKE.astype(pages_PAKE.dtype))
+    page_BS = jnp.where(valid, jnp.take_along_axis(table_BM, at // page_size, axis=1), pages_PAKE.shape[0])
+    return pages_PAKE.at[page_BS, at % page_size].set(new_BSKE.astype(pages_PAKE.dtype), mode="drop")
 
 
 def _gathered_attention(q_BSHE, pools, positions_BS, table_BM, q_axes, kv_axes, group,

@@ -3,7 +3,7 @@
 The cache of each layer is [pages, page_size, K, E] (`model.paged`); its page dimension is split over the mesh axes
 that split the attention batch (the partitions under the starscream layouts), so each shard holds its own pages
 and its own sequences. A `ShardPages` allocates that shard's pages by local index; index 0 is never handed out: it
-is the shard's null page, where padding rows and padding positions write and which nothing reads.
+is the shard's null page, which the block tables of padding rows point at and nothing writes.
 
 A full page of a prompt is registered under a hash of every token up to its end (the chain of its page's tokens and
 its predecessor's hash), so a later prompt with the same prefix reuses the page, counted once per holder. A page no

@@ -1,4 +1,4 @@
-"""The paged KV cache's per-device op: new keys and values land in their rows' pages (padding in the null page only),
+"""The paged KV cache's per-device op: new keys and values land in their rows' pages (padding nowhere),
 and paged attention (the gather path everywhere, cuDNN's paged kernel on a GPU) equals dense attention over each
 row's positions."""
 import jax
@@ -88,13 +88,13 @@ def test_gemma_2s_scaled_capped_windowed_attention_reads_the_pages_as_the_dense_
         assert np.abs(np.asarray(out) - np.asarray(whole)).max() > 1e-3  # the window bites
 
 
-def test_padding_writes_only_the_null_page_and_prefill_is_causal():
+def test_padding_writes_nothing_and_prefill_is_causal():
     q, k, v, table, pages_k, pages_v = _inputs(1)
     q, k, v = (jnp.concatenate([x, x * 0.5, x * 2.0], axis=1) for x in (q, k, v))  # 3 positions per row
     positions = jnp.array([[4, 5, -1], [0, 1, 2]], jnp.int32)
     out, layer = jax.jit(paged_attention)(q, k, v, positions, PagedLayer(k=pages_k, v=pages_v, table=table))
     changed = set(_written_slots(pages_k, layer.k))
-    assert changed == {(7, 0), (7, 1), (5, 0), (5, 1), (5, 2), (0, 0)}  # (0, 0): the padding, in the null page
+    assert changed == {(7, 0), (7, 1), (5, 0), (5, 1), (5, 2)}  # the padding dropped, the null page untouched
     keys, values = _dense(q, layer.k, table, 1, 3), _dense(q, layer.v, table, 1, 3)
     expected = jax.nn.dot_product_attention(q[1:], keys, values, is_causal=True)
     np.testing.assert_allclose(out[1:], expected, rtol=2e-5, atol=2e-5)
