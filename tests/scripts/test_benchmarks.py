@@ -13,7 +13,7 @@ SLOW = {"bench_serve", "bench_mfu"}
 """Quick runs left to -m slow: bench_serve's takes over a minute on two cores (it compiles its twelve serving programs,
 then serves twice over HTTP); bench_mfu's figures are checked by tests/scripts/test_bench_mfu.py."""
 BENCHMARKS = ("bench_decode", "bench_grouped_matmul", "bench_kernels", "bench_mfu", "bench_moe", "bench_paged_attention",
-              "bench_serve", "bench_train_step")
+              "bench_sampler", "bench_serve", "bench_train_step")
 
 
 def load(name: str):
