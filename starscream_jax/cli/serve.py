@@ -341,7 +341,8 @@ def build_engine(args: argparse.Namespace) -> ReadyEngine:
     seconds = warm_up(engine, show=leader)
     phases.end("programs")
     if leader:
-        print(f"starscream serve: {engine.buckets.programs()} programs compiled in {seconds:.1f} s "
+        print(f"starscream serve: {engine.buckets.programs()} programs and {engine.samplers} samplers compiled in "
+              f"{seconds:.1f} s "
               f"(compilation cache: {args.compilation_cache or 'off'}); the engine's start: {phases}", flush=True)
     return ReadyEngine(engine=engine, tokenizer=tokenizer, info=msgspec.structs.replace(engine.info(), model_name=name),
                        follows=not leader)
@@ -391,7 +392,11 @@ def warm_up(engine, show: bool) -> float:
     started = time.perf_counter()
     with tqdm(total=engine.buckets.programs(), desc="compiling", unit="program", disable=not show,
               file=sys.stderr) as bar:
-        engine.warm_up(lambda done, total: bar.update(1))
+        def progress(done: int, total: int) -> None:  # the total holds the samplers too
+            bar.total = total
+            bar.update(done - bar.n)
+
+        engine.warm_up(progress)
     return time.perf_counter() - started
 
 

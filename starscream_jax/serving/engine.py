@@ -496,6 +496,11 @@ class Engine:
         self.scheduler.config = dataclasses.replace(self.scheduler.config, prefix_caching=enabled)
 
     @property
+    def samplers(self) -> int:
+        """How many samplers are compiled (`steps.sample_step`: one per bucket of rows and combination of passes)."""
+        return len(self._samplers)
+
+    @property
     def context(self) -> int:
         """The most positions a sequence may reach: the max model length, or less where the largest page bucket
         holds fewer."""
