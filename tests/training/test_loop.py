@@ -251,6 +251,18 @@ def test_a_non_finite_loss_stops_the_run_and_no_checkpoint_holds_non_finite_weig
         assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
+@pytest.fixture
+def interactive_sigint():
+    """SIGINT as a terminal delivers it (Python's default handler, not blocked), whatever an earlier test of this
+    process left (once in a full suite run the first Ctrl-C below was never handled), restored afterwards."""
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    yield
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    signal.signal(signal.SIGINT, handler)
+
+
+@pytest.mark.usefixtures("interactive_sigint")
 def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(tmp_path, one_device, monkeypatch):
     add = loop.LossLog.add
 
@@ -268,6 +280,7 @@ def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(tmp_path, one_device, 
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+@pytest.mark.usefixtures("interactive_sigint")
 def test_second_ctrl_c_exits_at_once(monkeypatch, capsys):
     exits = []
     monkeypatch.setattr(loop.os, "_exit", exits.append)
