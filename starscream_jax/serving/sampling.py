@@ -316,11 +316,31 @@ def keep_min_p(scaled_BV: jax.Array, min_p_B: jax.Array) -> jax.Array:
     return jnp.where((min_p_B[:, None] > 0) & (scaled_BV < floor_B1), -jnp.inf, scaled_BV)
 
 
-def top_logprobs(logprob_BV: jax.Array) -> tuple[jax.Array, jax.Array]:
+TOP_LOGPROBS_BLOCK = 1024
+"""Ids per block of the top log-probabilities' first stage (`top_logprobs`)."""
+
+
+def top_logprobs(logprob_BV: jax.Array, block: int | None = TOP_LOGPROBS_BLOCK) -> tuple[jax.Array, jax.Array]:
     """The MAX_TOP_LOGPROBS likeliest ids [B, K] int32 and their log-probabilities [B, K] float32 of each row,
     best first, from the log-probabilities [B, V] (a vocabulary smaller than K, as test models have, padded with
-    id 0 at -inf)."""
-    values_BK, ids_BK = jax.lax.top_k(logprob_BV, min(MAX_TOP_LOGPROBS, logprob_BV.shape[-1]))
+    id 0 at -inf).
+
+    In two stages where the vocabulary holds more than two blocks (`block` None: one): the K best of each block of
+    `block` ids [B, V/block, K], then the K best of those. `lax.top_k` over a whole row of a large vocabulary at
+    K = 20 costs a full sort on a GPU (2.2 ms at 256 rows x 128,256 ids on an H200, a quarter of that at K = 16);
+    the blocks' sorts are short. The result is exact and ties keep `lax.top_k`'s order (the lower id first): the
+    second stage sees the candidates block by block, each block's best first."""
+    rows, vocab = logprob_BV.shape
+    if block is None or vocab <= 2 * block:
+        values_BK, ids_BK = jax.lax.top_k(logprob_BV, min(MAX_TOP_LOGPROBS, vocab))
+    else:
+        blocks = -(-vocab // block)
+        padded_BNb = jnp.pad(logprob_BV, ((0, 0), (0, blocks * block - vocab)),
+                             constant_values=-jnp.inf).reshape(rows, blocks, block)
+        local_BNK, local_ids_BNK = jax.lax.top_k(padded_BNb, MAX_TOP_LOGPROBS)
+        values_BK, at_BK = jax.lax.top_k(local_BNK.reshape(rows, -1), MAX_TOP_LOGPROBS)
+        global_ids_BC = (local_ids_BNK + block * jnp.arange(blocks)[:, None]).reshape(rows, -1)
+        ids_BK = jnp.take_along_axis(global_ids_BC, at_BK, axis=-1)
     short = MAX_TOP_LOGPROBS - values_BK.shape[-1]
     values_BK = jnp.pad(values_BK, ((0, 0), (0, short)), constant_values=-jnp.inf)
     return jnp.pad(ids_BK.astype(jnp.int32), ((0, 0), (0, short))), values_BK

@@ -20,6 +20,7 @@ from starscream_jax.serving.sampling import (
     apply_penalties,
     record,
     reset_slot,
+    top_logprobs,
     write_masks,
 )
 from starscream_jax.serving.steps import (
@@ -169,6 +170,18 @@ def test_top_logprobs_are_log_softmaxs_best():
     np.testing.assert_allclose(sampled.top_logprob, np.take_along_axis(want, order, -1), rtol=1e-6)
     none, _ = sample(logits, rows_with(), jnp.zeros((B,), jnp.int32), state, slot)
     assert not np.asarray(none.top_logprob).any()  # skipped where no row asks
+
+
+@pytest.mark.parametrize("vocab, block", [(1000, 64), (4096, 1024), (130, 64)])
+def test_top_logprobs_in_blocks_equal_one_top_k_ties_and_padding_included(vocab, block):
+    values = np.round(np.asarray(jax.random.normal(jax.random.key(4), (3, vocab))), 1)  # many ties
+    values[1, ::3] = -np.inf
+    values[2, :] = 0.0  # every id tied: the lowest ids first
+    ids, best = top_logprobs(jnp.asarray(values), block=block)
+    want_ids, want = top_logprobs(jnp.asarray(values), block=None)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(best, want)
+    np.testing.assert_array_equal(want_ids[2], np.arange(MAX_TOP_LOGPROBS))
 
 
 @pytest.mark.parametrize("setting, passes", [
