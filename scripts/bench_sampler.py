@@ -2,7 +2,7 @@
 passes, `SamplerFeatures`) and each pass alone, at several rows over a vocabulary's logits.
 
 Passes alone: the top log-probabilities (`lax.top_k` at k = 20, the most a request asks for, and at 16 and 8 beside
-it; `sampling.top_logprobs` in one stage and in two at several block sizes), the argmax a greedy row takes, the log-softmax every row's log-probability comes from, the sort a drawing row
+it; `sampling.top_logprobs` in rounds of several sizes), the argmax a greedy row takes, the log-softmax every row's log-probability comes from, the sort a drawing row
 needs, and `serving.sampling`'s penalties, logit bias, grammar mask, bad words and the counts the step keeps. The
 samplers run as the engine runs them: recent tokens and slot state donated from each call to the next; rows of the
 "extras" samplers ask for penalties, a bias and 5 top log-probabilities, those of the "drawn" ones a temperature of 1.
@@ -21,8 +21,8 @@ ROWS = (64, 256)
 """Rows per step: a server's middle and largest decode buckets (Llama 3 8B, one H200)."""
 VOCAB = 128256
 """Llama 3's vocabulary."""
-BLOCKS = (None, 256, 512, 1024, 2048, 4096)
-"""Block sizes of the top log-probabilities' first stage timed side by side (None: one `lax.top_k` over the row)."""
+ROUNDS = (None, 16, 10, 8)
+"""The most ids per round of the top log-probabilities timed side by side (None: one `lax.top_k` of 20)."""
 
 
 def passes(rows: int, vocab: int) -> dict:
@@ -36,8 +36,8 @@ def passes(rows: int, vocab: int) -> dict:
     asked, state = sampler_rows(rows, extras=True, drawn=False), sampling.SlotState.empty(rows, vocab)
     slot, position = jnp.arange(rows, dtype=jnp.int32), jnp.full((rows,), 100, jnp.int32)
     found = {f"top_k {k}": (jax.jit(lambda x, k=k: jax.lax.top_k(x, k)), (logits,)) for k in (20, 16, 8)}
-    found.update({f"top_logprobs block {block}": (jax.jit(lambda x, block=block: sampling.top_logprobs(x, block)),
-                                                  (logits,)) for block in BLOCKS})
+    found.update({f"top_logprobs rounds of {size}": (jax.jit(lambda x, size=size: sampling.top_logprobs(x, size)),
+                                                      (logits,)) for size in ROUNDS})
     found.update({"argmax": (jax.jit(lambda x: jnp.argmax(x, -1)), (logits,)),
                   "log_softmax": (jax.jit(lambda x: jax.nn.log_softmax(x, -1)), (logits,)),
                   "sort": (jax.jit(lambda x: jnp.sort(x, -1)), (logits,)),

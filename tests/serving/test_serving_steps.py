@@ -172,16 +172,20 @@ def test_top_logprobs_are_log_softmaxs_best():
     assert not np.asarray(none.top_logprob).any()  # skipped where no row asks
 
 
-@pytest.mark.parametrize("vocab, block", [(1000, 64), (4096, 1024), (130, 64)])
-def test_top_logprobs_in_blocks_equal_one_top_k_ties_and_padding_included(vocab, block):
-    values = np.round(np.asarray(jax.random.normal(jax.random.key(4), (3, vocab))), 1)  # many ties
+@pytest.mark.parametrize("vocab, per_round", [(1000, 16), (1000, 7), (24, 16)])
+def test_top_logprobs_in_rounds_equal_one_top_k_ties_and_minus_infinity_included(vocab, per_round):
+    values = np.round(np.asarray(jax.random.normal(jax.random.key(4), (4, vocab))), 1)  # many ties
     values[1, ::3] = -np.inf
     values[2, :] = 0.0  # every id tied: the lowest ids first
-    ids, best = top_logprobs(jnp.asarray(values), block=block)
-    want_ids, want = top_logprobs(jnp.asarray(values), block=None)
+    values[3, :] = -np.inf
+    values[3, [5, 9]] = [-1.0, -2.0]  # two ids possible: then every impossible id, the lowest first
+    ids, best = top_logprobs(jnp.asarray(values), per_round=per_round)
+    want_ids, want = top_logprobs(jnp.asarray(values), per_round=None)
     np.testing.assert_array_equal(ids, want_ids)
     np.testing.assert_array_equal(best, want)
     np.testing.assert_array_equal(want_ids[2], np.arange(MAX_TOP_LOGPROBS))
+    np.testing.assert_array_equal(want_ids[3, :4], [5, 9, 0, 1])
+    assert len(set(np.asarray(ids[3]).tolist())) == MAX_TOP_LOGPROBS
 
 
 @pytest.mark.parametrize("setting, passes", [
