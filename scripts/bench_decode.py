@@ -52,9 +52,10 @@ GEMM_WEIGHT = (4096, 14336)
 """Shape of each weight of the GEMM read pass: Llama 3 8B's gate projection, the largest of its decode's reads."""
 GEMM_ROWS = 8
 """Token rows of the GEMM read pass: the rows XLA pads a decode GEMM to on the tensor cores."""
-ATTENTION_ROWS, ATTENTION_HEADS, ATTENTION_KV_HEADS, ATTENTION_HEAD_DIM = 64, 32, 8, 128
-"""The attention read pass: one query per row over a cache of as many positions as fill the array, Llama 3 8B's
-heads (decode attention at batch 64, which reads at the HBM rate on an H200: benchmarks/NOTES.md run 39)."""
+ATTENTION_POSITIONS, ATTENTION_HEADS, ATTENTION_KV_HEADS, ATTENTION_HEAD_DIM = 4096, 32, 8, 128
+"""The attention read pass: one query per row over a cache of 4,096 positions, as many rows as fill the array,
+Llama 3 8B's heads (decode attention at 64 rows x 4,096 reads 4.0 TB/s on an H200, benchmarks/NOTES.md run 39,
+where 64 rows over the 16,384 positions of a 4 GiB array read 2.1: run 53)."""
 WARM_SECONDS = 0.5
 """How long each bandwidth pass runs before it is timed: the first GPU work of the process finds the clocks at idle
 (an H200 reads 345 MHz before work, 1980 MHz under it), which a few milliseconds of timed calls would measure."""
@@ -68,7 +69,7 @@ def measured_bandwidth(gigabytes: float, repeats: int = 10, warm_seconds: float 
     GEMM_ROWS rows times each of as many separate GEMM_WEIGHT weights as fill `gigabytes`, compiled with the
     backend's decode options (`BackendPolicy.decode_compiler_options`): how a decode step reads its weights, one
     GEMM per projection, each weight its own buffer; "read_attention", decode attention (`ops.fused_attention`:
-    cuDNN's on NVIDIA GPUs) of ATTENTION_ROWS queries over the array held as their keys and values, as a decode step
+    cuDNN's on NVIDIA GPUs), one query per row over the array held as rows of keys and values, as a decode step
     reads its cache. "read" is the fastest: the ceiling benchmarks divide by (a single sum's last reduction stages
     leave most of the chip idle, and a GEMV of one huge weight splits its reduction poorly: on an H200 both read
     near 2.2 TB/s, where cuDNN's decode attention reads 4.0)."""
@@ -104,21 +105,22 @@ def measured_bandwidth(gigabytes: float, repeats: int = 10, warm_seconds: float 
 
 def attention_read_pass(x) -> tuple:
     """(the jitted pass, its arguments, the bytes it reads) of "read_attention": the values of `x` (a flat bfloat16
-    array) as the keys and values [ATTENTION_ROWS, T, ATTENTION_KV_HEADS, ATTENTION_HEAD_DIM] each (T as many
-    positions as fit; copied into arrays of their own before the clock, so the kernel reads them in place), every
-    position visible to its row's one query."""
+    array) as the keys and values [R, ATTENTION_POSITIONS, ATTENTION_KV_HEADS, ATTENTION_HEAD_DIM] each (R as many
+    rows as fit, fewer positions where not one row fits; copied into arrays of their own before the clock, so the
+    kernel reads them in place), every position visible to its row's one query."""
     import jax
     import jax.numpy as jnp
 
     from starscream_jax.model.ops import fused_attention
 
-    per_position = ATTENTION_ROWS * ATTENTION_KV_HEADS * ATTENTION_HEAD_DIM
-    positions = max(1, x.size // (2 * per_position))
-    shape = (ATTENTION_ROWS, positions, ATTENTION_KV_HEADS, ATTENTION_HEAD_DIM)
-    count = per_position * positions
+    per_position = ATTENTION_KV_HEADS * ATTENTION_HEAD_DIM
+    positions = min(ATTENTION_POSITIONS, x.size // (2 * per_position))  # fewer in a small array (--quick)
+    rows = x.size // (2 * per_position * positions)
+    shape = (rows, positions, ATTENTION_KV_HEADS, ATTENTION_HEAD_DIM)
+    count = per_position * positions * rows
     keys, values = x[:count].reshape(shape), x[count:2 * count].reshape(shape)
-    q = jnp.ones((ATTENTION_ROWS, 1, ATTENTION_HEADS, ATTENTION_HEAD_DIM), jnp.bfloat16)
-    lengths = jnp.full((ATTENTION_ROWS,), positions, jnp.int32)
+    q = jnp.ones((rows, 1, ATTENTION_HEADS, ATTENTION_HEAD_DIM), jnp.bfloat16)
+    lengths = jnp.full((rows,), positions, jnp.int32)
     attend = jax.jit(lambda q, keys, values: fused_attention(q, keys, values, key_value_seq_lengths=lengths))
     return attend, (q, keys, values), 2 * count * 2
 

@@ -364,7 +364,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rate", type=float, default=math.inf, help="requests per second (B, custom; inf: at once)")
     parser.add_argument("--random-lengths", action="store_true", help="custom workload: lengths drawn")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=int, help="most tokens per step (default: the server's)")
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--kernel", default="", choices=["", "gather", "cudnn"],
                         help="paged decode attention (default: the backend's, cuDNN's paged kernel on NVIDIA GPUs)")
@@ -396,8 +396,9 @@ def serve_args(args, model_dir: Path, workloads: list[Workload]) -> list[str]:
     """The `starscream serve` flags of this run, which the in-process engine is built from too."""
     longest = max(int((w.prompt + w.output) * (1.5 if w.random_lengths else 1.0)) for w in workloads)
     flags = ["--model-dir", str(model_dir), "--max-num-seqs", str(args.max_num_seqs), "--max-model-len",
-             str(max(longest, 16)), "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--chunk",
-             str(args.chunk), "--compilation-cache", str(args.work_dir / "compiled")]
+             str(max(longest, 16)), "--chunk", str(args.chunk), "--compilation-cache", str(args.work_dir / "compiled")]
+    if args.max_num_batched_tokens:
+        flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.kernel:
         flags += ["--kernel", args.kernel]
     if args.no_overlap:

@@ -71,8 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                             "(default: the model's context)")
     engine.add_argument("--max-num-seqs", "--max-seqs", type=count, default=256, dest="max_num_seqs",
                         help="most sequences running at once, over every cache shard (default 256)")
-    engine.add_argument("--max-num-batched-tokens", "--token-budget", type=count, default=2048,
-                        dest="max_num_batched_tokens", help="most tokens one step computes (default 2048)")
+    engine.add_argument("--max-num-batched-tokens", "--token-budget", type=count, dest="max_num_batched_tokens",
+                        help="most tokens one step computes (default, as vLLM's server: 8192 on GPUs of 70 GiB or "
+                             "more, 2048 on smaller ones and on the CPU)")
     engine.add_argument("--chunk", type=count, default=512, help="most prompt tokens of one sequence per step "
                                                                  "(chunked prefill; default 512)")
     engine.add_argument("--page-size", type=count, default=16, help="positions per KV page (default 16)")
@@ -234,14 +235,18 @@ def _float_flag(text: str, accepted, fix: str) -> float:
     return value
 
 
-def engine_config(args: argparse.Namespace, shards: int):
+def engine_config(args: argparse.Namespace, shards: int, mesh=None):
     """The engine configuration the flags ask for, over `shards` cache shards (--max-num-seqs is split among
-    them)."""
+    them), the step's tokens by the memory of `mesh`'s GPUs where --max-num-batched-tokens is not given."""
+    from ..hardware.axes import XCD
+    from ..serving.capacity import default_token_budget, local_devices_of
     from ..serving.engine import EngineConfig
 
+    token_budget = args.max_num_batched_tokens or default_token_budget(
+        local_devices_of(mesh), args.gpu_memory_utilization, mesh.shape.get(XCD, 1) if mesh is not None else 1)
     return EngineConfig(page_size=args.page_size, pages_per_shard=args.cache_pages,
                         rows_per_shard=math.ceil(args.max_num_seqs / shards),
-                        token_budget=args.max_num_batched_tokens, chunk=args.chunk, kernel=args.kernel,
+                        token_budget=token_budget, chunk=args.chunk, kernel=args.kernel,
                         max_model_len=args.max_model_len, memory_utilization=args.gpu_memory_utilization,
                         overlap=args.overlap, prompt_logprobs=args.enable_prompt_logprobs)
 
@@ -327,7 +332,7 @@ def build_engine(args: argparse.Namespace) -> ReadyEngine:
     phases.end("model")
     channel = StepBroadcast() if jax.process_count() > 1 else None  # a mesh spanning processes: 0 schedules
     shards = cache_shards(args.decode_layout, mesh)
-    engine = Engine(model, engine_config(args, shards), mesh, args.prefill_layout, args.decode_layout, channel)
+    engine = Engine(model, engine_config(args, shards, mesh), mesh, args.prefill_layout, args.decode_layout, channel)
     leader = channel is None or channel.leader
     try:
         engine.use_tokenizer(tokenizer)  # structured output (`serving.guided`)

@@ -41,7 +41,8 @@ def test_flags_set_the_engine_configuration():
                                   kernel="gather", max_model_len=96, memory_utilization=0.5)
     defaults = serve.engine_config(parse(), shards=1)
     assert (defaults.pages_per_shard, defaults.rows_per_shard, defaults.token_budget, defaults.memory_utilization,
-            defaults.max_model_len) == (None, 256, 2048, 0.9, None)
+            defaults.max_model_len) == (None, 256, 2048, 0.9, None)  # the CPU reports no memory
+
 
 
 def test_serve_reads_the_model_from_the_arguments_generate_reads():

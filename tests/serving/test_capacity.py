@@ -62,3 +62,20 @@ def test_pools_on_one_device_cost_their_whole_page():
     """Without a mesh (an engine on one device, placed by no layout) a page costs every byte of every pool."""
     per_device = capacity.page_bytes_per_device([None], [(12, (4, 1, 16, 32))], ["bfloat16"])
     assert per_device == 12 * 4 * 16 * 32 * 2
+
+
+class _Device:  # what a device's memory_stats reports
+    def __init__(self, gib):
+        self.stats = {"bytes_limit": int(gib * 2 ** 30)} if gib else None
+
+    def memory_stats(self):
+        return self.stats
+
+
+@pytest.mark.parametrize("gib, utilization, partitions, budget", [
+    (126.9, 0.9, 1, 8192),  # an H200 at 0.9
+    (40.0, 0.5, 1, 8192),  # an 80 GiB GPU at half
+    (21.6, 0.9, 8, 8192),  # an MI300X partition in CPX mode (192 GiB in eight)
+    (21.6, 0.9, 1, 2048), (36.0, 0.9, 1, 2048), (None, 0.9, 1, 2048)])
+def test_the_steps_tokens_default_to_vllms_by_the_gpus_memory(gib, utilization, partitions, budget):
+    assert capacity.default_token_budget([_Device(gib)] * 2, utilization, partitions) == budget
