@@ -266,12 +266,27 @@ def run_engine(engine, workload: Workload, prompts, outputs, settings: dict | No
     return traces
 
 
-async def http_load(url: str, workload: Workload, prompts, outputs, model: str) -> list[Trace]:
-    """The workload streamed over HTTP to `url`: each request at its arrival, each server-sent chunk timed (a chunk
-    holds every token of the steps its client had not read yet), the tokens counted by the usage chunk."""
+def http_rounds(url: str, workload: Workload, rounds, model: str, before_last=lambda: None):
+    """Each round of (prompts, outputs) streamed to `url` in turn through one client, whose connections stay open
+    from one round to the next as a long-lived client's do (the timed last round sets up none); `before_last()`
+    runs just before the last round. Gives (the last round's traces, what `before_last` gave)."""
     import httpx
 
-    async def one(client, trace, prompt, output, delay):
+    async def run():
+        limits = httpx.Limits(max_connections=workload.requests + 8)
+        async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+            for prompts, outputs in rounds[:-1]:
+                await http_load(client, url, workload, prompts, outputs, model)
+            noted = before_last()
+            return await http_load(client, url, workload, *rounds[-1], model), noted
+
+    return asyncio.run(run())
+
+
+async def http_load(client, url: str, workload: Workload, prompts, outputs, model: str) -> list[Trace]:
+    """The workload streamed over HTTP to `url`: each request at its arrival, each server-sent chunk timed (a chunk
+    holds every token of the steps its client had not read yet), the tokens counted by the usage chunk."""
+    async def one(trace, prompt, output, delay):
         await asyncio.sleep(delay)
         trace.arrival = time.perf_counter()
         body = {"model": model, "prompt": prompt, "max_tokens": output, "temperature": 0, "stream": True,
@@ -285,12 +300,10 @@ async def http_load(url: str, workload: Workload, prompts, outputs, model: str) 
                 elif line.startswith("data: {"):
                     trace.tokens.append(time.perf_counter())
 
-    limits = httpx.Limits(max_connections=workload.requests + 8)
-    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-        traces = [Trace(0.0) for _ in prompts]
-        await asyncio.gather(*(one(client, trace, prompt, output, at) for trace, prompt, output, at in
-                               zip(traces, prompts, outputs, arrivals(workload))))
-        return traces
+    traces = [Trace(0.0) for _ in prompts]
+    await asyncio.gather(*(one(trace, prompt, output, at) for trace, prompt, output, at in
+                           zip(traces, prompts, outputs, arrivals(workload))))
+    return traces
 
 
 class ServeProcess:
@@ -528,9 +541,11 @@ def http_runs(args, flags: list[str], workloads: list[Workload], config) -> dict
             if workload.shared_prefix:
                 continue  # prefix caching cannot be switched over HTTP: C runs in process only
             prompts, outputs = prompts_of(workload, config.vocab_size)
-            asyncio.run(http_load(server.url, workload, *prompts_of(workload, config.vocab_size, seed=1), name))
-            before = histogram_sum_count(server.metrics(), "vllm:time_to_first_token_seconds")
-            figures = metrics(asyncio.run(http_load(server.url, workload, prompts, outputs, name)), prompts)
+            traces, before = http_rounds(server.url, workload, [prompts_of(workload, config.vocab_size, seed=1),
+                                                                (prompts, outputs)], name,
+                                         lambda: histogram_sum_count(server.metrics(),
+                                                                     "vllm:time_to_first_token_seconds"))
+            figures = metrics(traces, prompts)
             after_text = server.metrics()
             after = histogram_sum_count(after_text, "vllm:time_to_first_token_seconds")
             served_ttft = (after[0] - before[0]) / max(after[1] - before[1], 1) * MILLISECONDS
@@ -573,10 +588,10 @@ def front_end(args) -> dict:
         server.wait_healthy(timeout=120)
         workload = Workload(name="front-end", requests=args.streams, prompt=16, output=output)
         prompts = [[1 + (i + j) % 200 for j in range(16)] for i in range(args.streams)]
-        asyncio.run(http_load(server.url, workload, prompts[:8], [4] * 8, "fake"))
-        cpu = server.cpu_seconds()
-        figures = metrics(asyncio.run(http_load(server.url, workload, prompts, [output] * args.streams, "fake")),
-                          prompts)
+        traces, cpu = http_rounds(server.url, workload, [(prompts, [4] * args.streams),
+                                                         (prompts, [output] * args.streams)], "fake",
+                                  server.cpu_seconds)
+        figures = metrics(traces, prompts)
         cpu = server.cpu_seconds() - cpu
     finally:
         server.stop()
