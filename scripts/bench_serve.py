@@ -389,6 +389,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--chip", default="h200", help="measured figures of the roofline (meshes/measured)")
     parser.add_argument("--fake-engine", type=float, metavar="STEP_MS", help="measure the server alone (CPU)")
     parser.add_argument("--streams", type=int, default=256, help="--fake-engine: concurrent streams")
+    parser.add_argument("--profile-dir", type=Path, help="trace each timed in-process run here (GPU) and record "
+                                                          "its device time by category and the device's idle share")
     parser.add_argument("--out", type=Path, help="write the results as JSON here (rewritten after every run)")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, small workloads, CPU")
     parser.add_argument("--engine-only", type=Path, help=argparse.SUPPRESS)  # the child of step 2: its JSON path
@@ -450,7 +452,7 @@ def main(argv=None) -> int:
     engine_json = args.work_dir / "engine.json"
     child = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--engine-only",
              str(engine_json)]
-    subprocess.run(child, check=True, env=child_env())
+    run_child(child, "the engine in process")
     engine = json.loads(engine_json.read_text())
     result["meta"] = {**engine.pop("meta"), **result["meta"]}  # the child's JAX and device, this run's command
     result.update(engine)
@@ -460,8 +462,8 @@ def main(argv=None) -> int:
         harness.write_json(args.out, result)
     if args.transformers:
         peer_json = args.work_dir / "transformers.json"
-        subprocess.run([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]),
-                        "--transformers-only", str(peer_json)], check=True, env=child_env())
+        run_child([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--transformers-only",
+                   str(peer_json)], "transformers' run")
         result["transformers"] = json.loads(peer_json.read_text())["runs"]
     result["ratios"] = ratios(result)
     print(f"ratios: {json.dumps(result['ratios'])}", flush=True)
@@ -478,6 +480,13 @@ def write_model(config, out: Path) -> Path:
     return out
 
 
+def run_child(command: list[str], what: str) -> None:
+    """Runs a step's child process; where it fails, exits naming the step (its own message is printed above)."""
+    status = subprocess.run(command, env=child_env()).returncode
+    if status:
+        raise SystemExit(f"bench_serve.py: {what} failed (exit status {status}; its output is above)")
+
+
 def engine_only(args, argv) -> int:
     """Step 2 (a child process): the engine `starscream serve` builds from the same flags, driven in process."""
     import jax
@@ -492,6 +501,9 @@ def engine_only(args, argv) -> int:
     serve = parser.parse_args(["serve", *serve_args(args, model_dir, workloads)])
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{serve.gpu_memory_utilization:.3f}"  # as the server's engine
     gpu = jax.devices()[0].platform == "gpu"
+    if args.profile_dir and not gpu:
+        raise SystemExit("bench_serve.py: --profile-dir reads a GPU's kernels from the trace and this run has no GPU; "
+                         "drop the flag")
     read_rate = measured_read_rate() if gpu else 1e11  # before the engine's pools take the free memory
     efficiency, peak = matmul_efficiency(args.chip)
     started = time.perf_counter()
@@ -514,6 +526,9 @@ def engine_only(args, argv) -> int:
             engine.use_prefix_caching(prefix_caching)
             run_engine(engine, workload, *warm, settings)
             before, since = engine.stats(), len(engine.step_times)
+            traced = args.profile_dir / f"{workload.name}{label}" if args.profile_dir else None
+            if traced:
+                jax.profiler.start_trace(str(traced), create_perfetto_trace=True)
             figures = metrics(run_engine(engine, workload, prompts, outputs, settings), prompts)
             stats = engine.stats()
             row = {"workload": dataclasses.asdict(workload), "mode": "in_process", "prefix_caching": prefix_caching,
@@ -523,10 +538,27 @@ def engine_only(args, argv) -> int:
                    "prefix_hit_pages": stats.prefix_hit_pages - before.prefix_hit_pages,
                    "programs": stats.programs, "new_programs_in_timed_run": stats.programs - before.programs,
                    "roofline": line, "vs_roofline": figures["output_tokens_per_s"] / line["output_tokens_per_s"]}
+            if traced:
+                row["device_time"] = device_time(traced, figures["seconds"])
             result["runs"].append(row)
             print(row_line(workload, "in_process", label, row), flush=True)
     harness.write_json(args.engine_only, result)
     return 0
+
+
+def device_time(directory: Path, seconds: float) -> dict:
+    """Where a traced run's device time went (the trace under `directory`, stopped here): seconds by category
+    (`analysis.profile.time_breakdown`, kernels named by their own names: the run's programs are many), their sum,
+    and the share of the run's `seconds` the device sat idle."""
+    import jax
+
+    from starscream_jax.analysis.profile import time_breakdown
+
+    jax.profiler.stop_trace()
+    breakdown = time_breakdown(directory, steps=1)
+    busy = sum(breakdown["per_step_s"].values())
+    return {"by_category_s": breakdown["per_step_s"], "busy_s": busy, "idle_share": max(0.0, 1.0 - busy / seconds),
+            "top_kernels": breakdown["top_kernels"][:12], "trace": breakdown["trace"]}
 
 
 def http_runs(args, flags: list[str], workloads: list[Workload], config) -> dict:
