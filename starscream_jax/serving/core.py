@@ -190,7 +190,7 @@ class EngineProcess:
         context = multiprocessing.get_context("spawn")
         self._pipe, child_end = context.Pipe(duplex=False)
         self.process = context.Process(target=_engine_main, name="starscream-engine", daemon=True,
-                                       args=(build, self.addresses, child_end, memory_fraction))
+                                       args=(build, self.addresses, child_end, memory_fraction, os.getpid()))
 
     def start(self) -> tuple[protocol.EngineInfo, object] | None:
         """Starts the process and waits until its engine is ready: (EngineInfo, tokenizer), or None when it only
@@ -221,8 +221,10 @@ class EngineProcess:
         return self.process.exitcode
 
 
-def _engine_main(build, addresses: protocol.Addresses, pipe, memory_fraction: float | None) -> None:
-    """The engine process: build the engine, report it ready over `pipe`, run the loop (or follow)."""
+def _engine_main(build, addresses: protocol.Addresses, pipe, memory_fraction: float | None, parent: int) -> None:
+    """The engine process: build the engine, report it ready over `pipe`, run the loop (or follow); it ends with
+    the process `parent` that started it, however that one ended."""
+    exit_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if memory_fraction is not None:
         os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{memory_fraction:.3f}"
@@ -245,3 +247,19 @@ def _engine_main(build, addresses: protocol.Addresses, pipe, memory_fraction: fl
     except Exception:
         traceback.print_exc()
         sys.exit(1)
+
+
+PARENT_CHECK_S = 0.5
+"""Seconds between the engine process' checks that the process that started it is still there."""
+
+
+def exit_with_parent(parent: int) -> None:
+    """Ends this process within PARENT_CHECK_S of process `parent` ending (this one then belongs to another
+    parent), however it ended: killed, or stopped by a SIGTERM before the server installed its handlers, while the
+    engine still loads or compiles. An engine left behind would hold the devices' memory and compile on."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="starscream-parent-watch", daemon=True).start()

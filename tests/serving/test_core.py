@@ -147,3 +147,49 @@ def test_starscream_serve_over_two_processes(cpu_child_env, free_port):
         for process in processes:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
+
+
+PARENT = '''
+import sys, time
+from starscream_jax.serving.core import EngineProcess
+
+
+def build():
+    time.sleep(600)  # a model loading or compiling
+
+
+if __name__ == "__main__":
+    engine = EngineProcess(build)
+    engine.process.start()
+    print(engine.process.pid, flush=True)
+    time.sleep(600)
+'''
+
+
+@pytest.mark.parametrize("ending", [signal.SIGKILL, signal.SIGTERM])
+def test_the_engine_process_ends_with_the_process_that_started_it(tmp_path, ending):
+    """Killed, or sent SIGTERM before a server installs its handlers, the process that started an engine takes it
+    along while it still builds (an engine left behind would hold the devices' memory)."""
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        child = int(parent.stdout.readline())
+        os.kill(parent.pid, ending)
+        parent.wait(10)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and _running(child):
+            time.sleep(0.1)
+        assert not _running(child)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(parent.pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a process that has not exited (a zombie has: its parent has not read its status yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
