@@ -17,7 +17,9 @@ What is read:
   with a dimension of size 1 it removes or adds: attention's batched matmuls at one kv head or one query per device,
   every matrix-vector product); such a dot gets the op name of the most deeply scoped named instruction next to it in
   the data flow (`Matmul.inferred_name`): a matmul's inputs and outputs are made and used by the function it belongs to
-  (softmax for attention's), whose ops sit deeper in the named scopes than the code around it.
+  (softmax for attention's), whose ops sit deeper in the named scopes than the code around it. Which of its operands
+  the program reads from its arguments by moves alone (`Matmul.weight_operand`: a weight or a KV cache, as
+  `_StoredValues` traces it) tells its weight side from its tokens' whatever their sizes.
 - Attention: custom-calls to cuDNN's fused attention (targets starting with `__cudnn$fmha`), with their work read
   from the operand shapes and the dimension numbers of their backend config.
 - Kernels: custom-calls of kernels written for the program (Pallas's Triton and Mosaic backends, `KERNEL_TARGETS`),
@@ -42,6 +44,7 @@ places counts once per call site; both branches of a conditional count as if eac
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import re
@@ -136,9 +139,11 @@ class Matmul:
     `dtype` is the left operand's element type, `bytes` those of the two operands and the result, `intensity` FLOPs
     per byte. `below_ridge` says whether the intensity is under the device's peak FLOP/s over HBM bytes/s (None when
     those were not given, `report.inspect_compiled`). `inferred_name`: XLA left the matmul without an op name and
-    `op_name` is its nearest named neighbour's (see the module). A layout's result (`layout_report.priced_matmul`)
-    gives `dtype`, `bytes`, `intensity` and `below_ridge` at the model's compute dtype and the preset's ridge point,
-    and `in_layer_loop` and `full_depth_runs` (whether it runs in the layer loop, its runs in the full-depth step),
+    `op_name` is its nearest named neighbour's (see the module). `weight_operand` ("lhs" or "rhs"): the one operand
+    the program reads from its arguments by moves alone (`_StoredValues`: a weight, a KV cache), the other carrying
+    the tokens; "" where both or neither are. A layout's result (`layout_report.priced_matmul`) gives `dtype`,
+    `bytes`, `intensity` and `below_ridge` at the model's compute dtype and the preset's ridge point, and
+    `in_layer_loop` and `full_depth_runs` (whether it runs in the layer loop, its runs in the full-depth step),
     None otherwise. `count` is how many times it runs per call of the program.
     """
 
@@ -156,6 +161,7 @@ class Matmul:
     count: int
     inferred_name: bool = False
     split_k: int = 1
+    weight_operand: str = ""
     in_layer_loop: bool | None = None
     full_depth_runs: float | None = None
 
@@ -210,6 +216,7 @@ class _Instruction:
     result_type: str
     operands: list[str]
     attrs: str
+    root: bool = False
 
 
 def dtype_bits(dtype: str) -> int:
@@ -262,7 +269,7 @@ def parse_hlo(text: str) -> HloProgram:
     if entry is None:
         raise StarscreamError("the text holds no HLO computation; pass the output of `compiled.as_text()`")
     header = _NUM_PARTITIONS.search(text)
-    reader = _ProgramReader(computations, int(header.group(1)) if header else 1)
+    reader = _ProgramReader(computations, entry, int(header.group(1)) if header else 1)
     reader.visit(entry, 1)
     return HloProgram(
         num_partitions=reader.num_partitions,
@@ -276,11 +283,12 @@ def parse_hlo(text: str) -> HloProgram:
 class _ProgramReader:
     """Walks the call graph from the entry computation, counting each recorded op once per execution."""
 
-    def __init__(self, computations: dict[str, list[_Instruction]], num_partitions: int):
+    def __init__(self, computations: dict[str, list[_Instruction]], entry: str, num_partitions: int):
         self.computations = computations
         self.num_partitions = num_partitions
         self.types = {inst.name: inst.result_type for body in computations.values() for inst in body}
         self.flow = _DataFlow(computations)
+        self.stored = _StoredValues(computations, entry)
         self.collectives: dict[str, Collective] = {}
         self.dots: dict[str, Matmul] = {}
         self.attention: dict[str, AttentionCall] = {}
@@ -350,9 +358,11 @@ class _ProgramReader:
         op_name = _op_name(inst.attrs)
         inferred = "" if op_name else self.flow.nearest_op_name(inst.name)
         flops, moved = 2 * batch * m * k * n, lhs.bytes + rhs.bytes + out.bytes
+        stored = tuple(self.stored.stored(operand) for operand in inst.operands[:2])
         return Matmul(name=inst.name, op_name=op_name or inferred, batch=batch, m=m, k=k, n=n, dtype=lhs.dtype,
                       flops=flops, bytes=moved, intensity=flops / moved, below_ridge=None,
-                      count=0, inferred_name=bool(inferred), split_k=split_k)
+                      count=0, inferred_name=bool(inferred), split_k=split_k,
+                      weight_operand={(True, False): "lhs", (False, True): "rhs"}.get(stored, ""))
 
     def _attention(self, inst: _Instruction) -> AttentionCall:
         operands = tuple(self._operand(inst, index) for index in range(len(inst.operands)))
@@ -450,6 +460,81 @@ class _DataFlow:
             fallback = fallback or next(iter(named), "")
             frontier = list(dict.fromkeys(frontier))
         return fallback
+
+
+MOVES = frozenset({
+    "all-gather", "all-gather-done", "all-gather-start", "all-to-all", "bitcast", "bitcast-convert", "broadcast",
+    "collective-permute", "collective-permute-done", "collective-permute-start", "convert", "copy", "copy-done",
+    "copy-start", "dynamic-slice", "dynamic-update-slice", "gather", "reshape", "reverse", "scatter", "slice",
+    "transpose"})
+"""Opcodes whose result holds elements of their first operand, moved, re-laid or converted, none computed from
+others: what a weight or a KV cache passes through between the step's arguments and the matmul reading it (a layer's
+slice of a stacked weight, the expert weights gathered per tile, a cache with the new token's keys written in, a
+weight's shards gathered)."""
+_CALLED_ROOT = re.compile(r"\b(?:calls|to_apply|body)=%?([\w.\-]+)")
+
+
+class _StoredValues:
+    """Which values of a program are its arguments moved by `MOVES` alone, through fusions, loops and calls, tuple
+    element by tuple element: in decode, a matmul's operand that is stored is the weight or the KV cache it reads
+    and the other carries the tokens (a norm, a sum or a product computed them), whatever the sizes of the two."""
+
+    def __init__(self, computations: dict[str, list[_Instruction]], entry: str):
+        self.entry = entry
+        self.where = {inst.name: (computation, inst) for computation, body in computations.items() for inst in body}
+        self.roots = {computation: next((inst for inst in body if inst.root), body[-1])
+                      for computation, body in computations.items() if body}
+        self.callers: dict[str, list[_Instruction]] = defaultdict(list)
+        for callee, inst in [(callee, inst) for body in computations.values() for inst in body
+                             if inst.opcode in ("fusion", "while", "call") for callee in _callees(inst.attrs)]:
+            self.callers[callee].append(inst)
+        self.known: dict[tuple[str, tuple[int, ...]], bool] = {}
+
+    def stored(self, name: str, path: tuple[int, ...] = ()) -> bool:
+        """Whether value `name` (its tuple element at `path`) is a program argument moved without arithmetic."""
+        key = (name, path)
+        if key not in self.known:
+            mark = len(self.known)
+            self.known[key] = True  # a value that reaches itself (a loop's state) is taken as stored while traced
+            found = self._stored(name, path)
+            if not found:  # what was found stored under that assumption is traced again when asked
+                added = list(itertools.islice(reversed(self.known), len(self.known) - mark))
+                for other in [other for other in added if self.known[other]]:
+                    del self.known[other]
+            self.known[key] = found
+        return self.known[key]
+
+    def _stored(self, name: str, path: tuple[int, ...]) -> bool:
+        """`stored` for one instruction: a parameter asks its callers, a tuple element its source, a fusion, loop or
+        call the root of what it calls, a move its first operand; anything else computes its value."""
+        if name not in self.where:
+            return False
+        computation, inst = self.where[name]
+        if inst.opcode == "parameter":
+            return self._parameter(computation, inst, path)
+        if inst.opcode == "get-tuple-element":
+            index = re.search(r"\bindex=(\d+)", inst.attrs)
+            return index is not None and self.stored(inst.operands[0], (int(index.group(1)), *path))
+        if inst.opcode == "tuple":
+            return bool(path) and path[0] < len(inst.operands) and self.stored(inst.operands[path[0]], path[1:])
+        if inst.opcode in ("fusion", "while", "call"):
+            callee = _CALLED_ROOT.search(inst.attrs)
+            return callee is not None and callee.group(1) in self.roots and self.stored(
+                self.roots[callee.group(1)].name, path)
+        return inst.opcode in MOVES and bool(inst.operands) and self.stored(inst.operands[0])
+
+    def _parameter(self, computation: str, inst: _Instruction, path: tuple[int, ...]) -> bool:
+        """An argument of the entry computation is stored; a called computation's parameter is what each of its
+        callers (fusions, calls) passes at that index; a loop's state is stored where both the loop's initial value
+        and the value each trip leaves are (a weight passed through, a cache written in place, not an activation)."""
+        if computation == self.entry:
+            return True
+        callers = self.callers.get(computation, [])
+        if not callers or not inst.operands or not inst.operands[0].isdigit():
+            return False
+        index = int(inst.operands[0])
+        return all(index < len(caller.operands) and self.stored(caller.operands[index], path)
+                   and (caller.opcode != "while" or self.stored(caller.name, path)) for caller in callers)
 
 
 def is_einsum_scope(scope: str) -> bool:
@@ -575,7 +660,7 @@ def _parse_instruction(line: str) -> _Instruction | None:
     close_at = _closing(rest, open_at, "(", ")")
     operands = [_operand_name(token) for token in _split_top(rest[open_at + 1 : close_at])]
     return _Instruction(name=head.group(1), opcode=opcode.group(1), result_type=result_type, operands=operands,
-                        attrs=rest[close_at + 1 :])
+                        attrs=rest[close_at + 1 :], root=line.lstrip().startswith("ROOT "))
 
 
 def _operand_name(token: str) -> str:

@@ -457,25 +457,38 @@ def _attention_summary(layout: dict[tuple[str, bool], float], reference: dict[tu
     return AttentionRatio(ratio, ratio >= 1 - 1e-9 if at_least else ratio <= 1 + 1e-9)
 
 
+def decode_reads(matmul: Matmul) -> int:
+    """Elements one run of a decode matmul reads on its weight side: its operand that the program reads from its
+    arguments (`Matmul.weight_operand`: batch x M x K or batch x K x N), else batch x the two dimensions beside the
+    smallest, which counts its tokens. The operand decides where it is known, since a layout may cut a weight's
+    dimension below the tokens per device (the tiny model's 128 embed over 8 partitions: 16, against 64 sequences),
+    which the sizes alone would take for the tokens."""
+    if matmul.weight_operand == "lhs":
+        return matmul.batch * matmul.m * matmul.k
+    if matmul.weight_operand == "rhs":
+        return matmul.batch * matmul.k * matmul.n
+    return matmul.batch * (matmul.m * matmul.k * matmul.n // min(matmul.m, matmul.k, matmul.n))
+
+
 def reads_once_per_gpu(matmuls: list[Matmul], reference_matmuls: list[Matmul], partitions: int,
                        kernels: list[KernelReport] = (), reference_kernels: list[KernelReport] = ()) -> KernelVerdict:
     """Principle 1 for memory-bound decode: every weight (and K/V) byte is read once per GPU per step.
 
     A decode matmul multiplies a few new tokens (one per sequence; for attention, the query heads that share a kv
-    head) with a weight or the cached keys or values, so its smallest dimension counts tokens and the other two are
-    the weight side: each device reads batch x (those two) elements. Summed per op (`matmul_key`: attention's
-    matmuls are one op, those XLA left unnamed named by their neighbours, see `hlo`), `partitions` times a device's
-    reads is what one GPU reads; it must not exceed what a gpu_tp device reads, which is the GPU's share read once.
-    For attention this says every kernel keeps together the query heads that share a kv head: a layout that spreads
-    them over the partitions reads each kv head once per query head. Custom `kernels` (the weight-only 8-bit matmul,
-    paged or 8-bit attention) read their weight-side operands (`KERNEL_WEIGHTS`), judged the same way against the
-    `reference_kernels` of the same op and kind; ops and kernels the reference lacks, or whose weight side is not
-    known, are left unjudged, and the verdict is then not ok (see `KernelVerdict`).
+    head) with a weight or the cached keys or values: each device reads that operand's elements (`decode_reads`).
+    Summed per op (`matmul_key`: attention's matmuls are one op, those XLA left unnamed named by their neighbours,
+    see `hlo`), `partitions` times a device's reads is what one GPU reads; it must not exceed what a gpu_tp device
+    reads, which is the GPU's share read once. For attention this says every kernel keeps together the query heads
+    that share a kv head: a layout that spreads them over the partitions reads each kv head once per query head.
+    Custom `kernels` (the weight-only 8-bit matmul, paged or 8-bit attention) read their weight-side operands
+    (`KERNEL_WEIGHTS`), judged the same way against the `reference_kernels` of the same op and kind; ops and kernels
+    the reference lacks, or whose weight side is not known, are left unjudged, and the verdict is then not ok (see
+    `KernelVerdict`).
     """
     def reads(group) -> dict[tuple[str, bool], int]:
         totals: dict[tuple[str, bool], int] = defaultdict(int)
         for m in group:
-            totals[matmul_key(m.op_name)] += m.batch * (m.m * m.k * m.n // min(m.m, m.k, m.n)) * m.count
+            totals[matmul_key(m.op_name)] += decode_reads(m) * m.count
         return totals
 
     layout_reads, reference_reads = reads(matmuls), reads(reference_matmuls)

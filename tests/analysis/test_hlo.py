@@ -540,6 +540,61 @@ def test_a_dot_fused_without_a_name_is_named_through_its_fusion():
     assert dot.op_name == "jit(s)/transpose(jvp())/attention/vmap()/mul" and dot.inferred_name
 
 
+LAYER_LOOP = """%slice_layer (param_0.1: f32[2,8,8], param_1.1: s32[]) -> f32[8,8] {
+  %param_0.1 = f32[2,8,8]{2,1,0} parameter(0)
+  %param_1.1 = s32[] parameter(1)
+  %zero.1 = s32[] constant(0)
+  %ds = f32[1,8,8]{2,1,0} dynamic-slice(%param_0.1, %param_1.1, %zero.1, %zero.1), dynamic_slice_sizes={1,8,8}
+  ROOT %bc = f32[8,8]{1,0} bitcast(%ds)
+}
+
+%layer_cond (c.1: (s32[], f32[8,8], f32[2,8,8], f32[8,8])) -> pred[] {
+  %c.1 = (s32[], f32[8,8]{1,0}, f32[2,8,8]{2,1,0}, f32[8,8]{1,0}) parameter(0)
+  ROOT %go = pred[] constant(true)
+}
+
+%layer (l: (s32[], f32[8,8], f32[2,8,8], f32[8,8])) -> (s32[], f32[8,8], f32[2,8,8], f32[8,8]) {
+  %l = (s32[], f32[8,8]{1,0}, f32[2,8,8]{2,1,0}, f32[8,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%l), index=0
+  %resid = f32[8,8]{1,0} get-tuple-element(%l), index=1
+  %stack = f32[2,8,8]{2,1,0} get-tuple-element(%l), index=2
+  %kv = f32[8,8]{1,0} get-tuple-element(%l), index=3
+  %w = f32[8,8]{1,0} fusion(%stack, %i), kind=kLoop, calls=%slice_layer
+  %h = f32[8,8]{1,0} multiply(%resid, %resid)
+  %row = f32[1,8]{1,0} slice(%h), slice={[0:1], [0:8]}
+  %kv.1 = f32[8,8]{1,0} dynamic-update-slice(%kv, %row, %i, %i)
+  %proj = f32[8,8]{1,0} dot(%h, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %first = f32[8,8]{1,0} dot(%w, %h), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %carried = f32[8,8]{1,0} dot(%resid, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %scores = f32[8,8]{1,0} dot(%h, %kv.1), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  %both = f32[8,8]{1,0} dot(%h, %proj), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %next = f32[8,8]{1,0} add(%resid, %both)
+  %one = s32[] constant(1)
+  %i.1 = s32[] add(%i, %one)
+  ROOT %trip = (s32[], f32[8,8]{1,0}, f32[2,8,8]{2,1,0}, f32[8,8]{1,0}) tuple(%i.1, %next, %stack, %kv.1)
+}
+"""
+
+
+def test_a_matmuls_weight_operand_is_the_one_moved_from_the_steps_arguments():
+    """A rolled layer loop: the layer's weight is sliced from the stacked weights the loop carries unchanged, the KV
+    cache is written in place, the residual stream enters as an argument but each trip computes the next one. The
+    operand that is an argument moved without arithmetic is the weight side, whichever operand XLA put first; a
+    product of two computed values has none."""
+    program = parse_hlo(module(
+        "%stacked = f32[2,8,8]{2,1,0} parameter(1)",
+        "%cache = f32[8,8]{1,0} parameter(2)",
+        "%zero = s32[] constant(0)",
+        "%init = (s32[], f32[8,8]{1,0}, f32[2,8,8]{2,1,0}, f32[8,8]{1,0}) tuple(%zero, %p, %stacked, %cache)",
+        "%loop = (s32[], f32[8,8]{1,0}, f32[2,8,8]{2,1,0}, f32[8,8]{1,0}) while(%init), condition=%layer_cond, "
+        'body=%layer, backend_config={"known_trip_count":{"n":"2"}}',
+        "ROOT %r = f32[8,8]{1,0} get-tuple-element(%loop), index=1",
+        computations=LAYER_LOOP,
+    ))
+    assert {dot.name: dot.weight_operand for dot in program.dots} == {
+        "proj": "rhs", "first": "lhs", "carried": "rhs", "scores": "rhs", "both": ""}
+
+
 @pytest.mark.parametrize("layout, batch, heads, kv_heads", [
     ("gpu_tp", 4, 8, 2), ("starscream_tp", 1, 8, 2), ("flat_tp", 4, 1, 1)])
 def test_cudnn_attention_work_is_read_from_a_real_h200_program(layout, batch, heads, kv_heads):

@@ -8,12 +8,13 @@ import pytest
 import starscream_jax as ss
 from starscream_jax.analysis.compile import compile_step, make_settings
 from starscream_jax.analysis.hlo import Matmul
-from starscream_jax.analysis.layout_report import tokens_per_device
+from starscream_jax.analysis.layout_report import inspect_layouts, tokens_per_device
 from starscream_jax.analysis.principles import (
     KERNEL_WEIGHT_UNKNOWN,
     RedundancyVerdict,
     UnjudgedOp,
     check_principles,
+    decode_reads,
     kernel_weight_elements,
     reads_once_per_gpu,
 )
@@ -25,6 +26,7 @@ from starscream_jax.analysis.report import (
     inspect_text,
 )
 from starscream_jax.compiled_memory import MemoryReport
+from starscream_jax.hardware.mesh import build_topology_mesh
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "hlo"
 
@@ -235,6 +237,37 @@ def test_matrix_vector_products_that_lost_their_names_are_paired_by_their_scopes
     assert verdict.unjudged == () and verdict.ok is False
     assert {line.split(":")[0] for line in verdict.violations} >= {"closed_call/qkv", "closed_call/o",
                                                                    "closed_call/gate_up", "closed_call/down"}
+
+
+def test_a_decode_matmul_reads_its_weight_operand_else_the_dimensions_beside_its_smallest():
+    """64 tokens times a partition's 16 rows of a [128, 64] weight split over 8 partitions: its weight operand holds
+    16 x 64 elements, and 8 partitions read gpu_tp's 128 x 64 once per GPU. A matmul whose operands the program
+    does not tell apart is read by its sizes, the smallest (here the 16 rows) taken for its tokens."""
+    def matmul(k: int, weight_operand: str) -> Matmul:
+        return dataclasses.replace(unit_matmul("up"), m=64, k=k, flops=2 * 64 * k * 64, weight_operand=weight_operand)
+
+    assert decode_reads(matmul(16, "rhs")) == 16 * 64 and decode_reads(matmul(16, "lhs")) == 64 * 16
+    assert decode_reads(matmul(16, "")) == 64 * 64
+    assert reads_once_per_gpu([matmul(16, "rhs")], [matmul(128, "rhs")], partitions=8).ok
+    assert not reads_once_per_gpu([matmul(16, "")], [matmul(128, "")], partitions=8).ok
+
+
+@pytest.mark.parametrize("scan_unroll", [0, 1])
+def test_decode_with_fewer_embed_rows_per_partition_than_tokens_reads_each_weight_once_per_gpu(scan_unroll):
+    """tiny-moe decode on 2 GPUs x 8 partitions at 16 sequences: starscream_decode splits the embed dimension (64)
+    over the 8 partitions, so the weight of each projection, of each expert tile and of the logits holds 8 rows
+    against 16 tokens. Read by their sizes, the partitions of a GPU seemed to read 2x gpu_tp's share (principle 1
+    failed on those 7 ops); read by the operand the program takes from its arguments, each weight byte is read once
+    per GPU, with the layer loop and without. Principle 2 flags the one copy the layout makes by design that these
+    sizes make large: the attention output, whole on every partition of a GPU for the o projection
+    (docs/proving.md)."""
+    topology, mesh = build_topology_mesh("mi300x-cpx-nps1", gpus=2, simulate=True)
+    settings = make_settings("tiny-moe", "decode", 16, 32, "starscream_decode", layers=2)
+    settings = dataclasses.replace(settings, config=settings.config.replace(scan_unroll=scan_unroll))
+    principles = inspect_layouts(settings, topology, mesh)["starscream_decode"].principles
+    assert principles.shape_preservation.ok and principles.hierarchical_collectives.ok
+    (copy,) = principles.no_redundancy.violations
+    assert "reshard [16, 1, 8, 8]" in copy and "replicated 8x over xcd" in copy
 
 
 def test_fused_attention_kernels_are_judged_from_their_operand_shapes():
