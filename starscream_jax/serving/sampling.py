@@ -206,7 +206,7 @@ def apply_grammar(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, row
 
     out = run_sharded(local, [logits_BV, state.allowed, slot_B, rows.masked],
                       [SLOT_TABLE, SLOT_TABLE, SLOT_ROWS, SLOT_ROWS], [(SLOT_TABLE, logits_BV.shape)], "grammar")
-    return _like(out, logits_BV)
+    return placed_like(out, logits_BV)
 
 
 def apply_bad_words(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, rows) -> jax.Array:
@@ -227,7 +227,7 @@ def apply_bad_words(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, r
 
     args = [logits_BV, state.bad_words, state.tail, slot_B, rows.banning]
     out = run_sharded(local, args, [SLOT_TABLE] * 3 + [SLOT_ROWS] * 2, [(SLOT_TABLE, logits_BV.shape)], "bad words")
-    return _like(out, logits_BV)
+    return placed_like(out, logits_BV)
 
 
 def masking(rows, slot_B: jax.Array) -> jax.Array:
@@ -267,7 +267,7 @@ def apply_penalties(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, r
 
     args = [logits_BV, state.counts, state.prompt, slot_B, rows.presence, rows.frequency, rows.repetition]
     out = run_sharded(local, args, [SLOT_TABLE] * 3 + [SLOT_ROWS] * 4, [(SLOT_TABLE, logits_BV.shape)], "penalties")
-    return _like(out, logits_BV)
+    return placed_like(out, logits_BV)
 
 
 def apply_bias(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, rows, position_B: jax.Array) -> jax.Array:
@@ -287,7 +287,7 @@ def apply_bias(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, rows, 
     args = [logits_BV, state.bias_ids, state.bias, state.stops, slot_B, rows.biased > 0,
             position_B < rows.min_position]
     out = run_sharded(local, args, [SLOT_TABLE] * 4 + [SLOT_ROWS] * 3, [(SLOT_TABLE, logits_BV.shape)], "logit bias")
-    return _like(out, logits_BV)
+    return placed_like(out, logits_BV)
 
 
 def record(state: SlotState, slot_B: jax.Array, token_B: jax.Array, rows) -> SlotState:
@@ -358,7 +358,7 @@ def _without_taken(left_BV: jax.Array, value_BR: jax.Array, id_BR: jax.Array) ->
     return jnp.where(taken_BV, -jnp.inf, left_BV)
 
 
-def _like(x: jax.Array, like: jax.Array) -> jax.Array:
+def placed_like(x: jax.Array, like: jax.Array) -> jax.Array:
     """`x` placed as `like` is under the active layout (identity outside one, or on Auto mesh axes, where XLA's
     propagation places it)."""
     current = active()

@@ -62,6 +62,7 @@ from .sampling import (
     keep_min_p,
     masking,
     penalized,
+    placed_like,
     record,
     top_logprobs,
 )
@@ -333,8 +334,8 @@ def sample_step(*, under: Placement | None) -> Jitted:
     def sample(logits_BV, rows: SamplerRows, recent, slots: SlotState, scores, features: SamplerFeatures):
         sampled, slots = sample_rows(logits_BV, rows.sampling, rows.position, slots, rows.slot, features)
         outputs = sampled.packed()
-        if scores is not None:
-            outputs = jnp.concatenate([outputs, scores], axis=1)
+        if scores is not None:  # as the rows are placed (the forward program's output may name other axes of size 1)
+            outputs = jnp.concatenate([outputs, placed_like(scores, outputs)], axis=1)
         return outputs, write_slots(recent, rows.slot, sampled.token), slots
 
     return sample

@@ -21,7 +21,8 @@ ROWS = 8
 CASES = {"1x1x1": ("starscream_tp", "starscream_decode"), "1x2x4": ("starscream_tp", "starscream_decode"),
          "2x2x2": ("starscream_tp", "starscream_decode"), "1x2x4-flat": ("flat_tp", "flat_tp"),
          "1x2x4-int8": ("starscream_tp", "starscream_decode"), "1x1x1-sync": ("starscream_tp", "starscream_decode"),
-         "1x2x4-logprobs": ("starscream_tp", "starscream_decode")}
+         "1x2x4-logprobs": ("starscream_tp", "starscream_decode"),
+         "1x1x1-logprobs": ("starscream_tp", "starscream_decode")}
 """mesh (-variant) -> (prefill layout, decode layout); the int8 variant holds its KV pages in int8 and decodes with
 the gather path; the sync variant reads each step's tokens before it launches the next (no overlap); the logprobs
 variant serves prompt log-probabilities (a third program: the scored prefill)."""
