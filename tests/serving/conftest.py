@@ -31,6 +31,10 @@ PAGES_PER_SHARD = {"1x1x1": 13, "1x1x1-sync": 13}
 positions (3 pages each) at once, so the engine preempts."""
 
 
+PREFILL_ROWS = {"1x1x1-logprobs": (1,)}
+"""Prefill rows per step where not as many as decode's: one row, a bucket every server compiles."""
+
+
 @functools.cache
 def tokenizer():
     return load_tokenizer(FIXTURE)
@@ -67,7 +71,8 @@ def engine_config(case: str, mesh) -> EngineConfig:
     """The engine configuration of `case` on `mesh` (tests/serving/multihost_serve_worker.py builds it too)."""
     shards = cache_shards(CASES[case][1], mesh)
     return EngineConfig(page_size=4, pages_per_shard=PAGES_PER_SHARD.get(case, 40), rows_per_shard=ROWS // shards,
-                        token_budget=64, chunk=8, buckets=Buckets(rows=(ROWS // shards,), positions=(8,), pages=(16,)),
+                        token_budget=64, chunk=8, buckets=Buckets(rows=(ROWS // shards,), positions=(8,), pages=(16,),
+                                                                  prefill_rows=PREFILL_ROWS.get(case)),
                         kernel="gather", overlap=not case.endswith("-sync"),
                         prompt_logprobs=case.endswith("-logprobs"))
 

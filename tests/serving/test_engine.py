@@ -217,7 +217,7 @@ def _reference_prompt_logprobs(model, prompt: list[int]) -> np.ndarray:
 
 @pytest.mark.parametrize("mesh", ["1x2x4", "1x1x1"])
 def test_prompt_logprobs_equal_the_unsharded_models_across_chunks(engine_for, unsharded_llama, mesh):
-    """A scored prefill on the 1x2x4 mesh and on one device: a prompt of 19 tokens runs as three chunks of 8 (a chunk's last position
+    """A scored prefill on the 1x2x4 mesh and on one device, one prompt per prefill step: a prompt of 19 tokens runs as three chunks of 8 (a chunk's last position
     scores the next chunk's first token); each prompt token's log-probability, rank and the likeliest tokens at its
     position equal log_softmax of the unsharded model's full-sequence logits; a prefix that another request cached
     is computed again for a request that asks, and one that does not ask gets none and shares the prefix."""
