@@ -29,6 +29,7 @@ from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model import moe
 from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.grouped_matmul import DEFAULT_BLOCKS, grouped_matmul
+from starscream_jax.model.layer_weights import RoutedMlpWeights
 from starscream_jax.model.moe import tile_rows
 from starscream_jax.model.names import RESIDUAL
 from starscream_jax.sharding.apply import activation_spec, use_layout
@@ -170,8 +171,8 @@ def layout_check(implementation: str, devices: int | None = None) -> dict:
     keys = jax.random.split(jax.random.key(2), 5)
     shapes = {"router": (c.d_model, c.n_experts), "w_gate": (c.n_experts, c.d_model, c.d_ff),
               "w_up": (c.n_experts, c.d_model, c.d_ff), "w_down": (c.n_experts, c.d_ff, c.d_model)}
-    w = {name: jax.random.normal(key, shape, jnp.float32) * shape[-2] ** -0.5
-         for (name, shape), key in zip(shapes.items(), keys)}
+    w = RoutedMlpWeights(**{name: jax.random.normal(key, shape, jnp.float32) * shape[-2] ** -0.5
+                            for (name, shape), key in zip(shapes.items(), keys)})
     h = jax.random.normal(keys[4], (2 * devices, 64, c.d_model), jnp.float32)
 
     def loss_and_grads(block, h, w):
@@ -183,16 +184,17 @@ def layout_check(implementation: str, devices: int | None = None) -> dict:
 
     def dense(h, w):
         h_TD = h.reshape(-1, c.d_model).astype(jnp.bfloat16)
-        gates, experts, _ = moe.route(h_TD, w["router"], c.experts_per_token, c.normalize_gates)
-        weights = [w[name].astype(jnp.bfloat16) for name in moe.EXPERT_WEIGHTS]
+        gates, experts, _ = moe.route(h_TD, w.router, c.experts_per_token, c.normalize_gates)
+        weights = [weight.astype(jnp.bfloat16) for weight in (w.w_gate, w.w_up, w.w_down)]
         return moe.dense_experts(h_TD, gates, experts, *weights).reshape(h.shape)
 
     expected = jax.jit(lambda h, w: loss_and_grads(dense, h, w))(h, w)
     rules = get_layout("starscream_ep").params
-    names = {"router": ("embed", "experts"), "w_gate": ("experts", "embed", "expert_mlp"),
-             "w_up": ("experts", "embed", "expert_mlp"), "w_down": ("experts", "expert_mlp", "embed")}
-    placed = {name: jax.device_put(value, NamedSharding(mesh, resolve(names[name], value.shape, rules, mesh)))
-              for name, value in w.items()}
+
+    def put(value, names):
+        return jax.device_put(value, NamedSharding(mesh, resolve(names, value.shape, rules, mesh)))
+    placed = RoutedMlpWeights(router=put(w.router, ("embed", "experts")), w_gate=put(w.w_gate, moe.GATE_UP_NAMES),
+                              w_up=put(w.w_up, moe.GATE_UP_NAMES), w_down=put(w.w_down, moe.DOWN_NAMES))
     with use_layout("starscream_ep", mesh):
         tokens = jax.device_put(h, NamedSharding(mesh, activation_spec(RESIDUAL, h.shape)))
         program = jax.jit(lambda h, w: loss_and_grads(lambda h, w: moe.routed_mlp(c, h, w)[0], h, w))

@@ -36,6 +36,7 @@ from starscream_jax.benchmarks import harness
 from starscream_jax.cli.arguments import count
 from starscream_jax.model import decoder, moe
 from starscream_jax.model.catalog import load_model_config
+from starscream_jax.model.layer_weights import RoutedMlpWeights
 from starscream_jax.training.config import TrainConfig
 from starscream_jax.training.steps import accumulated_gradients, make_optimizer, train_step
 
@@ -44,8 +45,8 @@ def dense_block(c, h_BSD, w):
     """The dense block on the same routing, with the routed block's signature (`moe.routed_mlp`)."""
     dtype = jnp.dtype(c.dtype)
     h_TD = h_BSD.reshape(-1, h_BSD.shape[-1])
-    gates, experts, _ = moe.route(h_TD, w["router"], c.experts_per_token, c.normalize_gates)
-    weights = [w[name].astype(dtype) for name in moe.EXPERT_WEIGHTS]
+    gates, experts, _ = moe.route(h_TD, w.router, c.experts_per_token, c.normalize_gates)
+    weights = [weight.astype(dtype) for weight in (w.w_gate, w.w_up, w.w_down)]
     return moe.dense_experts(h_TD, gates, experts, *weights).reshape(h_BSD.shape), jnp.zeros((), jnp.float32)
 
 
@@ -54,7 +55,7 @@ def gemm_block(c, h_BSD, w):
     block's FLOPs as one matmul per projection."""
     dtype = jnp.dtype(c.dtype)
     rows_AD = jnp.repeat(h_BSD.reshape(-1, h_BSD.shape[-1]), c.experts_per_token, axis=0)
-    gate, up, down = (w[name][0].astype(dtype) for name in moe.EXPERT_WEIGHTS)
+    gate, up, down = (weight[0].astype(dtype) for weight in (w.w_gate, w.w_up, w.w_down))
     return (jax.nn.silu(rows_AD @ gate) * (rows_AD @ up)) @ down, jnp.zeros((), jnp.float32)
 
 
@@ -111,10 +112,10 @@ def layer_benchmark(tokens: int, quick: bool, rounds: int, calls: int, profile_d
     D, F, X, k = c.d_model, c.d_ff, c.n_experts, c.experts_per_token
     key = jax.random.key(0)
     keys = jax.random.split(key, 5)
-    w = {"router": jax.random.normal(keys[0], (D, X), jnp.float32) * D ** -0.5,
-         "w_gate": jax.random.normal(keys[1], (X, D, F), jnp.bfloat16) * D ** -0.5,
-         "w_up": jax.random.normal(keys[2], (X, D, F), jnp.bfloat16) * D ** -0.5,
-         "w_down": jax.random.normal(keys[3], (X, F, D), jnp.bfloat16) * F ** -0.5}
+    w = RoutedMlpWeights(router=jax.random.normal(keys[0], (D, X), jnp.float32) * D ** -0.5,
+                         w_gate=jax.random.normal(keys[1], (X, D, F), jnp.bfloat16) * D ** -0.5,
+                         w_up=jax.random.normal(keys[2], (X, D, F), jnp.bfloat16) * D ** -0.5,
+                         w_down=jax.random.normal(keys[3], (X, F, D), jnp.bfloat16) * F ** -0.5)
     h = jax.random.normal(keys[4], (1, tokens, D), jnp.bfloat16)
     programs = {"routed": layer_program(moe.routed_mlp, c), "dense": layer_program(dense_block, c),
                 "gemm": layer_program(gemm_block, c)}
@@ -122,7 +123,7 @@ def layer_benchmark(tokens: int, quick: bool, rounds: int, calls: int, profile_d
     routed_flops = 3 * 2 * tokens * k * 3 * D * F
     for row in results.values():
         row["tflops_of_routed_flops"] = routed_flops / row["seconds"] / 1e12
-    _, experts, _ = moe.route(h[0], w["router"], k, True)
+    _, experts, _ = moe.route(h[0], w.router, k, True)
     counts = np.bincount(np.asarray(experts).reshape(-1), minlength=X)
     return {"model": c.name, "tokens": tokens, "d_model": D, "d_ff": F, "experts": X, "experts_per_token": k,
             "routed_flops": routed_flops, "assignments_per_expert": counts.tolist(), "rows": results,

@@ -12,10 +12,11 @@ token to its experts (`moe.routed_mlp`). Where a backend's compiler needs help, 
 
 Each phase's forward pass: training, `Transformer.__call__` without a cache (`next_token_loss` its loss); prefill and
 static decode, `Transformer.__call__` over a dense KV cache (`dense_cache`); serving, `Transformer.paged` over the
-paged cache (`paged`). All three run `_block`. What they share sits in modules of its own: `projections` (the
-matmuls: plain, fp8, 8-bit on the weight-only kernel, one-row ones padded), `layer_weights` (the stacked layer weights
-as a step reads them, split per layer) and `dense_cache`; `weight_formats` converts a built model's weights (8-bit
-quantization, fp8 held as FNUZ).
+paged cache (`paged`). All three run `_block` on one layer's typed weights (`layer_weights.LayerWeights`). What
+they share sits in modules of its own: `projections` (the matmuls: plain, fp8, 8-bit on the weight-only kernel,
+one-row ones padded), `layer_weights` (the layer weights' types, and the stacked weights as a step reads them, split
+per layer) and `dense_cache`; `weight_formats` converts a built model's weights (8-bit quantization, fp8 held as
+FNUZ).
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ from ..sharding.at_use import create_sharded
 from ..sharding.layouts import Layout
 from .config import ModelConfig
 from .dense_cache import cache_room, held_per_layer, write_cache
-from .layer_weights import layer_weights, quantize_in_place, unstacked
+from .layer_weights import (AttentionWeights, DenseMlpWeights, LayerWeights, holds_per_layer, layer_weights,
+                            quantize_in_place, unstacked)
 from .moe import routed_mlp
 from .names import ATTN_KV, ATTN_Q, LOGITS, POSITIONS, RESIDUAL, TOKENS
 from .ops import AttentionOptions, attention, cross_entropy, embed_lookup
@@ -107,7 +109,8 @@ def rope(x_BSNE: jax.Array, positions_BS: jax.Array, inv_freq: jax.Array) -> jax
 
 
 class LayerStack(nnx.Module):
-    """All L transformer blocks, each weight stacked on a leading `layers` axis."""
+    """All L transformer blocks, each weight stacked on a leading `layers` axis. Each parameter is the field of its
+    name of `layer_weights.LayerWeights` or of its attention's and MLP's weights, as the blocks read them."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         c = config
@@ -240,7 +243,7 @@ class Transformer(nnx.Module):
         positions_BS = constrain(positions_BS, ("attn_batch", "seq"), "positions")
         if held_per_layer(cache) or (cache is None and not rolls_layers(c)):
             return self._run_layers_apart(x_BSD, stacked, positions_BS, cache, cache_index)
-        if any(isinstance(value, tuple) for value in stacked.values()):
+        if holds_per_layer(stacked):
             raise StarscreamError("weights held per layer (split_layer_weights) run only where the layers run one "
                                   "after another; hold the KV cache per layer too (split_cache), or keep the "
                                   "weights stacked for a layer loop")
@@ -303,10 +306,11 @@ def layers_per_trip(c: ModelConfig) -> int:
     return c.scan_unroll or c.n_layers
 
 
-def _block(c: ModelConfig, x_BSD, w, positions_BS, cached=None):
+def _block(c: ModelConfig, x_BSD, w: LayerWeights, positions_BS, cached=None):
     """One pre-norm block: x + attention(norm(x)), then + mlp(norm(x)); with `c.post_norms` (Gemma 2) the attention's
-    and the MLP's outputs are normed again before they are added. x [B, S, D] placed by RESIDUAL. Attention follows
-    `attention_options(c)`, each layer with its own window (w["window"], `layer_windows`) in a sliding-window model.
+    and the MLP's outputs are normed again before they are added. x [B, S, D] placed by RESIDUAL; `w` this layer's
+    weights. Attention follows `attention_options(c)`, each layer with its own window (`w.window`, `layer_windows`)
+    in a sliding-window model.
 
     cached: None, or (cache, layer, cache_index): the KV cache of every layer ([L, B, T, K, E] each), this block's
     layer index and the position of the first new token; or (this layer's cache, [B, T, K, E] each, None,
@@ -314,44 +318,54 @@ def _block(c: ModelConfig, x_BSD, w, positions_BS, cached=None):
     tokens' own positions). The new keys and values are written into the cache in place (`write_cache`) and
     attention reads this layer's part. Returns (x, cache or None, the layer's load-balancing loss: 0 for a dense
     MLP)."""
-    h_BSD = _norm(c, x_BSD, w["attn_norm"])
+    attn_out_BSD, cache = _self_attention(c, _norm(c, x_BSD, w.attn_norm), w.attention, positions_BS, cached,
+                                          w.window)
+    if c.post_norms:
+        attn_out_BSD = _norm(c, attn_out_BSD, w.attn_post_norm)
+    x_BSD = x_BSD + attn_out_BSD
+    h_BSD = _norm(c, x_BSD, w.mlp_norm)
+    if c.n_experts:
+        mlp_BSD, balance = routed_mlp(c, h_BSD, w.mlp)
+    else:
+        mlp_BSD, balance = _dense_mlp(c, h_BSD, w.mlp), jnp.zeros((), jnp.float32)
+    if c.post_norms:
+        mlp_BSD = _norm(c, mlp_BSD, w.mlp_post_norm)
+    return x_BSD + mlp_BSD, cache, balance
+
+
+def _self_attention(c: ModelConfig, h_BSD, w: AttentionWeights, positions_BS, cached, window):
+    """The attention of the normed residual h [B, S, D] to itself and to the cached positions (`cached` as `_block`
+    takes it; `window` [] int32 this layer's, or None) -> (its output [B, S, D] placed by RESIDUAL, the cache with
+    the new keys and values written, or None)."""
     q_BSHE, k_BSKE, v_BSKE = _qkv(c, h_BSD, w)
     if c.qkv_bias:
-        q_BSHE, k_BSKE, v_BSKE = (_add_bias(x, w[key], names) for x, key, names in (
-            (q_BSHE, "bq", ("heads", "head_dim")), (k_BSKE, "bk", ("kv_heads", "head_dim")),
-            (v_BSKE, "bv", ("kv_heads", "head_dim"))))
+        kv_names = ("kv_heads", "head_dim")
+        q_BSHE, k_BSKE, v_BSKE = (_add_bias(q_BSHE, w.bq, ("heads", "head_dim")), _add_bias(k_BSKE, w.bk, kv_names),
+                                  _add_bias(v_BSKE, w.bv, kv_names))
     if c.qk_norm:
-        q_BSHE, k_BSKE = _norm(c, q_BSHE, w["q_norm"]), _norm(c, k_BSKE, w["k_norm"])
+        q_BSHE, k_BSKE = _norm(c, q_BSHE, w.q_norm), _norm(c, k_BSKE, w.k_norm)
     inv_freq = rope_frequencies(c)
     q_BSHE, k_BSKE = rope(q_BSHE, positions_BS, inv_freq), rope(k_BSKE, positions_BS, inv_freq)
+    attended_BSHE, cache = _attend(c, q_BSHE, k_BSKE, v_BSKE, positions_BS, cached, window)
+    attended_BSHE = constrain(attended_BSHE, ("batch", "seq", "heads", "head_dim"), "attention output")
+    wo_HED = used("o", c, w.wo, w.wo_scale, ("heads", "head_dim", "embed"), "wo")
+    return project("o", "bshe,hed->bsd", attended_BSHE, wo_HED, RESIDUAL, c), cache
+
+
+def _attend(c: ModelConfig, q_BSHE, k_BSKE, v_BSKE, positions_BS, cached, window):
+    """Attention of the queries [B, S, H, E] to the new keys and values [B, S, K, E] and the cached ones, the new
+    ones first written into the cache (`cached` as `_block` takes it) -> (out [B, S, H, E], the cache or None)."""
     options = attention_options(c)
     if isinstance(cached, PagedLayer):
         with jax.named_scope("attention"):
-            attended_BSHE, cache = paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cached, options,
-                                                   w.get("window"))
-    else:
-        cache = layer_cache = None
-        if cached is not None:
-            cache, layer, cache_index = cached
-            cache = write_cache(cache, layer, cache_index, k_BSKE, v_BSKE)
-            layer_cache = cache if layer is None else {name: cache[name][layer] for name in cache}
-        with jax.named_scope("attention"):
-            attended_BSHE = attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, layer_cache,
-                                      None if cached is None else cached[2], options, w.get("window"))
-    attended_BSHE = constrain(attended_BSHE, ("batch", "seq", "heads", "head_dim"), "attention output")
-    wo_HED = used("o", c, w, "wo", ("heads", "head_dim", "embed"))
-    attn_out_BSD = project("o", "bshe,hed->bsd", attended_BSHE, wo_HED, RESIDUAL, c)
-    if c.post_norms:
-        attn_out_BSD = _norm(c, attn_out_BSD, w["attn_post_norm"])
-    x_BSD = x_BSD + attn_out_BSD
-    h_BSD = _norm(c, x_BSD, w["mlp_norm"])
-    if c.n_experts:
-        mlp_BSD, balance = routed_mlp(c, h_BSD, w)
-    else:
-        mlp_BSD, balance = _dense_mlp(c, h_BSD, w), jnp.zeros((), jnp.float32)
-    if c.post_norms:
-        mlp_BSD = _norm(c, mlp_BSD, w["mlp_post_norm"])
-    return x_BSD + mlp_BSD, cache, balance
+            return paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cached, options, window)
+    cache = layer_cache = cache_index = None
+    if cached is not None:
+        cache, layer, cache_index = cached
+        cache = write_cache(cache, layer, cache_index, k_BSKE, v_BSKE)
+        layer_cache = cache if layer is None else {name: cache[name][layer] for name in cache}
+    with jax.named_scope("attention"):
+        return attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, layer_cache, cache_index, options, window), cache
 
 
 def _add_bias(x_BSNE, bias_NE, names: tuple[str, ...]):
@@ -388,7 +402,7 @@ def _by_kv_head(wq_DHE: jax.Array, K: int) -> jax.Array:
     return jnp.reshape(wq_DHE, shape, out_sharding=PartitionSpec(d, h, None, e))
 
 
-def _qkv(c: ModelConfig, h_BSD, w):
+def _qkv(c: ModelConfig, h_BSD, w: AttentionWeights):
     """Queries [B, S, H, E] (placed by ATTN_Q), keys and values [B, S, K, E] (ATTN_KV) of the normed residual h.
 
     Fused (`_fuses`: training and prefill): the stored q, k and v weights are stacked by kv head into
@@ -399,16 +413,16 @@ def _qkv(c: ModelConfig, h_BSD, w):
     kernel one launch of all three (`projections`). Either way under the named scope "qkv"."""
     H, E, K = c.n_heads, c.head_dim, c.n_kv_heads
     G = H // K
-    if not (_fuses(c, h_BSD) and _same_split([w["wq"], w["wk"], w["wv"]], 1)):
-        wq_DHE = used("qkv", c, w, "wq", ("embed", "heads", "head_dim"))
-        wk_DKE = used("qkv", c, w, "wk", ("embed", "kv_heads", "head_dim"))
-        wv_DKE = used("qkv", c, w, "wv", ("embed", "kv_heads", "head_dim"))
+    if not (_fuses(c, h_BSD) and _same_split([w.wq, w.wk, w.wv], 1)):
+        wq_DHE = used("qkv", c, w.wq, w.wq_scale, ("embed", "heads", "head_dim"), "wq")
+        wk_DKE = used("qkv", c, w.wk, w.wk_scale, ("embed", "kv_heads", "head_dim"), "wk")
+        wv_DKE = used("qkv", c, w.wv, w.wv_scale, ("embed", "kv_heads", "head_dim"), "wv")
         h_scale = fp8_scale(c, h_BSD)
         h_BSD = shared_input(h_BSD, [values(wq_DHE), values(wk_DKE), values(wv_DKE)])
         return tuple(projections("qkv", h_BSD, [("bsd,dhe->bshe", wq_DHE, ATTN_Q), ("bsd,dke->bske", wk_DKE, ATTN_KV),
                                                 ("bsd,dke->bske", wv_DKE, ATTN_KV)], c, h_scale))
     with jax.named_scope("qkv"):
-        stacked_DKCE = jnp.concatenate([_by_kv_head(w["wq"], K), w["wk"][:, :, None], w["wv"][:, :, None]], axis=2)
+        stacked_DKCE = jnp.concatenate([_by_kv_head(w.wq, K), w.wk[:, :, None], w.wv[:, :, None]], axis=2)
         w_DKCE = weight_at_use(c, stacked_DKCE, ("embed", "kv_heads", None, "head_dim"), "wq|wk|wv")
         h_scale = fp8_scale(c, h_BSD)
         h_BSD = shared_input(h_BSD, [values(w_DKCE)])
@@ -418,7 +432,7 @@ def _qkv(c: ModelConfig, h_BSD, w):
     return q_BSHE, qkv_BSKCE[:, :, :, G], qkv_BSKCE[:, :, :, G + 1]
 
 
-def _gate_up(c: ModelConfig, h_BSD, w):
+def _gate_up(c: ModelConfig, h_BSD, w: DenseMlpWeights):
     """The SwiGLU gate and up projections of h [B, S, D]: [B, S, F] each, over `mlp`.
 
     Fused (`_fuses`: training and prefill): the stored gate and up weights [D, F] are stacked on a new axis right
@@ -428,13 +442,14 @@ def _gate_up(c: ModelConfig, h_BSD, w):
     experts runs its own grouped gate and up matmuls, `moe.routed_mlp`.)"""
     names, out = ("embed", "mlp"), ("batch", "seq", "mlp")
     if not _fuses(c, h_BSD):
-        w_gate, w_up = used("gate_up", c, w, "w_gate", names), used("gate_up", c, w, "w_up", names)
+        w_gate = used("gate_up", c, w.w_gate, w.w_gate_scale, names, "w_gate")
+        w_up = used("gate_up", c, w.w_up, w.w_up_scale, names, "w_up")
         h_scale = fp8_scale(c, h_BSD)
         h_BSD = shared_input(h_BSD, [values(w_gate), values(w_up)])
         return tuple(projections("gate_up", h_BSD, [("bsd,df->bsf", w_gate, out), ("bsd,df->bsf", w_up, out)], c,
                                  h_scale))
     with jax.named_scope("gate_up"):
-        stacked_DTF = jnp.stack([w["w_gate"], w["w_up"]], axis=1)
+        stacked_DTF = jnp.stack([w.w_gate, w.w_up], axis=1)
         used_DTF = weight_at_use(c, stacked_DTF, ("embed", None, "mlp"), "w_gate|w_up")
         h_scale = fp8_scale(c, h_BSD)
         h_BSD = shared_input(h_BSD, [values(used_DTF)])
@@ -442,11 +457,11 @@ def _gate_up(c: ModelConfig, h_BSD, w):
     return both_BSTF[:, :, 0], both_BSTF[:, :, 1]
 
 
-def _dense_mlp(c: ModelConfig, h_BSD, w):
+def _dense_mlp(c: ModelConfig, h_BSD, w: DenseMlpWeights):
     """SwiGLU: down(silu(h @ gate) * (h @ up)), [B, S, D] -> [B, S, D] with the hidden [B, S, F] over `mlp`; GeGLU
     (GELU's tanh approximation in silu's place) where `c.mlp_activation` is "gelu_tanh"."""
     gate_BSF, up_BSF = _gate_up(c, h_BSD, w)
-    w_down_FD = used("down", c, w, "w_down", ("mlp", "embed"))
+    w_down_FD = used("down", c, w.w_down, w.w_down_scale, ("mlp", "embed"), "w_down")
     gelu = c.mlp_activation == "gelu_tanh"
     activated_BSF = jax.nn.gelu(gate_BSF, approximate=True) if gelu else jax.nn.silu(gate_BSF)
     return project("down", "bsf,fd->bsd", activated_BSF * up_BSF, w_down_FD, RESIDUAL, c)

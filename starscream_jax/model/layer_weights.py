@@ -1,16 +1,21 @@
-"""The decoder's layer weights as its forward passes read them: each stacked weight [L, ...] by name, cast once per
-step (`layer_weights`), split into each layer's (`unstacked`), an 8-bit weight held as one array per layer for the
-programs that run the layers one after another (`split_layer_weights`), quantized in place where the model is built
-8-bit (`quantize_in_place`), and each layer's attention window (`layer_windows`). The weights themselves are defined
-by `decoder.LayerStack`; `weight_formats` converts a built model's.
+"""The decoder's layer weights as its forward passes read them: one typed value per layer (`LayerWeights`, its
+attention's `AttentionWeights` and its MLP's `DenseMlpWeights` or `RoutedMlpWeights`), whose fields are the
+`decoder.LayerStack` parameters of the same names. A step reads them stacked [L, ...] and cast once
+(`layer_weights`), split into each layer's (`unstacked`); an 8-bit weight may be held as one array per layer for the
+programs that run the layers one after another (`split_layer_weights`); the model built 8-bit quantizes its weights
+in place (`quantize_in_place`); each layer's attention window travels with its weights (`layer_windows`).
+`weight_formats` converts a built model's weights.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
+from jax.tree_util import register_dataclass
 
 from ..errors import StarscreamError
 from ..sharding.apply import logical_names, param, path_name
@@ -20,6 +25,102 @@ from .quantize import QUANTIZED_INPUTS, SCALE_SUFFIX, quantize, scale_names
 
 FULL_WINDOW = 1 << 30
 """The window of a layer that attends to every earlier position, in a model with sliding-window layers."""
+COMPUTE = {"compute_dtype": True}
+"""Field metadata of a weight used in the compute dtype: the projections' matrices and biases, cast once per step
+(`layer_weights`). Norm scales and a router are used in float32; 8-bit values and their scales as stored."""
+
+
+@register_dataclass
+@dataclass(frozen=True, kw_only=True)
+class AttentionWeights:
+    """One layer's attention weights; the optional ones are None in a model without them. Shape letters as in
+    `names`; the logical names of each dimension in brackets' order:
+
+      wq                  [D, H, E]  embed, heads, head_dim       query projection
+      wk, wv              [D, K, E]  embed, kv_heads, head_dim    key and value projections
+      wo                  [H, E, D]  heads, head_dim, embed       output projection
+      bq                  [H, E]     heads, head_dim              query bias (`qkv_bias`: Qwen2)
+      bk, bv              [K, E]     kv_heads, head_dim           key and value biases (`qkv_bias`)
+      q_norm, k_norm      [E]        norm                         per-head RMSNorm scales (`qk_norm`: Qwen3)
+      wq_scale            [H, E]     heads, head_dim              8-bit weights' float32 scales (`weight_format`),
+      wk_scale, wv_scale  [K, E]     kv_heads, head_dim           per output channel; [] per tensor
+      wo_scale            [D]        embed                        (`weight_scales`: "tensor")
+
+    Where an 8-bit scale is present its weight holds the 8-bit values."""
+
+    wq: jax.Array = field(metadata=COMPUTE)
+    wk: jax.Array = field(metadata=COMPUTE)
+    wv: jax.Array = field(metadata=COMPUTE)
+    wo: jax.Array = field(metadata=COMPUTE)
+    bq: jax.Array | None = field(default=None, metadata=COMPUTE)
+    bk: jax.Array | None = field(default=None, metadata=COMPUTE)
+    bv: jax.Array | None = field(default=None, metadata=COMPUTE)
+    q_norm: jax.Array | None = None
+    k_norm: jax.Array | None = None
+    wq_scale: jax.Array | None = None
+    wk_scale: jax.Array | None = None
+    wv_scale: jax.Array | None = None
+    wo_scale: jax.Array | None = None
+
+
+@register_dataclass
+@dataclass(frozen=True, kw_only=True)
+class DenseMlpWeights:
+    """One layer's SwiGLU (or GeGLU) MLP weights; the 8-bit scales are None for float weights:
+
+      w_gate, w_up              [D, F]  embed, mlp   gate and up projections
+      w_down                    [F, D]  mlp, embed   down projection
+      w_gate_scale, w_up_scale  [F]     mlp          8-bit weights' float32 scales per output channel;
+      w_down_scale              [D]     embed        [] per tensor"""
+
+    w_gate: jax.Array = field(metadata=COMPUTE)
+    w_up: jax.Array = field(metadata=COMPUTE)
+    w_down: jax.Array = field(metadata=COMPUTE)
+    w_gate_scale: jax.Array | None = None
+    w_up_scale: jax.Array | None = None
+    w_down_scale: jax.Array | None = None
+
+
+@register_dataclass
+@dataclass(frozen=True, kw_only=True)
+class RoutedMlpWeights:
+    """One layer's routed mixture of experts (`moe.routed_mlp`); the 8-bit scales are None for float weights:
+
+      router                    [D, X]     embed, experts               router logits' projection (float32 at use)
+      w_gate, w_up              [X, D, F]  experts, embed, expert_mlp   each expert's gate and up projections
+      w_down                    [X, F, D]  experts, expert_mlp, embed   each expert's down projection
+      w_gate_scale, w_up_scale  [X, F]     experts, expert_mlp          8-bit weights' float32 scales per output
+      w_down_scale              [X, D]     experts, embed               channel; [X] (experts) per tensor"""
+
+    router: jax.Array
+    w_gate: jax.Array = field(metadata=COMPUTE)
+    w_up: jax.Array = field(metadata=COMPUTE)
+    w_down: jax.Array = field(metadata=COMPUTE)
+    w_gate_scale: jax.Array | None = None
+    w_up_scale: jax.Array | None = None
+    w_down_scale: jax.Array | None = None
+
+
+@register_dataclass
+@dataclass(frozen=True, kw_only=True)
+class LayerWeights:
+    """One pre-norm block's weights (`decoder._block`): its norms' scales, its attention's and its MLP's weights,
+    and its attention window. Shapes are one layer's (`unstacked`); the value a step reads (`layer_weights`) has
+    each weight stacked [L, ...] on a leading `layers` axis, an 8-bit weight held per layer (`split_layer_weights`)
+    as a tuple of L arrays.
+
+      attn_norm, mlp_norm            [D]  norm   RMSNorm scales before the attention and the MLP
+      attn_post_norm, mlp_post_norm  [D]  norm   RMSNorm scales of their outputs (`post_norms`: Gemma 2), or None
+      window                         []   int32  the attention window (`layer_windows`) in a model with
+                                                 sliding-window layers, or None"""
+
+    attn_norm: jax.Array
+    attention: AttentionWeights
+    attn_post_norm: jax.Array | None = None
+    mlp_norm: jax.Array
+    mlp: DenseMlpWeights | RoutedMlpWeights
+    mlp_post_norm: jax.Array | None = None
+    window: jax.Array | None = None
 
 
 def layer_windows(c: ModelConfig) -> np.ndarray:
@@ -39,15 +140,49 @@ def quantize_in_place(c: ModelConfig, layers: nnx.Module) -> None:
         setattr(layers, key + SCALE_SUFFIX, param(scale, scale_names(key, names, c.weight_scales)))
 
 
-def unstacked(stacked: dict, n_layers: int) -> list[dict]:
-    """Each layer's weights {name: [...]} from the stacked ones {name: [L, ...]}, split apart in one op per weight
-    (whose gradient is one concatenation of the layers' gradients, where indexing each layer would pad every
-    layer's gradient to the stack's shape and add the L of them); a weight held per layer (a tuple of L arrays,
-    `split_layer_weights`) as held."""
-    parts = {name: value if isinstance(value, tuple) else [part.reshape(part.shape[1:])
-                                                            for part in jnp.split(value, n_layers)]
-             for name, value in stacked.items()}
-    return [{name: layers[index] for name, layers in parts.items()} for index in range(n_layers)]
+def layer_weights(c: ModelConfig, layers: nnx.Module) -> LayerWeights:
+    """Every layer's weights stacked [L, ...] (`LayerWeights`), those marked COMPUTE cast to the compute dtype here,
+    once per step before the layer loop, as stored (not gathered): each layer then slices and gathers its weights
+    in that dtype, where casting inside the loop would copy each layer's float32 slice out of the stack first. A
+    weight's gradient is the same either way (each layer's slice is used once). 8-bit weights and their scales stay
+    as stored, and a weight held per layer (`split_layer_weights`: a tuple of L arrays) as held. With sliding-window
+    layers each layer's window [L] rides along (`layer_windows`)."""
+    mlp = _read(c, layers, RoutedMlpWeights if c.n_experts else DenseMlpWeights)
+    window = jnp.asarray(layer_windows(c)) if c.sliding_window else None
+    return _read(c, layers, LayerWeights, attention=_read(c, layers, AttentionWeights), mlp=mlp, window=window)
+
+
+def _read(c: ModelConfig, layers: nnx.Module, kind: type, **given):
+    """A `kind` of `layers`' stacked weights: each field not `given` the parameter of its name, absent (None) where
+    the model has none; those marked COMPUTE in the compute dtype (`layer_weights`)."""
+    def read(weight):
+        stored = getattr(layers, weight.name).get_value()
+        cast = weight.metadata.get("compute_dtype") and not _held_per_layer(stored) and stored.dtype.itemsize > 1
+        return stored.astype(jnp.dtype(c.dtype)) if cast else stored
+
+    return kind(**given, **{weight.name: read(weight) for weight in fields(kind)
+                            if weight.name not in given and hasattr(layers, weight.name)})
+
+
+def unstacked(stacked: LayerWeights, n_layers: int) -> list[LayerWeights]:
+    """Each layer's weights from the stacked ones ([L, ...] each), split apart in one op per weight (whose gradient
+    is one concatenation of the layers' gradients, where indexing each layer would pad every layer's gradient to
+    the stack's shape and add the L of them); a weight held per layer (a tuple of L arrays, `split_layer_weights`)
+    as held."""
+    weights, tree = jax.tree.flatten(stacked, is_leaf=_held_per_layer)
+    parts = [weight if _held_per_layer(weight) else [part.reshape(part.shape[1:])
+                                                      for part in jnp.split(weight, n_layers)] for weight in weights]
+    return [tree.unflatten([layers[index] for layers in parts]) for index in range(n_layers)]
+
+
+def holds_per_layer(stacked: LayerWeights) -> bool:
+    """Whether any of the stacked weights is held per layer (`split_layer_weights`)."""
+    return any(_held_per_layer(weight) for weight in jax.tree.leaves(stacked, is_leaf=_held_per_layer))
+
+
+def _held_per_layer(node) -> bool:
+    """Whether a node of stacked weights is a weight held per layer: a tuple of L arrays (a NamedTuple is not one)."""
+    return type(node) is tuple
 
 
 def split_layer_weights(params):
@@ -84,32 +219,3 @@ def _held_in_eight_bits(path, value) -> bool:
     """Whether a parameter is a stacked 8-bit layer weight (`split_layer_weights`)."""
     return (not isinstance(value, tuple) and path_name(path).split("/")[0] == "layers" and value.ndim > 1
             and jnp.dtype(value.dtype).itemsize == 1)
-
-
-def _layer_weight_names(c: ModelConfig) -> list[str]:
-    names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
-    names += ["attn_post_norm", "mlp_post_norm"] if c.post_norms else []
-    names += ["bq", "bk", "bv"] if c.qkv_bias else []
-    names += ["q_norm", "k_norm"] if c.qk_norm else []
-    names += ["router"] if c.n_experts else []
-    return names + ([name + SCALE_SUFFIX for name in names if name in QUANTIZED_INPUTS] if c.weight_format else [])
-
-
-CAST_ONCE = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "bq", "bk", "bv"})
-"""The stacked layer weights used in the compute dtype: the projections' matrices and biases (norm scales and a
-mixture of experts' router are used in float32)."""
-
-
-def layer_weights(c: ModelConfig, layers: nnx.Module) -> dict:
-    """Every stacked layer weight [L, ...] by name, those of CAST_ONCE cast to the compute dtype here, once per step
-    before the layer loop, as stored (not gathered): each layer then slices and gathers its weights in that dtype,
-    where casting inside the loop would copy each layer's float32 slice out of the stack first. A weight's
-    gradient is the same either way (each layer's slice is used once). 8-bit weights and their scales stay as
-    stored, and a weight held per layer (`split_layer_weights`: a tuple of L arrays) as held."""
-    dtype = jnp.dtype(c.dtype)
-    stored = {name: getattr(layers, name).get_value() for name in _layer_weight_names(c)}
-    weights = {name: value.astype(dtype) if name in CAST_ONCE and not isinstance(value, tuple)
-               and value.dtype.itemsize > 1 else value for name, value in stored.items()}
-    if c.sliding_window:  # each layer's attention window travels with its weights (`layer_windows`)
-        weights["window"] = jnp.asarray(layer_windows(c))
-    return weights

@@ -47,11 +47,16 @@ from ..sharding.collectives import hierarchical_all_gather, hierarchical_psum
 from .config import ModelConfig
 from .grouped_matmul import default_implementation, grouped_matmul
 from .names import RESIDUAL
-from .quantize import SCALE_SUFFIX, Scaled, dequantize
+from .layer_weights import RoutedMlpWeights
+from .quantize import Scaled, dequantize
 
-EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
-EMBED_DIM = {"w_gate": 1, "w_up": 1, "w_down": 2}
-"""Which dimension of each expert weight ([X, D, F], [X, D, F], [X, F, D]) is embed."""
+GATE_UP_NAMES = ("experts", "embed", "expert_mlp")
+"""The logical names of one layer's expert gate and up weights [X, D, F]."""
+DOWN_NAMES = ("experts", "expert_mlp", "embed")
+"""The logical names of one layer's expert down weight [X, F, D]."""
+EMBED_DIMS = (1, 1, 2)
+"""Which dimension of each expert weight, in `_experts`' order (w_gate, w_up [X, D, F], w_down [X, F, D]), is
+embed."""
 
 
 def route(h_TD: jax.Array, router_DX: jax.Array, k: int, normalize_gates: bool, total=None):
@@ -185,60 +190,74 @@ def balance_loss(counts_X: jax.Array, probability_sums_X: jax.Array, k: int) -> 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _Placement:
     """Mesh axes the per-device block works with: those that split the tokens' embed dim, the router's dims and
-    each expert weight's embed dim (gathered on entry), the embed dim kept split at use (`contract`: the
-    contractions over it are partial, summed over these axes), the tokens (batch and seq: the load-balancing
-    statistics are summed over them), the experts (which experts a device holds) and the experts with their hidden
-    dim (the partial outputs are summed over them)."""
+    each expert weight's embed dim (in `_experts`' order; gathered on entry), the embed dim kept split at use
+    (`contract`: the contractions over it are partial, summed over these axes), the tokens (batch and seq: the
+    load-balancing statistics are summed over them), the experts (which experts a device holds) and the experts
+    with their hidden dim (the partial outputs are summed over them)."""
 
     token_embed: tuple[str, ...] = ()
     router: tuple[tuple[str, ...], ...] = ()
-    weight_embed: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    weight_embed: tuple[tuple[str, ...], ...] = ((), (), ())
     contract: tuple[str, ...] = ()
     tokens: tuple[str, ...] = ()
     experts: tuple[str, ...] = ()
     combine: tuple[str, ...] = ()
 
 
-def routed_mlp(c: ModelConfig, h_BSD: jax.Array, w: dict) -> tuple[jax.Array, jax.Array]:
+def routed_mlp(c: ModelConfig, h_BSD: jax.Array, w: RoutedMlpWeights) -> tuple[jax.Array, jax.Array]:
     """(the block's output [B, S, D] placed by RESIDUAL, the load-balancing loss of these tokens: a float32 scalar).
 
-    `w` holds one layer's router [D, X] and expert weights w_gate / w_up [X, D, F], w_down [X, F, D] as stored
-    (8-bit ones with their scales, dequantized to the compute dtype here: the grouped matmul reads one dtype)."""
-    weights = {name: _expert_weight(c, w, name) for name in EXPERT_WEIGHTS}
+    `w`: one layer's router [D, X] and expert weights w_gate / w_up [X, D, F], w_down [X, F, D] as stored (8-bit
+    ones with their scales, dequantized to the compute dtype here: the grouped matmul reads one dtype)."""
+    w = _in_compute_dtype(c, w)
     if active() is None:
-        return _per_device(c, _Placement(), h_BSD, w["router"], weights)
+        return _per_device(c, _Placement(), h_BSD, w)
     h_BSD = constrain(h_BSD, RESIDUAL, "moe input")
     token_spec = activation_spec(RESIDUAL, h_BSD.shape, "moe input")
-    specs = {name: jax.typeof(value).sharding.spec for name, value in weights.items()}
-    router_spec = jax.typeof(w["router"]).sharding.spec
-    contract = _contract_axes(weights["w_gate"].shape, specs, router_spec, token_spec)
-    placement = _Placement(
-        token_embed=() if contract else dim_axes(token_spec, 2),
-        router=(() if contract else dim_axes(router_spec, 0), dim_axes(router_spec, 1)),
-        weight_embed=tuple((name, () if contract else dim_axes(specs[name], EMBED_DIM[name]))
-                           for name in EXPERT_WEIGHTS),
-        contract=contract,
-        tokens=(*dim_axes(token_spec, 0), *dim_axes(token_spec, 1)),
-        experts=dim_axes(specs["w_gate"], 0),
-        combine=_combine_axes(specs["w_gate"], token_spec),
-    )
-    mapped = jax.shard_map(functools.partial(_per_device, c, placement), in_specs=(token_spec, router_spec, specs),
+    specs = jax.tree.map(lambda value: jax.typeof(value).sharding.spec, w)
+    placement = _placement(w.w_gate.shape, specs, token_spec)
+    mapped = jax.shard_map(functools.partial(_per_device, c, placement), in_specs=(token_spec, specs),
                            out_specs=(token_spec, PartitionSpec()))
-    out_BSD, balance = mapped(h_BSD, w["router"], weights)
+    out_BSD, balance = mapped(h_BSD, w)
     return constrain(out_BSD, RESIDUAL, "moe output"), balance
 
 
-EXPERT_NAMES = {"w_gate": ("experts", "embed", "expert_mlp"), "w_up": ("experts", "embed", "expert_mlp"),
-                "w_down": ("experts", "expert_mlp", "embed")}
-"""The logical names of one layer's expert weights."""
+def _in_compute_dtype(c: ModelConfig, w: RoutedMlpWeights) -> RoutedMlpWeights:
+    """`w` with its expert weights in the compute dtype (8-bit ones times their scales, which it then drops)."""
+    return RoutedMlpWeights(router=w.router,
+                            w_gate=_expert_weight(c, w.w_gate, w.w_gate_scale, "w_gate", GATE_UP_NAMES),
+                            w_up=_expert_weight(c, w.w_up, w.w_up_scale, "w_up", GATE_UP_NAMES),
+                            w_down=_expert_weight(c, w.w_down, w.w_down_scale, "w_down", DOWN_NAMES))
 
 
-def _expert_weight(c: ModelConfig, w: dict, name: str) -> jax.Array:
-    """One layer's expert weight `name` in the compute dtype (an 8-bit one times its scales)."""
+def _expert_weight(c: ModelConfig, stored: jax.Array, scale: jax.Array | None, key: str,
+                   names: tuple[str, ...]) -> jax.Array:
+    """One expert weight (`key`, with logical `names`) in the compute dtype: an 8-bit one (its `scale` given)
+    times its scales."""
     dtype = jnp.dtype(c.dtype)
-    if name + SCALE_SUFFIX not in w:
-        return w[name].astype(dtype)
-    return dequantize(Scaled(w[name], w[name + SCALE_SUFFIX]), name, EXPERT_NAMES[name], c.weight_scales, dtype)
+    if scale is None:
+        return stored.astype(dtype)
+    return dequantize(Scaled(stored, scale), key, names, c.weight_scales, dtype)
+
+
+def _experts(w: RoutedMlpWeights) -> tuple:
+    """The expert weights of `w` (or of its specs) in EMBED_DIMS' order: w_gate, w_up, w_down."""
+    return w.w_gate, w.w_up, w.w_down
+
+
+def _placement(w_gate_shape, specs: RoutedMlpWeights, token_spec: PartitionSpec) -> _Placement:
+    """The mesh axes the per-device block works with (`_Placement`), of weights stored as `specs` (each field its
+    PartitionSpec) and tokens placed by `token_spec`."""
+    contract = _contract_axes(w_gate_shape, specs, token_spec)
+    return _Placement(
+        token_embed=() if contract else dim_axes(token_spec, 2),
+        router=(() if contract else dim_axes(specs.router, 0), dim_axes(specs.router, 1)),
+        weight_embed=tuple(() if contract else dim_axes(spec, dim) for spec, dim in zip(_experts(specs), EMBED_DIMS)),
+        contract=contract,
+        tokens=(*dim_axes(token_spec, 0), *dim_axes(token_spec, 1)),
+        experts=dim_axes(specs.w_gate, 0),
+        combine=_combine_axes(specs.w_gate, token_spec),
+    )
 
 
 def _combine_axes(expert_spec: PartitionSpec, token_spec: PartitionSpec) -> tuple[str, ...]:
@@ -254,16 +273,17 @@ def _combine_axes(expert_spec: PartitionSpec, token_spec: PartitionSpec) -> tupl
     return axes
 
 
-def _contract_axes(w_gate_shape, specs: dict, router_spec: PartitionSpec, token_spec: PartitionSpec) -> tuple[str, ...]:
+def _contract_axes(w_gate_shape, specs: RoutedMlpWeights, token_spec: PartitionSpec) -> tuple[str, ...]:
     """The mesh axes that split the experts' embed dimension at use (the active layout's `weights` rules for w_gate
     [X, D, F]): () where it is gathered whole (train and prefill layouts). Where it stays split (starscream_decode),
     the tokens' embed dimension and the stored router and expert weights must be split over the same axes and the
     tokens over none of them, so that each partial contraction sums one token's products; else refused."""
-    contract = dim_axes(weight_spec(EXPERT_NAMES["w_gate"], w_gate_shape, "w_gate"), EMBED_DIM["w_gate"])
+    contract = dim_axes(weight_spec(GATE_UP_NAMES, w_gate_shape, "w_gate"), EMBED_DIMS[0])
     if not contract:
         return ()
-    split = {"tokens": dim_axes(token_spec, 2), "router": dim_axes(router_spec, 0),
-             **{name: dim_axes(specs[name], EMBED_DIM[name]) for name in EXPERT_WEIGHTS}}
+    split = {"tokens": dim_axes(token_spec, 2), "router": dim_axes(specs.router, 0),
+             **{name: dim_axes(spec, dim) for name, spec, dim in zip(("w_gate", "w_up", "w_down"), _experts(specs),
+                                                                      EMBED_DIMS)}}
     differ = {name: axes for name, axes in split.items() if axes != contract}
     if differ:
         raise ShardingRuleError(
@@ -279,25 +299,25 @@ def _contract_axes(w_gate_shape, specs: dict, router_spec: PartitionSpec, token_
     return contract
 
 
-def _per_device(c: ModelConfig, placement: _Placement, h_BSD, router_DX, weights):
+def _per_device(c: ModelConfig, placement: _Placement, h_BSD, w: RoutedMlpWeights):
     """The block on the tokens and experts one device holds (the whole block outside a layout): gather the
     dimensions `placement` names, route, run the local experts (contractions over an embed dim kept split completed
     by a sum over `placement.contract`), sum the partial outputs over the combine axes and the load-balancing
     statistics over the token axes."""
     h_BSD = hierarchical_all_gather(h_BSD, placement.token_embed, 2)
+    router_DX = w.router
     for dim, axes in enumerate(placement.router):
         router_DX = hierarchical_all_gather(router_DX, axes, dim)
-    for name, axes in placement.weight_embed:
-        weights[name] = hierarchical_all_gather(weights[name], axes, EMBED_DIM[name])
+    w_gate_XDF, w_up_XDF, w_down_XFD = (hierarchical_all_gather(weight, axes, dim) for weight, axes, dim in
+                                        zip(_experts(w), placement.weight_embed, EMBED_DIMS))
     batch, seq, d_model = h_BSD.shape
     h_TD = h_BSD.reshape(batch * seq, d_model)
     total = functools.partial(hierarchical_psum, axes=placement.contract) if placement.contract else None
     gates_TK, experts_TK, probabilities_TX = route(h_TD, router_DX, c.experts_per_token, c.normalize_gates, total)
     if placement.combine:  # typed as differing over the experts' axes before the experts use it: its gradient sums
         h_TD = jax.lax.pcast(h_TD, placement.combine, to="varying")  # there (the gather by expert would not say so)
-    first_expert = jax.lax.axis_index(placement.experts) * weights["w_gate"].shape[0] if placement.experts else 0
-    out_TD = expert_outputs(h_TD, gates_TK, experts_TK, weights["w_gate"], weights["w_up"], weights["w_down"],
-                            first_expert, total=total)
+    first_expert = jax.lax.axis_index(placement.experts) * w_gate_XDF.shape[0] if placement.experts else 0
+    out_TD = expert_outputs(h_TD, gates_TK, experts_TK, w_gate_XDF, w_up_XDF, w_down_XFD, first_expert, total=total)
     if placement.combine:
         out_TD = jax.lax.psum(out_TD, placement.combine)
     if placement.token_embed:  # the device's share of the embed dim, as the tokens came in

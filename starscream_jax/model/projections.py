@@ -14,18 +14,20 @@ from jax.sharding import PartitionSpec
 from ..hardware.backend import policy_of
 from ..sharding.apply import active, compute_device, constrain, einsum, placed_as, weight
 from .config import ModelConfig
-from .quantize import SCALE_SUFFIX, Fp8Weight, Scaled, fp8_einsum, fp8_weight, tensor_scale
+from .quantize import Fp8Weight, Scaled, fp8_einsum, fp8_weight, tensor_scale
 from .weight_only import applies as weight_only_applies
 from .weight_only_group import grouped_weight_only_matmul
 
 
-def used(scope: str, c: ModelConfig, weights: dict, key: str, names: tuple[str, ...]) -> jax.Array | Scaled | Fp8Weight:
-    """One layer's weight `weights[key]` as its projection uses it (`weight_at_use`), under the projection's named
-    scope; an 8-bit weight gathered in 8 bits, with its scale as stored (`Scaled`)."""
+def used(scope: str, c: ModelConfig, stored: jax.Array, scale: jax.Array | None, names: tuple[str, ...],
+         tensor: str) -> jax.Array | Scaled | Fp8Weight:
+    """One layer's weight `stored` (named `tensor`, with logical `names`) as its projection uses it
+    (`weight_at_use`), under the projection's named scope; an 8-bit weight (its float32 `scale` given; None for a
+    float weight) gathered in 8 bits, with its scale as stored (`Scaled`)."""
     with jax.named_scope(scope):
-        if key + SCALE_SUFFIX not in weights:
-            return weight_at_use(c, weights[key], names, key)
-        return Scaled(weight(weights[key], names, None, key), weights[key + SCALE_SUFFIX])
+        if scale is None:
+            return weight_at_use(c, stored, names, tensor)
+        return Scaled(weight(stored, names, None, tensor), scale)
 
 
 def weight_at_use(c: ModelConfig, value: jax.Array, names: tuple[str, ...], tensor: str) -> jax.Array | Fp8Weight:

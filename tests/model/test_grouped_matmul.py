@@ -71,8 +71,8 @@ def test_routed_block_through_the_kernels_equals_the_dense_reference(monkeypatch
     c = config()
     h, w = block_inputs(tokens=(2, 8))
     h[..., 0] = 4.0
-    w["router"][0, 3] = -10.0  # no token picks expert 3
-    _, experts, _ = moe.route(h.reshape(-1, h.shape[-1]), w["router"], 2, True)
+    w.router[0, 3] = -10.0  # no token picks expert 3
+    _, experts, _ = moe.route(h.reshape(-1, h.shape[-1]), w.router, 2, True)
     assert 3 not in np.unique(experts) and len(np.unique(experts)) == 3
     expected = jax.jit(functools.partial(loss_and_grads, dense_block, c))(h, w)
     got = jax.jit(functools.partial(loss_and_grads, lambda c, h, w: moe.routed_mlp(c, h, w)[0], c))(h, w)

@@ -20,6 +20,7 @@ from starscream_jax.errors import PresetError, ShardingRuleError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model import moe
 from starscream_jax.model.catalog import load_model_config
+from starscream_jax.model.layer_weights import RoutedMlpWeights
 from starscream_jax.model.names import RESIDUAL
 from starscream_jax.sharding.apply import activation_spec, use_layout
 from starscream_jax.sharding.layouts import get_layout
@@ -31,8 +32,6 @@ RELATIVE_TOLERANCE = 2e-6
 """float32, of each result's largest magnitude (gradients up to 42 here): about 16 ulps, for a layout that also
 splits the contractions over embed into partial sums (starscream_decode)."""
 D, F = 16, 32
-NAMES = {"router": ("embed", "experts"), "w_gate": ("experts", "embed", "expert_mlp"),
-         "w_up": ("experts", "embed", "expert_mlp"), "w_down": ("experts", "expert_mlp", "embed")}
 MESHES = {"1x1x1": (1, 1, 1), "1x2x4": (1, 2, 4), "2x2x2": (2, 2, 2)}
 
 
@@ -44,14 +43,23 @@ def block_inputs(experts=4, tokens=(8, 4), seed=0):
     rng = np.random.default_rng(seed)
     weights = {"router": rng.normal(size=(D, experts)), "w_gate": rng.normal(size=(experts, D, F)) / 4,
                "w_up": rng.normal(size=(experts, D, F)) / 4, "w_down": rng.normal(size=(experts, F, D)) / 6}
-    return rng.normal(size=(*tokens, D)).astype(np.float32), {k: v.astype(np.float32) for k, v in weights.items()}
+    return rng.normal(size=(*tokens, D)).astype(np.float32), RoutedMlpWeights(
+        **{k: v.astype(np.float32) for k, v in weights.items()})
+
+
+def placed_by(rules, mesh, w: RoutedMlpWeights) -> RoutedMlpWeights:
+    """`w` with each weight placed on `mesh` by `rules` (a layout's params rules) for its logical names."""
+    def put(value, names):
+        return jax.device_put(value, NamedSharding(mesh, resolve(names, value.shape, rules, mesh)))
+    return RoutedMlpWeights(router=put(w.router, ("embed", "experts")), w_gate=put(w.w_gate, moe.GATE_UP_NAMES),
+                            w_up=put(w.w_up, moe.GATE_UP_NAMES), w_down=put(w.w_down, moe.DOWN_NAMES))
 
 
 def dense_block(c, h_BSD, w):
     """The reference: the same routing, every expert run on every token (`moe.dense_experts`)."""
     h_TD = h_BSD.reshape(-1, D)
-    gates, experts, _ = moe.route(h_TD, w["router"], c.experts_per_token, c.normalize_gates)
-    return moe.dense_experts(h_TD, gates, experts, w["w_gate"], w["w_up"], w["w_down"]).reshape(h_BSD.shape)
+    gates, experts, _ = moe.route(h_TD, w.router, c.experts_per_token, c.normalize_gates)
+    return moe.dense_experts(h_TD, gates, experts, w.w_gate, w.w_up, w.w_down).reshape(h_BSD.shape)
 
 
 def loss_and_grads(block, c, h_BSD, w):
@@ -86,9 +94,7 @@ def sharded(layout: str, mesh_name: str, experts=4, k=2, h_w=None):
     h, w = h_w or block_inputs(experts)
     data, gpu, xcd = MESHES.get(mesh_name, (1, *map(int, mesh_name.split("x")[1:])))
     mesh = build_mesh(f"{data * gpu}x{xcd}", data=data)
-    rules = get_layout(layout).params
-    placed = {name: jax.device_put(value, NamedSharding(mesh, resolve(NAMES[name], value.shape, rules, mesh)))
-              for name, value in w.items()}
+    placed = placed_by(get_layout(layout).params, mesh, w)
     with use_layout(layout, mesh):
         tokens = jax.device_put(h, NamedSharding(mesh, activation_spec(RESIDUAL, h.shape)))
         compiled = jax.jit(functools.partial(loss_and_grads, routed_block, c)).lower(tokens, placed).compile()
@@ -116,7 +122,7 @@ def test_routed_block_under_starscream_decode_equals_the_dense_reference(mesh_na
     """The weights stay split over embed (xcd) at use: the router's logits and the experts' gate and up are summed
     inside the GPU, the outputs across GPUs; forward and every gradient as the dense block gives them."""
     (out, grads), _, _, placed = sharded("starscream_decode", mesh_name)
-    assert placed["w_gate"].sharding.spec == P(None, "xcd", "gpu")
+    assert placed.w_gate.sharding.spec == P(None, "xcd", "gpu")
     scales = [float(np.max(np.abs(leaf))) for leaf in jax.tree.leaves(reference())]
     errors = [error / scale for error, scale in zip(max_errors((out, grads), reference()), scales)]
     assert max(errors) <= RELATIVE_TOLERANCE, errors
@@ -130,12 +136,10 @@ def decode_block(layout, experts=4, d_model=128, d_ff=256):
     rng = np.random.default_rng(0)
     shapes = {"router": (d_model, experts), "w_gate": (experts, d_model, d_ff), "w_up": (experts, d_model, d_ff),
               "w_down": (experts, d_ff, d_model)}
-    w = {name: rng.normal(size=shape).astype(np.float32) for name, shape in shapes.items()}
+    w = RoutedMlpWeights(**{name: rng.normal(size=shape).astype(np.float32) for name, shape in shapes.items()})
     h = rng.normal(size=(16, 1, d_model)).astype(np.float32)
     mesh = build_mesh("2x4")
-    rules = get_layout(layout).params
-    placed = {name: jax.device_put(value, NamedSharding(mesh, resolve(NAMES[name], value.shape, rules, mesh)))
-              for name, value in w.items()}
+    placed = placed_by(get_layout(layout).params, mesh, w)
     with use_layout(layout, mesh):
         tokens = jax.device_put(h, NamedSharding(mesh, activation_spec(RESIDUAL, h.shape)))
         return jax.jit(functools.partial(routed_block, c)).lower(tokens, placed).compile(), mesh
@@ -178,8 +182,7 @@ def test_an_embed_dimension_split_at_use_but_not_on_the_tokens_is_refused():
     layout = get_layout("starscream_decode").with_rules(activations={"embed": None})
     h, w = block_inputs()
     mesh = build_mesh("2x4")
-    placed = {name: jax.device_put(value, NamedSharding(mesh, resolve(NAMES[name], value.shape, layout.params, mesh)))
-              for name, value in w.items()}
+    placed = placed_by(layout.params, mesh, w)
     with use_layout(layout, mesh), pytest.raises(ShardingRuleError, match=r"embed dimension split over \('xcd',\) "
                                                                           r"at use.*'tokens': \(\)"):
         jax.jit(lambda h, w: moe.routed_mlp(config(), h, w)).lower(h, placed)
@@ -190,13 +193,13 @@ def test_a_token_routed_to_another_gpus_experts_comes_back_to_its_place():
     its own gates: the first GPU's partitions hold those tokens and must receive their outputs."""
     h, w = block_inputs()
     h[..., 0] = 4.0
-    w["router"][1:] *= 0.1
-    w["router"][0] = [-2.0, -2.0, 2.0, 2.0]
+    w.router[1:] *= 0.1
+    w.router[0] = [-2.0, -2.0, 2.0, 2.0]
     c = config()
-    gates, experts, _ = moe.route(h.reshape(-1, D), w["router"], 2, True)
+    gates, experts, _ = moe.route(h.reshape(-1, D), w.router, 2, True)
     assert set(np.unique(experts)) == {2, 3} and np.ptp(np.asarray(gates)) > 0.1
     (out, _), _, _, placed = sharded("starscream_ep", "1x2x4", h_w=(h, w))
-    assert placed["w_gate"].sharding.spec == P("gpu", "xcd", None)
+    assert placed.w_gate.sharding.spec == P("gpu", "xcd", None)
     np.testing.assert_allclose(out, jax.jit(functools.partial(dense_block, c))(h, w), atol=TOLERANCE)
 
 
@@ -204,8 +207,8 @@ def test_experts_fewer_than_the_gpus_run_tensor_parallel_inside_each_expert():
     """2 experts on 4 GPUs: starscream_ep keeps each expert whole on every GPU and splits its hidden dimension
     over the GPUs instead, with the same result."""
     (out, grads), _, _, placed = sharded("starscream_ep", "1x4x2", experts=2, k=1)
-    assert placed["w_gate"].sharding.spec == P(None, "xcd", "gpu")
-    assert placed["w_down"].sharding.spec == P(None, "gpu", "xcd")
+    assert placed.w_gate.sharding.spec == P(None, "xcd", "gpu")
+    assert placed.w_down.sharding.spec == P(None, "gpu", "xcd")
     assert max(max_errors((out, grads), reference(2, 1))) <= TOLERANCE
 
 
@@ -226,8 +229,7 @@ def test_tokens_and_experts_split_over_one_axis_are_refused():
     layout = get_layout("starscream_ep").with_rules(params={"experts": "xcd", "embed": None})
     h, w = block_inputs()
     mesh = build_mesh("2x4")
-    placed = {name: jax.device_put(value, NamedSharding(mesh, resolve(NAMES[name], value.shape, layout.params, mesh)))
-              for name, value in w.items()}
+    placed = placed_by(layout.params, mesh, w)
     with use_layout(layout, mesh), pytest.raises(ShardingRuleError, match=r"both the tokens .* over mesh axes \['xcd'\]"):
         jax.jit(lambda h, w: moe.routed_mlp(config(), h, w)).lower(h, placed)
 
@@ -235,13 +237,13 @@ def test_tokens_and_experts_split_over_one_axis_are_refused():
 def test_gates_are_renormalised_top_k_probabilities_or_left_as_they_are():
     h, w = block_inputs()
     h_TD = h.reshape(-1, D)
-    probabilities = jax.nn.softmax(h_TD @ w["router"], axis=-1)
+    probabilities = jax.nn.softmax(h_TD @ w.router, axis=-1)
     chosen = np.sort(np.asarray(probabilities), axis=-1)[:, ::-1][:, :2]
-    normalized, experts, _ = moe.route(h_TD, w["router"], 2, True)
-    plain, _, _ = moe.route(h_TD, w["router"], 2, False)
+    normalized, experts, _ = moe.route(h_TD, w.router, 2, True)
+    plain, _, _ = moe.route(h_TD, w.router, 2, False)
     np.testing.assert_allclose(plain, chosen, rtol=1e-6)
     np.testing.assert_allclose(normalized, chosen / chosen.sum(-1, keepdims=True), rtol=1e-6)
-    top_logits = np.take_along_axis(h_TD @ w["router"], np.asarray(experts), axis=-1)  # Mixtral's form
+    top_logits = np.take_along_axis(h_TD @ w.router, np.asarray(experts), axis=-1)  # Mixtral's form
     np.testing.assert_allclose(normalized, jax.nn.softmax(top_logits, axis=-1), rtol=1e-5)
     assert np.max(np.abs(np.asarray(plain).sum(-1) - 1)) > 0.05
 
@@ -260,9 +262,7 @@ def test_load_balance_loss_under_starscream_ep_equals_the_unsharded_one(mesh_nam
     expected = moe.routed_mlp(c, h, w)[1]
     data, gpu, xcd = MESHES[mesh_name]
     mesh = build_mesh(f"{data * gpu}x{xcd}", data=data)
-    rules = get_layout("starscream_ep").params
-    placed = {name: jax.device_put(value, NamedSharding(mesh, resolve(NAMES[name], value.shape, rules, mesh)))
-              for name, value in w.items()}
+    placed = placed_by(get_layout("starscream_ep").params, mesh, w)
     with use_layout("starscream_ep", mesh):
         got = jax.jit(lambda h, w: moe.routed_mlp(c, h, w)[1])(
             jax.device_put(h, NamedSharding(mesh, activation_spec(RESIDUAL, h.shape))), placed)
