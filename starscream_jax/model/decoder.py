@@ -34,7 +34,7 @@ from ..sharding.at_use import create_sharded
 from ..sharding.layouts import Layout
 from .config import ModelConfig
 from .dense_cache import cache_room, held_per_layer, write_cache
-from .layer_weights import (AttentionWeights, DenseMlpWeights, LayerWeights, holds_per_layer, layer_weights,
+from .layer_weights import (AttentionWeights, DenseMlpWeights, LayerWeights, any_held_per_layer, layer_weights,
                             quantize_in_place, unstacked)
 from .moe import routed_mlp
 from .names import ATTN_KV, ATTN_Q, LOGITS, POSITIONS, RESIDUAL, TOKENS
@@ -243,7 +243,7 @@ class Transformer(nnx.Module):
         positions_BS = constrain(positions_BS, ("attn_batch", "seq"), "positions")
         if held_per_layer(cache) or (cache is None and not rolls_layers(c)):
             return self._run_layers_apart(x_BSD, stacked, positions_BS, cache, cache_index)
-        if holds_per_layer(stacked):
+        if any_held_per_layer(stacked):
             raise StarscreamError("weights held per layer (split_layer_weights) run only where the layers run one "
                                   "after another; hold the KV cache per layer too (split_cache), or keep the "
                                   "weights stacked for a layer loop")

@@ -175,7 +175,7 @@ def unstacked(stacked: LayerWeights, n_layers: int) -> list[LayerWeights]:
     return [tree.unflatten([layers[index] for layers in parts]) for index in range(n_layers)]
 
 
-def holds_per_layer(stacked: LayerWeights) -> bool:
+def any_held_per_layer(stacked: LayerWeights) -> bool:
     """Whether any of the stacked weights is held per layer (`split_layer_weights`)."""
     return any(_held_per_layer(weight) for weight in jax.tree.leaves(stacked, is_leaf=_held_per_layer))
 
