@@ -39,7 +39,7 @@ from .layer_weights import (AttentionWeights, DenseMlpWeights, LayerWeights, any
 from .moe import routed_mlp
 from .names import ATTN_KV, ATTN_Q, LOGITS, POSITIONS, RESIDUAL, TOKENS
 from .ops import AttentionOptions, attention, cross_entropy, embed_lookup
-from .paged import PagedCache, PagedLayer, paged_attention, with_layers
+from .paged import PagedCache, PagedLayer, paged_attention
 from .projections import fp8_scale, matmul, project, projections, used, values, weight_at_use
 
 LAYER_SCOPE = "closed_call"
@@ -208,7 +208,7 @@ class Transformer(nnx.Module):
             layers.append(layer)
         last_B11 = jnp.broadcast_to(last_B[:, None, None], (x_BSD.shape[0], 1, x_BSD.shape[2]))
         x_B1D = jnp.take_along_axis(x_BSD, constrain(last_B11, RESIDUAL, "last rows"), axis=1)
-        logits_BV, cache = self._logits(x_B1D, table_VD)[:, 0], with_layers(cache, layers)
+        logits_BV, cache = self._logits(x_B1D, table_VD)[:, 0], cache.with_layers(layers)
         return (logits_BV, cache, self._logits(x_BSD, table_VD)) if every_position else (logits_BV, cache)
 
     def _embed(self, tokens_BS):
