@@ -171,7 +171,7 @@ def bytes_read_per_step(params, config, batch: int, cache_length: int) -> dict:
         else:  # a weight held per layer (layer_weights.split_layer_weights) is a tuple of arrays
             weights += sum(part.nbytes for part in jax.tree.leaves(value))
     cache = sum(entry.size * entry.dtype.itemsize
-                for entry in cache_entries(config.replace(dtype="bfloat16"), batch, cache_length).values())
+                for entry in cache_entries(config.replace(dtype="bfloat16"), batch, cache_length).entries().values())
     return {"weights": weights, "kv_cache": cache}
 
 
@@ -183,20 +183,21 @@ def run_batch(graphdef, params, rest, config, layout: str, mesh, batch: int, cac
     import jax.numpy as jnp
 
     from starscream_jax.model.decoder import decode_holds_cache_per_layer
-    from starscream_jax.model.dense_cache import cache_entries, cache_shardings, split_cache
+    from starscream_jax.model.dense_cache import DenseCache, cache_entries, cache_shardings, split_cache
     from starscream_jax.model.layer_weights import split_layer_weights
     from starscream_jax.sharding.apply import Placement, token_sharding, use_layout
     from starscream_jax.training.steps import Sampling, decode_step
 
-    shardings = cache_shardings(config, batch, cache_length, layout, mesh)
+    shardings = cache_shardings(config, batch, cache_length, layout, mesh).entries()
 
     def fill(key, entry):  # random values; an 8-bit cache's scales 1/64
         if entry.ndim == 4:
             return jnp.full(entry.shape, 1 / 64, entry.dtype)
         return jax.random.normal(key, entry.shape, jnp.float32).astype(entry.dtype)
 
-    cache = {name: jax.jit(fill, static_argnums=1, out_shardings=shardings[name])(jax.random.key(index), entry)
-             for index, (name, entry) in enumerate(cache_entries(config, batch, cache_length).items())}
+    entries = cache_entries(config, batch, cache_length).entries()
+    cache = DenseCache(**{name: jax.jit(fill, static_argnums=1, out_shardings=shardings[name])(
+        jax.random.key(index), entry) for index, (name, entry) in enumerate(entries.items())})
     if decode_holds_cache_per_layer(config):  # held per layer, as generation holds it
         with use_layout(layout, mesh):
             cache = jax.jit(split_cache)(cache)

@@ -41,7 +41,7 @@ from ..inference.generate import generation_cache_length
 from ..model.config import ModelConfig
 from ..model.catalog import load_model_config
 from ..model.decoder import LAYER_SCOPE, abstract_model, decode_holds_cache_per_layer, rolls_layers
-from ..model.dense_cache import cache_entries, cache_shardings
+from ..model.dense_cache import DenseCache, cache_entries, cache_shardings
 from ..model.layer_weights import split_layer_weights
 from ..model.paged import PAGES, SCALES, pool_shape
 from ..model.quantize import held_dtype
@@ -326,18 +326,19 @@ def abstract_paged_args(config: ModelConfig, layout: Layout, mesh, batch: int, l
 
 
 def abstract_cache(config: ModelConfig, layout: Layout, mesh, batch: int, length: int,
-                   per_layer: bool = False) -> dict:
-    """The KV cache (`dense_cache.cache_entries`: {"k", "v"} of [L, B, T, K, E], T = `length`, in the compute dtype or
+                   per_layer: bool = False) -> DenseCache:
+    """The KV cache (`dense_cache.cache_entries`: k and v [L, B, T, K, E], T = `length`, in the compute dtype or
     the 8-bit `kv_format` with its scales) as ShapeDtypeStructs placed by `layout` (`dense_cache.cache_shardings`, as
     `dense_cache.init_cache` places it); with `per_layer`, L arrays of each entry's layer ([B, T, K, E]), placed as
     `dense_cache.split_cache` places them (generation's decode cache)."""
-    shardings = cache_shardings(config, batch, length, layout, mesh, per_layer)
-    entries = cache_entries(config, batch, length)
-    if per_layer:
-        return {name: tuple(jax.ShapeDtypeStruct(entry.shape[1:], entry.dtype, sharding=shardings[name])
-                            for _ in range(config.n_layers)) for name, entry in entries.items()}
-    return {name: jax.ShapeDtypeStruct(entry.shape, entry.dtype, sharding=shardings[name])
-            for name, entry in entries.items()}
+    def placed(entry, sharding):
+        if per_layer:
+            return tuple(jax.ShapeDtypeStruct(entry.shape[1:], entry.dtype, sharding=sharding)
+                         for _ in range(config.n_layers))
+        return jax.ShapeDtypeStruct(entry.shape, entry.dtype, sharding=sharding)
+
+    return jax.tree.map(placed, cache_entries(config, batch, length),
+                        cache_shardings(config, batch, length, layout, mesh, per_layer))
 
 
 def layer_loop_ops(hlo_text: str, layers: int, rolled: bool) -> dict[str, float]:

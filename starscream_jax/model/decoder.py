@@ -33,13 +33,13 @@ from ..sharding.apply import active, constrain, einsum, param, scale, shared_inp
 from ..sharding.at_use import create_sharded
 from ..sharding.layouts import Layout
 from .config import ModelConfig
-from .dense_cache import cache_room, held_per_layer, write_cache
+from .dense_cache import DenseCache, DenseLayer, cache_room, write_cache
 from .layer_weights import (AttentionWeights, DenseMlpWeights, LayerWeights, any_held_per_layer, layer_weights,
                             quantize_in_place, unstacked)
 from .moe import routed_mlp
 from .names import ATTN_KV, ATTN_Q, LOGITS, POSITIONS, RESIDUAL, TOKENS
 from .ops import AttentionOptions, attention, cross_entropy, embed_lookup
-from .paged import PagedCache, PagedLayer, paged_attention, with_layers
+from .paged import PagedCache, PagedLayer, paged_attention
 from .projections import fp8_scale, matmul, project, projections, used, values, weight_at_use
 
 LAYER_SCOPE = "closed_call"
@@ -150,8 +150,9 @@ class ModelOutput(NamedTuple):
 
     logits: jax.Array
     """[B, S, V] float32, placed by LOGITS."""
-    cache: dict | None
-    """The KV cache given, with the new keys and values written; None when none was given."""
+    cache: DenseCache | None
+    """The KV cache given (held as it was given: stacked or per layer), with the new keys and values written; None
+    when none was given."""
     balance_loss: jax.Array
     """The mixture of experts' load-balancing loss, a float32 scalar: the mean over layers of `moe.balance_loss`
     (1 when even); 0 for a dense model."""
@@ -172,9 +173,9 @@ class Transformer(nnx.Module):
                                  ("embed", "vocab"))
 
     def __call__(self, tokens_BS: jax.Array, *, positions_BS: jax.Array | None = None,
-                 cache: dict | None = None, cache_index: jax.Array | int = 0) -> ModelOutput:
-        """tokens [B, S] -> ModelOutput: logits [B, S, V] float32, the KV cache ({"k", "v"} of [L, B, T, K, E]
-        each, or L arrays of [B, T, K, E] each, `split_cache`) with the new keys and values written at
+                 cache: DenseCache | None = None, cache_index: jax.Array | int = 0) -> ModelOutput:
+        """tokens [B, S] -> ModelOutput: logits [B, S, V] float32, the KV cache (`DenseCache`, stacked or held per
+        layer) with the new keys and values written at
         `cache_index` (StarscreamError when they would not fit; every logit NaN when a traced index would not, see
         `cache_room`), None without a cache, and the mixture of experts' load-balancing loss (mean over layers; 0
         for a dense model)."""
@@ -207,7 +208,7 @@ class Transformer(nnx.Module):
             layers.append(layer)
         last_B11 = jnp.broadcast_to(last_B[:, None, None], (x_BSD.shape[0], 1, x_BSD.shape[2]))
         x_B1D = jnp.take_along_axis(x_BSD, constrain(last_B11, RESIDUAL, "last rows"), axis=1)
-        logits_BV, cache = self._logits(x_B1D, table_VD)[:, 0], with_layers(cache, layers)
+        logits_BV, cache = self._logits(x_B1D, table_VD)[:, 0], cache.with_layers(layers)
         return (logits_BV, cache, self._logits(x_BSD, table_VD)) if every_position else (logits_BV, cache)
 
     def _embed(self, tokens_BS):
@@ -238,10 +239,11 @@ class Transformer(nnx.Module):
         """The L blocks over x [B, S, D] -> (x, (cache or None, load-balancing loss per layer [L])). Without a
         cache and without a rolled loop (`rolls_layers`), or with a cache held per layer, one after another
         (`_run_layers_apart`); otherwise a `jax.lax.scan`, a stacked KV cache travelling through it whole, each block
-        writing its new keys and values in place."""
+        writing its new keys and values into the stack in place (`DenseCache.layer` with the loop's index)."""
         c = self.config
         positions_BS = constrain(positions_BS, ("attn_batch", "seq"), "positions")
-        if held_per_layer(cache) or (cache is None and not rolls_layers(c)):
+        one_after_another = not rolls_layers(c) if cache is None else cache.held_per_layer
+        if one_after_another:
             return self._run_layers_apart(x_BSD, stacked, positions_BS, cache, cache_index)
         if any_held_per_layer(stacked):
             raise StarscreamError("weights held per layer (split_layer_weights) run only where the layers run one "
@@ -251,9 +253,9 @@ class Transformer(nnx.Module):
         def block(carry, layer):
             x_BSD, cache = carry
             w, index = layer
-            x_BSD, cache, balance = _block(c, x_BSD, w, positions_BS, None if cache is None else (cache, index,
-                                                                                                  cache_index))
-            return (x_BSD, cache), balance
+            part = None if cache is None else cache.layer(index)
+            x_BSD, part, balance = _block(c, x_BSD, w, positions_BS, part, cache_index)
+            return (x_BSD, None if cache is None else cache.with_layers([part])), balance
 
         if c.remat != "none":
             block = jax.checkpoint(block, policy=CHECKPOINT_POLICIES[c.remat])
@@ -263,7 +265,7 @@ class Transformer(nnx.Module):
 
     def _run_layers_apart(self, x_BSD, stacked, positions_BS, cache, cache_index):
         """The L blocks one after another (no loop in the program), with no KV cache (training and prefill without
-        a layer loop) or one held per layer ({"k", "v"}: L arrays of [B, T, K, E] each, `split_cache`): each block
+        a layer loop) or one held per layer (`split_cache`, each layer's part read by `DenseCache.layer`): each block
         writes its new keys and values into its own cache array in place, and attention reads that array whole,
         where a layer's part of a stacked cache is copied out before a library call (cuDNN's attention) can read it.
         Without a loop nothing a layer saves for the backward pass is stacked (a rolled loop writes each layer's
@@ -271,21 +273,18 @@ class Transformer(nnx.Module):
         LAYER_SCOPE, as a layer of the scan does. -> (x, (cache or None, balance [L]))."""
         c = self.config
 
-        def block(x_BSD, w, layer_cache):
-            return _block(c, x_BSD, w, positions_BS, None if layer_cache is None else (layer_cache, None, cache_index))
+        def block(x_BSD, w, part):
+            return _block(c, x_BSD, w, positions_BS, part, cache_index)
 
         if c.remat != "none":
             block = jax.checkpoint(block, policy=CHECKPOINT_POLICIES[c.remat])
-        written, balances = {name: [] for name in cache or ()}, []
+        written, balances = [], []
         for layer, w in enumerate(unstacked(stacked, c.n_layers)):
             with jax.named_scope(LAYER_SCOPE):
-                layer_cache = None if cache is None else {name: cache[name][layer] for name in cache}
-                x_BSD, layer_cache, balance = block(x_BSD, w, layer_cache)
-            for name in written:
-                written[name].append(layer_cache[name])
+                x_BSD, part, balance = block(x_BSD, w, None if cache is None else cache.layer(layer))
+            written.append(part)
             balances.append(balance)
-        new_cache = None if cache is None else {name: tuple(layers) for name, layers in written.items()}
-        return x_BSD, (new_cache, jnp.stack(balances))
+        return x_BSD, (None if cache is None else cache.with_layers(written), jnp.stack(balances))
 
 
 def decode_holds_cache_per_layer(c: ModelConfig) -> bool:
@@ -306,20 +305,20 @@ def layers_per_trip(c: ModelConfig) -> int:
     return c.scan_unroll or c.n_layers
 
 
-def _block(c: ModelConfig, x_BSD, w: LayerWeights, positions_BS, cached=None):
+def _block(c: ModelConfig, x_BSD, w: LayerWeights, positions_BS, cached: DenseLayer | PagedLayer | None = None,
+           cache_index: jax.Array | int = 0):
     """One pre-norm block: x + attention(norm(x)), then + mlp(norm(x)); with `c.post_norms` (Gemma 2) the attention's
     and the MLP's outputs are normed again before they are added. x [B, S, D] placed by RESIDUAL; `w` this layer's
     weights. Attention follows `attention_options(c)`, each layer with its own window (`w.window`, `layer_windows`)
     in a sliding-window model.
 
-    cached: None, or (cache, layer, cache_index): the KV cache of every layer ([L, B, T, K, E] each), this block's
-    layer index and the position of the first new token; or (this layer's cache, [B, T, K, E] each, None,
-    cache_index); or a `paged.PagedLayer` (this layer's pages, written and read by `paged.paged_attention` at the
-    tokens' own positions). The new keys and values are written into the cache in place (`write_cache`) and
-    attention reads this layer's part. Returns (x, cache or None, the layer's load-balancing loss: 0 for a dense
+    cached: None (no cache), this layer's part of a dense KV cache (`dense_cache.DenseLayer`, its new keys and values
+    written in place at `cache_index`, the position of the first new token, by `write_cache`, then read by
+    attention), or of the paged one (`paged.PagedLayer`, written and read by `paged.paged_attention` at the tokens'
+    own positions). Returns (x, the layer's part written, or None; the layer's load-balancing loss: 0 for a dense
     MLP)."""
     attn_out_BSD, cache = _self_attention(c, _norm(c, x_BSD, w.attn_norm), w.attention, positions_BS, cached,
-                                          w.window)
+                                          cache_index, w.window)
     if c.post_norms:
         attn_out_BSD = _norm(c, attn_out_BSD, w.attn_post_norm)
     x_BSD = x_BSD + attn_out_BSD
@@ -333,10 +332,10 @@ def _block(c: ModelConfig, x_BSD, w: LayerWeights, positions_BS, cached=None):
     return x_BSD + mlp_BSD, cache, balance
 
 
-def _self_attention(c: ModelConfig, h_BSD, w: AttentionWeights, positions_BS, cached, window):
-    """The attention of the normed residual h [B, S, D] to itself and to the cached positions (`cached` as `_block`
-    takes it; `window` [] int32 this layer's, or None) -> (its output [B, S, D] placed by RESIDUAL, the cache with
-    the new keys and values written, or None)."""
+def _self_attention(c: ModelConfig, h_BSD, w: AttentionWeights, positions_BS, cached, cache_index, window):
+    """The attention of the normed residual h [B, S, D] to itself and to the cached positions (`cached` and
+    `cache_index` as `_block` takes them; `window` [] int32 this layer's, or None) -> (its output [B, S, D] placed by
+    RESIDUAL, the layer's part of the cache with the new keys and values written, or None)."""
     q_BSHE, k_BSKE, v_BSKE = _qkv(c, h_BSD, w)
     if c.qkv_bias:
         kv_names = ("kv_heads", "head_dim")
@@ -346,26 +345,26 @@ def _self_attention(c: ModelConfig, h_BSD, w: AttentionWeights, positions_BS, ca
         q_BSHE, k_BSKE = _norm(c, q_BSHE, w.q_norm), _norm(c, k_BSKE, w.k_norm)
     inv_freq = rope_frequencies(c)
     q_BSHE, k_BSKE = rope(q_BSHE, positions_BS, inv_freq), rope(k_BSKE, positions_BS, inv_freq)
-    attended_BSHE, cache = _attend(c, q_BSHE, k_BSKE, v_BSKE, positions_BS, cached, window)
+    attended_BSHE, cache = _attend(c, q_BSHE, k_BSKE, v_BSKE, positions_BS, cached, cache_index, window)
     attended_BSHE = constrain(attended_BSHE, ("batch", "seq", "heads", "head_dim"), "attention output")
     wo_HED = used("o", c, w.wo, w.wo_scale, ("heads", "head_dim", "embed"), "wo")
     return project("o", "bshe,hed->bsd", attended_BSHE, wo_HED, RESIDUAL, c), cache
 
 
-def _attend(c: ModelConfig, q_BSHE, k_BSKE, v_BSKE, positions_BS, cached, window):
+def _attend(c: ModelConfig, q_BSHE, k_BSKE, v_BSKE, positions_BS, cached, cache_index, window):
     """Attention of the queries [B, S, H, E] to the new keys and values [B, S, K, E] and the cached ones, the new
-    ones first written into the cache (`cached` as `_block` takes it) -> (out [B, S, H, E], the cache or None)."""
+    ones first written into the cache (`cached` and `cache_index` as `_block` takes them; the one place the cache's
+    type picks the path) -> (out [B, S, H, E], the layer's part of the cache or None)."""
     options = attention_options(c)
     if isinstance(cached, PagedLayer):
         with jax.named_scope("attention"):
             return paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cached, options, window)
-    cache = layer_cache = cache_index = None
-    if cached is not None:
-        cache, layer, cache_index = cached
-        cache = write_cache(cache, layer, cache_index, k_BSKE, v_BSKE)
-        layer_cache = cache if layer is None else {name: cache[name][layer] for name in cache}
+    if cached is None:
+        with jax.named_scope("attention"):
+            return attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, None, None, options, window), None
+    cached = write_cache(cached, cache_index, k_BSKE, v_BSKE)
     with jax.named_scope("attention"):
-        return attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, layer_cache, cache_index, options, window), cache
+        return attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cached.read(), cache_index, options, window), cached
 
 
 def _add_bias(x_BSNE, bias_NE, names: tuple[str, ...]):

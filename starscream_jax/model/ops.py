@@ -20,6 +20,7 @@ from ..sharding.collectives import hierarchical_all_gather, hierarchical_psum
 from ..sharding.rules import LogicalNames
 from .names import ATTN_KV, ATTN_Q, CACHE, CACHE_SCALE, LOGITS, POSITIONS, RESIDUAL, TOKENS
 from . import eight_bit_decode
+from .dense_cache import DenseLayer
 from .split_k import merge_partials, partial_attention, strided_positions
 
 
@@ -226,16 +227,16 @@ def _sequence_split_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, seq_axes: tu
     return jax.nn.dot_product_attention(q_BSHE, keys, values, mask=mask)
 
 
-def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, cache_index=None,
+def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: DenseLayer | None = None, cache_index=None,
               options: AttentionOptions | None = None, window=None):
     """Causal grouped-query attention through `jax.nn.dot_product_attention` (cuDNN's fused kernel on NVIDIA GPUs
     in training and decode; prefill into a KV cache, with its explicit mask, uses XLA's; see `_cached_attention`).
     Returns out [B, S, H, E].
 
-    Without a cache: keys are the S new positions. With a cache {"k", "v"} of [B, T, K, E] (one layer) that already
-    holds the new keys and values at their positions (the model writes them into its cache of every layer in place,
-    `dense_cache.write_cache`), queries attend to every cached position <= their own, and k / v are not read. An 8-bit
-    cache (with "k_scale" and "v_scale" [B, T, K]) is read by `attention_over_8_bit_cache`.
+    Without a cache: keys are the S new positions. With a cache (one layer's own arrays, `DenseLayer.read`: keys and
+    values [B, T, K, E]) that already holds the new keys and values at their positions (the model writes them into
+    its cache in place, `dense_cache.write_cache`), queries attend to every cached position <= their own, and k / v
+    are not read. An 8-bit cache (with its scales [B, T, K]) is read by `attention_over_8_bit_cache`.
     Placement: ATTN_Q / ATTN_KV names; the cache uses CACHE's. A layout that splits `seq` runs context-parallel
     attention (`_sequence_split_attention`), from the new keys alone where the cache holds nothing before them
     (`cache_index` 0, known while tracing: a whole prompt's prefill) and holds them as they are (not in 8 bits,
@@ -280,19 +281,19 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: dict | None = None, c
         kv_spec = activation_spec(ATTN_KV, k_BSKE.shape)
         _check_head_split(n_heads, n_kv, axes_of(q_spec[2]), axes_of(kv_spec[2]), dict(current.mesh.shape))
         if cache is not None:
-            _check_cache_split(q_spec, activation_spec(CACHE, cache["k"].shape), current.layout.name)
+            _check_cache_split(q_spec, activation_spec(CACHE, cache.k.shape), current.layout.name)
     args = [q_BSHE, k_BSKE, v_BSKE, positions_BS]
     names = [ATTN_Q, ATTN_KV, ATTN_KV, POSITIONS]
     if cache is not None:
-        args, names = [*args, cache["k"], cache["v"]], [*names, CACHE, CACHE]
-    if cache is not None and "k_scale" in cache:
-        args, names = [*args, cache["k_scale"], cache["v_scale"]], [*names, CACHE_SCALE, CACHE_SCALE]
+        args, names = [*args, cache.k, cache.v], [*names, CACHE, CACHE]
+    eight_bit = cache is not None and cache.eight_bit
+    if eight_bit:
+        args, names = [*args, cache.k_scale, cache.v_scale], [*names, CACHE_SCALE, CACHE_SCALE]
     if options is not None and options.sliding:
         if window is None:
             raise ShardingRuleError("sliding-window attention needs the layer's window; pass window=")
         args, names = [*args, jnp.asarray(window, jnp.int32)], [*names, None]
-    kernel = (cache is not None and "k_scale" in cache and q_BSHE.shape[1] == 1
-              and bool(_eight_bit_decode_implementation(n_heads, *cache["k"].shape[1:])))
+    kernel = eight_bit and q_BSHE.shape[1] == 1 and bool(_eight_bit_decode_implementation(n_heads, *cache.k.shape[1:]))
     return run_sharded(local, args, names, [(ATTN_Q, q_BSHE.shape)], "attention", check_vma=not kernel)
 
 

@@ -75,6 +75,14 @@ class PagedCache:
         return PagedLayer(k=self.k[index], v=self.v[index], table=self.table, kernel=self.kernel, k_scale=scales[0],
                           v_scale=scales[1])
 
+    def with_layers(self, layers: list[PagedLayer]) -> PagedCache:
+        """The cache holding the updated pools (and scales) of `layers`, one per layer in order."""
+        scales = {}
+        if self.k_scale is not None:
+            scales = {"k_scale": tuple(layer.k_scale for layer in layers),
+                      "v_scale": tuple(layer.v_scale for layer in layers)}
+        return replace(self, k=tuple(layer.k for layer in layers), v=tuple(layer.v for layer in layers), **scales)
+
 
 @register_dataclass
 @dataclass(frozen=True, kw_only=True)
@@ -105,15 +113,6 @@ def init_page_scales(n_layers: int, shape: tuple[int, ...], sharding=None) -> tu
     """L scale pools [pages, page_size, K] float32 of an 8-bit cache (`shape`: a pool's first three), all ones, on
     `sharding` (SCALES)."""
     return tuple(jnp.ones(shape[:3], jnp.float32, device=sharding) for _ in range(n_layers))
-
-
-def with_layers(cache: PagedCache, layers: list[PagedLayer]) -> PagedCache:
-    """`cache` holding the updated pools (and scales) of `layers`."""
-    scales = {}
-    if cache.k_scale is not None:
-        scales = {"k_scale": tuple(layer.k_scale for layer in layers),
-                  "v_scale": tuple(layer.v_scale for layer in layers)}
-    return replace(cache, k=tuple(layer.k for layer in layers), v=tuple(layer.v for layer in layers), **scales)
 
 
 def paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: PagedLayer, options: AttentionOptions | None = None,

@@ -15,8 +15,8 @@ whichever layout is active where it is called, so one step can never run a trace
   eval     (params, rest, tokens [B, S + 1]) -> loss; `load_balance_step` likewise -> a mixture of experts'
            load-balancing loss.
   prefill  (params, rest, prompt [B, P]) -> (first new token [B], cache): the prompt through the model into a fresh
-           KV cache {"k", "v"} of [L, B, T, K, E] (T = cache_length), and the token chosen from its last logits;
-           padded to a multiple of the sequence split where the layout splits the sequence (`_padded_prompt`).
+           KV cache (`dense_cache.DenseCache`: [L, B, T, K, E], T = cache_length), and the token chosen from its last
+           logits; padded to a multiple of the sequence split where the layout splits the sequence (`_padded_prompt`).
   decode   (params, rest, cache, token [B], position) -> (next token [B], cache): one token per sequence at
            `position` of the cache (donated; stacked, or held per layer as generation holds it when decode runs no
            layer loop, `dense_cache.split_cache`), compiled with the backend policy's decode options

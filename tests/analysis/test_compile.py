@@ -66,7 +66,7 @@ def test_inspect_compiles_the_prefill_and_decode_steps_that_generate_ran(mesh, s
     prefill = compile_step(settings, "starscream_tp", mesh).compiled
     decode = compile_step(dataclasses.replace(settings, phase="decode", seq=11, cache_length=None),
                           "starscream_decode", mesh)
-    assert isinstance(decode.args.cache["k"], tuple) == (scan_unroll == 0)
+    assert decode.args.cache.held_per_layer == (scan_unroll == 0)
     assert (" while(" in program_text(decode.compiled)) == (scan_unroll == 1)
     assert program_text(prefill) == program_text(ran.prefill_program)
     assert program_text(decode.compiled) == program_text(ran.decode_program)

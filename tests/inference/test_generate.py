@@ -57,7 +57,7 @@ def test_decode_cache_is_placed_by_the_decode_layout():
     mesh = build_mesh("1x2x4")
     shardings = cache_shardings(config, batch=4, length=16, layout="starscream_decode", mesh=mesh)
     # [layers, batch, positions, kv_heads, head_dim]: batch over the partitions, kv heads over the GPUs.
-    assert shardings["k"].spec == shardings["v"].spec == P(None, ("data", "xcd"), None, "gpu", None)
+    assert shardings.k.spec == shardings.v.spec == P(None, ("data", "xcd"), None, "gpu", None)
 
 
 def test_greedy_tokens_are_the_argmax_of_a_full_forward_pass(model):

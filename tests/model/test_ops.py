@@ -8,7 +8,7 @@ import pytest
 
 from starscream_jax.errors import ShardingRuleError
 from starscream_jax.hardware.mesh import auto_axes, build_mesh
-from starscream_jax.model.dense_cache import write_cache
+from starscream_jax.model.dense_cache import DenseLayer, write_cache
 from starscream_jax.model.ops import attention, cross_entropy, embed_lookup
 from starscream_jax.sharding.apply import use_layout, weight
 from starscream_jax.sharding.layouts import fit_batch, get_layout
@@ -28,16 +28,17 @@ def positions(seq: int = S, start: int = 0):
     return jnp.broadcast_to(jnp.arange(start, start + seq), (B, seq))
 
 
-def empty_cache(length: int = S, kv_heads: int = K):
-    """A one-layer model's KV cache, [1, B, T, K, E] each."""
-    return {"k": jnp.zeros((1, B, length, kv_heads, E)), "v": jnp.zeros((1, B, length, kv_heads, E))}
+def empty_cache(length: int = S, kv_heads: int = K, batch: int = B):
+    """Layer 0 of a one-layer model's stacked KV cache, [1, B, T, K, E] each."""
+    zeros = jnp.zeros((1, batch, length, kv_heads, E))
+    return DenseLayer(k=zeros, v=zeros, layer=0)
 
 
 def through_cache(q, k, v, positions_BS, cache, index):
     """(attention of the new queries through the cache, the cache) after writing the new keys and values at
     `index`, as the model's layers do."""
-    cache = write_cache(cache, 0, index, k, v)
-    return attention(q, k, v, positions_BS, {name: cache[name][0] for name in cache}, index), cache
+    cache = write_cache(cache, index, k, v)
+    return attention(q, k, v, positions_BS, cache.read(), index), cache
 
 
 def grouped_attention_by_hand(q, k, v):
@@ -61,8 +62,8 @@ def test_prefill_in_two_chunks_through_the_cache_equals_one_pass():
     first, cache = through_cache(q[:, :5], k[:, :5], v[:, :5], positions(5), empty_cache(), 0)
     second, cache = through_cache(q[:, 5:], k[:, 5:], v[:, 5:], positions(3, start=5), cache, 5)
     np.testing.assert_allclose(jnp.concatenate([first, second], axis=1), full, atol=1e-5)
-    np.testing.assert_array_equal(cache["k"][0], k)
-    np.testing.assert_array_equal(cache["v"][0], v)
+    np.testing.assert_array_equal(cache.k[0], k)
+    np.testing.assert_array_equal(cache.v[0], v)
 
 
 def test_decode_sees_the_cache_up_to_its_position_only():
@@ -70,7 +71,7 @@ def test_decode_sees_the_cache_up_to_its_position_only():
     position hold random keys and values that must not count."""
     q, k, v = qkv()
     position_B = jnp.arange(B) % (S - 1)  # rows at positions 0 .. S - 2, never the last slot
-    out_B1HE = attention(q[:, :1], k[:, :1], v[:, :1], position_B[:, None], {"k": k, "v": v})
+    out_B1HE = attention(q[:, :1], k[:, :1], v[:, :1], position_B[:, None], DenseLayer(k=k, v=v))
     for row, position in enumerate(np.asarray(position_B)):
         keys_THE, values_THE = (jnp.repeat(x[row, :position + 1], H // K, axis=1) for x in (k, v))
         weights_HT = jax.nn.softmax(jnp.einsum("he,the->ht", q[row, 0], keys_THE) / np.sqrt(E), axis=-1)
@@ -102,7 +103,7 @@ def test_sharded_attention_with_and_without_cache_equals_unsharded(layout, topol
 
     last, cache = sharded(layout, mesh, last_token_through_cache, q, k, v, empty_cache())
     np.testing.assert_allclose(last, expected[:, -1:], atol=FP32_TOLERANCE)
-    np.testing.assert_array_equal(cache["k"][0], k)
+    np.testing.assert_array_equal(cache.k[0], k)
 
 
 SEQUENCE_SPLIT = "starscream_cp"
@@ -132,7 +133,7 @@ def test_a_split_sequence_writes_its_cache_split_by_position_and_later_chunks_re
     out, cache = sharded(SEQUENCE_SPLIT, mesh, lambda q, k, v, cache: through_cache(q, k, v, positions(), cache, 0),
                          q, k, v, empty_cache())
     np.testing.assert_allclose(out, attention(q, k, v, positions()), atol=FP32_TOLERANCE)
-    np.testing.assert_array_equal(cache["k"][0], k[:, [0, 4, 1, 5, 2, 6, 3, 7]])
+    np.testing.assert_array_equal(cache.k[0], k[:, [0, 4, 1, 5, 2, 6, 3, 7]])
 
     def two_chunks(q, k, v, cache, at):
         first, cache = through_cache(q[:, :4], k[:, :4], v[:, :4], positions(4), cache, 0)
@@ -141,7 +142,7 @@ def test_a_split_sequence_writes_its_cache_split_by_position_and_later_chunks_re
 
     chunked, cache = sharded(SEQUENCE_SPLIT, mesh, two_chunks, q, k, v, empty_cache(), jnp.int32(4))
     np.testing.assert_allclose(chunked, out, atol=FP32_TOLERANCE)
-    np.testing.assert_array_equal(cache["k"][0], k[:, [0, 4, 1, 5, 2, 6, 3, 7]])
+    np.testing.assert_array_equal(cache.k[0], k[:, [0, 4, 1, 5, 2, 6, 3, 7]])
 
 
 def test_split_k_decode_over_a_cache_split_by_position_equals_unsharded():
@@ -156,10 +157,10 @@ def test_split_k_decode_over_a_cache_split_by_position_equals_unsharded():
         _, cache = through_cache(q[:, :-1], k[:, :-1], v[:, :-1], positions(S - 1)[:batch], cache, 0)
         return through_cache(q[:, -1:], k[:, -1:], v[:, -1:], positions(1, start=S - 1)[:batch], cache, S - 1)
 
-    cache = {name: array[:, :batch] for name, array in empty_cache().items()}
+    cache = empty_cache(batch=batch)
     last, cache = sharded(layout, build_mesh("2x4"), last_token, q, k, v, cache)
     np.testing.assert_allclose(last, attention(q, k, v, positions()[:batch])[:, -1:], atol=FP32_TOLERANCE)
-    np.testing.assert_array_equal(cache["k"][0], k[:, [0, 4, 1, 5, 2, 6, 3, 7]])
+    np.testing.assert_array_equal(cache.k[0], k[:, [0, 4, 1, 5, 2, 6, 3, 7]])
 
 
 def test_query_heads_that_split_a_kv_group_unevenly_are_refused():
@@ -258,7 +259,8 @@ def test_split_k_decode_over_an_8_bit_cache_equals_the_unsharded_8_bit_cache():
     q, k, v = (x[:batch] for x in qkv())
     layout = fit_batch("starscream_decode", build_mesh("2x4"), batch, 1)
     values = jnp.zeros((1, batch, S, K, E), jnp.int8)
-    cache = {"k": values, "v": values, "k_scale": jnp.ones((1, batch, S, K)), "v_scale": jnp.ones((1, batch, S, K))}
+    cache = DenseLayer(k=values, v=values, k_scale=jnp.ones((1, batch, S, K)), v_scale=jnp.ones((1, batch, S, K)),
+                       layer=0)
 
     def last_token(q, k, v, cache):
         _, cache = through_cache(q[:, :-1], k[:, :-1], v[:, :-1], positions(S - 1)[:batch], cache, 0)
@@ -268,9 +270,9 @@ def test_split_k_decode_over_an_8_bit_cache_equals_the_unsharded_8_bit_cache():
     last, split = sharded(layout, build_mesh("2x4"), last_token, q, k, v, cache)
     np.testing.assert_allclose(last, expected, atol=FP32_TOLERANCE)
     order = [0, 4, 1, 5, 2, 6, 3, 7]
-    for name in cache:
-        np.testing.assert_array_equal(np.asarray(split[name][0], np.float32),
-                                      np.asarray(whole[name][0][:, order], np.float32))
+    for name, entry in split.entries().items():
+        np.testing.assert_array_equal(np.asarray(entry[0], np.float32),
+                                      np.asarray(whole.entries()[name][0][:, order], np.float32))
 
 
 def _eight_bit_decode_operands(format_name: str, batch: int = 3, length: int = 24, kv_heads: int = 2,
@@ -307,7 +309,7 @@ def test_decode_over_an_8_bit_cache_reads_it_in_place_as_the_matmul_form_compute
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected), rtol=2e-2, atol=2e-2)
     floats = [(x.astype(jnp.float32) * scale[..., None]).astype(jnp.bfloat16) for x, scale in ((k8, k_scale),
                                                                                                (v8, v_scale))]
-    dequantized = attention(q, floats[0][:, :1], floats[1][:, :1], positions_B1, {"k": floats[0], "v": floats[1]})
+    dequantized = attention(q, floats[0][:, :1], floats[1][:, :1], positions_B1, DenseLayer(k=floats[0], v=floats[1]))
     error = float(jnp.sqrt(jnp.mean((got.astype(jnp.float32) - dequantized.astype(jnp.float32)) ** 2)))
     assert error <= 0.02 * float(jnp.sqrt(jnp.mean(dequantized.astype(jnp.float32) ** 2)))
 
@@ -317,7 +319,7 @@ def test_decode_over_an_8_bit_cache_has_no_matmul_and_no_float_copy_of_the_cache
     program (the batched dot's layout is what made XLA copy the converted cache per step); a chunk of several
     queries keeps the matmul form."""
     q, _, (k8, v8, k_scale, v_scale), positions_B1 = _eight_bit_decode_operands("int8")
-    cache = {"k": k8, "v": v8, "k_scale": k_scale, "v_scale": v_scale}
+    cache = DenseLayer(k=k8, v=v8, k_scale=k_scale, v_scale=v_scale)
     new = k8[:, :1].astype(q.dtype)  # the new keys and values, already in the cache: only their shape is read
     jaxpr = str(jax.make_jaxpr(lambda q, c: attention(q, new, new, positions_B1, c))(q, cache))
     assert "dot_general" not in jaxpr and "transpose" not in jaxpr

@@ -20,7 +20,7 @@ from starscream_jax.hardware.presets import load_chip
 from starscream_jax.inference.generate import generate
 from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.decoder import abstract_model, create_sharded_model
-from starscream_jax.model.dense_cache import init_cache, split_cache
+from starscream_jax.model.dense_cache import DenseLayer, init_cache, split_cache
 from starscream_jax.model.hf_checkpoint import load_hf_model
 from starscream_jax.model.layer_weights import split_layer_weights
 from starscream_jax.model.ops import attention
@@ -201,10 +201,10 @@ def test_attention_over_an_8_bit_cache_is_near_attention_over_the_float_one(form
     k_BTKE, v_BTKE = jax.random.normal(jax.random.key(2), (2, 2, 12, 2, 16)) * jnp.arange(1, 13)[:, None, None]
     positions_BS = jnp.broadcast_to(jnp.arange(12), (2, 12))
     cached = jax.jit(lambda cache: attention(q_BSHE, k_BTKE, v_BTKE, positions_BS, cache))
-    expected = cached({"k": k_BTKE, "v": v_BTKE})
+    expected = cached(DenseLayer(k=k_BTKE, v=v_BTKE))
     (k8, k_scale), (v8, v_scale) = (quantize_cache_entry(x, format_name) for x in (k_BTKE, v_BTKE))
     assert k8.dtype == jnp.dtype(format_name) and k_scale.shape == (2, 12, 2)
-    got = cached({"k": k8, "v": v8, "k_scale": k_scale, "v_scale": v_scale})
+    got = cached(DenseLayer(k=k8, v=v8, k_scale=k_scale, v_scale=v_scale))
     relative = float(jnp.sqrt(jnp.mean((got - expected) ** 2) / jnp.mean(expected ** 2)))
     assert 0 < relative <= (0.01 if format_name == "int8" else 0.05), relative
 

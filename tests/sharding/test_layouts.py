@@ -199,8 +199,8 @@ def structure_report(layout: str, mesh_name: str, program: str):
                 return nnx.merge(graphdef, params)(tokens_B1, cache=cache, cache_index=index)
             cache = jax.eval_shape(lambda: init_cache(config, BATCH, CACHE_LEN))
             cache_sharding = NamedSharding(mesh, activation_spec(("layers", "attn_batch", "seq", "kv_heads",
-                                                                  "head_dim"), cache["k"].shape))
-            cache = {name: jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=cache_sharding) for name, c in cache.items()}
+                                                                  "head_dim"), cache.k.shape))
+            cache = jax.tree.map(lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=cache_sharding), cache)
             args = (params, jax.ShapeDtypeStruct((BATCH, 1), jnp.int32, sharding=batch_sharding(layout, mesh, BATCH)),
                     cache, jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())))
         lowered = jax.jit(step).lower(*args)

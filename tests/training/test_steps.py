@@ -152,7 +152,7 @@ def test_decode_with_a_cache_held_per_layer_equals_decode_with_the_stacked_cache
     apart_logits, apart_cache, _ = forward(params, split_cache(cache))
     np.testing.assert_allclose(apart_logits, stacked_logits, rtol=1e-6, atol=1e-6)
     for name in ("k", "v"):
-        np.testing.assert_array_equal(np.stack(apart_cache[name]), stacked_cache[name])
+        np.testing.assert_array_equal(np.stack(getattr(apart_cache, name)), getattr(stacked_cache, name))
     assert _layer_loops(decode_step(graphdef, Sampling(), under=None), params, rest, split_cache(cache), token_B1[:, 0], 5) == 0
 
 
