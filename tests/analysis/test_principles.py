@@ -252,7 +252,7 @@ def test_a_decode_matmul_reads_its_weight_operand_else_the_dimensions_beside_its
     assert not reads_once_per_gpu([matmul(16, "")], [matmul(128, "")], partitions=8).ok
 
 
-@pytest.mark.parametrize("scan_unroll", [0, 1])
+@pytest.mark.parametrize("scan_unroll", [0, pytest.param(1, marks=pytest.mark.slow)])  # 0: through the layer loop
 def test_decode_with_fewer_embed_rows_per_partition_than_tokens_reads_each_weight_once_per_gpu(scan_unroll):
     """tiny-moe decode on 2 GPUs x 8 partitions at 16 sequences: starscream_decode splits the embed dimension (64)
     over the 8 partitions, so the weight of each projection, of each expert tile and of the logits holds 8 rows

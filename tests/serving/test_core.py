@@ -166,7 +166,8 @@ if __name__ == "__main__":
 '''
 
 
-@pytest.mark.parametrize("ending", [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.parametrize("ending", [signal.SIGKILL, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
+# any ending leaves the engine another parent; SIGKILL, which no handler can catch, keeps the claim by default
 def test_the_engine_process_ends_with_the_process_that_started_it(tmp_path, ending):
     """Killed, or sent SIGTERM before a server installs its handlers, the process that started an engine takes it
     along while it still builds (an engine left behind would hold the devices' memory)."""
