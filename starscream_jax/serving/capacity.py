@@ -54,12 +54,21 @@ def step_reserve_bytes(tokens: int, rows: int, table_positions: int, d_model: in
     return 2 * max(prefill, decode)
 
 
+def memory_stats(devices) -> list[dict] | None:
+    """Each device's allocator statistics (`bytes_limit`, `bytes_in_use`), or None where any device reports no
+    memory size (the CPU)."""
+    stats = [device.memory_stats() for device in devices]
+    if not stats or any(not stat or "bytes_limit" not in stat for stat in stats):
+        return None
+    return stats
+
+
 def size_from_memory(devices, page_bytes: int, reserve: int, utilization: float, floor_pages: int) -> CacheSize:
     """Pages per cache shard from the devices' free memory (see the module docstring); the pages for every row
     at the full context (`floor_pages`) where the devices report no memory. StarscreamError when not one row's
     worth fits."""
-    stats = [device.memory_stats() for device in devices]
-    if any(not stat or "bytes_limit" not in stat for stat in stats):
+    stats = memory_stats(devices)
+    if stats is None:
         return CacheSize(pages_per_shard=floor_pages,
                          why="every row at the full context (the devices report no memory size)",
                          pool_bytes_per_device=floor_pages * page_bytes, reserve_bytes=0)
@@ -95,8 +104,8 @@ def check_room(devices, size: CacheSize) -> None:
     """StarscreamError, before the pools are allocated, when the devices no longer have room for them: what the
     compiled programs and the runtime took since the cache was sized came out of the pools' share. The error gives
     the pages that fit now (keeping `size.reserve_bytes` for the steps)."""
-    stats = [device.memory_stats() for device in devices]
-    if any(not stat or "bytes_limit" not in stat for stat in stats):
+    stats = memory_stats(devices)
+    if stats is None:
         return
     free = min(stat["bytes_limit"] - stat.get("bytes_in_use", 0) for stat in stats)
     if size.pool_bytes_per_device <= free:
@@ -121,8 +130,8 @@ def default_token_budget(devices, utilization: float, partitions_per_gpu: int = 
     counted `partitions_per_gpu` times. Why: a larger step prefills more prompts per read of the weights (workload A
     on one H200, Llama 3 8B shape: 5,803 output tokens/s at 8192 against 4,720 at 2048, benchmarks/NOTES.md run
     54), at the cost of a longer step while prompts arrive."""
-    stats = [device.memory_stats() for device in devices]
-    if not stats or any(not stat or "bytes_limit" not in stat for stat in stats):
+    stats = memory_stats(devices)
+    if stats is None:
         return 2048
     per_gpu = min(stat["bytes_limit"] for stat in stats) / utilization * partitions_per_gpu
     return 8192 if per_gpu >= LARGE_GPU_BYTES else 2048
