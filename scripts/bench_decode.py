@@ -56,6 +56,10 @@ ATTENTION_POSITIONS, ATTENTION_HEADS, ATTENTION_KV_HEADS, ATTENTION_HEAD_DIM = 4
 """The attention read pass: one query per row over a cache of 4,096 positions, as many rows as fill the array,
 Llama 3 8B's heads (decode attention at 64 rows x 4,096 reads 4.0 TB/s on an H200, benchmarks/NOTES.md run 39,
 where 64 rows over the 16,384 positions of a 4 GiB array read 2.1: run 53)."""
+QUEUED_CALLS = 8
+"""Calls of a bandwidth pass queued back to back per timing, as a decode loop queues its steps: a call timed alone
+also counts its launch and the host's wait (on an H200 the passes over 4 GiB read 2.1-2.2 TB/s timed one call at a
+time and 3.9-4.0 queued eight at a time, in one process: benchmarks/NOTES.md, run 57)."""
 WARM_SECONDS = 0.5
 """How long each bandwidth pass runs before it is timed: the first GPU work of the process finds the clocks at idle
 (an H200 reads 345 MHz before work, 1980 MHz under it), which a few milliseconds of timed calls would measure."""
@@ -126,11 +130,12 @@ def attention_read_pass(x) -> tuple:
 
 
 def _median_rate(step, args: tuple, moved: int, repeats: int, warm_seconds: float) -> float:
-    """`moved` bytes over the median seconds of one call of `step(*args)`, after `warm_seconds` of untimed calls."""
+    """`moved` bytes over the median seconds of one call of `step(*args)` (QUEUED_CALLS queued per timing), after
+    `warm_seconds` of untimed calls."""
     warm_until = time.perf_counter() + warm_seconds
     while time.perf_counter() < warm_until:
         harness.block(step(*args))
-    times = [harness.seconds_per_call(step, args, warmup=1, calls=1) for _ in range(repeats)]
+    times = [harness.seconds_per_call(step, args, warmup=1, calls=QUEUED_CALLS) for _ in range(repeats)]
     return moved / sorted(times)[len(times) // 2]
 
 

@@ -266,27 +266,39 @@ def run_engine(engine, workload: Workload, prompts, outputs, settings: dict | No
     return traces
 
 
+KEEP_ALIVE_S = 60.0
+"""The HTTP run's server keeps an idle connection this long (`--timeout-keep-alive`; uvicorn's default 5 s closes
+the connections of the warm-up round's first finished requests before the timed round reuses them)."""
+
+
 def http_rounds(url: str, workload: Workload, rounds, model: str, before_last=lambda: None):
-    """Each round of (prompts, outputs) streamed to `url` in turn through one client, whose connections stay open
-    from one round to the next as a long-lived client's do (the timed last round sets up none); `before_last()`
-    runs just before the last round. Gives (the last round's traces, what `before_last` gave)."""
+    """Each round of (prompts, outputs) streamed to `url` in turn, request i of every round sent by user i: a client
+    of its own whose one connection stays open from round to round, as a long-lived user's does (the timed last
+    round sets up no connection). One client per user, not one pool for all: httpx's pool, holding hundreds of idle
+    connections, kept requests waiting for one for seconds (256 streams of a fake engine: the second round's
+    requests started sending after 26 s, the first's after 0.2). `before_last()` runs just before the last round.
+    Gives (every round's traces, what `before_last` gave)."""
     import httpx
 
     async def run():
-        limits = httpx.Limits(max_connections=workload.requests + 8)
-        async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-            for prompts, outputs in rounds[:-1]:
-                await http_load(client, url, workload, prompts, outputs, model)
+        one_connection = httpx.Limits(max_connections=1, keepalive_expiry=KEEP_ALIVE_S / 2)
+        users = [httpx.AsyncClient(timeout=None, limits=one_connection) for _ in range(workload.requests)]
+        try:
+            traces = [await http_load(users, url, workload, prompts, outputs, model)
+                      for prompts, outputs in rounds[:-1]]
             noted = before_last()
-            return await http_load(client, url, workload, *rounds[-1], model), noted
+            return [*traces, await http_load(users, url, workload, *rounds[-1], model)], noted
+        finally:
+            await asyncio.gather(*(user.aclose() for user in users))
 
     return asyncio.run(run())
 
 
-async def http_load(client, url: str, workload: Workload, prompts, outputs, model: str) -> list[Trace]:
-    """The workload streamed over HTTP to `url`: each request at its arrival, each server-sent chunk timed (a chunk
-    holds every token of the steps its client had not read yet), the tokens counted by the usage chunk."""
-    async def one(trace, prompt, output, delay):
+async def http_load(users, url: str, workload: Workload, prompts, outputs, model: str) -> list[Trace]:
+    """The workload streamed over HTTP to `url`, request i by `users[i]` (an httpx client) at its arrival: each
+    server-sent chunk timed (a chunk holds every token of the steps its client had not read yet), the tokens counted
+    by the usage chunk."""
+    async def one(client, trace, prompt, output, delay):
         await asyncio.sleep(delay)
         trace.arrival = time.perf_counter()
         body = {"model": model, "prompt": prompt, "max_tokens": output, "temperature": 0, "stream": True,
@@ -301,8 +313,7 @@ async def http_load(client, url: str, workload: Workload, prompts, outputs, mode
                     trace.tokens.append(time.perf_counter())
 
     traces = [Trace(0.0) for _ in prompts]
-    await asyncio.gather(*(one(trace, prompt, output, at) for trace, prompt, output, at in
-                           zip(traces, prompts, outputs, arrivals(workload))))
+    await asyncio.gather(*(one(*sent) for sent in zip(users, traces, prompts, outputs, arrivals(workload))))
     return traces
 
 
@@ -563,7 +574,7 @@ def device_time(directory: Path, seconds: float) -> dict:
 
 def http_runs(args, flags: list[str], workloads: list[Workload], config) -> dict:
     """Step 3: `starscream serve` in its own process, each workload streamed to it from this one."""
-    server = ServeProcess(flags, args.work_dir / "serve.log")
+    server = ServeProcess([*flags, "--timeout-keep-alive", str(KEEP_ALIVE_S)], args.work_dir / "serve.log")
     runs = []
     try:
         start_s = server.wait_healthy(timeout=900)
@@ -573,15 +584,17 @@ def http_runs(args, flags: list[str], workloads: list[Workload], config) -> dict
             if workload.shared_prefix:
                 continue  # prefix caching cannot be switched over HTTP: C runs in process only
             prompts, outputs = prompts_of(workload, config.vocab_size)
-            traces, before = http_rounds(server.url, workload, [prompts_of(workload, config.vocab_size, seed=1),
-                                                                (prompts, outputs)], name,
-                                         lambda: histogram_sum_count(server.metrics(),
-                                                                     "vllm:time_to_first_token_seconds"))
+            warm_up = prompts_of(workload, config.vocab_size, seed=1)
+            (first, traces), before = http_rounds(server.url, workload, [warm_up, (prompts, outputs)], name,
+                                                  lambda: histogram_sum_count(server.metrics(),
+                                                                              "vllm:time_to_first_token_seconds"))
             figures = metrics(traces, prompts)
             after_text = server.metrics()
             after = histogram_sum_count(after_text, "vllm:time_to_first_token_seconds")
             served_ttft = (after[0] - before[0]) / max(after[1] - before[1], 1) * MILLISECONDS
             row = {"workload": dataclasses.asdict(workload), "mode": "http", **figures,
+                   "warm_up_round": {key: value for key, value in metrics(first, warm_up[0]).items()
+                                     if key in ("output_tokens_per_s", "ttft_ms", "tpot_ms")},
                    "metrics_ttft_mean_ms": served_ttft,
                    "programs_compiled_while_serving": metric_value(after_text, 'when="serving"')}
             runs.append(row)
@@ -620,7 +633,7 @@ def front_end(args) -> dict:
         server.wait_healthy(timeout=120)
         workload = Workload(name="front-end", requests=args.streams, prompt=16, output=output)
         prompts = [[1 + (i + j) % 200 for j in range(16)] for i in range(args.streams)]
-        traces, cpu = http_rounds(server.url, workload, [(prompts, [4] * args.streams),
+        (_, traces), cpu = http_rounds(server.url, workload, [(prompts, [4] * args.streams),
                                                          (prompts, [output] * args.streams)], "fake",
                                   server.cpu_seconds)
         figures = metrics(traces, prompts)

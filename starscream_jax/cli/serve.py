@@ -109,6 +109,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="HTTP methods CORS allows (default all)")
     http.add_argument("--allowed-headers", type=json_list, default=["*"], metavar="JSON",
                       help="request headers CORS allows (default all)")
+    http.add_argument("--timeout-keep-alive", type=positive_seconds, default=5.0, metavar="SECONDS",
+                      help="how long an idle kept-alive connection stays open before the server closes it "
+                           "(uvicorn's timeout_keep_alive; default 5, as vLLM's): longer for clients that keep "
+                           "their connections between bursts of requests")
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                       help="the server's and uvicorn's log level; at info a line per request and the engine's load "
                            "every 10 s while busy (default info)")
@@ -225,6 +229,11 @@ def positive_float(text: str) -> float:
     return _float_flag(text, lambda value: 0.0 < value < math.inf, "give a positive number of milliseconds")
 
 
+def positive_seconds(text: str) -> float:
+    """A positive, finite number of seconds (--timeout-keep-alive)."""
+    return _float_flag(text, lambda value: 0.0 < value < math.inf, "give a positive number of seconds, such as 5")
+
+
 def _float_flag(text: str, accepted, fix: str) -> float:
     try:
         value = float(text)
@@ -295,7 +304,8 @@ def run(args: argparse.Namespace) -> int:
                     tool_parser=tool_call_parser(args), chat_template=template,
                     trust_request_chat_template=args.trust_request_chat_template)
     configure_logging(args.log_level)
-    http = uvicorn.Server(uvicorn.Config(server.app(), log_level=args.log_level, access_log=True))
+    http = uvicorn.Server(uvicorn.Config(server.app(), log_level=args.log_level, access_log=True,
+                                        timeout_keep_alive=args.timeout_keep_alive))
     host, port = sock.getsockname()[:2]
     if defaults:
         print(f"starscream serve: sampling defaults from {defaults_path} for requests that leave them out: "

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -75,6 +76,7 @@ def test_contradicting_flags_are_one_error_line(capsys, argv, message):
     (("--page-size", "0"), "--page-size"),
     (("--gpu-memory-utilization", "1.5"), "give a fraction above 0 and at most 1"),
     (("--fake-engine", "-3"), "give a positive number of milliseconds"),
+    (("--timeout-keep-alive", "0"), "give a positive number of seconds"),
 ])
 def test_bad_values_are_refused_as_the_flags_are_read(capsys, argv, message):
     with pytest.raises(SystemExit) as exited:
@@ -133,9 +135,22 @@ def serve_command(cpu_child_env, free_port):
         command.close()
 
 
+def idle_seconds_kept(url: str, limit: float) -> float:
+    """Seconds the server at `url` keeps an idle kept-alive connection open after answering on it (to `limit`)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=limit) as connection:
+        connection.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert connection.recv(4096).startswith(b"HTTP/1.1 200")
+        answered = time.monotonic()
+        with contextlib.suppress(TimeoutError):
+            assert connection.recv(4096) == b""  # closed by the server
+        return time.monotonic() - answered
+
+
 def test_the_command_serves_refuses_a_taken_port_and_ends_on_sigterm(serve_command):
-    server = serve_command()
+    server = serve_command("--timeout-keep-alive", "1.5")
     server.healthy()
+    assert 1.0 < idle_seconds_kept(server.url, limit=10.0) < 4.0  # uvicorn's default would keep it 5 s
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
     chunks = list(client.completions.create(model="fake", prompt="hello", max_tokens=7, stream=True,
                                             stream_options={"include_usage": True}))
