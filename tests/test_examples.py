@@ -24,8 +24,8 @@ BATCH, FEATURES, HIDDEN, CLASSES = 8, 32, 64, 16
 MESHES = {"1x2x4": (1, 2, 4), "2x2x2": (2, 2, 2)}
 """(data, gpu, xcd): 2 GPUs of 4 partitions; 2 data groups of 2 GPUs of 2 partitions (the two-stage reduction)."""
 DATA_AXIS_SLOW = ["1x2x4", pytest.param("2x2x2", marks=pytest.mark.slow)]
-"""The meshes of the unchanged GSPMD-style models: their data-axis run is a `-m slow` sweep (the library's own layouts
-are checked with a data axis in tests/sharding/test_data_parallel)."""
+"""The meshes of the Flax examples and the unchanged GSPMD-style models: their data-axis run is a `-m slow` sweep (the
+library's own layouts are checked with a data axis in tests/sharding/test_data_parallel)."""
 
 
 def load_example(name: str):
@@ -110,7 +110,7 @@ def unsharded_linen_run():
     return jax.jit(jax.value_and_grad(flax_linen_block.loss_fn))(params, x_BSD, target_BSD)
 
 
-@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("mesh_name", DATA_AXIS_SLOW)
 def test_the_flax_nnx_model_matches_its_unsharded_run(mesh_name):
     expected = unsharded_nnx_run()
     mesh = mesh_of(mesh_name)
@@ -123,7 +123,7 @@ def test_the_flax_nnx_model_matches_its_unsharded_run(mesh_name):
     assert_close((loss, grads), expected)
 
 
-@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("mesh_name", DATA_AXIS_SLOW)
 def test_the_flax_linen_block_matches_its_unsharded_run(mesh_name):
     import flax.linen as nn
 

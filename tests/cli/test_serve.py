@@ -5,11 +5,11 @@ answers 503 and exits with status 1; an API key, CORS, logging and a model direc
 server (the server itself: tests/serving/test_server.py)."""
 import argparse
 import contextlib
+import http.client
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -138,13 +138,17 @@ def serve_command(cpu_child_env, free_port):
 def idle_seconds_kept(url: str, limit: float) -> float:
     """Seconds the server at `url` keeps an idle kept-alive connection open after answering on it (to `limit`)."""
     host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=limit) as connection:
-        connection.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert connection.recv(4096).startswith(b"HTTP/1.1 200")
+    connection = http.client.HTTPConnection(host, int(port), timeout=limit)
+    try:
+        connection.request("GET", "/health")
+        answer = connection.getresponse()
+        assert answer.status == 200 and answer.read() == b'{"status":"ok"}' and not answer.will_close
         answered = time.monotonic()
         with contextlib.suppress(TimeoutError):
-            assert connection.recv(4096) == b""  # closed by the server
+            assert connection.sock.recv(1) == b""  # closed by the server
         return time.monotonic() - answered
+    finally:
+        connection.close()
 
 
 def test_the_command_serves_refuses_a_taken_port_and_ends_on_sigterm(serve_command):

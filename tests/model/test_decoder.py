@@ -49,14 +49,17 @@ FEW_KV = "tiny-kv2"
 SLOW_MESHES = ("1x4x2",)
 """Meshes whose cases run only with `-m slow`: 4 GPUs of 2 partitions repeats 1x2x4's placements with a wider gpu
 axis, which the placement tests of tests/sharding check at 8 x 8."""
-KEPT_BY_DEFAULT = {"1x1x1": ("starscream_tp",), "tiny-tied": ("starscream_decode",),
-                   "tiny-moe": ("starscream_tp", "starscream_decode", "starscream_ep"),
-                   "2x2x2": ("starscream_fsdp", "starscream_decode")}
+KEPT_BY_DEFAULT = {"1x1x1": (), "1x2x4": ("gpu_tp", "starscream_tp", "starscream_decode", "starscream_fsdp"),
+                   "tiny-tied": ("starscream_decode",),
+                   "tiny-moe": ("starscream_tp", "starscream_decode", "starscream_ep"), "2x2x2": ("starscream_fsdp",)}
 """The cases of a mesh or model that the default run keeps; the rest run with `-m slow`. One device places nothing,
-so every layout there computes the same program; the tied head changes one part of the model, which one layout
-exercises (the decode layout, whose head places the embedding table as a weight); the routed block is exercised by
-the library's own layouts; on 2 x 2 x 2 the library's weight-sharded layouts run with a data axis (starscream_tp's
-and the baselines' reductions over it: tests/sharding/test_data_parallel)."""
+so every layout there computes the unsharded program (the one-device forms run by default in tests/model/
+test_hf_checkpoint.py and tests/serving/test_engine.py); the flat baselines' logits are checked on every layout by
+tests/model/test_hf_checkpoint.py and their decode by tests/inference/test_generate.py; the tied head changes one
+part of the model, which one layout exercises (the decode layout, whose head places the embedding table as a
+weight); the routed block is exercised by the library's own layouts; on 2 x 2 x 2 starscream_fsdp runs with a data
+axis (the other layouts' reductions over it: tests/sharding/test_data_parallel, and decode with a data axis:
+tests/model/test_hf_checkpoint.py's any-batch generation)."""
 
 
 def _slow(model: str, mesh: str, layout: str) -> bool:
