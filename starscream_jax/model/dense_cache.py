@@ -11,12 +11,12 @@ from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 from jax.tree_util import register_dataclass
 
 from ..errors import StarscreamError
 from ..hardware.axes import dim_axes
-from ..sharding.apply import activation_spec, constrain, placed_as, use_layout
+from ..sharding.apply import Placement, activation_spec, constrain, placed_as
 from ..sharding.collectives import hierarchical_all_gather
 from ..sharding.layouts import Layout
 from .config import ModelConfig
@@ -227,9 +227,8 @@ def cache_shardings(config: ModelConfig, batch: int, length: int, layout: Layout
     """The NamedSharding `layout` gives each field of a KV cache (`cache_entries`: [L, B, T, K, E], T = `length`)
     on `mesh`, or with `per_layer` the one each layer's array of it ([B, T, K, E]) gets, as `split_cache` places
     it."""
-    specs = {}
-    with use_layout(layout, mesh):
-        for name, entry in cache_entries(config, batch, length).entries().items():
-            names, shape = (CACHE_NAMES[name][1:], entry.shape[1:]) if per_layer else (CACHE_NAMES[name], entry.shape)
-            specs[name] = NamedSharding(mesh, activation_spec(names, shape, "kv cache"))
+    placement, specs = Placement.of(layout, mesh), {}
+    for name, entry in cache_entries(config, batch, length).entries().items():
+        names, shape = (CACHE_NAMES[name][1:], entry.shape[1:]) if per_layer else (CACHE_NAMES[name], entry.shape)
+        specs[name] = placement.sharding(names, shape, "kv cache")
     return DenseCache(**specs)

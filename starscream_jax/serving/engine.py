@@ -22,7 +22,6 @@ no fused copy of any weight is held.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import math
 import os
@@ -44,7 +43,7 @@ from ..model.decoder import attention_options
 from ..model.layer_weights import split_layer_weights
 from ..model.paged import KERNELS, PAGES, SCALES, init_page_scales, init_pages, pool_shape, reads_in_place
 from ..model.quantize import held_as_read
-from ..sharding.apply import Placement, activation_spec, jit, param_shardings, use_layout
+from ..sharding.apply import Placement, jit, param_shardings
 from ..sharding.layouts import PHASE_DEFAULTS, get_layout
 from . import capacity
 from .multihost import StepBroadcast
@@ -209,6 +208,10 @@ class Engine:
         self.mesh = mesh
         self.channel = channel  # a mesh spanning processes: the leader's broadcast of each step (`multihost`)
         self.layouts = {"prefill": get_layout(prefill_layout), "decode": get_layout(decode_layout)}
+        # each phase's layout on the mesh (None without one): its programs are bound to it (`sharding.apply.jit`),
+        # and the host asks it where an array it places goes
+        self._placements = {phase: None if mesh is None else Placement(layout, mesh)
+                            for phase, layout in self.layouts.items()}
         self.shards = cache_shards(decode_layout, mesh)
         if mesh is not None:
             check_same_cache_placement(self.layouts, mesh, c, self.shards)
@@ -235,11 +238,9 @@ class Engine:
             rows_per_shard=config.rows_per_shard, token_budget=config.token_budget, chunk=config.chunk,
             prefix_caching=config.prefix_caching, prefill_rows=self.buckets.rows_of("prefill")[-1]))
         self._pages = None  # allocated after the warm-up: XLA's autotuning wants free device memory to compile
-        placements = {phase: None if mesh is None else Placement(self.layouts[phase], mesh)
-                      for phase in ("prefill", "decode")}
         self._steps = {phase: forward_step(self.graphdef, self.kernel, decode=phase == "decode", under=under)
-                       for phase, under in placements.items()}
-        self._sample = {phase: sample_step(under=under) for phase, under in placements.items()}
+                       for phase, under in self._placements.items()}
+        self._sample = {phase: sample_step(under=under) for phase, under in self._placements.items()}
         self._programs: dict[tuple, object] = {}  # (phase, rows, width, pages) -> its forward program
         self._samplers: dict[tuple, object] = {}  # `_sampler_key` -> its sampler
         self._compiled_at_start = 0
@@ -294,19 +295,15 @@ class Engine:
         shape = pool_shape(pages_per_shard * self.shards, config.page_size, c.n_kv_heads, c.head_dim)
         sharding = scale_sharding = None
         if self.mesh is not None:
-            with self._phase("decode"):
-                sharding = NamedSharding(self.mesh, activation_spec(PAGES, shape, "kv pages"))
-                scale_sharding = NamedSharding(self.mesh, activation_spec(SCALES, shape[:3], "kv page scales"))
+            decode = self._placements["decode"]
+            sharding = decode.sharding(PAGES, shape, "kv pages")
+            scale_sharding = decode.sharding(SCALES, shape[:3], "kv page scales")
         layers = 2 * c.n_layers  # a key and a value pool per layer
         shardings, shapes, dtypes = [sharding], [(layers, shape)], [jnp.dtype(self.kv_format or c.dtype)]
         if self.kv_format:
             shardings, shapes, dtypes = shardings + [scale_sharding], shapes + [(layers, shape[:3])], \
                 dtypes + [jnp.dtype(jnp.float32)]
         return shardings, shapes, dtypes
-
-    def _phase(self, phase: str):
-        layout = self.layouts[LAYOUT_OF[phase]]
-        return use_layout(layout, self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def _empty_pages(self) -> dict:
         """Zeroed key and value page pools of every layer in the cache's format, placed by the decode layout (PAGES),
@@ -354,9 +351,8 @@ class Engine:
         """The slot state's placement: a shard's slots on the devices of its rows (`sampling.SLOT_TABLE`)."""
         if self.mesh is None:
             return None
-        with self._phase("decode"):
-            shape = (self.shards * self.config.rows_per_shard, self.model_config.vocab_size)
-            return NamedSharding(self.mesh, activation_spec(SLOT_TABLE, shape, "slot state"))
+        shape = (self.shards * self.config.rows_per_shard, self.model_config.vocab_size)
+        return self._placements["decode"].sharding(SLOT_TABLE, shape, "slot state")
 
     def _slot_state_bytes(self) -> int:
         """Bytes of the slot state on each device (its shard's slots, `sampling.SlotState`)."""
@@ -371,8 +367,7 @@ class Engine:
         shape = (self.shards * self.config.rows_per_shard,)
         sharding = None
         if self.mesh is not None:
-            with self._phase("decode"):
-                sharding = NamedSharding(self.mesh, activation_spec(SLOTS, shape, "slot tokens"))
+            sharding = self._placements["decode"].sharding(SLOTS, shape, "slot tokens")
         return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
 
     def _abstract_pages(self) -> dict:
@@ -715,10 +710,9 @@ class Engine:
         forward = self.program(phase, inputs)
         position_B = inputs.positions[:, 0] + inputs.last + 1
         sampler = self._sampler(phase, inputs, forward, SamplerFeatures.of(inputs.sampling, inputs.slot, position_B))
-        with self._phase(phase):
-            logits, rows, self.pages, scores = forward(self.params, self.rest, self.pages, self.recent,
-                                                       self._placed(inputs))
-            outputs, self._recent, self._slot_state = sampler(logits, rows, self.recent, self.slot_state, scores)
+        logits, rows, self.pages, scores = forward(self.params, self.rest, self.pages, self.recent,
+                                                   self._placed(inputs))
+        outputs, self._recent, self._slot_state = sampler(logits, rows, self.recent, self.slot_state, scores)
         if jax.process_count() == 1:
             outputs.copy_to_host_async()
         return outputs
@@ -786,18 +780,16 @@ class Engine:
     def _lowered(self, phase: str, rows: int, width: int, pages: int):
         """The forward program of `phase` traced for one bucket, against the pools' and inputs' shapes (nothing
         allocated)."""
-        with self._phase(phase):
-            return self._steps[LAYOUT_OF[phase]].lower(
-                self.params, self.rest, self._abstract_pages(), self._abstract_recent(),
-                self._abstract_inputs(rows, width, pages, phase == "scored"))
+        return self._steps[LAYOUT_OF[phase]].lower(self.params, self.rest, self._abstract_pages(),
+                                                   self._abstract_recent(),
+                                                   self._abstract_inputs(rows, width, pages, phase == "scored"))
 
     def _lowered_sampler(self, phase: str, forward, features: SamplerFeatures):
         """The sampler of `features` traced against the outputs of `forward`, a compiled forward program of `phase`
         (nothing allocated)."""
         logits, rows, _, scores = forward.out_info
-        with self._phase(phase):
-            return self._sample[LAYOUT_OF[phase]].lower(logits, rows, self._abstract_recent(),
-                                                        self._abstract_slot_state(), scores, features=features)
+        return self._sample[LAYOUT_OF[phase]].lower(logits, rows, self._abstract_recent(), self._abstract_slot_state(),
+                                                    scores, features=features)
 
     def keep_followers(self) -> None:
         """Tells the other processes, waiting for the next step, that the leader is idle but alive (else nothing)."""

@@ -47,7 +47,7 @@ from ..errors import StarscreamError
 from ..hardware.backend import policy_of
 from ..model.ops import run_sharded
 from ..model.paged import PAGES, PagedCache, pool_shape
-from ..sharding.apply import Jitted, Placement, activation_spec, constrain, jit, use_layout
+from ..sharding.apply import Jitted, Placement, constrain, jit
 from ..sharding.layouts import PHASE_DEFAULTS, get_layout
 from ..training.steps import whole_vocabulary
 from .sampling import (
@@ -519,8 +519,7 @@ def check_same_cache_placement(layouts: dict, mesh, c, shards: int) -> None:
         if layout.splits_sequence:
             raise StarscreamError(f"layout {layout.name} splits the sequence and cannot serve from a KV cache; prefill "
                                   f"with {PHASE_DEFAULTS['prefill']} and decode with {PHASE_DEFAULTS['decode']}")
-        with use_layout(layout, mesh):
-            specs[phase] = activation_spec(PAGES, shape, "kv pages")
+        specs[phase] = Placement(layout, mesh).activation_spec(PAGES, shape, "kv pages")
     if specs["prefill"] != specs["decode"] or cache_shards(layouts["prefill"], mesh) != shards:
         raise StarscreamError(f"prefill layout {layouts['prefill'].name} places the KV pages as {specs['prefill']} and "
                               f"decode layout {layouts['decode'].name} as {specs['decode']}; serve with layouts that "

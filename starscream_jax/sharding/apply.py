@@ -49,6 +49,24 @@ class Placement:
         """The placement of `layout` (a Layout or a layout's name) on `mesh`."""
         return cls(get_layout(layout), mesh)
 
+    def activation_spec(self, names: LogicalNames, shape, tensor: str = "activation") -> PartitionSpec:
+        """The PartitionSpec this layout gives an activation of logical `names` and `shape` on this mesh. A batch
+        the layout's batch axes do not divide is refused with how to call `fit_batch`, which gives the layout
+        that places it (the commands call it themselves; a layout given here is taken as given)."""
+        try:
+            return resolve(names, tuple(shape), self.layout.activations, self.mesh, tensor,
+                           f"activation rules of {self.layout.name}")
+        except ShardingRuleError as err:
+            fix = _fit_batch_fix(self, names, shape)
+            if not fix:
+                raise
+            raise ShardingRuleError(f"{err}; {fix}") from err
+
+    def sharding(self, names: LogicalNames, shape, tensor: str = "activation") -> NamedSharding:
+        """The NamedSharding of `activation_spec`: where an array placed from the host (a cache, a step's inputs)
+        lives, asked of this placement rather than of the active one."""
+        return NamedSharding(self.mesh, self.activation_spec(names, shape, tensor))
+
 
 _ACTIVE = jax.make_user_context(None)
 """The active Placement (None outside `use_layout`): a JAX user context, so its value is part of the cache key of
@@ -142,20 +160,10 @@ def compute_device():
 
 
 def activation_spec(names: LogicalNames, shape, tensor: str = "activation") -> PartitionSpec | None:
-    """The PartitionSpec the active layout gives an activation, or None outside `use_layout`. A batch the layout's
-    batch axes do not divide is refused with how to call `fit_batch`, which gives the layout that places it (the
-    commands call it themselves; a layout made active here is taken as given)."""
+    """The PartitionSpec the active layout gives an activation (`Placement.activation_spec`), or None outside
+    `use_layout`: the form traced model code reads."""
     current = active()
-    if current is None:
-        return None
-    try:
-        return resolve(names, tuple(shape), current.layout.activations, current.mesh, tensor,
-                       f"activation rules of {current.layout.name}")
-    except ShardingRuleError as err:
-        fix = _fit_batch_fix(current, names, shape)
-        if not fix:
-            raise
-        raise ShardingRuleError(f"{err}; {fix}") from err
+    return None if current is None else current.activation_spec(names, shape, tensor)
 
 
 def _fit_batch_fix(current: Placement, names: LogicalNames, shape) -> str:

@@ -82,12 +82,13 @@ def equivalence_errors(family: str, mesh_names) -> dict[str, float]:
     return errors
 
 
-SWEPT_ONLY = ("mistral", "qwen3", "qwen3_moe", "mixtral", "qwen2")
-"""Families whose every-layout sweep runs with `-m slow`: Mistral's weights map as Llama's; Qwen3's and Qwen3-MoE's
-q/k norms are checked under sharding by the gradient test below and against the reference by their greedy tokens
-and batch-split logits here, and Qwen3-MoE's routed experts on every layout by tests/model/test_decoder.py
-(tiny-moe); Mixtral's tokens are served under the decode layout by tests/serving/test_engine.py, and Qwen2's biases
-are checked by its greedy tokens at any batch."""
+SWEPT_ONLY = ("mistral", "qwen3", "qwen3_moe", "mixtral", "qwen2", "gemma2")
+"""Families whose every-layout sweep runs with `-m slow` (Llama's runs by default): Mistral's weights map as Llama's;
+Qwen3's and Qwen3-MoE's q/k norms are checked under sharding by the gradient test below and against the reference by
+their greedy tokens and batch-split logits here, and Qwen3-MoE's routed experts on every layout by tests/model/
+test_decoder.py (tiny-moe); Gemma 2's four norms, soft caps and windows by its sharded gradients below, its greedy
+tokens and its served tokens (tests/serving/test_engine.py); Mixtral's tokens are served under the decode layout by
+tests/serving/test_engine.py, and Qwen2's biases are checked by its greedy tokens at any batch."""
 
 
 @pytest.mark.parametrize("family", [pytest.param(family, marks=pytest.mark.slow) if family in SWEPT_ONLY else family

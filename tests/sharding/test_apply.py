@@ -433,6 +433,20 @@ def test_a_batch_the_layout_does_not_divide_is_refused_with_how_to_fit_the_layou
     assert "fit_batch" not in str(refused.value)
 
 
+def test_a_placement_answers_what_the_active_layout_answers_with_no_layout_active():
+    """Host code (a server placing its cache, a step's inputs) asks a Placement where an array goes: the same spec
+    the layout gives inside use_layout, its refusals with the same fix, nothing made active."""
+    mesh = build_mesh("2x4")
+    placement = Placement.of("starscream_decode", mesh)
+    names, shape = ("attn_batch", "kv_heads", "head_dim"), (8, 4, 16)
+    with use_layout("starscream_decode", mesh):
+        inside = activation_spec(names, shape)
+    assert active() is None and placement.activation_spec(names, shape) == inside != P()
+    assert placement.sharding(names, shape) == NamedSharding(mesh, inside)
+    with pytest.raises(ShardingRuleError, match=re.escape("fit_batch('starscream_tp', mesh, batch=2")):
+        Placement.of("starscream_tp", mesh).activation_spec(("batch", "embed"), (2, 64))
+
+
 def test_batch_sharding_refuses_a_batch_the_layout_does_not_divide_with_how_to_fit_the_layout_to_it():
     """batch_sharding (where a script places its token batch) refuses a batch of 2 under starscream_tp on 2 GPUs x
     4 partitions as use_layout does, naming fit_batch; the fitted layout's batch sharding places it."""
