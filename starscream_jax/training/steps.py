@@ -40,7 +40,7 @@ from ..hardware.backend import policy_of
 from ..model.config import ModelConfig
 from ..model.decoder import next_token_loss
 from ..model.dense_cache import init_cache
-from ..sharding.apply import LOGICAL_AXES, Jitted, Placement, activation_spec, active, jit
+from ..sharding.apply import LOGICAL_AXES, Jitted, Placement, activation_spec, jit
 from ..sharding.layouts import positions_multiple
 from .config import TrainConfig
 
@@ -156,25 +156,25 @@ def prefill_step(graphdef, config: ModelConfig, sampling: Sampling, cache_length
     def step(params, rest, prompt_BP):
         model = nnx.merge(graphdef, params, rest)
         cache = init_cache(config, prompt_BP.shape[0], cache_length)
-        out = model(_padded_prompt(prompt_BP), cache=cache, cache_index=0)
+        out = model(_padded_prompt(prompt_BP, under), cache=cache, cache_index=0)
         return choose_token(_last_real(out.logits, prompt_BP.shape[1]), prompt_BP.shape[1], sampling), out.cache
 
     return step
 
 
-def _padded_prompt(prompt_BP: jax.Array) -> jax.Array:
-    """The prompt [B, P] with zeros appended up to a multiple of the parts the active layout splits the sequence
-    into (`layouts.positions_multiple`; P itself where none). The padding follows every real position, so causal
-    attention keeps it from them; its keys land in cache slots that decode overwrites before reading them."""
-    current = active()
-    parts = 1 if current is None else positions_multiple(current.layout, current.mesh)
+def _padded_prompt(prompt_BP: jax.Array, under: Placement | None) -> jax.Array:
+    """The prompt [B, P] with zeros appended up to a multiple of the parts the placement `under` splits the
+    sequence into (`layouts.positions_multiple`; P itself where none). The padding follows every real position, so
+    causal attention keeps it from them; its keys land in cache slots that decode overwrites before reading them."""
+    parts = 1 if under is None else positions_multiple(under.layout, under.mesh)
     return jnp.pad(prompt_BP, ((0, 0), (0, -prompt_BP.shape[1] % parts)))
 
 
 def _last_real(logits_BPV: jax.Array, length: int) -> jax.Array:
     """The logits [B, V] of position `length - 1`, as a sum that keeps only that position: where the layout splits
-    the positions, a reduction of [B, V] values over their axes, where slicing would gather every position's."""
-    if active() is None or not dim_axes(jax.typeof(logits_BPV).sharding.spec, 1):
+    the positions, a reduction of [B, V] values over their axes, where slicing would gather every position's (read
+    from the logits' type: outside a layout, or on Auto axes, no axis splits them there)."""
+    if not dim_axes(jax.typeof(logits_BPV).sharding.spec, 1):
         return logits_BPV[:, length - 1]
     last_P = jnp.arange(logits_BPV.shape[1]) == length - 1
     return jnp.sum(jnp.where(last_P[None, :, None], logits_BPV, 0.0), axis=1)
