@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec
 
 from ..errors import StarscreamError
 from ..hardware.axes import dim_axes
-from ..sharding.apply import active, constrain, einsum, param, scale, shared_input, token_mean, weight
+from ..sharding.apply import constrain, einsum, param, placed_explicitly, scale, shared_input, token_mean, weight
 from ..sharding.at_use import create_sharded
 from ..sharding.layouts import Layout
 from .config import ModelConfig
@@ -382,9 +382,8 @@ def _fuses(c: ModelConfig, h_BSD: jax.Array) -> bool:
 
 
 def _same_split(stored: list[jax.Array], dimension: int) -> bool:
-    """Whether the stored weights `stored` split dimension `dimension` over the same mesh axes (always, unsharded)."""
-    if active() is None:
-        return True
+    """Whether the stored weights `stored` split dimension `dimension` over the same mesh axes (always, unsharded:
+    no axis splits any of them)."""
     return len({dim_axes(jax.typeof(value).sharding.spec, dimension) for value in stored}) == 1
 
 
@@ -395,7 +394,7 @@ def _by_kv_head(wq_DHE: jax.Array, K: int) -> jax.Array:
     same axes as wq splits H, so they divide K."""
     D, H, E = wq_DHE.shape
     shape = (D, K, H // K, E)
-    if active() is None or active().auto:
+    if not placed_explicitly(wq_DHE):
         return wq_DHE.reshape(shape)
     d, h, e = jax.typeof(wq_DHE).sharding.spec
     return jnp.reshape(wq_DHE, shape, out_sharding=PartitionSpec(d, h, None, e))

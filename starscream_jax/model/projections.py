@@ -162,9 +162,7 @@ def _padded_rows(x: jax.Array, w: jax.Array) -> int:
 
 
 def _local_shape(x: jax.Array) -> tuple[int, ...]:
-    """The shape of the part of x each device holds under the active layout (x's shape outside one)."""
-    if active() is None:
-        return x.shape
+    """The shape of the part of x each device holds, read from its type (x's shape outside a mesh)."""
     return jax.typeof(x).sharding.shard_shape(x.shape)
 
 

@@ -35,11 +35,11 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType
 from jax.tree_util import register_dataclass
 
 from ..errors import StarscreamError
 from ..model.ops import run_sharded
+from ..sharding.apply import placed_explicitly
 from .guided import mask_words
 from .scheduler import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_STOP_IDS, MAX_TOP_LOGPROBS
 
@@ -361,7 +361,4 @@ def _without_taken(left_BV: jax.Array, value_BR: jax.Array, id_BR: jax.Array) ->
 def placed_like(x: jax.Array, like: jax.Array) -> jax.Array:
     """`x` placed as `like` is, read from `like`'s type: resharded where its mesh's axes are Explicit, the identity
     outside a mesh or on Auto axes (where XLA's propagation places it)."""
-    sharding = jax.typeof(like).sharding
-    if sharding.mesh.empty or AxisType.Explicit not in sharding.mesh.axis_types:
-        return x
-    return jax.sharding.reshard(x, sharding.spec)
+    return jax.sharding.reshard(x, jax.typeof(like).sharding.spec) if placed_explicitly(like) else x

@@ -153,6 +153,13 @@ def active() -> Placement | None:
     return _ACTIVE.value
 
 
+def placed_explicitly(x: jax.Array) -> bool:
+    """Whether `x`'s type carries its placement: traced on a mesh whose axes are Explicit (False outside a mesh and
+    on Auto axes, where XLA's propagation places it). Read from the array, not from the active layout."""
+    mesh = jax.typeof(x).sharding.mesh
+    return not mesh.empty and AxisType.Explicit in mesh.axis_types
+
+
 def compute_device():
     """The device a traced computation compiles for: the first of the active layout's mesh, else JAX's default."""
     current = active()

@@ -36,6 +36,7 @@ from starscream_jax.sharding.apply import (
     param,
     param_shardings,
     param_specs,
+    placed_explicitly,
     shared_input,
     use_layout,
     weight,
@@ -445,6 +446,22 @@ def test_a_placement_answers_what_the_active_layout_answers_with_no_layout_activ
     assert placement.sharding(names, shape) == NamedSharding(mesh, inside)
     with pytest.raises(ShardingRuleError, match=re.escape("fit_batch('starscream_tp', mesh, batch=2")):
         Placement.of("starscream_tp", mesh).activation_spec(("batch", "embed"), (2, 64))
+
+
+def test_an_array_says_whether_its_type_carries_its_placement():
+    """Read from the traced array: False outside a mesh and on Auto axes, True on Explicit ones."""
+    seen = []
+
+    def record(x):
+        seen.append(placed_explicitly(x))
+        return x
+
+    x = np.ones((8, 4), np.float32)
+    jax.jit(record)(x)
+    for mesh in (build_mesh("2x4"), auto_axes(build_mesh("2x4"))):
+        with jax.set_mesh(mesh):
+            jax.jit(record)(jax.device_put(x, NamedSharding(mesh, P("gpu"))))
+    assert seen == [False, True, False]
 
 
 def test_batch_sharding_refuses_a_batch_the_layout_does_not_divide_with_how_to_fit_the_layout_to_it():
