@@ -633,9 +633,8 @@ def front_end(args) -> dict:
         server.wait_healthy(timeout=120)
         workload = Workload(name="front-end", requests=args.streams, prompt=16, output=output)
         prompts = [[1 + (i + j) % 200 for j in range(16)] for i in range(args.streams)]
-        (_, traces), cpu = http_rounds(server.url, workload, [(prompts, [4] * args.streams),
-                                                         (prompts, [output] * args.streams)], "fake",
-                                  server.cpu_seconds)
+        rounds = [(prompts, [4] * args.streams), (prompts, [output] * args.streams)]
+        (_, traces), cpu = http_rounds(server.url, workload, rounds, "fake", server.cpu_seconds)
         figures = metrics(traces, prompts)
         cpu = server.cpu_seconds() - cpu
     finally:
