@@ -560,16 +560,19 @@ def engine_only(args, argv) -> int:
 def device_time(directory: Path, seconds: float) -> dict:
     """Where a traced run's device time went (the trace under `directory`, stopped here): seconds by category
     (`analysis.profile.time_breakdown`, kernels named by their own names: the run's programs are many), their sum,
-    and the share of the run's `seconds` the device sat idle."""
+    the share of the run's `seconds` the device sat idle, and the host's events that took longest by their own time
+    (`analysis.profile.host_events`: the engine's Python functions and the runtime's launches)."""
     import jax
 
-    from starscream_jax.analysis.profile import time_breakdown
+    from starscream_jax.analysis.profile import host_events, time_breakdown
 
     jax.profiler.stop_trace()
     breakdown = time_breakdown(directory, steps=1)
     busy = sum(breakdown["per_step_s"].values())
     return {"by_category_s": breakdown["per_step_s"], "busy_s": busy, "idle_share": max(0.0, 1.0 - busy / seconds),
-            "top_kernels": breakdown["top_kernels"][:12], "trace": breakdown["trace"]}
+            "top_kernels": breakdown["top_kernels"][:12],
+            "top_host_events": [dataclasses.asdict(event) for event in host_events(directory, top=30)],
+            "trace": breakdown["trace"]}
 
 
 def http_runs(args, flags: list[str], workloads: list[Workload], config) -> dict:

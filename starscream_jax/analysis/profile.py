@@ -1,4 +1,4 @@
-"""Where a step's time goes: a JAX profiler trace's device kernels summed by category.
+"""Where a step's time goes: a JAX profiler trace's device kernels summed by category, and its host events by name.
 
 `jax.profiler.start_trace(directory, create_perfetto_trace=True)` writes `perfetto_trace.json.gz` (Chrome trace
 format) under `directory/plugins/profile/<run>/`. Its device processes ("/device:GPU:0", ...) hold one thread per
@@ -19,6 +19,7 @@ compute on another stream) are each counted in full, so the categories can sum t
 """
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import re
@@ -109,6 +110,48 @@ def device_kernels(trace: dict) -> list[dict]:
         kernels.append({"name": event["name"], "hlo_op": str(args.get("hlo_op", "")), "device": event["pid"],
                         "seconds": float(event.get("dur", 0.0)) * 1e-6})
     return kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class HostEvent:
+    """One name of the host threads' events summed over a trace: Python functions (the profiler's Python tracer
+    names them `file:line function`) and the runtime's own spans (a program's launch, a transfer)."""
+    name: str
+    count: int
+    seconds: float
+    """Inclusive: the events' whole durations."""
+    self_seconds: float
+    """Exclusive: less the events nested inside them on the same thread (what the name itself spent)."""
+
+
+def host_events(directory: str | Path, top: int = 25) -> list[HostEvent]:
+    """The `top` host event names of the newest trace under `directory` by their exclusive time, summed over the
+    host processes' threads: where the host's time went while the device ran (or waited for it)."""
+    with gzip.open(latest_trace(directory), "rt") as handle:
+        trace = json.load(handle)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    hosts = {event["pid"] for event in events if event.get("ph") == "M" and event.get("name") == "process_name"
+             and not event["args"]["name"].startswith("/device:")}
+    by_thread: dict[tuple, list[dict]] = defaultdict(list)
+    for event in events:
+        if event.get("ph") == "X" and event["pid"] in hosts:
+            by_thread[(event["pid"], event.get("tid"))].append(event)
+    count, total, own = defaultdict(int), defaultdict(float), defaultdict(float)
+    for thread in by_thread.values():
+        stack: list[tuple[float, str]] = []  # (end, name) of the enclosing events
+        for event in sorted(thread, key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0)))):
+            start, seconds = float(event["ts"]), float(event.get("dur", 0.0))
+            while stack and stack[-1][0] <= start:
+                stack.pop()
+            if stack:
+                own[stack[-1][1]] -= seconds
+            name = event["name"][:160]
+            count[name] += 1
+            total[name] += seconds
+            own[name] += seconds
+            stack.append((start + seconds, name))
+    ranked = sorted(count, key=lambda name: -own[name])[:top]
+    return [HostEvent(name, count[name], total[name] * 1e-6, own[name] * 1e-6) for name in ranked]
 
 
 def time_breakdown(directory: str | Path, steps: int, hlo_text: str = "") -> dict:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from starscream_jax.analysis.profile import CATEGORIES, breakdown_table, hlo_categories, time_breakdown
+from starscream_jax.analysis.profile import CATEGORIES, breakdown_table, hlo_categories, host_events, time_breakdown
 from starscream_jax.errors import StarscreamError
 
 HLO = """
@@ -81,3 +81,27 @@ def test_a_trace_without_device_kernels_is_a_clear_error(tmp_path):
     trace_file(tmp_path, [])
     with pytest.raises(StarscreamError, match="no device kernels"):
         time_breakdown(tmp_path, steps=1)
+
+
+def test_host_events_rank_names_by_their_own_time(tmp_path):
+    # host thread 1: dispatch (10 ms) holding a launch (6 ms) holding a graph update (4.5 ms); a wait (3 ms);
+    # thread 2: another launch (1 ms). Device events are not host events.
+    trace_file(tmp_path, [("loop_fusion_6", "loop_fusion.6", 40.0)])
+    path = next(tmp_path.glob("**/perfetto_trace.json.gz"))
+    with gzip.open(path, "rt") as handle:
+        trace = json.load(handle)
+    trace["traceEvents"] = [event for event in trace["traceEvents"] if event["pid"] != 1 or event["ph"] == "M"] + [
+        {"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": 10000.0, "name": "engine.py:706 dispatch"},
+        {"ph": "X", "pid": 1, "tid": 1, "ts": 1000, "dur": 6000.0, "name": "Execute"},
+        {"ph": "X", "pid": 1, "tid": 1, "ts": 2000, "dur": 4500.0, "name": "GraphUpdate"},
+        {"ph": "X", "pid": 1, "tid": 1, "ts": 10000, "dur": 3000.0, "name": "wait"},
+        {"ph": "X", "pid": 1, "tid": 2, "ts": 500, "dur": 1000.0, "name": "Execute"}]
+    with gzip.open(path, "wt") as handle:
+        json.dump(trace, handle)
+    events = {event.name: event for event in host_events(tmp_path)}
+    assert list(events) == ["GraphUpdate", "engine.py:706 dispatch", "wait", "Execute"]
+    assert events["Execute"].count == 2 and events["Execute"].seconds == pytest.approx(7e-3)
+    assert events["Execute"].self_seconds == pytest.approx(2.5e-3)  # 1.5 ms of its own on thread 1, 1 ms on 2
+    assert events["engine.py:706 dispatch"].self_seconds == pytest.approx(4e-3)
+    assert "loop_fusion_6" not in events
+    assert host_events(tmp_path, top=1)[0].name == "GraphUpdate"

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from starscream_jax.errors import StarscreamError
 from starscream_jax.serving.scheduler import SamplingParams
@@ -26,11 +27,20 @@ def _run(engine, params, prompts=(PROMPT,)):
     return [events[request_id] for request_id in ids]
 
 
+@nnx.jit
+def _every_logit(model, tokens_1S):
+    return model(tokens_1S).logits[0]
+
+
 def _reference(model, prompt, new, presence=0.0, frequency=0.0, repetition=1.0, bias=()):
-    """Greedy tokens with vLLM's logit bias, then penalties, applied in numpy to the unsharded model's logits."""
+    """Greedy tokens with vLLM's logit bias, then penalties, applied in numpy to the unsharded model's logits. The
+    tokens so far sit at the front of one buffer of the final length (one program for every step): causal
+    attention keeps the zeros after them out of their logits."""
     tokens = list(prompt)
+    buffer = np.zeros((1, len(prompt) + new), np.int32)
     for _ in range(new):
-        logits = np.asarray(model(jnp.asarray([tokens], jnp.int32)).logits[0, -1], np.float64)
+        buffer[0, :len(tokens)] = tokens
+        logits = np.asarray(_every_logit(model, jnp.asarray(buffer))[len(tokens) - 1], np.float64)
         for token, value in bias:
             logits[token] += value
         generated = tokens[len(prompt):]
@@ -77,7 +87,7 @@ def test_min_tokens_holds_back_a_stop_token(engine_for):
 def test_top_logprobs_are_the_models_likeliest(engine_for, unsharded_llama):
     engine = engine_for("1x2x4")
     events = _run(engine, SamplingParams(max_tokens=3, top_logprobs=5, logprobs=True))[0]
-    logits = unsharded_llama(jnp.asarray([PROMPT], jnp.int32)).logits[0, -1]
+    logits = _every_logit(unsharded_llama, jnp.asarray([PROMPT], jnp.int32))[-1]
     want = np.asarray(jax.nn.log_softmax(logits))
     first = events[0]
     assert len(first.top_tokens) == 5 and first.top_tokens[0] == first.token
