@@ -220,7 +220,10 @@ def measure_layer(config, rows: int, format_name: str, args, implementation: str
         try:
             outputs = jax.block_until_ready(function(*call_args))
             compiled[name] = (function, call_args, outputs)
-            result[f"{name}_launches"] = str(function.trace(*call_args).jaxpr).count("pallas_call") or None
+            # the jaxpr of the function itself: on the GPU (JAX 0.11) `function.trace` refused the jit's
+            # compiler_options ("can only be passed to top-level jax.jit") and every row was marked failed
+            result[f"{name}_launches"] = str(jax.make_jaxpr(function.__wrapped__)(*call_args)).count("pallas_call") \
+                or None
         except Exception as error:  # noqa: BLE001 - reported, not fatal
             result[f"{name}_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
     timed = harness.alternating_rounds({name: entry[:2] for name, entry in compiled.items()}, rounds=args.rounds,
