@@ -37,7 +37,7 @@ from ..hardware.distributed import is_main_process
 from ..model.config import ModelConfig
 from ..model.decoder import create_sharded_model
 from ..model.hf_checkpoint import load_hf_model
-from ..sharding.apply import Placement, batch_sharding, use_layout
+from ..sharding.apply import Placement, batch_sharding
 from ..sharding.layouts import Layout, fit_batch
 from ..text.corpus import DataFingerprint, load_token_stream
 from ..text.tokenizer import tokenizer_for_model
@@ -80,8 +80,8 @@ def initial_state(config: TrainConfig, model_config, layout, mesh):
     """(graphdef, params, rest, optimizer, opt_state) of a fresh run, created already sharded by the layout (or
     loaded so from the Hugging Face checkpoint `config.init`).
 
-    params: the model's nnx.Param state (float32); rest: its other state; opt_state: sharded like the params.
-    Call inside `use_layout(layout, mesh)`.
+    params: the model's nnx.Param state (float32); rest: its other state; opt_state: sharded like the params (its
+    init compiled on `mesh`: no layout or mesh need be active where this is called).
     """
     if config.init:
         model = load_hf_model(config.init, layout, mesh, config=model_config)
@@ -89,7 +89,8 @@ def initial_state(config: TrainConfig, model_config, layout, mesh):
         model = create_sharded_model(model_config, layout, mesh, config.seed)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     optimizer = make_optimizer(config, params)
-    return graphdef, params, rest, optimizer, jax.jit(optimizer.init)(params)
+    with jax.set_mesh(mesh):
+        return graphdef, params, rest, optimizer, jax.jit(optimizer.init)(params)
 
 
 def training_tokens(config: TrainConfig, model_config) -> tuple[np.ndarray, list[DataFingerprint], str]:
@@ -334,7 +335,7 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, allow_changes=(), 
         profile_window(profile_dir, 0, plan.last_step)
     if main_process:
         created_directory(plan.run_dir, "--run-dir")
-    with RunLock(plan.run_dir, say, enabled=main_process), use_layout(plan.layout, mesh), \
+    with RunLock(plan.run_dir, say, enabled=main_process), \
             CheckpointStore(plan.run_dir / "checkpoints", save_every=config.checkpoint_every) as store:
         plan = check_checkpoints(store, plan, resume, allow_changes, overwrite)
         if overwrite and main_process:  # the earlier run's plot goes with its metrics (MetricsLog starts afresh)
@@ -592,8 +593,8 @@ class TrainProgram:
 def compile_train_step(config: TrainConfig, model_config, layout, mesh, token_sharding,
                        device_memory_bytes: float | None = None) -> TrainProgram:
     """Compile `steps.train_step` from abstract arguments, before any array is allocated; with
-    `device_memory_bytes`, refuse a step that needs more per device (`step_bytes_per_device`). Call inside
-    `use_layout(layout, mesh)`."""
+    `device_memory_bytes`, refuse a step that needs more per device (`step_bytes_per_device`). The step is bound
+    to its placement (`steps.train_step`), so no layout need be active where this is called."""
     graphdef, params, rest = abstract_model_state(model_config, layout, mesh)
     optimizer = make_optimizer(config, params)
     opt_state = jax.tree.map(  # eval_shape places on the abstract mesh (scalars nowhere): the same specs on `mesh`
