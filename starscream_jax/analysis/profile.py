@@ -93,18 +93,13 @@ def _kernel_category(name: str, hlo_op: str, categories: dict[str, str]) -> str:
 def device_kernels(trace: dict) -> list[dict]:
     """The kernel events of the device streams: {"name", "hlo_op", "seconds", "device"} each."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    processes, threads = {}, {}
-    for event in events:
-        if event.get("ph") == "M" and event.get("name") == "process_name":
-            processes[event["pid"]] = event["args"]["name"]
-        if event.get("ph") == "M" and event.get("name") == "thread_name":
-            threads[(event["pid"], event.get("tid"))] = event["args"]["name"]
-    devices = {pid for pid, name in processes.items() if name.startswith("/device:")}
+    names = _thread_names(events)
+    devices = _devices(names)
     kernels = []
     for event in events:
         if event.get("ph") != "X" or event["pid"] not in devices:
             continue
-        if not threads.get((event["pid"], event.get("tid")), "").startswith("Stream"):
+        if not names.get((event["pid"], event.get("tid")), "").startswith("Stream"):
             continue
         args = event.get("args", {})
         kernels.append({"name": event["name"], "hlo_op": str(args.get("hlo_op", "")), "device": event["pid"],
@@ -130,11 +125,10 @@ def host_events(directory: str | Path, top: int = 25) -> list[HostEvent]:
     with gzip.open(latest_trace(directory), "rt") as handle:
         trace = json.load(handle)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    hosts = {event["pid"] for event in events if event.get("ph") == "M" and event.get("name") == "process_name"
-             and not event["args"]["name"].startswith("/device:")}
+    devices = _devices(_thread_names(events))
     by_thread: dict[tuple, list[dict]] = defaultdict(list)
     for event in events:
-        if event.get("ph") == "X" and event["pid"] in hosts:
+        if event.get("ph") == "X" and event["pid"] not in devices:
             by_thread[(event["pid"], event.get("tid"))].append(event)
     count, total, own = defaultdict(int), defaultdict(float), defaultdict(float)
     for thread in by_thread.values():
@@ -152,6 +146,107 @@ def host_events(directory: str | Path, top: int = 25) -> list[HostEvent]:
             stack.append((start + seconds, name))
     ranked = sorted(count, key=lambda name: -own[name])[:top]
     return [HostEvent(name, count[name], total[name] * 1e-6, own[name] * 1e-6) for name in ranked]
+
+
+@dataclasses.dataclass(frozen=True)
+class IdleCause:
+    """What one host thread was doing while the device sat idle: the innermost of its events open then, and the idle
+    seconds it covered (summed over the trace's gaps between device kernels)."""
+    thread: str
+    name: str
+    seconds: float
+
+
+def idle_causes(directory: str | Path, min_gap_s: float = 50e-6, top: int = 20) -> list[IdleCause]:
+    """The `top` (host thread, innermost event) pairs of the newest trace under `directory` by the device-idle time
+    they cover: every gap of at least `min_gap_s` between the device's kernels (all devices' streams merged, within
+    the span from the first kernel to the last), attributed on each host thread to the innermost event open during
+    it ("(no event)" where none was). Read beside `host_events`: a launch that waits, or Python work between a
+    step's tokens and the next launch, shows up here as what held the device idle."""
+    with gzip.open(latest_trace(directory), "rt") as handle:
+        trace = json.load(handle)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = _thread_names(events)
+    devices = _devices(names)
+    busy, by_thread = [], defaultdict(list)
+    for event in events:
+        if event.get("ph") != "X":
+            continue
+        span = (float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0.0)))
+        if event["pid"] in devices:
+            if names.get((event["pid"], event.get("tid")), "").startswith("Stream"):
+                busy.append(span)
+        else:
+            by_thread[(event["pid"], event.get("tid"))].append((*span, event["name"][:160]))
+    gaps = [gap for gap in _gaps(busy) if gap[1] - gap[0] >= min_gap_s * 1e6]
+    covered: dict[tuple[str, str], float] = defaultdict(float)
+    for key, thread_events in by_thread.items():
+        label = names.get(key, f"{key[0]}/{key[1]}")
+        for start, end, name in _overlaps(gaps, _innermost(thread_events)):
+            covered[(label, name)] += end - start
+    ranked = sorted(covered.items(), key=lambda item: -item[1])[:top]
+    return [IdleCause(thread, name, microseconds * 1e-6) for (thread, name), microseconds in ranked]
+
+
+def _thread_names(events) -> dict[tuple, str]:
+    """{(pid, None): process name, (pid, tid): thread name} from a trace's metadata events."""
+    names = {}
+    for event in events:
+        if event.get("ph") == "M" and event.get("name") == "process_name":
+            names[(event["pid"], None)] = event["args"]["name"]
+        if event.get("ph") == "M" and event.get("name") == "thread_name":
+            names[(event["pid"], event.get("tid"))] = event["args"]["name"]
+    return names
+
+
+def _devices(names: dict[tuple, str]) -> set:
+    """The pids of the device processes ("/device:GPU:0", ...) among `_thread_names`."""
+    return {pid for (pid, tid), name in names.items() if tid is None and name.startswith("/device:")}
+
+
+def _gaps(busy: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The holes between the union of the `busy` spans (start, end), within their overall span."""
+    gaps, reached = [], None
+    for start, end in sorted(busy):
+        if reached is not None and start > reached:
+            gaps.append((reached, start))
+        reached = end if reached is None else max(reached, end)
+    return gaps
+
+
+def _innermost(thread_events: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
+    """One thread's (start, end, name) events, nested, cut into disjoint spans each named by the innermost event open
+    in it, "(no event)" between them."""
+    spans, stack, at = [], [], float("-inf")  # stack: (end, name) of the open events
+
+    def advance(to: float) -> None:
+        nonlocal at
+        while at < to:
+            while stack and stack[-1][0] <= at:
+                stack.pop()
+            until = min(to, stack[-1][0]) if stack else to
+            spans.append((at, until, stack[-1][1] if stack else "(no event)"))
+            at = until
+
+    for start, end, name in sorted(thread_events, key=lambda e: (e[0], -e[1])):
+        advance(start)
+        stack.append((end, name))
+    advance(max((end for _, end, _ in thread_events), default=at))
+    return [span for span in spans if span[1] > span[0] and span[0] > float("-inf")]
+
+
+def _overlaps(gaps, spans):
+    """The pieces (start, end, name) of the named `spans` that fall inside the `gaps`, both sorted and disjoint."""
+    pieces, index = [], 0
+    for gap_start, gap_end in gaps:
+        while index < len(spans) and spans[index][1] <= gap_start:
+            index += 1
+        probe = index
+        while probe < len(spans) and spans[probe][0] < gap_end:
+            start, end, name = spans[probe]
+            pieces.append((max(start, gap_start), min(end, gap_end), name))
+            probe += 1
+    return pieces
 
 
 def time_breakdown(directory: str | Path, steps: int, hlo_text: str = "") -> dict:

@@ -144,8 +144,9 @@ def traced_breakdown(step: Callable[[State], tuple[State, Output]], state: State
     """Runs `steps` more steps (as `timed_steps` runs them) under the JAX profiler, the trace written to
     `directory`: (the state after them, their device time per step by category, `analysis.profile.time_breakdown`,
     with "top_host_events": the host's events of all `steps` that took longest by their own time,
-    `analysis.profile.host_events`). Raises StarscreamError when the trace cannot be read (it stays on disk)."""
-    from ..analysis.profile import host_events, time_breakdown
+    `analysis.profile.host_events`, and "idle_causes": what the host threads were doing while the device sat idle,
+    `analysis.profile.idle_causes`). Raises StarscreamError when the trace cannot be read (it stays on disk)."""
+    from ..analysis.profile import host_events, idle_causes, time_breakdown
 
     jax.profiler.start_trace(str(directory), create_perfetto_trace=True)
     output = None
@@ -155,6 +156,7 @@ def traced_breakdown(step: Callable[[State], tuple[State, Output]], state: State
     jax.profiler.stop_trace()
     breakdown = time_breakdown(directory, steps, hlo_text)
     breakdown["top_host_events"] = [dataclasses.asdict(event) for event in host_events(directory, top=20)]
+    breakdown["idle_causes"] = [dataclasses.asdict(cause) for cause in idle_causes(directory, top=20)]
     return state, breakdown
 
 

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from starscream_jax.analysis.profile import CATEGORIES, breakdown_table, hlo_categories, host_events, time_breakdown
+from starscream_jax.analysis.profile import (CATEGORIES, breakdown_table, hlo_categories, host_events, idle_causes,
+                                             time_breakdown)
 from starscream_jax.errors import StarscreamError
 
 HLO = """
@@ -105,3 +106,31 @@ def test_host_events_rank_names_by_their_own_time(tmp_path):
     assert events["engine.py:706 dispatch"].self_seconds == pytest.approx(4e-3)
     assert "loop_fusion_6" not in events
     assert host_events(tmp_path, top=1)[0].name == "GraphUpdate"
+
+
+def test_idle_device_time_is_laid_at_the_innermost_host_event_open_then(tmp_path):
+    # the device runs kernels at 0-100, 300-400 and 1000-1100 us (two streams, one kernel each time): idle 100-300
+    # and 400-1000. The engine thread's step holds a launch (350-950) holding a graph update (500-600); another
+    # thread waits 0-150.
+    path = tmp_path / "plugins" / "profile" / "run" / "perfetto_trace.json.gz"
+    path.parent.mkdir(parents=True)
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+            {"ph": "M", "pid": 1, "tid": 1, "name": "thread_name", "args": {"name": "engine"}},
+            {"ph": "M", "pid": 1, "tid": 2, "name": "thread_name", "args": {"name": "waiter"}},
+            {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 2, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7(Compute)"}},
+            {"ph": "M", "pid": 2, "tid": 8, "name": "thread_name", "args": {"name": "Stream #8(Copy)"}},
+            {"ph": "M", "pid": 2, "tid": 9, "name": "thread_name", "args": {"name": "XLA Ops"}}]
+    kernels = [{"ph": "X", "pid": 2, "tid": tid, "ts": ts, "dur": 100.0, "name": "k"}
+               for tid, ts in ((7, 0), (8, 300), (7, 1000))]
+    summary = [{"ph": "X", "pid": 2, "tid": 9, "ts": 0, "dur": 1100.0, "name": "op"}]  # not a stream: not busy
+    host = [{"ph": "X", "pid": 1, "tid": 1, "ts": 0, "dur": 1200.0, "name": "step"},
+            {"ph": "X", "pid": 1, "tid": 1, "ts": 350, "dur": 600.0, "name": "launch"},
+            {"ph": "X", "pid": 1, "tid": 1, "ts": 500, "dur": 100.0, "name": "update"},
+            {"ph": "X", "pid": 1, "tid": 2, "ts": 0, "dur": 150.0, "name": "wait"}]
+    with gzip.open(path, "wt") as handle:
+        json.dump({"traceEvents": meta + kernels + summary + host}, handle)
+    causes = [(cause.thread, cause.name, round(cause.seconds * 1e6)) for cause in idle_causes(tmp_path)]
+    assert causes == [("engine", "launch", 450), ("engine", "step", 250), ("engine", "update", 100),
+                      ("waiter", "wait", 50)]
+    assert [cause.name for cause in idle_causes(tmp_path, min_gap_s=300e-6)] == ["launch", "update", "step"]
