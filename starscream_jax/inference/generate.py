@@ -9,6 +9,7 @@ once, after prefill. Sampling is greedy or top-p (nucleus); the random draw of p
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from ..model.decoder import decode_holds_cache_per_layer
 from ..model.dense_cache import cache_shardings, split_cache
 from ..model.layer_weights import split_layer_weights
 from ..model.quantize import held_as_read
-from ..sharding.apply import Placement, batch_sharding, param_shardings, placed, token_sharding
+from ..sharding.apply import Placement, batch_sharding, param_shardings, token_sharding
 from ..sharding.layouts import PHASE_DEFAULTS, Layout, fit_batch, positions_multiple
 from ..training.steps import Sampling, decode_step, prefill_step
 
@@ -81,10 +82,10 @@ def generate(model, prompt_BP, max_new_tokens: int, sampling: Sampling = Samplin
     def placement(layout) -> Placement | None:
         return Placement.of(layout, mesh) if mesh is not None else None
 
-    def phase(layout):
-        return placed(placement(layout))
-
-    with phase(prefill_layout):
+    # the compiled steps are bound to their phase's placement; the host's own operations on placed arrays (the
+    # cache's split, the stop test, the tokens' stack) need only JAX's mesh, no layout
+    on_mesh = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+    with on_mesh:
         if mesh is not None:
             params = place_params(params, prefill_layout, mesh)
             prompt = jax.device_put(prompt, batch_sharding(prefill_layout, mesh, batch))
@@ -95,8 +96,7 @@ def generate(model, prompt_BP, max_new_tokens: int, sampling: Sampling = Samplin
         token_B.block_until_ready()
         prefill_seconds = time.perf_counter() - started
 
-    with phase(decode_layout):
-        if mesh is not None:
+        if mesh is not None:  # decode: the weights, the cache and the tokens moved to the decode layout's placement
             params = place_params(params, decode_layout, mesh)
             cache = jax.device_put(cache, cache_shardings(config, batch, cache_length, decode_layout, mesh))
             token_B = jax.device_put(token_B, token_sharding(decode_layout, mesh, batch))
