@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import math
 import os
 import time
 import warnings
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +69,6 @@ from .steps import (
     Buckets,
     PackedInputs,
     PromptScores,
-    RowSampling,
     Sampled,
     SamplerFeatures,
     StepInputs,
@@ -97,10 +98,9 @@ class StepTime:
     call_seconds: float
 
 
-@dataclass(frozen=True)
-class _Token:
+class _Token(NamedTuple):
     """A PENDING token: its sequence, its index in the sequence's `generated`, its row in the step's outputs, and
-    "length" when it is the sequence's last whatever its value."""
+    "length" when it is the sequence's last whatever its value. (A tuple: one is made per row of every step.)"""
 
     sequence: Sequence
     index: int
@@ -495,10 +495,10 @@ class Engine:
         """How many samplers are compiled (`steps.sample_step`: one per bucket of rows and combination of passes)."""
         return len(self._samplers)
 
-    @property
+    @functools.cached_property
     def context(self) -> int:
         """The most positions a sequence may reach: the max model length, or less where the largest page bucket
-        holds fewer."""
+        holds fewer (both fixed at construction; read for every row a step launches)."""
         return min(self.max_model_len, self.buckets.pages[-1] * self.config.page_size)
 
     def info(self) -> EngineInfo:
@@ -802,7 +802,9 @@ class Engine:
             self.channel.stop()
 
     def _inputs(self, phase: str, chunks: list[Chunk]) -> tuple[StepInputs, list[int]]:
-        """The padded step inputs for `chunks` (host arrays) and the row each chunk runs in."""
+        """The padded step inputs for `chunks` (host arrays) and the row each chunk runs in. Per row the host writes
+        its tokens, positions and block table; the rows' other fields are gathered into lists and written a column
+        at a time (a step of 256 decode rows would otherwise set each of some twenty fields row by row)."""
         by_shard = [[chunk for chunk in chunks if chunk.sequence.shard == shard] for shard in range(self.shards)]
         rows = Buckets.round_up(max(len(group) for group in by_shard), self.buckets.rows_of(phase), "rows per shard")
         width = 1 if phase == "decode" else Buckets.round_up(max(c.count for c in chunks), self.buckets.positions,
@@ -810,30 +812,35 @@ class Engine:
         pages = Buckets.round_up(max(len(c.sequence.pages) for c in chunks), self.buckets.pages_of(phase),
                                  "pages per row")
         inputs = StepInputs.zeros(rows * self.shards, width, pages, phase == "scored")
-        sampling = inputs.sampling
-        row_of, masked = {}, []
-        for shard, group in enumerate(by_shard):
-            for offset, chunk in enumerate(group):
-                row, sequence = shard * rows + offset, chunk.sequence
-                row_of[id(chunk)] = row
+        placed = [(shard * rows + offset, chunk) for shard, group in enumerate(by_shard)
+                  for offset, chunk in enumerate(group)]
+        settings, lasts, slots, masked_rows, masked = [], [], [], [], []
+        for row, chunk in placed:
+            sequence, last = chunk.sequence, chunk.last
+            if phase == "decode":
+                inputs.tokens[row, 0], inputs.positions[row, 0] = sequence.last_token, chunk.start
+            else:
                 inputs.tokens[row, :chunk.count] = sequence.token_slice(chunk.start, chunk.start + chunk.count)
                 inputs.positions[row, :chunk.count] = np.arange(chunk.start, chunk.start + chunk.count)
-                inputs.table[row, :len(sequence.pages)] = sequence.pages
-                inputs.last[row] = chunk.count - 1
-                inputs.slot[row] = sequence.slot if chunk.last else -1
-                span = _scored_span(chunk) if phase == "scored" else None
-                if span is not None:
-                    inputs.following[row, span.start - chunk.start:span.stop - chunk.start] = \
-                        sequence.prompt[span.start + 1:span.stop + 1]
-                params = sequence.params
-                sampling.temperature[row], sampling.top_p[row], sampling.top_k[row] = \
-                    params.temperature, params.top_p, params.top_k
-                sampling.seed[row] = sequence.seed
-                taken = self._slot_settings(sampling, row, sequence)
-                sampling.masked[row] = chunk.last and (sequence.guide is not None or bool(params.allowed_token_ids))
-                if sequence.guide is not None and chunk.last or taken and params.allowed_token_ids:
-                    masked.append(sequence)
+            inputs.table[row, :len(sequence.pages)] = sequence.pages
+            span = _scored_span(chunk) if phase == "scored" else None
+            if span is not None:
+                inputs.following[row, span.start - chunk.start:span.stop - chunk.start] = \
+                    sequence.prompt[span.start + 1:span.stop + 1]
+            params = sequence.params
+            settings.append(_row_settings(sequence))
+            lasts.append(chunk.count - 1)
+            slots.append(sequence.slot if last else -1)
+            taken = self._take_slot(sequence)
+            masked_rows.append(last and (sequence.guide is not None or bool(params.allowed_token_ids)))
+            if sequence.guide is not None and last or taken and params.allowed_token_ids:
+                masked.append(sequence)
+        at = [row for row, _ in placed]
+        for name, column in zip(ROW_SETTINGS, zip(*settings)):
+            getattr(inputs.sampling, name)[at] = column
+        inputs.last[at], inputs.slot[at], inputs.sampling.masked[at] = lasts, slots, masked_rows
         self._write_allowed(masked)
+        row_of = {id(chunk): row for row, chunk in placed}  # (placed by shard; the caller's order is the chunks')
         return inputs, [row_of[id(chunk)] for chunk in chunks]
 
     def _write_allowed(self, sequences: list[Sequence]) -> None:
@@ -867,18 +874,11 @@ class Engine:
                             for array in (slots, masks))
         self._slot_state = self._write(self.slot_state, slots, masks)
 
-    def _slot_settings(self, sampling: RowSampling, row: int, sequence: Sequence) -> bool:
-        """Row `row`'s min_p, penalties, min_tokens, logit bias, bad words and top_logprobs; the sequence's slot
-        state written first when it has just taken its slot and reads it (`sampling.SlotReset`: its prompt's ids,
-        its generated tokens' counts and newest tokens, its bias, stop ids and bad words), in order on the device
-        before this step. Returns whether it has just taken its slot."""
+    def _take_slot(self, sequence: Sequence) -> bool:
+        """Whether `sequence` has just taken its slot; its slot state written first when it has and it reads it
+        (`sampling.SlotReset`: its prompt's ids, its generated tokens' counts and newest tokens, its bias, stop ids
+        and bad words), in order on the device before this step."""
         params, key = sequence.params, (sequence.shard, sequence.slot)
-        sampling.min_p[row], sampling.top_logprobs[row] = params.min_p, params.top_logprobs
-        sampling.presence[row], sampling.frequency[row], sampling.repetition[row] = \
-            params.presence_penalty, params.frequency_penalty, params.repetition_penalty
-        sampling.min_position[row] = len(sequence.prompt) + params.min_tokens if params.min_tokens else 0
-        sampling.biased[row] = bool(params.logit_bias)
-        sampling.banning[row] = bool(params.bad_words)
         if self._slot_holders.get(key) is sequence:
             return False
         self._slot_holders[key] = sequence
@@ -914,6 +914,22 @@ class Engine:
     def _abstract_inputs(self, rows: int, width: int, pages: int, scored: bool) -> PackedInputs:
         """Shape, type and placement of the packed step inputs of one bucket, for compiling before any request."""
         return PackedInputs.abstract(rows, width, pages, self._row_sharding(), scored)
+
+
+ROW_SETTINGS = ("temperature", "top_p", "top_k", "seed", "min_p", "top_logprobs", "presence", "frequency",
+                "repetition", "min_position", "biased", "banning")
+"""The `steps.RowSampling` fields a row takes from its sequence alone, in `_row_settings`' order."""
+
+
+def _row_settings(sequence: Sequence) -> tuple:
+    """A sequence's row settings, ROW_SETTINGS in order: its sampling parameters, its seed, the position below which
+    its stop ids are masked (its prompt's length plus min_tokens; 0: off), whether it has a logit bias and bad
+    words."""
+    params = sequence.params
+    return (params.temperature, params.top_p, params.top_k, sequence.seed, params.min_p, params.top_logprobs,
+            params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
+            len(sequence.prompt) + params.min_tokens if params.min_tokens else 0, bool(params.logit_bias),
+            bool(params.bad_words))
 
 
 def _sampler_key(phase: str, rows: int, width: int, features: SamplerFeatures) -> tuple:

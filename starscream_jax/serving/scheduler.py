@@ -243,6 +243,11 @@ class Sequence:
         """len(tokens), without building them."""
         return len(self.prompt) + len(self.generated)
 
+    @property
+    def last_token(self) -> int:
+        """tokens[-1]: its newest generated token (PENDING while still on the device), else its prompt's last."""
+        return self.generated[-1] if self.generated else self.prompt[-1]
+
     def token_slice(self, start: int, stop: int) -> list[int]:
         """tokens[start:stop], without building them all."""
         cut = len(self.prompt)
