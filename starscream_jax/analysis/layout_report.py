@@ -32,7 +32,9 @@ import functools
 import hashlib
 import json
 import math
+import uuid
 from pathlib import Path
+
 import jax
 import numpy as np
 from flax import nnx
@@ -163,9 +165,12 @@ class ResultCache:
         return from_json(LayoutResult, json.loads(path.read_text())) if path.is_file() else None
 
     def put(self, settings: Settings, topology, mesh, layout: str, result: LayoutResult) -> None:
+        """Writes the result whole or not at all: into a temporary file of this writer's own, then renamed over the
+        entry, so that writers of the same entry at once (several `plan` processes, a test suite's workers) never
+        write into one file or rename one another's."""
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self._path(settings, topology, mesh, layout)
-        partial = path.with_suffix(".tmp")
+        partial = path.with_name(f"{path.stem}.{uuid.uuid4().hex}.tmp")
         partial.write_text(json.dumps(to_json(result)))
         partial.replace(path)
 

@@ -59,6 +59,30 @@ def test_a_result_reads_back_from_its_json_and_the_cache_as_it_was_written(tiny_
     assert compiled["flat_tp"].principles.shape_preservation.violations  # non-empty tuples round trip too
 
 
+def test_two_writers_of_one_entry_at_once_leave_it_whole(tiny_decode, tmp_path, monkeypatch):
+    """A second writer of the same entry runs between the first one's write and its rename (two `plan` processes,
+    or two test workers, sharing a cache): both finish, the entry reads back, no temporary file is left."""
+    import pathlib
+
+    from starscream_jax.analysis.layout_report import ResultCache
+
+    settings, topology, mesh, compiled = tiny_decode
+    cache, result = ResultCache(tmp_path), compiled["starscream_decode"]
+    write_text, interleaved = pathlib.Path.write_text, []
+
+    def write_then_let_another_writer_in(path, text):
+        written = write_text(path, text)
+        if not interleaved:
+            interleaved.append(path)
+            cache.put(settings, topology, mesh, "starscream_decode", result)
+        return written
+
+    monkeypatch.setattr(pathlib.Path, "write_text", write_then_let_another_writer_in)
+    cache.put(settings, topology, mesh, "starscream_decode", result)
+    assert interleaved and cache.get(settings, topology, mesh, "starscream_decode") == result
+    assert [path.suffix for path in tmp_path.iterdir()] == [".json"]
+
+
 def test_a_cached_result_without_principle_1_is_judged_again_when_inspect_asks_for_it(tiny_decode, tmp_path,
                                                                                        monkeypatch):
     """What `plan` keeps (principle 1 skipped: gpu_tp not compiled) serves the next plan as it is, but `inspect`,
