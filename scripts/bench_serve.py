@@ -561,19 +561,18 @@ def device_time(directory: Path, seconds: float) -> dict:
     """Where a traced run's device time went (the trace under `directory`, stopped here): seconds by category
     (`analysis.profile.time_breakdown`, kernels named by their own names: the run's programs are many), their sum,
     the share of the run's `seconds` the device sat idle, the host's events that took longest by their own time
-    (`analysis.profile.host_events`: the engine's Python functions and the runtime's launches), and what each host
-    thread was doing while the device sat idle (`analysis.profile.idle_causes`)."""
+    (the engine's Python functions and the runtime's launches), and what each host thread was doing while the device
+    sat idle (both read from the same trace by `time_breakdown`)."""
     import jax
 
-    from starscream_jax.analysis.profile import host_events, idle_causes, time_breakdown
+    from starscream_jax.analysis.profile import time_breakdown
 
     jax.profiler.stop_trace()
     breakdown = time_breakdown(directory, steps=1)
     busy = sum(breakdown["per_step_s"].values())
     return {"by_category_s": breakdown["per_step_s"], "busy_s": busy, "idle_share": max(0.0, 1.0 - busy / seconds),
             "top_kernels": breakdown["top_kernels"][:12],
-            "top_host_events": [dataclasses.asdict(event) for event in host_events(directory, top=30)],
-            "idle_causes": [dataclasses.asdict(cause) for cause in idle_causes(directory, top=30)],
+            "top_host_events": breakdown["top_host_events"], "idle_causes": breakdown["idle_causes"],
             "trace": breakdown["trace"]}
 
 

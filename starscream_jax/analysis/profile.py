@@ -122,9 +122,10 @@ class HostEvent:
 def host_events(directory: str | Path, top: int = 25) -> list[HostEvent]:
     """The `top` host event names of the newest trace under `directory` by their exclusive time, summed over the
     host processes' threads: where the host's time went while the device ran (or waited for it)."""
-    with gzip.open(latest_trace(directory), "rt") as handle:
-        trace = json.load(handle)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return _host_events(_trace_events(latest_trace(directory)), top)
+
+
+def _host_events(events: list[dict], top: int) -> list[HostEvent]:
     devices = _devices(_thread_names(events))
     by_thread: dict[tuple, list[dict]] = defaultdict(list)
     for event in events:
@@ -163,9 +164,10 @@ def idle_causes(directory: str | Path, min_gap_s: float = 50e-6, top: int = 20) 
     the span from the first kernel to the last), attributed on each host thread to the innermost event open during
     it ("(no event)" where none was). Read beside `host_events`: a launch that waits, or Python work between a
     step's tokens and the next launch, shows up here as what held the device idle."""
-    with gzip.open(latest_trace(directory), "rt") as handle:
-        trace = json.load(handle)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return _idle_causes(_trace_events(latest_trace(directory)), min_gap_s, top)
+
+
+def _idle_causes(events: list[dict], min_gap_s: float, top: int) -> list[IdleCause]:
     names = _thread_names(events)
     devices = _devices(names)
     busy, by_thread = [], defaultdict(list)
@@ -186,6 +188,13 @@ def idle_causes(directory: str | Path, min_gap_s: float = 50e-6, top: int = 20) 
             covered[(label, name)] += end - start
     ranked = sorted(covered.items(), key=lambda item: -item[1])[:top]
     return [IdleCause(thread, name, microseconds * 1e-6) for (thread, name), microseconds in ranked]
+
+
+def _trace_events(path: Path) -> list[dict]:
+    """The events of a perfetto_trace.json.gz (a trace of a whole serving run holds millions: read it once)."""
+    with gzip.open(path, "rt") as handle:
+        trace = json.load(handle)
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
 
 
 def _thread_names(events) -> dict[tuple, str]:
@@ -250,12 +259,15 @@ def _overlaps(gaps, spans):
 
 
 def time_breakdown(directory: str | Path, steps: int, hlo_text: str = "") -> dict:
-    """{"per_step_s": {category: seconds per step per device}, "devices", "steps", "kernels", "top_kernels"} from
-    the newest trace under `directory`, which holds `steps` steps. `hlo_text`: the traced program's compiled text.
-    `top_kernels` lists the 25 kernels that took longest in all (name, HLO instruction, category, seconds per step)."""
+    """{"per_step_s": {category: seconds per step per device}, "devices", "steps", "kernels", "top_kernels",
+    "top_host_events", "idle_causes"} from the newest trace under `directory`, which holds `steps` steps.
+    `hlo_text`: the traced program's compiled text. `top_kernels` lists the 25 kernels that took longest in all
+    (name, HLO instruction, category, seconds per step); `top_host_events` the 25 host event names of most own time
+    over all the steps (`host_events`), `idle_causes` what the host threads were doing while the device sat idle
+    (`idle_causes`), each as a dict."""
     path = latest_trace(directory)
-    with gzip.open(path, "rt") as handle:
-        kernels = device_kernels(json.load(handle))
+    events = _trace_events(path)
+    kernels = device_kernels(events)
     if not kernels:
         raise StarscreamError(f"{path} holds no device kernels (was the step run on a GPU while tracing?)")
     categories = hlo_categories(hlo_text)
@@ -271,7 +283,9 @@ def time_breakdown(directory: str | Path, steps: int, hlo_text: str = "") -> dic
     return {"per_step_s": {category: seconds * scale for category, seconds in totals.items()},
             "devices": devices, "steps": steps, "kernels": len(kernels), "trace": str(path),
             "top_kernels": [{"name": name, "hlo_op": op, "category": category, "per_step_s": seconds * scale}
-                            for (name, op, category), seconds in top]}
+                            for (name, op, category), seconds in top],
+            "top_host_events": [dataclasses.asdict(event) for event in _host_events(events, 25)],
+            "idle_causes": [dataclasses.asdict(cause) for cause in _idle_causes(events, 50e-6, 25)]}
 
 
 def breakdown_table(rows: dict[str, dict]) -> str:

@@ -142,11 +142,10 @@ def alternating_rounds(programs: dict[str, tuple[Callable[..., Any], Sequence[An
 def traced_breakdown(step: Callable[[State], tuple[State, Output]], state: State, *, steps: int, directory: Path,
                      hlo_text: str) -> tuple[State, dict]:
     """Runs `steps` more steps (as `timed_steps` runs them) under the JAX profiler, the trace written to
-    `directory`: (the state after them, their device time per step by category, `analysis.profile.time_breakdown`,
-    with "top_host_events": the host's events of all `steps` that took longest by their own time,
-    `analysis.profile.host_events`, and "idle_causes": what the host threads were doing while the device sat idle,
-    `analysis.profile.idle_causes`). Raises StarscreamError when the trace cannot be read (it stays on disk)."""
-    from ..analysis.profile import host_events, idle_causes, time_breakdown
+    `directory`: (the state after them, their device time per step by category with the host's events and what held
+    the device idle, `analysis.profile.time_breakdown`). Raises StarscreamError when the trace cannot be read (it
+    stays on disk)."""
+    from ..analysis.profile import time_breakdown
 
     jax.profiler.start_trace(str(directory), create_perfetto_trace=True)
     output = None
@@ -154,10 +153,7 @@ def traced_breakdown(step: Callable[[State], tuple[State, Output]], state: State
         state, output = step(state)
     block((state, output))
     jax.profiler.stop_trace()
-    breakdown = time_breakdown(directory, steps, hlo_text)
-    breakdown["top_host_events"] = [dataclasses.asdict(event) for event in host_events(directory, top=20)]
-    breakdown["idle_causes"] = [dataclasses.asdict(cause) for cause in idle_causes(directory, top=20)]
-    return state, breakdown
+    return state, time_breakdown(directory, steps, hlo_text)
 
 
 TORCH_PEERS = REPO_ROOT / "scripts" / "torch_peers.py"
