@@ -262,7 +262,8 @@ def time_breakdown(directory: str | Path, steps: int, hlo_text: str = "") -> dic
     """{"per_step_s": {category: seconds per step per device}, "devices", "steps", "kernels", "top_kernels",
     "top_host_events", "idle_causes"} from the newest trace under `directory`, which holds `steps` steps.
     `hlo_text`: the traced program's compiled text. `top_kernels` lists the 25 kernels that took longest in all
-    (name, HLO instruction, category, seconds per step); `top_host_events` the 25 host event names of most own time
+    (name, HLO instruction, category, seconds and launches per step: XLA runs one kernel for every fusion of the same
+    computation, so a kernel launched once per layer shows it); `top_host_events` the 25 host event names of most own time
     over all the steps (`host_events`), `idle_causes` what the host threads were doing while the device sat idle
     (`idle_causes`), each as a dict."""
     path = latest_trace(directory)
@@ -273,17 +274,19 @@ def time_breakdown(directory: str | Path, steps: int, hlo_text: str = "") -> dic
     categories = hlo_categories(hlo_text)
     devices = len({kernel["device"] for kernel in kernels})
     totals: dict[str, float] = dict.fromkeys(CATEGORIES, 0.0)
-    by_kernel: dict[tuple[str, str, str], float] = defaultdict(float)
+    by_kernel: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0.0, 0])
     for kernel in kernels:
         category = _kernel_category(kernel["name"], kernel["hlo_op"], categories)
         totals[category] += kernel["seconds"]
-        by_kernel[(kernel["name"][:120], kernel["hlo_op"], category)] += kernel["seconds"]
+        kept = by_kernel[(kernel["name"][:120], kernel["hlo_op"], category)]
+        kept[0] += kernel["seconds"]
+        kept[1] += 1
     scale = 1.0 / (steps * devices)
-    top = sorted(by_kernel.items(), key=lambda item: -item[1])[:25]
+    top = sorted(by_kernel.items(), key=lambda item: -item[1][0])[:25]
     return {"per_step_s": {category: seconds * scale for category, seconds in totals.items()},
             "devices": devices, "steps": steps, "kernels": len(kernels), "trace": str(path),
-            "top_kernels": [{"name": name, "hlo_op": op, "category": category, "per_step_s": seconds * scale}
-                            for (name, op, category), seconds in top],
+            "top_kernels": [{"name": name, "hlo_op": op, "category": category, "per_step_s": seconds * scale,
+                             "launches_per_step": launches * scale} for (name, op, category), (seconds, launches) in top],
             "top_host_events": [dataclasses.asdict(event) for event in _host_events(events, 25)],
             "idle_causes": [dataclasses.asdict(cause) for cause in _idle_causes(events, 50e-6, 25)]}
 

@@ -54,14 +54,17 @@ def test_breakdown_sums_stream_kernels_per_step(tmp_path):
                           ("ncclDevKernel_AllReduce_Sum_f32", "all-reduce-start.4", 100.0),
                           ("loop_fusion_5", "command_buffer_3", 60.0),  # inside a CUDA graph: named after its HLO
                           ("loop_fusion_6", "loop_fusion.6", 40.0),
-                          ("nvjet_hsh_64x8_gemm", "", 20.0)])  # no HLO op: named a GEMM, counted as one
+                          ("nvjet_hsh_64x8_gemm", "", 10.0),  # no HLO op: named a GEMM, counted as one
+                          ("nvjet_hsh_64x8_gemm", "", 10.0)])  # the same kernel again: one entry, two launches
     breakdown = time_breakdown(tmp_path, steps=2, hlo_text=HLO)
     seconds = breakdown["per_step_s"]
     assert list(seconds) == list(CATEGORIES)
     expected = {"matmuls": 620e-6, "attention": 300e-6, "collectives": 100e-6, "optimizer": 60e-6, "other": 40e-6}
     assert seconds == pytest.approx({name: value / 2 for name, value in expected.items()})
-    assert breakdown["devices"] == 1 and breakdown["kernels"] == 7
+    assert breakdown["devices"] == 1 and breakdown["kernels"] == 8
     assert breakdown["top_kernels"][0]["name"] == "triton_gemm_kernel"
+    gemm = next(kernel for kernel in breakdown["top_kernels"] if kernel["name"] == "nvjet_hsh_64x8_gemm")
+    assert gemm["launches_per_step"] == 1.0 and gemm["per_step_s"] == pytest.approx(10e-6)
     table = breakdown_table({"starscream_tp": breakdown})
     assert "| starscream_tp | 0.3 ms (55%)" in table and "0.6 ms |" in table
 
