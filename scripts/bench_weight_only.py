@@ -132,11 +132,12 @@ LAYER_GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))
 """The projections that share an input, one launch each on the grouped kernel."""
 
 
-LAYER_ALTERNATIVE_BLOCKS = ({"depth": 256}, {"depth": 128, "warps": 8}, {"cols": 256, "depth": 128, "warps": 8},
-                            {"stages": 6})
-"""Tilings of the grouped kernel tried beside its choice (`weight_only_group.blocks_for`) with --layer-alternatives:
-every tiling of the first kernel run moved 8 KB of weights per loop step; these move 16 to 32 KB, or pipeline
-deeper, for the wide projections (gate, up, down: 81% of a layer's bytes) that read at 1.4-1.7 TB/s."""
+LAYER_ALTERNATIVE_BLOCKS = ({"convert": "half"}, {"convert": "half", "stages": 6},
+                            {"convert": "half", "depth": 128, "warps": 8}, {"stages": 6}, {"depth": 128, "warps": 8})
+"""Tilings of the grouped kernel tried beside its choice (`weight_only_group.blocks_for`) with --layer-alternatives.
+Moving 16 KB a loop step or pipelining deeper gave no gain at one row (run 64: 1.26x bf16 at best, int8 reading at
+1.6-1.7 TB/s), so the conversion is the suspect: int8 to bfloat16 takes two conversion instructions a weight, at a
+quarter of the arithmetic rate; "half" converts through float16's bits (`weight_only.Blocks.convert`)."""
 
 
 def grouped_blocks(rows: int, fields: dict):

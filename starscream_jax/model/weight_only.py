@@ -19,6 +19,14 @@ tensor-core dot where M is padded to at least 16 rows, or, for 1-4 rows, as a br
 depth (no 16-row tensor-core minimum, no wasted rows). The scale multiplies the accumulator in the epilogue
 (scale commutes with the sum over K). With several splits (too few column blocks to fill the GPU, e.g. k and v
 at N = 1024) each split writes its float32 partial [M, cols] and one small XLA pass adds them and casts.
+
+Conversion (`Blocks.convert`): "cast" converts each tile to x's dtype as the compiler lowers `astype` (int8 to
+bfloat16 goes through float32: two conversion instructions per weight, which run at a quarter of the arithmetic
+rate on NVIDIA's SMs and may bound the kernel below the HBM rate); "half" computes in float16: x is rescaled per
+row by a power of two into float16's range and cast (`half_inputs`: exact for every value within 2^29 of its row's
+largest), int8 becomes float16 through its bits (1024 + (w + 128) as float16's bits, less 1152: integer operations
+and one packed subtraction, `widened`), e4m3 through the hardware's paired float8-to-float16 conversion, and the
+row factors are undone on the output (powers of two: exact).
 """
 from __future__ import annotations
 
@@ -54,17 +62,21 @@ class Blocks:
     reduce: str = "dot"
     warps: int = 4
     stages: int = 4
+    convert: str = "cast"
 
     def __post_init__(self):
         wrong = [f"{name} = {value!r}" for name, value in (("cols", self.cols), ("depth", self.depth))
                  if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1)]
         if self.reduce not in ("auto", "dot", "sum"):
             wrong.append(f"reduce = {self.reduce!r}")
+        if self.convert not in ("cast", "half"):
+            wrong.append(f"convert = {self.convert!r}")
         if not (isinstance(self.splits, int) and 0 <= self.splits <= MAX_SPLITS):
             wrong.append(f"splits = {self.splits!r}")
         if wrong:
             raise StarscreamError(f"weight-only matmul Blocks {', '.join(wrong)}: cols and depth are powers of two "
-                                  f"of at least 16, reduce one of auto, dot, sum, splits 0..{MAX_SPLITS}")
+                                  f"of at least 16, reduce one of auto, dot, sum, convert cast or half, "
+                                  f"splits 0..{MAX_SPLITS}")
 
 
 DEFAULT_BLOCKS = Blocks()
@@ -144,6 +156,43 @@ def split_count(rows: int, depth: int, col_blocks: int, depth_steps: int, given:
     return splits
 
 
+def half_inputs(x_PK: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(x [P, K] times 2^(15 - e) per row, e the exponent of the row's largest magnitude (below 2^e), in float16;
+    the inverse factors [P, 1] float32). Every value within 2^29 of its row's largest keeps all its bits (a bfloat16
+    value has fewer than float16's); smaller ones, whose products are below the output's rounding, lose bits or
+    become zero."""
+    x_PK = x_PK.astype(jnp.float32)
+    _, exponent_P1 = jnp.frexp(jnp.max(jnp.abs(x_PK), axis=1, keepdims=True))
+    factor_P1 = jnp.ldexp(jnp.ones_like(exponent_P1, jnp.float32), 15 - exponent_P1)
+    return (x_PK * factor_P1).astype(jnp.float16), 1.0 / factor_P1
+
+
+def widened(w: jax.Array, dtype) -> jax.Array:
+    """An 8-bit tile as `dtype` (exact): int8 into float16 through its bits (`w + 128` under float16's exponent of
+    1024, less 1152), anything else by `astype`."""
+    if jnp.dtype(dtype) == jnp.float16 and w.dtype == jnp.int8:
+        biased = jax.lax.bitcast_convert_type(w, jnp.uint8) ^ jnp.uint8(0x80)
+        bits = biased.astype(jnp.uint16) | jnp.uint16(0x6400)
+        return jax.lax.bitcast_convert_type(bits, jnp.float16) - jnp.float16(1152)
+    return w.astype(dtype)
+
+
+def kernel_inputs(x_MK: jax.Array, padded: int, convert: str) -> tuple[jax.Array, jax.Array | None]:
+    """(x padded with rows of zeros to `padded` rows, in float16 by `half_inputs` where `convert` is "half"; the
+    row factors to undo on the output, or None)."""
+    x_PK = jnp.pad(x_MK, ((0, padded - x_MK.shape[0]), (0, 0))) if padded != x_MK.shape[0] else x_MK
+    return half_inputs(x_PK) if convert == "half" else (x_PK, None)
+
+
+def finished(out_SPN: jax.Array, inverse_P1: jax.Array | None, rows: int, dtype) -> jax.Array:
+    """The kernel's output [splits, P or 1, N] -> [rows, N] in `dtype`: the splits' partials summed, the row
+    factors of a "half" call undone."""
+    out_PN = jnp.sum(out_SPN, axis=0) if out_SPN.shape[0] > 1 else out_SPN[0]
+    if inverse_P1 is not None:
+        out_PN = out_PN * inverse_P1[:out_PN.shape[0]]
+    return out_PN[:rows].astype(dtype)
+
+
 def _kernel_call(x_MK, w_KN, scale_N, blocks: Blocks, interpret: bool) -> jax.Array:
     rows, depth = x_MK.shape
     cols = w_KN.shape[1]
@@ -153,9 +202,8 @@ def _kernel_call(x_MK, w_KN, scale_N, blocks: Blocks, interpret: bool) -> jax.Ar
     col_blocks, depth_steps = cols // col_block, depth // depth_block
     out_rows = 1 if rows == 1 else padded  # one row: the padded rows' zeros summed away in the kernel
     splits = split_count(out_rows, depth, col_blocks, depth_steps, blocks.splits)
-    x_PK = jnp.pad(x_MK, ((0, padded - rows), (0, 0))) if padded != rows else x_MK
-    partial = splits > 1
-    out_dtype = jnp.float32 if partial else x_MK.dtype
+    x_PK, inverse_P1 = kernel_inputs(x_MK, padded, blocks.convert)
+    out_dtype = jnp.float32 if splits > 1 else x_MK.dtype
     kernel = functools.partial(_kernel, col_block=col_block, depth_block=depth_block,
                                steps=depth_steps // splits, use_dot=use_dot, collapse=out_rows < padded)
     params = None if interpret else plgpu.CompilerParams(num_warps=blocks.warps, num_stages=blocks.stages)
@@ -163,8 +211,7 @@ def _kernel_call(x_MK, w_KN, scale_N, blocks: Blocks, interpret: bool) -> jax.Ar
                              out_shape=kernel_out_shape((splits, out_rows, cols), out_dtype, x_PK, w_KN, scale_N),
                              grid=(col_blocks, splits), interpret=interpret, compiler_params=params,
                              name="weight_only_matmul")(x_PK, w_KN, scale_N.reshape(1, cols))
-    out_PN = jnp.sum(out_SPN, axis=0).astype(x_MK.dtype) if partial else out_SPN[0]
-    return out_PN[:rows]
+    return finished(out_SPN, inverse_P1, rows, x_MK.dtype)
 
 
 def kernel_out_shape(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
@@ -190,7 +237,7 @@ def _kernel(x_ref, w_ref, scale_ref, out_ref, *, col_block, depth_block, steps, 
 def column_block_product(x_ref, w_ref, scale_ref, cols, split, *, col_block, depth_block, steps, use_dot,
                          collapse) -> jax.Array:
     """Inside a kernel: x [P, the `steps` x `depth_block` rows of K of split `split`] times W's columns `cols`
-    [.., col_block] converted to x's dtype, float32 accumulation (a tensor-core dot where `use_dot`, else
+    [.., col_block] converted to x's dtype (`widened`), float32 accumulation (a tensor-core dot where `use_dot`, else
     products summed on the CUDA cores), times the columns' scales: [P, col_block] float32, or [1, col_block] with
     `collapse` (one real row and P - 1 rows of zeros, summed into the one row: partials of one row, not of P)."""
     first = split * steps
@@ -198,7 +245,7 @@ def column_block_product(x_ref, w_ref, scale_ref, cols, split, *, col_block, dep
     def step(index, acc_PC):
         depth = pl.ds(pl.multiple_of((first + index) * depth_block, depth_block), depth_block)
         x_PD = x_ref[:, depth]
-        w_DC = w_ref[depth, cols].astype(x_PD.dtype)
+        w_DC = widened(w_ref[depth, cols], x_PD.dtype)
         if use_dot:
             return acc_PC + jax.lax.dot_general(x_PD, w_DC, (((1,), (0,)), ((), ())),
                                                 preferred_element_type=jnp.float32)

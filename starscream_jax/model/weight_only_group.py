@@ -12,8 +12,8 @@ Each weight is read in place, as stored (no concatenated copy is held or made): 
 arrays and their G scale arrays as separate operands. The grid is (column blocks of all weights together, splits
 of K); program (b, s) finds the weight whose blocks contain b from static offsets (`pl.when` per weight), streams
 its [K / splits, cols] part in steps of `depth` rows, converts each 8-bit tile to x's dtype in registers (exact:
-int8 and e4m3 values are bf16 values), accumulates in float32 (a tensor-core dot on rows padded to 16, or, for 1-4
-rows, a multiply and a sum), and multiplies by the weight's scales in the epilogue. All weights write into one
+int8 and e4m3 values are bf16 values; or to float16, `Blocks.convert`), accumulates in float32 (a tensor-core
+dot on rows padded to 16, or, for 1-4 rows, a multiply and a sum), and multiplies by the weight's scales in the epilogue. All weights write into one
 output [splits, rows, N_0 + .. + N_{G-1}] (column block b at columns b * cols), so that the splits' float32
 partials are summed and cast by one XLA reduction for the whole group, and each projection is a slice of it that
 XLA fuses into its consumer (rope, the cache write, SwiGLU). One block size for the whole group: the columns a
@@ -37,6 +37,8 @@ from .weight_only import (
     MAX_ROWS,
     Blocks,
     column_block_product,
+    finished,
+    kernel_inputs,
     kernel_out_shape,
     padded_rows,
     power_of_two_block,
@@ -119,7 +121,7 @@ def _grouped_call(x_MK, values: list[jax.Array], scales: list[jax.Array], blocks
     out_rows = 1 if rows == 1 else padded  # one row: the padded rows' zeros summed away in the kernel
     widths = [w.shape[1] for w in values]
     col_block, depth_block, starts, splits = group_grid(out_rows, depth, widths, blocks)
-    x_PK = jnp.pad(x_MK, ((0, padded - rows), (0, 0))) if padded != rows else x_MK
+    x_PK, inverse_P1 = kernel_inputs(x_MK, padded, blocks.convert)
     out_dtype = jnp.float32 if splits > 1 else x_MK.dtype
     kernel = functools.partial(_kernel, starts=tuple(starts), col_block=col_block, depth_block=depth_block,
                                steps=depth // depth_block // splits, use_dot=use_dot, collapse=out_rows < padded)
@@ -128,8 +130,7 @@ def _grouped_call(x_MK, values: list[jax.Array], scales: list[jax.Array], blocks
     out_SPT = pl.pallas_call(kernel, out_shape=kernel_out_shape((splits, out_rows, sum(widths)), out_dtype, *operands),
                              grid=(starts[-1], splits), interpret=interpret, compiler_params=params,
                              name="weight_only_group")(*operands)
-    out_PT = jnp.sum(out_SPT, axis=0).astype(x_MK.dtype) if splits > 1 else out_SPT[0]
-    return out_PT[:rows]
+    return finished(out_SPT, inverse_P1, rows, x_MK.dtype)
 
 
 def _kernel(x_ref, *refs, starts, col_block, depth_block, steps, use_dot, collapse):

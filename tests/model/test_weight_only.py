@@ -7,8 +7,8 @@ import pytest
 
 from starscream_jax.errors import StarscreamError
 from starscream_jax.model.quantize import quantize
-from starscream_jax.model.weight_only import (MAX_ROWS, TARGET_PROGRAMS, Blocks, applies, padded_rows, reference,
-                                              split_count, weight_only_matmul)
+from starscream_jax.model.weight_only import (MAX_ROWS, TARGET_PROGRAMS, Blocks, applies, half_inputs, padded_rows,
+                                              reference, split_count, weight_only_matmul, widened)
 
 SMALL = Blocks(cols=32, depth=32)
 """Blocks for the test's small shapes: several column blocks and loop steps per program."""
@@ -29,12 +29,14 @@ def dequantized_product(x, values, scale) -> np.ndarray:
 
 
 @pytest.mark.parametrize("format_name", ["int8", "float8_e4m3fn"])
-@pytest.mark.parametrize("rows, reduce", [(1, "dot"), (1, "sum"), (3, "auto"), (16, "dot"), (40, "dot")])
-def test_the_kernel_gives_the_dequantized_product(format_name, rows, reduce):
-    """Interpreted, for decode's row counts (padded to the kernel's), each reduction form: within bfloat16's
-    rounding of the output of the float64 dequantized product, and equal to the float32 reference."""
+@pytest.mark.parametrize("rows, reduce, convert", [(1, "dot", "cast"), (1, "sum", "cast"), (3, "auto", "cast"),
+                                                   (16, "dot", "cast"), (40, "dot", "cast"), (1, "dot", "half"),
+                                                   (3, "sum", "half"), (40, "dot", "half")])
+def test_the_kernel_gives_the_dequantized_product(format_name, rows, reduce, convert):
+    """Interpreted, for decode's row counts (padded to the kernel's), each reduction form and conversion: within
+    bfloat16's rounding of the output of the float64 dequantized product, and equal to the float32 reference."""
     x, values, scale = operands(rows, 256, 96, format_name)
-    got = weight_only_matmul(x, values, scale, "interpret", Blocks(cols=32, depth=32, reduce=reduce))
+    got = weight_only_matmul(x, values, scale, "interpret", Blocks(cols=32, depth=32, reduce=reduce, convert=convert))
     assert got.shape == (rows, 96) and got.dtype == jnp.bfloat16
     expected = dequantized_product(x, values, scale)
     np.testing.assert_allclose(np.asarray(got, np.float64), expected, rtol=1e-2, atol=1e-2 * np.abs(expected).max())
@@ -61,6 +63,31 @@ def test_one_row_writes_partials_of_one_row_not_of_the_padded_sixteen():
     assert "f32[8,1,64]" in jaxpr and "f32[8,16,64]" not in jaxpr
     np.testing.assert_allclose(np.asarray(weight_only_matmul(x, values, scale, "interpret", blocks), np.float32),
                                np.asarray(reference(x, values, scale), np.float32), rtol=1e-2, atol=1e-6)
+
+
+def test_int8_through_float16_bits_is_exact():
+    every = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8)
+    np.testing.assert_array_equal(np.asarray(widened(every, jnp.float16), np.float32), np.arange(-128, 128))
+
+
+def test_half_inputs_rescale_each_row_exactly_into_float16():
+    """Rows of very different magnitudes (1e6 would overflow float16; 1e-6 would be a subnormal) keep every bit
+    of their bfloat16 values, and the factors undo the scaling."""
+    x = jnp.asarray([[1e6, -3e5, 7.0, 0.0], [1e-6, -2e-6, 5e-7, 1e-7], [0.0] * 4], jnp.bfloat16)
+    half, inverse = half_inputs(x)
+    assert half.dtype == jnp.float16 and inverse.shape == (3, 1)
+    assert np.all(np.abs(np.asarray(half, np.float32)) < 2.0 ** 15)
+    np.testing.assert_array_equal(np.asarray(half, np.float32) * np.asarray(inverse), np.asarray(x, np.float32))
+
+
+@pytest.mark.parametrize("format_name", ["int8", "float8_e4m3fn"])
+def test_half_conversion_keeps_rows_of_any_magnitude(format_name):
+    """Activations of 1e5 (beyond float16's range unscaled) give the product the cast path gives."""
+    x, values, scale = operands(2, 256, 64, format_name, seed=5)
+    x = x * jnp.asarray([[1e5], [1e-5]], x.dtype)
+    got = weight_only_matmul(x, values, scale, "interpret", Blocks(cols=32, depth=32, convert="half"))
+    cast = weight_only_matmul(x, values, scale, "interpret", Blocks(cols=32, depth=32))
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(cast, np.float32), rtol=2e-2)
 
 
 def test_one_scale_for_the_tensor_scales_every_channel():

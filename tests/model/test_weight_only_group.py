@@ -1,5 +1,7 @@
 """model/weight_only_group.py: several 8-bit projections of one input in one launch (the Pallas kernel interpreted
 on CPU, lowered for CUDA without a GPU, compiled on one) against each weight's dequantized product."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,10 +52,11 @@ def test_q_k_v_in_one_launch_give_each_weights_dequantized_product(format_name, 
 
 
 @pytest.mark.parametrize("splits", [1, 2, 8])
-def test_splits_of_k_add_up_for_every_weight_of_the_group(splits):
+@pytest.mark.parametrize("convert", ["cast", "half"])
+def test_splits_of_k_add_up_for_every_weight_of_the_group(splits, convert):
     x, weights = group(2, 256, (64, 64), "int8", seed=1)
-    assert_products(grouped_weight_only_matmul(x, weights, "interpret", Blocks(cols=32, depth=32, splits=splits)),
-                    x, weights)
+    blocks = Blocks(cols=32, depth=32, splits=splits, convert=convert)
+    assert_products(grouped_weight_only_matmul(x, weights, "interpret", blocks), x, weights)
 
 
 def test_one_launch_for_the_group_and_no_copy_of_the_weights():
@@ -101,14 +104,16 @@ def test_what_the_group_takes_and_refuses():
     assert_products(xla, x, weights)
 
 
-@pytest.mark.parametrize("rows", [1, 64])
-def test_the_kernel_lowers_for_cuda_without_a_gpu(rows):
-    """Pallas' Triton lowering accepts the kernel (per-weight branches, the joint output) for Llama 3 8B's q, k, v,
-    lowered for CUDA from this machine: one Triton call in the program."""
+@pytest.mark.parametrize("rows, convert, format_name", [(1, "cast", "int8"), (64, "cast", "int8"),
+                                                      (1, "half", "int8"), (1, "half", "float8_e4m3fn")])
+def test_the_kernel_lowers_for_cuda_without_a_gpu(rows, convert, format_name):
+    """Pallas' Triton lowering accepts the kernel (per-weight branches, the joint output, each conversion) for
+    Llama 3 8B's q, k, v, lowered for CUDA from this machine: one Triton call in the program."""
     x = jax.ShapeDtypeStruct((rows, 4096), jnp.bfloat16)
-    weights = [(jax.ShapeDtypeStruct((4096, width), jnp.int8), jax.ShapeDtypeStruct((width,), jnp.float32))
+    weights = [(jax.ShapeDtypeStruct((4096, width), format_name), jax.ShapeDtypeStruct((width,), jnp.float32))
                for width in (4096, 1024, 1024)]
-    lowered = jax.jit(lambda x, w: grouped_weight_only_matmul(x, w, "pallas")).trace(x, weights).lower(
+    blocks = dataclasses.replace(blocks_for(rows), convert=convert)
+    lowered = jax.jit(lambda x, w: grouped_weight_only_matmul(x, w, "pallas", blocks)).trace(x, weights).lower(
         lowering_platforms=("cuda",))
     assert lowered.as_text().count("xla.gpu.triton") == 1
 
