@@ -202,14 +202,14 @@ def _cached_attention(q_BSHE, cache_k_BTKE, cache_v_BTKE, positions_BS):
     """Attention of the queries at `positions` [B, S] to a cache [B, T, K, E] of one layer: each query sees the
     cached positions up to its own. Decode (S = 1): the positions a query sees are a prefix of the cache, given as
     `key_value_seq_lengths` [B] (position + 1), which cuDNN's fused kernel takes on NVIDIA GPUs (reading the cache
-    with its strides, no transpose, no [B, H, 1, T] mask; `fused_attention`). Prefill into a cache (S > 1): XLA's
-    form with an explicit [B, 1, S, T] mask."""
+    with its strides, no transpose, no [B, H, 1, T] mask; `fused_attention`). Prefill into a cache (S > 1): an
+    explicit [B, 1, S, T] mask, which cuDNN takes as a bias (`fused_attention`)."""
     k_BTKE, v_BTKE = cache_k_BTKE.astype(q_BSHE.dtype), cache_v_BTKE.astype(q_BSHE.dtype)
     if q_BSHE.shape[1] == 1:
         return fused_attention(q_BSHE, k_BTKE, v_BTKE, key_value_seq_lengths=positions_BS[:, 0] + 1)
     key_positions = jnp.arange(cache_k_BTKE.shape[1])
     mask = key_positions[None, None, None, :] <= positions_BS[:, None, :, None]
-    return jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, mask=mask)
+    return fused_attention(q_BSHE, k_BTKE, v_BTKE, mask=mask)
 
 
 def _sequence_split_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, seq_axes: tuple[str, ...],

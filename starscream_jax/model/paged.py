@@ -194,7 +194,9 @@ def _write(pages_PAKE, new_BSKE, positions_BS, table_BM):
 def _gathered_attention(q_BSHE, pools, positions_BS, table_BM, q_axes, kv_axes, group,
                         options: AttentionOptions | None = None, window=None):
     """Each row's pages gathered into [B, M * page_size, K, E]; a query sees the positions up to its own. Decode
-    (S = 1) passes the visible length to `fused_attention` (cuDNN on NVIDIA GPUs), prefill chunks a mask. An
+    (S = 1) passes the visible length to `fused_attention` (cuDNN on NVIDIA GPUs), prefill chunks a mask (cuDNN takes
+it as a bias; JAX's default, XLA's form, wrote [B, K, G, S, T] float32 scores and took 0.48 s of workload A's 5.85,
+benchmarks/NOTES.md run 65). An
     8-bit cache's pages are gathered in their format with their scales [B, M * page_size, K] and attended as the
     dense 8-bit cache is (`ops.attention_over_8_bit_cache`: the scales on the scores and the probabilities), so
     the gathered copy is of 8-bit values, not of dequantized floats. With `options`, `ops.explicit_attention`
@@ -211,7 +213,7 @@ def _gathered_attention(q_BSHE, pools, positions_BS, table_BM, q_axes, kv_axes, 
     if q_BSHE.shape[1] == 1:
         return fused_attention(q_BSHE, keys_BTKE, values_BTKE, key_value_seq_lengths=seen_BS[:, 0] + 1)
     mask = jnp.arange(keys_BTKE.shape[1])[None, None, None, :] <= seen_BS[:, None, :, None]
-    return jax.nn.dot_product_attention(q_BSHE, keys_BTKE, values_BTKE, mask=mask)
+    return fused_attention(q_BSHE, keys_BTKE, values_BTKE, mask=mask)
 
 
 def _gathered_rows(pool_PAK, table_BM, local_heads: int, group: int, q_axes, kv_axes) -> jax.Array:
