@@ -12,7 +12,9 @@ The steps, each a process of its own so that each has the GPU's memory to itself
   1. the model directory: --model-dir, or one of random weights in --model's shape (`benchmarks.random_model`);
   2. the engine in process (`--engine-only`, a child): the engine `starscream serve` would build from the same
      flags (`cli.serve.build_engine`: capacity from memory, every program compiled), driven step by step by a loop
-     that submits each request at its arrival; the roofline's read rate is measured there;
+     that submits each request at its arrival; the roofline's read rate is measured there; with
+     `--static-generate BATCH`, then the library's static `generate` over the same prompts, BATCH rows at a time,
+     on the engine's weights (what continuous batching is measured against);
   3. `--http`: `starscream serve` on the directory (its start-up time to /health recorded, the compilation cache
      warm from step 2), the load streamed over HTTP from here, then /metrics' TTFT beside the client's;
   4. `--transformers`: transformers' continuous batching (`generate_batch`) on the same shape, in a child.
@@ -397,6 +399,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="also run each workload in process with penalties, a logit bias and top logprobs")
     parser.add_argument("--http", action="store_true", help="also through `starscream serve` in its own process")
     parser.add_argument("--transformers", action="store_true", help="also transformers' continuous batching (GPU)")
+    parser.add_argument("--static-generate", type=int, default=0, metavar="BATCH",
+                        help="also the library's static `generate` over each workload's prompts, BATCH rows at a "
+                             "time, in the engine's process on its weights (equal prompt and output lengths)")
     parser.add_argument("--chip", default="h200", help="measured figures of the roofline (meshes/measured)")
     parser.add_argument("--fake-engine", type=float, metavar="STEP_MS", help="measure the server alone (CPU)")
     parser.add_argument("--streams", type=int, default=256, help="--fake-engine: concurrent streams")
@@ -441,6 +446,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.model, args.layers, args.chunk, args.max_num_batched_tokens = "tiny", 2, 16, 48
         args.max_num_seqs, args.http, args.sampling_settings = 4, True, True
+        args.static_generate = args.static_generate or 4
         args.fake_engine = args.fake_engine or 20.0
         args.streams = min(args.streams, 16)
     if args.engine_only:
@@ -553,8 +559,35 @@ def engine_only(args, argv) -> int:
                 row["device_time"] = device_time(traced, figures["seconds"])
             result["runs"].append(row)
             print(row_line(workload, "in_process", label, row), flush=True)
+        if args.static_generate:
+            static = static_generate(engine, prompts, outputs, warm[0], args.static_generate)
+            result.setdefault("static_generate", []).append({"workload": dataclasses.asdict(workload), **static})
+            print(f"{workload.name} static generate: {json.dumps(static)}", flush=True)
     harness.write_json(args.engine_only, result)
     return 0
+
+
+def static_generate(engine, prompts, outputs, warm_prompts, batch: int) -> dict:
+    """The library's static `generate` (prefill, then decode of the whole batch to the end) over `prompts`, `batch`
+    rows at a time, on the engine's own weights and mesh, greedy as the engine's runs: its output tokens/s once a
+    batch of `warm_prompts` of each size has compiled its programs. Needs prompts of one length, outputs of one
+    length, and 16-bit weights (the engine holds 8-bit ones per layer, `split_layer_weights`)."""
+    from flax import nnx
+
+    from starscream_jax.inference.generate import generate
+
+    if len({len(p) for p in prompts}) > 1 or len(set(outputs)) > 1:
+        return {"skipped": "the prompts or outputs differ in length; a static batch takes one of each"}
+    if engine.model_config.weight_format:
+        return {"skipped": f"{engine.model_config.weight_format} weights are held per layer by the engine"}
+    model = nnx.merge(engine.graphdef, engine.params, engine.rest)
+    chunks = [np.asarray(prompts[start:start + batch]) for start in range(0, len(prompts), batch)]
+    for rows in sorted({len(chunk) for chunk in chunks}):
+        generate(model, np.asarray(warm_prompts[:rows]), outputs[0], mesh=engine.mesh)
+    started = time.perf_counter()
+    produced = sum(generate(model, chunk, outputs[0], mesh=engine.mesh).tokens.size for chunk in chunks)
+    seconds = time.perf_counter() - started
+    return {"batch": batch, "seconds": seconds, "output_tokens_per_s": produced / seconds}
 
 
 def device_time(directory: Path, seconds: float) -> dict:
@@ -653,7 +686,8 @@ def front_end(args) -> dict:
 
 def ratios(result: dict) -> dict:
     """Output tokens/s of the server over the engine in process, and over transformers, per workload; of the
-    engine with --sampling-settings over without."""
+    engine in process over the static `generate` (--static-generate); of the engine with --sampling-settings over
+    without."""
     engine = {row["workload"]["name"]: row["output_tokens_per_s"] for row in result.get("runs", ())
               if row["prefix_caching"] and not row.get("sampling_settings")}
     out = {f"{row['workload']['name']}_with_sampling_settings_over_without":
@@ -662,6 +696,10 @@ def ratios(result: dict) -> dict:
     for row in result.get("http", {}).get("runs", ()):
         name = row["workload"]["name"]
         out[f"{name}_http_over_in_process"] = row["output_tokens_per_s"] / engine[name]
+    for row in result.get("static_generate", ()):
+        name = row["workload"]["name"]
+        if "output_tokens_per_s" in row:
+            out[f"{name}_in_process_over_static_generate"] = engine[name] / row["output_tokens_per_s"]
     for row in result.get("transformers", ()):
         peer = row["transformers"].get("output_tokens_per_s")
         name = row["workload"]["name"]
