@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec
 
 from ..errors import ShardingRuleError
 from ..hardware.axes import dim_axes, spec_axes
-from ..sharding.apply import activation_spec, active, constrain, weight_spec
+from ..sharding.apply import activation_spec, constrain, current, weight_spec
 from ..sharding.collectives import hierarchical_all_gather, hierarchical_psum
 from .config import ModelConfig
 from .grouped_matmul import default_implementation, grouped_matmul
@@ -210,7 +210,7 @@ def routed_mlp(c: ModelConfig, h_BSD: jax.Array, w: RoutedMlpWeights) -> tuple[j
     `w`: one layer's router [D, X] and expert weights w_gate / w_up [X, D, F], w_down [X, F, D] as stored (8-bit
     ones with their scales, dequantized to the compute dtype here: the grouped matmul reads one dtype)."""
     w = _in_compute_dtype(c, w)
-    if active() is None:
+    if not current().placed:
         return _per_device(c, _Placement(), h_BSD, w)
     h_BSD = constrain(h_BSD, RESIDUAL, "moe input")
     token_spec = activation_spec(RESIDUAL, h_BSD.shape, "moe input")

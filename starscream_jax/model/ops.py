@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec
 from ..errors import ShardingRuleError
 from ..hardware.axes import axes_of, dim_axes, spec_axes
 from ..hardware.backend import policy_of
-from ..sharding.apply import activation_spec, active, compute_device, placed_as, weight, weight_spec
+from ..sharding.apply import activation_spec, compute_device, current, placed_as, weight, weight_spec
 from ..sharding.collectives import hierarchical_all_gather, hierarchical_psum
 from ..sharding.rules import LogicalNames
 from .names import ATTN_KV, ATTN_Q, CACHE, CACHE_SCALE, LOGITS, POSITIONS, RESIDUAL, TOKENS
@@ -86,7 +86,7 @@ def run_sharded(local_fn, args, names: list[LogicalNames | None], outs: list[tup
     (None = a replicated scalar); `outs` the (logical names, global shape) of each result; `specs` hands the local
     function each argument's PartitionSpec so it knows which axes shard which dimension. `check_vma=False` for a
     local function whose kernels (Pallas) do not say how their outputs vary over the mesh axes."""
-    if active() is None:
+    if not current().placed:
         result = local_fn(*args, specs=[PartitionSpec()] * len(args))
         return result
     specs = [PartitionSpec() if n is None else activation_spec(n, a.shape, tensor) for a, n in zip(args, names)]
@@ -250,7 +250,7 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: DenseLayer | None = N
     """
     n_heads, n_kv = q_BSHE.shape[2], k_BSKE.shape[2]
     group = n_heads // n_kv
-    current = active()
+    placement = current()
 
     def local(q, k, v, pos, *rest, specs):
         q_axes, kv_axes, seq_axes = dim_axes(specs[0], 2), dim_axes(specs[1], 2), dim_axes(specs[0], 1)
@@ -276,12 +276,12 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: DenseLayer | None = N
             return attention_over_8_bit_cache(q, *selected, pos)
         return _cached_attention(q, *selected, pos)
 
-    if current is not None:
-        q_spec = activation_spec(ATTN_Q, q_BSHE.shape)
-        kv_spec = activation_spec(ATTN_KV, k_BSKE.shape)
-        _check_head_split(n_heads, n_kv, axes_of(q_spec[2]), axes_of(kv_spec[2]), dict(current.mesh.shape))
+    if placement.placed:
+        q_spec = placement.activation_spec(ATTN_Q, q_BSHE.shape)
+        kv_spec = placement.activation_spec(ATTN_KV, k_BSKE.shape)
+        _check_head_split(n_heads, n_kv, axes_of(q_spec[2]), axes_of(kv_spec[2]), dict(placement.mesh.shape))
         if cache is not None:
-            _check_cache_split(q_spec, activation_spec(CACHE, cache.k.shape), current.layout.name)
+            _check_cache_split(q_spec, placement.activation_spec(CACHE, cache.k.shape), placement.layout.name)
     args = [q_BSHE, k_BSKE, v_BSKE, positions_BS]
     names = [ATTN_Q, ATTN_KV, ATTN_KV, POSITIONS]
     if cache is not None:
@@ -353,8 +353,7 @@ def embed_lookup(table_VD, tokens_BS, out: LogicalNames = RESIDUAL):
     (`create_sharded`; its D split inside the GPU) or as used (`weight`): one stored otherwise than the layout uses
     it is first taken as `weight(table, ("vocab", "embed"))` does, gathered inside the GPU, its gradient summed back
     into the stored shards. Explicit and Auto mesh axes alike."""
-    current = active()
-    if current is None:
+    if not current().placed:
         return jnp.take(table_VD, tokens_BS, axis=0)
     out_spec = activation_spec(out, (*tokens_BS.shape, table_VD.shape[1]), "embedding")
     table_VD, table_spec = _table_at_use(table_VD, axes_of(out_spec[2]))
@@ -380,7 +379,7 @@ def _table_at_use(table_VD, embed_axes: tuple[str, ...]):
     over the token axes, see `sharding.weight`), through `weight` first when its D is placed otherwise than the
     residual stream's; on Auto axes always through `weight`, placed as the layout's weights rules say."""
     names = ("vocab", "embed")
-    if active().auto:
+    if current().auto:
         used = weight(table_VD, names, tensor="embedding table")
         return used, weight_spec(names, table_VD.shape, "embedding table")
     spec = jax.typeof(table_VD).sharding.spec

@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from ..hardware.backend import policy_of
-from ..sharding.apply import active, compute_device, constrain, einsum, placed_as, weight
+from ..sharding.apply import compute_device, constrain, current, einsum, placed_as, weight
 from .config import ModelConfig
 from .quantize import Fp8Weight, Scaled, fp8_einsum, fp8_weight, tensor_scale
 from .weight_only import applies as weight_only_applies
@@ -136,10 +136,10 @@ def _weight_only(x: jax.Array, projections: list[tuple[str, Scaled, tuple[str, .
         return tuple(y.reshape(B, S, *shape) for y, shape in zip(outs, shapes))
 
     arrays = [t for _, w, _ in projections for t in (w.values, w.scale)]
-    if active() is None:
+    if not current().placed:
         return list(local(x, *arrays))
     whole = PartitionSpec()
-    outs = jax.shard_map(local, mesh=active().mesh, in_specs=(whole,) * (1 + len(arrays)),
+    outs = jax.shard_map(local, mesh=current().mesh, in_specs=(whole,) * (1 + len(arrays)),
                          out_specs=(whole,) * len(projections))(*(placed_as(t, whole) for t in (x, *arrays)))
     return [constrain(y, out, f"{scope} output") for y, (_, _, out) in zip(outs, projections)]
 

@@ -1,9 +1,12 @@
-"""Applying a layout: the active layout, the activation helper, weights at use, and sharded parameter creation.
+"""Applying a layout: the placement (a layout on a mesh) and its helpers, weights at use, and sharded parameter
+creation.
 
 Parameters carry their logical names as the `logical_axes` metadata of an `nnx.Param`; activations pass through
 `constrain(x, names)`; matmuls go through `einsum(..., out=names)` so a contraction over a sharded dimension says
 where its result lives (all-reduce, or reduce-scatter when `out` shards another dimension over the reduced axis).
-Outside `use_layout(...)` every helper is the identity, so the same model runs unsharded.
+Each helper is a method of `Placement`; the module-level functions of the same names apply the placement code is
+traced under (`current()`: the one `use_layout`, or a `Jitted` bound to a placement, makes active; `UNPLACED`
+outside, where every helper is the identity, so the same model runs unsharded).
 """
 from __future__ import annotations
 
@@ -33,31 +36,46 @@ FLAX_METADATA = "out_sharding"
 
 @dataclass(frozen=True)
 class Placement:
-    """A layout on a mesh: where every array of a traced program goes. Hashable, as part of jit's cache key."""
+    """A layout on a mesh: where every array of a traced program goes, and the helpers that place them while the
+    program is traced (each an identity for `UNPLACED`, the placement of code run with no layout). Hashable, as
+    part of jit's cache key. Model code reaches the placement it is traced under through the module-level helpers
+    below (`constrain`, `weight`, `einsum`, ...), which ask `current()`."""
 
-    layout: Layout
-    mesh: jax.sharding.Mesh
+    layout: Layout | None
+    mesh: jax.sharding.Mesh | None
+
+    @property
+    def placed(self) -> bool:
+        """Whether this places anything (False for `UNPLACED`)."""
+        return self.layout is not None
 
     @property
     def auto(self) -> bool:
         """Whether the mesh's axes are Auto: arrays carry no placement in their types and XLA's sharding
         propagation places everything between the constraints (the helpers then constrain, never reshard)."""
-        return is_auto(self.mesh)
+        return self.placed and is_auto(self.mesh)
+
+    @property
+    def device(self):
+        """The device a program traced under this placement compiles for: its mesh's first, else JAX's default."""
+        return self.mesh.devices.flat[0] if self.placed else jax.devices()[0]
 
     @classmethod
     def of(cls, layout: Layout | str, mesh) -> Placement:
         """The placement of `layout` (a Layout or a layout's name) on `mesh`."""
         return cls(get_layout(layout), mesh)
 
-    def activation_spec(self, names: LogicalNames, shape, tensor: str = "activation") -> PartitionSpec:
-        """The PartitionSpec this layout gives an activation of logical `names` and `shape` on this mesh. A batch
-        the layout's batch axes do not divide is refused with how to call `fit_batch`, which gives the layout
-        that places it (the commands call it themselves; a layout given here is taken as given)."""
+    def activation_spec(self, names: LogicalNames, shape, tensor: str = "activation") -> PartitionSpec | None:
+        """The PartitionSpec this layout gives an activation of logical `names` and `shape` on this mesh (None
+        unplaced). A batch the layout's batch axes do not divide is refused with how to call `fit_batch`, which
+        gives the layout that places it (the commands call it themselves; a layout given here is taken as given)."""
+        if not self.placed:
+            return None
         try:
             return resolve(names, tuple(shape), self.layout.activations, self.mesh, tensor,
                            f"activation rules of {self.layout.name}")
         except ShardingRuleError as err:
-            fix = _fit_batch_fix(self, names, shape)
+            fix = self._fit_batch_fix(names, shape)
             if not fix:
                 raise
             raise ShardingRuleError(f"{err}; {fix}") from err
@@ -67,6 +85,233 @@ class Placement:
         lives, asked of this placement rather than of the active one."""
         return NamedSharding(self.mesh, self.activation_spec(names, shape, tensor))
 
+    def _fit_batch_fix(self, names: LogicalNames, shape) -> str:
+        """How to place a batch dimension of `shape` that the layout's batch axes do not divide (`fit_batch`), or
+        "" where every batch dimension divides."""
+        for name, size in zip(names, shape):
+            axes = self.layout.activations.lookup(name)[1] if name in ("batch", "attn_batch") else ()
+            if axes and size % math.prod(self.mesh.shape[axis] for axis in axes):
+                layout = repr(self.layout.name) if self.layout.name in LAYOUTS else "layout"
+                return (f"or fit the layout to a batch of {size}, as the starscream commands do: "
+                        f"use_layout(fit_batch({layout}, mesh, batch={size}, positions=P), mesh), P the tokens per "
+                        "sequence (1 in decode; None in a prefill, whose prompt is padded to the parts); fit_batch "
+                        "is starscream_jax.fit_batch (docs/any_batch.md)")
+        return ""
+
+    def constrain(self, x: jax.Array, names: LogicalNames, tensor: str = "activation") -> jax.Array:
+        """Reshards activation `x` to this layout's placement of its logical `names` (identity unplaced)."""
+        spec = self.activation_spec(names, x.shape, tensor)
+        return x if spec is None else self.placed_as(x, spec)
+
+    def placed_as(self, x: jax.Array, spec: PartitionSpec) -> jax.Array:
+        """`x` placed by `spec` on this mesh: resharded on Explicit axes, a sharding constraint on Auto axes."""
+        if self.auto:
+            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+        return reshard(x, spec)
+
+    def weight_spec(self, names: LogicalNames, shape, tensor: str = "weight") -> PartitionSpec:
+        """The PartitionSpec the layout's `weights` rules give a weight of `shape` as a matmul uses it."""
+        return resolve(names, tuple(shape), self.layout.weights, self.mesh, tensor,
+                       f"weight rules of {self.layout.name}")
+
+    def weight(self, value: jax.Array, names: LogicalNames, dtype=None, tensor: str = "weight",
+               summed_over: frozenset[str] | None = None) -> jax.Array:
+        """A weight as a matmul uses it: cast to `dtype` first (fewer bytes to move), then resharded from its stored
+        placement to the layout's `weights` rules (an all-gather inside the GPU under starscream_tp).
+
+        Its gradient is a sum over the mesh axes that split the tokens (the layout's `batch` and `seq` axes). When
+        those split the tokens both inside GPUs (xcd) and across them (data), the sum runs in two stages: a
+        reduce-scatter inside each GPU into the stored placement, then an all-reduce of that shard (1/xcd of the
+        bytes) across GPUs, where XLA would run one all-reduce over both levels at once. Otherwise XLA's one
+        reduction stays on one level. `summed_over` replaces the token axes where the gradient also sums over other
+        axes (a per-head scale applied to heads split over GPUs).
+        """
+        if dtype is not None:
+            value = value.astype(dtype)
+        move = self._move(value, names, tensor, summed_over)
+        if move.mesh is None and not move.summed_over:
+            return value if move.use is None else reshard(value, move.use)
+        return _at_use(value, move)
+
+    def read_at_use(self, value: jax.Array, names: LogicalNames, tensor: str = "weight") -> jax.Array:
+        """`weight(value, names)` for a parameter read by code that never calls `weight` (Flax's own layers,
+        through `at_use.ParamAtUse`). On Auto axes, where the gradient's sum over the token axes the weight at use
+        does not split stays on one level (inside GPUs, or across them), it is first placed as the weight is used,
+        then as stored: a lookup's gradient (the scatter-add of `nnx.Embed`'s gather, tokens over `xcd`, the
+        table's vocabulary over `gpu`) is then summed inside each GPU, where XLA, asked for the stored placement
+        straight away, moved rows between partitions of different GPUs (a flat collective-permute). Where that sum
+        spans both levels (starscream_fsdp's tokens over `gpu` and `xcd`) the sum whole would be one flat
+        all-reduce, so the gradient goes straight to its stored placement, as `weight` sends it."""
+        move = self._move(value, names, tensor, None)
+        if move.mesh is None:
+            return self.weight(value, names, tensor=tensor)
+        summed = self._token_axes() - spec_axes(move.use)
+        return _at_use(value, dataclasses.replace(move, via_use=not _inside_and_across_gpus(summed, move.mesh)))
+
+    def encoded_weight(self, value: jax.Array, names: LogicalNames, dtype, tensor: str,
+                       encode: Callable[[jax.Array], tuple[jax.Array, jax.Array]]
+                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """A weight as a matmul that reads its encoded form uses it (fp8 training's `quantize.fp8_einsum`):
+        `encode`d where it is stored (value in `dtype` -> its values and a replicated scale), then (the encoded
+        values at use, moved in that form and typed as `weight` types its result; the scale; the weight at use in
+        `dtype` as `weight` returns it, the anchor through which the matmul's weight gradient returns to the stored
+        weight, summed as `weight` sums it). Neither the values nor the scale carry a gradient, and the anchor's
+        value is never read, so XLA computes no float copy of the weight at use."""
+        value = value.astype(dtype)
+        move = self._move(value, names, tensor, None)
+        values, scale = encode(jax.lax.stop_gradient(value))
+        return move.typed(move.placed(values)), scale, _at_use(value, move)
+
+    def _move(self, value: jax.Array, names: LogicalNames, tensor: str, summed_over: frozenset[str] | None) -> _Move:
+        """The way of a stored weight `value` to its use under this layout (see `weight`)."""
+        if not self.placed:
+            return _Move()
+        spec = self.weight_spec(names, value.shape, tensor)
+        if self.auto:
+            stored = resolve(names, value.shape, self.layout.params, self.mesh, tensor,
+                             f"param rules of {self.layout.name}")
+            return _Move(use=spec, stored=stored, mesh=self.mesh)
+        summed_over = (self._token_axes() if summed_over is None else summed_over) - spec_axes(spec)
+        if not _inside_and_across_gpus(summed_over, self.mesh):
+            summed_over = frozenset()
+        return _Move(use=spec, stored=jax.typeof(value).sharding.spec, summed_over=summed_over)
+
+    def _token_axes(self) -> frozenset[str]:
+        """The mesh axes that split the tokens (batch or sequence) under this layout."""
+        return frozenset(axis for name in ("batch", "seq") for axis in self.layout.activations.lookup(name)[1])
+
+    def amax(self, x: jax.Array) -> jax.Array:
+        """max |x| over the whole logical array x, a float32 scalar on every device. Under an Explicit layout each
+        device takes its shard's maximum and the maxima are reduced over every mesh axis that splits x, one axis at
+        a time, inside the GPU first (`hierarchical_psum`), so no reduction spans both levels (XLA drops those over
+        an axis of one device, which the shard's type still varies over); on Auto axes XLA places the reduction."""
+        def local(shard):
+            return jnp.max(jnp.abs(shard)).astype(jnp.float32)
+
+        if not self.placed or self.auto:
+            return local(x)
+        spec = jax.typeof(x).sharding.spec
+        axes = tuple(spec_axes(spec))
+        if not axes:
+            return local(x)
+        return jax.shard_map(lambda shard: hierarchical_psum(local(shard), axes, jax.lax.pmax), in_specs=(spec,),
+                             out_specs=PartitionSpec())(x)
+
+    def shared_input(self, x: jax.Array, used_by: list[jax.Array]) -> jax.Array:
+        """`x` as the common input of several matmuls with the weights `used_by` (as `weight` returned them),
+        marked so that its gradient is summed over the mesh once, not once per matmul.
+
+        When every weight splits an output dimension (heads, mlp) over mesh axes that `x` is replicated on, each
+        matmul's input gradient is a partial sum over those axes. Typed `reduced` there, `x` receives them
+        unreduced; autodiff adds them locally and one all-reduce (or reduce-scatter) sums the total, where XLA would
+        reduce each matmul's gradient on its own (q, k and v: three times the bytes). Identity unplaced, where the
+        weights do not all split the same axes (kv heads fewer than the partitions the query heads are split over),
+        and on Auto axes (XLA's propagation chooses the reductions there)."""
+        if not self.placed or self.auto:
+            return x
+        spec = jax.typeof(x).sharding.spec
+        split = {spec_axes(jax.typeof(w).sharding.spec) - spec_axes(spec) for w in used_by}
+        if len(split) != 1 or not (axes := split.pop()):
+            return x
+        return _summed_once(x, spec, axes)
+
+    def scale(self, x: jax.Array, value: jax.Array, names: LogicalNames, tensor: str = "scale") -> jax.Array:
+        """x [..., *value.shape] times the weight `value` (a norm scale [D], or [N, E]), the weight used as `weight`
+        places it, its gradient summed over the mesh axes that split x's leading dimensions. A weight typed
+        `reduced` is taken only by dot_general, so it multiplies through an einsum, which XLA compiles back into an
+        elementwise multiply."""
+        if self.auto:
+            return x * self.weight(value, names, tensor=tensor)
+        leading = jax.typeof(x).sharding.spec[:x.ndim - value.ndim] if self.placed else ()
+        used = self.weight(value, names, tensor=tensor,
+                           summed_over=frozenset(a for entry in leading for a in axes_of(entry)))
+        if not jax.typeof(used).sharding.spec.reduced:
+            return x * used
+        letters = "abcdefgh"[:value.ndim]
+        return jnp.einsum(f"...{letters},{letters}->...{letters}", x, used, precision=jax.lax.Precision.HIGHEST)
+
+    def token_mean(self, x: jax.Array, names: LogicalNames, tensor: str = "token mean") -> jax.Array:
+        """The mean of `x` [B, ...], a value per token placed by the logical `names` (batch first).
+
+        When the tokens (batch, and any other dimension such as the sequence) are split both inside GPUs and across
+        them, the sum runs inside each GPU first (the per-sequence means, summed over xcd where the sequence is
+        split there, then gathered over xcd where the batch is), then across GPUs; `jnp.mean` would reduce in groups
+        that span both levels.
+        """
+        spec = self.activation_spec(names, x.shape, tensor)
+        if spec is None or self.auto or not _inside_and_across_gpus(spec_axes(spec), self.mesh):
+            return jnp.mean(x)
+        per_sequence = jnp.mean(x, axis=tuple(range(1, x.ndim)))
+        across_gpus = tuple(axis for axis in axes_of(spec[0]) if axis != INSIDE_GPU)
+        return jnp.mean(reshard(per_sequence, PartitionSpec(across_gpus)))
+
+    def einsum(self, subscripts: str, lhs: jax.Array, rhs: jax.Array, out: LogicalNames, tensor: str = "einsum",
+               preferred_element_type=None) -> jax.Array:
+        """`jnp.einsum` (explicit "...->..." form) whose result is placed by the layout's rule for the logical
+        names `out`: a contraction over a sharded dimension all-reduces, or reduce-scatters when `out` shards
+        another dimension over the reduced axis. `preferred_element_type`: the result's dtype (that of 8-bit
+        operands' GEMMs).
+
+        A reduce-scatter whose result is copied over some mesh axis (kv heads fewer than the GPUs: the k and v
+        projections' results are whole on every GPU) is written as the product summed in place, then scattered
+        (`_scattered_axes`): left to choose, XLA splits such a product's rows over the idle axis and sends each
+        block to its owner by collective-permutes between partitions of different GPUs at different partition
+        indices (flat)."""
+        inputs, result = subscripts.replace(" ", "").split("->")
+        sizes = {}
+        for letters, operand in zip(inputs.split(","), (lhs, rhs)):
+            sizes.update(zip(letters, operand.shape))
+        shape = tuple(sizes[letter] for letter in result)
+        spec = self.activation_spec(out, shape, tensor)
+        if spec is not None and self.auto:
+            return self.placed_as(jnp.einsum(subscripts, lhs, rhs, preferred_element_type=preferred_element_type),
+                                  spec)
+        scattered = self._scattered_axes(inputs, result, (lhs, rhs), spec)
+        if not scattered:
+            return jnp.einsum(subscripts, lhs, rhs, out_sharding=spec, preferred_element_type=preferred_element_type)
+        kept = [tuple(axis for axis in axes_of(entry) if axis not in scattered) for entry in spec.partitions]
+        summed = PartitionSpec(*(axes or None for axes in kept), unreduced=scattered)
+        return reshard(jnp.einsum(subscripts, lhs, rhs, out_sharding=summed,
+                                  preferred_element_type=preferred_element_type), spec)
+
+    def _scattered_axes(self, inputs: str, result: str, operands, spec: PartitionSpec | None) -> frozenset[str]:
+        """The mesh axes an einsum (`inputs` -> `result` letters) reduce-scatters over: those that split a
+        contracted dimension of both operands and a dimension of the result `spec`; empty unless the result is also
+        whole over some other mesh axis of more than one device (the case `einsum` writes out), or an operand is
+        typed reduced."""
+        if spec is None:
+            return frozenset()
+        contracted = set(inputs.replace(",", "")) - set(result)
+        split = []
+        for letters, operand in zip(inputs.split(","), operands):
+            operand_spec = jax.typeof(operand).sharding.spec
+            if operand_spec.reduced or operand_spec.unreduced:
+                return frozenset()
+            entries = (*operand_spec.partitions, *(None,) * (len(letters) - len(operand_spec.partitions)))
+            split.append({axis for letter, entry in zip(letters, entries) if letter in contracted
+                          for axis in axes_of(entry)})
+        copied = [axis for axis in self.mesh.axis_names if self.mesh.shape[axis] > 1 and axis not in spec_axes(spec)]
+        return frozenset(split[0] & split[1] & spec_axes(spec)) if copied else frozenset()
+
+    def transposed_einsum(self, subscripts: str, lhs: jax.Array, rhs: jax.Array, like: jax.Array,
+                          scale: jax.Array, dtype) -> jax.Array:
+        """`jnp.einsum(subscripts, lhs, rhs)` in `dtype`, times the replicated scalar `scale`: the gradient of an
+        operand of another matmul (a hand-written transpose: fp8 training's `quantize.fp8_einsum`), placed as
+        `like` (an array typed as that operand) and unreduced over the axes `like` is typed reduced over, as
+        autodiff's own transpose leaves that gradient (a split contraction otherwise sums here). Placed by XLA on
+        Auto axes and unplaced."""
+        if not self.placed or self.auto:
+            return jnp.einsum(subscripts, lhs, rhs, preferred_element_type=dtype) * scale.astype(dtype)
+        spec = jax.typeof(like).sharding.spec
+        product = jnp.einsum(subscripts, lhs, rhs, preferred_element_type=dtype,
+                             out_sharding=spec.update(reduced=frozenset(), unreduced=spec.reduced))
+        if spec.reduced:  # an unreduced product scales by a scalar typed reduced over the same axes
+            scale = reshard(scale, PartitionSpec(reduced=spec.reduced))
+        return product * scale.astype(dtype)
+
+
+UNPLACED = Placement(None, None)
+"""The placement of code traced with no layout: every helper is the identity."""
 
 _ACTIVE = jax.make_user_context(None)
 """The active Placement (None outside `use_layout`): a JAX user context, so its value is part of the cache key of
@@ -153,6 +398,11 @@ def active() -> Placement | None:
     return _ACTIVE.value
 
 
+def current() -> Placement:
+    """The placement code traced now is placed by: the active one, or `UNPLACED` outside `use_layout`."""
+    return _ACTIVE.value or UNPLACED
+
+
 def placed_explicitly(x: jax.Array) -> bool:
     """Whether `x`'s type carries its placement: traced on a mesh whose axes are Explicit (False outside a mesh and
     on Auto axes, where XLA's propagation places it). Read from the array, not from the active layout."""
@@ -161,117 +411,78 @@ def placed_explicitly(x: jax.Array) -> bool:
 
 
 def compute_device():
-    """The device a traced computation compiles for: the first of the active layout's mesh, else JAX's default."""
-    current = active()
-    return current.mesh.devices.flat[0] if current is not None else jax.devices()[0]
+    """The device a traced computation compiles for (`Placement.device` of `current()`)."""
+    return current().device
 
 
 def activation_spec(names: LogicalNames, shape, tensor: str = "activation") -> PartitionSpec | None:
     """The PartitionSpec the active layout gives an activation (`Placement.activation_spec`), or None outside
     `use_layout`: the form traced model code reads."""
-    current = active()
-    return None if current is None else current.activation_spec(names, shape, tensor)
-
-
-def _fit_batch_fix(current: Placement, names: LogicalNames, shape) -> str:
-    """How to place a batch dimension of `shape` that the active layout's batch axes do not divide (`fit_batch`),
-    or "" where every batch dimension divides."""
-    for name, size in zip(names, shape):
-        axes = current.layout.activations.lookup(name)[1] if name in ("batch", "attn_batch") else ()
-        if axes and size % math.prod(current.mesh.shape[axis] for axis in axes):
-            layout = repr(current.layout.name) if current.layout.name in LAYOUTS else "layout"
-            return (f"or fit the layout to a batch of {size}, as the starscream commands do: "
-                    f"use_layout(fit_batch({layout}, mesh, batch={size}, positions=P), mesh), P the tokens per "
-                    "sequence (1 in decode; None in a prefill, whose prompt is padded to the parts); fit_batch is "
-                    "starscream_jax.fit_batch (docs/any_batch.md)")
-    return ""
+    return current().activation_spec(names, shape, tensor)
 
 
 def constrain(x: jax.Array, names: LogicalNames, tensor: str = "activation") -> jax.Array:
-    """Reshards activation `x` to the active layout's placement of its logical `names` (identity when none)."""
-    spec = activation_spec(names, x.shape, tensor)
-    return x if spec is None else placed_as(x, spec)
+    """`Placement.constrain` under `current()`: identity outside `use_layout`."""
+    return current().constrain(x, names, tensor)
 
 
 def placed_as(x: jax.Array, spec: PartitionSpec) -> jax.Array:
-    """`x` placed by `spec` on the active mesh: resharded on Explicit axes, a sharding constraint on Auto axes."""
-    current = active()
-    if current.auto:
-        return jax.lax.with_sharding_constraint(x, NamedSharding(current.mesh, spec))
-    return reshard(x, spec)
+    """`Placement.placed_as` under the active layout."""
+    return current().placed_as(x, spec)
 
 
 def weight_spec(names: LogicalNames, shape, tensor: str = "weight") -> PartitionSpec:
-    """The PartitionSpec the active layout's `weights` rules give a weight of `shape` as a matmul uses it."""
-    current = active()
-    return resolve(names, tuple(shape), current.layout.weights, current.mesh, tensor,
-                   f"weight rules of {current.layout.name}")
+    """`Placement.weight_spec` under the active layout."""
+    return current().weight_spec(names, shape, tensor)
 
 
 def weight(value: jax.Array, names: LogicalNames, dtype=None, tensor: str = "weight",
            summed_over: frozenset[str] | None = None) -> jax.Array:
-    """A weight as a matmul uses it: cast to `dtype` first (fewer bytes to move), then resharded from its stored
-    placement to the layout's `weights` rules (an all-gather inside the GPU under starscream_tp).
-
-    Its gradient is a sum over the mesh axes that split the tokens (the layout's `batch` and `seq` axes). When those
-    split the tokens both inside GPUs (xcd) and across them (data), the sum runs in two stages: a reduce-scatter
-    inside each GPU into the stored placement, then an all-reduce of that shard (1/xcd of the bytes) across GPUs,
-    where XLA would run one all-reduce over both levels at once. Otherwise XLA's one reduction stays on one level.
-    `summed_over` replaces the token axes where the gradient also sums over other axes (a per-head scale applied to
-    heads split over GPUs).
-    """
-    if dtype is not None:
-        value = value.astype(dtype)
-    move = _move(value, names, tensor, summed_over)
-    if move.mesh is None and not move.summed_over:
-        return value if move.use is None else reshard(value, move.use)
-    return _at_use(value, move)
+    """`Placement.weight` under `current()`: a weight as a matmul uses it (only cast outside `use_layout`)."""
+    return current().weight(value, names, dtype, tensor, summed_over)
 
 
 def read_at_use(value: jax.Array, names: LogicalNames, tensor: str = "weight") -> jax.Array:
-    """`weight(value, names)` for a parameter read by code that never calls `weight` (Flax's own layers, through
-    `at_use.ParamAtUse`). On Auto axes, where the gradient's sum over the token axes the weight at use does not split
-    stays on one level (inside GPUs, or across them), it is first placed as the weight is used, then as stored: a
-    lookup's gradient (the scatter-add of `nnx.Embed`'s gather, tokens over `xcd`, the table's vocabulary over `gpu`)
-    is then summed inside each GPU, where XLA, asked for the stored placement straight away, moved rows between
-    partitions of different GPUs (a flat collective-permute). Where that sum spans both levels (starscream_fsdp's
-    tokens over `gpu` and `xcd`) the sum whole would be one flat all-reduce, so the gradient goes straight to its
-    stored placement, as `weight` sends it."""
-    move = _move(value, names, tensor, None)
-    if move.mesh is None:
-        return weight(value, names, tensor=tensor)
-    summed = _token_axes(active()) - spec_axes(move.use)
-    return _at_use(value, dataclasses.replace(move, via_use=not _inside_and_across_gpus(summed, move.mesh)))
+    """`Placement.read_at_use` under `current()`."""
+    return current().read_at_use(value, names, tensor)
 
 
 def encoded_weight(value: jax.Array, names: LogicalNames, dtype, tensor: str,
                    encode: Callable[[jax.Array], tuple[jax.Array, jax.Array]]) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A weight as a matmul that reads its encoded form uses it (fp8 training's `quantize.fp8_einsum`): `encode`d
-    where it is stored (value in `dtype` -> its values and a replicated scale), then (the encoded values at use,
-    moved in that form and typed as `weight` types its result; the scale; the weight at use in `dtype` as `weight`
-    returns it, the anchor through which the matmul's weight gradient returns to the stored weight, summed as
-    `weight` sums it). Neither the values nor the scale carry a gradient, and the anchor's value is never read, so
-    XLA computes no float copy of the weight at use."""
-    value = value.astype(dtype)
-    move = _move(value, names, tensor, None)
-    values, scale = encode(jax.lax.stop_gradient(value))
-    return move.typed(move.placed(values)), scale, _at_use(value, move)
+    """`Placement.encoded_weight` under `current()`."""
+    return current().encoded_weight(value, names, dtype, tensor, encode)
 
 
-def _move(value: jax.Array, names: LogicalNames, tensor: str, summed_over: frozenset[str] | None) -> _Move:
-    """The way of a stored weight `value` to its use under the active layout (see `weight`)."""
-    current = active()
-    if current is None:
-        return _Move()
-    spec = weight_spec(names, value.shape, tensor)
-    if current.auto:
-        stored = resolve(names, value.shape, current.layout.params, current.mesh, tensor,
-                         f"param rules of {current.layout.name}")
-        return _Move(use=spec, stored=stored, mesh=current.mesh)
-    summed_over = (_token_axes(current) if summed_over is None else summed_over) - spec_axes(spec)
-    if not _inside_and_across_gpus(summed_over, current.mesh):
-        summed_over = frozenset()
-    return _Move(use=spec, stored=jax.typeof(value).sharding.spec, summed_over=summed_over)
+def amax(x: jax.Array) -> jax.Array:
+    """`Placement.amax` under `current()`: max |x| over the whole logical array, reduced one level at a time."""
+    return current().amax(x)
+
+
+def shared_input(x: jax.Array, used_by: list[jax.Array]) -> jax.Array:
+    """`Placement.shared_input` under `current()`."""
+    return current().shared_input(x, used_by)
+
+
+def scale(x: jax.Array, value: jax.Array, names: LogicalNames, tensor: str = "scale") -> jax.Array:
+    """`Placement.scale` under `current()`."""
+    return current().scale(x, value, names, tensor)
+
+
+def token_mean(x: jax.Array, names: LogicalNames, tensor: str = "token mean") -> jax.Array:
+    """`Placement.token_mean` under `current()`."""
+    return current().token_mean(x, names, tensor)
+
+
+def einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, out: LogicalNames, tensor: str = "einsum",
+           preferred_element_type=None) -> jax.Array:
+    """`Placement.einsum` under `current()`: the result placed by the layout's rule for `out`."""
+    return current().einsum(subscripts, lhs, rhs, out, tensor, preferred_element_type)
+
+
+def transposed_einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, like: jax.Array, scale: jax.Array,
+                      dtype) -> jax.Array:
+    """`Placement.transposed_einsum` under `current()`."""
+    return current().transposed_einsum(subscripts, lhs, rhs, like, scale, dtype)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -333,53 +544,10 @@ def _at_use_gradient(move, _, gradient):
 _at_use.defvjp(_at_use_forward, _at_use_gradient)
 
 
-def amax(x: jax.Array) -> jax.Array:
-    """max |x| over the whole logical array x, a float32 scalar on every device. Under an Explicit layout each device
-    takes its shard's maximum and the maxima are reduced over every mesh axis that splits x, one axis at a time,
-    inside the GPU first (`hierarchical_psum`), so no reduction spans both levels (XLA drops those over an axis of one
-    device, which the shard's type still varies over); on Auto axes XLA places the reduction."""
-    def local(shard):
-        return jnp.max(jnp.abs(shard)).astype(jnp.float32)
-
-    current = active()
-    if current is None or current.auto:
-        return local(x)
-    spec = jax.typeof(x).sharding.spec
-    axes = tuple(spec_axes(spec))
-    if not axes:
-        return local(x)
-    return jax.shard_map(lambda shard: hierarchical_psum(local(shard), axes, jax.lax.pmax), in_specs=(spec,),
-                         out_specs=PartitionSpec())(x)
-
-
-def _token_axes(current: Placement) -> frozenset[str]:
-    """The mesh axes that split the tokens (batch or sequence) under the active layout."""
-    return frozenset(axis for name in ("batch", "seq") for axis in current.layout.activations.lookup(name)[1])
-
-
 def _inside_and_across_gpus(axes: frozenset[str], mesh) -> bool:
     """Whether the mesh `axes` split over the partitions of a GPU and over several GPUs (sizes above one)."""
     splitting = {axis for axis in axes if mesh.shape[axis] > 1}
     return INSIDE_GPU in splitting and len(splitting) > 1
-
-
-def shared_input(x: jax.Array, used_by: list[jax.Array]) -> jax.Array:
-    """`x` as the common input of several matmuls with the weights `used_by` (as `weight` returned them), marked so
-    that its gradient is summed over the mesh once, not once per matmul.
-
-    When every weight splits an output dimension (heads, mlp) over mesh axes that `x` is replicated on, each matmul's
-    input gradient is a partial sum over those axes. Typed `reduced` there, `x` receives them unreduced; autodiff
-    adds them locally and one all-reduce (or reduce-scatter) sums the total, where XLA would reduce each matmul's
-    gradient on its own (q, k and v: three times the bytes). Identity outside `use_layout`, and where the weights
-    do not all split the same axes (kv heads fewer than the partitions the query heads are split over), and on Auto
-    axes (XLA's propagation chooses the reductions there)."""
-    if active() is None or active().auto:
-        return x
-    spec = jax.typeof(x).sharding.spec
-    split = {spec_axes(jax.typeof(w).sharding.spec) - spec_axes(spec) for w in used_by}
-    if len(split) != 1 or not (axes := split.pop()):
-        return x
-    return _summed_once(x, spec, axes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -397,106 +565,6 @@ def _summed_once_gradient(spec, axes, _, gradient):
 
 
 _summed_once.defvjp(_summed_once_forward, _summed_once_gradient)
-
-
-def scale(x: jax.Array, value: jax.Array, names: LogicalNames, tensor: str = "scale") -> jax.Array:
-    """x [..., *value.shape] times the weight `value` (a norm scale [D], or [N, E]), the weight used as `weight`
-    places it, its gradient summed over the mesh axes that split x's leading dimensions. A weight typed `reduced`
-    is taken only by dot_general, so it multiplies through an einsum, which XLA compiles back into an elementwise
-    multiply."""
-    if active() is not None and active().auto:
-        return x * weight(value, names, tensor=tensor)
-    leading = jax.typeof(x).sharding.spec[:x.ndim - value.ndim] if active() is not None else ()
-    used = weight(value, names, tensor=tensor, summed_over=frozenset(a for entry in leading for a in axes_of(entry)))
-    if not jax.typeof(used).sharding.spec.reduced:
-        return x * used
-    letters = "abcdefgh"[:value.ndim]
-    return jnp.einsum(f"...{letters},{letters}->...{letters}", x, used, precision=jax.lax.Precision.HIGHEST)
-
-
-def token_mean(x: jax.Array, names: LogicalNames, tensor: str = "token mean") -> jax.Array:
-    """The mean of `x` [B, ...], a value per token placed by the logical `names` (batch first).
-
-    When the tokens (batch, and any other dimension such as the sequence) are split both inside GPUs and across them,
-    the sum runs inside each GPU first (the per-sequence means, summed over xcd where the sequence is split there,
-    then gathered over xcd where the batch is), then across GPUs; `jnp.mean` would reduce in groups that span both
-    levels.
-    """
-    spec = activation_spec(names, x.shape, tensor)
-    if spec is None:
-        return jnp.mean(x)
-    batch_axes = axes_of(spec[0])
-    if active().auto or not _inside_and_across_gpus(spec_axes(spec), active().mesh):
-        return jnp.mean(x)
-    per_sequence = jnp.mean(x, axis=tuple(range(1, x.ndim)))
-    across_gpus = tuple(axis for axis in batch_axes if axis != INSIDE_GPU)
-    return jnp.mean(reshard(per_sequence, PartitionSpec(across_gpus)))
-
-
-def einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, out: LogicalNames, tensor: str = "einsum",
-           preferred_element_type=None) -> jax.Array:
-    """`jnp.einsum` (explicit "...->..." form) whose result is placed by the active layout's rule for the logical
-    names `out`: a contraction over a sharded dimension all-reduces, or reduce-scatters when `out` shards another
-    dimension over the reduced axis. `preferred_element_type`: the result's dtype (that of 8-bit operands' GEMMs).
-
-    A reduce-scatter whose result is copied over some mesh axis (kv heads fewer than the GPUs: the k and v
-    projections' results are whole on every GPU) is written as the product summed in place, then scattered
-    (`_scattered_axes`): left to choose, XLA splits such a product's rows over the idle axis and sends each block
-    to its owner by collective-permutes between partitions of different GPUs at different partition indices
-    (flat)."""
-    inputs, result = subscripts.replace(" ", "").split("->")
-    sizes = {}
-    for letters, operand in zip(inputs.split(","), (lhs, rhs)):
-        sizes.update(zip(letters, operand.shape))
-    shape = tuple(sizes[letter] for letter in result)
-    spec = activation_spec(out, shape, tensor)
-    if spec is not None and active().auto:
-        return placed_as(jnp.einsum(subscripts, lhs, rhs, preferred_element_type=preferred_element_type), spec)
-    scattered = _scattered_axes(inputs, result, (lhs, rhs), spec)
-    if not scattered:
-        return jnp.einsum(subscripts, lhs, rhs, out_sharding=spec, preferred_element_type=preferred_element_type)
-    kept = [tuple(axis for axis in axes_of(entry) if axis not in scattered) for entry in spec.partitions]
-    summed = PartitionSpec(*(axes or None for axes in kept), unreduced=scattered)
-    return reshard(jnp.einsum(subscripts, lhs, rhs, out_sharding=summed,
-                              preferred_element_type=preferred_element_type), spec)
-
-
-def _scattered_axes(inputs: str, result: str, operands, spec: PartitionSpec | None) -> frozenset[str]:
-    """The mesh axes an einsum (`inputs` -> `result` letters) reduce-scatters over: those that split a contracted
-    dimension of both operands and a dimension of the result `spec`; empty unless the result is also whole over
-    some other mesh axis of more than one device (the case `einsum` writes out), or an operand is typed reduced."""
-    if spec is None:
-        return frozenset()
-    contracted = set(inputs.replace(",", "")) - set(result)
-    split = []
-    for letters, operand in zip(inputs.split(","), operands):
-        operand_spec = jax.typeof(operand).sharding.spec
-        if operand_spec.reduced or operand_spec.unreduced:
-            return frozenset()
-        entries = (*operand_spec.partitions, *(None,) * (len(letters) - len(operand_spec.partitions)))
-        split.append({axis for letter, entry in zip(letters, entries) if letter in contracted
-                      for axis in axes_of(entry)})
-    mesh = active().mesh
-    copied = [axis for axis in mesh.axis_names if mesh.shape[axis] > 1 and axis not in spec_axes(spec)]
-    return frozenset(split[0] & split[1] & spec_axes(spec)) if copied else frozenset()
-
-
-def transposed_einsum(subscripts: str, lhs: jax.Array, rhs: jax.Array, like: jax.Array, scale: jax.Array,
-                      dtype) -> jax.Array:
-    """`jnp.einsum(subscripts, lhs, rhs)` in `dtype`, times the replicated scalar `scale`: the gradient of an operand
-    of another matmul (a hand-written transpose: fp8 training's `quantize.fp8_einsum`), placed as `like` (an array
-    typed as that operand) and unreduced over the axes `like` is typed reduced over, as autodiff's own transpose
-    leaves that gradient (a split contraction otherwise sums here). Placed by XLA on Auto axes and outside a
-    layout."""
-    current = active()
-    if current is None or current.auto:
-        return jnp.einsum(subscripts, lhs, rhs, preferred_element_type=dtype) * scale.astype(dtype)
-    spec = jax.typeof(like).sharding.spec
-    product = jnp.einsum(subscripts, lhs, rhs, preferred_element_type=dtype,
-                         out_sharding=spec.update(reduced=frozenset(), unreduced=spec.reduced))
-    if spec.reduced:  # an unreduced product scales by a scalar typed reduced over the same axes
-        scale = reshard(scale, PartitionSpec(reduced=spec.reduced))
-    return product * scale.astype(dtype)
 
 
 def param(value: jax.Array, names: LogicalNames) -> nnx.Param:

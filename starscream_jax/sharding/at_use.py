@@ -20,7 +20,7 @@ import jax
 from flax import nnx
 from flax.typing import MISSING
 
-from .apply import active, is_auto, logical_names, param_shardings, read_at_use
+from .apply import current, is_auto, logical_names, param_shardings, read_at_use
 from .layouts import Layout
 
 LIBRARY = __name__.split(".")[0]
@@ -37,11 +37,11 @@ class ParamAtUse(nnx.Param):
 
 def _at_use(variable: nnx.Variable, value):
     """`value` of `variable` as the active layout uses it (`read_at_use`), or as it is where none applies."""
-    current = active()
+    placement = current()
     names = logical_names(variable)
-    if current is None or not current.auto or not isinstance(value, jax.core.Tracer) or names is None:
+    if not placement.auto or not isinstance(value, jax.core.Tracer) or names is None:
         return value
-    if current.layout.replicated_ok & set(names):
+    if placement.layout.replicated_ok & set(names):
         return value
     return read_at_use(value, names, tensor=f"parameter {names}")
 
