@@ -77,6 +77,7 @@ def programs(config, K: int, N: int, rows: int, format_name: str, copies: int, i
     from starscream_jax.model import projections as model_projections
     from starscream_jax.model.quantize import Scaled, quantize
     from starscream_jax.model.weight_only import weight_only_matmul
+    from starscream_jax.sharding.apply import UNPLACED
     from starscream_jax.training.steps import EIGHT_BIT_DECODE_OPTIONS
 
     keys = jax.random.split(jax.random.key(K * 7 + N + rows), copies + 1)
@@ -93,7 +94,8 @@ def programs(config, K: int, N: int, rows: int, format_name: str, copies: int, i
     out = ("batch", "seq", "mlp")
 
     def project(x, weights):
-        return [model_projections.project("bench", "bsd,df->bsf", x, w, out, xla_config) for w in weights]
+        return [model_projections.project("bench", "bsd,df->bsf", x, w, out, xla_config, UNPLACED)
+                for w in weights]
 
     def kernel(blocks):
         def run(x, weights):
@@ -156,6 +158,7 @@ def layer_function(name: str, implementation: str, config, blocks=None):
     from starscream_jax.model import projections as model_projections
     from starscream_jax.model.weight_only import weight_only_matmul
     from starscream_jax.model.weight_only_group import grouped_weight_only_matmul
+    from starscream_jax.sharding.apply import UNPLACED
 
     xla_config = config.replace(eight_bit_matmul="xla")
 
@@ -171,7 +174,8 @@ def layer_function(name: str, implementation: str, config, blocks=None):
                     outputs += [weight_only_matmul(x, *weights[p], implementation) for p in group]
                 else:
                     outputs += [model_projections.project("bench", "bsd,df->bsf", x[:, None], weights[p],
-                                                          ("batch", "seq", "mlp"), xla_config)[:, 0] for p in group]
+                                                          ("batch", "seq", "mlp"), xla_config, UNPLACED)[:, 0]
+                                for p in group]
         return outputs
 
     return run

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec
 
 from ..errors import StarscreamError
 from ..hardware.axes import dim_axes
-from ..sharding.apply import constrain, einsum, param, placed_explicitly, scale, shared_input, token_mean, weight
+from ..sharding.apply import Placement, current, param, placed_explicitly
 from ..sharding.at_use import create_sharded
 from ..sharding.layouts import Layout
 from .config import ModelConfig
@@ -56,18 +56,20 @@ def _normal(rngs: nnx.Rngs, shape, fan_in: int) -> jax.Array:
     return jax.random.normal(rngs.params(), shape, jnp.float32) * fan_in ** -0.5
 
 
-def rms_norm(x_BSD: jax.Array, scale_D: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
-    """RMSNorm in float32, returned in x's dtype; scaled by (1 + scale) with `plus_one` (Gemma), else by scale."""
+def rms_norm(x_BSD: jax.Array, scale_D: jax.Array, eps: float, plus_one: bool = False,
+             placement: Placement | None = None) -> jax.Array:
+    """RMSNorm in float32, returned in x's dtype; scaled by (1 + scale) with `plus_one` (Gemma), else by scale, the
+    scale used as `placement` (None: `current()`) uses a weight (`Placement.scale`)."""
     x32 = x_BSD.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     if plus_one:
         scale_D = 1.0 + scale_D.astype(jnp.float32)
-    return scale(normed, scale_D, ("norm",), "norm scale").astype(x_BSD.dtype)
+    return (placement or current()).scale(normed, scale_D, ("norm",), "norm scale").astype(x_BSD.dtype)
 
 
-def _norm(c: ModelConfig, x: jax.Array, scale_D: jax.Array) -> jax.Array:
+def _norm(c: ModelConfig, placement: Placement, x: jax.Array, scale_D: jax.Array) -> jax.Array:
     """`rms_norm` of x over its last axis as `c` computes it."""
-    return rms_norm(x, scale_D, c.norm_eps, c.norm_plus_one)
+    return rms_norm(x, scale_D, c.norm_eps, c.norm_plus_one, placement)
 
 
 def attention_options(c: ModelConfig) -> AttentionOptions | None:
@@ -173,78 +175,82 @@ class Transformer(nnx.Module):
                                  ("embed", "vocab"))
 
     def __call__(self, tokens_BS: jax.Array, *, positions_BS: jax.Array | None = None,
-                 cache: DenseCache | None = None, cache_index: jax.Array | int = 0) -> ModelOutput:
+                 cache: DenseCache | None = None, cache_index: jax.Array | int = 0,
+                 placement: Placement | None = None) -> ModelOutput:
         """tokens [B, S] -> ModelOutput: logits [B, S, V] float32, the KV cache (`DenseCache`, stacked or held per
         layer) with the new keys and values written at
         `cache_index` (StarscreamError when they would not fit; every logit NaN when a traced index would not, see
         `cache_room`), None without a cache, and the mixture of experts' load-balancing loss (mean over layers; 0
-        for a dense model)."""
-        c = self.config
+        for a dense model). `placement`: where its arrays go (the library's steps pass theirs; None: `current()`,
+        the layout `use_layout` makes active around a call of your own)."""
+        c, placement = self.config, placement or current()
         fits = None if cache is None else cache_room(cache, cache_index, tokens_BS.shape[1])
         if positions_BS is None:
             positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]) + cache_index, tokens_BS.shape)
-        table_VD, x_BSD = self._embed(tokens_BS)
+        table_VD, x_BSD = self._embed(placement, tokens_BS)
         stacked = layer_weights(c, self.layers)
-        x_BSD, (new_cache, balance_L) = self._run_layers(x_BSD, stacked, positions_BS, cache, cache_index)
-        logits_BSV = self._logits(x_BSD, table_VD)
+        x_BSD, (new_cache, balance_L) = self._run_layers(placement, x_BSD, stacked, positions_BS, cache, cache_index)
+        logits_BSV = self._logits(placement, x_BSD, table_VD)
         if fits is not None:
             logits_BSV = jnp.where(fits, logits_BSV, jnp.nan)
         return ModelOutput(logits_BSV, new_cache, jnp.mean(balance_L))
 
     def paged(self, tokens_BS: jax.Array, positions_BS: jax.Array, last_B: jax.Array, cache: PagedCache,
-              every_position: bool = False) -> tuple[jax.Array, ...]:
+              every_position: bool = False, placement: Placement | None = None) -> tuple[jax.Array, ...]:
         """tokens [B, S] at `positions` [B, S] (-1: padding) through the model over a paged KV cache, each block
         writing its keys and values into its layer's pages (`paged.paged_attention`), the layers one after another
         (the pools are held per layer). Returns the logits [B, V] float32 of each row's token at index `last_B`
         [B] (only those rows reach the final norm and the vocabulary projection) and the updated cache; with
-        `every_position` (a prompt's log-probabilities) also the logits [B, S, V] float32 of every position."""
-        c = self.config
-        table_VD, x_BSD = self._embed(tokens_BS)
-        positions_BS = constrain(positions_BS, POSITIONS, "positions")
+        `every_position` (a prompt's log-probabilities) also the logits [B, S, V] float32 of every position.
+        `placement` as `__call__` takes it."""
+        c, placement = self.config, placement or current()
+        table_VD, x_BSD = self._embed(placement, tokens_BS)
+        positions_BS = placement.constrain(positions_BS, POSITIONS, "positions")
         layers = []
         for index, w in enumerate(unstacked(layer_weights(c, self.layers), c.n_layers)):
             with jax.named_scope(LAYER_SCOPE):
-                x_BSD, layer, _ = _block(c, x_BSD, w, positions_BS, cache.layer(index))
+                x_BSD, layer, _ = _block(c, placement, x_BSD, w, positions_BS, cache.layer(index))
             layers.append(layer)
         last_B11 = jnp.broadcast_to(last_B[:, None, None], (x_BSD.shape[0], 1, x_BSD.shape[2]))
-        x_B1D = jnp.take_along_axis(x_BSD, constrain(last_B11, RESIDUAL, "last rows"), axis=1)
-        logits_BV, cache = self._logits(x_B1D, table_VD)[:, 0], cache.with_layers(layers)
-        return (logits_BV, cache, self._logits(x_BSD, table_VD)) if every_position else (logits_BV, cache)
+        x_B1D = jnp.take_along_axis(x_BSD, placement.constrain(last_B11, RESIDUAL, "last rows"), axis=1)
+        logits_BV, cache = self._logits(placement, x_B1D, table_VD)[:, 0], cache.with_layers(layers)
+        return (logits_BV, cache, self._logits(placement, x_BSD, table_VD)) if every_position else (logits_BV, cache)
 
-    def _embed(self, tokens_BS):
+    def _embed(self, placement: Placement, tokens_BS):
         """(the embedding table as used [V, D], the tokens' rows [B, S, D] placed by RESIDUAL)."""
         with jax.named_scope("embed"):
-            table_VD = weight(self.embedding[...], ("vocab", "embed"), jnp.dtype(self.config.dtype), "embedding")
-            rows_BSD = embed_lookup(table_VD, tokens_BS, out=RESIDUAL)
+            table_VD = placement.weight(self.embedding[...], ("vocab", "embed"), jnp.dtype(self.config.dtype),
+                                        "embedding")
+            rows_BSD = embed_lookup(table_VD, tokens_BS, out=RESIDUAL, placement=placement)
             if self.config.scale_embedding:  # sqrt(D) rounded to the compute dtype first, as transformers does
                 rows_BSD = rows_BSD * jnp.asarray(self.config.d_model ** 0.5, table_VD.dtype)
             return table_VD, rows_BSD
 
-    def _logits(self, x_BSD, table_VD):
+    def _logits(self, placement: Placement, x_BSD, table_VD):
         """The final norm of x [B, S, D], then the vocabulary projection: logits [B, S, V] float32 (LOGITS)."""
         c = self.config
-        x_BSD = _norm(c, x_BSD, self.final_norm[...])
+        x_BSD = _norm(c, placement, x_BSD, self.final_norm[...])
         with jax.named_scope("logits"):
             if c.tie_embeddings:
-                logits_BSV = einsum("bsd,vd->bsv", x_BSD, table_VD, out=LOGITS, tensor="logits")
+                logits_BSV = placement.einsum("bsd,vd->bsv", x_BSD, table_VD, out=LOGITS, tensor="logits")
             else:
-                head_DV = weight(self.lm_head[...], ("embed", "vocab"), jnp.dtype(c.dtype), "lm_head")
-                logits_BSV = einsum("bsd,dv->bsv", x_BSD, head_DV, out=LOGITS, tensor="logits")
+                head_DV = placement.weight(self.lm_head[...], ("embed", "vocab"), jnp.dtype(c.dtype), "lm_head")
+                logits_BSV = placement.einsum("bsd,dv->bsv", x_BSD, head_DV, out=LOGITS, tensor="logits")
             logits_BSV = logits_BSV.astype(jnp.float32)
             if c.logit_softcap:
                 logits_BSV = c.logit_softcap * jnp.tanh(logits_BSV / c.logit_softcap)
             return logits_BSV
 
-    def _run_layers(self, x_BSD, stacked, positions_BS, cache, cache_index):
+    def _run_layers(self, placement: Placement, x_BSD, stacked, positions_BS, cache, cache_index):
         """The L blocks over x [B, S, D] -> (x, (cache or None, load-balancing loss per layer [L])). Without a
         cache and without a rolled loop (`rolls_layers`), or with a cache held per layer, one after another
         (`_run_layers_apart`); otherwise a `jax.lax.scan`, a stacked KV cache travelling through it whole, each block
         writing its new keys and values into the stack in place (`DenseCache.layer` with the loop's index)."""
         c = self.config
-        positions_BS = constrain(positions_BS, ("attn_batch", "seq"), "positions")
+        positions_BS = placement.constrain(positions_BS, ("attn_batch", "seq"), "positions")
         one_after_another = not rolls_layers(c) if cache is None else cache.held_per_layer
         if one_after_another:
-            return self._run_layers_apart(x_BSD, stacked, positions_BS, cache, cache_index)
+            return self._run_layers_apart(placement, x_BSD, stacked, positions_BS, cache, cache_index)
         if any_held_per_layer(stacked):
             raise StarscreamError("weights held per layer (split_layer_weights) run only where the layers run one "
                                   "after another; hold the KV cache per layer too (split_cache), or keep the "
@@ -254,7 +260,7 @@ class Transformer(nnx.Module):
             x_BSD, cache = carry
             w, index = layer
             part = None if cache is None else cache.layer(index)
-            x_BSD, part, balance = _block(c, x_BSD, w, positions_BS, part, cache_index)
+            x_BSD, part, balance = _block(c, placement, x_BSD, w, positions_BS, part, cache_index)
             return (x_BSD, None if cache is None else cache.with_layers([part])), balance
 
         if c.remat != "none":
@@ -263,7 +269,7 @@ class Transformer(nnx.Module):
                                                  unroll=layers_per_trip(c))
         return x_BSD, (cache, balance_L)
 
-    def _run_layers_apart(self, x_BSD, stacked, positions_BS, cache, cache_index):
+    def _run_layers_apart(self, placement: Placement, x_BSD, stacked, positions_BS, cache, cache_index):
         """The L blocks one after another (no loop in the program), with no KV cache (training and prefill without
         a layer loop) or one held per layer (`split_cache`, each layer's part read by `DenseCache.layer`): each block
         writes its new keys and values into its own cache array in place, and attention reads that array whole,
@@ -274,7 +280,7 @@ class Transformer(nnx.Module):
         c = self.config
 
         def block(x_BSD, w, part):
-            return _block(c, x_BSD, w, positions_BS, part, cache_index)
+            return _block(c, placement, x_BSD, w, positions_BS, part, cache_index)
 
         if c.remat != "none":
             block = jax.checkpoint(block, policy=CHECKPOINT_POLICIES[c.remat])
@@ -305,8 +311,8 @@ def layers_per_trip(c: ModelConfig) -> int:
     return c.scan_unroll or c.n_layers
 
 
-def _block(c: ModelConfig, x_BSD, w: LayerWeights, positions_BS, cached: DenseLayer | PagedLayer | None = None,
-           cache_index: jax.Array | int = 0):
+def _block(c: ModelConfig, placement: Placement, x_BSD, w: LayerWeights, positions_BS,
+           cached: DenseLayer | PagedLayer | None = None, cache_index: jax.Array | int = 0):
     """One pre-norm block: x + attention(norm(x)), then + mlp(norm(x)); with `c.post_norms` (Gemma 2) the attention's
     and the MLP's outputs are normed again before they are added. x [B, S, D] placed by RESIDUAL; `w` this layer's
     weights. Attention follows `attention_options(c)`, each layer with its own window (`w.window`, `layer_windows`)
@@ -317,60 +323,64 @@ def _block(c: ModelConfig, x_BSD, w: LayerWeights, positions_BS, cached: DenseLa
     attention), or of the paged one (`paged.PagedLayer`, written and read by `paged.paged_attention` at the tokens'
     own positions). Returns (x, the layer's part written, or None; the layer's load-balancing loss: 0 for a dense
     MLP)."""
-    attn_out_BSD, cache = _self_attention(c, _norm(c, x_BSD, w.attn_norm), w.attention, positions_BS, cached,
-                                          cache_index, w.window)
+    attn_out_BSD, cache = _self_attention(c, placement, _norm(c, placement, x_BSD, w.attn_norm), w.attention,
+                                          positions_BS, cached, cache_index, w.window)
     if c.post_norms:
-        attn_out_BSD = _norm(c, attn_out_BSD, w.attn_post_norm)
+        attn_out_BSD = _norm(c, placement, attn_out_BSD, w.attn_post_norm)
     x_BSD = x_BSD + attn_out_BSD
-    h_BSD = _norm(c, x_BSD, w.mlp_norm)
+    h_BSD = _norm(c, placement, x_BSD, w.mlp_norm)
     if c.n_experts:
-        mlp_BSD, balance = routed_mlp(c, h_BSD, w.mlp)
+        mlp_BSD, balance = routed_mlp(c, h_BSD, w.mlp, placement)
     else:
-        mlp_BSD, balance = _dense_mlp(c, h_BSD, w.mlp), jnp.zeros((), jnp.float32)
+        mlp_BSD, balance = _dense_mlp(c, placement, h_BSD, w.mlp), jnp.zeros((), jnp.float32)
     if c.post_norms:
-        mlp_BSD = _norm(c, mlp_BSD, w.mlp_post_norm)
+        mlp_BSD = _norm(c, placement, mlp_BSD, w.mlp_post_norm)
     return x_BSD + mlp_BSD, cache, balance
 
 
-def _self_attention(c: ModelConfig, h_BSD, w: AttentionWeights, positions_BS, cached, cache_index, window):
+def _self_attention(c: ModelConfig, placement: Placement, h_BSD, w: AttentionWeights, positions_BS, cached,
+                    cache_index, window):
     """The attention of the normed residual h [B, S, D] to itself and to the cached positions (`cached` and
     `cache_index` as `_block` takes them; `window` [] int32 this layer's, or None) -> (its output [B, S, D] placed by
     RESIDUAL, the layer's part of the cache with the new keys and values written, or None)."""
-    q_BSHE, k_BSKE, v_BSKE = _qkv(c, h_BSD, w)
+    q_BSHE, k_BSKE, v_BSKE = _qkv(c, placement, h_BSD, w)
     if c.qkv_bias:
         kv_names = ("kv_heads", "head_dim")
-        q_BSHE, k_BSKE, v_BSKE = (_add_bias(q_BSHE, w.bq, ("heads", "head_dim")), _add_bias(k_BSKE, w.bk, kv_names),
-                                  _add_bias(v_BSKE, w.bv, kv_names))
+        q_BSHE, k_BSKE, v_BSKE = (_add_bias(placement, q_BSHE, w.bq, ("heads", "head_dim")),
+                                  _add_bias(placement, k_BSKE, w.bk, kv_names),
+                                  _add_bias(placement, v_BSKE, w.bv, kv_names))
     if c.qk_norm:
-        q_BSHE, k_BSKE = _norm(c, q_BSHE, w.q_norm), _norm(c, k_BSKE, w.k_norm)
+        q_BSHE, k_BSKE = _norm(c, placement, q_BSHE, w.q_norm), _norm(c, placement, k_BSKE, w.k_norm)
     inv_freq = rope_frequencies(c)
     q_BSHE, k_BSKE = rope(q_BSHE, positions_BS, inv_freq), rope(k_BSKE, positions_BS, inv_freq)
-    attended_BSHE, cache = _attend(c, q_BSHE, k_BSKE, v_BSKE, positions_BS, cached, cache_index, window)
-    attended_BSHE = constrain(attended_BSHE, ("batch", "seq", "heads", "head_dim"), "attention output")
-    wo_HED = used("o", c, w.wo, w.wo_scale, ("heads", "head_dim", "embed"), "wo")
-    return project("o", "bshe,hed->bsd", attended_BSHE, wo_HED, RESIDUAL, c), cache
+    attended_BSHE, cache = _attend(c, placement, q_BSHE, k_BSKE, v_BSKE, positions_BS, cached, cache_index, window)
+    attended_BSHE = placement.constrain(attended_BSHE, ("batch", "seq", "heads", "head_dim"), "attention output")
+    wo_HED = used("o", c, placement, w.wo, w.wo_scale, ("heads", "head_dim", "embed"), "wo")
+    return project("o", "bshe,hed->bsd", attended_BSHE, wo_HED, RESIDUAL, c, placement), cache
 
 
-def _attend(c: ModelConfig, q_BSHE, k_BSKE, v_BSKE, positions_BS, cached, cache_index, window):
+def _attend(c: ModelConfig, placement: Placement, q_BSHE, k_BSKE, v_BSKE, positions_BS, cached, cache_index,
+            window):
     """Attention of the queries [B, S, H, E] to the new keys and values [B, S, K, E] and the cached ones, the new
     ones first written into the cache (`cached` and `cache_index` as `_block` takes them; the one place the cache's
     type picks the path) -> (out [B, S, H, E], the layer's part of the cache or None)."""
     options = attention_options(c)
     if isinstance(cached, PagedLayer):
         with jax.named_scope("attention"):
-            return paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cached, options, window)
+            return paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cached, options, window, placement)
     if cached is None:
         with jax.named_scope("attention"):
-            return attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, None, None, options, window), None
-    cached = write_cache(cached, cache_index, k_BSKE, v_BSKE)
+            return attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, None, None, options, window, placement), None
+    cached = write_cache(cached, cache_index, k_BSKE, v_BSKE, placement)
     with jax.named_scope("attention"):
-        return attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cached.read(), cache_index, options, window), cached
+        return attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cached.read(), cache_index, options, window,
+                         placement), cached
 
 
-def _add_bias(x_BSNE, bias_NE, names: tuple[str, ...]):
+def _add_bias(placement: Placement, x_BSNE, bias_NE, names: tuple[str, ...]):
     """x [B, S, N, E] plus a projection's bias [N, E], the bias used as `weight` places it (`scale` of ones: its
     gradient summed over the token axes as a weight's is)."""
-    return x_BSNE + scale(jnp.ones_like(x_BSNE), bias_NE.astype(x_BSNE.dtype), names, "bias")
+    return x_BSNE + placement.scale(jnp.ones_like(x_BSNE), bias_NE.astype(x_BSNE.dtype), names, "bias")
 
 
 def _fuses(c: ModelConfig, h_BSD: jax.Array) -> bool:
@@ -400,7 +410,7 @@ def _by_kv_head(wq_DHE: jax.Array, K: int) -> jax.Array:
     return jnp.reshape(wq_DHE, shape, out_sharding=PartitionSpec(d, h, None, e))
 
 
-def _qkv(c: ModelConfig, h_BSD, w: AttentionWeights):
+def _qkv(c: ModelConfig, placement: Placement, h_BSD, w: AttentionWeights):
     """Queries [B, S, H, E] (placed by ATTN_Q), keys and values [B, S, K, E] (ATTN_KV) of the normed residual h.
 
     Fused (`_fuses`: training and prefill): the stored q, k and v weights are stacked by kv head into
@@ -412,25 +422,26 @@ def _qkv(c: ModelConfig, h_BSD, w: AttentionWeights):
     H, E, K = c.n_heads, c.head_dim, c.n_kv_heads
     G = H // K
     if not (_fuses(c, h_BSD) and _same_split([w.wq, w.wk, w.wv], 1)):
-        wq_DHE = used("qkv", c, w.wq, w.wq_scale, ("embed", "heads", "head_dim"), "wq")
-        wk_DKE = used("qkv", c, w.wk, w.wk_scale, ("embed", "kv_heads", "head_dim"), "wk")
-        wv_DKE = used("qkv", c, w.wv, w.wv_scale, ("embed", "kv_heads", "head_dim"), "wv")
-        h_scale = fp8_scale(c, h_BSD)
-        h_BSD = shared_input(h_BSD, [values(wq_DHE), values(wk_DKE), values(wv_DKE)])
+        wq_DHE = used("qkv", c, placement, w.wq, w.wq_scale, ("embed", "heads", "head_dim"), "wq")
+        wk_DKE = used("qkv", c, placement, w.wk, w.wk_scale, ("embed", "kv_heads", "head_dim"), "wk")
+        wv_DKE = used("qkv", c, placement, w.wv, w.wv_scale, ("embed", "kv_heads", "head_dim"), "wv")
+        h_scale = fp8_scale(c, placement, h_BSD)
+        h_BSD = placement.shared_input(h_BSD, [values(wq_DHE), values(wk_DKE), values(wv_DKE)])
         return tuple(projections("qkv", h_BSD, [("bsd,dhe->bshe", wq_DHE, ATTN_Q), ("bsd,dke->bske", wk_DKE, ATTN_KV),
-                                                ("bsd,dke->bske", wv_DKE, ATTN_KV)], c, h_scale))
+                                                ("bsd,dke->bske", wv_DKE, ATTN_KV)], c, placement, h_scale))
     with jax.named_scope("qkv"):
         stacked_DKCE = jnp.concatenate([_by_kv_head(w.wq, K), w.wk[:, :, None], w.wv[:, :, None]], axis=2)
-        w_DKCE = weight_at_use(c, stacked_DKCE, ("embed", "kv_heads", None, "head_dim"), "wq|wk|wv")
-        h_scale = fp8_scale(c, h_BSD)
-        h_BSD = shared_input(h_BSD, [values(w_DKCE)])
-        qkv_BSKCE = matmul("bsd,dkce->bskce", h_BSD, w_DKCE, (*ATTN_KV[:3], None, ATTN_KV[3]), "qkv", h_scale)
+        w_DKCE = weight_at_use(c, placement, stacked_DKCE, ("embed", "kv_heads", None, "head_dim"), "wq|wk|wv")
+        h_scale = fp8_scale(c, placement, h_BSD)
+        h_BSD = placement.shared_input(h_BSD, [values(w_DKCE)])
+        qkv_BSKCE = matmul(placement, "bsd,dkce->bskce", h_BSD, w_DKCE, (*ATTN_KV[:3], None, ATTN_KV[3]), "qkv",
+                           h_scale)
     B, S = h_BSD.shape[:2]
-    q_BSHE = constrain(qkv_BSKCE[:, :, :, :G].reshape(B, S, H, E), ATTN_Q, "queries")
+    q_BSHE = placement.constrain(qkv_BSKCE[:, :, :, :G].reshape(B, S, H, E), ATTN_Q, "queries")
     return q_BSHE, qkv_BSKCE[:, :, :, G], qkv_BSKCE[:, :, :, G + 1]
 
 
-def _gate_up(c: ModelConfig, h_BSD, w: DenseMlpWeights):
+def _gate_up(c: ModelConfig, placement: Placement, h_BSD, w: DenseMlpWeights):
     """The SwiGLU gate and up projections of h [B, S, D]: [B, S, F] each, over `mlp`.
 
     Fused (`_fuses`: training and prefill): the stored gate and up weights [D, F] are stacked on a new axis right
@@ -440,39 +451,41 @@ def _gate_up(c: ModelConfig, h_BSD, w: DenseMlpWeights):
     experts runs its own grouped gate and up matmuls, `moe.routed_mlp`.)"""
     names, out = ("embed", "mlp"), ("batch", "seq", "mlp")
     if not _fuses(c, h_BSD):
-        w_gate = used("gate_up", c, w.w_gate, w.w_gate_scale, names, "w_gate")
-        w_up = used("gate_up", c, w.w_up, w.w_up_scale, names, "w_up")
-        h_scale = fp8_scale(c, h_BSD)
-        h_BSD = shared_input(h_BSD, [values(w_gate), values(w_up)])
+        w_gate = used("gate_up", c, placement, w.w_gate, w.w_gate_scale, names, "w_gate")
+        w_up = used("gate_up", c, placement, w.w_up, w.w_up_scale, names, "w_up")
+        h_scale = fp8_scale(c, placement, h_BSD)
+        h_BSD = placement.shared_input(h_BSD, [values(w_gate), values(w_up)])
         return tuple(projections("gate_up", h_BSD, [("bsd,df->bsf", w_gate, out), ("bsd,df->bsf", w_up, out)], c,
-                                 h_scale))
+                                 placement, h_scale))
     with jax.named_scope("gate_up"):
         stacked_DTF = jnp.stack([w.w_gate, w.w_up], axis=1)
-        used_DTF = weight_at_use(c, stacked_DTF, ("embed", None, "mlp"), "w_gate|w_up")
-        h_scale = fp8_scale(c, h_BSD)
-        h_BSD = shared_input(h_BSD, [values(used_DTF)])
-        both_BSTF = matmul("bsd,dtf->bstf", h_BSD, used_DTF, ("batch", "seq", None, "mlp"), "gate_up", h_scale)
+        used_DTF = weight_at_use(c, placement, stacked_DTF, ("embed", None, "mlp"), "w_gate|w_up")
+        h_scale = fp8_scale(c, placement, h_BSD)
+        h_BSD = placement.shared_input(h_BSD, [values(used_DTF)])
+        both_BSTF = matmul(placement, "bsd,dtf->bstf", h_BSD, used_DTF, ("batch", "seq", None, "mlp"), "gate_up",
+                           h_scale)
     return both_BSTF[:, :, 0], both_BSTF[:, :, 1]
 
 
-def _dense_mlp(c: ModelConfig, h_BSD, w: DenseMlpWeights):
+def _dense_mlp(c: ModelConfig, placement: Placement, h_BSD, w: DenseMlpWeights):
     """SwiGLU: down(silu(h @ gate) * (h @ up)), [B, S, D] -> [B, S, D] with the hidden [B, S, F] over `mlp`; GeGLU
     (GELU's tanh approximation in silu's place) where `c.mlp_activation` is "gelu_tanh"."""
-    gate_BSF, up_BSF = _gate_up(c, h_BSD, w)
-    w_down_FD = used("down", c, w.w_down, w.w_down_scale, ("mlp", "embed"), "w_down")
+    gate_BSF, up_BSF = _gate_up(c, placement, h_BSD, w)
+    w_down_FD = used("down", c, placement, w.w_down, w.w_down_scale, ("mlp", "embed"), "w_down")
     gelu = c.mlp_activation == "gelu_tanh"
     activated_BSF = jax.nn.gelu(gate_BSF, approximate=True) if gelu else jax.nn.silu(gate_BSF)
-    return project("down", "bsf,fd->bsd", activated_BSF * up_BSF, w_down_FD, RESIDUAL, c)
+    return project("down", "bsf,fd->bsd", activated_BSF * up_BSF, w_down_FD, RESIDUAL, c, placement)
 
 
-def next_token_loss(model: Transformer, tokens_BS: jax.Array) -> jax.Array:
+def next_token_loss(model: Transformer, tokens_BS: jax.Array, placement: Placement | None = None) -> jax.Array:
     """Mean cross entropy (nats) of predicting tokens[:, 1:] from tokens[:, :-1]; vocab-parallel under a layout;
     plus `load_balance_weight` times the load-balancing loss for a mixture of experts. tokens [B, S + 1] int32,
-    placed like a token batch (`batch_sharding`)."""
-    logits_BSV, _, balance = model(tokens_BS[:, :-1])
-    targets_BS = constrain(tokens_BS[:, 1:], TOKENS, "targets")
+    placed like a token batch (`batch_sharding`). `placement` as `Transformer.__call__` takes it."""
+    placement = placement or current()
+    logits_BSV, _, balance = model(tokens_BS[:, :-1], placement=placement)
+    targets_BS = placement.constrain(tokens_BS[:, 1:], TOKENS, "targets")
     with jax.named_scope("loss"):
-        loss = token_mean(cross_entropy(logits_BSV, targets_BS), TOKENS)
+        loss = placement.token_mean(cross_entropy(logits_BSV, targets_BS, placement), TOKENS)
     weight = model.config.load_balance_weight
     return loss + weight * balance if weight else loss
 

@@ -16,7 +16,7 @@ from jax.tree_util import register_dataclass
 
 from ..errors import StarscreamError
 from ..hardware.axes import dim_axes
-from ..sharding.apply import Placement, activation_spec, constrain, placed_as
+from ..sharding.apply import Placement, current
 from ..sharding.collectives import hierarchical_all_gather
 from ..sharding.layouts import Layout
 from .config import ModelConfig
@@ -131,21 +131,23 @@ def cache_room(cache: DenseCache, cache_index, new_tokens: int) -> jax.Array | N
     return (cache_index >= 0) & (cache_index <= length - new_tokens)
 
 
-def write_cache(part: DenseLayer, index, k_BSKE: jax.Array, v_BSKE: jax.Array) -> DenseLayer:
+def write_cache(part: DenseLayer, index, k_BSKE: jax.Array, v_BSKE: jax.Array,
+                placement: Placement | None = None) -> DenseLayer:
     """One layer's part of the KV cache with its S new keys and values [B, S, K, E] written at positions
     index .. index + S - 1: a dynamic-update-slice of S positions, which XLA runs in place on a donated cache (into
     the stack at `part.layer` where the part is the stack's). Where the layout splits the cache's positions
     (`cache_seq`), each device writes the new positions it owns into its own slots (`_write_owned`). An 8-bit cache
     gets the new keys and values in its format with their scales (`quantize_cache_entry`), the scales written where
-    their positions are."""
+    their positions are. `placement`: where the cache lives (None: `current()`)."""
+    placement = placement or current()
     layer, cache = part.layer, part.entries()
     one_layer = layer is None
     new = {"k": k_BSKE, "v": v_BSKE}
     if part.eight_bit:
         for name in ("k", "v"):
             new[name], new[name + "_scale"] = quantize_cache_entry(new[name], cache[name].dtype.name)
-    if cache_split_axes(part.k.shape[-4:]):
-        return replace(part, **{name: _write_owned(cache[name], layer, index, entry, CACHE_NAMES[name])
+    if cache_split_axes(placement, part.k.shape[-4:]):
+        return replace(part, **{name: _write_owned(placement, cache[name], layer, index, entry, CACHE_NAMES[name])
                                 for name, entry in new.items()})
 
     def write(name, new_entry):
@@ -153,20 +155,21 @@ def write_cache(part: DenseLayer, index, k_BSKE: jax.Array, v_BSKE: jax.Array) -
         names = CACHE_NAMES[name][1:] if one_layer else CACHE_NAMES[name]
         start = (0, index) + (0,) * (new_entry.ndim - 2)
         placed = new_entry.astype(cache[name].dtype) if one_layer else new_entry[None].astype(cache[name].dtype)
-        return jax.lax.dynamic_update_slice(constrain(cache[name], names, "kv cache"),
-                                            constrain(placed, names, "new keys and values"),
+        return jax.lax.dynamic_update_slice(placement.constrain(cache[name], names, "kv cache"),
+                                            placement.constrain(placed, names, "new keys and values"),
                                             start if one_layer else (layer, *start))
 
     return replace(part, **{name: write(name, new_entry) for name, new_entry in new.items()})
 
 
-def cache_split_axes(shape_BTKE: tuple[int, ...]) -> tuple[str, ...]:
-    """The mesh axes the active layout splits a cache's positions over (`cache_seq`; () outside a layout)."""
-    spec = activation_spec(CACHE, shape_BTKE, "kv cache")
+def cache_split_axes(placement: Placement, shape_BTKE: tuple[int, ...]) -> tuple[str, ...]:
+    """The mesh axes `placement` splits a cache's positions over (`cache_seq`; () unplaced)."""
+    spec = placement.activation_spec(CACHE, shape_BTKE, "kv cache")
     return () if spec is None else dim_axes(spec, 1)
 
 
-def _write_owned(full: jax.Array, layer, index, new_BS: jax.Array, stacked_names: tuple[str, ...]) -> jax.Array:
+def _write_owned(placement: Placement, full: jax.Array, layer, index, new_BS: jax.Array,
+                 stacked_names: tuple[str, ...]) -> jax.Array:
     """`write_cache` of one entry (full: [L, B, T, ...] named `stacked_names`, or [B, T, ...] with `layer` None; the
     new positions [B, S, ...]) whose positions are split over the `cache_seq` axes: each device keeps the new
     positions index + s it owns (names.CACHE: those congruent to its index modulo the number of parts) and scatters
@@ -174,9 +177,9 @@ def _write_owned(full: jax.Array, layer, index, new_BS: jax.Array, stacked_names
     split) are first gathered over its axes, inside the GPU first (attention gathers the same keys). A scatter
     into the donated cache, in place."""
     names = stacked_names[1:] if layer is None else stacked_names
-    cache_spec = activation_spec(names, full.shape, "kv cache")
+    cache_spec = placement.activation_spec(names, full.shape, "kv cache")
     new_names = tuple("seq" if name == "cache_seq" else name for name in stacked_names[1:])
-    new_spec = activation_spec(new_names, new_BS.shape, "new keys and values")
+    new_spec = placement.activation_spec(new_names, new_BS.shape, "new keys and values")
     cache_axes = dim_axes(cache_spec, names.index("cache_seq"))
     seq_axes = dim_axes(new_spec, 1)
     stacked = layer is not None
@@ -192,9 +195,10 @@ def _write_owned(full: jax.Array, layer, index, new_BS: jax.Array, stacked_names
             return cache.at[:, slots_S].set(new, mode="drop")
         return cache.at[layer, :, slots_S].set(jnp.swapaxes(new, 0, 1), mode="drop")
 
-    write = jax.shard_map(local, in_specs=(cache_spec, new_spec, PartitionSpec(), PartitionSpec()),
+    write = jax.shard_map(local, mesh=placement.mesh, in_specs=(cache_spec, new_spec, PartitionSpec(), PartitionSpec()),
                           out_specs=cache_spec)
-    return write(placed_as(full, cache_spec), placed_as(new_BS, new_spec), layer, jnp.asarray(index, jnp.int32))
+    return write(placement.placed_as(full, cache_spec), placement.placed_as(new_BS, new_spec), layer,
+                 jnp.asarray(index, jnp.int32))
 
 
 def cache_entries(config: ModelConfig, batch: int, length: int) -> DenseCache:
@@ -208,17 +212,20 @@ def cache_entries(config: ModelConfig, batch: int, length: int) -> DenseCache:
     return DenseCache(k=values, v=values, k_scale=scales, v_scale=scales)
 
 
-def init_cache(config: ModelConfig, batch: int, max_len: int) -> DenseCache:
-    """An empty stacked KV cache (`cache_entries`), placed by the active layout (kv heads over gpu and batch over
-    xcd under the starscream layouts)."""
-    return DenseCache(**{name: constrain(jnp.zeros(entry.shape, entry.dtype), CACHE_NAMES[name], "kv cache")
+def init_cache(config: ModelConfig, batch: int, max_len: int, placement: Placement | None = None) -> DenseCache:
+    """An empty stacked KV cache (`cache_entries`), placed by `placement` (None: `current()`; kv heads over gpu and
+    batch over xcd under the starscream layouts)."""
+    placement = placement or current()
+    return DenseCache(**{name: placement.constrain(jnp.zeros(entry.shape, entry.dtype), CACHE_NAMES[name], "kv cache")
                          for name, entry in cache_entries(config, batch, max_len).entries().items()})
 
 
-def split_cache(cache: DenseCache) -> DenseCache:
+def split_cache(cache: DenseCache, placement: Placement | None = None) -> DenseCache:
     """A stacked KV cache held as one array per layer: each field L arrays of one layer's ([B, T, K, E], scales
-    [B, T, K]), placed by the cache's rules (copies; call once, as generation does before its decode loop)."""
-    return DenseCache(**{name: tuple(constrain(layer, CACHE_NAMES[name][1:], "kv cache") for layer in stacked)
+    [B, T, K]), placed by the cache's rules under `placement` (None: `current()`; copies: call once, as generation
+    does before its decode loop)."""
+    placement = placement or current()
+    return DenseCache(**{name: tuple(placement.constrain(layer, CACHE_NAMES[name][1:], "kv cache") for layer in stacked)
                          for name, stacked in cache.entries().items()})
 
 

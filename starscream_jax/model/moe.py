@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec
 
 from ..errors import ShardingRuleError
 from ..hardware.axes import dim_axes, spec_axes
-from ..sharding.apply import activation_spec, constrain, current, weight_spec
+from ..sharding.apply import Placement, current
 from ..sharding.collectives import hierarchical_all_gather, hierarchical_psum
 from .config import ModelConfig
 from .grouped_matmul import default_implementation, grouped_matmul
@@ -188,7 +188,7 @@ def balance_loss(counts_X: jax.Array, probability_sums_X: jax.Array, k: int) -> 
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class _Placement:
+class _ExpertAxes:
     """Mesh axes the per-device block works with: those that split the tokens' embed dim, the router's dims and
     each expert weight's embed dim (in `_experts`' order; gathered on entry), the embed dim kept split at use
     (`contract`: the contractions over it are partial, summed over these axes), the tokens (batch and seq: the
@@ -204,22 +204,24 @@ class _Placement:
     combine: tuple[str, ...] = ()
 
 
-def routed_mlp(c: ModelConfig, h_BSD: jax.Array, w: RoutedMlpWeights) -> tuple[jax.Array, jax.Array]:
+def routed_mlp(c: ModelConfig, h_BSD: jax.Array, w: RoutedMlpWeights,
+               placement: Placement | None = None) -> tuple[jax.Array, jax.Array]:
     """(the block's output [B, S, D] placed by RESIDUAL, the load-balancing loss of these tokens: a float32 scalar).
 
     `w`: one layer's router [D, X] and expert weights w_gate / w_up [X, D, F], w_down [X, F, D] as stored (8-bit
-    ones with their scales, dequantized to the compute dtype here: the grouped matmul reads one dtype)."""
-    w = _in_compute_dtype(c, w)
-    if not current().placed:
-        return _per_device(c, _Placement(), h_BSD, w)
-    h_BSD = constrain(h_BSD, RESIDUAL, "moe input")
-    token_spec = activation_spec(RESIDUAL, h_BSD.shape, "moe input")
+    ones with their scales, dequantized to the compute dtype here: the grouped matmul reads one dtype).
+    `placement`: where it runs (None: `current()`)."""
+    w, placement = _in_compute_dtype(c, w), placement or current()
+    if not placement.placed:
+        return _per_device(c, _ExpertAxes(), h_BSD, w)
+    h_BSD = placement.constrain(h_BSD, RESIDUAL, "moe input")
+    token_spec = placement.activation_spec(RESIDUAL, h_BSD.shape, "moe input")
     specs = jax.tree.map(lambda value: jax.typeof(value).sharding.spec, w)
-    placement = _placement(w.w_gate.shape, specs, token_spec)
-    mapped = jax.shard_map(functools.partial(_per_device, c, placement), in_specs=(token_spec, specs),
-                           out_specs=(token_spec, PartitionSpec()))
+    mesh_axes = _expert_axes(placement, w.w_gate.shape, specs, token_spec)
+    mapped = jax.shard_map(functools.partial(_per_device, c, mesh_axes), mesh=placement.mesh,
+                           in_specs=(token_spec, specs), out_specs=(token_spec, PartitionSpec()))
     out_BSD, balance = mapped(h_BSD, w)
-    return constrain(out_BSD, RESIDUAL, "moe output"), balance
+    return placement.constrain(out_BSD, RESIDUAL, "moe output"), balance
 
 
 def _in_compute_dtype(c: ModelConfig, w: RoutedMlpWeights) -> RoutedMlpWeights:
@@ -245,11 +247,12 @@ def _experts(w: RoutedMlpWeights) -> tuple:
     return w.w_gate, w.w_up, w.w_down
 
 
-def _placement(w_gate_shape, specs: RoutedMlpWeights, token_spec: PartitionSpec) -> _Placement:
-    """The mesh axes the per-device block works with (`_Placement`), of weights stored as `specs` (each field its
+def _expert_axes(placement: Placement, w_gate_shape, specs: RoutedMlpWeights,
+                 token_spec: PartitionSpec) -> _ExpertAxes:
+    """The mesh axes the per-device block works with (`_ExpertAxes`), of weights stored as `specs` (each field its
     PartitionSpec) and tokens placed by `token_spec`."""
-    contract = _contract_axes(w_gate_shape, specs, token_spec)
-    return _Placement(
+    contract = _contract_axes(placement, w_gate_shape, specs, token_spec)
+    return _ExpertAxes(
         token_embed=() if contract else dim_axes(token_spec, 2),
         router=(() if contract else dim_axes(specs.router, 0), dim_axes(specs.router, 1)),
         weight_embed=tuple(() if contract else dim_axes(spec, dim) for spec, dim in zip(_experts(specs), EMBED_DIMS)),
@@ -273,12 +276,13 @@ def _combine_axes(expert_spec: PartitionSpec, token_spec: PartitionSpec) -> tupl
     return axes
 
 
-def _contract_axes(w_gate_shape, specs: RoutedMlpWeights, token_spec: PartitionSpec) -> tuple[str, ...]:
+def _contract_axes(placement: Placement, w_gate_shape, specs: RoutedMlpWeights,
+                   token_spec: PartitionSpec) -> tuple[str, ...]:
     """The mesh axes that split the experts' embed dimension at use (the active layout's `weights` rules for w_gate
     [X, D, F]): () where it is gathered whole (train and prefill layouts). Where it stays split (starscream_decode),
     the tokens' embed dimension and the stored router and expert weights must be split over the same axes and the
     tokens over none of them, so that each partial contraction sums one token's products; else refused."""
-    contract = dim_axes(weight_spec(GATE_UP_NAMES, w_gate_shape, "w_gate"), EMBED_DIMS[0])
+    contract = dim_axes(placement.weight_spec(GATE_UP_NAMES, w_gate_shape, "w_gate"), EMBED_DIMS[0])
     if not contract:
         return ()
     split = {"tokens": dim_axes(token_spec, 2), "router": dim_axes(specs.router, 0),
@@ -299,40 +303,40 @@ def _contract_axes(w_gate_shape, specs: RoutedMlpWeights, token_spec: PartitionS
     return contract
 
 
-def _per_device(c: ModelConfig, placement: _Placement, h_BSD, w: RoutedMlpWeights):
+def _per_device(c: ModelConfig, mesh_axes: _ExpertAxes, h_BSD, w: RoutedMlpWeights):
     """The block on the tokens and experts one device holds (the whole block outside a layout): gather the
-    dimensions `placement` names, route, run the local experts (contractions over an embed dim kept split completed
-    by a sum over `placement.contract`), sum the partial outputs over the combine axes and the load-balancing
+    dimensions `mesh_axes` names, route, run the local experts (contractions over an embed dim kept split completed
+    by a sum over `mesh_axes.contract`), sum the partial outputs over the combine axes and the load-balancing
     statistics over the token axes."""
-    h_BSD = hierarchical_all_gather(h_BSD, placement.token_embed, 2)
+    h_BSD = hierarchical_all_gather(h_BSD, mesh_axes.token_embed, 2)
     router_DX = w.router
-    for dim, axes in enumerate(placement.router):
+    for dim, axes in enumerate(mesh_axes.router):
         router_DX = hierarchical_all_gather(router_DX, axes, dim)
     w_gate_XDF, w_up_XDF, w_down_XFD = (hierarchical_all_gather(weight, axes, dim) for weight, axes, dim in
-                                        zip(_experts(w), placement.weight_embed, EMBED_DIMS))
+                                        zip(_experts(w), mesh_axes.weight_embed, EMBED_DIMS))
     batch, seq, d_model = h_BSD.shape
     h_TD = h_BSD.reshape(batch * seq, d_model)
-    total = functools.partial(hierarchical_psum, axes=placement.contract) if placement.contract else None
+    total = functools.partial(hierarchical_psum, axes=mesh_axes.contract) if mesh_axes.contract else None
     gates_TK, experts_TK, probabilities_TX = route(h_TD, router_DX, c.experts_per_token, c.normalize_gates, total)
-    if placement.combine:  # typed as differing over the experts' axes before the experts use it: its gradient sums
-        h_TD = jax.lax.pcast(h_TD, placement.combine, to="varying")  # there (the gather by expert would not say so)
-    first_expert = jax.lax.axis_index(placement.experts) * w_gate_XDF.shape[0] if placement.experts else 0
+    if mesh_axes.combine:  # typed as differing over the experts' axes before the experts use it: its gradient sums
+        h_TD = jax.lax.pcast(h_TD, mesh_axes.combine, to="varying")  # there (the gather by expert would not say so)
+    first_expert = jax.lax.axis_index(mesh_axes.experts) * w_gate_XDF.shape[0] if mesh_axes.experts else 0
     out_TD = expert_outputs(h_TD, gates_TK, experts_TK, w_gate_XDF, w_up_XDF, w_down_XFD, first_expert, total=total)
-    if placement.combine:
-        out_TD = jax.lax.psum(out_TD, placement.combine)
-    if placement.token_embed:  # the device's share of the embed dim, as the tokens came in
-        share = d_model // jax.lax.axis_size(placement.token_embed)
-        out_TD = jax.lax.dynamic_slice_in_dim(out_TD, jax.lax.axis_index(placement.token_embed) * share, share, 1)
-    return out_TD.reshape(batch, seq, -1), _balance(c, placement, experts_TK, probabilities_TX)
+    if mesh_axes.combine:
+        out_TD = jax.lax.psum(out_TD, mesh_axes.combine)
+    if mesh_axes.token_embed:  # the device's share of the embed dim, as the tokens came in
+        share = d_model // jax.lax.axis_size(mesh_axes.token_embed)
+        out_TD = jax.lax.dynamic_slice_in_dim(out_TD, jax.lax.axis_index(mesh_axes.token_embed) * share, share, 1)
+    return out_TD.reshape(batch, seq, -1), _balance(c, mesh_axes, experts_TK, probabilities_TX)
 
 
-def _balance(c: ModelConfig, placement: _Placement, experts_TK, probabilities_TX) -> jax.Array:
+def _balance(c: ModelConfig, mesh_axes: _ExpertAxes, experts_TK, probabilities_TX) -> jax.Array:
     """The load-balancing loss of every device's tokens (0 when its weight is 0: nothing is computed). The
     statistics are summed over the token axes; the loss, the same on every device but computed from a router
     gathered over other axes too, is averaged over those (a scalar) so that it is one value everywhere."""
     if not c.load_balance_weight:
         return jnp.zeros((), jnp.float32)
-    statistics = hierarchical_psum(load_balance(experts_TK, probabilities_TX), placement.tokens)
+    statistics = hierarchical_psum(load_balance(experts_TK, probabilities_TX), mesh_axes.tokens)
     balance = balance_loss(*statistics, c.experts_per_token)
-    gathered = tuple(axis for axes in placement.router for axis in axes if axis not in placement.tokens)
+    gathered = tuple(axis for axes in mesh_axes.router for axis in axes if axis not in mesh_axes.tokens)
     return hierarchical_psum(balance, gathered, reduction=jax.lax.pmean)

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec
 from ..errors import ShardingRuleError
 from ..hardware.axes import axes_of, dim_axes, spec_axes
 from ..hardware.backend import policy_of
-from ..sharding.apply import activation_spec, compute_device, current, placed_as, weight, weight_spec
+from ..sharding.apply import Placement, compute_device, current
 from ..sharding.collectives import hierarchical_all_gather, hierarchical_psum
 from ..sharding.rules import LogicalNames
 from .names import ATTN_KV, ATTN_Q, CACHE, CACHE_SCALE, LOGITS, POSITIONS, RESIDUAL, TOKENS
@@ -81,19 +81,21 @@ def _offset(axes: tuple[str, ...], local_size: int):
 
 
 def run_sharded(local_fn, args, names: list[LogicalNames | None], outs: list[tuple[LogicalNames, tuple]],
-                 tensor: str, check_vma: bool = True):
-    """Runs `local_fn(*local_args, specs=...)` on every device's shards. `names` are the logical names of `args`
-    (None = a replicated scalar); `outs` the (logical names, global shape) of each result; `specs` hands the local
-    function each argument's PartitionSpec so it knows which axes shard which dimension. `check_vma=False` for a
-    local function whose kernels (Pallas) do not say how their outputs vary over the mesh axes."""
-    if not current().placed:
-        result = local_fn(*args, specs=[PartitionSpec()] * len(args))
-        return result
-    specs = [PartitionSpec() if n is None else activation_spec(n, a.shape, tensor) for a, n in zip(args, names)]
-    out_specs = tuple(activation_spec(n, shape, tensor) for n, shape in outs)
-    fn = jax.shard_map(lambda *a: local_fn(*a, specs=specs), in_specs=tuple(specs),
+                tensor: str, check_vma: bool = True, placement: Placement | None = None):
+    """Runs `local_fn(*local_args, specs=...)` on every device's shards under `placement` (None: `current()`).
+    `names` are the logical names of `args` (None = a replicated scalar); `outs` the (logical names, global shape)
+    of each result; `specs` hands the local function each argument's PartitionSpec so it knows which axes shard
+    which dimension. `check_vma=False` for a local function whose kernels (Pallas) do not say how their outputs
+    vary over the mesh axes."""
+    placement = placement or current()
+    if not placement.placed:
+        return local_fn(*args, specs=[PartitionSpec()] * len(args))
+    specs = [PartitionSpec() if n is None else placement.activation_spec(n, a.shape, tensor)
+             for a, n in zip(args, names)]
+    out_specs = tuple(placement.activation_spec(n, shape, tensor) for n, shape in outs)
+    fn = jax.shard_map(lambda *a: local_fn(*a, specs=specs), mesh=placement.mesh, in_specs=tuple(specs),
                        out_specs=out_specs[0] if len(outs) == 1 else out_specs, check_vma=check_vma)
-    return fn(*[placed_as(a, s) for a, s in zip(args, specs)])
+    return fn(*[placement.placed_as(a, s) for a, s in zip(args, specs)])
 
 
 def kv_heads_for_local_queries(kv_BTKE, local_heads: int, group: int, q_axes, kv_axes):
@@ -121,12 +123,12 @@ def _check_head_split(n_heads: int, n_kv: int, q_axes, kv_axes, mesh_shape: dict
                                 f"per-device share divides or is divided by {group}")
 
 
-def fused_attention(q_BSHE, k_BTKE, v_BTKE, **options):
+def fused_attention(q_BSHE, k_BTKE, v_BTKE, device=None, **options):
     """`jax.nn.dot_product_attention(q, k, v, **options)` through the vendor's fused kernel where the backend policy
-    asks for it (`BackendPolicy.fuses_attention`: cuDNN's flash attention on NVIDIA GPUs with bf16 / fp16 inputs,
-    where JAX would pick XLA's unfused form, [B, H, S, T] scores in memory); XLA's form elsewhere, and for shapes
-    cuDNN refuses (it raises NotImplementedError while tracing)."""
-    if policy_of(compute_device()).fuses_attention(q_BSHE.dtype):
+    of `device` (None: `compute_device()`) asks for it (`BackendPolicy.fuses_attention`: cuDNN's flash attention on
+    NVIDIA GPUs with bf16 / fp16 inputs, where JAX would pick XLA's unfused form, [B, H, S, T] scores in memory);
+    XLA's form elsewhere, and for shapes cuDNN refuses (it raises NotImplementedError while tracing)."""
+    if policy_of(device or compute_device()).fuses_attention(q_BSHE.dtype):
         try:
             return jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, implementation="cudnn", **options)
         except NotImplementedError:
@@ -134,20 +136,21 @@ def fused_attention(q_BSHE, k_BTKE, v_BTKE, **options):
     return jax.nn.dot_product_attention(q_BSHE, k_BTKE, v_BTKE, **options)
 
 
-def _causal_attention(q_BSHE, k_BTKE, v_BTKE):
+def _causal_attention(q_BSHE, k_BTKE, v_BTKE, device):
     """Causal attention of one device's shards (`fused_attention`)."""
-    return fused_attention(q_BSHE, k_BTKE, v_BTKE, is_causal=True)
+    return fused_attention(q_BSHE, k_BTKE, v_BTKE, device, is_causal=True)
 
 
-def attention_over_8_bit_cache(q_BSHE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK, positions_BS):
+def attention_over_8_bit_cache(q_BSHE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK, positions_BS, device=None):
     """Attention of the queries at `positions` [B, S] to one layer's 8-bit cache (values [B, T, K, E], a float32
     scale per position and kv head [B, T, K]): each query sees the cached positions up to its own. The scales are
     applied to the scores (keys') and to the probabilities (values'), so no dequantized copy of the cache is made.
     Decode (S = 1) reads the cache in place: on a GPU by the Pallas kernel of `eight_bit_decode` (tensor cores),
     elsewhere, or for a shape it does not take, by reductions in XLA (`_decode_over_8_bit_cache`); a prefill chunk
-    (S > 1) runs batched matmuls of the 8-bit values converted in their own fusions."""
+    (S > 1) runs batched matmuls of the 8-bit values converted in their own fusions. `device`: the one the
+    program compiles for (None: `compute_device()`)."""
     if q_BSHE.shape[1] == 1:
-        implementation = _eight_bit_decode_implementation(q_BSHE.shape[2], *k_BTKE.shape[1:])
+        implementation = _eight_bit_decode_implementation(q_BSHE.shape[2], *k_BTKE.shape[1:], device=device)
         if implementation:
             return eight_bit_decode.decode_attention(q_BSHE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK,
                                                      positions_BS[:, 0] + 1, interpret=implementation == "interpret")
@@ -165,11 +168,12 @@ def attention_over_8_bit_cache(q_BSHE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK,
     return out_BSKGE.reshape(B, S, H, E)
 
 
-def _eight_bit_decode_implementation(query_heads: int, length: int, kv_heads: int, head_dim: int) -> str:
-    """"pallas" where decode over an 8-bit cache runs on `eight_bit_decode`'s kernel: where the backend policy asks
-    for it (`BackendPolicy.eight_bit_attention`: the CUDA policy) and the
+def _eight_bit_decode_implementation(query_heads: int, length: int, kv_heads: int, head_dim: int,
+                                     device=None) -> str:
+    """"pallas" where decode over an 8-bit cache runs on `eight_bit_decode`'s kernel: where the backend policy of
+    `device` (None: `compute_device()`) asks for it (`BackendPolicy.eight_bit_attention`: the CUDA policy) and the
     kernel takes the shape; else "" (`_decode_over_8_bit_cache`)."""
-    kernels = policy_of(compute_device()).eight_bit_attention == "pallas"
+    kernels = policy_of(device or compute_device()).eight_bit_attention == "pallas"
     return "pallas" if kernels and eight_bit_decode.applies(query_heads, kv_heads, length, head_dim) else ""
 
 
@@ -198,7 +202,7 @@ def _decode_over_8_bit_cache(q_B1HE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK, p
     return out_BKGE.reshape(B, 1, H, E).astype(q_B1HE.dtype)
 
 
-def _cached_attention(q_BSHE, cache_k_BTKE, cache_v_BTKE, positions_BS):
+def _cached_attention(q_BSHE, cache_k_BTKE, cache_v_BTKE, positions_BS, device):
     """Attention of the queries at `positions` [B, S] to a cache [B, T, K, E] of one layer: each query sees the
     cached positions up to its own. Decode (S = 1): the positions a query sees are a prefix of the cache, given as
     `key_value_seq_lengths` [B] (position + 1), which cuDNN's fused kernel takes on NVIDIA GPUs (reading the cache
@@ -206,10 +210,10 @@ def _cached_attention(q_BSHE, cache_k_BTKE, cache_v_BTKE, positions_BS):
     explicit [B, 1, S, T] mask, which cuDNN takes as a bias (`fused_attention`)."""
     k_BTKE, v_BTKE = cache_k_BTKE.astype(q_BSHE.dtype), cache_v_BTKE.astype(q_BSHE.dtype)
     if q_BSHE.shape[1] == 1:
-        return fused_attention(q_BSHE, k_BTKE, v_BTKE, key_value_seq_lengths=positions_BS[:, 0] + 1)
+        return fused_attention(q_BSHE, k_BTKE, v_BTKE, device, key_value_seq_lengths=positions_BS[:, 0] + 1)
     key_positions = jnp.arange(cache_k_BTKE.shape[1])
     mask = key_positions[None, None, None, :] <= positions_BS[:, None, :, None]
-    return fused_attention(q_BSHE, k_BTKE, v_BTKE, mask=mask)
+    return fused_attention(q_BSHE, k_BTKE, v_BTKE, device, mask=mask)
 
 
 def _sequence_split_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, seq_axes: tuple[str, ...],
@@ -228,7 +232,7 @@ def _sequence_split_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, seq_axes: tu
 
 
 def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: DenseLayer | None = None, cache_index=None,
-              options: AttentionOptions | None = None, window=None):
+              options: AttentionOptions | None = None, window=None, placement: Placement | None = None):
     """Causal grouped-query attention through `jax.nn.dot_product_attention` (cuDNN's fused kernel on NVIDIA GPUs
     in training and decode; prefill into a KV cache, with its explicit mask, uses XLA's; see `_cached_attention`).
     Returns out [B, S, H, E].
@@ -246,11 +250,13 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: DenseLayer | None = N
 
     `options` (Gemma 2's scale, soft-capping, sliding window: `AttentionOptions`; None for plain attention) runs
     every form but split-K in XLA's form with an explicit mask (`explicit_attention`); `window` is this layer's
-    window, a scalar int32 (traced inside a layer loop), when `options.sliding`.
+    window, a scalar int32 (traced inside a layer loop), when `options.sliding`. `placement`: where it runs (None:
+    `current()`).
     """
     n_heads, n_kv = q_BSHE.shape[2], k_BSKE.shape[2]
     group = n_heads // n_kv
-    placement = current()
+    placement = placement or current()
+    device = placement.device
 
     def local(q, k, v, pos, *rest, specs):
         q_axes, kv_axes, seq_axes = dim_axes(specs[0], 2), dim_axes(specs[1], 2), dim_axes(specs[0], 1)
@@ -264,7 +270,7 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: DenseLayer | None = N
                 return _sequence_split_attention(q, k_sel, v_sel, pos, seq_axes, options, layer_window)
             if options is not None:
                 return explicit_attention(q, k_sel, v_sel, visible_keys(pos, pos, layer_window), options)
-            return _causal_attention(q, k_sel, v_sel)
+            return _causal_attention(q, k_sel, v_sel, device)
         selected = [kv_heads_for_local_queries(entry, q.shape[2], group, q_axes, kv_axes) for entry in rest]
         if cache_axes := dim_axes(specs[4], 1):
             return _split_k_attention(q, pos, cache_axes, seq_axes, *selected, options=options, window=layer_window)
@@ -273,8 +279,8 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: DenseLayer | None = N
             return explicit_attention(q, *selected[:2], visible_keys(pos, key_positions_BT, layer_window), options,
                                        *selected[2:])
         if len(selected) == 4:
-            return attention_over_8_bit_cache(q, *selected, pos)
-        return _cached_attention(q, *selected, pos)
+            return attention_over_8_bit_cache(q, *selected, pos, device=device)
+        return _cached_attention(q, *selected, pos, device)
 
     if placement.placed:
         q_spec = placement.activation_spec(ATTN_Q, q_BSHE.shape)
@@ -293,8 +299,10 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: DenseLayer | None = N
         if window is None:
             raise ShardingRuleError("sliding-window attention needs the layer's window; pass window=")
         args, names = [*args, jnp.asarray(window, jnp.int32)], [*names, None]
-    kernel = eight_bit and q_BSHE.shape[1] == 1 and bool(_eight_bit_decode_implementation(n_heads, *cache.k.shape[1:]))
-    return run_sharded(local, args, names, [(ATTN_Q, q_BSHE.shape)], "attention", check_vma=not kernel)
+    kernel = eight_bit and q_BSHE.shape[1] == 1 and bool(_eight_bit_decode_implementation(n_heads, *cache.k.shape[1:],
+                                                                                             device=device))
+    return run_sharded(local, args, names, [(ATTN_Q, q_BSHE.shape)], "attention", check_vma=not kernel,
+                       placement=placement)
 
 
 def _from_start(cache_index) -> bool:
@@ -343,9 +351,9 @@ def _split_k_attention(q_BSHE, positions_BS, cache_axes: tuple[str, ...], seq_ax
     return jax.lax.dynamic_slice_in_dim(out_BSHE, first, local_S, axis=1) if seq_axes else out_BSHE
 
 
-def embed_lookup(table_VD, tokens_BS, out: LogicalNames = RESIDUAL):
-    """The rows of an embedding table [V, D] for tokens [B, S] int: [B, S, D], placed by the active layout's rule
-    for `out` (default ("batch", "seq", "embed")); `jnp.take` outside a layout.
+def embed_lookup(table_VD, tokens_BS, out: LogicalNames = RESIDUAL, placement: Placement | None = None):
+    """The rows of an embedding table [V, D] for tokens [B, S] int: [B, S, D], placed by `placement`'s rule (None:
+    `current()`) for `out` (default ("batch", "seq", "embed")); `jnp.take` unplaced.
 
     Vocabulary-parallel, for a table whose V is split (over `gpu` under starscream_tp): each device looks its tokens
     up in its own rows (zeros for tokens in another device's rows) and a psum over the vocabulary's mesh axes, one
@@ -353,10 +361,11 @@ def embed_lookup(table_VD, tokens_BS, out: LogicalNames = RESIDUAL):
     (`create_sharded`; its D split inside the GPU) or as used (`weight`): one stored otherwise than the layout uses
     it is first taken as `weight(table, ("vocab", "embed"))` does, gathered inside the GPU, its gradient summed back
     into the stored shards. Explicit and Auto mesh axes alike."""
-    if not current().placed:
+    placement = placement or current()
+    if not placement.placed:
         return jnp.take(table_VD, tokens_BS, axis=0)
-    out_spec = activation_spec(out, (*tokens_BS.shape, table_VD.shape[1]), "embedding")
-    table_VD, table_spec = _table_at_use(table_VD, axes_of(out_spec[2]))
+    out_spec = placement.activation_spec(out, (*tokens_BS.shape, table_VD.shape[1]), "embedding")
+    table_VD, table_spec = _table_at_use(placement, table_VD, axes_of(out_spec[2]))
     tokens_spec = PartitionSpec(out_spec[0], out_spec[1])
     vocab, embed = table_spec.partitions
     vocab_axes = axes_of(vocab)
@@ -370,33 +379,34 @@ def embed_lookup(table_VD, tokens_BS, out: LogicalNames = RESIDUAL):
         rows = jnp.take(table, jnp.clip(ids, 0, table.shape[0] - 1), axis=0) * inside[..., None].astype(table.dtype)
         return hierarchical_psum(rows, vocab_axes)
 
-    fn = jax.shard_map(local, in_specs=(table_spec, tokens_spec), out_specs=out_spec)
-    return fn(table_VD, placed_as(tokens_BS, tokens_spec))
+    fn = jax.shard_map(local, mesh=placement.mesh, in_specs=(table_spec, tokens_spec), out_specs=out_spec)
+    return fn(table_VD, placement.placed_as(tokens_BS, tokens_spec))
 
 
-def _table_at_use(table_VD, embed_axes: tuple[str, ...]):
+def _table_at_use(placement: Placement, table_VD, embed_axes: tuple[str, ...]):
     """(table, its PartitionSpec as shard_map takes it): on Explicit axes the table's own type (it may be `reduced`
     over the token axes, see `sharding.weight`), through `weight` first when its D is placed otherwise than the
     residual stream's; on Auto axes always through `weight`, placed as the layout's weights rules say."""
     names = ("vocab", "embed")
-    if current().auto:
-        used = weight(table_VD, names, tensor="embedding table")
-        return used, weight_spec(names, table_VD.shape, "embedding table")
+    if placement.auto:
+        used = placement.weight(table_VD, names, tensor="embedding table")
+        return used, placement.weight_spec(names, table_VD.shape, "embedding table")
     spec = jax.typeof(table_VD).sharding.spec
     if not spec.reduced and dim_axes(spec, 1) != embed_axes:
-        table_VD = weight(table_VD, names, tensor="embedding table")
+        table_VD = placement.weight(table_VD, names, tensor="embedding table")
         spec = jax.typeof(table_VD).sharding.spec
     return table_VD, spec.update(partitions=tuple(spec.partitions) + (None,) * (2 - len(spec.partitions)))
 
 
-def cross_entropy(logits_BSV, targets_BS):
+def cross_entropy(logits_BSV, targets_BS, placement: Placement | None = None):
     """Per-token cross entropy in nats, [B, S], of logits [B, S, V] against integer labels [B, S]: forward and
     gradient those of `optax.softmax_cross_entropy_with_integer_labels` on the whole logits.
 
     Computed where the layout places the logits (("batch", "seq", "vocab"): V split over `gpu` under starscream_tp):
     the max and the sum of exponentials are reduced over the vocabulary's mesh axes (pmax / psum of [B, S] values,
     one axis at a time), and the label's logit is a masked sum on the device that holds it; the [B, S, V] logits are
-    never gathered and no [B, S, V] one-hot is built. Explicit and Auto mesh axes alike; plain outside a layout."""
+    never gathered and no [B, S, V] one-hot is built. Explicit and Auto mesh axes alike; plain unplaced.
+    `placement`: where it runs (None: `current()`)."""
     def local(logits, targets, *, specs):
         vocab_axes = dim_axes(specs[0], 2)
         logits = logits.astype(jnp.float32)
@@ -412,4 +422,4 @@ def cross_entropy(logits_BSV, targets_BS):
         return jnp.log(total) + peak - picked
 
     return run_sharded(local, [logits_BSV, targets_BS], [LOGITS, TOKENS], [(TOKENS, targets_BS.shape)],
-                        "cross entropy")
+                       "cross entropy", placement=placement)

@@ -27,6 +27,7 @@ from jax.tree_util import register_dataclass
 
 from ..errors import StarscreamError
 from ..hardware.axes import dim_axes
+from ..sharding.apply import Placement, current
 from .quantize import quantize_cache_entry
 from .names import ATTN_KV, ATTN_Q, POSITIONS
 from ..jax_private import cudnn_paged_decode
@@ -116,18 +117,19 @@ def init_page_scales(n_layers: int, shape: tuple[int, ...], sharding=None) -> tu
 
 
 def paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: PagedLayer, options: AttentionOptions | None = None,
-                    window=None):
+                    window=None, placement: Placement | None = None):
     """Writes the S new keys and values of each row into its pages at their positions (quantized first in an 8-bit
     cache), then attends each query to its row's cached positions up to its own. q [B, S, H, E] (ATTN_Q), k / v
     [B, S, K, E] (ATTN_KV), positions [B, S] (-1: padding). With attention `options` (Gemma 2's scale and
     soft-capping; with a sliding window, `window` [] int32 is this layer's) every phase attends in XLA's explicit
-    form over the gathered pages (`_gathered_attention`), which cuDNN's kernels do not compute. Returns (out
-    [B, S, H, E], the layer with its updated pages and scales)."""
+    form over the gathered pages (`_gathered_attention`), which cuDNN's kernels do not compute. `placement`: where
+    it runs (None: `current()`). Returns (out [B, S, H, E], the layer with its updated pages and scales)."""
     if cache.kernel not in KERNELS:
         raise StarscreamError(f"unknown paged-attention kernel {cache.kernel!r}; choose one of {', '.join(KERNELS)}")
     group = q_BSHE.shape[2] // k_BSKE.shape[2]
     eight_bit = cache.k_scale is not None
     windows = [] if window is None else [jnp.asarray(window, jnp.int32)]
+    placement = placement or current()
 
     def local(q, k, v, positions, table, *rest, specs):
         window, pools = (rest[0] if windows else None), _written(rest[len(windows):], k, v, positions, table)
@@ -135,7 +137,8 @@ def paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: PagedLayer, opt
         if _reads_in_place(cache.kernel, q, pools, group, options):
             out = cudnn_paged_decode(q, *pools, table, jnp.maximum(positions[:, 0], 0) + 1, q.shape[-1] ** -0.5)
         else:
-            out = _gathered_attention(q, pools, positions, table, q_axes, kv_axes, group, options, window)
+            out = _gathered_attention(q, pools, positions, table, q_axes, kv_axes, group, placement.device, options,
+                                      window)
         return out, *pools
 
     pools = [cache.k, cache.v] + ([cache.k_scale, cache.v_scale] if eight_bit else [])
@@ -144,7 +147,8 @@ def paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: PagedLayer, opt
     names = [ATTN_Q, ATTN_KV, ATTN_KV, POSITIONS, TABLE, *[None] * len(windows), *pool_names]
     out, *pools = run_sharded(local, args, names, [(ATTN_Q, q_BSHE.shape)] + [
         (name, pool.shape) for name, pool in zip(pool_names, pools)], "paged attention",
-        check_vma=cache.kernel == "gather" and not eight_bit)  # custom calls and Pallas kernels carry no varying axes
+        check_vma=cache.kernel == "gather" and not eight_bit,  # custom calls and Pallas kernels carry no varying axes
+        placement=placement)
     scales = {"k_scale": pools[2], "v_scale": pools[3]} if eight_bit else {}
     return out, replace(cache, k=pools[0], v=pools[1], **scales)
 
@@ -191,15 +195,15 @@ def _write(pages_PAKE, new_BSKE, positions_BS, table_BM):
     return pages_PAKE.at[page_BS, at % page_size].set(new_BSKE.astype(pages_PAKE.dtype), mode="drop")
 
 
-def _gathered_attention(q_BSHE, pools, positions_BS, table_BM, q_axes, kv_axes, group,
+def _gathered_attention(q_BSHE, pools, positions_BS, table_BM, q_axes, kv_axes, group, device,
                         options: AttentionOptions | None = None, window=None):
     """Each row's pages gathered into [B, M * page_size, K, E]; a query sees the positions up to its own. Decode
-    (S = 1) passes the visible length to `fused_attention` (cuDNN on NVIDIA GPUs), prefill chunks a mask (cuDNN takes
-it as a bias; JAX's default, XLA's form, wrote [B, K, G, S, T] float32 scores and took 0.48 s of workload A's 5.85,
-benchmarks/NOTES.md run 65). An
-    8-bit cache's pages are gathered in their format with their scales [B, M * page_size, K] and attended as the
-    dense 8-bit cache is (`ops.attention_over_8_bit_cache`: the scales on the scores and the probabilities), so
-    the gathered copy is of 8-bit values, not of dequantized floats. With `options`, `ops.explicit_attention`
+    (S = 1) passes the visible length to `fused_attention` (cuDNN on NVIDIA GPUs, the policy of `device`), prefill
+    chunks a mask (cuDNN takes it as a bias; JAX's default, XLA's form, wrote [B, K, G, S, T] float32 scores and took
+    0.48 s of workload A's 5.85, benchmarks/NOTES.md run 65). An 8-bit cache's pages are gathered in their format
+    with their scales [B, M * page_size, K] and attended as the dense 8-bit cache is
+    (`ops.attention_over_8_bit_cache`: the scales on the scores and the probabilities), so the gathered copy is of
+    8-bit values, not of dequantized floats. With `options`, `ops.explicit_attention`
     over the positions each query sees (less than `window` behind it, where given)."""
     seen_BS = jnp.maximum(positions_BS, 0)  # padding sees position 0 only, so no row is all masked
     gathered = [_gathered_rows(pool, table_BM, q_BSHE.shape[2], group, q_axes, kv_axes) for pool in pools]
@@ -208,12 +212,12 @@ benchmarks/NOTES.md run 65). An
         return explicit_attention(q_BSHE, gathered[0], gathered[1], visible_keys(seen_BS, key_positions_BT, window),
                                    options, *gathered[2:])
     if len(pools) == 4:
-        return attention_over_8_bit_cache(q_BSHE, *gathered, seen_BS)
+        return attention_over_8_bit_cache(q_BSHE, *gathered, seen_BS, device=device)
     keys_BTKE, values_BTKE = (rows.astype(q_BSHE.dtype) for rows in gathered)
     if q_BSHE.shape[1] == 1:
-        return fused_attention(q_BSHE, keys_BTKE, values_BTKE, key_value_seq_lengths=seen_BS[:, 0] + 1)
+        return fused_attention(q_BSHE, keys_BTKE, values_BTKE, device, key_value_seq_lengths=seen_BS[:, 0] + 1)
     mask = jnp.arange(keys_BTKE.shape[1])[None, None, None, :] <= seen_BS[:, None, :, None]
-    return fused_attention(q_BSHE, keys_BTKE, values_BTKE, mask=mask)
+    return fused_attention(q_BSHE, keys_BTKE, values_BTKE, device, mask=mask)
 
 
 def _gathered_rows(pool_PAK, table_BM, local_heads: int, group: int, q_axes, kv_axes) -> jax.Array:

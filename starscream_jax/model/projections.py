@@ -12,30 +12,32 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from ..hardware.backend import policy_of
-from ..sharding.apply import compute_device, constrain, current, einsum, placed_as, weight
+from ..sharding.apply import Placement
 from .config import ModelConfig
 from .quantize import Fp8Weight, Scaled, fp8_einsum, fp8_weight, tensor_scale
 from .weight_only import applies as weight_only_applies
 from .weight_only_group import grouped_weight_only_matmul
 
 
-def used(scope: str, c: ModelConfig, stored: jax.Array, scale: jax.Array | None, names: tuple[str, ...],
-         tensor: str) -> jax.Array | Scaled | Fp8Weight:
-    """One layer's weight `stored` (named `tensor`, with logical `names`) as its projection uses it
-    (`weight_at_use`), under the projection's named scope; an 8-bit weight (its float32 `scale` given; None for a
-    float weight) gathered in 8 bits, with its scale as stored (`Scaled`)."""
+def used(scope: str, c: ModelConfig, placement: Placement, stored: jax.Array, scale: jax.Array | None,
+         names: tuple[str, ...], tensor: str) -> jax.Array | Scaled | Fp8Weight:
+    """One layer's weight `stored` (named `tensor`, with logical `names`) as its projection uses it under
+    `placement` (`weight_at_use`), under the projection's named scope; an 8-bit weight (its float32 `scale` given;
+    None for a float weight) gathered in 8 bits, with its scale as stored (`Scaled`)."""
     with jax.named_scope(scope):
         if scale is None:
-            return weight_at_use(c, stored, names, tensor)
-        return Scaled(weight(stored, names, None, tensor), scale)
+            return weight_at_use(c, placement, stored, names, tensor)
+        return Scaled(placement.weight(stored, names, None, tensor), scale)
 
 
-def weight_at_use(c: ModelConfig, value: jax.Array, names: tuple[str, ...], tensor: str) -> jax.Array | Fp8Weight:
-    """A float weight as its projection uses it (`weight`: cast to the compute dtype, gathered); in fp8 training
-    (`c.matmul_format`) its e4m3 values, quantized where it is stored and gathered in 8 bits (`quantize.fp8_weight`)."""
+def weight_at_use(c: ModelConfig, placement: Placement, value: jax.Array, names: tuple[str, ...],
+                  tensor: str) -> jax.Array | Fp8Weight:
+    """A float weight as its projection uses it (`Placement.weight`: cast to the compute dtype, gathered); in fp8
+    training (`c.matmul_format`) its e4m3 values, quantized where it is stored and gathered in 8 bits
+    (`quantize.fp8_weight`)."""
     if c.matmul_format:
-        return fp8_weight(value, names, c.matmul_format, c.dtype, tensor)
-    return weight(value, names, jnp.dtype(c.dtype), tensor)
+        return fp8_weight(placement, value, names, c.matmul_format, c.dtype, tensor)
+    return placement.weight(value, names, jnp.dtype(c.dtype), tensor)
 
 
 def values(w: jax.Array | Scaled | Fp8Weight) -> jax.Array:
@@ -43,36 +45,38 @@ def values(w: jax.Array | Scaled | Fp8Weight) -> jax.Array:
     return w.values if isinstance(w, (Scaled, Fp8Weight)) else w
 
 
-def matmul(subscripts: str, x: jax.Array, w: jax.Array | Scaled | Fp8Weight, out: tuple[str, ...],
-           tensor: str, x_scale: jax.Array | None = None) -> jax.Array:
-    """`einsum(subscripts, x, w)` placed by `out`; for an 8-bit weight (x @ values) * scale, the values converted to
-    x's dtype as the matmul reads them and the scale (over the output's trailing axes, or one number) placed as the
-    output is; in fp8 training fp8 GEMMs forward and backward (`quantize.fp8_einsum`; `x_scale`: x's e4m3 scale
-    where it was taken before x was typed as a shared input, `fp8_scale`)."""
+def matmul(placement: Placement, subscripts: str, x: jax.Array, w: jax.Array | Scaled | Fp8Weight,
+           out: tuple[str, ...], tensor: str, x_scale: jax.Array | None = None) -> jax.Array:
+    """`placement.einsum(subscripts, x, w)` placed by `out`; for an 8-bit weight (x @ values) * scale, the values
+    converted to x's dtype as the matmul reads them and the scale (over the output's trailing axes, or one number)
+    placed as the output is; in fp8 training fp8 GEMMs forward and backward (`quantize.fp8_einsum`; `x_scale`: x's
+    e4m3 scale where it was taken before x was typed as a shared input, `fp8_scale`)."""
     if isinstance(w, Fp8Weight):
-        return fp8_einsum(subscripts, x, w, out, tensor, x_scale)
+        return fp8_einsum(placement, subscripts, x, w, out, tensor, x_scale)
     if not isinstance(w, Scaled):
-        return einsum(subscripts, x, w, out, tensor)
-    y = einsum(subscripts, x, w.values.astype(x.dtype), out, tensor)
-    scale = w.scale if w.scale.ndim == 0 else constrain(w.scale, out[len(out) - w.scale.ndim:], f"{tensor} scale")
+        return placement.einsum(subscripts, x, w, out, tensor)
+    y = placement.einsum(subscripts, x, w.values.astype(x.dtype), out, tensor)
+    scale = w.scale if w.scale.ndim == 0 else placement.constrain(w.scale, out[len(out) - w.scale.ndim:],
+                                                                    f"{tensor} scale")
     return y * scale.astype(y.dtype)
 
 
 def project(scope: str, subscripts: str, x: jax.Array, w: jax.Array | Scaled | Fp8Weight, out: tuple[str, ...],
-            c: ModelConfig, x_scale: jax.Array | None = None) -> jax.Array:
-    """One projection `einsum(subscripts, x, w)` of x [B, S, ...] placed by `out` ([B, S, ...]), under the named
-    scope `scope` (`matmul`); on rows padded with zeros where the backend policy pads it (`_padded_rows`)."""
+            c: ModelConfig, placement: Placement, x_scale: jax.Array | None = None) -> jax.Array:
+    """One projection `einsum(subscripts, x, w)` of x [B, S, ...] placed by `out` ([B, S, ...]) under `placement`,
+    under the named scope `scope` (`matmul`); on rows padded with zeros where the backend policy pads it
+    (`_padded_rows`)."""
     with jax.named_scope(scope):
-        implementation = _weight_only_implementation(subscripts, x, w, c)
+        implementation = _weight_only_implementation(subscripts, x, w, c, placement)
         if implementation:
-            return _weight_only(x, [(subscripts, w, out)], scope, implementation)[0]
-        rows = _padded_rows(x, values(w))
+            return _weight_only(placement, x, [(subscripts, w, out)], scope, implementation)[0]
+        rows = _padded_rows(placement, x, values(w))
         if rows:
-            return _padded_matmul(subscripts, x, w, out, scope, rows)
-        return matmul(subscripts, x, w, out, scope, x_scale)
+            return _padded_matmul(placement, subscripts, x, w, out, scope, rows)
+        return matmul(placement, subscripts, x, w, out, scope, x_scale)
 
 
-def _weight_only_implementation(subscripts: str, x: jax.Array, w, c: ModelConfig) -> str:
+def _weight_only_implementation(subscripts: str, x: jax.Array, w, c: ModelConfig, placement: Placement) -> str:
     """The `weight_only` implementation a projection runs on, or "" for `matmul`'s: an 8-bit weight (`Scaled`)
     times a few token rows (decode: B x S up to weight_only.MAX_ROWS), x's trailing axes contracted with w's
     leading ones (`_weight_only_axes`), every operand whole on each device (a weight split over the mesh runs
@@ -80,7 +84,7 @@ def _weight_only_implementation(subscripts: str, x: jax.Array, w, c: ModelConfig
     choice) not "xla"."""
     if not isinstance(w, Scaled) or _weight_only_axes(subscripts) is None:
         return ""
-    implementation = c.eight_bit_matmul or policy_of(compute_device()).eight_bit_matmul
+    implementation = c.eight_bit_matmul or policy_of(placement.device).eight_bit_matmul
     contracted = int(np.prod(w.values.shape[:x.ndim - 2]))
     if not weight_only_applies(x.shape[0] * x.shape[1], contracted, w.values.size // contracted, implementation):
         return ""
@@ -102,22 +106,23 @@ def _weight_only_axes(subscripts: str) -> tuple[str, str] | None:
 
 def projections(scope: str, x: jax.Array, projections: list[tuple[str, jax.Array | Scaled | Fp8Weight,
                                                                    tuple[str, ...]]],
-                c: ModelConfig, x_scale: jax.Array | None = None) -> list[jax.Array]:
-    """The projections (subscripts, weight, out) of one input x [B, S, ...] under the named scope `scope`: where
+                c: ModelConfig, placement: Placement, x_scale: jax.Array | None = None) -> list[jax.Array]:
+    """The projections (subscripts, weight, out) of one input x [B, S, ...] under `placement` and the named scope
+    `scope`: where
     every weight is 8-bit and runs on the same weight-only implementation (`_weight_only_implementation`: decode's
     few rows, operands whole on each device) and grouping is asked for (`c.eight_bit_matmul` named, or the backend
     policy's `eight_bit_groups`), all of them in one launch (`_weight_only`: q, k, v or gate, up, each weight read
     in place); otherwise each by `project`."""
     with jax.named_scope(scope):
-        chosen = {_weight_only_implementation(subscripts, x, w, c) for subscripts, w, _ in projections}
-        grouped = bool(c.eight_bit_matmul) or policy_of(compute_device()).eight_bit_groups
+        chosen = {_weight_only_implementation(subscripts, x, w, c, placement) for subscripts, w, _ in projections}
+        grouped = bool(c.eight_bit_matmul) or policy_of(placement.device).eight_bit_groups
         if grouped and len(projections) > 1 and len(chosen) == 1 and "" not in chosen:
-            return _weight_only(x, projections, scope, chosen.pop())
-    return [project(scope, subscripts, x, w, out, c, x_scale) for subscripts, w, out in projections]
+            return _weight_only(placement, x, projections, scope, chosen.pop())
+    return [project(scope, subscripts, x, w, out, c, placement, x_scale) for subscripts, w, out in projections]
 
 
-def _weight_only(x: jax.Array, projections: list[tuple[str, Scaled, tuple[str, ...]]], scope: str,
-                 implementation: str) -> list[jax.Array]:
+def _weight_only(placement: Placement, x: jax.Array, projections: list[tuple[str, Scaled, tuple[str, ...]]],
+                 scope: str, implementation: str) -> list[jax.Array]:
     """`matmul(subscripts, x, w)` of x [B, S, ...] by each 8-bit weight of `projections` ((subscripts, weight,
     out) sharing x) in one launch of the grouped weight-only kernel (`weight_only_group`): x as [B S, K], each
     weight's values as [K, N] (a reshape of a row-major array, no copy) with its scale per output channel [N] (or
@@ -136,27 +141,27 @@ def _weight_only(x: jax.Array, projections: list[tuple[str, Scaled, tuple[str, .
         return tuple(y.reshape(B, S, *shape) for y, shape in zip(outs, shapes))
 
     arrays = [t for _, w, _ in projections for t in (w.values, w.scale)]
-    if not current().placed:
+    if not placement.placed:
         return list(local(x, *arrays))
     whole = PartitionSpec()
-    outs = jax.shard_map(local, mesh=current().mesh, in_specs=(whole,) * (1 + len(arrays)),
-                         out_specs=(whole,) * len(projections))(*(placed_as(t, whole) for t in (x, *arrays)))
-    return [constrain(y, out, f"{scope} output") for y, (_, _, out) in zip(outs, projections)]
+    outs = jax.shard_map(local, mesh=placement.mesh, in_specs=(whole,) * (1 + len(arrays)),
+                         out_specs=(whole,) * len(projections))(*(placement.placed_as(t, whole) for t in (x, *arrays)))
+    return [placement.constrain(y, out, f"{scope} output") for y, (_, _, out) in zip(outs, projections)]
 
 
-def fp8_scale(c: ModelConfig, x: jax.Array) -> jax.Array | None:
+def fp8_scale(c: ModelConfig, placement: Placement, x: jax.Array) -> jax.Array | None:
     """In fp8 training, the e4m3 scale of a projections' input x (`quantize.tensor_scale`), taken before x is
     typed as the shared input of several matmuls (`shared_input`), once for all of them; None otherwise."""
-    return tensor_scale(x, c.matmul_format) if c.matmul_format else None
+    return tensor_scale(placement, x, c.matmul_format) if c.matmul_format else None
 
 
-def _padded_rows(x: jax.Array, w: jax.Array) -> int:
+def _padded_rows(placement: Placement, x: jax.Array, w: jax.Array) -> int:
     """The rows the projection of x [B, 1, ...] by w is padded to (`BackendPolicy.pads`: XLA:GPU would run one row
     per device as a multiply and a reduction), or 0 where it runs as it is."""
     if x.shape[1] != 1:
         return 0
     x_local, w_local = _local_shape(x), _local_shape(w)
-    policy = policy_of(compute_device())
+    policy = policy_of(placement.device)
     pads = x_local[0] == 1 and policy.pads(int(np.prod(x_local)), int(np.prod(w_local)))
     return policy.padded_rows if pads else 0
 
@@ -166,10 +171,10 @@ def _local_shape(x: jax.Array) -> tuple[int, ...]:
     return jax.typeof(x).sharding.shard_shape(x.shape)
 
 
-def _padded_matmul(subscripts: str, x: jax.Array, w: jax.Array | Scaled, out: tuple[str, ...], scope: str,
-                   rows: int) -> jax.Array:
+def _padded_matmul(placement: Placement, subscripts: str, x: jax.Array, w: jax.Array | Scaled, out: tuple[str, ...],
+                   scope: str, rows: int) -> jax.Array:
     """`einsum(subscripts, x, w)` for x [B, 1, ...], computed on x with zero rows appended ([B, rows, ...]) and the
     first row kept, so that XLA runs a GEMM (`matmul`); the optimization barrier keeps XLA from folding the zero
     rows away. The extra rows cost nothing measurable where the weights' bytes bound the step."""
     padded = jax.lax.optimization_barrier(jnp.pad(x, [(0, 0), (0, rows - 1)] + [(0, 0)] * (x.ndim - 2)))
-    return matmul(subscripts, padded, w, out, scope)[:, :1]
+    return matmul(placement, subscripts, padded, w, out, scope)[:, :1]

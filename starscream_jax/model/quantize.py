@@ -36,7 +36,7 @@ from flax import nnx
 
 from ..errors import PresetError
 from ..hardware.presets import FP8_PAIRS
-from ..sharding.apply import amax, einsum, encoded_weight, path_name, transposed_einsum
+from ..sharding.apply import Placement, path_name
 
 WEIGHT_FORMATS = ("int8", "float8_e4m3fn", "float8_e4m3fnuz")
 """The 8-bit formats weights and the KV cache can be stored in (JAX dtype names; `hardware.presets.Chip.formats`
@@ -180,20 +180,21 @@ class Fp8Weight(NamedTuple):
     the stored float32 weight, summed over the token axes as `weight` sums it."""
 
 
-def fp8_weight(value: jax.Array, names: tuple[str, ...], format_name: str, dtype, tensor: str) -> Fp8Weight:
-    """Stored weight `value` (logical `names`) as fp8 training's `fp8_einsum` reads it: quantized to `format_name`
-    where it is stored with its current per-tensor scale, gathered in 8 bits."""
+def fp8_weight(placement: Placement, value: jax.Array, names: tuple[str, ...], format_name: str, dtype,
+               tensor: str) -> Fp8Weight:
+    """Stored weight `value` (logical `names`) as fp8 training's `fp8_einsum` reads it under `placement`: quantized
+    to `format_name` where it is stored with its current per-tensor scale, gathered in 8 bits."""
     def encode(stored: jax.Array) -> tuple[jax.Array, jax.Array]:
-        scale = tensor_scale(stored, format_name)
+        scale = tensor_scale(placement, stored, format_name)
         return _scaled_into(stored, scale, format_name), scale
 
-    return Fp8Weight(*encoded_weight(value, names, dtype, tensor, encode))
+    return Fp8Weight(*placement.encoded_weight(value, names, dtype, tensor, encode))
 
 
-def tensor_scale(x: jax.Array, format_name: str) -> jax.Array:
-    """The current scale of x in `format_name`: max |x| over the whole tensor (`amax`) over the format's largest
-    value, float32, replicated, without a gradient (`_current_scale`)."""
-    return _current_scale(amax(jax.lax.stop_gradient(x)), format_name, x.dtype)
+def tensor_scale(placement: Placement, x: jax.Array, format_name: str) -> jax.Array:
+    """The current scale of x in `format_name`: max |x| over the whole tensor (`Placement.amax`) over the format's
+    largest value, float32, replicated, without a gradient (`_current_scale`)."""
+    return _current_scale(placement.amax(jax.lax.stop_gradient(x)), format_name, x.dtype)
 
 
 def _scaled_into(x: jax.Array, scale: jax.Array, format_name: str) -> jax.Array:
@@ -201,9 +202,9 @@ def _scaled_into(x: jax.Array, scale: jax.Array, format_name: str) -> jax.Array:
     return to_format(x.astype(jnp.float32) / scale, format_name)
 
 
-def fp8_einsum(subscripts: str, x: jax.Array, w: Fp8Weight, out: tuple[str, ...], tensor: str,
+def fp8_einsum(placement: Placement, subscripts: str, x: jax.Array, w: Fp8Weight, out: tuple[str, ...], tensor: str,
                x_scale: jax.Array | None = None) -> jax.Array:
-    """`sharding.apply.einsum(subscripts, x, w)` (placed by `out`) as fp8 GEMMs: the forward reads x in e4m3 (its
+    """`placement.einsum(subscripts, x, w)` (placed by `out`) as fp8 GEMMs: the forward reads x in e4m3 (its
     current per-tensor scale, `amax` over the whole tensor) and the weight's e4m3 values; the backward quantizes the
     arriving gradient to the matching e5m2 format (current per-tensor scale) and reads it with the same 8-bit
     operands, the input gradient against the weight's values and the weight gradient against x's. Each GEMM's
@@ -215,31 +216,32 @@ def fp8_einsum(subscripts: str, x: jax.Array, w: Fp8Weight, out: tuple[str, ...]
     (`tensor_scale`) where the caller took it, as it must for an x typed `reduced` (a shared input, whose
     maximum no mesh reduction can take)."""
     if x_scale is None:
-        x_scale = tensor_scale(x, w.values.dtype.name)
-    return _fp8_einsum(subscripts, tuple(out), tensor, x, x_scale, w.values, w.scale, w.anchor)
+        x_scale = tensor_scale(placement, x, w.values.dtype.name)
+    return _fp8_einsum(placement, subscripts, tuple(out), tensor, x, x_scale, w.values, w.scale, w.anchor)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _fp8_einsum(subscripts, out, tensor, x, x_scale, values, scale, anchor):
-    return _fp8_forward(subscripts, out, tensor, x, x_scale, values, scale, anchor)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _fp8_einsum(placement, subscripts, out, tensor, x, x_scale, values, scale, anchor):
+    return _fp8_forward(placement, subscripts, out, tensor, x, x_scale, values, scale, anchor)[0]
 
 
-def _fp8_forward(subscripts, out, tensor, x, x_scale, values, scale, anchor):
+def _fp8_forward(placement, subscripts, out, tensor, x, x_scale, values, scale, anchor):
     x_q = _scaled_into(x, x_scale, values.dtype.name)
-    y = einsum(subscripts, x_q, values, out, tensor, preferred_element_type=x.dtype)
+    y = placement.einsum(subscripts, x_q, values, out, tensor, preferred_element_type=x.dtype)
     return y * (x_scale * scale).astype(x.dtype), (x_q, x_scale, values, scale)
 
 
-def _fp8_backward(subscripts, out, tensor, residuals, gradient):
+def _fp8_backward(placement, subscripts, out, tensor, residuals, gradient):
     x_q, x_scale, values, scale = residuals
     g_format = gradient_format(values.dtype.name)
-    g_scale = tensor_scale(gradient, g_format)
+    g_scale = tensor_scale(placement, gradient, g_format)
     g_q = _scaled_into(gradient, g_scale, g_format)
     inputs, result = subscripts.replace(" ", "").split("->")
     x_letters, w_letters = inputs.split(",")
-    dx = transposed_einsum(f"{result},{w_letters}->{x_letters}", g_q, values, x_q, g_scale * scale, gradient.dtype)
-    dw = transposed_einsum(f"{x_letters},{result}->{w_letters}", x_q, g_q, values, x_scale * g_scale,
-                           gradient.dtype)
+    dx = placement.transposed_einsum(f"{result},{w_letters}->{x_letters}", g_q, values, x_q, g_scale * scale,
+                                     gradient.dtype)
+    dw = placement.transposed_einsum(f"{x_letters},{result}->{w_letters}", x_q, g_q, values, x_scale * g_scale,
+                                     gradient.dtype)
     return dx, None, None, None, dw
 
 

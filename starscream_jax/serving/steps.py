@@ -47,7 +47,7 @@ from ..errors import StarscreamError
 from ..hardware.backend import policy_of
 from ..model.ops import run_sharded
 from ..model.paged import PAGES, PagedCache, pool_shape
-from ..sharding.apply import Jitted, Placement, constrain, jit
+from ..sharding.apply import UNPLACED, Jitted, Placement, constrain, jit
 from ..sharding.layouts import PHASE_DEFAULTS, get_layout
 from ..training.steps import whole_vocabulary
 from .sampling import (
@@ -311,7 +311,7 @@ def forward_step(graphdef, kernel: str, decode: bool = True, *, under: Placement
                            v_scale=pages.get("v_scale"))
         tokens_BS = with_slot_tokens(inputs.tokens, recent, inputs.slot)
         logits_BV, cache, *every_BSV = model.paged(tokens_BS, inputs.positions, inputs.last, cache,
-                                                   every_position=packed.scored)
+                                                   every_position=packed.scored, placement=under or UNPLACED)
         positions_B = inputs.positions[:, 0] + inputs.last  # a row's positions run on from its first
         rows = SamplerRows(sampling=inputs.sampling, position=positions_B + 1, slot=inputs.slot)
         scores = score_prompt(every_BSV[0], inputs.following).packed() if packed.scored else None

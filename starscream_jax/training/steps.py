@@ -40,7 +40,7 @@ from ..hardware.backend import policy_of
 from ..model.config import ModelConfig
 from ..model.decoder import next_token_loss
 from ..model.dense_cache import init_cache
-from ..sharding.apply import LOGICAL_AXES, Jitted, Placement, activation_spec, jit
+from ..sharding.apply import LOGICAL_AXES, UNPLACED, Jitted, Placement, activation_spec, jit
 from ..sharding.layouts import positions_multiple
 from .config import TrainConfig
 
@@ -76,7 +76,7 @@ def train_step(graphdef, optimizer: optax.GradientTransformation, grad_accum: in
 
     @jit(under=under, donate_argnums=(0, 1))
     def step(params, opt_state, rest, tokens_BS):
-        loss, grads = accumulated_gradients(params, rest, tokens_BS, graphdef, grad_accum)
+        loss, grads = accumulated_gradients(params, rest, tokens_BS, graphdef, grad_accum, under or UNPLACED)
         with jax.named_scope("optimizer"):
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss
@@ -84,14 +84,16 @@ def train_step(graphdef, optimizer: optax.GradientTransformation, grad_accum: in
     return step
 
 
-def accumulated_gradients(params, rest, tokens_BS, graphdef, micro_batches: int = 1):
+def accumulated_gradients(params, rest, tokens_BS, graphdef, micro_batches: int = 1,
+                          placement: Placement | None = None):
     """(mean loss, mean gradients) over `micro_batches` equal micro-batches of tokens [B, S + 1], one at a time
-    (one micro-batch: plain value_and_grad). Gradients are float32 and placed like `params`.
+    (one micro-batch: plain value_and_grad), the model traced under `placement` (None: `current()`). Gradients are
+    float32 and placed like `params`.
 
     Micro-batch i holds rows i, i + n, ... (n = micro_batches): the rows [B] split as [B / n, n] keep each device's
     rows on it, and the scan runs over the second dimension."""
     if micro_batches == 1:
-        return jax.value_and_grad(_loss)(params, rest, tokens_BS, graphdef)
+        return jax.value_and_grad(_loss)(params, rest, tokens_BS, graphdef, placement)
     rows, width = tokens_BS.shape
     if rows % micro_batches:
         raise StarscreamError(f"{micro_batches} micro-batches cannot split a batch of {rows} sequences; pass a "
@@ -103,7 +105,7 @@ def accumulated_gradients(params, rest, tokens_BS, graphdef, micro_batches: int 
     tokens_NMS = jnp.swapaxes(tokens_MNS, 0, 1)
 
     def accumulate(total, micro_tokens_MS):
-        loss, grads = jax.value_and_grad(_loss)(params, rest, micro_tokens_MS, graphdef)
+        loss, grads = jax.value_and_grad(_loss)(params, rest, micro_tokens_MS, graphdef, placement)
         return jax.tree.map(jnp.add, total, (loss, grads)), None
 
     zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
@@ -113,7 +115,7 @@ def accumulated_gradients(params, rest, tokens_BS, graphdef, micro_batches: int 
 
 def eval_step(graphdef, *, under: Placement | None) -> Jitted:
     """The jitted evaluation step under `under`: (params, rest, tokens [B, S + 1]) -> mean next-token loss (nats)."""
-    return jit(functools.partial(_loss, graphdef=graphdef), under=under)
+    return jit(functools.partial(_loss, graphdef=graphdef, placement=under or UNPLACED), under=under)
 
 
 def load_balance_step(graphdef, *, under: Placement | None) -> Jitted:
@@ -123,13 +125,13 @@ def load_balance_step(graphdef, *, under: Placement | None) -> Jitted:
 
     @jit(under=under)
     def step(params, rest, tokens_BS):
-        return nnx.merge(graphdef, params, rest)(tokens_BS[:, :-1]).balance_loss
+        return nnx.merge(graphdef, params, rest)(tokens_BS[:, :-1], placement=under or UNPLACED).balance_loss
 
     return step
 
 
-def _loss(params, rest, tokens_BS, graphdef):
-    return next_token_loss(nnx.merge(graphdef, params, rest), tokens_BS)
+def _loss(params, rest, tokens_BS, graphdef, placement: Placement | None = None):
+    return next_token_loss(nnx.merge(graphdef, params, rest), tokens_BS, placement)
 
 
 @dataclass(frozen=True)
@@ -155,8 +157,8 @@ def prefill_step(graphdef, config: ModelConfig, sampling: Sampling, cache_length
     @jit(under=under)
     def step(params, rest, prompt_BP):
         model = nnx.merge(graphdef, params, rest)
-        cache = init_cache(config, prompt_BP.shape[0], cache_length)
-        out = model(_padded_prompt(prompt_BP, under), cache=cache, cache_index=0)
+        cache = init_cache(config, prompt_BP.shape[0], cache_length, under or UNPLACED)
+        out = model(_padded_prompt(prompt_BP, under), cache=cache, cache_index=0, placement=under or UNPLACED)
         return choose_token(_last_real(out.logits, prompt_BP.shape[1]), prompt_BP.shape[1], sampling), out.cache
 
     return step
@@ -196,7 +198,8 @@ def decode_step(graphdef, sampling: Sampling, *, under: Placement | None, eight_
 
     @jit(under=under, donate_argnums=(2,), compiler_options=options)
     def step(params, rest, cache, token_B, position):
-        out = nnx.merge(graphdef, params, rest)(token_B[:, None], cache=cache, cache_index=position)
+        out = nnx.merge(graphdef, params, rest)(token_B[:, None], cache=cache, cache_index=position,
+                                                placement=under or UNPLACED)
         return choose_token(out.logits[:, 0], position + 1, sampling), out.cache
 
     return step

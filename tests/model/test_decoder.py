@@ -410,3 +410,49 @@ def test_one_row_decode_projections_run_on_padded_rows_and_compute_the_same(mesh
     # q, k, v, o, gate, up, down: every tiny weight is small (the layer's body is lowered once per layer or once)
     assert none == 0 and barriers > 0 and barriers % 7 == 0
     np.testing.assert_allclose(np.asarray(padded), np.asarray(plain), atol=FP32_TOLERANCE)
+
+
+PLACEMENT_CASES = [("tiny", "starscream_tp", "train"), ("tiny", "starscream_decode", "decode"),
+                   ("tiny", "starscream_decode", "paged"), ("tiny-moe", "starscream_ep", "train"),
+                   ("tiny", "starscream_fsdp", "train")]
+
+
+@pytest.mark.parametrize("config_name, layout, phase", PLACEMENT_CASES)
+def test_the_model_places_by_the_placement_it_is_handed_not_by_an_active_layout(config_name, layout, phase):
+    """The library's steps hand the model its placement: traced with only JAX's mesh set (no layout active), the
+    training loss and gradients, a decode step over a dense cache and a step over the paged cache lower to the same
+    program as under `use_layout`, so no helper on their path reads the active layout. A helper that did would
+    place nothing without it, and the programs would differ."""
+    from starscream_jax.model.paged import PAGES, TABLE, PagedCache, init_pages, pool_shape
+    from starscream_jax.sharding.apply import Placement
+
+    config, graphdef, params, _ = reference(config_name)
+    mesh = mesh_of("1x2x4")
+    placement = Placement.of(layout, mesh)
+    placed = jax.device_put(params, param_shardings(params, layout, mesh))
+    tokens_BS = jax.device_put(sample_tokens(config), batch_sharding(layout, mesh, BATCH))
+
+    def traced(params, tokens_BS):
+        model = nnx.merge(graphdef, params)
+        if phase == "train":
+            return jax.value_and_grad(lambda p: next_token_loss(nnx.merge(graphdef, p), tokens_BS, placement))(params)
+        if phase == "decode":
+            cache = init_cache(config, BATCH, SEQ, placement)
+            return model(tokens_BS[:, :1], cache=cache, cache_index=3, placement=placement).logits
+        shards = 4  # the pools' pages and the rows over the 4 partitions of each GPU (xcd)
+        shape = pool_shape(shards * (BATCH // shards * 4 + 1), 4, config.n_kv_heads, config.head_dim)
+        pools = init_pages(config.n_layers, shape, jnp.float32, placement.sharding(PAGES, shape))
+        local_BM = jnp.arange(4, dtype=jnp.int32)[None, :] + 1 + 4 * (jnp.arange(BATCH)[:, None] % 2)
+        table = placement.constrain(local_BM, TABLE)  # each shard's two rows: its pages 1-4 and 5-8 (0 is null)
+        cache = PagedCache(k=pools, v=pools, table=table)
+        positions_BS = jnp.broadcast_to(jnp.arange(SEQ // 2), (BATCH, SEQ // 2))
+        return model.paged(tokens_BS[:, :SEQ // 2], positions_BS, jnp.full((BATCH,), SEQ // 2 - 1), cache,
+                           placement=placement)[0]
+
+    program = jax.jit(traced)
+    with jax.set_mesh(mesh):
+        handed = program.lower(placed, tokens_BS).as_text()
+    with use_layout(layout, mesh):
+        active = program.lower(placed, tokens_BS).as_text()
+    assert "sdy.sharding" in handed or "mhlo.sharding" in handed
+    assert handed == active

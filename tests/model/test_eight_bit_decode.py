@@ -58,7 +58,7 @@ def _decode_logits(implementation: str, monkeypatch, layout=None):
     """Logits [3, 1, V] of one decode step of the 2-layer tiny model with an int8 cache of 64 positions holding
     3 written ones, decode attention by `implementation` ("interpret": the kernel; "": the XLA form), unsharded or
     under `layout` on one device."""
-    monkeypatch.setattr(ops, "_eight_bit_decode_implementation", lambda *shape: implementation)
+    monkeypatch.setattr(ops, "_eight_bit_decode_implementation", lambda *shape, device=None: implementation)
     config = load_model_config("tiny").replace(n_layers=2, dtype="bfloat16", kv_format="int8")
     with contextlib.ExitStack() as stack:
         if layout:

@@ -170,7 +170,7 @@ def test_the_gather_path_decodes_8_bit_pages_on_the_decode_kernel_where_chosen(m
                        v_scale=scales_v)
     positions = jnp.array([[9], [5]], jnp.int32)
     expected, _ = jax.jit(lambda *args: paged_attention(*args))(q, k, v, positions, cache)  # fresh: no cached trace
-    monkeypatch.setattr(ops, "_eight_bit_decode_implementation", lambda *shape: "interpret")
+    monkeypatch.setattr(ops, "_eight_bit_decode_implementation", lambda *shape, device=None: "interpret")
     assert "pallas_call" in str(jax.make_jaxpr(lambda *args: paged_attention(*args))(q, k, v, positions, cache))
     got, _ = jax.jit(lambda *args: paged_attention(*args))(q, k, v, positions, cache)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-2, atol=1e-2)

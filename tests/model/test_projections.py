@@ -14,7 +14,7 @@ from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.decoder import Transformer, create_sharded_model
 from starscream_jax.model.dense_cache import init_cache
-from starscream_jax.sharding.apply import use_layout
+from starscream_jax.sharding.apply import UNPLACED, use_layout
 
 
 def test_only_projections_xla_would_reduce_are_padded_and_only_on_cuda(monkeypatch):
@@ -23,7 +23,7 @@ def test_only_projections_xla_would_reduce_are_padded_and_only_on_cuda(monkeypat
     from starscream_jax.model import projections
 
     def padded(batch: int, weight_shape) -> bool:
-        return projections._padded_rows(jax.ShapeDtypeStruct((batch, 1, 4096), jnp.bfloat16),
+        return projections._padded_rows(UNPLACED, jax.ShapeDtypeStruct((batch, 1, 4096), jnp.bfloat16),
                                         jax.ShapeDtypeStruct(weight_shape, jnp.bfloat16)) > 1
 
     assert not padded(1, (4096, 8, 128))  # this machine's devices run the portable policy

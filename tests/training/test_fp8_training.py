@@ -24,7 +24,7 @@ from starscream_jax.hardware.presets import load_chip
 from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.decoder import Transformer, create_sharded_model, next_token_loss
 from starscream_jax.model.quantize import fp8_einsum, fp8_weight, largest
-from starscream_jax.sharding.apply import Placement, batch_sharding, use_layout
+from starscream_jax.sharding.apply import UNPLACED, Placement, batch_sharding, use_layout
 from starscream_jax.training.config import TrainConfig
 from starscream_jax.training.loop import check_resumable, resume_changes
 from starscream_jax.training.steps import make_optimizer, train_step
@@ -106,8 +106,8 @@ def test_an_fp8_einsum_reads_8_bit_operands_forward_and_backward():
     g = jax.random.normal(jax.random.key(2), (16, 32)) * 1e-3
 
     def project(x, w):
-        return fp8_einsum("bd,dn->bn", x, fp8_weight(w, ("embed", "mlp"), "float8_e4m3fn", "float32", "w"),
-                          ("batch", "mlp"), "w")
+        weight = fp8_weight(UNPLACED, w, ("embed", "mlp"), "float8_e4m3fn", "float32", "w")
+        return fp8_einsum(UNPLACED, "bd,dn->bn", x, weight, ("batch", "mlp"), "w")
 
     y, pullback = jax.vjp(project, x, w)
     x8, w8, g8 = _rounded(x, "float8_e4m3fn"), _rounded(w, "float8_e4m3fn"), _rounded(g, "float8_e5m2")
