@@ -202,7 +202,7 @@ def _decode_over_8_bit_cache(q_B1HE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK, p
     return out_BKGE.reshape(B, 1, H, E).astype(q_B1HE.dtype)
 
 
-def _cached_attention(q_BSHE, cache_k_BTKE, cache_v_BTKE, positions_BS, device):
+def _cached_attention(q_BSHE, cache_k_BTKE, cache_v_BTKE, positions_BS, device=None):
     """Attention of the queries at `positions` [B, S] to a cache [B, T, K, E] of one layer: each query sees the
     cached positions up to its own. Decode (S = 1): the positions a query sees are a prefix of the cache, given as
     `key_value_seq_lengths` [B] (position + 1), which cuDNN's fused kernel takes on NVIDIA GPUs (reading the cache

@@ -414,7 +414,9 @@ def test_one_row_decode_projections_run_on_padded_rows_and_compute_the_same(mesh
 
 PLACEMENT_CASES = [("tiny", "starscream_tp", "train"), ("tiny", "starscream_decode", "decode"),
                    ("tiny", "starscream_decode", "paged"), ("tiny-moe", "starscream_ep", "train"),
-                   ("tiny", "starscream_fsdp", "train")]
+                   pytest.param("tiny", "starscream_fsdp", "train", marks=pytest.mark.slow)]
+"""Training, decode over the dense cache, the paged step and the routed block by default; another training layout
+(the same functions under other rules) with `-m slow`."""
 
 
 @pytest.mark.parametrize("config_name, layout, phase", PLACEMENT_CASES)
