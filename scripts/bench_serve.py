@@ -411,7 +411,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, small workloads, CPU")
     parser.add_argument("--engine-only", type=Path, help=argparse.SUPPRESS)  # the child of step 2: its JSON path
     parser.add_argument("--transformers-only", type=Path, help=argparse.SUPPRESS)  # the child of step 4
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.static_generate < 0:
+        parser.error(f"--static-generate {args.static_generate}: give the rows of each static batch (at least 1), "
+                     "or leave it out")
+    return args
 
 
 def workloads_of(args) -> list[Workload]:
@@ -560,18 +564,19 @@ def engine_only(args, argv) -> int:
             result["runs"].append(row)
             print(row_line(workload, "in_process", label, row), flush=True)
         if args.static_generate:
-            static = static_generate(engine, prompts, outputs, warm[0], args.static_generate)
+            static = static_generate(engine, prompts, outputs, args.static_generate)
             result.setdefault("static_generate", []).append({"workload": dataclasses.asdict(workload), **static})
             print(f"{workload.name} static generate: {json.dumps(static)}", flush=True)
     harness.write_json(args.engine_only, result)
     return 0
 
 
-def static_generate(engine, prompts, outputs, warm_prompts, batch: int) -> dict:
+def static_generate(engine, prompts, outputs, batch: int) -> dict:
     """The library's static `generate` (prefill, then decode of the whole batch to the end) over `prompts`, `batch`
-    rows at a time, on the engine's own weights and mesh, greedy as the engine's runs: its output tokens/s once a
-    batch of `warm_prompts` of each size has compiled its programs. Needs prompts of one length, outputs of one
-    length, and 16-bit weights (the engine holds 8-bit ones per layer, `split_layer_weights`)."""
+    rows at a time, on the engine's own weights and mesh, greedy as the engine's runs: its output tokens/s over the
+    seconds its programs ran (`Generation`'s phase rates; `generate` compiles its programs at each call, and the
+    engine's were compiled at start). Needs prompts of one length, outputs of one length, and 16-bit weights (the
+    engine holds 8-bit ones per layer, `split_layer_weights`)."""
     from flax import nnx
 
     from starscream_jax.inference.generate import generate
@@ -581,12 +586,14 @@ def static_generate(engine, prompts, outputs, warm_prompts, batch: int) -> dict:
     if engine.model_config.weight_format:
         return {"skipped": f"{engine.model_config.weight_format} weights are held per layer by the engine"}
     model = nnx.merge(engine.graphdef, engine.params, engine.rest)
-    chunks = [np.asarray(prompts[start:start + batch]) for start in range(0, len(prompts), batch)]
-    for rows in sorted({len(chunk) for chunk in chunks}):
-        generate(model, np.asarray(warm_prompts[:rows]), outputs[0], mesh=engine.mesh)
-    started = time.perf_counter()
-    produced = sum(generate(model, chunk, outputs[0], mesh=engine.mesh).tokens.size for chunk in chunks)
-    seconds = time.perf_counter() - started
+    produced, seconds = 0, 0.0
+    for start in range(0, len(prompts), batch):
+        chunk = np.asarray(prompts[start:start + batch])
+        run = generate(model, chunk, outputs[0], mesh=engine.mesh)
+        rows, decoded = chunk.shape[0], run.tokens.shape[1] - 1
+        seconds += rows * chunk.shape[1] / run.prefill_tokens_per_s
+        seconds += rows * decoded / run.decode_tokens_per_s if decoded else 0.0
+        produced += run.tokens.size
     return {"batch": batch, "seconds": seconds, "output_tokens_per_s": produced / seconds}
 
 

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec
 
 from ..errors import StarscreamError
 from ..hardware.axes import dim_axes
-from ..sharding.apply import Placement, current, param, placed_explicitly
+from ..sharding.apply import Placement, param, placed_by, placed_explicitly
 from ..sharding.at_use import create_sharded
 from ..sharding.layouts import Layout
 from .config import ModelConfig
@@ -64,7 +64,7 @@ def rms_norm(x_BSD: jax.Array, scale_D: jax.Array, eps: float, plus_one: bool = 
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     if plus_one:
         scale_D = 1.0 + scale_D.astype(jnp.float32)
-    return (placement or current()).scale(normed, scale_D, ("norm",), "norm scale").astype(x_BSD.dtype)
+    return placed_by(placement).scale(normed, scale_D, ("norm",), "norm scale").astype(x_BSD.dtype)
 
 
 def _norm(c: ModelConfig, placement: Placement, x: jax.Array, scale_D: jax.Array) -> jax.Array:
@@ -183,7 +183,7 @@ class Transformer(nnx.Module):
         `cache_room`), None without a cache, and the mixture of experts' load-balancing loss (mean over layers; 0
         for a dense model). `placement`: where its arrays go (the library's steps pass theirs; None: `current()`,
         the layout `use_layout` makes active around a call of your own)."""
-        c, placement = self.config, placement or current()
+        c, placement = self.config, placed_by(placement)
         fits = None if cache is None else cache_room(cache, cache_index, tokens_BS.shape[1])
         if positions_BS is None:
             positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]) + cache_index, tokens_BS.shape)
@@ -203,7 +203,7 @@ class Transformer(nnx.Module):
         [B] (only those rows reach the final norm and the vocabulary projection) and the updated cache; with
         `every_position` (a prompt's log-probabilities) also the logits [B, S, V] float32 of every position.
         `placement` as `__call__` takes it."""
-        c, placement = self.config, placement or current()
+        c, placement = self.config, placed_by(placement)
         table_VD, x_BSD = self._embed(placement, tokens_BS)
         positions_BS = placement.constrain(positions_BS, POSITIONS, "positions")
         layers = []
@@ -481,7 +481,7 @@ def next_token_loss(model: Transformer, tokens_BS: jax.Array, placement: Placeme
     """Mean cross entropy (nats) of predicting tokens[:, 1:] from tokens[:, :-1]; vocab-parallel under a layout;
     plus `load_balance_weight` times the load-balancing loss for a mixture of experts. tokens [B, S + 1] int32,
     placed like a token batch (`batch_sharding`). `placement` as `Transformer.__call__` takes it."""
-    placement = placement or current()
+    placement = placed_by(placement)
     logits_BSV, _, balance = model(tokens_BS[:, :-1], placement=placement)
     targets_BS = placement.constrain(tokens_BS[:, 1:], TOKENS, "targets")
     with jax.named_scope("loss"):

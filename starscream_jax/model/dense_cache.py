@@ -16,7 +16,7 @@ from jax.tree_util import register_dataclass
 
 from ..errors import StarscreamError
 from ..hardware.axes import dim_axes
-from ..sharding.apply import Placement, current
+from ..sharding.apply import Placement, placed_by
 from ..sharding.collectives import hierarchical_all_gather
 from ..sharding.layouts import Layout
 from .config import ModelConfig
@@ -139,7 +139,7 @@ def write_cache(part: DenseLayer, index, k_BSKE: jax.Array, v_BSKE: jax.Array,
     (`cache_seq`), each device writes the new positions it owns into its own slots (`_write_owned`). An 8-bit cache
     gets the new keys and values in its format with their scales (`quantize_cache_entry`), the scales written where
     their positions are. `placement`: where the cache lives (None: `current()`)."""
-    placement = placement or current()
+    placement = placed_by(placement)
     layer, cache = part.layer, part.entries()
     one_layer = layer is None
     new = {"k": k_BSKE, "v": v_BSKE}
@@ -215,7 +215,7 @@ def cache_entries(config: ModelConfig, batch: int, length: int) -> DenseCache:
 def init_cache(config: ModelConfig, batch: int, max_len: int, placement: Placement | None = None) -> DenseCache:
     """An empty stacked KV cache (`cache_entries`), placed by `placement` (None: `current()`; kv heads over gpu and
     batch over xcd under the starscream layouts)."""
-    placement = placement or current()
+    placement = placed_by(placement)
     return DenseCache(**{name: placement.constrain(jnp.zeros(entry.shape, entry.dtype), CACHE_NAMES[name], "kv cache")
                          for name, entry in cache_entries(config, batch, max_len).entries().items()})
 
@@ -224,7 +224,7 @@ def split_cache(cache: DenseCache, placement: Placement | None = None) -> DenseC
     """A stacked KV cache held as one array per layer: each field L arrays of one layer's ([B, T, K, E], scales
     [B, T, K]), placed by the cache's rules under `placement` (None: `current()`; copies: call once, as generation
     does before its decode loop)."""
-    placement = placement or current()
+    placement = placed_by(placement)
     return DenseCache(**{name: tuple(placement.constrain(layer, CACHE_NAMES[name][1:], "kv cache") for layer in stacked)
                          for name, stacked in cache.entries().items()})
 

@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec
 
 from ..errors import ShardingRuleError
 from ..hardware.axes import dim_axes, spec_axes
-from ..sharding.apply import Placement, current
+from ..sharding.apply import Placement, placed_by
 from ..sharding.collectives import hierarchical_all_gather, hierarchical_psum
 from .config import ModelConfig
 from .grouped_matmul import default_implementation, grouped_matmul
@@ -211,7 +211,7 @@ def routed_mlp(c: ModelConfig, h_BSD: jax.Array, w: RoutedMlpWeights,
     `w`: one layer's router [D, X] and expert weights w_gate / w_up [X, D, F], w_down [X, F, D] as stored (8-bit
     ones with their scales, dequantized to the compute dtype here: the grouped matmul reads one dtype).
     `placement`: where it runs (None: `current()`)."""
-    w, placement = _in_compute_dtype(c, w), placement or current()
+    w, placement = _in_compute_dtype(c, w), placed_by(placement)
     if not placement.placed:
         return _per_device(c, _ExpertAxes(), h_BSD, w)
     h_BSD = placement.constrain(h_BSD, RESIDUAL, "moe input")

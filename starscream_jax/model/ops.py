@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec
 from ..errors import ShardingRuleError
 from ..hardware.axes import axes_of, dim_axes, spec_axes
 from ..hardware.backend import policy_of
-from ..sharding.apply import Placement, compute_device, current
+from ..sharding.apply import Placement, compute_device, placed_by
 from ..sharding.collectives import hierarchical_all_gather, hierarchical_psum
 from ..sharding.rules import LogicalNames
 from .names import ATTN_KV, ATTN_Q, CACHE, CACHE_SCALE, LOGITS, POSITIONS, RESIDUAL, TOKENS
@@ -87,7 +87,7 @@ def run_sharded(local_fn, args, names: list[LogicalNames | None], outs: list[tup
     of each result; `specs` hands the local function each argument's PartitionSpec so it knows which axes shard
     which dimension. `check_vma=False` for a local function whose kernels (Pallas) do not say how their outputs
     vary over the mesh axes."""
-    placement = placement or current()
+    placement = placed_by(placement)
     if not placement.placed:
         return local_fn(*args, specs=[PartitionSpec()] * len(args))
     specs = [PartitionSpec() if n is None else placement.activation_spec(n, a.shape, tensor)
@@ -255,7 +255,7 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: DenseLayer | None = N
     """
     n_heads, n_kv = q_BSHE.shape[2], k_BSKE.shape[2]
     group = n_heads // n_kv
-    placement = placement or current()
+    placement = placed_by(placement)
     device = placement.device
 
     def local(q, k, v, pos, *rest, specs):
@@ -361,7 +361,7 @@ def embed_lookup(table_VD, tokens_BS, out: LogicalNames = RESIDUAL, placement: P
     (`create_sharded`; its D split inside the GPU) or as used (`weight`): one stored otherwise than the layout uses
     it is first taken as `weight(table, ("vocab", "embed"))` does, gathered inside the GPU, its gradient summed back
     into the stored shards. Explicit and Auto mesh axes alike."""
-    placement = placement or current()
+    placement = placed_by(placement)
     if not placement.placed:
         return jnp.take(table_VD, tokens_BS, axis=0)
     out_spec = placement.activation_spec(out, (*tokens_BS.shape, table_VD.shape[1]), "embedding")

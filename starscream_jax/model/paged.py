@@ -27,7 +27,7 @@ from jax.tree_util import register_dataclass
 
 from ..errors import StarscreamError
 from ..hardware.axes import dim_axes
-from ..sharding.apply import Placement, current
+from ..sharding.apply import Placement, placed_by
 from .quantize import quantize_cache_entry
 from .names import ATTN_KV, ATTN_Q, POSITIONS
 from ..jax_private import cudnn_paged_decode
@@ -129,7 +129,7 @@ def paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: PagedLayer, opt
     group = q_BSHE.shape[2] // k_BSKE.shape[2]
     eight_bit = cache.k_scale is not None
     windows = [] if window is None else [jnp.asarray(window, jnp.int32)]
-    placement = placement or current()
+    placement = placed_by(placement)
 
     def local(q, k, v, positions, table, *rest, specs):
         window, pools = (rest[0] if windows else None), _written(rest[len(windows):], k, v, positions, table)

@@ -13,11 +13,11 @@ arrays and their G scale arrays as separate operands. The grid is (column blocks
 of K); program (b, s) finds the weight whose blocks contain b from static offsets (`pl.when` per weight), streams
 its [K / splits, cols] part in steps of `depth` rows, converts each 8-bit tile to x's dtype in registers (exact:
 int8 and e4m3 values are bf16 values; or to float16, `Blocks.convert`), accumulates in float32 (a tensor-core
-dot on rows padded to 16, or, for 1-4 rows, a multiply and a sum), and multiplies by the weight's scales in the epilogue. All weights write into one
-output [splits, rows, N_0 + .. + N_{G-1}] (column block b at columns b * cols), so that the splits' float32
-partials are summed and cast by one XLA reduction for the whole group, and each projection is a slice of it that
-XLA fuses into its consumer (rope, the cache write, SwiGLU). One block size for the whole group: the columns a
-block takes divide every N_g, the depth divides the shared K.
+dot on rows padded to 16, or, for 1-4 rows, a multiply and a sum), and multiplies by the weight's scales in the
+epilogue. All weights write into one output [splits, rows, N_0 + .. + N_{G-1}] (column block b at columns
+b * cols), so that the splits' float32 partials are summed and cast by one XLA reduction for the whole group, and
+each projection is a slice of it that XLA fuses into its consumer (rope, the cache write, SwiGLU). One block size
+for the whole group: the columns a block takes divide every N_g, the depth divides the shared K.
 """
 from __future__ import annotations
 

@@ -403,6 +403,17 @@ def current() -> Placement:
     return _ACTIVE.value or UNPLACED
 
 
+def placed_by(placement: Placement | None) -> Placement:
+    """The placement a model function runs under: the one it was handed (the library's steps hand theirs), or
+    `current()` for None (your own call under `use_layout`). Anything else is refused in one line."""
+    if placement is None:
+        return current()
+    if not isinstance(placement, Placement):
+        raise ShardingRuleError(f"placement {placement!r} is not a Placement; pass Placement.of(layout, mesh), or "
+                                "leave it out inside use_layout(layout, mesh)")
+    return placement
+
+
 def placed_explicitly(x: jax.Array) -> bool:
     """Whether `x`'s type carries its placement: traced on a mesh whose axes are Explicit (False outside a mesh and
     on Auto axes, where XLA's propagation places it). Read from the array, not from the active layout."""
@@ -448,7 +459,8 @@ def read_at_use(value: jax.Array, names: LogicalNames, tensor: str = "weight") -
 
 
 def encoded_weight(value: jax.Array, names: LogicalNames, dtype, tensor: str,
-                   encode: Callable[[jax.Array], tuple[jax.Array, jax.Array]]) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   encode: Callable[[jax.Array], tuple[jax.Array, jax.Array]]
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`Placement.encoded_weight` under `current()`."""
     return current().encoded_weight(value, names, dtype, tensor, encode)
 

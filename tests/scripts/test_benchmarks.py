@@ -41,3 +41,9 @@ def test_quick_run_stores_its_figures_and_the_command_it_was_given(name, tmp_pat
     assert meta["platform"] == "cpu" and meta["jax"] and meta["date"].startswith("20")
     assert len(result) > 1  # figures beside the metadata
     assert "peer_rows" not in result and "PyTorch" not in json.dumps(result.get("rows", []))  # --quick skips them
+
+
+def test_bench_serve_refuses_a_static_batch_below_one_before_it_starts(capsys):
+    with pytest.raises(SystemExit):
+        load("bench_serve").parse_args(["--static-generate", "-4"])
+    assert "--static-generate -4: give the rows of each static batch" in capsys.readouterr().err

@@ -36,6 +36,7 @@ from starscream_jax.sharding.apply import (
     param,
     param_shardings,
     param_specs,
+    placed_by,
     placed_explicitly,
     shared_input,
     use_layout,
@@ -475,3 +476,14 @@ def test_batch_sharding_refuses_a_batch_the_layout_does_not_divide_with_how_to_f
         ss.batch_sharding("starscream_tp", mesh, 2)
     fitted = ss.fit_batch("starscream_tp", mesh, batch=2, positions=16)
     assert ss.batch_sharding(fitted, mesh, 2).spec == P("data", None)
+
+
+def test_a_model_function_takes_a_placement_or_the_active_one_and_refuses_anything_else():
+    mesh = build_mesh("2x4")
+    assert placed_by(None).placed is False  # no layout active: nothing placed
+    with use_layout("starscream_tp", mesh):
+        assert placed_by(None) == Placement.of("starscream_tp", mesh)
+    given = Placement.of("gpu_tp", mesh)
+    assert placed_by(given) is given
+    with pytest.raises(ShardingRuleError, match="'starscream_tp' is not a Placement; pass Placement.of"):
+        placed_by("starscream_tp")
