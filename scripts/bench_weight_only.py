@@ -134,21 +134,21 @@ LAYER_GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))
 """The projections that share an input, one launch each on the grouped kernel."""
 
 
-LAYER_ALTERNATIVE_BLOCKS = ({"convert": "half"}, {"convert": "half", "stages": 6},
+LAYER_ALTERNATIVE_BLOCKS = ({"convert": "cast"}, {"convert": "half"}, {"convert": "half", "stages": 6},
                             {"convert": "half", "depth": 128, "warps": 8}, {"stages": 6}, {"depth": 128, "warps": 8})
-"""Tilings of the grouped kernel tried beside its choice (`weight_only_group.blocks_for`) with --layer-alternatives.
-Moving 16 KB a loop step or pipelining deeper gave no gain at one row (run 64: 1.26x bf16 at best, int8 reading at
-1.6-1.7 TB/s), so the conversion is the suspect: int8 to bfloat16 takes two conversion instructions a weight, at a
-quarter of the arithmetic rate; "half" converts through float16's bits (`weight_only.Blocks.convert`)."""
+"""Tilings of the grouped kernel tried beside its choice (`weight_only_group.blocks_for`) with --layer-alternatives:
+each conversion (`weight_only.Blocks.convert`: the other one is the choice's alternative), 16 KB a loop step, deeper
+pipelines. Over seven rounds on the H200 (h200_weight_only_layer_rounds7.json) float16 won for e4m3 weights at 1 and 16
+rows, now their choice, and lost for int8; no tiling beat the choice by more than the rounds' spread."""
 
 
-def grouped_blocks(rows: int, fields: dict):
-    """`weight_only_group.blocks_for(rows)` with `fields` replaced (a weight_only.Blocks)."""
+def grouped_blocks(rows: int, format_name: str, fields: dict):
+    """`weight_only_group.blocks_for(rows, format)` with `fields` replaced (a weight_only.Blocks)."""
     import dataclasses
 
     from starscream_jax.model.weight_only_group import blocks_for
 
-    return dataclasses.replace(blocks_for(rows), **fields)
+    return dataclasses.replace(blocks_for(rows, format_name), **fields)
 
 
 def layer_function(name: str, implementation: str, config, blocks=None):
@@ -207,7 +207,7 @@ def layer_programs(config, rows: int, format_name: str, implementation: str, alt
                        sum(w.nbytes for w in floats[0].values()) if name == "bf16" else eight_bit_bytes)
     for fields in alternatives:
         name = "grouped " + ",".join(f"{key}={value}" for key, value in fields.items())
-        function = layer_function(name, implementation, config, grouped_blocks(rows, fields))
+        function = layer_function(name, implementation, config, grouped_blocks(rows, format_name, fields))
         found[name] = ((jax.jit(function, compiler_options=decode_options or None), (xs, layers)), eight_bit_bytes)
     return found
 

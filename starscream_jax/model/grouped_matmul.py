@@ -39,7 +39,8 @@ class Blocks:
     of the square block of an expert's weight gradient that one program of the weight-gradient kernel sums (a tile
     of rows per step); group: row blocks a column block visits before the next (programs that run together share
     weights and rows in L2); warps and stages: Triton's launch width and pipeline depth. cols and warps None: by the
-    tile (`cols_and_warps`)."""
+    tile (`cols_and_warps`). shared_memory: the bytes one program may use, which cut the blocks and stages
+    (`_fitted`); None: the compiling device's (`shared_memory_bytes`), which `grouped_matmul` fills in."""
 
     cols: int | None = None
     depth: int = 64
@@ -47,6 +48,7 @@ class Blocks:
     group: int = 8
     warps: int | None = None
     stages: int = 3
+    shared_memory: int | None = None
 
     def __post_init__(self):
         sizes = {"cols": 128 if self.cols is None else self.cols, "depth": self.depth,
@@ -71,10 +73,13 @@ def default_implementation() -> str:
 
 
 def grouped_matmul(x_RK: jax.Array, w_GKF: jax.Array, padded_sizes_G: jax.Array, tile: int,
-                   implementation: str = "xla", blocks: Blocks = DEFAULT_BLOCKS) -> jax.Array:
+                   implementation: str = "xla", blocks: Blocks = DEFAULT_BLOCKS, device=None) -> jax.Array:
     """out [R, F]: each tile of `tile` rows of x [R, K] times its group's weights w [G, K, F] (module docstring).
     Operands of different dtypes are promoted to a common one first, as `jnp.matmul` does (the kernels multiply
-    blocks of one dtype)."""
+    blocks of one dtype). `device`: the one the program compiles for (None: `compute_device()`), whose shared
+    memory the Pallas kernels' blocks are cut to unless `blocks.shared_memory` says."""
+    if implementation == "pallas" and blocks.shared_memory is None:
+        blocks = dataclasses.replace(blocks, shared_memory=shared_memory_bytes(device or compute_device()))
     dtype = jnp.result_type(x_RK, w_GKF)
     return _grouped_matmul(x_RK.astype(dtype), w_GKF.astype(dtype), padded_sizes_G, tile, implementation, blocks)
 
@@ -204,7 +209,7 @@ def _fitted(blocks: Blocks, depth_block: int, col_block: int, bytes_per_stage, i
     stages = blocks.stages
     if interpret:
         return depth_block, col_block, stages
-    available = shared_memory_bytes(compute_device())
+    available = blocks.shared_memory
     while bytes_per_stage(depth_block, col_block) * stages > available:
         if stages > 1:
             stages -= 1

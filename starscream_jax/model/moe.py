@@ -76,7 +76,7 @@ def route(h_TD: jax.Array, router_DX: jax.Array, k: int, normalize_gates: bool, 
 
 
 def expert_outputs(h_TD, gates_TK, experts_TK, w_gate_XDF, w_up_XDF, w_down_XFD, first_expert=0,
-                   implementation: str | None = None, total=None) -> jax.Array:
+                   implementation: str | None = None, total=None, device=None) -> jax.Array:
     """[T, D]: the sum over each token's assignments to experts first_expert .. first_expert + X_local - 1 (the
     experts whose weights [X_local, ...] are given) of gate x SwiGLU expert(token); other assignments add nothing.
 
@@ -89,7 +89,8 @@ def expert_outputs(h_TD, gates_TK, experts_TK, w_gate_XDF, w_up_XDF, w_down_XFD,
     kernel on a GPU, batched matmuls of the tiles elsewhere). N = ceil(T k / M) + X_local tiles hold every
     assignment whichever experts they chose, so none is dropped; the FLOPs are those of the local experts' rows
     plus at most X_local x M padding rows (the Pallas kernel skips the tiles past them; the batched matmuls run all
-    N tiles: the T x k rows on a device that holds some of the experts)."""
+    N tiles: the T x k rows on a device that holds some of the experts). `device`: the one the program compiles
+    for (`grouped_matmul`'s)."""
     tokens, k = experts_TK.shape
     local_experts, d_model, _ = w_gate_XDF.shape
     rows = tokens * k
@@ -114,7 +115,7 @@ def expert_outputs(h_TD, gates_TK, experts_TK, w_gate_XDF, w_up_XDF, w_down_XFD,
 
     def per_expert(name, rows_RK, weights_XKF):
         with jax.named_scope(name):
-            return grouped_matmul(rows_RK, weights_XKF, padded_X, tile, implementation)
+            return grouped_matmul(rows_RK, weights_XKF, padded_X, tile, implementation, device=device)
 
     gate_RF, up_RF = per_expert("gate", x_RD, w_gate_XDF), per_expert("up", x_RD, w_up_XDF)
     if total is not None:
@@ -213,12 +214,12 @@ def routed_mlp(c: ModelConfig, h_BSD: jax.Array, w: RoutedMlpWeights,
     `placement`: where it runs (None: `current()`)."""
     w, placement = _in_compute_dtype(c, w), placed_by(placement)
     if not placement.placed:
-        return _per_device(c, _ExpertAxes(), h_BSD, w)
+        return _per_device(c, _ExpertAxes(), placement.device, h_BSD, w)
     h_BSD = placement.constrain(h_BSD, RESIDUAL, "moe input")
     token_spec = placement.activation_spec(RESIDUAL, h_BSD.shape, "moe input")
     specs = jax.tree.map(lambda value: jax.typeof(value).sharding.spec, w)
     mesh_axes = _expert_axes(placement, w.w_gate.shape, specs, token_spec)
-    mapped = jax.shard_map(functools.partial(_per_device, c, mesh_axes), mesh=placement.mesh,
+    mapped = jax.shard_map(functools.partial(_per_device, c, mesh_axes, placement.device), mesh=placement.mesh,
                            in_specs=(token_spec, specs), out_specs=(token_spec, PartitionSpec()))
     out_BSD, balance = mapped(h_BSD, w)
     return placement.constrain(out_BSD, RESIDUAL, "moe output"), balance
@@ -303,11 +304,11 @@ def _contract_axes(placement: Placement, w_gate_shape, specs: RoutedMlpWeights,
     return contract
 
 
-def _per_device(c: ModelConfig, mesh_axes: _ExpertAxes, h_BSD, w: RoutedMlpWeights):
+def _per_device(c: ModelConfig, mesh_axes: _ExpertAxes, device, h_BSD, w: RoutedMlpWeights):
     """The block on the tokens and experts one device holds (the whole block outside a layout): gather the
     dimensions `mesh_axes` names, route, run the local experts (contractions over an embed dim kept split completed
     by a sum over `mesh_axes.contract`), sum the partial outputs over the combine axes and the load-balancing
-    statistics over the token axes."""
+    statistics over the token axes. `device`: the one the program compiles for."""
     h_BSD = hierarchical_all_gather(h_BSD, mesh_axes.token_embed, 2)
     router_DX = w.router
     for dim, axes in enumerate(mesh_axes.router):
@@ -321,7 +322,8 @@ def _per_device(c: ModelConfig, mesh_axes: _ExpertAxes, h_BSD, w: RoutedMlpWeigh
     if mesh_axes.combine:  # typed as differing over the experts' axes before the experts use it: its gradient sums
         h_TD = jax.lax.pcast(h_TD, mesh_axes.combine, to="varying")  # there (the gather by expert would not say so)
     first_expert = jax.lax.axis_index(mesh_axes.experts) * w_gate_XDF.shape[0] if mesh_axes.experts else 0
-    out_TD = expert_outputs(h_TD, gates_TK, experts_TK, w_gate_XDF, w_up_XDF, w_down_XFD, first_expert, total=total)
+    out_TD = expert_outputs(h_TD, gates_TK, experts_TK, w_gate_XDF, w_up_XDF, w_down_XFD, first_expert, total=total,
+                            device=device)
     if mesh_axes.combine:
         out_TD = jax.lax.psum(out_TD, mesh_axes.combine)
     if mesh_axes.token_embed:  # the device's share of the embed dim, as the tokens came in

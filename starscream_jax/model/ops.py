@@ -234,7 +234,7 @@ def _sequence_split_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, seq_axes: tu
 def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: DenseLayer | None = None, cache_index=None,
               options: AttentionOptions | None = None, window=None, placement: Placement | None = None):
     """Causal grouped-query attention through `jax.nn.dot_product_attention` (cuDNN's fused kernel on NVIDIA GPUs
-    in training and decode; prefill into a KV cache, with its explicit mask, uses XLA's; see `_cached_attention`).
+    in training, in prefill into a KV cache, its explicit mask as a bias, and in decode; see `_cached_attention`).
     Returns out [B, S, H, E].
 
     Without a cache: keys are the S new positions. With a cache (one layer's own arrays, `DenseLayer.read`: keys and

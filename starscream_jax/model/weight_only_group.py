@@ -21,6 +21,8 @@ for the whole group: the columns a block takes divide every N_g, the depth divid
 """
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import itertools
 import math
@@ -57,9 +59,20 @@ shape (q 16.8 against 18.2 us, k / v 10.8 against 17.6, o 18.4 against 28.3, gat
 44.2 against 44.3); twice the programs for the 64-row accumulator, half the registers each."""
 
 
-def blocks_for(rows: int) -> Blocks:
-    """The measured choice of tiling for `rows` token rows (FEW_ROWS_BLOCKS, MANY_ROWS_BLOCKS)."""
-    return FEW_ROWS_BLOCKS if rows <= 16 else MANY_ROWS_BLOCKS
+FP8_FEW_ROWS_BLOCKS = dataclasses.replace(FEW_ROWS_BLOCKS, convert="half")
+"""Blocks for e4m3 weights at 1 to 16 rows: converted through float16 (the hardware's paired conversion), which on the
+H200 ran one layer of Llama 3 8B in 131.6 us at one row against 150.1 us cast to bfloat16 (1.26x and 1.10x bf16's
+layer), and 134.8 against 153.4 us at 16 rows, over seven alternating rounds
+(benchmarks/results/h200_weight_only_layer_rounds7.json). int8 stays cast: through float16 it ran 152.7 against
+139.3 us at one row."""
+
+
+def blocks_for(rows: int, weight_dtype=jnp.int8) -> Blocks:
+    """The measured choice of tiling for `rows` token rows of weights in `weight_dtype` (FEW_ROWS_BLOCKS,
+    FP8_FEW_ROWS_BLOCKS for float8 weights, MANY_ROWS_BLOCKS above 16 rows)."""
+    if rows > 16:
+        return MANY_ROWS_BLOCKS
+    return FP8_FEW_ROWS_BLOCKS if jnp.issubdtype(weight_dtype, jnp.floating) else FEW_ROWS_BLOCKS
 
 
 def applies(rows: int, depth: int, widths: Sequence[int], implementation: str) -> bool:
@@ -74,7 +87,7 @@ def grouped_weight_only_matmul(x_MK: jax.Array, weights: Sequence[tuple[jax.Arra
     """[out_g [M, N_g] in x's dtype = (x [M, K] @ W_g [K, N_g] (int8 or fp8)) * scale_g [N_g] (float32, or a
     scalar)] for each (W_g, scale_g) of `weights`, all from one kernel launch ("pallas"; "interpret": the same
     kernel interpreted, CPU tests) or from `weight_only.reference` each ("xla"). `blocks`: the tiling (None:
-    `blocks_for(M)`)."""
+    `blocks_for(M, the first weight's dtype)`)."""
     rows, depth = x_MK.shape
     _check(x_MK, weights, implementation)
     widths = [values.shape[1] for values, _ in weights]
@@ -84,7 +97,8 @@ def grouped_weight_only_matmul(x_MK: jax.Array, weights: Sequence[tuple[jax.Arra
     if not applies(rows, depth, widths, implementation):
         raise StarscreamError(f"grouped weight-only matmul of x {x_MK.shape} by widths {widths}: the kernel takes 1 "
                               f"to {MAX_ROWS} rows and K, N multiples of 16; use implementation 'xla'")
-    out_MT = _grouped_call(x_MK, [values for values, _ in weights], scales, blocks or blocks_for(rows),
+    out_MT = _grouped_call(x_MK, [values for values, _ in weights], scales,
+                           blocks or blocks_for(rows, weights[0][0].dtype),
                            interpret=implementation == "interpret")
     starts = [0, *itertools.accumulate(widths)]
     return [out_MT[:, start:start + width] for start, width in zip(starts, widths)]

@@ -45,7 +45,7 @@ from ..model.decoder import attention_options
 from ..model.layer_weights import split_layer_weights
 from ..model.paged import KERNELS, PAGES, SCALES, init_page_scales, init_pages, pool_shape, reads_in_place
 from ..model.quantize import held_as_read
-from ..sharding.apply import Placement, jit, param_shardings
+from ..sharding.apply import UNPLACED, Placement, jit, param_shardings
 from ..sharding.layouts import PHASE_DEFAULTS, get_layout
 from . import capacity
 from .multihost import StepBroadcast
@@ -250,10 +250,11 @@ class Engine:
         self._recent = None  # the slot tokens (`steps.SLOTS`), allocated with the pools
         self._slot_state: SlotState | None = None  # penalties' counts, logit bias, stop ids per slot (`sampling`)
         self._slot_holders: dict[tuple[int, int], Sequence] = {}  # (shard, slot) -> the sequence it was last set for
-        self._reset = jit(reset_slot, under=None if mesh is None else Placement(self.layouts["decode"], mesh),
-                          donate_argnums=(0,))
-        self._write = jit(write_masks, under=None if mesh is None else Placement(self.layouts["decode"], mesh),
-                          donate_argnums=(0,))
+        slot_placement = self._placements["decode"]  # the slot state is placed as decode's rows are
+        self._reset = jit(functools.partial(reset_slot, placement=slot_placement or UNPLACED), under=slot_placement,
+                          ambient=False, donate_argnums=(0,))
+        self._write = jit(functools.partial(write_masks, placement=slot_placement or UNPLACED), under=slot_placement,
+                          ambient=False, donate_argnums=(0,))
         slots = self.shards * config.rows_per_shard
         self.mask_rows = tuple(sorted({min(2 ** power, slots) for power in range(slots.bit_length() + 1)}))
         """How many slots one grammar-mask write holds (`write_masks`'s K), each bucket compiled at start."""

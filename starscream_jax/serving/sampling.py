@@ -26,6 +26,8 @@ written once, when the sequence takes its slot. The step then sets every token a
 anything else (`apply_grammar`), as vLLM applies its grammar bitmask. Each pass runs only in a step some of whose rows
 use it: the host decides which (`steps.SamplerFeatures`), never the device, so the compiled sampler holds no
 conditional (a GPU reads a conditional's predicate on the host, which would stall the queue of launched steps).
+Every function that places takes the placement it runs under (`placement`; None: `current()`, for a call of your own
+under `use_layout`): the serving steps hand theirs.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ from jax.tree_util import register_dataclass
 
 from ..errors import StarscreamError
 from ..model.ops import run_sharded
-from ..sharding.apply import placed_explicitly
+from ..sharding.apply import Placement, placed_explicitly
 from .guided import mask_words
 from .scheduler import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_STOP_IDS, MAX_TOP_LOGPROBS
 
@@ -153,7 +155,7 @@ class SlotReset:
                    stops=stop_ids, bad_words=words.reshape(-1), tail=tail)
 
 
-def reset_slot(state: SlotState, reset: SlotReset) -> SlotState:
+def reset_slot(state: SlotState, reset: SlotReset, placement: Placement | None = None) -> SlotState:
     """`state` with slot `reset.slot`'s row replaced by `reset`'s (jit it with `state` donated: an update in
     place); each shard writes only if the slot is its own."""
     count = len(RESET_FIELDS)
@@ -167,7 +169,7 @@ def reset_slot(state: SlotState, reset: SlotReset) -> SlotState:
     written = [getattr(state, name) for name in RESET_FIELDS]  # the allowed bits are `write_masks`'
     fields = (reset.slot, *(getattr(reset, name) for name in RESET_FIELDS))
     out = run_sharded(local, [*written, *fields], [SLOT_TABLE] * count + [None] * (count + 1),
-                      [(SLOT_TABLE, array.shape) for array in written], "slot state")
+                      [(SLOT_TABLE, array.shape) for array in written], "slot state", placement=placement)
     return dataclasses.replace(state, **dict(zip(RESET_FIELDS, out)))
 
 
@@ -179,7 +181,8 @@ def _local_index(slot, local_slots: int, specs):
     return jnp.where((slot >= first) & (slot < first + local_slots), slot - first, local_slots)
 
 
-def write_masks(state: SlotState, slot_K: jax.Array, masks_KW: jax.Array) -> SlotState:
+def write_masks(state: SlotState, slot_K: jax.Array, masks_KW: jax.Array,
+                placement: Placement | None = None) -> SlotState:
     """`state` with the allowed-token bits of slots `slot_K` [K] int32 (global indices, -1: none) replaced by
     `masks_KW` [K, W] int32 (jit it with `state` donated: an update in place). The K rows cross to every device
     whole (a few KB) and each shard keeps the slots that are its own, so the bits land beside the rows that read
@@ -188,11 +191,12 @@ def write_masks(state: SlotState, slot_K: jax.Array, masks_KW: jax.Array) -> Slo
         return allowed_RW.at[_local_index(slot_K, allowed_RW.shape[0], specs)].set(masks_KW, mode="drop")
 
     allowed = run_sharded(local, [state.allowed, slot_K, masks_KW], [SLOT_TABLE, None, None],
-                          [(SLOT_TABLE, state.allowed.shape)], "grammar masks")
+                          [(SLOT_TABLE, state.allowed.shape)], "grammar masks", placement=placement)
     return dataclasses.replace(state, allowed=allowed)
 
 
-def apply_grammar(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, rows) -> jax.Array:
+def apply_grammar(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, rows,
+                  placement: Placement | None = None) -> jax.Array:
     """The logits [B, V] with every token the bits of a masked row (`rows.masked` [B] > 0, with a slot: its
     grammar's allowed tokens, its allowed_token_ids, or both intersected) do not allow set to -inf, from its slot's
     bits (`SlotState.allowed`); other rows are left as they are. Placed as `logits_BV` is."""
@@ -205,11 +209,13 @@ def apply_grammar(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, row
         return jnp.where(keep_bV, logits_bV, -jnp.inf)
 
     out = run_sharded(local, [logits_BV, state.allowed, slot_B, rows.masked],
-                      [SLOT_TABLE, SLOT_TABLE, SLOT_ROWS, SLOT_ROWS], [(SLOT_TABLE, logits_BV.shape)], "grammar")
+                      [SLOT_TABLE, SLOT_TABLE, SLOT_ROWS, SLOT_ROWS], [(SLOT_TABLE, logits_BV.shape)], "grammar",
+                      placement=placement)
     return placed_like(out, logits_BV)
 
 
-def apply_bad_words(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, rows) -> jax.Array:
+def apply_bad_words(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, rows,
+                    placement: Placement | None = None) -> jax.Array:
     """The logits [B, V] with, for each banning row (`rows.banning` [B] > 0, with a slot), the last token of each of
     its bad words set to -inf where the tokens it generated last equal the word's other tokens (a one-token word:
     always), as vLLM bans them; the tail compared is the slot's (`SlotState.tail`), which the step itself extends,
@@ -226,7 +232,8 @@ def apply_bad_words(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, r
         return jnp.where(hit_bV, -jnp.inf, logits_bV)
 
     args = [logits_BV, state.bad_words, state.tail, slot_B, rows.banning]
-    out = run_sharded(local, args, [SLOT_TABLE] * 3 + [SLOT_ROWS] * 2, [(SLOT_TABLE, logits_BV.shape)], "bad words")
+    out = run_sharded(local, args, [SLOT_TABLE] * 3 + [SLOT_ROWS] * 2, [(SLOT_TABLE, logits_BV.shape)], "bad words",
+                      placement=placement)
     return placed_like(out, logits_BV)
 
 
@@ -250,7 +257,8 @@ def biased(rows, slot_B: jax.Array, position_B: jax.Array) -> jax.Array:
     return (slot_B >= 0) & ((rows.biased > 0) | (position_B < rows.min_position))
 
 
-def apply_penalties(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, rows) -> jax.Array:
+def apply_penalties(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, rows,
+                    placement: Placement | None = None) -> jax.Array:
     """The logits [B, V] (vocabulary whole) after each row's repetition penalty (ids of its prompt or its generated
     tokens: positive logits divided by it, negative ones multiplied), frequency penalty (minus it times each id's
     count among the generated tokens) and presence penalty (minus it for each id generated at least once), as vLLM
@@ -266,11 +274,13 @@ def apply_penalties(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, r
         return logits_bV - frequency_b[:, None] * counts_bV - presence_b[:, None] * (counts_bV > 0)
 
     args = [logits_BV, state.counts, state.prompt, slot_B, rows.presence, rows.frequency, rows.repetition]
-    out = run_sharded(local, args, [SLOT_TABLE] * 3 + [SLOT_ROWS] * 4, [(SLOT_TABLE, logits_BV.shape)], "penalties")
+    out = run_sharded(local, args, [SLOT_TABLE] * 3 + [SLOT_ROWS] * 4, [(SLOT_TABLE, logits_BV.shape)], "penalties",
+                      placement=placement)
     return placed_like(out, logits_BV)
 
 
-def apply_bias(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, rows, position_B: jax.Array) -> jax.Array:
+def apply_bias(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, rows, position_B: jax.Array,
+               placement: Placement | None = None) -> jax.Array:
     """The logits [B, V] with each row's logit bias added (`rows.biased` [B] > 0: its slot's) and its slot's stop
     ids masked (-inf) while the new token's position `position_B` [B] is below `rows.min_position` [B] (the prompt's
     length plus min_tokens). Rows of slot -1 are left as they are. The result is placed as `logits_BV` is."""
@@ -286,11 +296,13 @@ def apply_bias(logits_BV: jax.Array, state: SlotState, slot_B: jax.Array, rows, 
 
     args = [logits_BV, state.bias_ids, state.bias, state.stops, slot_B, rows.biased > 0,
             position_B < rows.min_position]
-    out = run_sharded(local, args, [SLOT_TABLE] * 4 + [SLOT_ROWS] * 3, [(SLOT_TABLE, logits_BV.shape)], "logit bias")
+    out = run_sharded(local, args, [SLOT_TABLE] * 4 + [SLOT_ROWS] * 3, [(SLOT_TABLE, logits_BV.shape)], "logit bias",
+                      placement=placement)
     return placed_like(out, logits_BV)
 
 
-def record(state: SlotState, slot_B: jax.Array, token_B: jax.Array, rows) -> SlotState:
+def record(state: SlotState, slot_B: jax.Array, token_B: jax.Array, rows,
+           placement: Placement | None = None) -> SlotState:
     """`state` with each penalized row's sampled token [B] counted in its slot and each banning row's appended to
     its slot's tail (dropping the oldest), in place (scatters of B rows, none written where no row has a penalty or
     bad words: only those rows read them, and a sequence's slot is written afresh when it takes it); `rows` holds
@@ -305,7 +317,8 @@ def record(state: SlotState, slot_B: jax.Array, token_B: jax.Array, rows) -> Slo
     counts, tail = run_sharded(local, [state.counts, state.tail, slot_B, penalized(rows, slot_B),
                                        banning(rows, slot_B), token_B],
                                [SLOT_TABLE, SLOT_TABLE] + [SLOT_ROWS] * 4,
-                               [(SLOT_TABLE, state.counts.shape), (SLOT_TABLE, state.tail.shape)], "token counts")
+                               [(SLOT_TABLE, state.counts.shape), (SLOT_TABLE, state.tail.shape)], "token counts",
+                               placement=placement)
     return dataclasses.replace(state, counts=counts, tail=tail)
 
 

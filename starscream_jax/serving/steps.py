@@ -47,7 +47,7 @@ from ..errors import StarscreamError
 from ..hardware.backend import policy_of
 from ..model.ops import run_sharded
 from ..model.paged import PAGES, PagedCache, pool_shape
-from ..sharding.apply import UNPLACED, Jitted, Placement, constrain, jit
+from ..sharding.apply import UNPLACED, Jitted, Placement, jit, placed_by
 from ..sharding.layouts import PHASE_DEFAULTS, get_layout
 from ..training.steps import whole_vocabulary
 from .sampling import (
@@ -303,18 +303,20 @@ def forward_step(graphdef, kernel: str, decode: bool = True, *, under: Placement
     device = under.mesh.devices.flat[0] if under is not None else jax.devices()[0]
     options = dict(policy_of(device).decode_compiler_options) if decode else None
 
-    @jit(under=under, donate_argnums=(2,), compiler_options=options)
+    placement = under or UNPLACED
+
+    @jit(under=under, ambient=False, donate_argnums=(2,), compiler_options=options)
     def step(params, rest, pages, recent, packed: PackedInputs):
         inputs = packed.unpacked()
         model = nnx.merge(graphdef, params, rest)
         cache = PagedCache(k=pages["k"], v=pages["v"], table=inputs.table, kernel=kernel, k_scale=pages.get("k_scale"),
                            v_scale=pages.get("v_scale"))
-        tokens_BS = with_slot_tokens(inputs.tokens, recent, inputs.slot)
+        tokens_BS = with_slot_tokens(inputs.tokens, recent, inputs.slot, placement)
         logits_BV, cache, *every_BSV = model.paged(tokens_BS, inputs.positions, inputs.last, cache,
-                                                   every_position=packed.scored, placement=under or UNPLACED)
+                                                   every_position=packed.scored, placement=placement)
         positions_B = inputs.positions[:, 0] + inputs.last  # a row's positions run on from its first
         rows = SamplerRows(sampling=inputs.sampling, position=positions_B + 1, slot=inputs.slot)
-        scores = score_prompt(every_BSV[0], inputs.following).packed() if packed.scored else None
+        scores = score_prompt(every_BSV[0], inputs.following, placement).packed() if packed.scored else None
         written = {"k": cache.k, "v": cache.v}
         if cache.k_scale is not None:
             written.update(k_scale=cache.k_scale, v_scale=cache.v_scale)
@@ -330,18 +332,21 @@ def sample_step(*, under: Placement | None) -> Jitted:
     slot; the slot state with the tokens counted), recent and the slot state donated. A program of its own beside
     the forward one, so that the host picks the passes each step runs (no conditional in either program), and a
     few small programs per bucket of rows serve every combination."""
-    @jit(under=under, donate_argnums=(2, 3), static_argnames=("features",))
+    placement = under or UNPLACED
+
+    @jit(under=under, ambient=False, donate_argnums=(2, 3), static_argnames=("features",))
     def sample(logits_BV, rows: SamplerRows, recent, slots: SlotState, scores, features: SamplerFeatures):
-        sampled, slots = sample_rows(logits_BV, rows.sampling, rows.position, slots, rows.slot, features)
+        sampled, slots = sample_rows(logits_BV, rows.sampling, rows.position, slots, rows.slot, features, placement)
         outputs = sampled.packed()
         if scores is not None:  # as the rows are placed (the forward program's output may name other axes of size 1)
             outputs = jnp.concatenate([outputs, placed_like(scores, outputs)], axis=1)
-        return outputs, write_slots(recent, rows.slot, sampled.token), slots
+        return outputs, write_slots(recent, rows.slot, sampled.token, placement), slots
 
     return sample
 
 
-def with_slot_tokens(tokens_BS: jax.Array, recent: jax.Array, slot_B: jax.Array) -> jax.Array:
+def with_slot_tokens(tokens_BS: jax.Array, recent: jax.Array, slot_B: jax.Array,
+                     placement: Placement | None = None) -> jax.Array:
     """The step's tokens [B, S] with each -1 replaced by recent[slot] of its row (0 where the slot is -1), each
     shard reading its own slots (SLOTS). Done inside one shard map, so the tokens keep their own placement whatever
     the rows' count (a select of two differently placed operands is refused under explicit mesh axes)."""
@@ -351,36 +356,39 @@ def with_slot_tokens(tokens_BS: jax.Array, recent: jax.Array, slot_B: jax.Array)
 
     rows = (SLOTS[0], None)
     return run_sharded(local, [tokens_BS, recent, slot_B], [rows, SLOTS, SLOTS], [(rows, tokens_BS.shape)],
-                       "slot tokens")
+                       "slot tokens", placement=placement)
 
 
-def write_slots(recent: jax.Array, slot_B: jax.Array, token_B: jax.Array) -> jax.Array:
+def write_slots(recent: jax.Array, slot_B: jax.Array, token_B: jax.Array,
+                placement: Placement | None = None) -> jax.Array:
     """`recent` [shards * slots] with each row's token [B] written at its slot (rows of slot -1 write nothing)."""
     def local(recent_R, slot_B, token_B, specs):
         return recent_R.at[jnp.where(slot_B >= 0, slot_B, recent_R.shape[0])].set(token_B, mode="drop")
 
     return run_sharded(local, [recent, slot_B, token_B], [SLOTS, SLOTS, SLOTS], [(SLOTS, recent.shape)],
-                       "slot tokens")
+                       "slot tokens", placement=placement)
 
 
 def sample_rows(logits_BV: jax.Array, rows: RowSampling, position_B: jax.Array, slots: SlotState,
-                slot_B: jax.Array, features: SamplerFeatures) -> tuple[Sampled, SlotState]:
+                slot_B: jax.Array, features: SamplerFeatures,
+                placement: Placement | None = None) -> tuple[Sampled, SlotState]:
     """Each row's next token, drawn for sequence position `position_B` [B] from the logits [B, V] (placed by the
     layout's ("batch", "vocab") rules) after its allowed-token bits, bad words, logit bias, min_tokens mask and
     penalties (`serving.sampling`, reading the row's slot `slot_B` [B] of `slots`, -1: none), with the model's
     log-probabilities of it and of the likeliest tokens (`Sampled`); `slots` with the tokens counted and the bad
     words' tails extended. Only the passes `features` names run (the host's choice, `SamplerFeatures.of`): a step
     of greedy, plain rows takes the argmax alone, the sort that drawing needs runs where some row draws."""
+    placement = placed_by(placement)
     with jax.named_scope("sample"):
-        logits_BV = whole_vocabulary(logits_BV)
-        rows, position_B, slot_B = jax.tree.map(lambda row_B: constrain(row_B, ("batch",), "sampling"),
+        logits_BV = whole_vocabulary(logits_BV, placement)
+        rows, position_B, slot_B = jax.tree.map(lambda row_B: placement.constrain(row_B, ("batch",), "sampling"),
                                                 (rows, position_B, slot_B))
         logprob_BV = jax.nn.log_softmax(logits_BV, axis=-1)  # the model's own, as vLLM returns them
         if features.extras:  # in vLLM's order: the grammar's mask before everything else
-            logits_BV = apply_grammar(logits_BV, slots, slot_B, rows)
-            logits_BV = apply_bad_words(logits_BV, slots, slot_B, rows)
-            logits_BV = apply_bias(logits_BV, slots, slot_B, rows, position_B)
-            logits_BV = apply_penalties(logits_BV, slots, slot_B, rows)
+            logits_BV = apply_grammar(logits_BV, slots, slot_B, rows, placement)
+            logits_BV = apply_bad_words(logits_BV, slots, slot_B, rows, placement)
+            logits_BV = apply_bias(logits_BV, slots, slot_B, rows, position_B, placement)
+            logits_BV = apply_penalties(logits_BV, slots, slot_B, rows, placement)
         token_B = _greedy(logits_BV)
         if features.drawn:
             token_B = _drawn(logits_BV, rows, position_B, token_B)
@@ -390,18 +398,19 @@ def sample_rows(logits_BV: jax.Array, rows: RowSampling, position_B: jax.Array, 
             top_logprob_BK = jnp.zeros_like(logprob_BV[:, :MAX_TOP_LOGPROBS])
             top_token_BK = top_logprob_BK.astype(jnp.int32)
         sampled = Sampled(token_B, _at_column(logprob_BV, token_B)[:, 0], top_token_BK, top_logprob_BK)
-        return sampled, record(slots, slot_B, token_B, rows) if features.extras else slots
+        return sampled, record(slots, slot_B, token_B, rows, placement) if features.extras else slots
 
 
-def score_prompt(logits_BSV: jax.Array, following_BS: jax.Array) -> PromptScores:
+def score_prompt(logits_BSV: jax.Array, following_BS: jax.Array, placement: Placement | None = None) -> PromptScores:
     """The prompt log-probabilities (`PromptScores`) of every position from its logits [B, S, V]: log_softmax over
     the whole vocabulary (the positions as rows [B * S, V], gathered as the sampler gathers a row,
     `whole_vocabulary`), the log-probability and rank of the token that follows it, `following_BS` [B, S] (-1:
     none, read as token 0), and the likeliest tokens (`sampling.top_logprobs`)."""
     with jax.named_scope("prompt_logprobs"):
         rows, width, vocab = logits_BSV.shape
-        logprob_NV = jax.nn.log_softmax(whole_vocabulary(logits_BSV.reshape(rows * width, vocab)), axis=-1)
-        following_N = constrain(following_BS.reshape(rows * width), ("batch",), "prompt tokens")
+        placement = placed_by(placement)
+        logprob_NV = jax.nn.log_softmax(whole_vocabulary(logits_BSV.reshape(rows * width, vocab), placement), axis=-1)
+        following_N = placement.constrain(following_BS.reshape(rows * width), ("batch",), "prompt tokens")
         logprob_N = _at_column(logprob_NV, jnp.maximum(following_N, 0))[:, 0]
         rank_N = 1 + jnp.sum(logprob_NV > logprob_N[:, None], axis=-1, dtype=jnp.int32)
         top_token_NK, top_logprob_NK = top_logprobs(logprob_NV)

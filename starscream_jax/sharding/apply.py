@@ -6,7 +6,9 @@ Parameters carry their logical names as the `logical_axes` metadata of an `nnx.P
 where its result lives (all-reduce, or reduce-scatter when `out` shards another dimension over the reduced axis).
 Each helper is a method of `Placement`; the module-level functions of the same names apply the placement code is
 traced under (`current()`: the one `use_layout`, or a `Jitted` bound to a placement, makes active; `UNPLACED`
-outside, where every helper is the identity, so the same model runs unsharded).
+outside, where every helper is the identity, so the same model runs unsharded). The library's own steps are handed
+their placement instead (`jit(..., ambient=False)`): they enter JAX's mesh alone, and code inside them that asks
+for an active layout is refused, so nothing they trace depends on the layout active where they are called.
 """
 from __future__ import annotations
 
@@ -314,8 +316,20 @@ UNPLACED = Placement(None, None)
 """The placement of code traced with no layout: every helper is the identity."""
 
 _ACTIVE = jax.make_user_context(None)
-"""The active Placement (None outside `use_layout`): a JAX user context, so its value is part of the cache key of
-every jitted function, and a function traced under one layout is traced again under another."""
+"""The active Placement (None outside `use_layout`; `_HANDED` inside a step handed its placement): a JAX user
+context, so its value is part of the cache key of every jitted function, and a function traced under one layout is
+traced again under another."""
+
+
+class _Handed:
+    """The value of `_ACTIVE` while a step bound with `jit(..., ambient=False)` traces: its code is handed its
+    placement, so asking for an active one (`current()`, `active()`) is refused."""
+
+    def __repr__(self) -> str:
+        return "handed"
+
+
+_HANDED = _Handed()
 
 
 def is_auto(mesh: jax.sharding.Mesh) -> bool:
@@ -353,9 +367,13 @@ def use_layout(layout: Layout | str, mesh):
 
 
 @contextlib.contextmanager
-def placed(under: Placement | None):
-    """`use_layout(under.layout, under.mesh)`, or for None no layout at all (code traced inside runs unsharded)."""
-    if under is None:
+def placed(under: Placement | None, ambient: bool = True):
+    """`use_layout(under.layout, under.mesh)`, or for None no layout at all (code traced inside runs unsharded).
+    With `ambient=False`, for code handed its placement: JAX's mesh alone, and no active layout to ask for."""
+    if not ambient:
+        with _ACTIVE(_HANDED), (jax.set_mesh(under.mesh) if under is not None else contextlib.nullcontext()):
+            yield
+    elif under is None:
         with _ACTIVE(None):
             yield
     else:
@@ -365,42 +383,54 @@ def placed(under: Placement | None):
 
 class Jitted:
     """`jax.jit(fn, **options)` bound to the placement `under`: calling, tracing and lowering it always trace `fn`
-    under that placement (None: no layout), whichever layout is active at the call."""
+    under that placement (None: no layout), whichever layout is active at the call.
 
-    def __init__(self, fn, under: Placement | None, **options):
+    `ambient=True` (for your own functions) makes `under` the active layout while `fn` traces, as `use_layout`
+    does, so the module-level helpers and Flax's logical rules inside place by it. `ambient=False` (the library's
+    steps, which hand `under` to every function that places) sets JAX's mesh alone: code inside that asks for an
+    active layout is refused (`current()`), so no read of ambient state can slip into a step, and the layout active
+    where the step is called is not part of its cache key."""
+
+    def __init__(self, fn, under: Placement | None, ambient: bool = True, **options):
         self.under = under
+        self.ambient = ambient
         self._jitted = jax.jit(fn, **options)
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
-        with placed(self.under):
+        with placed(self.under, self.ambient):
             return self._jitted(*args, **kwargs)
 
     def trace(self, *args, **kwargs):
-        with placed(self.under):
+        with placed(self.under, self.ambient):
             return self._jitted.trace(*args, **kwargs)
 
     def lower(self, *args, **kwargs):
-        with placed(self.under):
+        with placed(self.under, self.ambient):
             return self._jitted.lower(*args, **kwargs)
 
 
-def jit(fn=None, *, under: Placement | None, **options):
-    """`fn` jitted (`jax.jit` options) and bound to the placement `under` (`Jitted`); as a decorator,
-    `@jit(under=Placement.of("starscream_tp", mesh))`."""
+def jit(fn=None, *, under: Placement | None, ambient: bool = True, **options):
+    """`fn` jitted (`jax.jit` options) and bound to the placement `under` (`Jitted`, which says what `ambient`
+    does); as a decorator, `@jit(under=Placement.of("starscream_tp", mesh))`."""
     if fn is None:
-        return functools.partial(jit, under=under, **options)
-    return Jitted(fn, under, **options)
+        return functools.partial(jit, under=under, ambient=ambient, **options)
+    return Jitted(fn, under, ambient, **options)
 
 
 def active() -> Placement | None:
-    """The active layout and mesh, or None outside `use_layout`."""
-    return _ACTIVE.value
+    """The active layout and mesh, or None outside `use_layout`. Refused inside a step handed its placement."""
+    value = _ACTIVE.value
+    if value is _HANDED:
+        raise ShardingRuleError("code traced inside a step that is handed its placement asked for the active layout; "
+                                "pass it the step's placement (placement=..., or device=placement.device)")
+    return value
 
 
 def current() -> Placement:
-    """The placement code traced now is placed by: the active one, or `UNPLACED` outside `use_layout`."""
-    return _ACTIVE.value or UNPLACED
+    """The placement code traced now is placed by: the active one, or `UNPLACED` outside `use_layout` (refused
+    inside a step handed its placement, as `active()` is)."""
+    return active() or UNPLACED
 
 
 def placed_by(placement: Placement | None) -> Placement:

@@ -4,8 +4,9 @@
 judges or times is the program that training and generation run. Each step takes the model's parameters (`params`,
 an nnx.State of nnx.Param) and the rest of its state (`rest`) apart, as `nnx.split(model, nnx.Param, ...)` gives
 them. Each factory takes the placement the step runs under (`under`: a `Placement`, a layout on a mesh, or None for
-no layout) and binds the jitted step to it (`sharding.apply.jit`): its body is always traced under that layout,
-whichever layout is active where it is called, so one step can never run a trace made for another layout.
+no layout), binds the jitted step to it (`sharding.apply.jit`) and hands it to every function the step calls that
+places an array: the step is traced on `under`'s mesh with no active layout (`ambient=False`), so one step can never
+run a trace made for another layout, and none reads a layout from where it is called.
 
   train    (params, opt_state, rest, tokens [B, S + 1]) -> (params, opt_state, loss): value_and_grad of
            `next_token_loss`, then `make_optimizer`'s update (global-norm clipping, AdamW with the weight-decay mask).
@@ -40,7 +41,7 @@ from ..hardware.backend import policy_of
 from ..model.config import ModelConfig
 from ..model.decoder import next_token_loss
 from ..model.dense_cache import init_cache
-from ..sharding.apply import LOGICAL_AXES, UNPLACED, Jitted, Placement, activation_spec, jit
+from ..sharding.apply import LOGICAL_AXES, UNPLACED, Jitted, Placement, jit, placed_by
 from ..sharding.layouts import positions_multiple
 from .config import TrainConfig
 
@@ -74,7 +75,7 @@ def train_step(graphdef, optimizer: optax.GradientTransformation, grad_accum: in
     """The jitted training step (see the module docstring) under `under`, accumulating gradients over `grad_accum`
     micro-batches; params and opt_state are donated."""
 
-    @jit(under=under, donate_argnums=(0, 1))
+    @jit(under=under, ambient=False, donate_argnums=(0, 1))
     def step(params, opt_state, rest, tokens_BS):
         loss, grads = accumulated_gradients(params, rest, tokens_BS, graphdef, grad_accum, under or UNPLACED)
         with jax.named_scope("optimizer"):
@@ -115,7 +116,7 @@ def accumulated_gradients(params, rest, tokens_BS, graphdef, micro_batches: int 
 
 def eval_step(graphdef, *, under: Placement | None) -> Jitted:
     """The jitted evaluation step under `under`: (params, rest, tokens [B, S + 1]) -> mean next-token loss (nats)."""
-    return jit(functools.partial(_loss, graphdef=graphdef, placement=under or UNPLACED), under=under)
+    return jit(functools.partial(_loss, graphdef=graphdef, placement=under or UNPLACED), under=under, ambient=False)
 
 
 def load_balance_step(graphdef, *, under: Placement | None) -> Jitted:
@@ -123,7 +124,7 @@ def load_balance_step(graphdef, *, under: Placement | None) -> Jitted:
     layers of the router's load-balancing loss on tokens[:, :-1] (`moe.balance_loss`: 1 when even), the term the
     training loss adds times `load_balance_weight`; 0 for a dense model. Under `under`."""
 
-    @jit(under=under)
+    @jit(under=under, ambient=False)
     def step(params, rest, tokens_BS):
         return nnx.merge(graphdef, params, rest)(tokens_BS[:, :-1], placement=under or UNPLACED).balance_loss
 
@@ -154,12 +155,15 @@ def prefill_step(graphdef, config: ModelConfig, sampling: Sampling, cache_length
     """The jitted prefill step (see the module docstring) under `under`, filling a KV cache of `cache_length`
     positions."""
 
-    @jit(under=under)
+    placement = under or UNPLACED
+
+    @jit(under=under, ambient=False)
     def step(params, rest, prompt_BP):
         model = nnx.merge(graphdef, params, rest)
-        cache = init_cache(config, prompt_BP.shape[0], cache_length, under or UNPLACED)
-        out = model(_padded_prompt(prompt_BP, under), cache=cache, cache_index=0, placement=under or UNPLACED)
-        return choose_token(_last_real(out.logits, prompt_BP.shape[1]), prompt_BP.shape[1], sampling), out.cache
+        cache = init_cache(config, prompt_BP.shape[0], cache_length, placement)
+        out = model(_padded_prompt(prompt_BP, under), cache=cache, cache_index=0, placement=placement)
+        last_BV = _last_real(out.logits, prompt_BP.shape[1])
+        return choose_token(last_BV, prompt_BP.shape[1], sampling, placement), out.cache
 
     return step
 
@@ -196,20 +200,22 @@ def decode_step(graphdef, sampling: Sampling, *, under: Placement | None, eight_
     if eight_bit:
         options.update({name: value for name, value in EIGHT_BIT_DECODE_OPTIONS.items() if name in options})
 
-    @jit(under=under, donate_argnums=(2,), compiler_options=options)
+    placement = under or UNPLACED
+
+    @jit(under=under, ambient=False, donate_argnums=(2,), compiler_options=options)
     def step(params, rest, cache, token_B, position):
         out = nnx.merge(graphdef, params, rest)(token_B[:, None], cache=cache, cache_index=position,
-                                                placement=under or UNPLACED)
-        return choose_token(out.logits[:, 0], position + 1, sampling), out.cache
+                                                placement=placement)
+        return choose_token(out.logits[:, 0], position + 1, sampling, placement), out.cache
 
     return step
 
 
-def choose_token(logits_BV: jax.Array, position, sampling: Sampling) -> jax.Array:
-    """The next token of each row [B] int32 from the last position's logits [B, V] (float32, placed by the layout's
-    ("batch", "vocab") rules), drawn for sequence position `position`."""
+def choose_token(logits_BV: jax.Array, position, sampling: Sampling, placement: Placement | None = None) -> jax.Array:
+    """The next token of each row [B] int32 from the last position's logits [B, V] (float32, placed by the
+    ("batch", "vocab") rules of `placement`; None: `current()`), drawn for sequence position `position`."""
     with jax.named_scope("sample"):
-        logits_BV = whole_vocabulary(logits_BV)
+        logits_BV = whole_vocabulary(logits_BV, placement)
         if sampling.top_p is None:
             return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
         scaled_BV = logits_BV / sampling.temperature
@@ -224,10 +230,11 @@ def choose_token(logits_BV: jax.Array, position, sampling: Sampling) -> jax.Arra
         return jax.random.categorical(key, nucleus_BV, axis=-1).astype(jnp.int32)
 
 
-def whole_vocabulary(logits_BV: jax.Array) -> jax.Array:
-    """The logits [B, V] with the vocabulary whole on every device (rows stay where the layout puts them), gathered
-    inside each GPU first and then across GPUs, so neither gather spans both levels. Identity outside a layout."""
-    spec = activation_spec(("batch", "vocab"), logits_BV.shape, "next-token logits")
+def whole_vocabulary(logits_BV: jax.Array, placement: Placement | None = None) -> jax.Array:
+    """The logits [B, V] with the vocabulary whole on every device (rows stay where `placement`, None: `current()`,
+    puts them), gathered inside each GPU first and then across GPUs, so neither gather spans both levels. Identity
+    unplaced."""
+    spec = placed_by(placement).activation_spec(("batch", "vocab"), logits_BV.shape, "next-token logits")
     if spec is None:
         return logits_BV
     vocab_axes = axes_of(spec[1])

@@ -109,17 +109,18 @@ def weight_step_bytes(tile, itemsize):
     ("9.0", 4, 3, (128, 128, 1)),   # float32: 2 x 128 KiB would be the 256 KiB Triton refused
     ("gfx942", 4, 3, (64, 64, 1)),  # float32 on an MI300X's 64 KiB: one stage of 64-wide blocks
 ])
-def test_kernel_blocks_are_cut_to_the_devices_shared_memory(monkeypatch, capability, itemsize, wanted, expected):
-    monkeypatch.setattr(kernels, "compute_device", lambda: Device(capability))
-    got = kernels._fitted(Blocks(stages=wanted), 128, 128, weight_step_bytes(128, itemsize), interpret=False)
+def test_kernel_blocks_are_cut_to_the_devices_shared_memory(capability, itemsize, wanted, expected):
+    available = kernels.shared_memory_bytes(Device(capability))
+    got = kernels._fitted(Blocks(stages=wanted, shared_memory=available), 128, 128, weight_step_bytes(128, itemsize),
+                          interpret=False)
     assert got == expected
     assert weight_step_bytes(128, itemsize)(*got[:2]) * got[2] <= kernels.shared_memory_bytes(Device(capability))
 
 
-def test_blocks_that_cannot_fit_any_device_are_a_clear_error(monkeypatch):
-    monkeypatch.setattr(kernels, "compute_device", lambda: Device("gfx942"))
+def test_blocks_that_cannot_fit_any_device_are_a_clear_error():
+    available = kernels.shared_memory_bytes(Device("gfx942"))
     with pytest.raises(StarscreamError, match="smallest blocks need 524288 bytes of shared memory, more than the 65536"):
-        kernels._fitted(Blocks(), 128, 128, weight_step_bytes(4096, 4), interpret=False)
+        kernels._fitted(Blocks(shared_memory=available), 128, 128, weight_step_bytes(4096, 4), interpret=False)
 
 
 @pytest.mark.gpu

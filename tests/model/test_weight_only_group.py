@@ -10,8 +10,8 @@ import pytest
 from starscream_jax.errors import StarscreamError
 from starscream_jax.model.quantize import quantize
 from starscream_jax.model.weight_only import Blocks
-from starscream_jax.model.weight_only_group import (FEW_ROWS_BLOCKS, MANY_ROWS_BLOCKS, applies, blocks_for,
-                                                    group_grid, grouped_weight_only_matmul)
+from starscream_jax.model.weight_only_group import (FEW_ROWS_BLOCKS, FP8_FEW_ROWS_BLOCKS, MANY_ROWS_BLOCKS, applies,
+                                                    blocks_for, group_grid, grouped_weight_only_matmul)
 
 SMALL = Blocks(cols=32, depth=32)
 
@@ -88,6 +88,8 @@ def test_the_grid_takes_every_weights_blocks_and_splits_for_the_group():
     cols, depth, starts, splits = group_grid(64, 4096, (4096, 1024, 1024), MANY_ROWS_BLOCKS)
     assert (cols, depth, starts[-1]) == (64, 128, 96) and splits * 64 * 4 * 4 <= 4096
     assert blocks_for(1) == blocks_for(16) == FEW_ROWS_BLOCKS and blocks_for(64) == MANY_ROWS_BLOCKS
+    assert blocks_for(1, jnp.float8_e4m3fn) == blocks_for(16, "float8_e4m3fnuz") == FP8_FEW_ROWS_BLOCKS
+    assert FP8_FEW_ROWS_BLOCKS.convert == "half" and blocks_for(64, jnp.float8_e4m3fn) == MANY_ROWS_BLOCKS
 
 
 def test_what_the_group_takes_and_refuses():

@@ -487,3 +487,28 @@ def test_a_model_function_takes_a_placement_or_the_active_one_and_refuses_anythi
     assert placed_by(given) is given
     with pytest.raises(ShardingRuleError, match="'starscream_tp' is not a Placement; pass Placement.of"):
         placed_by("starscream_tp")
+
+
+def test_a_step_handed_its_placement_is_traced_once_whatever_is_active_and_refuses_ambient_reads():
+    """`jit(..., ambient=False)`, as the library's steps are bound: the function places by the placement it holds,
+    is traced once under any active layout (none of them part of its cache key), runs on its mesh, and a read of the
+    active layout inside it (a helper handed no placement) is refused in one line."""
+    mesh = build_mesh("2x4")
+    tp = Placement.of("starscream_tp", mesh)
+    traces = []
+
+    def handed(x):
+        traces.append(jax.sharding.get_abstract_mesh().shape_tuple)
+        return tp.constrain(x, ("batch", "embed")) * 2
+
+    bound = jit(handed, under=tp, ambient=False)
+    x = jnp.arange(32.0).reshape(8, 4)
+    for name in ("starscream_tp", "flat_tp", None):
+        with use_layout(name, mesh) if name else contextlib.nullcontext():
+            out = bound(x)
+        assert out.sharding.spec == P(("data", "xcd"), None)
+        np.testing.assert_array_equal(out, 2 * x)
+    assert len(traces) == 1 and dict(traces[0]) == dict(mesh.shape)
+    asks = jit(lambda x: constrain(x, ("batch", "embed")), under=tp, ambient=False)
+    with pytest.raises(ShardingRuleError, match="asked for the active layout; pass it the step's placement"):
+        asks(x)
