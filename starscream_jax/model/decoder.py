@@ -20,7 +20,7 @@ FNUZ).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -33,13 +33,13 @@ from ..sharding.apply import Placement, param, placed_by, placed_explicitly
 from ..sharding.at_use import create_sharded
 from ..sharding.layouts import Layout
 from .config import ModelConfig
-from .dense_cache import DenseCache, DenseLayer, cache_room, write_cache
+from .dense_cache import DenseCache, cache_room
 from .layer_weights import (AttentionWeights, DenseMlpWeights, LayerWeights, any_held_per_layer, layer_weights,
                             quantize_in_place, unstacked)
 from .moe import routed_mlp
 from .names import ATTN_KV, ATTN_Q, LOGITS, POSITIONS, RESIDUAL, TOKENS
 from .ops import AttentionOptions, attention, cross_entropy, embed_lookup
-from .paged import PagedCache, PagedLayer, paged_attention
+from .paged import PagedCache
 from .projections import fp8_scale, matmul, project, projections, used, values, weight_at_use
 
 LAYER_SCOPE = "closed_call"
@@ -312,16 +312,15 @@ def layers_per_trip(c: ModelConfig) -> int:
 
 
 def _block(c: ModelConfig, placement: Placement, x_BSD, w: LayerWeights, positions_BS,
-           cached: DenseLayer | PagedLayer | None = None, cache_index: jax.Array | int = 0):
+           cached: LayerCache | None = None, cache_index: jax.Array | int = 0):
     """One pre-norm block: x + attention(norm(x)), then + mlp(norm(x)); with `c.post_norms` (Gemma 2) the attention's
     and the MLP's outputs are normed again before they are added. x [B, S, D] placed by RESIDUAL; `w` this layer's
     weights. Attention follows `attention_options(c)`, each layer with its own window (`w.window`, `layer_windows`)
     in a sliding-window model.
 
-    cached: None (no cache), this layer's part of a dense KV cache (`dense_cache.DenseLayer`, its new keys and values
-    written in place at `cache_index`, the position of the first new token, by `write_cache`, then read by
-    attention), or of the paged one (`paged.PagedLayer`, written and read by `paged.paged_attention` at the tokens'
-    own positions). Returns (x, the layer's part written, or None; the layer's load-balancing loss: 0 for a dense
+    cached: None (no cache) or this layer's part of a KV cache (`LayerCache`: a dense one's, its new keys and values
+    written in place at `cache_index`, the position of the first new token, or the paged one's, written at the
+    tokens' own positions). Returns (x, the layer's part written, or None; the layer's load-balancing loss: 0 for a dense
     MLP)."""
     attn_out_BSD, cache = _self_attention(c, placement, _norm(c, placement, x_BSD, w.attn_norm), w.attention,
                                           positions_BS, cached, cache_index, w.window)
@@ -359,22 +358,30 @@ def _self_attention(c: ModelConfig, placement: Placement, h_BSD, w: AttentionWei
     return project("o", "bshe,hed->bsd", attended_BSHE, wo_HED, RESIDUAL, c, placement), cache
 
 
-def _attend(c: ModelConfig, placement: Placement, q_BSHE, k_BSKE, v_BSKE, positions_BS, cached, cache_index,
-            window):
-    """Attention of the queries [B, S, H, E] to the new keys and values [B, S, K, E] and the cached ones, the new
-    ones first written into the cache (`cached` and `cache_index` as `_block` takes them; the one place the cache's
-    type picks the path) -> (out [B, S, H, E], the layer's part of the cache or None)."""
-    options = attention_options(c)
-    if isinstance(cached, PagedLayer):
-        with jax.named_scope("attention"):
-            return paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cached, options, window, placement)
-    if cached is None:
-        with jax.named_scope("attention"):
-            return attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, None, None, options, window, placement), None
-    cached = write_cache(cached, cache_index, k_BSKE, v_BSKE, placement)
+class LayerCache(Protocol):
+    """One layer's part of a KV cache, whatever its form: a dense cache's (`dense_cache.DenseLayer`, of a stacked
+    cache or one held per layer) or the paged cache's (`paged.PagedLayer`). A cache hands each block its layer's
+    part (`DenseCache.layer`, `PagedCache.layer`) and takes the written parts back (`with_layers`)."""
+
+    def attend(self, q_BSHE: jax.Array, k_BSKE: jax.Array, v_BSKE: jax.Array, positions_BS: jax.Array, index,
+               options: AttentionOptions | None, window, placement: Placement) -> tuple[jax.Array, LayerCache]:
+        """Writes the new keys and values [B, S, K, E] of the tokens at `positions_BS` [B, S] (a dense cache at
+        `index`, the first new token's position), then attends each query [B, S, H, E] to the cached positions up
+        to its own, with the model's attention `options` and this layer's `window`, placed by `placement`.
+        -> (out [B, S, H, E], this part with the new keys and values written)."""
+
+
+def _attend(c: ModelConfig, placement: Placement, q_BSHE, k_BSKE, v_BSKE, positions_BS, cached: LayerCache | None,
+            cache_index, window):
+    """Attention of the queries [B, S, H, E] to the new keys and values [B, S, K, E] and, with a cache, the cached
+    ones, the new ones first written into it (`LayerCache.attend`; `cached` and `cache_index` as `_block` takes
+    them) -> (out [B, S, H, E], the layer's part of the cache or None)."""
+    if cached is not None:
+        return cached.attend(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache_index, attention_options(c), window,
+                             placement)
     with jax.named_scope("attention"):
-        return attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cached.read(), cache_index, options, window,
-                         placement), cached
+        return attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, None, None, attention_options(c), window,
+                         placement), None
 
 
 def _add_bias(placement: Placement, x_BSNE, bias_NE, names: tuple[str, ...]):

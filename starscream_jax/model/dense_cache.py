@@ -21,6 +21,7 @@ from ..sharding.collectives import hierarchical_all_gather
 from ..sharding.layouts import Layout
 from .config import ModelConfig
 from .names import CACHE, KV_CACHE, KV_CACHE_SCALE
+from .ops import AttentionOptions, attention
 from .quantize import quantize_cache_entry
 
 CACHE_NAMES = {"k": KV_CACHE, "v": KV_CACHE, "k_scale": KV_CACHE_SCALE, "v_scale": KV_CACHE_SCALE}
@@ -107,6 +108,16 @@ class DenseLayer:
         if self.layer is None:
             return self
         return DenseLayer(**{name: stacked[self.layer] for name, stacked in self.entries().items()})
+
+    def attend(self, q_BSHE: jax.Array, k_BSKE: jax.Array, v_BSKE: jax.Array, positions_BS: jax.Array, index,
+               options: AttentionOptions | None, window, placement: Placement) -> tuple[jax.Array, DenseLayer]:
+        """`LayerCache.attend` of a dense cache: the S new keys and values [B, S, K, E] written at positions
+        index .. index + S - 1 (`write_cache`), then each query [B, S, H, E] attends to the cached positions up to
+        its own (`ops.attention`, under the named scope "attention"). -> (out [B, S, H, E], this part written)."""
+        written = write_cache(self, index, k_BSKE, v_BSKE, placement)
+        with jax.named_scope("attention"):
+            return attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, written.read(), index, options, window,
+                             placement), written
 
 
 def _present(cache: DenseCache | DenseLayer) -> dict:

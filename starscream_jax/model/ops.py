@@ -6,7 +6,7 @@ axes that shard the vocabulary, one axis at a time (inside the GPU first), so it
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +20,10 @@ from ..sharding.collectives import hierarchical_all_gather, hierarchical_psum
 from ..sharding.rules import LogicalNames
 from .names import ATTN_KV, ATTN_Q, CACHE, CACHE_SCALE, LOGITS, POSITIONS, RESIDUAL, TOKENS
 from . import eight_bit_decode
-from .dense_cache import DenseLayer
 from .split_k import merge_partials, partial_attention, strided_positions
+
+if TYPE_CHECKING:  # a dense cache's layer attends through `attention` (`DenseLayer.attend`)
+    from .dense_cache import DenseLayer
 
 
 class AttentionOptions(NamedTuple):

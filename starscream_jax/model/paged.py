@@ -98,6 +98,13 @@ class PagedLayer:
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
 
+    def attend(self, q_BSHE: jax.Array, k_BSKE: jax.Array, v_BSKE: jax.Array, positions_BS: jax.Array, index,
+               options: AttentionOptions | None, window, placement: Placement) -> tuple[jax.Array, PagedLayer]:
+        """`LayerCache.attend` of the paged cache: `paged_attention` under the named scope "attention" (the new
+        keys and values land at each token's own position, `positions_BS`, so `index` is not read)."""
+        with jax.named_scope("attention"):
+            return paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, self, options, window, placement)
+
 
 def pool_shape(pages: int, page_size: int, n_kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
     """One layer's key (or value) pool [pages, page_size, K, E]; its scales in an 8-bit cache are the first three."""
