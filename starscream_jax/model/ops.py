@@ -6,7 +6,7 @@ axes that shard the vocabulary, one axis at a time (inside the GPU first), so it
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,9 +21,6 @@ from ..sharding.rules import LogicalNames
 from .names import ATTN_KV, ATTN_Q, CACHE, CACHE_SCALE, LOGITS, POSITIONS, RESIDUAL, TOKENS
 from . import eight_bit_decode
 from .split_k import merge_partials, partial_attention, strided_positions
-
-if TYPE_CHECKING:  # a dense cache's layer attends through `attention` (`DenseLayer.attend`)
-    from .dense_cache import DenseLayer
 
 
 class AttentionOptions(NamedTuple):
@@ -233,14 +230,15 @@ def _sequence_split_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, seq_axes: tu
     return jax.nn.dot_product_attention(q_BSHE, keys, values, mask=mask)
 
 
-def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: DenseLayer | None = None, cache_index=None,
+def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache=None, cache_index=None,
               options: AttentionOptions | None = None, window=None, placement: Placement | None = None):
     """Causal grouped-query attention through `jax.nn.dot_product_attention` (cuDNN's fused kernel on NVIDIA GPUs
     in training, in prefill into a KV cache, its explicit mask as a bias, and in decode; see `_cached_attention`).
     Returns out [B, S, H, E].
 
-    Without a cache: keys are the S new positions. With a cache (one layer's own arrays, `DenseLayer.read`: keys and
-    values [B, T, K, E]) that already holds the new keys and values at their positions (the model writes them into
+    Without a cache: keys are the S new positions. With a cache (one layer's own arrays as `dense_cache.DenseLayer`'s
+    `read` gives them: keys and values [B, T, K, E] `k` and `v`, and an 8-bit cache's scales; this module stays below
+    the cache's, which attends through it) that already holds the new keys and values at their positions (the model writes them into
     its cache in place, `dense_cache.write_cache`), queries attend to every cached position <= their own, and k / v
     are not read. An 8-bit cache (with its scales [B, T, K]) is read by `attention_over_8_bit_cache`.
     Placement: ATTN_Q / ATTN_KV names; the cache uses CACHE's. A layout that splits `seq` runs context-parallel
