@@ -17,7 +17,8 @@ rounds (`harness.alternating_rounds`). "layer" sums the seven projections of one
 grouped kernel (model/weight_only_group.py: q, k, v in one launch, gate and up in one, o and down alone: 4
 launches), the single-projection kernel (7 launches), XLA's converting GEMMs and bfloat16 GEMMs; each call runs
 LAYER_COPIES distinct layers' weights (no layer's weights stay in L2). --layer-only times only these;
---layer-alternatives adds the grouped kernel at each of LAYER_ALTERNATIVE_BLOCKS' tilings.
+--layer-alternatives adds the grouped kernel at each of LAYER_ALTERNATIVE_BLOCKS' tilings; --profile-dir (GPU) traces
+the grouped kernel's and bfloat16's layer calls too and stores each one's kernels (`layer_traces`).
 
     python scripts/bench_weight_only.py --out weight_only.json             # on the GPU
     python scripts/bench_weight_only.py --layer-only --out layer.json      # the grouped launches per layer
@@ -247,7 +248,32 @@ def measure_layer(config, rows: int, format_name: str, args, implementation: str
     if grouped and "bf16" in timed:
         result["best_grouped"] = min(grouped, key=grouped.get)
         result["best_grouped_over_bf16"] = timed["bf16"].median / min(grouped.values())
+    if args.profile_dir:
+        result["layer_traces"] = layer_traces(compiled, args.profile_dir / f"{format_name}-{rows}", args.calls)
     return result
+
+
+TRACED = ("grouped", "bf16")
+"""The layer implementations --profile-dir traces: the grouped kernel as decode runs it, and bfloat16's GEMMs."""
+
+
+def layer_traces(compiled: dict, directory: Path, calls: int) -> dict:
+    """{implementation: its device time per call by category and its 8 longest kernels (`analysis.profile.
+    time_breakdown`: seconds and launches per call; a call runs LAYER_COPIES layers)} of each of TRACED's compiled
+    layer programs, `calls` calls traced under `directory`/<implementation>."""
+    traces = {}
+    for name in TRACED:
+        if name not in compiled:
+            continue
+        function, call_args, _ = compiled[name]
+        hlo_text = function.lower(*call_args).compile().as_text()
+
+        def step(state, run=function, run_args=call_args):
+            return state, run(*run_args)
+
+        _, breakdown = harness.traced_breakdown(step, None, steps=calls, directory=directory / name, hlo_text=hlo_text)
+        traces[name] = {"per_call_s": breakdown["per_step_s"], "top_kernels": breakdown["top_kernels"][:8]}
+    return traces
 
 
 def layer_line(result: dict) -> str:
@@ -381,9 +407,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "single-projection kernel, XLA, bf16), not each shape")
     parser.add_argument("--layer-alternatives", action="store_true",
                         help="also time one layer on the grouped kernel with each of LAYER_ALTERNATIVE_BLOCKS")
+    parser.add_argument("--profile-dir", type=Path,
+                        help="GPU: trace each layer's grouped kernel and bfloat16 GEMMs here and store their kernels")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: tiny model, 1 and 3 rows, int8, the kernel interpreted, one round")
     args = parser.parse_args(argv)
+    if args.profile_dir and (args.quick or not args.layer_only):
+        parser.error("--profile-dir traces the layer's kernels on a GPU: give it with --layer-only, without --quick "
+                     "(which interprets the kernel on the CPU)")
     if args.quick:
         args.model, args.rows, args.formats, args.gigabytes, args.rounds, args.calls = \
             "tiny", [1, 3], ["int8"], 0.0, 1, 1

@@ -68,3 +68,12 @@ def test_quick_run_times_a_layer_grouped_against_each_projection_alone(bench, tm
                    and not key.endswith("per_s")]
         assert len(tilings) == len(bench.LAYER_ALTERNATIVE_BLOCKS) and layer["best_grouped"] in tilings + ["grouped"]
         assert all(layer[f"{name}_error_vs_xla"] < 1e-2 for name in tilings)
+
+
+@pytest.mark.parametrize("argv", [["--quick", "--layer-only"], []])
+def test_profile_dir_is_refused_where_no_gpu_kernel_of_a_layer_would_be_traced(bench, argv, tmp_path, capsys):
+    """--profile-dir traces the layer programs' GPU kernels: refused before anything runs with --quick (the kernel
+    interpreted on the CPU) and without --layer-only (the per-shape runs are not traced)."""
+    with pytest.raises(SystemExit):
+        bench.parse_args([*argv, "--profile-dir", str(tmp_path)])
+    assert "--profile-dir traces the layer's kernels on a GPU" in capsys.readouterr().err
