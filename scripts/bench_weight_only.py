@@ -143,6 +143,14 @@ pipelines. Over seven rounds on the H200 (h200_weight_only_layer_rounds7.json) f
 rows, now their choice, and lost for int8; no tiling beat the choice by more than the rounds' spread."""
 
 
+def layer_alternatives(args) -> tuple[dict, ...]:
+    """The tilings --layer-alternatives adds: LAYER_ALTERNATIVE_BLOCKS, or in a --quick run (the kernel interpreted,
+    slowly) the first two, each conversion once."""
+    if not args.layer_alternatives:
+        return ()
+    return LAYER_ALTERNATIVE_BLOCKS[:2] if args.quick else LAYER_ALTERNATIVE_BLOCKS
+
+
 def grouped_blocks(rows: int, format_name: str, fields: dict):
     """`weight_only_group.blocks_for(rows, format)` with `fields` replaced (a weight_only.Blocks)."""
     import dataclasses
@@ -220,7 +228,7 @@ def measure_layer(config, rows: int, format_name: str, args, implementation: str
     import numpy as np
 
     found = layer_programs(config, rows, format_name, implementation,
-                           LAYER_ALTERNATIVE_BLOCKS if args.layer_alternatives else ())
+                           layer_alternatives(args))
     compiled, result = {}, {"format": format_name, "rows": rows, "layers_per_call": LAYER_COPIES}
     for name, ((function, call_args), _) in found.items():
         try:

@@ -52,7 +52,8 @@ def test_quick_run_times_each_implementation_and_sums_a_layer(bench, tmp_path):
 def test_quick_run_times_a_layer_grouped_against_each_projection_alone(bench, tmp_path):
     """--layer-only: one layer's 7 projections per implementation (quick: at the first row count), the grouped
     kernel in 4 launches per layer (q, k, v; o; gate, up; down) where the single-projection kernel takes 7, every
-    product XLA's to rounding; --layer-alternatives: the grouped kernel at each alternative tiling too."""
+    product XLA's to rounding; --layer-alternatives: the grouped kernel at each conversion too (the quick run's
+    alternatives)."""
     out = tmp_path / "layer.json"
     assert bench.main(["--quick", "--layer-only", "--layer-alternatives", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
@@ -66,7 +67,8 @@ def test_quick_run_times_a_layer_grouped_against_each_projection_alone(bench, tm
         assert layer["xla_launches"] is None and layer["grouped_over_bf16"] > 0
         tilings = [key[:-2] for key in layer if key.startswith("grouped ") and key.endswith("_s")
                    and not key.endswith("per_s")]
-        assert len(tilings) == len(bench.LAYER_ALTERNATIVE_BLOCKS) and layer["best_grouped"] in tilings + ["grouped"]
+        assert tilings == ["grouped convert=cast", "grouped convert=half"]  # --quick: the two conversions
+        assert layer["best_grouped"] in tilings + ["grouped"]
         assert all(layer[f"{name}_error_vs_xla"] < 1e-2 for name in tilings)
 
 
