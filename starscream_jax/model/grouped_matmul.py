@@ -55,13 +55,14 @@ class Blocks:
                  "weight_block": self.weight_block}
         wrong = [f"{name} = {value!r}" for name, value in sizes.items()
                  if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1)]
-        wrong += [f"{name} = {value!r}" for name, value in
-                  {"group": self.group, "warps": 1 if self.warps is None else self.warps, "stages": self.stages}.items()
+        counts = {"group": self.group, "warps": 1 if self.warps is None else self.warps, "stages": self.stages,
+                  "shared_memory": 1 if self.shared_memory is None else self.shared_memory}
+        wrong += [f"{name} = {value!r}" for name, value in counts.items()
                   if isinstance(value, bool) or not isinstance(value, int) or value < 1]
         if wrong:
             raise StarscreamError(f"grouped-matmul Blocks {', '.join(wrong)}: cols, depth and weight_block are powers "
-                                  "of two of at least 16 (cols or None), group, warps (or None) and stages whole "
-                                  "numbers of at least 1")
+                                  "of two of at least 16 (cols or None), group, warps (or None), stages and "
+                                  "shared_memory (bytes, or None) whole numbers of at least 1")
 
 
 DEFAULT_BLOCKS = Blocks()

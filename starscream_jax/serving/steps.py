@@ -300,10 +300,8 @@ def forward_step(graphdef, kernel: str, decode: bool = True, *, under: Placement
     `SamplerRows`, pages, and in a scored prefill the rows' `PromptScores.packed` [B, S * SAMPLED_COLUMNS], else
     None). Decode steps compile with the backend policy's decode options (`BackendPolicy.decode_compiler_options`),
     as the decode step does."""
-    device = under.mesh.devices.flat[0] if under is not None else jax.devices()[0]
-    options = dict(policy_of(device).decode_compiler_options) if decode else None
-
     placement = under or UNPLACED
+    options = dict(policy_of(placement.device).decode_compiler_options) if decode else None
 
     @jit(under=under, ambient=False, donate_argnums=(2,), compiler_options=options)
     def step(params, rest, pages, recent, packed: PackedInputs):

@@ -392,6 +392,9 @@ class Jitted:
     where the step is called is not part of its cache key."""
 
     def __init__(self, fn, under: Placement | None, ambient: bool = True, **options):
+        if not isinstance(ambient, bool):
+            raise ShardingRuleError(f"ambient={ambient!r}: pass True (the placement active while fn traces) or False "
+                                    "(fn is handed its placement)")
         self.under = under
         self.ambient = ambient
         self._jitted = jax.jit(fn, **options)

@@ -195,12 +195,10 @@ bfloat16 copy that a separate kernel wrote."""
 def decode_step(graphdef, sampling: Sampling, *, under: Placement | None, eight_bit: bool = False) -> Jitted:
     """The jitted decode step (see the module docstring) under `under`; the cache is donated. `eight_bit` (the
     model's weights or KV cache in 8 bits) compiles it with EIGHT_BIT_DECODE_OPTIONS."""
-    device = under.mesh.devices.flat[0] if under is not None else jax.devices()[0]
-    options = dict(policy_of(device).decode_compiler_options)
+    placement = under or UNPLACED
+    options = dict(policy_of(placement.device).decode_compiler_options)
     if eight_bit:
         options.update({name: value for name, value in EIGHT_BIT_DECODE_OPTIONS.items() if name in options})
-
-    placement = under or UNPLACED
 
     @jit(under=under, ambient=False, donate_argnums=(2,), compiler_options=options)
     def step(params, rest, cache, token_B, position):

@@ -139,7 +139,7 @@ def test_the_kernel_on_a_gpu_equals_one_float32_matmul_per_group():
 
 
 @pytest.mark.parametrize("blocks", [{"cols": 0}, {"depth": 24}, {"weight_block": 8}, {"stages": 0}, {"warps": 2.5},
-                                    {"warps": 0}])
+                                    {"warps": 0}, {"shared_memory": 0}, {"shared_memory": "227 KiB"}])
 def test_bad_block_sizes_are_one_clear_error(blocks):
     with pytest.raises(StarscreamError, match="grouped-matmul Blocks .*powers of two of at least 16"):
         Blocks(**blocks)

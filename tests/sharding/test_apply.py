@@ -512,3 +512,5 @@ def test_a_step_handed_its_placement_is_traced_once_whatever_is_active_and_refus
     asks = jit(lambda x: constrain(x, ("batch", "embed")), under=tp, ambient=False)
     with pytest.raises(ShardingRuleError, match="asked for the active layout; pass it the step's placement"):
         asks(x)
+    with pytest.raises(ShardingRuleError, match="ambient='no': pass True"):
+        jit(handed, under=tp, ambient="no")
