@@ -43,7 +43,10 @@ from starscream_jax.benchmarks import harness
 H200_HBM_BYTES_PER_S = 4.8e12
 VARIANTS = {"bf16": ("", ""), "w-int8": ("int8", ""), "w-fp8": ("fp8", ""), "kv-int8": ("", "int8"),
             "kv-fp8": ("", "fp8"), "w-int8-kv-int8": ("int8", "int8"), "w-fp8-kv-fp8": ("fp8", "fp8")}
-"""Variant -> (weights, KV cache): "" bfloat16, int8, or fp8 (--fp8-format)."""
+"""Variant -> (weights, KV cache): "" bfloat16, int8, or fp8 (--fp8-format). Each also runs as "<variant>-apart":
+its q/k/v and gate/up projections held apart, as stored (`ModelConfig.fuse_projections` off), where inference
+otherwise holds each group stacked as one weight (`layer_weights.stack_projections`)."""
+APART = "-apart"
 
 
 READ_ROW = 8192
@@ -347,7 +350,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "library's, every layer in decode)")
     parser.add_argument("--profile-dir", type=Path,
                         help="trace 5 more steps of each batch here and record their device time by category")
-    parser.add_argument("--variants", nargs="+", default=["bf16"], choices=list(VARIANTS),
+    parser.add_argument("--variants", nargs="+", default=["bf16"],
+                        choices=[*VARIANTS, *(variant + APART for variant in VARIANTS)],
                         help="precisions to time side by side (weights-cache; bf16 first for the speed-ups)")
     parser.add_argument("--fp8-format", default="float8_e4m3fn", choices=("float8_e4m3fn", "float8_e4m3fnuz"),
                         help="the chip's fp8 e4m3 format (OCP on H200 and MI355X, FNUZ on MI300X)")
@@ -377,11 +381,10 @@ def main(argv=None) -> int:
     peers, skipped = harness.torch_peers(args.torch_device) if args.torch and not args.quick else (
         None, "PyTorch peer skipped: " + ("--quick" if args.quick else "--no-torch"))
     import jax.numpy as jnp
-    from flax import nnx
 
     from starscream_jax.hardware.mesh import build_mesh
     from starscream_jax.model.decoder import create_sharded_model
-    from starscream_jax.model.quantize import held_as_read
+    from starscream_jax.model.layer_weights import inference_split
     from starscream_jax.sharding.apply import use_layout
 
     mesh = build_mesh(gpus=args.gpus)
@@ -418,14 +421,16 @@ def main(argv=None) -> int:
     rows, bf16_tokens_per_s = result["rows"], {}
     for variant, batch in ((variant, batch) for variant in args.variants for batch in args.batches):
         if batch == args.batches[0]:  # the variant's model, served as stored: bfloat16, or 8-bit with scales
-            weights, cache = (args.fp8_format if kind == "fp8" else kind for kind in VARIANTS[variant])
+            weights, cache = (args.fp8_format if kind == "fp8" else kind
+                              for kind in VARIANTS[variant.removesuffix(APART)])
             variant_config = config.replace(weight_format=weights, kv_format=cache,
-                                            eight_bit_matmul=args.eight_bit_matmul)
+                                            eight_bit_matmul=args.eight_bit_matmul,
+                                            fuse_projections=not variant.endswith(APART))
             params = rest = None  # the previous variant's weights leave the device first
             with use_layout(args.layout, mesh):
-                graphdef, params, rest = nnx.split(create_sharded_model(variant_config, args.layout, mesh),
-                                                   nnx.Param, ...)
-            params = held_as_read(params, jnp.bfloat16)
+                model = create_sharded_model(variant_config, args.layout, mesh)
+            graphdef, params, rest = inference_split(model, mesh, jnp.bfloat16)  # as the engine holds them
+            model = None
         row = run_batch(graphdef, params, rest, variant_config, args.layout, mesh, batch, args.cache, args.warmup,
                         args.steps, args.profile_dir)
         row["variant"] = variant

@@ -31,8 +31,11 @@ frequency and repetition penalty, a logit bias and 5 top log-probabilities (`SET
 with and without the work the step does for them (`serving.sampling`).
 
 Roofline (printed beside): prefill FLOPs at the device's measured matmul efficiency (meshes/measured/<chip>.json,
-its best large-GEMM figure) plus decode steps reading every weight and the batch's KV cache at the read rate measured
-in this run (a sum over a 4 GiB array, scripts/bench_decode.py's measure), all requests decoding together.
+its best large-GEMM figure) plus decode steps, all requests decoding together, each the slower of reading every
+multiplied weight (the embedding only by the rows it gathers) and their FLOPs at that efficiency (at a few hundred
+rows the GEMMs turn compute-bound: Llama 3 8B's 256 rows on an H200 need 4.9 ms of FLOPs against 4.0 ms of reads),
+plus the batch's KV cache read; reads at the rate measured in this run (a sum over a 4 GiB array,
+scripts/bench_decode.py's measure).
 
     python scripts/bench_serve.py --workload A --http --transformers --out benchmarks/results/serve_a.json
     python scripts/bench_serve.py --fake-engine 20 --out benchmarks/results/serve_front_end.json   # CPU
@@ -173,15 +176,17 @@ def roofline(config, workload: Workload, prompts, outputs, efficiency: float, pe
     D, L, H, K, E, F, V = (config.d_model, config.n_layers, config.n_heads, config.n_kv_heads, config.head_dim,
                            config.d_ff, config.vocab_size)
     layer_weights = D * (H + 2 * K) * E + H * E * D + 3 * D * F
-    weights = L * layer_weights + D * V * (1 if config.tie_embeddings else 2)
+    multiplied = L * layer_weights + D * V  # a decode step gathers only its tokens' embedding rows
     prompt_tokens = sum(len(p) - workload.shared_prefix for p in prompts) + workload.shared_prefix
     attention = sum(2 * L * H * E * len(p) * len(p) for p in prompts)  # causal: q.k and p.v, half each
-    prefill = (2 * (L * layer_weights + D * V) * prompt_tokens + attention) / (peak * efficiency)
+    matmul_rate = peak * efficiency
+    prefill = (2 * multiplied * prompt_tokens + attention) / matmul_rate
     kv_per_position = 2 * L * K * E * itemsize
     decode = 0.0
     for step in range(max(outputs)):
         active = [len(p) + step for p, out in zip(prompts, outputs) if out > step]
-        decode += (weights * itemsize + kv_per_position * sum(active)) / read_rate
+        weight_seconds = max(multiplied * itemsize / read_rate, 2 * multiplied * len(active) / matmul_rate)
+        decode += weight_seconds + kv_per_position * sum(active) / read_rate
     return {"seconds": prefill + decode, "prefill_seconds": prefill, "decode_seconds": decode,
             "output_tokens_per_s": sum(outputs) / (prefill + decode), "matmul_efficiency": efficiency,
             "read_bytes_per_s": read_rate}

@@ -42,7 +42,7 @@ from ..model.config import ModelConfig
 from ..model.catalog import load_model_config
 from ..model.decoder import LAYER_SCOPE, abstract_model, decode_holds_cache_per_layer, rolls_layers
 from ..model.dense_cache import DenseCache, cache_entries, cache_shardings
-from ..model.layer_weights import split_layer_weights
+from ..model.layer_weights import inference_split, split_layer_weights
 from ..model.paged import PAGES, SCALES, pool_shape
 from ..model.quantize import held_dtype
 from ..serving.steps import SLOTS, PackedInputs, cache_shards, forward_step
@@ -267,12 +267,13 @@ def abstract_args(config: ModelConfig, layout: Layout, mesh, phase: str, batch: 
     array per layer with `per_layer_cache`), the token [B] and its position (a scalar). Token batches are placed
     like the layout's `batch`, the cache by the activation rules; the optimizer state is `make_optimizer(training)`'s.
     """
-    graphdef, params, rest = nnx.split(abstract_model(config), nnx.Param, ...)
     if phase == "train":
+        graphdef, params, rest = nnx.split(abstract_model(config), nnx.Param, ...)
         params = abstract_placed(params, layout, mesh)
         opt_state = jax.eval_shape(make_optimizer(training, params).init, params)
         tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32, sharding=batch_sharding(layout, mesh, batch))
         return graphdef, TrainArgs(params, abstract_placed(opt_state, layout, mesh), rest, tokens)
+    graphdef, params, rest = inference_split(abstract_model(config), mesh)
     params = held_as_inference(abstract_placed(params, layout, mesh), jnp.dtype(config.dtype))
     if phase == "prefill":
         prompt = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=batch_sharding(layout, mesh, batch))
@@ -302,7 +303,7 @@ def abstract_paged_args(config: ModelConfig, layout: Layout, mesh, batch: int, l
     SERVE_PAGE_SIZE (in the 8-bit `kv_format` with their scales where the config asks), every sequence's pages in its
     own cache shard (as `serving.scheduler` places them), plus one null page per shard; one token per sequence at its
     last position; 8-bit weights held per layer, as the engine holds them. Call inside `use_layout(layout, mesh)`."""
-    graphdef, params, rest = nnx.split(abstract_model(config), nnx.Param, ...)
+    graphdef, params, rest = inference_split(abstract_model(config), mesh)
     params = split_layer_weights(held_as_inference(abstract_placed(params, layout, mesh), jnp.dtype(config.dtype)))
     shards = cache_shards(layout, mesh)
     if batch % shards:

@@ -17,14 +17,12 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import StarscreamError
 from ..model.decoder import decode_holds_cache_per_layer
 from ..model.dense_cache import cache_shardings, split_cache
-from ..model.layer_weights import split_layer_weights
-from ..model.quantize import held_as_read
+from ..model.layer_weights import inference_split, split_layer_weights
 from ..sharding.apply import Placement, batch_sharding, param_shardings, token_sharding
 from ..sharding.layouts import PHASE_DEFAULTS, Layout, fit_batch, positions_multiple
 from ..training.steps import Sampling, decode_step, prefill_step
@@ -75,8 +73,7 @@ def generate(model, prompt_BP, max_new_tokens: int, sampling: Sampling = Samplin
     if mesh is not None:
         prefill_layout, decode_layout = fit_generation(prefill_layout, decode_layout, mesh, batch)
         cache_length = generation_cache_length(end, prefill_layout, decode_layout, mesh)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    params = held_as_read(params, config.dtype)
+    graphdef, params, rest = inference_split(model, mesh, config.dtype)
     prompt = jnp.asarray(prompt_BP, jnp.int32)
 
     def placement(layout) -> Placement | None:

@@ -25,22 +25,22 @@ from typing import NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec
 
 from ..errors import StarscreamError
 from ..hardware.axes import dim_axes
-from ..sharding.apply import Placement, param, placed_by, placed_explicitly
+from ..sharding.apply import Placement, param, placed_by
 from ..sharding.at_use import create_sharded
 from ..sharding.layouts import Layout
 from .config import ModelConfig
 from .dense_cache import DenseCache, cache_room
-from .layer_weights import (AttentionWeights, DenseMlpWeights, LayerWeights, any_held_per_layer, layer_weights,
-                            quantize_in_place, unstacked)
+from .layer_weights import (GATE_UP_NAMES, QKV_NAMES, AttentionWeights, DenseMlpWeights, LayerWeights,
+                            any_held_per_layer, layer_weights, quantize_in_place, stacked_gate_up, stacked_qkv,
+                            unstacked)
 from .moe import routed_mlp
 from .names import ATTN_KV, ATTN_Q, LOGITS, POSITIONS, RESIDUAL, TOKENS
 from .ops import AttentionOptions, attention, cross_entropy, embed_lookup
 from .paged import PagedCache
-from .projections import fp8_scale, matmul, project, projections, used, values, weight_at_use
+from .projections import fp8_scale, project, projections, used, values, weight_at_use
 
 LAYER_SCOPE = "closed_call"
 """The scope of one layer's ops in the compiled program's op names: JAX puts the body of `jax.lax.scan` under it
@@ -404,31 +404,18 @@ def _same_split(stored: list[jax.Array], dimension: int) -> bool:
     return len({dim_axes(jax.typeof(value).sharding.spec, dimension) for value in stored}) == 1
 
 
-def _by_kv_head(wq_DHE: jax.Array, K: int) -> jax.Array:
-    """The stored query weight [D, H, E] as [D, K, G, E], each kv head's G query heads together, the mesh axes that
-    split its heads kept on K. JAX's own reshape rule moves them to G where K is 1 (a size-1 axis, or one kv head),
-    and the stack with wk / wv [D, K, E] would then mix placements; `_qkv` stacks only where wk splits K over the
-    same axes as wq splits H, so they divide K."""
-    D, H, E = wq_DHE.shape
-    shape = (D, K, H // K, E)
-    if not placed_explicitly(wq_DHE):
-        return wq_DHE.reshape(shape)
-    d, h, e = jax.typeof(wq_DHE).sharding.spec
-    return jnp.reshape(wq_DHE, shape, out_sharding=PartitionSpec(d, h, None, e))
-
-
 def _qkv(c: ModelConfig, placement: Placement, h_BSD, w: AttentionWeights):
     """Queries [B, S, H, E] (placed by ATTN_Q), keys and values [B, S, K, E] (ATTN_KV) of the normed residual h.
 
-    Fused (`_fuses`: training and prefill): the stored q, k and v weights are stacked by kv head into
-    [D, K, G + 2, E] (each kv head's G query heads, then its key, then its value), used (cast, gathered) as one
-    weight and multiplied in one GEMM. Stacking by kv head keeps the stack local wherever a layout splits query
-    heads and kv heads over the same mesh axes (every layout except flat_tp with fewer kv heads than devices, which
-    copies kv heads); there, and when not fused (decode), three GEMMs run, or with 8-bit weights on the weight-only
+    One GEMM where q, k and v are stacked by kv head into [D, K, G + 2, E] (each kv head's G query heads, then its
+    key, then its value): as inference holds them (`w.wqkv`, `layer_weights.stack_projections`), or stacked here
+    from the stored weights where `_fuses` (training, prefill). Stacking by kv head keeps the stack local wherever
+    a layout splits query heads and kv heads over the same mesh axes (every layout except flat_tp with fewer kv
+    heads than devices, which copies kv heads). Otherwise three GEMMs, or with 8-bit weights on the weight-only
     kernel one launch of all three (`projections`). Either way under the named scope "qkv"."""
     H, E, K = c.n_heads, c.head_dim, c.n_kv_heads
     G = H // K
-    if not (_fuses(c, h_BSD) and _same_split([w.wq, w.wk, w.wv], 1)):
+    if w.wqkv is None and not (_fuses(c, h_BSD) and _same_split([w.wq, w.wk, w.wv], 1)):
         wq_DHE = used("qkv", c, placement, w.wq, w.wq_scale, ("embed", "heads", "head_dim"), "wq")
         wk_DKE = used("qkv", c, placement, w.wk, w.wk_scale, ("embed", "kv_heads", "head_dim"), "wk")
         wv_DKE = used("qkv", c, placement, w.wv, w.wv_scale, ("embed", "kv_heads", "head_dim"), "wv")
@@ -436,13 +423,16 @@ def _qkv(c: ModelConfig, placement: Placement, h_BSD, w: AttentionWeights):
         h_BSD = placement.shared_input(h_BSD, [values(wq_DHE), values(wk_DKE), values(wv_DKE)])
         return tuple(projections("qkv", h_BSD, [("bsd,dhe->bshe", wq_DHE, ATTN_Q), ("bsd,dke->bske", wk_DKE, ATTN_KV),
                                                 ("bsd,dke->bske", wv_DKE, ATTN_KV)], c, placement, h_scale))
+    if w.wqkv is None:
+        with jax.named_scope("qkv"):
+            w_DKCE = weight_at_use(c, placement, stacked_qkv(w.wq, w.wk, w.wv), QKV_NAMES, "wq|wk|wv")
+    else:
+        w_DKCE = used("qkv", c, placement, w.wqkv, w.wqkv_scale, QKV_NAMES, "wqkv")
     with jax.named_scope("qkv"):
-        stacked_DKCE = jnp.concatenate([_by_kv_head(w.wq, K), w.wk[:, :, None], w.wv[:, :, None]], axis=2)
-        w_DKCE = weight_at_use(c, placement, stacked_DKCE, ("embed", "kv_heads", None, "head_dim"), "wq|wk|wv")
         h_scale = fp8_scale(c, placement, h_BSD)
         h_BSD = placement.shared_input(h_BSD, [values(w_DKCE)])
-        qkv_BSKCE = matmul(placement, "bsd,dkce->bskce", h_BSD, w_DKCE, (*ATTN_KV[:3], None, ATTN_KV[3]), "qkv",
-                           h_scale)
+    qkv_BSKCE = project("qkv", "bsd,dkce->bskce", h_BSD, w_DKCE, (*ATTN_KV[:3], None, ATTN_KV[3]), c, placement,
+                        h_scale)
     B, S = h_BSD.shape[:2]
     q_BSHE = placement.constrain(qkv_BSKCE[:, :, :, :G].reshape(B, S, H, E), ATTN_Q, "queries")
     return q_BSHE, qkv_BSKCE[:, :, :, G], qkv_BSKCE[:, :, :, G + 1]
@@ -451,26 +441,29 @@ def _qkv(c: ModelConfig, placement: Placement, h_BSD, w: AttentionWeights):
 def _gate_up(c: ModelConfig, placement: Placement, h_BSD, w: DenseMlpWeights):
     """The SwiGLU gate and up projections of h [B, S, D]: [B, S, F] each, over `mlp`.
 
-    Fused (`_fuses`: training and prefill): the stored gate and up weights [D, F] are stacked on a new axis right
-    after `embed` ([D, 2, F]), which no layout splits, so the stack is local; it is used (cast, gathered) as one
-    weight in one GEMM. Otherwise two GEMMs, or with 8-bit weights on the weight-only kernel one launch of both
-    (`projections`). Either way under the named scope "gate_up". (A routed mixture of
-    experts runs its own grouped gate and up matmuls, `moe.routed_mlp`.)"""
+    One GEMM where gate and up are stacked on a new axis right after `embed` ([D, 2, F], which no layout splits,
+    so the stack is local): as inference holds them (`w.w_gate_up`, `layer_weights.stack_projections`), or stacked
+    here from the stored weights where `_fuses` (training, prefill). Otherwise two GEMMs, or with 8-bit weights on
+    the weight-only kernel one launch of both (`projections`). Either way under the named scope "gate_up". (A
+    routed mixture of experts runs its own grouped gate and up matmuls, `moe.routed_mlp`.)"""
     names, out = ("embed", "mlp"), ("batch", "seq", "mlp")
-    if not _fuses(c, h_BSD):
+    if w.w_gate_up is None and not _fuses(c, h_BSD):
         w_gate = used("gate_up", c, placement, w.w_gate, w.w_gate_scale, names, "w_gate")
         w_up = used("gate_up", c, placement, w.w_up, w.w_up_scale, names, "w_up")
         h_scale = fp8_scale(c, placement, h_BSD)
         h_BSD = placement.shared_input(h_BSD, [values(w_gate), values(w_up)])
         return tuple(projections("gate_up", h_BSD, [("bsd,df->bsf", w_gate, out), ("bsd,df->bsf", w_up, out)], c,
                                  placement, h_scale))
+    if w.w_gate_up is None:
+        with jax.named_scope("gate_up"):
+            w_DTF = weight_at_use(c, placement, stacked_gate_up(w.w_gate, w.w_up), GATE_UP_NAMES, "w_gate|w_up")
+    else:
+        w_DTF = used("gate_up", c, placement, w.w_gate_up, w.w_gate_up_scale, GATE_UP_NAMES, "w_gate_up")
     with jax.named_scope("gate_up"):
-        stacked_DTF = jnp.stack([w.w_gate, w.w_up], axis=1)
-        used_DTF = weight_at_use(c, placement, stacked_DTF, ("embed", None, "mlp"), "w_gate|w_up")
         h_scale = fp8_scale(c, placement, h_BSD)
-        h_BSD = placement.shared_input(h_BSD, [values(used_DTF)])
-        both_BSTF = matmul(placement, "bsd,dtf->bstf", h_BSD, used_DTF, ("batch", "seq", None, "mlp"), "gate_up",
-                           h_scale)
+        h_BSD = placement.shared_input(h_BSD, [values(w_DTF)])
+    both_BSTF = project("gate_up", "bsd,dtf->bstf", h_BSD, w_DTF, ("batch", "seq", None, "mlp"), c, placement,
+                        h_scale)
     return both_BSTF[:, :, 0], both_BSTF[:, :, 1]
 
 

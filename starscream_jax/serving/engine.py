@@ -35,16 +35,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import StarscreamError
 from ..hardware.backend import policy_of
 from ..model.decoder import attention_options
-from ..model.layer_weights import split_layer_weights
+from ..model.layer_weights import inference_split, split_layer_weights
 from ..model.paged import KERNELS, PAGES, SCALES, init_page_scales, init_pages, pool_shape, reads_in_place
-from ..model.quantize import held_as_read
 from ..sharding.apply import UNPLACED, Placement, jit, param_shardings
 from ..sharding.layouts import PHASE_DEFAULTS, get_layout
 from . import capacity
@@ -227,8 +225,8 @@ class Engine:
             config.rows_per_shard, config.chunk, max_pages, prefill_rows, in_place),
             scored=config.prompt_logprobs)
         _check_buckets(self.buckets, config)
-        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
-        params = held_as_read(params, c.dtype)  # float weights in the compute dtype, 8-bit ones as stored
+        # float weights in the compute dtype, 8-bit ones as stored, projections sharing an input stacked
+        self.graphdef, params, self.rest = inference_split(model, mesh, c.dtype)
         if mesh is not None:
             params = jax.device_put(params, param_shardings(params, self.layouts["decode"], mesh))
         self.params = split_layer_weights(params)  # the paged step runs the layers one after another

@@ -47,3 +47,25 @@ def test_bench_serve_refuses_a_static_batch_below_one_before_it_starts(capsys):
     with pytest.raises(SystemExit):
         load("bench_serve").parse_args(["--static-generate", "-4"])
     assert "--static-generate -4: give the rows of each static batch" in capsys.readouterr().err
+
+
+def test_the_serving_roofline_counts_a_decode_step_at_the_slower_of_its_weight_reads_and_its_flops():
+    bench = load("bench_serve")
+    from starscream_jax.model.catalog import load_model_config
+    config = load_model_config("llama3-8b")
+    multiplied = config.n_layers * (config.d_model * (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
+                                    + config.n_heads * config.head_dim * config.d_model
+                                    + 3 * config.d_model * config.d_ff) + config.d_model * config.vocab_size
+    kv = 2 * config.n_layers * config.n_kv_heads * config.head_dim * 2
+    read, peak, efficiency = 4e12, 1e15, 0.8
+
+    def decode_seconds(rows):
+        workload = bench.Workload(name="t", requests=rows, prompt=16, output=2, rate=float("inf"))
+        line = bench.roofline(config, workload, [[1] * 16] * rows, [2] * rows, efficiency, peak, read)
+        return line["decode_seconds"]
+
+    # one row reads every multiplied weight once (the embedding only by its gathered row); 256 rows are bound by FLOPs
+    assert decode_seconds(1) == pytest.approx(2 * (multiplied * 2 / read) + kv * (16 + 17) / read)
+    flops = 2 * multiplied * 256 / (peak * efficiency)
+    assert flops > multiplied * 2 / read
+    assert decode_seconds(256) == pytest.approx(2 * flops + kv * 256 * (16 + 17) / read)
