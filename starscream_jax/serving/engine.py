@@ -230,6 +230,7 @@ class Engine:
         if mesh is not None:
             params = jax.device_put(params, param_shardings(params, self.layouts["decode"], mesh))
         self.params = split_layer_weights(params)  # the paged step runs the layers one after another
+        jax.block_until_ready(self.params)  # held before the cache is sized by what memory is left
         self.cache_size = self._cache_size(max_pages)
         self.scheduler = Scheduler(SchedulerConfig(
             shards=self.shards, pages_per_shard=self.cache_size.pages_per_shard, page_size=config.page_size,
