@@ -33,7 +33,7 @@ from ..sharding.at_use import create_sharded
 from ..sharding.layouts import Layout
 from .config import ModelConfig
 from .dense_cache import DenseCache, cache_room
-from .layer_weights import (GATE_UP_NAMES, QKV_NAMES, AttentionWeights, DenseMlpWeights, LayerWeights,
+from .layer_weights import (STACKED_GATE_UP_NAMES, STACKED_QKV_NAMES, AttentionWeights, DenseMlpWeights, LayerWeights,
                             any_held_per_layer, layer_weights, quantize_in_place, stacked_gate_up, stacked_qkv,
                             unstacked)
 from .moe import routed_mlp
@@ -425,9 +425,9 @@ def _qkv(c: ModelConfig, placement: Placement, h_BSD, w: AttentionWeights):
                                                 ("bsd,dke->bske", wv_DKE, ATTN_KV)], c, placement, h_scale))
     if w.wqkv is None:
         with jax.named_scope("qkv"):
-            w_DKCE = weight_at_use(c, placement, stacked_qkv(w.wq, w.wk, w.wv), QKV_NAMES, "wq|wk|wv")
+            w_DKCE = weight_at_use(c, placement, stacked_qkv(w.wq, w.wk, w.wv), STACKED_QKV_NAMES, "wq|wk|wv")
     else:
-        w_DKCE = used("qkv", c, placement, w.wqkv, w.wqkv_scale, QKV_NAMES, "wqkv")
+        w_DKCE = used("qkv", c, placement, w.wqkv, w.wqkv_scale, STACKED_QKV_NAMES, "wqkv")
     with jax.named_scope("qkv"):
         h_scale = fp8_scale(c, placement, h_BSD)
         h_BSD = placement.shared_input(h_BSD, [values(w_DKCE)])
@@ -456,9 +456,9 @@ def _gate_up(c: ModelConfig, placement: Placement, h_BSD, w: DenseMlpWeights):
                                  placement, h_scale))
     if w.w_gate_up is None:
         with jax.named_scope("gate_up"):
-            w_DTF = weight_at_use(c, placement, stacked_gate_up(w.w_gate, w.w_up), GATE_UP_NAMES, "w_gate|w_up")
+            w_DTF = weight_at_use(c, placement, stacked_gate_up(w.w_gate, w.w_up), STACKED_GATE_UP_NAMES, "w_gate|w_up")
     else:
-        w_DTF = used("gate_up", c, placement, w.w_gate_up, w.w_gate_up_scale, GATE_UP_NAMES, "w_gate_up")
+        w_DTF = used("gate_up", c, placement, w.w_gate_up, w.w_gate_up_scale, STACKED_GATE_UP_NAMES, "w_gate_up")
     with jax.named_scope("gate_up"):
         h_scale = fp8_scale(c, placement, h_BSD)
         h_BSD = placement.shared_input(h_BSD, [values(w_DTF)])

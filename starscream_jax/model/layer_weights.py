@@ -142,9 +142,9 @@ def layer_windows(c: ModelConfig) -> np.ndarray:
                     np.int32)
 
 
-QKV_NAMES = ("embed", "kv_heads", None, "head_dim")
+STACKED_QKV_NAMES = ("embed", "kv_heads", None, "head_dim")
 """Logical names of q, k and v stacked by kv head, [D, K, G + 2, E] (`stacked_qkv`)."""
-GATE_UP_NAMES = ("embed", None, "mlp")
+STACKED_GATE_UP_NAMES = ("embed", None, "mlp")
 """Logical names of gate and up stacked, [D, 2, F] (`stacked_gate_up`)."""
 
 
@@ -205,9 +205,9 @@ def stack_projections(model: nnx.Module, mesh=None) -> nnx.Module:
     copy = nnx.merge(graphdef, state)
     if not c.fuse_projections or (mesh is not None and mesh.size > 1):
         return copy
-    _stack_into(copy.layers, "wqkv", ("wq", "wk", "wv"), stacked_qkv, ("layers", *QKV_NAMES))
+    _stack_into(copy.layers, "wqkv", ("wq", "wk", "wv"), stacked_qkv, ("layers", *STACKED_QKV_NAMES))
     if not c.n_experts:
-        _stack_into(copy.layers, "w_gate_up", ("w_gate", "w_up"), stacked_gate_up, ("layers", *GATE_UP_NAMES))
+        _stack_into(copy.layers, "w_gate_up", ("w_gate", "w_up"), stacked_gate_up, ("layers", *STACKED_GATE_UP_NAMES))
     return copy
 
 
