@@ -52,7 +52,8 @@ def generate(model, prompt_BP, max_new_tokens: int, sampling: Sampling = Samplin
              stop_token: int | tuple[int, ...] | None = None) -> Generation:
     """Continue each row of `prompt_BP` (int tokens, numpy or jax) by `max_new_tokens` tokens.
 
-    Parameters are held in the model's compute dtype, as inference reads them. With `mesh`, prefill runs under
+    Parameters are held in the model's compute dtype, as inference reads them, q/k/v and gate/up each stacked into one
+    weight on one device (`layer_weights.inference_split`). With `mesh`, prefill runs under
     `prefill_layout` and decoding under `decode_layout`, parameters and KV cache placed by each in turn; without,
     everything runs unsharded on one device. Any B >= 1 places (`fit_generation`): where B is smaller than the
     layouts' batch split, prefill splits each prompt over the partitions and decode attends split-K to a cache split
