@@ -72,8 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-seqs", "--max-seqs", type=count, default=256, dest="max_num_seqs",
                         help="most sequences running at once, over every cache shard (default 256)")
     engine.add_argument("--max-num-batched-tokens", "--token-budget", type=count, dest="max_num_batched_tokens",
-                        help="most tokens one step computes (default, as vLLM's server: 8192 on GPUs of 70 GiB or "
-                             "more, 2048 on smaller ones and on the CPU)")
+                        help="most prompt tokens one step prefills, the decoding rows running beside them in a "
+                             "program of their own (default, as vLLM's server: 8192 on GPUs of 70 GiB or more, 2048 "
+                             "on smaller ones and on the CPU)")
     engine.add_argument("--chunk", type=count, default=512, help="most prompt tokens of one sequence per step "
                                                                  "(chunked prefill; default 512)")
     engine.add_argument("--page-size", type=count, default=16, help="positions per KV page (default 16)")

@@ -151,7 +151,7 @@ class _Launched:
 class EngineConfig:
     """page_size: positions per page; pages_per_shard: pages of each cache shard (one is its null page; None: as
     many as `memory_utilization` of the device memory holds after the weights, `serving.capacity`);
-    rows_per_shard: most sequences a shard runs at once; token_budget: most tokens a step computes; chunk: most
+    rows_per_shard: most sequences a shard runs at once; token_budget: most prompt tokens a step prefills; chunk: most
     prompt tokens of one sequence per step; kernel: the paged decode attention (`model.paged.KERNELS`; "": the
     backend policy's, `BackendPolicy.paged_attention`: cuDNN's paged kernel on NVIDIA GPUs); buckets:
     the compiled shapes (default `Buckets.for_limits` these limits); prefix_caching: share full prompt pages by

@@ -34,7 +34,7 @@ def _check_invariants(scheduler):
 
 def _run_plan(scheduler, plan, rng):
     """What the engine does with a plan: chunks computed, a token appended where a chunk ends or a row decodes."""
-    assert sum(chunk.count for chunk in plan.prefill) + len(plan.decode) <= CONFIG.token_budget
+    assert sum(chunk.count for chunk in plan.prefill) <= CONFIG.token_budget
     for shard in range(CONFIG.shards):
         assert sum(1 for chunk in plan.prefill if chunk.sequence.shard == shard) <= CONFIG.prefill_rows
     for chunk in plan.prefill:
@@ -97,6 +97,24 @@ def test_preempted_sequence_is_recomputed_with_its_generated_tokens():
     plan = scheduler.schedule()
     assert plan.preempted == (new,) and plan.decode == (old,)
     assert scheduler.waiting[0] is new and new.tokens == [6, 7, 0] and new.pages == []
+
+
+def test_decoding_rows_leave_the_prompt_chunks_whole():
+    """Decode rows run in a program of their own: the budget still takes two whole chunks beside two decoding rows
+    (the prefill program pads a chunk to its full width, so splitting one would only add a step)."""
+    scheduler = Scheduler(SchedulerConfig(shards=1, pages_per_shard=40, page_size=4, rows_per_shard=4,
+                                          token_budget=8, chunk=4))
+    first = [_sequence(name, [1, 2, 3, 4]) for name in ("a", "b")]
+    for sequence in first:
+        scheduler.add(sequence)
+    for chunk in scheduler.schedule().prefill:
+        scheduler.computed(chunk)
+        chunk.sequence.generated.append(0)
+    for name in ("c", "d"):
+        scheduler.add(_sequence(name, [5, 6, 7, 8]))
+    plan = scheduler.schedule()
+    assert plan.decode == tuple(first)
+    assert [(chunk.sequence.request_id, chunk.count) for chunk in plan.prefill] == [("c", 4), ("d", 4)]
 
 
 def test_requests_that_cannot_fit_are_refused():
