@@ -16,8 +16,10 @@ one); its bad words are matched in the step against the tokens the step itself k
 Memory: the pools hold 2 * L * K * pages * page_size * E values in the compute dtype, or in an 8-bit cache (the model's
 `ModelConfig.kv_format`, which `--kv-cache` sets) one byte each and a float32 scale per position and kv head
 (`Engine.pool_bytes`); their pages follow from the device memory left after the weights (`serving.capacity`) unless
-given. The engine reads the weights as stored: decode runs q, k, v and gate, up as separate GEMMs (`decoder._fuses`), so
-no fused copy of any weight is held.
+given. The engine holds its own copy of the weights as inference reads them (`layer_weights.inference_split`): float
+weights in the compute dtype, and on one device q, k, v stacked as one weight and gate, up as another, so that every
+step runs each group as one GEMM; a caller that keeps the model keeps its arrays too, which the cache is then sized
+around (the server hands over a model already stacked, `cli.serve.build_engine`).
 """
 from __future__ import annotations
 
