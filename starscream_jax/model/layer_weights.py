@@ -214,10 +214,13 @@ def stack_projections(model: nnx.Module, mesh=None) -> nnx.Module:
 def _stack_into(layers: nnx.Module, name: str, parts: tuple[str, ...], stack, names: tuple) -> None:
     """Replaces the stacked layer weights `parts` of `layers` by one parameter `name` = stack(*parts) with logical
     `names`, and their 8-bit scales (present where the weights are 8-bit) by `name`_scale, each a per-tensor scale
-    [L] spread over its weight's channels first; nothing where `layers` holds `name` already."""
+    [L] spread over its weight's channels first; nothing where `layers` holds `name` already, or holds a part as
+    one array per layer (`split_layer_weights`: a model already in the form its step reads)."""
     if hasattr(layers, name):
         return
     values = [getattr(layers, part).get_value() for part in parts]
+    if any(_held_per_layer(value) for value in values):
+        return
     setattr(layers, name, param(_computed(stack, *values), names))
     if hasattr(layers, parts[0] + SCALE_SUFFIX):
         scales = [_per_channel(getattr(layers, part + SCALE_SUFFIX).get_value(), value)

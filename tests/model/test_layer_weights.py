@@ -98,6 +98,11 @@ def test_stacking_keeps_what_cannot_be_stacked_apart():
     assert "wqkv" in kept and {"w_gate", "w_up"} <= kept.keys()  # the experts run their own grouped matmuls
     unfused = load_model_config("tiny", fuse_projections=False)
     assert {"wq", "w_gate"} <= layer_parameters(stack_projections(Transformer(unfused, rngs=nnx.Rngs(0)))).keys()
+    # weights held per layer (as an engine over several devices holds 8-bit ones) stay so
+    config = load_model_config("tiny", weight_format="int8")
+    graphdef, params, rest = nnx.split(Transformer(config, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    held = layer_parameters(stack_projections(nnx.merge(graphdef, split_layer_weights(params), rest)))
+    assert isinstance(held["wq"], tuple) and "wqkv" not in held
     # over several devices a layout splits each projection and places each output by its own rule
     several = layer_parameters(stack_projections(Transformer(load_model_config("tiny"), rngs=nnx.Rngs(0)),
                                                  build_mesh("2x4")))
