@@ -15,6 +15,11 @@ every cached position. Each step is compiled first, warmed up, then timed over `
 (`harness.timed_steps`: the cache donated from each step to the next, the clock stopped once the last token is on
 hand).
 
+Beside each bfloat16 row on one device, the plain JAX decoder (`benchmarks.plain_llama.plain_decode_step`: the
+model's weights as a params dict cast once, the layers a `lax.scan`, a dense cache written in place, cuDNN's
+attention where JAX takes it) on the same weights and cache length: its rows are "plain_rows" and each bf16 row's
+tokens/s over its batch's plain row is "vs_plain".
+
 Where torch and a CUDA GPU are present (`--no-torch` leaves it out, `--quick` skips it), the gpt-fast-style peer of
 scripts/torch_peers.py decodes at the same batches against the same cache length, its bytes counted alike; its rows
 are stored as "peer_rows" and each library row's tokens/s over the peer's at its batch is "vs_torch".
@@ -247,6 +252,63 @@ def run_batch(graphdef, params, rest, config, layout: str, mesh, batch: int, cac
             "temp_bytes": None if memory is None else int(memory.temp_size_in_bytes), "time_breakdown": breakdown}
 
 
+def with_fractions(row: dict, devices: int, peak: float, copy: float, read: float) -> dict:
+    """`row` with its bandwidth as a fraction of the datasheet's, of the measured copy's and of the measured read's
+    (each over `devices`)."""
+    bandwidth = row["bandwidth_bytes_per_s"]
+    row.update(fraction_of_peak=bandwidth / (devices * peak), fraction_of_copy=bandwidth / (devices * copy),
+               fraction_of_read=bandwidth / (devices * read))
+    return row
+
+
+def plain_weights(model) -> dict:
+    """The model's parameters as the plain JAX decoder holds them (`benchmarks.plain_llama`: a params dict on one
+    device, no mesh), matrices in the compute dtype, norm scales in float32: what a JAX user casts once before
+    decoding."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    dtype = jnp.dtype(model.config.dtype)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # off the library's mesh and its typed axes
+
+    def held(path, w):
+        w = jax.device_put(w, device)
+        return w if "norm" in jax.tree_util.keystr(path) else w.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(held, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+def plain_row(params: dict, config, batch: int, cache_length: int, warmup: int, steps: int, read: dict) -> dict:
+    """The plain JAX decode step (`plain_llama.plain_decode_step`) at `batch` rows at the last of `cache_length`
+    positions, timed as the library's rows are; `read`: the bytes a step must read (the library bf16 row's, the
+    same weights and cache). Attention through cuDNN where JAX takes it (an NVIDIA GPU), else JAX's own choice."""
+    import jax
+    import jax.numpy as jnp
+
+    from starscream_jax.benchmarks.plain_llama import plain_cache, plain_decode_step
+
+    cache = plain_cache(config, batch, cache_length)
+    token_B = jax.random.randint(jax.random.key(3), (batch,), 0, config.vocab_size, jnp.int32)
+    position = jnp.asarray(cache_length - 1, jnp.int32)
+    start = time.perf_counter()
+    try:
+        implementation = "cudnn" if jax.devices()[0].platform in ("gpu", "cuda") else None
+        compiled = plain_decode_step(config, implementation).lower(params, cache, token_B, position).compile()
+    except NotImplementedError:  # cuDNN refuses the shape: JAX's own attention
+        compiled = plain_decode_step(config, None).lower(params, cache, token_B, position).compile()
+    compile_s = time.perf_counter() - start
+
+    def advance(state):
+        token_B, cache = compiled(params, state[1], state[0], position)
+        return (token_B, cache), token_B
+
+    step_s = harness.timed_steps(advance, (token_B, cache), warmup=warmup, steps=steps).seconds_per_step
+    return {"name": "plain JAX", "batch": batch, "cache_length": cache_length, "compile_s": compile_s,
+            "step_s": step_s, "tokens_per_s": batch / step_s, "bytes_per_step": read,
+            "bandwidth_bytes_per_s": sum(read.values()) / step_s}
+
+
 PAGE_SIZE = 16
 """Positions per page of the paged rows (the server's default)."""
 
@@ -429,6 +491,7 @@ def main(argv=None) -> int:
             params = rest = None  # the previous variant's weights leave the device first
             with use_layout(args.layout, mesh):
                 model = create_sharded_model(variant_config, args.layout, mesh)
+            plain_params = plain_weights(model) if variant == "bf16" and devices == 1 else None
             graphdef, params, rest = inference_split(model, mesh, jnp.bfloat16)  # as the engine holds them
             model = None
         row = run_batch(graphdef, params, rest, variant_config, args.layout, mesh, batch, args.cache, args.warmup,
@@ -440,11 +503,15 @@ def main(argv=None) -> int:
                 row["vs_torch"] = row["tokens_per_s"] / peer_by_batch[batch]["tokens_per_s"]
         row["speedup_over_bf16"] = row["tokens_per_s"] / bf16_tokens_per_s[batch] if batch in bf16_tokens_per_s \
             else None
-        row["fraction_of_peak"] = row["bandwidth_bytes_per_s"] / (devices * args.peak_bandwidth)
-        row["fraction_of_copy"] = row["bandwidth_bytes_per_s"] / (devices * copy)
-        row["fraction_of_read"] = row["bandwidth_bytes_per_s"] / (devices * measured["read"])
-        rows.append(row)
+        rows.append(with_fractions(row, devices, args.peak_bandwidth, copy, measured["read"]))
         print(row_line(f"{args.layout} {variant}", row), flush=True)
+        if plain_params is not None:
+            plain = with_fractions(plain_row(plain_params, variant_config, batch, args.cache, args.warmup, args.steps,
+                                             row["bytes_per_step"]), devices, args.peak_bandwidth, copy,
+                                   measured["read"])
+            row["vs_plain"] = row["tokens_per_s"] / plain["tokens_per_s"]
+            result.setdefault("plain_rows", []).append(plain)
+            print(row_line(plain["name"], plain), flush=True)
         harness.write_json(args.out, result)
     if args.paged:
         params = rest = None  # the last variant's weights leave the device first
@@ -457,6 +524,9 @@ def main(argv=None) -> int:
                 if row["speedup_over_bf16"] is not None and row["variant"] != "bf16"]
     if speedups:
         print("tokens/s over bf16: " + ", ".join(speedups), flush=True)
+    over_plain = [f"batch {row['batch']} {row['vs_plain']:.3f}x" for row in rows if "vs_plain" in row]
+    if over_plain:
+        print("library vs plain JAX, tokens/s: " + ", ".join(over_plain), flush=True)
     if peers is None:
         print(skipped, flush=True)
         return 0

@@ -3,10 +3,10 @@
 Both sides train the same model (default: models/llama3.2-1b.toml) on the same batch (default 8 x 2048 tokens) with
 bfloat16 compute, float32 parameters and AdamW state, global-norm clipping and jit with donated state:
 
-  plain JAX   pure functions over a params dict, `lax.scan` over the stacked layers, `jax.nn.dot_product_attention`
-              with implementation="cudnn" on NVIDIA GPUs, plain data parallelism (batch split over the devices,
-              parameters replicated). It starts from the library's initial parameters, so both sides must report
-              the same loss at step 0.
+  plain JAX   `benchmarks.plain_llama`: pure functions over a params dict, `lax.scan` over the stacked layers,
+              `jax.nn.dot_product_attention` with implementation="cudnn" on NVIDIA GPUs, plain data parallelism
+              (batch split over the devices, parameters replicated). It starts from the library's initial
+              parameters, so both sides must report the same loss at step 0.
   plain JAX TP / FSDP (`--plain tp fsdp`): the same functions with ordinary sharding annotations
               (`plain_param_specs`, `with_sharding_constraint`): Megatron tensor parallelism, or every weight stored
               split and gathered before use.
@@ -49,126 +49,11 @@ from collections import Counter
 from pathlib import Path
 
 from starscream_jax.benchmarks import harness
+from starscream_jax.benchmarks.plain_llama import PLAIN_AXIS, plain_loss, plain_param_specs
 
 H200_BF16_PEAK_TFLOPS = 989.0
 FLOP_COUNTING = ("6 x matmul parameters (tied embedding counted once, as the head) + 12 x layers x seq_len x heads x "
                  "head_dim (attention, causal half not discounted): ModelConfig.flops_per_token(seq_len)")
-
-
-# ---- the plain JAX Llama -------------------------------------------------------------------------------------------
-
-def plain_rms_norm(x_BSD, scale_D, eps: float):
-    """RMSNorm in float32, returned in x's dtype."""
-    import jax
-    import jax.numpy as jnp
-
-    x32 = x_BSD.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * scale_D).astype(x_BSD.dtype)
-
-
-def plain_rope(x_BSNE, cos_SE, sin_SE):
-    """Rotate-half rotary embedding in float32; cos / sin are [S, E/2]."""
-    import jax.numpy as jnp
-
-    half = x_BSNE.shape[-1] // 2
-    cos, sin = cos_SE[None, :, None, :], sin_SE[None, :, None, :]
-    x1, x2 = x_BSNE[..., :half].astype(jnp.float32), x_BSNE[..., half:].astype(jnp.float32)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BSNE.dtype)
-
-
-def plain_loss(params: dict, tokens_BS1, config, attention_impl: str | None, parallelism: str = "dp"):
-    """Mean next-token cross entropy (nats) of the Llama `config` on tokens [B, S+1] int32.
-
-    parallelism (ordinary sharding annotations, `jax.lax.with_sharding_constraint` on the mesh axis "devices"; the
-    parameters are placed by `plain_param_specs`): "dp" none (data parallelism: the batch placed over the devices);
-    "tp" Megatron tensor parallelism (heads and the MLP hidden over the devices, the residual stream replicated);
-    "fsdp" each weight gathered whole just before its layer uses it (stored split over the devices).
-
-    params: {"embedding" [V, D], "final_norm" [D], "layers": {"attn_norm" [L, D], "wq" [L, D, H, E],
-    "wk" / "wv" [L, D, K, E], "wo" [L, H, E, D], "mlp_norm" [L, D], "w_gate" / "w_up" [L, D, F],
-    "w_down" [L, F, D]}, and "lm_head" [D, V] unless the embeddings are tied}, float32; matrices are cast to the
-    compute dtype, norm scales stay float32.
-    """
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    dtype = jnp.dtype(config.dtype)
-    tokens_BS, targets_BS = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
-    half = config.head_dim // 2
-    inv_freq = config.rope_theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles_SE = jnp.arange(tokens_BS.shape[1], dtype=jnp.float32)[:, None] * inv_freq
-    cos_SE, sin_SE = jnp.cos(angles_SE), jnp.sin(angles_SE)
-    table_VD = params["embedding"].astype(dtype)
-    layers = {name: w if "norm" in name else w.astype(dtype) for name, w in params["layers"].items()}
-    place = functools.partial(_plain_place, parallelism)
-
-    def block(x_BSD, w):
-        w = {name: place(value, "weight") for name, value in w.items()}
-        h = plain_rms_norm(x_BSD, w["attn_norm"], config.norm_eps)
-        q = place(plain_rope(jnp.einsum("bsd,dhe->bshe", h, w["wq"]), cos_SE, sin_SE), "heads")
-        k = place(plain_rope(jnp.einsum("bsd,dke->bske", h, w["wk"]), cos_SE, sin_SE), "heads")
-        v = place(jnp.einsum("bsd,dke->bske", h, w["wv"]), "heads")
-        attended = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl)
-        x_BSD = place(x_BSD + jnp.einsum("bshe,hed->bsd", place(attended, "heads"), w["wo"]), "residual")
-        h = plain_rms_norm(x_BSD, w["mlp_norm"], config.norm_eps)
-        hidden = jax.nn.silu(jnp.einsum("bsd,df->bsf", h, w["w_gate"])) * jnp.einsum("bsd,df->bsf", h, w["w_up"])
-        return place(x_BSD + jnp.einsum("bsf,fd->bsd", place(hidden, "hidden"), w["w_down"]), "residual"), None
-
-    if config.remat:
-        block = jax.checkpoint(block, policy=jax.checkpoint_policies.nothing_saveable)
-
-    table_VD = place(table_VD, "weight")
-    x_BSD, _ = jax.lax.scan(block, place(table_VD[tokens_BS], "residual"), layers, unroll=config.scan_unroll or 1)
-    x_BSD = plain_rms_norm(x_BSD, params["final_norm"], config.norm_eps)
-    if config.tie_embeddings:
-        logits_BSV = jnp.einsum("bsd,vd->bsv", x_BSD, table_VD)
-    else:
-        logits_BSV = jnp.einsum("bsd,dv->bsv", x_BSD, place(params["lm_head"].astype(dtype), "weight"))
-    logits_BSV = logits_BSV.astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS).mean()
-
-
-PLAIN_AXIS = "devices"
-PLAIN_ACTIVATIONS = {"tp": {"heads": (None, None, PLAIN_AXIS, None), "hidden": (None, None, PLAIN_AXIS),
-                            "residual": ()},
-                     "fsdp": {"weight": ()}}
-"""The constraints each plain parallelism puts on activations (by kind) and on weights at use ("weight")."""
-
-
-def _plain_place(parallelism: str, x, kind: str):
-    """`x` constrained to the PartitionSpec `PLAIN_ACTIVATIONS` gives its kind (unchanged where none is given)."""
-    import jax
-    from jax.sharding import PartitionSpec
-
-    spec = PLAIN_ACTIVATIONS.get(parallelism, {}).get(kind)
-    if spec is None or (kind == "weight" and x.ndim < 2):
-        return x
-    return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
-
-
-def plain_param_specs(params: dict, parallelism: str) -> dict:
-    """PartitionSpecs of the plain params dict: replicated ("dp"); Megatron's split ("tp": q/k/v and gate/up by
-    output, o and down by input, the vocabulary of the embedding and head); the embed (d_model) dimension of every
-    matrix ("fsdp")."""
-    import jax
-    from jax.sharding import PartitionSpec
-
-    tp = {"embedding": (PLAIN_AXIS, None), "lm_head": (None, PLAIN_AXIS), "wq": (None, None, PLAIN_AXIS, None),
-          "wk": (None, None, PLAIN_AXIS, None), "wv": (None, None, PLAIN_AXIS, None),
-          "wo": (None, PLAIN_AXIS, None, None), "w_gate": (None, None, PLAIN_AXIS),
-          "w_up": (None, None, PLAIN_AXIS), "w_down": (None, PLAIN_AXIS, None)}
-    fsdp = {"embedding": (None, PLAIN_AXIS), "lm_head": (PLAIN_AXIS, None), "wq": (None, PLAIN_AXIS, None, None),
-            "wk": (None, PLAIN_AXIS, None, None), "wv": (None, PLAIN_AXIS, None, None),
-            "wo": (None, None, None, PLAIN_AXIS), "w_gate": (None, PLAIN_AXIS, None),
-            "w_up": (None, PLAIN_AXIS, None), "w_down": (None, None, PLAIN_AXIS)}
-    table = {"tp": tp, "fsdp": fsdp}.get(parallelism, {})
-
-    def spec(path, _):
-        name = str(getattr(path[-1], "key", path[-1]))
-        return PartitionSpec(*table.get(name, ()))
-
-    return jax.tree_util.tree_map_with_path(spec, params)
 
 
 def plain_optimizer(train_config, params: dict):

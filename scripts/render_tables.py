@@ -71,8 +71,8 @@ def _vs_torch(row: dict) -> str:
 
 
 def decode_table(result: dict, path: Path) -> str:
-    """One decode table: the library's rows (each precision variant, with its speed-up over bfloat16 at its batch)
-    and the PyTorch peer's, where the file has them."""
+    """One decode table: the library's rows (each precision variant, with its speed-up over bfloat16 at its batch),
+    the plain JAX decoder's and the PyTorch peer's, where the file has them."""
     meta = result["meta"]
     read = meta.get("read_bandwidth_bytes_per_s")
     lines = [_caption(f"{meta['model']} decode under {meta['layout']}, measured copy bandwidth "
@@ -80,7 +80,7 @@ def decode_table(result: dict, path: Path) -> str:
                       + ("" if read is None else f", read {read / 1e12:.2f} TB/s") + f": {_source(meta, path)}"), "",
              "| implementation | batch | cache | ms/step | tokens/s | GB read/step | TB/s | of 4.8 TB/s | of copy | "
              "of read | over bf16 | vs PyTorch |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for row in result["rows"] + result.get("peer_rows", []):
+    for row in result["rows"] + result.get("plain_rows", []) + result.get("peer_rows", []):
         name = row.get("name") or f"{meta['layout']} {row.get('variant', 'bf16')}"
         gigabytes = sum(row["bytes_per_step"].values()) / 1e9
         of_copy = f"{100 * row['fraction_of_copy']:.1f}%" if "fraction_of_copy" in row else ""

@@ -1,14 +1,9 @@
-"""scripts/bench_mfu.py: the plain JAX Llama computes the library model's loss (its --quick run: test_benchmarks.py, under -m slow)."""
+"""scripts/bench_mfu.py: rates, ratios and the step-0 check (its --quick run: test_benchmarks.py, under -m slow; the plain
+JAX Llama it runs: tests/benchmarks/test_plain_llama.py)."""
 import importlib.util
 from pathlib import Path
 
-import jax
-import numpy as np
 import pytest
-from flax import nnx
-
-from starscream_jax.model.catalog import load_model_config
-from starscream_jax.model.decoder import Transformer, next_token_loss
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_mfu.py"
 
@@ -19,38 +14,6 @@ def bench():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.mark.parametrize("model", ["tiny", "llama3.2-1b"])
-def test_plain_loss_equals_the_library_model_on_its_parameters(bench, model):
-    # llama3.2-1b's structure (tied embeddings) at a tiny size; tiny has a separate lm_head
-    config = load_model_config(model, dtype="float32")
-    config = config.replace(vocab_size=256, d_model=64, n_layers=2, d_ff=128, n_heads=4, n_kv_heads=2, head_dim=16)
-    library_model = Transformer(config, rngs=nnx.Rngs(0))
-    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, config.vocab_size)
-    params = nnx.to_pure_dict(nnx.state(library_model, nnx.Param))
-    expected = float(jax.jit(next_token_loss)(library_model, tokens))
-    plain = jax.jit(bench.plain_loss, static_argnums=(2, 3))(params, tokens, config, None)
-    assert float(plain) == pytest.approx(expected, rel=1e-5)
-
-
-@pytest.mark.parametrize("parallelism", ["tp", "fsdp"])
-def test_plain_baselines_with_sharding_annotations_compute_the_unsharded_loss(bench, parallelism):
-    """The plain tensor-parallel and FSDP steps place their parameters and activations by ordinary annotations; on
-    two devices their loss is the unsharded one."""
-    from jax.sharding import AxisType, Mesh, NamedSharding
-
-    config = load_model_config("tiny", dtype="float32").replace(n_layers=2)
-    params = nnx.to_pure_dict(nnx.state(Transformer(config, rngs=nnx.Rngs(0)), nnx.Param))
-    tokens = jax.random.randint(jax.random.key(1), (4, 17), 0, config.vocab_size)
-    expected = jax.jit(bench.plain_loss, static_argnums=(2, 3))(params, tokens, config, None)
-    mesh = Mesh(np.asarray(jax.devices()[:2]), (bench.PLAIN_AXIS,), axis_types=(AxisType.Auto,))
-    specs = bench.plain_param_specs(params, parallelism)
-    placed = jax.tree.map(lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec)), params, specs)
-    assert bench.PLAIN_AXIS in placed["layers"]["wq"].sharding.spec
-    with jax.set_mesh(mesh):
-        loss = jax.jit(bench.plain_loss, static_argnums=(2, 3, 4))(placed, tokens, config, None, parallelism)
-    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
 
 
 def test_rates_count_model_flops_against_every_device(bench):

@@ -48,7 +48,7 @@ def test_peer_ratios_compile_only_files_and_other_results(render, tmp_path):
     assert "bench_serve" not in text
 
 
-def test_decode_tables_show_each_variant_over_bf16_and_the_peer(render, tmp_path):
+def test_decode_tables_show_each_variant_over_bf16_plain_jax_and_the_peer(render, tmp_path):
     meta = {**META, "layout": "starscream_decode", "copy_bandwidth_bytes_per_s": 3e12}
     common = {"batch": 1, "cache_length": 4096, "bytes_per_step": {"weights": 15e9}, "fraction_of_peak": 0.6}
     rows = [{**common, "variant": "bf16", "step_s": 0.005, "tokens_per_s": 200.0, "bandwidth_bytes_per_s": 3e12,
@@ -57,8 +57,11 @@ def test_decode_tables_show_each_variant_over_bf16_and_the_peer(render, tmp_path
              "speedup_over_bf16": 0.5}]
     peer = [{**common, "name": "PyTorch (gpt-fast-style)", "step_s": 0.007, "tokens_per_s": 142.9,
              "bandwidth_bytes_per_s": 2.1e12}]
-    (tmp_path / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows, "peer_rows": peer}))
+    plain = [{**common, "name": "plain JAX", "step_s": 0.008, "tokens_per_s": 125.0, "bandwidth_bytes_per_s": 1.9e12}]
+    (tmp_path / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows, "plain_rows": plain,
+                                                      "peer_rows": peer}))
     text = render.render(tmp_path)["decode"]
+    assert "| plain JAX | 1 | 4096 | 8.00 | 125 | 15.0 | 1.90 | 60.0% |  |  |  |  |" in text
     assert "| starscream_decode bf16 | 1 | 4096 | 5.00 | 200 | 15.0 | 3.00 | 60.0% |  |  |  | 1.400x |" in text
     assert "| starscream_decode w-int8 | 1 | 4096 | 10.00 | 100 | 15.0 | 1.50 | 60.0% |  |  | 0.50x |  |" in text
     assert "| PyTorch (gpt-fast-style) | 1 | 4096 | 7.00 | 143 | 15.0 | 2.10 | 60.0% |  |  |  |  |" in text
