@@ -261,6 +261,18 @@ def with_fractions(row: dict, devices: int, peak: float, copy: float, read: floa
     return row
 
 
+def plain_skipped(config, devices: int) -> str | None:
+    """Why no plain JAX row runs beside the library's (it decodes a plain Llama on one device), or None."""
+    from starscream_jax.benchmarks.plain_llama import plain_differences
+
+    if devices != 1:
+        return f"plain JAX rows skipped: the plain decoder runs on one device, this run has {devices}"
+    differences = plain_differences(config)
+    if differences:
+        return f"plain JAX rows skipped: {config.name} is not a plain Llama ({', '.join(differences)})"
+    return None
+
+
 def plain_weights(model) -> dict:
     """The model's parameters as the plain JAX decoder holds them (`benchmarks.plain_llama`: a params dict on one
     device, no mesh), matrices in the compute dtype, norm scales in float32: what a JAX user casts once before
@@ -282,7 +294,8 @@ def plain_weights(model) -> dict:
 def plain_row(params: dict, config, batch: int, cache_length: int, warmup: int, steps: int, read: dict) -> dict:
     """The plain JAX decode step (`plain_llama.plain_decode_step`) at `batch` rows at the last of `cache_length`
     positions, timed as the library's rows are; `read`: the bytes a step must read (the library bf16 row's, the
-    same weights and cache). Attention through cuDNN where JAX takes it (an NVIDIA GPU), else JAX's own choice."""
+    same weights and cache). Attention through cuDNN on an NVIDIA GPU, as a JAX user who wants the fused kernel asks
+    for it, else (elsewhere, or a shape cuDNN refuses while tracing) JAX's own form; the row names which ran."""
     import jax
     import jax.numpy as jnp
 
@@ -292,11 +305,12 @@ def plain_row(params: dict, config, batch: int, cache_length: int, warmup: int, 
     token_B = jax.random.randint(jax.random.key(3), (batch,), 0, config.vocab_size, jnp.int32)
     position = jnp.asarray(cache_length - 1, jnp.int32)
     start = time.perf_counter()
+    implementation = "cudnn" if jax.devices()[0].platform in ("gpu", "cuda") else None
     try:
-        implementation = "cudnn" if jax.devices()[0].platform in ("gpu", "cuda") else None
         compiled = plain_decode_step(config, implementation).lower(params, cache, token_B, position).compile()
-    except NotImplementedError:  # cuDNN refuses the shape: JAX's own attention
-        compiled = plain_decode_step(config, None).lower(params, cache, token_B, position).compile()
+    except NotImplementedError:
+        implementation = None
+        compiled = plain_decode_step(config, implementation).lower(params, cache, token_B, position).compile()
     compile_s = time.perf_counter() - start
 
     def advance(state):
@@ -304,7 +318,8 @@ def plain_row(params: dict, config, batch: int, cache_length: int, warmup: int, 
         return (token_B, cache), token_B
 
     step_s = harness.timed_steps(advance, (token_B, cache), warmup=warmup, steps=steps).seconds_per_step
-    return {"name": "plain JAX", "batch": batch, "cache_length": cache_length, "compile_s": compile_s,
+    return {"name": "plain JAX", "attention": implementation or "xla", "batch": batch, "cache_length": cache_length,
+            "compile_s": compile_s,
             "step_s": step_s, "tokens_per_s": batch / step_s, "bytes_per_step": read,
             "bandwidth_bytes_per_s": sum(read.values()) / step_s}
 
@@ -481,6 +496,10 @@ def main(argv=None) -> int:
         harness.write_json(args.out, result)  # kept should a later row not finish
     peer_by_batch = {row["batch"]: row for row in result.get("peer_rows", [])}
     rows, bf16_tokens_per_s = result["rows"], {}
+    plain_reason = plain_skipped(config, devices)
+    if plain_reason is not None:
+        result["plain_skipped"] = plain_reason
+        print(plain_reason, flush=True)
     for variant, batch in ((variant, batch) for variant in args.variants for batch in args.batches):
         if batch == args.batches[0]:  # the variant's model, served as stored: bfloat16, or 8-bit with scales
             weights, cache = (args.fp8_format if kind == "fp8" else kind
@@ -491,7 +510,7 @@ def main(argv=None) -> int:
             params = rest = None  # the previous variant's weights leave the device first
             with use_layout(args.layout, mesh):
                 model = create_sharded_model(variant_config, args.layout, mesh)
-            plain_params = plain_weights(model) if variant == "bf16" and devices == 1 else None
+            plain_params = plain_weights(model) if variant == "bf16" and plain_reason is None else None
             graphdef, params, rest = inference_split(model, mesh, jnp.bfloat16)  # as the engine holds them
             model = None
         row = run_batch(graphdef, params, rest, variant_config, args.layout, mesh, batch, args.cache, args.warmup,

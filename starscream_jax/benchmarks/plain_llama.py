@@ -29,6 +29,19 @@ PLAIN_ACTIVATIONS = {"tp": {"heads": (None, None, PLAIN_AXIS, None), "hidden": (
 """The constraints each plain parallelism puts on activations (by kind) and on weights at use ("weight")."""
 
 
+PLAIN_LLAMA = {"n_experts": 0, "qkv_bias": False, "qk_norm": False, "rope_scaling": "", "mlp_activation": "silu",
+               "norm_plus_one": False, "post_norms": False, "scale_embedding": False, "attn_softcap": 0.0,
+               "logit_softcap": 0.0, "query_pre_attn_scalar": 0.0, "sliding_window": 0}
+"""The model options the plain Llama computes: each at this value (the library's other models differ in one)."""
+
+
+def plain_differences(config) -> list[str]:
+    """The options of `config` the plain Llama does not compute (`PLAIN_LLAMA`), as "name = value"; empty for a
+    plain Llama, the only model its figures stand beside."""
+    return [f"{name} = {getattr(config, name)!r}" for name, plain in PLAIN_LLAMA.items()
+            if getattr(config, name) != plain]
+
+
 def plain_rms_norm(x_BSD, scale_D, eps: float):
     """RMSNorm in float32, returned in x's dtype."""
     x32 = x_BSD.astype(jnp.float32)

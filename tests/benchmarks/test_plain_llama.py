@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from starscream_jax.benchmarks.plain_llama import (PLAIN_AXIS, plain_cache, plain_decode_step, plain_loss,
-                                                   plain_param_specs)
+from starscream_jax.benchmarks.plain_llama import (PLAIN_AXIS, plain_cache, plain_decode_step, plain_differences,
+                                                   plain_loss, plain_param_specs)
 from starscream_jax.inference.generate import generate
 from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.decoder import Transformer, next_token_loss
@@ -65,3 +65,10 @@ def test_plain_decode_continues_a_prompt_with_the_library_models_greedy_tokens(m
         if position >= 4:
             produced.append(next_token)
     np.testing.assert_array_equal(np.stack(produced, axis=1), expected)
+
+
+def test_the_options_the_plain_llama_does_not_compute_are_named():
+    assert plain_differences(load_model_config("llama3-8b")) == []
+    assert plain_differences(load_model_config("qwen2.5-72b")) == ["qkv_bias = True"]
+    assert "sliding_window = 4096" in plain_differences(load_model_config("gemma2-27b"))
+    assert plain_differences(load_model_config("tiny-moe"))[0].startswith("n_experts = ")

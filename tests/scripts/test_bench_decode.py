@@ -59,5 +59,12 @@ def test_the_plain_jax_row_times_the_plain_decoder_on_the_models_weights(bench):
     read = {"weights": 1000, "kv_cache": 24}
     row = bench.plain_row(params, config, batch=2, cache_length=32, warmup=1, steps=2, read=read)
     assert row["name"] == "plain JAX" and row["batch"] == 2 and row["bytes_per_step"] == read
+    assert row["attention"] == "xla"  # cuDNN only on an NVIDIA GPU
     assert row["tokens_per_s"] == pytest.approx(2 / row["step_s"])
     assert row["bandwidth_bytes_per_s"] == pytest.approx(1024 / row["step_s"])
+
+
+def test_no_plain_row_stands_beside_a_model_or_a_mesh_it_does_not_decode(bench):
+    assert bench.plain_skipped(load_model_config("llama3-8b"), devices=1) is None
+    assert "runs on one device, this run has 2" in bench.plain_skipped(load_model_config("llama3-8b"), devices=2)
+    assert "not a plain Llama (qkv_bias = True)" in bench.plain_skipped(load_model_config("qwen2.5-72b"), devices=1)
