@@ -15,7 +15,6 @@ from ..hardware.presets import Chip
 from ..inference.generate import generate, stop_ids_of
 from ..inference.loading import LoadRequest, load_for_inference
 from ..inference.served import generate_served, uses_engine
-from ..model.layer_weights import stack_projections
 from ..training.steps import Sampling
 from .arguments import (
     MODEL_SOURCE_EXCLUSIVE,
@@ -64,7 +63,6 @@ def run(args: argparse.Namespace) -> int:
     topology, mesh = mesh_from_args(args)
     chip = topology.preset.chip
     model, source, tokenizer = load_for_inference(load_request(args, chip), mesh, chip)
-    model = stack_projections(model, mesh)  # as inference holds them, the loaded parts freed
     samples = args.samples
     prompt_tokens = tokenizer.encode(args.prompt)
     prompt = np.tile(prompt_tokens, (samples, 1))

@@ -326,7 +326,6 @@ def build_engine(args: argparse.Namespace) -> ReadyEngine:
     import jax
 
     from ..inference.loading import load_for_inference
-    from ..model.layer_weights import stack_projections
     from ..serving.engine import Engine
     from ..serving.multihost import StepBroadcast
     from ..serving.steps import cache_shards
@@ -341,8 +340,6 @@ def build_engine(args: argparse.Namespace) -> ReadyEngine:
     chip = topology.preset.chip
     phases.end("imports and mesh")
     model, source, tokenizer = load_for_inference(load_request(args, chip), mesh, chip)
-    # the loaded weights' only holder: stacked as the engine holds them, the parts freed before it sizes its cache
-    model = stack_projections(model, mesh)
     phases.end("model")
     channel = StepBroadcast() if jax.process_count() > 1 else None  # a mesh spanning processes: 0 schedules
     shards = cache_shards(args.decode_layout, mesh)

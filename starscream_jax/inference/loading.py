@@ -19,6 +19,7 @@ from ..model.config import ModelConfig
 from ..model.heads import pad_query_heads_to, refuse_unsplit_heads
 from ..model.hf_checkpoint import load_hf_model
 from ..model.hf_config import model_config_from_hf
+from ..model.layer_weights import stack_projections
 from ..model.quantize import OCP_TO_FNUZ
 from ..model.weight_formats import quantize_model, to_fnuz
 from ..sharding.layouts import PHASE_DEFAULTS
@@ -63,9 +64,11 @@ class LoadedModel(NamedTuple):
 
 def load_for_inference(request: LoadRequest, mesh, chip: Chip) -> LoadedModel:
     """The model `request` names, placed by its prefill layout on `mesh`, in the 8-bit formats it asks for on
-    `chip`. With pad_heads the model is loaded under PADDING_LOAD_LAYOUT (which splits no heads), padded, then
-    quantized into the prefill layout's placement. Query heads the prefill or decode layout cannot split over the
-    mesh are refused before anything runs, with the --pad-heads N that splits them."""
+    `chip`, its projections as inference holds them (`layer_weights.stack_projections`: the loaded parts freed
+    before an engine sizes its cache by free memory). With pad_heads the model is loaded under PADDING_LOAD_LAYOUT
+    (which splits no heads), padded, then quantized into the prefill layout's placement. Query heads the prefill or
+    decode layout cannot split over the mesh are refused before anything runs, with the --pad-heads N that splits
+    them."""
     layouts = (request.prefill_layout, request.decode_layout)
     try:
         loaded = _load(request, mesh, chip)
@@ -73,7 +76,7 @@ def load_for_inference(request: LoadRequest, mesh, chip: Chip) -> LoadedModel:
         refuse_unsplit_heads(saved_config(request), layouts, mesh)  # the heads were what the layout could not place
         raise
     refuse_unsplit_heads(loaded.model.config, layouts, mesh)
-    return loaded
+    return loaded._replace(model=stack_projections(loaded.model, mesh))
 
 
 def saved_config(request: LoadRequest) -> ModelConfig:

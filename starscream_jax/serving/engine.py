@@ -19,7 +19,7 @@ Memory: the pools hold 2 * L * K * pages * page_size * E values in the compute d
 given. The engine holds its own copy of the weights as inference reads them (`layer_weights.inference_split`): float
 weights in the compute dtype, and on one device q, k, v stacked as one weight and gate, up as another, so that every
 step runs each group as one GEMM; a caller that keeps the model keeps its arrays too, which the cache is then sized
-around (the server hands over a model already stacked, `cli.serve.build_engine`).
+around (the server hands over a model already stacked, `inference.loading.load_for_inference`).
 """
 from __future__ import annotations
 

@@ -294,8 +294,8 @@ class SchedulerConfig:
     """shards: cache shards (the partitions the attention batch is split over); pages_per_shard: each shard's pages
     (one is its null page); page_size: positions per page; rows_per_shard: most sequences a shard runs at once;
     token_budget: most prompt tokens a step prefills (decode rows, at most rows_per_shard per shard, run in a
-    program of their own); chunk: most prompt tokens of one sequence per step; prefill_rows: most prompt chunks a shard runs in one step (default rows_per_shard);
-    prefix_caching: whether full prompt pages are shared by hash."""
+    program of their own); chunk: most prompt tokens of one sequence per step; prefill_rows: most prompt chunks a
+    shard runs in one step (default rows_per_shard); prefix_caching: whether full prompt pages are shared by hash."""
 
     shards: int
     pages_per_shard: int

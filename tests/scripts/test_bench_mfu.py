@@ -1,5 +1,5 @@
-"""scripts/bench_mfu.py: rates, ratios and the step-0 check (its --quick run: test_benchmarks.py, under -m slow; the plain
-JAX Llama it runs: tests/benchmarks/test_plain_llama.py)."""
+"""scripts/bench_mfu.py: rates, ratios and the step-0 check (its --quick run: test_benchmarks.py, under -m slow; the
+plain JAX Llama it runs: tests/benchmarks/test_plain_llama.py)."""
 import importlib.util
 from pathlib import Path
 
