@@ -16,9 +16,9 @@ every cached position. Each step is compiled first, warmed up, then timed over `
 hand).
 
 Beside each bfloat16 row on one device, the plain JAX decoder (`benchmarks.plain_llama.plain_decode_step`: the
-model's weights as a params dict cast once, the layers a `lax.scan`, a dense cache written in place, cuDNN's
-attention where JAX takes it) on the same weights and cache length: its rows are "plain_rows" and each bf16 row's
-tokens/s over its batch's plain row is "vs_plain".
+model's weights as a params dict cast and split per layer once, the layers a Python loop, a dense cache of one array
+pair per layer written in place, cuDNN's attention where JAX takes it) on the same weights and cache length: its rows
+are "plain_rows" and each bf16 row's tokens/s over its batch's plain row is "vs_plain".
 
 Where torch and a CUDA GPU are present (`--no-torch` leaves it out, `--quick` skips it), the gpt-fast-style peer of
 scripts/torch_peers.py decodes at the same batches against the same cache length, its bytes counted alike; its rows
@@ -274,21 +274,18 @@ def plain_skipped(config, devices: int) -> str | None:
 
 
 def plain_weights(model) -> dict:
-    """The model's parameters as the plain JAX decoder holds them (`benchmarks.plain_llama`: a params dict on one
-    device, no mesh), matrices in the compute dtype, norm scales in float32: what a JAX user casts once before
-    decoding."""
+    """The model's parameters as the plain JAX decoder holds them (`plain_llama.plain_decode_weights`: on one
+    device, no mesh, split per layer), matrices in the compute dtype, norm scales in float32: what a JAX user
+    prepares once before decoding."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    dtype = jnp.dtype(model.config.dtype)
+    from starscream_jax.benchmarks.plain_llama import plain_decode_weights
+
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # off the library's mesh and its typed axes
-
-    def held(path, w):
-        w = jax.device_put(w, device)
-        return w if "norm" in jax.tree_util.keystr(path) else w.astype(dtype)
-
-    return jax.tree_util.tree_map_with_path(held, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    stacked = jax.device_put(nnx.to_pure_dict(nnx.state(model, nnx.Param)), device)
+    return plain_decode_weights(stacked, jnp.dtype(model.config.dtype))
 
 
 def plain_row(params: dict, config, batch: int, cache_length: int, warmup: int, steps: int, read: dict) -> dict:

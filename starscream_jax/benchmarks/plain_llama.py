@@ -9,8 +9,11 @@ are used in the compute dtype, norm scales in float32.
   `plain_loss`          training's next-token loss, `lax.scan` over the stacked layers, with ordinary sharding
                         annotations for plain data, tensor (Megatron) or fully sharded data parallelism
                         (`plain_param_specs`, `with_sharding_constraint` on one flat mesh axis, PLAIN_AXIS);
-  `plain_decode_step`   one greedy decode step over a dense KV cache [L, B, T, K, E] (`plain_cache`), written in
-                        place (`lax.dynamic_update_slice`, the cache donated), the layers as a `lax.scan`.
+  `plain_decode_step`   one greedy decode step over a dense KV cache of one [B, T, K, E] pair per layer
+                        (`plain_cache`), written in place (`lax.dynamic_update_slice`, the cache donated), the
+                        layers a Python loop over the weights split per layer once (`plain_decode_weights`): what a
+                        JAX user writes for decode, where a scan over stacked weights and a stacked cache has XLA
+                        copy each layer's slice out of its stack every step.
 Attention is `jax.nn.dot_product_attention` with the implementation the caller names (cuDNN on NVIDIA GPUs).
 """
 from __future__ import annotations
@@ -118,43 +121,51 @@ def plain_loss(params: dict, tokens_BS1, config, attention_impl: str | None, par
     return optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS).mean()
 
 
-def plain_cache(config, batch: int, length: int) -> dict:
-    """An empty dense KV cache {"k", "v"}: [L, B, T, K, E] each, in the compute dtype."""
-    shape = (config.n_layers, batch, length, config.n_kv_heads, config.head_dim)
-    return {name: jnp.zeros(shape, jnp.dtype(config.dtype)) for name in ("k", "v")}
+def plain_cache(config, batch: int, length: int) -> list[dict]:
+    """An empty dense KV cache: per layer {"k", "v"}, [B, T, K, E] each, in the compute dtype."""
+    shape = (batch, length, config.n_kv_heads, config.head_dim)
+    return [{name: jnp.zeros(shape, jnp.dtype(config.dtype)) for name in ("k", "v")} for _ in range(config.n_layers)]
+
+
+def plain_decode_weights(params: dict, dtype) -> dict:
+    """`params` as the plain decode step takes them: "layers" a list of per-layer dicts (each stack split once),
+    matrices in `dtype`, norm scales as stored. The stacked arrays are no longer referenced by the result."""
+    layers = _compute_layers(params, dtype)
+    count = next(iter(layers.values())).shape[0]
+    per_layer = [{name: w[index] for name, w in layers.items()} for index in range(count)]
+    held = {name: w.astype(dtype) if name in ("embedding", "lm_head") else w
+            for name, w in params.items() if name != "layers"}
+    return {**held, "layers": per_layer}
 
 
 def plain_decode_step(config, attention_impl: str | None):
-    """step(params, cache, token [B] int32, position [] int32) -> (the greedy next token [B], the cache with the
-    token's keys and values written at `position`), jitted, the cache donated. Every row is at the same position;
-    attention reads the cache's first position + 1 entries (`key_value_seq_lengths`)."""
-    dtype = jnp.dtype(config.dtype)
+    """step(weights, cache, token [B] int32, position [] int32) -> (the greedy next token [B], the cache with the
+    token's keys and values written at `position`), jitted, the cache donated. `weights`: `plain_decode_weights`;
+    `cache`: `plain_cache`. Every row is at the same position; attention reads the cache's first position + 1
+    entries (`key_value_seq_lengths`)."""
 
     @functools.partial(jax.jit, donate_argnums=(1,))
-    def step(params, cache, token_B, position):
+    def step(weights, cache, token_B, position):
         batch = token_B.shape[0]
         cos_BSE, sin_BSE = plain_angles(config, jnp.full((batch, 1), position))
         lengths_B = jnp.full((batch,), position + 1, jnp.int32)
-        table_VD = params["embedding"].astype(dtype)
-
-        def block(x_BSD, layer):
-            w, k_BTKE, v_BTKE = layer
+        table_VD = weights["embedding"]
+        x_BSD, written = table_VD[token_B][:, None], []
+        for w, layer_cache in zip(weights["layers"], cache):
             h = plain_rms_norm(x_BSD, w["attn_norm"], config.norm_eps)
             q = plain_rope(jnp.einsum("bsd,dhe->bshe", h, w["wq"]), cos_BSE, sin_BSE)
             k = plain_rope(jnp.einsum("bsd,dke->bske", h, w["wk"]), cos_BSE, sin_BSE)
             v = jnp.einsum("bsd,dke->bske", h, w["wv"])
-            k_BTKE = jax.lax.dynamic_update_slice(k_BTKE, k, (0, position, 0, 0))
-            v_BTKE = jax.lax.dynamic_update_slice(v_BTKE, v, (0, position, 0, 0))
+            k_BTKE = jax.lax.dynamic_update_slice(layer_cache["k"], k, (0, position, 0, 0))
+            v_BTKE = jax.lax.dynamic_update_slice(layer_cache["v"], v, (0, position, 0, 0))
             attended = jax.nn.dot_product_attention(q, k_BTKE, v_BTKE, key_value_seq_lengths=lengths_B,
                                                     implementation=attention_impl)
             x_BSD = x_BSD + jnp.einsum("bshe,hed->bsd", attended, w["wo"])
             h = plain_rms_norm(x_BSD, w["mlp_norm"], config.norm_eps)
-            return x_BSD + jnp.einsum("bsf,fd->bsd", _plain_mlp(h, w), w["w_down"]), (k_BTKE, v_BTKE)
-
-        layers = (_compute_layers(params, dtype), cache["k"], cache["v"])
-        x_BSD, (k, v) = jax.lax.scan(block, table_VD[token_B][:, None], layers)
-        logits_BV = _plain_logits(params, x_BSD, table_VD, config)[:, 0]
-        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), {"k": k, "v": v}
+            x_BSD = x_BSD + jnp.einsum("bsf,fd->bsd", _plain_mlp(h, w), w["w_down"])
+            written.append({"k": k_BTKE, "v": v_BTKE})
+        logits_BV = _plain_logits(weights, x_BSD, table_VD, config)[:, 0]
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), written
 
     return step
 

@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from starscream_jax.benchmarks.plain_llama import (PLAIN_AXIS, plain_cache, plain_decode_step, plain_differences,
-                                                   plain_loss, plain_param_specs)
+from starscream_jax.benchmarks.plain_llama import (PLAIN_AXIS, plain_cache, plain_decode_step, plain_decode_weights,
+                                                   plain_differences, plain_loss, plain_param_specs)
 from starscream_jax.inference.generate import generate
 from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.decoder import Transformer, next_token_loss
@@ -56,12 +56,12 @@ def test_plain_decode_continues_a_prompt_with_the_library_models_greedy_tokens(m
     library_model = Transformer(config, rngs=nnx.Rngs(0))
     prompt = np.asarray(jax.random.randint(jax.random.key(2), (3, 5), 0, config.vocab_size))
     expected = generate(library_model, prompt, 6).tokens
-    params = nnx.to_pure_dict(nnx.state(library_model, nnx.Param))
+    weights = plain_decode_weights(nnx.to_pure_dict(nnx.state(library_model, nnx.Param)), jnp.float32)
     step, cache = plain_decode_step(config, None), plain_cache(config, 3, 16)
     produced = []
     for position in range(5 + 6 - 1):
         token = jnp.asarray(prompt[:, position] if position < 5 else produced[-1], jnp.int32)
-        next_token, cache = step(params, cache, token, jnp.int32(position))
+        next_token, cache = step(weights, cache, token, jnp.int32(position))
         if position >= 4:
             produced.append(next_token)
     np.testing.assert_array_equal(np.stack(produced, axis=1), expected)

@@ -50,11 +50,12 @@ def test_8_bit_weights_and_cache_are_counted_in_their_stored_bytes(bench):
 
 def test_the_plain_jax_row_times_the_plain_decoder_on_the_models_weights(bench):
     """The plain JAX row beside the library's: the model's weights held as a plain params dict on one device, off
-    the library's mesh (matrices in the compute dtype, norm scales float32), and its step timed over the same
+    the library's mesh, split per layer (matrices in the compute dtype, norm scales float32), and its step timed over the same
     bytes."""
     config = load_model_config("tiny", dtype="bfloat16")
     params = bench.plain_weights(Transformer(config, rngs=nnx.Rngs(0)))
-    assert params["layers"]["wq"].dtype == jax.numpy.bfloat16 and params["final_norm"].dtype == jax.numpy.float32
+    assert len(params["layers"]) == config.n_layers and params["layers"][0]["wq"].ndim == 3
+    assert params["layers"][0]["wq"].dtype == jax.numpy.bfloat16 and params["final_norm"].dtype == jax.numpy.float32
     assert isinstance(params["embedding"].sharding, jax.sharding.SingleDeviceSharding)
     read = {"weights": 1000, "kv_cache": 24}
     row = bench.plain_row(params, config, batch=2, cache_length=32, warmup=1, steps=2, read=read)
