@@ -89,6 +89,7 @@ def programs(config, K: int, N: int, rows: int, format_name: str, copies: int, i
     dequantize = jax.jit(lambda w: (w.values.astype(jnp.float32) * w.scale).astype(jnp.bfloat16))
     floats = [dequantize(w) for w in scaled]
     decode_options = dict(policy_of(jax.devices()[0]).decode_compiler_options)
+    ptx = policy_of(jax.devices()[0]).inline_ptx
     eight_bit_options = {**decode_options,
                          **{k: v for k, v in EIGHT_BIT_DECODE_OPTIONS.items() if k in decode_options}}
     xla_config = config.replace(eight_bit_matmul="xla")
@@ -100,7 +101,8 @@ def programs(config, K: int, N: int, rows: int, format_name: str, copies: int, i
 
     def kernel(blocks):
         def run(x, weights):
-            return [weight_only_matmul(x[:, 0], w.values, w.scale, implementation, blocks)[:, None] for w in weights]
+            return [weight_only_matmul(x[:, 0], w.values, w.scale, implementation, blocks, ptx)[:, None]
+                    for w in weights]
         return jax.jit(run, compiler_options=decode_options or None)
 
     eight_bit_bytes = sum(w.values.nbytes + w.scale.nbytes for w in scaled)
@@ -164,12 +166,16 @@ def layer_function(name: str, implementation: str, config, blocks=None):
     """f(x_by_input, layers) -> outputs of every projection of every layer, as `name` (LAYER_IMPLEMENTATIONS, or
     "grouped ..." with `blocks`) runs them. x_by_input: {group's first projection: x [M, K]}; layers:
     [{projection: Scaled or bf16 [K, N]}]."""
+    import jax
+
+    from starscream_jax.hardware.backend import policy_of
     from starscream_jax.model import projections as model_projections
     from starscream_jax.model.weight_only import weight_only_matmul
     from starscream_jax.model.weight_only_group import grouped_weight_only_matmul
     from starscream_jax.sharding.apply import UNPLACED
 
     xla_config = config.replace(eight_bit_matmul="xla")
+    ptx = policy_of(jax.devices()[0]).inline_ptx
 
     def run(xs, layers):
         outputs = []
@@ -178,9 +184,9 @@ def layer_function(name: str, implementation: str, config, blocks=None):
                 x = xs[group[0]]
                 if name.startswith("grouped"):
                     outputs += grouped_weight_only_matmul(x, [tuple(weights[p]) for p in group], implementation,
-                                                          blocks)
+                                                          blocks, ptx)
                 elif name == "kernel":
-                    outputs += [weight_only_matmul(x, *weights[p], implementation) for p in group]
+                    outputs += [weight_only_matmul(x, *weights[p], implementation, ptx=ptx) for p in group]
                 else:
                     outputs += [model_projections.project("bench", "bsd,df->bsf", x[:, None], weights[p],
                                                           ("batch", "seq", "mlp"), xla_config, UNPLACED)[:, 0]
@@ -205,6 +211,7 @@ def layer_programs(config, rows: int, format_name: str, implementation: str, alt
     xs = {group[0]: jax.random.normal(jax.random.key(rows), (rows, layers[0][group[0]].values.shape[0]),
                                       jnp.float32).astype(jnp.bfloat16) for group in LAYER_GROUPS}
     decode_options = dict(policy_of(jax.devices()[0]).decode_compiler_options)
+    ptx = policy_of(jax.devices()[0]).inline_ptx
     eight_bit_options = {**decode_options, **{k: v for k, v in EIGHT_BIT_DECODE_OPTIONS.items()
                                               if k in decode_options}}
     eight_bit_bytes = sum(w.values.nbytes + w.scale.nbytes for w in layers[0].values())

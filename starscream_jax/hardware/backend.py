@@ -36,6 +36,8 @@ class BackendPolicy:
         "xla" (`ops._decode_over_8_bit_cache`).
     paged_attention: the serving engine's paged decode attention (`model.paged.KERNELS`) where the engine is not
         told: "cudnn" (cuDNN's paged attention, the pages read in place) or "gather" (every backend).
+    inline_ptx: whether the library's Pallas kernels may carry inline PTX (NVIDIA's assembly: int8 into float16
+        by a byte permute, `model.weight_only.widened`).
     """
 
     name: str
@@ -47,6 +49,7 @@ class BackendPolicy:
     eight_bit_groups: bool = False
     eight_bit_attention: str = "xla"
     paged_attention: str = "gather"
+    inline_ptx: bool = False
 
     def fuses_attention(self, dtype) -> bool:
         """Whether attention on inputs of `dtype` runs the vendor's fused kernel."""
@@ -68,6 +71,7 @@ CUDA = BackendPolicy(
     eight_bit_groups=True,
     eight_bit_attention="pallas",
     paged_attention="cudnn",
+    inline_ptx=True,
 )
 """NVIDIA GPUs (measured on an H200): cuDNN's fused attention for 16-bit inputs (flash attention in training and
 prefill; in decode it reads the KV cache with its strides, no transposed copy); one-row projections padded to 8 rows,

@@ -8,9 +8,13 @@ the cache's own order (`ops._decode_over_8_bit_cache`) it reads in place but mul
 value meeting G queries twice (scores and values): about 8 float32 operations per byte, as much time as the read
 itself at batch 64. Here the tensor cores do the products: each program takes one row, one kv head and one stretch
 of positions (flash-decoding), loads a [positions, E] tile of keys with the cache's strides (E contiguous bytes per
-position), converts it in registers (exact: int8 and e4m3 values are bf16 values), computes the scores of the
-head's G queries (padded to 16 rows) with a dot, multiplies by the key scales and 1 / sqrt(E), keeps an online
-softmax, weighs the probabilities by the value scales and accumulates their dot with the value tile. Each
+position), converts it to float16 in registers (exact; int8 by a byte permute and a paired subtraction on NVIDIA,
+`weight_only.widened`, where each value converted to bfloat16 took two conversion instructions: the Llama 3 8B step
+with an int8 cache ran 5.27 ms at batch 1 against 6.14 before, unchanged at 14.1 ms at batch 64,
+benchmarks/NOTES.md run 89), computes the scores of the head's G queries (padded to 16
+rows; in float16, each row scaled by a power of two into its range, `weight_only.half_inputs`) with a dot, multiplies
+by the key scales, 1 / sqrt(E) and the rows' inverse factors, keeps an online softmax, weighs the probabilities by
+the value scales and accumulates their dot (in float16) with the value tile. Each
 program writes its float32 partial (running max, sum, weighted values); XLA merges the stretches. Nothing the size
 of the cache is written. Lowered by Pallas' Triton backend (NVIDIA and ROCm); interpreted on CPU for the tests.
 """
@@ -23,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .weight_only import kernel_out_shape
+from .weight_only import half_inputs, kernel_out_shape, widened
 
 BLOCK = 64
 """Positions per loop step of a program (a [64, E] tile of keys and of values)."""
@@ -55,18 +59,22 @@ def split_count(rows: int, kv_heads: int, length: int, block: int = BLOCK) -> in
 
 
 def decode_attention(q_B1HE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK, lengths_B, interpret: bool = False,
-                     block: int = BLOCK) -> jax.Array:
+                     block: int = BLOCK, ptx: bool = False) -> jax.Array:
     """out [B, 1, H, E] in q's dtype: each row's query heads attending to its first `lengths` positions of the
-    8-bit cache (module docstring); kv head k serves query heads k G .. k G + G - 1."""
+    8-bit cache (module docstring); kv head k serves query heads k G .. k G + G - 1. `ptx`: the kernel compiles
+    for an NVIDIA GPU and may carry inline PTX (`weight_only.widened`)."""
     B, _, H, E = q_B1HE.shape
     T, K = k_BTKE.shape[1], k_BTKE.shape[2]
     G = H // K
     block = min(block, T)
     splits = split_count(B, K, T, block)
     q_BKQE = jnp.pad(q_B1HE[:, 0].reshape(B, K, G, E), ((0, 0), (0, 0), (0, max(QUERY_ROWS, G) - G), (0, 0)))
-    operands = [q_BKQE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK, lengths_B.astype(jnp.int32).reshape(B, 1)]
     rows = q_BKQE.shape[2]
-    kernel = functools.partial(_kernel, block=block, steps=T // splits // block, scale=E ** -0.5)
+    q_PE, inverse_P1 = half_inputs(q_BKQE.reshape(B * K * rows, E))
+    operands = [q_PE.reshape(B, K, rows, E), inverse_P1.reshape(B, K, rows), k_BTKE, v_BTKE, k_scale_BTK,
+                v_scale_BTK, lengths_B.astype(jnp.int32).reshape(B, 1)]
+    kernel = functools.partial(_kernel, block=block, steps=T // splits // block, scale=E ** -0.5,
+                               ptx=ptx and not interpret)
     params = None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=2)
     peak, total, mixed = pl.pallas_call(
         kernel, grid=(B, K, splits), interpret=interpret, compiler_params=params, name="eight_bit_decode",
@@ -85,11 +93,12 @@ def _merged(peak_BKSQ, total_BKSQ, mixed_BKSQE) -> jax.Array:
     return jnp.sum(weight_BKSQ[..., None] * mixed_BKSQE, axis=2) / jnp.maximum(total_BKQ, 1e-30)[..., None]
 
 
-def _kernel(q_ref, k_ref, v_ref, k_scale_ref, v_scale_ref, lengths_ref, peak_ref, total_ref, mixed_ref, *, block,
-            steps, scale):
+def _kernel(q_ref, inverse_ref, k_ref, v_ref, k_scale_ref, v_scale_ref, lengths_ref, peak_ref, total_ref, mixed_ref,
+            *, block, steps, scale, ptx):
     """Program (row b, kv head k, stretch s): positions s * steps * block onwards, `steps` blocks of `block`."""
     b, head, stretch = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q_QE = q_ref[b, head]
+    inverse_Q = inverse_ref[b, head]
     length = lengths_ref[b, 0]
     rows = q_QE.shape[0]
 
@@ -97,16 +106,16 @@ def _kernel(q_ref, k_ref, v_ref, k_scale_ref, v_scale_ref, lengths_ref, peak_ref
         peak_Q, total_Q, mixed_QE = carry
         start = pl.multiple_of((stretch * steps + index) * block, block)
         positions = pl.ds(start, block)
-        k_CE = k_ref[b, positions, head, :].astype(q_QE.dtype)
+        k_CE = widened(k_ref[b, positions, head, :], q_QE.dtype, ptx)
         scores_QC = jax.lax.dot_general(q_QE, k_CE, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        scores_QC = scores_QC * (k_scale_ref[b, positions, head] * scale)[None, :]
+        scores_QC = scores_QC * inverse_Q[:, None] * (k_scale_ref[b, positions, head] * scale)[None, :]
         seen_C = start + jax.lax.broadcasted_iota(jnp.int32, (block,), 0) < length
         scores_QC = jnp.where(seen_C[None, :], scores_QC, MASKED)
         new_peak_Q = jnp.maximum(peak_Q, jnp.max(scores_QC, axis=1))
         kept_Q = jnp.exp(peak_Q - new_peak_Q)
         probabilities_QC = jnp.where(seen_C[None, :], jnp.exp(scores_QC - new_peak_Q[:, None]), 0.0)
         weighted_QC = probabilities_QC * v_scale_ref[b, positions, head][None, :]
-        v_CE = v_ref[b, positions, head, :].astype(q_QE.dtype)
+        v_CE = widened(v_ref[b, positions, head, :], q_QE.dtype, ptx)
         mixed_QE = mixed_QE * kept_Q[:, None] + jax.lax.dot_general(
             weighted_QC.astype(q_QE.dtype), v_CE, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         return new_peak_Q, total_Q * kept_Q + jnp.sum(probabilities_QC, axis=1), mixed_QE

@@ -151,8 +151,10 @@ def attention_over_8_bit_cache(q_BSHE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK,
     if q_BSHE.shape[1] == 1:
         implementation = _eight_bit_decode_implementation(q_BSHE.shape[2], *k_BTKE.shape[1:], device=device)
         if implementation:
+            ptx = policy_of(device or compute_device()).inline_ptx
             return eight_bit_decode.decode_attention(q_BSHE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK,
-                                                     positions_BS[:, 0] + 1, interpret=implementation == "interpret")
+                                                     positions_BS[:, 0] + 1, interpret=implementation == "interpret",
+                                                     ptx=ptx)
         return _decode_over_8_bit_cache(q_BSHE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK, positions_BS)
     B, S, H, E = q_BSHE.shape
     K = k_BTKE.shape[2]

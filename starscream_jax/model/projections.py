@@ -137,9 +137,10 @@ def _weight_only(placement: Placement, x: jax.Array, projections: list[tuple[str
     def local(x, *arrays):
         pairs = [(values.reshape(K, -1), scale if scale.ndim == 0 else scale.reshape(-1))
                  for values, scale in zip(arrays[::2], arrays[1::2])]
-        outs = grouped_weight_only_matmul(x.reshape(B * S, K), pairs, implementation)
+        outs = grouped_weight_only_matmul(x.reshape(B * S, K), pairs, implementation, ptx=ptx)
         return tuple(y.reshape(B, S, *shape) for y, shape in zip(outs, shapes))
 
+    ptx = policy_of(placement.device).inline_ptx
     arrays = [t for _, w, _ in projections for t in (w.values, w.scale)]
     if not placement.placed:
         return list(local(x, *arrays))

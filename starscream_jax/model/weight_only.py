@@ -101,10 +101,11 @@ def reference(x_MK: jax.Array, w_KN: jax.Array, scale_N: jax.Array) -> jax.Array
 
 
 def weight_only_matmul(x_MK: jax.Array, w_KN: jax.Array, scale_N: jax.Array, implementation: str = "pallas",
-                       blocks: Blocks = DEFAULT_BLOCKS) -> jax.Array:
+                       blocks: Blocks = DEFAULT_BLOCKS, ptx: bool = False) -> jax.Array:
     """out [M, N] in x's dtype = (x [M, K] @ W [K, N] (int8 or fp8, converted exactly)) * scale [N] (float32, or a
     scalar: one scale for the tensor). "pallas" (GPU), "interpret" (the same kernel interpreted: CPU tests) or
-    "xla" (`reference`)."""
+    "xla" (`reference`). `ptx`: the kernel compiles for an NVIDIA GPU and may carry inline PTX (`widened`; the
+    backend policy's `inline_ptx`)."""
     rows, depth = x_MK.shape
     cols = w_KN.shape[1]
     if w_KN.shape[0] != depth or jnp.dtype(w_KN.dtype).itemsize != 1:
@@ -119,7 +120,7 @@ def weight_only_matmul(x_MK: jax.Array, w_KN: jax.Array, scale_N: jax.Array, imp
             raise StarscreamError(f"weight-only matmul of x {x_MK.shape} by W {w_KN.shape}: the kernel takes 1 to "
                                   f"{MAX_ROWS} rows and K, N multiples of 16; use implementation 'xla'")
         return reference(x_MK, w_KN, scale_N)
-    return _kernel_call(x_MK, w_KN, scale_N, blocks, interpret=implementation == "interpret")
+    return _kernel_call(x_MK, w_KN, scale_N, blocks, interpret=implementation == "interpret", ptx=ptx)
 
 
 def padded_rows(rows: int, reduce: str) -> tuple[int, bool]:
@@ -167,10 +168,30 @@ def half_inputs(x_PK: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (x_PK * factor_P1).astype(jnp.float16), 1.0 / factor_P1
 
 
-def widened(w: jax.Array, dtype) -> jax.Array:
+INT8_TO_HALF_PTX = """{
+.reg .b32 biased, exponent, offset;
+mov.b32 exponent, 0x64646464;
+mov.b32 offset, 0x64806480;
+xor.b32 biased, $2, 0x80808080;
+prmt.b32 $0, biased, exponent, 0x4140;
+prmt.b32 $1, biased, exponent, 0x4342;
+sub.f16x2 $0, $0, offset;
+sub.f16x2 $1, $1, offset;
+}"""
+"""Four int8 values (one register) into four float16 (two registers), exact: each byte's sign bit flipped (w + 128),
+placed under float16's exponent byte 0x64 (1024 + w + 128) by a byte permute, less 1152 by a paired subtraction:
+five instructions for four values, where a conversion instruction per value runs at a quarter of the arithmetic
+rate."""
+
+
+def widened(w: jax.Array, dtype, ptx: bool = False) -> jax.Array:
     """An 8-bit tile as `dtype` (exact): int8 into float16 through its bits (`w + 128` under float16's exponent of
-    1024, less 1152), anything else by `astype`."""
+    1024, less 1152; by INT8_TO_HALF_PTX where `ptx`: a kernel compiled for an NVIDIA GPU), anything else by
+    `astype`."""
     if jnp.dtype(dtype) == jnp.float16 and w.dtype == jnp.int8:
+        if ptx:
+            return plgpu.elementwise_inline_asm(INT8_TO_HALF_PTX, args=[w], constraints="=r,=r,r", pack=4,
+                                                result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.float16)])[0]
         biased = jax.lax.bitcast_convert_type(w, jnp.uint8) ^ jnp.uint8(0x80)
         bits = biased.astype(jnp.uint16) | jnp.uint16(0x6400)
         return jax.lax.bitcast_convert_type(bits, jnp.float16) - jnp.float16(1152)
@@ -193,7 +214,7 @@ def finished(out_SPN: jax.Array, inverse_P1: jax.Array | None, rows: int, dtype)
     return out_PN[:rows].astype(dtype)
 
 
-def _kernel_call(x_MK, w_KN, scale_N, blocks: Blocks, interpret: bool) -> jax.Array:
+def _kernel_call(x_MK, w_KN, scale_N, blocks: Blocks, interpret: bool, ptx: bool) -> jax.Array:
     rows, depth = x_MK.shape
     cols = w_KN.shape[1]
     padded, use_dot = padded_rows(rows, blocks.reduce)
@@ -205,7 +226,8 @@ def _kernel_call(x_MK, w_KN, scale_N, blocks: Blocks, interpret: bool) -> jax.Ar
     x_PK, inverse_P1 = kernel_inputs(x_MK, padded, blocks.convert)
     out_dtype = jnp.float32 if splits > 1 else x_MK.dtype
     kernel = functools.partial(_kernel, col_block=col_block, depth_block=depth_block,
-                               steps=depth_steps // splits, use_dot=use_dot, collapse=out_rows < padded)
+                               steps=depth_steps // splits, use_dot=use_dot, collapse=out_rows < padded,
+                               ptx=ptx and not interpret)
     params = None if interpret else plgpu.CompilerParams(num_warps=blocks.warps, num_stages=blocks.stages)
     out_SPN = pl.pallas_call(kernel,
                              out_shape=kernel_out_shape((splits, out_rows, cols), out_dtype, x_PK, w_KN, scale_N),
@@ -224,18 +246,18 @@ def kernel_out_shape(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
 
 
-def _kernel(x_ref, w_ref, scale_ref, out_ref, *, col_block, depth_block, steps, use_dot, collapse):
+def _kernel(x_ref, w_ref, scale_ref, out_ref, *, col_block, depth_block, steps, use_dot, collapse, ptx):
     """One (column block, split) of out: `column_block_product` written to out[split] (float32 partials, or x's
     dtype unsplit)."""
     col_index, split = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(pl.multiple_of(col_index * col_block, col_block), col_block)
     out_ref[split, :, cols] = column_block_product(x_ref, w_ref, scale_ref, cols, split, col_block=col_block,
                                                    depth_block=depth_block, steps=steps, use_dot=use_dot,
-                                                   collapse=collapse).astype(out_ref.dtype)
+                                                   collapse=collapse, ptx=ptx).astype(out_ref.dtype)
 
 
 def column_block_product(x_ref, w_ref, scale_ref, cols, split, *, col_block, depth_block, steps, use_dot,
-                         collapse) -> jax.Array:
+                         collapse, ptx=False) -> jax.Array:
     """Inside a kernel: x [P, the `steps` x `depth_block` rows of K of split `split`] times W's columns `cols`
     [.., col_block] converted to x's dtype (`widened`), float32 accumulation (a tensor-core dot where `use_dot`, else
     products summed on the CUDA cores), times the columns' scales: [P, col_block] float32, or [1, col_block] with
@@ -245,7 +267,7 @@ def column_block_product(x_ref, w_ref, scale_ref, cols, split, *, col_block, dep
     def step(index, acc_PC):
         depth = pl.ds(pl.multiple_of((first + index) * depth_block, depth_block), depth_block)
         x_PD = x_ref[:, depth]
-        w_DC = widened(w_ref[depth, cols], x_PD.dtype)
+        w_DC = widened(w_ref[depth, cols], x_PD.dtype, ptx)
         if use_dot:
             return acc_PC + jax.lax.dot_general(x_PD, w_DC, (((1,), (0,)), ((), ())),
                                                 preferred_element_type=jnp.float32)

@@ -64,7 +64,10 @@ FP8_FEW_ROWS_BLOCKS = dataclasses.replace(FEW_ROWS_BLOCKS, convert="half")
 H200 ran one layer of Llama 3 8B in 131.6 us at one row against 150.1 us cast to bfloat16 (1.26x and 1.10x bf16's
 layer), and 134.8 against 153.4 us at 16 rows, over seven alternating rounds
 (benchmarks/results/h200_weight_only_layer_rounds7.json). int8 stays cast: through float16 it ran 152.7 against
-139.3 us at one row."""
+139.3 us at one row in portable operations; by the byte permute of `weight_only.INT8_TO_HALF_PTX` one layer ran
+128.1 against 135.0 us (benchmarks/results/h200_weight_only_layer_int8_half_ptx.json), but the whole decode step
+ran 4.73 ms at batch 1 where it ran 4.32 and 4.61 ms cast in two other processes the same day
+(benchmarks/results/decode_int8_half_ptx.json): not a gain the step shows."""
 
 
 def blocks_for(rows: int, weight_dtype=jnp.int8) -> Blocks:
@@ -83,11 +86,13 @@ def applies(rows: int, depth: int, widths: Sequence[int], implementation: str) -
 
 
 def grouped_weight_only_matmul(x_MK: jax.Array, weights: Sequence[tuple[jax.Array, jax.Array]],
-                               implementation: str = "pallas", blocks: Blocks | None = None) -> list[jax.Array]:
+                               implementation: str = "pallas", blocks: Blocks | None = None,
+                               ptx: bool = False) -> list[jax.Array]:
     """[out_g [M, N_g] in x's dtype = (x [M, K] @ W_g [K, N_g] (int8 or fp8)) * scale_g [N_g] (float32, or a
     scalar)] for each (W_g, scale_g) of `weights`, all from one kernel launch ("pallas"; "interpret": the same
     kernel interpreted, CPU tests) or from `weight_only.reference` each ("xla"). `blocks`: the tiling (None:
-    `blocks_for(M, the first weight's dtype)`)."""
+    `blocks_for(M, the first weight's dtype)`); `ptx`: the kernel compiles for an NVIDIA GPU and may carry inline
+    PTX (`weight_only.widened`: int8 into float16 where `blocks.convert` is "half")."""
     rows, depth = x_MK.shape
     _check(x_MK, weights, implementation)
     widths = [values.shape[1] for values, _ in weights]
@@ -99,7 +104,7 @@ def grouped_weight_only_matmul(x_MK: jax.Array, weights: Sequence[tuple[jax.Arra
                               f"to {MAX_ROWS} rows and K, N multiples of 16; use implementation 'xla'")
     out_MT = _grouped_call(x_MK, [values for values, _ in weights], scales,
                            blocks or blocks_for(rows, weights[0][0].dtype),
-                           interpret=implementation == "interpret")
+                           interpret=implementation == "interpret", ptx=ptx)
     starts = [0, *itertools.accumulate(widths)]
     return [out_MT[:, start:start + width] for start, width in zip(starts, widths)]
 
@@ -128,7 +133,7 @@ def group_grid(rows: int, depth: int, widths: Sequence[int], blocks: Blocks) -> 
 
 
 def _grouped_call(x_MK, values: list[jax.Array], scales: list[jax.Array], blocks: Blocks,
-                  interpret: bool) -> jax.Array:
+                  interpret: bool, ptx: bool) -> jax.Array:
     """The launch: out [M, sum N_g] in x's dtype (module docstring)."""
     rows, depth = x_MK.shape
     padded, use_dot = padded_rows(rows, blocks.reduce)
@@ -138,7 +143,8 @@ def _grouped_call(x_MK, values: list[jax.Array], scales: list[jax.Array], blocks
     x_PK, inverse_P1 = kernel_inputs(x_MK, padded, blocks.convert)
     out_dtype = jnp.float32 if splits > 1 else x_MK.dtype
     kernel = functools.partial(_kernel, starts=tuple(starts), col_block=col_block, depth_block=depth_block,
-                               steps=depth // depth_block // splits, use_dot=use_dot, collapse=out_rows < padded)
+                               steps=depth // depth_block // splits, use_dot=use_dot, collapse=out_rows < padded,
+                               ptx=ptx and not interpret)
     params = None if interpret else plgpu.CompilerParams(num_warps=blocks.warps, num_stages=blocks.stages)
     operands = [x_PK, *values, *(scale.reshape(1, -1) for scale in scales)]
     out_SPT = pl.pallas_call(kernel, out_shape=kernel_out_shape((splits, out_rows, sum(widths)), out_dtype, *operands),
@@ -147,7 +153,7 @@ def _grouped_call(x_MK, values: list[jax.Array], scales: list[jax.Array], blocks
     return finished(out_SPT, inverse_P1, rows, x_MK.dtype)
 
 
-def _kernel(x_ref, *refs, starts, col_block, depth_block, steps, use_dot, collapse):
+def _kernel(x_ref, *refs, starts, col_block, depth_block, steps, use_dot, collapse, ptx):
     """Program (b, s): the weight g whose blocks hold b (starts[g] <= b < starts[g + 1]) computes its column block
     b - starts[g] over split s of K into out[s, :, b * cols : (b + 1) * cols] (`_column_block`)."""
     count = len(starts) - 1
@@ -158,15 +164,15 @@ def _kernel(x_ref, *refs, starts, col_block, depth_block, steps, use_dot, collap
         def _(g=g):
             _column_block(x_ref, w_refs[g], scale_refs[g], out_ref, block - starts[g], block, split,
                           col_block=col_block, depth_block=depth_block, steps=steps, use_dot=use_dot,
-                          collapse=collapse)
+                          collapse=collapse, ptx=ptx)
 
 
 def _column_block(x_ref, w_ref, scale_ref, out_ref, local, block, split, *, col_block, depth_block, steps, use_dot,
-                  collapse):
+                  collapse, ptx):
     """W's column block `local` (`weight_only.column_block_product` of split `split`) written at the joint
     output's column block `block` of out[split]."""
     cols = pl.ds(pl.multiple_of(local * col_block, col_block), col_block)
     out_cols = pl.ds(pl.multiple_of(block * col_block, col_block), col_block)
     out_ref[split, :, out_cols] = column_block_product(x_ref, w_ref, scale_ref, cols, split, col_block=col_block,
                                                        depth_block=depth_block, steps=steps, use_dot=use_dot,
-                                                       collapse=collapse).astype(out_ref.dtype)
+                                                       collapse=collapse, ptx=ptx).astype(out_ref.dtype)

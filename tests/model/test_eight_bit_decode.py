@@ -2,6 +2,7 @@
 for CUDA without a GPU, compiled on one) against the XLA form (`ops._decode_over_8_bit_cache`) and the dequantized
 cache; and the model's decode through it."""
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from starscream_jax.hardware.backend import policy_of
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model import ops
 from starscream_jax.model.catalog import load_model_config
@@ -91,15 +93,16 @@ def test_decode_over_an_int8_cache_runs_the_kernel_in_the_model(monkeypatch):
         np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), atol=0.02 * scale)
 
 
-@pytest.mark.parametrize("batch", [1, 64])
-def test_the_kernel_lowers_for_cuda_without_a_gpu(batch):
+@pytest.mark.parametrize("batch, ptx", [(1, False), (64, False), (64, True)])
+def test_the_kernel_lowers_for_cuda_without_a_gpu(batch, ptx):
     """Pallas' Triton lowering takes the kernel at Llama 3 8B's shape (strided [64, 128] tiles of an int8 cache
-    [B, 4096, 8, 128], the scales' [64] columns): one Triton call."""
+    [B, 4096, 8, 128], the scales' [64] columns), int8 into float16 by portable operations or by inline PTX: one
+    Triton call."""
     shapes = [((batch, 1, 32, 128), jnp.bfloat16), ((batch, 4096, 8, 128), jnp.int8),
               ((batch, 4096, 8, 128), jnp.int8), ((batch, 4096, 8), jnp.float32), ((batch, 4096, 8), jnp.float32),
               ((batch,), jnp.int32)]
-    lowered = jax.jit(decode_attention).trace(*(jax.ShapeDtypeStruct(*shape) for shape in shapes)).lower(
-        lowering_platforms=("cuda",))
+    lowered = jax.jit(functools.partial(decode_attention, ptx=ptx)).trace(
+        *(jax.ShapeDtypeStruct(*shape) for shape in shapes)).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("xla.gpu.triton") == 1
 
 
@@ -108,8 +111,9 @@ def test_the_kernel_lowers_for_cuda_without_a_gpu(batch):
 @pytest.mark.parametrize("batch", [1, 64])
 def test_the_compiled_kernel_on_a_gpu_gives_the_xla_forms_attention(format_name, batch):
     """Llama 3 8B's attention shape (8 kv heads of 4 queries, head_dim 128, 4096 positions) compiled: within
-    bfloat16's rounding of the XLA form."""
+    bfloat16's rounding of the XLA form, with the inline PTX the backend takes (int8 into float16 on NVIDIA)."""
     q, k8, v8, k_scale, v_scale, lengths = operands(format_name, batch, 4096, kv_heads=8, head_dim=128)
-    got = jax.jit(decode_attention)(q, k8, v8, k_scale, v_scale, lengths)
+    ptx = policy_of(jax.devices()[0]).inline_ptx
+    got = jax.jit(functools.partial(decode_attention, ptx=ptx))(q, k8, v8, k_scale, v_scale, lengths)
     expected = jax.jit(ops._decode_over_8_bit_cache)(q, k8, v8, k_scale, v_scale, (lengths - 1)[:, None])
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32), rtol=2e-2, atol=2e-2)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from starscream_jax.errors import StarscreamError
+from starscream_jax.hardware.backend import policy_of
 from starscream_jax.model.quantize import quantize
 from starscream_jax.model.weight_only import (MAX_ROWS, TARGET_PROGRAMS, Blocks, applies, half_inputs, padded_rows,
                                               reference, split_count, weight_only_matmul, widened)
@@ -140,11 +141,14 @@ def test_what_the_kernel_takes_and_what_it_refuses():
 @pytest.mark.gpu
 @pytest.mark.parametrize("format_name", ["int8", "float8_e4m3fn"])
 @pytest.mark.parametrize("rows", [1, 3, 64])
-@pytest.mark.parametrize("reduce", ["dot", "auto"])
-def test_the_compiled_kernel_on_a_gpu_gives_the_dequantized_product(format_name, rows, reduce):
-    """The Triton kernel compiled (Llama 3 8B's k / v shape, 4096 x 1024, split over K): within bfloat16's
-    rounding of the float64 product, as interpreted on the CPU."""
+@pytest.mark.parametrize("reduce, convert", [("dot", "cast"), ("auto", "cast"), ("dot", "half")])
+def test_the_compiled_kernel_on_a_gpu_gives_the_dequantized_product(format_name, rows, reduce, convert):
+    """The Triton kernel compiled (Llama 3 8B's k / v shape, 4096 x 1024, split over K), with the inline PTX its
+    backend takes (int8 into float16 by a byte permute on NVIDIA): within bfloat16's rounding of the float64
+    product, as interpreted on the CPU."""
     x, values, scale = operands(rows, 4096, 1024, format_name, seed=rows)
-    got = jax.jit(lambda x: weight_only_matmul(x, values, scale, "pallas", Blocks(reduce=reduce)))(x)
+    ptx = policy_of(jax.devices()[0]).inline_ptx
+    got = jax.jit(lambda x: weight_only_matmul(x, values, scale, "pallas", Blocks(reduce=reduce, convert=convert),
+                                               ptx))(x)
     expected = dequantized_product(x, values, scale)
     assert np.linalg.norm(np.asarray(got, np.float64) - expected) <= 1e-2 * np.linalg.norm(expected)

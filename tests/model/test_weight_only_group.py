@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from starscream_jax.errors import StarscreamError
+from starscream_jax.hardware.backend import policy_of
 from starscream_jax.model.quantize import quantize
 from starscream_jax.model.weight_only import Blocks
 from starscream_jax.model.weight_only_group import (FEW_ROWS_BLOCKS, FP8_FEW_ROWS_BLOCKS, MANY_ROWS_BLOCKS, applies,
@@ -106,16 +107,17 @@ def test_what_the_group_takes_and_refuses():
     assert_products(xla, x, weights)
 
 
-@pytest.mark.parametrize("rows, convert, format_name", [(1, "cast", "int8"), (64, "cast", "int8"),
-                                                      (1, "half", "int8"), (1, "half", "float8_e4m3fn")])
-def test_the_kernel_lowers_for_cuda_without_a_gpu(rows, convert, format_name):
-    """Pallas' Triton lowering accepts the kernel (per-weight branches, the joint output, each conversion) for
-    Llama 3 8B's q, k, v, lowered for CUDA from this machine: one Triton call in the program."""
+@pytest.mark.parametrize("rows, convert, format_name, ptx", [(1, "cast", "int8", False), (64, "cast", "int8", False),
+                                                           (1, "half", "int8", False), (1, "half", "int8", True),
+                                                           (1, "half", "float8_e4m3fn", True)])
+def test_the_kernel_lowers_for_cuda_without_a_gpu(rows, convert, format_name, ptx):
+    """Pallas' Triton lowering accepts the kernel (per-weight branches, the joint output, each conversion, int8's
+    inline PTX) for Llama 3 8B's q, k, v, lowered for CUDA from this machine: one Triton call in the program."""
     x = jax.ShapeDtypeStruct((rows, 4096), jnp.bfloat16)
     weights = [(jax.ShapeDtypeStruct((4096, width), format_name), jax.ShapeDtypeStruct((width,), jnp.float32))
                for width in (4096, 1024, 1024)]
     blocks = dataclasses.replace(blocks_for(rows), convert=convert)
-    lowered = jax.jit(lambda x, w: grouped_weight_only_matmul(x, w, "pallas", blocks)).trace(x, weights).lower(
+    lowered = jax.jit(lambda x, w: grouped_weight_only_matmul(x, w, "pallas", blocks, ptx)).trace(x, weights).lower(
         lowering_platforms=("cuda",))
     assert lowered.as_text().count("xla.gpu.triton") == 1
 
@@ -125,10 +127,11 @@ def test_the_kernel_lowers_for_cuda_without_a_gpu(rows, convert, format_name):
 @pytest.mark.parametrize("rows", [1, 3, 64])
 def test_the_compiled_group_on_a_gpu_gives_each_dequantized_product(format_name, rows):
     """q, k, v and gate, up of Llama 3 8B's shapes compiled (Triton), each within bfloat16's rounding of its
-    float64 product."""
+    float64 product, with the inline PTX the backend takes (int8 into float16 on NVIDIA)."""
+    ptx = policy_of(jax.devices()[0]).inline_ptx
     for widths in ((4096, 1024, 1024), (14336, 14336)):
         x, weights = group(rows, 4096, widths, format_name, seed=rows)
-        outs = jax.jit(lambda x, w: grouped_weight_only_matmul(x, w, "pallas"))(x, weights)
+        outs = jax.jit(lambda x, w: grouped_weight_only_matmul(x, w, "pallas", ptx=ptx))(x, weights)
         for out, (values, scale) in zip(outs, weights):
             expected = dequantized(x, values, scale)
             assert np.linalg.norm(np.asarray(out, np.float64) - expected) <= 1e-2 * np.linalg.norm(expected)
