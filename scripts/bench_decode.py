@@ -221,7 +221,7 @@ def run_batch(graphdef, params, rest, config, layout: str, mesh, batch: int, cac
     with use_layout(layout, mesh):
         start = time.perf_counter()
         compiled = decode_step(graphdef, Sampling(), under=Placement.of(layout, mesh),
-                               eight_bit=bool(config.weight_format or config.kv_format)).lower(
+                               eight_bit_weights=bool(config.weight_format)).lower(
             params, rest, cache, token_B, position).compile()
         compile_s = time.perf_counter() - start
 

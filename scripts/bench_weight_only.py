@@ -79,7 +79,7 @@ def programs(config, K: int, N: int, rows: int, format_name: str, copies: int, i
     from starscream_jax.model.quantize import Scaled, quantize
     from starscream_jax.model.weight_only import weight_only_matmul
     from starscream_jax.sharding.apply import UNPLACED
-    from starscream_jax.training.steps import EIGHT_BIT_DECODE_OPTIONS
+    from starscream_jax.training.steps import decode_options as step_options
 
     keys = jax.random.split(jax.random.key(K * 7 + N + rows), copies + 1)
     x = jax.random.normal(keys[0], (rows, 1, K), jnp.float32).astype(jnp.bfloat16)
@@ -88,10 +88,8 @@ def programs(config, K: int, N: int, rows: int, format_name: str, copies: int, i
     scaled = [Scaled(*make(key)) for key in keys[1:]]
     dequantize = jax.jit(lambda w: (w.values.astype(jnp.float32) * w.scale).astype(jnp.bfloat16))
     floats = [dequantize(w) for w in scaled]
-    decode_options = dict(policy_of(jax.devices()[0]).decode_compiler_options)
-    ptx = policy_of(jax.devices()[0]).inline_ptx
-    eight_bit_options = {**decode_options,
-                         **{k: v for k, v in EIGHT_BIT_DECODE_OPTIONS.items() if k in decode_options}}
+    policy = policy_of(jax.devices()[0])
+    decode_options, eight_bit_options, ptx = step_options(policy, False), step_options(policy, True), policy.inline_ptx
     xla_config = config.replace(eight_bit_matmul="xla")
     out = ("batch", "seq", "mlp")
 
@@ -203,17 +201,15 @@ def layer_programs(config, rows: int, format_name: str, implementation: str, alt
     import jax.numpy as jnp
 
     from starscream_jax.hardware.backend import policy_of
-    from starscream_jax.training.steps import EIGHT_BIT_DECODE_OPTIONS
+    from starscream_jax.training.steps import decode_options as step_options
 
     layers = [layer_weights(config, format_name, seed) for seed in range(LAYER_COPIES)]
     floats = [{p: (w.values.astype(jnp.float32) * w.scale).astype(jnp.bfloat16) for p, w in layer.items()}
               for layer in layers]
     xs = {group[0]: jax.random.normal(jax.random.key(rows), (rows, layers[0][group[0]].values.shape[0]),
                                       jnp.float32).astype(jnp.bfloat16) for group in LAYER_GROUPS}
-    decode_options = dict(policy_of(jax.devices()[0]).decode_compiler_options)
-    ptx = policy_of(jax.devices()[0]).inline_ptx
-    eight_bit_options = {**decode_options, **{k: v for k, v in EIGHT_BIT_DECODE_OPTIONS.items()
-                                              if k in decode_options}}
+    policy = policy_of(jax.devices()[0])
+    decode_options, eight_bit_options = step_options(policy, False), step_options(policy, True)
     eight_bit_bytes = sum(w.values.nbytes + w.scale.nbytes for w in layers[0].values())
     found = {}
     for name in LAYER_IMPLEMENTATIONS:

@@ -217,7 +217,7 @@ def step_program(settings: Settings, layout: Layout, mesh, config: ModelConfig |
         step = prefill_step(graphdef, config, settings.sampling, cache, under=under)
     else:
         step = decode_step(graphdef, settings.sampling, under=under,
-                           eight_bit=bool(settings.config.weight_format or settings.config.kv_format))
+                           eight_bit_weights=bool(settings.config.weight_format))
     return step, args
 
 

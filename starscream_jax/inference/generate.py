@@ -102,8 +102,8 @@ def generate(model, prompt_BP, max_new_tokens: int, sampling: Sampling = Samplin
             cache = jax.jit(split_cache)(cache)
             params = split_layer_weights(params)
         new_tokens = [token_B]
-        eight_bit = bool(config.weight_format or config.kv_format)
-        compiled_decode = decode_step(graphdef, sampling, under=placement(decode_layout), eight_bit=eight_bit).lower(
+        compiled_decode = decode_step(graphdef, sampling, under=placement(decode_layout),
+                                      eight_bit_weights=bool(config.weight_format)).lower(
             params, rest, cache, token_B, jnp.int32(prompt_length)).compile()
         started = time.perf_counter()
         stopped_B = is_stop(token_B, stop_ids) if stop_ids else None

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec, reshard
 from ..checks import finite_number
 from ..errors import StarscreamError
 from ..hardware.axes import INSIDE_GPU, axes_of, dim_axes
-from ..hardware.backend import policy_of
+from ..hardware.backend import BackendPolicy, policy_of
 from ..model.config import ModelConfig
 from ..model.decoder import next_token_loss
 from ..model.dense_cache import init_cache
@@ -187,18 +187,28 @@ def _last_real(logits_BPV: jax.Array, length: int) -> jax.Array:
 
 
 EIGHT_BIT_DECODE_OPTIONS = {"xla_gpu_enable_triton_gemm": True}
-"""XLA options of the decode step with 8-bit weights or KV cache, over the backend's (where it sets them): XLA's
-Triton GEMM fusions, which convert the 8-bit operand inside the GEMM's own kernel, where a cuBLAS call would read a
-bfloat16 copy that a separate kernel wrote."""
+"""XLA options of the decode step with 8-bit weights, over the backend's (where it sets them): XLA's Triton GEMM
+fusions, which convert the 8-bit operand inside the GEMM's own kernel where a projection runs on XLA's path (a
+weight split over the mesh, `eight_bit_matmul` "xla"), where a cuBLAS call would read a bfloat16 copy that a
+separate kernel wrote."""
 
 
-def decode_step(graphdef, sampling: Sampling, *, under: Placement | None, eight_bit: bool = False) -> Jitted:
-    """The jitted decode step (see the module docstring) under `under`; the cache is donated. `eight_bit` (the
-    model's weights or KV cache in 8 bits) compiles it with EIGHT_BIT_DECODE_OPTIONS."""
-    placement = under or UNPLACED
-    options = dict(policy_of(placement.device).decode_compiler_options)
-    if eight_bit:
+def decode_options(policy: BackendPolicy, eight_bit_weights: bool) -> dict:
+    """The decode step's XLA options: the backend policy's, with EIGHT_BIT_DECODE_OPTIONS over those it sets where
+    the weights are 8-bit. An 8-bit cache alone keeps the policy's: its bfloat16 weights stay cuBLAS calls, where
+    XLA's Triton GEMMs copied each layer's o weight out of the layer stack first (an H200 trace of Llama 3 8B with
+    an int8 cache: 32 copies, 0.5 ms of a 5-6 ms step, benchmarks/NOTES.md run 84)."""
+    options = dict(policy.decode_compiler_options)
+    if eight_bit_weights:
         options.update({name: value for name, value in EIGHT_BIT_DECODE_OPTIONS.items() if name in options})
+    return options
+
+
+def decode_step(graphdef, sampling: Sampling, *, under: Placement | None, eight_bit_weights: bool = False) -> Jitted:
+    """The jitted decode step (see the module docstring) under `under`; the cache is donated; compiled with
+    `decode_options` (`eight_bit_weights`: the model's weights in 8 bits)."""
+    placement = under or UNPLACED
+    options = decode_options(policy_of(placement.device), eight_bit_weights)
 
     @jit(under=under, ambient=False, donate_argnums=(2,), compiler_options=options)
     def step(params, rest, cache, token_B, position):

@@ -237,7 +237,7 @@ def test_decode_reads_8_bit_weights_held_per_layer_without_slicing_a_stack():
     layers = held["layers"]["wq"].get_value()
     assert len(layers) == 2 and layers[0].sharding.spec == PartitionSpec(*stacked["layers"]["wq"].get_value().sharding.spec[1:])
     token_B = jax.device_put(jnp.arange(8, dtype=jnp.int32), token_sharding(layout, mesh, 8))
-    step = decode_step(graphdef, Sampling(top_p=None), under=Placement.of(layout, mesh), eight_bit=True)
+    step = decode_step(graphdef, Sampling(top_p=None), under=Placement.of(layout, mesh), eight_bit_weights=True)
     results = {}
     for name, params in (("stacked", stacked), ("held", held)):
         compiled = step.lower(params, rest, cache, token_B, jnp.int32(3)).compile()

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from starscream_jax.errors import StarscreamError
+from starscream_jax.hardware.backend import CUDA, PORTABLE
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.decoder import Transformer, abstract_model, create_sharded_model, next_token_loss
@@ -20,6 +21,7 @@ from starscream_jax.training.steps import (
     Sampling,
     accumulated_gradients,
     choose_token,
+    decode_options,
     decode_step,
     eval_step,
     load_balance_step,
@@ -201,3 +203,12 @@ def test_a_nucleus_of_a_top_p_that_flushes_to_zero_holds_the_most_likely_token()
     logits_BV = jax.random.normal(jax.random.key(0), (8, 32)) * 3
     chosen = jax.jit(lambda logits: choose_token(logits, 3, Sampling(top_p=1e-38, temperature=0.7, seed=1)))
     np.testing.assert_array_equal(chosen(logits_BV), jnp.argmax(logits_BV, axis=-1))
+
+
+def test_decode_compiles_with_xlas_converting_gemms_only_for_8_bit_weights():
+    """8-bit weights turn on XLA's Triton GEMM fusions (they convert the 8-bit operand in the GEMM's kernel); an 8-bit
+    cache alone keeps the backend's cuBLAS calls for its bfloat16 weights; a backend that sets no option gets none."""
+    assert decode_options(CUDA, eight_bit_weights=False)["xla_gpu_enable_triton_gemm"] is False
+    assert decode_options(CUDA, eight_bit_weights=True)["xla_gpu_enable_triton_gemm"] is True
+    assert decode_options(CUDA, True)["xla_gpu_dot_merger_threshold_mb"] == 0
+    assert decode_options(PORTABLE, True) == {}
