@@ -423,7 +423,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="layers per iteration of the layer loop (ModelConfig.scan_unroll; default 0: the "
                              "library's, every layer in decode)")
     parser.add_argument("--profile-dir", type=Path,
-                        help="trace 5 more steps of each batch here and record their device time by category")
+                        help="trace 5 more steps of each variant's batches here (DIR/VARIANT/batchB, its compiled "
+                             "program beside it) and record their device time by category")
     parser.add_argument("--variants", nargs="+", default=["bf16"],
                         choices=[*VARIANTS, *(variant + APART for variant in VARIANTS)],
                         help="precisions to time side by side (weights-cache; bf16 first for the speed-ups)")
@@ -511,7 +512,7 @@ def main(argv=None) -> int:
             graphdef, params, rest = inference_split(model, mesh, jnp.bfloat16)  # as the engine holds them
             model = None
         row = run_batch(graphdef, params, rest, variant_config, args.layout, mesh, batch, args.cache, args.warmup,
-                        args.steps, args.profile_dir)
+                        args.steps, args.profile_dir / variant if args.profile_dir else None)
         row["variant"] = variant
         if variant == "bf16":
             bf16_tokens_per_s[batch] = row["tokens_per_s"]
