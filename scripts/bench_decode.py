@@ -373,7 +373,8 @@ def run_paged(model, layout: str, mesh, batch: int, cache_length: int, kernel: s
                                              steps=5, directory=directory, hlo_text=text)[1]
         breakdown["device_s"] = sum(breakdown["per_step_s"].values())
         (directory / "step.hlo.txt").write_text(text)
-    return {"kernel": engine.kernel, "batch": batch, "cache_length": cache_length, "compile_s": compile_s,
+    return {"kernel": engine.kernel, "kv_format": model.config.kv_format or model.config.dtype, "batch": batch,
+            "cache_length": cache_length, "compile_s": compile_s,
             "step_s": step_s, "dispatch_s": host_s / steps, "tokens_per_s": batch / step_s, "time_breakdown": breakdown}
 
 
@@ -386,7 +387,8 @@ def paged_rows(model, args, mesh, dense_by_batch: dict) -> list[dict]:
                             args.profile_dir)
             if batch in dense_by_batch:
                 row["vs_dense"] = row["step_s"] / dense_by_batch[batch]
-            print(f"paged decode ({row['kernel']:<6}) {batch:>5} {args.cache:>6} {1e3 * row['step_s']:>8.2f} "
+            print(f"paged decode ({row['kernel']:<6} {row['kv_format']}) {batch:>5} {args.cache:>6} "
+                  f"{1e3 * row['step_s']:>8.2f} "
                   f"{row['tokens_per_s']:>10,.0f}   {row.get('vs_dense', float('nan')):.3f}x the dense step's time",
                   flush=True)
             if row["time_breakdown"] is not None:
@@ -436,6 +438,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--paged", nargs="*", default=[], choices=["", "gather", "cudnn"],
                         help="also time the serving engine's paged decode step with these kernels ('': the "
                              "backend's) beside the dense bf16 step")
+    parser.add_argument("--paged-cache", default="", choices=["", "int8", "fp8"],
+                        help="the paged rows' KV cache format ('': the model's dtype; fp8: --fp8-format), its "
+                             "pages read as the engine reads them (8-bit decode: in place on CUDA)"),
     parser.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True,
                         help="also time the PyTorch peer (scripts/torch_peers.py) where torch and a CUDA GPU are "
                              "present (default: on; --quick skips it)")
@@ -532,8 +537,9 @@ def main(argv=None) -> int:
         harness.write_json(args.out, result)
     if args.paged:
         params = rest = None  # the last variant's weights leave the device first
+        paged_cache = args.fp8_format if args.paged_cache == "fp8" else args.paged_cache
         with use_layout(args.layout, mesh):
-            model = create_sharded_model(config, args.layout, mesh)
+            model = create_sharded_model(config.replace(kv_format=paged_cache), args.layout, mesh)
         dense = {row["batch"]: row["step_s"] for row in rows if row["variant"] == "bf16"}
         result["paged_rows"] = paged_rows(model, args, mesh, dense)
         harness.write_json(args.out, result)

@@ -16,7 +16,8 @@ rows; in float16, each row scaled by a power of two into its range, `weight_only
 by the key scales, 1 / sqrt(E) and the rows' inverse factors, keeps an online softmax, weighs the probabilities by
 the value scales and accumulates their dot (in float16) with the value tile. Each
 program writes its float32 partial (running max, sum, weighted values); XLA merges the stretches. Nothing the size
-of the cache is written. Lowered by Pallas' Triton backend (NVIDIA and ROCm); interpreted on CPU for the tests.
+of the cache is written. A paged cache (`paged_decode_attention`: pools of pages [pages, page_size, K, E], each row's
+block table) runs the same kernel a page a loop step, each page read where it lies in the pool. Lowered by Pallas' Triton backend (NVIDIA and ROCm); interpreted on CPU for the tests.
 """
 from __future__ import annotations
 
@@ -46,6 +47,15 @@ def applies(query_heads: int, kv_heads: int, length: int, head_dim: int) -> bool
             and (group <= QUERY_ROWS or group & (group - 1) == 0))
 
 
+def applies_paged(query_heads: int, kv_heads: int, page_size: int, head_dim: int) -> bool:
+    """Whether the paged form takes the shape: pages of a power of two of at least 16 positions (one page a loop
+    step, the dot's smallest side), a power-of-two head_dim of at least 16 and a kv head's queries within one padded
+    dot."""
+    group = query_heads // kv_heads
+    return (page_size >= 16 and page_size & (page_size - 1) == 0 and head_dim >= 16
+            and head_dim & (head_dim - 1) == 0 and (group <= QUERY_ROWS or group & (group - 1) == 0))
+
+
 def split_count(rows: int, kv_heads: int, length: int, block: int = BLOCK) -> int:
     """Stretches of positions per (row, kv head): doubled from 1 while the programs are under TARGET_PROGRAMS, each
     stretch keeps whole blocks, and the float32 partials (QUERY_ROWS x E x 4 bytes per stretch) stay within a
@@ -63,17 +73,35 @@ def decode_attention(q_B1HE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK, lengths_B
     """out [B, 1, H, E] in q's dtype: each row's query heads attending to its first `lengths` positions of the
     8-bit cache (module docstring); kv head k serves query heads k G .. k G + G - 1. `ptx`: the kernel compiles
     for an NVIDIA GPU and may carry inline PTX (`weight_only.widened`)."""
-    B, _, H, E = q_B1HE.shape
-    T, K = k_BTKE.shape[1], k_BTKE.shape[2]
-    G = H // K
+    T = k_BTKE.shape[1]
     block = min(block, T)
-    splits = split_count(B, K, T, block)
+    return _launch(q_B1HE, [k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK], lengths_B, _dense_tiles, T, block,
+                   interpret, ptx)
+
+
+def paged_decode_attention(q_B1HE, k_pages_PAKE, v_pages_PAKE, k_scale_PAK, v_scale_PAK, table_BM, lengths_B,
+                           interpret: bool = False, ptx: bool = False) -> jax.Array:
+    """`decode_attention` over a paged 8-bit cache read in place: pools of pages [pages, A, K, E] (values) and
+    [pages, A, K] (scales), row b's i-th page named by its block table [B, M]; each loop step reads one page
+    where it lies (no gathered copy of the rows)."""
+    page_size = k_pages_PAKE.shape[1]
+    return _launch(q_B1HE, [table_BM.astype(jnp.int32), k_pages_PAKE, v_pages_PAKE, k_scale_PAK, v_scale_PAK],
+                   lengths_B, _paged_tiles, table_BM.shape[1] * page_size, page_size, interpret, ptx)
+
+
+def _launch(q_B1HE, cache, lengths_B, tiles, length: int, block: int, interpret: bool, ptx: bool) -> jax.Array:
+    """The kernel over `length` positions of a cache (`cache`: the operands `tiles` reads), `block` positions a
+    step, stretches merged after."""
+    B, _, H, E = q_B1HE.shape
+    K = cache[-1].shape[2]
+    G = H // K
+    splits = split_count(B, K, length, block)
     q_BKQE = jnp.pad(q_B1HE[:, 0].reshape(B, K, G, E), ((0, 0), (0, 0), (0, max(QUERY_ROWS, G) - G), (0, 0)))
     rows = q_BKQE.shape[2]
     q_PE, inverse_P1 = half_inputs(q_BKQE.reshape(B * K * rows, E))
-    operands = [q_PE.reshape(B, K, rows, E), inverse_P1.reshape(B, K, rows), k_BTKE, v_BTKE, k_scale_BTK,
-                v_scale_BTK, lengths_B.astype(jnp.int32).reshape(B, 1)]
-    kernel = functools.partial(_kernel, block=block, steps=T // splits // block, scale=E ** -0.5,
+    operands = [q_PE.reshape(B, K, rows, E), inverse_P1.reshape(B, K, rows), *cache,
+                lengths_B.astype(jnp.int32).reshape(B, 1)]
+    kernel = functools.partial(_kernel, tiles=tiles, block=block, steps=length // splits // block, scale=E ** -0.5,
                                ptx=ptx and not interpret)
     params = None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=2)
     peak, total, mixed = pl.pallas_call(
@@ -93,9 +121,28 @@ def _merged(peak_BKSQ, total_BKSQ, mixed_BKSQE) -> jax.Array:
     return jnp.sum(weight_BKSQ[..., None] * mixed_BKSQE, axis=2) / jnp.maximum(total_BKQ, 1e-30)[..., None]
 
 
-def _kernel(q_ref, inverse_ref, k_ref, v_ref, k_scale_ref, v_scale_ref, lengths_ref, peak_ref, total_ref, mixed_ref,
-            *, block, steps, scale, ptx):
-    """Program (row b, kv head k, stretch s): positions s * steps * block onwards, `steps` blocks of `block`."""
+def _dense_tiles(refs, b, head, start, block):
+    """A dense cache's tiles at positions start .. start + block of row b and kv head `head`: keys, values [block,
+    E] and their scales [block], as stored."""
+    k_ref, v_ref, k_scale_ref, v_scale_ref = refs
+    positions = pl.ds(start, block)
+    return (k_ref[b, positions, head, :], v_ref[b, positions, head, :], k_scale_ref[b, positions, head],
+            v_scale_ref[b, positions, head])
+
+
+def _paged_tiles(refs, b, head, start, block):
+    """A paged cache's tiles at positions start .. start + block (one page, `block` its size) of row b and kv head
+    `head`: the page the row's block table names, read where it lies in the pool."""
+    table_ref, k_ref, v_ref, k_scale_ref, v_scale_ref = refs
+    page = table_ref[b, start // block]
+    return k_ref[page, :, head, :], v_ref[page, :, head, :], k_scale_ref[page, :, head], v_scale_ref[page, :, head]
+
+
+def _kernel(q_ref, inverse_ref, *refs, tiles, block, steps, scale, ptx):
+    """Program (row b, kv head k, stretch s): positions s * steps * block onwards, `steps` blocks of `block`, their
+    keys and values read by `tiles` (`_dense_tiles`, `_paged_tiles`) from the cache's refs (all but the last four
+    of `refs`: lengths and the three outputs)."""
+    *cache_refs, lengths_ref, peak_ref, total_ref, mixed_ref = refs
     b, head, stretch = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q_QE = q_ref[b, head]
     inverse_Q = inverse_ref[b, head]
@@ -105,19 +152,19 @@ def _kernel(q_ref, inverse_ref, k_ref, v_ref, k_scale_ref, v_scale_ref, lengths_
     def step(index, carry):
         peak_Q, total_Q, mixed_QE = carry
         start = pl.multiple_of((stretch * steps + index) * block, block)
-        positions = pl.ds(start, block)
-        k_CE = widened(k_ref[b, positions, head, :], q_QE.dtype, ptx)
-        scores_QC = jax.lax.dot_general(q_QE, k_CE, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        scores_QC = scores_QC * inverse_Q[:, None] * (k_scale_ref[b, positions, head] * scale)[None, :]
+        k_CE, v_CE, k_scale_C, v_scale_C = tiles(cache_refs, b, head, start, block)
+        scores_QC = jax.lax.dot_general(q_QE, widened(k_CE, q_QE.dtype, ptx), (((1,), (1,)), ((), ())),
+                                        preferred_element_type=jnp.float32)
+        scores_QC = scores_QC * inverse_Q[:, None] * (k_scale_C * scale)[None, :]
         seen_C = start + jax.lax.broadcasted_iota(jnp.int32, (block,), 0) < length
         scores_QC = jnp.where(seen_C[None, :], scores_QC, MASKED)
         new_peak_Q = jnp.maximum(peak_Q, jnp.max(scores_QC, axis=1))
         kept_Q = jnp.exp(peak_Q - new_peak_Q)
         probabilities_QC = jnp.where(seen_C[None, :], jnp.exp(scores_QC - new_peak_Q[:, None]), 0.0)
-        weighted_QC = probabilities_QC * v_scale_ref[b, positions, head][None, :]
-        v_CE = widened(v_ref[b, positions, head, :], q_QE.dtype, ptx)
+        weighted_QC = probabilities_QC * v_scale_C[None, :]
         mixed_QE = mixed_QE * kept_Q[:, None] + jax.lax.dot_general(
-            weighted_QC.astype(q_QE.dtype), v_CE, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            weighted_QC.astype(q_QE.dtype), widened(v_CE, q_QE.dtype, ptx), (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32)
         return new_peak_Q, total_Q * kept_Q + jnp.sum(probabilities_QC, axis=1), mixed_QE
 
     start = (jnp.full((rows,), MASKED, jnp.float32), jnp.zeros((rows,), jnp.float32),

@@ -14,8 +14,10 @@ their shard (the null page no sequence holds) and their outputs are discarded.
 An 8-bit cache (the model's `kv_format`: int8 or an fp8 format) holds the pages in that format and beside them a
 float32 scale per position and kv head [pages, page_size, K] (SCALES, placed as the pages are): each new key or value
 is quantized as the dense cache quantizes it (`quantize.quantize_cache_entry`, its head's amax over head_dim), and
-the gathered 8-bit pages and their scales are attended as the dense 8-bit cache is
-(`ops.attention_over_8_bit_cache`). The pages of a layer take 1 byte per value and 4 per position and kv head.
+decode reads the 8-bit pages and their scales in place where the backend takes the library's kernel
+(`eight_bit_decode.paged_decode_attention`: `BackendPolicy.eight_bit_attention`), prefill chunks and other backends
+gather them and attend as the dense 8-bit cache is (`ops.attention_over_8_bit_cache`). The pages of a layer take 1
+byte per value and 4 per position and kv head.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ from ..hardware.axes import dim_axes
 from ..sharding.apply import Placement, placed_by
 from .quantize import quantize_cache_entry
 from .names import ATTN_KV, ATTN_Q, POSITIONS
+from . import eight_bit_decode
+from ..hardware.backend import policy_of
 from ..jax_private import cudnn_paged_decode
 from .ops import (
     AttentionOptions,
@@ -51,7 +55,8 @@ KERNELS = ("gather", "cudnn")
 """Paged decode attention: `gather` copies each row's pages into [B, M * page_size, K, E] and runs
 `jax.nn.dot_product_attention` (cuDNN's fused kernel on NVIDIA GPUs, XLA's elsewhere: exact, every backend);
 `cudnn` runs cuDNN's paged attention on the pages in place (NVIDIA GPUs; 16-bit pages, decode steps whose every
-query head has its kv head on its device; prefill chunks, 8-bit caches and Gemma 2's attention options gather).
+query head has its kv head on its device; prefill chunks and Gemma 2's attention options gather; an 8-bit cache's
+decode reads its pages in place by the library's kernel where the backend takes it, `_eight_bit_in_place`).
 JAX's Pallas paged-attention kernel for GPUs was measured and dropped: it reads a head-major pool at 2.1 TB/s where
 cuDNN's kernel reads 3.5-4.0 (benchmarks/NOTES.md run 38)."""
 
@@ -141,8 +146,13 @@ def paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: PagedLayer, opt
     def local(q, k, v, positions, table, *rest, specs):
         window, pools = (rest[0] if windows else None), _written(rest[len(windows):], k, v, positions, table)
         q_axes, kv_axes = dim_axes(specs[0], 2), dim_axes(specs[1], 2)
+        eight_bit_kernel = _eight_bit_in_place(q, pools, group, options, placement.device)
         if _reads_in_place(cache.kernel, q, pools, group, options):
             out = cudnn_paged_decode(q, *pools, table, jnp.maximum(positions[:, 0], 0) + 1, q.shape[-1] ** -0.5)
+        elif eight_bit_kernel:
+            out = eight_bit_decode.paged_decode_attention(
+                q, *pools, table, jnp.maximum(positions[:, 0], 0) + 1, interpret=eight_bit_kernel == "interpret",
+                ptx=policy_of(placement.device).inline_ptx)
         else:
             out = _gathered_attention(q, pools, positions, table, q_axes, kv_axes, group, placement.device, options,
                                       window)
@@ -162,7 +172,8 @@ def paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: PagedLayer, opt
 
 def reads_in_place(kernel: str, dtype, options: AttentionOptions | None) -> bool:
     """Whether decode over pages stored in `dtype` can be attended by cuDNN's paged kernel in place: asked for,
-    16-bit pages (an 8-bit cache gathers), no attention options. The engine sizes its decode buckets by it."""
+    16-bit pages (an 8-bit cache is not cuDNN's to read), no attention options. The engine sizes its decode buckets
+    by it."""
     return kernel == "cudnn" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and options is None
 
 
@@ -173,6 +184,19 @@ def _reads_in_place(kernel: str, q_BSHE, pools, group: int, options: AttentionOp
     pages_k = pools[0]
     return (reads_in_place(kernel, pages_k.dtype, options) and q_BSHE.shape[1] == 1 and len(pools) == 2
             and q_BSHE.shape[2] == pages_k.shape[2] * group)
+
+
+def _eight_bit_in_place(q_BSHE, pools, group: int, options: AttentionOptions | None, device) -> str:
+    """"pallas" where a decode step attends 8-bit pages in place by `eight_bit_decode.paged_decode_attention`: the
+    backend policy of `device` asks for the library's 8-bit attention kernel (`BackendPolicy.eight_bit_attention`),
+    one query per row, pages with scales, no attention options, every local query head's kv head on this device
+    and a shape the kernel takes; else "" (the pages gathered)."""
+    if len(pools) != 4 or q_BSHE.shape[1] != 1 or options is not None:
+        return ""
+    pages_k = pools[0]
+    heads_here = q_BSHE.shape[2] == pages_k.shape[2] * group
+    takes = eight_bit_decode.applies_paged(q_BSHE.shape[2], pages_k.shape[2], pages_k.shape[1], pages_k.shape[3])
+    return "pallas" if policy_of(device).eight_bit_attention == "pallas" and heads_here and takes else ""
 
 
 def _written(pools, k_BSKE, v_BSKE, positions_BS, table_BM) -> tuple:

@@ -16,7 +16,7 @@ from starscream_jax.model import ops
 from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.decoder import Transformer, create_sharded_model
 from starscream_jax.model.dense_cache import init_cache
-from starscream_jax.model.eight_bit_decode import applies, decode_attention, split_count
+from starscream_jax.model.eight_bit_decode import applies, decode_attention, paged_decode_attention, split_count
 from starscream_jax.model.quantize import quantize_cache_entry
 from starscream_jax.sharding.apply import use_layout
 
@@ -117,3 +117,32 @@ def test_the_compiled_kernel_on_a_gpu_gives_the_xla_forms_attention(format_name,
     got = jax.jit(functools.partial(decode_attention, ptx=ptx))(q, k8, v8, k_scale, v_scale, lengths)
     expected = jax.jit(ops._decode_over_8_bit_cache)(q, k8, v8, k_scale, v_scale, (lengths - 1)[:, None])
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("ptx", [False, True])
+def test_the_paged_form_lowers_for_cuda_without_a_gpu(ptx):
+    """The paged form at an 8B server's shape (pools of 16-position int8 pages [P, 16, 8, 128] with their scales, 64
+    rows' block tables of 40 pages): one Triton call, each page read through the row's table."""
+    shapes = [((64, 1, 32, 128), jnp.bfloat16), ((4096, 16, 8, 128), jnp.int8), ((4096, 16, 8, 128), jnp.int8),
+              ((4096, 16, 8), jnp.float32), ((4096, 16, 8), jnp.float32), ((64, 40), jnp.int32), ((64,), jnp.int32)]
+    lowered = jax.jit(functools.partial(paged_decode_attention, ptx=ptx)).trace(
+        *(jax.ShapeDtypeStruct(*shape) for shape in shapes)).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("xla.gpu.triton") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("format_name", ["int8", "float8_e4m3fn"])
+def test_the_compiled_paged_form_on_a_gpu_gives_the_dense_forms_attention(format_name):
+    """The paged form compiled over 8B-shaped pages: each row's pages (a shuffled table) attended as the dense
+    kernel attends the same positions laid out in order."""
+    q, k8, v8, k_scale, v_scale, lengths = operands(format_name, 8, 1024, kv_heads=8, head_dim=128)
+    page = 16
+    table = jax.random.permutation(jax.random.key(1), 8 * 1024 // page).reshape(8, 1024 // page).astype(jnp.int32)
+    pools = []
+    for rows in (k8, v8, k_scale, v_scale):  # row b's positions p*16 .. p*16 + 15 stored at page table[b, p]
+        paged_rows = rows.reshape(8 * 1024 // page, page, *rows.shape[2:])
+        pools.append(jnp.zeros_like(paged_rows).at[table.reshape(-1)].set(paged_rows))
+    ptx = policy_of(jax.devices()[0]).inline_ptx
+    got = jax.jit(functools.partial(paged_decode_attention, ptx=ptx))(q, *pools, table, lengths)
+    expected = jax.jit(functools.partial(decode_attention, ptx=ptx))(q, k8, v8, k_scale, v_scale, lengths)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32), rtol=1e-3, atol=1e-3)

@@ -174,3 +174,58 @@ def test_the_gather_path_decodes_8_bit_pages_on_the_decode_kernel_where_chosen(m
     assert "pallas_call" in str(jax.make_jaxpr(lambda *args: paged_attention(*args))(q, k, v, positions, cache))
     got, _ = jax.jit(lambda *args: paged_attention(*args))(q, k, v, positions, cache)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-2, atol=1e-2)
+
+
+def _eight_bit_pool(fmt: str, seed: int, pages: int, page: int, kv_heads: int, head_dim: int):
+    """(values, scales) of a pool of random 8-bit key (or value) pages [pages, page, K, E] whose ranges vary."""
+    spread = jnp.linspace(0.5, 3.0, pages)[:, None, None, None]
+    return quantize_cache_entry(jax.random.normal(jax.random.key(seed), (pages, page, kv_heads, head_dim)) * spread,
+                                fmt)
+
+
+@pytest.mark.parametrize("fmt, table_pages", [("int8", 4), ("float8_e4m3fn", 32)])
+def test_decode_reads_8_bit_pages_in_place_where_the_kernel_is_chosen(monkeypatch, fmt, table_pages):
+    """Where `eight_bit_decode.paged_decode_attention` is chosen (CUDA; here interpreted), decode reads each row's
+    8-bit pages where they lie (no gathered rows in the program) and attends as the gather path does: rows of one
+    position, a page and a half, and the whole table (32 pages: the positions split into stretches)."""
+    from starscream_jax.model import paged
+
+    page, kv_heads, head_dim, pool = 16, 2, 32, 3 * table_pages + 4
+    (values_k, scales_k), (values_v, scales_v) = (_eight_bit_pool(fmt, seed, pool, page, kv_heads, head_dim)
+                                                  for seed in (5, 6))
+    table = jax.random.permutation(jax.random.key(7), pool)[:3 * table_pages].reshape(3, table_pages)
+    table = table.astype(jnp.int32)
+    q = jax.random.normal(jax.random.key(8), (3, 1, 4 * kv_heads, head_dim)).astype(jnp.bfloat16)
+    k, v = (jax.random.normal(jax.random.key(seed), (3, 1, kv_heads, head_dim)).astype(jnp.bfloat16)
+            for seed in (9, 10))
+    positions = jnp.array([[0], [page + page // 2], [table_pages * page - 1]], jnp.int32)
+    cache = paged.PagedLayer(k=values_k, v=values_v, table=table, kernel="cudnn", k_scale=scales_k,
+                             v_scale=scales_v)
+    expected, gathered_layer = jax.jit(lambda *args: paged_attention(*args))(q, k, v, positions, cache)
+    monkeypatch.setattr(paged, "_eight_bit_in_place", lambda *args: "interpret")
+    text = str(jax.make_jaxpr(lambda *args: paged_attention(*args))(q, k, v, positions, cache))
+    assert "pallas_call" in text and f"[3,{table_pages},{page},{kv_heads},{head_dim}]" not in text
+    got, layer = jax.jit(lambda *args: paged_attention(*args))(q, k, v, positions, cache)
+    np.testing.assert_array_equal(np.asarray(layer.k), np.asarray(gathered_layer.k))  # the same pages written
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_the_8_bit_in_place_kernel_is_chosen_only_where_it_applies():
+    """Only decode over 8-bit pages, without attention options, each local query head's kv head on the device,
+    pages of at least 16 positions, and the backend's policy asking for the kernel (CUDA, not this CPU)."""
+    from starscream_jax.hardware.backend import CUDA
+    from starscream_jax.model import paged
+
+    pools = [jnp.zeros((4, 16, 2, 32), jnp.int8)] * 2 + [jnp.zeros((4, 16, 2), jnp.float32)] * 2
+    q = jnp.zeros((1, 1, 8, 32), jnp.bfloat16)
+    device = jax.devices()[0]
+    assert paged._eight_bit_in_place(q, pools, 4, None, device) == ""  # the CPU's policy gathers
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(paged, "policy_of", lambda _: CUDA)
+        assert paged._eight_bit_in_place(q, pools, 4, None, device) == "pallas"
+        assert paged._eight_bit_in_place(q, pools[:2], 4, None, device) == ""  # 16-bit pages: no scales
+        assert paged._eight_bit_in_place(jnp.zeros((1, 2, 8, 32)), pools, 4, None, device) == ""  # a chunk
+        assert paged._eight_bit_in_place(q, pools, 4, AttentionOptions(scale=0.1), device) == ""
+        assert paged._eight_bit_in_place(jnp.zeros((1, 1, 4, 32)), pools, 4, None, device) == ""  # heads split
+        small = [jnp.zeros((4, 8, 2, 32), jnp.int8)] * 2 + [jnp.zeros((4, 8, 2), jnp.float32)] * 2
+        assert paged._eight_bit_in_place(q, small, 4, None, device) == ""  # pages of 8 positions

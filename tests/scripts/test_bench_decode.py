@@ -69,3 +69,14 @@ def test_no_plain_row_stands_beside_a_model_or_a_mesh_it_does_not_decode(bench):
     assert bench.plain_skipped(load_model_config("llama3-8b"), devices=1) is None
     assert "runs on one device, this run has 2" in bench.plain_skipped(load_model_config("llama3-8b"), devices=2)
     assert "not a plain Llama (qkv_bias = True)" in bench.plain_skipped(load_model_config("qwen2.5-72b"), devices=1)
+
+
+def test_the_paged_rows_run_the_engine_over_the_cache_format_asked_for(bench, tmp_path):
+    """--paged-cache int8: the engine's paged step over int8 pages (gathered on this CPU, read in place on CUDA),
+    its row naming the format beside the dense bf16 step's ratio."""
+    import json
+
+    out = tmp_path / "paged.json"
+    assert bench.main(["--quick", "--paged", "gather", "--paged-cache", "int8", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["paged_rows"]
+    assert row["kv_format"] == "int8" and row["kernel"] == "gather" and row["vs_dense"] > 0
