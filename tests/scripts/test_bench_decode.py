@@ -71,12 +71,17 @@ def test_no_plain_row_stands_beside_a_model_or_a_mesh_it_does_not_decode(bench):
     assert "not a plain Llama (qkv_bias = True)" in bench.plain_skipped(load_model_config("qwen2.5-72b"), devices=1)
 
 
-def test_the_paged_rows_run_the_engine_over_the_cache_format_asked_for(bench, tmp_path):
-    """--paged-cache int8: the engine's paged step over int8 pages (gathered on this CPU, read in place on CUDA),
-    its row naming the format beside the dense bf16 step's ratio."""
-    import json
+def test_a_paged_row_runs_the_engine_over_the_models_cache_format(bench):
+    """`run_paged` (--paged, --paged-cache int8): the engine's paged step over int8 pages (gathered on this CPU,
+    read in place on CUDA), its row naming the format."""
+    from starscream_jax.hardware.mesh import build_mesh
+    from starscream_jax.model.decoder import create_sharded_model
+    from starscream_jax.sharding.apply import use_layout
 
-    out = tmp_path / "paged.json"
-    assert bench.main(["--quick", "--paged", "gather", "--paged-cache", "int8", "--out", str(out)]) == 0
-    (row,) = json.loads(out.read_text())["paged_rows"]
-    assert row["kv_format"] == "int8" and row["kernel"] == "gather" and row["vs_dense"] > 0
+    config = load_model_config("tiny", kv_format="int8").replace(n_layers=2)
+    mesh = build_mesh(gpus=1)
+    with use_layout("starscream_decode", mesh):
+        model = create_sharded_model(config, "starscream_decode", mesh)
+    row = bench.run_paged(model, "starscream_decode", mesh, batch=2, cache_length=32, kernel="gather", warmup=0,
+                          steps=1)
+    assert row["kv_format"] == "int8" and row["kernel"] == "gather" and row["step_s"] > 0
