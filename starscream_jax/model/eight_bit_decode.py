@@ -2,22 +2,22 @@
 compute dtype), the cache's keys and values [B, T, K, E] in int8 or fp8 e4m3 with float32 scales per position and
 kv head [B, T, K], each row seeing its first `lengths` [B] positions; out [B, 1, H, E] in q's dtype.
 
-Why a kernel: XLA's batched dot wants (batch, kv head) leading and copied the converted cache into that order every
-step (an int8 cache ran 0.25x bf16 at batch 64 on an H200, benchmarks/NOTES.md run 19); written as reductions in
-the cache's own order (`ops._decode_over_8_bit_cache`) it reads in place but multiplies on CUDA cores, each cache
-value meeting G queries twice (scores and values): about 8 float32 operations per byte, as much time as the read
-itself at batch 64. Here the tensor cores do the products: each program takes one row, one kv head and one stretch
-of positions (flash-decoding), loads a [positions, E] tile of keys with the cache's strides (E contiguous bytes per
-position), converts it to float16 in registers (exact; int8 by a byte permute and a paired subtraction on NVIDIA,
-`weight_only.widened`, where each value converted to bfloat16 took two conversion instructions: the Llama 3 8B step
-with an int8 cache ran 5.27 ms at batch 1 against 6.14 before, unchanged at 14.1 ms at batch 64,
-benchmarks/NOTES.md run 89), computes the scores of the head's G queries (padded to 16
-rows; in float16, each row scaled by a power of two into its range, `weight_only.half_inputs`) with a dot, multiplies
-by the key scales, 1 / sqrt(E) and the rows' inverse factors, keeps an online softmax, weighs the probabilities by
-the value scales and accumulates their dot (in float16) with the value tile. Each
-program writes its float32 partial (running max, sum, weighted values); XLA merges the stretches. Nothing the size
-of the cache is written. A paged cache (`paged_decode_attention`: pools of pages [pages, page_size, K, E], each row's
-block table) runs the same kernel a page a loop step, each page read where it lies in the pool. Lowered by Pallas' Triton backend (NVIDIA and ROCm); interpreted on CPU for the tests.
+Why a kernel: XLA's batched dot wants (batch, kv head) leading and copied the converted cache into that order every step
+(an int8 cache ran 0.25x bf16 at batch 64 on an H200, benchmarks/NOTES.md run 19); written as reductions in the cache's
+own order (`ops._decode_over_8_bit_cache`) it reads in place but multiplies on CUDA cores, each cache value meeting G
+queries twice (scores and values): about 8 float32 operations per byte, as much time as the read itself at batch 64.
+Here the tensor cores do the products: each program takes one row, one kv head and one stretch of positions
+(flash-decoding), loads a [positions, E] tile of keys with the cache's strides (E contiguous bytes per position),
+converts it to float16 in registers (exact; int8 by a byte permute and a paired subtraction on NVIDIA,
+`weight_only.widened`, where each value converted to bfloat16 took two conversion instructions: the Llama 3 8B step with
+an int8 cache ran 5.27 ms at batch 1 against 6.14 before, unchanged at 14.1 ms at batch 64, benchmarks/NOTES.md run 89),
+computes the scores of the head's G queries (padded to 16 rows; in float16, each row scaled by a power of two into its
+range, `weight_only.half_inputs`) with a dot, multiplies by the key scales, 1 / sqrt(E) and the rows' inverse factors,
+keeps an online softmax, weighs the probabilities by the value scales and accumulates their dot (in float16) with the
+value tile. Each program writes its float32 partial (running max, sum, weighted values); XLA merges the stretches.
+Nothing the size of the cache is written. A paged cache (`paged_decode_attention`: pools of pages [pages, page_size, K,
+E], each row's block table) runs the same kernel a page a loop step, each page read where it lies in the pool. Lowered
+by Pallas' Triton backend (NVIDIA and ROCm); interpreted on CPU for the tests.
 """
 from __future__ import annotations
 

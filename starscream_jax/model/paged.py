@@ -56,7 +56,7 @@ KERNELS = ("gather", "cudnn")
 `jax.nn.dot_product_attention` (cuDNN's fused kernel on NVIDIA GPUs, XLA's elsewhere: exact, every backend);
 `cudnn` runs cuDNN's paged attention on the pages in place (NVIDIA GPUs; 16-bit pages, decode steps whose every
 query head has its kv head on its device; prefill chunks and Gemma 2's attention options gather; an 8-bit cache's
-decode reads its pages in place by the library's kernel where the backend takes it, `_eight_bit_in_place`).
+decode reads its pages in place by the library's 8-bit kernel where the backend takes it, `_eight_bit_in_place`).
 JAX's Pallas paged-attention kernel for GPUs was measured and dropped: it reads a head-major pool at 2.1 TB/s where
 cuDNN's kernel reads 3.5-4.0 (benchmarks/NOTES.md run 38)."""
 
@@ -146,7 +146,7 @@ def paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: PagedLayer, opt
     def local(q, k, v, positions, table, *rest, specs):
         window, pools = (rest[0] if windows else None), _written(rest[len(windows):], k, v, positions, table)
         q_axes, kv_axes = dim_axes(specs[0], 2), dim_axes(specs[1], 2)
-        eight_bit_kernel = _eight_bit_in_place(q, pools, group, options, placement.device)
+        eight_bit_kernel = _eight_bit_in_place(cache.kernel, q, pools, group, options, placement.device)
         if _reads_in_place(cache.kernel, q, pools, group, options):
             out = cudnn_paged_decode(q, *pools, table, jnp.maximum(positions[:, 0], 0) + 1, q.shape[-1] ** -0.5)
         elif eight_bit_kernel:
@@ -186,12 +186,13 @@ def _reads_in_place(kernel: str, q_BSHE, pools, group: int, options: AttentionOp
             and q_BSHE.shape[2] == pages_k.shape[2] * group)
 
 
-def _eight_bit_in_place(q_BSHE, pools, group: int, options: AttentionOptions | None, device) -> str:
+def _eight_bit_in_place(kernel: str, q_BSHE, pools, group: int, options: AttentionOptions | None, device) -> str:
     """"pallas" where a decode step attends 8-bit pages in place by `eight_bit_decode.paged_decode_attention`: the
-    backend policy of `device` asks for the library's 8-bit attention kernel (`BackendPolicy.eight_bit_attention`),
-    one query per row, pages with scales, no attention options, every local query head's kv head on this device
-    and a shape the kernel takes; else "" (the pages gathered)."""
-    if len(pools) != 4 or q_BSHE.shape[1] != 1 or options is not None:
+    paged kernel asked for reads in place ("cudnn", not "gather", which always gathers), the backend policy of
+    `device` asks for the library's 8-bit attention kernel (`BackendPolicy.eight_bit_attention`), one query per row,
+    pages with scales, no attention options, every local query head's kv head on this device and a shape the kernel
+    takes; else "" (the pages gathered)."""
+    if kernel == "gather" or len(pools) != 4 or q_BSHE.shape[1] != 1 or options is not None:
         return ""
     pages_k = pools[0]
     heads_here = q_BSHE.shape[2] == pages_k.shape[2] * group

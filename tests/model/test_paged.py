@@ -211,21 +211,24 @@ def test_decode_reads_8_bit_pages_in_place_where_the_kernel_is_chosen(monkeypatc
 
 
 def test_the_8_bit_in_place_kernel_is_chosen_only_where_it_applies():
-    """Only decode over 8-bit pages, without attention options, each local query head's kv head on the device,
-    pages of at least 16 positions, and the backend's policy asking for the kernel (CUDA, not this CPU)."""
+    """Only decode over 8-bit pages under the in-place paged kernel ("gather" always gathers), without attention
+    options, each local query head's kv head on the device, pages of at least 16 positions, and the backend's policy
+    asking for the kernel (CUDA, not this CPU)."""
     from starscream_jax.hardware.backend import CUDA
     from starscream_jax.model import paged
 
     pools = [jnp.zeros((4, 16, 2, 32), jnp.int8)] * 2 + [jnp.zeros((4, 16, 2), jnp.float32)] * 2
     q = jnp.zeros((1, 1, 8, 32), jnp.bfloat16)
     device = jax.devices()[0]
-    assert paged._eight_bit_in_place(q, pools, 4, None, device) == ""  # the CPU's policy gathers
+    assert paged._eight_bit_in_place("cudnn", q, pools, 4, None, device) == ""  # the CPU's policy gathers
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(paged, "policy_of", lambda _: CUDA)
-        assert paged._eight_bit_in_place(q, pools, 4, None, device) == "pallas"
-        assert paged._eight_bit_in_place(q, pools[:2], 4, None, device) == ""  # 16-bit pages: no scales
-        assert paged._eight_bit_in_place(jnp.zeros((1, 2, 8, 32)), pools, 4, None, device) == ""  # a chunk
-        assert paged._eight_bit_in_place(q, pools, 4, AttentionOptions(scale=0.1), device) == ""
-        assert paged._eight_bit_in_place(jnp.zeros((1, 1, 4, 32)), pools, 4, None, device) == ""  # heads split
+        assert paged._eight_bit_in_place("cudnn", q, pools, 4, None, device) == "pallas"
+        assert paged._eight_bit_in_place("gather", q, pools, 4, None, device) == ""
+        assert paged._eight_bit_in_place("cudnn", q, pools[:2], 4, None, device) == ""  # 16-bit pages: no scales
+        assert paged._eight_bit_in_place("cudnn", jnp.zeros((1, 2, 8, 32)), pools, 4, None, device) == ""  # a chunk
+        assert paged._eight_bit_in_place("cudnn", q, pools, 4, AttentionOptions(scale=0.1), device) == ""
+        split = jnp.zeros((1, 1, 4, 32))  # query heads split finer than kv heads
+        assert paged._eight_bit_in_place("cudnn", split, pools, 4, None, device) == ""
         small = [jnp.zeros((4, 8, 2, 32), jnp.int8)] * 2 + [jnp.zeros((4, 8, 2), jnp.float32)] * 2
-        assert paged._eight_bit_in_place(q, small, 4, None, device) == ""  # pages of 8 positions
+        assert paged._eight_bit_in_place("cudnn", q, small, 4, None, device) == ""  # pages of 8 positions

@@ -50,8 +50,8 @@ def test_8_bit_weights_and_cache_are_counted_in_their_stored_bytes(bench):
 
 def test_the_plain_jax_row_times_the_plain_decoder_on_the_models_weights(bench):
     """The plain JAX row beside the library's: the model's weights held as a plain params dict on one device, off
-    the library's mesh, split per layer (matrices in the compute dtype, norm scales float32), and its step timed over the same
-    bytes."""
+    the library's mesh, split per layer (matrices in the compute dtype, norm scales float32), and its step timed over
+    the same bytes."""
     config = load_model_config("tiny", dtype="bfloat16")
     params = bench.plain_weights(Transformer(config, rngs=nnx.Rngs(0)))
     assert len(params["layers"]) == config.n_layers and params["layers"][0]["wq"].ndim == 3
