@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU runs behind README's speed tables, batched so that each machine start serves several measurements.
 # Usage (repository root): bash benchmarks/h200_runs.sh part1|part2|part3|part6|part9 RESULTS_DIR (two H200s), or
-# bash benchmarks/h200_runs.sh part4|part8 RESULTS_DIR BASE_TREE | part5|part7 RESULTS_DIR (one H200; BASE_TREE: a copy of the tree
-# before part4's change)
+# bash benchmarks/h200_runs.sh part4|part8 RESULTS_DIR BASE_TREE | part5|part7|part10 RESULTS_DIR (one H200; BASE_TREE: a copy
+# of the tree before part4's change)
 # part1: one GPU (decode on GPU 1 beside training on GPU 0), then Llama 3.2 1B and Llama 3 8B tensor parallel on two.
 # part2: decode profiled, and with its layer loop unrolled, then Llama 3 8B tensor parallel and FSDP on two GPUs (cut
 # off by the call's time limit).
@@ -82,6 +82,14 @@ elif [ "$part" = part6 ]; then
     --plain fsdp --layouts starscream_fsdp --out "$out/mfu_llama3-8b_2gpu_fsdp.json"
   timeout 200 python3 scripts/bench_mfu.py --model llama3-8b --gpus 2 --batch-size 2 --warmup 2 --steps 5 \
     --plain tp --layouts starscream_tp --out "$out/mfu_llama3-8b_2gpu_tp.json"
+elif [ "$part" = part10 ]; then
+  # part10, one H200 (not yet run): the 8-bit decode kernels compiled and matched, then the dense 8-bit cache steps
+  # (bf16 weights on cuBLAS since steps.decode_options) and the engine's paged step over int8 pages, gathered and
+  # read in place, side by side in one process, each variant traced.
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/model/test_eight_bit_decode.py \
+    tests/model/test_paged.py
+  timeout 400 python3 scripts/bench_decode.py --variants bf16 kv-int8 kv-fp8 --batches 1 64 --no-torch \
+    --paged gather cudnn --paged-cache int8 --profile-dir /tmp/decode_profiles --out "$out/decode_kv_in_place.json"
 else
   # part3 (not run: superseded by part5): the 8B runs part2 did not reach, and collective matmul for TP.
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
