@@ -69,3 +69,14 @@ def test_the_serving_roofline_counts_a_decode_step_at_the_slower_of_its_weight_r
     flops = 2 * multiplied * 256 / (peak * efficiency)
     assert flops > multiplied * 2 / read
     assert decode_seconds(256) == pytest.approx(2 * flops + kv * 256 * (16 + 17) / read)
+
+
+@pytest.mark.slow
+def test_the_static_generate_baseline_keeps_the_faster_of_its_passes(tmp_path):
+    """bench_serve --static-generate: the static `generate` runs every prompt twice, each pass's rate stored, and
+    the baseline is the faster pass (what the engine's ratio is taken against)."""
+    out = tmp_path / "serve.json"
+    assert load("bench_serve").main(["--quick", "--workload", "A", "--static-generate", "4", "--out", str(out)]) == 0
+    (static,) = json.loads(out.read_text())["static_generate"]
+    assert len(static["passes_output_tokens_per_s"]) == 2
+    assert static["output_tokens_per_s"] == max(static["passes_output_tokens_per_s"]) > 0
