@@ -76,7 +76,7 @@ def decode_attention(q_B1HE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK, lengths_B
     T = k_BTKE.shape[1]
     block = min(block, T)
     return _launch(q_B1HE, [k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK], lengths_B, _dense_tiles, T, block,
-                   interpret, ptx)
+                   k_BTKE.shape[2], interpret, ptx)
 
 
 def paged_decode_attention(q_B1HE, k_pages_PAKE, v_pages_PAKE, k_scale_PAK, v_scale_PAK, table_BM, lengths_B,
@@ -86,14 +86,15 @@ def paged_decode_attention(q_B1HE, k_pages_PAKE, v_pages_PAKE, k_scale_PAK, v_sc
     where it lies (no gathered copy of the rows)."""
     page_size = k_pages_PAKE.shape[1]
     return _launch(q_B1HE, [table_BM.astype(jnp.int32), k_pages_PAKE, v_pages_PAKE, k_scale_PAK, v_scale_PAK],
-                   lengths_B, _paged_tiles, table_BM.shape[1] * page_size, page_size, interpret, ptx)
+                   lengths_B, _paged_tiles, table_BM.shape[1] * page_size, page_size, k_pages_PAKE.shape[2], interpret,
+                   ptx)
 
 
-def _launch(q_B1HE, cache, lengths_B, tiles, length: int, block: int, interpret: bool, ptx: bool) -> jax.Array:
-    """The kernel over `length` positions of a cache (`cache`: the operands `tiles` reads), `block` positions a
-    step, stretches merged after."""
+def _launch(q_B1HE, cache, lengths_B, tiles, length: int, block: int, K: int, interpret: bool,
+            ptx: bool) -> jax.Array:
+    """The kernel over `length` positions of a cache of K kv heads (`cache`: the operands `tiles` reads), `block`
+    positions a step, stretches merged after."""
     B, _, H, E = q_B1HE.shape
-    K = cache[-1].shape[2]
     G = H // K
     splits = split_count(B, K, length, block)
     q_BKQE = jnp.pad(q_B1HE[:, 0].reshape(B, K, G, E), ((0, 0), (0, 0), (0, max(QUERY_ROWS, G) - G), (0, 0)))

@@ -257,7 +257,7 @@ def _kernel(x_ref, w_ref, scale_ref, out_ref, *, col_block, depth_block, steps, 
 
 
 def column_block_product(x_ref, w_ref, scale_ref, cols, split, *, col_block, depth_block, steps, use_dot,
-                         collapse, ptx=False) -> jax.Array:
+                         collapse, ptx) -> jax.Array:
     """Inside a kernel: x [P, the `steps` x `depth_block` rows of K of split `split`] times W's columns `cols`
     [.., col_block] converted to x's dtype (`widened`), float32 accumulation (a tensor-core dot where `use_dot`, else
     products summed on the CUDA cores), times the columns' scales: [P, col_block] float32, or [1, col_block] with
