@@ -88,8 +88,45 @@ elif [ "$part" = part10 ]; then
   # read in place, side by side in one process, each variant traced.
   timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/model/test_eight_bit_decode.py \
     tests/model/test_paged.py
-  timeout 400 python3 scripts/bench_decode.py --variants bf16 kv-int8 kv-fp8 --batches 1 64 --no-torch \
+  # torch imported before JAX starts: without it the batch-1 steps of this process run slow (NOTES, run 84).
+  timeout 420 python3 -c "import sys, runpy, torch; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], \
+run_name='__main__')" scripts/bench_decode.py --variants bf16 kv-int8 kv-fp8 --batches 1 64 --no-torch \
     --paged gather cudnn --paged-cache int8 --profile-dir /tmp/decode_profiles --out "$out/decode_kv_in_place.json"
+  (cd /tmp && tar czf "$out/decode_profiles.tgz" $(find decode_profiles -name '*.trace.json.gz' -o -name '*.xplane.pb' \
+    | head -40))
+elif [ "$part" = part11 ]; then
+  # part11, one H200: workload A in process beside the static generate at batch 64 (the faster of two passes).
+  timeout 590 python3 scripts/bench_serve.py --workload A --static-generate 64 --out "$out/serve_a_static_best_of_two.json"
+elif [ "$part" = part12 ]; then
+  # part12, one H200: the fp8 training step of Llama 3.2 3B beside bf16, each traced, to find where 1.2x stops.
+  timeout 590 python3 scripts/bench_mfu.py --model llama3.2-3b --batch-size 4 --seq-len 2048 --layouts starscream_tp \
+    --plain --no-torch --fp8 --profile-dir /tmp/fp8_profiles --out "$out/mfu_llama3.2-3b_1gpu_fp8_profiled.json"
+  (cd /tmp && tar czf "$out/fp8_profiles.tgz" fp8_profiles)
+elif [ "$part" = part13 ]; then
+  # part13, one H200: the 8-bit decode kernels' GPU tests (a loop step of whole pages, the loop ending at the row's
+  # length), a sweep of the 8-bit cache kernel's tilings beside cuDNN's bf16 reads, the fp8 3B step's compiled
+  # program (to name the fusions part12's trace shows), and the 8-bit cache steps, paged in place.
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/model/test_eight_bit_decode.py \
+    tests/model/test_paged.py 2>&1 | tail -5
+  timeout 200 python3 scripts/bench_paged_attention.py --eight-bit int8 --shapes 64:4096:16:4096 1:4096:16:4096 \
+    64:4096:16:1000 --tilings 64:4:2 64:4:3 128:4:2 128:4:3 128:8:3 256:8:2 256:8:3 64:8:4 --calls 20 \
+    --out "$out/paged_attention_int8_tilings.json"
+  timeout 120 python3 scripts/bench_mfu.py --model llama3.2-3b --batch-size 4 --seq-len 2048 --layouts starscream_tp \
+    --plain --no-torch --fp8 --compile-only --hlo-dir /tmp/fp8_hlo --out /tmp/fp8_compile.json > /dev/null 2>&1
+  (cd /tmp && tar czf "$out/fp8_hlo.tgz" fp8_hlo)
+  timeout 240 python3 -c "import sys, runpy, torch; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], \
+run_name='__main__')" scripts/bench_decode.py --variants bf16 kv-int8 --batches 1 64 --no-torch --paged cudnn \
+    --paged-cache int8 --out "$out/decode_kv_int8_paged_pages_a_step.json"
+elif [ "$part" = part14 ]; then
+  # part14, one H200: the 8-bit cache kernel at part13's fastest tiling (128 positions a step, 4 warps, 3 stages) as
+  # its default: the GPU tests, the dense 8-bit cache steps and the paged one beside bf16, and one layer's kernels.
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/model/test_eight_bit_decode.py \
+    tests/model/test_paged.py 2>&1 | tail -4
+  timeout 260 python3 -c "import sys, runpy, torch; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], \
+run_name='__main__')" scripts/bench_decode.py --variants bf16 kv-int8 kv-fp8 --batches 1 64 --no-torch --paged cudnn \
+    --paged-cache int8 --out "$out/decode_kv_8_bit_tiled.json"
+  timeout 60 python3 scripts/bench_paged_attention.py --eight-bit int8 --shapes 64:4096:16:4096 \
+    --tilings 128:4:3 128:4:4 256:4:3 --calls 20 --out "$out/paged_attention_int8_tiled.json"
 else
   # part3 (not run: superseded by part5): the 8B runs part2 did not reach, and collective matmul for TP.
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92

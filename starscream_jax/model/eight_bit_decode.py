@@ -16,12 +16,17 @@ range, `weight_only.half_inputs`) with a dot, multiplies by the key scales, 1 / 
 keeps an online softmax, weighs the probabilities by the value scales and accumulates their dot (in float16) with the
 value tile. Each program writes its float32 partial (running max, sum, weighted values); XLA merges the stretches.
 Nothing the size of the cache is written. A paged cache (`paged_decode_attention`: pools of pages [pages, page_size, K,
-E], each row's block table) runs the same kernel a page a loop step, each page read where it lies in the pool. Lowered
-by Pallas' Triton backend (NVIDIA and ROCm); interpreted on CPU for the tests.
+E], each row's block table) runs the same kernel over a block of whole pages a loop step (four 16-position pages
+gathered by one load, each page read where it lies in the pool: one page a step ran the Llama 3 8B step at batch 64 in
+19.2 ms against the dense kernel's 12.7, benchmarks/NOTES.md run 90). A program's loop ends at its row's length: the
+positions past it are neither read nor computed. Lowered by Pallas' Triton backend (NVIDIA and ROCm); interpreted on
+CPU for the tests.
 """
 from __future__ import annotations
 
 import functools
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,10 +35,35 @@ from jax.experimental.pallas import triton as plgpu
 
 from .weight_only import half_inputs, kernel_out_shape, widened
 
-BLOCK = 64
-"""Positions per loop step of a program (a [64, E] tile of keys and of values)."""
 TARGET_PROGRAMS = 264
 """Programs a call aims at (two per SM of an H200): few rows and kv heads split the positions."""
+
+
+class Tiling(NamedTuple):
+    """How the kernel walks the cache: `block` positions a loop step (a [block, E] tile of keys and of values; in a
+    dense cache the largest power of two up to `block` that divides its length, in a paged one whole pages, at least
+    one), `warps` per program and Triton's pipeline `stages` (loads of later steps issued while a step computes);
+    `tiling_for` picks one by shape."""
+
+    block: int = 64
+    warps: int = 4
+    stages: int = 2
+
+
+MANY_ROWS_TILING = Tiling(block=128, warps=4, stages=3)
+"""Where rows and kv heads alone fill the GPU: the fastest of a sweep on an H200 at Llama 3 8B's shape (64 rows,
+4,096 positions: 0.208 ms a layer, 2.67 TB/s, against 0.276 ms by the default `Tiling`; the step 10.67 ms against
+12.82 at batch 64 over an int8 cache, benchmarks/NOTES.md runs 93-94). At batch 1 it ran the step 7.02 ms against
+4.81: fewer, longer stretches."""
+
+
+def tiling_for(rows: int, kv_heads: int) -> Tiling:
+    """`MANY_ROWS_TILING` where rows x kv heads reach TARGET_PROGRAMS (no stretches needed), else the default."""
+    return MANY_ROWS_TILING if rows * kv_heads >= TARGET_PROGRAMS else Tiling()
+
+
+BLOCK = 64
+"""The dense cache's lengths the kernel takes are whole multiples of BLOCK positions."""
 QUERY_ROWS = 16
 """A kv head's queries are padded to the tensor cores' smallest dot (16 rows)."""
 MASKED = -1e30
@@ -69,33 +99,43 @@ def split_count(rows: int, kv_heads: int, length: int, block: int = BLOCK) -> in
 
 
 def decode_attention(q_B1HE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK, lengths_B, interpret: bool = False,
-                     block: int = BLOCK, ptx: bool = False) -> jax.Array:
+                     ptx: bool = False, tiling: Tiling | None = None) -> jax.Array:
     """out [B, 1, H, E] in q's dtype: each row's query heads attending to its first `lengths` positions of the
     8-bit cache (module docstring); kv head k serves query heads k G .. k G + G - 1. `ptx`: the kernel compiles
     for an NVIDIA GPU and may carry inline PTX (`weight_only.widened`)."""
     T = k_BTKE.shape[1]
-    block = min(block, T)
-    return _launch(q_B1HE, [k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK], lengths_B, _dense_tiles, T, block,
-                   k_BTKE.shape[2], interpret, ptx)
+    tiling = tiling or tiling_for(q_B1HE.shape[0], k_BTKE.shape[2])
+    return _launch(q_B1HE, [k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK], lengths_B, _dense_tiles, T,
+                   tiling._replace(block=math.gcd(tiling.block, T)), k_BTKE.shape[2], interpret, ptx)
 
 
 def paged_decode_attention(q_B1HE, k_pages_PAKE, v_pages_PAKE, k_scale_PAK, v_scale_PAK, table_BM, lengths_B,
-                           interpret: bool = False, ptx: bool = False) -> jax.Array:
+                           interpret: bool = False, ptx: bool = False, tiling: Tiling | None = None) -> jax.Array:
     """`decode_attention` over a paged 8-bit cache read in place: pools of pages [pages, A, K, E] (values) and
-    [pages, A, K] (scales), row b's i-th page named by its block table [B, M]; each loop step reads one page
-    where it lies (no gathered copy of the rows)."""
-    page_size = k_pages_PAKE.shape[1]
-    return _launch(q_B1HE, [table_BM.astype(jnp.int32), k_pages_PAKE, v_pages_PAKE, k_scale_PAK, v_scale_PAK],
-                   lengths_B, _paged_tiles, table_BM.shape[1] * page_size, page_size, k_pages_PAKE.shape[2], interpret,
-                   ptx)
+    [pages, A, K] (scales), row b's i-th page named by its block table [B, M]; each loop step reads whole pages
+    where they lie (`pages_per_step`; no gathered copy of the rows)."""
+    page_size, M = k_pages_PAKE.shape[1], table_BM.shape[1]
+    tiling = tiling or tiling_for(q_B1HE.shape[0], k_pages_PAKE.shape[2])
+    pages = pages_per_step(page_size, M, tiling.block)
+    table_BM = jnp.pad(table_BM.astype(jnp.int32), ((0, 0), (0, -M % pages)))  # padding names page 0, never seen
+    return _launch(q_B1HE, [table_BM, k_pages_PAKE, v_pages_PAKE, k_scale_PAK, v_scale_PAK], lengths_B, _paged_tiles,
+                   table_BM.shape[1] * page_size, tiling._replace(block=pages * page_size), k_pages_PAKE.shape[2],
+                   interpret, ptx)
 
 
-def _launch(q_B1HE, cache, lengths_B, tiles, length: int, block: int, K: int, interpret: bool,
+def pages_per_step(page_size: int, table_width: int, block: int) -> int:
+    """Whole pages a loop step of the paged form reads: `block` positions' worth, at least one, at most the table's
+    width (a short table reads its pages in one step rather than padding it)."""
+    return max(1, min(block // page_size, table_width))
+
+
+def _launch(q_B1HE, cache, lengths_B, tiles, length: int, tiling: Tiling, K: int, interpret: bool,
             ptx: bool) -> jax.Array:
-    """The kernel over `length` positions of a cache of K kv heads (`cache`: the operands `tiles` reads), `block`
-    positions a step, stretches merged after."""
+    """The kernel over `length` positions of a cache of K kv heads (`cache`: the operands `tiles` reads),
+    `tiling.block` positions a step, stretches merged after."""
     B, _, H, E = q_B1HE.shape
     G = H // K
+    block = tiling.block
     splits = split_count(B, K, length, block)
     q_BKQE = jnp.pad(q_B1HE[:, 0].reshape(B, K, G, E), ((0, 0), (0, 0), (0, max(QUERY_ROWS, G) - G), (0, 0)))
     rows = q_BKQE.shape[2]
@@ -104,7 +144,7 @@ def _launch(q_B1HE, cache, lengths_B, tiles, length: int, block: int, K: int, in
                 lengths_B.astype(jnp.int32).reshape(B, 1)]
     kernel = functools.partial(_kernel, tiles=tiles, block=block, steps=length // splits // block, scale=E ** -0.5,
                                ptx=ptx and not interpret)
-    params = None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=2)
+    params = None if interpret else plgpu.CompilerParams(num_warps=tiling.warps, num_stages=tiling.stages)
     peak, total, mixed = pl.pallas_call(
         kernel, grid=(B, K, splits), interpret=interpret, compiler_params=params, name="eight_bit_decode",
         out_shape=[kernel_out_shape((B, K, splits, rows), jnp.float32, *operands),
@@ -132,11 +172,14 @@ def _dense_tiles(refs, b, head, start, block):
 
 
 def _paged_tiles(refs, b, head, start, block):
-    """A paged cache's tiles at positions start .. start + block (one page, `block` its size) of row b and kv head
-    `head`: the page the row's block table names, read where it lies in the pool."""
+    """A paged cache's tiles at positions start .. start + block (whole pages) of row b and kv head `head`: the
+    pages the row's block table names, gathered by one load each from where they lie in the pool."""
     table_ref, k_ref, v_ref, k_scale_ref, v_scale_ref = refs
-    page = table_ref[b, start // block]
-    return k_ref[page, :, head, :], v_ref[page, :, head, :], k_scale_ref[page, :, head], v_scale_ref[page, :, head]
+    page_size, E = k_ref.shape[1], k_ref.shape[3]
+    count = block // page_size
+    pages = table_ref[b, pl.ds(start // page_size, count)]
+    return (k_ref[pages, :, head, :].reshape(block, E), v_ref[pages, :, head, :].reshape(block, E),
+            k_scale_ref[pages, :, head].reshape(block), v_scale_ref[pages, :, head].reshape(block))
 
 
 def _kernel(q_ref, inverse_ref, *refs, tiles, block, steps, scale, ptx):
@@ -170,7 +213,8 @@ def _kernel(q_ref, inverse_ref, *refs, tiles, block, steps, scale, ptx):
 
     start = (jnp.full((rows,), MASKED, jnp.float32), jnp.zeros((rows,), jnp.float32),
              jnp.zeros((rows, q_QE.shape[1]), jnp.float32))
-    peak_Q, total_Q, mixed_QE = jax.lax.fori_loop(0, steps, step, start)
+    seen_steps = jnp.clip(pl.cdiv(length - stretch * steps * block, block), 0, steps)  # blocks holding a seen position
+    peak_Q, total_Q, mixed_QE = jax.lax.fori_loop(0, seen_steps, step, start)
     peak_ref[b, head, stretch, :] = peak_Q
     total_ref[b, head, stretch, :] = total_Q
     mixed_ref[b, head, stretch, :, :] = mixed_QE

@@ -16,7 +16,8 @@ from starscream_jax.model import ops
 from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.decoder import Transformer, create_sharded_model
 from starscream_jax.model.dense_cache import init_cache
-from starscream_jax.model.eight_bit_decode import applies, decode_attention, paged_decode_attention, split_count
+from starscream_jax.model.eight_bit_decode import (applies, decode_attention, pages_per_step, paged_decode_attention,
+                                                   split_count)
 from starscream_jax.model.quantize import quantize_cache_entry
 from starscream_jax.sharding.apply import use_layout
 
@@ -34,18 +35,20 @@ def operands(format_name: str, batch: int, length: int, kv_heads: int = 2, group
 
 
 @pytest.mark.parametrize("format_name, batch, length", [
-    ("float8_e4m3fn", 1, 512), ("float8_e4m3fn", 3, 256), pytest.param("int8", 1, 512, marks=pytest.mark.slow),
+    ("float8_e4m3fn", 1, 512), ("float8_e4m3fn", 3, 256), ("float8_e4m3fn", 2, 192),
+    pytest.param("int8", 1, 512, marks=pytest.mark.slow),
     pytest.param("int8", 3, 256, marks=pytest.mark.slow)])  # interpreted on CPU, int8 takes 10-17 s a case (the
 # int8 cache runs the kernel in the model below)
 def test_the_kernel_gives_the_xla_forms_attention(format_name, batch, length):
     """Interpreted: rows seeing 1 position (every later stretch empty), all of them and some; the positions split
-    into stretches merged after (`split_count`): within bfloat16's rounding of the XLA form."""
+    into stretches merged after (`split_count`); a length of 192 walked in blocks of 64 (the largest power of two
+    up to the tiling's 128 that divides it): within bfloat16's rounding of the XLA form."""
     q, k8, v8, k_scale, v_scale, lengths = operands(format_name, batch, length)
     got = decode_attention(q, k8, v8, k_scale, v_scale, lengths, interpret=True)
     assert got.shape == q.shape and got.dtype == q.dtype
     expected = ops._decode_over_8_bit_cache(q, k8, v8, k_scale, v_scale, (lengths - 1)[:, None])
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32), rtol=2e-2, atol=2e-2)
-    assert split_count(batch, 2, length) > 1
+    assert split_count(batch, 2, length) > 1 or length % 128  # 192 positions: one stretch of three 64-blocks
 
 
 def test_the_stretches_fill_the_gpu_and_the_shapes_it_takes():
@@ -54,6 +57,13 @@ def test_the_stretches_fill_the_gpu_and_the_shapes_it_takes():
     assert split_count(1, 8, 4096) == 32 and split_count(64, 8, 4096) == 1 and split_count(1, 8, 64) == 1
     assert applies(32, 8, 4096, 128) and applies(28, 4, 4096, 128)  # 7 queries per kv head, padded to 16
     assert not applies(32, 8, 4000, 128) and not applies(32, 8, 4096, 96)
+
+
+def test_the_paged_form_reads_whole_pages_a_step():
+    """A loop step reads a block's worth of whole pages: four 16-position pages, two of 32, one of 128 (never part
+    of a page), and no more pages than a row's table holds."""
+    assert [pages_per_step(16, 40, 64), pages_per_step(32, 40, 64), pages_per_step(128, 40, 64)] == [4, 2, 1]
+    assert pages_per_step(16, 2, 64) == 2 and pages_per_step(16, 40, 256) == 16
 
 
 def _decode_logits(implementation: str, monkeypatch, layout=None):
@@ -133,8 +143,10 @@ def test_the_paged_form_lowers_for_cuda_without_a_gpu(ptx):
 @pytest.mark.gpu
 @pytest.mark.parametrize("format_name", ["int8", "float8_e4m3fn"])
 def test_the_compiled_paged_form_on_a_gpu_gives_the_dense_forms_attention(format_name):
-    """The paged form compiled over 8B-shaped pages: each row's pages (a shuffled table) attended as the dense
-    kernel attends the same positions laid out in order."""
+    """The paged form compiled over 8B-shaped pages: each row's pages (a shuffled table) attended as the XLA form
+    attends the same positions laid out in order (within bfloat16's rounding, as the dense kernel is), and within a
+    few bfloat16 steps of the dense kernel (which visits the positions in other blocks, so its float16 sums round
+    apart: up to 4 steps of 2^-9 near 0.4 on the H200)."""
     q, k8, v8, k_scale, v_scale, lengths = operands(format_name, 8, 1024, kv_heads=8, head_dim=128)
     page = 16
     table = jax.random.permutation(jax.random.key(1), 8 * 1024 // page).reshape(8, 1024 // page).astype(jnp.int32)
@@ -144,5 +156,8 @@ def test_the_compiled_paged_form_on_a_gpu_gives_the_dense_forms_attention(format
         pools.append(jnp.zeros_like(paged_rows).at[table.reshape(-1)].set(paged_rows))
     ptx = policy_of(jax.devices()[0]).inline_ptx
     got = jax.jit(functools.partial(paged_decode_attention, ptx=ptx))(q, *pools, table, lengths)
-    expected = jax.jit(functools.partial(decode_attention, ptx=ptx))(q, k8, v8, k_scale, v_scale, lengths)
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32), rtol=1e-3, atol=1e-3)
+    dense = jax.jit(functools.partial(decode_attention, ptx=ptx))(q, k8, v8, k_scale, v_scale, lengths)
+    expected = jax.jit(ops._decode_over_8_bit_cache)(q, k8, v8, k_scale, v_scale, (lengths - 1)[:, None])
+    got, dense, expected = (np.asarray(x, np.float32) for x in (got, dense, expected))
+    np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(got, dense, rtol=0, atol=1.6e-2)

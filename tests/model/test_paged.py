@@ -183,11 +183,12 @@ def _eight_bit_pool(fmt: str, seed: int, pages: int, page: int, kv_heads: int, h
                                 fmt)
 
 
-@pytest.mark.parametrize("fmt, table_pages", [("int8", 4), ("float8_e4m3fn", 32)])
+@pytest.mark.parametrize("fmt, table_pages", [("int8", 4), ("float8_e4m3fn", 6), ("float8_e4m3fn", 32)])
 def test_decode_reads_8_bit_pages_in_place_where_the_kernel_is_chosen(monkeypatch, fmt, table_pages):
     """Where `eight_bit_decode.paged_decode_attention` is chosen (CUDA; here interpreted), decode reads each row's
     8-bit pages where they lie (no gathered rows in the program) and attends as the gather path does: rows of one
-    position, a page and a half, and the whole table (32 pages: the positions split into stretches)."""
+    position, a page and a half, and the whole table (6 pages: a loop step's four pages padded past the table; 32
+    pages: the positions split into stretches)."""
     from starscream_jax.model import paged
 
     page, kv_heads, head_dim, pool = 16, 2, 32, 3 * table_pages + 4

@@ -80,3 +80,19 @@ def test_the_static_generate_baseline_keeps_the_faster_of_its_passes(tmp_path):
     (static,) = json.loads(out.read_text())["static_generate"]
     assert len(static["passes_output_tokens_per_s"]) == 2
     assert static["output_tokens_per_s"] == max(static["passes_output_tokens_per_s"]) > 0
+
+
+def test_bench_paged_attention_times_the_8_bit_kernel_at_each_tiling_beside_the_bf16_forms(tmp_path):
+    """--eight-bit adds the 8-bit kernel's dense and paged forms once per --tilings entry (interpreted on the CPU),
+    each with its TB/s over the 8-bit bytes, and their largest difference from one another; a bad tiling is refused
+    in one line."""
+    out = tmp_path / "paged.json"
+    argv = ["--quick", "--eight-bit", "float8_e4m3fn", "--tilings", "64:4:2", "16:2:3", "--shapes", "2:64:16:40",
+            "--out", str(out)]
+    assert load("bench_paged_attention").main(argv) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    forms = [f"float8_e4m3fn {layout} {tiling}" for tiling in ("64:4:2", "16:2:3") for layout in ("dense", "paged")]
+    assert all(row[f"{form}_ms"] > 0 and row[f"{form}_tb_per_s"] > 0 for form in forms)
+    assert 0 <= row["eight_bit_error"] < 2e-2  # the same attention, each tiling summing in its own order
+    with pytest.raises(SystemExit):
+        load("bench_paged_attention").main(["--tilings", "24:4:2"])
