@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind README's speed tables, batched so that each machine start serves several measurements.
 # Usage (repository root): bash benchmarks/h200_runs.sh part1|part2|part3|part6|part9 RESULTS_DIR (two H200s), or
-# bash benchmarks/h200_runs.sh part4|part8 RESULTS_DIR BASE_TREE | part5|part7|part10 RESULTS_DIR (one H200; BASE_TREE: a copy
+# bash benchmarks/h200_runs.sh part4|part8 RESULTS_DIR BASE_TREE | part5|part7|part10-part15 RESULTS_DIR (one H200; BASE_TREE: a copy
 # of the tree before part4's change)
 # part1: one GPU (decode on GPU 1 beside training on GPU 0), then Llama 3.2 1B and Llama 3 8B tensor parallel on two.
 # part2: decode profiled, and with its layer loop unrolled, then Llama 3 8B tensor parallel and FSDP on two GPUs (cut
@@ -127,6 +127,18 @@ run_name='__main__')" scripts/bench_decode.py --variants bf16 kv-int8 kv-fp8 --b
     --paged-cache int8 --out "$out/decode_kv_8_bit_tiled.json"
   timeout 60 python3 scripts/bench_paged_attention.py --eight-bit int8 --shapes 64:4096:16:4096 \
     --tilings 128:4:3 128:4:4 256:4:3 --calls 20 --out "$out/paged_attention_int8_tiled.json"
+elif [ "$part" = part15 ]; then
+  # part15, one H200 (not yet run): the 8-bit kernels' GPU tests (the paged form's pages loaded apart too), the paged
+  # form's pages gathered against loaded apart at several tilings, then the 8-bit cache steps with the tilings chosen
+  # by shape (batch 1: 64 / 4 / 2; batch 64: 128 / 4 / 3) in one process.
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/model/test_eight_bit_decode.py \
+    tests/model/test_paged.py 2>&1 | tail -4
+  timeout 150 python3 scripts/bench_paged_attention.py --eight-bit int8 --shapes 64:4096:16:4096 1:4096:16:4096 \
+    64:4096:16:1000 --tilings 64:4:2 128:4:3 64:4:2:apart 128:4:3:apart 128:8:3:apart 256:8:3:apart --calls 20 \
+    --out "$out/paged_attention_int8_pages_apart.json"
+  timeout 260 python3 -c "import sys, runpy, torch; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], \
+run_name='__main__')" scripts/bench_decode.py --variants bf16 kv-int8 kv-fp8 --batches 1 64 --no-torch --paged cudnn \
+    --paged-cache int8 --out "$out/decode_kv_8_bit_by_shape.json"
 else
   # part3 (not run: superseded by part5): the 8B runs part2 did not reach, and collective matmul for TP.
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92

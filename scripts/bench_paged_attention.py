@@ -12,10 +12,11 @@ Forms (one query per row [B, 1, H, E], GQA: H query heads over K kv heads; bfloa
   int8 dense / int8 paged (`--eight-bit int8`, or float8_e4m3fn): the same keys and values quantized, attended by
            the 8-bit cache's kernel over the contiguous cache (`eight_bit_decode.decode_attention`) and over the pool
            in place (`eight_bit_decode.paged_decode_attention`), once per `--tilings` entry (positions a loop step,
-           warps, pipeline stages), so a sweep of the kernel's tilings runs beside cuDNN's bfloat16 reads.
-Each form's TB/s counts the keys and values (and 8-bit scales) of the visible positions it must read; `max_error` is
-the largest difference of the cudnn form from the gather form, `eight_bit_error` of any 8-bit form from the first. Rows whose lengths are below the table's width show what the
-paged kernel skips (a server's tables are padded to a bucket).
+           warps, pipeline stages; `:apart`, the paged form's pages loaded as tiles of their own), so a sweep of
+           the kernel's tilings runs beside cuDNN's bfloat16 reads.
+Each form's TB/s counts the keys and values (and 8-bit scales) of the visible positions it must read; `max_error` is the
+largest difference of the cudnn form from the gather form, `eight_bit_error` of any 8-bit form from the first. Rows
+whose lengths are below the table's width show what the paged kernel skips (a server's tables are padded to a bucket).
 
     python scripts/bench_paged_attention.py --out benchmarks/results/h200_paged_attention.json
     python scripts/bench_paged_attention.py --quick        # CPU: the gather and dense forms only, tiny shapes
@@ -97,7 +98,8 @@ def eight_bit_forms(q, pool_k, pool_v, table, lengths, format_name: str, tilings
     options = {"ptx": policy_of(jax.devices()[0]).inline_ptx} if gpu else {"interpret": True}
     programs = {}
     for tiling in tilings:
-        name = f"{format_name} {{}} " + (":".join(map(str, tiling)) if tiling else "by shape")
+        name = f"{format_name} {{}} " + (":".join(map(str, tiling[:3])) + (":apart" if tiling.pages_apart else "")
+                                         if tiling else "by shape")
         programs[name.format("dense")] = (jax.jit(functools.partial(
             eight_bit_decode.decode_attention, tiling=tiling, **options)), dense_args)
         programs[name.format("paged")] = (jax.jit(functools.partial(
@@ -132,17 +134,20 @@ def measure(shape: tuple[int, int, int, int], gpu: bool, calls: int, eight_bit: 
 
 
 def tiling(text: str):
-    """`block:warps:stages` (e.g. 64:4:2) as an `eight_bit_decode.Tiling`."""
+    """`block:warps:stages[:apart]` (e.g. 64:4:2, or 64:4:2:apart for the paged form's pages loaded apart) as an
+    `eight_bit_decode.Tiling`."""
     from starscream_jax.model.eight_bit_decode import Tiling
 
+    parts = text.split(":")
+    apart = parts[3:] == ["apart"]
     try:
-        block, warps, stages = (int(part) for part in text.split(":"))
+        block, warps, stages = (int(part) for part in (parts[:3] if apart else parts))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"tiling {text!r}: want block:warps:stages, e.g. 64:4:2") from None
+        raise argparse.ArgumentTypeError(f"tiling {text!r}: want block:warps:stages[:apart], e.g. 64:4:2") from None
     if block < 16 or block & (block - 1) or warps not in (1, 2, 4, 8, 16) or stages < 1:
         raise argparse.ArgumentTypeError(f"tiling {text!r}: block a power of two of at least 16, warps 1-16 (a power "
                                          "of two), at least one stage")
-    return Tiling(block, warps, stages)
+    return Tiling(block, warps, stages, apart)
 
 
 def shape(text: str) -> tuple[int, int, int, int]:
@@ -164,8 +169,9 @@ def main(argv=None) -> int:
                         help="rows:table_positions:page:visible (default: a decode server's spread; --quick: tiny)")
     parser.add_argument("--eight-bit", default="", choices=["", "int8", "float8_e4m3fn"],
                         help="also the 8-bit cache's kernel (dense and paged) over the keys and values in this format")
-    parser.add_argument("--tilings", type=tiling, nargs="+", metavar="B:W:S",
-                        help="the 8-bit kernel's tilings, block:warps:stages (default: the kernel's choice by shape)")
+    parser.add_argument("--tilings", type=tiling, nargs="+", metavar="B:W:S[:apart]",
+                        help="the 8-bit kernel's tilings, block:warps:stages, and :apart for the paged form's pages "
+                             "loaded as tiles of their own (default: the kernel's choice by shape)")
     args = parser.parse_args(argv)
     import jax
 

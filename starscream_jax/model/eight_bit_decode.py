@@ -16,11 +16,11 @@ range, `weight_only.half_inputs`) with a dot, multiplies by the key scales, 1 / 
 keeps an online softmax, weighs the probabilities by the value scales and accumulates their dot (in float16) with the
 value tile. Each program writes its float32 partial (running max, sum, weighted values); XLA merges the stretches.
 Nothing the size of the cache is written. A paged cache (`paged_decode_attention`: pools of pages [pages, page_size, K,
-E], each row's block table) runs the same kernel over a block of whole pages a loop step (four 16-position pages
-gathered by one load, each page read where it lies in the pool: one page a step ran the Llama 3 8B step at batch 64 in
-19.2 ms against the dense kernel's 12.7, benchmarks/NOTES.md run 90). A program's loop ends at its row's length: the
-positions past it are neither read nor computed. Lowered by Pallas' Triton backend (NVIDIA and ROCm); interpreted on
-CPU for the tests.
+E], each row's block table) runs the same kernel over a block of whole pages a loop step (16-position pages gathered by
+one load, or each page a tile of its own, `Tiling.pages_apart`; each read where it lies in the pool: one page a step ran
+the Llama 3 8B step at batch 64 in 19.2 ms against the dense kernel's 12.7, benchmarks/NOTES.md run 90). A program's
+loop ends at its row's length: the positions past it are neither read nor computed. Lowered by Pallas' Triton backend
+(NVIDIA and ROCm); interpreted on CPU for the tests.
 """
 from __future__ import annotations
 
@@ -43,11 +43,14 @@ class Tiling(NamedTuple):
     """How the kernel walks the cache: `block` positions a loop step (a [block, E] tile of keys and of values; in a
     dense cache the largest power of two up to `block` that divides its length, in a paged one whole pages, at least
     one), `warps` per program and Triton's pipeline `stages` (loads of later steps issued while a step computes);
-    `tiling_for` picks one by shape."""
+    `tiling_for` picks one by shape. `pages_apart` (the paged form only): each page of a step loaded as a tile of
+    its own and given its own dots, where by default one gathering load reads the step's pages (which ran 0.37 ms a
+    layer against the dense form's 0.21, benchmarks/NOTES.md run 93)."""
 
     block: int = 64
     warps: int = 4
     stages: int = 2
+    pages_apart: bool = False
 
 
 MANY_ROWS_TILING = Tiling(block=128, warps=4, stages=3)
@@ -143,7 +146,7 @@ def _launch(q_B1HE, cache, lengths_B, tiles, length: int, tiling: Tiling, K: int
     operands = [q_PE.reshape(B, K, rows, E), inverse_P1.reshape(B, K, rows), *cache,
                 lengths_B.astype(jnp.int32).reshape(B, 1)]
     kernel = functools.partial(_kernel, tiles=tiles, block=block, steps=length // splits // block, scale=E ** -0.5,
-                               ptx=ptx and not interpret)
+                               ptx=ptx and not interpret, apart=tiling.pages_apart)
     params = None if interpret else plgpu.CompilerParams(num_warps=tiling.warps, num_stages=tiling.stages)
     peak, total, mixed = pl.pallas_call(
         kernel, grid=(B, K, splits), interpret=interpret, compiler_params=params, name="eight_bit_decode",
@@ -162,30 +165,47 @@ def _merged(peak_BKSQ, total_BKSQ, mixed_BKSQE) -> jax.Array:
     return jnp.sum(weight_BKSQ[..., None] * mixed_BKSQE, axis=2) / jnp.maximum(total_BKQ, 1e-30)[..., None]
 
 
-def _dense_tiles(refs, b, head, start, block):
-    """A dense cache's tiles at positions start .. start + block of row b and kv head `head`: keys, values [block,
-    E] and their scales [block], as stored."""
+class _Chunk(NamedTuple):
+    """Positions start .. start + C of a loop step as loaded: keys, values [C, E] and their scales [C]."""
+
+    start: jax.Array
+    k: jax.Array
+    v: jax.Array
+    k_scale: jax.Array
+    v_scale: jax.Array
+
+
+def _dense_tiles(refs, b, head, start, block, apart):
+    """A dense cache's tiles at positions start .. start + block of row b and kv head `head`: one chunk, as stored
+    (`apart` does not apply)."""
     k_ref, v_ref, k_scale_ref, v_scale_ref = refs
     positions = pl.ds(start, block)
-    return (k_ref[b, positions, head, :], v_ref[b, positions, head, :], k_scale_ref[b, positions, head],
-            v_scale_ref[b, positions, head])
+    return [_Chunk(start, k_ref[b, positions, head, :], v_ref[b, positions, head, :], k_scale_ref[b, positions, head],
+                   v_scale_ref[b, positions, head])]
 
 
-def _paged_tiles(refs, b, head, start, block):
-    """A paged cache's tiles at positions start .. start + block (whole pages) of row b and kv head `head`: the
-    pages the row's block table names, gathered by one load each from where they lie in the pool."""
+def _paged_tiles(refs, b, head, start, block, apart):
+    """A paged cache's tiles at positions start .. start + block (whole pages) of row b and kv head `head`, the
+    pages the row's block table names, read from where they lie in the pool: gathered into one chunk by one load
+    each, or with `apart` a chunk per page, each a plain tile load."""
     table_ref, k_ref, v_ref, k_scale_ref, v_scale_ref = refs
     page_size, E = k_ref.shape[1], k_ref.shape[3]
     count = block // page_size
-    pages = table_ref[b, pl.ds(start // page_size, count)]
-    return (k_ref[pages, :, head, :].reshape(block, E), v_ref[pages, :, head, :].reshape(block, E),
-            k_scale_ref[pages, :, head].reshape(block), v_scale_ref[pages, :, head].reshape(block))
+    first = start // page_size
+    if apart:
+        return [_Chunk(start + i * page_size, k_ref[page, :, head, :], v_ref[page, :, head, :],
+                       k_scale_ref[page, :, head], v_scale_ref[page, :, head])
+                for i, page in ((i, table_ref[b, first + i]) for i in range(count))]
+    pages = table_ref[b, pl.ds(first, count)]
+    return [_Chunk(start, k_ref[pages, :, head, :].reshape(block, E), v_ref[pages, :, head, :].reshape(block, E),
+                   k_scale_ref[pages, :, head].reshape(block), v_scale_ref[pages, :, head].reshape(block))]
 
 
-def _kernel(q_ref, inverse_ref, *refs, tiles, block, steps, scale, ptx):
+def _kernel(q_ref, inverse_ref, *refs, tiles, block, steps, scale, ptx, apart):
     """Program (row b, kv head k, stretch s): positions s * steps * block onwards, `steps` blocks of `block`, their
-    keys and values read by `tiles` (`_dense_tiles`, `_paged_tiles`) from the cache's refs (all but the last four
-    of `refs`: lengths and the three outputs)."""
+    keys and values read by `tiles` (`_dense_tiles`, `_paged_tiles`; `apart` as they take it) from the cache's
+    refs (all but the last four of `refs`: lengths and the three outputs) in one chunk or several, each chunk's
+    scores a dot of its own, one softmax update a step."""
     *cache_refs, lengths_ref, peak_ref, total_ref, mixed_ref = refs
     b, head, stretch = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q_QE = q_ref[b, head]
@@ -193,23 +213,30 @@ def _kernel(q_ref, inverse_ref, *refs, tiles, block, steps, scale, ptx):
     length = lengths_ref[b, 0]
     rows = q_QE.shape[0]
 
+    def scores(chunk: _Chunk):
+        """The chunk's scores [Q, C] (scaled; positions past the row's length MASKED) and which it sees [C]."""
+        scores_QC = jax.lax.dot_general(q_QE, widened(chunk.k, q_QE.dtype, ptx), (((1,), (1,)), ((), ())),
+                                        preferred_element_type=jnp.float32)
+        scores_QC = scores_QC * inverse_Q[:, None] * (chunk.k_scale * scale)[None, :]
+        seen_C = chunk.start + jax.lax.broadcasted_iota(jnp.int32, chunk.k_scale.shape, 0) < length
+        return jnp.where(seen_C[None, :], scores_QC, MASKED), seen_C
+
     def step(index, carry):
         peak_Q, total_Q, mixed_QE = carry
         start = pl.multiple_of((stretch * steps + index) * block, block)
-        k_CE, v_CE, k_scale_C, v_scale_C = tiles(cache_refs, b, head, start, block)
-        scores_QC = jax.lax.dot_general(q_QE, widened(k_CE, q_QE.dtype, ptx), (((1,), (1,)), ((), ())),
-                                        preferred_element_type=jnp.float32)
-        scores_QC = scores_QC * inverse_Q[:, None] * (k_scale_C * scale)[None, :]
-        seen_C = start + jax.lax.broadcasted_iota(jnp.int32, (block,), 0) < length
-        scores_QC = jnp.where(seen_C[None, :], scores_QC, MASKED)
-        new_peak_Q = jnp.maximum(peak_Q, jnp.max(scores_QC, axis=1))
+        chunks = tiles(cache_refs, b, head, start, block, apart)
+        scored = [scores(chunk) for chunk in chunks]
+        new_peak_Q = functools.reduce(jnp.maximum, [jnp.max(scores_QC, axis=1) for scores_QC, _ in scored], peak_Q)
         kept_Q = jnp.exp(peak_Q - new_peak_Q)
-        probabilities_QC = jnp.where(seen_C[None, :], jnp.exp(scores_QC - new_peak_Q[:, None]), 0.0)
-        weighted_QC = probabilities_QC * v_scale_C[None, :]
-        mixed_QE = mixed_QE * kept_Q[:, None] + jax.lax.dot_general(
-            weighted_QC.astype(q_QE.dtype), widened(v_CE, q_QE.dtype, ptx), (((1,), (0,)), ((), ())),
-            preferred_element_type=jnp.float32)
-        return new_peak_Q, total_Q * kept_Q + jnp.sum(probabilities_QC, axis=1), mixed_QE
+        total_Q, mixed_QE = total_Q * kept_Q, mixed_QE * kept_Q[:, None]
+        for chunk, (scores_QC, seen_C) in zip(chunks, scored):
+            probabilities_QC = jnp.where(seen_C[None, :], jnp.exp(scores_QC - new_peak_Q[:, None]), 0.0)
+            weighted_QC = probabilities_QC * chunk.v_scale[None, :]
+            mixed_QE = mixed_QE + jax.lax.dot_general(
+                weighted_QC.astype(q_QE.dtype), widened(chunk.v, q_QE.dtype, ptx), (((1,), (0,)), ((), ())),
+                preferred_element_type=jnp.float32)
+            total_Q = total_Q + jnp.sum(probabilities_QC, axis=1)
+        return new_peak_Q, total_Q, mixed_QE
 
     start = (jnp.full((rows,), MASKED, jnp.float32), jnp.zeros((rows,), jnp.float32),
              jnp.zeros((rows, q_QE.shape[1]), jnp.float32))

@@ -16,8 +16,8 @@ from starscream_jax.model import ops
 from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.decoder import Transformer, create_sharded_model
 from starscream_jax.model.dense_cache import init_cache
-from starscream_jax.model.eight_bit_decode import (applies, decode_attention, pages_per_step, paged_decode_attention,
-                                                   split_count)
+from starscream_jax.model.eight_bit_decode import (Tiling, applies, decode_attention, pages_per_step,
+                                                   paged_decode_attention, split_count)
 from starscream_jax.model.quantize import quantize_cache_entry
 from starscream_jax.sharding.apply import use_layout
 
@@ -57,6 +57,26 @@ def test_the_stretches_fill_the_gpu_and_the_shapes_it_takes():
     assert split_count(1, 8, 4096) == 32 and split_count(64, 8, 4096) == 1 and split_count(1, 8, 64) == 1
     assert applies(32, 8, 4096, 128) and applies(28, 4, 4096, 128)  # 7 queries per kv head, padded to 16
     assert not applies(32, 8, 4000, 128) and not applies(32, 8, 4096, 96)
+
+
+@pytest.mark.parametrize("format_name", ["int8", "float8_e4m3fn"])
+def test_the_paged_form_attends_alike_with_its_pages_gathered_or_apart(format_name):
+    """Interpreted: 3 rows over a shuffled pool of 16-position pages (lengths 1, a whole 6-page table, and between),
+    a loop step reading four pages by one gathering load, or each page as a tile with its own dots: the same
+    attention (equal here; a GPU's products may round a bfloat16 step apart), and within bfloat16's rounding of
+    the XLA form over the rows laid out in order."""
+    q, k8, v8, k_scale, v_scale, lengths = operands(format_name, 3, 96)
+    page, width = 16, 6
+    table = jax.random.permutation(jax.random.key(2), 3 * width).reshape(3, width).astype(jnp.int32)
+    pools = []
+    for rows in (k8, v8, k_scale, v_scale):
+        paged_rows = rows.reshape(3 * width, page, *rows.shape[2:])
+        pools.append(jnp.zeros_like(paged_rows).at[table.reshape(-1)].set(paged_rows))
+    gathered, apart = (paged_decode_attention(q, *pools, table, lengths, interpret=True,
+                                              tiling=Tiling(pages_apart=pages_apart)) for pages_apart in (False, True))
+    expected = ops._decode_over_8_bit_cache(q, k8, v8, k_scale, v_scale, (lengths - 1)[:, None])
+    np.testing.assert_allclose(np.asarray(apart, np.float32), np.asarray(gathered, np.float32), rtol=0, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(apart, np.float32), np.asarray(expected, np.float32), rtol=2e-2, atol=2e-2)
 
 
 def test_the_paged_form_reads_whole_pages_a_step():
@@ -129,20 +149,23 @@ def test_the_compiled_kernel_on_a_gpu_gives_the_xla_forms_attention(format_name,
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("ptx", [False, True])
-def test_the_paged_form_lowers_for_cuda_without_a_gpu(ptx):
+@pytest.mark.parametrize("ptx, apart", [(False, False), (True, False), (True, True)])
+def test_the_paged_form_lowers_for_cuda_without_a_gpu(ptx, apart):
     """The paged form at an 8B server's shape (pools of 16-position int8 pages [P, 16, 8, 128] with their scales, 64
-    rows' block tables of 40 pages): one Triton call, each page read through the row's table."""
+    rows' block tables of 40 pages): one Triton call, each page read through the row's table (gathered, or each page
+    a tile of its own)."""
     shapes = [((64, 1, 32, 128), jnp.bfloat16), ((4096, 16, 8, 128), jnp.int8), ((4096, 16, 8, 128), jnp.int8),
               ((4096, 16, 8), jnp.float32), ((4096, 16, 8), jnp.float32), ((64, 40), jnp.int32), ((64,), jnp.int32)]
-    lowered = jax.jit(functools.partial(paged_decode_attention, ptx=ptx)).trace(
+    tiling = Tiling(pages_apart=apart)
+    lowered = jax.jit(functools.partial(paged_decode_attention, ptx=ptx, tiling=tiling)).trace(
         *(jax.ShapeDtypeStruct(*shape) for shape in shapes)).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("xla.gpu.triton") == 1
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("apart", [False, True])
 @pytest.mark.parametrize("format_name", ["int8", "float8_e4m3fn"])
-def test_the_compiled_paged_form_on_a_gpu_gives_the_dense_forms_attention(format_name):
+def test_the_compiled_paged_form_on_a_gpu_gives_the_dense_forms_attention(format_name, apart):
     """The paged form compiled over 8B-shaped pages: each row's pages (a shuffled table) attended as the XLA form
     attends the same positions laid out in order (within bfloat16's rounding, as the dense kernel is), and within a
     few bfloat16 steps of the dense kernel (which visits the positions in other blocks, so its float16 sums round
@@ -155,7 +178,8 @@ def test_the_compiled_paged_form_on_a_gpu_gives_the_dense_forms_attention(format
         paged_rows = rows.reshape(8 * 1024 // page, page, *rows.shape[2:])
         pools.append(jnp.zeros_like(paged_rows).at[table.reshape(-1)].set(paged_rows))
     ptx = policy_of(jax.devices()[0]).inline_ptx
-    got = jax.jit(functools.partial(paged_decode_attention, ptx=ptx))(q, *pools, table, lengths)
+    got = jax.jit(functools.partial(paged_decode_attention, ptx=ptx, tiling=Tiling(pages_apart=apart)))(
+        q, *pools, table, lengths)
     dense = jax.jit(functools.partial(decode_attention, ptx=ptx))(q, k8, v8, k_scale, v_scale, lengths)
     expected = jax.jit(ops._decode_over_8_bit_cache)(q, k8, v8, k_scale, v_scale, (lengths - 1)[:, None])
     got, dense, expected = (np.asarray(x, np.float32) for x in (got, dense, expected))
