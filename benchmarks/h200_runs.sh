@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind README's speed tables, batched so that each machine start serves several measurements.
 # Usage (repository root): bash benchmarks/h200_runs.sh part1|part2|part3|part6|part9 RESULTS_DIR (two H200s), or
-# bash benchmarks/h200_runs.sh part4|part8 RESULTS_DIR BASE_TREE | part5|part7|part10-part15 RESULTS_DIR (one H200; BASE_TREE: a copy
+# bash benchmarks/h200_runs.sh part4|part8 RESULTS_DIR BASE_TREE | part5|part7|part10-part16 RESULTS_DIR (one H200; BASE_TREE: a copy
 # of the tree before part4's change)
 # part1: one GPU (decode on GPU 1 beside training on GPU 0), then Llama 3.2 1B and Llama 3 8B tensor parallel on two.
 # part2: decode profiled, and with its layer loop unrolled, then Llama 3 8B tensor parallel and FSDP on two GPUs (cut
@@ -139,6 +139,12 @@ elif [ "$part" = part15 ]; then
   timeout 260 python3 -c "import sys, runpy, torch; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], \
 run_name='__main__')" scripts/bench_decode.py --variants bf16 kv-int8 kv-fp8 --batches 1 64 --no-torch --paged cudnn \
     --paged-cache int8 --out "$out/decode_kv_8_bit_by_shape.json"
+elif [ "$part" = part16 ]; then
+  # part16, one H200 (not yet run): fp8 training with each e4m3 weight moved into its forward GEMM's layout by the
+  # byte transpose kernel (BackendPolicy.byte_transpose), beside bf16 and traced as part12 was.
+  timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/model/test_byte_transpose.py 2>&1 | tail -4
+  timeout 400 python3 scripts/bench_mfu.py --model llama3.2-3b --batch-size 4 --seq-len 2048 --layouts starscream_tp \
+    --plain --no-torch --fp8 --profile-dir /tmp/fp8_profiles --out "$out/mfu_llama3.2-3b_1gpu_fp8_byte_transpose.json"
 else
   # part3 (not run: superseded by part5): the 8B runs part2 did not reach, and collective matmul for TP.
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92

@@ -38,6 +38,9 @@ class BackendPolicy:
         told: "cudnn" (cuDNN's paged attention, the pages read in place) or "gather" (every backend).
     inline_ptx: whether the library's Pallas kernels may carry inline PTX (NVIDIA's assembly: int8 into float16
         by a byte permute, `model.weight_only.widened`).
+    byte_transpose: whether fp8 training moves each e4m3 weight into the layout its forward GEMM reads by the
+        library's byte transpose kernel (`model.byte_transpose`) rather than XLA's transpose, which ran some at
+        0.3 TB/s (benchmarks/NOTES.md run 92).
     """
 
     name: str
@@ -50,6 +53,7 @@ class BackendPolicy:
     eight_bit_attention: str = "xla"
     paged_attention: str = "gather"
     inline_ptx: bool = False
+    byte_transpose: bool = False
 
     def fuses_attention(self, dtype) -> bool:
         """Whether attention on inputs of `dtype` runs the vendor's fused kernel."""
@@ -72,6 +76,7 @@ CUDA = BackendPolicy(
     eight_bit_attention="pallas",
     paged_attention="cudnn",
     inline_ptx=True,
+    byte_transpose=True,
 )
 """NVIDIA GPUs (measured on an H200): cuDNN's fused attention for 16-bit inputs (flash attention in training and
 prefill; in decode it reads the KV cache with its strides, no transposed copy); one-row projections padded to 8 rows,

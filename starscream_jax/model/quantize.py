@@ -28,6 +28,7 @@ largest weight: int8 is the closer of the two for weights, fp8 the one whose mat
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -35,8 +36,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..errors import PresetError
+from ..hardware.backend import policy_of
 from ..hardware.presets import FP8_PAIRS
 from ..sharding.apply import Placement, path_name
+from . import byte_transpose
 
 WEIGHT_FORMATS = ("int8", "float8_e4m3fn", "float8_e4m3fnuz")
 """The 8-bit formats weights and the KV cache can be stored in (JAX dtype names; `hardware.presets.Chip.formats`
@@ -227,8 +230,51 @@ def _fp8_einsum(placement, subscripts, out, tensor, x, x_scale, values, scale, a
 
 def _fp8_forward(placement, subscripts, out, tensor, x, x_scale, values, scale, anchor):
     x_q = _scaled_into(x, x_scale, values.dtype.name)
-    y = placement.einsum(subscripts, x_q, values, out, tensor, preferred_element_type=x.dtype)
+    forward_subscripts, forward_values = _contraction_innermost(placement, subscripts, values)
+    y = placement.einsum(forward_subscripts, x_q, forward_values, out, tensor, preferred_element_type=x.dtype)
     return y * (x_scale * scale).astype(x.dtype), (x_q, x_scale, values, scale)
+
+
+def _contraction_innermost(placement: Placement, subscripts: str, values: jax.Array) -> tuple[str, jax.Array]:
+    """(subscripts, weight values) for the forward GEMM: where the backend's policy asks for it
+    (`BackendPolicy.byte_transpose`), a weight whose contracted dimensions lead (as every stored weight [in..., out...]
+    does) moved so that they come last, by the byte transpose kernel on each device's shard
+    (`byte_transpose.transposed`; XLA's transpose where a shard's sides do not tile), so that XLA has no transpose
+    left to emit before the GEMM; else as given. The backward reads the weight as stored (the input gradient
+    contracts its output dimensions, innermost there)."""
+    kind = _byte_transpose_kind(placement)
+    inputs, result = subscripts.replace(" ", "").split("->")
+    x_letters, w_letters = inputs.split(",")
+    contracted = [letter for letter in w_letters if letter in x_letters and letter not in result]
+    n = len(contracted)
+    spec = jax.typeof(values).sharding.spec if placement.placed else None
+    if (not kind or placement.auto or not 0 < n < len(w_letters) or set(w_letters[:n]) != set(contracted)
+            or (spec is not None and (spec.reduced or spec.unreduced))):
+        return subscripts, values
+    moved = w_letters[n:] + w_letters[:n]
+    permutation = tuple(range(n, len(w_letters))) + tuple(range(n))
+
+    def local(shard):
+        rows, cols = math.prod(shard.shape[:n]), math.prod(shard.shape[n:])
+        if not byte_transpose.tile_for(rows, cols):
+            return jnp.transpose(shard, permutation)
+        flipped = byte_transpose.transposed(shard.reshape(rows, cols), interpret=kind == "interpret")
+        return flipped.reshape(tuple(shard.shape[i] for i in permutation))
+
+    if spec is None:
+        moved_values = local(values)
+    else:
+        padded = tuple(spec) + (None,) * (len(w_letters) - len(spec))
+        moved_values = jax.shard_map(local, mesh=placement.mesh, in_specs=(spec,),
+                                     out_specs=jax.sharding.PartitionSpec(*(padded[i] for i in permutation)),
+                                     check_vma=False)(values)
+    return f"{x_letters},{moved}->{result}", moved_values
+
+
+def _byte_transpose_kind(placement: Placement) -> str:
+    """"pallas" where the policy of the placement's device moves fp8 weights by the byte transpose kernel, else ""
+    (the tests make it "interpret")."""
+    return "pallas" if policy_of(placement.device).byte_transpose else ""
 
 
 def _fp8_backward(placement, subscripts, out, tensor, residuals, gradient):

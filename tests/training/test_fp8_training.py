@@ -141,6 +141,39 @@ def test_sharded_fp8_gradients_equal_the_unsharded_ones(layout, mesh):
         np.testing.assert_allclose(np.asarray(have), np.asarray(want), rtol=2e-3, atol=1e-6, err_msg=str(path))
 
 
+@pytest.mark.parametrize("layout, mesh", [(None, None), ("starscream_tp", "2x2x2")])
+def test_the_forward_gemm_reads_weights_the_byte_transpose_moved_where_the_policy_asks(monkeypatch, layout, mesh):
+    """Where the backend moves fp8 weights by the byte transpose kernel (CUDA; here interpreted), each forward GEMM
+    reads its weight with the contracted dimensions last, moved on each device's shard (q/k/v and gate/up [in, out],
+    o [heads, head_dim, out]), and every gradient equals the one of XLA's own transposes."""
+    from starscream_jax.model import quantize
+
+    config = CONFIG.replace(dtype="float32", matmul_format="float8_e4m3fn")
+    tokens = _batches(1)[0]
+
+    def gradients():
+        """(every parameter's gradient, the kernels the gradient's program calls)."""
+        placed_mesh = None if layout is None else build_mesh(mesh)
+        with contextlib.nullcontext() if layout is None else use_layout(layout, placed_mesh):
+            if layout is None:
+                model, placed = Transformer(config, rngs=nnx.Rngs(0)), tokens
+            else:
+                model = create_sharded_model(config, layout, placed_mesh)
+                placed = jax.device_put(tokens, batch_sharding(layout, placed_mesh, tokens.shape[0]))
+            graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+            loss = lambda params, rest, tokens: next_token_loss(nnx.merge(graphdef, params, rest), tokens)  # noqa: E731
+            text = str(jax.make_jaxpr(jax.grad(loss))(params, rest, placed))
+            return _gradients(model, placed), text.count("byte_transpose")
+
+    expected, kernels = gradients()
+    assert kernels == 0
+    monkeypatch.setattr(quantize, "_byte_transpose_kind", lambda placement: "interpret")
+    got, kernels = gradients()
+    assert kernels == 4  # q/k/v, o, gate/up and down of the one layer
+    for (path, want), have in zip(jax.tree.leaves_with_path(expected), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(have), np.asarray(want), rtol=1e-6, atol=1e-9, err_msg=str(path))
+
+
 def _gradients(model, tokens):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     loss = lambda params, rest, tokens: next_token_loss(nnx.merge(graphdef, params, rest), tokens)  # noqa: E731
