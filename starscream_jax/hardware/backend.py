@@ -90,7 +90,8 @@ weights in every step; 8-bit weights of decode's few-row projections read by the
 run 32); decode attention over an 8-bit cache by the library's kernel, which reads the cache in place (XLA's
 reductions read it at 0.59 TB/s at batch 64 in run 32; the kernel compiled and matched there); the paged decode
 attention by cuDNN's paged kernel, which reads each row's pages in place at 3.5-4.0 TB/s where gathering them into
-rows first reads 1.25 TB/s (run 38)."""
+rows first reads 1.25 TB/s (run 38); fp8 training's e4m3 weights moved into their forward GEMMs' layout by the
+library's byte transpose kernel, where XLA moved some at 0.3 TB/s (run 92)."""
 PORTABLE = BackendPolicy(name="portable")
 """Every other backend (CPU, ROCm): JAX's and XLA's defaults (the weight-only kernel lowers on ROCm's Triton too,
 but has not been measured there: `ModelConfig.eight_bit_matmul` "pallas" asks for it)."""
