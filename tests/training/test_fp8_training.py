@@ -141,11 +141,14 @@ def test_sharded_fp8_gradients_equal_the_unsharded_ones(layout, mesh):
         np.testing.assert_allclose(np.asarray(have), np.asarray(want), rtol=2e-3, atol=1e-6, err_msg=str(path))
 
 
-@pytest.mark.parametrize("layout, mesh", [(None, None), ("starscream_tp", "2x2x2")])
-def test_the_forward_gemm_reads_weights_the_byte_transpose_moved_where_the_policy_asks(monkeypatch, layout, mesh):
+@pytest.mark.parametrize("layout, mesh, moved", [(None, None, 4), ("starscream_tp", "2x2x2", 4),
+                                                 ("starscream_fsdp", "2x4", 0)])
+def test_the_forward_gemm_reads_weights_the_byte_transpose_moved_where_the_policy_asks(monkeypatch, layout, mesh,
+                                                                                       moved):
     """Where the backend moves fp8 weights by the byte transpose kernel (CUDA; here interpreted), each forward GEMM
-    reads its weight with the contracted dimensions last, moved on each device's shard (q/k/v and gate/up [in, out],
-    o [heads, head_dim, out]), and every gradient equals the one of XLA's own transposes."""
+    reads its weight with the contracted dimensions last, moved on each device's shard (q/k/v, o, gate/up and down
+    of the one layer; FSDP's weights at use are typed reduced over the token axes and keep XLA's transpose), and
+    every gradient equals the one of XLA's own transposes."""
     from starscream_jax.model import quantize
 
     config = CONFIG.replace(dtype="float32", matmul_format="float8_e4m3fn")
@@ -169,7 +172,7 @@ def test_the_forward_gemm_reads_weights_the_byte_transpose_moved_where_the_polic
     assert kernels == 0
     monkeypatch.setattr(quantize, "_byte_transpose_kind", lambda placement: "interpret")
     got, kernels = gradients()
-    assert kernels == 4  # q/k/v, o, gate/up and down of the one layer
+    assert kernels == moved
     for (path, want), have in zip(jax.tree.leaves_with_path(expected), jax.tree.leaves(got)):
         np.testing.assert_allclose(np.asarray(have), np.asarray(want), rtol=1e-6, atol=1e-9, err_msg=str(path))
 
