@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU runs behind README's speed tables, batched so that each machine start serves several measurements.
 # Usage (repository root): bash benchmarks/h200_runs.sh part1|part2|part3|part6|part9 RESULTS_DIR (two H200s), or
-# bash benchmarks/h200_runs.sh part4|part8 RESULTS_DIR BASE_TREE | part5|part7|part10-part16 RESULTS_DIR (one H200; BASE_TREE: a copy
-# of the tree before part4's change)
+# bash benchmarks/h200_runs.sh part4|part8 RESULTS_DIR BASE_TREE | part5|part7|part10-part16 RESULTS_DIR (one H200;
+# BASE_TREE: a copy of the tree before part4's change)
 # part1: one GPU (decode on GPU 1 beside training on GPU 0), then Llama 3.2 1B and Llama 3 8B tensor parallel on two.
 # part2: decode profiled, and with its layer loop unrolled, then Llama 3 8B tensor parallel and FSDP on two GPUs (cut
 # off by the call's time limit).
@@ -10,6 +10,13 @@ set -u
 export PYTHONUNBUFFERED=1
 part=$1; out=$2
 mkdir -p "$out"
+
+# with_torch SECONDS SCRIPT ARGS...: python3 SCRIPT ARGS... within SECONDS, torch imported before JAX starts (without
+# it the batch-1 decode steps of the process run slow, benchmarks/NOTES.md run 84).
+with_torch() {
+  timeout "$1" python3 -c "import sys, runpy, torch; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], \
+run_name='__main__')" "${@:2}"
+}
 if [ "$part" = part1 ]; then
   CUDA_VISIBLE_DEVICES=1 python3 scripts/bench_decode.py --model llama3-8b --batches 1 64 --cache 4096 \
     --out "$out/decode_llama3-8b_1gpu.json" > "$out/decode.log" 2>&1 &
@@ -88,9 +95,7 @@ elif [ "$part" = part10 ]; then
   # read in place, side by side in one process, each variant traced.
   timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/model/test_eight_bit_decode.py \
     tests/model/test_paged.py
-  # torch imported before JAX starts: without it the batch-1 steps of this process run slow (NOTES, run 84).
-  timeout 420 python3 -c "import sys, runpy, torch; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], \
-run_name='__main__')" scripts/bench_decode.py --variants bf16 kv-int8 kv-fp8 --batches 1 64 --no-torch \
+  with_torch 420 scripts/bench_decode.py --variants bf16 kv-int8 kv-fp8 --batches 1 64 --no-torch \
     --paged gather cudnn --paged-cache int8 --profile-dir /tmp/decode_profiles --out "$out/decode_kv_in_place.json"
   (cd /tmp && tar czf "$out/decode_profiles.tgz" $(find decode_profiles -name '*.trace.json.gz' -o -name '*.xplane.pb' \
     | head -40))
@@ -114,16 +119,14 @@ elif [ "$part" = part13 ]; then
   timeout 120 python3 scripts/bench_mfu.py --model llama3.2-3b --batch-size 4 --seq-len 2048 --layouts starscream_tp \
     --plain --no-torch --fp8 --compile-only --hlo-dir /tmp/fp8_hlo --out /tmp/fp8_compile.json > /dev/null 2>&1
   (cd /tmp && tar czf "$out/fp8_hlo.tgz" fp8_hlo)
-  timeout 240 python3 -c "import sys, runpy, torch; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], \
-run_name='__main__')" scripts/bench_decode.py --variants bf16 kv-int8 --batches 1 64 --no-torch --paged cudnn \
+  with_torch 240 scripts/bench_decode.py --variants bf16 kv-int8 --batches 1 64 --no-torch --paged cudnn \
     --paged-cache int8 --out "$out/decode_kv_int8_paged_pages_a_step.json"
 elif [ "$part" = part14 ]; then
   # part14, one H200: the 8-bit cache kernel at part13's fastest tiling (128 positions a step, 4 warps, 3 stages) as
   # its default: the GPU tests, the dense 8-bit cache steps and the paged one beside bf16, and one layer's kernels.
   timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/model/test_eight_bit_decode.py \
     tests/model/test_paged.py 2>&1 | tail -4
-  timeout 260 python3 -c "import sys, runpy, torch; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], \
-run_name='__main__')" scripts/bench_decode.py --variants bf16 kv-int8 kv-fp8 --batches 1 64 --no-torch --paged cudnn \
+  with_torch 260 scripts/bench_decode.py --variants bf16 kv-int8 kv-fp8 --batches 1 64 --no-torch --paged cudnn \
     --paged-cache int8 --out "$out/decode_kv_8_bit_tiled.json"
   timeout 60 python3 scripts/bench_paged_attention.py --eight-bit int8 --shapes 64:4096:16:4096 \
     --tilings 128:4:3 128:4:4 256:4:3 --calls 20 --out "$out/paged_attention_int8_tiled.json"
@@ -136,8 +139,7 @@ elif [ "$part" = part15 ]; then
   timeout 150 python3 scripts/bench_paged_attention.py --eight-bit int8 --shapes 64:4096:16:4096 1:4096:16:4096 \
     64:4096:16:1000 --tilings 64:4:2 128:4:3 64:4:2:apart 128:4:3:apart 128:8:3:apart 256:8:3:apart --calls 20 \
     --out "$out/paged_attention_int8_pages_apart.json"
-  timeout 260 python3 -c "import sys, runpy, torch; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], \
-run_name='__main__')" scripts/bench_decode.py --variants bf16 kv-int8 kv-fp8 --batches 1 64 --no-torch --paged cudnn \
+  with_torch 260 scripts/bench_decode.py --variants bf16 kv-int8 kv-fp8 --batches 1 64 --no-torch --paged cudnn \
     --paged-cache int8 --out "$out/decode_kv_8_bit_by_shape.json"
 elif [ "$part" = part16 ]; then
   # part16, one H200 (not yet run): fp8 training with each e4m3 weight moved into its forward GEMM's layout by the

@@ -118,16 +118,16 @@ def measure(shape: tuple[int, int, int, int], gpu: bool, calls: int, eight_bit: 
     programs = forms(*shape, gpu, eight_bit, tilings)
     moved = 2 * rows * visible * KV_HEADS * HEAD_DIM * 2  # keys and values of the visible positions, bfloat16
     moved_8_bit = 2 * rows * visible * KV_HEADS * (HEAD_DIM + 4)  # 8-bit values and float32 scales
+    eight_bit_names = [name for name in programs if eight_bit and name.startswith(f"{eight_bit} ")]
     row = {"rows": rows, "table_positions": table_positions, "page_size": page, "visible": visible}
     for name, (program, args) in programs.items():
         seconds = harness.seconds_per_call(program, args, warmup=2, calls=calls)
         row[f"{name}_ms"] = 1e3 * seconds
-        row[f"{name}_tb_per_s"] = (moved_8_bit if name.startswith(eight_bit or "-") else moved) / seconds / 1e12
+        row[f"{name}_tb_per_s"] = (moved_8_bit if name in eight_bit_names else moved) / seconds / 1e12
     if "cudnn" in programs:
         difference = programs["cudnn"][0](*programs["cudnn"][1]) - programs["gather"][0](*programs["gather"][1])
         row["max_error"] = float(jnp.max(jnp.abs(difference.astype(jnp.float32))))
-    eight_bit_outputs = [program(*args).astype(jnp.float32) for name, (program, args) in programs.items()
-                         if eight_bit and name.startswith(eight_bit)]
+    eight_bit_outputs = [programs[name][0](*programs[name][1]).astype(jnp.float32) for name in eight_bit_names]
     if eight_bit_outputs:
         row["eight_bit_error"] = max(float(jnp.max(jnp.abs(out - eight_bit_outputs[0]))) for out in eight_bit_outputs)
     return row

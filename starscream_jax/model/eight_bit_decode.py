@@ -193,9 +193,12 @@ def _paged_tiles(refs, b, head, start, block, apart):
     count = block // page_size
     first = start // page_size
     if apart:
-        return [_Chunk(start + i * page_size, k_ref[page, :, head, :], v_ref[page, :, head, :],
-                       k_scale_ref[page, :, head], v_scale_ref[page, :, head])
-                for i, page in ((i, table_ref[b, first + i]) for i in range(count))]
+        def page_chunk(i):
+            page = table_ref[b, first + i]
+            return _Chunk(start + i * page_size, k_ref[page, :, head, :], v_ref[page, :, head, :],
+                          k_scale_ref[page, :, head], v_scale_ref[page, :, head])
+
+        return [page_chunk(i) for i in range(count)]
     pages = table_ref[b, pl.ds(first, count)]
     return [_Chunk(start, k_ref[pages, :, head, :].reshape(block, E), v_ref[pages, :, head, :].reshape(block, E),
                    k_scale_ref[pages, :, head].reshape(block), v_scale_ref[pages, :, head].reshape(block))]
