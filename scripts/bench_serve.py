@@ -400,6 +400,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--kernel", default="", choices=["", "gather", "cudnn"],
                         help="paged decode attention (default: the backend's, cuDNN's paged kernel on NVIDIA GPUs)")
     parser.add_argument("--no-overlap", action="store_true", help="the engine reads each step before the next")
+    parser.add_argument("--no-mixed-steps", action="store_true",
+                        help="the engine runs a step's prompt chunks and decode rows as two programs, not one")
     parser.add_argument("--sampling-settings", action="store_true",
                         help="also run each workload in process with penalties, a logit bias and top logprobs")
     parser.add_argument("--http", action="store_true", help="also through `starscream serve` in its own process")
@@ -443,6 +445,8 @@ def serve_args(args, model_dir: Path, workloads: list[Workload]) -> list[str]:
         flags += ["--kernel", args.kernel]
     if args.no_overlap:
         flags.append("--no-overlap")
+    if args.no_mixed_steps:
+        flags.append("--no-mixed-steps")
     if args.quick:
         flags += ["--simulate", "--topology", "1x1", "--page-size", "4", "--dtype", "float32"]
     else:

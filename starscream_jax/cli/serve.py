@@ -86,6 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-overlap", dest="overlap", action="store_false",
                         help="read each step's tokens before launching the next (by default the next step is "
                              "scheduled and launched while the device runs the current one)")
+    engine.add_argument("--no-mixed-steps", dest="mixed", action="store_false",
+                        help="run a step's prompt chunks and decode rows as two programs, each reading every weight "
+                             "(by default one mixed program of both, compiled at start for each decode and prefill "
+                             "bucket)")
     engine.add_argument("--enable-prompt-logprobs", action="store_true",
                         help="serve prompt log-probabilities (prompt_logprobs, and completions echo with logprobs, "
                              "as lm-eval's loglikelihood tasks ask): compiles a scored prefill of each prefill "
@@ -258,7 +262,7 @@ def engine_config(args: argparse.Namespace, shards: int, mesh=None):
                         rows_per_shard=math.ceil(args.max_num_seqs / shards),
                         token_budget=token_budget, chunk=args.chunk, kernel=args.kernel,
                         max_model_len=args.max_model_len, memory_utilization=args.gpu_memory_utilization,
-                        overlap=args.overlap, prompt_logprobs=args.enable_prompt_logprobs)
+                        overlap=args.overlap, prompt_logprobs=args.enable_prompt_logprobs, mixed=args.mixed)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -391,7 +395,8 @@ def start_line(engine, name: str, source, mesh, args) -> str:
             f"  limits: {engine.config.rows_per_shard * engine.shards} sequences, context {engine.context}, "
             f"{engine.config.token_budget} tokens per step, prompt chunks of {engine.config.chunk}\n"
             f"  programs: decode rows per shard {list(buckets.rows)}, prefill rows {list(buckets.rows_of('prefill'))}"
-            f" x {list(buckets.positions)} positions, pages per row {_pages_line(buckets)}: "
+            f" x {list(buckets.positions)} positions, pages per row {_pages_line(buckets)}"
+            f"{', mixed steps of each decode and prefill shape' if buckets.mixed else ''}: "
             f"{buckets.programs()} in all; paged decode attention: {engine.kernel}")
 
 

@@ -85,7 +85,8 @@ def generate_served(model, prompt_BP, max_new_tokens: int, sampling: Sampling, m
 
 def engine_config(batch: int, prompt: int, new_tokens: int, mesh, decode_layout) -> EngineConfig:
     """An engine that holds `batch` rows of `prompt + new_tokens` positions at once over the decode layout's cache
-    shards, in one bucket of each kind (two programs)."""
+    shards, in one bucket of each kind (two programs; a third, the mixed step, where a shard's rows take more than
+    one prefill step, so that some decode while others prefill)."""
     shards = cache_shards(decode_layout, mesh)
     rows = math.ceil(batch / shards)
     chunk = min(MAX_CHUNK, PAGE_SIZE * math.ceil(prompt / PAGE_SIZE))
@@ -94,4 +95,4 @@ def engine_config(batch: int, prompt: int, new_tokens: int, mesh, decode_layout)
     return EngineConfig(page_size=PAGE_SIZE, pages_per_shard=rows * pages + 1, rows_per_shard=rows,
                         token_budget=max(rows, prefill_rows * chunk), chunk=chunk, max_model_len=prompt + new_tokens,
                         buckets=Buckets(rows=(rows,), positions=(chunk,), pages=(pages,), prefill_rows=(prefill_rows,)),
-                        prefix_caching=False)
+                        prefix_caching=False, mixed=rows > prefill_rows)

@@ -38,7 +38,7 @@ from .layer_weights import (STACKED_GATE_UP_NAMES, STACKED_QKV_NAMES, AttentionW
                             unstacked)
 from .moe import routed_mlp
 from .names import ATTN_KV, ATTN_Q, LOGITS, POSITIONS, RESIDUAL, TOKENS
-from .ops import AttentionOptions, attention, cross_entropy, embed_lookup
+from .ops import AttentionOptions, attention, cross_entropy, embed_lookup, run_sharded
 from .paged import PagedCache
 from .projections import fp8_scale, project, projections, used, values, weight_at_use
 
@@ -201,8 +201,10 @@ class Transformer(nnx.Module):
         writing its keys and values into its layer's pages (`paged.paged_attention`), the layers one after another
         (the pools are held per layer). Returns the logits [B, V] float32 of each row's token at index `last_B`
         [B] (only those rows reach the final norm and the vocabulary projection) and the updated cache; with
-        `every_position` (a prompt's log-probabilities) also the logits [B, S, V] float32 of every position.
-        `placement` as `__call__` takes it."""
+        `every_position` (a prompt's log-probabilities) also the logits [B, S, V] float32 of every position. A
+        mixed step (`cache.split`, `paged.RowSplit`) passes each cache shard's stream of tokens as a row ([shards,
+        n]) and `last_B` [shards, R]: the index in its stream of each of the shard's R rows' last token, whose
+        logits come back [shards * R, V], each shard's rows in turn. `placement` as `__call__` takes it."""
         c, placement = self.config, placed_by(placement)
         table_VD, x_BSD = self._embed(placement, tokens_BS)
         positions_BS = placement.constrain(positions_BS, POSITIONS, "positions")
@@ -211,9 +213,8 @@ class Transformer(nnx.Module):
             with jax.named_scope(LAYER_SCOPE):
                 x_BSD, layer, _ = _block(c, placement, x_BSD, w, positions_BS, cache.layer(index))
             layers.append(layer)
-        last_B11 = jnp.broadcast_to(last_B[:, None, None], (x_BSD.shape[0], 1, x_BSD.shape[2]))
-        x_B1D = jnp.take_along_axis(x_BSD, placement.constrain(last_B11, RESIDUAL, "last rows"), axis=1)
-        logits_BV, cache = self._logits(placement, x_B1D, table_VD)[:, 0], cache.with_layers(layers)
+        x_R1D = _last_tokens(placement, x_BSD, last_B if last_B.ndim == 2 else last_B[:, None])
+        logits_BV, cache = self._logits(placement, x_R1D, table_VD)[:, 0], cache.with_layers(layers)
         return (logits_BV, cache, self._logits(placement, x_BSD, table_VD)) if every_position else (logits_BV, cache)
 
     def _embed(self, placement: Placement, tokens_BS):
@@ -335,6 +336,19 @@ def _block(c: ModelConfig, placement: Placement, x_BSD, w: LayerWeights, positio
     if c.post_norms:
         mlp_BSD = _norm(c, placement, mlp_BSD, w.mlp_post_norm)
     return x_BSD + mlp_BSD, cache, balance
+
+
+def _last_tokens(placement: Placement, x_BSD, last_BR) -> jax.Array:
+    """The residual [B, S, D] at each row's R indices `last_BR` [B, R] as rows [B * R, 1, D] (RESIDUAL), each row's
+    in turn: taken on each device from its own rows, so a mixed step's R rows of a shard stay on its devices."""
+    def local(x_BSD, last_BR, specs):
+        rows, count = last_BR.shape
+        at_BRD = jnp.broadcast_to(last_BR[:, :, None], (rows, count, x_BSD.shape[2]))
+        return jnp.take_along_axis(x_BSD, at_BRD, axis=1).reshape(rows * count, 1, x_BSD.shape[2])
+
+    rows, count = last_BR.shape
+    return run_sharded(local, [x_BSD, last_BR], [RESIDUAL, ("batch", None)],
+                       [(RESIDUAL, (rows * count, 1, x_BSD.shape[2]))], "last tokens", placement=placement)
 
 
 def _self_attention(c: ModelConfig, placement: Placement, h_BSD, w: AttentionWeights, positions_BS, cached,

@@ -11,6 +11,13 @@ a row's gathered pages are laid out ([B, M * page_size, K, E] is a reshape of th
 Positions of padding (rows without a sequence, tokens past a row's chunk) are -1: they write nothing, read page 0 of
 their shard (the null page no sequence holds) and their outputs are discarded.
 
+A mixed step (`RowSplit`) runs a step's decode rows and prompt chunks as one stream of tokens per cache shard
+([shards, n]: the shard's decode rows, one token each, then its chunks, `width` tokens each), so that every matmul of
+the block reads its weights once for both; attention splits the stream back into its two groups of rows on each
+device (a reshape of the local stream, nothing moves between devices) and attends each as its own step would (the
+decode rows by the decode kernels, the chunks over their gathered pages). The block tables [shards * (decode +
+prefill), M] hold each shard's decode rows, then its chunks.
+
 An 8-bit cache (the model's `kv_format`: int8 or an fp8 format) holds the pages in that format and beside them a
 float32 scale per position and kv head [pages, page_size, K] (SCALES, placed as the pages are): each new key or value
 is quantized as the dense cache quantizes it (`quantize.quantize_cache_entry`, its head's amax over head_dim), and
@@ -61,13 +68,72 @@ JAX's Pallas paged-attention kernel for GPUs was measured and dropped: it reads 
 cuDNN's kernel reads 3.5-4.0 (benchmarks/NOTES.md run 38)."""
 
 
+@dataclass(frozen=True)
+class RowSplit:
+    """How a mixed step's stream of tokens splits on each cache shard: `decode` rows of one token, then `prefill`
+    rows (prompt chunks) of `width` tokens; the stream holds decode + prefill * width tokens a shard, and the step's
+    rows (block tables, outputs) decode + prefill a shard, in that order."""
+
+    decode: int
+    prefill: int
+    width: int
+
+    def __post_init__(self):
+        if min(self.decode, self.prefill, self.width) < 1:
+            raise StarscreamError(f"a mixed step of {self.decode} decode rows and {self.prefill} chunks of "
+                                  f"{self.width} positions a shard; each needs at least 1")
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one shard's stream."""
+        return self.decode + self.prefill * self.width
+
+    def groups(self, stream_bnX: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """A device's streams [b, n, ...] (b shards' worth, n = `tokens`) as its decode rows [b * decode, 1, ...]
+        and its chunks [b * prefill, width, ...]."""
+        shards, rest = stream_bnX.shape[0], stream_bnX.shape[2:]
+        decode, prefill = stream_bnX[:, :self.decode], stream_bnX[:, self.decode:]
+        return (decode.reshape(shards * self.decode, 1, *rest),
+                prefill.reshape(shards * self.prefill, self.width, *rest))
+
+    def rows(self, rows_RX: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """A device's rows [b * (decode + prefill), ...] (block tables) as its decode rows' and its chunks'."""
+        by_shard = rows_RX.reshape(-1, self.decode + self.prefill, *rows_RX.shape[1:])
+        rest = rows_RX.shape[1:]
+        return (by_shard[:, :self.decode].reshape(-1, *rest), by_shard[:, self.decode:].reshape(-1, *rest))
+
+    def joined(self, decode_RX: jax.Array, prefill_RX: jax.Array) -> jax.Array:
+        """The inverse of `rows`: a device's decode rows [b * decode, ...] and chunks [b * prefill, ...] as its rows
+        [b * (decode + prefill), ...], each shard's decode rows, then its chunks."""
+        rest = decode_RX.shape[1:]
+        shards = decode_RX.shape[0] // self.decode
+        return jnp.concatenate([decode_RX.reshape(shards, self.decode, *rest),
+                                prefill_RX.reshape(shards, self.prefill, *rest)], axis=1).reshape(-1, *rest)
+
+    def last_tokens(self, prefill_last_B: jax.Array) -> jax.Array:
+        """Where each row's last token sits in a device's streams [b, decode + prefill], from its chunks' last
+        indices [b * prefill] (a decode row's one token is its last)."""
+        shards = prefill_last_B.shape[0] // self.prefill
+        decode_bD = jnp.broadcast_to(jnp.arange(self.decode, dtype=jnp.int32), (shards, self.decode))
+        starts_P = self.decode + self.width * jnp.arange(self.prefill, dtype=jnp.int32)
+        return jnp.concatenate([decode_bD, starts_P + prefill_last_B.reshape(shards, self.prefill)], axis=1)
+
+    def stream(self, decode_BSX: jax.Array, prefill_BSX: jax.Array) -> jax.Array:
+        """The inverse of `groups`: decode rows [b * decode, 1, ...] and chunks [b * prefill, width, ...] as the
+        streams [b, n, ...]."""
+        rest = decode_BSX.shape[2:]
+        shards = decode_BSX.shape[0] // self.decode
+        return jnp.concatenate([decode_BSX.reshape(shards, self.decode, *rest),
+                                prefill_BSX.reshape(shards, self.prefill * self.width, *rest)], axis=1)
+
+
 @register_dataclass
 @dataclass(frozen=True, kw_only=True)
 class PagedCache:
     """Key and value page pools, one array per layer (L arrays of [pages, page_size, K, E] each), and the block
-    tables [B, M] of the rows of the step that reads them; `kernel` (static) picks the decode attention. An 8-bit
-    cache has the pools in its format and `k_scale` / `v_scale` (L arrays of [pages, page_size, K] float32); None
-    otherwise."""
+    tables [B, M] of the rows of the step that reads them; `kernel` (static) picks the decode attention; `split`
+    (static) a mixed step's split of its stream (None: a step of one kind, its rows the model's). An 8-bit cache has
+    the pools in its format and `k_scale` / `v_scale` (L arrays of [pages, page_size, K] float32); None otherwise."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
@@ -75,11 +141,12 @@ class PagedCache:
     kernel: str = field(default="gather", metadata={"static": True})
     k_scale: tuple[jax.Array, ...] | None = None
     v_scale: tuple[jax.Array, ...] | None = None
+    split: RowSplit | None = field(default=None, metadata={"static": True})
 
     def layer(self, index: int) -> PagedLayer:
         scales = (self.k_scale[index], self.v_scale[index]) if self.k_scale is not None else (None, None)
         return PagedLayer(k=self.k[index], v=self.v[index], table=self.table, kernel=self.kernel, k_scale=scales[0],
-                          v_scale=scales[1])
+                          v_scale=scales[1], split=self.split)
 
     def with_layers(self, layers: list[PagedLayer]) -> PagedCache:
         """The cache holding the updated pools (and scales) of `layers`, one per layer in order."""
@@ -93,8 +160,8 @@ class PagedCache:
 @register_dataclass
 @dataclass(frozen=True, kw_only=True)
 class PagedLayer:
-    """One layer's key and value pages [pages, page_size, K, E], the block tables [B, M] and the kernel; an 8-bit
-    layer's scales [pages, page_size, K] (None otherwise)."""
+    """One layer's key and value pages [pages, page_size, K, E], the block tables [B, M], the kernel and a mixed
+    step's `split` (`PagedCache`); an 8-bit layer's scales [pages, page_size, K] (None otherwise)."""
 
     k: jax.Array
     v: jax.Array
@@ -102,6 +169,7 @@ class PagedLayer:
     kernel: str = field(default="gather", metadata={"static": True})
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
+    split: RowSplit | None = field(default=None, metadata={"static": True})
 
     def attend(self, q_BSHE: jax.Array, k_BSKE: jax.Array, v_BSKE: jax.Array, positions_BS: jax.Array, index,
                options: AttentionOptions | None, window, placement: Placement) -> tuple[jax.Array, PagedLayer]:
@@ -132,31 +200,30 @@ def paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: PagedLayer, opt
                     window=None, placement: Placement | None = None):
     """Writes the S new keys and values of each row into its pages at their positions (quantized first in an 8-bit
     cache), then attends each query to its row's cached positions up to its own. q [B, S, H, E] (ATTN_Q), k / v
-    [B, S, K, E] (ATTN_KV), positions [B, S] (-1: padding). With attention `options` (Gemma 2's scale and
-    soft-capping; with a sliding window, `window` [] int32 is this layer's) every phase attends in XLA's explicit
-    form over the gathered pages (`_gathered_attention`), which cuDNN's kernels do not compute. `placement`: where
-    it runs (None: `current()`). Returns (out [B, S, H, E], the layer with its updated pages and scales)."""
+    [B, S, K, E] (ATTN_KV), positions [B, S] (-1: padding); in a mixed step (`cache.split`) each is the shards'
+    streams [shards, n, ...] and the table holds [shards * (decode + prefill), M] rows: each device splits its
+    stream into its decode rows and its chunks (`RowSplit.groups`), writes both groups' keys and values, then
+    attends each group as a step of its kind does. With attention `options` (Gemma 2's scale and soft-capping; with
+    a sliding window, `window` [] int32 is this layer's) every phase attends in XLA's explicit form over the
+    gathered pages (`_gathered_attention`), which cuDNN's kernels do not compute. `placement`: where it runs (None:
+    `current()`). Returns (out shaped as q, the layer with its updated pages and scales)."""
     if cache.kernel not in KERNELS:
         raise StarscreamError(f"unknown paged-attention kernel {cache.kernel!r}; choose one of {', '.join(KERNELS)}")
     group = q_BSHE.shape[2] // k_BSKE.shape[2]
     eight_bit = cache.k_scale is not None
     windows = [] if window is None else [jnp.asarray(window, jnp.int32)]
-    placement = placed_by(placement)
+    placement, split = placed_by(placement), cache.split
 
     def local(q, k, v, positions, table, *rest, specs):
-        window, pools = (rest[0] if windows else None), _written(rest[len(windows):], k, v, positions, table)
-        q_axes, kv_axes = dim_axes(specs[0], 2), dim_axes(specs[1], 2)
-        eight_bit_kernel = _eight_bit_in_place(cache.kernel, q, pools, group, options, placement.device)
-        if _reads_in_place(cache.kernel, q, pools, group, options):
-            out = cudnn_paged_decode(q, *pools, table, jnp.maximum(positions[:, 0], 0) + 1, q.shape[-1] ** -0.5)
-        elif eight_bit_kernel:
-            out = eight_bit_decode.paged_decode_attention(
-                q, *pools, table, jnp.maximum(positions[:, 0], 0) + 1, interpret=eight_bit_kernel == "interpret",
-                ptx=policy_of(placement.device).inline_ptx)
-        else:
-            out = _gathered_attention(q, pools, positions, table, q_axes, kv_axes, group, placement.device, options,
-                                      window)
-        return out, *pools
+        window, pools = (rest[0] if windows else None), tuple(rest[len(windows):])
+        axes = dim_axes(specs[0], 2), dim_axes(specs[1], 2)
+        rows = [(q, k, v, positions, table)] if split is None else \
+            list(zip(*(split.groups(stream) for stream in (q, k, v, positions)), split.rows(table)))
+        for _, new_k, new_v, at, tables in rows:  # every group written before any attends
+            pools = _written(pools, new_k, new_v, at, tables)
+        out = [_attended(cache.kernel, queries, pools, at, tables, axes, group, options, window, placement)
+               for queries, _, _, at, tables in rows]
+        return (out[0] if split is None else split.stream(*out)), *pools
 
     pools = [cache.k, cache.v] + ([cache.k_scale, cache.v_scale] if eight_bit else [])
     pool_names = [PAGES, PAGES] + ([SCALES, SCALES] if eight_bit else [])
@@ -168,6 +235,22 @@ def paged_attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache: PagedLayer, opt
         placement=placement)
     scales = {"k_scale": pools[2], "v_scale": pools[3]} if eight_bit else {}
     return out, replace(cache, k=pools[0], v=pools[1], **scales)
+
+
+def _attended(kernel: str, q_BSHE, pools, positions_BS, table_BM, axes, group: int,
+              options: AttentionOptions | None, window, placement: Placement):
+    """One device's rows of one kind attended over its written pools: decode rows by cuDNN's paged kernel or the
+    8-bit kernel in place where they take them, else (and prompt chunks) over the gathered pages. `axes`: the
+    mesh axes of the queries' and the keys' head dimension. -> out [B, S, H, E]."""
+    eight_bit_kernel = _eight_bit_in_place(kernel, q_BSHE, pools, group, options, placement.device)
+    if _reads_in_place(kernel, q_BSHE, pools, group, options):
+        return cudnn_paged_decode(q_BSHE, *pools, table_BM, jnp.maximum(positions_BS[:, 0], 0) + 1,
+                                  q_BSHE.shape[-1] ** -0.5)
+    if eight_bit_kernel:
+        return eight_bit_decode.paged_decode_attention(
+            q_BSHE, *pools, table_BM, jnp.maximum(positions_BS[:, 0], 0) + 1,
+            interpret=eight_bit_kernel == "interpret", ptx=policy_of(placement.device).inline_ptx)
+    return _gathered_attention(q_BSHE, pools, positions_BS, table_BM, *axes, group, placement.device, options, window)
 
 
 def reads_in_place(kernel: str, dtype, options: AttentionOptions | None) -> bool:

@@ -3,11 +3,11 @@
 An `Engine` holds the parameters (placed once by the decode layout; the prefill layout stores them alike under the
 starscream layouts, so nothing is copied between phases), one page pool per layer (`model.paged`), the scheduler
 (`scheduler.Scheduler`) and the compiled paged steps (`steps.forward_step` per bucket and `steps.sample_step` per
-bucket of rows and combination of sampling passes, all compiled by `warm_up`). `step()` runs one scheduler plan: a
-prefill step for the planned prompt chunks under the prefill layout (its scored variant where a chunk's prompt
-log-probabilities are asked for, `EngineConfig.prompt_logprobs`), then a decode step for the decoding sequences under
-the decode layout, and returns each new token as a
-`TokenEvent`. A server runs it in a process of its own (`serving.core`). A request with a grammar (structured
+bucket of rows and combination of sampling passes, all compiled by `warm_up`). `step()` runs one scheduler plan: its
+prompt chunks and its decoding sequences as one mixed step under the prefill layout (`steps.MixedInputs`: each
+weight read once for both), or where it has only one kind, or a chunk asks for its prompt's log-probabilities
+(`EngineConfig.prompt_logprobs`: a scored prefill runs alone), or `EngineConfig.mixed` is off, a prefill step under
+the prefill layout and a decode step under the decode layout; it returns each new token as a `TokenEvent`. A server runs it in a process of its own (`serving.core`). A request with a grammar (structured
 output, `serving.guided`) has its matcher compiled beside the loop and its allowed tokens written to its slot before
 each step that samples it; it sits out a step while its last token is still on the device (`Sequence.held`). A
 request's allowed_token_ids are bits of the same slot, written once (and intersected with its grammar's, if it has
@@ -66,7 +66,10 @@ from .sampling import SLOT_TABLE, SlotReset, SlotState, reset_slot, write_masks
 from .steps import (
     LAYOUT_OF,
     SLOTS,
+    Bucket,
     Buckets,
+    MixedInputs,
+    MixedPacked,
     PackedInputs,
     PromptScores,
     Sampled,
@@ -86,13 +89,15 @@ STEPS_KEPT = 100_000
 
 @dataclass(frozen=True, kw_only=True)
 class StepTime:
-    """One engine step: its prompt-chunk rows and decode rows, the seconds from the previous step's outputs (or
-    its own launch, if later) to its own, the host's seconds to schedule it and build its inputs, and the seconds
-    its program calls took to return (placing the inputs and enqueueing the programs; a call that waits for the
-    device, where the runtime makes it wait, counts here, not as host work)."""
+    """One engine step: its prompt-chunk rows and decode rows, the forward programs it launched (1 for a mixed
+    step), the seconds from the previous step's outputs (or its own launch, if later) to its own, the host's
+    seconds to schedule it and build its inputs, and the seconds its program calls took to return (placing the
+    inputs and enqueueing the programs; a call that waits for the device, where the runtime makes it wait, counts
+    here, not as host work)."""
 
     prefill_rows: int
     decode_rows: int
+    programs: int
     seconds: float
     host_seconds: float
     call_seconds: float
@@ -121,12 +126,12 @@ class _Scored:
 
 @dataclass(frozen=True, kw_only=True)
 class _Rows:
-    """One launched program: its phase, its rows in use, its outputs (`steps.Sampled.packed` [B, F] int32, then
+    """One launched program: its prompt-chunk rows and decode rows in use, its outputs (`steps.Sampled.packed` [B, F] int32, then
     in a scored prefill `steps.PromptScores.packed` of `width` positions a row: on the devices, or on the host where
     a mesh spans processes), the PENDING tokens they hold and the prompt positions they score."""
 
-    phase: str
-    rows: int
+    prefill_rows: int
+    decode_rows: int
     outputs: jax.Array | np.ndarray
     tokens: list[_Token]
     call_seconds: float
@@ -143,10 +148,10 @@ class _Launched:
     launch_seconds: float
 
     def time(self, seconds: float) -> StepTime:
-        rows = {phase: sum(r.rows for r in self.rows if LAYOUT_OF[r.phase] == phase) for phase in ("prefill", "decode")}
         calls = sum(r.call_seconds for r in self.rows)
-        return StepTime(prefill_rows=rows["prefill"], decode_rows=rows["decode"], seconds=seconds,
-                        host_seconds=self.launch_seconds - calls, call_seconds=calls)
+        return StepTime(prefill_rows=sum(r.prefill_rows for r in self.rows),
+                        decode_rows=sum(r.decode_rows for r in self.rows), programs=len(self.rows),
+                        seconds=seconds, host_seconds=self.launch_seconds - calls, call_seconds=calls)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,8 +167,9 @@ class EngineConfig:
     one process; a mesh spanning processes reads each step's tokens at once, since every process must gather them
     in the same order as its steps); prompt_logprobs: serve requests that ask for their prompt's log-probabilities
     (`SamplingParams.prompt_logprobs`) with a scored prefill of each prefill bucket, compiled at start beside the
-    others (`steps` says why at start); off, such a request is refused. The KV pages' format is the model's
-    (`ModelConfig.kv_format`)."""
+    others (`steps` says why at start); off, such a request is refused; mixed: a step's prompt chunks and decode rows
+    run as one program (a mixed step of each decode rows and prefill bucket, compiled at start; off, two programs
+    a step, each reading every weight). The KV pages' format is the model's (`ModelConfig.kv_format`)."""
 
     page_size: int = 16
     pages_per_shard: int | None = None
@@ -177,13 +183,14 @@ class EngineConfig:
     memory_utilization: float = 0.9
     overlap: bool = True
     prompt_logprobs: bool = False
+    mixed: bool = True
 
     def __post_init__(self):
         for name in ("page_size", "pages_per_shard", "rows_per_shard", "token_budget", "chunk", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise StarscreamError(f"EngineConfig {name} is {value!r}; give a whole number of at least 1")
-        for name in ("prefix_caching", "overlap", "prompt_logprobs"):
+        for name in ("prefix_caching", "overlap", "prompt_logprobs", "mixed"):
             if not isinstance(getattr(self, name), bool):
                 raise StarscreamError(f"EngineConfig {name} is {getattr(self, name)!r}; give True or False")
         if self.pages_per_shard is not None and self.pages_per_shard < 2:
@@ -225,7 +232,7 @@ class Engine:
         in_place = reads_in_place(self.kernel, self.kv_format or c.dtype, attention_options(c))
         self.buckets = dataclasses.replace(config.buckets or Buckets.for_limits(
             config.rows_per_shard, config.chunk, max_pages, prefill_rows, in_place),
-            scored=config.prompt_logprobs)
+            scored=config.prompt_logprobs, mixed=config.mixed)
         _check_buckets(self.buckets, config)
         # float weights in the compute dtype, 8-bit ones as stored, projections sharing an input stacked
         self.graphdef, params, self.rest = inference_split(model, mesh, c.dtype)
@@ -284,7 +291,7 @@ class Engine:
             tokens=self.buckets.rows_of("prefill")[-1] * self.buckets.positions[-1],
             rows=self.buckets.rows[-1], table_positions=max_pages * config.page_size, d_model=c.d_model,
             d_ff=c.d_ff, vocab=c.vocab_size, kv_width=kv_width, itemsize=jnp.dtype(c.dtype).itemsize,
-            scored=config.prompt_logprobs)
+            scored=config.prompt_logprobs, mixed=self.buckets.mixed)
         reserve += self._slot_state_bytes()  # allocated beside the pools
         floor = self.config.rows_per_shard * max_pages + 1
         return capacity.agreed(capacity.size_from_memory(capacity.local_devices_of(self.mesh), page_bytes, reserve,
@@ -545,11 +552,15 @@ class Engine:
             if chunk.sequence.scheduled_at is None:
                 chunk.sequence.scheduled_at = started
         launched = []
-        if plan.prefill:
-            scored = any(_scored_span(chunk) for chunk in plan.prefill)
-            launched.append(self._launch("scored" if scored else "prefill", list(plan.prefill)))
-        if plan.decode:
-            launched.append(self._launch("decode", [Chunk(s, s.length - 1, 1) for s in plan.decode]))
+        decode = [Chunk(s, s.length - 1, 1) for s in plan.decode]
+        scored = any(_scored_span(chunk) for chunk in plan.prefill)
+        if plan.prefill and decode and self.buckets.mixed and not scored:
+            launched.append(self._launch("mixed", list(plan.prefill), decode))
+        else:
+            if plan.prefill:
+                launched.append(self._launch("scored" if scored else "prefill", list(plan.prefill), []))
+            if decode:
+                launched.append(self._launch("decode", [], decode))
         step = _Launched(launched, started, time.perf_counter() - started) if launched else None
         events = self._resolve(self._in_flight) if self._in_flight is not None else []
         self._in_flight = step
@@ -579,12 +590,14 @@ class Engine:
                 outputs[event.request_id].append(event.token)
         return [outputs[request_id] for request_id in ids]
 
-    def _launch(self, phase: str, chunks: list[Chunk]) -> _Rows:
-        """One compiled step over `chunks` launched (announced to the other processes first where the mesh spans
-        several, `multihost`); each chunk that ends its prompt, and each decode row, gets a PENDING token, and a
-        sequence that token brings to its length limit is finished now."""
-        inputs, rows = self._inputs(phase, chunks)
-        scores = self._scored(chunks, rows) if phase == "scored" else []
+    def _launch(self, phase: str, prefill: list[Chunk], decode: list[Chunk]) -> _Rows:
+        """One compiled step of `phase` over the prompt chunks `prefill` and the decode rows `decode` launched
+        (announced to the other processes first where the mesh spans several, `multihost`); each chunk that ends
+        its prompt, and each decode row, gets a PENDING token, and a sequence that token brings to its length limit
+        is finished now."""
+        inputs, rows = self._mixed_inputs(prefill, decode) if phase == "mixed" else \
+            self._inputs(phase, prefill or decode)
+        scores = self._scored(prefill, rows) if phase == "scored" else []
         if self.channel is not None:
             self.channel.send(phase, inputs)
         called = time.perf_counter()
@@ -593,16 +606,16 @@ class Engine:
         if jax.process_count() > 1:  # every process gathers right after the step, as `multihost.follow` does
             outputs = self._gathered(outputs)
         tokens = []
-        for chunk, row in zip(chunks, rows):
-            if phase != "decode":
-                self.scheduler.computed(chunk)
-                if not chunk.last:
-                    continue
-            else:
-                chunk.sequence.computed += 1
+        for chunk, row in zip(prefill, rows):
+            self.scheduler.computed(chunk)
+            if chunk.last:
+                tokens.append(self._pending(chunk.sequence, row))
+        for chunk, row in zip(decode, rows[len(prefill):]):
+            chunk.sequence.computed += 1
             tokens.append(self._pending(chunk.sequence, row))
-        return _Rows(phase=phase, rows=len(chunks), outputs=outputs, tokens=tokens, call_seconds=call_seconds,
-                     width=inputs.tokens.shape[1], scores=scores)
+        width = inputs.tokens.shape[1] if phase == "scored" else 1
+        return _Rows(prefill_rows=len(prefill), decode_rows=len(decode), outputs=outputs, tokens=tokens,
+                     call_seconds=call_seconds, width=width, scores=scores)
 
     @staticmethod
     def _scored(chunks: list[Chunk], rows: list[int]) -> list[_Scored]:
@@ -697,7 +710,7 @@ class Engine:
             return True
         return guide.finished
 
-    def execute(self, phase: str, inputs: StepInputs) -> Sampled:
+    def execute(self, phase: str, inputs: StepInputs | MixedInputs) -> Sampled:
         """The compiled step of `phase` over host `inputs`, the pools, slot tokens and slot state updated in place;
         its `Sampled` (tokens [B], log-probabilities [B], the likeliest tokens [B, K]) on the host, gathered from
         every process where the mesh spans several. Every process of such a mesh runs it with the same inputs
@@ -705,13 +718,12 @@ class Engine:
         outputs = self.dispatch(phase, inputs)
         return Sampled.unpacked(self._gathered(outputs) if jax.process_count() > 1 else np.asarray(outputs))
 
-    def dispatch(self, phase: str, inputs: StepInputs) -> jax.Array:
+    def dispatch(self, phase: str, inputs: StepInputs | MixedInputs) -> jax.Array:
         """The compiled step launched (not waited for): its forward program, then its sampler with the passes the
         rows need (`SamplerFeatures.of`); the `Sampled.packed` outputs [B, F] on the devices, their copy to the host
         begun."""
         forward = self.program(phase, inputs)
-        position_B = inputs.positions[:, 0] + inputs.last + 1
-        sampler = self._sampler(phase, inputs, forward, SamplerFeatures.of(inputs.sampling, inputs.slot, position_B))
+        sampler = self._sampler(phase, inputs, forward, inputs.features())
         logits, rows, self.pages, scores = forward(self.params, self.rest, self.pages, self.recent,
                                                    self._placed(inputs))
         outputs, self._recent, self._slot_state = sampler(logits, rows, self.recent, self.slot_state, scores)
@@ -730,11 +742,10 @@ class Engine:
         Python's lock; default: the CPU cores, at most 8); `progress(done, total)` after each. Then allocates the
         page pools. Returns the forward programs compiled. On a mesh spanning processes every process calls it
         (each process compiles the programs it runs)."""
-        shapes = [(phase, rows * self.shards, width, pages) for phase, rows, width, pages in self.buckets.shapes()]
-        samplers = {_sampler_key(phase, rows, width, features): (phase, rows, width, pages)
-                    for phase, rows, width, pages in shapes for features in SamplerFeatures.every()}
+        shapes = [bucket.of_shards(self.shards) for bucket in self.buckets.shapes()]
+        samplers = {_sampler_key(bucket, features): bucket for bucket in shapes for features in SamplerFeatures.every()}
         total = len(shapes) + len(samplers)
-        lowered = {key: self._lowered(*key) for key in shapes if key not in self._programs}
+        lowered = {key: self._lowered(key) for key in shapes if key not in self._programs}
         samplers = {key: shape for key, shape in samplers.items() if key not in self._samplers}
         done = total - len(lowered) - len(samplers)
         workers = threads or min(8, os.cpu_count() or 1)
@@ -750,8 +761,8 @@ class Engine:
 
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="starscream-compile") as pool:
             compile_all(lowered, self._programs)  # the samplers are traced against the forward programs' outputs
-            compile_all({key: self._lowered_sampler(shape[0], self._programs[shape], key[-1])
-                         for key, shape in samplers.items()}, self._samplers)
+            compile_all({key: self._lowered_sampler(bucket, self._programs[bucket], key[-1])
+                         for key, bucket in samplers.items()}, self._samplers)
         self._compiled_at_start = len(self._programs) + len(self._samplers)
         if self.cache_size.reserve_bytes:
             capacity.check_reserve({**self._programs, **self._samplers}, self.cache_size.reserve_bytes)
@@ -761,37 +772,37 @@ class Engine:
         jax.block_until_ready((self.pages, self.recent, self.slot_state))  # (a reset of no slot: compiled now)
         return len(shapes)
 
-    def program(self, phase: str, inputs: StepInputs):
-        """The compiled forward program of `phase` that `inputs` run on: its bucket's (rows of all shards, positions
-        a row, pages a row), compiled on first use."""
-        key = (phase, *inputs.tokens.shape, inputs.table.shape[1])
+    def program(self, phase: str, inputs: StepInputs | MixedInputs):
+        """The compiled forward program of `phase` that `inputs` run on: its bucket's (`steps.Bucket`, rows of all
+        shards), compiled on first use."""
+        key = Bucket.of(phase, inputs)
         program = self._programs.get(key)
         if program is None:
-            program = self._programs[key] = self._lowered(*key).compile()
+            program = self._programs[key] = self._lowered(key).compile()
         return program
 
-    def _sampler(self, phase: str, inputs: StepInputs, forward, features: SamplerFeatures):
+    def _sampler(self, phase: str, inputs: StepInputs | MixedInputs, forward, features: SamplerFeatures):
         """The compiled sampler of `features` that follows `forward` (the compiled forward program of `phase` that
         `inputs` run on), compiled on first use."""
-        key = _sampler_key(phase, *inputs.tokens.shape, features)
+        bucket = Bucket.of(phase, inputs)
+        key = _sampler_key(bucket, features)
         program = self._samplers.get(key)
         if program is None:
-            program = self._samplers[key] = self._lowered_sampler(phase, forward, features).compile()
+            program = self._samplers[key] = self._lowered_sampler(bucket, forward, features).compile()
         return program
 
-    def _lowered(self, phase: str, rows: int, width: int, pages: int):
-        """The forward program of `phase` traced for one bucket, against the pools' and inputs' shapes (nothing
-        allocated)."""
-        return self._steps[LAYOUT_OF[phase]].lower(self.params, self.rest, self._abstract_pages(),
-                                                   self._abstract_recent(),
-                                                   self._abstract_inputs(rows, width, pages, phase == "scored"))
-
-    def _lowered_sampler(self, phase: str, forward, features: SamplerFeatures):
-        """The sampler of `features` traced against the outputs of `forward`, a compiled forward program of `phase`
+    def _lowered(self, bucket: Bucket):
+        """The forward program of `bucket` (rows of all shards) traced against the pools' and inputs' shapes
         (nothing allocated)."""
+        return self._steps[LAYOUT_OF[bucket.phase]].lower(self.params, self.rest, self._abstract_pages(),
+                                                          self._abstract_recent(), self._abstract_inputs(bucket))
+
+    def _lowered_sampler(self, bucket: Bucket, forward, features: SamplerFeatures):
+        """The sampler of `features` traced against the outputs of `forward`, the compiled forward program of
+        `bucket` (nothing allocated)."""
         logits, rows, _, scores = forward.out_info
-        return self._sample[LAYOUT_OF[phase]].lower(logits, rows, self._abstract_recent(), self._abstract_slot_state(),
-                                                    scores, features=features)
+        return self._sample[LAYOUT_OF[bucket.phase]].lower(logits, rows, self._abstract_recent(),
+                                                           self._abstract_slot_state(), scores, features=features)
 
     def keep_followers(self) -> None:
         """Tells the other processes, waiting for the next step, that the leader is idle but alive (else nothing)."""
@@ -803,16 +814,36 @@ class Engine:
         if self.channel is not None:
             self.channel.stop()
 
-    def _inputs(self, phase: str, chunks: list[Chunk]) -> tuple[StepInputs, list[int]]:
-        """The padded step inputs for `chunks` (host arrays) and the row each chunk runs in. Per row the host writes
-        its tokens, positions and block table; the rows' other fields are gathered into lists and written a column
-        at a time (a step of 256 decode rows would otherwise set each of some twenty fields row by row)."""
+    def _mixed_inputs(self, prefill: list[Chunk], decode: list[Chunk]) -> tuple[MixedInputs, list[int]]:
+        """A mixed step's host inputs (both groups' block tables of one width, the prefill buckets') and the row
+        each chunk's output takes (`prefill`'s, then `decode`'s): shard s's rows of outputs are its decode rows, then
+        its chunks (`model.paged.RowSplit`)."""
+        pages = self._pages_bucket(prefill + decode, self.buckets.pages)
+        (chunks, chunk_rows), (rows, decode_rows) = (self._inputs(phase, group, pages) for phase, group in
+                                                     (("prefill", prefill), ("decode", decode)))
+        per_shard = [group.tokens.shape[0] // self.shards for group in (rows, chunks)]
+
+        def output_row(row: int, group: int) -> int:
+            shard, offset = divmod(row, per_shard[group])
+            return shard * sum(per_shard) + (per_shard[0] if group else 0) + offset
+
+        return (MixedInputs(decode=rows, prefill=chunks),
+                [output_row(row, 1) for row in chunk_rows] + [output_row(row, 0) for row in decode_rows])
+
+    @staticmethod
+    def _pages_bucket(chunks: list[Chunk], buckets: tuple[int, ...]) -> int:
+        return Buckets.round_up(max(len(c.sequence.pages) for c in chunks), buckets, "pages per row")
+
+    def _inputs(self, phase: str, chunks: list[Chunk], pages: int | None = None) -> tuple[StepInputs, list[int]]:
+        """The padded step inputs for `chunks` (host arrays) and the row each chunk runs in; block tables `pages`
+        wide (None: the phase's bucket). Per row the host writes its tokens, positions and block table; the rows'
+        other fields are gathered into lists and written a column at a time (a step of 256 decode rows would
+        otherwise set each of some twenty fields row by row)."""
         by_shard = [[chunk for chunk in chunks if chunk.sequence.shard == shard] for shard in range(self.shards)]
         rows = Buckets.round_up(max(len(group) for group in by_shard), self.buckets.rows_of(phase), "rows per shard")
         width = 1 if phase == "decode" else Buckets.round_up(max(c.count for c in chunks), self.buckets.positions,
                                                              "prompt positions")
-        pages = Buckets.round_up(max(len(c.sequence.pages) for c in chunks), self.buckets.pages_of(phase),
-                                 "pages per row")
+        pages = pages or self._pages_bucket(chunks, self.buckets.pages_of(phase))
         inputs = StepInputs.zeros(rows * self.shards, width, pages, phase == "scored")
         placed = [(shard * rows + offset, chunk) for shard, group in enumerate(by_shard)
                   for offset, chunk in enumerate(group)]
@@ -902,20 +933,23 @@ class Engine:
         _, axes = self.layouts["decode"].activations.lookup("attn_batch")
         return NamedSharding(self.mesh, PartitionSpec(axes or None))
 
-    def _placed(self, inputs: StepInputs) -> PackedInputs:
-        """The step inputs packed (`steps.PackedInputs`) and sent to the devices in one transfer, rows split as the
-        attention batch (and the page pool) are; each process its own rows where the mesh spans several."""
-        packed = PackedInputs.pack(inputs)
+    def _placed(self, inputs: StepInputs | MixedInputs) -> PackedInputs | MixedPacked:
+        """The step inputs packed (`steps.PackedInputs`, one for each group of a mixed step) and sent to the
+        devices in one transfer each, rows split as the attention batch (and the page pool) are; each process its
+        own rows where the mesh spans several."""
+        packed = inputs.packed()
         rows = self._row_sharding()
         if rows is None or jax.process_count() == 1:
             return jax.device_put(packed, rows)
-        columns = packed.columns
-        return dataclasses.replace(packed, columns=jax.make_array_from_callback(columns.shape, rows,
-                                                                               lambda at: columns[at]))
+        return jax.tree.map(lambda columns: jax.make_array_from_callback(columns.shape, rows, lambda at: columns[at]),
+                            packed)
 
-    def _abstract_inputs(self, rows: int, width: int, pages: int, scored: bool) -> PackedInputs:
-        """Shape, type and placement of the packed step inputs of one bucket, for compiling before any request."""
-        return PackedInputs.abstract(rows, width, pages, self._row_sharding(), scored)
+    def _abstract_inputs(self, bucket: Bucket) -> PackedInputs | MixedPacked:
+        """Shape, type and placement of the packed step inputs of `bucket`, for compiling before any request."""
+        if bucket.phase == "mixed":
+            return MixedPacked.abstract(bucket, self._row_sharding())
+        return PackedInputs.abstract(bucket.rows, bucket.width, bucket.pages, self._row_sharding(),
+                                     bucket.phase == "scored")
 
 
 ROW_SETTINGS = ("temperature", "top_p", "top_k", "seed", "min_p", "top_logprobs", "presence", "frequency",
@@ -934,10 +968,12 @@ def _row_settings(sequence: Sequence) -> tuple:
             bool(params.bad_words))
 
 
-def _sampler_key(phase: str, rows: int, width: int, features: SamplerFeatures) -> tuple:
-    """A compiled sampler's key: its phase's layout, its rows (of all shards), a scored prefill's positions a row
-    (whose scores it appends to its outputs; None in other steps) and its passes."""
-    return LAYOUT_OF[phase], rows, width if phase == "scored" else None, features
+def _sampler_key(bucket: Bucket, features: SamplerFeatures) -> tuple:
+    """A compiled sampler's key: its phase's layout (a mixed step's own: its rows come from its own program), its
+    rows (of all shards), a scored prefill's positions a row (whose scores it appends to its outputs; None in other
+    steps) and its passes."""
+    layout = "mixed" if bucket.phase == "mixed" else LAYOUT_OF[bucket.phase]
+    return layout, bucket.rows + bucket.chunks, bucket.width if bucket.phase == "scored" else None, features
 
 
 def _scored_span(chunk: Chunk) -> range | None:

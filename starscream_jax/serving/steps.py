@@ -6,7 +6,9 @@
               written in place). A token the host does not know yet (-1, sampled by the step before and not read
               back) is read from the row's slot of `recent`, so the engine builds and launches the next step while
               this one runs. Decode runs it with S = 1 under the decode layout, prefill chunks with S > 1 under the
-              prefill layout; both layouts place the pages alike, so neither copies the cache.
+              prefill layout; both layouts place the pages alike, so neither copies the cache. A step that has both
+              runs them as one mixed program (`MixedInputs`) under the prefill layout: every matmul over both
+              groups' tokens at once, so the weights are read once a step, not twice (`model.paged.RowSplit`).
   sampler     (logits, `SamplerRows`, recent, slot state (`sampling.SlotState`), scores; `SamplerFeatures`, static)
               -> (outputs [B, F]: `Sampled` packed, tokens [B], log-probabilities [B] and the likeliest tokens
               [B, K], a scored prefill's `PromptScores` after them; recent, slot state): each row's next token drawn
@@ -36,6 +38,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +49,7 @@ from jax.tree_util import register_dataclass
 from ..errors import StarscreamError
 from ..hardware.backend import policy_of
 from ..model.ops import run_sharded
-from ..model.paged import PAGES, PagedCache, pool_shape
+from ..model.paged import PAGES, PagedCache, RowSplit, pool_shape
 from ..sharding.apply import UNPLACED, Jitted, Placement, jit, placed_by
 from ..sharding.layouts import PHASE_DEFAULTS, get_layout
 from ..training.steps import whole_vocabulary
@@ -68,11 +71,13 @@ from .sampling import (
 )
 
 
-PHASES = ("prefill", "decode", "scored")
-"""The steps an engine runs: a prefill of prompt chunks, a decode, and a scored prefill (a prefill that also returns
-its prompt's log-probabilities, `PromptScores`)."""
-LAYOUT_OF = {"prefill": "prefill", "decode": "decode", "scored": "prefill"}
-"""Each phase's layout: a scored prefill runs as a prefill does."""
+PHASES = ("prefill", "decode", "scored", "mixed")
+"""The steps an engine runs: a prefill of prompt chunks, a decode, a scored prefill (a prefill that also returns
+its prompt's log-probabilities, `PromptScores`), and a mixed step (a step's decode rows and prompt chunks in one
+program, `MixedInputs`)."""
+LAYOUT_OF = {"prefill": "prefill", "decode": "decode", "scored": "prefill", "mixed": "prefill"}
+"""Each phase's layout: a scored prefill runs as a prefill does, and so does a mixed step, whose matmuls run over
+its chunks' tokens and its decode rows' at once (the chunks' tokens are most of them)."""
 
 
 @register_dataclass
@@ -213,6 +218,63 @@ class StepInputs:
                    table=np.zeros((rows, pages), np.int32), last=row_i32.copy(), slot=np.full((rows,), -1, np.int32),
                    sampling=RowSampling.neutral(rows), following=following)
 
+    def features(self) -> SamplerFeatures:
+        """The sampler passes these host rows need (`SamplerFeatures.of`)."""
+        return SamplerFeatures.of(self.sampling, self.slot, self.positions[:, 0] + self.last + 1)
+
+    def packed(self) -> PackedInputs:
+        return PackedInputs.pack(self)
+
+
+@register_dataclass
+@dataclass(frozen=True)
+class MixedInputs:
+    """A mixed step's host inputs: its decode rows' `StepInputs` [Bd, 1] and its prompt chunks' [Bp, S], both with
+    block tables of the same width and each grouped by cache shard as a step of its kind groups them. The step's
+    outputs hold each shard's decode rows, then its chunks (`RowSplit`)."""
+
+    decode: StepInputs
+    prefill: StepInputs
+
+    def features(self) -> SamplerFeatures:
+        return self.decode.features() | self.prefill.features()
+
+    def packed(self) -> MixedPacked:
+        return MixedPacked(self.decode.packed(), self.prefill.packed())
+
+
+class Bucket(NamedTuple):
+    """One forward program's shape: its phase, rows (per cache shard in `Buckets.shapes`, of all shards in an
+    engine's keys; a mixed step's decode rows), positions a row (1 in decode; a mixed step's chunks'), pages a row,
+    and a mixed step's prompt-chunk rows (0 in the other phases)."""
+
+    phase: str
+    rows: int
+    width: int
+    pages: int
+    chunks: int = 0
+
+    @classmethod
+    def of(cls, phase: str, inputs: StepInputs | MixedInputs) -> Bucket:
+        """The bucket that host `inputs` of `phase` run in."""
+        if phase == "mixed":
+            return cls(phase, inputs.decode.tokens.shape[0], *inputs.prefill.tokens.shape[1:],
+                       inputs.prefill.table.shape[1], inputs.prefill.tokens.shape[0])
+        return cls(phase, *inputs.tokens.shape, inputs.table.shape[1])
+
+    def zeros(self) -> StepInputs | MixedInputs:
+        """Host inputs of this bucket with every row padding (`StepInputs.zeros`)."""
+        if self.phase == "mixed":
+            return MixedInputs(StepInputs.zeros(self.rows, 1, self.pages),
+                               StepInputs.zeros(self.chunks, self.width, self.pages))
+        return StepInputs.zeros(self.rows, self.width, self.pages, self.phase == "scored")
+
+    def per_shard(self, shards: int) -> Bucket:
+        return self._replace(rows=self.rows // shards, chunks=self.chunks // shards)
+
+    def of_shards(self, shards: int) -> Bucket:
+        return self._replace(rows=self.rows * shards, chunks=self.chunks * shards)
+
 
 @register_dataclass
 @dataclass(frozen=True)
@@ -252,6 +314,88 @@ class PackedInputs:
             start += count
         return jax.tree.unflatten(tree, fields)
 
+    def model_rows(self, recent: jax.Array, placement: Placement) -> ModelRows:
+        """What the model and the sampler read of these rows (inside the step), each -1 token read from its slot
+        of `recent` (`with_slot_tokens`)."""
+        inputs = self.unpacked()
+        positions_B = inputs.positions[:, 0] + inputs.last  # a row's positions run on from its first
+        return ModelRows(tokens=with_slot_tokens(inputs.tokens, recent, inputs.slot, placement),
+                         positions=inputs.positions, last=inputs.last, table=inputs.table, split=None,
+                         sampler=SamplerRows(sampling=inputs.sampling, position=positions_B + 1, slot=inputs.slot),
+                         following=inputs.following)
+
+
+@register_dataclass
+@dataclass(frozen=True)
+class MixedPacked:
+    """A mixed step's `MixedInputs` on the devices: each group's `PackedInputs`, rows placed as a step of its kind
+    places them."""
+
+    decode: PackedInputs
+    prefill: PackedInputs
+    scored = False  # a scored prefill runs alone
+
+    @classmethod
+    def abstract(cls, bucket: Bucket, sharding=None) -> MixedPacked:
+        return cls(PackedInputs.abstract(bucket.rows, 1, bucket.pages, sharding),
+                   PackedInputs.abstract(bucket.chunks, bucket.width, bucket.pages, sharding))
+
+    def model_rows(self, recent: jax.Array, placement: Placement) -> ModelRows:
+        """The two groups as the model reads a mixed step (`model.paged.RowSplit`): each cache shard's stream of
+        tokens and positions [shards, n] (its decode rows' tokens, then its chunks'), the index in its stream of
+        each of its rows' last token [shards, R], and the block tables and sampler rows [shards * R, ...] of its
+        decode rows, then its chunks. Joined on each device from its own rows: nothing moves between devices."""
+        decode, prefill = (group.model_rows(recent, placement) for group in (self.decode, self.prefill))
+        shards = cache_shards(placement.layout, placement.mesh) if placement.placed else 1
+        split = RowSplit(decode.tokens.shape[0] // shards, prefill.tokens.shape[0] // shards, prefill.tokens.shape[1])
+        row_leaves, tree = jax.tree.flatten((decode.table, decode.sampler))
+        prefill_leaves = jax.tree.leaves((prefill.table, prefill.sampler))
+
+        def local(decode_tokens, decode_positions, prefill_tokens, prefill_positions, prefill_last, *rows, specs):
+            half = len(rows) // 2
+            joined = [split.joined(first, second) for first, second in zip(rows[:half], rows[half:])]
+            return (split.stream(decode_tokens, prefill_tokens), split.stream(decode_positions, prefill_positions),
+                    split.last_tokens(prefill_last), *joined)
+
+        stream = (shards, split.tokens)
+        row_names = [_row_names(leaf) for leaf in row_leaves]
+        outs = [(STREAM, stream), (STREAM, stream), (STREAM, (shards, split.decode + split.prefill))] + [
+            (names, (leaf.shape[0] + second.shape[0], *leaf.shape[1:]))
+            for names, leaf, second in zip(row_names, row_leaves, prefill_leaves)]
+        tokens, positions, last, *rows = run_sharded(
+            local, [decode.tokens, decode.positions, prefill.tokens, prefill.positions, prefill.last, *row_leaves,
+                    *prefill_leaves], [STREAM] * 4 + [SLOTS] + row_names * 2, outs, "mixed step rows",
+            placement=placement)
+        table, sampler = jax.tree.unflatten(tree, rows)
+        return ModelRows(tokens=tokens, positions=positions, last=last, table=table, split=split, sampler=sampler,
+                         following=None)
+
+
+STREAM = (SLOTS[0], None)
+"""Rows of tokens [B, S] as the step's inputs place them: split as the attention batch is (a mixed step's streams
+[shards, n] one a shard)."""
+
+
+def _row_names(leaf: jax.Array) -> tuple:
+    """The logical names of a per-row array [B, ...]: rows split as the attention batch is."""
+    return SLOTS + (None,) * (leaf.ndim - 1)
+
+
+@dataclass(frozen=True)
+class ModelRows:
+    """A step's rows as its forward program reads them: tokens and positions [B, S] (a mixed step's streams
+    [shards, n]), each row's last token's index [B] (a mixed step's [shards, R]), block tables [R, M], the mixed
+    step's `model.paged.RowSplit` (None in a step of one kind), what the sampler reads of each row, and a scored
+    prefill's `following` [B, S] (else None)."""
+
+    tokens: jax.Array
+    positions: jax.Array
+    last: jax.Array
+    table: jax.Array
+    split: RowSplit | None
+    sampler: SamplerRows
+    following: jax.Array | None
+
 
 @dataclass(frozen=True, kw_only=True)
 class SamplerFeatures:
@@ -276,6 +420,10 @@ class SamplerFeatures:
                    | penalized(rows, slot_B) | (rows.top_logprobs > 0))
         return cls(drawn=bool((rows.temperature > 0).any()), extras=bool(asked_B.any()))
 
+    def __or__(self, other: SamplerFeatures) -> SamplerFeatures:
+        """The passes either needs (a mixed step's two groups of rows)."""
+        return SamplerFeatures(drawn=self.drawn or other.drawn, extras=self.extras or other.extras)
+
     @staticmethod
     def every() -> tuple[SamplerFeatures, ...]:
         """Every combination of the passes (what a server compiles at start for each bucket of rows)."""
@@ -296,7 +444,8 @@ class SamplerRows:
 def forward_step(graphdef, kernel: str, decode: bool = True, *, under: Placement | None) -> Jitted:
     """The jitted model part of the paged step (see the module docstring) under `under` (`sharding.apply.jit`),
     its decode attention `kernel` (`model.paged.KERNELS`: the engine's, resolved from the backend policy); the pages
-    are donated. (params, rest, pages, recent, packed `PackedInputs`) -> (logits [B, V] at each row's last token,
+    are donated. (params, rest, pages, recent, packed `PackedInputs`, or a mixed step's `MixedPacked`) -> (logits
+    [B, V] at each row's last token (a mixed step's rows: each shard's decode rows, then its chunks),
     `SamplerRows`, pages, and in a scored prefill the rows' `PromptScores.packed` [B, S * SAMPLED_COLUMNS], else
     None). Decode steps compile with the backend policy's decode options (`BackendPolicy.decode_compiler_options`),
     as the decode step does."""
@@ -304,21 +453,18 @@ def forward_step(graphdef, kernel: str, decode: bool = True, *, under: Placement
     options = dict(policy_of(placement.device).decode_compiler_options) if decode else None
 
     @jit(under=under, ambient=False, donate_argnums=(2,), compiler_options=options)
-    def step(params, rest, pages, recent, packed: PackedInputs):
-        inputs = packed.unpacked()
+    def step(params, rest, pages, recent, packed: PackedInputs | MixedPacked):
+        rows = packed.model_rows(recent, placement)
         model = nnx.merge(graphdef, params, rest)
-        cache = PagedCache(k=pages["k"], v=pages["v"], table=inputs.table, kernel=kernel, k_scale=pages.get("k_scale"),
-                           v_scale=pages.get("v_scale"))
-        tokens_BS = with_slot_tokens(inputs.tokens, recent, inputs.slot, placement)
-        logits_BV, cache, *every_BSV = model.paged(tokens_BS, inputs.positions, inputs.last, cache,
+        cache = PagedCache(k=pages["k"], v=pages["v"], table=rows.table, kernel=kernel, k_scale=pages.get("k_scale"),
+                           v_scale=pages.get("v_scale"), split=rows.split)
+        logits_BV, cache, *every_BSV = model.paged(rows.tokens, rows.positions, rows.last, cache,
                                                    every_position=packed.scored, placement=placement)
-        positions_B = inputs.positions[:, 0] + inputs.last  # a row's positions run on from its first
-        rows = SamplerRows(sampling=inputs.sampling, position=positions_B + 1, slot=inputs.slot)
-        scores = score_prompt(every_BSV[0], inputs.following, placement).packed() if packed.scored else None
+        scores = score_prompt(every_BSV[0], rows.following, placement).packed() if packed.scored else None
         written = {"k": cache.k, "v": cache.v}
         if cache.k_scale is not None:
             written.update(k_scale=cache.k_scale, v_scale=cache.v_scale)
-        return logits_BV, rows, written, scores
+        return logits_BV, rows.sampler, written, scores
 
     return step
 
@@ -460,10 +606,12 @@ def _steps_down(limit: int, factor: int, count: int) -> tuple[int, ...]:
 @dataclass(frozen=True, kw_only=True)
 class Buckets:
     """The shapes a server compiles: rows per cache shard of decode steps and of prefill steps, prompt positions per
-    prefill row, pages per row (each a rising tuple; a size rounds up to the next), and with `scored` a scored
+    prefill row, pages per row (each a rising tuple; a size rounds up to the next), with `scored` a scored
     prefill of every prefill shape (prompt log-probabilities; the engine sets it from
-    `EngineConfig.prompt_logprobs`). `for_limits` gives a server's defaults; every bucket is compiled at start
-    (`Engine.warm_up`), so their count sets the start-up time."""
+    `EngineConfig.prompt_logprobs`), and with `mixed` a mixed step of every decode rows and prefill shape (the
+    engine sets it from `EngineConfig.mixed`; its decode rows' block tables are as wide as its chunks'). `for_limits`
+    gives a server's defaults; every bucket is compiled at start (`Engine.warm_up`), so their count sets the
+    start-up time."""
 
     rows: tuple[int, ...]
     positions: tuple[int, ...]
@@ -471,6 +619,7 @@ class Buckets:
     prefill_rows: tuple[int, ...] | None = None  # None: as `rows`
     scored: bool = False
     decode_pages: tuple[int, ...] | None = None  # None: as `pages`
+    mixed: bool = False
 
     @classmethod
     def for_limits(cls, rows: int, chunk: int, pages: int, prefill_rows: int, reads_in_place: bool = False) -> Buckets:
@@ -489,16 +638,18 @@ class Buckets:
     def pages_of(self, phase: str) -> tuple[int, ...]:
         return self.pages if LAYOUT_OF[phase] == "prefill" else (self.decode_pages or self.pages)
 
-    def shapes(self) -> list[tuple[str, int, int, int]]:
-        """Every (phase, rows per shard, positions per row, pages per row) a server may run, decode first."""
-        decode = [("decode", rows, 1, pages) for pages in self.pages_of("decode") for rows in self.rows]
-        prefill = [(phase, rows, positions, pages) for phase in ("prefill", "scored")[:1 + self.scored]
+    def shapes(self) -> list[Bucket]:
+        """Every bucket a server may run (rows per shard), decode first."""
+        decode = [Bucket("decode", rows, 1, pages) for pages in self.pages_of("decode") for rows in self.rows]
+        prefill = [Bucket(phase, rows, positions, pages) for phase in ("prefill", "scored")[:1 + self.scored]
                    for pages in self.pages for rows in self.rows_of("prefill") for positions in self.positions]
-        return decode + prefill
+        mixed = [Bucket("mixed", rows, positions, pages, chunks) for pages in self.pages for rows in self.rows
+                 for chunks in self.rows_of("prefill") for positions in self.positions] if self.mixed else []
+        return decode + prefill + mixed
 
     def programs(self) -> int:
-        """Most programs a server compiles: decode (rows x pages) and prefill (rows x positions x pages), twice
-        the prefill where `scored`."""
+        """Most programs a server compiles: decode (rows x pages), prefill (rows x positions x pages), twice the
+        prefill where `scored`, and where `mixed` a mixed step of each decode rows and prefill shape."""
         return len(self.shapes())
 
     @staticmethod

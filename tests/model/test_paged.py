@@ -1,13 +1,14 @@
 """The paged KV cache's per-device op: new keys and values land in their rows' pages (padding nowhere),
 and paged attention (the gather path everywhere, cuDNN's paged kernel on a GPU) equals dense attention over each
-row's positions."""
+row's positions; a mixed step's stream of decode rows and prompt chunks equals the two groups attended apart."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from starscream_jax.model.ops import AttentionOptions, explicit_attention, visible_keys
-from starscream_jax.model.paged import PagedLayer, _reads_in_place, paged_attention
+from starscream_jax.errors import StarscreamError
+from starscream_jax.model.paged import PagedLayer, RowSplit, _reads_in_place, paged_attention
 from starscream_jax.model.quantize import quantize_cache_entry
 
 K, H, E, PAGE, POOL = 2, 4, 8, 4, 10
@@ -233,3 +234,61 @@ def test_the_8_bit_in_place_kernel_is_chosen_only_where_it_applies():
         assert paged._eight_bit_in_place("cudnn", split, pools, 4, None, device) == ""
         small = [jnp.zeros((4, 8, 2, 32), jnp.int8)] * 2 + [jnp.zeros((4, 8, 2), jnp.float32)] * 2
         assert paged._eight_bit_in_place("cudnn", q, small, 4, None, device) == ""  # pages of 8 positions
+
+
+def _mixed_case(seed: int, dtype):
+    """Two shards' streams of one decode row (positions 9 and 5) and one chunk of 3 positions (4-6 and 0-2) each,
+    and the two groups apart: (split, stream q / k / v / positions, tables [4, 4] in the stream's row order,
+    decode rows' (q, k, v, positions, table), chunks' likewise)."""
+    split = RowSplit(decode=1, prefill=1, width=3)
+    keys = jax.random.split(jax.random.key(seed), 3)
+    q, k, v = (jax.random.normal(key, (2, split.tokens, heads, E), dtype) for key, heads in zip(keys, (H, K, K)))
+    positions = jnp.array([[9, 4, 5, 6], [5, 0, 1, 2]], jnp.int32)
+    decode_table, chunk_table = jnp.array([[3, 7, 1, 0], [5, 2, 0, 0]]), jnp.array([[4, 6, 0, 0], [8, 9, 0, 0]])
+    table = jnp.stack([decode_table[0], chunk_table[0], decode_table[1], chunk_table[1]]).astype(jnp.int32)
+    decode = (*(split.groups(x)[0] for x in (q, k, v, positions)), decode_table.astype(jnp.int32))
+    chunks = (*(split.groups(x)[1] for x in (q, k, v, positions)), chunk_table.astype(jnp.int32))
+    return split, (q, k, v, positions), table, decode, chunks
+
+
+@pytest.mark.parametrize("kernel, dtype, fmt, tolerance", [
+    ("gather", jnp.float32, None, 2e-5), ("gather", jnp.float32, "int8", 1e-4),
+    pytest.param("cudnn", jnp.bfloat16, None, 2e-2, marks=pytest.mark.gpu)])
+def test_a_mixed_stream_equals_its_decode_rows_and_chunks_attended_apart(kernel, dtype, fmt, tolerance):
+    """Each shard's stream (its decode row's token, then its chunk's 3) written and attended in one call gives the
+    outputs and pools of the decode rows' step followed by the chunks' step, in 16-bit and in int8 pages."""
+    split, stream, table, decode, chunks = _mixed_case(6, dtype)
+    _, _, _, _, pages_k, pages_v = _inputs(6, dtype)
+    pools = dict(k=pages_k, v=pages_v)
+    if fmt:
+        (pools["k"], pools["k_scale"]), (pools["v"], pools["v_scale"]) = (quantize_cache_entry(pages, fmt)
+                                                                          for pages in (pages_k, pages_v))
+    out, mixed = jax.jit(paged_attention)(*stream, PagedLayer(table=table, kernel=kernel, split=split, **pools))
+    apart = PagedLayer(table=decode[4], kernel=kernel, **pools)
+    decode_out, apart = jax.jit(paged_attention)(*decode[:4], apart)
+    chunk_out, apart = jax.jit(paged_attention)(*chunks[:4], PagedLayer(
+        k=apart.k, v=apart.v, table=chunks[4], kernel=kernel, k_scale=apart.k_scale, v_scale=apart.v_scale))
+    np.testing.assert_array_equal(np.asarray(mixed.k, np.float32), np.asarray(apart.k, np.float32))
+    np.testing.assert_array_equal(np.asarray(mixed.v, np.float32), np.asarray(apart.v, np.float32))
+    if fmt:
+        np.testing.assert_array_equal(mixed.k_scale, apart.k_scale)
+    assert len(_written_slots(pools["k"], mixed.k)) == 2 + 6  # one position a decode row, three a chunk
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(split.stream(decode_out, chunk_out), np.float32),
+                               rtol=tolerance, atol=tolerance)
+
+
+def test_a_row_split_takes_streams_and_rows_apart_and_back():
+    """`RowSplit`'s groups / stream and rows / joined are inverses over two shards; each row's last token sits at
+    its decode row's index or at its chunk's start plus the chunk's last index; a group of none is refused."""
+    split = RowSplit(decode=2, prefill=2, width=3)
+    stream = jnp.arange(2 * split.tokens).reshape(2, split.tokens)
+    decode, chunks = split.groups(stream)
+    assert decode.shape == (4, 1) and chunks.shape == (4, 3)
+    assert chunks[2].tolist() == [10, 11, 12]  # the second shard's first chunk, after its two decode rows
+    np.testing.assert_array_equal(split.stream(decode, chunks), stream)
+    rows = jnp.arange(8)
+    np.testing.assert_array_equal(split.joined(*split.rows(rows)), rows)
+    assert split.rows(rows)[0].tolist() == [0, 1, 4, 5]
+    assert split.last_tokens(jnp.array([2, 0, 1, 2])).tolist() == [[0, 1, 4, 5], [0, 1, 3, 7]]
+    with pytest.raises(StarscreamError, match="each needs at least 1"):
+        RowSplit(decode=0, prefill=1, width=3)

@@ -1,5 +1,5 @@
 """One engine per mesh and layout pair for every serving test in a process, over the tiny Llama checkpoint of
-tests/fixtures/hf: each compiles its two programs (a decode and a prefill bucket) once."""
+tests/fixtures/hf: each compiles its programs (a decode, a prefill and a mixed bucket) once."""
 import functools
 from pathlib import Path
 
@@ -13,6 +13,7 @@ from flax import nnx
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model.hf_checkpoint import load_hf_model
 from starscream_jax.serving.engine import Engine, EngineConfig
+from starscream_jax.serving.scheduler import SamplingParams
 from starscream_jax.serving.steps import Buckets, cache_shards
 from starscream_jax.text.tokenizer import load_tokenizer
 
@@ -22,10 +23,12 @@ CASES = {"1x1x1": ("starscream_tp", "starscream_decode"), "1x2x4": ("starscream_
          "2x2x2": ("starscream_tp", "starscream_decode"), "1x2x4-flat": ("flat_tp", "flat_tp"),
          "1x2x4-int8": ("starscream_tp", "starscream_decode"), "1x1x1-sync": ("starscream_tp", "starscream_decode"),
          "1x2x4-logprobs": ("starscream_tp", "starscream_decode"),
-         "1x1x1-logprobs": ("starscream_tp", "starscream_decode")}
+         "1x1x1-logprobs": ("starscream_tp", "starscream_decode"),
+         "1x2x4-apart": ("starscream_tp", "starscream_decode")}
 """mesh (-variant) -> (prefill layout, decode layout); the int8 variant holds its KV pages in int8 and decodes with
 the gather path; the sync variant reads each step's tokens before it launches the next (no overlap); the logprobs
-variant serves prompt log-probabilities (a third program: the scored prefill)."""
+variant serves prompt log-probabilities (one more program: the scored prefill); the apart variant runs a step's
+prompt chunks and decode rows as two programs (`EngineConfig.mixed` off), every other as one mixed program."""
 PAGES_PER_SHARD = {"1x1x1": 13, "1x1x1-sync": 13}
 """Pages per cache shard where fewer than the default 40: one shard of 12 usable pages cannot hold 8 requests of 12
 positions (3 pages each) at once, so the engine preempts."""
@@ -50,7 +53,7 @@ def _unsharded_model():
 
 @functools.cache
 def _engine(case: str) -> Engine:
-    """8 rows in all, chunks of 8 positions, 16 pages of 4 positions per row (a context of 64); its two programs
+    """8 rows in all, chunks of 8 positions, 16 pages of 4 positions per row (a context of 64); its programs
     compiled before any test, as a server compiles them."""
     mesh, (prefill, decode) = build_mesh(case.split("-")[0]), CASES[case]
     engine = Engine(load_case_model(case, prefill, mesh), engine_config(case, mesh), mesh, prefill, decode)
@@ -74,7 +77,34 @@ def engine_config(case: str, mesh) -> EngineConfig:
                         token_budget=64, chunk=8, buckets=Buckets(rows=(ROWS // shards,), positions=(8,), pages=(16,),
                                                                   prefill_rows=PREFILL_ROWS.get(case)),
                         kernel="gather", overlap=not case.endswith("-sync"),
-                        prompt_logprobs=case.endswith("-logprobs"))
+                        prompt_logprobs=case.endswith("-logprobs"), mixed=not case.endswith("-apart"))
+
+
+def staggered(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy tokens where the first two are submitted, run two steps, then the rest arrive two at a
+    time, a step after each pair: the later prompts' chunks run in steps beside the earlier ones' decode rows
+    (mixed steps, where the engine runs them)."""
+    outputs = {index: [] for index in range(len(prompts))}
+
+    def step():
+        for event in engine.step():
+            outputs[int(event.request_id)].append(event.token)
+
+    for index, prompt in enumerate(prompts):
+        engine.submit(str(index), prompt, SamplingParams(max_tokens=new_tokens))
+        if index == 1:
+            step()
+        if index % 2:
+            step()
+    while engine.busy:
+        step()
+    return [outputs[index] for index in range(len(prompts))]
+
+
+@pytest.fixture(scope="session")
+def run_staggered():
+    """`staggered`, for the tests (a test module cannot import this conftest by name)."""
+    return staggered
 
 
 @pytest.fixture(scope="session")

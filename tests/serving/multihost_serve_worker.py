@@ -6,7 +6,8 @@ Both processes join through jax.distributed (CPU collectives over gloo, 4 simula
 Process 0 schedules and serves the prompts, broadcasting each step (`serving.multihost.StepBroadcast`), then
 stops the other, which runs every step it is sent (`serving.multihost.follow`). Process 0 prints "tokens" and the
 greedy tokens as JSON, then "penalized" and the greedy tokens under PENALIZED (its slots written on both
-processes), process 1 "followed" and the steps it ran.
+processes), then "staggered" and the greedy tokens of the prompts arriving while others decode (`conftest.staggered`:
+mixed steps), process 1 "followed" and the steps it ran.
 """
 import json
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 import jax
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import CASES, engine_config, load_case_model  # noqa: E402
+from conftest import CASES, engine_config, load_case_model, staggered  # noqa: E402
 
 from starscream_jax.hardware.mesh import build_mesh  # noqa: E402
 from starscream_jax.serving.engine import Engine  # noqa: E402
@@ -37,9 +38,11 @@ def main(coordinator: str, process_id: int, prompts: list[list[int]], new_tokens
         engine.keep_followers()  # an idle leader's word first: the follower waits on for a step
         tokens = engine.generate(prompts, SamplingParams(max_tokens=new_tokens))
         penalized = engine.generate(prompts, SamplingParams(max_tokens=new_tokens, **PENALIZED))
+        arriving = staggered(engine, prompts, new_tokens)
         engine.stop_followers()
         print("tokens", json.dumps(tokens), flush=True)
         print("penalized", json.dumps(penalized), flush=True)
+        print("staggered", json.dumps(arriving), flush=True)
     else:
         print("followed", follow(engine), flush=True)
     jax.distributed.shutdown()

@@ -1,8 +1,8 @@
 """The engine: greedy tokens equal `generate()`'s on (1,1,1), (1,2,4) and (2,2,2) meshes under the decode layouts,
 with pages running out (preemption and recompute); requests one by one give the tokens of all at once; a seeded
 request samples the same tokens whatever else runs; full prompt pages are shared by prefix; 8-bit pages; two
-processes serving over one mesh. Each engine compiles its two programs once (conftest.engine_for) and every test
-reuses them."""
+processes serving over one mesh; a step's prompt chunks and decode rows in one mixed program or in two. Each engine
+compiles its programs once (conftest.engine_for) and every test reuses them."""
 import dataclasses
 import json
 import sys
@@ -19,13 +19,13 @@ from starscream_jax.inference.generate import generate
 from starscream_jax.model.hf_checkpoint import load_hf_model
 from starscream_jax.serving.engine import Engine, EngineConfig
 from starscream_jax.serving.scheduler import SamplingParams
-from starscream_jax.serving.steps import Buckets, SamplerFeatures, StepInputs, cache_shards
+from starscream_jax.serving.steps import Buckets, MixedInputs, SamplerFeatures, StepInputs, cache_shards
 
 ROWS, NEW_TOKENS = 8, 6
 WORKER = Path(__file__).with_name("multihost_serve_worker.py")
 PENALIZED = dict(repetition_penalty=1.8, presence_penalty=1.0, logit_bias=((7, -11.0),), min_tokens=2)
 """multihost_serve_worker.PENALIZED: settings that read each sequence's slot state."""
-CASES = ("1x1x1", "1x2x4", "2x2x2", "1x2x4-flat")  # conftest.CASES: the meshes and layouts
+CASES = ("1x1x1", "1x2x4", "2x2x2", "1x2x4-flat", "1x2x4-apart")  # conftest.CASES: the meshes and layouts
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_greedy_tokens_equal_generate(engine_for, prompts, reference, case):
     engine = engine_for(case)
     assert engine.generate([list(p) for p in prompts], SamplingParams(max_tokens=NEW_TOKENS)) == reference
     stats = engine.stats()
-    assert stats.programs == 2 and stats.pages_used == 0 and stats.running == stats.waiting == 0
+    assert stats.programs == 2 + engine.config.mixed and stats.pages_used == 0 and stats.running == stats.waiting == 0
     if case == "1x1x1":
         assert stats.preemptions > 0  # 8 x 3 pages asked of 12: the newest were recomputed
 
@@ -70,6 +70,23 @@ def test_gemma_2_and_routed_experts_serve_the_reference_tokens(family):
     prompts = [expected["prompt_ids"].tolist()] * 4
     assert engine.generate(prompts, SamplingParams(max_tokens=len(generated))) == [generated] * 4
     assert len(expected["prompt_ids"]) + len(generated) > 6 + 8  # past the window, over two prompt chunks
+
+
+@pytest.mark.parametrize("case", ["1x2x4", "1x2x4-apart", "1x1x1", pytest.param("2x2x2", marks=pytest.mark.slow)])
+def test_chunks_arriving_while_rows_decode_run_in_one_program_with_the_reference_tokens(engine_for, unsharded_llama,
+                                                                                        run_staggered, case):
+    """Requests that arrive while others decode: their prompt chunks (one of 3 positions, some of two chunks
+    across steps, one shard holding more chunks than another) and the decode rows run in one mixed program a step
+    (two with `EngineConfig.mixed` off), and every request's greedy tokens equal the unsharded model's."""
+    engine = engine_for(case)
+    rng = np.random.default_rng(5)
+    prompts = [list(rng.integers(2, 384, length)) for length in (6, 4, 13, 3, 16, 9)]
+    expected = [generate(unsharded_llama, np.asarray([prompt]), 4).tokens[0].tolist() for prompt in prompts]
+    engine.step_times.clear()
+    assert run_staggered(engine, prompts, 4) == expected
+    both = [step.programs for step in engine.step_times if step.prefill_rows and step.decode_rows]
+    assert len(both) >= 2 and set(both) == {1 if engine.config.mixed else 2}
+    assert engine.stats().pages_used == 0 and engine.stats().programs_after_start == 0
 
 
 def test_steps_launched_ahead_give_the_tokens_of_steps_run_one_at_a_time(engine_for, prompts, reference):
@@ -99,10 +116,11 @@ def test_no_program_of_a_step_holds_a_conditional(engine_for):
     launch for the device to reach it (benchmarks/NOTES.md run 46): the forward programs and every sampler the
     engine compiled at start (each combination of passes) are straight-line code."""
     engine = engine_for("1x2x4")
-    texts = [engine.program(phase, StepInputs.zeros(ROWS, width, 16)).as_text()
-             for phase, width in (("decode", 1), ("prefill", 8))]
+    texts = [engine.program(phase, inputs).as_text() for phase, inputs in (
+        ("decode", StepInputs.zeros(ROWS, 1, 16)), ("prefill", StepInputs.zeros(ROWS, 8, 16)),
+        ("mixed", MixedInputs(StepInputs.zeros(ROWS, 1, 16), StepInputs.zeros(ROWS, 8, 16))))]
     texts += [program.as_text() for program in engine._samplers.values()]
-    assert engine.samplers == 2 * len(SamplerFeatures.every())  # decode's rows and prefill's, each combination
+    assert engine.samplers == 3 * len(SamplerFeatures.every())  # decode's, prefill's and mixed rows, each combination
     assert not [text for text in texts if " conditional(" in text]
 
 
@@ -113,7 +131,7 @@ def test_one_by_one_equals_all_at_once(engine_for):
     together = engine.generate(prompts, SamplingParams(max_tokens=5))
     alone = [engine.generate([prompt], SamplingParams(max_tokens=5))[0] for prompt in prompts]
     assert together == alone
-    assert engine.stats().programs == 2  # no shape outside the buckets compiled
+    assert engine.stats().programs == 3  # no shape outside the buckets compiled
 
 
 def test_seeded_request_samples_alike_whatever_runs_beside_it(engine_for):
@@ -170,15 +188,17 @@ def test_an_8_bit_cache_decodes_close_to_the_full_precision_pages(engine_for, pr
 
 
 @pytest.mark.multiprocess
-def test_two_processes_serve_the_tokens_of_one(engine_for, prompts, cpu_child_env, free_port, local_processes):
+def test_two_processes_serve_the_tokens_of_one(engine_for, prompts, cpu_child_env, free_port, local_processes,
+                                               run_staggered):
     """Two CPU processes of 4 devices each join the 1x2x4 mesh (its gpu axis across them, `multihost_serve_worker`):
     process 0 schedules and broadcasts every step (and each slot's penalty state), process 1 runs each; their
-    greedy tokens, plain and under penalties, equal the single-process engine's on the same mesh."""
+    greedy tokens, plain, under penalties and with prompts arriving while others decode (mixed steps), equal the
+    single-process engine's on the same mesh."""
     coordinator = f"127.0.0.1:{free_port()}"
     outputs = local_processes([[sys.executable, str(WORKER), coordinator, str(process), json.dumps(prompts.tolist()),
                                 str(NEW_TOKENS)] for process in range(2)], cpu_child_env(4), timeout=240)
     lines = [line.split(" ", 1) for stdout, _ in outputs for line in stdout.splitlines()
-             if line.startswith(("tokens ", "penalized ", "followed "))]  # stdout also holds gloo's messages
+             if line.startswith(("tokens ", "penalized ", "staggered ", "followed "))]  # and gloo's messages
     reported = {kind: json.loads(value) for kind, value in lines}
     assert reported["followed"] >= NEW_TOKENS  # a prefill, then a decode step per further token at least
     single = engine_for("1x2x4").generate([list(p) for p in prompts], SamplingParams(max_tokens=NEW_TOKENS))
@@ -186,6 +206,7 @@ def test_two_processes_serve_the_tokens_of_one(engine_for, prompts, cpu_child_en
     penalized = engine_for("1x2x4").generate([list(p) for p in prompts],
                                              SamplingParams(max_tokens=NEW_TOKENS, **PENALIZED))
     assert reported["penalized"] == penalized and penalized != single
+    assert reported["staggered"] == run_staggered(engine_for("1x2x4"), [list(p) for p in prompts], NEW_TOKENS)
 
 
 def test_the_engine_api_checks_what_the_server_checks(engine_for):
@@ -240,4 +261,4 @@ def test_prompt_logprobs_equal_the_unsharded_models_across_chunks(engine_for, un
     assert all(abs(rank - want_rank) <= 1 for rank, want_rank in zip(scores.ranks, ranks))
     assert [tops[0] for tops in scores.top_tokens] == [int(row.argmax()) for row in reference[:-1]]
     np.testing.assert_allclose(scores.top_logprobs, np.sort(reference[:-1], -1)[:, ::-1][:, :5], atol=2e-4)
-    assert engine.stats().programs == 3 and engine.buckets.programs() == 3 and engine.stats().pages_used == 0
+    assert engine.stats().programs == 4 and engine.buckets.programs() == 4 and engine.stats().pages_used == 0

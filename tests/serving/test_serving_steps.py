@@ -3,6 +3,8 @@
 (`serving.sampling`: penalties, logit bias, min_tokens, min_p, top log-probabilities, the per-slot state) on tiny
 logits, compiled on the CPU: no model. Each setting is checked against a numpy reference of vLLM's definition.
 (Named apart from tests/training/test_steps.py: pytest imports test modules by their file name.)"""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +26,7 @@ from starscream_jax.serving.sampling import (
     write_masks,
 )
 from starscream_jax.serving.steps import (
+    Bucket,
     Buckets,
     PackedInputs,
     PromptScores,
@@ -368,3 +371,17 @@ def test_decode_reading_pages_in_place_takes_one_bucket_of_pages():
     assert in_place.pages_of("decode") == (512,) and in_place.pages_of("prefill") == (64, 128, 256, 512)
     assert {shape[3] for shape in in_place.shapes() if shape[0] == "decode"} == {512}
     assert (gathering.programs(), in_place.programs()) == (20, 11)
+
+
+def test_mixed_steps_take_each_decode_rows_bucket_with_each_prefill_bucket():
+    """A mixed step of every decode rows bucket and prefill shape: 3 x 2 x 4 more programs at these limits, their
+    block tables as wide as the prefill buckets' (the chunks gather their pages); each round trips through the
+    host inputs it runs on."""
+    buckets = dataclasses.replace(Buckets.for_limits(rows=64, chunk=512, pages=512, prefill_rows=4,
+                                                     reads_in_place=True), mixed=True)
+    mixed = [bucket for bucket in buckets.shapes() if bucket.phase == "mixed"]
+    assert buckets.programs() == 11 + 24 and len(set(mixed)) == 24
+    assert {(bucket.rows, bucket.chunks, bucket.pages) for bucket in mixed} == {
+        (rows, chunks, pages) for rows in (4, 16, 64) for chunks in (1, 4) for pages in (64, 128, 256, 512)}
+    for bucket in mixed[:3] + [Bucket("decode", 4, 1, 512), Bucket("scored", 1, 512, 64)]:
+        assert Bucket.of(bucket.phase, bucket.zeros()) == bucket
