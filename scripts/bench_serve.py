@@ -156,6 +156,20 @@ def decode_step_ms(engine, since: int) -> dict:
     return {str(batch): statistics.fmean(times) * MILLISECONDS for batch, times in sorted(rows.items())}
 
 
+def steps_by_kind(engine, since: int) -> dict:
+    """The steps after index `since` by kind: prefill only, decode only, and both (prompt chunks beside decode rows),
+    each with its count and mean milliseconds; where both ran, the programs a step launched (1: a mixed step)."""
+    kinds: dict[str, list] = {"prefill": [], "decode": [], "both": []}
+    for step in list(engine.step_times)[since:]:
+        kind = "both" if step.prefill_rows and step.decode_rows else "prefill" if step.prefill_rows else "decode"
+        kinds[kind].append(step)
+    out = {kind: {"steps": len(steps), "mean_ms": statistics.fmean(s.seconds for s in steps) * MILLISECONDS}
+           for kind, steps in kinds.items() if steps}
+    if kinds["both"]:
+        out["both"]["programs"] = statistics.fmean(step.programs for step in kinds["both"])
+    return out
+
+
 def host_ms(engine, since: int) -> dict:
     """Milliseconds per step over the steps after index `since`: the host's own work (scheduling, building the
     inputs) and the program calls' return (placing the inputs, enqueueing; a call the runtime makes wait for the
@@ -402,6 +416,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-overlap", action="store_true", help="the engine reads each step before the next")
     parser.add_argument("--no-mixed-steps", action="store_true",
                         help="the engine runs a step's prompt chunks and decode rows as two programs, not one")
+    parser.add_argument("--compare-two-programs", action="store_true",
+                        help="also run each workload in process with mixed steps off (a step's prompt chunks and "
+                             "decode rows as two programs), on the same engine")
     parser.add_argument("--sampling-settings", action="store_true",
                         help="also run each workload in process with penalties, a logit bias and top logprobs")
     parser.add_argument("--http", action="store_true", help="also through `starscream serve` in its own process")
@@ -458,7 +475,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.quick:
         args.model, args.layers, args.chunk, args.max_num_batched_tokens = "tiny", 2, 16, 48
-        args.max_num_seqs, args.http, args.sampling_settings = 4, True, True
+        args.max_num_seqs, args.http, args.sampling_settings, args.compare_two_programs = 4, True, True, True
         args.static_generate = args.static_generate or 4
         args.fake_engine = args.fake_engine or 20.0
         args.streams = min(args.streams, 16)
@@ -548,12 +565,15 @@ def engine_only(args, argv) -> int:
         prompts, outputs = prompts_of(workload, config.vocab_size)
         warm = prompts_of(workload, config.vocab_size, seed=1)
         line = roofline(engine.model_config, workload, prompts, outputs, efficiency, peak, read_rate)
-        variants = [("prefix", True, None), ("no_prefix", False, None)] if workload.shared_prefix else \
-            [("", True, None)]
+        variants = [("prefix", True, None, True), ("no_prefix", False, None, True)] if workload.shared_prefix else \
+            [("", True, None, True)]
         if args.sampling_settings:
-            variants.append(("settings", True, SETTINGS))
-        for label, prefix_caching, settings in variants:
+            variants.append(("settings", True, SETTINGS, True))
+        if args.compare_two_programs:
+            variants.append(("two_programs", True, None, False))
+        for label, prefix_caching, settings, mixed in variants:
             engine.use_prefix_caching(prefix_caching)
+            engine.use_mixed_steps(mixed and engine.buckets.mixed)
             run_engine(engine, workload, *warm, settings)
             before, since = engine.stats(), len(engine.step_times)
             traced = args.profile_dir / f"{workload.name}{label}" if args.profile_dir else None
@@ -562,7 +582,8 @@ def engine_only(args, argv) -> int:
             figures = metrics(run_engine(engine, workload, prompts, outputs, settings), prompts)
             stats = engine.stats()
             row = {"workload": dataclasses.asdict(workload), "mode": "in_process", "prefix_caching": prefix_caching,
-                   "sampling_settings": settings is not None,
+                   "sampling_settings": settings is not None, "mixed_steps": mixed and engine.buckets.mixed,
+                   "steps": steps_by_kind(engine, since),
                    **figures, "decode_step_ms_by_batch": decode_step_ms(engine, since),
                    "host_ms_per_step": host_ms(engine, since),
                    "prefix_hit_pages": stats.prefix_hit_pages - before.prefix_hit_pages,
@@ -714,12 +735,15 @@ def front_end(args) -> dict:
 def ratios(result: dict) -> dict:
     """Output tokens/s of the server over the engine in process, and over transformers, per workload; of the
     engine in process over the static `generate` (--static-generate); of the engine with --sampling-settings over
-    without."""
+    without; of the engine with mixed steps over two programs a step (--compare-two-programs)."""
     engine = {row["workload"]["name"]: row["output_tokens_per_s"] for row in result.get("runs", ())
-              if row["prefix_caching"] and not row.get("sampling_settings")}
+              if row["prefix_caching"] and not row.get("sampling_settings") and row.get("mixed_steps", True)}
     out = {f"{row['workload']['name']}_with_sampling_settings_over_without":
            row["output_tokens_per_s"] / engine[row["workload"]["name"]]
            for row in result.get("runs", ()) if row.get("sampling_settings")}
+    out.update({f"{row['workload']['name']}_mixed_steps_over_two_programs":
+                engine[row["workload"]["name"]] / row["output_tokens_per_s"]
+                for row in result.get("runs", ()) if row.get("mixed_steps") is False})
     for row in result.get("http", {}).get("runs", ()):
         name = row["workload"]["name"]
         out[f"{name}_http_over_in_process"] = row["output_tokens_per_s"] / engine[name]

@@ -272,6 +272,7 @@ class Engine:
         self._compiling: dict[str, tuple[Sequence, concurrent.futures.Future]] = {}
         self._refusals: list[tuple[str, str]] = []
         self._overlap = config.overlap and jax.process_count() == 1
+        self._mixed = self.buckets.mixed  # `use_mixed_steps`
         self._in_flight: _Launched | None = None
         self._last_resolved = 0.0
         self.step_times: deque[StepTime] = deque(maxlen=STEPS_KEPT)
@@ -493,6 +494,14 @@ class Engine:
         self.scheduler.finish(sequence)
         return True
 
+    def use_mixed_steps(self, enabled: bool) -> None:
+        """Turns mixed steps on or off from the next step on (a benchmark compares both on one engine); on needs
+        the mixed programs compiled (`EngineConfig.mixed`)."""
+        if enabled and not self.buckets.mixed:
+            raise StarscreamError("this engine compiled no mixed steps (EngineConfig mixed=False, --no-mixed-steps); "
+                                  "build it with mixed steps to run them")
+        self._mixed = enabled
+
     def use_prefix_caching(self, enabled: bool) -> None:
         """Turns prefix caching on or off (pages registered so far stay registered); only while idle."""
         if self.busy:
@@ -554,7 +563,7 @@ class Engine:
         launched = []
         decode = [Chunk(s, s.length - 1, 1) for s in plan.decode]
         scored = any(_scored_span(chunk) for chunk in plan.prefill)
-        if plan.prefill and decode and self.buckets.mixed and not scored:
+        if plan.prefill and decode and self._mixed and not scored:
             launched.append(self._launch("mixed", list(plan.prefill), decode))
         else:
             if plan.prefill:

@@ -74,12 +74,16 @@ def test_the_serving_roofline_counts_a_decode_step_at_the_slower_of_its_weight_r
 @pytest.mark.slow
 def test_the_static_generate_baseline_keeps_the_faster_of_its_passes(tmp_path):
     """bench_serve --static-generate: the static `generate` runs every prompt twice, each pass's rate stored, and
-    the baseline is the faster pass (what the engine's ratio is taken against)."""
+    the baseline is the faster pass (what the engine's ratio is taken against); --quick also runs the workload with
+    mixed steps off on the same engine (two programs a step where chunks and decode rows meet)."""
     out = tmp_path / "serve.json"
     assert load("bench_serve").main(["--quick", "--workload", "A", "--static-generate", "4", "--out", str(out)]) == 0
-    (static,) = json.loads(out.read_text())["static_generate"]
+    result = json.loads(out.read_text())
+    (static,) = result["static_generate"]
     assert len(static["passes_output_tokens_per_s"]) == 2
     assert static["output_tokens_per_s"] == max(static["passes_output_tokens_per_s"]) > 0
+    mixed = {row["mixed_steps"]: row["steps"]["both"]["programs"] for row in result["runs"]}  # --quick compares
+    assert mixed == {True: 1, False: 2} and result["ratios"]["A_mixed_steps_over_two_programs"] > 0
 
 
 def test_bench_paged_attention_times_the_8_bit_kernel_at_each_tiling_beside_the_bf16_forms(tmp_path):

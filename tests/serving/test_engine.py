@@ -87,6 +87,9 @@ def test_chunks_arriving_while_rows_decode_run_in_one_program_with_the_reference
     both = [step.programs for step in engine.step_times if step.prefill_rows and step.decode_rows]
     assert len(both) >= 2 and set(both) == {1 if engine.config.mixed else 2}
     assert engine.stats().pages_used == 0 and engine.stats().programs_after_start == 0
+    if not engine.config.mixed:
+        with pytest.raises(StarscreamError, match="compiled no mixed steps"):
+            engine.use_mixed_steps(True)
 
 
 def test_steps_launched_ahead_give_the_tokens_of_steps_run_one_at_a_time(engine_for, prompts, reference):
