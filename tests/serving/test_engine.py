@@ -55,11 +55,12 @@ def test_greedy_tokens_equal_generate(engine_for, prompts, reference, case):
 
 
 @pytest.mark.parametrize("family", ["gemma2", "mixtral"])
-def test_gemma_2_and_routed_experts_serve_the_reference_tokens(family):
+def test_gemma_2_and_routed_experts_serve_the_reference_tokens(family, run_staggered):
     """Gemma 2 (scaled and soft-capped scores, a window of 6 on alternate layers: paged attention in XLA's explicit
     form, the window passed 20 tokens before the end) and Mixtral (routed experts, each expert's weights read once
     per GPU under starscream_decode) served on 2 GPUs x 4 partitions: 4 rows of the fixture's prompt give the greedy
-    tokens Hugging Face transformers generated (tests/fixtures/hf/<family>/reference.safetensors)."""
+    tokens Hugging Face transformers generated (tests/fixtures/hf/<family>/reference.safetensors), at once and
+    arriving while others decode (mixed steps)."""
     fixture = Path(__file__).parents[1] / "fixtures" / "hf" / family
     expected, mesh = load_file(fixture / "reference.safetensors"), build_mesh("1x2x4")
     shards = cache_shards("starscream_decode", mesh)
@@ -70,6 +71,9 @@ def test_gemma_2_and_routed_experts_serve_the_reference_tokens(family):
     prompts = [expected["prompt_ids"].tolist()] * 4
     assert engine.generate(prompts, SamplingParams(max_tokens=len(generated))) == [generated] * 4
     assert len(expected["prompt_ids"]) + len(generated) > 6 + 8  # past the window, over two prompt chunks
+    engine.use_prefix_caching(False)  # the later prompts' chunks computed, beside the earlier ones' decode rows
+    assert run_staggered(engine, prompts, len(generated)) == [generated] * 4
+    assert any(step.prefill_rows and step.decode_rows and step.programs == 1 for step in engine.step_times)
 
 
 @pytest.mark.parametrize("case", ["1x2x4", "1x2x4-apart", "1x1x1", pytest.param("2x2x2", marks=pytest.mark.slow)])
