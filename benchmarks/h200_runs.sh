@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind README's speed tables, batched so that each machine start serves several measurements.
 # Usage (repository root): bash benchmarks/h200_runs.sh part1|part2|part3|part6|part9 RESULTS_DIR (two H200s), or
-# bash benchmarks/h200_runs.sh part4|part8 RESULTS_DIR BASE_TREE | part5|part7|part10-part16 RESULTS_DIR (one H200;
+# bash benchmarks/h200_runs.sh part4|part8 RESULTS_DIR BASE_TREE | part5|part7|part10-part18 RESULTS_DIR (one H200;
 # BASE_TREE: a copy of the tree before part4's change)
 # part1: one GPU (decode on GPU 1 beside training on GPU 0), then Llama 3.2 1B and Llama 3 8B tensor parallel on two.
 # part2: decode profiled, and with its layer loop unrolled, then Llama 3 8B tensor parallel and FSDP on two GPUs (cut
@@ -147,6 +147,17 @@ elif [ "$part" = part16 ]; then
   timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/model/test_byte_transpose.py 2>&1 | tail -4
   timeout 400 python3 scripts/bench_mfu.py --model llama3.2-3b --batch-size 4 --seq-len 2048 --layouts starscream_tp \
     --plain --no-torch --fp8 --profile-dir /tmp/fp8_profiles --out "$out/mfu_llama3.2-3b_1gpu_fp8_byte_transpose.json"
+elif [ "$part" = part17 ]; then
+  # part17, one H200 (not yet run): workload A on one engine with a step's prompt chunks and decode rows as one mixed
+  # program and as two (the same engine, mixed steps turned off), beside the static generate at batch 64. The engine
+  # compiles 35 programs (24 of them mixed): where the call ends inside the compile, run it again at once (the
+  # compilation cache under /tmp/starscream-bench-serve keeps what compiled while the machine is held).
+  timeout 590 python3 scripts/bench_serve.py --workload A --compare-two-programs --static-generate 64 \
+    --out "$out/serve_a_mixed_steps.json"
+elif [ "$part" = part18 ]; then
+  # part18, one H200 (not yet run): workload B (8 requests/s) with mixed steps and with two programs a step, where
+  # a prompt's chunk shares its step with a few dozen decode rows (TPOT and TTFT), on the engine part17 compiled.
+  timeout 590 python3 scripts/bench_serve.py --workload B --compare-two-programs --out "$out/serve_b_mixed_steps.json"
 else
   # part3 (not run: superseded by part5): the 8B runs part2 did not reach, and collective matmul for TP.
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
