@@ -5,10 +5,11 @@ Pure Python, no arrays: the engine turns each `StepPlan` into the compiled steps
      sequence (pages freed, the sequence back at the head of the queue, recomputed from its tokens later) until one
      is free;
   2. hands the per-step token budget to chunks of the prompts still being prefilled (oldest first, at most `chunk`
-     tokens each, at most `prefill_rows` chunks per shard); the decoding rows run in a program of their own and
-     take none of it: the prefill program pads each chunk to `chunk` positions, so a budget less one token per
-     decoding row would only split a chunk into a padded part and a further step (256 decoding rows over a budget of
-     8,192 in chunks of 512 made workload A's 256 prompts take 17 prefill steps where 16 hold them);
+     tokens each, at most `prefill_rows` chunks per shard); the decoding rows take none of it, whether they run in
+     a program of their own or beside the chunks in a mixed step: each chunk is padded to `chunk` positions, so a
+     budget less one token per decoding row would only split a chunk into a padded part and a further step (256
+     decoding rows over a budget of 8,192 in chunks of 512 made workload A's 256 prompts take 17 prefill steps where
+     16 hold them);
   3. admits waiting requests in arrival order while a shard has a row and the pages of the whole prompt (full pages
      of a known prefix are shared, not allocated), each to the shard holding most of its prefix, else the
      least busy one.
@@ -293,8 +294,8 @@ class StepPlan:
 class SchedulerConfig:
     """shards: cache shards (the partitions the attention batch is split over); pages_per_shard: each shard's pages
     (one is its null page); page_size: positions per page; rows_per_shard: most sequences a shard runs at once;
-    token_budget: most prompt tokens a step prefills (decode rows, at most rows_per_shard per shard, run in a
-    program of their own); chunk: most prompt tokens of one sequence per step; prefill_rows: most prompt chunks a
+    token_budget: most prompt tokens a step prefills (decode rows, at most rows_per_shard per shard, take none of
+    it); chunk: most prompt tokens of one sequence per step; prefill_rows: most prompt chunks a
     shard runs in one step (default rows_per_shard); prefix_caching: whether full prompt pages are shared by hash."""
 
     shards: int
