@@ -6,6 +6,7 @@ compiles its programs once (conftest.engine_for) and every test reuses them."""
 import dataclasses
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 
 from safetensors.numpy import load_file
 
+from starscream_jax.analysis.hlo import parse_hlo
 from starscream_jax.errors import StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.inference.generate import generate
@@ -116,6 +118,27 @@ def test_steps_launched_ahead_give_the_tokens_of_steps_run_one_at_a_time(engine_
         assert stats.pages_used == 0 and stats.preemptions > 0 and not engine.busy
     assert ahead.generate([list(p) for p in prompts], sampled) == sync.generate([list(p) for p in prompts], sampled)
     assert sum(step.host_seconds for step in ahead.step_times) > 0
+
+
+@pytest.mark.parametrize("case", ["1x2x4", pytest.param("2x2x2", marks=pytest.mark.slow)])
+def test_a_mixed_step_moves_nothing_between_devices_to_join_or_split_its_stream(engine_for, case):
+    """The compiled mixed program holds the prefill program's collectives, kind for kind (its streams are joined and
+    split on each device from its own rows), and reads each weight once: its matmuls are the prefill program's, each
+    over the whole stream of the device's shard (its decode rows' tokens and its chunks')."""
+    engine = engine_for(case)
+    programs = {bucket.phase: parse_hlo(program.as_text()) for bucket, program in engine._programs.items()}
+
+    def collectives(program):
+        return Counter((c.kind, c.count) for c in program.collectives)
+
+    def weight_matmuls(program):  # (einsum, rows of tokens a device) of every matmul outside attention
+        return [(dot.op_name.split("/")[-2], dot.m) for dot in program.dots if "/attention/" not in dot.op_name]
+
+    assert collectives(programs["mixed"]) == collectives(programs["prefill"])
+    stream = engine.buckets.rows[0] + engine.buckets.rows_of("prefill")[0] * engine.buckets.positions[0]
+    mixed, prefill = weight_matmuls(programs["mixed"]), weight_matmuls(programs["prefill"])
+    assert [name for name, _ in mixed] == [name for name, _ in prefill]  # one matmul a weight, as in prefill
+    assert {rows for name, rows in mixed if name != "bsd,vd->bsv"} == {stream}  # a shard's stream on each device
 
 
 def test_no_program_of_a_step_holds_a_conditional(engine_for):
