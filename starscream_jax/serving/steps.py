@@ -28,8 +28,8 @@ The pages' placement is the decode layout's, split into `cache_shards` shards (o
 layout must place them alike (`check_same_cache_placement`).
 
 Shapes are bucketed (`Buckets`): rows per shard, positions per row (prefill) and pages per row round up to the next
-bucket, so a server compiles each (phase, rows, positions, pages) program once, at start, and holds `Buckets.programs()`
-of them. Sampling is per row: a masked row's allowed tokens (grammar, allowed_token_ids), its bad words, then logit
+bucket, so a server compiles each program (`Bucket`: phase, rows, positions, pages, and a mixed step's chunk rows) once,
+at start, and holds `Buckets.programs()` of them. Sampling is per row: a masked row's allowed tokens (grammar, allowed_token_ids), its bad words, then logit
 bias, the min_tokens mask and the penalties (`serving.sampling`), then temperature 0 is greedy, else min_p, top-k, then
 top-p (nucleus) at the row's temperature, the draw keyed by (row's seed, the new token's position) alone.
 """
@@ -269,10 +269,8 @@ class Bucket(NamedTuple):
                                StepInputs.zeros(self.chunks, self.width, self.pages))
         return StepInputs.zeros(self.rows, self.width, self.pages, self.phase == "scored")
 
-    def per_shard(self, shards: int) -> Bucket:
-        return self._replace(rows=self.rows // shards, chunks=self.chunks // shards)
-
     def of_shards(self, shards: int) -> Bucket:
+        """This bucket of rows per shard (`Buckets.shapes`) as the rows of all `shards` (an engine's keys)."""
         return self._replace(rows=self.rows * shards, chunks=self.chunks * shards)
 
 
