@@ -202,7 +202,8 @@ def step_program(settings: Settings, layout: Layout, mesh, config: ModelConfig |
     if settings.paged:
         graphdef, args = abstract_paged_args(config, layout, mesh, settings.batch, settings.cache)
         kernel = policy_of(mesh.devices.flat[0]).paged_attention  # the engine's choice on this backend
-        return forward_step(graphdef, kernel, under=Placement(layout, mesh)), args
+        return forward_step(graphdef, kernel, under=Placement(layout, mesh),
+                            eight_bit_weights=bool(config.weight_format)), args
     if settings.cache < settings.seq:
         raise StarscreamError(f"a KV cache of {settings.cache} positions cannot hold {settings.seq} tokens; give "
                               f"cache_length {settings.seq} or more")

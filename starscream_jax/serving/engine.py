@@ -246,7 +246,8 @@ class Engine:
             rows_per_shard=config.rows_per_shard, token_budget=config.token_budget, chunk=config.chunk,
             prefix_caching=config.prefix_caching, prefill_rows=self.buckets.rows_of("prefill")[-1]))
         self._pages = None  # allocated after the warm-up: XLA's autotuning wants free device memory to compile
-        self._steps = {phase: forward_step(self.graphdef, self.kernel, decode=phase == "decode", under=under)
+        self._steps = {phase: forward_step(self.graphdef, self.kernel, decode=phase == "decode", under=under,
+                                           eight_bit_weights=bool(c.weight_format))
                        for phase, under in self._placements.items()}
         self._sample = {phase: sample_step(under=under) for phase, under in self._placements.items()}
         self._programs: dict[tuple, object] = {}  # (phase, rows, width, pages) -> its forward program

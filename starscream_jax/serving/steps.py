@@ -52,7 +52,7 @@ from ..model.ops import run_sharded
 from ..model.paged import PAGES, PagedCache, RowSplit, pool_shape
 from ..sharding.apply import UNPLACED, Jitted, Placement, jit, placed_by
 from ..sharding.layouts import PHASE_DEFAULTS, get_layout
-from ..training.steps import whole_vocabulary
+from ..training.steps import decode_options, whole_vocabulary
 from .sampling import (
     MAX_TOP_LOGPROBS,
     SlotState,
@@ -439,16 +439,17 @@ class SamplerRows:
     slot: jax.Array
 
 
-def forward_step(graphdef, kernel: str, decode: bool = True, *, under: Placement | None) -> Jitted:
+def forward_step(graphdef, kernel: str, decode: bool = True, *, under: Placement | None,
+                 eight_bit_weights: bool = False) -> Jitted:
     """The jitted model part of the paged step (see the module docstring) under `under` (`sharding.apply.jit`),
     its decode attention `kernel` (`model.paged.KERNELS`: the engine's, resolved from the backend policy); the pages
     are donated. (params, rest, pages, recent, packed `PackedInputs`, or a mixed step's `MixedPacked`) -> (logits
     [B, V] at each row's last token (a mixed step's rows: each shard's decode rows, then its chunks),
     `SamplerRows`, pages, and in a scored prefill the rows' `PromptScores.packed` [B, S * SAMPLED_COLUMNS], else
-    None). Decode steps compile with the backend policy's decode options (`BackendPolicy.decode_compiler_options`),
-    as the decode step does."""
+    None). Decode steps compile with the decode step's options (`training.steps.decode_options`: the backend
+    policy's, and XLA's Triton GEMMs where `eight_bit_weights`), so that both decode paths build their matmuls alike."""
     placement = under or UNPLACED
-    options = dict(policy_of(placement.device).decode_compiler_options) if decode else None
+    options = decode_options(policy_of(placement.device), eight_bit_weights) if decode else None
 
     @jit(under=under, ambient=False, donate_argnums=(2,), compiler_options=options)
     def step(params, rest, pages, recent, packed: PackedInputs | MixedPacked):

@@ -385,3 +385,17 @@ def test_mixed_steps_take_each_decode_rows_bucket_with_each_prefill_bucket():
         (rows, chunks, pages) for rows in (4, 16, 64) for chunks in (1, 4) for pages in (64, 128, 256, 512)}
     for bucket in mixed[:3] + [Bucket("decode", 4, 1, 512), Bucket("scored", 1, 512, 64)]:
         assert Bucket.of(bucket.phase, bucket.zeros()) == bucket
+
+
+def test_the_paged_decode_step_compiles_with_the_decode_steps_options(monkeypatch):
+    """The engine's decode programs take `training.steps.decode_options` as the decode step does (XLA's Triton
+    GEMMs where the weights are 8-bit, on a backend that sets the option); its prefill and mixed programs take
+    XLA's defaults."""
+    from starscream_jax.serving import steps
+
+    asked = []
+    monkeypatch.setattr(steps, "decode_options", lambda policy, eight_bit: asked.append(eight_bit) or {})
+    steps.forward_step(None, "gather", decode=True, under=None, eight_bit_weights=True)
+    steps.forward_step(None, "gather", decode=True, under=None)
+    steps.forward_step(None, "gather", decode=False, under=None, eight_bit_weights=True)
+    assert asked == [True, False]
