@@ -148,10 +148,9 @@ elif [ "$part" = part16 ]; then
   timeout 400 python3 scripts/bench_mfu.py --model llama3.2-3b --batch-size 4 --seq-len 2048 --layouts starscream_tp \
     --plain --no-torch --fp8 --profile-dir /tmp/fp8_profiles --out "$out/mfu_llama3.2-3b_1gpu_fp8_byte_transpose.json"
 elif [ "$part" = part17 ]; then
-  # part17, one H200 (not yet run): workload A on one engine with a step's prompt chunks and decode rows as one mixed
-  # program and as two (the same engine, mixed steps turned off), beside the static generate at batch 64. The engine
-  # compiles 35 programs (24 of them mixed): where the call ends inside the compile, run it again at once (the
-  # compilation cache under /tmp/starscream-bench-serve keeps what compiled while the machine is held).
+  # part17, one H200 (not yet run): workload A on one engine with a step's prompt chunks (one a shard) and decode rows
+  # as one mixed program and as two (the same engine, mixed steps turned off), beside the static generate at batch
+  # 64; the engine compiles 14 programs (3 of them mixed).
   timeout 590 python3 scripts/bench_serve.py --workload A --compare-two-programs --static-generate 64 \
     --out "$out/serve_a_mixed_steps.json"
 elif [ "$part" = part18 ]; then

@@ -573,7 +573,7 @@ def engine_only(args, argv) -> int:
             variants.append(("two_programs", True, None, False))
         for label, prefix_caching, settings, mixed in variants:
             engine.use_prefix_caching(prefix_caching)
-            engine.use_mixed_steps(mixed and engine.buckets.mixed)
+            engine.use_mixed_steps(mixed and bool(engine.buckets.mixed_chunks))
             run_engine(engine, workload, *warm, settings)
             before, since = engine.stats(), len(engine.step_times)
             traced = args.profile_dir / f"{workload.name}{label}" if args.profile_dir else None
@@ -582,7 +582,8 @@ def engine_only(args, argv) -> int:
             figures = metrics(run_engine(engine, workload, prompts, outputs, settings), prompts)
             stats = engine.stats()
             row = {"workload": dataclasses.asdict(workload), "mode": "in_process", "prefix_caching": prefix_caching,
-                   "sampling_settings": settings is not None, "mixed_steps": mixed and engine.buckets.mixed,
+                   "sampling_settings": settings is not None,
+                   "mixed_steps": mixed and bool(engine.buckets.mixed_chunks),
                    "steps": steps_by_kind(engine, since),
                    **figures, "decode_step_ms_by_batch": decode_step_ms(engine, since),
                    "host_ms_per_step": host_ms(engine, since),

@@ -396,8 +396,15 @@ def start_line(engine, name: str, source, mesh, args) -> str:
             f"{engine.config.token_budget} tokens per step, prompt chunks of {engine.config.chunk}\n"
             f"  programs: decode rows per shard {list(buckets.rows)}, prefill rows {list(buckets.rows_of('prefill'))}"
             f" x {list(buckets.positions)} positions, pages per row {_pages_line(buckets)}"
-            f"{', mixed steps of each decode and prefill shape' if buckets.mixed else ''}: "
+            f"{_mixed_line(buckets)}: "
             f"{buckets.programs()} in all; paged decode attention: {engine.kernel}")
+
+
+def _mixed_line(buckets) -> str:
+    """The mixed steps' shapes, or nothing where the engine runs none."""
+    if not buckets.mixed_chunks:
+        return ""
+    return f", mixed steps of each decode bucket with {list(buckets.mixed_chunks)} prompt chunks per shard"
 
 
 def _pages_line(buckets) -> str:

@@ -43,16 +43,18 @@ def page_bytes_per_device(page_shardings, page_shapes, dtypes) -> int:
 
 
 def step_reserve_bytes(tokens: int, rows: int, table_positions: int, d_model: int, d_ff: int, vocab: int,
-                       kv_width: int, itemsize: int, scored: bool = False, mixed: bool = False) -> int:
+                       kv_width: int, itemsize: int, scored: bool = False, mixed_tokens: int = 0) -> int:
     """A bound on one step's temporaries per device: a prefill of `tokens` tokens (the residual stream in float32,
     the MLP's three hidden arrays, q/k/v; where `scored`, a scored prefill's float32 logits of every token over the
     whole vocabulary, their log-softmax and a comparison's copy) and the decode of `rows` rows gathering
     `table_positions` positions of one layer's keys and values (`kv_width` = kv heads x head_dim on the device),
     with the float32 logits and the sampler's sorted copy of each row, doubled for what XLA keeps alive at once;
-    the larger of the two, or where `mixed` steps run both in one program, their sum."""
-    prefill = tokens * (4 * d_model * 4 + 3 * d_ff * itemsize + 3 * d_model * itemsize + scored * 3 * vocab * 4)
+    the larger of the two, and of a mixed step's decode beside a prefill of `mixed_tokens` tokens."""
+    def prefill(tokens: int) -> int:
+        return tokens * (4 * d_model * 4 + 3 * d_ff * itemsize + 3 * d_model * itemsize + scored * 3 * vocab * 4)
+
     decode = rows * table_positions * kv_width * 2 * itemsize + rows * vocab * 4 * 3
-    return 2 * (prefill + decode if mixed else max(prefill, decode))
+    return 2 * max(prefill(tokens), decode + (prefill(mixed_tokens) if mixed_tokens else 0))
 
 
 def memory_stats(devices) -> list[dict] | None:

@@ -168,8 +168,9 @@ class EngineConfig:
     in the same order as its steps); prompt_logprobs: serve requests that ask for their prompt's log-probabilities
     (`SamplingParams.prompt_logprobs`) with a scored prefill of each prefill bucket, compiled at start beside the
     others (`steps` says why at start); off, such a request is refused; mixed: a step's prompt chunks and decode rows
-    run as one program (a mixed step of each decode rows and prefill bucket, compiled at start; off, two programs
-    a step, each reading every weight). The KV pages' format is the model's (`ModelConfig.kv_format`)."""
+    run as one program where each shard's chunks fit `Buckets.mixed_chunks` (one chunk unless the buckets say more:
+    a mixed step of each decode bucket, compiled at start); off, two programs a step, each reading every weight. The
+    KV pages' format is the model's (`ModelConfig.kv_format`)."""
 
     page_size: int = 16
     pages_per_shard: int | None = None
@@ -230,9 +231,10 @@ class Engine:
         prefill_rows = min(config.rows_per_shard, math.ceil(config.token_budget / config.chunk))
         self.kernel = _paged_kernel(config.kernel, mesh)
         in_place = reads_in_place(self.kernel, self.kv_format or c.dtype, attention_options(c))
-        self.buckets = dataclasses.replace(config.buckets or Buckets.for_limits(
-            config.rows_per_shard, config.chunk, max_pages, prefill_rows, in_place),
-            scored=config.prompt_logprobs, mixed=config.mixed)
+        buckets = config.buckets or Buckets.for_limits(config.rows_per_shard, config.chunk, max_pages, prefill_rows,
+                                                       in_place)
+        self.buckets = dataclasses.replace(buckets, scored=config.prompt_logprobs,
+                                           mixed_chunks=(buckets.mixed_chunks or (1,)) if config.mixed else ())
         _check_buckets(self.buckets, config)
         # float weights in the compute dtype, 8-bit ones as stored, projections sharing an input stacked
         self.graphdef, params, self.rest = inference_split(model, mesh, c.dtype)
@@ -273,7 +275,7 @@ class Engine:
         self._compiling: dict[str, tuple[Sequence, concurrent.futures.Future]] = {}
         self._refusals: list[tuple[str, str]] = []
         self._overlap = config.overlap and jax.process_count() == 1
-        self._mixed = self.buckets.mixed  # `use_mixed_steps`
+        self._mixed = bool(self.buckets.mixed_chunks)  # `use_mixed_steps`
         self._in_flight: _Launched | None = None
         self._last_resolved = 0.0
         self.step_times: deque[StepTime] = deque(maxlen=STEPS_KEPT)
@@ -293,7 +295,8 @@ class Engine:
             tokens=self.buckets.rows_of("prefill")[-1] * self.buckets.positions[-1],
             rows=self.buckets.rows[-1], table_positions=max_pages * config.page_size, d_model=c.d_model,
             d_ff=c.d_ff, vocab=c.vocab_size, kv_width=kv_width, itemsize=jnp.dtype(c.dtype).itemsize,
-            scored=config.prompt_logprobs, mixed=self.buckets.mixed)
+            scored=config.prompt_logprobs,
+            mixed_tokens=self.buckets.mixed_chunks[-1] * self.buckets.positions[-1] if self.buckets.mixed_chunks else 0)
         reserve += self._slot_state_bytes()  # allocated beside the pools
         floor = self.config.rows_per_shard * max_pages + 1
         return capacity.agreed(capacity.size_from_memory(capacity.local_devices_of(self.mesh), page_bytes, reserve,
@@ -498,7 +501,7 @@ class Engine:
     def use_mixed_steps(self, enabled: bool) -> None:
         """Turns mixed steps on or off from the next step on (a benchmark compares both on one engine); on needs
         the mixed programs compiled (`EngineConfig.mixed`)."""
-        if enabled and not self.buckets.mixed:
+        if enabled and not self.buckets.mixed_chunks:
             raise StarscreamError("this engine compiled no mixed steps (EngineConfig mixed=False, --no-mixed-steps); "
                                   "build it with mixed steps to run them")
         self._mixed = enabled
@@ -564,7 +567,7 @@ class Engine:
         launched = []
         decode = [Chunk(s, s.length - 1, 1) for s in plan.decode]
         scored = any(_scored_span(chunk) for chunk in plan.prefill)
-        if plan.prefill and decode and self._mixed and not scored:
+        if plan.prefill and decode and self._mixed and not scored and self._chunks_fit_mixed(plan.prefill):
             launched.append(self._launch("mixed", list(plan.prefill), decode))
         else:
             if plan.prefill:
@@ -578,6 +581,15 @@ class Engine:
             events += self._resolve(step)
             self._in_flight = None
         return events
+
+    def _chunks_fit_mixed(self, chunks) -> bool:
+        """Whether every shard's prompt chunks fit the largest mixed step (`Buckets.mixed_chunks`); a step of more
+        runs its chunks and its decode rows as two programs (many chunks make a step bound by its matmuls, where a
+        second read of the weights costs little)."""
+        per_shard = [0] * self.shards
+        for chunk in chunks:
+            per_shard[chunk.sequence.shard] += 1
+        return max(per_shard) <= self.buckets.mixed_chunks[-1]
 
     def _only_guided(self) -> bool:
         """Whether every running sequence is guided and none waits: the next step could launch nothing before
@@ -825,10 +837,10 @@ class Engine:
             self.channel.stop()
 
     def _mixed_inputs(self, prefill: list[Chunk], decode: list[Chunk]) -> tuple[MixedInputs, list[int]]:
-        """A mixed step's host inputs (both groups' block tables of one width, the prefill buckets') and the row
-        each chunk's output takes (`prefill`'s, then `decode`'s): shard s's rows of outputs are its decode rows, then
-        its chunks (`model.paged.RowSplit`)."""
-        pages = self._pages_bucket(prefill + decode, self.buckets.pages)
+        """A mixed step's host inputs (both groups' block tables of one width, of decode's buckets) and the row each
+        chunk's output takes (`prefill`'s, then `decode`'s): shard s's rows of outputs are its decode rows, then its
+        chunks (`model.paged.RowSplit`)."""
+        pages = self._pages_bucket(prefill + decode, self.buckets.pages_of("mixed"))
         (chunks, chunk_rows), (rows, decode_rows) = (self._inputs(phase, group, pages) for phase, group in
                                                      (("prefill", prefill), ("decode", decode)))
         per_shard = [group.tokens.shape[0] // self.shards for group in (rows, chunks)]
@@ -844,16 +856,20 @@ class Engine:
     def _pages_bucket(chunks: list[Chunk], buckets: tuple[int, ...]) -> int:
         return Buckets.round_up(max(len(c.sequence.pages) for c in chunks), buckets, "pages per row")
 
-    def _inputs(self, phase: str, chunks: list[Chunk], pages: int | None = None) -> tuple[StepInputs, list[int]]:
-        """The padded step inputs for `chunks` (host arrays) and the row each chunk runs in; block tables `pages`
-        wide (None: the phase's bucket). Per row the host writes its tokens, positions and block table; the rows'
-        other fields are gathered into lists and written a column at a time (a step of 256 decode rows would
-        otherwise set each of some twenty fields row by row)."""
+    def _inputs(self, phase: str, chunks: list[Chunk], mixed_pages: int | None = None) -> tuple[StepInputs, list[int]]:
+        """The padded step inputs for `chunks` (host arrays) and the row each chunk runs in; a mixed step's groups
+        with block tables `mixed_pages` wide, its chunks in `Buckets.mixed_chunks` rows of the largest positions
+        bucket. Per row the host writes its tokens, positions and block table; the rows' other fields are gathered
+        into lists and written a column at a time (a step of 256 decode rows would otherwise set each of some twenty
+        fields row by row)."""
         by_shard = [[chunk for chunk in chunks if chunk.sequence.shard == shard] for shard in range(self.shards)]
-        rows = Buckets.round_up(max(len(group) for group in by_shard), self.buckets.rows_of(phase), "rows per shard")
-        width = 1 if phase == "decode" else Buckets.round_up(max(c.count for c in chunks), self.buckets.positions,
+        sized_as = "mixed" if mixed_pages and phase == "prefill" else phase
+        rows = Buckets.round_up(max(len(group) for group in by_shard), self.buckets.rows_of(sized_as),
+                                "rows per shard")
+        positions = self.buckets.positions[-1:] if mixed_pages else self.buckets.positions
+        width = 1 if phase == "decode" else Buckets.round_up(max(c.count for c in chunks), positions,
                                                              "prompt positions")
-        pages = pages or self._pages_bucket(chunks, self.buckets.pages_of(phase))
+        pages = mixed_pages or self._pages_bucket(chunks, self.buckets.pages_of(phase))
         inputs = StepInputs.zeros(rows * self.shards, width, pages, phase == "scored")
         placed = [(shard * rows + offset, chunk) for shard, group in enumerate(by_shard)
                   for offset, chunk in enumerate(group)]

@@ -607,10 +607,10 @@ class Buckets:
     """The shapes a server compiles: rows per cache shard of decode steps and of prefill steps, prompt positions per
     prefill row, pages per row (each a rising tuple; a size rounds up to the next), with `scored` a scored
     prefill of every prefill shape (prompt log-probabilities; the engine sets it from
-    `EngineConfig.prompt_logprobs`), and with `mixed` a mixed step of every decode rows and prefill shape (the
-    engine sets it from `EngineConfig.mixed`; its decode rows' block tables are as wide as its chunks'). `for_limits`
-    gives a server's defaults; every bucket is compiled at start (`Engine.warm_up`), so their count sets the
-    start-up time."""
+    `EngineConfig.prompt_logprobs`), and mixed steps of each decode bucket (rows and pages) with `mixed_chunks` prompt
+    chunks per shard (each of the largest positions bucket; none where empty: the engine sets it from
+    `EngineConfig.mixed`, one chunk by default). `for_limits` gives a server's defaults; every bucket is compiled at
+    start (`Engine.warm_up`), so their count sets the start-up time."""
 
     rows: tuple[int, ...]
     positions: tuple[int, ...]
@@ -618,7 +618,7 @@ class Buckets:
     prefill_rows: tuple[int, ...] | None = None  # None: as `rows`
     scored: bool = False
     decode_pages: tuple[int, ...] | None = None  # None: as `pages`
-    mixed: bool = False
+    mixed_chunks: tuple[int, ...] = ()
 
     @classmethod
     def for_limits(cls, rows: int, chunk: int, pages: int, prefill_rows: int, reads_in_place: bool = False) -> Buckets:
@@ -632,23 +632,28 @@ class Buckets:
                    prefill_rows=tuple(sorted({1, prefill_rows})), decode_pages=(pages,) if reads_in_place else None)
 
     def rows_of(self, phase: str) -> tuple[int, ...]:
+        """Rows per shard of `phase`'s steps (a mixed step's chunks: `mixed_chunks`)."""
+        if phase == "mixed":
+            return self.mixed_chunks
         return (self.prefill_rows or self.rows) if LAYOUT_OF[phase] == "prefill" else self.rows
 
     def pages_of(self, phase: str) -> tuple[int, ...]:
-        return self.pages if LAYOUT_OF[phase] == "prefill" else (self.decode_pages or self.pages)
+        """Pages per row of `phase`'s steps (a mixed step's: decode's, so that its decode rows gather no wider a table
+        than a decode step's where decode gathers)."""
+        return self.pages if phase in ("prefill", "scored") else (self.decode_pages or self.pages)
 
     def shapes(self) -> list[Bucket]:
         """Every bucket a server may run (rows per shard), decode first."""
         decode = [Bucket("decode", rows, 1, pages) for pages in self.pages_of("decode") for rows in self.rows]
         prefill = [Bucket(phase, rows, positions, pages) for phase in ("prefill", "scored")[:1 + self.scored]
                    for pages in self.pages for rows in self.rows_of("prefill") for positions in self.positions]
-        mixed = [Bucket("mixed", rows, positions, pages, chunks) for pages in self.pages for rows in self.rows
-                 for chunks in self.rows_of("prefill") for positions in self.positions] if self.mixed else []
+        mixed = [Bucket("mixed", rows, self.positions[-1], pages, chunks) for pages in self.pages_of("decode")
+                 for rows in self.rows for chunks in self.mixed_chunks]
         return decode + prefill + mixed
 
     def programs(self) -> int:
         """Most programs a server compiles: decode (rows x pages), prefill (rows x positions x pages), twice the
-        prefill where `scored`, and where `mixed` a mixed step of each decode rows and prefill shape."""
+        prefill where `scored`, and mixed (decode rows x pages x `mixed_chunks`)."""
         return len(self.shapes())
 
     @staticmethod

@@ -36,6 +36,9 @@ positions (3 pages each) at once, so the engine preempts."""
 
 PREFILL_ROWS = {"1x1x1-logprobs": (1,)}
 """Prefill rows per step where not as many as decode's: one row, a bucket every server compiles."""
+MIXED_CHUNKS = {"1x1x1": (), "1x1x1-sync": (), "1x1x1-logprobs": ()}
+"""Prompt chunks per shard of a mixed step where not every prefill row's: the engine's default, one (a step of more
+runs as two programs); elsewhere a mixed step takes as many chunks as a prefill step."""
 
 
 @functools.cache
@@ -75,7 +78,8 @@ def engine_config(case: str, mesh) -> EngineConfig:
     shards = cache_shards(CASES[case][1], mesh)
     return EngineConfig(page_size=4, pages_per_shard=PAGES_PER_SHARD.get(case, 40), rows_per_shard=ROWS // shards,
                         token_budget=64, chunk=8, buckets=Buckets(rows=(ROWS // shards,), positions=(8,), pages=(16,),
-                                                                  prefill_rows=PREFILL_ROWS.get(case)),
+                                                                  prefill_rows=PREFILL_ROWS.get(case),
+                                                                  mixed_chunks=MIXED_CHUNKS.get(case, (ROWS // shards,))),
                         kernel="gather", overlap=not case.endswith("-sync"),
                         prompt_logprobs=case.endswith("-logprobs"), mixed=not case.endswith("-apart"))
 

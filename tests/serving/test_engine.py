@@ -83,7 +83,8 @@ def test_chunks_arriving_while_rows_decode_run_in_one_program_with_the_reference
                                                                                         run_staggered, case):
     """Requests that arrive while others decode: their prompt chunks (one of 3 positions, some of two chunks
     across steps, one shard holding more chunks than another) and the decode rows run in one mixed program a step
-    (two with `EngineConfig.mixed` off), and every request's greedy tokens equal the unsharded model's."""
+    (two with `EngineConfig.mixed` off, and on one device where a step holds more chunks than the default mixed
+    step's one), and every request's greedy tokens equal the unsharded model's."""
     engine = engine_for(case)
     rng = np.random.default_rng(5)
     prompts = [list(rng.integers(2, 384, length)) for length in (6, 4, 13, 3, 16, 9)]
@@ -91,7 +92,11 @@ def test_chunks_arriving_while_rows_decode_run_in_one_program_with_the_reference
     engine.step_times.clear()
     assert run_staggered(engine, prompts, 4) == expected
     both = [step.programs for step in engine.step_times if step.prefill_rows and step.decode_rows]
-    assert len(both) >= 2 and set(both) == {1 if engine.config.mixed else 2}
+    expected = {1, 2} if case == "1x1x1" else {1 if engine.config.mixed else 2}  # 1x1x1: a mixed step of one chunk
+    assert len(both) >= 2 and set(both) == expected
+    if case == "1x1x1":
+        assert all((step.programs == 1) == (step.prefill_rows == 1) for step in engine.step_times
+                   if step.prefill_rows and step.decode_rows)
     assert engine.stats().pages_used == 0 and engine.stats().programs_after_start == 0
     if not engine.config.mixed:
         with pytest.raises(StarscreamError, match="compiled no mixed steps"):
@@ -135,7 +140,7 @@ def test_a_mixed_step_moves_nothing_between_devices_to_join_or_split_its_stream(
         return [(dot.op_name.split("/")[-2], dot.m) for dot in program.dots if "/attention/" not in dot.op_name]
 
     assert collectives(programs["mixed"]) == collectives(programs["prefill"])
-    stream = engine.buckets.rows[0] + engine.buckets.rows_of("prefill")[0] * engine.buckets.positions[0]
+    stream = engine.buckets.rows[0] + engine.buckets.mixed_chunks[0] * engine.buckets.positions[-1]
     mixed, prefill = weight_matmuls(programs["mixed"]), weight_matmuls(programs["prefill"])
     assert [name for name, _ in mixed] == [name for name, _ in prefill]  # one matmul a weight, as in prefill
     assert {rows for name, rows in mixed if name != "bsd,vd->bsv"} == {stream}  # a shard's stream on each device

@@ -373,17 +373,20 @@ def test_decode_reading_pages_in_place_takes_one_bucket_of_pages():
     assert (gathering.programs(), in_place.programs()) == (20, 11)
 
 
-def test_mixed_steps_take_each_decode_rows_bucket_with_each_prefill_bucket():
-    """A mixed step of every decode rows bucket and prefill shape: 3 x 2 x 4 more programs at these limits, their
-    block tables as wide as the prefill buckets' (the chunks gather their pages); each round trips through the
-    host inputs it runs on."""
-    buckets = dataclasses.replace(Buckets.for_limits(rows=64, chunk=512, pages=512, prefill_rows=4,
-                                                     reads_in_place=True), mixed=True)
-    mixed = [bucket for bucket in buckets.shapes() if bucket.phase == "mixed"]
-    assert buckets.programs() == 11 + 24 and len(set(mixed)) == 24
-    assert {(bucket.rows, bucket.chunks, bucket.pages) for bucket in mixed} == {
-        (rows, chunks, pages) for rows in (4, 16, 64) for chunks in (1, 4) for pages in (64, 128, 256, 512)}
-    for bucket in mixed[:3] + [Bucket("decode", 4, 1, 512), Bucket("scored", 1, 512, 64)]:
+def test_mixed_steps_take_each_decode_bucket_with_each_count_of_chunks():
+    """A mixed step of every decode bucket (rows and pages: decode's, so decode rows that gather copy no wider a
+    table than in a decode step) with each `mixed_chunks` count of chunks of the largest positions bucket: 3 more
+    programs where decode reads in place, 12 where it gathers; each round trips through the host inputs it runs
+    on."""
+    limits = dict(rows=64, chunk=512, pages=512, prefill_rows=4)
+    in_place = dataclasses.replace(Buckets.for_limits(**limits, reads_in_place=True), mixed_chunks=(1,))
+    gathering = dataclasses.replace(Buckets.for_limits(**limits), mixed_chunks=(1, 4))
+    assert (in_place.programs(), gathering.programs()) == (11 + 3, 20 + 24)
+    mixed = [bucket for bucket in in_place.shapes() if bucket.phase == "mixed"]
+    assert {(bucket.rows, bucket.chunks, bucket.width, bucket.pages) for bucket in mixed} == {
+        (rows, 1, 512, 512) for rows in (4, 16, 64)}
+    assert in_place.rows_of("mixed") == (1,) and in_place.pages_of("mixed") == (512,)
+    for bucket in mixed + [Bucket("decode", 4, 1, 512), Bucket("scored", 1, 512, 64)]:
         assert Bucket.of(bucket.phase, bucket.zeros()) == bucket
 
 
