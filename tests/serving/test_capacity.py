@@ -79,3 +79,16 @@ class _Device:  # what a device's memory_stats reports
     (21.6, 0.9, 1, 2048), (36.0, 0.9, 1, 2048), (None, 0.9, 1, 2048)])
 def test_the_steps_tokens_default_to_vllms_by_the_gpus_memory(gib, utilization, partitions, budget):
     assert capacity.default_token_budget([_Device(gib)] * 2, utilization, partitions) == budget
+
+
+def test_the_step_reserve_bounds_the_largest_step_a_server_runs():
+    """A prefill of the token budget, a decode of every row, and a mixed step's decode beside its own chunks: the
+    reserve is twice the largest; a mixed step of no tokens changes nothing."""
+    shape = dict(rows=64, table_positions=8192, d_model=4096, d_ff=14336, vocab=128256, kv_width=1024, itemsize=2)
+    prefill, decode = (capacity.step_reserve_bytes(tokens=tokens, **{**shape, "rows": rows})
+                       for tokens, rows in ((8192, 0), (0, 64)))
+    assert capacity.step_reserve_bytes(tokens=8192, **shape) == max(prefill, decode)
+    assert capacity.step_reserve_bytes(tokens=8192, mixed_tokens=0, **shape) == max(prefill, decode)
+    one_chunk = capacity.step_reserve_bytes(tokens=512, **{**shape, "rows": 0})
+    mixed = capacity.step_reserve_bytes(tokens=0, mixed_tokens=512, **shape)
+    assert mixed == decode + one_chunk > max(decode, one_chunk)
