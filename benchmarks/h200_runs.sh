@@ -154,9 +154,12 @@ elif [ "$part" = part17 ]; then
   timeout 590 python3 scripts/bench_serve.py --workload A --compare-two-programs --static-generate 64 \
     --out "$out/serve_a_mixed_steps.json"
 elif [ "$part" = part18 ]; then
-  # part18, one H200 (not yet run): workload B (8 requests/s) with mixed steps and with two programs a step, where
-  # a prompt's chunk shares its step with a few dozen decode rows (TPOT and TTFT), on the engine part17 compiled.
-  timeout 590 python3 scripts/bench_serve.py --workload B --compare-two-programs --out "$out/serve_b_mixed_steps.json"
+  # part18, one H200 (not yet run): the mixed step's GPU tests (the engine's tokens against the unsharded model's, the
+  # paged attention of a mixed stream through cuDNN's kernel), then workload B (8 requests/s) with mixed steps and with
+  # two programs a step, where a prompt's chunk shares its step with a few dozen decode rows (TPOT and TTFT).
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/serving/test_engine.py tests/model/test_paged.py \
+    2>&1 | tail -4
+  timeout 430 python3 scripts/bench_serve.py --workload B --compare-two-programs --out "$out/serve_b_mixed_steps.json"
 else
   # part3 (not run: superseded by part5): the 8B runs part2 did not reach, and collective matmul for TP.
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92

@@ -9,6 +9,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -85,15 +86,29 @@ def test_chunks_arriving_while_rows_decode_run_in_one_program_with_the_reference
     across steps, one shard holding more chunks than another) and the decode rows run in one mixed program a step
     (two with `EngineConfig.mixed` off, and on one device where a step holds more chunks than the default mixed
     step's one), and every request's greedy tokens equal the unsharded model's."""
-    engine = engine_for(case)
+    _serve_arriving_prompts(engine_for(case), unsharded_llama, run_staggered, case)
+
+
+@pytest.mark.gpu
+def test_chunks_arriving_while_rows_decode_serve_the_reference_tokens_on_a_gpu(engine_for, unsharded_llama,
+                                                                               run_staggered):
+    """The same on one GPU (XLA:GPU's mixed program: the streams' reshapes, matmuls over both groups' tokens, both
+    groups' attention), float32 matmuls at full precision as the unsharded reference computes them."""
+    with jax.default_matmul_precision("highest"):
+        _serve_arriving_prompts(engine_for("1x1x1"), unsharded_llama, run_staggered, "1x1x1")
+
+
+def _serve_arriving_prompts(engine, unsharded_llama, run_staggered, case: str) -> None:
+    """Six prompts arriving two at a time on `engine` (`conftest.staggered`): the unsharded model's greedy tokens, and
+    one program for each step of chunks and decode rows that the engine's mixed buckets hold, two for the others."""
     rng = np.random.default_rng(5)
     prompts = [list(rng.integers(2, 384, length)) for length in (6, 4, 13, 3, 16, 9)]
     expected = [generate(unsharded_llama, np.asarray([prompt]), 4).tokens[0].tolist() for prompt in prompts]
     engine.step_times.clear()
     assert run_staggered(engine, prompts, 4) == expected
     both = [step.programs for step in engine.step_times if step.prefill_rows and step.decode_rows]
-    expected = {1, 2} if case == "1x1x1" else {1 if engine.config.mixed else 2}  # 1x1x1: a mixed step of one chunk
-    assert len(both) >= 2 and set(both) == expected
+    programs = {1, 2} if case == "1x1x1" else {1 if engine.config.mixed else 2}  # 1x1x1: a mixed step of one chunk
+    assert len(both) >= 2 and set(both) == programs
     if case == "1x1x1":
         assert all((step.programs == 1) == (step.prefill_rows == 1) for step in engine.step_times
                    if step.prefill_rows and step.decode_rows)
