@@ -2,16 +2,17 @@
 
 An `Engine` holds the parameters (placed once by the decode layout; the prefill layout stores them alike under the
 starscream layouts, so nothing is copied between phases), one page pool per layer (`model.paged`), the scheduler
-(`scheduler.Scheduler`) and the compiled paged steps (`steps.forward_step` per bucket and `steps.sample_step` per
-bucket of rows and combination of sampling passes, all compiled by `warm_up`). `step()` runs one scheduler plan: its
-prompt chunks and its decoding sequences as one mixed step under the prefill layout (`steps.MixedInputs`: each
-weight read once for both), or where it has only one kind, or a chunk asks for its prompt's log-probabilities
-(`EngineConfig.prompt_logprobs`: a scored prefill runs alone), or `EngineConfig.mixed` is off, a prefill step under
-the prefill layout and a decode step under the decode layout; it returns each new token as a `TokenEvent`. A server runs it in a process of its own (`serving.core`). A request with a grammar (structured
-output, `serving.guided`) has its matcher compiled beside the loop and its allowed tokens written to its slot before
-each step that samples it; it sits out a step while its last token is still on the device (`Sequence.held`). A
-request's allowed_token_ids are bits of the same slot, written once (and intersected with its grammar's, if it has
-one); its bad words are matched in the step against the tokens the step itself keeps per slot.
+(`scheduler.Scheduler`) and the compiled paged steps (`steps.forward_step` per bucket and `steps.sample_step` per bucket
+of rows and combination of sampling passes, all compiled by `warm_up`). `step()` runs one scheduler plan: its prompt
+chunks and its decoding sequences as one mixed step under the prefill layout (`steps.MixedInputs`: each weight read once
+for both), or where it has only one kind, or a chunk asks for its prompt's log-probabilities
+(`EngineConfig.prompt_logprobs`: a scored prefill runs alone), or `EngineConfig.mixed` is off, a prefill step under the
+prefill layout and a decode step under the decode layout; it returns each new token as a `TokenEvent`. A server runs it
+in a process of its own (`serving.core`). A request with a grammar (structured output, `serving.guided`) has its matcher
+compiled beside the loop and its allowed tokens written to its slot before each step that samples it; it sits out a step
+while its last token is still on the device (`Sequence.held`). A request's allowed_token_ids are bits of the same slot,
+written once (and intersected with its grammar's, if it has one); its bad words are matched in the step against the
+tokens the step itself keeps per slot.
 
 Memory: the pools hold 2 * L * K * pages * page_size * E values in the compute dtype, or in an 8-bit cache (the model's
 `ModelConfig.kv_format`, which `--kv-cache` sets) one byte each and a float32 scale per position and kv head
@@ -126,9 +127,9 @@ class _Scored:
 
 @dataclass(frozen=True, kw_only=True)
 class _Rows:
-    """One launched program: its prompt-chunk rows and decode rows in use, its outputs (`steps.Sampled.packed` [B, F] int32, then
-    in a scored prefill `steps.PromptScores.packed` of `width` positions a row: on the devices, or on the host where
-    a mesh spans processes), the PENDING tokens they hold and the prompt positions they score."""
+    """One launched program: its prompt-chunk rows and decode rows in use, its outputs (`steps.Sampled.packed`
+    [B, F] int32, then in a scored prefill `steps.PromptScores.packed` of `width` positions a row: on the devices, or
+    on the host where a mesh spans processes), the PENDING tokens they hold and the prompt positions they score."""
 
     prefill_rows: int
     decode_rows: int
@@ -252,7 +253,7 @@ class Engine:
                                            eight_bit_weights=bool(c.weight_format))
                        for phase, under in self._placements.items()}
         self._sample = {phase: sample_step(under=under) for phase, under in self._placements.items()}
-        self._programs: dict[tuple, object] = {}  # (phase, rows, width, pages) -> its forward program
+        self._programs: dict[Bucket, object] = {}  # a bucket (rows of all shards) -> its forward program
         self._samplers: dict[tuple, object] = {}  # `_sampler_key` -> its sampler
         self._compiled_at_start = 0
         self._sequences: dict[str, Sequence] = {}
@@ -582,7 +583,7 @@ class Engine:
             self._in_flight = None
         return events
 
-    def _chunks_fit_mixed(self, chunks) -> bool:
+    def _chunks_fit_mixed(self, chunks: list[Chunk]) -> bool:
         """Whether every shard's prompt chunks fit the largest mixed step (`Buckets.mixed_chunks`); a step of more
         runs its chunks and its decode rows as two programs (many chunks make a step bound by its matmuls, where a
         second read of the weights costs little)."""

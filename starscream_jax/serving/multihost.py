@@ -1,15 +1,15 @@
 """Serving over a mesh that spans processes: one process schedules, every process runs the same steps.
 
-Each process builds the same `Engine` over the same global mesh (the parameters and page pools are global arrays,
-each process holding its devices' shards). Process 0, the leader, runs the scheduler, the server and everything per
-request; before each compiled step it broadcasts the step's host inputs (`steps.StepInputs`: tokens, positions,
-block tables, last indices, sampling, numpy arrays of the bucket's shapes; a mixed step's two, `steps.MixedInputs`)
-to the others with `jax.experimental.multihost_utils.broadcast_one_to_all`, first a fixed-size header naming the
-phase and the bucket (`steps.Bucket`), then the arrays. The other processes, followers, run `follow(engine)`: receive a step, run the same compiled program
-on the same inputs, repeat until the leader's stop (an idle leader sends a header without a step every few seconds,
-so no follower waits in a collective long enough to time out). The sampled tokens are gathered to every process
-(`process_allgather`) so that the leader reads them all. Nothing per request leaves the leader: the followers hold
-no scheduler state, only the pools, which every step updates alike on every process.
+Each process builds the same `Engine` over the same global mesh (the parameters and page pools are global arrays, each
+process holding its devices' shards). Process 0, the leader, runs the scheduler, the server and everything per request;
+before each compiled step it broadcasts the step's host inputs (`steps.StepInputs`: tokens, positions, block tables,
+last indices, sampling, numpy arrays of the bucket's shapes; a mixed step's two, `steps.MixedInputs`) to the others with
+`jax.experimental.multihost_utils.broadcast_one_to_all`, first a fixed-size header naming the phase and the bucket
+(`steps.Bucket`), then the arrays. The other processes, followers, run `follow(engine)`: receive a step, run the same
+compiled program on the same inputs, repeat until the leader's stop (an idle leader sends a header without a step every
+few seconds, so no follower waits in a collective long enough to time out). The sampled tokens are gathered to every
+process (`process_allgather`) so that the leader reads them all. Nothing per request leaves the leader: the followers
+hold no scheduler state, only the pools, which every step updates alike on every process.
 """
 from __future__ import annotations
 

@@ -29,9 +29,10 @@ layout must place them alike (`check_same_cache_placement`).
 
 Shapes are bucketed (`Buckets`): rows per shard, positions per row (prefill) and pages per row round up to the next
 bucket, so a server compiles each program (`Bucket`: phase, rows, positions, pages, and a mixed step's chunk rows) once,
-at start, and holds `Buckets.programs()` of them. Sampling is per row: a masked row's allowed tokens (grammar, allowed_token_ids), its bad words, then logit
-bias, the min_tokens mask and the penalties (`serving.sampling`), then temperature 0 is greedy, else min_p, top-k, then
-top-p (nucleus) at the row's temperature, the draw keyed by (row's seed, the new token's position) alone.
+at start, and holds `Buckets.programs()` of them. Sampling is per row: a masked row's allowed tokens (grammar,
+allowed_token_ids), its bad words, then logit bias, the min_tokens mask and the penalties (`serving.sampling`), then
+temperature 0 is greedy, else min_p, top-k, then top-p (nucleus) at the row's temperature, the draw keyed by (row's
+seed, the new token's position) alone.
 """
 from __future__ import annotations
 

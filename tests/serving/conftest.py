@@ -77,9 +77,10 @@ def engine_config(case: str, mesh) -> EngineConfig:
     """The engine configuration of `case` on `mesh` (tests/serving/multihost_serve_worker.py builds it too)."""
     shards = cache_shards(CASES[case][1], mesh)
     return EngineConfig(page_size=4, pages_per_shard=PAGES_PER_SHARD.get(case, 40), rows_per_shard=ROWS // shards,
-                        token_budget=64, chunk=8, buckets=Buckets(rows=(ROWS // shards,), positions=(8,), pages=(16,),
-                                                                  prefill_rows=PREFILL_ROWS.get(case),
-                                                                  mixed_chunks=MIXED_CHUNKS.get(case, (ROWS // shards,))),
+                        token_budget=64, chunk=8,
+                        buckets=Buckets(rows=(ROWS // shards,), positions=(8,), pages=(16,),
+                                        prefill_rows=PREFILL_ROWS.get(case),
+                                        mixed_chunks=MIXED_CHUNKS.get(case, (ROWS // shards,))),
                         kernel="gather", overlap=not case.endswith("-sync"),
                         prompt_logprobs=case.endswith("-logprobs"), mixed=not case.endswith("-apart"))
 
