@@ -137,3 +137,29 @@ def test_bad_words_ban_a_token_and_a_two_token_sequence(engine_for):
     assert banned != plain and banned[0] == first
     assert all((a, b) != (first, second) for a, b in zip(banned, banned[1:]))
     assert [event.token for event in together[1]] == plain
+
+
+def test_a_penalized_row_keeps_its_tokens_in_mixed_steps(engine_for, unsharded_llama):
+    """A row under a presence penalty and a logit bias (the sampler's extra passes, its slot's counts) decoding
+    while another request's prompt arrives: the steps that hold both run as one mixed program, and each request's
+    tokens are the reference's."""
+    engine = engine_for("1x2x4")
+    bias = ((7, -11.0),)
+    penalized = SamplingParams(max_tokens=NEW, logit_bias=bias, presence_penalty=2.0)
+    engine.step_times.clear()
+    engine.submit("penalized", PROMPT, penalized)
+    events = {"penalized": [], "arriving": []}
+
+    def step():
+        for event in engine.step():
+            events[event.request_id].append(event.token)
+
+    step()
+    step()
+    arriving = [3, 8, 250, 11, 90, 33, 2, 71, 140, 5, 66, 12, 301, 44, 9, 18, 27]  # two chunks of 8, then decode
+    engine.submit("arriving", arriving, SamplingParams(max_tokens=NEW))
+    while engine.busy:
+        step()
+    assert events["penalized"] == _reference(unsharded_llama, PROMPT, NEW, presence=2.0, bias=bias)
+    assert events["arriving"] == _reference(unsharded_llama, arriving, NEW)
+    assert sum(1 for step in engine.step_times if step.prefill_rows and step.decode_rows and step.programs == 1) == 2

@@ -161,3 +161,25 @@ def test_allowed_token_ids_intersect_the_grammars_mask(engine_for, llama_tokeniz
     allowed = tuple(llama_tokenizer.encode(other, False).tolist()) + tuple(llama_tokenizer.eos_ids)
     text, reason, _ = _run(engine, grammar, llama_tokenizer, prompts=("hello world",), allowed_token_ids=allowed)["g0"]
     assert (text, reason) == (other, "stop")
+
+
+def test_a_guided_row_keeps_its_grammar_in_mixed_steps(engine_for, llama_tokenizer):
+    """A JSON-schema row decoding (seeded) while other prompts arrive, its mask written before each step that
+    samples it, mixed steps among them: its text parses and validates, and equals the same request's alone."""
+    engine = engine_for("1x2x4")
+    grammar = checked(json_schema_grammar(SCHEMA, "response_format"))
+    params = SamplingParams(grammar=grammar, max_tokens=40, temperature=1.0, seed=4)
+    prompt = llama_tokenizer.encode("hello world").tolist()
+    alone = engine.generate([prompt], params)[0]
+    engine.step_times.clear()
+    engine.submit("guided", prompt, params)
+    tokens = []
+    for arriving in range(4):  # a prompt of two chunks arrives every third step
+        for _ in range(3):
+            tokens += [event.token for event in engine.step() if event.request_id == "guided"]
+        engine.submit(f"arriving{arriving}", [3 + arriving] * 14, SamplingParams(max_tokens=2))
+    while engine.busy:
+        tokens += [event.token for event in engine.step() if event.request_id == "guided"]
+    value = json.loads(llama_tokenizer.decode(tokens))
+    assert set(value) == {"ok", "color", "n"} and tokens == alone
+    assert any(step.prefill_rows and step.decode_rows and step.programs == 1 for step in engine.step_times)
