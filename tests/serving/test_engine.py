@@ -99,13 +99,18 @@ def test_chunks_arriving_while_rows_decode_serve_the_reference_tokens_on_a_gpu(e
 
 
 def _serve_arriving_prompts(engine, unsharded_llama, run_staggered, case: str) -> None:
-    """Six prompts arriving two at a time on `engine` (`conftest.staggered`): the unsharded model's greedy tokens, and
-    one program for each step of chunks and decode rows that the engine's mixed buckets hold, two for the others."""
+    """Eight prompts arriving two at a time on `engine` (`conftest.staggered`), the last sharing the first three
+    pages of the third: the unsharded model's greedy tokens, and one program for each step of chunks and decode
+    rows that the engine's mixed buckets hold, two for the others."""
     rng = np.random.default_rng(5)
-    prompts = [list(rng.integers(2, 384, length)) for length in (6, 4, 13, 3, 16, 9)]
+    prompts = [list(rng.integers(2, 384, length)) for length in (6, 4, 13, 3, 16, 9, 20)]
+    prompts.append(prompts[2][:12] + [5, 6, 7, 8, 9])  # prompt 2's first 3 pages cached: a chunk from position 12
     expected = [generate(unsharded_llama, np.asarray([prompt]), 4).tokens[0].tolist() for prompt in prompts]
     engine.step_times.clear()
+    hits = engine.stats().prefix_hit_pages
     assert run_staggered(engine, prompts, 4) == expected
+    if case != "1x1x1":  # (one device's 12 pages reuse a finished prompt's pages before the copy arrives)
+        assert engine.stats().prefix_hit_pages >= hits + 3
     both = [step.programs for step in engine.step_times if step.prefill_rows and step.decode_rows]
     programs = {1, 2} if case == "1x1x1" else {1 if engine.config.mixed else 2}  # 1x1x1: a mixed step of one chunk
     assert len(both) >= 2 and set(both) == programs
