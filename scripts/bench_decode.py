@@ -334,7 +334,8 @@ def run_paged(model, layout: str, mesh, batch: int, cache_length: int, kernel: s
     of the step's wall time by the time the device sits idle. The engine holds its own per-layer copy of the
     weights."""
     from starscream_jax.serving.engine import Engine, EngineConfig
-    from starscream_jax.serving.steps import Buckets, StepInputs, cache_shards
+    from starscream_jax.serving.buckets import Buckets
+    from starscream_jax.serving.steps import StepInputs, cache_shards
 
     shards = cache_shards(layout, mesh)
     rows, pages = batch // shards, -(-cache_length // PAGE_SIZE)

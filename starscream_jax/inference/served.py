@@ -21,7 +21,8 @@ import numpy as np
 
 from ..serving.engine import Engine, EngineConfig
 from ..serving.scheduler import SamplingParams
-from ..serving.steps import Buckets, cache_shards
+from ..serving.buckets import Buckets
+from ..serving.steps import cache_shards
 from ..training.steps import Sampling
 from .generate import stop_ids_of
 

@@ -64,11 +64,10 @@ from .scheduler import (
 )
 from .guided import Guide, MaskBuilder, allowed_bits, grammar_tokenizer
 from .sampling import SLOT_TABLE, SlotReset, SlotState, reset_slot, write_masks
+from .buckets import Bucket, Buckets
 from .steps import (
     LAYOUT_OF,
     SLOTS,
-    Bucket,
-    Buckets,
     MixedInputs,
     MixedPacked,
     PackedInputs,
@@ -796,7 +795,7 @@ class Engine:
         return len(shapes)
 
     def program(self, phase: str, inputs: StepInputs | MixedInputs):
-        """The compiled forward program of `phase` that `inputs` run on: its bucket's (`steps.Bucket`, rows of all
+        """The compiled forward program of `phase` that `inputs` run on: its bucket's (`buckets.Bucket`, rows of all
         shards), compiled on first use."""
         key = Bucket.of(phase, inputs)
         program = self._programs.get(key)

@@ -5,7 +5,7 @@ process holding its devices' shards). Process 0, the leader, runs the scheduler,
 before each compiled step it broadcasts the step's host inputs (`steps.StepInputs`: tokens, positions, block tables,
 last indices, sampling, numpy arrays of the bucket's shapes; a mixed step's two, `steps.MixedInputs`) to the others with
 `jax.experimental.multihost_utils.broadcast_one_to_all`, first a fixed-size header naming the phase and the bucket
-(`steps.Bucket`), then the arrays. The other processes, followers, run `follow(engine)`: receive a step, run the same
+(`buckets.Bucket`), then the arrays. The other processes, followers, run `follow(engine)`: receive a step, run the same
 compiled program on the same inputs, repeat until the leader's stop (an idle leader sends a header without a step every
 few seconds, so no follower waits in a collective long enough to time out). The sampled tokens are gathered to every
 process (`process_allgather`) so that the leader reads them all. Nothing per request leaves the leader: the followers
@@ -18,14 +18,15 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from .sampling import SlotReset
-from .steps import PHASES, Bucket, MixedInputs, StepInputs
+from .buckets import Bucket
+from .steps import PHASES, MixedInputs, StepInputs
 
 STOP, IDLE, RESET, MASKS = -1, -2, -3, -4
 """The header's phase index that ends `follow`, the one of a leader idle but alive (no step follows), the one of
 a slot's new state (`sampling.SlotReset`, written before the step that reads it) and the one of guided rows'
 grammar masks (`Engine.write_masks`, likewise)."""
 HEADER = 5
-"""Numbers in a header: the phase's index (or one of the above), then a step's `steps.Bucket` without its phase."""
+"""Numbers in a header: the phase's index (or one of the above), then a step's `buckets.Bucket` without its phase."""
 
 
 class StepBroadcast:

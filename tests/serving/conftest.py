@@ -14,7 +14,8 @@ from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model.hf_checkpoint import load_hf_model
 from starscream_jax.serving.engine import Engine, EngineConfig
 from starscream_jax.serving.scheduler import SamplingParams
-from starscream_jax.serving.steps import Buckets, cache_shards
+from starscream_jax.serving.buckets import Buckets
+from starscream_jax.serving.steps import cache_shards
 from starscream_jax.text.tokenizer import load_tokenizer
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "hf" / "llama"

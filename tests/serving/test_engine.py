@@ -22,7 +22,8 @@ from starscream_jax.inference.generate import generate
 from starscream_jax.model.hf_checkpoint import load_hf_model
 from starscream_jax.serving.engine import Engine, EngineConfig
 from starscream_jax.serving.scheduler import SamplingParams
-from starscream_jax.serving.steps import Buckets, MixedInputs, SamplerFeatures, StepInputs, cache_shards
+from starscream_jax.serving.buckets import Buckets
+from starscream_jax.serving.steps import MixedInputs, SamplerFeatures, StepInputs, cache_shards
 
 ROWS, NEW_TOKENS = 8, 6
 WORKER = Path(__file__).with_name("multihost_serve_worker.py")
