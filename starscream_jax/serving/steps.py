@@ -226,6 +226,7 @@ class StepInputs:
         return SamplerFeatures.of(self.sampling, self.slot, self.positions[:, 0] + self.last + 1)
 
     def packed(self) -> PackedInputs:
+        """These rows as one int32 array for one transfer (`PackedInputs.pack`)."""
         return PackedInputs.pack(self)
 
 
@@ -240,9 +241,11 @@ class MixedInputs:
     prefill: StepInputs
 
     def features(self) -> SamplerFeatures:
+        """The passes either group's rows need: one sampler draws them all."""
         return self.decode.features() | self.prefill.features()
 
     def packed(self) -> MixedPacked:
+        """Each group packed for one transfer of its own."""
         return MixedPacked(self.decode.packed(), self.prefill.packed())
 
 
@@ -307,6 +310,7 @@ class MixedPacked:
 
     @classmethod
     def abstract(cls, bucket: Bucket, sharding=None) -> MixedPacked:
+        """The packed inputs' shapes and types for a mixed `bucket`, on `sharding` (rows split; None: one device)."""
         return cls(PackedInputs.abstract(bucket.rows, 1, bucket.pages, sharding),
                    PackedInputs.abstract(bucket.chunks, bucket.width, bucket.pages, sharding))
 
