@@ -148,11 +148,11 @@ elif [ "$part" = part16 ]; then
   timeout 400 python3 scripts/bench_mfu.py --model llama3.2-3b --batch-size 4 --seq-len 2048 --layouts starscream_tp \
     --plain --no-torch --fp8 --profile-dir /tmp/fp8_profiles --out "$out/mfu_llama3.2-3b_1gpu_fp8_byte_transpose.json"
 elif [ "$part" = part17 ]; then
-  # part17, one H200 (not yet run): workload A on one engine with a step's prompt chunks (one a shard) and decode rows
-  # as one mixed program and as two (the same engine, mixed steps turned off), beside the static generate at batch
-  # 64; the engine compiles 14 programs (3 of them mixed).
-  timeout 590 python3 scripts/bench_serve.py --workload A --compare-two-programs --static-generate 64 \
-    --out "$out/serve_a_mixed_steps.json"
+  # part17, one H200 (not yet run): workload A on one engine with a step's prompt chunks (up to 16 a shard, so that
+  # the burst's steps mix too) and decode rows as one mixed program and as two (the same engine, mixed steps turned
+  # off), beside the static generate at batch 64; the engine compiles 17 programs (6 of them mixed).
+  timeout 590 python3 scripts/bench_serve.py --workload A --mixed-chunks 16 --compare-two-programs \
+    --static-generate 64 --out "$out/serve_a_mixed_steps.json"
 elif [ "$part" = part18 ]; then
   # part18, one H200 (not yet run): the mixed step's GPU tests (the engine's tokens against the unsharded model's, the
   # paged attention of a mixed stream through cuDNN's kernel), then workload B (8 requests/s) with mixed steps and with

@@ -414,8 +414,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--kernel", default="", choices=["", "gather", "cudnn"],
                         help="paged decode attention (default: the backend's, cuDNN's paged kernel on NVIDIA GPUs)")
     parser.add_argument("--no-overlap", action="store_true", help="the engine reads each step before the next")
-    parser.add_argument("--no-mixed-steps", action="store_true",
-                        help="the engine runs a step's prompt chunks and decode rows as two programs, not one")
+    parser.add_argument("--mixed-chunks", type=int, default=1,
+                        help="most prompt chunks per shard of a mixed step (serve's --mixed-chunks; 0: none)")
     parser.add_argument("--compare-two-programs", action="store_true",
                         help="also run each workload in process with mixed steps off (a step's prompt chunks and "
                              "decode rows as two programs), on the same engine")
@@ -462,8 +462,7 @@ def serve_args(args, model_dir: Path, workloads: list[Workload]) -> list[str]:
         flags += ["--kernel", args.kernel]
     if args.no_overlap:
         flags.append("--no-overlap")
-    if args.no_mixed_steps:
-        flags.append("--no-mixed-steps")
+    flags += ["--mixed-chunks", str(args.mixed_chunks)]
     if args.quick:
         flags += ["--simulate", "--topology", "1x1", "--page-size", "4", "--dtype", "float32"]
     else:

@@ -34,8 +34,8 @@ def count(text: str) -> int:
     return _whole_number(text, minimum=1)
 
 
-def step_number(text: str) -> int:
-    """A whole number of at least 0, as the command line gives it (--step)."""
+def count_or_zero(text: str) -> int:
+    """A whole number of at least 0, as the command line gives it (--step, --mixed-chunks)."""
     return _whole_number(text, minimum=0)
 
 
@@ -196,7 +196,7 @@ def add_model_source_arguments(group) -> None:
     group.add_argument("--model-dir", metavar="HF_DIR",
                        help="a Hugging Face model directory (config.json, safetensors, tokenizer) instead of "
                             "--checkpoint")
-    group.add_argument("--step", type=step_number, help="checkpoint step (default: the latest)")
+    group.add_argument("--step", type=count_or_zero, help="checkpoint step (default: the latest)")
     group.add_argument("--dtype", choices=("float32", "bfloat16"),
                        help="compute dtype (default: the model's; a checkpoint's: its training one)")
     group.add_argument("--prefill-layout", default=PHASE_DEFAULTS["prefill"], help="layout of the prompt (its chunks)")

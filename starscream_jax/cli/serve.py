@@ -38,6 +38,7 @@ from .arguments import (
     add_mesh_arguments,
     add_model_source_arguments,
     count,
+    count_or_zero,
     initialize_from_args,
     mesh_from_args,
     prepare_simulation,
@@ -86,10 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--no-overlap", dest="overlap", action="store_false",
                         help="read each step's tokens before launching the next (by default the next step is "
                              "scheduled and launched while the device runs the current one)")
-    engine.add_argument("--no-mixed-steps", dest="mixed", action="store_false",
-                        help="run a step's prompt chunks and decode rows as two programs, each reading every weight "
-                             "(by default one mixed program of both, compiled at start for each decode and prefill "
-                             "bucket)")
+    engine.add_argument("--mixed-chunks", type=count_or_zero, default=1, metavar="N",
+                        help="most prompt chunks per cache shard of a step whose chunks and decode rows run as one "
+                             "program, reading each weight once (default 1: a step of more runs as two programs; "
+                             "each size compiles one program per decode bucket at start; 0: always two programs)")
     engine.add_argument("--enable-prompt-logprobs", action="store_true",
                         help="serve prompt log-probabilities (prompt_logprobs, and completions echo with logprobs, "
                              "as lm-eval's loglikelihood tasks ask): compiles a scored prefill of each prefill "
@@ -262,7 +263,8 @@ def engine_config(args: argparse.Namespace, shards: int, mesh=None):
                         rows_per_shard=math.ceil(args.max_num_seqs / shards),
                         token_budget=token_budget, chunk=args.chunk, kernel=args.kernel,
                         max_model_len=args.max_model_len, memory_utilization=args.gpu_memory_utilization,
-                        overlap=args.overlap, prompt_logprobs=args.enable_prompt_logprobs, mixed=args.mixed)
+                        overlap=args.overlap, prompt_logprobs=args.enable_prompt_logprobs,
+                        mixed_chunks=args.mixed_chunks)
 
 
 def bind(host: str, port: int) -> socket.socket:

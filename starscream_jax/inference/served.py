@@ -96,4 +96,5 @@ def engine_config(batch: int, prompt: int, new_tokens: int, mesh, decode_layout)
     return EngineConfig(page_size=PAGE_SIZE, pages_per_shard=rows * pages + 1, rows_per_shard=rows,
                         token_budget=max(rows, prefill_rows * chunk), chunk=chunk, max_model_len=prompt + new_tokens,
                         buckets=Buckets(rows=(rows,), positions=(chunk,), pages=(pages,), prefill_rows=(prefill_rows,)),
-                        prefix_caching=False, mixed=rows > prefill_rows)
+                        prefix_caching=False,
+                        mixed_chunks=1 if rows > prefill_rows else 0)

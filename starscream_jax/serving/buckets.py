@@ -57,7 +57,7 @@ class Buckets:
     prefill of every prefill shape (prompt log-probabilities; the engine sets it from
     `EngineConfig.prompt_logprobs`), and mixed steps of each decode bucket (rows and pages) with `mixed_chunks` prompt
     chunks per shard (each of the largest positions bucket; none where empty: the engine sets it from
-    `EngineConfig.mixed`, one chunk by default). `for_limits` gives a server's defaults; every bucket is compiled at
+    `EngineConfig.mixed_chunks`, one chunk by default). `for_limits` gives a server's defaults; every bucket is compiled at
     start (`Engine.warm_up`), so their count sets the start-up time."""
 
     rows: tuple[int, ...]

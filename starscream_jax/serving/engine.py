@@ -6,7 +6,7 @@ starscream layouts, so nothing is copied between phases), one page pool per laye
 of rows and combination of sampling passes, all compiled by `warm_up`). `step()` runs one scheduler plan: its prompt
 chunks and its decoding sequences as one mixed step under the prefill layout (`steps.MixedInputs`: each weight read once
 for both), or where it has only one kind, or a chunk asks for its prompt's log-probabilities
-(`EngineConfig.prompt_logprobs`: a scored prefill runs alone), or `EngineConfig.mixed` is off, a prefill step under the
+(`EngineConfig.prompt_logprobs`: a scored prefill runs alone), or `EngineConfig.mixed_chunks` is 0, a prefill step under the
 prefill layout and a decode step under the decode layout; it returns each new token as a `TokenEvent`. A server runs it
 in a process of its own (`serving.core`). A request with a grammar (structured output, `serving.guided`) has its matcher
 compiled beside the loop and its allowed tokens written to its slot before each step that samples it; it sits out a step
@@ -167,10 +167,10 @@ class EngineConfig:
     one process; a mesh spanning processes reads each step's tokens at once, since every process must gather them
     in the same order as its steps); prompt_logprobs: serve requests that ask for their prompt's log-probabilities
     (`SamplingParams.prompt_logprobs`) with a scored prefill of each prefill bucket, compiled at start beside the
-    others (`steps` says why at start); off, such a request is refused; mixed: a step's prompt chunks and decode rows
-    run as one program where each shard's chunks fit `Buckets.mixed_chunks` (one chunk unless the buckets say more:
-    a mixed step of each decode bucket, compiled at start); off, two programs a step, each reading every weight. The
-    KV pages' format is the model's (`ModelConfig.kv_format`)."""
+    others (`steps` says why at start); off, such a request is refused; mixed_chunks: most prompt chunks per cache
+    shard of a step whose chunks and decode rows run as one program (`Buckets.mixed_chunks`, where the buckets do not
+    name them: the prefill rows buckets below it and itself, each with each decode bucket, compiled at start); 0: two
+    programs a step, each reading every weight. The KV pages' format is the model's (`ModelConfig.kv_format`)."""
 
     page_size: int = 16
     pages_per_shard: int | None = None
@@ -184,14 +184,17 @@ class EngineConfig:
     memory_utilization: float = 0.9
     overlap: bool = True
     prompt_logprobs: bool = False
-    mixed: bool = True
+    mixed_chunks: int = 1
 
     def __post_init__(self):
         for name in ("page_size", "pages_per_shard", "rows_per_shard", "token_budget", "chunk", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise StarscreamError(f"EngineConfig {name} is {value!r}; give a whole number of at least 1")
-        for name in ("prefix_caching", "overlap", "prompt_logprobs", "mixed"):
+        if not isinstance(self.mixed_chunks, int) or isinstance(self.mixed_chunks, bool) or self.mixed_chunks < 0:
+            raise StarscreamError(f"EngineConfig mixed_chunks is {self.mixed_chunks!r}; give a whole number of at "
+                                  "least 0 (0: a step's prompt chunks and decode rows as two programs)")
+        for name in ("prefix_caching", "overlap", "prompt_logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise StarscreamError(f"EngineConfig {name} is {getattr(self, name)!r}; give True or False")
         if self.pages_per_shard is not None and self.pages_per_shard < 2:
@@ -234,7 +237,7 @@ class Engine:
         buckets = config.buckets or Buckets.for_limits(config.rows_per_shard, config.chunk, max_pages, prefill_rows,
                                                        in_place)
         self.buckets = dataclasses.replace(buckets, scored=config.prompt_logprobs,
-                                           mixed_chunks=(buckets.mixed_chunks or (1,)) if config.mixed else ())
+                                           mixed_chunks=_mixed_buckets(buckets, config.mixed_chunks))
         _check_buckets(self.buckets, config)
         # float weights in the compute dtype, 8-bit ones as stored, projections sharing an input stacked
         self.graphdef, params, self.rest = inference_split(model, mesh, c.dtype)
@@ -500,10 +503,10 @@ class Engine:
 
     def use_mixed_steps(self, enabled: bool) -> None:
         """Turns mixed steps on or off from the next step on (a benchmark compares both on one engine); on needs
-        the mixed programs compiled (`EngineConfig.mixed`)."""
+        the mixed programs compiled (`EngineConfig.mixed_chunks`)."""
         if enabled and not self.buckets.mixed_chunks:
-            raise StarscreamError("this engine compiled no mixed steps (EngineConfig mixed=False, --no-mixed-steps); "
-                                  "build it with mixed steps to run them")
+            raise StarscreamError("this engine compiled no mixed steps (EngineConfig mixed_chunks=0, --mixed-chunks 0); "
+                                  "build it with mixed_chunks of 1 or more to run them")
         self._mixed = enabled
 
     def use_prefix_caching(self, enabled: bool) -> None:
@@ -1021,6 +1024,14 @@ def _paged_kernel(asked: str, mesh) -> str:
         raise StarscreamError(f"the cudnn paged-attention kernel runs on NVIDIA GPUs, not on {device.platform} "
                               f"({policy.name}); pass --kernel gather, or leave --kernel out for the backend's choice")
     return asked or policy.paged_attention
+
+
+def _mixed_buckets(buckets: Buckets, most: int) -> tuple[int, ...]:
+    """Prompt chunks per shard of the mixed steps an engine compiles: none where `most` is 0, the buckets' own where
+    they name them, else the prefill rows buckets below `most` and `most` itself."""
+    if not most:
+        return ()
+    return buckets.mixed_chunks or tuple(sorted({rows for rows in buckets.rows_of("prefill") if rows < most} | {most}))
 
 
 def _check_buckets(buckets: Buckets, config: EngineConfig) -> None:

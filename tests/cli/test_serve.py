@@ -38,12 +38,12 @@ def test_flags_set_the_engine_configuration():
     config = serve.engine_config(parse("--page-size", "8", "--cache-pages", "64", "--max-seqs", "6",
                                        "--token-budget", "128", "--chunk", "32", "--kernel", "gather",
                                        "--max-model-len", "96", "--gpu-memory-utilization", "0.5",
-                                       "--no-mixed-steps"), shards=4)
+                                       "--mixed-chunks", "0"), shards=4)
     assert config == EngineConfig(page_size=8, pages_per_shard=64, rows_per_shard=2, token_budget=128, chunk=32,
-                                  kernel="gather", max_model_len=96, memory_utilization=0.5, mixed=False)
+                                  kernel="gather", max_model_len=96, memory_utilization=0.5, mixed_chunks=0)
     defaults = serve.engine_config(parse(), shards=1)
     assert (defaults.pages_per_shard, defaults.rows_per_shard, defaults.token_budget, defaults.memory_utilization,
-            defaults.max_model_len, defaults.mixed) == (None, 256, 2048, 0.9, None, True)  # the CPU reports no memory
+            defaults.max_model_len, defaults.mixed_chunks) == (None, 256, 2048, 0.9, None, 1)  # the CPU: no memory
 
 
 

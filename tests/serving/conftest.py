@@ -29,7 +29,7 @@ CASES = {"1x1x1": ("starscream_tp", "starscream_decode"), "1x2x4": ("starscream_
 """mesh (-variant) -> (prefill layout, decode layout); the int8 variant holds its KV pages in int8 and decodes with
 the gather path; the sync variant reads each step's tokens before it launches the next (no overlap); the logprobs
 variant serves prompt log-probabilities (one more program: the scored prefill); the apart variant runs a step's
-prompt chunks and decode rows as two programs (`EngineConfig.mixed` off), every other as one mixed program."""
+prompt chunks and decode rows as two programs (`EngineConfig.mixed_chunks` 0), every other as one mixed program."""
 PAGES_PER_SHARD = {"1x1x1": 13, "1x1x1-sync": 13}
 """Pages per cache shard where fewer than the default 40: one shard of 12 usable pages cannot hold 8 requests of 12
 positions (3 pages each) at once, so the engine preempts."""
@@ -83,7 +83,7 @@ def engine_config(case: str, mesh) -> EngineConfig:
                                         prefill_rows=PREFILL_ROWS.get(case),
                                         mixed_chunks=MIXED_CHUNKS.get(case, (ROWS // shards,))),
                         kernel="gather", overlap=not case.endswith("-sync"),
-                        prompt_logprobs=case.endswith("-logprobs"), mixed=not case.endswith("-apart"))
+                        prompt_logprobs=case.endswith("-logprobs"), mixed_chunks=0 if case.endswith("-apart") else 1)
 
 
 def staggered(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

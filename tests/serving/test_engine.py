@@ -20,7 +20,7 @@ from starscream_jax.errors import StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.inference.generate import generate
 from starscream_jax.model.hf_checkpoint import load_hf_model
-from starscream_jax.serving.engine import Engine, EngineConfig
+from starscream_jax.serving.engine import Engine, EngineConfig, _mixed_buckets
 from starscream_jax.serving.scheduler import SamplingParams
 from starscream_jax.serving.buckets import Buckets
 from starscream_jax.serving.steps import MixedInputs, SamplerFeatures, StepInputs, cache_shards
@@ -53,7 +53,8 @@ def test_greedy_tokens_equal_generate(engine_for, prompts, reference, case):
     engine = engine_for(case)
     assert engine.generate([list(p) for p in prompts], SamplingParams(max_tokens=NEW_TOKENS)) == reference
     stats = engine.stats()
-    assert stats.programs == 2 + engine.config.mixed and stats.pages_used == 0 and stats.running == stats.waiting == 0
+    mixed = bool(engine.buckets.mixed_chunks)
+    assert stats.programs == 2 + mixed and stats.pages_used == 0 and stats.running == stats.waiting == 0
     if case == "1x1x1":
         assert stats.preemptions > 0  # 8 x 3 pages asked of 12: the newest were recomputed
 
@@ -85,7 +86,7 @@ def test_chunks_arriving_while_rows_decode_run_in_one_program_with_the_reference
                                                                                         run_staggered, case):
     """Requests that arrive while others decode: their prompt chunks (one of 3 positions, some of two chunks
     across steps, one shard holding more chunks than another) and the decode rows run in one mixed program a step
-    (two with `EngineConfig.mixed` off, and on one device where a step holds more chunks than the default mixed
+    (two with `EngineConfig.mixed_chunks` 0, and on one device where a step holds more chunks than the default mixed
     step's one), and every request's greedy tokens equal the unsharded model's."""
     _serve_arriving_prompts(engine_for(case), unsharded_llama, run_staggered, case)
 
@@ -113,13 +114,14 @@ def _serve_arriving_prompts(engine, unsharded_llama, run_staggered, case: str) -
     if case != "1x1x1":  # (one device's 12 pages reuse a finished prompt's pages before the copy arrives)
         assert engine.stats().prefix_hit_pages >= hits + 3
     both = [step.programs for step in engine.step_times if step.prefill_rows and step.decode_rows]
-    programs = {1, 2} if case == "1x1x1" else {1 if engine.config.mixed else 2}  # 1x1x1: a mixed step of one chunk
+    mixed = bool(engine.buckets.mixed_chunks)
+    programs = {1, 2} if case == "1x1x1" else {1 if mixed else 2}  # 1x1x1: a mixed step of one chunk
     assert len(both) >= 2 and set(both) == programs
     if case == "1x1x1":
         assert all((step.programs == 1) == (step.prefill_rows == 1) for step in engine.step_times
                    if step.prefill_rows and step.decode_rows)
     assert engine.stats().pages_used == 0 and engine.stats().programs_after_start == 0
-    if not engine.config.mixed:
+    if not mixed:
         with pytest.raises(StarscreamError, match="compiled no mixed steps"):
             engine.use_mixed_steps(True)
 
@@ -318,3 +320,13 @@ def test_prompt_logprobs_equal_the_unsharded_models_across_chunks(engine_for, un
     assert [tops[0] for tops in scores.top_tokens] == [int(row.argmax()) for row in reference[:-1]]
     np.testing.assert_allclose(scores.top_logprobs, np.sort(reference[:-1], -1)[:, ::-1][:, :5], atol=2e-4)
     assert engine.stats().programs == 4 and engine.buckets.programs() == 4 and engine.stats().pages_used == 0
+
+
+def test_mixed_chunks_choose_the_mixed_buckets():
+    """--mixed-chunks N: a mixed step of the prefill rows buckets below N and of N itself; 0 none; buckets that name
+    their own keep them; a negative count is a one-line refusal."""
+    buckets = Buckets.for_limits(rows=64, chunk=512, pages=512, prefill_rows=16)
+    assert [_mixed_buckets(buckets, most) for most in (0, 1, 4, 16)] == [(), (1,), (1, 4), (1, 16)]
+    assert _mixed_buckets(dataclasses.replace(buckets, mixed_chunks=(2,)), 1) == (2,)
+    with pytest.raises(StarscreamError, match="mixed_chunks is -1; give a whole number of at least 0"):
+        EngineConfig(mixed_chunks=-1)
