@@ -62,6 +62,7 @@ from pathlib import Path
 import numpy as np
 
 from starscream_jax.benchmarks import harness
+from starscream_jax.cli.arguments import count_or_zero
 
 MILLISECONDS = 1000.0
 
@@ -414,7 +415,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--kernel", default="", choices=["", "gather", "cudnn"],
                         help="paged decode attention (default: the backend's, cuDNN's paged kernel on NVIDIA GPUs)")
     parser.add_argument("--no-overlap", action="store_true", help="the engine reads each step before the next")
-    parser.add_argument("--mixed-chunks", type=int, default=1,
+    parser.add_argument("--mixed-chunks", type=count_or_zero, default=1,
                         help="most prompt chunks per shard of a mixed step (serve's --mixed-chunks; 0: none)")
     parser.add_argument("--compare-two-programs", action="store_true",
                         help="also run each workload in process with mixed steps off (a step's prompt chunks and "
@@ -475,6 +476,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.model, args.layers, args.chunk, args.max_num_batched_tokens = "tiny", 2, 16, 48
         args.max_num_seqs, args.http, args.sampling_settings, args.compare_two_programs = 4, True, True, True
+        args.mixed_chunks = 3  # every prefill step's chunks (48 tokens in chunks of 16): every step of both mixes
         args.static_generate = args.static_generate or 4
         args.fake_engine = args.fake_engine or 20.0
         args.streams = min(args.streams, 16)

@@ -105,10 +105,8 @@ class RowSplit:
     def joined(self, decode_RX: jax.Array, prefill_RX: jax.Array) -> jax.Array:
         """The inverse of `rows`: a device's decode rows [b * decode, ...] and chunks [b * prefill, ...] as its rows
         [b * (decode + prefill), ...], each shard's decode rows, then its chunks."""
-        rest = decode_RX.shape[1:]
-        shards = decode_RX.shape[0] // self.decode
-        return jnp.concatenate([decode_RX.reshape(shards, self.decode, *rest),
-                                prefill_RX.reshape(shards, self.prefill, *rest)], axis=1).reshape(-1, *rest)
+        by_shard = self._side_by_side(decode_RX, prefill_RX, decode_RX.shape[1:])
+        return by_shard.reshape(-1, *decode_RX.shape[1:])
 
     def last_tokens(self, prefill_last_B: jax.Array) -> jax.Array:
         """Where each row's last token sits in a device's streams [b, decode + prefill], from its chunks' last
@@ -121,10 +119,13 @@ class RowSplit:
     def stream(self, decode_BSX: jax.Array, prefill_BSX: jax.Array) -> jax.Array:
         """The inverse of `groups`: decode rows [b * decode, 1, ...] and chunks [b * prefill, width, ...] as the
         streams [b, n, ...]."""
-        rest = decode_BSX.shape[2:]
-        shards = decode_BSX.shape[0] // self.decode
-        return jnp.concatenate([decode_BSX.reshape(shards, self.decode, *rest),
-                                prefill_BSX.reshape(shards, self.prefill * self.width, *rest)], axis=1)
+        return self._side_by_side(decode_BSX, prefill_BSX, decode_BSX.shape[2:])
+
+    def _side_by_side(self, decode: jax.Array, prefill: jax.Array, rest: tuple[int, ...]) -> jax.Array:
+        """[b, decode (+ ...), rest] of each shard's decode part, then its chunks' part: both arrays are grouped
+        by shard, b shards' worth each, whatever their rows hold (a row, or a row's tokens)."""
+        shards = decode.shape[0] // self.decode
+        return jnp.concatenate([decode.reshape(shards, -1, *rest), prefill.reshape(shards, -1, *rest)], axis=1)
 
 
 @register_dataclass

@@ -53,12 +53,12 @@ def _steps_down(limit: int, factor: int, count: int) -> tuple[int, ...]:
 @dataclass(frozen=True, kw_only=True)
 class Buckets:
     """The shapes a server compiles: rows per cache shard of decode steps and of prefill steps, prompt positions per
-    prefill row, pages per row (each a rising tuple; a size rounds up to the next), with `scored` a scored
-    prefill of every prefill shape (prompt log-probabilities; the engine sets it from
-    `EngineConfig.prompt_logprobs`), and mixed steps of each decode bucket (rows and pages) with `mixed_chunks` prompt
-    chunks per shard (each of the largest positions bucket; none where empty: the engine sets it from
-    `EngineConfig.mixed_chunks`, one chunk by default). `for_limits` gives a server's defaults; every bucket is compiled at
-    start (`Engine.warm_up`), so their count sets the start-up time."""
+    prefill row, pages per row (each a rising tuple; a size rounds up to the next), with `scored` a scored prefill of
+    every prefill shape (prompt log-probabilities; the engine sets it from `EngineConfig.prompt_logprobs`), and mixed
+    steps of each decode bucket (rows and pages) with `mixed_chunks` prompt chunks per shard (each of the largest
+    positions bucket; none where empty: the engine sets it from `EngineConfig.mixed_chunks`, one chunk by default).
+    `for_limits` gives a server's defaults; every bucket is compiled at start (`Engine.warm_up`), so their count sets
+    the start-up time."""
 
     rows: tuple[int, ...]
     positions: tuple[int, ...]

@@ -6,13 +6,13 @@ starscream layouts, so nothing is copied between phases), one page pool per laye
 of rows and combination of sampling passes, all compiled by `warm_up`). `step()` runs one scheduler plan: its prompt
 chunks and its decoding sequences as one mixed step under the prefill layout (`steps.MixedInputs`: each weight read once
 for both), or where it has only one kind, or a chunk asks for its prompt's log-probabilities
-(`EngineConfig.prompt_logprobs`: a scored prefill runs alone), or `EngineConfig.mixed_chunks` is 0, a prefill step under the
-prefill layout and a decode step under the decode layout; it returns each new token as a `TokenEvent`. A server runs it
-in a process of its own (`serving.core`). A request with a grammar (structured output, `serving.guided`) has its matcher
-compiled beside the loop and its allowed tokens written to its slot before each step that samples it; it sits out a step
-while its last token is still on the device (`Sequence.held`). A request's allowed_token_ids are bits of the same slot,
-written once (and intersected with its grammar's, if it has one); its bad words are matched in the step against the
-tokens the step itself keeps per slot.
+(`EngineConfig.prompt_logprobs`: a scored prefill runs alone), or `EngineConfig.mixed_chunks` is 0, a prefill step under
+the prefill layout and a decode step under the decode layout; it returns each new token as a `TokenEvent`. A server runs
+it in a process of its own (`serving.core`). A request with a grammar (structured output, `serving.guided`) has its
+matcher compiled beside the loop and its allowed tokens written to its slot before each step that samples it; it sits
+out a step while its last token is still on the device (`Sequence.held`). A request's allowed_token_ids are bits of the
+same slot, written once (and intersected with its grammar's, if it has one); its bad words are matched in the step
+against the tokens the step itself keeps per slot.
 
 Memory: the pools hold 2 * L * K * pages * page_size * E values in the compute dtype, or in an 8-bit cache (the model's
 `ModelConfig.kv_format`, which `--kv-cache` sets) one byte each and a float32 scale per position and kv head
@@ -505,8 +505,8 @@ class Engine:
         """Turns mixed steps on or off from the next step on (a benchmark compares both on one engine); on needs
         the mixed programs compiled (`EngineConfig.mixed_chunks`)."""
         if enabled and not self.buckets.mixed_chunks:
-            raise StarscreamError("this engine compiled no mixed steps (EngineConfig mixed_chunks=0, --mixed-chunks 0); "
-                                  "build it with mixed_chunks of 1 or more to run them")
+            raise StarscreamError("this engine compiled no mixed steps (EngineConfig mixed_chunks=0, --mixed-chunks "
+                                  "0); build it with mixed_chunks of 1 or more to run them")
         self._mixed = enabled
 
     def use_prefix_caching(self, enabled: bool) -> None:

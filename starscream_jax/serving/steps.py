@@ -19,9 +19,9 @@
               bucket of rows serve every combination.
 
 A scored prefill is a program variant of its own, compiled at start only where the engine serves prompt
-log-probabilities (`EngineConfig.prompt_logprobs`, `buckets.Buckets.scored`): it projects every position onto the vocabulary
-([B, S, V] logits, where the plain prefill projects one position a row), so its working memory must be known before
-the page pools take the device memory left (`capacity.check_reserve` reads the compiled programs), and no request
+log-probabilities (`EngineConfig.prompt_logprobs`, `buckets.Buckets.scored`): it projects every position onto the
+vocabulary ([B, S, V] logits, where the plain prefill projects one position a row), so its working memory must be known
+before the page pools take the device memory left (`capacity.check_reserve` reads the compiled programs), and no request
 waits behind a compile; a server that is not asked for it compiles and holds the programs it always did.
 
 The pages' placement is the decode layout's, split into `cache_shards` shards (one page pool each); the prefill
