@@ -60,6 +60,7 @@ class EngineCore:
         self._outputs.connect(addresses.outputs)
         self._encoder, self._decoder = protocol.encoder(), protocol.input_decoder()
         self._refused: list[protocol.RequestOutput] = []
+        self._load_changed = False  # a cancel changed the load of an engine that has no step to run
         self.stopping = False
 
     def run(self) -> None:
@@ -68,7 +69,7 @@ class EngineCore:
         try:
             while True:
                 self._receive(wait=not self.engine.busy and not self._refused)
-                if self.engine.busy or self._refused:
+                if self.engine.busy or self._refused or self._load_changed:
                     self._step()
                 if self.stopping and not self.engine.busy:
                     return
@@ -82,11 +83,13 @@ class EngineCore:
             self._context.term()
 
     def _step(self) -> None:
+        """One engine step where it is busy, and a message of its outputs, refusals and load (also sent with no
+        step: refusals, or the load after a cancel left it idle, so the API's gauges read 0)."""
         started = time.perf_counter()
         events = self.engine.step() if self.engine.busy else []
         refused = [refusal(request_id, "refused", why) for request_id, why in self.engine.refused()]
         outputs = self._refused + refused + [output_of(event) for event in events]
-        self._refused = []
+        self._refused, self._load_changed = [], False
         message = protocol.StepOutputs(outputs, self.engine.stats(), time.perf_counter() - started)
         self._outputs.send(self._encoder.encode(message), copy=False)
 
@@ -115,6 +118,7 @@ class EngineCore:
         elif isinstance(message, protocol.CancelRequests):
             for request_id in message.request_ids:
                 self.engine.cancel(request_id)
+            self._load_changed = True
         else:
             self.stopping = True
             if not message.drain:

@@ -9,7 +9,9 @@ window grows. The last few prompt tokens seed the window, so the first generated
 
 Stop strings are matched in the text not yet sent plus the new text only: up to the longest stop string's length
 less one character is held back (it may be the start of a stop string), so a stop string spanning tokens is found
-exactly once, and the text ends where it begins (or after it, `include_stop`). As vLLM does, stop strings are
+exactly once, and the text ends where it begins (or after it, `include_stop`). Tokens that arrive together (an
+engine's output of several steps) are matched one at a time, so the text ends at the token that completes the stop
+string, whatever arrived after it (`taken`), as vLLM's one token a step ends it. As vLLM does, stop strings are
 looked for only once more than `min_tokens` tokens have arrived.
 
 Special tokens kept in the text (skip_special_tokens false) stand one space apart from their neighbours where a
@@ -51,23 +53,40 @@ class IncrementalText:
         self._include_stop = include_stop
         self._min_tokens, self._tokens = min_tokens, 0
         self._unsent = ""
-        self.stopped = False
-        """True once a stop string was met: the text is complete, later tokens are ignored."""
+        self.stopped: str | None = None
+        """The stop string met, once one is: the text is complete, later tokens are ignored."""
+        self.taken = 0
+        """How many of the last `add`'s tokens made its text: all of them, or those up to the one that completed
+        the stop string met."""
 
     def add(self, token_ids: list[int], final: bool = False) -> str:
         """The text to send after `token_ids` (the request's newest tokens; `final` on its last): "" while it may
-        still be a partial character or the start of a stop string."""
+        still be a partial character or the start of a stop string. With stop strings, one token at a time."""
+        if not self._stop:
+            self.taken = len(token_ids)
+            return self._add(token_ids, final)
+        pieces, self.taken = [], 0
+        for i, token in enumerate(token_ids):
+            if self.stopped:
+                break
+            pieces.append(self._add([token], final and i == len(token_ids) - 1))
+            self.taken = i + 1
+        if not token_ids and final:
+            pieces.append(self._add([], final))
+        return "".join(pieces)
+
+    def _add(self, token_ids: list[int], final: bool) -> str:
         if self.stopped:
             return ""
         self._ids.extend(token_ids)
         self._tokens += len(token_ids)
         text = self._unsent + self._new_text(final)
         stops = self._stop if self._tokens > self._min_tokens else ()
-        cut = min((found for found in (text.find(s) + (len(s) if self._include_stop else 0) for s in stops
-                                       if s in text)), default=-1)
-        if cut >= 0:
-            self.stopped, self._unsent = True, ""
-            return text[:cut]
+        found = [(text.find(s), s) for s in stops if s in text]
+        if found:
+            start, self.stopped = min(found)
+            self._unsent = ""
+            return text[:start + (len(self.stopped) if self._include_stop else 0)]
         keep = 0 if final else min(self._hold, len(text))
         send, self._unsent = text[:len(text) - keep], text[len(text) - keep:]
         return send

@@ -764,7 +764,7 @@ class Engine:
         """Compiles the forward program of every bucket (`Buckets.shapes`) and after each the sampler of every
         combination of passes (`SamplerFeatures.every`) now, so that no request waits for a compile: traced one
         after another (tracing reads the active layout), compiled by `threads` threads at once (XLA compiles outside
-        Python's lock; default: the CPU cores, at most 8); `progress(done, total)` after each. Then allocates the
+        Python's lock; default: the CPU cores, at most 8); `progress(done, total)` before the first and after each. Then allocates the
         page pools. Returns the forward programs compiled. On a mesh spanning processes every process calls it
         (each process compiles the programs it runs)."""
         shapes = [bucket.of_shards(self.shards) for bucket in self.buckets.shapes()]
@@ -773,6 +773,8 @@ class Engine:
         lowered = {key: self._lowered(key) for key in shapes if key not in self._programs}
         samplers = {key: shape for key, shape in samplers.items() if key not in self._samplers}
         done = total - len(lowered) - len(samplers)
+        if progress is not None:
+            progress(done, total)  # the whole count first: a bar's total holds the samplers from the start
         workers = threads or min(8, os.cpu_count() or 1)
 
         def compile_all(programs: dict, into: dict) -> None:

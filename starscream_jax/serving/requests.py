@@ -5,6 +5,7 @@ without a word (`UNSUPPORTED`). Fields outside vLLM's protocol are ignored, as v
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -82,7 +83,11 @@ def unavailable(message: str) -> ApiError:
 
 
 class StreamOptions(BaseModel):
+    """stream_options: usage in a last chunk (`include_usage`), and in every chunk as well where
+    `continuous_usage_stats` (vLLM's), each counting the tokens generated so far."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class Sampling(BaseModel):
@@ -95,7 +100,7 @@ class Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
     REFUSED_HERE: ClassVar[dict[str, tuple]] = {}
     """Fields refused as UNSUPPORTED's are, on this route only (what the other route serves)."""
-    model: str
+    model: str | None = None  # None: the served model, as vLLM reads it
     max_tokens: int | None = Field(default=None, ge=0, le=WHOLE_INT)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=WHOLE_INT)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
@@ -107,7 +112,7 @@ class Sampling(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=1e6, allow_inf_nan=False)
     min_tokens: int = Field(default=0, ge=0, le=WHOLE_INT)
     logit_bias: dict[str, float] | None = None
-    seed: int | None = Field(default=None, ge=0, lt=2 ** 31)
+    seed: int | None = Field(default=None, ge=-2 ** 63, lt=2 ** 63)  # vLLM's range: any 64-bit integer
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
@@ -179,10 +184,25 @@ class Sampling(BaseModel):
             raise ApiError(HTTP_BAD_REQUEST, f"logit_bias holds {len(self.logit_bias)} entries; give at most "
                            f"{MAX_LOGIT_BIAS}", param="logit_bias")
         for key, value in self.logit_bias.items():
-            if not key.strip().isdigit() or not (math.isfinite(value) and -100 <= value <= 100):
+            if not (key.strip().isascii() and key.strip().isdigit()) or not (math.isfinite(value) and -100 <= value <= 100):
                 raise ApiError(HTTP_BAD_REQUEST, f"logit_bias entry {key!r}: {value} must map a token id to a value "
                                "in [-100, 100]", param="logit_bias")
         return self
+
+    @model_validator(mode="after")
+    def _stream_options_with_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(HTTP_BAD_REQUEST, "stream_options applies to streamed responses only; send \"stream\": "
+                           "true with it or leave it out", param="stream_options")
+        return self
+
+    def engine_seed(self) -> int | None:
+        """The seed as the engine takes it, in [0, 2**31): a seed of that range as it is, any other 64-bit one
+        hashed into it (two requests with one seed draw alike; two distinct seeds rarely share a draw)."""
+        if self.seed is None or 0 <= self.seed < 2 ** 31:
+            return self.seed
+        digest = hashlib.blake2b(self.seed.to_bytes(8, "little", signed=True), digest_size=4).digest()
+        return int.from_bytes(digest, "little") % 2 ** 31
 
     @model_validator(mode="after")
     def _cache_salt_is_text(self):
@@ -472,7 +492,8 @@ class ChatRequest(Sampling, ChatTemplateFields):
         known = PARSERS.get(parser) if parser else None
         if choice == "required":
             return ToolMode("required", known)
-        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        function = choice.get("function") if isinstance(choice, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str) or choice.get("type", "function") != "function":
             raise ApiError(HTTP_BAD_REQUEST, f"tool_choice {choice!r} is not one of none, auto, required or "
                            "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")

@@ -56,12 +56,16 @@ class Choice:
     `echo_only` (max_tokens 0) its whole answer: the one token the engine generates is dropped. Special tokens'
     text is left out of its text unless `skip_special` is False (vLLM's skip_special_tokens; then `spaced`, vLLM's
     spaces_between_special_tokens, sets each one apart by a space), or a tool-call parser reads it (tool_choice
-    auto: the parsers' markers are special tokens)."""
+    auto: the parsers' markers are special tokens). As in vLLM, the token that ends it (an EOS id, or one of the
+    request's `stop_ids`) is one of its tokens (usage, token ids, log-probabilities) and its text is left out
+    unless `include_stop`; a stop string ends its tokens at the one that completed it."""
 
     def __init__(self, serving: Serving, index: int, request_id: str, prompt: list[int], params: SamplingParams,
                  stop: tuple[str, ...], include_stop: bool, stream: RequestStream, tools: ToolMode | None = None,
-                 echo: str = "", echo_only: bool = False, skip_special: bool = True, spaced: bool = True):
+                 echo: str = "", echo_only: bool = False, skip_special: bool = True, spaced: bool = True,
+                 stop_ids: tuple[int, ...] = ()):
         self.serving, self.index, self.request_id, self.params, self.stream = serving, index, request_id, params, stream
+        self.include_stop, self.stop_ids = include_stop, frozenset(stop_ids)
         self.echo, self.echo_only = echo, echo_only
         self.prompt_scores: PromptLogprobs | None = None  # the prompt's log-probabilities, from the first delta
         self.offset = 0  # characters of the token texts its completions logprobs gave so far (text_offset)
@@ -76,6 +80,8 @@ class Choice:
         self.logprobs: list[float] = []
         self.tops: list[tuple[list[int], list[float]] | None] = []  # each token's likeliest (ids, log-probabilities)
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        """vLLM's stop_reason: the stop string or the request's stop token id (not an EOS id) that ended it."""
         self.engine_done = False
         self.first_at = self.last_at = self.queued_s = None
 
@@ -90,16 +96,19 @@ class Choice:
             self.last_at = now
         self.queued_s = delta.queued_s if delta.queued_s is not None else self.queued_s
         self.engine_done = delta.finish_reason is not None or delta.error is not None
-        tops = list(zip(delta.top_tokens, delta.top_logprobs)) or [None] * len(delta.tokens)
-        kept = [(token, value, top) for token, value, top in zip(delta.tokens, delta.logprobs, tops)
-                if token not in self.params.stop_tokens]  # a stop token ends the text and is not part of it
-        tokens, values, tops = [k[0] for k in kept], [k[1] for k in kept], [k[2] for k in kept]
+        tokens, values = list(delta.tokens), list(delta.logprobs)
+        tops = list(zip(delta.top_tokens, delta.top_logprobs)) or [None] * len(tokens)
+        stop_token = delta.finish_reason == "stop" and bool(tokens) and tokens[-1] in self.params.stop_tokens
+        text = self.text.add(tokens[:-1] if stop_token and not self.include_stop else tokens, final=self.engine_done)
+        if self.text.stopped:  # a stop string: the tokens end at the one that completed it
+            tokens, values, tops = tokens[:self.text.taken], values[:self.text.taken], tops[:self.text.taken]
+            self.finish_reason, self.stop_reason = "stop", self.text.stopped
+        elif delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = tokens[-1] if stop_token and tokens[-1] in self.stop_ids else None
         self.tokens += tokens
         self.logprobs += values
         self.tops += tops
-        text = self.text.add(tokens, final=self.engine_done)
-        if self.text.stopped or delta.finish_reason is not None:
-            self.finish_reason = "stop" if self.text.stopped else delta.finish_reason
         return text, tokens, values, tops
 
     def split(self, text: str) -> tuple[str, list[dict]]:
@@ -209,7 +218,7 @@ class CompletionResponse:
             self._finished(fan_in)
 
     async def sse(self):
-        encode = self.serving.json.encode
+        encode, options = self.serving.json.encode, self.body.stream_options
         fan_in = FanIn(self.choices, self.firsts)
         try:
             for choice in self.choices:
@@ -241,9 +250,10 @@ class CompletionResponse:
                         if self.chat else text
                     chunk = self._chunk(choice, part, choice.streamed_reason(), logprobs)
                     chunk["choices"][0].update(self._ids("token_ids", tokens))
+                    if options is not None and options.include_usage and options.continuous_usage_stats:
+                        chunk["usage"] = self._usage()
                     yield _sse(encode(chunk))
                 running -= choice.finish_reason is not None
-            options = self.body.stream_options
             if options is not None and options.include_usage and not failed:
                 yield _sse(encode({"id": self.response_id, "object": self._chunk_object(), "created": self.created,
                                    "model": self.model, "choices": [], "usage": self._usage()}))
@@ -266,9 +276,11 @@ class CompletionResponse:
         decode = self._token_text
         tops = [top or ((), ()) for top in tops]
         if self.chat:
-            return {"content": [{"token": decode([t]), "logprob": v, "bytes": None,
-                                 "top_logprobs": [{"token": decode([i]), "logprob": lp, "bytes": None}
-                                                  for i, lp in zip(*top)]}
+            def entry(token: int, value: float) -> dict:
+                text = decode([token])
+                return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8", "replace"))}
+
+            return {"content": [{**entry(t, v), "top_logprobs": [entry(i, lp) for i, lp in zip(*top)]}
                                 for t, v, top in zip(tokens, values, tops)]}
         entries = list(zip(tokens, values, tops))
         if self.echoes_logprobs and not streamed:
@@ -318,10 +330,11 @@ class CompletionResponse:
             if self.chat:
                 message = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
                 choices.append({"index": choice.index, "message": message, "logprobs": logprobs,
-                                "finish_reason": reason, **self._ids("token_ids", choice.tokens)})
+                                "finish_reason": reason, "stop_reason": choice.stop_reason,
+                                **self._ids("token_ids", choice.tokens)})
             else:
                 choices.append({"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": reason,
-                                **self._ids("prompt_token_ids", choice.prompt),
+                                "stop_reason": choice.stop_reason, **self._ids("prompt_token_ids", choice.prompt),
                                 **self._ids("token_ids", choice.tokens), **self._prompt_logprobs(choice)})
         first = self.choices[0]
         prompt = {**self._ids("prompt_token_ids", first.prompt), **self._prompt_logprobs(first)} if self.chat else {}
@@ -337,11 +350,14 @@ class CompletionResponse:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
     def _chunk(self, choice: Choice, delta, finish_reason, logprobs=None) -> dict:
+        stop_reason = choice.stop_reason if finish_reason is not None else None
         if self.chat:
             content = delta if isinstance(delta, dict) else {"content": delta}
-            part = {"index": choice.index, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
+            part = {"index": choice.index, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason,
+                    "stop_reason": stop_reason}
         else:
-            part = {"index": choice.index, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            part = {"index": choice.index, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                    "stop_reason": stop_reason}
         return {"id": self.response_id, "object": self._chunk_object(), "created": self.created,
                 "model": self.model, "choices": [part]}
 

@@ -128,6 +128,7 @@ class Server:
                                decode_special=functools.partial(tokenizer.decode, skip_special_tokens=False),
                                special_ids=tokenizer.special_ids)
         self.shutting_down = False
+        self.started = int(time.time())
         self.prompt_tokens_submitted = 0
         """Prompt tokens sent to the engine so far (for the periodic stats line)."""
         self._stats_since: tuple[float, int, int] | None = None
@@ -207,7 +208,7 @@ class Server:
                 f"KV cache usage: {100 * load.pages_used / max(load.pages_total, 1):.1f}%")
 
     async def models(self):
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.started,
                                             "owned_by": "starscream", "max_model_len": self.context}]}
 
     async def health(self):
@@ -335,6 +336,9 @@ class Server:
             raise unavailable(f"the engine stopped: {self.client.failed}")
         if self.shutting_down:
             raise unavailable("the server is shutting down; send the request to another one")
+        if count > self.max_pending:
+            raise ApiError(HTTP_BAD_REQUEST, f"this request needs {count} engine requests (prompts x n), more than the "
+                           f"{self.max_pending} this server queues; send fewer prompts or a smaller n", param="n")
         if self.client.pending + count > self.max_pending:
             raise ApiError(HTTP_TOO_MANY, f"{self.client.pending} requests are in flight and this one needs "
                                           f"{count}, beyond the {self.max_pending} this server queues; retry later",
@@ -362,6 +366,8 @@ class Server:
         when a seed is given) and answers with all their choices, whole or streamed; each follows `grammar`
         (structured output), its text becomes tool calls as `tools` says, and begins with its prompt's echo (is
         only that with max_tokens 0: the engine's one token is dropped)."""
+        if body.model is None:  # the served model, named in the answer as vLLM names it
+            body = body.model_copy(update={"model": self.model_name})
         prompts = [body.truncated(prompt, self.context) for prompt in prompts]
         params = [replace(self._params(body, prompt, logprobs, chat), grammar=grammar) for prompt in prompts]
         self._admit(len(prompts) * body.n)
@@ -377,7 +383,8 @@ class Server:
                 stream = self.client.submit(request_id, prompt, seeded)
                 choices.append(Choice(self.serving, index, request_id, prompt, seeded, stop,
                                       body.include_stop_str_in_output, stream, tools, echo, body.max_tokens == 0,
-                                      body.skip_special_tokens, body.spaces_between_special_tokens))
+                                      body.skip_special_tokens, body.spaces_between_special_tokens,
+                                      tuple(body.stop_token_ids or ())))
             self.prompt_tokens_submitted += len(prompt) * body.n
         firsts = await asyncio.gather(*(choice.stream.take() for choice in choices))  # refusals surface here
         refused = next((first for first in firsts if first.error is not None), None)
@@ -416,7 +423,7 @@ class Server:
         try:
             check_fits(len(prompt), max_tokens, self.context)
             return SamplingParams(max_tokens=max_tokens, temperature=sampling("temperature"),
-                                  top_p=sampling("top_p"), top_k=max(sampling("top_k"), 0), seed=body.seed,
+                                  top_p=sampling("top_p"), top_k=max(sampling("top_k"), 0), seed=body.engine_seed(),
                                   stop_tokens=eos + tuple(body.stop_token_ids or ()), logprobs=logprobs,
                                   top_logprobs=top, min_tokens=body.min_tokens, min_p=body.min_p,
                                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,

@@ -298,11 +298,12 @@ class ToolStream:
         return "", [call.openai(index) for index, call in enumerate(self.calls)]
 
     def _named_deltas(self, text: str) -> list[dict]:
-        deltas = []
+        """The named call's delta of `text`: its id and name with the first arguments, then arguments alone (one
+        entry for the call's index a chunk, as OpenAI streams it)."""
         if self._named is None:
             self._named = ToolCall(self.mode.new_id(), self.mode.name, "")
             self.calls = [self._named]
-            deltas.append(self._named.openai(0))
-        if text:
-            deltas.append({"index": 0, "function": {"arguments": text}})
-        return deltas
+            first = self._named.openai(0)
+            first["function"]["arguments"] = text
+            return [first]
+        return [{"index": 0, "function": {"arguments": text}}] if text else []

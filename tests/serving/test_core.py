@@ -93,6 +93,26 @@ def test_a_refusal_reaches_its_request_alone():
     assert tokens == [7, 7] and error is None
 
 
+def test_a_cancel_that_leaves_the_engine_idle_sends_its_load():
+    """The gauges the API serves read the last message's load: a cancel of the only request, after which the
+    engine has no step to run, still sends one (nothing running), not only the next request's first step."""
+    async def run():
+        loop, client, steps = await started(fake(step_s=0.01))
+        stream = client.submit("long", [3, 4], SamplingParams(max_tokens=40))
+        await stream.take()
+        client.cancel("long")
+        for _ in range(200):
+            if steps and steps[-1].stats.running == 0:
+                break
+            await asyncio.sleep(0.01)
+        await client.stop(drain=True, timeout=10)
+        await client.close()
+        return steps
+
+    steps = asyncio.run(run())
+    assert steps[-1].stats.running == 0 and not steps[-1].outputs
+
+
 class FailingEngine(FakeEngine):
     def step(self):
         if self._generated >= 3:

@@ -50,6 +50,24 @@ def test_a_stop_string_over_several_tokens_ends_the_text(include, expected):
     assert text.add(tokenizer.encode("x").tolist()) == ""  # nothing after the stop
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_tokens_arriving_together_end_at_the_one_that_completes_the_stop(include):
+    """Several steps' tokens in one `add` (an engine ahead of the HTTP process): the text and `taken` end at the
+    token that completes the stop string, whatever the batch holds after it; the stop string met is named."""
+    tokenizer = ByteTokenizer()
+    ids = tokenizer.encode("ab STOP cd").tolist()
+    for size in (1, 3, len(ids)):
+        text = IncrementalText(tokenizer.decode, [], stop=("STOP", "zz"), include_stop=include)
+        taken, pieces = 0, []
+        for start in range(0, len(ids), size):
+            pieces.append(text.add(ids[start:start + size], final=start + size >= len(ids)))
+            taken += text.taken
+            if text.stopped:
+                break
+        assert taken == len("ab STOP") and text.stopped == "STOP"
+        assert "".join(pieces) == ("ab STOP" if include else "ab ")
+
+
 def test_held_back_text_is_sent_at_the_end():
     tokenizer = ByteTokenizer()
     text = IncrementalText(tokenizer.decode, [], stop=("xyz!",))

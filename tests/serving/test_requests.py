@@ -77,7 +77,8 @@ def test_sampling_fields_are_read_and_bad_values_name_their_field():
                          ("min_p", 1.5), ("min_tokens", -1), ("top_logprobs", 21)):
         with pytest.raises(ValidationError, match=field):
             ChatRequest.model_validate({**BASE["chat"][1], "logprobs": True, field: value})
-    for bias, message in (({"x": 1}, "'x'"), ({"1": 101}, "101"), ({str(i): 1 for i in range(301)}, "at most 300")):
+    for bias, message in (({"x": 1}, "'x'"), ({"1": 101}, "101"), ({str(i): 1 for i in range(301)}, "at most 300"),
+                          ({"\u00b2": 1}, "'\u00b2'"), ({"\u0663": 1}, "'\u0663'")):  # digits, not ASCII ones
         with pytest.raises(ApiError, match=message) as refused:
             ChatRequest.model_validate({**BASE["chat"][1], "logit_bias": bias})
         assert refused.value.param == "logit_bias" and refused.value.status == 400
@@ -184,6 +185,7 @@ def test_tool_choice_gives_a_mode_and_a_grammar_or_names_what_is_wrong():
             ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}}, "hermes",
              "'x', which tools does not hold"),
             ({"tools": TOOLS, "tool_choice": "sometimes"}, "hermes", "is not one of"),
+            ({"tools": TOOLS, "tool_choice": {"type": "function", "function": "weather"}}, "hermes", "is not one of"),
             ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "hermes", "cannot also follow")):
         with pytest.raises(ApiError, match=message) as refused:
             request = chat(**fields)
@@ -282,3 +284,23 @@ def test_allowed_token_ids_bad_words_and_special_token_fields():
     for field, value in (("allowed_token_ids", ["x"]), ("bad_words", "word"), ("skip_special_tokens", "maybe")):
         with pytest.raises(ValidationError, match=field):
             CompletionRequest.model_validate({**BASE["completions"][1], field: value})
+
+
+def test_model_is_optional_seeds_take_any_64_bit_integer_and_stream_options_need_a_stream():
+    """As vLLM reads them: a body without a model is the served model's; a seed of any 64-bit integer is taken
+    (those in [0, 2**31) as they are, others folded into that range); stream_options without stream is a 400."""
+    body = CompletionRequest.model_validate({"prompt": "hi"})
+    assert body.model is None and body.engine_seed() is None
+    seeds = [CompletionRequest.model_validate({"prompt": "hi", "seed": seed}).engine_seed()
+             for seed in (0, 7, 2 ** 31 - 1, 2 ** 31, 2 ** 63 - 1, -1, -2 ** 63, 2 ** 40 + 7)]
+    assert seeds[:3] == [0, 7, 2 ** 31 - 1] and all(0 <= seed < 2 ** 31 for seed in seeds)
+    assert len(set(seeds)) == len(seeds)
+    for seed in (2 ** 63, -2 ** 63 - 1):
+        with pytest.raises(ValidationError, match="seed"):
+            CompletionRequest.model_validate({"prompt": "hi", "seed": seed})
+    streamed = {"prompt": "hi", "stream": True, "stream_options": {"include_usage": True,
+                                                                    "continuous_usage_stats": True}}
+    assert CompletionRequest.model_validate(streamed).stream_options.continuous_usage_stats
+    with pytest.raises(ApiError, match="stream_options applies to streamed") as refused:
+        CompletionRequest.model_validate({**streamed, "stream": False})
+    assert refused.value.param == "stream_options" and refused.value.status == 400

@@ -190,6 +190,22 @@ def test_a_stop_string_ends_the_text_before_it(client):
         chunks = list(response) if stream else [response]
         text = "".join(chunk.choices[0].text for chunk in chunks)
         assert text == free[:free.index(stop)] and chunks[-1].choices[0].finish_reason == "stop"
+        assert chunks[-1].choices[0].stop_reason == stop
+
+
+def test_a_stop_string_ends_the_token_ids_and_usage_at_the_token_that_completes_it(client, llama_tokenizer):
+    """However many steps' tokens reach the HTTP process at once, the choice's token ids end at the token whose
+    text completes the stop string, and usage counts those (as vLLM's one token a step ends them)."""
+    sampling = {"model": MODEL, "prompt": "hello world", "max_tokens": 12, "temperature": 0,
+                "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+    free = client.completions.create(**sampling).choices[0].token_ids
+    texts = [llama_tokenizer.decode(free[:end]) for end in range(len(free) + 1)]
+    end = next(end for end in range(2, len(free)) if texts[end] != texts[end - 1] and texts[end - 1].strip())
+    stop = texts[end][len(texts[end - 1]) - 1:]  # the last character before token `end` and its text
+    done = next(n for n in range(1, len(free) + 1) if stop in texts[n])
+    for _ in range(3):
+        answer = client.completions.create(**sampling, stop=[stop])
+        assert answer.choices[0].token_ids == free[:done] and answer.usage.completion_tokens == done
 
 
 def test_chat_uses_the_template_and_streams(client):
@@ -234,11 +250,17 @@ def test_top_logprobs_penalties_and_logit_bias_through_the_openai_client(client,
     biased = client.completions.create(**sampling, logit_bias={str(forced): 100}, logprobs=0).choices[0]
     assert biased.logprobs.tokens == [llama_tokenizer.decode([forced])] * 6
     stopping = {**sampling, "logit_bias": {str(forced): 100}, "logprobs": 0}
-    stopped = client.completions.create(**{**stopping, "extra_body": {"stop_token_ids": [forced]}}).choices[0]
-    assert stopped.finish_reason == "stop" and stopped.logprobs.tokens == []  # the forced token stops it at once
+    stopped = client.completions.create(**{**stopping, "extra_body": {"stop_token_ids": [forced],
+                                                                       "return_token_ids": True}})
+    choice = stopped.choices[0]  # the forced token stops it at once: counted and scored, its text left out
+    assert choice.finish_reason == "stop" and choice.stop_reason == forced and choice.text == ""
+    assert choice.token_ids == [forced] and len(choice.logprobs.tokens) == stopped.usage.completion_tokens == 1
+    shown = client.completions.create(**{**stopping, "extra_body": {"stop_token_ids": [forced],
+                                                                     "include_stop_str_in_output": True}})
+    assert shown.choices[0].text == llama_tokenizer.decode([forced])
     held = client.completions.create(**{**stopping, "extra_body": {"stop_token_ids": [forced], "min_tokens": 3}})
     held = held.choices[0]  # the stop id masked for 3 tokens, then forced
-    assert held.finish_reason == "stop" and len(held.logprobs.tokens) == 3
+    assert held.finish_reason == "stop" and len(held.logprobs.tokens) == 4
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         client.completions.create(**sampling, logit_bias={"100000": 1})
     assert _wait_idle(served[1]).pages_used == 0
@@ -303,14 +325,40 @@ def test_bad_requests_get_openai_errors(client, served):
         client.completions.create(model=MODEL, prompt="word " * 80, max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=-1)
+    for body in ({"logit_bias": {"\u00b2": 1}}, {"stream_options": {"include_usage": True}},
+                 {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+                  "tool_choice": {"type": "function", "function": "w"}}):
+        route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        response = httpx.post(served[0] + route, json={"model": MODEL, "prompt": "x", "max_tokens": 2, **body},
+                              timeout=30)
+        assert response.status_code == 400 and response.json()["error"]["param"] == next(iter(body.keys() - {
+            "messages", "tools"})), response.text
     response = httpx.post(served[0] + "/v1/completions", content=b"{not json", timeout=10,
                           headers={"content-type": "application/json"})
     assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
 
 
+def test_a_body_without_a_model_continuous_usage_and_chat_logprob_bytes(client, served):
+    """As vLLM serves them: a body without `model` is the served model's; stream_options continuous_usage_stats
+    puts the usage so far in every chunk; chat logprobs give each token's UTF-8 bytes."""
+    answer = httpx.post(served[0] + "/v1/completions", json={"prompt": "hello", "max_tokens": 2}, timeout=30).json()
+    assert answer["model"] == MODEL and answer["usage"]["completion_tokens"] >= 1
+    chunks = list(client.completions.create(model=MODEL, prompt="hello", max_tokens=4, temperature=0, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                            extra_body={"ignore_eos": True}))
+    counts = [chunk.usage.completion_tokens for chunk in chunks]
+    assert counts == sorted(counts) and counts[-1] == 4 and all(chunk.usage for chunk in chunks)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    for entry in chat.choices[0].logprobs.content:
+        assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
+        assert all(bytes(top.bytes).decode("utf-8", "replace") == top.token for top in entry.top_logprobs)
+
+
 def test_health_models_and_metrics(client, served):
     assert httpx.get(served[0] + "/health").json() == {"status": "ok"}
-    assert [model.id for model in client.models.list()] == [MODEL]
+    models = client.models.list().data
+    assert [model.id for model in models] == [MODEL] and models[0].created > 1.7e9
     text = httpx.get(served[0] + "/metrics").text
     for series in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                    "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
@@ -373,8 +421,8 @@ def test_chat_with_n_choices_and_n_bounds(client):
     with pytest.raises(openai.BadRequestError, match="best_of"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, best_of=2)
     assert len(client.completions.create(model=MODEL, prompt="x", max_tokens=2, best_of=2, n=2).choices) == 2
-    with pytest.raises(openai.RateLimitError):  # more choices than the server queues
-        client.completions.create(model=MODEL, prompt=["x"] * (MAX_PENDING // 2 + 1), max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match="more than the 12 this server queues"):  # never fits: a 400,
+        client.completions.create(model=MODEL, prompt=["x"] * (MAX_PENDING // 2 + 1), max_tokens=2, n=2)  # not 429
 
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]}},
@@ -464,6 +512,9 @@ def test_tool_choice_required_and_named_give_parsed_calls_whole_and_streamed(cli
                                                      parallel_tool_calls=False))
         deltas = [call for chunk in chunks for call in chunk.choices[0].delta.tool_calls or ()]
         assert chunks[-1].choices[0].finish_reason == "tool_calls" and deltas[0].id and deltas[0].function.name
+        for chunk in chunks:  # one entry for a call's index a chunk
+            indices = [call.index for call in chunk.choices[0].delta.tool_calls or ()]
+            assert len(indices) == len(set(indices)), chunk
         whole = {}
         for delta in deltas:
             whole[delta.index] = whole.get(delta.index, "") + (delta.function.arguments or "")

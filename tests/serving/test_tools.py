@@ -117,8 +117,9 @@ def test_an_auto_stream_sends_the_content_then_the_calls_whole(parser, text):
 def test_a_named_stream_sends_the_arguments_as_they_come():
     stream = ToolStream(ToolMode("named", name="weather"))
     first, second = stream.add('{"city": ', False), stream.add('"Oslo"}', True)
-    assert first[0] == "" and first[1][0]["function"] == {"name": "weather", "arguments": ""}
-    assert first[1][1] == {"index": 0, "function": {"arguments": '{"city": '}}
+    assert first[0] == "" and len(first[1]) == 1  # one entry for the call a chunk: id, name, first arguments
+    assert first[1][0]["index"] == 0 and first[1][0]["id"]
+    assert first[1][0]["function"] == {"name": "weather", "arguments": '{"city": '}
     assert second[1] == [{"index": 0, "function": {"arguments": '"Oslo"}'}}]
 
 
