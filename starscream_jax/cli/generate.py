@@ -14,7 +14,7 @@ from ..hardware.distributed import is_main_process
 from ..hardware.presets import Chip
 from ..inference.generate import generate, stop_ids_of
 from ..inference.loading import LoadRequest, load_for_inference
-from ..inference.served import generate_served, uses_engine
+from ..inference.served import generate_served, static_reason
 from ..training.steps import Sampling
 from .arguments import (
     MODEL_SOURCE_EXCLUSIVE,
@@ -67,18 +67,19 @@ def run(args: argparse.Namespace) -> int:
     prompt_tokens = tokenizer.encode(args.prompt)
     prompt = np.tile(prompt_tokens, (samples, 1))
     layouts = (args.prefill_layout, args.decode_layout)
-    if uses_engine(samples, mesh, args.decode_layout):
+    static = static_reason(samples, mesh, *layouts, model.config)
+    if static is None:
         served = generate_served(model, prompt, args.max_new_tokens, sampling, mesh, *layouts,
                                  stop_token=tokenizer.eos_ids)
         tokens, footer = served.tokens, (
             f"served by the engine: {served.generated} new tokens in {served.seconds:.2f} s, "
             f"{served.tokens_per_s:,.0f} tokens/s ({served.programs} programs compiled before; paged decode attention "
             f"{served.kernel})")
-    else:  # fewer samples than cache shards: the prompt split over the partitions, decoded split-K
+    else:
         result = generate(model, prompt, args.max_new_tokens, sampling, mesh, *layouts, stop_token=tokenizer.eos_ids)
         tokens, footer = result.tokens, (
             f"prefill {result.prefill_tokens_per_s:,.0f} tokens/s, decode {result.decode_tokens_per_s:,.0f} tokens/s "
-            f"({samples} x {result.tokens.shape[1]} new tokens; split-K decode: fewer samples than cache shards)")
+            f"({samples} x {result.tokens.shape[1]} new tokens; the static path: {static})")
     echo(f"{model.config.name} from {source} on mesh {dict(mesh.shape)}; prefill {args.prefill_layout}, decode "
          f"{args.decode_layout}")
     shown_rows = tokens[:1] if args.greedy else tokens  # greedy rows are all the same

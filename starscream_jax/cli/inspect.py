@@ -137,6 +137,9 @@ def settings_from_args(args: argparse.Namespace, chip: Chip) -> Settings:
     if (args.quantize or args.kv_cache) and args.phase == "train":
         raise StarscreamError("--quantize and --kv-cache are for inference; inspect them with --phase prefill or "
                               "--phase decode")
+    if args.remat_policy != "none" and args.phase != "train":
+        raise StarscreamError(f"--remat-policy {args.remat_policy} sets what training's backward pass keeps; "
+                              f"{args.phase} has no backward pass: inspect it with --phase train or leave it out")
     if args.fp8 and args.phase != "train":
         raise StarscreamError(f"--fp8 is fp8 training; inspect it with --phase train (or --quantize fp8 for "
                               f"{args.phase})")

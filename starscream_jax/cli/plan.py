@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from ..analysis.json_form import to_json
 from ..analysis.plan import JUDGED, plan_phase
 from ..analysis.serve_plan import ServePlan, ServeWorkload, choose_serving, price_serving, serve_batches
 from ..errors import StarscreamError
+from ..hardware.topology import OVERRIDE_ENV
 from ..model.catalog import load_model_config
 from ..sharding.layouts import EXPERT_LAYOUTS, LAYOUTS, PHASE_DEFAULTS, get_layout
 from .arguments import (
@@ -198,9 +200,15 @@ def _progress(bar):
 
 
 def _mesh_flags(args: argparse.Namespace, topology, data: int) -> str:
-    flags = f"--preset {topology.preset.name} --gpus {topology.gpus_per_node}"
-    if topology.nodes > 1:
-        flags += f" --nodes {topology.nodes}"
+    """The flags that build the planned mesh again: the topology as given (--topology, or $STARSCREAM_TOPOLOGY where
+    no --preset overrode it) with the --gpus and --nodes given, else the preset with its GPUs and nodes."""
+    given = args.topology or (None if args.preset else os.environ.get(OVERRIDE_ENV, "").strip() or None)
+    if given:
+        flags = f"--topology {shlex.quote(given)}" + (f" --gpus {args.gpus}" if args.gpus else "") + (
+            f" --nodes {args.nodes}" if args.nodes else "")
+    else:
+        flags = f"--preset {topology.preset.name} --gpus {topology.gpus_per_node}" + (
+            f" --nodes {topology.nodes}" if topology.nodes > 1 else "")
     return flags + (f" --data-parallel {data}" if data > 1 else "")
 
 

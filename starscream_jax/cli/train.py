@@ -123,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
     result = train(config, mesh, resume=args.resume, allow_changes=args.allow_change,
                    device_memory_bytes=topology.hbm_bytes, show_progress=not args.no_progress,
                    profile_dir=args.profile, overwrite=args.overwrite)
-    print_layout_summary(inspect_compiled(result.compiled_step, mesh).to_dict(), result.layout, echo)
+    report = inspect_compiled(result.compiled_step, mesh, gpus_per_node=topology.gpus_per_node)  # (as inspect's)
+    print_layout_summary(report.to_dict(), result.layout, echo)
     if args.profile:
         print_time_breakdown(args.profile, result, mesh, result.layout, echo)
     return 0

@@ -4,7 +4,7 @@ runs them.
 
 The engine splits its sequences over its cache shards (the partitions that split the attention batch), so a batch
 of fewer rows than shards would leave partitions idle; there `inference.generate` (the static path) splits each
-prompt over the partitions and decodes split-K instead (`uses_engine`). The static path also stays the library's
+prompt over the partitions and decodes split-K instead (`static_reason`). The static path also stays the library's
 reference: the engine's tests compare their tokens with it.
 
 The engine is sized for the one batch it runs: one bucket of rows (the batch over the shards), one chunk (the prompt,
@@ -19,10 +19,12 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from ..errors import StarscreamError
 from ..serving.engine import Engine, EngineConfig
 from ..serving.scheduler import SamplingParams
 from ..serving.buckets import Buckets
-from ..serving.steps import cache_shards
+from ..serving.steps import cache_shards, check_same_cache_placement
+from ..sharding.layouts import get_layout
 from ..training.steps import Sampling
 from .generate import stop_ids_of
 
@@ -52,14 +54,26 @@ class ServedGeneration:
         return self.generated / self.seconds if self.seconds else math.nan
 
 
-def uses_engine(batch: int, mesh, decode_layout) -> bool:
-    """Whether `starscream generate` runs a batch of `batch` rows on the engine: every cache shard of the decode
-    layout holds a row (else the static path's split-K decode keeps every partition busy), in one process (a mesh
-    spanning processes runs the engine as a server's leader and followers, `serving.multihost`, which a one-shot
-    generation does not set up: it takes the static path, which every process runs alike)."""
+def static_reason(batch: int, mesh, prefill_layout, decode_layout, config) -> str | None:
+    """Why `starscream generate` runs a batch of `batch` rows of a model of `config` on the static path, or None
+    where it runs them on the engine: every cache shard of the decode layout holds a row (else the static path's
+    split-K decode keeps every partition busy), the two layouts place the page pool alike (the engine keeps one
+    pool; the static path moves its cache between the phases), and one process runs (a mesh spanning processes
+    runs the engine as a server's leader and followers, `serving.multihost`, which a one-shot generation does not
+    set up: the static path runs alike on every process)."""
     if jax.process_count() > 1:
-        return False
-    return mesh is None or batch >= cache_shards(decode_layout, mesh)
+        return "a mesh spanning processes"
+    if mesh is None:
+        return None
+    shards = cache_shards(decode_layout, mesh)
+    if batch < shards:
+        return "split-K decode: fewer samples than cache shards"
+    try:
+        check_same_cache_placement({"prefill": get_layout(prefill_layout), "decode": get_layout(decode_layout)},
+                                   mesh, config, shards)
+    except StarscreamError:
+        return "the layouts place the KV cache apart: the cache moves between prefill and decode"
+    return None
 
 
 def generate_served(model, prompt_BP, max_new_tokens: int, sampling: Sampling, mesh, prefill_layout, decode_layout,

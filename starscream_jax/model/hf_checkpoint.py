@@ -551,9 +551,9 @@ def write_failure(out: Path, error: BaseException) -> str | None:
 
 def check_export_target(out: Path, replace: bool, reads=()) -> None:
     """A CheckpointError unless `out` can take an export: a directory path (or none yet) whose parent is writable,
-    not a mount point, empty unless `replace`, and, when replaced, neither the working directory, the home
-    directory, nor a directory holding any path in `reads` (what the export reads: the checkpoint, the
-    tokenizer)."""
+    not a mount point, empty unless `replace`, not inside any path in `reads` (what the export reads: the
+    checkpoints, the tokenizer), and, when replaced, neither the working directory, the home directory, nor a
+    directory holding any path in `reads`."""
     try:
         _check_export_target(Path(out), replace, reads)
     except OSError as error:  # a directory that cannot be listed, a path that cannot be looked at
@@ -576,6 +576,10 @@ def _check_export_target(out: Path, replace: bool, reads) -> None:
         raise CheckpointError(f"export target {out} already holds {len(held)} files ({listed}); pass --replace "
                               "(replace=True) to replace it entirely, or a new or empty directory")
     resolved = out.resolve()
+    source = next((Path(path) for path in reads if resolved.is_relative_to(Path(path).resolve())), None)
+    if source is not None:
+        raise CheckpointError(f"export target {out} lies inside {source}, which the export reads (a new folder there "
+                              "reads as one of its checkpoints); choose an --out outside it")
     guarded = [Path.cwd(), Path.home(), *(Path(path) for path in reads)]
     inside = next((path for path in guarded if path.resolve().is_relative_to(resolved)), None)
     if out.exists() and inside is not None:

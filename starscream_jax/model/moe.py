@@ -123,7 +123,15 @@ def expert_outputs(h_TD, gates_TK, experts_TK, w_gate_XDF, w_up_XDF, w_down_XFD,
     hidden_RF = jax.nn.silu(gate_RF) * up_RF
     out_RD = per_expert("down", hidden_RF, w_down_XFD)
     out_TKD = permute_rows(out_RD, row_A, source_R).reshape(tokens, k, d_model)
-    return jnp.einsum("tkd,tk->td", out_TKD, gates_TK.astype(out_TKD.dtype))
+    return combined(out_TKD, gates_TK)
+
+
+def combined(out_TKD: jax.Array, gates_TK: jax.Array) -> jax.Array:
+    """[T, D]: each token's k expert outputs [T, k, D] weighted by its gates [T, k] and summed, in float32, in out's
+    dtype. Elementwise (k is a few): a batched matmul of k-long contractions would be T tiny products, which XLA
+    leaves unnamed in the backward pass, so the compiled program could not tell whose they are."""
+    weighted = out_TKD.astype(jnp.float32) * gates_TK.astype(jnp.float32)[:, :, None]
+    return jnp.sum(weighted, axis=1).astype(out_TKD.dtype)
 
 
 def _total_by_assignment(total, partial_RF: tuple[jax.Array, ...], source_R, row_A) -> tuple[jax.Array, ...]:

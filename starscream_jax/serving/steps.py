@@ -581,7 +581,8 @@ def cache_shards(layout, mesh) -> int:
 def check_same_cache_placement(layouts: dict, mesh, c, shards: int) -> None:
     """The prefill and decode layouts must place the page pools alike (else every step would copy the cache; the
     placement does not depend on the pool's size)."""
-    shape = pool_shape(2 * shards, 16, c.n_kv_heads, c.head_dim)
+    every = math.lcm(shards, *(cache_shards(layout, mesh) for layout in layouts.values()))
+    shape = pool_shape(2 * every, 16, c.n_kv_heads, c.head_dim)  # (pages that each layout's shards divide)
     specs = {}
     for phase, layout in layouts.items():
         if layout.splits_sequence:

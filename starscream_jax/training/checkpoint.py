@@ -251,22 +251,41 @@ def _quiet_reads_left_behind() -> None:
         return
 
     def hook(unraisable):
-        if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+        closed_loop = isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == \
+            "Event loop is closed"
+        if not (closed_loop or _orbax_read(unraisable.object)):
             previous_hook(unraisable)
 
     hook.drops_closed_loop = True
     sys.unraisablehook = hook
 
 
+def _orbax_read(thing) -> bool:
+    """Whether `thing` is one of orbax's read coroutines (one left failing after a restore that failed already)."""
+    code = getattr(thing, "cr_code", None)
+    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+
+
 def describe_storage_error(error: Exception) -> str:
-    """What a failed read or write says, shortened to the file and the reason."""
-    message = (str(error).splitlines() or [""])[0].split(" [tensorstore_spec")[0]
+    """What a failed read or write says, shortened to the file and the reason: of the first error in its chain
+    (orbax wraps tensorstore's in its own, which names the array's slice, not the file) that names a file."""
+    chain = [error]
+    while len(chain) < 8 and (chain[-1].__cause__ or chain[-1].__context__) is not None:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    error = next((link for link in chain if FILE_IN_ERROR.search(_first_line(link))), error)
+    message = _first_line(error)
     found = FILE_IN_ERROR.findall(message)
     if not found:
         return f"{type(error).__name__}: {message[:200]}"
     status, _, rest = message.partition(": ")
     detail = rest.rpartition(f'{found[-1]}": ')[2] if f'{found[-1]}": ' in rest else ""
     return f"{found[-1]} ({status}{': ' + detail[:120] if detail else ''})"
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's first line without the store specification tensorstore and orbax append."""
+    line = (str(error).splitlines() or [""])[0]
+    return line.split(" [tensorstore_spec")[0].split(" See full TensorStore details")[0]
 
 
 @jax.jit

@@ -68,12 +68,14 @@ class TokenBatches:
     batch_size: int
     seq_len: int
     seed: int
+    source: str = "the data"
+    """What `tokens` are, as an error names them."""
 
     def __post_init__(self):
         if len(self.tokens) <= self.seq_len:
             raise StarscreamError(
-                f"{len(self.tokens)} tokens cannot fill one window of {self.seq_len}; use a larger corpus or a "
-                "shorter --seq-len"
+                f"{self.source}: {len(self.tokens)} tokens cannot fill one window of {self.seq_len} (--seq-len + 1); "
+                "use a larger corpus or a shorter --seq-len"
             )
 
     def start_offsets(self, step: int) -> np.ndarray:

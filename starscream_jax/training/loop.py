@@ -151,12 +151,17 @@ def resume_changes(saved: dict, config: TrainConfig, start_step: int, allow_chan
             differences[name] = change
     refused = [name for name in differences if name not in allow_changes]
     if refused:
-        listed = ", ".join(f"{flag(name)} {differences[name][1]} (the run has {differences[name][0]})"
+        listed = ", ".join(f"{flag(name)} {_shown(differences[name][1])} (the run has {_shown(differences[name][0])})"
                            for name in refused)
         raise CheckpointError(f"--resume contradicts the run in {config.run_dir}: {listed}; pass the run's values, "
                               f"or --allow-change {','.join(refused)} to change it (recorded with the checkpoints)")
     new = [{"step": start_step, "field": name, "from": old, "to": value} for name, (old, value) in differences.items()]
     return list(saved.get("changes", [])) + new
+
+
+def _shown(value) -> str:
+    """A setting as a message shows it: an empty one (no fp8, no tokenizer) as "none"."""
+    return "none" if value in ("", None) else str(value)
 
 
 def _data_difference(saved: dict, config: TrainConfig, data_files: list[DataFingerprint]) -> tuple | None:
@@ -379,12 +384,14 @@ def plan_run(config: TrainConfig, mesh, allow_changes, stop_at_step: int | None,
     token_sharding = batch_sharding(layout, mesh, config.batch_size)
     tokens, data_files, tokenizer = training_tokens(config, model_config)
     train_tokens, validation_tokens = data.split_corpus(tokens)
-    rows = config.seq_len + 1
+    rows, of_all = config.seq_len + 1, f"of the data's {len(tokens)} tokens"
+
+    def batches(split: np.ndarray, seed: int, source: str) -> data.TokenBatches:
+        return data.TokenBatches(tokens=split, batch_size=config.batch_size, seq_len=rows, seed=seed, source=source)
+
     return RunPlan(config=config, model_config=model_config, layout=layout, mesh=mesh, token_sharding=token_sharding,
-                   train_batches=data.TokenBatches(tokens=train_tokens, batch_size=config.batch_size, seq_len=rows,
-                                                   seed=config.seed),
-                   eval_batches=data.TokenBatches(tokens=validation_tokens, batch_size=config.batch_size, seq_len=rows,
-                                                  seed=EVAL_SEED),
+                   train_batches=batches(train_tokens, config.seed, f"the training split (the first 90% {of_all})"),
+                   eval_batches=batches(validation_tokens, EVAL_SEED, f"the validation split (the last 10% {of_all})"),
                    unigram_nats=data.unigram_entropy_nats(train_tokens), data_files=data_files, tokenizer=tokenizer,
                    last_step=config.steps if stop_at_step is None else min(stop_at_step, config.steps))
 

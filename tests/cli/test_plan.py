@@ -122,6 +122,22 @@ def test_the_commands_name_the_model_as_the_user_gave_it(plans):
         assert words[words.index("--model") + 1] == path
 
 
+def test_the_commands_rebuild_a_topology_given_as_such(plans, monkeypatch):
+    """A mesh given by --topology (or $STARSCREAM_TOPOLOGY, unless --preset overrides it) is given to the commands
+    the same way: its preset name alone ("cpu": one partition a GPU) would build another mesh."""
+    for argv, env, expected in ((("--topology", "2x4"), None, "--topology 2x4"),
+                                ((), "2x4", "--topology 2x4"),
+                                (MESH_ARGS, "2x4", "--preset mi300x-qpx-nps1 --gpus 2")):
+        if env is None:
+            monkeypatch.delenv("STARSCREAM_TOPOLOGY", raising=False)
+        else:
+            monkeypatch.setenv("STARSCREAM_TOPOLOGY", env)
+        args = parse(*argv, "--model", "tiny", *SHAPES)
+        topology = Topology.from_preset("mi300x-qpx-nps1", gpus=2)
+        for command in plan_command.commands(plans["train"], args, topology):
+            assert expected in command and command.count("--preset") + command.count("--topology") == 1, command
+
+
 def test_the_plot_is_drawn_from_the_candidates(plans, plot_path):
     data = plan_plot_data(plans)["train"]
     compiled = [entry for entry in plans["train"]["candidates"] if entry["estimate"] is not None]

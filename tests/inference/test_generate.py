@@ -142,7 +142,7 @@ def test_command_generates_from_a_checkpoint(tmp_path, generate_command):
     assert [line for line in out if line.startswith("--- sample")] == ["--- sample 0"]
     assert sum(line.startswith("KING:\ufffd") for line in out) == 1
     assert out[-1].startswith("prefill ") and out[-1].endswith(
-        "tokens/s (1 x 5 new tokens; split-K decode: fewer samples than cache shards)")
+        "tokens/s (1 x 5 new tokens; the static path: split-K decode: fewer samples than cache shards)")
 
 
 def test_missing_checkpoint_is_one_error_line(tmp_path, generate_command):

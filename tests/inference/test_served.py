@@ -6,7 +6,7 @@ from flax import nnx
 
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.inference.generate import generate
-from starscream_jax.inference.served import engine_config, generate_served, uses_engine
+from starscream_jax.inference.served import engine_config, generate_served, static_reason
 from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.decoder import Transformer
 from starscream_jax.text import byte_level
@@ -34,10 +34,18 @@ def test_the_engine_generates_the_static_paths_greedy_tokens_and_stops_rows_apar
     assert served.programs == 2 and served.kernel == "gather"
 
 
-def test_fewer_rows_than_cache_shards_keep_the_split_k_path():
+def test_fewer_rows_than_cache_shards_and_layouts_placing_the_cache_apart_keep_the_static_path(model):
+    """The static path where the engine would leave partitions idle (split-K decode) or could not keep one page
+    pool for both phases (gpu_tp decode splits no batch over xcd, starscream_tp prefill does): its cache moves."""
     mesh = build_mesh("1x2x4")  # starscream_decode splits the attention batch over 4 partitions
-    assert uses_engine(4, mesh, "starscream_decode") and not uses_engine(3, mesh, "starscream_decode")
-    assert uses_engine(1, None, "starscream_decode")
+    c = model.config
+
+    def reason(batch, mesh, decode="starscream_decode"):
+        return static_reason(batch, mesh, "starscream_tp", decode, c)
+
+    assert reason(4, mesh) is None and reason(1, None) is None
+    assert reason(3, mesh) == "split-K decode: fewer samples than cache shards"
+    assert reason(4, mesh, "gpu_tp") == "the layouts place the KV cache apart: the cache moves between prefill and decode"
     config = engine_config(6, 700, 100, mesh, "starscream_decode")
     assert (config.rows_per_shard, config.chunk, config.max_model_len) == (2, 512, 800)
     assert config.buckets.pages == (50,) and config.pages_per_shard == 2 * 50 + 1

@@ -522,3 +522,8 @@ def test_export_targets_and_shard_sizes_that_cannot_work_are_named(small_model, 
     with pytest.raises(CheckpointError, match=r"holds .*tokenizer, which replacing it would delete"):
         export_hf_model(small_model, tmp_path / "holder", tokenizer_dir=tokenizer, replace=True)
     assert not (tmp_path / "out").exists() and (tokenizer / "config.json").is_file()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=r"export target .*checkpoints/99 lies inside .*checkpoints, which the "
+                                              r"export reads .*; choose an --out outside it"):
+        check_export_target(checkpoints / "99", False, reads=[checkpoints])

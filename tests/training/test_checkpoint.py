@@ -6,6 +6,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import jax
@@ -17,7 +18,13 @@ from jax.sharding import PartitionSpec as P
 from orbax.checkpoint._src.path import async_path
 
 from starscream_jax.errors import CheckpointError, StarscreamError
-from starscream_jax.training.checkpoint import CheckpointStore, abstract_arrays, restore_model
+from starscream_jax.training.checkpoint import (
+    CheckpointStore,
+    _quiet_reads_left_behind,
+    abstract_arrays,
+    describe_storage_error,
+    restore_model,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -249,3 +256,41 @@ def test_a_newest_checkpoint_without_its_description_names_the_step_and_the_othe
     with pytest.raises(CheckpointError, match=r"checkpoint step 2 in .* is damaged: .*; pass --step with one of the "
                                               r"other checkpoints \[1\]"):
         restore_model(tmp_path, None, make_mesh((1, 2, 4)))
+
+
+def test_a_wrapped_storage_error_is_told_by_the_file_it_names():
+    """orbax wraps tensorstore's read error (which names the file) in one of its own (which names the array's slice
+    and appends the store's whole specification): the description is the file and the reason, one short line."""
+    spec = "See full TensorStore details: <bound method pybind11_detail_function_record_v1.spec of TensorStore({"
+    try:
+        try:
+            raise ValueError('OUT_OF_RANGE: Error reading "lm_head.value/2.1" in OCDBT database at local file '
+                             '"/runs/r/checkpoints/70/params/": Requested byte range [136814, 152035) is not valid')
+        except ValueError as cause:
+            raise Exception(f"Encountered error while reading array index: (slice(0, 128, 1),). {spec}") from cause
+    except Exception as error:  # noqa: BLE001 (orbax raises a bare Exception)
+        described = describe_storage_error(error)
+    assert described.startswith("/runs/r/checkpoints/70/params/ (OUT_OF_RANGE") and "TensorStore(" not in described
+    assert describe_storage_error(Exception(f"Encountered error while reading array index: (slice(0, 1, 1),). {spec}")) \
+        == "Exception: Encountered error while reading array index: (slice(0, 1, 1),)."
+
+
+def test_reads_orbax_leaves_failing_after_a_failed_restore_are_not_printed(capsys):
+    """After a restore failed (and was reported in one line), orbax's read coroutines still in flight may fail as
+    they are collected: Python would print each with a traceback. Those are dropped; any other unraisable
+    exception still reaches the previous hook."""
+    namespace = {}
+    exec(compile("async def read():\n    raise OSError('short read')\n", "/site-packages/orbax/read.py", "exec"),
+         namespace)
+    previous = sys.unraisablehook
+    seen = []
+    sys.unraisablehook = seen.append
+    try:
+        _quiet_reads_left_behind()
+        orbax_read = namespace["read"]()
+        sys.unraisablehook(types.SimpleNamespace(exc_value=OSError("short read"), object=orbax_read))
+        orbax_read.close()
+        sys.unraisablehook(types.SimpleNamespace(exc_value=OSError("other"), object=None))
+    finally:
+        sys.unraisablehook = previous
+    assert [str(unraisable.exc_value) for unraisable in seen] == ["other"]

@@ -244,7 +244,7 @@ def test_a_resume_switches_fp8_only_when_allowed():
     plain, fp8 = TrainConfig(), TrainConfig(matmul_format="float8_e4m3fn")
     saved = {"model_config": dataclasses.asdict(plain.model_config()), "train_config": dataclasses.asdict(plain)}
     check_resumable(saved, fp8.model_config())
-    with pytest.raises(CheckpointError, match=r"--fp8 float8_e4m3fn \(the run has \)"):
+    with pytest.raises(CheckpointError, match=r"--fp8 float8_e4m3fn \(the run has none\)"):
         resume_changes(saved, fp8, 10)
     assert resume_changes(saved, fp8, 10, ["matmul_format"])[-1]["to"] == "float8_e4m3fn"
 

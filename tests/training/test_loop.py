@@ -138,6 +138,14 @@ def test_sequence_longer_than_the_model_allows_is_refused(tmp_path, mesh_2x4):
         quiet_train(small_run(tmp_path, "long", seq_len=4096), mesh_2x4)
 
 
+def test_data_too_short_for_the_held_out_split_names_the_split_and_the_whole(tmp_path, mesh_2x4):
+    corpus = tmp_path / "short.txt"
+    corpus.write_bytes(b"x" * 400)  # 360 tokens to train on, 40 held out: fewer than a window of 65
+    with pytest.raises(StarscreamError, match=r"^the validation split \(the last 10% of the data's 400 tokens\): 40 "
+                                              r"tokens cannot fill one window of 65 \(--seq-len \+ 1\)"):
+        quiet_train(small_run(tmp_path, "short", data=str(corpus), seq_len=64), mesh_2x4)
+
+
 def test_command_learns_below_the_unigram_entropy_and_reports(tmp_path, capsys, monkeypatch):
     """The main command with fewer steps, computing in bfloat16 (parameters and optimizer state stay float32)."""
     monkeypatch.setattr(cli, "SUBCOMMANDS", {"train": cli.SUBCOMMANDS["train"]})
@@ -163,6 +171,18 @@ def test_command_learns_below_the_unigram_entropy_and_reports(tmp_path, capsys, 
     model, _ = restore_model(run_dir / "checkpoints", "starscream_tp", build_mesh("1x2x4"))
     assert model.config.dtype == "bfloat16"
     assert {str(leaf.dtype) for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))} == {"float32"}
+
+
+def test_a_simulated_two_node_run_counts_the_collectives_that_cross_nodes(tmp_path, capsys, monkeypatch):
+    """2 nodes x 2 GPUs x 2 partitions on one process: the GPUs' collectives that span both nodes are inter_node
+    (nodes by GPUs per node, as inspect counts them), not inter_gpu."""
+    monkeypatch.setattr(cli, "SUBCOMMANDS", {"train": cli.SUBCOMMANDS["train"]})
+    status = cli.main(["train", "--topology", "2x2x2", "--steps", "1", "--batch-size", "8", "--seq-len", "32",
+                       "--eval-every", "1", "--checkpoint-every", "1", "--run-dir", str(tmp_path / "nodes"),
+                       "--no-progress"])
+    summary = capsys.readouterr().out
+    assert status == 0 and "mesh {'data': 1, 'gpu': 4, 'xcd': 2}" in summary
+    assert re.search(r"collectives by scope: .*intra_gpu [1-9]\d* .*inter_node [1-9]\d* .*flat 0 ", summary), summary
 
 
 def test_an_evaluation_record_carries_the_load_balancing_loss_when_given(tmp_path):
