@@ -4,9 +4,12 @@ families.
 Reading accepts both spellings of the rotary settings (`rope_theta` and `rope_scaling`, or the newer
 `rope_parameters`). A field that would change the computation and that the decoder does not implement (another
 rope type, an attention or MLP bias, a different activation, ...) is a `CheckpointError` naming the field and its
-value, never a quietly different model. A sliding window no shorter than the sequences run is full causal
-attention: the window becomes the model's `max_seq_len`. Gemma 2's window is a true sliding window on the layers its
-`layer_types` names (`ModelConfig.sliding_layers`).
+value, never a quietly different model. Mistral's and Mixtral's `sliding_window` is a true sliding window on every
+layer, as transformers applies it, and Gemma 2's one on the layers its `layer_types` names
+(`ModelConfig.sliding_layers`); a window no shorter than `max_position_embeddings` is none. The Qwen families'
+`use_sliding_window` is refused (their window covers some layers by `max_window_layers`, which transformers
+versions read differently); where such a config names a window without asking for it, the window cuts
+`max_seq_len` (inside it attention is fully causal).
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ WIDTH_FIELD = {"qwen3_moe": "moe_intermediate_size"}
 layers, which only a non-empty mlp_only_layers would have)."""
 
 
+EVERY_LAYER_SLIDES = ("mistral", "mixtral")
+"""The families whose `sliding_window` (when shorter than the positions) slides on every layer."""
 GEMMA2_DEFAULTS = {"head_dim": 256, "max_position_embeddings": 8192, "tie_word_embeddings": True,
                    "query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
                    "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh"}
@@ -127,11 +132,13 @@ def _model_fields(raw: dict, family: str, where: str) -> dict:
         n_kv_heads=_whole(raw, "num_key_value_heads", where, heads),
         head_dim=_whole(raw, "head_dim", where, d_model // heads),
         d_ff=_whole(raw, WIDTH_FIELD.get(family, "intermediate_size"), where),
-        max_seq_len=_max_seq_len(raw, where, family != "gemma2"),
+        max_seq_len=_max_seq_len(raw, where, family not in ("gemma2", *EVERY_LAYER_SLIDES)),
         norm_eps=_number(raw, "rms_norm_eps", where, 1e-6),
         tie_embeddings=_flag(raw, "tie_word_embeddings", where),
         qkv_bias=QKV_BIAS[family], qk_norm=family in ("qwen3", "qwen3_moe"), dtype=_compute_dtype(raw),
         **_rope_fields(raw, where), **quantization_fields(raw.get("quantization_config"), where))
+    if family in EVERY_LAYER_SLIDES:
+        fields.update(_every_layer_window(raw, fields["n_layers"], fields["max_seq_len"], where))
     if family == "mixtral":
         fields.update(n_experts=_whole(raw, "num_local_experts", where),
                       experts_per_token=_whole(raw, "num_experts_per_tok", where))
@@ -144,6 +151,13 @@ def _model_fields(raw: dict, family: str, where: str) -> dict:
     if family == "gemma2":
         fields.update(_gemma2_fields(raw, fields["n_layers"], where))
     return fields
+
+
+def _every_layer_window(raw: dict, n_layers: int, positions: int, where: str) -> dict:
+    """Mistral's and Mixtral's sliding window (sliding_window, sliding_layers): on every layer where it is shorter
+    than the positions, else none."""
+    window = _whole(raw, "sliding_window", where, 0)
+    return dict(sliding_window=window, sliding_layers=tuple(range(n_layers))) if 0 < window < positions else {}
 
 
 def _gemma2_fields(raw: dict, n_layers: int, where: str) -> dict:
@@ -230,12 +244,18 @@ def _refuse_unimplemented(raw: dict, family: str, where: str) -> None:
         "num_shared_experts": lambda v: bool(v),
         "pretraining_tp": lambda v: v not in (None, 1),
         "router_jitter_noise": lambda v: bool(v),
-        "layer_types": lambda v: family != "gemma2" and any(kind != "full_attention" for kind in v or ()),
+        "layer_types": lambda v: family != "gemma2" and any(kind != _every_layer_kind(raw, family) for kind in v or ()),
     }
     for field, refused in unsupported.items():
         if field in raw and refused(raw[field]):
             raise CheckpointError(f"{where}: {field} = {raw[field]!r} is not implemented for {family}; only the "
                                   f"computation of the standard {FAMILIES[family]} is")
+
+
+def _every_layer_kind(raw: dict, family: str) -> str:
+    """The `layer_types` entry every layer of a family other than Gemma 2 must have: "sliding_attention" where
+    Mistral's or Mixtral's window is given, else "full_attention"."""
+    return "sliding_attention" if family in EVERY_LAYER_SLIDES and raw.get("sliding_window") else "full_attention"
 
 
 def _max_seq_len(raw: dict, where: str, window_cuts: bool = True) -> int:
@@ -273,12 +293,14 @@ GEMMA2_FEATURES = {"mlp_activation": "gelu_tanh", "norm_plus_one": True, "post_n
 def family_of(config: ModelConfig) -> str:
     """The model_type whose computation `config` is: gemma2 (GEMMA2_FEATURES), qwen3_moe (experts and q/k norms),
     mixtral (experts, gates renormalised), qwen3 (q/k norms), qwen2 (q/k/v biases), mistral (head_dim other than
-    d_model / heads) or llama. Gemma 2's other features (soft-capping, attention scale, sliding window) exist in no
-    other family."""
+    d_model / heads, or a sliding window on every layer) or llama. Gemma 2's other features (soft-capping, attention
+    scale, a window on some layers) exist in no other family."""
     gemma = {field: getattr(config, field) == value for field, value in GEMMA2_FEATURES.items()}
     gemma_only = {"attn_softcap": config.attn_softcap, "logit_softcap": config.logit_softcap,
-                  "query_pre_attn_scalar": config.query_pre_attn_scalar, "sliding_window": config.sliding_window}
-    if any(gemma.values()) or any(gemma_only.values()):
+                  "query_pre_attn_scalar": config.query_pre_attn_scalar}
+    every_layer = config.sliding_window and set(config.sliding_layers) == set(range(config.n_layers))
+    if any(gemma.values()) or any(gemma_only.values()) or (config.sliding_window and not every_layer):
+        gemma_only["sliding_window"] = config.sliding_window
         others = {"qkv_bias": config.qkv_bias, "qk_norm": config.qk_norm, "n_experts": config.n_experts,
                   "rope_scaling": config.rope_scaling}
         if not all(gemma.values()) or any(others.values()):
@@ -286,6 +308,18 @@ def family_of(config: ModelConfig) -> str:
                                   f"{_fields_text(config, {**gemma_only, **others})} is no Hugging Face family; "
                                   f"Gemma 2 is {GEMMA2_FEATURES} with none of {sorted(others)}")
         return "gemma2"
+    family = _family_without_gemma(config)
+    if not config.sliding_window:
+        return family
+    if family not in ("llama", *EVERY_LAYER_SLIDES):
+        raise CheckpointError(f"model {config.name}: a sliding window on every layer with {family}'s q/k norms or "
+                              f"q/k/v biases is no Hugging Face family; Mistral and Mixtral slide on every layer "
+                              f"(drop the window, or the norms and biases)")
+    return "mixtral" if family == "mixtral" else "mistral"
+
+
+def _family_without_gemma(config: ModelConfig) -> str:
+    """`family_of` a config that has none of Gemma 2's features."""
     if config.n_experts:
         if config.qk_norm:
             return "qwen3_moe"
@@ -321,7 +355,8 @@ def hf_config_from_model(config: ModelConfig, dtype: str, extra: dict | None = N
         "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps, "hidden_act": "silu",
         "tie_word_embeddings": config.tie_embeddings, "attention_bias": config.qkv_bias,
         "rope_theta": config.rope_theta, "rope_scaling": None if rope["rope_type"] == "default" else rope,
-        "torch_dtype": dtype, "dtype": dtype, "sliding_window": None, "use_sliding_window": False,
+        "torch_dtype": dtype, "dtype": dtype, "sliding_window": config.sliding_window or None,
+        "use_sliding_window": False,
     }
     if family == "mixtral":
         written.update(num_local_experts=config.n_experts, num_experts_per_tok=config.experts_per_token)

@@ -162,6 +162,24 @@ def all_tensors(model_dir: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
+def test_a_mistral_window_slides_on_every_layer_and_places_under_the_layouts(tmp_path):
+    """The Mistral fixture given a window of 4: positions whose keys all lie within 4 of them keep the logits of the
+    model without a window, later ones change; the windowed model's logits under starscream_tp on 2 GPUs x 4
+    partitions equal its unsharded ones."""
+    windowed = tmp_path / "mistral"
+    shutil.copytree(FIXTURES / "mistral", windowed)
+    config = json.loads((windowed / "config.json").read_text())
+    (windowed / "config.json").write_text(json.dumps({**config, "sliding_window": 4}))
+    tokens = reference("mistral")["input_ids"][:1]
+    assert tokens.shape[1] > 8
+    whole = logits_under(FIXTURES / "mistral", "gpu_tp", mesh_of("1x1x1"), tokens)
+    slid = logits_under(windowed, "gpu_tp", mesh_of("1x1x1"), tokens)
+    np.testing.assert_allclose(slid[:, :4], whole[:, :4], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(slid[:, 8:], whole[:, 8:], atol=1e-3)
+    placed = logits_under(windowed, "starscream_tp", mesh_of("1x2x4"), np.repeat(tokens, 8, axis=0))
+    np.testing.assert_allclose(placed, np.repeat(slid, 8, axis=0), rtol=2e-4, atol=2e-4)
+
+
 @pytest.fixture
 def broken_copy(tmp_path):
     """A copy of the sharded llama fixture to break."""

@@ -132,10 +132,33 @@ def test_experts_that_no_family_computes_are_refused_at_export():
         hf_config_from_model(config, "float32")
 
 
-def test_a_sliding_window_becomes_the_longest_sequence(tmp_path):
-    """Mistral 7B v0.1: within its 4096-token window attention is fully causal, so the model runs up to 4096."""
-    config = model_config_from_hf(model_dir(tmp_path, model_type="mistral", sliding_window=4096))
-    assert config.max_seq_len == 4096
+def test_mistral_and_mixtral_slide_on_every_layer_and_write_their_window_back(tmp_path):
+    """Mistral 7B v0.1 (32,768 positions, a window of 4,096): its window slides on every layer, as transformers
+    applies it, and the model runs its whole context; config.json written back names the window (and reads back
+    alike); a window no shorter than the positions is none; Mixtral likewise; layer_types of every layer sliding
+    agree; a window on a Qwen config that does not ask for it still cuts max_seq_len (its use_sliding_window is
+    refused)."""
+    fields = dict(model_type="mistral", sliding_window=4096, max_position_embeddings=32768, rope_scaling=None)
+    config = model_config_from_hf(model_dir(tmp_path, **fields))
+    assert (config.max_seq_len, config.sliding_window, config.sliding_layers) == (32768, 4096, tuple(range(32)))
+    written = hf_config_from_model(config, "bfloat16")
+    assert (written["model_type"], written["sliding_window"], written["max_position_embeddings"]) == (
+        "mistral", 4096, 32768)
+    (tmp_path / "back").mkdir()
+    (tmp_path / "back" / "config.json").write_text(json.dumps(written))
+    assert model_config_from_hf(tmp_path / "back").replace(name=config.name) == config
+    wide = model_config_from_hf(model_dir(tmp_path, **{**fields, "sliding_window": 32768}))
+    assert (wide.max_seq_len, wide.sliding_window, wide.sliding_layers) == (32768, 0, ())
+    typed = model_config_from_hf(model_dir(tmp_path, **fields, layer_types=["sliding_attention"] * 32))
+    assert typed.sliding_layers == tuple(range(32))
+    with pytest.raises(CheckpointError, match="layer_types"):
+        model_config_from_hf(model_dir(tmp_path, **fields, layer_types=["full_attention"] * 32))
+    mixtral = model_config_from_hf(FIXTURES / "mixtral", sliding_window=6, sliding_layers=(0, 1))
+    assert family_of(mixtral) == "mixtral" and hf_config_from_model(mixtral, "float32")["sliding_window"] == 6
+    qwen = model_config_from_hf(model_dir(tmp_path, model_type="qwen2", sliding_window=4096, rope_scaling=None))
+    assert (qwen.max_seq_len, qwen.sliding_window) == (4096, 0)
+    with pytest.raises(CheckpointError, match="sliding window on every layer with qwen3's q/k norms"):
+        family_of(model_config_from_hf(FIXTURES / "qwen3").replace(sliding_window=4, sliding_layers=(0, 1)))
 
 
 def test_a_missing_or_broken_config_is_named(tmp_path):
