@@ -16,7 +16,7 @@ from flax import nnx
 from ..errors import ShardingRuleError
 from ..hardware.presets import Chip
 from ..model.config import ModelConfig
-from ..model.heads import pad_query_heads_to, refuse_unsplit_heads
+from ..model.heads import pad_query_heads_to, refuse_unsplit_heads, refuse_unsplit_vocabulary
 from ..model.hf_checkpoint import load_hf_model
 from ..model.hf_config import model_config_from_hf
 from ..model.layer_weights import stack_projections
@@ -73,9 +73,12 @@ def load_for_inference(request: LoadRequest, mesh, chip: Chip) -> LoadedModel:
     try:
         loaded = _load(request, mesh, chip)
     except ShardingRuleError:
-        refuse_unsplit_heads(saved_config(request), layouts, mesh)  # the heads were what the layout could not place
+        config = saved_config(request)  # the heads or the vocabulary were what the layout could not place
+        refuse_unsplit_heads(config, layouts, mesh)
+        refuse_unsplit_vocabulary(config, layouts, mesh)
         raise
     refuse_unsplit_heads(loaded.model.config, layouts, mesh)
+    refuse_unsplit_vocabulary(loaded.model.config, layouts, mesh)
     return loaded._replace(model=stack_projections(loaded.model, mesh))
 
 

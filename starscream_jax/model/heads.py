@@ -75,6 +75,28 @@ def refuse_unsplit_heads(config: ModelConfig, layouts, mesh) -> None:
                                 f"split heads on mesh {dict(mesh.shape)} ({refused}); {fix}")
 
 
+def vocabulary_parts(layout: Layout | str, mesh) -> int:
+    """How many parts `layout` splits the vocabulary (embedding rows, logits) into on `mesh`: the mesh size of the
+    axes its `vocab` rules name, the largest of its tables."""
+    layout = get_layout(layout)
+    tables = (layout.params, layout.weights, layout.activations)
+    return math.lcm(*(math.prod(mesh.shape[axis] for axis in rules.lookup("vocab")[1]) for rules in tables))
+
+
+def refuse_unsplit_vocabulary(config: ModelConfig, layouts, mesh) -> None:
+    """A ShardingRuleError naming what places the model where `layouts` split `config`'s vocabulary into parts that
+    do not divide it (a checkpoint's vocabulary is not padded: 32,001 tokens split over no even number of GPUs);
+    nothing otherwise (the resolver then says what is wrong)."""
+    parts = {get_layout(layout).name: vocabulary_parts(layout, mesh) for layout in layouts}
+    refused = ", ".join(f"{name} into {count}" for name, count in parts.items() if config.vocab_size % count)
+    if refused:
+        raise ShardingRuleError(
+            f"model {config.name}'s vocabulary of {config.vocab_size} tokens does not split as the layouts split it "
+            f"on mesh {dict(mesh.shape)} ({refused}), and a checkpoint's vocabulary is not padded: choose layouts "
+            f"and a mesh whose parts divide {config.vocab_size} (`starscream inspect --model` with the model lists "
+            "the layouts that place it on a mesh)")
+
+
 def check_padded_heads(config: ModelConfig, heads: int) -> None:
     """A StarscreamError unless `heads` query heads pad `config`'s: at least its own, a multiple of its kv heads."""
     if heads < config.n_heads or heads % config.n_kv_heads:

@@ -32,7 +32,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
@@ -289,8 +289,9 @@ class CheckpointReader:
 
     def read(self, source: Source, index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[np.ndarray, list[str]]:
         """Our parameter's block `index` (slices of `shape`) as the checkpoint stores it: [stacked..., *view] (view:
-        `source.view_shape` of our per-layer block, a split dimension cut in two) in the first tensor's stored dtype,
-        each layer's bytes copied in one straight pass; and the names of its tensors, layer by layer. Ours is its
+        `source.view_shape` of our per-layer block, a split dimension cut in two) in the tensors' stored dtype
+        (float32, which holds each exactly, where layers are stored in several), each layer's bytes copied in one
+        straight pass; and the names of its tensors, layer by layer. Ours is its
         transpose by `source.permutation()` in the parameter's dtype, which `_load_param` takes on the device:
         numpy's transposing copies and ml_dtypes' casts run tens of times slower than a straight pass (they made
         loading an 8B checkpoint take minutes), and the stored bytes are the fewest to send."""
@@ -300,7 +301,9 @@ class CheckpointReader:
         names = [source.name(*(s.start + i for s, i in zip(stacked, at)))
                  for at in np.ndindex(*ours[:source.stacked])]
         first = self._view(source, names[0], per_layer)
-        block = np.empty(ours[:source.stacked] + source.view_shape(ours[source.stacked:]), first.dtype)
+        mixed = len({self.dtype_of(name) for name in names}) > 1  # layers stored in several float formats
+        block = np.empty(ours[:source.stacked] + source.view_shape(ours[source.stacked:]),
+                         np.float32 if mixed else first.dtype)
         layers = block.reshape((-1,) + block.shape[source.stacked:])
         for position, name in enumerate(names):
             layers[position] = first if position == 0 else self._view(source, name, per_layer)
@@ -649,9 +652,21 @@ def _shard_plan(config: ModelConfig, params: dict, itemsize: int, max_shard_byte
     return plan
 
 
+def _slice_of(array: jax.Array, at: tuple[int, ...]) -> jax.Array:
+    """array[at] (a layer's, an expert's), whole on every device: the stacked axes `at` indexes may be split over
+    the mesh (the expert layouts split the experts over it), where an index into an explicitly sharded axis must
+    name its result's placement."""
+    if not at:
+        return array
+    sharding = getattr(array, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        return array.at[at].get(out_sharding=NamedSharding(sharding.mesh, PartitionSpec()))
+    return array[at]
+
+
 def _gathered(array: jax.Array, source: Source, at: tuple[int, ...]) -> np.ndarray:
     """The checkpoint tensor of layer (expert) `at` of our parameter `array`, on the host of every process, in C
     order (safetensors writes an array's buffer as it lies)."""
-    block = np.asarray(multihost_utils.process_allgather(array[at] if at else array, tiled=True))
+    block = np.asarray(multihost_utils.process_allgather(_slice_of(array, at), tiled=True))
     view = block.transpose(np.argsort(source.order))
     return np.ascontiguousarray(view.reshape(source.tensor_shape(array.shape)))

@@ -318,6 +318,20 @@ def family_of(config: ModelConfig) -> str:
     return "mixtral" if family == "mixtral" else "mistral"
 
 
+INTERCHANGEABLE = ("llama", "mistral")
+"""Families that compute the same model (a head_dim of its own, llama3 rotary scaling) but for Mistral's window."""
+
+
+def written_family(config: ModelConfig, source: str | None) -> str:
+    """The model_type an export writes: the source checkpoint's where it computes `config` as `family_of` does (a
+    Mistral whose head_dim is hidden_size / heads stays a Mistral, a Llama with its own head_dim a Llama), else
+    `family_of`'s."""
+    family = family_of(config)
+    if source in INTERCHANGEABLE and family in INTERCHANGEABLE and (source == "mistral" or not config.sliding_window):
+        return source
+    return family
+
+
 def _family_without_gemma(config: ModelConfig) -> str:
     """`family_of` a config that has none of Gemma 2's features."""
     if config.n_experts:
@@ -341,8 +355,8 @@ def _fields_text(config: ModelConfig, fields) -> str:
 
 def hf_config_from_model(config: ModelConfig, dtype: str, extra: dict | None = None) -> dict:
     """config.json for `config`, its tensors stored as `dtype`; `extra` (e.g. the source's token ids) is kept
-    where it does not contradict."""
-    family = family_of(config)
+    where it does not contradict, its model_type too where that family computes `config` (`written_family`)."""
+    family = written_family(config, (extra or {}).get("model_type"))
     rope = {"rope_type": "default", "rope_theta": config.rope_theta}
     if config.rope_scaling == "llama3":
         rope = {"rope_type": "llama3", "rope_theta": config.rope_theta, "factor": config.rope_factor,

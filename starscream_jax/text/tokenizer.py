@@ -101,7 +101,8 @@ class HFTokenizer:
             raise CheckpointError(f"{path} is not a tokenizer the tokenizers library can read ({err})") from None
         config_path = self.directory / TOKENIZER_CONFIG_FILE
         settings = _read_json(config_path)
-        self.bos_token, self.eos_token = _token_text(settings.get("bos_token")), _token_text(settings.get("eos_token"))
+        self.bos_token, self.eos_token = (_token_text(settings.get(field), field, config_path)
+                                          for field in ("bos_token", "eos_token"))
         self.bos_id, self.eos_id = self._id_of(self.bos_token), self._id_of(self.eos_token)
         self.add_bos, self.add_eos = (_boolean(settings, f"add_{token}_token", config_path) for token in ("bos", "eos"))
         self.chat_templates = _chat_templates(settings.get("chat_template"), config_path)
@@ -278,9 +279,14 @@ def _special_ids(processor) -> list[int]:
     return found
 
 
-def _token_text(entry) -> str | None:
-    """A special token as tokenizer_config.json gives it: a string, or {"content": ...}."""
-    return entry.get("content") if isinstance(entry, dict) else entry
+def _token_text(entry, field: str, where: Path) -> str | None:
+    """A special token as tokenizer_config.json (`where`) gives it in `field`: a string, {"content": a string}, or
+    null; a CheckpointError naming the file and the field otherwise."""
+    text = entry.get("content") if isinstance(entry, dict) else entry
+    if text is not None and not isinstance(text, str):
+        raise CheckpointError(f"{where}: {field} is {entry!r}; give the token's text (a string, or {{\"content\": "
+                              "...}) or null")
+    return text
 
 
 def load_tokenizer(directory: str | Path | None) -> ByteTokenizer | HFTokenizer:

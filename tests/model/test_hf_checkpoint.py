@@ -137,13 +137,16 @@ def test_logits_of_a_batch_split_by_sequence_equal_the_reference(family):
     assert np.max(np.abs(logits - expected["logits"][:rows])) <= TOLERANCE
 
 
-@pytest.mark.parametrize("family", ["llama", "mixtral", "qwen3_moe", "gemma2"])
-def test_export_then_load_is_bit_identical(family, tmp_path):
-    """llama: three shards and an index, tied embeddings; mixtral: one file, experts; qwen3_moe: experts under their
-    own names, q/k norms, gates not renormalised; gemma2: four norms a layer and its own fields. Exported from a
-    2 x 4 mesh in several shards; every tensor and the configuration read back the same."""
+@pytest.mark.parametrize("family, layout", [("llama", "starscream_tp"), ("mixtral", "starscream_tp"),
+                                            ("mixtral", "starscream_ep"), ("qwen3_moe", "flat_ep"),
+                                            ("gemma2", "starscream_tp")])
+def test_export_then_load_is_bit_identical(family, layout, tmp_path):
+    """llama: three shards and an index, tied embeddings; mixtral: one file, experts (also placed by an expert
+    layout, the experts split over the mesh); qwen3_moe: experts under their own names, q/k norms, gates not
+    renormalised; gemma2: four norms a layer and its own fields. Exported from a 2 x 4 mesh in several shards; every
+    tensor and the configuration read back the same."""
     mesh = mesh_of("1x2x4")
-    model = load_hf_model(FIXTURES / family, "starscream_tp", mesh)
+    model = load_hf_model(FIXTURES / family, layout, mesh)
     written = export_hf_model(model, tmp_path, tokenizer_dir=FIXTURES / family, max_shard_bytes=150_000,
                               source_config=json.loads((FIXTURES / family / "config.json").read_text()))
     assert (tmp_path / INDEX_FILE) in written and (tmp_path / "tokenizer.json") in written
@@ -160,6 +163,21 @@ def all_tensors(model_dir: Path) -> dict[str, np.ndarray]:
         if path.name != "reference.safetensors":
             tensors.update(load_file(path))
     return tensors
+
+
+def test_layers_stored_in_several_float_formats_each_load_exactly(tmp_path):
+    """Layer 0 stored in float16, layer 1 in float32: each layer's values load as stored (the same model as one
+    stored all in float32 with layer 0's values rounded to float16), none rounded to another layer's format."""
+    mixed, uniform = tmp_path / "mixed", tmp_path / "uniform"
+    for target, stored in ((mixed, np.float16), (uniform, np.float32)):
+        shutil.copytree(FIXTURES / "llama", target)
+        for path in target.glob("model-*.safetensors"):
+            rewrite(path, lambda tensors, stored=stored: tensors.update({
+                name: tensor.astype(np.float16).astype(stored) for name, tensor in tensors.items()
+                if name.startswith("model.layers.0.")}))
+    tokens = reference("llama")["input_ids"][:1]
+    np.testing.assert_array_equal(logits_under(mixed, "gpu_tp", mesh_of("1x1x1"), tokens),
+                                  logits_under(uniform, "gpu_tp", mesh_of("1x1x1"), tokens))
 
 
 def test_a_mistral_window_slides_on_every_layer_and_places_under_the_layouts(tmp_path):

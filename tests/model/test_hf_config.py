@@ -12,7 +12,7 @@ from starscream_jax.analysis.compile import make_settings
 from starscream_jax.errors import CheckpointError
 from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.decoder import rope_frequencies
-from starscream_jax.model.hf_config import family_of, hf_config_from_model, model_config_from_hf
+from starscream_jax.model.hf_config import family_of, hf_config_from_model, model_config_from_hf, written_family
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "hf"
 LLAMA_3_1_8B = {  # the fields of Llama 3.1 8B's config.json (older spelling: rope_theta beside rope_scaling)
@@ -272,3 +272,18 @@ def test_a_config_that_is_not_utf8_is_named(tmp_path):
     (tmp_path / "config.json").write_bytes(text.encode("latin-1"))
     with pytest.raises(CheckpointError, match="is not UTF-8"):
         model_config_from_hf(tmp_path)
+
+
+def test_an_export_keeps_the_source_family_where_it_computes_the_model(tmp_path):
+    """Llama and Mistral compute the same model but for Mistral's window: a Mistral whose head_dim is hidden_size /
+    heads (7B v0.2, v0.3) stays a Mistral and a Llama with a head_dim of its own a Llama; a window makes a Mistral;
+    a family that computes another model is not kept."""
+    mistral_like = model_config_from_hf(model_dir(tmp_path, model_type="mistral", rope_scaling=None))
+    assert family_of(mistral_like) == "llama" and written_family(mistral_like, "mistral") == "mistral"
+    assert hf_config_from_model(mistral_like, "bfloat16", {"model_type": "mistral"})["architectures"] == [
+        "MistralForCausalLM"]
+    own_head_dim = mistral_like.replace(head_dim=64)
+    assert family_of(own_head_dim) == "mistral" and written_family(own_head_dim, "llama") == "llama"
+    windowed = mistral_like.replace(sliding_window=8, sliding_layers=tuple(range(mistral_like.n_layers)))
+    assert written_family(windowed, "llama") == "mistral"
+    assert written_family(mistral_like, "qwen2") == "llama" and written_family(mistral_like, None) == "llama"

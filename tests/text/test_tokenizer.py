@@ -164,6 +164,12 @@ def test_add_bos_and_eos_must_be_json_booleans(tmp_path, key):
     assert HFTokenizer(tmp_path / "tok").encode("ROMEO:")[-1] != 1
 
 
+@pytest.mark.parametrize("field, value", [("bos_token", 5), ("eos_token", [1]), ("eos_token", {"content": 2})])
+def test_a_special_token_that_is_no_text_is_named(tmp_path, field, value):
+    with pytest.raises(CheckpointError, match=rf"tokenizer_config.json: {field} is .*; give the token's text"):
+        HFTokenizer(copied_tokenizer(tmp_path, **{field: value}))
+
+
 def test_the_default_of_a_list_of_named_chat_templates_renders(tmp_path):
     templates = [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "{{ messages[0].role }}"}]
     tokenizer = HFTokenizer(copied_tokenizer(tmp_path, chat_template=templates))
