@@ -145,10 +145,22 @@ def physical_gpu_groups(devices: Sequence, topology: Topology) -> list[list]:
     return [[d] for d in sorted(devices, key=lambda d: (d.process_index, d.id))]
 
 
+def _id_lists(grouping) -> list[list[int]]:
+    """`grouping` as lists of device ids (ints), or a TopologyError saying what it should be."""
+    try:
+        groups = None if isinstance(grouping, (str, bytes)) else [list(group) for group in grouping]
+    except TypeError:
+        groups = None
+    if groups is None or any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) for g in groups for i in g):
+        raise TopologyError(f"grouping {grouping!r}: expected device ids (ints, as jax.devices()[i].id) in one list "
+                            "per physical GPU, e.g. [[0, 1], [2, 3]]")
+    return [[int(i) for i in group] for group in groups]
+
+
 def _explicit_groups(devices: Sequence, grouping: Sequence[Sequence[int]]) -> list[list]:
     """The devices named by `grouping` (device ids, one list per physical GPU), checked."""
     by_id = {d.id: d for d in devices}
-    as_lists = [list(group) for group in grouping]
+    as_lists = _id_lists(grouping)
     if not as_lists or not all(as_lists):
         raise TopologyError(f"grouping {as_lists} has an empty GPU; give one non-empty list of device ids per GPU")
     flat = [i for group in as_lists for i in group]
@@ -294,6 +306,7 @@ def _mesh(chosen: list[list], topology: Topology, data: int):
 def auto_axes(mesh: Mesh) -> Mesh:
     """The same devices and axes with every axis Auto: XLA's sharding propagation places the arrays between the
     model's constraints, as models written for Flax's GSPMD guide (Linen's or NNX's logical constraints) expect."""
+    of_type(mesh, Mesh, "mesh", "a jax.sharding.Mesh, as build_mesh gives", TopologyError)
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 

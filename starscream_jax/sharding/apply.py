@@ -92,6 +92,8 @@ class Placement:
         "" where every batch dimension divides."""
         for name, size in zip(names, shape):
             axes = self.layout.activations.lookup(name)[1] if name in ("batch", "attn_batch") else ()
+            if not set(axes) <= set(self.mesh.shape):
+                return ""  # a mesh without the layout's axes: the resolver's error says so
             if axes and size % math.prod(self.mesh.shape[axis] for axis in axes):
                 layout = repr(self.layout.name) if self.layout.name in LAYOUTS else "layout"
                 return (f"or fit the layout to a batch of {size}, as the starscream commands do: "
@@ -134,6 +136,12 @@ class Placement:
         if move.mesh is None and not move.summed_over:
             return value if move.use is None else reshard(value, move.use)
         return _at_use(value, move)
+
+    def placed_at_use(self, value: jax.Array, names: LogicalNames, tensor: str = "parameter") -> jax.Array:
+        """`value` resharded to where the layout's `weights` rules place it, its gradient summed as XLA sums it (a
+        parameter an elementwise op reads, which a weight typed for `weight`'s two-stage reduction cannot enter)."""
+        use = self._move(value, names, tensor, None).use
+        return value if use is None else reshard(value, use)
 
     def read_at_use(self, value: jax.Array, names: LogicalNames, tensor: str = "weight") -> jax.Array:
         """`weight(value, names)` for a parameter read by code that never calls `weight` (Flax's own layers,
@@ -259,6 +267,9 @@ class Placement:
         (`_scattered_axes`): left to choose, XLA splits such a product's rows over the idle axis and sends each
         block to its owner by collective-permutes between partitions of different GPUs at different partition
         indices (flat)."""
+        if not isinstance(subscripts, str) or subscripts.count("->") != 1:
+            raise ShardingRuleError(f"einsum {subscripts!r}: give the explicit form, inputs -> result (such as "
+                                    "'bd,df->bf'): the result's logical names place it")
         inputs, result = subscripts.replace(" ", "").split("->")
         sizes = {}
         for letters, operand in zip(inputs.split(","), (lhs, rhs)):
@@ -416,6 +427,9 @@ class Jitted:
 def jit(fn=None, *, under: Placement | None, ambient: bool = True, **options):
     """`fn` jitted (`jax.jit` options) and bound to the placement `under` (`Jitted`, which says what `ambient`
     does); as a decorator, `@jit(under=Placement.of("starscream_tp", mesh))`."""
+    if under is not None and not isinstance(under, Placement):
+        raise ShardingRuleError(f"jit(under={under!r}): expected a Placement; pass under=Placement.of(layout, mesh), "
+                                "or None for a step that runs unplaced")
     if fn is None:
         return functools.partial(jit, under=under, ambient=ambient, **options)
     return Jitted(fn, under, ambient, **options)
@@ -614,8 +628,9 @@ _summed_once.defvjp(_summed_once_forward, _summed_once_gradient)
 
 def param(value: jax.Array, names: LogicalNames) -> nnx.Param:
     """An nnx.Param carrying its logical axis names."""
-    if len(names) != value.ndim:
-        raise ShardingRuleError(f"parameter of shape {value.shape} given {len(names)} logical names {names}")
+    if isinstance(names, str) or len(names) != value.ndim:
+        raise ShardingRuleError(f"parameter of shape {value.shape} given logical names {names!r}; give a tuple of "
+                                f"{value.ndim} names, one a dimension (None for one never split)")
     return nnx.Param(value, **{LOGICAL_AXES: tuple(names)})
 
 
@@ -684,6 +699,9 @@ def batch_sharding(layout: Layout | str, mesh, batch_size: int | None = None) ->
     layout = get_layout(layout)
     spec = PartitionSpec(layout.activations.lookup("batch")[1] or None, None)
     if batch_size is not None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ShardingRuleError(f"batch_size {batch_size!r}: expected the number of sequences, a whole number of "
+                                    "at least 1 (or None to place any batch)")
         try:
             spec = resolve(("batch", None), (batch_size, 1), layout.activations, mesh, "token batch",
                            f"activation rules of {layout.name}")

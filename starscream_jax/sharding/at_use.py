@@ -19,9 +19,11 @@ from __future__ import annotations
 import jax
 from flax import nnx
 from flax.typing import MISSING
+from jax.sharding import NamedSharding
 
-from .apply import current, is_auto, logical_names, param_shardings, read_at_use
-from .layouts import Layout
+from .apply import current, is_auto, logical_names, param_shardings, path_name, read_at_use
+from .layouts import Layout, get_layout
+from .rules import resolve
 
 LIBRARY = __name__.split(".")[0]
 """The package whose own modules read their weights through `weight` already: their parameters are left as they are."""
@@ -72,13 +74,43 @@ def create_sharded(factory, layout: Layout | str, mesh):
     with `out_sharding` metadata as they are created is turned off here: the layout places them. On a mesh with
     Auto axes each named `nnx.Param` becomes a `ParamAtUse`, which Flax's layers read as the layout uses
     it inside `use_layout` (they never call `weight`), so an unedited Flax model is gathered at use as this
-    library's layers are.
+    library's layers are; on Explicit axes the parameters Flax's layers add or multiply elementwise are stored as
+    they are used (`elementwise_at_use`).
     """
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(factory)
         graphdef, abstract_state = nnx.split(abstract)
         shardings = param_shardings(abstract_state, layout, mesh)
+        if not is_auto(mesh):
+            shardings = elementwise_at_use(abstract_state, shardings, layout, mesh)
         with jax.set_mesh(mesh):
             state = jax.jit(lambda: nnx.state(factory()), out_shardings=shardings)()
     model = nnx.merge(graphdef, state)
     return read_params_at_use(model) if is_auto(mesh) else model
+
+
+ELEMENTWISE = ("bias", "scale")
+"""Names of the parameters Flax's layers add or multiply elementwise into an activation (`nnx.Linear`'s and
+`nnx.LayerNorm`'s `bias`, the norms' `scale`): under explicit sharding an elementwise operand must be placed as the
+activation is, so they are kept as they are used, never split where their dimension is gathered at use."""
+
+
+def is_elementwise(path) -> bool:
+    """Whether the parameter at `path` (an nnx state path) is one of Flax's elementwise ones (`ELEMENTWISE`)."""
+    return bool(path) and str(getattr(path[-1], "key", path[-1])) in ELEMENTWISE
+
+
+def elementwise_at_use(state: nnx.State, shardings: nnx.State, layout: Layout | str, mesh) -> nnx.State:
+    """`shardings` (the stored placement of `state`'s variables) with each of Flax's elementwise parameters
+    (`is_elementwise`) placed by the layout's weights rules, as its layer uses it: a bias [D] that the params rules
+    split over `xcd` is whole on each partition (a few kilobytes), as the activation it is added to is."""
+    def placed(path, sharding, variable):
+        names = logical_names(variable)
+        if not is_elementwise(path) or names is None:
+            return sharding
+        shape = tuple(variable.get_value().shape)
+        return NamedSharding(mesh, resolve(names, shape, get_layout(layout).weights, mesh, path_name(path),
+                                           f"weight rules of {get_layout(layout).name}"))
+
+    return jax.tree.map_with_path(placed, shardings, state, is_leaf=lambda x: isinstance(x, (NamedSharding,
+                                                                                             nnx.Variable)))

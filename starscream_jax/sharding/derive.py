@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 
 from ..errors import ShardingRuleError
 from ..hardware.axes import AXES, DATA, GPU, XCD, MeshAxes, axes_of
-from .layouts import ACTIVATION_NAMES, WEIGHT_NAMES, Layout, get_layout
+from .layouts import ACTIVATION_NAMES, MAY_REPLICATE, WEIGHT_NAMES, Layout, get_layout
 from .rules import Rules
 
 ROLES = {"data": DATA, "tensor": "tensor", "gpu": "tensor", "fsdp": "fsdp", "context": "context",
@@ -120,7 +120,7 @@ def _on_gpus(axes: tuple[str, ...], logical: str, weight: bool) -> tuple[str, ..
 
 def _rules(names: tuple[str, ...], mapping: dict[str, tuple[str, ...]]) -> Rules:
     return Rules(tuple((n, None if not mapping[n] else mapping[n][0] if len(mapping[n]) == 1 else mapping[n])
-                       for n in names), may_replicate=frozenset({"kv_heads"}))
+                       for n in names), may_replicate=MAY_REPLICATE)
 
 
 def _name(rules) -> str:

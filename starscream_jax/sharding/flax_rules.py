@@ -31,7 +31,7 @@ from flax import nnx
 
 from ..errors import ShardingRuleError
 from .apply import active, logical_names, path_name, weight
-from .at_use import ParamAtUse
+from .at_use import ParamAtUse, is_elementwise
 from .layouts import ACTIVATION_NAMES, RULE_TABLES, WEIGHT_NAMES, FlaxRules, Layout, flax_table, get_layout
 from .rules import Rules
 
@@ -74,16 +74,23 @@ def in_vocabulary(layout: Layout | str, vocabulary: VocabularyLike = STARSCREAM)
     names gets the rule of the library name it maps to, ahead of the library's own rules (yours win where a name is
     both). A name mapped to a name no layout knows is an error."""
     layout = get_layout(layout)
+    named = _known(vocabulary)
+    tables = {kind: _renamed(getattr(layout, kind), named[kind]) for kind in RULE_TABLES}
+    replicated_ok = layout.replicated_ok | {yours for names in named.values() for yours, ours in names.items()
+                                            if ours in layout.replicated_ok}
+    return Layout(name=layout.name, description=layout.description, **tables, replicated_ok=frozenset(replicated_ok))
+
+
+def _known(vocabulary: VocabularyLike) -> dict[str, Mapping[str, str]]:
+    """`vocabulary` for each rule table; a ShardingRuleError where it maps a name to one no layout knows (a
+    dimension it names would otherwise be silently left whole)."""
     named = {kind: _for_table(vocabulary, kind) for kind in RULE_TABLES}
     unknown = sorted({f"{yours} -> {ours}" for names in named.values() for yours, ours in names.items()
                       if ours is not None and ours not in STARSCREAM})
     if unknown:
         raise ShardingRuleError(f"vocabulary maps to names no layout knows: {', '.join(unknown)}; map each name to "
                                 f"one of {', '.join(STARSCREAM)}, or to None for a dimension never split")
-    tables = {kind: _renamed(getattr(layout, kind), named[kind]) for kind in RULE_TABLES}
-    replicated_ok = layout.replicated_ok | {yours for names in named.values() for yours, ours in names.items()
-                                            if ours in layout.replicated_ok}
-    return Layout(name=layout.name, description=layout.description, **tables, replicated_ok=frozenset(replicated_ok))
+    return named
 
 
 def _renamed(rules: Rules, vocabulary: Mapping[str, str]) -> Rules:
@@ -101,7 +108,7 @@ def flax_rules(layout: Layout | str, table: str = "params", vocabulary: Vocabula
     "params" (at rest), "weights" (at use), "activations", or "use": the weights table and the activations table
     together, for a step where one context places both (see `layouts.flax_table`); a name the two place differently
     is an error there."""
-    names = None if vocabulary is None else {kind: _for_table(vocabulary, kind) for kind in RULE_TABLES}
+    names = None if vocabulary is None else _known(vocabulary)
     return flax_table(get_layout(layout), table, names)
 
 
@@ -111,10 +118,12 @@ def weights_at_use(model: nnx.Module) -> nnx.Module:
     GPU before it is summed across GPUs. Call it in the loss function, on the model being differentiated; the
     original parameters receive the gradients. Identity outside `use_layout`.
 
-    Parameters named by one of the layout's `replicated_ok` names (norm scales) are left as they are: Flax's norms
-    multiply by them elementwise, which a weight typed for the two-stage reduction cannot enter (`apply.scale` is
-    the library's form), so XLA sums their gradients itself, over every token axis at once. Parameters that
-    `create_sharded` made `ParamAtUse`s (on Auto axes) read at use already and are left as they are."""
+    Parameters named by one of the layout's `replicated_ok` names (norm scales) are left as they are, and Flax's
+    elementwise parameters (`at_use.ELEMENTWISE`: biases, norm scales) are only placed as they are used: Flax's
+    layers add or multiply them elementwise, which a weight typed for the two-stage reduction cannot enter
+    (`apply.scale` is the library's form), so XLA sums their gradients itself, over every token axis at once.
+    Parameters that `create_sharded` made `ParamAtUse`s (on Auto axes) read at use already and are left as they
+    are."""
     current = active()
     if current is None:
         return model
@@ -124,6 +133,8 @@ def weights_at_use(model: nnx.Module) -> nnx.Module:
         names = logical_names(variable)
         if names is None or current.layout.replicated_ok & set(names) or isinstance(variable, ParamAtUse):
             return variable  # a ParamAtUse reads at use already
+        if is_elementwise(path):
+            return variable.replace(current.placed_at_use(variable.get_value(), names, path_name(path)))
         return variable.replace(weight(variable.get_value(), names, tensor=path_name(path)))
 
     used = jax.tree.map_with_path(at_use, params, is_leaf=lambda node: isinstance(node, nnx.Variable))

@@ -70,6 +70,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from jax.sharding import AbstractMesh, Mesh
+
+from ..checks import of_type
 from ..errors import ShardingRuleError
 from ..hardware.axes import AXES, DATA, GPU, XCD, MeshAxes
 from .rules import Rules
@@ -237,6 +240,9 @@ def fit_batch(layout: Layout | str, mesh, batch: int, positions: int | None) -> 
     groups hold copies). A ShardingRuleError names the sequence length to use where the sequence split does not
     divide `positions` (training)."""
     layout = get_layout(layout)
+    of_type(mesh, (Mesh, AbstractMesh), "mesh", "a jax.sharding.Mesh, as build_mesh gives", ShardingRuleError)
+    for name, value in (("batch", batch), ("positions", 1 if positions is None else positions)):
+        of_type(value, int, name, "a whole number", ShardingRuleError)
     prefill = positions is None
     positions = 2 if prefill else positions
     if batch < 1 or positions < 1:

@@ -86,8 +86,34 @@ def test_an_unnamed_parameter_is_an_error_not_a_silent_replica():
 
 
 def test_param_needs_one_name_per_dimension():
-    with pytest.raises(ShardingRuleError, match=r"parameter of shape \(4, 8\) given 1 logical names \('embed',\)"):
+    with pytest.raises(ShardingRuleError, match=r"parameter of shape \(4, 8\) given logical names \('embed',\); "
+                                                r"give a tuple of 2 names"):
         param(jnp.ones((4, 8)), ("embed",))
+    with pytest.raises(ShardingRuleError, match=r"given logical names 'embed'; give a tuple of 1 names"):
+        param(jnp.ones((5,)), "embed")  # a string is no tuple of names, whatever its length
+
+
+def test_the_public_functions_refuse_arguments_of_the_wrong_kind_in_one_line():
+    """build_mesh's grouping of ints per GPU, fit_batch's mesh and counts, batch_sharding's batch size, jit's
+    placement and einsum's explicit form: each a one-line error of the library's, naming what to pass."""
+    from starscream_jax.errors import TopologyError
+    from starscream_jax.sharding.apply import batch_sharding
+    from starscream_jax.sharding.layouts import fit_batch
+    for grouping in ([0, 1, 2, 3], "0123", [jax.devices()[:4], jax.devices()[4:]]):
+        with pytest.raises(TopologyError, match="expected device ids .* in one list per physical GPU"):
+            build_mesh(grouping=grouping)
+    mesh = build_mesh("2x4")
+    for args, message in (((None, 2, 16), "mesh None"), ((mesh, "2", 16), "batch '2'"),
+                          ((mesh, 2, 16.0), "positions 16.0")):
+        with pytest.raises(ShardingRuleError, match=message):
+            fit_batch("starscream_tp", *args)
+    for size in (0, -4, 2.0, True):
+        with pytest.raises(ShardingRuleError, match=f"batch_size {size!r}: expected the number of sequences"):
+            batch_sharding("starscream_tp", mesh, size)
+    with pytest.raises(ShardingRuleError, match=r"jit\(under='starscream_tp'\): expected a Placement"):
+        jit(lambda x: x, under="starscream_tp")
+    with use_layout("starscream_tp", mesh), pytest.raises(ShardingRuleError, match="give the explicit form"):
+        einsum("bd,df", jnp.ones((8, 4)), jnp.ones((4, 4)), ("batch", "mlp"))
 
 
 def test_param_errors_name_the_parameter_path_and_the_table():
@@ -514,3 +540,12 @@ def test_a_step_handed_its_placement_is_traced_once_whatever_is_active_and_refus
         asks(x)
     with pytest.raises(ShardingRuleError, match="ambient='no': pass True"):
         jit(handed, under=tp, ambient="no")
+
+
+def test_a_mesh_without_the_layouts_axes_is_the_resolvers_one_line_error():
+    """A mesh built without build_mesh's axes: placing a batch names the axes the mesh lacks (the fit_batch hint,
+    which reads the batch axes' sizes, steps aside)."""
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    with use_layout("starscream_tp", mesh), pytest.raises(ShardingRuleError, match=r"names mesh axes \['data', "
+                                                                                    r"'xcd'\] the mesh lacks"):
+        constrain(jnp.ones((8, 8)), ("batch", "embed"))

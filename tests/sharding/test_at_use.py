@@ -3,12 +3,14 @@ unedited Flax model's named parameters."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from starscream_jax.hardware.mesh import auto_axes, build_mesh
-from starscream_jax.sharding.apply import use_layout
+from starscream_jax.sharding.apply import activation_spec, constrain, use_layout
 from starscream_jax.sharding.at_use import ParamAtUse, create_sharded
+from starscream_jax.sharding.flax_rules import weights_at_use
 
 KERNEL = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp"))
 
@@ -57,3 +59,46 @@ def test_on_auto_axes_named_params_read_at_use_and_stay_shared_and_stored():
     assert model.up.kernel.sharding.spec == P("xcd", "gpu")  # read outside a trace: as stored
     explicit = create_sharded(lambda: TiedMLP(nnx.Rngs(0)), "starscream_tp", build_mesh("2x4"))
     assert type(explicit.up.kernel) is nnx.Param
+
+
+class BiasedMLP(nnx.Module):
+    """x [B, 16] -> [B, 16] through Flax's own Linear layers with biases named as their outputs (`mlp`, `embed`)
+    and a LayerNorm whose scale and bias are named `embed`: elementwise parameters the layouts split at rest."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        zeros = nnx.initializers.zeros_init()
+        self.up = nnx.Linear(16, 32, kernel_init=KERNEL, bias_init=nnx.with_partitioning(zeros, ("mlp",)), rngs=rngs)
+        self.down = nnx.Linear(32, 16, kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(),
+                                                                         ("mlp", "embed")),
+                               bias_init=nnx.with_partitioning(nnx.initializers.normal(0.1), ("embed",)), rngs=rngs)
+        self.norm = nnx.LayerNorm(16, scale_init=nnx.with_partitioning(nnx.initializers.ones_init(), ("embed",)),
+                                  bias_init=nnx.with_partitioning(zeros, ("embed",)), rngs=rngs)
+
+    def __call__(self, x_BD):
+        h = self.up(x_BD, out_sharding=activation_spec(("batch", "mlp"), (x_BD.shape[0], 32)))
+        return self.norm(self.down(jax.nn.relu(h), out_sharding=activation_spec(("batch", "embed"), x_BD.shape)))
+
+
+@pytest.mark.parametrize("layout, topology, data, at_use", [
+    ("starscream_tp", "2x4", 1, False), ("starscream_tp", "4x2", 2, True), ("starscream_tp", "4x2", 2, False),
+    ("starscream_fsdp", "2x4", 1, True)])
+def test_flax_layers_with_biases_train_on_explicit_axes_as_unsharded(layout, topology, data, at_use):
+    """Flax's Linear and LayerNorm add and multiply their bias and scale elementwise, which explicit sharding
+    takes only placed as the activation is: create_sharded stores them as they are used (whole where the layout
+    gathers their dimension at use) and `weights_at_use` places them so, not typed for the two-stage reduction; the
+    loss and gradients equal the unsharded model's, with `weights_at_use` and without, at data 1 and 2."""
+    x = jax.random.normal(jax.random.key(1), (16, 16))
+
+    def value_and_grads(model):
+        tokens = constrain(x, ("batch", "embed"))  # (identity unsharded)
+        return nnx.value_and_grad(lambda m: jnp.mean((weights_at_use(m) if at_use else m)(tokens) ** 2))(model)
+
+    with nnx.use_eager_sharding(False):  # (the unsharded model, built outside any mesh)
+        expected_loss, expected = value_and_grads(BiasedMLP(nnx.Rngs(0)))
+    mesh = build_mesh(topology, data=data)
+    model = create_sharded(lambda: BiasedMLP(nnx.Rngs(0)), layout, mesh)
+    with use_layout(layout, mesh):
+        loss_value, grads = nnx.jit(value_and_grads)(model)
+    np.testing.assert_allclose(loss_value, expected_loss, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)

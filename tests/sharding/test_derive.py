@@ -19,7 +19,8 @@ def mesh():
 
 
 def tables(layout):
-    return {kind: getattr(layout, kind).table for kind in TABLES}
+    """Each rule table of `layout` with the names it may replicate (kv heads and experts fewer than the GPUs)."""
+    return {kind: (getattr(layout, kind).table, getattr(layout, kind).may_replicate) for kind in TABLES}
 
 
 @pytest.mark.parametrize("rules,decode,expected", [

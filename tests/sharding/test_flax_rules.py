@@ -60,8 +60,11 @@ def test_a_use_table_that_would_place_one_name_two_ways_is_refused():
 
 
 def test_a_vocabulary_naming_an_unknown_library_name_is_refused():
+    """By `in_vocabulary` and by `flax_rules` alike: a misspelt name would leave its dimension whole."""
     with pytest.raises(ShardingRuleError, match="model_dim -> hidden"):
         in_vocabulary("starscream_tp", {"model_dim": "hidden"})
+    with pytest.raises(ShardingRuleError, match="hidden -> mlpp"):
+        flax_rules("starscream_tp", "params", {"feat": "embed", "hidden": "mlpp"})
 
 
 def test_a_name_mapped_to_none_is_never_split_and_every_name_is_exported_by_default():
