@@ -44,6 +44,9 @@ from .arguments import (
     prepare_simulation,
 )
 
+DEFAULT_CHUNK = 512
+"""Most prompt tokens of one sequence a step prefills by default (--chunk)."""
+
 EXCLUSIVE = MODEL_SOURCE_EXCLUSIVE + (
     ("fake_engine", "quantize", "--fake-engine runs no model"),
     ("fake_engine", "kv_cache", "--fake-engine runs no model"),
@@ -76,8 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most prompt tokens one step prefills, the decoding rows running beside them in a "
                              "program of their own (default, as vLLM's server: 8192 on GPUs of 70 GiB or more, 2048 "
                              "on smaller ones and on the CPU)")
-    engine.add_argument("--chunk", type=count, default=512, help="most prompt tokens of one sequence per step "
-                                                                 "(chunked prefill; default 512)")
+    engine.add_argument("--chunk", type=count, help="most prompt tokens of one sequence per step (chunked prefill; "
+                                                    "default 512, or the token budget where that is smaller)")
     engine.add_argument("--page-size", type=count, default=16, help="positions per KV page (default 16)")
     engine.add_argument("--cache-pages", type=count, help="KV pages per cache shard (each partition holds one "
                                                           "shard), instead of sizing the cache from memory")
@@ -261,7 +264,8 @@ def engine_config(args: argparse.Namespace, shards: int, mesh=None):
         local_devices_of(mesh), args.gpu_memory_utilization, mesh.shape.get(XCD, 1) if mesh is not None else 1)
     return EngineConfig(page_size=args.page_size, pages_per_shard=args.cache_pages,
                         rows_per_shard=math.ceil(args.max_num_seqs / shards),
-                        token_budget=token_budget, chunk=args.chunk, kernel=args.kernel,
+                        token_budget=token_budget, chunk=args.chunk or min(DEFAULT_CHUNK, token_budget),
+                        kernel=args.kernel,
                         max_model_len=args.max_model_len, memory_utilization=args.gpu_memory_utilization,
                         overlap=args.overlap, prompt_logprobs=args.enable_prompt_logprobs,
                         mixed_chunks=args.mixed_chunks)

@@ -191,6 +191,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise StarscreamError(f"EngineConfig {name} is {value!r}; give a whole number of at least 1")
+        if self.chunk > self.token_budget:
+            raise StarscreamError(f"EngineConfig chunk {self.chunk} exceeds token_budget {self.token_budget}: no step "
+                                  f"could prefill a whole chunk; give a chunk of at most {self.token_budget} (--chunk) "
+                                  "or a larger token budget (--max-num-batched-tokens)")
         if not isinstance(self.mixed_chunks, int) or isinstance(self.mixed_chunks, bool) or self.mixed_chunks < 0:
             raise StarscreamError(f"EngineConfig mixed_chunks is {self.mixed_chunks!r}; give a whole number of at "
                                   "least 0 (0: a step's prompt chunks and decode rows as two programs)")
@@ -229,15 +233,15 @@ class Engine:
         if config.max_model_len is not None and config.max_model_len > c.max_seq_len:
             raise StarscreamError(f"max model length {config.max_model_len} exceeds model {c.name}'s context of "
                                   f"{c.max_seq_len} positions; give at most {c.max_seq_len}")
-        self.max_model_len = config.max_model_len or c.max_seq_len
+        self.max_model_len = _held_length(config, config.max_model_len or c.max_seq_len)
         max_pages = math.ceil(self.max_model_len / config.page_size)
         prefill_rows = min(config.rows_per_shard, math.ceil(config.token_budget / config.chunk))
         self.kernel = _paged_kernel(config.kernel, mesh)
         in_place = reads_in_place(self.kernel, self.kv_format or c.dtype, attention_options(c))
         buckets = config.buckets or Buckets.for_limits(config.rows_per_shard, config.chunk, max_pages, prefill_rows,
                                                        in_place)
-        self.buckets = dataclasses.replace(buckets, scored=config.prompt_logprobs,
-                                           mixed_chunks=_mixed_buckets(buckets, config.mixed_chunks))
+        self.buckets = dataclasses.replace(buckets, scored=config.prompt_logprobs, mixed_chunks=_mixed_buckets(
+            buckets, min(config.mixed_chunks, buckets.rows_of("prefill")[-1])))  # (no step holds more chunks)
         _check_buckets(self.buckets, config)
         # float weights in the compute dtype, 8-bit ones as stored, projections sharing an input stacked
         self.graphdef, params, self.rest = inference_split(model, mesh, c.dtype)
@@ -1026,6 +1030,23 @@ def _paged_kernel(asked: str, mesh) -> str:
         raise StarscreamError(f"the cudnn paged-attention kernel runs on NVIDIA GPUs, not on {device.platform} "
                               f"({policy.name}); pass --kernel gather, or leave --kernel out for the backend's choice")
     return asked or policy.paged_attention
+
+
+def _held_length(config: EngineConfig, length: int) -> int:
+    """The most positions of a sequence, `length`, where one cache shard of the configured pages holds it (a
+    sequence's pages stay in one shard, one page of each is its null page); else, for the model's own context,
+    what a shard holds, and for a `max_model_len` asked for, a StarscreamError naming both fixes."""
+    if config.pages_per_shard is None:
+        return length  # sized from memory, at least one longest sequence a shard (`_cache_size`'s floor)
+    held = (config.pages_per_shard - 1) * config.page_size
+    if length <= held:
+        return length
+    if config.max_model_len is None:
+        return held
+    raise StarscreamError(f"max model length {length} needs {math.ceil(length / config.page_size)} pages of "
+                          f"{config.page_size} positions a sequence, and a cache shard holds "
+                          f"{config.pages_per_shard - 1}; give more pages a shard (--cache-pages) or a max model "
+                          f"length of at most {held}")
 
 
 def _mixed_buckets(buckets: Buckets, most: int) -> tuple[int, ...]:

@@ -111,6 +111,7 @@ class Server:
         self.client, self.tokenizer, self.model_name, self.info = client, tokenizer, model_name, info
         self.max_pending = max_pending
         self.metrics = ServerMetrics(model_name, info.page_size)
+        self.metrics.programs_at_start.set(info.programs)  # compiled before the engine reported ready
         client.on_step = self.metrics.observe_step
         self._on_engine_failure = on_engine_failure
         self.api_key = api_key

@@ -20,7 +20,7 @@ from starscream_jax.errors import StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.inference.generate import generate
 from starscream_jax.model.hf_checkpoint import load_hf_model
-from starscream_jax.serving.engine import Engine, EngineConfig, _mixed_buckets
+from starscream_jax.serving.engine import Engine, EngineConfig, _held_length, _mixed_buckets
 from starscream_jax.serving.scheduler import SamplingParams
 from starscream_jax.serving.buckets import Buckets
 from starscream_jax.serving.steps import MixedInputs, SamplerFeatures, StepInputs, cache_shards
@@ -330,3 +330,18 @@ def test_mixed_chunks_choose_the_mixed_buckets():
     assert _mixed_buckets(dataclasses.replace(buckets, mixed_chunks=(2,)), 1) == (2,)
     with pytest.raises(StarscreamError, match="mixed_chunks is -1; give a whole number of at least 0"):
         EngineConfig(mixed_chunks=-1)
+
+
+def test_a_chunk_above_the_budget_and_a_length_no_shard_holds_are_refused_at_start():
+    """A chunk no step could prefill whole is refused; with pages given a shard, a max model length asked for that
+    a shard cannot hold is refused naming both fixes, and the model's own context shrinks to what a shard holds (12
+    pages of 8, one the null page: 88 positions)."""
+    with pytest.raises(StarscreamError, match="chunk 10 exceeds token_budget 8: no step could prefill a whole chunk"):
+        EngineConfig(chunk=10, token_budget=8)
+    pages = EngineConfig(pages_per_shard=12, page_size=8, chunk=8)
+    assert _held_length(pages, 256) == 88 and _held_length(pages, 64) == 64
+    assert _held_length(EngineConfig(), 4096) == 4096  # sized from memory: a shard holds one longest sequence
+    with pytest.raises(StarscreamError, match=r"max model length 128 needs 16 pages of 8 positions a sequence, and a "
+                                              r"cache shard holds 11; give more pages a shard \(--cache-pages\) or a "
+                                              r"max model length of at most 88"):
+        _held_length(dataclasses.replace(pages, max_model_len=128), 128)

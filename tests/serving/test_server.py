@@ -601,9 +601,14 @@ class _IdleClient:
     failed, pending, load, on_step = None, 0, None, None
 
 
-def _offline_server(tokenizer, **options) -> Server:
-    info = EngineInfo(context=64, vocab_size=512, max_num_seqs=8, pages_total=100, page_size=4, programs=0)
+def _offline_server(tokenizer, programs: int = 0, **options) -> Server:
+    info = EngineInfo(context=64, vocab_size=512, max_num_seqs=8, pages_total=100, page_size=4, programs=programs)
     return Server(_IdleClient(), tokenizer, MODEL, info, **options)
+
+
+def test_the_programs_compiled_at_start_are_served_before_any_step(llama_tokenizer):
+    http = TestClient(_offline_server(llama_tokenizer, programs=14).app())
+    assert f'starscream:programs_compiled{{model_name="{MODEL}",when="start"}} 14.0' in http.get("/metrics").text
 
 
 def test_the_api_key_guards_v1_only_and_cors_answers_preflights(llama_tokenizer):
