@@ -768,9 +768,9 @@ class Engine:
         """Compiles the forward program of every bucket (`Buckets.shapes`) and after each the sampler of every
         combination of passes (`SamplerFeatures.every`) now, so that no request waits for a compile: traced one
         after another (tracing reads the active layout), compiled by `threads` threads at once (XLA compiles outside
-        Python's lock; default: the CPU cores, at most 8); `progress(done, total)` before the first and after each. Then allocates the
-        page pools. Returns the forward programs compiled. On a mesh spanning processes every process calls it
-        (each process compiles the programs it runs)."""
+        Python's lock; default: the CPU cores, at most 8); `progress(done, total)` before the first and after
+        each. Then allocates the page pools. Returns the forward programs compiled. On a mesh spanning processes
+        every process calls it (each process compiles the programs it runs)."""
         shapes = [bucket.of_shards(self.shards) for bucket in self.buckets.shapes()]
         samplers = {_sampler_key(bucket, features): bucket for bucket in shapes for features in SamplerFeatures.every()}
         total = len(shapes) + len(samplers)

@@ -184,7 +184,8 @@ class Sampling(BaseModel):
             raise ApiError(HTTP_BAD_REQUEST, f"logit_bias holds {len(self.logit_bias)} entries; give at most "
                            f"{MAX_LOGIT_BIAS}", param="logit_bias")
         for key, value in self.logit_bias.items():
-            if not (key.strip().isascii() and key.strip().isdigit()) or not (math.isfinite(value) and -100 <= value <= 100):
+            token_id = key.strip()
+            if not (token_id.isascii() and token_id.isdigit()) or not (math.isfinite(value) and -100 <= value <= 100):
                 raise ApiError(HTTP_BAD_REQUEST, f"logit_bias entry {key!r}: {value} must map a token id to a value "
                                "in [-100, 100]", param="logit_bias")
         return self

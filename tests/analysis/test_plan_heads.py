@@ -97,7 +97,8 @@ def test_the_printed_commands_of_a_padded_choice_pad_the_heads_and_run(three_hea
 
     plan = prefill_plan
     assert plan["choice"] == "starscream_tp data 1 x gpu 2, heads padded to 4"
-    args = argparse.Namespace(model=three_heads, quantize=None, kv_cache=None)
+    args = argparse.Namespace(model=three_heads, quantize=None, kv_cache=None, topology=None, gpus=None, nodes=None,
+                              preset=TOPOLOGY.preset.name)  # (the mesh flags as plan parses them)
     [inspect] = commands(plan, args, TOPOLOGY)
     assert inspect.endswith("--phase prefill --batch 4 --seq 16 --pad-heads 4") and "--data-parallel" not in inspect
     monkeypatch.chdir(tmp_path)

@@ -45,7 +45,8 @@ def test_fewer_rows_than_cache_shards_and_layouts_placing_the_cache_apart_keep_t
 
     assert reason(4, mesh) is None and reason(1, None) is None
     assert reason(3, mesh) == "split-K decode: fewer samples than cache shards"
-    assert reason(4, mesh, "gpu_tp") == "the layouts place the KV cache apart: the cache moves between prefill and decode"
+    assert reason(4, mesh, "gpu_tp") == ("the layouts place the KV cache apart: the cache moves between prefill and "
+                                         "decode")
     config = engine_config(6, 700, 100, mesh, "starscream_decode")
     assert (config.rows_per_shard, config.chunk, config.max_model_len) == (2, 512, 800)
     assert config.buckets.pages == (50,) and config.pages_per_shard == 2 * 50 + 1

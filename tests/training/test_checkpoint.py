@@ -271,8 +271,8 @@ def test_a_wrapped_storage_error_is_told_by_the_file_it_names():
     except Exception as error:  # noqa: BLE001 (orbax raises a bare Exception)
         described = describe_storage_error(error)
     assert described.startswith("/runs/r/checkpoints/70/params/ (OUT_OF_RANGE") and "TensorStore(" not in described
-    assert describe_storage_error(Exception(f"Encountered error while reading array index: (slice(0, 1, 1),). {spec}")) \
-        == "Exception: Encountered error while reading array index: (slice(0, 1, 1),)."
+    alone = Exception(f"Encountered error while reading array index: (slice(0, 1, 1),). {spec}")  # no file named
+    assert describe_storage_error(alone) == "Exception: Encountered error while reading array index: (slice(0, 1, 1),)."
 
 
 def test_reads_orbax_leaves_failing_after_a_failed_restore_are_not_printed(capsys):
