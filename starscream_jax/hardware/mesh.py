@@ -267,6 +267,9 @@ def _simulated(topology, gpus, nodes, grouping, devices) -> tuple:
 def _choose_gpus(groups: list[list], topology: Topology, devices: Sequence) -> list[list]:
     """The first num_gpus / P GPUs of each of the P processes (a subset of each process' GPUs is fine)."""
     partitions = {len(g) for g in groups}
+    if not groups:
+        raise TopologyError(f"found no GPU (JAX sees {', '.join(sorted({d.platform for d in devices})) or 'no'} "
+                            "devices); on a machine without GPUs pass --simulate for the mesh the preset gives")
     if partitions != {topology.partitions_per_gpu}:
         raise TopologyError(
             f"found GPUs with {sorted(partitions)} partitions each, expected {topology.partitions_per_gpu} "

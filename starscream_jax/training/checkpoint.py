@@ -208,9 +208,21 @@ class CheckpointStore:
             raise
         except Exception as error:  # orbax re-raises the background writer's error, of any type
             _quiet_reads_left_behind()
-            raise CheckpointError(f"writing a checkpoint in {self.directory} failed: {describe_storage_error(error)}; "
-                                  f"free space (or fix the directory) and rerun with --resume, which "
-                                  f"{resume_point(self.latest_step())}") from error
+            if isinstance(error, TimeoutError) or "barrier" in str(error):  # the processes save together
+                why, fix = ("the run's other processes did not reach the save (one stopped or hangs)",
+                            "restart every process of the run")
+            else:
+                why, fix = describe_storage_error(error), "free space (or fix the directory)"
+            raise CheckpointError(f"writing a checkpoint in {self.directory} failed: {why}; {fix} and rerun with "
+                                  f"--resume, which {resume_point(self._complete_step())}") from error
+
+    def _complete_step(self) -> int | None:
+        """The newest step whose checkpoint is complete on disk (a save that failed may still be listed)."""
+        try:
+            self._manager.reload()
+        except Exception:  # noqa: BLE001 (a directory orbax can no longer list: what it listed before)
+            pass
+        return self._manager.latest_step()
 
     def __enter__(self):
         return self

@@ -18,7 +18,7 @@ from starscream_jax.errors import PresetError, TopologyError
 from starscream_jax.hardware import detect, simulation
 from starscream_jax.hardware.axes import AXES
 from starscream_jax.hardware.mesh import build_mesh, build_topology_mesh, detect_topology, device_table
-from starscream_jax.hardware.topology import OVERRIDE_ENV
+from starscream_jax.hardware.topology import OVERRIDE_ENV, Topology
 
 
 @pytest.fixture(autouse=True)
@@ -396,3 +396,11 @@ def test_a_rocm_gpu_without_kfd_partitions_is_its_chips_whole_gpu(sysfs):
 def test_arguments_of_the_wrong_kind_are_named(topology, options, message):
     with pytest.raises(TopologyError, match=message):
         build_mesh(topology, **options)
+
+
+def test_a_machine_without_gpus_is_told_to_simulate():
+    """No GPU among the devices (a CPU-only machine, --no-simulate): one line that says so and names --simulate,
+    not a partition count of []."""
+    from starscream_jax.hardware.mesh import _choose_gpus
+    with pytest.raises(TopologyError, match=r"found no GPU \(JAX sees cpu devices\); .* pass --simulate"):
+        _choose_gpus([], Topology.from_preset("mi300x-cpx-nps1", gpus=8), jax.devices("cpu"))

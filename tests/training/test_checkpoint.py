@@ -294,3 +294,15 @@ def test_reads_orbax_leaves_failing_after_a_failed_restore_are_not_printed(capsy
     finally:
         sys.unraisablehook = previous
     assert [str(unraisable.exc_value) for unraisable in seen] == ["other"]
+
+
+def test_a_save_the_other_processes_never_reached_says_so_and_resumes_from_a_complete_step(tmp_path):
+    """A multi-process save whose barrier timed out (another process died) is not a full disk: the error says which,
+    and names the newest complete checkpoint on disk as the one --resume continues from."""
+    saved_steps_1_and_2(tmp_path)
+    with CheckpointStore(tmp_path) as store:
+        with pytest.raises(CheckpointError, match=r"failed: the run's other processes did not reach the save .*; "
+                                                  r"restart every process of the run and rerun with --resume, which "
+                                                  r"continues from step 2"):
+            with store.reporting_write_failure():
+                raise TimeoutError("Timed out while waiting for async_write_complete barrier.")
