@@ -160,7 +160,7 @@ def _id_lists(grouping) -> list[list[int]]:
 def _explicit_groups(devices: Sequence, grouping: Sequence[Sequence[int]]) -> list[list]:
     """The devices named by `grouping` (device ids, one list per physical GPU), checked."""
     by_id = {d.id: d for d in devices}
-    as_lists = _id_lists(grouping)
+    as_lists = [list(group) for group in grouping]
     if not as_lists or not all(as_lists):
         raise TopologyError(f"grouping {as_lists} has an empty GPU; give one non-empty list of device ids per GPU")
     flat = [i for group in as_lists for i in group]
@@ -235,6 +235,7 @@ def build_topology_mesh(topology: Topology | str | None = None, *, gpus: int | N
     devices: the devices to use (default: all). simulate: build on simulated CPU devices.
     """
     _check_options(topology, gpus, nodes, data)
+    grouping = None if grouping is None else _id_lists(grouping)  # checked before the simulation reads it
     if simulate:
         topology, devices = _simulated(topology, gpus, nodes, grouping, devices)
     devices = list(devices or jax.devices())

@@ -99,9 +99,10 @@ def test_the_public_functions_refuse_arguments_of_the_wrong_kind_in_one_line():
     from starscream_jax.errors import TopologyError
     from starscream_jax.sharding.apply import batch_sharding
     from starscream_jax.sharding.layouts import fit_batch
-    for grouping in ([0, 1, 2, 3], "0123", [jax.devices()[:4], jax.devices()[4:]]):
+    for grouping, simulate in (([0, 1, 2, 3], False), ("0123", False), ([jax.devices()[:4], jax.devices()[4:]], False),
+                               ([0, 1, 2, 3], True)):
         with pytest.raises(TopologyError, match="expected device ids .* in one list per physical GPU"):
-            build_mesh(grouping=grouping)
+            build_mesh(grouping=grouping, simulate=simulate)
     mesh = build_mesh("2x4")
     for args, message in (((None, 2, 16), "mesh None"), ((mesh, "2", 16), "batch '2'"),
                           ((mesh, 2, 16.0), "positions 16.0")):
