@@ -6,6 +6,9 @@ heads' query projection (and bias) and their rows of the output projection are z
 alike, so the padded head attends to the mean of the values, which its zero rows of `wo` multiply by zero: the
 residual stream, and so the logits, are those of the unpadded model. The cost is (G' - G) / G more attention and
 q / o projection work per GPU, against tensor parallelism over fewer GPUs, which the planner weighs.
+
+The vocabulary is not padded: where the layouts split it into parts that do not divide it, loading is refused
+naming the split (`refuse_unsplit_vocabulary`), as unsplit heads are refused naming the padding that splits them.
 """
 from __future__ import annotations
 
