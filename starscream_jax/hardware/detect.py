@@ -35,6 +35,8 @@ NOT_AVAILABLE = "N/A"
 # Compute modes whose partition count does not depend on the chip; CPX is one partition per XCD.
 PARTITIONS_PER_FIXED_MODE = {"SPX": 1, "DPX": 2, "TPX": 3, "QPX": 4}
 GPU_NODE_FIELDS = ("location_id", "domain", "drm_render_minor")
+EXPLICIT = "pass the preset and the grouping explicitly (--preset with --grouping: detection then does not run)"
+"""The way past a machine detection cannot read: a grouping alone still detects the mode, so it meets the same error."""
 _BDF = re.compile(r"([0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})\.[0-7]")
 
 
@@ -150,10 +152,22 @@ def _read_gpu_nodes(nodes_dir: Path) -> list[tuple[int, dict[str, int], int]]:
         missing = [name for name in GPU_NODE_FIELDS if name not in props]
         if missing:
             raise TopologyError(f"{node_dir}/properties has no {', '.join(missing)}; a GPU node needs "
-                                f"{', '.join(GPU_NODE_FIELDS)}; this amdkfd is older than detection supports: pass "
-                                f"the grouping explicitly")
+                                f"{', '.join(GPU_NODE_FIELDS)}; this amdkfd is older than detection supports: "
+                                f"{EXPLICIT}")
         nodes.append((number, props, kfd_gpu_id))
     return nodes
+
+
+def _refused_nodes(nodes_dir: Path) -> bool:
+    """Whether the kernel refuses this process some KFD node (EPERM: a GPU partition outside the container's device
+    cgroup; a CPU node is never refused). A device plugin may give a container some partitions of a GPU, so then a
+    GPU's other partitions are hidden, not missing."""
+    for entry in (entry for entry in nodes_dir.iterdir() if entry.name.isdigit()):
+        try:
+            (entry / "gpu_id").read_text()
+        except PermissionError:
+            return True
+    return False
 
 
 def _partition_indices(nodes: Sequence[tuple[int, dict[str, int], int]]) -> dict[int, int]:
@@ -204,10 +218,11 @@ def _token_index(token: str, agents: list[GpuPartition]) -> int | None:
     return None
 
 
-def group_by_gpu(partitions: Iterable[GpuPartition]) -> list[list[GpuPartition]]:
+def group_by_gpu(partitions: Iterable[GpuPartition], hidden: bool = False) -> list[list[GpuPartition]]:
     """The partitions grouped by physical GPU: groups ordered by gpu_id, each in partition order.
 
-    Every GPU must show partitions 0..P-1 for one P, one KFD node each; TopologyError otherwise.
+    Every GPU must show partitions 0..P-1 for one P, one KFD node each; TopologyError otherwise. hidden: the kernel
+    refuses this process some GPU nodes, so a GPU may show only some of its partitions (one node each still).
     """
     groups: dict[str, list[GpuPartition]] = {}
     for p in sorted(partitions, key=lambda p: (p.gpu_id, p.partition)):
@@ -216,6 +231,8 @@ def group_by_gpu(partitions: Iterable[GpuPartition]) -> list[list[GpuPartition]]
         return []
     for group in groups.values():
         _check_one_node_per_partition(group)
+    if hidden:
+        return list(groups.values())
     count = 1 + max(p.partition for group in groups.values() for p in group)
     complete = next((gpu for gpu, group in groups.items() if len(group) == count), None)
     for gpu, group in groups.items():
@@ -226,8 +243,8 @@ def group_by_gpu(partitions: Iterable[GpuPartition]) -> list[list[GpuPartition]]
             raise TopologyError(
                 f"GPU {gpu} shows partitions {found} in KFD sysfs, expected 0-{count - 1}{example}; partition(s) "
                 f"{missing} missing: check dmesg for amdgpu errors and set every GPU to the same compute mode "
-                f"(amd-smi set --compute-partition MODE); in a container, pass all of a GPU's render nodes or the "
-                f"grouping explicitly")
+                f"(amd-smi set --compute-partition MODE); in a container, pass all of a GPU's render nodes; or "
+                f"{EXPLICIT}")
     return list(groups.values())
 
 
@@ -237,7 +254,7 @@ def _check_one_node_per_partition(group: list[GpuPartition]) -> None:
             raise TopologyError(
                 f"KFD nodes {first.kfd_node} and {second.kfd_node} both claim partition {first.partition} of GPU "
                 f"{first.gpu_id}, expected one node per partition; this driver encodes location_id in a way detection "
-                f"does not know: pass the grouping explicitly and report both nodes' properties files")
+                f"does not know: {EXPLICIT}, and report both nodes' properties files")
 
 
 def visible_groups(groups: Sequence[Sequence[GpuPartition]]) -> tuple[tuple[GpuPartition, ...], ...]:
@@ -280,14 +297,17 @@ def _common_modes(groups: Sequence[Sequence[GpuPartition]], sys_root: Path) -> t
     return distinct.pop() if distinct else (None, None)
 
 
-def _check_compute_mode(groups: Sequence[Sequence[GpuPartition]], compute_mode: str | None) -> None:
-    """The partition count per GPU must fit the mode: SPX/DPX/TPX/QPX 1/2/3/4, CPX one XCD per partition."""
+def _check_compute_mode(groups: Sequence[Sequence[GpuPartition]], compute_mode: str | None,
+                        hidden: bool = False) -> None:
+    """The partition count per GPU must fit the mode: SPX/DPX/TPX/QPX 1/2/3/4 (unless partitions are hidden, see
+    `group_by_gpu`), CPX one XCD per partition."""
     if compute_mode is None:
         return
     per_gpu = len(groups[0])
     xcds = sorted({p.num_xcc for group in groups for p in group if p.num_xcc is not None})
     expected = PARTITIONS_PER_FIXED_MODE.get(compute_mode)
-    if (expected is not None and per_gpu != expected) or (compute_mode == "CPX" and xcds not in ([], [1])):
+    miscounted = expected is not None and per_gpu != expected and not hidden
+    if miscounted or (compute_mode == "CPX" and xcds not in ([], [1])):
         raise TopologyError(
             f"the driver reports compute mode {compute_mode} but KFD shows {per_gpu} partition(s) per GPU with {xcds} "
             f"XCD(s) each; a partition change is still pending: reload amdgpu (or reboot) and check "
@@ -295,11 +315,14 @@ def _check_compute_mode(groups: Sequence[Sequence[GpuPartition]], compute_mode: 
 
 
 def parse_amd_smi(json_text: str) -> list[AmdSmiGpu]:
-    """The logical GPUs of `amd-smi list --json` or `amd-smi static --json` (a list, or {"gpu_data": [...]})."""
+    """The logical GPUs of `amd-smi list --json` or `amd-smi static --json`: a list, {"gpu_data": [...]}, or the bare
+    object of one GPU (amd-smi of ROCm 6.0 prints a single GPU so)."""
     try:
         data = json.loads(json_text)
     except json.JSONDecodeError as error:
         raise TopologyError(f"amd-smi output is not JSON ({error}); run amd-smi with --json") from error
+    if isinstance(data, dict) and "gpu" in data:
+        data = [data]
     entries = data.get("gpu_data") if isinstance(data, dict) else data
     if not isinstance(entries, list):
         raise TopologyError(f"amd-smi JSON is a {type(data).__name__} without a GPU list, expected a list of GPUs or "
@@ -340,7 +363,7 @@ def check_against_amd_smi(partitions: Sequence[GpuPartition], amd_smi_gpus: Sequ
         said = f"amd-smi GPU {gpu.index} ({gpu.bdf}, KFD node {gpu.kfd_node}, partition {gpu.partition})"
         if node is None:
             raise TopologyError(f"{said} matches no KFD GPU node, expected one; amd-smi and the driver disagree: use "
-                                f"the amd-smi of the driver's ROCm release, or pass the grouping explicitly")
+                                f"the amd-smi of the driver's ROCm release, or {EXPLICIT}")
         facts = [("physical GPU", gpu.gpu_id, node.gpu_id), ("partition", gpu.partition, node.partition),
                  ("kfd_id", gpu.kfd_gpu_id, node.kfd_gpu_id), ("compute mode", gpu.compute_mode, modes[0]),
                  ("memory mode", gpu.memory_mode, modes[1])]
@@ -348,7 +371,7 @@ def check_against_amd_smi(partitions: Sequence[GpuPartition], amd_smi_gpus: Sequ
             if theirs is not None and ours is not None and theirs != ours:
                 raise TopologyError(
                     f"{said} says {name} {theirs} but KFD sysfs says {ours} for node {node.kfd_node}; amd-smi and the "
-                    f"driver disagree: use the amd-smi of the driver's ROCm release, or pass the grouping explicitly")
+                    f"driver disagree: use the amd-smi of the driver's ROCm release, or {EXPLICIT}")
 
 
 def _kfd_match(gpu: AmdSmiGpu, partitions: Sequence[GpuPartition]) -> GpuPartition | None:
@@ -376,9 +399,10 @@ def detect_rocm_topology(root: str | Path = "/", env: Mapping[str, str] | None =
         env.get("HIP_VISIBLE_DEVICES") or env.get("CUDA_VISIBLE_DEVICES"), root / RENDER_NODES)
     if not partitions:
         return None
-    groups = group_by_gpu(partitions)
+    hidden = _refused_nodes(nodes_dir)
+    groups = group_by_gpu(partitions, hidden)
     modes = _common_modes(groups, root / "sys")
-    _check_compute_mode(groups, modes[0])
+    _check_compute_mode(groups, modes[0], hidden)
     if amd_smi_json is not None:
         check_against_amd_smi(partitions, parse_amd_smi(amd_smi_json), modes)
     return RocmTopology(groups=visible_groups(groups), compute_mode=modes[0], memory_mode=modes[1])

@@ -39,12 +39,15 @@ def resolve_topology(topology: Topology | str | None = None, *, gpus: int | None
 
 
 def _with_counts(topology: Topology, gpus: int | None, nodes: int | None) -> Topology:
-    """The topology with gpus per node / nodes replaced where given (positive)."""
+    """The topology with gpus per node / nodes replaced where given (positive, and no more GPUs than a node of the
+    chip holds)."""
     for name, value in (("gpus", gpus), ("nodes", nodes)):
         if value is not None and value < 1:
             raise TopologyError(f"{name}={value}; ask for a positive number of {name} (--{name})")
-    return dataclasses.replace(topology, gpus_per_node=topology.gpus_per_node if gpus is None else gpus,
-                               nodes=topology.nodes if nodes is None else nodes)
+    counted = dataclasses.replace(topology, gpus_per_node=topology.gpus_per_node if gpus is None else gpus,
+                                  nodes=topology.nodes if nodes is None else nodes)
+    counted.validate()
+    return counted
 
 
 def _platform(device) -> str:
@@ -74,9 +77,10 @@ def _rocm_chip(device) -> str:
 
 
 def _other_gpu_preset(device) -> Preset:
-    """The preset of a GPU that is not ROCm's: h200 for an H200; TopologyError naming the presets otherwise."""
+    """The preset of a GPU that is not ROCm's: h200 for an H200 (by word: a GH200 has other figures); TopologyError
+    naming the presets otherwise."""
     kind = device.device_kind
-    if "h200" not in kind.lower():
+    if not re.search(r"\bh200\b", kind.lower()):
         raise TopologyError(f"detected {kind}, which no preset describes (known: {', '.join(list_presets())}); "
                             f"{_FIXES}")
     return load_preset("h200")
@@ -118,23 +122,33 @@ def _detect_rocm():
 def _rocm_preset(chip_name: str, found) -> Preset:
     """The preset of the detected modes; a mode the driver does not report follows from the partitions per GPU
     (compute) or is the chip's first valid one for that compute mode (memory: it changes no preset figure)."""
-    compute_mode = found.compute_mode or MODE_FOR_PARTITIONS.get(len(found.groups[0]))
+    chip = load_chip(chip_name)
+    partitions = _partitions_per_gpu(found, chip.xcds)
+    compute_mode = found.compute_mode or MODE_FOR_PARTITIONS.get(partitions)
     if compute_mode is None:
-        raise TopologyError(f"sysfs shows {len(found.groups[0])} partitions per GPU and no compute mode, expected "
+        raise TopologyError(f"sysfs shows {partitions} partitions per GPU and no compute mode, expected "
                             f"1, 2, 4 or 8; set a supported mode (amd-smi set --compute-partition) or pass "
                             f"STARSCREAM_TOPOLOGY explicitly")
-    memory_mode = found.memory_mode or next(iter(load_chip(chip_name).memory_modes(compute_mode)), "NPS1")
+    memory_mode = found.memory_mode or next(iter(chip.memory_modes(compute_mode)), "NPS1")
     return preset_for(chip_name, compute_mode, memory_mode)
+
+
+def _partitions_per_gpu(found, xcds: int) -> int:
+    """The partitions each GPU is split into: its XCDs over each partition's (KFD num_xcc), which holds when only
+    some partitions are visible; the visible partitions where the kernel does not give num_xcc."""
+    per_partition = found.groups[0][0].num_xcc
+    return xcds // per_partition if per_partition else len(found.groups[0])
 
 
 def physical_gpu_groups(devices: Sequence, topology: Topology) -> list[list]:
     """The devices grouped by physical GPU, each group in partition order, groups ordered by (process, first id).
 
-    ROCm: read from sysfs. CPU: consecutive devices of one process form a GPU (devices left over after the last
-    whole GPU are not used). Other platforms: each device is its own GPU.
+    ROCm: read from sysfs (also for a topology of whole GPUs, so that the partitions of one GPU never pass for
+    several GPUs). CPU: consecutive devices of one process form a GPU (devices left over after the last whole GPU are
+    not used). Other platforms, and ROCm without KFD GPU nodes: each device is its own GPU.
     """
     platform = _platform(devices[0])
-    if platform == "rocm" and topology.partitions_per_gpu > 1:
+    if platform == "rocm" and (topology.partitions_per_gpu > 1 or _detect_rocm() is not None):
         return _rocm_groups(devices)
     if platform == "cpu":
         return _consecutive_groups(devices, topology.partitions_per_gpu)
@@ -195,7 +209,8 @@ def _rocm_groups(devices: Sequence) -> list[list]:
     """Groups ROCm devices by the physical GPU that sysfs names (KFD location_id / PCI domain:bus:device).
 
     Every process reads its own node's sysfs; nodes are assumed alike (same GPUs, same mode), which the device
-    count check in `build_mesh` backs up.
+    count check in `build_mesh` backs up. A GPU none of whose partitions is among a process' devices is not that
+    process' (JAX_LOCAL_DEVICE_IDS, JAX_ROCM_VISIBLE_DEVICES or `devices` leave it out); one given in part is an error.
     """
     found = _detect_rocm()
     if found is None:
@@ -207,6 +222,8 @@ def _rocm_groups(devices: Sequence) -> list[list]:
         by_ordinal = {d.local_hardware_id: d for d in devices if d.process_index == process}
         for gpu in found.groups:
             missing = [p.hip_ordinal for p in gpu if p.hip_ordinal not in by_ordinal]
+            if len(missing) == len(gpu):
+                continue
             if missing:
                 raise TopologyError(
                     f"sysfs shows GPU {gpu[0].gpu_id} with HIP ordinals {[p.hip_ordinal for p in gpu]}, but process "

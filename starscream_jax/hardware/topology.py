@@ -45,10 +45,16 @@ class Topology:
         return topology
 
     def validate(self) -> None:
-        """Raises TopologyError unless every count is a positive integer and partitions fit the chip's XCDs."""
+        """Raises TopologyError unless every count is a positive integer, a node holds no more GPUs than the chip's
+        board (the cpu preset's simulated nodes any number) and partitions fit the chip's XCDs."""
         for name in ("nodes", "gpus_per_node", "partitions_per_gpu"):
             if getattr(self, name) < 1:
                 raise TopologyError(f"{name} is {getattr(self, name)}; it must be a positive integer")
+        board = self.preset.chip.gpus_per_node
+        if self.preset.chip.name != "cpu" and self.gpus_per_node > board:
+            raise TopologyError(f"{self.gpus_per_node} GPUs per node, but a node of {self.preset.chip.name} holds "
+                                f"{board}; spread them over nodes ({-(-self.gpus_per_node // board)} nodes of "
+                                f"{board} GPUs: NODESxGPUSxPARTITIONS, or --nodes)")
         if self.partitions_per_gpu > self.preset.chip.xcds:
             raise TopologyError(f"{self.partitions_per_gpu} partitions per GPU, but chip {self.preset.chip.name} "
                                 f"has {self.preset.chip.xcds} XCDs; use at most {self.preset.chip.xcds}")

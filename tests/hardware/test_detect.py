@@ -218,6 +218,26 @@ def test_nodes_the_kernel_refuses_to_show_are_left_out(cpx_machine, monkeypatch)
     assert hip_ordinals(topology) == consecutive(7, 8)
 
 
+@pytest.mark.parametrize("modes", [("CPX", "NPS1"), None])
+def test_a_container_given_some_partitions_of_a_gpu_sees_those(tmp_path, monkeypatch, modes):
+    """A pod that the device plugin gave partitions 4-7 of the second GPU: the kernel refuses every other GPU node
+    (EPERM), so partitions 0-3 are hidden, not missing."""
+    nodes = published_nodes("mi300x_cpx_k8s_device_plugin")[:2 + 7 * 8]
+    root = write_machine(tmp_path, nodes, modes)
+    read_text = Path.read_text
+
+    def refuse_other_nodes(path, *args, **kwargs):
+        if path.parent.parent.name == "nodes" and int(path.parent.name) not in range(2 + 8 + 4, 2 + 16):
+            if nodes[int(path.parent.name)]["simd_count"]:
+                raise PermissionError(1, "Operation not permitted", str(path))
+        return read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", refuse_other_nodes)
+    topology = detect_rocm_topology(root, env={})
+    assert [[(p.gpu_id, p.partition, p.hip_ordinal) for p in group] for group in topology.groups] == [
+        [(PUBLISHED_CPX_BUSES[1], partition, partition - 4) for partition in range(4, 8)]]
+
+
 def test_no_kfd_gpu_nodes_means_not_a_rocm_machine(tmp_path):
     assert detect_rocm_topology(tmp_path / "empty", env={}) is None
     assert detect_rocm_topology(write_machine(tmp_path / "cpus", [cpu_node(), cpu_node()]), env={}) is None
@@ -250,6 +270,12 @@ def test_parse_amd_smi_reads_list_and_static_output():
     assert [(g.gpu_id, g.partition, g.compute_mode, g.memory_mode) for g in static[:3]] == [
         ("0000:05:00", 0, "DPX", "NPS2"), ("0000:05:00", 1, None, None), ("0000:26:00", 0, "DPX", "NPS2")]
     assert {g.kfd_node for g in static} == {None}
+
+
+def test_parse_amd_smi_reads_the_bare_object_of_a_single_gpu():
+    """amd-smi of ROCm 6.0 prints one GPU (a one-GPU machine, or --gpu N) as a bare object, not a list of one."""
+    one_gpu = json.loads(amd_smi("mi300x_spx_list.json"))[0]
+    assert parse_amd_smi(json.dumps(one_gpu)) == parse_amd_smi(json.dumps([one_gpu]))
 
 
 @pytest.mark.parametrize("text, message", [

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from fixtures.sysfs import published_nodes, write_machine
 from jax.sharding import AxisType
 
 from starscream_jax.cli import arguments
@@ -17,8 +18,9 @@ from starscream_jax.cli.arguments import add_mesh_arguments, mesh_from_args, pre
 from starscream_jax.errors import PresetError, TopologyError
 from starscream_jax.hardware import detect, simulation
 from starscream_jax.hardware.axes import AXES
+from starscream_jax.hardware.detect import detect_rocm_topology
 from starscream_jax.hardware.mesh import build_mesh, build_topology_mesh, detect_topology, device_table
-from starscream_jax.hardware.topology import OVERRIDE_ENV, Topology
+from starscream_jax.hardware.topology import OVERRIDE_ENV, Topology, parse_override
 
 
 @pytest.fixture(autouse=True)
@@ -90,9 +92,17 @@ def test_too_few_devices_says_what_was_found_and_how_to_fix_it():
     expected = (r"the topology needs 16 GPUs x 8 partitions = 128 devices, 16 GPUs from each of 1 process\(es\), but "
                 r"process 0 shows 64 devices \(8 whole GPUs\); ask for fewer GPUs \(--gpus\) or simulate 128 devices")
     with pytest.raises(TopologyError, match=expected):
-        build_mesh("mi300x-cpx-nps1", gpus=16)
+        build_mesh("16x8")
     with pytest.raises(TopologyError, match=r"= 8 devices, .* but process 0 shows 6 devices \(1 whole GPUs\)"):
         build_mesh("2x4", devices=jax.devices()[:6])
+
+
+@pytest.mark.parametrize("make", [lambda: build_mesh("mi300x-cpx-nps1", gpus=16),
+                                  lambda: parse_override("mi300x-cpx-nps1:16")])
+def test_more_gpus_than_a_node_of_the_chip_holds_are_refused_with_how_to_spread_them(make):
+    with pytest.raises(TopologyError, match=r"16 GPUs per node, but a node of mi300x holds 8; spread them over nodes "
+                                            r"\(2 nodes of 8 GPUs"):
+        make()
 
 
 def test_unknown_preset_and_malformed_override_are_errors():
@@ -333,6 +343,52 @@ def test_rocm_partition_without_a_jax_device_is_an_error(sysfs):
         build_mesh("2x4", devices=fake_devices(1, 6))
 
 
+def test_rocm_devices_jax_was_limited_to_give_their_own_gpus(sysfs):
+    """JAX_LOCAL_DEVICE_IDS (or JAX_ROCM_VISIBLE_DEVICES) limits the devices JAX makes, not what HIP or sysfs show:
+    one process per GPU, each given its GPU's HIP ordinals, uses that GPU rather than failing on the others."""
+    sysfs["result"] = fake_detection([[0, 1, 2, 3], [4, 5, 6, 7]])
+    devices = [FakeRocmDevice(id=i, process_index=i // 4, local_hardware_id=i) for i in range(8)]
+    topology, mesh = build_topology_mesh(devices=devices)
+    assert (topology.nodes, topology.gpus_per_node, topology.partitions_per_gpu) == (2, 1, 4)
+    assert device_table(mesh) == [[[0, 1, 2, 3], [4, 5, 6, 7]]]
+    assert device_table(build_mesh(devices=fake_devices(1, 8)[4:])) == [[[4, 5, 6, 7]]]
+
+
+def test_rocm_gpu_given_only_in_part_is_still_an_error(sysfs):
+    sysfs["result"] = fake_detection([[0, 1, 2, 3], [4, 5, 6, 7]])
+    with pytest.raises(TopologyError, match=r"no JAX device for \[0, 1\]; make every partition visible"):
+        build_mesh("mi300x-qpx-nps1:1", devices=fake_devices(1, 8)[2:6])
+
+
+@pytest.mark.parametrize("topology", ["mi300x-spx-nps1:2", "2x1"])
+def test_rocm_whole_gpu_topology_on_a_partitioned_node_is_an_error(sysfs, topology):
+    """Asking for whole GPUs on a node in QPX would put four partitions of one GPU on the gpu axis as four GPUs."""
+    sysfs["result"] = fake_detection([[0, 1, 2, 3], [4, 5, 6, 7]])
+    with pytest.raises(TopologyError, match=r"found GPUs with \[4\] partitions each, expected 1 \(SPX\)"):
+        build_mesh(topology, devices=fake_devices(1, 8))
+
+
+def test_rocm_mode_the_driver_does_not_report_follows_from_xcds_when_partitions_are_hidden(sysfs, tmp_path):
+    """The published CPX capture (a driver without mode files) with two partitions of each of two GPUs visible: the
+    partitions hold one XCD each, so CPX (a 24 GB partition), not DPX."""
+    root = write_machine(tmp_path, published_nodes("mi300x_cpx_k8s_device_plugin")[:2 + 7 * 8])
+    sysfs["result"] = detect_rocm_topology(root, env={"ROCR_VISIBLE_DEVICES": "0,1,8,9"})
+    topology = detect_topology(fake_devices(1, 4))
+    assert (topology.preset.name, topology.partitions_per_gpu) == ("mi300x-cpx-nps1", 2)
+    assert topology.hbm_bytes == pytest.approx(24e9)
+
+
+def test_rocm_detection_error_names_a_way_past_it_that_works(monkeypatch, tmp_path):
+    """The published CPX capture, whose last GPU lacks a partition: a grouping alone still detects (and fails); the
+    preset with the grouping, as the error says, builds the mesh of the seven whole GPUs."""
+    root = write_machine(tmp_path, published_nodes("mi300x_cpx_k8s_device_plugin"))
+    monkeypatch.setattr(detect, "detect_rocm_topology", lambda: detect_rocm_topology(root, env={}))
+    devices, grouping = fake_devices(1, 63), consecutive_rows(7, 8)
+    with pytest.raises(TopologyError, match=r"partition\(s\) \[7\] missing: .* pass the preset and the grouping"):
+        build_mesh(devices=devices, grouping=grouping)
+    assert device_table(build_mesh("mi300x-cpx-nps1:7", devices=devices, grouping=grouping)) == [grouping]
+
+
 def test_rocm_without_sysfs_needs_an_explicit_grouping(sysfs):
     devices = fake_devices(1, 8)
     with pytest.raises(TopologyError, match="JAX runs on ROCm but /sys/class/kfd shows no GPU nodes"):
@@ -374,10 +430,12 @@ def test_mesh_across_two_processes_reduces_over_gpu_and_xcd(free_port, local_pro
     ({"device_kind": "AMD Instinct MI300A", "compute_capability": "gfx942"}, "AMD Instinct MI300A"),
     ({"device_kind": "NVIDIA H100 80GB HBM3", "platform": "gpu", "client": FakeClient("PJRT C API\ncuda 12080")},
      "NVIDIA H100 80GB HBM3"),
+    ({"device_kind": "NVIDIA GH200 480GB", "platform": "gpu", "client": FakeClient("PJRT C API\ncuda 12080")},
+     "NVIDIA GH200 480GB"),
 ])
 def test_a_gpu_no_preset_describes_is_named_with_the_presets(sysfs, fields, named):
     """Neither another chip's figures nor a silent fallback: an MI250X, an MI325X or MI300A (same architecture as the
-    MI300X, other figures) and an H100 are refused with the presets listed."""
+    MI300X, other figures), an H100 and a GH200 (whose name contains "h200") are refused with the presets listed."""
     sysfs["result"] = fake_detection([[0, 1, 2, 3]])
     with pytest.raises(TopologyError, match=rf"detected {named}.*which no preset describes \(known: cpu, h200, "):
         detect_topology(fake_devices(1, 4, **fields))
