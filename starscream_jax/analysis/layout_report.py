@@ -81,8 +81,11 @@ def inspect_layouts(settings: Settings, topology, mesh, refused: dict[str, str] 
     principle 1 is then not judged, and its verdict says why (`KernelVerdict.not_judged`). `cache` returns results
     compiled before for the same settings and mesh without compiling again, and keeps the new ones; with
     `reference`, a cached result never compared with gpu_tp (one the planner kept) is compiled and judged again,
-    so a principle skipped once is never shown as passing."""
+    so a principle skipped once is never shown as passing. With `settings.dump_hlo` every layout is compiled, the
+    cache aside, so that each one's program is written."""
     results = {}
+    if settings.dump_hlo is not None:
+        cache = None
     for name in settings.layouts:
         cached = cache.get(settings, topology, mesh, name) if cache is not None else None
         if cached is not None and (cached.principles.shape_preservation.compared or not reference):

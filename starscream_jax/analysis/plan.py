@@ -40,8 +40,8 @@ from ..errors import ShardingRuleError
 from ..hardware.mesh import build_topology_mesh
 from ..model.config import REMAT_POLICIES, ModelConfig
 from ..model.heads import padded_heads
-from ..sharding.apply import batch_sharding
-from .compile import Settings
+from ..sharding.layouts import Layout
+from .compile import Settings, fitted_layout
 from .json_form import to_json
 from .format import format_bytes
 from .layout_report import ResultCache, inspect_layouts, memory_per_device
@@ -59,7 +59,8 @@ the planner skips that (half the compiles) and `starscream inspect` of the chose
 class Candidate:
     """One configuration: `layout` on a mesh of `data` x `gpu` GPUs (x the partitions of each), in training with
     `micro_batches` accumulated micro-batches and remat policy `remat`; `heads`: the query heads padded to this
-    many (0: the model's own)."""
+    many (0: the model's own); `placed_as`: the name of the layout fitted to its micro-batch (`placed`), which
+    `train`, `generate` and `inspect` run where the layout's batch split does not divide it ("" until fitted)."""
 
     layout: str
     data: int
@@ -67,10 +68,12 @@ class Candidate:
     micro_batches: int = 1
     remat: str = "none"
     heads: int = 0
+    placed_as: str = ""
 
     @property
     def name(self) -> str:
         text = f"{self.layout} data {self.data} x gpu {self.gpu}"
+        text += f" (as {self.placed_as})" if self.placed_as not in ("", self.layout) else ""
         if self.micro_batches > 1:
             text += f", {self.micro_batches} micro-batches"
         text += f", remat {self.remat}" if self.remat != "none" else ""
@@ -157,22 +160,23 @@ def padding_cost(settings: Settings, heads: int) -> dict[str, float]:
 
 def _sized(settings: Settings, topology, mesh, base: Candidate) -> list[dict]:
     """The entries of one mesh and layout, one per micro-batch count and remat policy (train) or one, each with
-    its GPU memory estimate and fit, or a single "cannot place" entry per micro-batch count."""
+    its GPU memory estimate and fit under the layout fitted to its micro-batch (`placed`), or a single "cannot
+    place" entry per micro-batch count."""
     training = settings.phase == "train"
     entries = []
-    try:
-        persistent = memory_per_device(settings, base.layout, mesh, None, topology.hbm_bytes).persistent_parts()
-    except ShardingRuleError as err:
-        return [_entry(base, "cannot place", str(err))]
     full_model = settings.config.replace(n_layers=settings.full_layers)
     for micro_batches in divisors(settings.batch) if training else [1]:
+        try:
+            layout = placed(settings, base.layout, mesh, micro_batches)
+            persistent = memory_per_device(settings, layout, mesh, None, topology.hbm_bytes).persistent_parts()
+        except ShardingRuleError as err:
+            entries.append(_entry(dataclasses.replace(base, micro_batches=micro_batches), "cannot place", str(err)))
+            continue
         for remat in REMAT_POLICIES if training else ("none",):
-            candidate = dataclasses.replace(base, micro_batches=micro_batches, remat=remat)
+            candidate = dataclasses.replace(base, micro_batches=micro_batches, remat=remat, placed_as=layout.name)
             try:
-                batch_sharding(base.layout, mesh, settings.batch // micro_batches)
-                memory = gpu_memory(full_model.replace(remat=remat), base.layout, mesh, settings.phase,
-                                    settings.batch, settings.seq, persistent, micro_batches,
-                                    settings.holds_cache_per_layer)
+                memory = gpu_memory(full_model.replace(remat=remat), layout, mesh, settings.phase, settings.batch,
+                                    settings.seq, persistent, micro_batches, settings.holds_cache_per_layer)
             except ShardingRuleError as err:
                 entries.append(_entry(candidate, "cannot place", str(err)))
                 break
@@ -185,6 +189,14 @@ def _sized(settings: Settings, topology, mesh, base: Candidate) -> list[dict]:
                                     f"(over by {format_bytes(over)})")
             entries.append(entry)
     return entries
+
+
+def placed(settings: Settings, layout: str, mesh, micro_batches: int, seq: int | None = None) -> Layout:
+    """`layout` fitted to a micro-batch of `settings.batch / micro_batches` sequences of `seq` tokens (default the
+    phase's), as `inspect` compiles it and `train` runs it (`compile.fitted_layout`: a sequence split in train and
+    prefill, split-K in decode, where the layout's batch split does not divide the micro-batch)."""
+    micro = dataclasses.replace(settings, batch=settings.batch // micro_batches, seq=seq or settings.seq)
+    return fitted_layout(micro, layout, mesh)
 
 
 def _entry(candidate: Candidate, status: str | None, reason: str, **fields) -> dict:
@@ -203,7 +215,8 @@ def lower_bound(settings: Settings, topology, mesh, candidate: Candidate, persis
     below the compiled estimate."""
     config = settings.config.replace(n_layers=settings.full_layers)
     rows = settings.batch // candidate.micro_batches
-    flops = candidate.micro_batches * matmul_flops(config, candidate.layout, mesh, rows,
+    layout = placed(settings, candidate.layout, mesh, candidate.micro_batches)
+    flops = candidate.micro_batches * matmul_flops(config, layout, mesh, rows,
                                                    1 if settings.phase == "decode" else settings.seq)
     if settings.phase == "train":
         flops *= 3 * REMAT_COST[candidate.remat]
@@ -310,7 +323,8 @@ def _shorter_sequence(settings: Settings, topology, mesh, entry: dict) -> tuple[
     seq = settings.seq // 2
     while seq >= 2:
         try:
-            memory = gpu_memory(full_model, candidate.layout, mesh, settings.phase, settings.batch, seq, persistent,
+            layout = placed(settings, candidate.layout, mesh, candidate.micro_batches, seq)
+            memory = gpu_memory(full_model, layout, mesh, settings.phase, settings.batch, seq, persistent,
                                 candidate.micro_batches, settings.holds_cache_per_layer)
         except ShardingRuleError:
             return None

@@ -90,13 +90,14 @@ def test_a_padded_decode_candidate_keeps_its_collectives_hierarchical(three_head
 
 def test_the_printed_commands_of_a_padded_choice_pad_the_heads_and_run(three_heads, prefill_plan, tmp_path,
                                                                        monkeypatch):
-    """The padded candidate is the only one that compiles: plan's inspect command carries --pad-heads 4 and runs as
-    printed, and generate's (decode padded too) picks the prefill candidate of the same heads and pads; a train plan
-    prints no command, as `train` does not pad."""
+    """Of the padded candidates alone (on 2 GPUs they compete with data 2 x gpu 1, whose batch split the 4 sequences
+    fit as starscream_tp+seq): plan's inspect command carries --pad-heads 4 and runs as printed, and
+    generate's (decode padded too) picks the prefill candidate of the same heads and pads; a train plan prints no
+    command, as `train` does not pad."""
     from starscream_jax.cli import main as cli
 
-    plan = prefill_plan
-    assert plan["choice"] == "starscream_tp data 1 x gpu 2, heads padded to 4"
+    padded = [entry for entry in prefill_plan["candidates"] if entry["heads"]]
+    plan = dict(prefill_plan, candidates=padded, choice="starscream_tp data 1 x gpu 2, heads padded to 4")
     args = argparse.Namespace(model=three_heads, quantize=None, kv_cache=None, topology=None, gpus=None, nodes=None,
                               preset=TOPOLOGY.preset.name)  # (the mesh flags as plan parses them)
     [inspect] = commands(plan, args, TOPOLOGY)

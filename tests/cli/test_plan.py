@@ -78,11 +78,29 @@ def test_every_candidate_is_judged_and_the_choice_is_the_fastest_compiled(plans)
     assert {(1, "none"), (1, "dots"), (1, "full")} <= searched
 
 
-def test_a_layout_the_mesh_cannot_place_is_a_refused_candidate_with_the_resolvers_reason(plans):
-    refused = [entry for entry in plans["train"]["candidates"] if entry["status"] == "cannot place"]
+def test_a_micro_batch_the_batch_split_does_not_divide_is_placed_as_train_places_it(plans):
+    """flat_fsdp (8 devices) and starscream_tp on data 2 x gpu 1 (data x xcd, 8) split the batch more than 4
+    sequences allow: each is priced under the layout `fit_batch` gives (`+seq`: the sequence split over what the
+    batch leaves), which `train` runs and `inspect` compiles, named in the candidate."""
+    fitted = {(entry["layout"], entry["mesh"]["data"]): entry for entry in plans["train"]["candidates"]
+              if entry["micro_batches"] == 1 and entry["remat"] == "none"}
+    for key in (("flat_fsdp", 1), ("flat_fsdp", 2), ("starscream_tp", 2)):
+        assert fitted[key]["status"] != "cannot place" and fitted[key]["memory"] is not None
+        assert fitted[key]["name"].endswith(f"(as {key[0]}+seq)")
+    assert fitted[("starscream_tp", 1)]["name"] == "starscream_tp data 1 x gpu 2"
+
+
+def test_a_layout_that_cannot_place_the_step_is_a_refused_candidate_with_the_reason():
+    """18 tokens a sequence, which the 4 partitions a fitted layout splits each sequence over do not divide: every
+    candidate that must split the sequence is refused, naming the length to use; starscream_tp on data 1 x gpu 2
+    splits 4 sequences over xcd and places them."""
+    settings = make_settings("tiny", "train", 4, 18, "starscream_tp,flat_fsdp", layers=2)
+    result = plan_phase(settings, Topology.from_preset("mi300x-qpx-nps1", gpus=2))
+    refused = [entry for entry in result["candidates"] if entry["status"] == "cannot place"]
     assert {(entry["layout"], entry["mesh"]["data"]) for entry in refused if entry["micro_batches"] == 1} == {
         ("flat_fsdp", 1), ("flat_fsdp", 2), ("starscream_tp", 2)}
-    assert all("not divisible" in entry["reason"] for entry in refused)
+    assert all("18 tokens do not divide; use" in entry["reason"] for entry in refused)
+    assert result["choice"] == "starscream_tp data 1 x gpu 2"
 
 
 def test_more_recomputation_or_more_micro_batches_is_dominated_when_less_fits(plans):
@@ -167,14 +185,14 @@ def test_when_nothing_fits_the_advice_says_what_would_with_numbers(monkeypatch):
 
 
 def test_a_shorter_sequence_is_advised_when_it_would_fit(monkeypatch):
-    """With room for the persistent state and a quarter of the activations at 256 tokens, nothing fits at 256 and
-    the advice names a shorter sequence that does (the memory estimate needs no compiling)."""
+    """With room for the persistent state and half the activations at 256 tokens, nothing fits at 256 and the
+    advice names a shorter sequence that does (the memory estimate needs no compiling)."""
     monkeypatch.setattr(planner, "_compile", lambda *_: pytest.fail("nothing fits, so nothing is compiled"))
     settings = make_settings("tiny", "train", 8, 256, "starscream_tp", layers=2)
     sized = [e for e in plan_phase(settings, _tiny_hbm(1e5))["candidates"] if e["memory"]]
     memory = min(sized, key=lambda e: e["memory"]["total"])["memory"]
     persistent = sum(memory[key] for key in ("params", "optimizer_state", "kv_cache", "gradients"))
-    result = plan_phase(settings, _tiny_hbm(persistent + (memory["total"] - persistent) / 3))
+    result = plan_phase(settings, _tiny_hbm(persistent + (memory["total"] - persistent) / 2))
     assert result["choice"] is None
     shorter = [line for line in result["advice"] if line.startswith("a shorter sequence: --seq ")]
     assert shorter and int(shorter[0].split()[4]) < 256
