@@ -243,17 +243,17 @@ class Placement:
     def token_mean(self, x: jax.Array, names: LogicalNames, tensor: str = "token mean") -> jax.Array:
         """The mean of `x` [B, ...], a value per token placed by the logical `names` (batch first).
 
-        When the tokens (batch, and any other dimension such as the sequence) are split both inside GPUs and across
-        them, the sum runs inside each GPU first (the per-sequence means, summed over xcd where the sequence is
-        split there, then gathered over xcd where the batch is), then across GPUs; `jnp.mean` would reduce in groups
-        that span both levels.
+        When the tokens (the batch, the sequence or both) are split both inside GPUs and across them, each device
+        sums its own tokens and the sums are added over the partitions of each GPU first, then across GPUs
+        (`hierarchical_psum` of one scalar); `jnp.mean` would reduce in groups that span both levels.
         """
         spec = self.activation_spec(names, x.shape, tensor)
         if spec is None or self.auto or not _inside_and_across_gpus(spec_axes(spec), self.mesh):
             return jnp.mean(x)
-        per_sequence = jnp.mean(x, axis=tuple(range(1, x.ndim)))
-        across_gpus = tuple(axis for axis in axes_of(spec[0]) if axis != INSIDE_GPU)
-        return jnp.mean(reshard(per_sequence, PartitionSpec(across_gpus)))
+        axes = tuple(axis for axis in self.mesh.axis_names if axis in spec_axes(spec))
+        summed = jax.shard_map(lambda local: hierarchical_psum(jnp.sum(local), axes), mesh=self.mesh,
+                               in_specs=spec, out_specs=PartitionSpec())(self.placed_as(x, spec))
+        return summed / x.size
 
     def einsum(self, subscripts: str, lhs: jax.Array, rhs: jax.Array, out: LogicalNames, tensor: str = "einsum",
                preferred_element_type=None) -> jax.Array:

@@ -39,11 +39,12 @@ from starscream_jax.sharding.apply import (
     placed_by,
     placed_explicitly,
     shared_input,
+    token_mean,
     use_layout,
     weight,
 )
 from starscream_jax.sharding.at_use import create_sharded
-from starscream_jax.sharding.layouts import LAYOUTS
+from starscream_jax.sharding.layouts import LAYOUTS, fit_batch
 from starscream_jax.sharding.rules import resolve
 
 ABSTRACT_2x4 = AbstractMesh((1, 2, 4), AXES)
@@ -263,6 +264,26 @@ def test_a_reduce_scatter_to_kv_heads_copied_over_gpus_stays_hierarchical(throug
     scopes = {collective.scope for collective in inspect_compiled(compiled, mesh).collectives}
     assert ("flat" not in scopes) == through_einsum, scopes
     np.testing.assert_allclose(result, jnp.einsum("bsd,dke->bske", x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout, batch", [("flat_fsdp", 1), ("starscream_fsdp", 2), ("starscream_fsdp", 8)])
+def test_token_mean_sums_inside_each_gpu_before_across_gpus(layout, batch):
+    """Per-token values [B, S] whose tokens are split inside GPUs and across them, by the batch (8 sequences over
+    gpu x xcd), the sequence (1 sequence of flat_fsdp+seq: positions over gpu x xcd) or both (2 sequences of
+    starscream_fsdp+seq: batch over gpu, positions over xcd): the mean and its gradient equal the unsharded ones,
+    and no collective of the step and its gradient spans both levels (a flat all-reduce of the sequence's sum
+    before)."""
+    mesh = build_mesh("2x4")
+    fitted = fit_batch(layout, mesh, batch, 16)
+    values = jax.random.normal(jax.random.key(0), (batch, 16))
+    with use_layout(fitted, mesh):
+        values = jax.device_put(values, NamedSharding(mesh, activation_spec(("batch", "seq"), values.shape)))
+        step = jax.jit(jax.value_and_grad(lambda x: token_mean(x, ("batch", "seq"))))
+        compiled = step.lower(values).compile()
+        mean, gradient = compiled(values)
+    assert "flat" not in {c.scope for c in inspect_compiled(compiled, mesh).collectives}
+    np.testing.assert_allclose(mean, jnp.mean(values), rtol=1e-6)
+    np.testing.assert_allclose(gradient, np.full(values.shape, 1 / values.size), rtol=1e-6)
 
 
 def _two_projections(x, w_a, w_b, shared: bool):
