@@ -32,8 +32,9 @@ class BackendPolicy:
         "pallas", the library's weight-only kernel, or "xla", XLA's matmul of the converted weights.
     eight_bit_groups: whether decode's 8-bit projections that share an input (q, k, v; gate, up) run in one launch
         (`model.weight_only_group`) where they run on the weight-only kernel.
-    eight_bit_attention: decode attention over an 8-bit cache: "pallas" (`model.eight_bit_decode`'s kernel) or
-        "xla" (`ops._decode_over_8_bit_cache`).
+    eight_bit_attention: decode attention over an 8-bit cache: "pallas" (`model.eight_bit_decode`'s kernel; for a
+        shape it does not take, the reductions), "reductions" (XLA reductions in the cache's own order,
+        `ops._decode_over_8_bit_cache`) or "dot" (XLA's batched dots of the converted cache, as a prefill chunk runs).
     paged_attention: the serving engine's paged decode attention (`model.paged.KERNELS`) where the engine is not
         told: "cudnn" (cuDNN's paged attention, the pages read in place) or "gather" (every backend).
     inline_ptx: whether the library's Pallas kernels may carry inline PTX (NVIDIA's assembly: int8 into float16
@@ -50,7 +51,7 @@ class BackendPolicy:
     decode_compiler_options: tuple[tuple[str, bool | int], ...] = ()
     eight_bit_matmul: str = "xla"
     eight_bit_groups: bool = False
-    eight_bit_attention: str = "xla"
+    eight_bit_attention: str = "dot"
     paged_attention: str = "gather"
     inline_ptx: bool = False
     byte_transpose: bool = False
@@ -94,7 +95,9 @@ rows first reads 1.25 TB/s (run 38); fp8 training's e4m3 weights moved into thei
 library's byte transpose kernel, where XLA moved some at 0.3 TB/s (run 92)."""
 PORTABLE = BackendPolicy(name="portable")
 """Every other backend (CPU, ROCm): JAX's and XLA's defaults (the weight-only kernel lowers on ROCm's Triton too,
-but has not been measured there: `ModelConfig.eight_bit_matmul` "pallas" asks for it)."""
+but has not been measured there: `ModelConfig.eight_bit_matmul` "pallas" asks for it). Decode over an 8-bit cache
+runs XLA's batched dots: XLA:CPU (jaxlib 0.10) miscompiles the reductions' form for some shapes (scores off by
+about 1,000 for one row, 8 query heads over 4 kv heads of 16 and 32 positions, `tests/model/test_ops.py`)."""
 
 
 def policy_of(device: jax.Device) -> BackendPolicy:

@@ -144,17 +144,17 @@ def attention_over_8_bit_cache(q_BSHE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK,
     """Attention of the queries at `positions` [B, S] to one layer's 8-bit cache (values [B, T, K, E], a float32
     scale per position and kv head [B, T, K]): each query sees the cached positions up to its own. The scales are
     applied to the scores (keys') and to the probabilities (values'), so no dequantized copy of the cache is made.
-    Decode (S = 1) reads the cache in place: on a GPU by the Pallas kernel of `eight_bit_decode` (tensor cores),
-    elsewhere, or for a shape it does not take, by reductions in XLA (`_decode_over_8_bit_cache`); a prefill chunk
-    (S > 1) runs batched matmuls of the 8-bit values converted in their own fusions. `device`: the one the
-    program compiles for (None: `compute_device()`)."""
-    if q_BSHE.shape[1] == 1:
-        implementation = _eight_bit_decode_implementation(q_BSHE.shape[2], *k_BTKE.shape[1:], device=device)
-        if implementation:
-            ptx = policy_of(device or compute_device()).inline_ptx
-            return eight_bit_decode.decode_attention(q_BSHE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK,
-                                                     positions_BS[:, 0] + 1, interpret=implementation == "interpret",
-                                                     ptx=ptx)
+    Decode (S = 1) reads the cache in place where the backend policy of `device` (None: `compute_device()`) says so
+    (`BackendPolicy.eight_bit_attention`): on an NVIDIA GPU by the Pallas kernel of `eight_bit_decode` (tensor
+    cores), for a shape it does not take by reductions in XLA (`_decode_over_8_bit_cache`). Elsewhere, and for a
+    prefill chunk (S > 1), batched matmuls of the 8-bit values converted in their own fusions."""
+    implementation = _eight_bit_decode_implementation(q_BSHE.shape[2], *k_BTKE.shape[1:], device=device)
+    if q_BSHE.shape[1] == 1 and implementation in ("pallas", "interpret"):
+        ptx = policy_of(device or compute_device()).inline_ptx
+        return eight_bit_decode.decode_attention(q_BSHE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK,
+                                                 positions_BS[:, 0] + 1, interpret=implementation == "interpret",
+                                                 ptx=ptx)
+    if q_BSHE.shape[1] == 1 and implementation == "reductions":
         return _decode_over_8_bit_cache(q_BSHE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK, positions_BS)
     B, S, H, E = q_BSHE.shape
     K = k_BTKE.shape[2]
@@ -171,11 +171,14 @@ def attention_over_8_bit_cache(q_BSHE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK,
 
 def _eight_bit_decode_implementation(query_heads: int, length: int, kv_heads: int, head_dim: int,
                                      device=None) -> str:
-    """"pallas" where decode over an 8-bit cache runs on `eight_bit_decode`'s kernel: where the backend policy of
-    `device` (None: `compute_device()`) asks for it (`BackendPolicy.eight_bit_attention`: the CUDA policy) and the
-    kernel takes the shape; else "" (`_decode_over_8_bit_cache`)."""
-    kernels = policy_of(device or compute_device()).eight_bit_attention == "pallas"
-    return "pallas" if kernels and eight_bit_decode.applies(query_heads, kv_heads, length, head_dim) else ""
+    """How decode over an 8-bit cache runs on `device` (None: `compute_device()`), by its backend policy
+    (`BackendPolicy.eight_bit_attention`): "pallas" on `eight_bit_decode`'s kernel where the policy asks for it (the
+    CUDA policy) and the kernel takes the shape, else "reductions" (`_decode_over_8_bit_cache`) where the policy
+    reads the cache in place, else "" (XLA's batched dots, as a prefill chunk runs)."""
+    chosen = policy_of(device or compute_device()).eight_bit_attention
+    if chosen == "pallas" and eight_bit_decode.applies(query_heads, kv_heads, length, head_dim):
+        return "pallas"
+    return "reductions" if chosen in ("pallas", "reductions") else ""
 
 
 def _decode_over_8_bit_cache(q_B1HE, k_BTKE, v_BTKE, k_scale_BTK, v_scale_BTK, positions_B1):
@@ -301,8 +304,8 @@ def attention(q_BSHE, k_BSKE, v_BSKE, positions_BS, cache=None, cache_index=None
         if window is None:
             raise ShardingRuleError("sliding-window attention needs the layer's window; pass window=")
         args, names = [*args, jnp.asarray(window, jnp.int32)], [*names, None]
-    kernel = eight_bit and q_BSHE.shape[1] == 1 and bool(_eight_bit_decode_implementation(n_heads, *cache.k.shape[1:],
-                                                                                             device=device))
+    kernel = eight_bit and q_BSHE.shape[1] == 1 and _eight_bit_decode_implementation(
+        n_heads, *cache.k.shape[1:], device=device) in ("pallas", "interpret")
     return run_sharded(local, args, names, [(ATTN_Q, q_BSHE.shape)], "attention", check_vma=not kernel,
                        placement=placement)
 

@@ -1,5 +1,7 @@
 """Per-device kernels: attention with and without the KV cache, vocab-parallel embedding lookup and cross entropy.
 Each sharded run is compared with the same op run with no layout active (one device, plain jnp)."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -314,19 +316,53 @@ def test_decode_over_an_8_bit_cache_reads_it_in_place_as_the_matmul_form_compute
     assert error <= 0.02 * float(jnp.sqrt(jnp.mean(dequantized.astype(jnp.float32) ** 2)))
 
 
-def test_decode_over_an_8_bit_cache_has_no_matmul_and_no_float_copy_of_the_cache():
-    """The dense cache's path (`attention`) at one query per row: no dot_general and no transpose in the traced
-    program (the batched dot's layout is what made XLA copy the converted cache per step); a chunk of several
-    queries keeps the matmul form."""
+def test_decode_over_an_8_bit_cache_has_no_matmul_and_no_float_copy_of_the_cache_where_the_policy_reads_it_in_place(
+        monkeypatch):
+    """The dense cache's path (`attention`) at one query per row under a policy of in-place reads
+    (`BackendPolicy.eight_bit_attention` "reductions", the NVIDIA policy's form for shapes its kernel does not take):
+    no dot_general and no transpose in the traced program (the batched dot's layout is what made XLA copy the
+    converted cache per step); a chunk of several queries keeps the matmul form, and so does decode under the
+    portable policy (XLA's dots)."""
+    from starscream_jax.hardware.backend import PORTABLE
+    from starscream_jax.model import ops
+
     q, _, (k8, v8, k_scale, v_scale), positions_B1 = _eight_bit_decode_operands("int8")
     cache = DenseLayer(k=k8, v=v8, k_scale=k_scale, v_scale=v_scale)
     new = k8[:, :1].astype(q.dtype)  # the new keys and values, already in the cache: only their shape is read
-    jaxpr = str(jax.make_jaxpr(lambda q, c: attention(q, new, new, positions_B1, c))(q, cache))
+    def decode():  # a new function each time: a traced one is cached
+        return str(jax.make_jaxpr(lambda q, c: attention(q, new, new, positions_B1, c))(q, cache))
+
+    assert "dot_general" in decode()
+    monkeypatch.setattr(ops, "policy_of", lambda device: dataclasses.replace(PORTABLE,
+                                                                             eight_bit_attention="reductions"))
+    jaxpr = decode()
     assert "dot_general" not in jaxpr and "transpose" not in jaxpr
     prefill = str(jax.make_jaxpr(lambda q, c: attention(q, jnp.concatenate([new, new], axis=1), jnp.concatenate(
         [new, new], axis=1), jnp.concatenate([positions_B1, positions_B1], axis=1), c))(
         jnp.concatenate([q, q], axis=1), cache))
     assert "dot_general" in prefill  # a chunk of several queries keeps the matmul form
+
+
+@pytest.mark.parametrize("length", [16, 32, 64])
+def test_compiled_decode_over_an_8_bit_cache_on_this_backend_is_the_float_attention(length):
+    """One row at the cache's last position, 8 query heads over 4 kv heads of 16, compiled for this process's
+    backend: the output within float32 rounding of a float64 reference over the same 8-bit values (XLA:CPU
+    compiled the reductions' form of 32 or more positions with scores off by about 1,000)."""
+    batch, kv_heads, group, head_dim = 1, 4, 2, 16
+    q, _, (k8, v8, k_scale, v_scale), _ = _eight_bit_decode_operands(
+        "int8", batch=batch, length=length, kv_heads=kv_heads, group=group, head_dim=head_dim)
+    q, positions_B1 = q.astype(jnp.float32), jnp.full((batch, 1), length - 1)
+    cache = DenseLayer(k=k8, v=v8, k_scale=k_scale, v_scale=v_scale)
+    new = k8[:, :1].astype(q.dtype)
+    got = jax.jit(lambda q, c: attention(q, new, new, positions_B1, c))(q, cache)
+    q64 = np.asarray(q[:, 0], np.float64).reshape(batch, kv_heads, group, head_dim)
+    keys = np.asarray(k8, np.float64) * np.asarray(k_scale, np.float64)[..., None]
+    values = np.asarray(v8, np.float64) * np.asarray(v_scale, np.float64)[..., None]
+    scores = np.einsum("bkge,btke->bkgt", q64, keys) / np.sqrt(head_dim)
+    scores = np.where(np.arange(length) <= np.asarray(positions_B1)[:, :, None, None], scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    expected = np.einsum("bkgt,btke->bkge", weights / weights.sum(-1, keepdims=True), values)
+    np.testing.assert_allclose(np.asarray(got).reshape(expected.shape), expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu
