@@ -385,7 +385,7 @@ class Server:
                 choices.append(Choice(self.serving, index, request_id, prompt, seeded, stop,
                                       body.include_stop_str_in_output, stream, tools, echo, body.max_tokens == 0,
                                       body.skip_special_tokens, body.spaces_between_special_tokens,
-                                      tuple(body.stop_token_ids or ())))
+                                      self._stop_reasons(body)))
             self.prompt_tokens_submitted += len(prompt) * body.n
         firsts = await asyncio.gather(*(choice.stream.take() for choice in choices))  # refusals surface here
         refused = next((first for first in firsts if first.error is not None), None)
@@ -399,6 +399,12 @@ class Server:
         if body.stream:
             return StreamingResponse(response.sse(), media_type="text/event-stream")
         return await response.whole(request)
+
+    def _stop_reasons(self, body: Sampling) -> tuple[int, ...]:
+        """The request's stop token ids a choice names as its stop_reason when one ends it: an EOS id among them
+        stops the choice as EOS does (no stop_reason, as vLLM checks EOS first) unless the request ignores EOS."""
+        eos = () if body.ignore_eos else tuple(getattr(self.tokenizer, "eos_ids", ()))
+        return tuple(token for token in body.stop_token_ids or () if token not in eos)
 
     def _params(self, body: Sampling, prompt: list[int], logprobs: bool, chat: bool) -> SamplingParams:
         self._check_model(body.model)

@@ -261,6 +261,12 @@ def test_top_logprobs_penalties_and_logit_bias_through_the_openai_client(client,
     held = client.completions.create(**{**stopping, "extra_body": {"stop_token_ids": [forced], "min_tokens": 3}})
     held = held.choices[0]  # the stop id masked for 3 tokens, then forced
     assert held.finish_reason == "stop" and len(held.logprobs.tokens) == 4
+    eos = llama_tokenizer.eos_ids[0]  # an EOS id among the stop ids stops as EOS (no stop_reason), as vLLM's does
+    ending = {**sampling, "logit_bias": {str(eos): 100}}
+    for ignore_eos, reason in ((False, None), (True, eos)):
+        ended = client.completions.create(**{**ending, "extra_body": {"stop_token_ids": [eos],
+                                                                      "ignore_eos": ignore_eos}}).choices[0]
+        assert ended.finish_reason == "stop" and ended.stop_reason == reason
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         client.completions.create(**sampling, logit_bias={"100000": 1})
     assert _wait_idle(served[1]).pages_used == 0
