@@ -112,7 +112,7 @@ class HermesParser(ToolParser):
             if call is None:
                 return text, []
             calls.append(call)
-        return text[:start].strip() or None, calls
+        return text[:start] or None, calls
 
 
 class Llama3JsonParser(ToolParser):
@@ -169,7 +169,7 @@ class MistralParser(ToolParser):
             if found is None:
                 return text, []
             calls += found
-        return text[:start].strip() or None, calls
+        return text[:start] or None, calls
 
     @staticmethod
     def _calls(part: str) -> list[ToolCall] | None:

@@ -29,7 +29,7 @@ def test_hermes_reads_each_tagged_call_and_the_text_before():
     text = ('Let me look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
             '<tool_call>\n{"name": "time", "arguments": {}}\n</tool_call>')
     content, calls = PARSERS["hermes"].parse(text)
-    assert content == "Let me look." and _named(calls) == [("weather", {"city": "Oslo"}), ("time", {})]
+    assert content == "Let me look.\n" and _named(calls) == [("weather", {"city": "Oslo"}), ("time", {})]
     assert calls[0].id.startswith("call_") and calls[0].id != calls[1].id
     unclosed = PARSERS["hermes"].parse('<tool_call>{"name": "time", "arguments": {}}')
     assert unclosed[0] is None and _named(unclosed[1]) == [("time", {})]
@@ -99,8 +99,8 @@ def test_required_and_named_grammars_admit_calls_and_nothing_else():
     ("llama3_json", ' {"name": "time", "parameters": {}}'),
     ("mistral", 'Checking [TOOL_CALLS][{"name": "time", "arguments": {}}]')])
 def test_an_auto_stream_sends_the_content_then_the_calls_whole(parser, text):
-    """Whatever the split of the text into deltas, the content streamed is the text before the calls and the calls
-    come once, at the end; an answer without calls streams whole."""
+    """Whatever the split of the text into deltas, the content streamed is the text before the calls, as the whole
+    answer's content is, and the calls come once, at the end; an answer without calls streams whole."""
     for size in (1, 3, 7):
         stream = ToolStream(ToolMode("auto", PARSERS[parser]))
         pieces = [text[i:i + size] for i in range(0, len(text), size)]
@@ -108,6 +108,7 @@ def test_an_auto_stream_sends_the_content_then_the_calls_whole(parser, text):
         content = "".join(part for part, _ in sent)
         deltas = [delta for _, found in sent for delta in found]
         assert content == ("Checking " if parser != "llama3_json" else "")  # (llama: its leading space is the call's)
+        assert PARSERS[parser].parse(text)[0] == (content or None)
         assert [(d["index"], d["function"]["name"], d["function"]["arguments"]) for d in deltas] == [(0, "time", "{}")]
         plain = ToolStream(ToolMode("auto", PARSERS[parser]))
         words = ["It is ", "{noon}", " <tool", " now [TOOL"]
