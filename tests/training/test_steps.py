@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from starscream_jax.analysis.report import inspect_compiled
 from starscream_jax.errors import StarscreamError
 from starscream_jax.hardware.backend import CUDA, PORTABLE
 from starscream_jax.hardware.mesh import build_mesh
@@ -16,6 +17,7 @@ from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.decoder import Transformer, abstract_model, create_sharded_model, next_token_loss
 from starscream_jax.model.dense_cache import init_cache, split_cache
 from starscream_jax.sharding.apply import Placement, batch_sharding, use_layout
+from starscream_jax.sharding.layouts import fit_batch
 from starscream_jax.training.config import TrainConfig
 from starscream_jax.training.steps import (
     Sampling,
@@ -103,6 +105,23 @@ def test_remat_policies_give_the_same_gradients():
     for policy in ("dots", "full"):
         recomputing, _, _ = _state(CONFIG.replace(remat=policy))
         _assert_close(GRADIENT(params, rest, tokens, recomputing, 1), kept)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_prefill_of_prompts_split_inside_and_across_gpus_takes_the_last_logits_hierarchically(batch):
+    """starscream_fsdp fitted to a batch of 1 or 3 on 2 GPUs x 4 partitions (+seq) splits each prompt over
+    (gpu, xcd): the first new token equals the unsharded prefill's, and no collective spans both levels (the sum
+    that keeps the last real position's logits was one flat all-reduce over all 8 devices)."""
+    mesh = build_mesh("2x4")
+    fitted = fit_batch("starscream_fsdp", mesh, batch, None)
+    graphdef, params, rest = nnx.split(create_sharded_model(CONFIG, fitted, mesh, 0), nnx.Param, ...)
+    prompt_BP = _tokens(batch=batch, seq=12)[:, :12]
+    step = prefill_step(graphdef, CONFIG, Sampling(), 16, under=Placement.of(fitted, mesh))
+    scopes = {c.scope for c in inspect_compiled(step.lower(params, rest, prompt_BP).compile(), mesh).collectives}
+    assert "flat" not in scopes and "inter_gpu" in scopes
+    token_B, _ = step(params, rest, prompt_BP)
+    expected_B, _ = prefill_step(graphdef, CONFIG, Sampling(), 16, under=None)(jax.device_get(params), rest, prompt_BP)
+    np.testing.assert_array_equal(token_B, expected_B)
 
 
 def _layer_loops(step, *args) -> int:
