@@ -407,11 +407,14 @@ class _DataFlow:
 
     An instruction of a fused computation is connected to the fusion that calls it: a parameter to the fusion's
     operand at its index, an instruction no other one in its computation uses (the root) to the fusion's users.
+    `fused_users` lists, per value, the instructions inside the fusions it enters that read it (those of the
+    parameter it is passed as).
     """
 
     def __init__(self, computations: dict[str, list[_Instruction]]):
         self.op_names: dict[str, str] = {}
         self.neighbours: dict[str, list[str]] = defaultdict(list)
+        self.fused_users: dict[str, list[str]] = defaultdict(list)
         fusion_of = {callee: inst for body in computations.values() for inst in body if inst.opcode == "fusion"
                      for callee in _callees(inst.attrs)}
         for computation, body in computations.items():
@@ -430,6 +433,7 @@ class _DataFlow:
                 if inst.opcode == "parameter" and inst.operands and inst.operands[0].isdigit():
                     index = int(inst.operands[0])
                     if index < len(fusion.operands):
+                        self.fused_users[fusion.operands[index]] += self.neighbours[inst.name]
                         self._connect(inst.name, fusion.operands[index])
                 elif inst.name not in used:
                     self._connect(inst.name, fusion.name)
@@ -448,7 +452,17 @@ class _DataFlow:
         takes the nearest such name only where it finds no other. An op name XLA merged from several (joined by
         ";") offers each of them. So a matrix-vector product beside a norm's scale
         (an einsum of its own) and its weight's gather in the projection's scope takes the projection's name, and
-        the logits' product beside the sampling's masking takes the logits'."""
+        the logits' product beside the sampling's masking takes the logits'.
+
+        Before all that, a name in code ending in `dot_general` on an op that reads the dot's result inside a fusion
+        it enters (`fused_users`) is taken: a reshape XLA fused there, keeping the dot's own name. Two steps away,
+        it lost to the norm's `mul` one step away, feeding the dot: gpu_tp's k and v products written into the
+        KV cache in decode, and its gate and up, had no counterpart, and decode of one sequence read "not judged
+        (2 of 6 ops)"."""
+        own = [op_name for user in self.fused_users[name] for op_name in self.op_names.get(user, "").split(";")
+               if op_name.endswith("/dot_general") and _code_depth(op_name)]
+        if own:
+            return max(own, key=_code_depth)
         seen, frontier, fallback = {name}, [name], ""
         for _ in range(max_steps):
             frontier = [other for current in frontier for other in self.neighbours[current] if other not in seen]
@@ -506,7 +520,10 @@ class _StoredValues:
 
     def _stored(self, name: str, path: tuple[int, ...]) -> bool:
         """`stored` for one instruction: a parameter asks its callers, a tuple element its source, a fusion, loop or
-        call the root of what it calls, a move its first operand; anything else computes its value."""
+        call the root of what it calls, a move its first operand, a product all its operands (a mixture's 8-bit expert
+        weights dequantized before their grouped matmul: read by their sizes, the 8 embed rows a CPX partition holds
+        of the tiny mixture's 64 were taken for its tokens, and 8-bit decode read 2x gpu_tp's); anything else
+        computes its value."""
         if name not in self.where:
             return False
         computation, inst = self.where[name]
@@ -521,6 +538,8 @@ class _StoredValues:
             callee = _CALLED_ROOT.search(inst.attrs)
             return callee is not None and callee.group(1) in self.roots and self.stored(
                 self.roots[callee.group(1)].name, path)
+        if inst.opcode == "multiply":  # an 8-bit weight times its scales, both read from the arguments
+            return all(self.stored(operand) for operand in inst.operands)
         return inst.opcode in MOVES and bool(inst.operands) and self.stored(inst.operands[0])
 
     def _parameter(self, computation: str, inst: _Instruction, path: tuple[int, ...]) -> bool:
