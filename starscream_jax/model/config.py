@@ -17,6 +17,7 @@ EIGHT_BIT_MATMULS = ("", *WEIGHT_ONLY_IMPLEMENTATIONS)
 
 REMAT_POLICIES = ("none", "dots", "full")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+ROPE_SCALINGS = ("", "linear", "llama3")
 """The gated MLP's activation of its gate: SiLU (SwiGLU: Llama, Mistral, Qwen) or the tanh approximation of GELU
 (GeGLU: Gemma 2's gelu_pytorch_tanh)."""
 """What the backward pass keeps of each layer's forward: everything ("none": nothing recomputed), the outputs of the
@@ -35,7 +36,8 @@ class ModelConfig:
     qkv_bias: biases on the q, k and v projections (Qwen2). qk_norm: RMSNorm of each query and key head over
     head_dim before the rotary embedding (Qwen3). rope_scaling "llama3": Llama 3.1's frequency-dependent stretch of
     the rotary wavelengths by rope_factor between rope_original_max_len / rope_low_freq_factor and
-    rope_original_max_len / rope_high_freq_factor ("" = plain rotary embedding).
+    rope_original_max_len / rope_high_freq_factor; "linear": every wavelength stretched by rope_factor (positions
+    interpolated); "" = plain rotary embedding.
 
     Gemma 2's differences from Llama, each off by default: mlp_activation "gelu_tanh" (one of MLP_ACTIVATIONS);
     norm_plus_one: every RMSNorm scales by (1 + weight) rather than weight; post_norms: the attention's and the
@@ -149,8 +151,9 @@ class ModelConfig:
         if self.weight_scales not in SCALE_GRANULARITIES:
             raise PresetError(f"model {self.name}: weight_scales {self.weight_scales!r}; use one of "
                               f"{', '.join(SCALE_GRANULARITIES)}")
-        if self.rope_scaling not in ("", "llama3"):
-            raise PresetError(f"model {self.name}: rope_scaling {self.rope_scaling!r}; use '' (none) or 'llama3'")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise PresetError(f"model {self.name}: rope_scaling {self.rope_scaling!r}; use '' (none), 'linear' or "
+                              "'llama3'")
         if self.mlp_activation not in MLP_ACTIVATIONS:
             raise PresetError(f"model {self.name}: mlp_activation {self.mlp_activation!r}; use one of "
                               f"{', '.join(MLP_ACTIVATIONS)}")

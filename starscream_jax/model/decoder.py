@@ -83,11 +83,13 @@ def attention_options(c: ModelConfig) -> AttentionOptions | None:
 
 def rope_frequencies(c: ModelConfig) -> jax.Array:
     """The rotary embedding's angular frequency of each of the head_dim / 2 pairs [E/2] float32: theta^(-2i/E),
-    stretched as Llama 3.1 does when `c.rope_scaling == "llama3"`: wavelengths longer than
-    original_max_len / low_freq_factor divided by `rope_factor`, shorter than original_max_len / high_freq_factor
-    kept, those between blended smoothly."""
+    divided by `rope_factor` when `c.rope_scaling == "linear"`, stretched as Llama 3.1 does when it is "llama3":
+    wavelengths longer than original_max_len / low_freq_factor divided by `rope_factor`, shorter than
+    original_max_len / high_freq_factor kept, those between blended smoothly."""
     half = c.head_dim // 2
     inv_freq = c.rope_theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if c.rope_scaling == "linear":
+        return inv_freq / c.rope_factor
     if c.rope_scaling != "llama3":
         return inv_freq
     wavelength = 2 * jnp.pi / inv_freq

@@ -268,7 +268,7 @@ def _max_seq_len(raw: dict, where: str, window_cuts: bool = True) -> int:
 
 
 def _rope_fields(raw: dict, where: str) -> dict:
-    """rope_theta and the llama3 scaling fields, from `rope_parameters` or `rope_theta` + `rope_scaling`."""
+    """rope_theta and the linear or llama3 scaling fields, from `rope_parameters` or `rope_theta` + `rope_scaling`."""
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise CheckpointError(f"{where}: rope settings {rope!r} are not an object; give rope_scaling as "
@@ -277,9 +277,11 @@ def _rope_fields(raw: dict, where: str) -> dict:
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default":
         return {"rope_theta": theta}
-    if kind != "llama3":
-        raise CheckpointError(f"{where}: rope type {kind!r} is not implemented; supported: default, llama3")
     scaling = f"{where} (rope settings)"
+    if kind == "linear":
+        return {"rope_theta": theta, "rope_scaling": "linear", "rope_factor": _number(rope, "factor", scaling, None)}
+    if kind != "llama3":
+        raise CheckpointError(f"{where}: rope type {kind!r} is not implemented; supported: default, linear, llama3")
     return {"rope_theta": theta, "rope_scaling": "llama3", "rope_factor": _number(rope, "factor", scaling, None),
             "rope_low_freq_factor": _number(rope, "low_freq_factor", scaling, None),
             "rope_high_freq_factor": _number(rope, "high_freq_factor", scaling, None),
@@ -358,6 +360,8 @@ def hf_config_from_model(config: ModelConfig, dtype: str, extra: dict | None = N
     where it does not contradict, its model_type too where that family computes `config` (`written_family`)."""
     family = written_family(config, (extra or {}).get("model_type"))
     rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling == "linear":
+        rope = {"rope_type": "linear", "rope_theta": config.rope_theta, "factor": config.rope_factor}
     if config.rope_scaling == "llama3":
         rope = {"rope_type": "llama3", "rope_theta": config.rope_theta, "factor": config.rope_factor,
                 "low_freq_factor": config.rope_low_freq_factor, "high_freq_factor": config.rope_high_freq_factor,

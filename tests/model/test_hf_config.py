@@ -11,7 +11,7 @@ import pytest
 from starscream_jax.analysis.compile import make_settings
 from starscream_jax.errors import CheckpointError
 from starscream_jax.model.catalog import load_model_config
-from starscream_jax.model.decoder import rope_frequencies
+from starscream_jax.model.decoder import rope, rope_frequencies
 from starscream_jax.model.hf_config import family_of, hf_config_from_model, model_config_from_hf, written_family
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "hf"
@@ -71,6 +71,23 @@ def test_llama3_rope_scaling_stretches_only_the_long_wavelengths(tmp_path):
     between = (wavelength > 8192 / 4) & (wavelength < 8192)
     assert between.any() and np.all(scaled[between] < plain[between]) and np.all(scaled[between] > plain[between] / 8)
     assert scaled.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("rope_scaling", [{"type": "linear", "factor": 4.0}, {"rope_type": "linear", "factor": 4.0}])
+def test_linear_rope_scaling_interpolates_the_positions_and_is_written_back(tmp_path, rope_scaling):
+    """A linear rope_scaling (either spelling) rotates position p as the plain embedding rotates p / factor, and an
+    export writes it back as it was read."""
+    config = model_config_from_hf(model_dir(tmp_path, rope_scaling=rope_scaling))
+    assert (config.rope_scaling, config.rope_factor) == ("linear", 4.0)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 6, 2, config.head_dim)), jnp.float32)
+    positions = jnp.arange(0, 6000, 1000)[None]
+    plain = config.replace(rope_scaling="")
+    np.testing.assert_allclose(rope(x, positions, rope_frequencies(config)),
+                               rope(x, positions / 4.0, rope_frequencies(plain)), atol=2e-3)
+    written = hf_config_from_model(config, "bfloat16")["rope_scaling"]
+    assert written == {"rope_type": "linear", "rope_theta": config.rope_theta, "factor": 4.0}
+    (tmp_path / "again").mkdir()
+    assert model_config_from_hf(model_dir(tmp_path / "again", rope_scaling=written)) == config.replace(name="again")
 
 
 @pytest.mark.parametrize("fields, message", [
