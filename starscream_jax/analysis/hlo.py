@@ -17,8 +17,9 @@ What is read:
   with a dimension of size 1 it removes or adds: attention's batched matmuls at one kv head or one query per device,
   every matrix-vector product); such a dot gets the op name of the most deeply scoped named instruction next to it in
   the data flow (`Matmul.inferred_name`): a matmul's inputs and outputs are made and used by the function it belongs to
-  (softmax for attention's), whose ops sit deeper in the named scopes than the code around it. Which of its operands
-  the program reads from its arguments by moves alone (`Matmul.weight_operand`: a weight or a KV cache, as
+  (softmax for attention's), whose ops sit deeper in the named scopes than the code around it. So is a dot named by
+  a transpose of an elementwise einsum (`_borrowed_name`), a name XLA gave it that is not its own. Which of its
+  operands the program reads from its arguments by moves alone (`Matmul.weight_operand`: a weight or a KV cache, as
   `_StoredValues` traces it) tells its weight side from its tokens' whatever their sizes.
 - Attention: custom-calls to cuDNN's fused attention (targets starting with `__cudnn$fmha`), with their work read
   from the operand shapes and the dimension numbers of their backend config.
@@ -355,7 +356,7 @@ class _ProgramReader:
         if dims is None:
             return None
         batch, m, k, n, split_k = dims
-        op_name = _op_name(inst.attrs)
+        op_name = self.flow.op_names[inst.name]
         inferred = "" if op_name else self.flow.nearest_op_name(inst.name)
         flops, moved = 2 * batch * m * k * n, lhs.bytes + rhs.bytes + out.bytes
         stored = tuple(self.stored.stored(operand) for operand in inst.operands[:2])
@@ -405,8 +406,9 @@ def attention_flops(attrs: str, operands: tuple[ArrayShape, ...]) -> int | None:
 class _DataFlow:
     """Which instructions feed and use which, across the program, for naming the ops XLA left unnamed.
 
-    An instruction of a fused computation is connected to the fusion that calls it: a parameter to the fusion's
-    operand at its index, an instruction no other one in its computation uses (the root) to the fusion's users.
+    Op names are kept without the names no matmul owns (`_borrowed_name`). An instruction of a fused computation is
+    connected to the fusion that calls it: a parameter to the fusion's operand at its index, an instruction no other
+    one in its computation uses (the root) to the fusion's users.
     `fused_users` lists, per value, the instructions inside the fusions it enters that read it (those of the
     parameter it is passed as).
     """
@@ -421,7 +423,7 @@ class _DataFlow:
             names = {inst.name for inst in body}
             used = set()
             for inst in body:
-                self.op_names[inst.name] = _op_name(inst.attrs)
+                self.op_names[inst.name] = _own_op_name(inst.attrs)
                 for operand in inst.operands:
                     if operand in names:
                         used.add(operand)
@@ -573,6 +575,28 @@ def without_subscripts(scope: str) -> str:
     return _SUBSCRIPTS.sub("", scope)
 
 
+def _borrowed_name(op_name: str) -> bool:
+    """Whether an op name is that of a transpose in an elementwise einsum, one that contracts nothing
+    ("jit(step)/transpose(jvp(closed_call))/...ab,ab->...ab/transpose": `Placement.scale`'s bias or norm scale).
+
+    Such an einsum's transposes only lay out its weight's gradient, a sum over the tokens of the gradient of its
+    result, and no matmul is theirs: a dot named so took the name of one XLA folded into the dot that made that
+    gradient. Qwen2's value bias so named the value-gradient matmul of attention under starscream_fsdp, which then
+    had no counterpart in gpu_tp. The subscripts may carry an ellipsis ("...ab") or wrappers ("jvp(a,a->a)")."""
+    *scopes, primitive = op_name.split("/")
+    subscripts = _SUBSCRIPTS.search(scopes[-1]) if scopes and primitive == "transpose" else None
+    if subscripts is None:
+        return False
+    inputs, output = subscripts.group().split("->")
+    return set(inputs.replace(",", "")) <= set(output)
+
+
+def _own_op_name(attrs: str) -> str:
+    """An instruction's op name (`_op_name`) without the parts, of one XLA merged from several (joined by ";"), that
+    are `_borrowed_name`s."""
+    return ";".join(part for part in _op_name(attrs).split(";") if part and not _borrowed_name(part))
+
+
 def _code_depth(op_name: str) -> int:
     """How many scopes of the model's code an op name holds: its scopes inside the outermost jit(...) and before the
     primitive, without einsum subscripts (`is_einsum_scope`) and the jit(...) wrappers of library functions
@@ -615,7 +639,8 @@ def scope_shares(text: str, scope: str) -> dict[str, float]:
     shares = {}
     for body in computations.values():
         for inst in body:
-            op_name = _op_name(inst.attrs) or (flow.nearest_op_name(inst.name) if inst.opcode == "dot" else "")
+            op_name = ((flow.op_names[inst.name] or flow.nearest_op_name(inst.name)) if inst.opcode == "dot"
+                       else _op_name(inst.attrs))
             share = _scope_share(op_name, parse_shapes(inst.result_type), scope)
             if share:
                 shares[inst.name] = share

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from ..hardware.axes import XCD
 from ..sharding.apply import logical_names
 from .hlo import Matmul, without_subscripts
-from .report import AttentionReport, KernelReport, Report, inspect_compiled, is_attention_key, matmul_key
+from .report import AttentionReport, KernelReport, Report, inspect_compiled, is_attention_key, is_recomputed, matmul_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,10 +195,13 @@ def check_principles(
 
     1. shape_preservation: each op keeps per device at least the weight-side elements of the reference, summed over
        its matmuls per direction (`weight_side_elements`, from each report's `tokens_per_device`): a layout may
-       divide only the tokens. Ops that the reference lacks are left unjudged. Custom kernels (Pallas: the grouped
-       matmul, the 8-bit weight-only matmul, paged and 8-bit attention) are judged by their weight-side operands
-       (`kernel_weight_elements`) against the reference's kernels of the same op and kind. Kernels whose work is split
-       into several matmuls of the same op under the layout alone are not told apart from one whole kernel.
+       divide only the tokens; where a program recomputes its forward pass (`jax.checkpoint`), the forward and
+       recomputed ops are held to their smallest kernel run (`_shared_between_passes`). Ops that the reference lacks
+       are left unjudged. Custom kernels (Pallas: the grouped matmul, the 8-bit weight-only matmul, paged and 8-bit
+       attention) are judged by their weight-side operands (`kernel_weight_elements`) against the reference's
+       kernels of the same op and kind. Kernels whose work is split into several matmuls of the same op under the
+       layout alone are not told apart from one whole kernel (except in the ops held to their smallest run, where
+       they read as shrunk).
        Attention is one op per direction (its scores and values matmuls, or its fused kernel): per token it must keep
        the reference's heads x head_dim x keys, so heads per device equal gpu_tp's heads per GPU and head_dim and the
        key length stay whole; `attention` gives the smallest ratio of its work per token to the reference's
@@ -242,8 +245,12 @@ def _thresholds(report: Report, large_bytes: float | None,
         f"({layer_bytes:.0f} bytes): what a layer copies against what a layer holds")
 
 
-def weight_side_elements(matmuls: list[Matmul], tokens_per_device: int,
-                         attention: list[AttentionReport] = ()) -> dict[tuple[str, bool], float]:
+OpKey = tuple[str, bool]
+"""An op and direction, as `matmul_key` gives them."""
+
+
+def weight_side_elements(matmuls: list[Matmul], tokens_per_device: int, attention: list[AttentionReport] = (),
+                         smallest: Collection[OpKey] = frozenset()) -> dict[OpKey, float]:
     """Weight-side elements per device of each op and direction (`matmul_key`), summed over its matmuls and runs.
 
     Every matmul of a transformer step, forward, input gradient and weight gradient alike, is tokens x weight, so its
@@ -251,14 +258,37 @@ def weight_side_elements(matmuls: list[Matmul], tokens_per_device: int,
     contraction (split-K) and whichever matmuls of an op it merged (q/k/v, gate/up) or ran in which order.
     Attention's matmuls (one op per direction, `matmul_key`; with them the fused kernels of `attention` whose work is
     known) are tokens x (heads x head_dim x keys): per token, the kernel's shape on the weight side.
+    The ops in `smallest` (`_shared_between_passes`) are held to their smallest kernel run instead.
     """
-    work: dict[tuple[str, bool], int] = defaultdict(int)
-    for matmul in matmuls:
-        work[matmul_key(matmul.op_name)] += matmul.flops // 2 * matmul.count
-    for call in attention:
-        if call.flops is not None:
-            work[matmul_key(call.op_name)] += call.flops // 2 * call.count
+    runs = [(matmul_key(matmul.op_name), matmul.flops // 2, matmul.count) for matmul in matmuls]
+    runs += [(matmul_key(call.op_name), call.flops // 2, call.count) for call in attention if call.flops is not None]
+    work: dict[OpKey, float] = {}
+    for key, elements, count in runs:
+        _gathered(work, key, elements if key in smallest else elements * count, key in smallest)
     return {key: total / tokens_per_device for key, total in work.items()}
+
+
+def _shared_between_passes(*reports: Report) -> set[OpKey]:
+    """The ops whose kernels XLA may run once for two passes: where a program recomputes its forward pass in the
+    backward one (`jax.checkpoint`: ops under `report.RECOMPUTED_SCOPE`), those of the forward pass and the recomputed
+    ones, of every program in `reports` (the layout's and the reference's, judged alike).
+
+    Where the two passes share a computation (a layer loop unrolled, as at 2 compiled layers), XLA computes a
+    recomputed kernel's result once (CSE), under either op's name: under --remat-policy dots starscream_cp's
+    recomputed attention ran its values matmul alone on 2 GPUs x 4 partitions (its scores shared with the forward
+    pass), its forward attention its values matmul alone on 4 GPUs x 2; gpu_tp's ran both in both. Such an op's
+    total says which results XLA shared; its smallest kernel run, how large its kernels are."""
+    names = [call.op_name for report in reports for call in (*report.matmuls, *report.attention)]
+    if not any(is_recomputed(name) for name in names):
+        return set()
+    return {matmul_key(name) for name in names if is_recomputed(name) or "transpose(" not in name}
+
+
+def _gathered(totals: dict[OpKey, float], key: OpKey, elements: float, smallest: bool) -> None:
+    """Add a kernel's (or an op's) weight-side `elements` to the op `key` of `totals`: summed, or where `smallest`
+    the smallest kept (`_shared_between_passes`)."""
+    held = totals.get(key)
+    totals[key] = elements if held is None else min(held, elements) if smallest else held + elements
 
 
 def _shape_preservation(report: Report, reference: Report | None,
@@ -268,18 +298,22 @@ def _shape_preservation(report: Report, reference: Report | None,
         return _no_reference(report, no_reference)
     judged_attention = [call for call in report.attention if call.flops is not None]
     unjudged = [UnjudgedOp(call.name, ATTENTION_WORK_NOT_SHOWN) for call in report.attention if call.flops is None]
-    elements = weight_side_elements(report.matmuls, report.tokens_per_device, judged_attention)
-    reference_elements = weight_side_elements(reference.matmuls, reference.tokens_per_device, reference.attention)
+    shared = _shared_between_passes(report, reference)
+    elements = weight_side_elements(report.matmuls, report.tokens_per_device, judged_attention, shared)
+    reference_elements = weight_side_elements(reference.matmuls, reference.tokens_per_device, reference.attention,
+                                              shared)
     key_of = _pairing(elements, reference_elements)
-    elements, reference_elements = _rekeyed(elements, key_of), _rekeyed(reference_elements, key_of)
+    shared = {key_of(key) for key in shared}
+    elements, reference_elements = _rekeyed(elements, key_of, shared), _rekeyed(reference_elements, key_of, shared)
     violations = []
     ops = [(m.name, key_of(matmul_key(m.op_name))) for m in (*report.matmuls, *judged_attention)]
     for (key, backward), held in elements.items():
         reference_held = reference_elements.get((key, backward))
         if reference_held is not None and held < reference_held:
             names = [name for name, op in ops if op == (key, backward)]
+            has = "has in its smallest kernel" if (key, backward) in shared else "has"
             violations.append(
-                f"op {key or '(unnamed)'} ({'backward' if backward else 'forward'}, {', '.join(names)}) has "
+                f"op {key or '(unnamed)'} ({'backward' if backward else 'forward'}, {', '.join(names)}) {has} "
                 f"{held:g} weight-side elements per device at {report.tokens_per_device} tokens, fewer than the "
                 f"reference's {reference_held:g} at {reference.tokens_per_device} tokens: its local kernels shrank"
             )
@@ -288,10 +322,6 @@ def _shape_preservation(report: Report, reference: Report | None,
     kernels = _judge_kernels(report.kernels, reference.kernels)
     return kernel_verdict(violations + kernels.violations, unjudged + kernels.unjudged,
                           len(paired) + kernels.judged, _attention_summary(elements, reference_elements))
-
-
-OpKey = tuple[str, bool]
-"""An op and direction, as `matmul_key` gives them."""
 
 
 def _pairing(layout: Iterable[OpKey], reference: Iterable[OpKey]) -> Callable[[OpKey], OpKey]:
@@ -313,12 +343,14 @@ def _code_scopes(key: OpKey) -> OpKey:
     return "/".join(scope for scope in scopes if scope), key[1]
 
 
-def _rekeyed(totals: dict[OpKey, float], key_of: Callable[[OpKey], OpKey]) -> dict[OpKey, float]:
-    """Per-op totals under the keys `key_of` gives (`_pairing`), summed where several fall on one."""
-    found: dict[OpKey, float] = defaultdict(int)
+def _rekeyed(totals: dict[OpKey, float], key_of: Callable[[OpKey], OpKey],
+             smallest: Collection[OpKey] = frozenset()) -> dict[OpKey, float]:
+    """Per-op totals under the keys `key_of` gives (`_pairing`), summed where several fall on one, or for the ops
+    in `smallest` the smallest kept (see `weight_side_elements`)."""
+    found: dict[OpKey, float] = {}
     for key, total in totals.items():
-        found[key_of(key)] += total
-    return dict(found)
+        _gathered(found, key_of(key), total, key_of(key) in smallest)
+    return found
 
 
 def _no_reference(report: Report, why: str) -> KernelVerdict:

@@ -470,6 +470,16 @@ def is_attention_key(key: str) -> bool:
     return _bare_scope(key.rpartition("/")[2]) == ATTENTION_SCOPE
 
 
+RECOMPUTED_SCOPE = "rematted_computation"
+"""The scope JAX puts around a `jax.checkpoint`'s forward pass run again in the backward pass (`--remat-policy`)."""
+
+
+def is_recomputed(name: str) -> bool:
+    """Whether an op name, or a `matmul_key` key, is of an op `jax.checkpoint` recomputes (one of its scopes is
+    `RECOMPUTED_SCOPE`)."""
+    return any(_bare_scope(scope) == RECOMPUTED_SCOPE for scope in name.split("/"))
+
+
 def _bare_scope(scope: str) -> str:
     """A scope without the transformations wrapped around it: "transpose(jvp(attention))" -> "attention"."""
     while (wrapped := re.fullmatch(r"[\w.]+\((.+)\)", scope)) is not None:

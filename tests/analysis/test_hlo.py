@@ -540,6 +540,33 @@ def test_a_dot_fused_without_a_name_is_named_through_its_fusion():
     assert dot.op_name == "jit(s)/transpose(jvp())/attention/vmap()/mul" and dot.inferred_name
 
 
+def test_a_dot_named_by_a_transpose_of_an_elementwise_einsum_is_named_by_its_neighbours():
+    """Qwen2 under starscream_fsdp: XLA folded the transpose beginning the value bias's gradient (a sum over the
+    tokens of `...ab,ab->...ab`, which contracts nothing) into the value-gradient matmul of attention, which took its
+    name, as did the fusion around it. That name belongs to no matmul: the dot is named by its operands, attention's,
+    and paired with gpu_tp's (it was left out: "not judged (2 of 39 ops)"). A transpose of an einsum that contracts
+    something keeps naming its own dot."""
+    bias = "jit(s)/transpose(jvp(closed_call))/...ab,ab->...ab/transpose"
+    fused = (
+        "%fused (param_0: f32[8,8], param_1: f32[8,8]) -> f32[8,8] {\n"
+        "  %param_0 = f32[8,8]{1,0} parameter(0)\n  %param_1 = f32[8,8]{1,0} parameter(1)\n"
+        "  ROOT %dot.1 = f32[8,8]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, "
+        f"metadata={{op_name=\"{bias}\"}}\n"
+        "}\n"
+    )
+    attention = "jit(s)/transpose(jvp(closed_call))/attention/shard_map/vmap(BNTS,BSNH->BTNH)/transpose"
+    program = parse_hlo(module(
+        f"%x = f32[8,8]{{1,0}} copy(%p), metadata={{op_name=\"{attention}\"}}",
+        f"%f = f32[8,8]{{1,0}} fusion(%x, %p), kind=kCustom, calls=%fused, metadata={{op_name=\"{bias}\"}}",
+        "%down = f32[8,8]{1,0} dot(%p, %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}, "
+        "metadata={op_name=\"jit(s)/transpose(jvp(closed_call))/down/bsf,fd->bsd/transpose\"}",
+        computations=fused,
+    ))
+    (dot, down) = sorted(program.dots, key=lambda matmul: matmul.name)
+    assert dot.op_name == attention and dot.inferred_name
+    assert down.op_name.endswith("/down/bsf,fd->bsd/transpose") and not down.inferred_name
+
+
 LAYER_LOOP = """%slice_layer (param_0.1: f32[2,8,8], param_1.1: s32[]) -> f32[8,8] {
   %param_0.1 = f32[2,8,8]{2,1,0} parameter(0)
   %param_1.1 = s32[] parameter(1)
