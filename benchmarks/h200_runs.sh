@@ -131,9 +131,9 @@ elif [ "$part" = part14 ]; then
   timeout 60 python3 scripts/bench_paged_attention.py --eight-bit int8 --shapes 64:4096:16:4096 \
     --tilings 128:4:3 128:4:4 256:4:3 --calls 20 --out "$out/paged_attention_int8_tiled.json"
 elif [ "$part" = part15 ]; then
-  # part15, one H200 (not yet run): the 8-bit kernels' GPU tests (the paged form's pages loaded apart too), the paged
-  # form's pages gathered against loaded apart at several tilings, then the 8-bit cache steps with the tilings chosen
-  # by shape (batch 1: 64 / 4 / 2; batch 64: 128 / 4 / 3) in one process.
+  # part15, one H200 (runs 97-99 ran its parts): the 8-bit kernels' GPU tests (the paged form's pages loaded apart
+  # too), the paged form's pages gathered against loaded apart at several tilings, then the 8-bit cache steps with
+  # the tilings chosen by shape (batch 1: 64 / 4 / 2; batch 64: 128 / 4 / 3) in one process.
   timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/model/test_eight_bit_decode.py \
     tests/model/test_paged.py 2>&1 | tail -4
   timeout 150 python3 scripts/bench_paged_attention.py --eight-bit int8 --shapes 64:4096:16:4096 1:4096:16:4096 \
@@ -142,17 +142,17 @@ elif [ "$part" = part15 ]; then
   with_torch 260 scripts/bench_decode.py --variants bf16 kv-int8 kv-fp8 --batches 1 64 --no-torch --paged cudnn \
     --paged-cache int8 --out "$out/decode_kv_8_bit_by_shape.json"
 elif [ "$part" = part16 ]; then
-  # part16, one H200 (not yet run): fp8 training with each e4m3 weight moved into its forward GEMM's layout by the
-  # byte transpose kernel (BackendPolicy.byte_transpose), beside bf16 and traced as part12 was.
+  # part16, one H200 (run 96 ran its bench: 1.258x): fp8 training with each e4m3 weight moved into its forward GEMM's
+  # layout by the byte transpose kernel (BackendPolicy.byte_transpose), beside bf16 and traced as part12 was.
   timeout 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/model/test_byte_transpose.py 2>&1 | tail -4
   timeout 400 python3 scripts/bench_mfu.py --model llama3.2-3b --batch-size 4 --seq-len 2048 --layouts starscream_tp \
     --plain --no-torch --fp8 --profile-dir /tmp/fp8_profiles --out "$out/mfu_llama3.2-3b_1gpu_fp8_byte_transpose.json"
 elif [ "$part" = part17 ]; then
-  # part17, one H200 (not yet run): workload A on one engine with a step's prompt chunks (up to 16 a shard, so that
-  # the burst's steps mix too) and decode rows as one mixed program and as two (the same engine, mixed steps turned
-  # off), beside the static generate at batch 64; the engine compiles 17 programs (6 of them mixed).
-  timeout 590 python3 scripts/bench_serve.py --workload A --mixed-chunks 16 --compare-two-programs \
-    --static-generate 64 --out "$out/serve_a_mixed_steps.json"
+  # part17, one H200: workload A on one engine with each step's prompt chunk (one a shard, the default) and decode
+  # rows as one mixed program and as two (the same engine, mixed steps turned off), beside the static generate at
+  # batch 64. (Run 95 asked for mixed steps of 16 chunks: 61 programs, 12 compiled in the call's first 411 s.)
+  timeout 590 python3 scripts/bench_serve.py --workload A --compare-two-programs --static-generate 64 \
+    --out "$out/serve_a_mixed_steps.json"
 elif [ "$part" = part18 ]; then
   # part18, one H200 (not yet run): the mixed step's GPU tests (the engine's tokens against the unsharded model's, the
   # paged attention of a mixed stream through cuDNN's kernel), then workload B (8 requests/s) with mixed steps and with
