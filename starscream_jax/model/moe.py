@@ -320,8 +320,8 @@ def _per_device(c: ModelConfig, mesh_axes: _ExpertAxes, device, h_BSD, w: Routed
     h_BSD = hierarchical_all_gather(h_BSD, mesh_axes.token_embed, 2)
     router_DX = w.router
     for dim, axes in enumerate(mesh_axes.router):
-        router_DX = hierarchical_all_gather(router_DX, axes, dim)
-    w_gate_XDF, w_up_XDF, w_down_XFD = (hierarchical_all_gather(weight, axes, dim) for weight, axes, dim in
+        router_DX = _gather_weight(router_DX, axes, dim, mesh_axes.tokens)
+    w_gate_XDF, w_up_XDF, w_down_XFD = (_gather_weight(weight, axes, dim, mesh_axes.tokens) for weight, axes, dim in
                                         zip(_experts(w), mesh_axes.weight_embed, EMBED_DIMS))
     batch, seq, d_model = h_BSD.shape
     h_TD = h_BSD.reshape(batch * seq, d_model)
@@ -338,6 +338,17 @@ def _per_device(c: ModelConfig, mesh_axes: _ExpertAxes, device, h_BSD, w: Routed
         share = d_model // jax.lax.axis_size(mesh_axes.token_embed)
         out_TD = jax.lax.dynamic_slice_in_dim(out_TD, jax.lax.axis_index(mesh_axes.token_embed) * share, share, 1)
     return out_TD.reshape(batch, seq, -1), _balance(c, mesh_axes, experts_TK, probabilities_TX)
+
+
+def _gather_weight(x: jax.Array, axes: tuple[str, ...], dimension: int, token_axes: tuple[str, ...]) -> jax.Array:
+    """A weight's `dimension`, split over the mesh `axes`, gathered whole (as `hierarchical_all_gather`, innermost
+    axis first). Over an axis the tokens are not split on (a decode batch too small for it: split-K) every device
+    of the axis then computes the same outputs, so the gather is typed invariant there; else the block's output,
+    placed without that axis, would be refused by shard_map as possibly varying over it."""
+    for axis in reversed(axes):
+        x = jax.lax.all_gather(x, axis, axis=dimension, tiled=True,
+                               to="varying" if axis in token_axes else "invarying")
+    return x
 
 
 def _balance(c: ModelConfig, mesh_axes: _ExpertAxes, experts_TK, probabilities_TX) -> jax.Array:

@@ -23,7 +23,7 @@ from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.layer_weights import RoutedMlpWeights
 from starscream_jax.model.names import RESIDUAL
 from starscream_jax.sharding.apply import activation_spec, use_layout
-from starscream_jax.sharding.layouts import get_layout
+from starscream_jax.sharding.layouts import fit_batch, get_layout
 from starscream_jax.sharding.rules import resolve
 
 TOLERANCE = 2e-5
@@ -316,3 +316,23 @@ def test_permute_rows_gradient_is_the_gather_by_its_inverse():
     np.testing.assert_array_equal(ours(x_ND), plain(x_ND))
     np.testing.assert_allclose(jax.grad(functools.partial(loss, ours))(x_ND),
                                jax.grad(functools.partial(loss, plain))(x_ND), rtol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["starscream_tp", "starscream_ep", "flat_cp"])
+def test_routed_block_decoding_one_sequence_under_split_k_equals_the_dense_reference(layout):
+    """One sequence decoding on 2 GPUs x 4 partitions: the layout fitted to the batch (`+split_k`) leaves the token
+    whole on every partition of a GPU while the expert weights are gathered over them; the block then computes the
+    same output on each, which shard_map refused as possibly varying over xcd (`starscream plan --phases decode`
+    of a mixture of experts stopped with a traceback at its `starscream_cp` candidate)."""
+    c = config()
+    h, w = block_inputs(tokens=(1, 1))
+    expected = jax.device_get(jax.jit(functools.partial(loss_and_grads, dense_block, c))(h, w))
+    mesh = build_mesh("2x4")
+    fitted = fit_batch(layout, mesh, batch=1, positions=1)
+    assert fitted.name.endswith("+split_k")
+    placed = placed_by(fitted.params, mesh, w)
+    with use_layout(fitted, mesh):
+        tokens = jax.device_put(h, NamedSharding(mesh, activation_spec(RESIDUAL, h.shape)))
+        routed = jax.jit(functools.partial(loss_and_grads, routed_block, c))(tokens, placed)
+    errors = max_errors(routed, expected)
+    assert max(errors) <= TOLERANCE, errors
