@@ -18,6 +18,11 @@ from ..jax_private import backends_started
 DEFAULT_SIMULATED = "cpu"
 """The preset a simulated mesh uses when none is named."""
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds"
+SIMULATED_COLLECTIVE_TIMEOUT_S = 300
+"""Seconds a simulated device waits in a collective for the others before XLA ends the process (its own default:
+40). Many CPU devices share a few cores, so on a busy machine the slowest may come late without anything being stuck
+(`starscream generate` aborted so, exit 134, beside other jobs on 2 cores); a real deadlock still ends, later."""
 GPU_DEVICE_NODES = {"cuda": "/dev/nvidiactl", "rocm": "/dev/kfd"}
 """The device node each GPU driver creates; a JAX GPU plugin without it finds no GPU."""
 
@@ -36,11 +41,15 @@ def _flag_device_count() -> int:
 def simulate_cpu_devices(count: int) -> None:
     """Makes JAX run on the CPU with at least `count` devices (never fewer than XLA_FLAGS already asks for). Call
     before the first use of any device: until the backend starts this sets jax.config's platform and CPU device
-    count; once it runs, it only checks that enough CPU devices exist."""
+    count, and gives collectives `SIMULATED_COLLECTIVE_TIMEOUT_S` unless XLA_FLAGS sets theirs; once it runs, it
+    only checks that enough CPU devices exist."""
     if not backends_started():
         jax.config.update("jax_platforms", "cpu")
         if max(jax.config.jax_num_cpu_devices, _flag_device_count()) < count:
             jax.config.update("jax_num_cpu_devices", count)
+        flags = os.environ.get("XLA_FLAGS", "")
+        if _COLLECTIVE_TIMEOUT_FLAG not in flags:  # read by XLA when the backend starts
+            os.environ["XLA_FLAGS"] = f"{flags} {_COLLECTIVE_TIMEOUT_FLAG}={SIMULATED_COLLECTIVE_TIMEOUT_S}".strip()
         return
     available = len(jax.devices("cpu"))
     if available < count:

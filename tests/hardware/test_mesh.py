@@ -238,6 +238,20 @@ def test_simulate_cpu_devices_before_jax_starts(import_jax_first, flag_count, de
     assert result.stdout.split() == [str(devices), "cpu"], result.stderr[-2000:]
 
 
+@pytest.mark.parametrize("given, expected", [("", "300"),
+                                             ("--xla_cpu_collective_call_terminate_timeout_seconds=7", "7")])
+def test_simulated_collectives_wait_for_slow_devices_unless_xla_flags_say_otherwise(given, expected):
+    """simulate_cpu_devices gives the simulated devices' collectives 300 s (XLA's 40 s ended a generate run beside
+    other jobs on 2 cores), unless XLA_FLAGS sets the timeout itself."""
+    code = "\n".join(["import os", "from starscream_jax import simulate_cpu_devices", "simulate_cpu_devices(2)",
+                      "print(os.environ['XLA_FLAGS'])"])
+    env = {name: value for name, value in os.environ.items() if name != "JAX_PLATFORMS"}
+    env["XLA_FLAGS"] = given
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert f"--xla_cpu_collective_call_terminate_timeout_seconds={expected}" in result.stdout, result.stderr[-2000:]
+    assert result.stdout.count("terminate_timeout") == 1
+
+
 def test_simulated_mesh_larger_than_the_running_backend_is_an_error():
     expected = (r"a simulated mesh needs 128 CPU devices but JAX already started with 64; call "
                 r"simulate_cpu_devices\(128\) before any JAX computation")
