@@ -60,7 +60,7 @@ from .compile import (
 )
 from .costmodel import StepEstimate, estimate_step, matmul_work
 from .json_form import from_json, to_json
-from .memory import memory_passes, reads_cache_in_place
+from .memory import held_bytes, memory_passes, reads_cache_in_place
 from .principles import NO_REFERENCE, Principles, arrays_named_by, check_principles, reads_once_per_gpu
 from .hlo import Matmul
 from .report import SCOPES, ActivationReport, CollectiveReport, InputReport, inspect_compiled, matmul_key
@@ -397,14 +397,10 @@ def memory_per_device(settings: Settings, layout, mesh, compiled_memory: MemoryR
                                 settings.training, length)
     cache = None if settings.phase == "train" else abstract_cache(full_model, layout, mesh, settings.batch, length)
     groups = {"params": args.params, "optimizer_state": getattr(args, "opt_state", None), "kv_cache": cache}
-    persistent = {name: sum(_shard_bytes(leaf) for leaf in jax.tree.leaves(tree)) for name, tree in groups.items()}
+    persistent = {name: held_bytes(tree) for name, tree in groups.items()}
     compiled = None if compiled_memory is None else CompiledMemory(**dataclasses.asdict(compiled_memory),
                                                                    layers=settings.layers)
     return MemoryPerDevice(**persistent, persistent=sum(persistent.values()), hbm=hbm_bytes, compiled=compiled)
-
-
-def _shard_bytes(leaf) -> int:
-    return math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
 
 
 def priced_matmul(matmul: Matmul, depth: Depth, config, ridge_point: float,

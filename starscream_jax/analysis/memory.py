@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -62,6 +63,13 @@ DECODE_CACHE_COPIES = 0.55
 def shard_elements(spec: PartitionSpec | None, shape: tuple[int, ...], mesh) -> int:
     """Elements of one device's shard of a tensor of `shape` placed by `spec` (None: whole)."""
     return math.prod(NamedSharding(mesh, spec or PartitionSpec()).shard_shape(shape))
+
+
+def held_bytes(tree) -> int:
+    """Bytes one device holds of the placed arrays (or ShapeDtypeStructs with shardings) of `tree`: each leaf's
+    shard."""
+    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+               for leaf in jax.tree.leaves(tree))
 
 
 def local_elements(names: tuple, shape: tuple[int, ...], mesh) -> int:

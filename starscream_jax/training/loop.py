@@ -30,6 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
+from ..analysis.memory import gpu_memory, held_bytes
 from ..checks import created_directory, of_type, writable_directory
 from ..compiled_memory import MemoryReport
 from ..errors import CheckpointError, RunStopped, StarscreamError
@@ -614,7 +615,8 @@ def compile_train_step(config: TrainConfig, model_config, layout, mesh, token_sh
     program = TrainProgram(compiled, (params, opt_state, rest), graphdef)
     needed = step_bytes_per_device(compiled)
     if device_memory_bytes is not None and needed is not None and needed > device_memory_bytes:
-        options = fitting_options(config, model_config, layout, mesh, token_sharding, device_memory_bytes)
+        options = fitting_options(config, model_config, layout, mesh, token_sharding, device_memory_bytes,
+                                  program.arguments)
         raise StarscreamError(f"the training step needs {needed / 2**30:.2f} GiB per device, more than the "
                               f"{device_memory_bytes / 2**30:.2f} GiB each device has; {options}")
     return program
@@ -628,18 +630,34 @@ def step_bytes_per_device(compiled) -> int | None:
     return None if memory is None else memory.working_set_bytes
 
 
-def fitting_options(config: TrainConfig, model_config, layout, mesh, token_sharding, device_memory_bytes) -> str:
-    """What would fit, measured where it can be: the step with --remat compiled and sized, then the other levers."""
+def fitting_options(config: TrainConfig, model_config, layout, mesh, token_sharding, device_memory_bytes,
+                    arguments) -> str:
+    """What would fit, measured where it can be: the step with --remat-policy full (`full_remat_bytes`), then the
+    other levers. `arguments`: the step's (params, optimizer state, rest) as compiled."""
     options = []
     if model_config.remat != "full":
-        remat = compile_train_step(dataclasses.replace(config, remat="full"), model_config.replace(remat="full"),
-                                   layout, mesh, token_sharding)
-        needed = step_bytes_per_device(remat.compiled)
+        needed, how = full_remat_bytes(config, model_config, layout, mesh, token_sharding, arguments)
         verdict = "fits" if needed <= device_memory_bytes else "does not fit either"
-        options.append(f"--remat-policy full needs {needed / 2**30:.2f} GiB ({verdict})")
+        options.append(f"--remat-policy full needs {needed / 2**30:.2f} GiB{how} ({verdict})")
     options.append("a smaller --batch-size or --seq-len, more --gpus, or the layout `starscream plan --phases train` "
                    "picks")
     return "options: " + "; ".join(options)
+
+
+def full_remat_bytes(config: TrainConfig, model_config, layout, mesh, token_sharding, arguments) -> tuple[float, str]:
+    """(bytes per device, how they were found) of the step under --remat-policy full: compiled and sized, or on CPU
+    devices the planner's estimate (`analysis.memory.gpu_memory`, its persistent state the step's own): XLA:CPU
+    merges the recomputed forward pass with the first one, so its compile saves nothing (Llama 3.2 1B, 4 layers on 2
+    x 4: 3,324 MiB of temporaries against 3,336 without recomputation), and a simulated 70B step read larger with it."""
+    full = model_config.replace(remat="full")
+    if mesh.devices.flat[0].platform != "cpu":
+        remat = compile_train_step(dataclasses.replace(config, remat="full"), full, layout, mesh, token_sharding)
+        return step_bytes_per_device(remat.compiled), ""
+    params, opt_state = arguments[:2]
+    persistent = {"params": held_bytes(params), "optimizer_state": held_bytes(opt_state), "kv_cache": 0.0}
+    estimate = gpu_memory(full, layout, mesh, "train", config.batch_size, config.seq_len, persistent,
+                          config.grad_accum)
+    return estimate["total"], " by the planner's estimate (a CPU compile recomputes nothing)"
 
 
 class StopRequests:

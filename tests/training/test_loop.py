@@ -319,6 +319,22 @@ def test_a_step_too_big_for_the_devices_is_refused_before_allocation(tmp_path, o
         quiet_train(small_run(tmp_path, "big", remat=True), one_device, device_memory_bytes=1)
 
 
+def test_on_cpu_devices_the_full_remat_option_is_the_planners_estimate(tmp_path, one_device, monkeypatch):
+    """Without recomputation the refusal offers --remat-policy full at the planner's estimate (XLA:CPU's compile of
+    the recomputing step saves nothing), below the compiled step's need, with nothing compiled for it."""
+    monkeypatch.setattr(loop, "initial_state", None)
+    compiles = []
+    real = loop.compile_train_step
+    monkeypatch.setattr(loop, "compile_train_step", lambda *args, **kw: compiles.append(args) or real(*args, **kw))
+    with pytest.raises(StarscreamError) as refused:
+        quiet_train(small_run(tmp_path, "big"), one_device, device_memory_bytes=1)
+    found = re.search(r"needs (\d+\.\d\d) GiB per device.*--remat-policy full needs (\d+\.\d\d) GiB by the "
+                      r"planner's estimate \(a CPU compile recomputes nothing\) \(does not fit either\)",
+                      str(refused.value))
+    assert found and float(found.group(2)) <= float(found.group(1)), str(refused.value)
+    assert len(compiles) == 1  # the step itself, not a recomputing one
+
+
 def test_a_data_file_changed_in_place_is_refused_on_resume_and_recorded_when_allowed(tmp_path):
     """Data is compared by content: the same bytes elsewhere are no change, other bytes under the same path are."""
     path = tmp_path / "corpus.txt"
