@@ -175,13 +175,13 @@ class ModelConfig:
                               f"{list(layers)}; give both (a window and the layers that use it) or neither")
 
     def _check_field_types(self) -> None:
-        """Sizes are whole numbers of at least 1 (n_experts at least 0), rope_theta and norm_eps positive numbers,
-        the flags booleans: a file with a wrong type or sign is refused before anything is built from it."""
+        """Sizes are whole numbers of at least 1 (n_experts at least 0), rope_theta, rope_factor and norm_eps positive
+        numbers, the flags booleans: a file with a wrong type or sign is refused before anything is built from it."""
         for field in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "max_seq_len",
                       "experts_per_token"):
             whole_number(getattr(self, field), f"model {self.name}: {field}")
         whole_number(self.n_experts, f"model {self.name}: n_experts", minimum=0)
-        for field in ("rope_theta", "norm_eps"):
+        for field in ("rope_theta", "rope_factor", "norm_eps"):
             finite_number(getattr(self, field), f"model {self.name}: {field}", positive=True)
         for field in ("attn_softcap", "logit_softcap", "query_pre_attn_scalar"):
             finite_number(getattr(self, field), f"model {self.name}: {field}")

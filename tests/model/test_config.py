@@ -17,6 +17,7 @@ TINY = (
     ('d_ff = "384"', "model broken: d_ff '384': expected a whole number"),
     ("head_dim = 16.0", "model broken: head_dim 16.0: expected a whole number"),
     ("norm_eps = -1e-5", "model broken: norm_eps -1e-05: must be a finite number above zero"),
+    ("rope_factor = 0.0", "model broken: rope_factor 0.0: must be a finite number above zero"),
     ("n_experts = -1", "model broken: n_experts -1: must be at least 0"),
     ('tie_embeddings = "yes"', "model broken: tie_embeddings 'yes'; use true or false"),
     ('mlp_activation = "gelu"', r"model broken: mlp_activation 'gelu'; use one of silu, gelu_tanh"),
