@@ -27,7 +27,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, reshard
 from ..checks import of_type
 from ..errors import ShardingRuleError
 from ..hardware.axes import INSIDE_GPU, axes_of, spec_axes
-from .collectives import hierarchical_psum
+from .collectives import hierarchical_psum, hierarchical_sum
 from .layouts import LAYOUTS, Layout, flax_table, get_layout
 from .rules import LogicalNames, resolve
 
@@ -250,10 +250,7 @@ class Placement:
         spec = self.activation_spec(names, x.shape, tensor)
         if spec is None or self.auto or not _inside_and_across_gpus(spec_axes(spec), self.mesh):
             return jnp.mean(x)
-        axes = tuple(axis for axis in self.mesh.axis_names if axis in spec_axes(spec))
-        summed = jax.shard_map(lambda local: hierarchical_psum(jnp.sum(local), axes), mesh=self.mesh,
-                               in_specs=spec, out_specs=PartitionSpec())(self.placed_as(x, spec))
-        return summed / x.size
+        return hierarchical_sum(self.placed_as(x, spec), spec, self.mesh, tuple(range(x.ndim))) / x.size
 
     def einsum(self, subscripts: str, lhs: jax.Array, rhs: jax.Array, out: LogicalNames, tensor: str = "einsum",
                preferred_element_type=None) -> jax.Array:

@@ -20,9 +20,11 @@ with one partition per GPU works unchanged.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from ..errors import ShardingRuleError
-from ..hardware.axes import ACROSS_GPUS, INSIDE_GPU
+from ..hardware.axes import ACROSS_GPUS, INSIDE_GPU, dim_axes
 
 
 def _present(axes: tuple[str, ...]) -> tuple[str, ...]:
@@ -63,6 +65,17 @@ def hierarchical_psum(x: jax.Array, axes: tuple[str, ...] | str, reduction=jax.l
     for axis in sorted((axes,) if isinstance(axes, str) else axes, key=lambda name: name != INSIDE_GPU):
         x = reduction(x, axis)
     return x
+
+
+def hierarchical_sum(x: jax.Array, spec: PartitionSpec, mesh, dims: tuple[int, ...]) -> jax.Array:
+    """`x` (placed by `spec` on `mesh`) summed over its dimensions `dims`: each device sums its own shard, then the
+    sums are added over the mesh axes that split those dimensions, inside each GPU first (`hierarchical_psum`); the
+    result is placed as `x` was, less the summed dimensions. `jnp.sum` over dimensions split over (gpu, xcd) would
+    be one flat all-reduce spanning both levels."""
+    axes = tuple(axis for dim in dims for axis in dim_axes(spec, dim))
+    kept = PartitionSpec(*(dim_axes(spec, dim) or None for dim in range(x.ndim) if dim not in dims))
+    return jax.shard_map(lambda local: hierarchical_psum(jnp.sum(local, axis=dims), axes), mesh=mesh,
+                         in_specs=spec, out_specs=kept)(x)
 
 
 def hierarchical_all_gather(x: jax.Array, axes: tuple[str, ...], dimension: int) -> jax.Array:

@@ -42,7 +42,7 @@ from ..model.config import ModelConfig
 from ..model.decoder import next_token_loss
 from ..model.dense_cache import init_cache
 from ..sharding.apply import LOGICAL_AXES, UNPLACED, Jitted, Placement, jit, placed_by
-from ..sharding.collectives import hierarchical_psum
+from ..sharding.collectives import hierarchical_sum
 from ..sharding.layouts import positions_multiple
 from .config import TrainConfig
 
@@ -181,17 +181,13 @@ def _last_real(logits_BPV: jax.Array, length: int, placement: Placement) -> jax.
     """The logits [B, V] of position `length - 1`, as a sum that keeps only that position: where the layout splits
     the positions, a reduction of [B, V] values over their axes, where slicing would gather every position's (read
     from the logits' type: outside a layout, or on Auto axes, no axis splits them there). Each device sums its own
-    positions and the sums are added over the partitions of each GPU first, then across GPUs (`hierarchical_psum`):
+    positions and the sums are added over the partitions of each GPU first, then across GPUs (`hierarchical_sum`):
     `jnp.sum` over positions split over (gpu, xcd) (`starscream_fsdp+seq`) was one flat all-reduce."""
     spec = jax.typeof(logits_BPV).sharding.spec
-    position_axes = dim_axes(spec, 1)
-    if not position_axes:
+    if not dim_axes(spec, 1):
         return logits_BPV[:, length - 1]
     last_P = jnp.arange(logits_BPV.shape[1]) == length - 1
-    kept_BPV = jnp.where(last_P[None, :, None], logits_BPV, 0.0)
-    rows, vocab = (dim_axes(spec, dim) or None for dim in (0, 2))
-    return jax.shard_map(lambda local_BPV: hierarchical_psum(jnp.sum(local_BPV, axis=1), position_axes),
-                         mesh=placement.mesh, in_specs=spec, out_specs=PartitionSpec(rows, vocab))(kept_BPV)
+    return hierarchical_sum(jnp.where(last_P[None, :, None], logits_BPV, 0.0), spec, placement.mesh, (1,))
 
 
 EIGHT_BIT_DECODE_OPTIONS = {"xla_gpu_enable_triton_gemm": True}
