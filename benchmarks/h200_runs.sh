@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind README's speed tables, batched so that each machine start serves several measurements.
 # Usage (repository root): bash benchmarks/h200_runs.sh part1|part2|part3|part6|part9 RESULTS_DIR (two H200s), or
-# bash benchmarks/h200_runs.sh part4|part8 RESULTS_DIR BASE_TREE | part5|part7|part10-part18 RESULTS_DIR (one H200;
+# bash benchmarks/h200_runs.sh part4|part8 RESULTS_DIR BASE_TREE | part5|part7|part10-part19 RESULTS_DIR (one H200;
 # BASE_TREE: a copy of the tree before part4's change)
 # part1: one GPU (decode on GPU 1 beside training on GPU 0), then Llama 3.2 1B and Llama 3 8B tensor parallel on two.
 # part2: decode profiled, and with its layer loop unrolled, then Llama 3 8B tensor parallel and FSDP on two GPUs (cut
@@ -160,6 +160,12 @@ elif [ "$part" = part18 ]; then
   timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/serving/test_engine.py tests/model/test_paged.py \
     2>&1 | tail -4
   timeout 430 python3 scripts/bench_serve.py --workload B --compare-two-programs --out "$out/serve_b_mixed_steps.json"
+elif [ "$part" = part19 ]; then
+  # part19, one H200 (not yet run): the Mosaic GPU weight-only kernel (TMA copies into a ring of shared-memory stages,
+  # warpgroup MMA of the converted weight tile by x's) compiled against the dequantized product, then timed beside the
+  # Triton kernel, XLA's converting GEMM and bfloat16's cuBLAS GEMM on each projection of Llama 3 8B at 1 and 64 rows.
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/model/test_weight_only_mosaic.py 2>&1 | tail -4
+  timeout 300 python3 scripts/bench_weight_only.py --budget-s 0 --out "$out/h200_weight_only_mosaic.json"
 else
   # part3 (not run: superseded by part5): the 8B runs part2 did not reach, and collective matmul for TP.
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92

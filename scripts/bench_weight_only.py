@@ -8,7 +8,9 @@ Shapes: each projection of the model's layer as x [M, K] @ W [K, N] (Llama 3 8B:
 with float32 scales per output channel. Each timed call multiplies x by `copies` distinct weights of the shape, together
 at least --gigabytes of 8-bit weights (at most MAX_COPIES), so that no weight stays in the GPU's L2 between uses, as in
 a decode step, which reads 32 layers' weights; rate = weight bytes read (values and scales; bfloat16: 2 per value) /
-time. The kernel runs with its default blocks (every shape first, with XLA's path and bf16) and then, while
+time. On Hopper and newer the Mosaic GPU kernel (model/weight_only_mosaic.py: TMA copies into a ring of shared-memory
+stages, warpgroup MMA) is timed beside it ("mosaic", its weights transposed once beforehand, as loading would hold
+them). The kernel runs with its default blocks (every shape first, with XLA's path and bf16) and then, while
 --budget-s lasts, each of ALTERNATIVE_BLOCKS (its best is reported beside the default, a guide to the defaults),
 every candidate checked against XLA's product. Candidates take turns in
 rounds (`harness.alternating_rounds`). "layer" sums the seven projections of one layer per implementation.
@@ -77,6 +79,7 @@ def programs(config, K: int, N: int, rows: int, format_name: str, copies: int, i
     from starscream_jax.hardware.backend import policy_of
     from starscream_jax.model import projections as model_projections
     from starscream_jax.model.quantize import Scaled, quantize
+    from starscream_jax.model import weight_only_mosaic
     from starscream_jax.model.weight_only import weight_only_matmul
     from starscream_jax.sharding.apply import UNPLACED
     from starscream_jax.training.steps import decode_options as step_options
@@ -103,9 +106,15 @@ def programs(config, K: int, N: int, rows: int, format_name: str, copies: int, i
                     for w in weights]
         return jax.jit(run, compiler_options=decode_options or None)
 
+    def mosaic_run(x, weights):
+        return [weight_only_mosaic.mosaic_weight_only_matmul(x[:, 0], w.values, w.scale)[:, None] for w in weights]
+
     eight_bit_bytes = sum(w.values.nbytes + w.scale.nbytes for w in scaled)
     found = {name: (kernel(blocks), (x, scaled), eight_bit_bytes)
              for name, blocks in candidates(rows, implementation, quick).items()}
+    if weight_only_mosaic.available() and weight_only_mosaic.applies(rows, K, N):
+        held = [Scaled(weight_only_mosaic.transposed(w.values), w.scale) for w in scaled]  # as loading would hold them
+        found["mosaic"] = (jax.jit(mosaic_run, compiler_options=decode_options or None), (x, held), eight_bit_bytes)
     found["xla"] = (jax.jit(project, compiler_options=eight_bit_options or None), (x, scaled), eight_bit_bytes)
     found["bf16"] = (jax.jit(project, compiler_options=decode_options or None), (x, floats),
                      sum(w.nbytes for w in floats))
@@ -299,8 +308,9 @@ def layer_line(result: dict) -> str:
             + (f"; FAILED {errors}" if errors else ""))
 
 
-ESSENTIAL = ("kernel", "xla", "bf16")
-"""The candidates every shape is timed with first; the alternative blocks follow while time is left."""
+ESSENTIAL = ("kernel", "mosaic", "xla", "bf16")
+"""The candidates every shape is timed with first (the Mosaic GPU kernel, `model.weight_only_mosaic`, on Hopper and
+newer only, its weights transposed once beforehand); the alternative blocks follow while time is left."""
 
 
 def measure_shape(config, names: str, K: int, N: int, rows: int, format_name: str, args, implementation: str,
