@@ -123,7 +123,8 @@ def programs(config, K: int, N: int, rows: int, format_name: str, copies: int, i
 
 LAYER_COPIES = 2
 """Distinct layers per timed call of a whole layer (Llama 3 8B's 8-bit layer is 218 MB, four times the L2)."""
-LAYER_IMPLEMENTATIONS = ("grouped", "kernel", "xla", "bf16")
+LAYER_IMPLEMENTATIONS = ("grouped", "kernel", "mosaic", "xla", "bf16")
+""""mosaic": the Mosaic GPU kernel, one launch a projection, on Hopper and newer only (its weights transposed)."""
 
 
 def layer_weights(config, format_name: str, seed: int) -> dict:
@@ -179,6 +180,7 @@ def layer_function(name: str, implementation: str, config, blocks=None):
     from starscream_jax.model import projections as model_projections
     from starscream_jax.model.weight_only import weight_only_matmul
     from starscream_jax.model.weight_only_group import grouped_weight_only_matmul
+    from starscream_jax.model.weight_only_mosaic import mosaic_weight_only_matmul
     from starscream_jax.sharding.apply import UNPLACED
 
     xla_config = config.replace(eight_bit_matmul="xla")
@@ -194,6 +196,8 @@ def layer_function(name: str, implementation: str, config, blocks=None):
                                                           blocks, ptx)
                 elif name == "kernel":
                     outputs += [weight_only_matmul(x, *weights[p], implementation, ptx=ptx) for p in group]
+                elif name == "mosaic":
+                    outputs += [mosaic_weight_only_matmul(x, *weights[p]) for p in group]
                 else:
                     outputs += [model_projections.project("bench", "bsd,df->bsf", x[:, None], weights[p],
                                                           ("batch", "seq", "mlp"), xla_config, UNPLACED)[:, 0]
@@ -210,6 +214,8 @@ def layer_programs(config, rows: int, format_name: str, implementation: str, alt
     import jax.numpy as jnp
 
     from starscream_jax.hardware.backend import policy_of
+    from starscream_jax.model import weight_only_mosaic
+    from starscream_jax.model.quantize import Scaled
     from starscream_jax.training.steps import decode_options as step_options
 
     layers = [layer_weights(config, format_name, seed) for seed in range(LAYER_COPIES)]
@@ -221,10 +227,14 @@ def layer_programs(config, rows: int, format_name: str, implementation: str, alt
     decode_options, eight_bit_options = step_options(policy, False), step_options(policy, True)
     eight_bit_bytes = sum(w.values.nbytes + w.scale.nbytes for w in layers[0].values())
     found = {}
+    held = {"bf16": floats, "mosaic": [{p: Scaled(weight_only_mosaic.transposed(w.values), w.scale)
+                                        for p, w in layer.items()} for layer in layers]}
     for name in LAYER_IMPLEMENTATIONS:
+        if name == "mosaic" and not weight_only_mosaic.available():
+            continue
         options = eight_bit_options if name == "xla" else decode_options
         function = jax.jit(layer_function(name, implementation, config), compiler_options=options or None)
-        found[name] = ((function, (xs, floats if name == "bf16" else layers)),
+        found[name] = ((function, (xs, held.get(name, layers))),
                        sum(w.nbytes for w in floats[0].values()) if name == "bf16" else eight_bit_bytes)
     for fields in alternatives:
         name = "grouped " + ",".join(f"{key}={value}" for key, value in fields.items())
@@ -261,7 +271,7 @@ def measure_layer(config, rows: int, format_name: str, args, implementation: str
             got, expected = (np.concatenate([np.asarray(o, np.float32).ravel() for o in compiled[n][2]])
                              for n in (name, "xla"))
             result[f"{name}_error_vs_xla"] = float(np.linalg.norm(got - expected) / np.linalg.norm(expected))
-    for other in ("kernel", "xla", "bf16"):
+    for other in ("kernel", "mosaic", "xla", "bf16"):
         if "grouped" in timed and other in timed:
             result[f"grouped_over_{other}"] = timed[other].median / timed["grouped"].median
     grouped = {name: rounds.median for name, rounds in timed.items() if name.startswith("grouped")}
@@ -299,8 +309,8 @@ def layer_traces(compiled: dict, directory: Path, calls: int) -> dict:
 def layer_line(result: dict) -> str:
     times = " ".join(f"{name} {1e6 * result[name + '_s']:.0f} us ({result[name + '_bytes_per_s'] / 1e12:.2f} TB/s)"
                      for name in LAYER_IMPLEMENTATIONS if name + "_s" in result)
-    ratios = ", ".join(f"over {other} {result['grouped_over_' + other]:.2f}x" for other in ("kernel", "xla", "bf16")
-                       if "grouped_over_" + other in result)
+    ratios = ", ".join(f"over {other} {result['grouped_over_' + other]:.2f}x"
+                       for other in ("kernel", "mosaic", "xla", "bf16") if "grouped_over_" + other in result)
     errors = "; ".join(f"{key[:-len('_error')]}: {value}" for key, value in result.items() if key.endswith("_error"))
     best = (f"; best grouped tiling {result['best_grouped']} {result['best_grouped_over_bf16']:.2f}x bf16"
             if "best_grouped" in result else "")

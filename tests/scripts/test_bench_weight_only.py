@@ -60,7 +60,8 @@ def test_quick_run_times_a_layer_grouped_against_each_projection_alone(bench, tm
     assert result["rows"] == [] and [(layer["rows"], layer["format"]) for layer in result["grouped_layer"]] == [
         (1, "int8")]
     for layer in result["grouped_layer"]:
-        assert all(layer[f"{name}_s"] > 0 for name in bench.LAYER_IMPLEMENTATIONS)
+        on_cpu = [name for name in bench.LAYER_IMPLEMENTATIONS if name != "mosaic"]  # (Mosaic GPU: Hopper only)
+        assert all(layer[f"{name}_s"] > 0 for name in on_cpu) and "mosaic_s" not in layer
         assert layer["grouped_error_vs_xla"] < 1e-2 and layer["kernel_error_vs_xla"] < 1e-2
         assert layer["grouped_launches"] == 4 * bench.LAYER_COPIES
         assert layer["kernel_launches"] == 7 * bench.LAYER_COPIES
