@@ -164,7 +164,7 @@ elif [ "$part" = part19 ]; then
   # part19, one H200 (not yet run): the Mosaic GPU weight-only kernel (TMA copies into a ring of shared-memory stages,
   # warpgroup MMA of the converted weight tile by x's) compiled against the dequantized product, then timed beside the
   # Triton kernel, XLA's converting GEMM and bfloat16's cuBLAS GEMM on each projection of Llama 3 8B at 1 and 64 rows,
-  # and on one layer's seven projections (the Triton kernel's grouped launches beside seven Mosaic launches).
+  # and on one layer's seven projections (four launches each: the grouped Triton kernel's and the Mosaic kernel's).
   timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/model/test_weight_only_mosaic.py 2>&1 | tail -4
   timeout 240 python3 scripts/bench_weight_only.py --budget-s 0 --out "$out/h200_weight_only_mosaic.json"
   timeout 150 python3 scripts/bench_weight_only.py --layer-only --rows 1 64 \

@@ -124,7 +124,8 @@ def programs(config, K: int, N: int, rows: int, format_name: str, copies: int, i
 LAYER_COPIES = 2
 """Distinct layers per timed call of a whole layer (Llama 3 8B's 8-bit layer is 218 MB, four times the L2)."""
 LAYER_IMPLEMENTATIONS = ("grouped", "kernel", "mosaic", "xla", "bf16")
-""""mosaic": the Mosaic GPU kernel, one launch a projection, on Hopper and newer only (its weights transposed)."""
+""""mosaic": the Mosaic GPU kernel on Hopper and newer only, one launch a group of LAYER_GROUPS as the grouped kernel
+launches them, each group's weights held transposed and joined along N ([N_q + N_k + N_v, K]) once beforehand."""
 
 
 def layer_weights(config, format_name: str, seed: int) -> dict:
@@ -173,8 +174,10 @@ def grouped_blocks(rows: int, format_name: str, fields: dict):
 def layer_function(name: str, implementation: str, config, blocks=None):
     """f(x_by_input, layers) -> outputs of every projection of every layer, as `name` (LAYER_IMPLEMENTATIONS, or
     "grouped ..." with `blocks`) runs them. x_by_input: {group's first projection: x [M, K]}; layers:
-    [{projection: Scaled or bf16 [K, N]}]."""
+    [{projection: Scaled or bf16 [K, N]}], or for "mosaic" [{group: Scaled [N_group, K]}] (`mosaic_layer`)."""
     import jax
+    import jax.numpy as jnp
+    import numpy as np
 
     from starscream_jax.hardware.backend import policy_of
     from starscream_jax.model import projections as model_projections
@@ -185,6 +188,7 @@ def layer_function(name: str, implementation: str, config, blocks=None):
 
     xla_config = config.replace(eight_bit_matmul="xla")
     ptx = policy_of(jax.devices()[0]).inline_ptx
+    width = {name: N for names, _, N in projections(config) for name in names.split(",")}
 
     def run(xs, layers):
         outputs = []
@@ -197,7 +201,8 @@ def layer_function(name: str, implementation: str, config, blocks=None):
                 elif name == "kernel":
                     outputs += [weight_only_matmul(x, *weights[p], implementation, ptx=ptx) for p in group]
                 elif name == "mosaic":
-                    outputs += [mosaic_weight_only_matmul(x, *weights[p]) for p in group]
+                    joined = mosaic_weight_only_matmul(x, *weights[group])
+                    outputs += jnp.split(joined, np.cumsum([width[p] for p in group])[:-1].tolist(), axis=1)
                 else:
                     outputs += [model_projections.project("bench", "bsd,df->bsf", x[:, None], weights[p],
                                                           ("batch", "seq", "mlp"), xla_config, UNPLACED)[:, 0]
@@ -205,6 +210,20 @@ def layer_function(name: str, implementation: str, config, blocks=None):
         return outputs
 
     return run
+
+
+def mosaic_layer(layer: dict) -> dict:
+    """One layer's weights as the Mosaic kernel's layer row reads them: per group of LAYER_GROUPS (a tuple key) the
+    members' 8-bit values transposed and joined along N, [N_group, K], with their scales [N_group]."""
+    import jax.numpy as jnp
+
+    from starscream_jax.model.quantize import Scaled
+    from starscream_jax.model.weight_only_mosaic import transposed
+
+    return {group: Scaled(jnp.concatenate([transposed(layer[p].values) for p in group]),
+                          jnp.concatenate([jnp.broadcast_to(layer[p].scale, (layer[p].values.shape[1],))
+                                           for p in group]))
+            for group in LAYER_GROUPS}
 
 
 def layer_programs(config, rows: int, format_name: str, implementation: str, alternatives=()) -> dict:
@@ -227,8 +246,7 @@ def layer_programs(config, rows: int, format_name: str, implementation: str, alt
     decode_options, eight_bit_options = step_options(policy, False), step_options(policy, True)
     eight_bit_bytes = sum(w.values.nbytes + w.scale.nbytes for w in layers[0].values())
     found = {}
-    held = {"bf16": floats, "mosaic": [{p: Scaled(weight_only_mosaic.transposed(w.values), w.scale)
-                                        for p, w in layer.items()} for layer in layers]}
+    held = {"bf16": floats, "mosaic": [mosaic_layer(layer) for layer in layers]}
     for name in LAYER_IMPLEMENTATIONS:
         if name == "mosaic" and not weight_only_mosaic.available():
             continue
