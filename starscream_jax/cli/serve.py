@@ -403,7 +403,8 @@ def start_line(engine, name: str, source, mesh, args) -> str:
             f"  programs: decode rows per shard {list(buckets.rows)}, prefill rows {list(buckets.rows_of('prefill'))}"
             f" x {list(buckets.positions)} positions, pages per row {_pages_line(buckets)}"
             f"{_mixed_line(buckets)}: "
-            f"{buckets.programs()} in all; paged decode attention: {engine.kernel}")
+            f"{buckets.programs()} programs and {engine.programs_at_start() - buckets.programs()} samplers in all; "
+            f"paged decode attention: {engine.kernel}")
 
 
 def _mixed_line(buckets) -> str:
@@ -424,10 +425,9 @@ def warm_up(engine, show: bool) -> float:
     from tqdm import tqdm
 
     started = time.perf_counter()
-    with tqdm(total=engine.buckets.programs(), desc="compiling", unit="program", disable=not show,
+    with tqdm(total=engine.programs_at_start(), desc="compiling", unit="program", disable=not show,
               file=sys.stderr) as bar:
-        def progress(done: int, total: int) -> None:  # the total holds the samplers too
-            bar.total = total
+        def progress(done: int, total: int) -> None:
             bar.update(done - bar.n)
 
         engine.warm_up(progress)

@@ -771,8 +771,7 @@ class Engine:
         Python's lock; default: the CPU cores, at most 8); `progress(done, total)` before the first and after
         each. Then allocates the page pools. Returns the forward programs compiled. On a mesh spanning processes
         every process calls it (each process compiles the programs it runs)."""
-        shapes = [bucket.of_shards(self.shards) for bucket in self.buckets.shapes()]
-        samplers = {_sampler_key(bucket, features): bucket for bucket in shapes for features in SamplerFeatures.every()}
+        shapes, samplers = self._start_programs()
         total = len(shapes) + len(samplers)
         lowered = {key: self._lowered(key) for key in shapes if key not in self._programs}
         samplers = {key: shape for key, shape in samplers.items() if key not in self._samplers}
@@ -811,6 +810,17 @@ class Engine:
         if program is None:
             program = self._programs[key] = self._lowered(key).compile()
         return program
+
+    def programs_at_start(self) -> int:
+        """How many programs `warm_up` compiles: the forward program of every bucket and their samplers."""
+        return sum(map(len, self._start_programs()))
+
+    def _start_programs(self) -> tuple[list[Bucket], dict[tuple, Bucket]]:
+        """(the forward programs' buckets (rows of all shards), {`_sampler_key`: the bucket it follows}) of every
+        bucket (`Buckets.shapes`) and combination of passes (`SamplerFeatures.every`)."""
+        shapes = [bucket.of_shards(self.shards) for bucket in self.buckets.shapes()]
+        return shapes, {_sampler_key(bucket, features): bucket for bucket in shapes
+                        for features in SamplerFeatures.every()}
 
     def _sampler(self, phase: str, inputs: StepInputs | MixedInputs, forward, features: SamplerFeatures):
         """The compiled sampler of `features` that follows `forward` (the compiled forward program of `phase` that

@@ -179,6 +179,7 @@ def test_no_program_of_a_step_holds_a_conditional(engine_for):
         ("mixed", MixedInputs(StepInputs.zeros(ROWS, 1, 16), StepInputs.zeros(ROWS, 8, 16))))]
     texts += [program.as_text() for program in engine._samplers.values()]
     assert engine.samplers == 3 * len(SamplerFeatures.every())  # decode's, prefill's and mixed rows, each combination
+    assert engine.programs_at_start() == engine.buckets.programs() + engine.samplers  # the start's progress bar total
     assert not [text for text in texts if " conditional(" in text]
 
 
