@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import StarscreamError
+from ..text.tokenizer import require_unicode
 from .guided import (
     Grammar,
     choice_grammar,
@@ -98,8 +99,8 @@ class Sampling(BaseModel):
     completions with echo (its text and log-probabilities), as vLLM serves it."""
 
     model_config = ConfigDict(extra="ignore")
-    REFUSED_HERE: ClassVar[dict[str, tuple]] = {}
-    """Fields refused as UNSUPPORTED's are, on this route only (what the other route serves)."""
+    ECHO_ALONE: ClassVar[bool] = False
+    """Whether echo with max_tokens 0 is served: the prompt alone (completions)."""
     model: str | None = None  # None: the served model, as vLLM reads it
     max_tokens: int | None = Field(default=None, ge=0, le=WHOLE_INT)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=WHOLE_INT)
@@ -149,7 +150,7 @@ class Sampling(BaseModel):
 
     @model_validator(mode="after")
     def _nothing_generated_only_with_echo(self):
-        if self.max_tokens == 0 and not getattr(self, "echo", False):
+        if self.max_tokens == 0 and not (self.ECHO_ALONE and getattr(self, "echo", False)):
             raise ApiError(HTTP_BAD_REQUEST, "max_tokens 0 generates nothing; it is served with echo on completions "
                            "(the prompt and its log-probabilities); give at least 1", param="max_tokens")
         return self
@@ -169,7 +170,7 @@ class Sampling(BaseModel):
         if not isinstance(body, dict):
             return body
         body = {name: value for name, value in body.items() if value is not None}
-        for name, neutral in {**UNSUPPORTED, **cls.REFUSED_HERE}.items():
+        for name, neutral in UNSUPPORTED.items():
             if name in body and not any(_same(body[name], value) for value in neutral):
                 instead = INSTEAD.get(name, "")
                 raise ApiError(HTTP_BAD_REQUEST, f"{name} is not supported by this server; leave it out (or send "
@@ -206,6 +207,15 @@ class Sampling(BaseModel):
         return int.from_bytes(digest, "little") % 2 ** 31
 
     @model_validator(mode="after")
+    def _request_id_is_text(self):
+        """request_id names the response (its `id`), which must be valid Unicode to be sent as JSON."""
+        try:
+            require_unicode(self.request_id or "", "request_id")
+        except StarscreamError as err:
+            raise ApiError(HTTP_BAD_REQUEST, str(err), param="request_id") from None
+        return self
+
+    @model_validator(mode="after")
     def _cache_salt_is_text(self):
         if self.cache_salt == "":
             raise ApiError(HTTP_BAD_REQUEST, "cache_salt is empty; give a non-empty text or leave it out",
@@ -223,12 +233,15 @@ class Sampling(BaseModel):
         """bad_words as token-id sequences, as vLLM reads them: each word (its leading spaces dropped) encoded
         without special tokens, and again after one space where that gives as many tokens beginning with another
         (the word inside a text, where tokenizers write the space into its first token); `encode(text)` gives ids.
-        ApiError naming bad_words for an empty word, a word of more than MAX_BAD_WORD_TOKENS tokens, or more than
-        MAX_BAD_WORDS sequences."""
+        ApiError naming bad_words for a word the tokenizer cannot encode (not valid Unicode), an empty word, a word
+        of more than MAX_BAD_WORD_TOKENS tokens, or more than MAX_BAD_WORDS sequences."""
         sequences = []
         for word in self.bad_words or ():
-            alone = tuple(int(token) for token in encode(word.lstrip()))
-            spaced = tuple(int(token) for token in encode(" " + word.lstrip()))
+            try:
+                alone = tuple(int(token) for token in encode(word.lstrip()))
+                spaced = tuple(int(token) for token in encode(" " + word.lstrip()))
+            except StarscreamError as err:
+                raise ApiError(HTTP_BAD_REQUEST, f"bad_words entry {word!r}: {err}", param="bad_words") from None
             if not alone or len(alone) > MAX_BAD_WORD_TOKENS:
                 raise ApiError(HTTP_BAD_REQUEST, f"bad_words entry {word!r} is {len(alone)} tokens; give words of 1 "
                                f"to {MAX_BAD_WORD_TOKENS} tokens", param="bad_words")
@@ -354,6 +367,7 @@ class CompletionRequest(Sampling):
     its token ids), and with `logprobs` N its tokens' log-probabilities before the completion's (as lm-eval's
     loglikelihood tasks read them: with max_tokens 0, the prompt's alone)."""
 
+    ECHO_ALONE: ClassVar[bool] = True
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_special_tokens: bool = True
@@ -425,12 +439,23 @@ class ChatTemplateFields(BaseModel):
     """The fields that say how messages become the prompt, as vLLM reads them (chat, and /tokenize with
     messages): `add_generation_prompt` (the template's cue for a new assistant turn), `continue_final_message` (the
     last message is continued: nothing the template writes after it, no generation prompt), `chat_template` (a
-    Jinja template instead of the server's) and `chat_template_kwargs` (more names for the template)."""
+    Jinja template instead of the server's), `chat_template_kwargs` (more names for the template) and `tools`
+    (OpenAI's function tools, which tool-calling templates write into the prompt)."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict | None = None
+    tools: list[dict] | None = None
+
+    @model_validator(mode="after")
+    def _tools_are_functions(self):
+        try:
+            for tool in self.tools or ():
+                function_of(tool)
+        except StarscreamError as err:
+            raise ApiError(HTTP_BAD_REQUEST, str(err), param="tools") from None
+        return self
 
     def template_options(self) -> TemplateOptions:
         """The request's `TemplateOptions`; ApiError naming the field for a reserved name in chat_template_kwargs,
@@ -453,31 +478,22 @@ class ChatTemplateFields(BaseModel):
 class ChatRequest(Sampling, ChatTemplateFields):
     """A chat request; `tools` (OpenAI's function tools) reach the chat template, and `tool_choice` says how the
     answer becomes calls (`serving.tools`); the template fields of `ChatTemplateFields`; vLLM's `structural_tag`
-    (a structural tag's JSON text, beside the other grammar fields)."""
+    (a structural tag's JSON text, beside the other grammar fields); vLLM's `echo` (`echoed`)."""
 
-    REFUSED_HERE: ClassVar[dict[str, tuple]] = {"echo": (False,)}
     messages: list[ChatMessage] = Field(min_length=1)
+    echo: bool = False
     structural_tag: str | None = None
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
     add_special_tokens: bool = False  # the template writes them
-    tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
 
-    @model_validator(mode="after")
-    def _tools_are_functions(self):
-        try:
-            for tool in self.tools or ():
-                function_of(tool)
-        except StarscreamError as err:
-            raise ApiError(HTTP_BAD_REQUEST, str(err), param="tools") from None
-        return self
-
     def tool_mode(self, parser: str | None) -> ToolMode | None:
-        """How the answer becomes tool calls (`serving.tools.ToolMode`), None when it does not (no tools, or
-        tool_choice "none"); `parser` is the server's --tool-call-parser for "auto". ApiError naming tool_choice
-        for a choice it cannot serve."""
+        """How the answer becomes tool calls (`serving.tools.ToolMode`; the first call alone where
+        parallel_tool_calls is false, as vLLM keeps it), None when it does not (no tools, or tool_choice "none");
+        `parser` is the server's --tool-call-parser for "auto". ApiError naming tool_choice for a choice it cannot
+        serve."""
         choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
         if choice == "none":
             return None
@@ -489,10 +505,10 @@ class ChatRequest(Sampling, ChatTemplateFields):
                 raise ApiError(HTTP_BAD_REQUEST, "tool_choice \"auto\" needs a tool-call parser, which this server "
                                "has none of for its model; start it with --tool-call-parser, or send tool_choice "
                                "\"required\" or a named function", param="tool_choice")
-            return ToolMode("auto", PARSERS[parser])
+            return ToolMode("auto", PARSERS[parser], parallel=self.parallel_tool_calls)
         known = PARSERS.get(parser) if parser else None
         if choice == "required":
-            return ToolMode("required", known)
+            return ToolMode("required", known, parallel=self.parallel_tool_calls)
         function = choice.get("function") if isinstance(choice, dict) else None
         name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str) or choice.get("type", "function") != "function":
@@ -515,6 +531,15 @@ class ChatRequest(Sampling, ChatTemplateFields):
                 required_grammar(self.tools, self.parallel_tool_calls)
         except StarscreamError as err:
             raise ApiError(HTTP_BAD_REQUEST, str(err), param="tool_choice") from None
+
+    def echoed(self, options: TemplateOptions) -> str:
+        """The text the answer begins with under `echo`, as vLLM's: the last message's, where its role is the
+        answer's (the assistant's with a generation prompt, else the last message's own: a continued message);
+        else nothing."""
+        last = self.messages[-1]
+        if not self.echo or (options.add_generation_prompt and last.role != "assistant"):
+            return ""
+        return last.for_template()["content"]
 
     @model_validator(mode="after")
     def _top_logprobs_with_logprobs(self):

@@ -52,13 +52,13 @@ def _decode_of(serving: Serving, skip_special: bool, spaced: bool, tools: ToolMo
 
 class Choice:
     """One engine request of a response (a choice): its tokens turned into text as they come, its end, and its
-    metrics once it ends; `echo` is text its answer begins with (a completions prompt echoed), and with
-    `echo_only` (max_tokens 0) its whole answer: the one token the engine generates is dropped. Special tokens'
-    text is left out of its text unless `skip_special` is False (vLLM's skip_special_tokens; then `spaced`, vLLM's
-    spaces_between_special_tokens, sets each one apart by a space), or a tool-call parser reads it (tool_choice
-    auto: the parsers' markers are special tokens). As in vLLM, the token that ends it (an EOS id, or one of the
-    request's `stop_ids`) is one of its tokens (usage, token ids, log-probabilities) and its text is left out
-    unless `include_stop`; a stop string ends its tokens at the one that completed it."""
+    metrics once it ends; `echo` is text its answer begins with (a completions prompt, or chat's last message,
+    echoed), and with `echo_only` (max_tokens 0) its whole answer: the one token the engine generates is dropped.
+    Special tokens' text is left out of its text unless `skip_special` is False (vLLM's skip_special_tokens; then
+    `spaced`, vLLM's spaces_between_special_tokens, sets each one apart by a space), or a tool-call parser reads it
+    (tool_choice auto: the parsers' markers are special tokens). As in vLLM, the token that ends it (an EOS id, or
+    one of the request's `stop_ids`) is one of its tokens (usage, token ids, log-probabilities) and its text is
+    left out unless `include_stop`; a stop string ends its tokens at the one that completed it."""
 
     def __init__(self, serving: Serving, index: int, request_id: str, prompt: list[int], params: SamplingParams,
                  stop: tuple[str, ...], include_stop: bool, stream: RequestStream, tools: ToolMode | None = None,
@@ -103,6 +103,7 @@ class Choice:
         if self.text.stopped:  # a stop string: the tokens end at the one that completed it
             tokens, values, tops = tokens[:self.text.taken], values[:self.text.taken], tops[:self.text.taken]
             self.finish_reason, self.stop_reason = "stop", self.text.stopped
+            self._end_in_engine()  # now: the response's other choices may run a while yet
         elif delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             self.stop_reason = tokens[-1] if stop_token and tokens[-1] in self.stop_ids else None
@@ -119,11 +120,12 @@ class Choice:
 
     def outcome(self) -> tuple[str | None, list[dict], str | None]:
         """The whole choice's (content, OpenAI tool_calls, finish_reason): "tool_calls" when it ended by itself
-        ("stop") with calls."""
-        text = self.echo + "".join(self.parts)
+        ("stop") with calls; the echo begins the content (the calls are read from the generated text alone)."""
+        text = "".join(self.parts)
         if self.tools is None:
-            return text, [], self.finish_reason
+            return self.echo + text, [], self.finish_reason
         content, calls = self.tools.calls(text)
+        content = self.echo + (content or "") if self.echo else content
         return content, [call.openai() for call in calls], self._reason(bool(calls))
 
     def streamed_reason(self) -> str | None:
@@ -133,11 +135,16 @@ class Choice:
     def _reason(self, called: bool) -> str | None:
         return "tool_calls" if called and self.finish_reason == "stop" else self.finish_reason
 
-    def finished(self, arrival: float) -> None:
-        """Cancels the request in the engine if it still runs (a stop string, the client gone, another choice
-        failed) and records its metrics."""
+    def _end_in_engine(self) -> None:
+        """Cancels the request in the engine if it still runs (its pages freed; nothing more arrives for it)."""
         if not self.engine_done:
             self.serving.client.cancel(self.request_id)
+            self.engine_done = True
+
+    def finished(self, arrival: float) -> None:
+        """Cancels the request in the engine if it still runs (the client gone, another choice failed) and records
+        its metrics."""
+        self._end_in_engine()
         self.serving.metrics.observe_request(RequestTimes(
             first_token_s=None if self.first_at is None else self.first_at - arrival,
             last_token_s=None if self.last_at is None else self.last_at - arrival, queued_s=self.queued_s,
@@ -226,6 +233,8 @@ class CompletionResponse:
                     first = self._chunk(choice, {"role": "assistant", "content": ""}, None)
                     yield _sse(encode({**first, **self._ids("prompt_token_ids", choice.prompt),
                                        **self._prompt_logprobs(choice)}))
+                    if choice.echo:
+                        yield _sse(encode(self._chunk(choice, choice.echo, None)))
                 elif choice.echo or self.body.return_token_ids or self.body.prompt_logprobs is not None:
                     logprobs = self._logprobs(choice, [], [], []) if self.echoes_logprobs else None
                     first = self._chunk(choice, choice.echo, None, logprobs)

@@ -234,7 +234,8 @@ class Server:
     async def tokenize(self, body: TokenizeRequest):
         self._check_model(body.model)
         if body.messages is not None:
-            tokens = await self._chat_tokens(body.messages, body.template_options(), bool(body.add_special_tokens))
+            tokens = await self._chat_tokens(body.messages, body.template_options(), bool(body.add_special_tokens),
+                                             body.tools)
         else:
             special = True if body.add_special_tokens is None else body.add_special_tokens
             tokens = await self._tokenize(body.prompt, "prompt", lambda: self.tokenizer.encode(body.prompt, special))
@@ -271,9 +272,10 @@ class Server:
         self._admit(body.n)
         tools = body.tool_mode(self.tool_parser)
         grammar = await self._grammar(body)
-        prompt = await self._chat_tokens(body.messages, body.template_options(), body.add_special_tokens, body.tools)
+        options = body.template_options()
+        prompt = await self._chat_tokens(body.messages, options, body.add_special_tokens, body.tools)
         return await self._serve(body, [prompt], request, arrival, chat=True, logprobs=body.logprobs,
-                                 grammar=grammar, tools=tools)
+                                 grammar=grammar, tools=tools, echoes=[body.echoed(options)])
 
     @staticmethod
     async def _grammar(body: Sampling) -> Grammar | None:
@@ -372,14 +374,16 @@ class Server:
         prompts = [body.truncated(prompt, self.context) for prompt in prompts]
         params = [replace(self._params(body, prompt, logprobs, chat), grammar=grammar) for prompt in prompts]
         self._admit(len(prompts) * body.n)
-        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}"
+        kind = "chatcmpl" if chat else "cmpl"
+        engine_id, named = f"{kind}-{next(self._ids)}", _client_request_id(body, request)
+        response_id = f"{kind}-{named}" if named else engine_id
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         choices = []
         echoes = echoes or [""] * len(prompts)
         for number, (prompt, base, echo) in enumerate(zip(prompts, params, echoes)):
             for i in range(body.n):
                 index = number * body.n + i
-                request_id = response_id if len(prompts) * body.n == 1 else f"{response_id}-{index}"
+                request_id = engine_id if len(prompts) * body.n == 1 else f"{engine_id}-{index}"
                 seeded = base if i == 0 or base.seed is None else replace(base, seed=(base.seed + i) % 2 ** 31)
                 stream = self.client.submit(request_id, prompt, seeded)
                 choices.append(Choice(self.serving, index, request_id, prompt, seeded, stop,
@@ -455,11 +459,21 @@ class Server:
         return max(asked.values(), default=None)
 
 
+def _client_request_id(body: Sampling, request: Request) -> str | None:
+    """The id the client names its request by, which names the response as vLLM names it ("cmpl-" or "chatcmpl-"
+    and the id): the X-Request-Id header, else the body's request_id; None where neither is given. The engine's
+    own request ids stay the server's (two clients may send one id)."""
+    return request.headers.get("x-request-id") or body.request_id
+
+
 def _validation_error(err: RequestValidationError) -> ApiError:
     """FastAPI's validation error (malformed JSON, a missing or bad field) as OpenAI's 400."""
     first = err.errors()[0]
     if first.get("type") == "json_invalid":
         return ApiError(HTTP_BAD_REQUEST, "the request body is not valid JSON; send a JSON object")
+    if tuple(first.get("loc", ())) == ("body",):  # no body, or one not read as a JSON object (another content type)
+        return ApiError(HTTP_BAD_REQUEST, "the request body is not a JSON object; send one, with the header "
+                                          "'Content-Type: application/json'")
     where = ".".join(str(part) for part in first.get("loc", ())[1:]) or "body"
     return ApiError(HTTP_BAD_REQUEST, f"{where}: {first.get('msg', 'invalid value')}", param=where)
 

@@ -239,17 +239,24 @@ def required_grammar(tools: list, parallel: bool = True) -> Grammar:
 class ToolMode:
     """How a request's text becomes tool calls: "auto" (read by `parser`), "required" (a JSON array of calls) or
     "named" (the arguments of function `name`); the server's `parser` also decides the calls' ids (Mistral's
-    templates take back only 9 letters and digits)."""
+    templates take back only 9 letters and digits). Without `parallel` (the request's parallel_tool_calls false)
+    only the first call is kept, as vLLM keeps it: a model may write several calls whatever the request says."""
 
     kind: str
     parser: ToolParser | None = None
     name: str = ""
+    parallel: bool = True
 
     def new_id(self) -> str:
         return new_id(self.parser is not None and self.parser.name == "mistral")
 
     def calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a whole generated text; text that does not parse is content, with no calls."""
+        """(content, calls) of a whole generated text (the first call alone without `parallel`); text that does not
+        parse is content, with no calls."""
+        content, calls = self._parsed(text)
+        return content, calls if self.parallel else calls[:1]
+
+    def _parsed(self, text: str) -> tuple[str | None, list[ToolCall]]:
         if self.kind == "auto":
             return self.parser.parse(text)
         if self.kind == "named":

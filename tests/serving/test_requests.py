@@ -46,7 +46,7 @@ BASE = {"completions": (CompletionRequest, {"model": "m", "prompt": "hi"}),
 @pytest.mark.parametrize("route, fields", [("completions", VLLM_COMPLETION_FIELDS), ("chat", VLLM_CHAT_FIELDS)])
 def test_every_vllm_field_is_read_or_refused_by_name(route, fields):
     model, base = BASE[route]
-    refused_here = {**UNSUPPORTED, **model.REFUSED_HERE}
+    refused_here = UNSUPPORTED
     silent = [name for name in fields if name not in model.model_fields and name not in refused_here]
     assert not silent, f"fields a vLLM client sends that {route} would drop without a word: {silent}"
     for name in fields:
@@ -215,7 +215,7 @@ def test_the_deprecated_function_fields_point_to_tools():
         assert refused.value.param == name
 
 
-def test_echo_and_prompt_logprobs_are_read_max_tokens_0_only_with_echo_and_echo_refused_on_chat():
+def test_echo_and_prompt_logprobs_are_read_and_max_tokens_0_only_with_echo_on_completions():
     assert CompletionRequest.model_validate({**BASE["completions"][1], "echo": True}).echo
     lm_eval = CompletionRequest.model_validate({**BASE["completions"][1], "echo": True, "max_tokens": 0,
                                                 "logprobs": 1, "temperature": 0})
@@ -228,8 +228,22 @@ def test_echo_and_prompt_logprobs_are_read_max_tokens_0_only_with_echo_and_echo_
         with pytest.raises(ApiError, match="max_tokens 0") as refused:
             model.model_validate({**base, "max_tokens": 0})
         assert refused.value.param == "max_tokens"
-    with pytest.raises(ApiError, match="echo is not supported"):
-        ChatRequest.model_validate({**BASE["chat"][1], "echo": True})
+    _refused(ChatRequest, {**BASE["chat"][1], "echo": True, "max_tokens": 0}, "max_tokens")
+
+
+def test_chat_echo_begins_the_answer_with_the_last_message_where_its_role_is_the_answers():
+    """As vLLM's: with a generation prompt the answer is the assistant's, so only an assistant's last message is
+    echoed; without one (a continued message) the last message is, whatever its role; without echo nothing."""
+    def echoed(messages, **fields):
+        body = ChatRequest.model_validate({"messages": messages, **fields})
+        return body.echoed(body.template_options())
+
+    user, assistant = {"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "text",
+                                                                                          "text": "Sure"}]}
+    assert echoed([user, assistant], echo=True) == "Sure" and echoed([user], echo=True) == ""
+    assert echoed([user], echo=True, add_generation_prompt=False) == "hi"
+    assert echoed([user, assistant], echo=True, continue_final_message=True, add_generation_prompt=False) == "Sure"
+    assert echoed([user, assistant]) == ""
 
 
 def _refused(model, body: dict, field: str):
@@ -304,3 +318,25 @@ def test_model_is_optional_seeds_take_any_64_bit_integer_and_stream_options_need
     with pytest.raises(ApiError, match="stream_options applies to streamed") as refused:
         CompletionRequest.model_validate({**streamed, "stream": False})
     assert refused.value.param == "stream_options" and refused.value.status == 400
+
+
+def test_tokenize_takes_tools_and_text_a_tokenizer_cannot_encode_is_a_400_naming_its_field():
+    """/tokenize reads chat's tools (a bad one named), as vLLM's renders them into the template; a bad word the
+    tokenizer refuses (a lone surrogate) and a request_id that could not be sent back as JSON are 400s naming them;
+    without parallel_tool_calls the tool mode keeps one call."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert TokenizeRequest.model_validate({"messages": BASE["chat"][1]["messages"], "tools": tools}).tools == tools
+    _refused(TokenizeRequest, {"messages": BASE["chat"][1]["messages"], "tools": [{"type": "web"}]}, "tools")
+
+    def encode(text):
+        raise StarscreamError("text to encode is not valid Unicode; give text whose characters are whole")
+
+    body = CompletionRequest.model_validate({**BASE["completions"][1], "bad_words": ["\ud800"]})
+    with pytest.raises(ApiError, match="not valid Unicode") as refused:
+        body.bad_word_ids(encode)
+    assert refused.value.param == "bad_words" and refused.value.status == 400
+    _refused(CompletionRequest, {**BASE["completions"][1], "request_id": "id-\ud800"}, "request_id")
+    assert CompletionRequest.model_validate({**BASE["completions"][1], "request_id": "id-1"}).request_id == "id-1"
+    single = ChatRequest.model_validate({**BASE["chat"][1], "tools": tools, "parallel_tool_calls": False})
+    assert not single.tool_mode("hermes").parallel and ChatRequest.model_validate(
+        {**BASE["chat"][1], "tools": tools}).tool_mode("hermes").parallel

@@ -208,6 +208,19 @@ def test_a_stop_string_ends_the_token_ids_and_usage_at_the_token_that_completes_
         assert answer.choices[0].token_ids == free[:done] and answer.usage.completion_tokens == done
 
 
+
+def test_a_stop_string_ends_its_choice_in_the_engine_while_the_others_run(client, served):
+    """A choice ended by a stop string is cancelled in the engine at once, not when the response's last choice
+    ends: the engine generates its tokens up to the stop and the other choice's, not two whole choices."""
+    sampling = {"model": MODEL, "max_tokens": 30, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    texts = [client.completions.create(prompt=prompt, **sampling).choices[0].text for prompt in ("hello world", "x")]
+    stop = next(texts[0][i:i + 2] for i in range(len(texts[0])) if texts[0][i:i + 2].strip()
+                and texts[0][i:i + 2] not in texts[1])
+    before = _wait_idle(served[1]).generated_tokens
+    both = client.completions.create(prompt=["hello world", "x"], stop=[stop], **sampling)
+    assert both.choices[0].finish_reason == "stop" and both.choices[1].finish_reason == "length"
+    assert _wait_idle(served[1]).generated_tokens - before < 2 * 30 - 10
+
 def test_chat_uses_the_template_and_streams(client):
     messages = [{"role": "user", "content": "hi"}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0, seed=1)
@@ -217,6 +230,21 @@ def test_chat_uses_the_template_and_streams(client):
     assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == whole.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
+
+
+def test_chat_echo_begins_the_answer_with_the_continued_message_whole_and_streamed(client):
+    """vLLM's chat echo: the continued final message's text, then what the model wrote after it, in the whole
+    answer and in the chunks after the role's."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]
+    sampling = {"model": MODEL, "messages": messages, "max_tokens": 3, "temperature": 0,
+                "extra_body": {"continue_final_message": True, "add_generation_prompt": False}}
+    plain = client.chat.completions.create(**sampling).choices[0].message.content
+    echoed = client.chat.completions.create(**{**sampling, "extra_body": {**sampling["extra_body"], "echo": True}})
+    assert echoed.choices[0].message.content == "Sure" + plain
+    chunks = list(client.chat.completions.create(**{**sampling, "extra_body": {**sampling["extra_body"],
+                                                                               "echo": True}}, stream=True))
+    assert chunks[1].choices[0].delta.content == "Sure"
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == "Sure" + plain
 
 def test_top_logprobs_penalties_and_logit_bias_through_the_openai_client(client, served, llama_tokenizer):
     """Chat's top_logprobs and completions' logprobs N come back in OpenAI's shapes (greedy: the chosen token is
@@ -546,6 +574,27 @@ def test_tool_choice_required_and_named_give_parsed_calls_whole_and_streamed(cli
     served[1].tool_parser = None
 
 
+
+def test_the_response_id_follows_x_request_id_or_request_id(client):
+    """As vLLM names a response: "cmpl-" / "chatcmpl-" and the X-Request-Id header, else the body's request_id;
+    two requests of one id run side by side (the engine's ids stay the server's)."""
+    asked = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "extra_body": {"request_id": "job-7"}}
+    assert client.completions.create(**asked).id == "cmpl-job-7"
+    assert {chunk.id for chunk in client.completions.create(**asked, n=2, stream=True)} == {"cmpl-job-7"}
+    assert client.completions.create(**asked, extra_headers={"X-Request-Id": "trace-1"}).id == "cmpl-trace-1"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          extra_body={"request_id": "job-8"})
+    assert chat.id == "chatcmpl-job-8"
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).id.startswith("cmpl-")
+
+
+def test_tokenize_renders_the_requests_tools(served, llama_tokenizer):
+    """/tokenize with messages writes the request's tools into the template, as chat does (vLLM reads them)."""
+    template = "{% if tools %}{{ tools | length }}:{% endif %}{{ messages[0].content }}"
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template": template, "tools": TOOLS}
+    tokens = httpx.post(served[0] + "/tokenize", json=body).json()["tokens"]
+    assert tokens == llama_tokenizer.encode("2:hi", False).tolist()
+
 def test_tokenize_detokenize_version_ping_and_no_embeddings(served, llama_tokenizer):
     url = served[0]
     tokens = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": "hello world"}).json()
@@ -611,6 +660,18 @@ def _offline_server(tokenizer, programs: int = 0, **options) -> Server:
     info = EngineInfo(context=64, vocab_size=512, max_num_seqs=8, pages_total=100, page_size=4, programs=programs)
     return Server(_IdleClient(), tokenizer, MODEL, info, **options)
 
+
+
+def test_a_body_not_read_as_json_and_a_bad_word_that_is_not_text_are_400s(llama_tokenizer):
+    """curl's -d without a JSON content type (a form body) is a 400 naming the header to send; a bad word holding
+    a lone surrogate is a 400 naming bad_words, not a server error."""
+    http = TestClient(_offline_server(llama_tokenizer).app())
+    form = http.post("/v1/completions", content=b'{"prompt": "hi"}',
+                     headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert form.status_code == 400 and "Content-Type: application/json" in form.json()["error"]["message"]
+    bad = http.post("/v1/completions", content=b'{"prompt": "hi", "bad_words": ["\\ud800"]}',
+                    headers={"Content-Type": "application/json"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "bad_words"
 
 def test_the_programs_compiled_at_start_are_served_before_any_step(llama_tokenizer):
     http = TestClient(_offline_server(llama_tokenizer, programs=14).app())

@@ -129,3 +129,16 @@ def test_forced_calls_take_mistral_ids_under_the_mistral_parser():
         call = ToolMode("named", parser, "weather").calls('{"city": "Oslo"}')[1][0]
         listed = ToolMode("required", parser).calls('[{"name": "time", "parameters": {}}]')[1][0]
         assert (len(call.id) == 9) == short and (len(listed.id) == 9) == short
+
+
+def test_without_parallel_tool_calls_only_the_first_call_is_kept_whole_and_streamed():
+    """A model may write several calls whatever the request says; parallel_tool_calls false keeps the first, as
+    vLLM does, in the whole answer and in the streamed deltas."""
+    text = ('<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
+            '<tool_call>{"name": "time", "arguments": {}}</tool_call>')
+    single = ToolMode("auto", PARSERS["hermes"], parallel=False)
+    assert _named(single.calls(text)[1]) == [("weather", {"city": "Oslo"})]
+    assert len(ToolMode("auto", PARSERS["hermes"]).calls(text)[1]) == 2
+    stream = ToolStream(single)
+    deltas = stream.add(text[:30], final=False)[1] + stream.add(text[30:], final=True)[1]
+    assert [delta["function"]["name"] for delta in deltas] == ["weather"]
