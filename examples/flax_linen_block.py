@@ -105,7 +105,8 @@ def main(layout: str = "starscream_tp", steps: int = 6):
         for i in range(steps):
             params, opt_state, loss = train_step(params, opt_state, *batch(i, mesh, layout))
             losses.append(float(loss))
-        verdict = check(train_step, params, opt_state, *batch(0, mesh, layout), mesh=mesh, layout=layout, vocabulary=MAXTEXT)
+        verdict = check(train_step, params, opt_state, *batch(0, mesh, layout), mesh=mesh, layout=layout,
+                        vocabulary=MAXTEXT)
     return losses, verdict
 
 

@@ -3,8 +3,9 @@
 Parameters carry logical names through `nnx.with_partitioning` (Flax's `out_sharding` metadata), activations through
 Linen's `nn.with_logical_constraint` (which reads the `logical_axis_rules` context NNX shares; none with
 `Config(constraints=False)`, as many GSPMD models are written), and the loss is optax's. The names are the model's
-own: `embed`, `hidden`, `heads`, `head_dim`, `vocab`, `qkv`; `batch`, `length` for the tokens. Flax's layers as they ship: `nnx.Embed` (tied: the output head is `attend`), `nnx.LayerNorm` with
-scale and bias, `nnx.Linear` and `nnx.LinearGeneral` with biases, GELU, and q/k/v fused in one projection or three.
+own: `embed`, `hidden`, `heads`, `head_dim`, `vocab`, `qkv`; `batch`, `length` for the tokens. Flax's layers as they
+ship: `nnx.Embed` (tied: the output head is `attend`), `nnx.LayerNorm` with scale and bias, `nnx.Linear` and
+`nnx.LinearGeneral` with biases, GELU, and q/k/v fused in one projection or three.
 """
 from __future__ import annotations
 

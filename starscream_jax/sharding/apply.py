@@ -662,11 +662,19 @@ def param_specs(state: nnx.State, layout: Layout | str, mesh) -> nnx.State:
         if names is None:
             if len(shape) == 0:
                 return PartitionSpec()
-            raise ShardingRuleError(f"{path_name(path)} {tuple(shape)} has no logical axis names; create it with "
-                                    f"starscream_jax.param(value, names) or nnx.with_partitioning(init, names)")
+            raise ShardingRuleError(f"{path_name(path)} {tuple(shape)} has no logical axis names; {_naming(variable)}")
         return resolve(names, tuple(shape), layout.params, mesh, path_name(path), f"param rules of {layout.name}")
 
     return jax.tree.map_with_path(spec_of, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _naming(variable) -> str:
+    """How to give `variable` logical names: a parameter at its creation; another variable (a layer's statistics,
+    such as `nnx.BatchNorm`'s mean and var, which the layer takes no metadata for) once created."""
+    if isinstance(variable, nnx.Variable) and not isinstance(variable, nnx.Param):
+        return (f"name this {type(variable).__name__} once its layer is created, in the model's constructor: "
+                "variable.set_metadata(out_sharding=names)")
+    return "create it with starscream_jax.param(value, names) or nnx.with_partitioning(init, names)"
 
 
 def param_shardings(state: nnx.State, layout: Layout | str, mesh) -> nnx.State:

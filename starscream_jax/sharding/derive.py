@@ -16,7 +16,10 @@ the KV cache; the logits' vocabulary over (gpu, xcd)).
 Refused, with the reason: a table that already names `xcd` (it is not GPU-level), an axis of no known role (derive
 would not know which level it belongs to), `tensor` together with `fsdp` (both want the one `gpu` axis on the batch
 or the weights), `embed` split by a GPU-level axis other than fsdp (no dimension is left for `xcd` to split at
-rest), and the decode variant of a table without tensor parallelism (there is nothing to keep stationary over GPUs).
+rest), the decode variant of a table without tensor parallelism (there is nothing to keep stationary over GPUs), a
+logical name the library does not know (derive places the library's names; a model's own names are mapped onto the
+derived layout with `in_vocabulary`, else their rules would be dropped and their dimensions left whole), and a table
+other than params and activations, or one that is not (logical name, mesh axes) pairs.
 """
 from __future__ import annotations
 
@@ -40,8 +43,9 @@ Table = Rules | Mapping[str, MeshAxes] | Iterable[tuple[str, MeshAxes]]
 
 def derive(rules: Layout | str | Mapping[str, Table], mesh, *, decode: bool = False, name: str | None = None) -> Layout:
     """The layout on `mesh` (axes data, gpu, xcd) that the three principles give for the GPU-level `rules`: a Layout
-    (or a layout's name), or {"params": table, "activations": table[, "weights": table]} where a table is Rules, a
-    dict or (logical name, mesh axes) pairs. See the module for the mapping and for what is refused."""
+    (or a layout's name), or {"params": table, "activations": table} where a table is Rules, a dict or (logical name,
+    mesh axes) pairs in the library's names (the weights at use are derived, not given). See the module for the
+    mapping and for what is refused."""
     missing = [axis for axis in AXES if axis not in mesh.shape]
     if missing:
         raise ShardingRuleError(f"derive places layouts on a mesh with axes {AXES}; this mesh lacks {missing}: "
@@ -77,19 +81,35 @@ def derive(rules: Layout | str | Mapping[str, Table], mesh, *, decode: bool = Fa
 
 
 def _tables(rules) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
+    """The GPU-level params and activations tables of `rules` as {library name: mesh axes}."""
     if isinstance(rules, (str, Layout)):
         layout = get_layout(rules)
         rules = {"params": layout.params, "activations": layout.activations}
-    if not isinstance(rules, Mapping) or not {"params", "activations"} <= set(rules):
-        raise ShardingRuleError("derive takes a Layout, a layout's name, or {'params': table, 'activations': table}")
-    return _as_dict(rules["params"]), _as_dict(rules["activations"])
+    if not isinstance(rules, Mapping) or set(rules) != {"params", "activations"}:
+        given = f"tables {sorted(map(str, rules))}" if isinstance(rules, Mapping) else type(rules).__name__
+        raise ShardingRuleError(f"derive takes a Layout, a layout's name, or {{'params': table, 'activations': "
+                                f"table}}, got {given}; the weights at use are derived (embed gathered inside the "
+                                "GPU), not given")
+    return (_as_dict(rules["params"], "params", WEIGHT_NAMES),
+            _as_dict(rules["activations"], "activations", ACTIVATION_NAMES))
 
 
-def _as_dict(table: Table) -> dict[str, tuple[str, ...]]:
+def _as_dict(table: Table, kind: str, known: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """`table` as {logical name: mesh axes}, the first rule of a name winning; a ShardingRuleError for a table that
+    is not (name, axes) pairs or that names what the library does not know (its rule would be dropped)."""
     pairs = table.table if isinstance(table, Rules) else table.items() if isinstance(table, Mapping) else table
-    found: dict[str, tuple[str, ...]] = {}
-    for logical, axes in pairs:
-        found.setdefault(logical, axes_of(axes))
+    try:
+        found: dict[str, tuple[str, ...]] = {}
+        for logical, axes in pairs:
+            found.setdefault(logical, axes_of(axes))
+    except (TypeError, ValueError):
+        raise ShardingRuleError(f"derive: the {kind} table {table!r} is not (logical name, mesh axes) pairs; give a "
+                                "dict such as {'mlp': 'tensor', 'embed': None}") from None
+    unknown = sorted(map(str, set(found) - set(known)))
+    if unknown:
+        raise ShardingRuleError(f"derive: the {kind} table names {unknown}, which the library does not know; derive "
+                                f"from the library's names ({', '.join(known)}), then map yours onto the result "
+                                "with in_vocabulary(derive(...), {your name: library name})")
     return found
 
 

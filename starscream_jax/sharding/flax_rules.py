@@ -23,6 +23,7 @@ written for Flax's GSPMD guide needs none of these calls in its own code.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -30,10 +31,11 @@ import jax
 from flax import nnx
 
 from ..errors import ShardingRuleError
-from .apply import active, logical_names, path_name, weight
+from ..hardware.axes import axes_of
+from .apply import Placement, active, logical_names, path_name, weight
 from .at_use import ParamAtUse, is_elementwise
 from .layouts import ACTIVATION_NAMES, RULE_TABLES, WEIGHT_NAMES, FlaxRules, Layout, flax_table, get_layout
-from .rules import Rules
+from .rules import LogicalNames, Rules
 
 STARSCREAM: dict[str, str] = {name: name for name in dict.fromkeys((*WEIGHT_NAMES, *ACTIVATION_NAMES))}
 """This library's own names."""
@@ -121,7 +123,8 @@ def weights_at_use(model: nnx.Module) -> nnx.Module:
     Parameters named by one of the layout's `replicated_ok` names (norm scales) are left as they are, and Flax's
     elementwise parameters (`at_use.ELEMENTWISE`: biases, norm scales) are only placed as they are used: Flax's
     layers add or multiply them elementwise, which a weight typed for the two-stage reduction cannot enter
-    (`apply.scale` is the library's form), so XLA sums their gradients itself, over every token axis at once.
+    (`apply.scale` is the library's form), so XLA sums their gradients itself, over every token axis at once. So is
+    a lookup table whose rows the layout does not split (`_looked_up_by_position`: positions, segments).
     Parameters that `create_sharded` made `ParamAtUse`s (on Auto axes) read at use already and are left as they
     are."""
     current = active()
@@ -133,9 +136,29 @@ def weights_at_use(model: nnx.Module) -> nnx.Module:
         names = logical_names(variable)
         if names is None or current.layout.replicated_ok & set(names) or isinstance(variable, ParamAtUse):
             return variable  # a ParamAtUse reads at use already
-        if is_elementwise(path):
-            return variable.replace(current.placed_at_use(variable.get_value(), names, path_name(path)))
-        return variable.replace(weight(variable.get_value(), names, tensor=path_name(path)))
+        value = variable.get_value()
+        if is_elementwise(path) or _looked_up_by_position(path, value, names, current):
+            return variable.replace(current.placed_at_use(value, names, path_name(path)))
+        return variable.replace(weight(value, names, tensor=path_name(path)))
 
     used = jax.tree.map_with_path(at_use, params, is_leaf=lambda node: isinstance(node, nnx.Variable))
     return nnx.merge(graphdef, used, rest)
+
+
+LOOKUP_TABLE = "embedding"
+"""The name of the table `nnx.Embed` gathers rows from (and `attend` multiplies by)."""
+
+
+def _looked_up_by_position(path, value: jax.Array, names: LogicalNames, placement: Placement) -> bool:
+    """Whether the parameter at `path` is a lookup table [rows, D] (`LOOKUP_TABLE`) whose rows the layout leaves
+    whole at use on `placement`'s mesh: a table of positions or segments, not the vocabulary (split over GPUs).
+
+    Such a table is read by indices the same on every partition (positions 0..S-1), not by the tokens the layout
+    splits. `nnx.Embed` gathers through `auto_axes`, which drops a table's `reduced` type, and the gather's transpose
+    then marks the gradient, already summed over the token axes, as still to be summed: typed for `weight`'s
+    two-stage reduction, the table's gradient would come back multiplied by the number of token shards. Only placed
+    at use, XLA sums it once. A vocabulary's rows are looked up by the tokens, which split as the gradient sums."""
+    if str(getattr(path[-1], "key", path[-1])) != LOOKUP_TABLE or not names:
+        return False
+    rows = placement.weight_spec(names, value.shape, path_name(path))[0]
+    return math.prod(placement.mesh.shape[axis] for axis in axes_of(rows)) == 1

@@ -58,8 +58,8 @@ def resolve(names: LogicalNames, shape: tuple[int, ...], rules: Rules, mesh, ten
         for axis in axes:
             if axis in used:
                 raise ShardingRuleError(
-                    f"{where}: mesh axis {axis!r} would shard both {used[axis]!r} and {name!r}; change the {table_name} "
-                    f"so each mesh axis appears once per tensor")
+                    f"{where}: mesh axis {axis!r} would shard both {used[axis]!r} and {name!r}; change the "
+                    f"{table_name} so each mesh axis appears once per tensor")
             used[axis] = name
         spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return PartitionSpec(*spec)

@@ -49,7 +49,7 @@ from starscream_jax.sharding.rules import resolve
 
 ABSTRACT_2x4 = AbstractMesh((1, 2, 4), AXES)
 FP32_TOLERANCE = 2e-5
-"""Largest absolute difference between sharded and unsharded float32 logits and loss (see tests/model/test_decoder.py)."""
+"""Largest absolute difference between sharded and unsharded float32 logits and loss (tests/model/test_decoder.py)."""
 
 
 class Mlp(nnx.Module):
@@ -84,6 +84,31 @@ def test_an_unnamed_parameter_is_an_error_not_a_silent_replica():
                                                 r"starscream_jax.param\(value, names\) or "
                                                 r"nnx.with_partitioning\(init, names\)$"):
         param_specs(nnx.state(Unnamed()), "gpu_tp", ABSTRACT_2x4)
+
+
+class Normalized(nnx.Module):
+    """A kernel [8, 4] and Flax's BatchNorm over its 4 outputs, whose statistics the layer takes no names for."""
+
+    def __init__(self, name_statistics: bool):
+        named = {"out_sharding": ("mlp",)}
+        self.up = nnx.Linear(8, 4, use_bias=False, kernel_metadata={"out_sharding": ("embed", "mlp")},
+                             rngs=nnx.Rngs(0))
+        self.norm = nnx.BatchNorm(4, scale_metadata=named, bias_metadata=named, rngs=nnx.Rngs(0))
+        if name_statistics:
+            for statistic in (self.norm.mean, self.norm.var):
+                statistic.set_metadata(**named)
+
+
+def test_an_unnamed_layer_statistic_is_refused_with_a_fix_that_works():
+    """BatchNorm's mean and var are created by the layer without metadata, so the fix for a parameter (name it at
+    creation) cannot reach them; the error gives the one that does, and the statistics then split as `mlp` does."""
+    with nnx.use_eager_sharding(False):  # (Flax would place the named variables as it creates them)
+        unnamed, named = (nnx.state(Normalized(name_statistics)) for name_statistics in (False, True))
+    with pytest.raises(ShardingRuleError, match=r"^norm/mean \(4,\) has no logical axis names; name this BatchStat "
+                                                r"once .*variable.set_metadata\(out_sharding=names\)$"):
+        param_specs(unnamed, "gpu_tp", ABSTRACT_2x4)
+    specs = param_specs(named, "gpu_tp", ABSTRACT_2x4)
+    assert specs["norm"]["mean"] == specs["norm"]["scale"] == P("gpu")
 
 
 def test_param_needs_one_name_per_dimension():

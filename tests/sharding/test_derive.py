@@ -7,6 +7,7 @@ from starscream_jax.analysis.report import inspect_compiled
 from starscream_jax.errors import ShardingRuleError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.sharding.derive import derive
+from starscream_jax.sharding.flax_rules import in_vocabulary
 from starscream_jax.sharding.layouts import LAYOUTS
 
 TABLES = ("params", "weights", "activations")
@@ -46,6 +47,14 @@ def test_a_tensor_axis_is_read_like_gpu(mesh):
     ({"params": {"mlp": "tensor", "embed": "fsdp"}, "activations": {}}, False, "both want the gpu axis"),
     ({"params": {"embed": "tensor"}, "activations": {}}, False, "leaves no weight dimension"),
     (FSDP, True, "no tensor axis"),
+    ({"params": {"mlp": "tensor", "hidden": "tensor"}, "activations": {}}, False,
+     r"params table names \['hidden'\], which the library does not know.*in_vocabulary\(derive"),
+    ({"params": {}, "activations": {"batch": "data", "tokens": "data"}}, False,
+     r"activations table names \['tokens'\]"),
+    ({"params": {"mlp": "tensor"}, "weights": {"mlp": None}, "activations": {}}, False,
+     r"got tables \['activations', 'params', 'weights'\]; the weights at use are derived"),
+    ({"params": {"mlp": 2}, "activations": {}}, False, r"params table {'mlp': 2} is not \(logical name, mesh axes"),
+    ({"params": 3, "activations": {}}, False, "params table 3 is not"),
 ])
 def test_what_derive_refuses_it_says_why(mesh, rules, decode, message):
     with pytest.raises(ShardingRuleError, match=message):
@@ -71,3 +80,12 @@ def test_context_and_expert_axes_stay_on_gpus_and_the_batch_goes_over_partitions
     assert derived.weights.lookup("embed")[1] == ()
     assert derived.activations.lookup("seq")[1] == ("gpu",)
     assert derived.activations.lookup("batch")[1] == ("data", "xcd")
+
+
+def test_a_model_s_own_names_are_mapped_after_deriving_not_dropped(mesh):
+    """A layout in a model's own names is refused (its names' rules would be dropped, their dimensions left whole);
+    derived from the library's names and then mapped, the model's `hidden` is placed as `mlp`."""
+    with pytest.raises(ShardingRuleError, match=r"names \['hidden'\]"):
+        derive(in_vocabulary("gpu_tp", {"hidden": "mlp"}), mesh)
+    mapped = in_vocabulary(derive("gpu_tp", mesh), {"hidden": "mlp"})
+    assert mapped.params.lookup("hidden") == (True, ("gpu",)) and mapped.weights.lookup("hidden") == (True, ("gpu",))

@@ -1,13 +1,18 @@
 """Layouts for Flax models: a model in MaxText's names is placed as one in the library's names, Flax's own resolver
-reads the exported rule tables alike, and a table Flax cannot hold is refused."""
+reads the exported rule tables alike, a table Flax cannot hold is refused, and `weights_at_use` gives Flax's layers
+their weights with the gradients of the unsharded model."""
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec
 
 from starscream_jax.errors import ShardingRuleError
 from starscream_jax.hardware.mesh import build_mesh
-from starscream_jax.sharding.apply import param_specs
-from starscream_jax.sharding.flax_rules import MAXTEXT, STARSCREAM, flax_rules, in_vocabulary
+from starscream_jax.sharding.apply import activation_spec, constrain, param_specs, use_layout
+from starscream_jax.sharding.at_use import create_sharded
+from starscream_jax.sharding.flax_rules import MAXTEXT, STARSCREAM, flax_rules, in_vocabulary, weights_at_use
 
 MAXTEXT_NAMES = {"q": ("embed", "heads", "kv"), "o": ("heads", "kv", "embed"), "up": ("embed", "mlp"),
                  "table": ("vocab", "embed"), "scale": ("norm",)}
@@ -72,3 +77,34 @@ def test_a_name_mapped_to_none_is_never_split_and_every_name_is_exported_by_defa
     assert all(getattr(layout, table).lookup("qkv") == (True, ()) for table in ("params", "weights", "activations"))
     exported = dict(flax_rules(layout, "use"))
     assert exported["qkv"] is None and exported["hidden"] == "gpu" and exported["batch"] == ("data", "xcd")
+
+
+class LearnedPositions(nnx.Module):
+    """x [B, S, D] plus a learned position table [S, D] looked up by `nnx.Embed` at positions 0..S-1 (the same on
+    every partition; the rows named None, never split)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        table_init = nnx.with_partitioning(nnx.initializers.normal(1.0), (None, "embed"))
+        self.positions = nnx.Embed(4, 8, embedding_init=table_init, rngs=rngs)
+
+    def __call__(self, x_BSD):
+        S, D = x_BSD.shape[1:]
+        return x_BSD + self.positions(jnp.arange(S), out_sharding=activation_spec((None, "embed"), (S, D)))
+
+
+def test_a_table_looked_up_by_position_gets_the_unsharded_gradient():
+    """On 2 x 2 x 2 the tokens split over data and xcd; the position table's gradient, a sum over every token, is
+    summed once (typed for the two-stage reduction it came back data x xcd = 4 times too large)."""
+    x_BSD = jax.random.normal(jax.random.key(1), (8, 4, 8))
+    mesh = build_mesh("4x2", data=2)
+    model = create_sharded(lambda: LearnedPositions(nnx.Rngs(0)), "starscream_tp", mesh)
+    table_SD = np.asarray(model.positions.embedding[...])
+
+    def grads(model):
+        placed_BSD = constrain(x_BSD, ("batch", "seq", "embed"))
+        return nnx.grad(lambda m: jnp.sum(weights_at_use(m)(placed_BSD) ** 2))(model)
+
+    with use_layout("starscream_tp", mesh):
+        got = nnx.jit(grads)(model)["positions"]["embedding"][...]
+    expected = 2 * np.sum(np.asarray(x_BSD) + table_SD, axis=0)  # d/dp of sum((x + p)^2), over the batch
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
