@@ -9,9 +9,9 @@ from pathlib import Path
 from ..analysis.format import format_bytes
 from ..hardware.distributed import is_main_process
 from ..checks import finite_number
-from ..errors import StarscreamError
+from ..errors import CheckpointError, StarscreamError
 from ..model.hf_checkpoint import DEFAULT_SHARD_BYTES, SAVED_DTYPES, check_export_target, export_hf_model
-from ..model.hf_config import read_hf_config
+from ..model.hf_config import CONFIG_FILE, read_hf_config
 from ..training.checkpoint import restore_model
 from ..training.config import TrainConfig
 from .arguments import (
@@ -63,9 +63,20 @@ def run(args: argparse.Namespace) -> int:
     model, description = restore_model(directory, args.layout, mesh, args.step)  # no --layout: the run's own
     run_config = TrainConfig.from_dict(description["train_config"])
     written = export_hf_model(model, args.out, args.dtype, tokenizer_dir=run_config.tokenizer_dir(),
-                              source_config=read_hf_config(run_config.init) if run_config.init else None,
+                              source_config=source_config(run_config.init),
                               max_shard_bytes=max(1, int(args.shard_size * 2**30)), replace=args.replace)
     echo(f"{model.config.name} from step {description['step']} of {directory} written to {args.out}:")
     for path in written:
         echo(f"  {path.name} ({format_bytes(path.stat().st_size)})")
     return 0
+
+
+def source_config(init: str) -> dict | None:
+    """The config.json of the model directory a run was fine-tuned from (`init`; None for a run from scratch), whose
+    other fields (token ids, ...) the export keeps; a CheckpointError naming the directory when it is gone."""
+    if not init:
+        return None
+    if not (Path(init) / CONFIG_FILE).is_file():
+        raise CheckpointError(f"the run was fine-tuned from {init}, whose {CONFIG_FILE} is gone; the export keeps its "
+                              f"fields (token ids, ...): put that model directory back at {init}")
+    return read_hf_config(init)

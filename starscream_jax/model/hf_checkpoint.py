@@ -220,13 +220,28 @@ class CheckpointReader:
         experts or projections than the weights hold would otherwise drop the rest silently."""
         held = {name for name in self.weight_map if not name.endswith(IGNORED_SUFFIXES)}
         missing, extra = sorted(expected - held), sorted(held - expected)
-        if extra == [HEAD] and self._head_is_the_embedding():
-            extra = []
+        if (missing, extra) in (([HEAD], []), ([], [HEAD])):
+            self._check_head(tied=not missing)
+            return
         if missing or extra:
             listed = "; ".join(f"{kind} {len(names)} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
                                for kind, names in (("missing", missing), ("unexpected", extra)) if names)
             raise CheckpointError(f"the tensors of {self.model_dir} do not match its {CONFIG_FILE}: {listed}; the "
                                   "weights and config.json come from different models: pair them again")
+
+    def _check_head(self, tied: bool) -> None:
+        """When lm_head.weight is the only tensor config.json's `tie_word_embeddings` disagrees with: fine for a tied
+        checkpoint that stores the head anyway as a copy of the embedding, else a CheckpointError naming the flag
+        (an untied config without the head would leave the output layer unread; a tied one whose head differs from
+        the embedding would drop the stored head)."""
+        config = self.model_dir / CONFIG_FILE
+        if not tied:
+            raise CheckpointError(f"{self.model_dir} holds no {HEAD}, but {config} has tie_word_embeddings false (or "
+                                  "absent); if the output layer is the embedding, set tie_word_embeddings to true")
+        if not self._head_is_the_embedding():
+            raise CheckpointError(f"{config} has tie_word_embeddings true, but {HEAD} in "
+                                  f"{self.model_dir / self.file_of(HEAD)} differs from {EMBEDDING}; set "
+                                  "tie_word_embeddings to false to use the stored head, or remove the tensor")
 
     def _head_is_the_embedding(self) -> bool:
         head, embedding = self.tensor(HEAD), self.tensor(EMBEDDING)

@@ -6,9 +6,12 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 from safetensors.numpy import load_file
 
 from starscream_jax.cli import main as cli
+from starscream_jax.cli.export import source_config
+from starscream_jax.errors import CheckpointError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.model.hf_checkpoint import load_hf_model
 from starscream_jax.sharding.apply import use_layout
@@ -50,3 +53,13 @@ def test_fine_tune_export_reload_and_generate(tmp_path, capsys):
                      "--max-new-tokens", "8"]) == 0
     printed = capsys.readouterr().out
     assert "exported from" in printed and "--- sample 0\nROMEO:" in printed
+
+
+def test_a_run_whose_init_directory_is_gone_names_it():
+    """The export keeps the fields of the model directory a run was fine-tuned from: one moved away since is named,
+    with the fix (put it back), not a request for a flag export does not take."""
+    assert source_config("") is None
+    assert source_config(str(FIXTURE))["model_type"] == "qwen2"
+    with pytest.raises(CheckpointError, match=r"fine-tuned from /nowhere/qwen2, whose config.json is gone; .* put that "
+                                              r"model directory back at /nowhere/qwen2"):
+        source_config("/nowhere/qwen2")

@@ -270,8 +270,20 @@ def test_a_tied_checkpoints_lm_head_is_accepted_only_when_it_is_the_embedding(br
     if same:
         assert load_hf_model(broken_copy, "starscream_tp", mesh_of("1x1x1")).config.tie_embeddings
     else:
-        with pytest.raises(CheckpointError, match=r"unexpected 1 \(lm_head.weight\)"):
+        with pytest.raises(CheckpointError, match=r"tie_word_embeddings true, but lm_head.weight in .*00001-of-00003"
+                                                  r".safetensors differs from model.embed_tokens.weight; set "
+                                                  r"tie_word_embeddings to false"):
             load_hf_model(broken_copy, "starscream_tp", mesh_of("1x1x1"))
+
+
+def test_an_untied_config_over_weights_without_a_head_names_the_flag(broken_copy):
+    """The tied fixture's weights under a config.json that says the head is its own: the one tensor missing is the
+    head, so the error names tie_word_embeddings rather than a mismatch of models."""
+    config = json.loads((broken_copy / "config.json").read_text())
+    (broken_copy / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    with pytest.raises(CheckpointError, match=r"holds no lm_head.weight, but .*config.json has tie_word_embeddings "
+                                              r"false \(or absent\); .* set tie_word_embeddings to true"):
+        load_hf_model(broken_copy, "starscream_tp", mesh_of("1x1x1"))
 
 
 @pytest.mark.parametrize("value, found", [(np.nan, "1 NaN and 0 infinite"), (-np.inf, "0 NaN and 1 infinite")])
