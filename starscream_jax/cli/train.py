@@ -11,6 +11,7 @@ from pathlib import Path
 from ..analysis.format import format_bytes
 from ..analysis.profile import breakdown_table, time_breakdown
 from ..analysis.report import SCOPES, inspect_compiled
+from ..errors import StarscreamError
 from ..hardware.distributed import is_main_process
 from ..hardware.presets import Chip, load_chip
 from ..model.config import REMAT_POLICIES
@@ -60,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per step (global)")
     group.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens (bytes) per sequence")
     group.add_argument("--learning-rate", type=float, default=defaults.learning_rate, help="peak learning rate")
-    group.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps, help="linear warm-up steps")
+    group.add_argument("--warmup-steps", type=int, default=None,
+                       help=f"linear warm-up steps, at most --steps (default {defaults.warmup_steps})")
     group.add_argument("--weight-decay", type=float, default=defaults.weight_decay, help="AdamW weight decay")
     group.add_argument("--clip-norm", type=float, default=defaults.clip_norm, help="global gradient norm limit")
     group.add_argument("--seed", type=int, default=defaults.seed, help="parameters and data order")
@@ -102,12 +104,21 @@ def _field_names(text: str) -> list[str]:
 
 def config_from_args(args: argparse.Namespace, chip: Chip | None = None) -> TrainConfig:
     """The TrainConfig that the parsed arguments describe; --fp8 takes `chip`'s e4m3 format (`fp8_training_format`:
-    float8_e4m3fnuz on MI300X; the simulated CPU's OCP one without a chip)."""
+    float8_e4m3fnuz on MI300X; the simulated CPU's OCP one without a chip). A --warmup-steps given beyond --steps
+    is refused (the run would never train at its peak learning rate); without it the warm-up is TrainConfig's default,
+    which may be longer than a short run (a test, a demo)."""
     fields = {field.name for field in dataclasses.fields(TrainConfig)}
     values = {name: value for name, value in vars(args).items() if name in fields}
+    if args.warmup_steps is None:
+        del values["warmup_steps"]  # TrainConfig's
     matmul_format = fp8_training_format(chip or load_chip("cpu")) if args.fp8 else ""
-    return TrainConfig(**{**values, "data": ",".join(args.data), "remat": "full" if args.remat_full else args.remat,
-                          "matmul_format": matmul_format})
+    config = TrainConfig(**{**values, "data": ",".join(args.data), "remat": "full" if args.remat_full else args.remat,
+                            "matmul_format": matmul_format})
+    if args.warmup_steps is not None and config.warmup_steps > config.steps:
+        raise StarscreamError(f"--warmup-steps {config.warmup_steps} exceeds --steps {config.steps}: the run would end "
+                              "before its learning rate reaches --learning-rate; pass --warmup-steps "
+                              f"{config.steps} or fewer")
+    return config
 
 
 def run(args: argparse.Namespace) -> int:

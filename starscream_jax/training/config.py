@@ -78,6 +78,9 @@ class TrainConfig:
             whole_number(getattr(self, field), flag(field))
         if not self.data_files():
             raise StarscreamError(f"--data {self.data!r} names no file; pass one or more .txt or .jsonl files")
+        for field in dataclasses.fields(self):  # "" would be the working directory, filled with the run's files
+            if field.name in ("run_dir", "token_cache") and not getattr(self, field.name):
+                raise StarscreamError(f"{flag(field.name)} '' names no directory; pass one such as {field.default}")
         if self.batch_size % self.grad_accum:
             raise StarscreamError(f"--grad-accum {self.grad_accum} does not split --batch-size {self.batch_size} "
                                   "into equal micro-batches; pass a divisor of the batch size")

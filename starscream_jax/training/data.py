@@ -34,6 +34,21 @@ def load_corpus(path: str | Path = DEFAULT_CORPUS) -> np.ndarray:
     return np.fromfile(corpus_path, dtype=np.uint8)
 
 
+def require_readable(paths: list[str]) -> None:
+    """A StarscreamError naming the first data file that exists but cannot be read (its permissions, an I/O error),
+    checked on its first byte before anything is tokenized: the corpus reader would fail with a bare OSError (one
+    raised mid-read names no file). A missing file or a directory is left to the reader, which names it."""
+    for path in paths:
+        try:
+            with open(path, "rb") as file:
+                file.read(1)
+        except (FileNotFoundError, IsADirectoryError):
+            continue
+        except OSError as error:
+            raise StarscreamError(f"training data {path} cannot be read ({error.strerror}); make it readable, or "
+                                  "pass --data files this user can read") from None
+
+
 def split_corpus(tokens: np.ndarray, validation_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
     """(train, validation): the last `validation_fraction` of the tokens is held out for validation."""
     if not 0.0 < validation_fraction < 1.0:

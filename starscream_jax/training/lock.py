@@ -65,11 +65,12 @@ class RunLock:
             draft.unlink()
 
     def _holder(self) -> dict:
-        """The lock file's owner ({} when it cannot be read)."""
+        """The lock file's owner ({} when it cannot be read, or holds JSON other than an object)."""
         try:
-            return json.loads(self.path.read_text())
+            holder = json.loads(self.path.read_text())
         except (OSError, ValueError):
             return {}
+        return holder if isinstance(holder, dict) else {}
 
     def _stale(self, holder: dict) -> bool:
         """A lock is stale when its owner ran on this host and has no process any more."""

@@ -49,8 +49,8 @@ from .lock import RunLock
 from .metrics import MetricsLog, format_loss, plot_losses, read_metrics
 from .steps import eval_step, load_balance_step, make_optimizer, train_step
 
-METRICS_FILE, PLOT_FILE = "metrics.jsonl", "loss.png"
-"""What a run writes into its --run-dir beside its checkpoints (and the lock)."""
+METRICS_FILE, PLOT_FILE, CHECKPOINTS = "metrics.jsonl", "loss.png", "checkpoints"
+"""What a run writes into its --run-dir (beside the lock): two files and a directory."""
 EVAL_SEED = 0  # validation windows do not depend on --seed, so runs with different seeds compare
 FREE_TO_CHANGE = ("layout", "remat", "grad_accum", "eval_every", "eval_batches", "checkpoint_every", "log_every",
                   "run_dir", "token_cache")
@@ -99,6 +99,7 @@ def training_tokens(config: TrainConfig, model_config) -> tuple[np.ndarray, list
     text files for the byte-level tokenizer (the demo), else tokenized once into `config.token_cache` (`corpus`).
     The tokenizer must fit the model (`tokenizer_for_model`)."""
     tokenizer = tokenizer_for_model(config.tokenizer_dir(), model_config, trained_weights=bool(config.init))
+    data.require_readable(config.data_files())
     return *load_token_stream(config.data_files(), tokenizer, config.token_cache), tokenizer.fingerprint
 
 
@@ -324,8 +325,9 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, allow_changes=(), 
     them; it never deletes checkpoints (`check_checkpoints`).
     stop_at_step: stop after this many steps (saving a checkpoint there), as an interrupted run would; the schedule
     still spans `config.steps`. device_memory_bytes: refuse, before allocating, a step that needs more per device.
-    Process 0 alone prints, writes metrics and plots, and holds the run directory's lock. A non-finite loss or
-    Ctrl-C raises `RunStopped` once the checkpoints are safe (none holds non-finite weights).
+    Process 0 alone prints, writes metrics and plots, and holds the run directory's lock. A non-finite loss, or
+    Ctrl-C or SIGTERM before the last step (`StopRequests`), raises `RunStopped` once the checkpoints are safe (none
+    holds non-finite weights).
     profile_dir: write a JAX profiler trace (perfetto_trace.json.gz, for `analysis.profile.time_breakdown`) of up to
     PROFILED_STEPS steps there, from the run's second step on.
 
@@ -341,8 +343,8 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, allow_changes=(), 
         profile_window(profile_dir, 0, plan.last_step)
     if main_process:
         created_directory(plan.run_dir, "--run-dir")
-    with RunLock(plan.run_dir, say, enabled=main_process), \
-            CheckpointStore(plan.run_dir / "checkpoints", save_every=config.checkpoint_every) as store:
+    with StopRequests(alone=jax.process_count() == 1) as stop, RunLock(plan.run_dir, say, enabled=main_process), \
+            CheckpointStore(plan.run_dir / CHECKPOINTS, save_every=config.checkpoint_every) as store:
         plan = check_checkpoints(store, plan, resume, allow_changes, overwrite)
         if overwrite and main_process:  # the earlier run's plot goes with its metrics (MetricsLog starts afresh)
             (plan.run_dir / PLOT_FILE).unlink(missing_ok=True)
@@ -353,15 +355,14 @@ def train(config: TrainConfig, mesh, *, resume: bool = False, allow_changes=(), 
         profile = profile_window(profile_dir, state.step, plan.last_step)
         progress = tqdm(total=config.steps, initial=state.step, unit="step", desc=f"train {plan.layout_label}",
                         disable=not (show_progress and main_process), file=sys.stderr, dynamic_ncols=True)
-        with MetricsLog(plan.run_dir / METRICS_FILE, enabled=main_process, keep_through=state.step) as metrics, \
-                StopRequests() as stop:
+        with MetricsLog(plan.run_dir / METRICS_FILE, enabled=main_process, keep_through=state.step) as metrics:
             log = LossLog(metrics, progress, config.batch_size * config.seq_len)
             run_steps(plan, program, state, store, log, stop, profile, say)
             progress.close()
         if state.saved_step != state.step:
             save_checkpoint(store, plan, state, force=True)
-    if stop.requested:
-        raise RunStopped(f"interrupted at step {state.step} (checkpoint saved); rerun with --resume to continue", 130)
+    if stop.requested and state.step < plan.last_step:
+        raise RunStopped(stop.stopped_at(state.step), stop.exit_status)
     if log.losses:
         report_run(config, log.losses, plan.unigram_nats, store.directory, say, plan.layout_label)
     return TrainResult(losses=log.losses, eval_losses=log.eval_losses, params=state.params,
@@ -374,7 +375,7 @@ def plan_run(config: TrainConfig, mesh, allow_changes, stop_at_step: int | None,
     """The run's RunPlan, every flag and file checked (nothing is compiled or written yet)."""
     of_type(mesh, Mesh, "mesh", "a jax.sharding.Mesh, as starscream_jax.build_mesh gives")
     model_config = config.model_config()
-    writable_directory(config.run_dir, "--run-dir")
+    check_run_entries(writable_directory(config.run_dir, "--run-dir"))
     unknown = sorted(set(allow_changes) - set(CHANGEABLE))
     if unknown:
         raise StarscreamError(f"--allow-change {','.join(unknown)}: expected some of {', '.join(CHANGEABLE)}")
@@ -395,6 +396,17 @@ def plan_run(config: TrainConfig, mesh, allow_changes, stop_at_step: int | None,
                    eval_batches=batches(validation_tokens, EVAL_SEED, f"the validation split (the last 10% {of_all})"),
                    unigram_nats=data.unigram_entropy_nats(train_tokens), data_files=data_files, tokenizer=tokenizer,
                    last_step=config.steps if stop_at_step is None else min(stop_at_step, config.steps))
+
+
+def check_run_entries(run_dir: Path) -> None:
+    """Refuses a run directory holding a directory where the run writes a file (METRICS_FILE, PLOT_FILE), or a file
+    where it keeps its CHECKPOINTS: the run would fail on it only after compiling, or read it as no checkpoint."""
+    for name, kind in ((METRICS_FILE, "file"), (PLOT_FILE, "file"), (CHECKPOINTS, "directory")):
+        path = run_dir / name
+        if path.exists() and path.is_dir() != (kind == "directory"):
+            found = "a directory" if path.is_dir() else "a file"
+            raise StarscreamError(f"{path} is {found}, where the run keeps its {name} {kind}; move it away, or "
+                                  "choose another --run-dir")
 
 
 def fitted_layout(config: TrainConfig, mesh) -> Layout:
@@ -660,33 +672,59 @@ def full_remat_bytes(config: TrainConfig, model_config, layout, mesh, token_shar
     return estimate["total"], " by the planner's estimate (a CPU compile recomputes nothing)"
 
 
-class StopRequests:
-    """Within it, the first Ctrl-C (SIGINT) asks the loop to stop after the current step (`requested`), which then
-    saves a checkpoint; a second one exits at once (status 130). Outside the main thread, or where SIGINT is ignored
-    (a job started in the background by a script), it changes nothing."""
+STOP_SIGNALS = {signal.SIGINT: ("interrupted", "Ctrl-C again exits at once"),
+                signal.SIGTERM: ("terminated (SIGTERM)", "a second SIGTERM or Ctrl-C exits at once")}
+"""The signals that stop a run after its step in progress: (what the run says it was, how to exit at once)."""
 
-    def __init__(self):
-        self.requested = False
-        self._previous_handler = None
+
+class StopRequests:
+    """Within it, the first Ctrl-C (SIGINT) or SIGTERM (a scheduler ending the job) asks the loop to stop after the
+    current step (`requested`: the signal's number), which then saves a checkpoint; a second one exits at once
+    (status 128 + the signal's number). The handler raises nothing: a KeyboardInterrupt raised inside XLA's compile
+    aborts it and leaves the process to crash as it exits, and one raised inside a garbage-collection callback is
+    dropped; so it is in place from before the compile, and a signal that arrives there stops the run before its
+    first step. Outside the main thread, or for a signal that is ignored (a job started in the background by a
+    script), it changes nothing. SIGTERM is taken only by a run of one process (`alone`): the processes of a larger
+    run would each stop after the step it had reached and wait on each other's checkpoint save, so there SIGTERM
+    ends the process, as a kill does (a resume continues from the newest complete checkpoint)."""
+
+    def __init__(self, alone: bool = True):
+        self.requested = 0
+        self._signals = tuple(STOP_SIGNALS) if alone else (signal.SIGINT,)
+        self._previous_handlers = {}
 
     def __enter__(self):
-        in_main_thread = threading.current_thread() is threading.main_thread()
-        if in_main_thread and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # ignored (nohup &): keep so
-            self._previous_handler = signal.signal(signal.SIGINT, self._on_interrupt)
+        if threading.current_thread() is threading.main_thread():
+            for signum in self._signals:
+                if signal.getsignal(signum) is not signal.SIG_IGN:  # ignored (nohup &): keep so
+                    self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
         return self
 
     def __exit__(self, *exc_info):
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGINT, self._previous_handler)
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)
 
-    def _on_interrupt(self, signum, frame) -> None:
+    @property
+    def exit_status(self) -> int:
+        """The status a shell reports for a process the requesting signal ended: 130 after Ctrl-C, 143 after
+        SIGTERM."""
+        return 128 + self.requested
+
+    def stopped_at(self, step: int) -> str:
+        """What the run says when it stops at `step` (done and saved) on request."""
+        what = STOP_SIGNALS[self.requested][0]
+        if not step:
+            return f"{what} before the first step (nothing to save); rerun the same command to start the run"
+        return f"{what} at step {step} (checkpoint saved); rerun with --resume to continue"
+
+    def _on_signal(self, signum, frame) -> None:
         if self.requested:
-            print("interrupted again: exiting at once; --resume continues from the newest checkpoint",
-                  file=sys.stderr, flush=True)
-            os._exit(130)
-        self.requested = True
-        print("interrupted: finishing this step and saving a checkpoint (Ctrl-C again exits at once)",
-              file=sys.stderr, flush=True)
+            print("stopped again: exiting at once; --resume continues from the newest checkpoint", file=sys.stderr,
+                  flush=True)
+            os._exit(128 + signum)
+        self.requested = signum
+        what, again = STOP_SIGNALS[signum]
+        print(f"{what}: finishing this step and saving a checkpoint ({again})", file=sys.stderr, flush=True)
 
 
 def report_run(config: TrainConfig, losses, unigram_nats: float, checkpoint_dir, say, layout: str) -> None:

@@ -26,6 +26,16 @@ def test_missing_corpus_names_the_path(tmp_path):
         data.load_corpus(tmp_path / "nowhere.txt")
 
 
+def test_a_data_file_that_cannot_be_read_is_named_with_the_reason(tmp_path):
+    """/proc/self/mem is a regular file whose first read fails (EIO), even for root, whom permissions do not stop."""
+    readable = tmp_path / "notes.txt"
+    readable.write_text("text")
+    data.require_readable([str(readable), str(tmp_path / "missing.txt")])  # a missing one is the reader's to name
+    with pytest.raises(StarscreamError, match=r"^training data /proc/self/mem cannot be read \(Input/output error\); "
+                                              "make it readable"):
+        data.require_readable([str(readable), "/proc/self/mem"])
+
+
 def test_unigram_entropy_of_known_distributions():
     assert data.unigram_entropy_nats(np.array([7] * 10, dtype=np.uint8)) == 0.0
     uniform = np.arange(256, dtype=np.uint8).repeat(3)

@@ -41,6 +41,7 @@ def test_a_lock_whose_process_is_gone_is_taken_over(tmp_path):
 @pytest.mark.parametrize("content, message", [
     ({"pid": 1, "host": "another-host"}, "in use by process 1 on another-host"),
     ("{half", "cannot be read; if no run uses"),
+    ("[1]", "cannot be read; if no run uses"),
 ])
 def test_a_lock_from_another_host_or_unreadable_is_never_taken_over(tmp_path, content, message):
     (tmp_path / "lock").write_text(content if isinstance(content, str) else json.dumps(content))

@@ -312,6 +312,70 @@ def test_second_ctrl_c_exits_at_once(monkeypatch, capsys):
     assert "Ctrl-C again exits at once" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("interactive_sigint")
+def test_sigterm_stops_the_run_as_ctrl_c_does_with_status_143(monkeypatch, capsys):
+    """A scheduler ending the job (SLURM, Kubernetes) sends SIGTERM, then SIGKILL after a grace period."""
+    exits = []
+    monkeypatch.setattr(loop.os, "_exit", exits.append)
+    default = signal.getsignal(signal.SIGTERM)
+    with loop.StopRequests() as stop:
+        assert signal.getsignal(signal.SIGTERM) is not default  # else the signal below would end the test process
+        signal.raise_signal(signal.SIGTERM)
+        assert stop.requested == signal.SIGTERM and stop.exit_status == 143 and exits == []
+        assert stop.stopped_at(4) == ("terminated (SIGTERM) at step 4 (checkpoint saved); rerun with --resume to "
+                                      "continue")
+        signal.raise_signal(signal.SIGINT)
+    assert exits == [130]
+    assert signal.getsignal(signal.SIGTERM) is default
+    assert "terminated (SIGTERM): finishing this step and saving a checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("interactive_sigint")
+def test_a_run_of_several_processes_takes_sigterm_as_a_kill():
+    """Its processes would each stop after the step it had reached and wait on each other's save: SIGTERM keeps its
+    default there (a resume continues from the newest checkpoint), Ctrl-C is still taken."""
+    default = signal.getsignal(signal.SIGTERM)
+    with loop.StopRequests(alone=False):
+        assert signal.getsignal(signal.SIGTERM) is default
+        assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+
+
+@pytest.fixture
+def ctrl_c_while_compiling(monkeypatch):
+    """step -> the run's compile replaced by one during which Ctrl-C is pressed, and its starting state by one at
+    `step` with that step saved (nothing is compiled or allocated). A KeyboardInterrupt raised inside XLA's compile
+    aborts it and crashes the process as it exits: the press must only ask the run to stop."""
+    def compile_while_ctrl_c_is_pressed(*args, **kwargs):
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            pytest.fail("Ctrl-C raised KeyboardInterrupt inside the compile")
+        return loop.TrainProgram(compiled=None, arguments=(), graphdef=None)
+
+    def starting_at(step: int) -> None:
+        monkeypatch.setattr(loop, "compile_train_step", compile_while_ctrl_c_is_pressed)
+        monkeypatch.setattr(loop, "starting_state", lambda *args: loop.RunState(
+            step=step, params=None, opt_state=None, rest=None, saved_step=step, changes=[]))
+    return starting_at
+
+
+@pytest.mark.usefixtures("interactive_sigint")
+def test_ctrl_c_while_compiling_stops_the_run_before_its_first_step(tmp_path, one_device, ctrl_c_while_compiling):
+    ctrl_c_while_compiling(0)
+    with pytest.raises(RunStopped, match=r"^interrupted before the first step \(nothing to save\)") as stopped:
+        quiet_train(small_run(tmp_path, "early"), one_device)
+    assert stopped.value.exit_status == 130
+    assert read_metrics(tmp_path / "early" / "metrics.jsonl") == []
+    assert not os.listdir(tmp_path / "early" / "checkpoints")
+
+
+@pytest.mark.usefixtures("interactive_sigint")
+def test_ctrl_c_after_the_last_step_ends_the_run_as_complete(tmp_path, one_device, ctrl_c_while_compiling):
+    """A run whose every step is done is not reported as interrupted (nor exits 130)."""
+    ctrl_c_while_compiling(SMALL.steps)
+    assert quiet_train(small_run(tmp_path, "done"), one_device).losses == []
+
+
 def test_a_step_too_big_for_the_devices_is_refused_before_allocation(tmp_path, one_device, monkeypatch):
     monkeypatch.setattr(loop, "initial_state", None)  # a call would fail: nothing may be allocated
     with pytest.raises(StarscreamError, match=r"the training step needs \d+\.\d\d GiB per device, more than the 0\.00 "
@@ -413,6 +477,23 @@ def test_overwrite_starts_afresh_over_an_earlier_runs_metrics_and_contradicts_re
     (run / "metrics.jsonl").write_text("")  # an empty metrics file holds nothing to lose
     with pytest.raises(Compiling):
         quiet_train(small_run(tmp_path, "run"), one_device)
+
+
+@pytest.mark.parametrize("name, make, found", [
+    ("metrics.jsonl", os.mkdir, "is a directory, where the run keeps its metrics.jsonl file"),
+    ("loss.png", os.mkdir, "is a directory, where the run keeps its loss.png file"),
+    ("checkpoints", lambda path: open(path, "w").close(), "is a file, where the run keeps its checkpoints directory"),
+])
+@pytest.mark.parametrize("resume", [True, False])
+def test_a_run_directory_entry_of_the_wrong_kind_is_refused_before_compiling(tmp_path, one_device, monkeypatch, name,
+                                                                             make, found, resume):
+    """Unchecked, a directory named metrics.jsonl would fail the run with a traceback after the compile, and a file
+    named checkpoints would read as a run without checkpoints (and --resume would say to start over)."""
+    monkeypatch.setattr(loop, "compile_train_step", None)  # a call would fail: nothing may be compiled
+    (tmp_path / "run").mkdir()
+    make(tmp_path / "run" / name)
+    with pytest.raises(StarscreamError, match=f"^{re.escape(str(tmp_path / 'run' / name))} {found}; move it away"):
+        quiet_train(small_run(tmp_path, "run"), one_device, resume=resume)
 
 
 def test_a_run_names_the_layout_fitted_to_its_batch_beside_the_one_asked_for():

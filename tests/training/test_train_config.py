@@ -45,3 +45,9 @@ def test_a_resume_without_dtype_keeps_the_runs_recorded_dtype(bf16_dir, flags, d
     config = train_config("--init", str(bf16_dir), "--seq-len", "32", *flags)
     saved = {"model_config": {"dtype": "float32"}}
     assert resumed_model(config, config.model_config(), saved).dtype == dtype
+
+
+def test_a_run_shorter_than_the_default_warm_up_keeps_it_and_an_explicit_one_may_span_the_run():
+    """Only a --warmup-steps given beyond --steps is refused (tests/cli/test_main.py)."""
+    assert train_config("--steps", "20").warmup_steps == TrainConfig().warmup_steps == 30
+    assert train_config("--steps", "20", "--warmup-steps", "20").warmup_steps == 20
