@@ -51,8 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     except StarscreamError as err:
         print(f"starscream {args.command}: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"starscream {args.command}: interrupted; nothing was saved", file=sys.stderr)
+    except KeyboardInterrupt:  # outside a run's own handling (train's steps stop at a checkpoint: RunStopped)
+        kept = "; checkpoints written before it are kept (--resume continues from the newest)" \
+            if args.command == "train" else ""
+        print(f"starscream {args.command}: interrupted{kept}", file=sys.stderr)
         return 130
 
 

@@ -219,6 +219,9 @@ def load_token_stream(paths, tokenizer: ByteTokenizer | HFTokenizer,
 
 def _existing(path: str | Path) -> Path:
     path = Path(path)
+    if path.is_dir():
+        raise StarscreamError(f"training data {path} is a directory; pass --data with its .txt or .jsonl files "
+                              f"({path}/*.txt)")
     if not path.is_file():
         raise StarscreamError(f"training data {path} not found; pass --data with existing .txt or .jsonl files")
     return path

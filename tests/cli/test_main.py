@@ -217,3 +217,19 @@ def test_generate_and_export_take_a_run_directory_or_its_checkpoints(tmp_path):
     assert checkpoint_dir(str(tmp_path / "run")) == tmp_path / "run" / "checkpoints"
     assert checkpoint_dir(str(tmp_path / "run" / "checkpoints")) == tmp_path / "run" / "checkpoints"
     assert checkpoint_dir(str(tmp_path / "missing")) == tmp_path / "missing"
+
+
+
+@pytest.mark.parametrize("command, said", [
+    ("train", "interrupted; checkpoints written before it are kept (--resume continues from the newest)"),
+    ("topology", "interrupted")])
+def test_ctrl_c_outside_a_runs_own_handling_exits_130_saying_what_is_kept(monkeypatch, capsys, command, said):
+    """A Ctrl-C that reaches the command (training's steps stop at a checkpoint themselves, `RunStopped`): status
+    130, and for train the note that the checkpoints already written stay."""
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.SUBCOMMANDS[command][0], "run", interrupted)
+    monkeypatch.setattr(cli, "prepare_simulation", lambda args: None)
+    assert cli.main([command]) == 130
+    assert capsys.readouterr().err == f"starscream {command}: {said}\n"

@@ -100,6 +100,12 @@ def test_a_missing_file_is_named(tmp_path):
         corpus.tokenize_file(tmp_path / "nowhere.txt", load_tokenizer(None), tmp_path)
 
 
+def test_a_directory_given_as_data_is_named_as_one(tmp_path):
+    with pytest.raises(StarscreamError, match=r"training data .*texts is a directory; pass --data with its .txt or "
+                                              r"\.jsonl files \(.*texts/\*\.txt\)"):
+        corpus.tokenize_file((tmp_path / "texts").mkdir() or tmp_path / "texts", load_tokenizer(None), tmp_path)
+
+
 @pytest.mark.parametrize("content, message", [
     ('{"text": "caf\xe9"}\n'.encode("latin-1"), r"byte 13 \(line 1\) is not UTF-8 \(0xe9\)"),
     ('{"text": "one"}\n{"text": "na\xefve"}\n'.encode("cp1252"), r"byte 28 \(line 2\) is not UTF-8 \(0xef\)"),
