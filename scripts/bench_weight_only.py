@@ -234,7 +234,6 @@ def layer_programs(config, rows: int, format_name: str, implementation: str, alt
 
     from starscream_jax.hardware.backend import policy_of
     from starscream_jax.model import weight_only_mosaic
-    from starscream_jax.model.quantize import Scaled
     from starscream_jax.training.steps import decode_options as step_options
 
     layers = [layer_weights(config, format_name, seed) for seed in range(LAYER_COPIES)]
