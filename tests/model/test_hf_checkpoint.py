@@ -442,7 +442,6 @@ def equivalence_table() -> str:
 
 
 if __name__ == "__main__":
-    import os
     import sys
 
     if "--table" not in sys.argv:
