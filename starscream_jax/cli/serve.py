@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_distributed_arguments(parser)
     group = parser.add_argument_group("model")
     add_model_source_arguments(group)
-    group.add_argument("--served-model-name", help="the model's name in the API (default: the model's own)")
+    group.add_argument("--served-model-name", type=model_name,
+                       help="the model's name in the API (default: the model's own)")
     engine = parser.add_argument_group("capacity and batching (vLLM's names)")
     engine.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
                         help="fraction of each device's memory the server uses: the weights, the steps' working "
@@ -215,6 +216,15 @@ def configure_logging(level: str) -> None:
         logger.addHandler(handler)
     logger.setLevel(level.upper())
     logger.propagate = False
+
+
+def model_name(text: str) -> str:
+    """A --served-model-name: some text, since requests name the model by it and /v1/models lists it (an empty
+    one would stand for no name at all)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: give the name requests use for the model, or leave the flag out "
+                                         "for the model's own")
+    return text
 
 
 def port_number(text: str) -> int:

@@ -203,7 +203,7 @@ class EngineConfig:
                 raise StarscreamError(f"EngineConfig {name} is {getattr(self, name)!r}; give True or False")
         if self.pages_per_shard is not None and self.pages_per_shard < 2:
             raise StarscreamError(f"EngineConfig pages_per_shard is {self.pages_per_shard}; a shard needs its null "
-                                  "page and at least one more")
+                                  "page and at least one more: give 2 or more (--cache-pages)")
         if not 0.0 < self.memory_utilization <= 1.0:
             raise StarscreamError(f"memory utilization {self.memory_utilization} is outside (0, 1]; give the "
                                   "fraction of device memory the server may use, such as 0.9")
@@ -219,7 +219,7 @@ class Engine:
                  channel: StepBroadcast | None = None):
         self.model_config = c = model.config
         self.kv_format = c.kv_format  # the cache's format travels on the model's configuration
-        self.config = config
+        self.config = config = _held_rows(config)
         self.mesh = mesh
         self.channel = channel  # a mesh spanning processes: the leader's broadcast of each step (`multihost`)
         self.layouts = {"prefill": get_layout(prefill_layout), "decode": get_layout(decode_layout)}
@@ -232,7 +232,7 @@ class Engine:
             check_same_cache_placement(self.layouts, mesh, c, self.shards)
         if config.max_model_len is not None and config.max_model_len > c.max_seq_len:
             raise StarscreamError(f"max model length {config.max_model_len} exceeds model {c.name}'s context of "
-                                  f"{c.max_seq_len} positions; give at most {c.max_seq_len}")
+                                  f"{c.max_seq_len} positions; give at most {c.max_seq_len} (--max-model-len)")
         self.max_model_len = _held_length(config, config.max_model_len or c.max_seq_len)
         max_pages = math.ceil(self.max_model_len / config.page_size)
         prefill_rows = min(config.rows_per_shard, math.ceil(config.token_budget / config.chunk))
@@ -1045,18 +1045,30 @@ def _paged_kernel(asked: str, mesh) -> str:
 def _held_length(config: EngineConfig, length: int) -> int:
     """The most positions of a sequence, `length`, where one cache shard of the configured pages holds it (a
     sequence's pages stay in one shard, one page of each is its null page); else, for the model's own context,
-    what a shard holds, and for a `max_model_len` asked for, a StarscreamError naming both fixes."""
-    if config.pages_per_shard is None:
-        return length  # sized from memory, at least one longest sequence a shard (`_cache_size`'s floor)
-    held = (config.pages_per_shard - 1) * config.page_size
-    if length <= held:
-        return length
-    if config.max_model_len is None:
-        return held
-    raise StarscreamError(f"max model length {length} needs {math.ceil(length / config.page_size)} pages of "
-                          f"{config.page_size} positions a sequence, and a cache shard holds "
-                          f"{config.pages_per_shard - 1}; give more pages a shard (--cache-pages) or a max model "
-                          f"length of at most {held}")
+    what a shard holds, and for a `max_model_len` asked for, a StarscreamError naming both fixes. A length below 2
+    is refused too: it holds no request (a prompt token and a generated one), so the server would refuse them all."""
+    held = length if config.pages_per_shard is None else min(length, (config.pages_per_shard - 1) * config.page_size)
+    # (sized from memory, a shard holds at least one longest sequence: `_cache_size`'s floor)
+    if held < length and config.max_model_len is not None:
+        raise StarscreamError(f"max model length {length} needs {math.ceil(length / config.page_size)} pages of "
+                              f"{config.page_size} positions a sequence, and a cache shard holds "
+                              f"{config.pages_per_shard - 1}; give more pages a shard (--cache-pages) or a max model "
+                              f"length of at most {held} (--max-model-len)")
+    if held < 2:
+        raise StarscreamError(f"a sequence of at most {held} position holds no request (a prompt token and a "
+                              "generated one); give a max model length of 2 or more (--max-model-len), or more "
+                              "positions a shard (--cache-pages, --page-size)")
+    return held
+
+
+def _held_rows(config: EngineConfig) -> EngineConfig:
+    """`config` with no more sequences a shard than its configured pages can run: each running sequence holds a page
+    of its own at least (a page it shares by prefix is full, and its last position is always its own), so rows
+    beyond the pages less the null page could never run, yet every decode program and the slot state
+    ([rows, vocab]) would be sized for them."""
+    if config.pages_per_shard is None or config.rows_per_shard < config.pages_per_shard:
+        return config
+    return dataclasses.replace(config, rows_per_shard=config.pages_per_shard - 1)
 
 
 def _mixed_buckets(buckets: Buckets, most: int) -> tuple[int, ...]:

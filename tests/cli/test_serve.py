@@ -78,6 +78,7 @@ def test_contradicting_flags_are_one_error_line(capsys, argv, message):
     (("--gpu-memory-utilization", "1.5"), "give a fraction above 0 and at most 1"),
     (("--fake-engine", "-3"), "give a positive number of milliseconds"),
     (("--timeout-keep-alive", "0"), "give a positive number of seconds"),
+    (("--served-model-name", " "), "give the name requests use for the model"),
 ])
 def test_bad_values_are_refused_as_the_flags_are_read(capsys, argv, message):
     with pytest.raises(SystemExit) as exited:

@@ -20,7 +20,7 @@ from starscream_jax.errors import StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.inference.generate import generate
 from starscream_jax.model.hf_checkpoint import load_hf_model
-from starscream_jax.serving.engine import Engine, EngineConfig, _held_length, _mixed_buckets
+from starscream_jax.serving.engine import Engine, EngineConfig, _held_length, _held_rows, _mixed_buckets
 from starscream_jax.serving.scheduler import SamplingParams
 from starscream_jax.serving.buckets import Buckets
 from starscream_jax.serving.steps import MixedInputs, SamplerFeatures, StepInputs, cache_shards
@@ -297,8 +297,8 @@ def _reference_prompt_logprobs(model, prompt: list[int]) -> np.ndarray:
 
 @pytest.mark.parametrize("mesh", ["1x2x4", "1x1x1"])
 def test_prompt_logprobs_equal_the_unsharded_models_across_chunks(engine_for, unsharded_llama, mesh):
-    """A scored prefill on the 1x2x4 mesh and on one device, one prompt per prefill step: a prompt of 19 tokens runs as three chunks of 8 (a chunk's last position
-    scores the next chunk's first token); each prompt token's log-probability, rank and the likeliest tokens at its
+    """A scored prefill on the 1x2x4 mesh and on one device, one prompt per prefill step: a prompt of 19 tokens runs
+    as three chunks of 8 (a chunk's last position scores the next chunk's first token); each prompt token's log-probability, rank and the likeliest tokens at its
     position equal log_softmax of the unsharded model's full-sequence logits; a prefix that another request cached
     is computed again for a request that asks, and one that does not ask gets none and shares the prefix."""
     engine = engine_for(f"{mesh}-logprobs")
@@ -346,3 +346,23 @@ def test_a_chunk_above_the_budget_and_a_length_no_shard_holds_are_refused_at_sta
                                               r"cache shard holds 11; give more pages a shard \(--cache-pages\) or a "
                                               r"max model length of at most 88"):
         _held_length(dataclasses.replace(pages, max_model_len=128), 128)
+
+
+def test_start_refusals_name_the_flag_that_fixes_them(unsharded_llama):
+    """A max model length beyond the model's, a cache shard of one page, and a length that holds no request (a
+    prompt token and a generated one: every request would be refused) are one line each naming the flag."""
+    with pytest.raises(StarscreamError, match=r"context of 256 positions; give at most 256 \(--max-model-len\)"):
+        Engine(unsharded_llama, EngineConfig(max_model_len=1000))
+    with pytest.raises(StarscreamError, match=r"pages_per_shard is 1; .* give 2 or more \(--cache-pages\)"):
+        EngineConfig(pages_per_shard=1)
+    for config in (EngineConfig(max_model_len=1), EngineConfig(pages_per_shard=2, page_size=1, chunk=8)):
+        with pytest.raises(StarscreamError, match=r"at most 1 position holds no request .* \(--max-model-len\)"):
+            _held_length(config, config.max_model_len or 256)
+
+
+def test_sequences_a_shard_are_at_most_what_its_given_pages_run():
+    """Each running sequence holds a page of its own, so --max-num-seqs above a shard's pages (less the null page)
+    shrinks to them, rather than compiling decode programs and a slot state of rows that could never run."""
+    assert _held_rows(EngineConfig(pages_per_shard=10, rows_per_shard=25_000)).rows_per_shard == 9
+    assert _held_rows(EngineConfig(pages_per_shard=10, rows_per_shard=9)).rows_per_shard == 9
+    assert _held_rows(EngineConfig(rows_per_shard=25_000)).rows_per_shard == 25_000  # sized from memory to hold them
