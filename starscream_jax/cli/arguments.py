@@ -39,6 +39,20 @@ def count_or_zero(text: str) -> int:
     return _whole_number(text, minimum=0)
 
 
+SEED_RANGE = (-2**63, 2**63 - 1)
+"""The seeds `jax.random.key` takes (a signed 64-bit integer); it raises OverflowError beyond them."""
+
+
+def seed(text: str) -> int:
+    """A random seed in SEED_RANGE, as the command line gives it (--seed), checked as the flag is read rather than
+    when the first key is drawn."""
+    value = _whole_number(text, minimum=SEED_RANGE[0])
+    if value > SEED_RANGE[1]:
+        raise argparse.ArgumentTypeError(f"value {value}: a seed is a 64-bit signed integer; pass one from "
+                                         f"{SEED_RANGE[0]} to {SEED_RANGE[1]}, such as 0")
+    return value
+
+
 def output_directory(text: str) -> Path:
     """A directory this process can write into or create (--cache-dir, --profile), checked as the flag is read."""
     try:

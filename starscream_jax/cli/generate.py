@@ -10,11 +10,13 @@ import argparse
 
 import numpy as np
 
+from ..errors import StarscreamError
 from ..hardware.distributed import is_main_process
 from ..hardware.presets import Chip
 from ..inference.generate import generate, stop_ids_of
 from ..inference.loading import LoadRequest, load_for_inference
 from ..inference.served import generate_served, static_reason
+from ..model.config import ModelConfig
 from ..training.steps import Sampling
 from .arguments import (
     MODEL_SOURCE_EXCLUSIVE,
@@ -27,6 +29,7 @@ from .arguments import (
     eight_bit_format,
     initialize_from_args,
     mesh_from_args,
+    seed,
 )
 
 EXCLUSIVE = MODEL_SOURCE_EXCLUSIVE + (
@@ -52,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--greedy", action="store_true", help="argmax decoding instead of top-p sampling")
     group.add_argument("--top-p", type=float, default=0.9, help="nucleus probability mass")
     group.add_argument("--temperature", type=float, default=0.8, help="softmax temperature for sampling")
-    group.add_argument("--seed", type=int, default=0, help="sampling seed")
+    group.add_argument("--seed", type=seed, default=0, help="sampling seed (a 64-bit signed integer)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     chip = topology.preset.chip
     model, source, tokenizer = load_for_inference(load_request(args, chip), mesh, chip)
     samples = args.samples
-    prompt_tokens = tokenizer.encode(args.prompt)
+    prompt_tokens = checked_prompt(args.prompt, args.max_new_tokens, tokenizer, model.config)
     prompt = np.tile(prompt_tokens, (samples, 1))
     layouts = (args.prefill_layout, args.decode_layout)
     static = static_reason(samples, mesh, *layouts, model.config)
@@ -97,6 +100,22 @@ def load_request(args: argparse.Namespace, chip: Chip) -> LoadRequest:
                        step=args.step, dtype=args.dtype, weight_format=eight_bit_format(args.quantize, chip),
                        weight_scales=args.quantize_scales, kv_format=eight_bit_format(args.kv_cache, chip),
                        pad_heads=args.pad_heads or None, prefill_layout=args.prefill_layout, decode_layout=args.decode_layout)
+
+
+def checked_prompt(prompt: str, max_new_tokens: int, tokenizer, config: ModelConfig) -> np.ndarray:
+    """--prompt's tokens, refused here by the flags that fix them rather than inside the engine or the static path:
+    a prompt of no tokens (empty, under a tokenizer that adds no BOS) leaves prefill nothing to read, and prompt and
+    --max-new-tokens together must fit the model's max_seq_len (the KV cache's positions)."""
+    tokens = tokenizer.encode(prompt)
+    if not len(tokens):
+        raise StarscreamError(f"--prompt {prompt!r} encodes to no tokens with this model's tokenizer; pass some text "
+                              "to continue")
+    room = config.max_seq_len - len(tokens)
+    if max_new_tokens > room:
+        fix = f"pass --max-new-tokens {room} or less" if room > 0 else "shorten --prompt"
+        raise StarscreamError(f"--prompt of {len(tokens)} tokens + --max-new-tokens {max_new_tokens} exceed model "
+                              f"{config.name}'s max_seq_len {config.max_seq_len}; {fix}")
+    return tokens
 
 
 def until_stop(row: np.ndarray, stop_tokens) -> np.ndarray:

@@ -126,7 +126,14 @@ def run(args: argparse.Namespace) -> int:
 
 def refuse_other_phases_flags(args: argparse.Namespace, phases: list[str]) -> None:
     """A StarscreamError for flags that only phases left out of --phases read: --seq when serve alone is planned
-    (a request's positions are --prompt + --output), the serving workload's flags without serve."""
+    (a request's positions are --prompt + --output), --quantize and --kv-cache when train alone is (training keeps
+    float32 master weights and no KV cache), the serving workload's flags without serve."""
+    eight_bit = [flag for flag, value in (("--quantize", args.quantize), ("--kv-cache", args.kv_cache)) if value]
+    if eight_bit and phases == ["train"]:
+        both = len(eight_bit) > 1
+        raise StarscreamError(f"{' and '.join(eight_bit)} {'are' if both else 'is'} for inference, which --phases "
+                              "train leaves out; add prefill, decode or serve to --phases, or drop "
+                              f"{'them' if both else 'it'}")
     if args.seq is not None and phases == [SERVE]:
         raise StarscreamError(f"--seq {args.seq} sets the sequence of train, prefill and decode, which --phases serve "
                               "leaves out; a served request's tokens are --prompt and --output: drop --seq")
@@ -161,7 +168,8 @@ def plan_serving(args: argparse.Namespace, topology, cache, eight_bit: dict) -> 
     decode = make_settings(args.model, SERVE, 1, workload.context, layouts, args.layers)
     prefill = make_settings(args.model, "prefill", 1, prompt, prefill_layout, args.layers)
     decode, prefill = (dataclasses.replace(s, config=s.config.replace(**eight_bit)) for s in (decode, prefill))
-    points = price_serving(decode, prefill, topology, workload, serve_batches(args.batch or SERVE_BATCH), cache)
+    largest = SERVE_BATCH if args.batch is None else args.batch  # --batch 0 is refused, not read as unset
+    points = price_serving(decode, prefill, topology, workload, serve_batches(largest), cache)
     return choose_serving(points, workload, decode.config.name, prefill_layout)
 
 

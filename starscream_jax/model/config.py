@@ -5,6 +5,7 @@ Loading a configuration never allocates the model; `jax.eval_shape` / `nnx.eval_
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from ..checks import finite_number, whole_number
@@ -128,9 +129,7 @@ class ModelConfig:
         if self.n_experts and not 0 < self.experts_per_token <= self.n_experts:
             raise PresetError(f"model {self.name}: experts_per_token {self.experts_per_token} must be in "
                               f"1..n_experts ({self.n_experts})")
-        if self.load_balance_weight < 0:
-            raise PresetError(f"model {self.name}: load_balance_weight {self.load_balance_weight} is negative; give "
-                              f"0 (off) or a small positive weight such as 0.01")
+        self._check_load_balance_weight()
         if self.dtype not in ("float32", "bfloat16"):
             raise PresetError(f"model {self.name}: dtype {self.dtype!r}; use 'float32' or 'bfloat16'")
         if self.head_dim % 2:
@@ -174,14 +173,29 @@ class ModelConfig:
             raise PresetError(f"model {self.name}: sliding_window {self.sliding_window} with sliding_layers "
                               f"{list(layers)}; give both (a window and the layers that use it) or neither")
 
+    def _check_load_balance_weight(self) -> None:
+        """load_balance_weight is a finite number of at least 0: it multiplies a loss added to the training loss, so a
+        string fails deep in the step and a NaN turns every loss NaN."""
+        weight = self.load_balance_weight
+        real = isinstance(weight, (int, float)) and not isinstance(weight, bool)
+        if real and math.isfinite(weight) and weight >= 0:
+            return
+        problem = "is negative" if real and weight < 0 else "is not a finite number"
+        raise PresetError(f"model {self.name}: load_balance_weight {weight!r} {problem}; give 0 (off) or a small "
+                          "positive weight such as 0.01")
+
     def _check_field_types(self) -> None:
-        """Sizes are whole numbers of at least 1 (n_experts at least 0), rope_theta, rope_factor and norm_eps positive
-        numbers, the flags booleans: a file with a wrong type or sign is refused before anything is built from it."""
+        """Sizes are whole numbers of at least 1 (n_experts at least 0), rope_theta, rope_factor, llama3's frequency
+        factors (divisors of rope_original_max_len) and norm_eps positive numbers, the flags booleans: a file with a
+        wrong type or sign is refused before anything is built from it.
+        The name is a non-empty string: every message, table and saved run names the model by it."""
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise PresetError(f"model name {self.name!r}: expected a non-empty string; write name = \"my-model\"")
         for field in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "max_seq_len",
-                      "experts_per_token"):
+                      "experts_per_token", "rope_original_max_len"):
             whole_number(getattr(self, field), f"model {self.name}: {field}")
         whole_number(self.n_experts, f"model {self.name}: n_experts", minimum=0)
-        for field in ("rope_theta", "rope_factor", "norm_eps"):
+        for field in ("rope_theta", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "norm_eps"):
             finite_number(getattr(self, field), f"model {self.name}: {field}", positive=True)
         for field in ("attn_softcap", "logit_softcap", "query_pre_attn_scalar"):
             finite_number(getattr(self, field), f"model {self.name}: {field}")

@@ -253,11 +253,21 @@ def test_a_serving_workload_longer_than_the_model_names_prompt_and_output_not_se
                                "100"))
 
 
+@pytest.mark.parametrize("batch", ["0", "-4"])
+def test_a_serving_plan_of_no_decode_batch_is_refused_not_priced_at_the_default(batch):
+    with pytest.raises(StarscreamError, match=rf"--batch {batch}: give the largest decode batch to price, at least 1"):
+        plan_command.run(parse(*MESH_ARGS, "--model", "tiny", "--phases", "serve", "--prompt", "100", "--output",
+                               "50", "--batch", batch))
+
+
 @pytest.mark.parametrize("argv, message", [
     (("--phases", "serve", "--seq", "256"), r"--seq 256 sets the sequence of train, prefill and decode, which "
                                             r"--phases serve leaves out; .*--prompt and --output: drop --seq"),
     (("--phases", "train,decode", "--prompt", "64", "--tpot-ms", "20"),
      r"--tpot-ms, --prompt describe the serving workload, which --phases train,decode leaves out; add serve"),
+    (("--phases", "train", "--quantize", "int8"), r"--quantize is for inference, which --phases train leaves out; "
+                                                  r"add prefill, decode or serve to --phases, or drop it"),
+    (("--phases", "train", "--quantize", "fp8", "--kv-cache", "int8"), r"--quantize and --kv-cache are .* drop them"),
 ])
 def test_flags_of_a_phase_left_out_are_refused(argv, message):
     with pytest.raises(StarscreamError, match=message):

@@ -26,6 +26,13 @@ TINY = (
     ("sliding_layers = [0, 2]", r"sliding_window 0 with sliding_layers \[0, 2\]; give both"),
     ("sliding_layers = [0, 4]", r"sliding_layers \[0, 4\] must be distinct layer indices in 0..3"),
     ('post_norms = "yes"', "model broken: post_norms 'yes'; use true or false"),
+    ("rope_low_freq_factor = 0.0", "model broken: rope_low_freq_factor 0.0: must be a finite number above zero"),
+    ('rope_high_freq_factor = "4"', "model broken: rope_high_freq_factor '4': expected a number"),
+    ('rope_original_max_len = "8192"', "model broken: rope_original_max_len '8192': expected a whole number"),
+    ("load_balance_weight = nan", "model broken: load_balance_weight nan is not a finite number; give 0 .off."),
+    ('load_balance_weight = "0.01"', "model broken: load_balance_weight '0.01' is not a finite number"),
+    ("name = 5", r"model name 5: expected a non-empty string; write name = \"my-model\""),
+    ('name = " "', "model name ' ': expected a non-empty string"),
     ('eight_bit_matmul = "cublas"', r"model broken: eight_bit_matmul 'cublas'; use one of '', 'pallas', "
                                     r"'interpret', 'xla'"),
 ])
