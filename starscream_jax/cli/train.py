@@ -27,6 +27,7 @@ from .arguments import (
     initialize_from_args,
     mesh_from_args,
     output_directory,
+    seed,
 )
 
 EXCLUSIVE = (
@@ -65,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"linear warm-up steps, at most --steps (default {defaults.warmup_steps})")
     group.add_argument("--weight-decay", type=float, default=defaults.weight_decay, help="AdamW weight decay")
     group.add_argument("--clip-norm", type=float, default=defaults.clip_norm, help="global gradient norm limit")
-    group.add_argument("--seed", type=int, default=defaults.seed, help="parameters and data order")
+    group.add_argument("--seed", type=seed, default=defaults.seed, help="parameters and data order")
     group.add_argument("--eval-every", type=int, default=defaults.eval_every, help="steps between validations")
     group.add_argument("--eval-batches", type=int, default=defaults.eval_batches, help="batches per validation")
     group.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every,

@@ -12,6 +12,7 @@ up to MAX_CHUNK positions a step) and one table width (the prompt and its new to
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import numpy as np
 
 from ..errors import StarscreamError
 from ..serving.engine import Engine, EngineConfig
-from ..serving.scheduler import SamplingParams
+from ..serving.scheduler import SamplingParams, engine_seed, sample_seeds
 from ..serving.buckets import Buckets
 from ..serving.steps import cache_shards, check_same_cache_placement
 from ..sharding.layouts import get_layout
@@ -80,7 +81,8 @@ def generate_served(model, prompt_BP, max_new_tokens: int, sampling: Sampling, m
                     stop_token=None) -> ServedGeneration:
     """Each row of `prompt_BP` (int tokens [B, P]) continued by up to `max_new_tokens` tokens on an engine built for
     this batch; a row ends at any of `stop_token` (ids, one id or None). Sampling as `sampling` asks: greedy where
-    its top_p is None, else drawn at its temperature from its nucleus, seeded by its seed."""
+    its top_p is None, else drawn at its temperature from its nucleus, row i seeded by its seed's i-th engine seed
+    (`scheduler.sample_seeds`: rows of one prompt draw apart, as the static path's rows do)."""
     prompts = [list(map(int, row)) for row in np.asarray(prompt_BP)]
     stop_ids = stop_ids_of(stop_token)
     engine = Engine(model, engine_config(len(prompts), len(prompts[0]), max_new_tokens, mesh, decode_layout),
@@ -88,9 +90,10 @@ def generate_served(model, prompt_BP, max_new_tokens: int, sampling: Sampling, m
     programs = engine.warm_up()
     params = SamplingParams(max_tokens=max_new_tokens, stop_tokens=stop_ids,
                             temperature=0.0 if sampling.top_p is None else sampling.temperature,
-                            top_p=1.0 if sampling.top_p is None else sampling.top_p, seed=sampling.seed)
+                            top_p=1.0 if sampling.top_p is None else sampling.top_p)
+    each = [dataclasses.replace(params, seed=seed) for seed in sample_seeds(engine_seed(sampling.seed), len(prompts))]
     started = time.perf_counter()
-    rows = engine.generate(prompts, params)
+    rows = engine.generate(prompts, each)
     seconds = time.perf_counter() - started
     pad = stop_ids[0] if stop_ids else 0
     tokens = np.array([row + [pad] * (max_new_tokens - len(row)) for row in rows], np.int32)

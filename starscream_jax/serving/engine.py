@@ -603,12 +603,17 @@ class Engine:
         this one's tokens are read (each would sit out, `Sequence.held`), so they are read at once."""
         return not self.scheduler.waiting and all(s.guide is not None for s in self.scheduler.running)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams = SamplingParams()) -> list[list[int]]:
-        """Every prompt's generated tokens, all requests submitted at once and run to the end."""
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams] = SamplingParams()) -> list[list[int]]:
+        """Every prompt's generated tokens, all requests submitted at once and run to the end; `params` for every
+        prompt, or one each."""
         ids = [f"batch-{index}" for index in range(len(prompts))]
+        each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(each) != len(prompts):
+            raise StarscreamError(f"{len(each)} SamplingParams for {len(prompts)} prompts; give one, or one each")
         try:
-            for request_id, prompt in zip(ids, prompts):
-                self.submit(request_id, prompt, params)
+            for request_id, prompt, asked in zip(ids, prompts, each):
+                self.submit(request_id, prompt, asked)
         except StarscreamError:
             for request_id in ids:  # none of the batch runs: the engine is left as it was
                 self.cancel(request_id)

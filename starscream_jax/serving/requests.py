@@ -5,7 +5,6 @@ without a word (`UNSUPPORTED`). Fields outside vLLM's protocol are ignored, as v
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -197,14 +196,6 @@ class Sampling(BaseModel):
             raise ApiError(HTTP_BAD_REQUEST, "stream_options applies to streamed responses only; send \"stream\": "
                            "true with it or leave it out", param="stream_options")
         return self
-
-    def engine_seed(self) -> int | None:
-        """The seed as the engine takes it, in [0, 2**31): a seed of that range as it is, any other 64-bit one
-        hashed into it (two requests with one seed draw alike; two distinct seeds rarely share a draw)."""
-        if self.seed is None or 0 <= self.seed < 2 ** 31:
-            return self.seed
-        digest = hashlib.blake2b(self.seed.to_bytes(8, "little", signed=True), digest_size=4).digest()
-        return int.from_bytes(digest, "little") % 2 ** 31
 
     @model_validator(mode="after")
     def _request_id_is_text(self):

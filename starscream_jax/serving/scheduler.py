@@ -25,6 +25,7 @@ last token is PENDING sits the step out (`Sequence.held`): it decodes in the ste
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 from collections import deque
@@ -52,6 +53,25 @@ a slot of `sampling.SlotState` holds this many)."""
 MAX_BAD_WORD_TOKENS = 8
 """The most tokens of one bad word's sequence (the step compares the word's earlier tokens with the slot's last
 MAX_BAD_WORD_TOKENS - 1 generated ones)."""
+
+
+SEEDS = 2 ** 31
+"""The engine's seeds are in [0, SEEDS)."""
+
+
+def engine_seed(seed: int | None) -> int | None:
+    """A 64-bit seed (an API request's, a command's --seed) as the engine takes it: one in [0, SEEDS) as it is, any
+    other hashed into that range (one seed draws alike every time; two distinct seeds rarely share a draw)."""
+    if seed is None or 0 <= seed < SEEDS:
+        return seed
+    digest = hashlib.blake2b(seed.to_bytes(8, "little", signed=True), digest_size=4).digest()
+    return int.from_bytes(digest, "little") % SEEDS
+
+
+def sample_seeds(seed: int | None, count: int) -> list[int | None]:
+    """The engine seeds of `count` samples of one prompt: `seed` (an engine seed) and the seeds after it, modulo
+    SEEDS, so that the samples differ and each is drawn again by the same request; all None without a seed."""
+    return [None if seed is None else (seed + index) % SEEDS for index in range(count)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,7 +121,7 @@ class SamplingParams:
                     (not 0.0 < self.top_p <= 1.0, f"top_p {self.top_p} is outside (0, 1]"),
                     (not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_TOP_K,
                      f"top_k {self.top_k!r} must be 0 (off) or a whole number up to {MAX_TOP_K}"),
-                    (self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2 ** 31),
+                    (self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEEDS),
                      f"seed {self.seed!r} is outside [0, 2**31)"),
                     (isinstance(self.stop_tokens, (str, bytes)) or
                      not all(_is_int(token) and 0 <= token < 2 ** 31 for token in self.stop_tokens),

@@ -63,7 +63,7 @@ from .requests import (
 )
 from .responses import Choice, CompletionResponse, Serving
 from .guided import Grammar, checked
-from .scheduler import SamplingParams, check_fits
+from .scheduler import SamplingParams, check_fits, engine_seed, sample_seeds
 from .tools import PARSERS, ToolMode
 
 MAX_CHARS_PER_TOKEN = 256
@@ -381,10 +381,10 @@ class Server:
         choices = []
         echoes = echoes or [""] * len(prompts)
         for number, (prompt, base, echo) in enumerate(zip(prompts, params, echoes)):
-            for i in range(body.n):
+            for i, seed in enumerate(sample_seeds(base.seed, body.n)):
                 index = number * body.n + i
                 request_id = engine_id if len(prompts) * body.n == 1 else f"{engine_id}-{index}"
-                seeded = base if i == 0 or base.seed is None else replace(base, seed=(base.seed + i) % 2 ** 31)
+                seeded = replace(base, seed=seed)
                 stream = self.client.submit(request_id, prompt, seeded)
                 choices.append(Choice(self.serving, index, request_id, prompt, seeded, stop,
                                       body.include_stop_str_in_output, stream, tools, echo, body.max_tokens == 0,
@@ -434,8 +434,8 @@ class Server:
         try:
             check_fits(len(prompt), max_tokens, self.context)
             return SamplingParams(max_tokens=max_tokens, temperature=sampling("temperature"),
-                                  top_p=sampling("top_p"), top_k=max(sampling("top_k"), 0), seed=body.engine_seed(),
-                                  stop_tokens=eos + tuple(body.stop_token_ids or ()), logprobs=logprobs,
+                                  top_p=sampling("top_p"), top_k=max(sampling("top_k"), 0),
+                                  seed=engine_seed(body.seed), stop_tokens=eos + tuple(body.stop_token_ids or ()), logprobs=logprobs,
                                   top_logprobs=top, min_tokens=body.min_tokens, min_p=body.min_p,
                                   presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                   repetition_penalty=body.repetition_penalty, logit_bias=bias,

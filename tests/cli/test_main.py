@@ -165,8 +165,9 @@ def test_bad_training_input_is_one_error_line_before_anything_is_compiled(monkey
     (("inspect", "--plot", f"{__file__}/x.png"), f"argument --plot: directory {__file__}: {__file__} is a file"),
     (("plan", "--cache-dir", __file__), f"argument --cache-dir: directory {__file__}: {__file__} is a file"),
     (("topology", "--plot", f"{__file__}/x.png"), f"argument --plot: directory {__file__}: {__file__} is a file"),
+    (("train", "--seed", str(2 ** 64)), "argument --seed: value 18446744073709551616: a seed is a 64-bit signed"),
 ])
-def test_output_paths_that_cannot_be_written_are_refused_as_the_flags_are_read(capsys, argv, message):
+def test_output_paths_and_seeds_out_of_range_are_refused_as_the_flags_are_read(capsys, argv, message):
     with pytest.raises(SystemExit) as exited:
         cli.main(list(argv))
     assert exited.value.code == 2 and message in capsys.readouterr().err.splitlines()[-1]

@@ -50,3 +50,14 @@ def test_fewer_rows_than_cache_shards_and_layouts_placing_the_cache_apart_keep_t
     config = engine_config(6, 700, 100, mesh, "starscream_decode")
     assert (config.rows_per_shard, config.chunk, config.max_model_len) == (2, 512, 800)
     assert config.buckets.pages == (50,) and config.pages_per_shard == 2 * 50 + 1
+
+
+def test_samples_of_one_prompt_draw_apart_with_any_64_bit_seed(model):
+    """Rows of one prompt, sampled: each row its own engine seed (the seed's and the next ones), so the rows differ
+    as the static path's do, and a seed beyond the engine's 31 bits (a command's --seed) is folded, not refused."""
+    prompt = np.tile(byte_level.encode("ROMEO:"), (3, 1))
+    drawn = Sampling(top_p=1.0, temperature=1.0, seed=2 ** 40 + 3)
+    served = generate_served(model, prompt, 8, drawn, None, "starscream_tp", "starscream_decode")
+    assert len({tuple(row) for row in served.tokens}) == 3
+    again = generate_served(model, prompt, 8, drawn, None, "starscream_tp", "starscream_decode")
+    np.testing.assert_array_equal(again.tokens, served.tokens)

@@ -6,7 +6,8 @@ import pytest
 
 from starscream_jax.errors import StarscreamError
 from starscream_jax.serving.pages import page_hashes
-from starscream_jax.serving.scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence, check_fits
+from starscream_jax.serving.scheduler import (SEEDS, SamplingParams, Scheduler, SchedulerConfig, Sequence, check_fits,
+                                             engine_seed, sample_seeds)
 
 CONFIG = SchedulerConfig(shards=2, pages_per_shard=9, page_size=4, rows_per_shard=3, token_budget=12, chunk=5,
                          prefill_rows=2)
@@ -157,3 +158,13 @@ def test_cache_salt_keeps_prefix_pages_to_requests_with_the_same_salt():
     assert hits == 2 and same[:2] == first[:2]
     with pytest.raises(StarscreamError, match="cache_salt"):
         SamplingParams(cache_salt="")
+
+
+def test_seeds_of_any_64_bit_integer_fold_into_the_engines_range_and_samples_take_the_next_ones():
+    """A seed in [0, 2**31) is the engine's as it is, any other 64-bit one folds into that range (distinct seeds
+    apart); the samples of one prompt draw with the seed and those after it, wrapping at 2**31."""
+    seeds = [engine_seed(seed) for seed in (0, 7, 2 ** 31 - 1, 2 ** 31, 2 ** 63 - 1, -1, -2 ** 63, 2 ** 40 + 7)]
+    assert seeds[:3] == [0, 7, 2 ** 31 - 1] and all(0 <= seed < SEEDS for seed in seeds)
+    assert len(set(seeds)) == len(seeds) and engine_seed(None) is None
+    assert sample_seeds(5, 3) == [5, 6, 7] and sample_seeds(SEEDS - 1, 2) == [SEEDS - 1, 0]
+    assert sample_seeds(None, 2) == [None, None]
