@@ -122,7 +122,8 @@ def check_resumable(saved: dict, model_config) -> None:
     each differing field."""
     known = {field.name for field in dataclasses.fields(ModelConfig)}
     saved_model = ModelConfig(**{name: value for name, value in saved["model_config"].items() if name in known})
-    ours, theirs = (dataclasses.asdict(config.replace(remat="none", scan_unroll=0, name="", matmul_format=""))
+    same_model = ("remat", "scan_unroll", "name", "matmul_format")  # fields that leave the weights' model as it is
+    ours, theirs = ({name: value for name, value in dataclasses.asdict(config).items() if name not in same_model}
                     for config in (model_config, saved_model))
     differing = [f"{name} {ours[name]!r} (the checkpoint's {theirs[name]!r})" for name in ours
                  if ours[name] != theirs[name]]
