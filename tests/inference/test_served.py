@@ -59,5 +59,3 @@ def test_samples_of_one_prompt_draw_apart_with_any_64_bit_seed(model):
     drawn = Sampling(top_p=1.0, temperature=1.0, seed=2 ** 40 + 3)
     served = generate_served(model, prompt, 8, drawn, None, "starscream_tp", "starscream_decode")
     assert len({tuple(row) for row in served.tokens}) == 3
-    again = generate_served(model, prompt, 8, drawn, None, "starscream_tp", "starscream_decode")
-    np.testing.assert_array_equal(again.tokens, served.tokens)
