@@ -28,7 +28,8 @@ compiles each row and runs nothing: the compile time of a deep model with and wi
 adds the rolled loop's rows). `--fp8` adds a row per layout with fp8 matmuls (`ModelConfig.matmul_format`: OCP e4m3
 by default, as on H200 and MI355X; `--fp8 float8_e4m3fnuz` on MI300X) beside its bfloat16 row; its MFU is still
 against the bf16 peak (the chips' dense fp8 peak is twice it), and its step-0 loss, computed from 8-bit operands,
-is held to FP8_STEP0_LOSS_TOLERANCE.
+is held to FP8_STEP0_LOSS_TOLERANCE. `--fp8-logits` adds a third row per layout with the vocabulary projection in
+fp8 too (`ModelConfig.fp8_logits`).
 
     python scripts/bench_mfu.py --out mfu.json                        # every GPU present
     CUDA_VISIBLE_DEVICES=0 python scripts/bench_mfu.py --out mfu1.json
@@ -288,8 +289,9 @@ FP8_SUFFIX = " fp8"
 
 
 def step0_tolerance(name: str) -> float:
-    """The step-0 loss tolerance of a row by its name (an fp8 row's is FP8_STEP0_LOSS_TOLERANCE)."""
-    return FP8_STEP0_LOSS_TOLERANCE if name.endswith(FP8_SUFFIX) else STEP0_LOSS_TOLERANCE
+    """The step-0 loss tolerance of a row by its name (an fp8 row's, logits in fp8 or not, is
+    FP8_STEP0_LOSS_TOLERANCE)."""
+    return FP8_STEP0_LOSS_TOLERANCE if FP8_SUFFIX in name else STEP0_LOSS_TOLERANCE
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -316,6 +318,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--fp8", nargs="?", const=MATMUL_FORMATS[0], choices=MATMUL_FORMATS, metavar="FORMAT",
                         help="also time each layout with fp8 matmuls in this e4m3 format (default "
                              f"{MATMUL_FORMATS[0]}; {MATMUL_FORMATS[1]} on MI300X)")
+    parser.add_argument("--fp8-logits", action="store_true",
+                        help="with --fp8, also time each layout with the vocabulary projection in fp8 too")
     parser.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass (both sides)")
     parser.add_argument("--unroll", type=count, nargs="+", default=[], metavar="N",
                         help="also time every row with N layers per trip of the layer loop (ModelConfig.scan_unroll; "
@@ -337,6 +341,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                               quick="tiny model at 2 layers, 4 x 32 tokens, 1 device, one layout, 1 + 2 steps, "
                                     "no PyTorch peer")
     args = parser.parse_args(argv)
+    if args.fp8_logits and not args.fp8:
+        parser.error("--fp8-logits adds rows with the vocabulary projection in fp8 as well; pass it with --fp8")
     if args.quick:
         args.model, args.layers, args.batch_size, args.seq_len, args.warmup, args.steps = "tiny", 2, 4, 32, 1, 2
         args.gpus = args.gpus or 1
@@ -370,7 +376,7 @@ def main(argv=None) -> int:
               f"{devices} x {info.device_kind}, jax {info.jax}; "
               f"{flops_per_token / 1e9:.3f} GFLOP per token; MFU against {args.peak_tflops:g} TFLOP/s per device")
     meta = {"model": model_config.name, "dtype": args.dtype, "batch_size": args.batch_size, "seq_len": args.seq_len,
-            "remat": args.remat, "fp8": args.fp8, "unroll": args.unroll, "warmup": args.warmup, "steps": args.steps,
+            "remat": args.remat, "fp8": args.fp8, "fp8_logits": args.fp8_logits, "unroll": args.unroll, "warmup": args.warmup, "steps": args.steps,
             "devices": devices,
             "mesh": dict(mesh.shape), "flops_per_token": flops_per_token, "flop_counting": FLOP_COUNTING,
             "peak_tflops_per_device": args.peak_tflops, "compile_only": args.compile_only, **info.as_dict()}
@@ -414,6 +420,8 @@ def main(argv=None) -> int:
         record(peer)
     variants = loops + ([(model_config.replace(fuse_projections=False), " unfused")] if args.unfused else [])
     variants += [(model_config.replace(matmul_format=args.fp8), FP8_SUFFIX)] if args.fp8 else []
+    if args.fp8_logits:
+        variants += [(model_config.replace(matmul_format=args.fp8, fp8_logits=True), FP8_SUFFIX + " logits")]
     failed = []
     for layout in args.layouts:
         for config, suffix in variants:

@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--fp8", action="store_true",
                        help="fp8 matmuls in the projections and MLP: e4m3 operands, e5m2 gradients, current "
                             "per-tensor scales, in the chip's formats (FNUZ on MI300X); weights stay float32")
+    group.add_argument("--fp8-logits", action="store_true",
+                       help="with --fp8, the vocabulary projection in fp8 too (kept in the compute dtype by default: "
+                            "its rounding reaches the loss directly)")
     group.add_argument("--remat-policy", dest="remat", default=defaults.remat, choices=REMAT_POLICIES,
                        help="what the backward pass keeps of each layer: everything (none), the matmul outputs "
                             "(dots) or only the layer's input (full), recomputing the rest")

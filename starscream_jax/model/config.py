@@ -70,8 +70,10 @@ class ModelConfig:
     matmul_format: "" (the projections compute in `dtype`) or one of quantize.MATMUL_FORMATS, the e4m3 format of
     fp8 training: the q, k, v, o, gate, up and down projections read e4m3 operands and their output gradients in the
     chip's matching e5m2 format, with current per-tensor scales (`quantize.fp8_einsum`); weights stay stored in
-    float32 and the embedding, the logits, attention and a mixture's experts compute in `dtype`. For training; it
-    excludes weight_format."""
+    float32 and the embedding, the logits (unless fp8_logits), attention and a mixture's experts compute in
+    `dtype`. For training; it excludes weight_format. fp8_logits: with matmul_format, the vocabulary projection reads e4m3 operands and the
+    logits' gradient in e5m2 too (off by default, as fp8 recipes keep the head in higher precision: its rounding
+    reaches the loss directly; with a large vocabulary its three GEMMs are the largest left in `dtype`)."""
 
     name: str
     vocab_size: int
@@ -105,6 +107,7 @@ class ModelConfig:
     eight_bit_matmul: str = ""
     kv_format: str = ""
     matmul_format: str = ""
+    fp8_logits: bool = False
     mlp_activation: str = "silu"
     norm_plus_one: bool = False
     post_norms: bool = False
@@ -144,6 +147,9 @@ class ModelConfig:
         if self.matmul_format and self.weight_format:
             raise PresetError(f"model {self.name}: matmul_format {self.matmul_format!r} (fp8 training) with "
                               f"weight_format {self.weight_format!r} (8-bit stored weights); train from float weights")
+        if self.fp8_logits and not self.matmul_format:
+            raise PresetError(f"model {self.name}: fp8_logits without matmul_format: the vocabulary projection takes "
+                              "fp8 training's formats; set matmul_format (train --fp8) or leave fp8_logits off")
         if self.eight_bit_matmul not in EIGHT_BIT_MATMULS:
             raise PresetError(f"model {self.name}: eight_bit_matmul {self.eight_bit_matmul!r}; use one of "
                               f"{', '.join(map(repr, EIGHT_BIT_MATMULS))} ('': the backend's choice)")
@@ -202,7 +208,7 @@ class ModelConfig:
         whole_number(self.scan_unroll, f"model {self.name}: scan_unroll", minimum=0)
         whole_number(self.sliding_window, f"model {self.name}: sliding_window", minimum=0)
         for field in ("tie_embeddings", "qkv_bias", "qk_norm", "normalize_gates", "fuse_projections", "norm_plus_one",
-                      "post_norms", "scale_embedding"):
+                      "post_norms", "scale_embedding", "fp8_logits"):
             if not isinstance(getattr(self, field), bool):
                 raise PresetError(f"model {self.name}: {field} {getattr(self, field)!r}; use true or false")
 

@@ -40,7 +40,8 @@ from .moe import routed_mlp
 from .names import ATTN_KV, ATTN_Q, LOGITS, POSITIONS, RESIDUAL, TOKENS
 from .ops import AttentionOptions, attention, cross_entropy, embed_lookup, run_sharded
 from .paged import PagedCache
-from .projections import fp8_scale, project, projections, used, values, weight_at_use
+from .projections import fp8_scale, project, projections, used, used_together, values, weight_at_use
+from .quantize import fp8_einsum, fp8_weight
 
 LAYER_SCOPE = "closed_call"
 """The scope of one layer's ops in the compiled program's op names: JAX puts the body of `jax.lax.scan` under it
@@ -234,7 +235,9 @@ class Transformer(nnx.Module):
         c = self.config
         x_BSD = _norm(c, placement, x_BSD, self.final_norm[...])
         with jax.named_scope("logits"):
-            if c.tie_embeddings:
+            if c.fp8_logits:
+                logits_BSV = self._fp8_logits(placement, x_BSD)
+            elif c.tie_embeddings:
                 logits_BSV = placement.einsum("bsd,vd->bsv", x_BSD, table_VD, out=LOGITS, tensor="logits")
             else:
                 head_DV = placement.weight(self.lm_head[...], ("embed", "vocab"), jnp.dtype(c.dtype), "lm_head")
@@ -243,6 +246,19 @@ class Transformer(nnx.Module):
             if c.logit_softcap:
                 logits_BSV = c.logit_softcap * jnp.tanh(logits_BSV / c.logit_softcap)
             return logits_BSV
+
+    def _fp8_logits(self, placement: Placement, x_BSD):
+        """The vocabulary projection of the final norm's x [B, S, D] as fp8 GEMMs (`ModelConfig.fp8_logits`): the
+        head (or the tied embedding table, quantized apart from the lookup's copy, its gradient summed with the
+        lookup's) in e4m3 where it is stored, x in e4m3 and the logits' gradient in e5m2, each with its current
+        per-tensor scale (`quantize.fp8_einsum`); logits [B, S, V] in x's dtype, placed by LOGITS."""
+        c = self.config
+        if c.tie_embeddings:
+            table = fp8_weight(placement, self.embedding[...], ("vocab", "embed"), c.matmul_format, c.dtype,
+                               "embedding")
+            return fp8_einsum(placement, "bsd,vd->bsv", x_BSD, table, LOGITS, "logits")
+        head = fp8_weight(placement, self.lm_head[...], ("embed", "vocab"), c.matmul_format, c.dtype, "lm_head")
+        return fp8_einsum(placement, "bsd,dv->bsv", x_BSD, head, LOGITS, "logits")
 
     def _run_layers(self, placement: Placement, x_BSD, stacked, positions_BS, cache, cache_index):
         """The L blocks over x [B, S, D] -> (x, (cache or None, load-balancing loss per layer [L])). Without a
@@ -432,9 +448,10 @@ def _qkv(c: ModelConfig, placement: Placement, h_BSD, w: AttentionWeights):
     H, E, K = c.n_heads, c.head_dim, c.n_kv_heads
     G = H // K
     if w.wqkv is None and not (_fuses(c, h_BSD) and _same_split([w.wq, w.wk, w.wv], 1)):
-        wq_DHE = used("qkv", c, placement, w.wq, w.wq_scale, ("embed", "heads", "head_dim"), "wq")
-        wk_DKE = used("qkv", c, placement, w.wk, w.wk_scale, ("embed", "kv_heads", "head_dim"), "wk")
-        wv_DKE = used("qkv", c, placement, w.wv, w.wv_scale, ("embed", "kv_heads", "head_dim"), "wv")
+        wq_DHE, wk_DKE, wv_DKE = used_together("qkv", c, placement, [
+            (w.wq, w.wq_scale, ("embed", "heads", "head_dim"), "wq"),
+            (w.wk, w.wk_scale, ("embed", "kv_heads", "head_dim"), "wk"),
+            (w.wv, w.wv_scale, ("embed", "kv_heads", "head_dim"), "wv")])
         h_scale = fp8_scale(c, placement, h_BSD)
         h_BSD = placement.shared_input(h_BSD, [values(wq_DHE), values(wk_DKE), values(wv_DKE)])
         return tuple(projections("qkv", h_BSD, [("bsd,dhe->bshe", wq_DHE, ATTN_Q), ("bsd,dke->bske", wk_DKE, ATTN_KV),
@@ -464,8 +481,8 @@ def _gate_up(c: ModelConfig, placement: Placement, h_BSD, w: DenseMlpWeights):
     routed mixture of experts runs its own grouped gate and up matmuls, `moe.routed_mlp`.)"""
     names, out = ("embed", "mlp"), ("batch", "seq", "mlp")
     if w.w_gate_up is None and not _fuses(c, h_BSD):
-        w_gate = used("gate_up", c, placement, w.w_gate, w.w_gate_scale, names, "w_gate")
-        w_up = used("gate_up", c, placement, w.w_up, w.w_up_scale, names, "w_up")
+        w_gate, w_up = used_together("gate_up", c, placement, [(w.w_gate, w.w_gate_scale, names, "w_gate"),
+                                                               (w.w_up, w.w_up_scale, names, "w_up")])
         h_scale = fp8_scale(c, placement, h_BSD)
         h_BSD = placement.shared_input(h_BSD, [values(w_gate), values(w_up)])
         return tuple(projections("gate_up", h_BSD, [("bsd,df->bsf", w_gate, out), ("bsd,df->bsf", w_up, out)], c,

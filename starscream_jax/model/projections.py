@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec
 from ..hardware.backend import policy_of
 from ..sharding.apply import Placement
 from .config import ModelConfig
-from .quantize import Fp8Weight, Scaled, fp8_einsum, fp8_weight, tensor_scale
+from .quantize import Fp8Weight, Scaled, fp8_einsum, fp8_einsums, fp8_weight, fp8_weights, tensor_scale
 from .weight_only import applies as weight_only_applies
 from .weight_only_group import grouped_weight_only_matmul
 
@@ -28,6 +28,19 @@ def used(scope: str, c: ModelConfig, placement: Placement, stored: jax.Array, sc
         if scale is None:
             return weight_at_use(c, placement, stored, names, tensor)
         return Scaled(placement.weight(stored, names, None, tensor), scale)
+
+
+def used_together(scope: str, c: ModelConfig, placement: Placement,
+                  stored: list[tuple[jax.Array, jax.Array | None, tuple[str, ...], str]]
+                  ) -> list[jax.Array | Scaled | Fp8Weight]:
+    """The weights (value, scale or None, logical names, tensor name) of projections that share one input, as `used`
+    gives each; in fp8 training with one scale for the group (`quantize.fp8_weights`), as the weights joined into
+    one GEMM would have."""
+    if c.matmul_format:
+        with jax.named_scope(scope):
+            return fp8_weights(placement, [(value, names, tensor) for value, _, names, tensor in stored],
+                               c.matmul_format, c.dtype)
+    return [used(scope, c, placement, value, scale, names, tensor) for value, scale, names, tensor in stored]
 
 
 def weight_at_use(c: ModelConfig, placement: Placement, value: jax.Array, names: tuple[str, ...],
@@ -108,12 +121,15 @@ def projections(scope: str, x: jax.Array, projections: list[tuple[str, jax.Array
                                                                    tuple[str, ...]]],
                 c: ModelConfig, placement: Placement, x_scale: jax.Array | None = None) -> list[jax.Array]:
     """The projections (subscripts, weight, out) of one input x [B, S, ...] under `placement` and the named scope
-    `scope`: where
+    `scope`: in fp8 training as one group (`quantize.fp8_einsums`: x and the outputs' gradients each with one
+    scale for all of them, as the weights have, `used_together`); where
     every weight is 8-bit and runs on the same weight-only implementation (`_weight_only_implementation`: decode's
     few rows, operands whole on each device) and grouping is asked for (`c.eight_bit_matmul` named, or the backend
     policy's `eight_bit_groups`), all of them in one launch (`_weight_only`: q, k, v or gate, up, each weight read
     in place); otherwise each by `project`."""
     with jax.named_scope(scope):
+        if all(isinstance(w, Fp8Weight) for _, w, _ in projections):
+            return fp8_einsums(placement, x, projections, scope, x_scale)
         chosen = {_weight_only_implementation(subscripts, x, w, c, placement) for subscripts, w, _ in projections}
         grouped = bool(c.eight_bit_matmul) or policy_of(placement.device).eight_bit_groups
         if grouped and len(projections) > 1 and len(chosen) == 1 and "" not in chosen:

@@ -187,11 +187,21 @@ def fp8_weight(placement: Placement, value: jax.Array, names: tuple[str, ...], f
                tensor: str) -> Fp8Weight:
     """Stored weight `value` (logical `names`) as fp8 training's `fp8_einsum` reads it under `placement`: quantized
     to `format_name` where it is stored with its current per-tensor scale, gathered in 8 bits."""
-    def encode(stored: jax.Array) -> tuple[jax.Array, jax.Array]:
-        scale = tensor_scale(placement, stored, format_name)
-        return _scaled_into(stored, scale, format_name), scale
+    return fp8_weights(placement, [(value, names, tensor)], format_name, dtype)[0]
 
-    return Fp8Weight(*placement.encoded_weight(value, names, dtype, tensor, encode))
+
+def fp8_weights(placement: Placement, stored: list[tuple[jax.Array, tuple[str, ...], str]], format_name: str,
+                dtype) -> list[Fp8Weight]:
+    """Stored weights (value, logical names, tensor name) that multiply one input (q, k and v; gate and up) as
+    `fp8_einsums` reads them: one current scale for the group, max |w| over all of them, so that each weight's 8-bit
+    values are those of its part of the weights joined into one (the fused q|k|v of `decoder._qkv`) whatever the
+    layout keeps apart; each quantized where it is stored and gathered in 8 bits."""
+    peak = functools.reduce(jnp.maximum, [placement.amax(jax.lax.stop_gradient(value.astype(dtype)))
+                                          for value, _, _ in stored])
+    scale = _current_scale(peak, format_name, dtype)
+    return [Fp8Weight(*placement.encoded_weight(value, names, dtype, tensor,
+                                                lambda at_rest: (_scaled_into(at_rest, scale, format_name), scale)))
+            for value, names, tensor in stored]
 
 
 def tensor_scale(placement: Placement, x: jax.Array, format_name: str) -> jax.Array:
@@ -218,21 +228,38 @@ def fp8_einsum(placement: Placement, subscripts: str, x: jax.Array, w: Fp8Weight
     straight through the rounding (as if exact) and are float in x's dtype. `x_scale`: x's scale
     (`tensor_scale`) where the caller took it, as it must for an x typed `reduced` (a shared input, whose
     maximum no mesh reduction can take)."""
+    return fp8_einsums(placement, x, [(subscripts, w, out)], tensor, x_scale)[0]
+
+
+def fp8_einsums(placement: Placement, x: jax.Array, products: list[tuple[str, Fp8Weight, tuple[str, ...]]],
+                tensor: str, x_scale: jax.Array | None = None) -> list[jax.Array]:
+    """`fp8_einsum` of each (subscripts, weight, out) of `products` by the one input x, as a group: x quantized
+    once, and the gradients arriving at the outputs quantized with one e5m2 scale, max |g| over all of them, as the
+    weights share theirs (`fp8_weights`). Each product then equals its columns of one fp8 GEMM of the weights
+    joined, forward and backward, so a layout that keeps q, k and v apart (flat_tp copying kv heads) computes the
+    numbers of the fused q|k|v GEMM the other layouts and the unsharded model run; x's gradient is the sum of the
+    products' input gradients."""
     if x_scale is None:
-        x_scale = tensor_scale(placement, x, w.values.dtype.name)
-    return _fp8_einsum(placement, subscripts, tuple(out), tensor, x, x_scale, w.values, w.scale, w.anchor)
+        x_scale = tensor_scale(placement, x, products[0][1].values.dtype.name)
+    subscripts, weights, outs = zip(*products)
+    return list(_fp8_einsums(placement, subscripts, tuple(map(tuple, outs)), tensor, x, x_scale,
+                             tuple(w.values for w in weights), tuple(w.scale for w in weights),
+                             tuple(w.anchor for w in weights)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _fp8_einsum(placement, subscripts, out, tensor, x, x_scale, values, scale, anchor):
-    return _fp8_forward(placement, subscripts, out, tensor, x, x_scale, values, scale, anchor)[0]
+def _fp8_einsums(placement, subscripts, outs, tensor, x, x_scale, values, scales, anchors):
+    return _fp8_forward(placement, subscripts, outs, tensor, x, x_scale, values, scales, anchors)[0]
 
 
-def _fp8_forward(placement, subscripts, out, tensor, x, x_scale, values, scale, anchor):
-    x_q = _scaled_into(x, x_scale, values.dtype.name)
-    forward_subscripts, forward_values = _contraction_innermost(placement, subscripts, values)
-    y = placement.einsum(forward_subscripts, x_q, forward_values, out, tensor, preferred_element_type=x.dtype)
-    return y * (x_scale * scale).astype(x.dtype), (x_q, x_scale, values, scale)
+def _fp8_forward(placement, subscripts, outs, tensor, x, x_scale, values, scales, anchors):
+    x_q = _scaled_into(x, x_scale, values[0].dtype.name)
+    ys = []
+    for product, out, w_values, scale in zip(subscripts, outs, values, scales):
+        forward_subscripts, forward_values = _contraction_innermost(placement, product, w_values)
+        y = placement.einsum(forward_subscripts, x_q, forward_values, out, tensor, preferred_element_type=x.dtype)
+        ys.append(y * (x_scale * scale).astype(x.dtype))
+    return tuple(ys), (x_q, x_scale, values, scales)
 
 
 def _contraction_innermost(placement: Placement, subscripts: str, values: jax.Array) -> tuple[str, jax.Array]:
@@ -277,18 +304,22 @@ def _byte_transpose_kind(placement: Placement) -> str:
     return "pallas" if policy_of(placement.device).byte_transpose else ""
 
 
-def _fp8_backward(placement, subscripts, out, tensor, residuals, gradient):
-    x_q, x_scale, values, scale = residuals
-    g_format = gradient_format(values.dtype.name)
-    g_scale = tensor_scale(placement, gradient, g_format)
-    g_q = _scaled_into(gradient, g_scale, g_format)
-    inputs, result = subscripts.replace(" ", "").split("->")
-    x_letters, w_letters = inputs.split(",")
-    dx = placement.transposed_einsum(f"{result},{w_letters}->{x_letters}", g_q, values, x_q, g_scale * scale,
-                                     gradient.dtype)
-    dw = placement.transposed_einsum(f"{x_letters},{result}->{w_letters}", x_q, g_q, values, x_scale * g_scale,
-                                     gradient.dtype)
-    return dx, None, None, None, dw
+def _fp8_backward(placement, subscripts, outs, tensor, residuals, gradients):
+    x_q, x_scale, values, scales = residuals
+    g_format = gradient_format(values[0].dtype.name)
+    peak = functools.reduce(jnp.maximum, [placement.amax(jax.lax.stop_gradient(g)) for g in gradients])
+    g_scale = _current_scale(peak, g_format, gradients[0].dtype)
+    dx, dws = None, []
+    for product, w_values, scale, gradient in zip(subscripts, values, scales, gradients):
+        g_q = _scaled_into(gradient, g_scale, g_format)
+        inputs, result = product.replace(" ", "").split("->")
+        x_letters, w_letters = inputs.split(",")
+        dx_part = placement.transposed_einsum(f"{result},{w_letters}->{x_letters}", g_q, w_values, x_q,
+                                              g_scale * scale, gradient.dtype)
+        dx = dx_part if dx is None else dx + dx_part
+        dws.append(placement.transposed_einsum(f"{x_letters},{result}->{w_letters}", x_q, g_q, w_values,
+                                               x_scale * g_scale, gradient.dtype))
+    return dx, None, (None,) * len(values), (None,) * len(values), tuple(dws)
 
 
-_fp8_einsum.defvjp(_fp8_forward, _fp8_backward)
+_fp8_einsums.defvjp(_fp8_forward, _fp8_backward)

@@ -46,6 +46,8 @@ class TrainConfig:
     matmul_format: str = ""
     """"" (the projections compute in `dtype`) or the chip's e4m3 format for fp8 training (`--fp8`;
     `ModelConfig.matmul_format`)."""
+    fp8_logits: bool = False
+    """With `matmul_format`, the vocabulary projection in fp8 too (`--fp8-logits`; `ModelConfig.fp8_logits`)."""
 
     @classmethod
     def from_dict(cls, values: dict) -> TrainConfig:
@@ -73,6 +75,9 @@ class TrainConfig:
         if self.matmul_format not in ("", *MATMUL_FORMATS):
             raise StarscreamError(f"matmul_format {self.matmul_format!r}: use '' (the compute dtype) or one of "
                                   f"{', '.join(MATMUL_FORMATS)}")
+        if self.fp8_logits and not self.matmul_format:
+            raise StarscreamError("--fp8-logits computes the vocabulary projection in fp8 training's formats; pass it "
+                                  "with --fp8")
         for field in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_batches",
                       "checkpoint_every", "log_every"):
             whole_number(getattr(self, field), flag(field))
@@ -95,7 +100,7 @@ class TrainConfig:
 
     def model_config(self) -> ModelConfig:
         """The model this run trains: `init`'s config.json, else `model`, at the run's compute dtype, with the remat
-        policy `remat` and the fp8 format `matmul_format`; its max_seq_len must hold `seq_len`."""
+        policy `remat` and the fp8 format `matmul_format` (with `fp8_logits`); its max_seq_len must hold `seq_len`."""
         if self.init and not (Path(self.init) / "config.json").is_file():
             found = "is not a directory" if not Path(self.init).is_dir() else "holds no config.json"
             raise CheckpointError(f"--init {self.init} {found}; pass a Hugging Face model directory (config.json, "
@@ -104,7 +109,7 @@ class TrainConfig:
         if self.remat != "none":
             config = config.replace(remat=self.remat)
         if self.matmul_format:
-            config = config.replace(matmul_format=self.matmul_format)
+            config = config.replace(matmul_format=self.matmul_format, fp8_logits=self.fp8_logits)
         if self.seq_len > config.max_seq_len:
             raise StarscreamError(f"--seq-len {self.seq_len} exceeds model {config.name}'s max_seq_len "
                                   f"{config.max_seq_len}; pass --seq-len {config.max_seq_len} or less")

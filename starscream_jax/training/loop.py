@@ -122,7 +122,7 @@ def check_resumable(saved: dict, model_config) -> None:
     each differing field."""
     known = {field.name for field in dataclasses.fields(ModelConfig)}
     saved_model = ModelConfig(**{name: value for name, value in saved["model_config"].items() if name in known})
-    same_model = ("remat", "scan_unroll", "name", "matmul_format")  # fields that leave the weights' model as it is
+    same_model = ("remat", "scan_unroll", "name", "matmul_format", "fp8_logits")  # leave the weights' model as is
     ours, theirs = ({name: value for name, value in dataclasses.asdict(config).items() if name not in same_model}
                     for config in (model_config, saved_model))
     differing = [f"{name} {ours[name]!r} (the checkpoint's {theirs[name]!r})" for name in ours
@@ -145,9 +145,9 @@ def resume_changes(saved: dict, config: TrainConfig, start_step: int, allow_chan
     if config.steps < start_step:
         raise CheckpointError(f"--steps {config.steps} is below step {start_step} of the checkpoint in "
                               f"{config.run_dir}; pass --steps {saved['train_config']['steps']} (the run's) or more")
-    saved_config = saved["train_config"]
-    differences = {name: (saved_config.get(name), value) for name, value in dataclasses.asdict(config).items()
-                   if name in CHANGEABLE and name not in ("data", "tokenizer") and saved_config.get(name) != value}
+    saved_config = {**dataclasses.asdict(TrainConfig()), **saved["train_config"]}  # an older run lacks new fields
+    differences = {name: (saved_config[name], value) for name, value in dataclasses.asdict(config).items()
+                   if name in CHANGEABLE and name not in ("data", "tokenizer") and saved_config[name] != value}
     for name, change in (("data", _data_difference(saved, config, data_files)),
                          ("tokenizer", _tokenizer_difference(saved, config, tokenizer))):
         if change is not None:

@@ -25,3 +25,13 @@ def test_rates_count_model_flops_against_every_device(bench):
     assert row["mfu"] == pytest.approx(2000.0 * 2e9 / 2e12)
     assert row["vs_plain"] == 0.5 and row["loss0_minus_plain"] == 0.5
     assert row["vs_plain_by_name"] == {"plain JAX": 0.5, "plain JAX TP": 0.8}
+
+
+def test_fp8_logits_rows_come_with_fp8_and_take_its_tolerance(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--fp8-logits"])
+    assert "--fp8-logits adds rows with the vocabulary projection in fp8 as well; pass it with --fp8" in \
+        capsys.readouterr().err
+    assert bench.parse_args(["--fp8", "--fp8-logits"]).fp8_logits
+    assert bench.step0_tolerance("starscream_tp fp8 logits") == bench.FP8_STEP0_LOSS_TOLERANCE
+    assert bench.step0_tolerance("starscream_tp") == bench.STEP0_LOSS_TOLERANCE

@@ -125,11 +125,14 @@ def test_an_fp8_einsum_reads_8_bit_operands_forward_and_backward():
     assert len(dots) == 3 and all("f8E" in lhs and "f8E" in rhs for lhs, rhs in dots), dots
 
 
-@pytest.mark.parametrize("layout, mesh", [("starscream_tp", "2x2x2"), ("starscream_fsdp", "2x4"), ("starscream_tp", "1x1")])
+@pytest.mark.parametrize("layout, mesh", [("starscream_tp", "2x2x2"), ("starscream_fsdp", "2x4"), ("starscream_tp", "1x1"),
+                                          ("flat_tp", "2x4")])
 def test_sharded_fp8_gradients_equal_the_unsharded_ones(layout, mesh):
     """The fp8 matmuls' hand-written backward placed by the layout: the gradient of every parameter equals the
     unsharded fp8 model's (one scale per tensor, so every device rounds alike), with the tokens split over GPUs and
-    their partitions (the weight gradients' two-stage sum) or the weights split where stored."""
+    their partitions (the weight gradients' two-stage sum) or the weights split where stored; flat_tp, which copies
+    the 4 kv heads over 8 devices and so runs q, k and v as three GEMMs, gives the fused q|k|v GEMM's numbers (one
+    scale for the three weights and one for their gradients)."""
     config = CONFIG.replace(dtype="float32", matmul_format="float8_e4m3fn")
     tokens = _batches(1)[0]
     expected = _gradients(Transformer(config, rngs=nnx.Rngs(0)), tokens)
@@ -137,6 +140,51 @@ def test_sharded_fp8_gradients_equal_the_unsharded_ones(layout, mesh):
     with use_layout(layout, mesh):
         got = _gradients(create_sharded_model(config, layout, mesh),
                          jax.device_put(tokens, batch_sharding(layout, mesh, tokens.shape[0])))
+    for (path, want), have in zip(jax.tree.leaves_with_path(expected), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(have), np.asarray(want), rtol=2e-3, atol=1e-6, err_msg=str(path))
+
+
+def test_fp8_numbers_do_not_depend_on_joining_the_projections():
+    """q, k, v and gate, up as separate fp8 GEMMs (fuse_projections off) give the joined GEMMs' loss and gradients:
+    the weights sharing an input share one scale, and so do their gradients (`quantize.fp8_einsums`)."""
+    config = CONFIG.replace(dtype="float32", matmul_format="float8_e4m3fn")
+    tokens = _batches(1)[0]
+    joined = _gradients(Transformer(config, rngs=nnx.Rngs(0)), tokens)
+    apart = _gradients(Transformer(config.replace(fuse_projections=False), rngs=nnx.Rngs(0)), tokens)
+    for (path, want), have in zip(jax.tree.leaves_with_path(joined), jax.tree.leaves(apart)):
+        np.testing.assert_allclose(np.asarray(have), np.asarray(want), rtol=1e-3, atol=1e-7, err_msg=str(path))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_fp8_logits_run_the_vocabulary_projection_on_8_bit_operands(tied):
+    """With fp8_logits the vocabulary projection is three more fp8 dots (forward, input and weight gradients), and
+    its loss is rounded apart from the compute dtype's head's."""
+    config = CONFIG.replace(dtype="float32", matmul_format="float8_e4m3fn", tie_embeddings=tied)
+    tokens = _batches(1)[0]
+
+    def fp8_dots_and_loss(config) -> tuple[int, float]:
+        graphdef, params, rest = nnx.split(Transformer(config, rngs=nnx.Rngs(0)), nnx.Param, ...)
+        loss = lambda params: next_token_loss(nnx.merge(graphdef, params, rest), tokens)  # noqa: E731
+        lowered = jax.jit(jax.value_and_grad(loss)).lower(params)
+        dots = re.findall(r"stablehlo.dot_general %\S+, %\S+, .*?: \((tensor<[^>]*>), (tensor<[^>]*>)\)",
+                          lowered.as_text())
+        return sum("f8E" in lhs and "f8E" in rhs for lhs, rhs in dots), float(lowered.compile()(params)[0])
+
+    (plain_dots, plain_loss), (dots, loss) = (fp8_dots_and_loss(config.replace(fp8_logits=on)) for on in (False, True))
+    assert dots == plain_dots + 3
+    assert loss != plain_loss and abs(loss - plain_loss) < 0.01
+
+
+def test_fp8_logits_of_a_tied_table_give_the_unsharded_gradients_under_starscream_tp():
+    """The tied table quantized for the vocabulary projection apart from the lookup's copy: under starscream_tp on 2
+    GPUs x 2 partitions x 2 data groups every gradient, the table's two summed, equals the unsharded model's."""
+    config = CONFIG.replace(dtype="float32", matmul_format="float8_e4m3fn", tie_embeddings=True, fp8_logits=True)
+    tokens = _batches(1)[0]
+    expected = _gradients(Transformer(config, rngs=nnx.Rngs(0)), tokens)
+    mesh = build_mesh("2x2x2")
+    with use_layout("starscream_tp", mesh):
+        got = _gradients(create_sharded_model(config, "starscream_tp", mesh),
+                         jax.device_put(tokens, batch_sharding("starscream_tp", mesh, tokens.shape[0])))
     for (path, want), have in zip(jax.tree.leaves_with_path(expected), jax.tree.leaves(got)):
         np.testing.assert_allclose(np.asarray(have), np.asarray(want), rtol=2e-3, atol=1e-6, err_msg=str(path))
 
@@ -207,6 +255,8 @@ def _gathered_inside_gpu(lowered_text: str, dtype: str) -> list[str]:
 @pytest.mark.parametrize("changes, message", [
     ({"matmul_format": "float8_e5m2"}, "matmul_format 'float8_e5m2'; use '' (the compute dtype) or one of"),
     ({"matmul_format": "float8_e4m3fn", "weight_format": "int8"}, "train from float weights"),
+    ({"fp8_logits": True}, "fp8_logits without matmul_format: the vocabulary projection takes fp8 training's formats"),
+    ({"matmul_format": "float8_e4m3fn", "fp8_logits": 1}, "fp8_logits 1; use true or false"),
 ])
 def test_a_matmul_format_the_model_cannot_train_in_is_refused(changes, message):
     with pytest.raises(PresetError, match=re.escape(message)):
@@ -225,6 +275,14 @@ def test_fp8_trains_in_each_chips_own_formats(chip, e4m3):
     config = _train_config("--fp8", chip=load_chip(chip))
     assert config.matmul_format == e4m3 and config.model_config().matmul_format == e4m3
     assert _train_config(chip=load_chip(chip)).model_config().matmul_format == ""
+
+
+def test_fp8_logits_come_with_fp8_training_only():
+    config = _train_config("--fp8", "--fp8-logits", chip=load_chip("h200"))
+    assert config.model_config().fp8_logits and not _train_config("--fp8").model_config().fp8_logits
+    with pytest.raises(StarscreamError, match=r"^--fp8-logits computes the vocabulary projection in fp8 training's "
+                                              r"formats; pass it with --fp8$"):
+        _train_config("--fp8-logits")
 
 
 def test_a_chip_without_the_format_is_refused_in_one_line():
@@ -247,6 +305,11 @@ def test_a_resume_switches_fp8_only_when_allowed():
     with pytest.raises(CheckpointError, match=r"--fp8 float8_e4m3fn \(the run has none\)"):
         resume_changes(saved, fp8, 10)
     assert resume_changes(saved, fp8, 10, ["matmul_format"])[-1]["to"] == "float8_e4m3fn"
+    older = {**saved, "train_config": {name: value for name, value in saved["train_config"].items()
+                                       if name != "fp8_logits"}}  # saved before the field existed: its default
+    assert resume_changes(older, plain, 10) == []
+    with pytest.raises(CheckpointError, match=r"--fp8-logits True \(the run has False\)"):
+        resume_changes(saved, dataclasses.replace(fp8, fp8_logits=True), 10, ["matmul_format"])
 
 
 def test_inspect_compiles_the_fp8_training_step_in_the_chips_format_and_refuses_fp8_for_inference():
