@@ -10,7 +10,8 @@ The public API, in the order data flows through it:
                   `Placement` (a layout on a mesh) and `jit` (a function jitted and bound to one placement);
   annotations     `param` (a parameter with logical axis names), `constrain` (an activation placed by name),
                   `weight` (a weight as a matmul uses it), `einsum` (a contraction with a placed result),
-                  `shared_input` (one input of several matmuls, its gradient summed once), `create_sharded`
+                  `shared_input` (one input of several matmuls, its gradient summed once), `shift` and `scale` (a
+                  parameter added to or multiplying an activation elementwise), `create_sharded`
                   (a module created already sharded), `batch_sharding` (where a token batch goes);
   collectives     hierarchical collectives for per-device code inside `jax.shard_map`;
   Flax models     `in_vocabulary` (a layout under your logical names, `MAXTEXT`'s or a dict), `flax_rules` (a
@@ -42,7 +43,9 @@ from .sharding.apply import (
     einsum,
     jit,
     param,
+    scale,
     shared_input,
+    shift,
     use_layout,
     weight,
 )
@@ -68,6 +71,7 @@ __all__ = [
     "flax_rules",
     "get_layout", "hierarchical_all_gather", "hierarchical_all_reduce", "hierarchical_psum", "in_vocabulary",
     "jit", "list_presets", "load_hf_model", "load_preset", "model_config_from_hf", "param", "parse_override",
-    "reduce_scatter_inside_gpu", "shared_input", "simulate_cpu_devices", "use_layout", "weight", "weights_at_use",
+    "reduce_scatter_inside_gpu", "scale", "shared_input", "shift", "simulate_cpu_devices", "use_layout", "weight",
+    "weights_at_use",
 ]
 __version__ = "0.1.0"

@@ -229,7 +229,10 @@ class Placement:
         """x [..., *value.shape] times the weight `value` (a norm scale [D], or [N, E]), the weight used as `weight`
         places it, its gradient summed over the mesh axes that split x's leading dimensions. A weight typed
         `reduced` is taken only by dot_general, so it multiplies through an einsum, which XLA compiles back into an
-        elementwise multiply."""
+        elementwise multiply. Leading dimensions of size 1 of `value` (a [1, S, D] table) broadcast."""
+        value, names = _trailing(x, value, names, tensor)
+        if not self.placed:
+            return x * value
         if self.auto:
             return x * self.weight(value, names, tensor=tensor)
         leading = jax.typeof(x).sharding.spec[:x.ndim - value.ndim] if self.placed else ()
@@ -239,6 +242,17 @@ class Placement:
             return x * used
         letters = "abcdefgh"[:value.ndim]
         return jnp.einsum(f"...{letters},{letters}->...{letters}", x, used, precision=jax.lax.Precision.HIGHEST)
+
+    def shift(self, x: jax.Array, value: jax.Array, names: LogicalNames, tensor: str = "shift") -> jax.Array:
+        """x [..., *value.shape] plus the parameter `value` (a bias, a learned position table, a class token's
+        offset), placed as `scale` places a weight it multiplies by: x + 1 * value through `scale`, so its gradient
+        is summed over x's token axes as a matmul weight's is. A parameter read raw (stored split where x is whole)
+        or through `weight` (typed for the two-stage reduction) cannot enter an elementwise op on an Explicit
+        mesh."""
+        value, names = _trailing(x, value, names, tensor)
+        if not self.placed:
+            return x + value
+        return x + self.scale(jnp.ones_like(x), value, names, tensor)
 
     def token_mean(self, x: jax.Array, names: LogicalNames, tensor: str = "token mean") -> jax.Array:
         """The mean of `x` [B, ...], a value per token placed by the logical `names` (batch first).
@@ -371,7 +385,26 @@ def use_layout(layout: Layout | str, mesh):
         stack.enter_context(jax.set_mesh(mesh))
         if current.auto:
             stack.enter_context(nnx.logical_axis_rules(flax_table(current.layout, "use")))
-        yield
+        try:
+            yield
+        except Exception as err:
+            if (type(err).__name__ != ELEMENTWISE_TYPE_ERROR or current.auto
+                    or not any(sign in str(err) for sign in ELEMENTWISE_SIGNS)):
+                raise
+            raise ShardingRuleError(f"{str(err).strip().splitlines()[0]}; {ELEMENTWISE_FIX}") from err
+
+
+ELEMENTWISE_TYPE_ERROR = "ShardingTypeError"
+"""The class name of the error JAX raises where the operands of one op are placed incompatibly (private in JAX)."""
+ELEMENTWISE_SIGNS = ("produces an illegally sharded result", "another input is reduced on")
+"""What JAX says where an elementwise op meets operands placed apart (a parameter stored split where the activation
+is whole) or an operand typed `reduced` (a parameter read through `weight`); other sharding errors pass as JAX's."""
+ELEMENTWISE_FIX = (
+    "where an operand is a parameter read in an elementwise op (x + self.pos[...], x * self.gain[...]), read it "
+    "through starscream_jax.shift(x, value, names) for a sum or starscream_jax.scale(x, value, names) for a product, "
+    "which place it as x is placed and sum its gradient over x's tokens (in a model of Flax's layers, "
+    "weights_at_use(model) in the loss places each such parameter so); a parameter read raw keeps its stored "
+    "placement and one read through weight() is typed for a matmul (einsum) only (docs/your_model.md)")
 
 
 @contextlib.contextmanager
@@ -520,8 +553,31 @@ def shared_input(x: jax.Array, used_by: list[jax.Array]) -> jax.Array:
 
 
 def scale(x: jax.Array, value: jax.Array, names: LogicalNames, tensor: str = "scale") -> jax.Array:
-    """`Placement.scale` under `current()`."""
+    """`Placement.scale` under `current()`: x times a parameter read elementwise (x * value outside `use_layout`)."""
     return current().scale(x, value, names, tensor)
+
+
+def shift(x: jax.Array, value: jax.Array, names: LogicalNames, tensor: str = "shift") -> jax.Array:
+    """`Placement.shift` under `current()`: x plus a parameter read elementwise (x + value outside `use_layout`)."""
+    return current().shift(x, value, names, tensor)
+
+
+def _trailing(x: jax.Array, value: jax.Array, names: LogicalNames, tensor: str) -> tuple[jax.Array, LogicalNames]:
+    """`value` and its `names` without leading dimensions of size 1, broadcast to x's trailing dimensions (as `x +
+    value` broadcasts it; refused where it does not broadcast)."""
+    names = tuple(names) if not isinstance(names, str) else names
+    if isinstance(names, str) or len(names) != jnp.ndim(value):
+        raise ShardingRuleError(f"{tensor} {tuple(jnp.shape(value))} given logical names {names!r}; give a tuple of "
+                                f"{jnp.ndim(value)} names, one a dimension")
+    lead = 0
+    while lead < jnp.ndim(value) and value.shape[lead] == 1 and jnp.ndim(value) - lead > 1:
+        lead += 1
+    value, names = value.reshape(value.shape[lead:]), names[lead:]
+    trailing = tuple(x.shape[x.ndim - value.ndim:])
+    if value.ndim > x.ndim or any(size not in (1, used) for size, used in zip(value.shape, trailing)):
+        raise ShardingRuleError(f"{tensor} {tuple(value.shape)} does not broadcast to the trailing dimensions of x "
+                                f"{tuple(x.shape)}; slice or reshape it to x's last {value.ndim} dimensions first")
+    return (value if tuple(value.shape) == trailing else jnp.broadcast_to(value, trailing)), names
 
 
 def token_mean(x: jax.Array, names: LogicalNames, tensor: str = "token mean") -> jax.Array:

@@ -45,7 +45,21 @@ def _at_use(variable: nnx.Variable, value):
         return value
     if placement.layout.replicated_ok & set(names):
         return value
+    names = _one_layer(names, value, placement)
     return read_at_use(value, names, tensor=f"parameter {names}")
+
+
+def _one_layer(names, value, placement):
+    """The logical `names` of a stacked parameter read one layer at a time: a layer's slice of a parameter stacked
+    by `nnx.vmap` with a `layers` axis (`transform_metadata={nnx.PARTITION_NAME: "layers"}`) and then scanned by
+    `jax.lax.scan` over `nnx.split`'s state (`nnx.scan` strips the name itself) still carries the stacked names.
+    The leading names in excess are dropped where the layout splits none of them (the layers' axis is never split:
+    it is what a layer's slice lacks); otherwise `names` are returned as given, and the resolver says they do not
+    fit."""
+    extra = len(names) - jax.numpy.ndim(value)
+    if extra <= 0 or any(name is not None and placement.layout.weights.lookup(name)[1] for name in names[:extra]):
+        return names
+    return names[extra:]
 
 
 def read_params_at_use(model: nnx.Module) -> nnx.Module:

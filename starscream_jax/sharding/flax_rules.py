@@ -33,7 +33,7 @@ from flax import nnx
 from ..errors import ShardingRuleError
 from ..hardware.axes import axes_of
 from .apply import Placement, active, logical_names, path_name, weight
-from .at_use import ParamAtUse, is_elementwise
+from .at_use import ParamAtUse
 from .layouts import ACTIVATION_NAMES, RULE_TABLES, WEIGHT_NAMES, FlaxRules, Layout, flax_table, get_layout
 from .rules import LogicalNames, Rules
 
@@ -120,16 +120,21 @@ def weights_at_use(model: nnx.Module) -> nnx.Module:
     GPU before it is summed across GPUs. Call it in the loss function, on the model being differentiated; the
     original parameters receive the gradients. Identity outside `use_layout`.
 
-    Parameters named by one of the layout's `replicated_ok` names (norm scales) are left as they are, and Flax's
-    elementwise parameters (`at_use.ELEMENTWISE`: biases, norm scales) are only placed as they are used: Flax's
-    layers add or multiply them elementwise, which a weight typed for the two-stage reduction cannot enter
-    (`apply.scale` is the library's form), so XLA sums their gradients itself, over every token axis at once. So is
-    a lookup table whose rows the layout does not split (`_looked_up_by_position`: positions, segments).
+    Parameters named by one of the layout's `replicated_ok` names (norm scales) are left as they are. Only the
+    weights Flax's layers contract in a matmul (`MATMUL_LAYERS`: the `kernel` of `nnx.Linear`, `nnx.LinearGeneral`
+    and `nnx.Einsum`, an `nnx.Embed` table) are typed for the two-stage reduction; every other named parameter,
+    Flax's elementwise ones (biases, norm scales), a convolution's kernel (JAX's convolution takes no operand typed
+    so) and a model's own (a class token, a learned position table, a layer scale: read by code this function
+    cannot see, elementwise as often as not), is only placed as it is used: a weight typed for the two-stage reduction
+    enters nothing but a matmul (`apply.scale` and `apply.shift` are the library's elementwise forms), so XLA sums
+    their gradients itself, over every token axis at once. So is a lookup table whose rows the layout does not
+    split (`_looked_up_by_position`: positions, segments).
     Parameters that `create_sharded` made `ParamAtUse`s (on Auto axes) read at use already and are left as they
     are."""
     current = active()
     if current is None:
         return model
+    matmuls = _matmul_weights(model)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def at_use(path, variable):
@@ -137,12 +142,27 @@ def weights_at_use(model: nnx.Module) -> nnx.Module:
         if names is None or current.layout.replicated_ok & set(names) or isinstance(variable, ParamAtUse):
             return variable  # a ParamAtUse reads at use already
         value = variable.get_value()
-        if is_elementwise(path) or _looked_up_by_position(path, value, names, current):
+        if _keys(path) not in matmuls or _looked_up_by_position(path, value, names, current):
             return variable.replace(current.placed_at_use(value, names, path_name(path)))
         return variable.replace(weight(value, names, tensor=path_name(path)))
 
     used = jax.tree.map_with_path(at_use, params, is_leaf=lambda node: isinstance(node, nnx.Variable))
     return nnx.merge(graphdef, used, rest)
+
+
+MATMUL_LAYERS = {nnx.Linear: "kernel", nnx.LinearGeneral: "kernel", nnx.Einsum: "kernel", nnx.Embed: "embedding"}
+"""Flax's layers that contract a parameter in a matmul (dot_general; `nnx.Embed`'s `attend`), and its name."""
+
+
+def _keys(path) -> tuple[str, ...]:
+    return tuple(str(getattr(key, "key", key)) for key in path)
+
+
+def _matmul_weights(model: nnx.Module) -> set[tuple[str, ...]]:
+    """The paths of the parameters `MATMUL_LAYERS` contract in a matmul, in `model` (subclasses of those layers
+    too)."""
+    return {(*_keys(path), name) for path, node in nnx.iter_graph(model) for layer, name in MATMUL_LAYERS.items()
+            if isinstance(node, layer)}
 
 
 LOOKUP_TABLE = "embedding"

@@ -38,7 +38,9 @@ from starscream_jax.sharding.apply import (
     param_specs,
     placed_by,
     placed_explicitly,
+    scale,
     shared_input,
+    shift,
     token_mean,
     use_layout,
     weight,
@@ -596,3 +598,49 @@ def test_a_mesh_without_the_layouts_axes_is_the_resolvers_one_line_error():
     with use_layout("starscream_tp", mesh), pytest.raises(ShardingRuleError, match=r"names mesh axes \['data', "
                                                                                     r"'xcd'\] the mesh lacks"):
         constrain(jnp.ones((8, 8)), ("batch", "embed"))
+
+
+class Elementwise(nnx.Module):
+    """x [B, S, 16] plus a learned position table [S, 16] and a bias [32], times a gain [1, 1, 16]: parameters read
+    elementwise (`shift`, `scale`) around one matmul; `raw=True` adds the table as stored."""
+
+    def __init__(self, rngs: nnx.Rngs, raw: bool = False):
+        self.raw = raw
+        self.pos = param(jax.random.normal(rngs.params(), (4, 16)), (None, "embed"))
+        self.gain = param(1 + jax.random.normal(rngs.params(), (1, 1, 16)) / 4, (None, None, "embed"))
+        self.w = param(jax.random.normal(rngs.params(), (16, 32)) / 4, ("embed", "mlp"))
+        self.bias = param(jax.random.normal(rngs.params(), (32,)), ("mlp",))
+
+    def __call__(self, x_BSD):
+        x_BSD = constrain(x_BSD, ("batch", "seq", "embed"))
+        x_BSD = x_BSD + self.pos[...] if self.raw else shift(x_BSD, self.pos[...], (None, "embed"))
+        x_BSD = scale(x_BSD, self.gain[...], (None, None, "embed"))
+        h_BSF = einsum("bsd,df->bsf", x_BSD, weight(self.w[...], ("embed", "mlp")), out=("batch", "seq", "mlp"))
+        return jnp.sum(jnp.tanh(shift(h_BSF, self.bias[...], ("mlp",))) ** 2)
+
+
+def test_parameters_read_elementwise_through_shift_and_scale_take_the_unsharded_gradients(layout="starscream_tp"):
+    """On 2 x 2 x 2 the tokens split inside GPUs and across them, where `weight` types a weight for the two-stage
+    reduction, which no elementwise op takes; `shift` and `scale` place the parameter as x is placed and give the
+    unsharded loss and gradients (a leading dimension of size 1 broadcasts)."""
+    x_BSD = jax.random.normal(jax.random.key(1), (8, 4, 16))
+    mesh = build_mesh("4x2", data=2)
+    expected_loss, expected = nnx.value_and_grad(lambda m: m(x_BSD))(Elementwise(nnx.Rngs(0)))
+    model = create_sharded(lambda: Elementwise(nnx.Rngs(0)), layout, mesh)
+    with use_layout(layout, mesh):
+        loss, grads = nnx.jit(nnx.value_and_grad(lambda m, x: m(x)))(model, x_BSD)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    for name in ("pos", "gain", "w", "bias"):
+        np.testing.assert_allclose(grads[name][...], expected[name][...], rtol=1e-5, atol=1e-5)
+
+
+def test_a_parameter_read_raw_in_an_elementwise_op_is_refused_with_the_fix():
+    """A position table added as stored (embed over xcd) to tokens over xcd: JAX's type error becomes one line that
+    names shift and scale."""
+    mesh = build_mesh("2x4")
+    model = create_sharded(lambda: Elementwise(nnx.Rngs(0), raw=True), "starscream_tp", mesh)
+    with pytest.raises(ShardingRuleError, match=r"illegally sharded.*starscream_jax\.shift\(x, value, names\)"):
+        with use_layout("starscream_tp", mesh):
+            nnx.jit(lambda m, x: m(x))(model, jnp.ones((8, 4, 16)))
+    with pytest.raises(ShardingRuleError, match="does not broadcast"):
+        shift(jnp.ones((8, 4, 16)), jnp.ones((3, 16)), (None, "embed"))

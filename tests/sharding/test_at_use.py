@@ -102,3 +102,45 @@ def test_flax_layers_with_biases_train_on_explicit_axes_as_unsharded(layout, top
     np.testing.assert_allclose(loss_value, expected_loss, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+class Layer(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.up = nnx.Linear(16, 32, use_bias=False, kernel_init=KERNEL, rngs=rngs)
+
+    def __call__(self, x_BD):
+        return x_BD + jnp.tanh(self.up(x_BD)) @ self.up.kernel[...].T
+
+
+class Stacked(nnx.Module):
+    """Three layers stacked by `nnx.vmap` with a `layers` axis and run by `jax.lax.scan` over `nnx.split`'s state:
+    each layer's kernel [16, 32] is read with the stacked names ('layers', 'embed', 'mlp')."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def create(rngs):
+            return Layer(rngs)
+
+        self.layers = create(rngs)
+
+    def __call__(self, x_BD):
+        graphdef, state = nnx.split(self.layers)
+        return jax.lax.scan(lambda x, layer: (nnx.merge(graphdef, layer)(x), None), x_BD, state)[0]
+
+
+def test_a_stacked_parameter_read_one_layer_at_a_time_is_read_at_use():
+    """A layer's slice of a vmapped kernel keeps the stacked names inside `jax.lax.scan` (nnx.scan strips them):
+    read at use by the names less the unsplit `layers`, with the unsharded loss and gradient, not refused for one
+    name too many."""
+    mesh = auto_axes(build_mesh("2x4"))
+    model = create_sharded(lambda: Stacked(nnx.Rngs(0)), "starscream_tp", mesh)
+    assert model.layers.up.kernel.sharding.spec == P(None, "xcd", "gpu")
+    x_BD = jax.random.normal(jax.random.key(1), (8, 16))
+    with nnx.use_eager_sharding(False):
+        expected_loss, expected = nnx.value_and_grad(loss)(Stacked(nnx.Rngs(0)), x_BD)
+    with use_layout("starscream_tp", mesh):
+        value, grads = nnx.jit(nnx.value_and_grad(loss))(model, x_BD)
+    np.testing.assert_allclose(value, expected_loss, rtol=1e-5)
+    want = np.asarray(expected["layers"]["up"]["kernel"][...])
+    np.testing.assert_allclose(grads["layers"]["up"]["kernel"][...], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

@@ -108,3 +108,49 @@ def test_a_table_looked_up_by_position_gets_the_unsharded_gradient():
         got = nnx.jit(grads)(model)["positions"]["embedding"][...]
     expected = 2 * np.sum(np.asarray(x_BSD) + table_SD, axis=0)  # d/dp of sum((x + p)^2), over the batch
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+class OwnParameters(nnx.Module):
+    """A class token [1, 1, D] concatenated and a position table [1, S + 1, D] added: parameters of the model's own
+    (not Flax's layers'), read elementwise; a convolution's kernel and a Linear's."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.cls_token = nnx.Param(jnp.full((1, 1, 8), 0.5), out_sharding=(None, None, "embed"))
+        self.pos = nnx.Param(jax.random.normal(rngs.params(), (1, 5, 8)), out_sharding=(None, None, "embed"))
+        self.proj = nnx.Linear(8, 8, use_bias=False, rngs=rngs,
+                               kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp")))
+        self.conv = nnx.Conv(8, 8, kernel_size=(2,), use_bias=False, rngs=rngs, kernel_init=nnx.with_partitioning(
+            nnx.initializers.lecun_normal(), (None, "embed", "embed_out")))
+
+    def __call__(self, x_BSD):
+        B, S, D = x_BSD.shape
+        cls = jnp.broadcast_to(self.cls_token[...], (B, 1, D), out_sharding=activation_spec(
+            ("batch", "seq", "embed"), (B, 1, D)))
+        x_BSD = constrain(jnp.concatenate([cls, x_BSD], axis=1) + self.pos[...], ("batch", "seq", "embed"))
+        x_BSD = constrain(self.conv(x_BSD), ("batch", "seq", "embed"))
+        return self.proj(x_BSD, out_sharding=activation_spec(("batch", "seq", "mlp"), (B, S + 1, 8)))
+
+
+def test_weights_at_use_places_a_models_own_elementwise_parameters_as_used():
+    """On 2 x 2 x 2 (tokens over data and xcd) a class token and a position table of the model's own, added and
+    concatenated, and a convolution's kernel take their unsharded gradients: typed for the matmul's two-stage
+    reduction, the first refused broadcast_to, the second the add and the third the convolution; only the kernels of
+    Flax's matmul layers are."""
+    x_BSD = jax.random.normal(jax.random.key(1), (8, 4, 8))
+    mesh = build_mesh("4x2", data=2)
+    layout = in_vocabulary("starscream_tp", {"embed_out": None})
+    model = create_sharded(lambda: OwnParameters(nnx.Rngs(0)), layout, mesh)
+
+    def loss(model, x_BSD):
+        return jnp.sum(jnp.tanh(model(x_BSD)) ** 2)
+
+    with nnx.use_eager_sharding(False):
+        expected = nnx.grad(loss)(OwnParameters(nnx.Rngs(0)), x_BSD)
+    with use_layout(layout, mesh):
+        placed_BSD = jax.device_put(x_BSD, jax.sharding.NamedSharding(mesh, PartitionSpec(("data", "xcd"))))
+        got = nnx.jit(nnx.grad(lambda m, x: loss(weights_at_use(m), x)))(model, placed_BSD)
+    for path in (("cls_token",), ("pos",), ("conv", "kernel"), ("proj", "kernel")):
+        want, have = expected, got
+        for key in path:
+            want, have = want[key], have[key]
+        np.testing.assert_allclose(have[...], want[...], rtol=1e-5, atol=1e-5)
