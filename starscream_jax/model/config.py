@@ -67,13 +67,13 @@ class ModelConfig:
     backend's choice, `hardware.backend.BackendPolicy.eight_bit_matmul`: the Pallas kernel on CUDA, XLA's matmul of
     the converted weights elsewhere), "pallas", "interpret" (the kernel interpreted: CPU tests) or "xla".
 
-    matmul_format: "" (the projections compute in `dtype`) or one of quantize.MATMUL_FORMATS, the e4m3 format of
-    fp8 training: the q, k, v, o, gate, up and down projections read e4m3 operands and their output gradients in the
-    chip's matching e5m2 format, with current per-tensor scales (`quantize.fp8_einsum`); weights stay stored in
-    float32 and the embedding, the logits (unless fp8_logits), attention and a mixture's experts compute in
-    `dtype`. For training; it excludes weight_format. fp8_logits: with matmul_format, the vocabulary projection reads e4m3 operands and the
-    logits' gradient in e5m2 too (off by default, as fp8 recipes keep the head in higher precision: its rounding
-    reaches the loss directly; with a large vocabulary its three GEMMs are the largest left in `dtype`)."""
+    matmul_format: "" (the projections compute in `dtype`) or one of quantize.MATMUL_FORMATS, the e4m3 format of fp8
+    training: the q, k, v, o, gate, up and down projections read e4m3 operands and their output gradients in the chip's
+    matching e5m2 format, with current per-tensor scales (`quantize.fp8_einsum`); weights stay stored in float32 and the
+    embedding, the logits (unless fp8_logits), attention and a mixture's experts compute in `dtype`. For training; it
+    excludes weight_format. fp8_logits: with matmul_format, the vocabulary projection reads e4m3 operands and the
+    logits' gradient in e5m2 too (off by default, as fp8 recipes keep the head in higher precision: its rounding reaches
+    the loss directly; with a large vocabulary its three GEMMs are the largest left in `dtype`)."""
 
     name: str
     vocab_size: int

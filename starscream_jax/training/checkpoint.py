@@ -343,13 +343,15 @@ def restore_model(directory: str | Path, layout, mesh, step: int | None = None, 
     parameters) is a `CheckpointError` naming its step and the other steps to pass as --step.
 
     `dtype` overrides the saved compute dtype ("float32" or "bfloat16"); parameters keep the dtype they were saved in.
+    fp8 training's formats (`matmul_format`, `fp8_logits`) are how the run trained, not the model: the model comes
+    back computing in its dtype, as a float checkpoint does (8-bit inference is `--quantize`'s).
     """
     with CheckpointStore(directory, must_exist=True) as store:
         chosen_step = store.require_step(step)
         try:
             with store.reporting_damage(chosen_step):
                 description = store.restore_meta(chosen_step)
-                config = ModelConfig(**description["model_config"])
+                config = ModelConfig(**description["model_config"]).replace(matmul_format="", fp8_logits=False)
                 if dtype is not None:
                     config = config.replace(dtype=dtype)
                 graphdef, params_target, rest = abstract_model_state(config, layout or description["layout"], mesh)

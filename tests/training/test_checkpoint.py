@@ -258,6 +258,28 @@ def test_a_newest_checkpoint_without_its_description_names_the_step_and_the_othe
         restore_model(tmp_path, None, make_mesh((1, 2, 4)))
 
 
+def test_a_model_trained_in_fp8_comes_back_computing_in_its_dtype(tmp_path):
+    """fp8 training's formats are the run's, not the model's: generate and serve run its float32 weights in the
+    compute dtype (and may quantize them with --quantize), as they run a run's trained without fp8."""
+    import dataclasses
+
+    from flax import nnx
+
+    from starscream_jax.model.catalog import load_model_config
+    from starscream_jax.model.decoder import create_sharded_model
+
+    config = load_model_config("tiny").replace(n_layers=1, matmul_format="float8_e4m3fn", fp8_logits=True)
+    mesh = make_mesh((1, 2, 4))
+    _, params, _ = nnx.split(create_sharded_model(config, "starscream_tp", mesh), nnx.Param, ...)
+    with CheckpointStore(tmp_path, save_every=1) as store:
+        store.save(1, params, params, {"step": 1, "model_config": dataclasses.asdict(config),
+                                       "layout": "starscream_tp"})
+    model, description = restore_model(tmp_path, "starscream_tp", mesh)
+    assert description["model_config"]["matmul_format"] == "float8_e4m3fn"
+    assert model.config == config.replace(matmul_format="", fp8_logits=False)
+    assert_trees_bit_identical(nnx.state(model, nnx.Param), params)
+
+
 def test_a_wrapped_storage_error_is_told_by_the_file_it_names():
     """orbax wraps tensorstore's read error (which names the file) in one of its own (which names the array's slice
     and appends the store's whole specification): the description is the file and the reason, one short line."""

@@ -125,8 +125,8 @@ def test_an_fp8_einsum_reads_8_bit_operands_forward_and_backward():
     assert len(dots) == 3 and all("f8E" in lhs and "f8E" in rhs for lhs, rhs in dots), dots
 
 
-@pytest.mark.parametrize("layout, mesh", [("starscream_tp", "2x2x2"), ("starscream_fsdp", "2x4"), ("starscream_tp", "1x1"),
-                                          ("flat_tp", "2x4")])
+@pytest.mark.parametrize("layout, mesh", [("starscream_tp", "2x2x2"), ("starscream_fsdp", "2x4"),
+                                          ("starscream_tp", "1x1"), ("flat_tp", "2x4")])
 def test_sharded_fp8_gradients_equal_the_unsharded_ones(layout, mesh):
     """The fp8 matmuls' hand-written backward placed by the layout: the gradient of every parameter equals the
     unsharded fp8 model's (one scale per tensor, so every device rounds alike), with the tokens split over GPUs and
