@@ -73,6 +73,11 @@ def _param_shapes(config) -> dict[str, tuple[int, ...]]:
     return {path_name(path): tuple(v.shape) for path, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param))}
 
 
+READ_METHOD = "_view"
+"""The method of `hf_checkpoint.CheckpointReader` that reads one tensor's bytes from its file, (self, source, name,
+ours) -> the block read; `measure` counts what it returns."""
+
+
 def measure(directory: Path, mesh_shape: str, layout: str) -> dict:
     """Load `directory` into `layout` on a simulated mesh (run in a fresh process); the figures as a dict."""
     import jax
@@ -81,15 +86,15 @@ def measure(directory: Path, mesh_shape: str, layout: str) -> dict:
     from starscream_jax.model import hf_checkpoint
 
     read_bytes = 0
-    read_one = hf_checkpoint.CheckpointReader._read_one
+    read_view = getattr(hf_checkpoint.CheckpointReader, READ_METHOD)
 
     def counting(self, source, name, ours):
         nonlocal read_bytes
-        block = read_one(self, source, name, ours)
+        block = read_view(self, source, name, ours)
         read_bytes += block.nbytes
         return block
 
-    hf_checkpoint.CheckpointReader._read_one = counting
+    setattr(hf_checkpoint.CheckpointReader, READ_METHOD, counting)
     mesh = build_mesh(mesh_shape)
     sampler = AnonymousMemoryPeak()
     started, cpu_started = time.perf_counter(), time.process_time()
@@ -167,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={gpus * partitions}",
            "JAX_PLATFORMS": "cpu"}
     child = subprocess.run([sys.executable, __file__, "--measure-only", "--dir", str(args.dir), "--mesh", args.mesh,
-                            "--layout", args.layout], env=env, capture_output=True, text=True, check=True)
+                            "--layout", args.layout], env=env, capture_output=True, text=True)
+    if child.returncode:  # the measuring process failed: its own error, not a CalledProcessError around it
+        sys.stderr.write(child.stderr)
+        return child.returncode
     figures = json.loads(child.stdout.strip().splitlines()[-1])
     gib = 2**30
     print(f"{args.model} checkpoint {figures['checkpoint_bytes'] / gib:.2f} GiB (bfloat16) -> {args.layout} on a "

@@ -89,11 +89,8 @@ def training_cases(name: str, role: str, meta: dict, rows: list[dict]) -> list[d
 
 
 def memory_rows(measured: list[dict]) -> list[dict]:
-    import jax
-
     from starscream_jax.analysis.compile import abstract_args, abstract_cache
-    from starscream_jax.analysis.layout_report import _shard_bytes
-    from starscream_jax.analysis.memory import gpu_memory
+    from starscream_jax.analysis.memory import gpu_memory, held_bytes
     from starscream_jax.hardware.mesh import build_topology_mesh
     from starscream_jax.model.catalog import load_model_config
     from starscream_jax.sharding.apply import use_layout
@@ -108,7 +105,7 @@ def memory_rows(measured: list[dict]) -> list[dict]:
             _, args = abstract_args(config, layout, mesh, case["phase"], case["batch"], case["seq"])
         cache = abstract_cache(config, layout, mesh, case["batch"], case["seq"]) if case["phase"] != "train" else None
         groups = {"params": args.params, "optimizer_state": getattr(args, "opt_state", None), "kv_cache": cache}
-        persistent = {name: sum(_shard_bytes(x) for x in jax.tree.leaves(tree)) for name, tree in groups.items()}
+        persistent = {name: held_bytes(tree) for name, tree in groups.items()}
         micro_batches = case.get("grad_accum", 1)
         estimate = gpu_memory(config, layout, mesh, case["phase"], case["batch"], case["seq"], persistent,
                               micro_batches)

@@ -6,6 +6,8 @@ simulated CPU mesh, or the GPUs JAX finds) after the arguments are read and befo
 from __future__ import annotations
 
 import argparse
+import os
+import select
 import sys
 
 from ..errors import RunStopped, StarscreamError
@@ -44,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         refuse_contradictions(explicit_options(build_parser(), argv), EXCLUSIVE + getattr(module, "EXCLUSIVE", ()),
                               option_names(parser))
         prepare_simulation(args)
-        return args.run(args)
+        status = args.run(args)
+        sys.stdout.flush()  # a reader that left shows here, in the handler below, not at the interpreter's exit
+        return status
     except RunStopped as stopped:
         print(f"starscream {args.command}: {stopped}", file=sys.stderr)
         return stopped.exit_status
@@ -56,6 +60,31 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "train" else ""
         print(f"starscream {args.command}: interrupted{kept}", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout left (`starscream topology | head`): stop quietly, as cat does
+        if not _stdout_reader_left():
+            raise  # another pipe broke (an engine process gone, say): not for this handler to hide
+        _drop_stdout()
+        return 141  # 128 + SIGPIPE, the status a shell gives a command killed by a closed pipe
+
+
+def _stdout_reader_left() -> bool:
+    """Whether stdout is a pipe whose reading end is closed (poll reports an error on such a writing end)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # stdout closed, or not a file (a test's capture)
+        return False
+
+
+def _drop_stdout() -> None:
+    """Points stdout at /dev/null, so the interpreter's flush at exit finds no closed pipe to raise on again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout already closed, or not a file (a test's capture)
+        pass
 
 
 if __name__ == "__main__":

@@ -89,6 +89,30 @@ def test_console_script_error_is_one_line_and_status_2():
     assert result.stderr.count("\n") == 1
 
 
+def test_a_reader_that_leaves_the_pipe_ends_the_command_quietly():
+    """`starscream topology | head -1`: stdout closed before the table is written (stdout buffered, as Python
+    leaves a pipe, so the write fails in the flush at the run's end); no traceback, the status a shell gives a
+    command killed by a closed pipe."""
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("XLA_FLAGS", "JAX_PLATFORMS", OVERRIDE_ENV, "PYTHONUNBUFFERED")}
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    run = subprocess.Popen([str(CONSOLE_SCRIPT), "topology", "--topology", "2x4", "--simulate"], env=env,
+                           stdout=write_end, stderr=subprocess.PIPE, text=True)
+    os.close(write_end)
+    _, err = run.communicate(timeout=120)
+    assert (run.returncode, err) == (141, "")
+
+
+def test_a_pipe_other_than_stdout_breaking_is_not_taken_for_a_reader_that_left(monkeypatch, capsys):
+    def broken(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli.topology, "run", broken)
+    with pytest.raises(BrokenPipeError):
+        cli.main(["topology", "--topology", "2x4", "--simulate"])
+
+
 @pytest.mark.parametrize("args, message", [
     (("--topology", "8x"), "topology override '8x': a shape is two or three integers joined by 'x'; write"),
     (("--preset", "mi300x-spx-nps4", "--simulate"), "cannot run SPX+NPS4; valid compute+memory pairs: SPX+NPS1, "),
