@@ -16,11 +16,12 @@ from flax import nnx
 from ..errors import ShardingRuleError
 from ..hardware.presets import Chip
 from ..model.config import ModelConfig
-from ..model.heads import pad_query_heads_to, refuse_unsplit_heads, refuse_unsplit_vocabulary
+from ..model.heads import pad_query_heads_to, refuse_unsplit_heads
 from ..model.hf_checkpoint import load_hf_model
 from ..model.hf_config import model_config_from_hf
 from ..model.layer_weights import stack_projections
 from ..model.quantize import OCP_TO_FNUZ
+from ..model.vocabulary import pad_vocabulary, padded_vocabulary
 from ..model.weight_formats import quantize_model, to_fnuz
 from ..sharding.layouts import PHASE_DEFAULTS
 from ..text.tokenizer import ByteTokenizer, HFTokenizer, model_dir_tokenizer, tokenizer_for_model
@@ -28,8 +29,9 @@ from ..training.checkpoint import CheckpointStore, restore_model
 from ..training.config import TrainConfig
 
 PADDING_LOAD_LAYOUT = "starscream_fsdp"
-"""The layout a model whose query heads are padded is loaded under: it splits no heads (weights inside each GPU by
-embed), so it places the model's own heads on any mesh; generation then places the padded model by its layouts."""
+"""The layout a model whose query heads or vocabulary are padded is loaded under: it splits neither (weights inside
+each GPU by embed), so it places the model's own on any mesh; generation then places the padded model by its
+layouts."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,20 +67,19 @@ class LoadedModel(NamedTuple):
 def load_for_inference(request: LoadRequest, mesh, chip: Chip) -> LoadedModel:
     """The model `request` names, placed by its prefill layout on `mesh`, in the 8-bit formats it asks for on
     `chip`, its projections as inference holds them (`layer_weights.stack_projections`: the loaded parts freed
-    before an engine sizes its cache by free memory). With pad_heads the model is loaded under PADDING_LOAD_LAYOUT
-    (which splits no heads), padded, then quantized into the prefill layout's placement. Query heads the prefill or
-    decode layout cannot split over the mesh are refused before anything runs, with the --pad-heads N that splits
-    them."""
+    before an engine sizes its cache by free memory). With pad_heads, or a vocabulary the layouts' parts do not
+    divide (padded to the rows they do, `model.vocabulary`), the model is loaded under PADDING_LOAD_LAYOUT (which
+    splits neither), padded, then quantized into the prefill layout's placement. Query heads the prefill or decode
+    layout cannot split over the mesh are refused before anything runs, with the --pad-heads N that splits them."""
     layouts = (request.prefill_layout, request.decode_layout)
+    config = saved_config(request)
+    vocabulary = padded_vocabulary(config.vocab_tokens, layouts, mesh)
     try:
-        loaded = _load(request, mesh, chip)
+        loaded = _load(request, mesh, chip, vocabulary if vocabulary != config.vocab_size else None)
     except ShardingRuleError:
-        config = saved_config(request)  # the heads or the vocabulary were what the layout could not place
-        refuse_unsplit_heads(config, layouts, mesh)
-        refuse_unsplit_vocabulary(config, layouts, mesh)
+        refuse_unsplit_heads(config, layouts, mesh)  # the heads were what the layout could not place
         raise
     refuse_unsplit_heads(loaded.model.config, layouts, mesh)
-    refuse_unsplit_vocabulary(loaded.model.config, layouts, mesh)
     return loaded._replace(model=stack_projections(loaded.model, mesh))
 
 
@@ -90,9 +91,11 @@ def saved_config(request: LoadRequest) -> ModelConfig:
         return ModelConfig(**store.restore_meta(request.step)["model_config"])
 
 
-def _load(request: LoadRequest, mesh, chip: Chip) -> LoadedModel:
-    """`load_for_inference` without the check of the query heads."""
-    weights, pad = request.weight_format, request.pad_heads
+def _load(request: LoadRequest, mesh, chip: Chip, vocabulary: int | None) -> LoadedModel:
+    """`load_for_inference` without the check of the query heads; the vocabulary padded to `vocabulary` rows (None:
+    as it is)."""
+    weights = request.weight_format
+    pad = request.pad_heads or vocabulary
     layout = PADDING_LOAD_LAYOUT if pad else request.prefill_layout
     if request.model_dir:
         model = load_hf_model(request.model_dir, layout, mesh, dtype=request.dtype, quantize="" if pad else weights,
@@ -104,8 +107,10 @@ def _load(request: LoadRequest, mesh, chip: Chip) -> LoadedModel:
         # a run fine-tuned from a model directory trained on its tokenizer: bytes only if the model was made for them
         tokenizer = tokenizer_for_model(run_config.tokenizer_dir(), model.config, trained_weights=bool(run_config.init))
         source = f"step {description['step']}"
-    if pad:
-        model = pad_query_heads_to(model, pad)
+    if request.pad_heads:
+        model = pad_query_heads_to(model, request.pad_heads)
+    if vocabulary:
+        model = pad_vocabulary(model, vocabulary)
     if weights and (pad or not request.model_dir):
         model = quantize_model(model, weights, request.weight_scales, request.prefill_layout, mesh)
     if OCP_TO_FNUZ.get(model.config.weight_format) in chip.formats and model.config.weight_format not in chip.formats:

@@ -73,7 +73,10 @@ class ModelConfig:
     embedding, the logits (unless fp8_logits), attention and a mixture's experts compute in `dtype`. For training; it
     excludes weight_format. fp8_logits: with matmul_format, the vocabulary projection reads e4m3 operands and the
     logits' gradient in e5m2 too (off by default, as fp8 recipes keep the head in higher precision: its rounding reaches
-    the loss directly; with a large vocabulary its three GEMMs are the largest left in `dtype`)."""
+    the loss directly; with a large vocabulary its three GEMMs are the largest left in `dtype`).
+
+    vocab_padding: rows of the embedding (and columns of an untied head) past the tokens, zeros added so that the
+    layouts' parts divide vocab_size (`model.vocabulary`); their logits are the float minimum."""
 
     name: str
     vocab_size: int
@@ -108,6 +111,7 @@ class ModelConfig:
     kv_format: str = ""
     matmul_format: str = ""
     fp8_logits: bool = False
+    vocab_padding: int = 0
     mlp_activation: str = "silu"
     norm_plus_one: bool = False
     post_norms: bool = False
@@ -206,6 +210,10 @@ class ModelConfig:
         for field in ("attn_softcap", "logit_softcap", "query_pre_attn_scalar"):
             finite_number(getattr(self, field), f"model {self.name}: {field}")
         whole_number(self.scan_unroll, f"model {self.name}: scan_unroll", minimum=0)
+        whole_number(self.vocab_padding, f"model {self.name}: vocab_padding", minimum=0)
+        if self.vocab_padding >= self.vocab_size:
+            raise PresetError(f"model {self.name}: vocab_padding {self.vocab_padding} leaves no token of its "
+                              f"vocab_size {self.vocab_size}; the padding counts rows past the tokens")
         whole_number(self.sliding_window, f"model {self.name}: sliding_window", minimum=0)
         for field in ("tie_embeddings", "qkv_bias", "qk_norm", "normalize_gates", "fuse_projections", "norm_plus_one",
                       "post_norms", "scale_embedding", "fp8_logits"):
@@ -229,6 +237,11 @@ class ModelConfig:
         embeddings = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         norms = (4 if self.post_norms else 2) * d
         return self.n_layers * (attention + mlp + norms) + embeddings + d
+
+    @property
+    def vocab_tokens(self) -> int:
+        """The ids that are tokens: vocab_size less the padding rows (`model.vocabulary`)."""
+        return self.vocab_size - self.vocab_padding
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x active matmul parameters + attention (12 L S D_attn), as in the PaLM paper's

@@ -245,6 +245,9 @@ class Transformer(nnx.Module):
             logits_BSV = logits_BSV.astype(jnp.float32)
             if c.logit_softcap:
                 logits_BSV = c.logit_softcap * jnp.tanh(logits_BSV / c.logit_softcap)
+            if c.vocab_padding:  # rows that are no token (`model.vocabulary`): never sampled, no share of the loss
+                ids_V = jnp.arange(c.vocab_size)
+                logits_BSV = jnp.where(ids_V < c.vocab_tokens, logits_BSV, jnp.finfo(jnp.float32).min)
             return logits_BSV
 
     def _fp8_logits(self, placement: Placement, x_BSD):

@@ -7,8 +7,8 @@ alike, so the padded head attends to the mean of the values, which its zero rows
 residual stream, and so the logits, are those of the unpadded model. The cost is (G' - G) / G more attention and
 q / o projection work per GPU, against tensor parallelism over fewer GPUs, which the planner weighs.
 
-The vocabulary is not padded: where the layouts split it into parts that do not divide it, loading is refused
-naming the split (`refuse_unsplit_vocabulary`), as unsplit heads are refused naming the padding that splits them.
+The vocabulary is padded the same way, with zero rows, wherever the layouts' parts do not divide it
+(`model.vocabulary`).
 """
 from __future__ import annotations
 
@@ -76,28 +76,6 @@ def refuse_unsplit_heads(config: ModelConfig, layouts, mesh) -> None:
         refused = ", ".join(f"{name} into {count}" for name, count in parts.items() if config.n_heads % count)
         raise ShardingRuleError(f"model {config.name}'s {config.n_heads} query heads do not split as the layouts "
                                 f"split heads on mesh {dict(mesh.shape)} ({refused}); {fix}")
-
-
-def vocabulary_parts(layout: Layout | str, mesh) -> int:
-    """How many parts `layout` splits the vocabulary (embedding rows, logits) into on `mesh`: the mesh size of the
-    axes its `vocab` rules name, the largest of its tables."""
-    layout = get_layout(layout)
-    tables = (layout.params, layout.weights, layout.activations)
-    return math.lcm(*(math.prod(mesh.shape[axis] for axis in rules.lookup("vocab")[1]) for rules in tables))
-
-
-def refuse_unsplit_vocabulary(config: ModelConfig, layouts, mesh) -> None:
-    """A ShardingRuleError naming what places the model where `layouts` split `config`'s vocabulary into parts that
-    do not divide it (a checkpoint's vocabulary is not padded: 32,001 tokens split over no even number of GPUs);
-    nothing otherwise (the resolver then says what is wrong)."""
-    parts = {get_layout(layout).name: vocabulary_parts(layout, mesh) for layout in layouts}
-    refused = ", ".join(f"{name} into {count}" for name, count in parts.items() if config.vocab_size % count)
-    if refused:
-        raise ShardingRuleError(
-            f"model {config.name}'s vocabulary of {config.vocab_size} tokens does not split as the layouts split it "
-            f"on mesh {dict(mesh.shape)} ({refused}), and a checkpoint's vocabulary is not padded: choose layouts "
-            f"and a mesh whose parts divide {config.vocab_size} (`starscream inspect --model` with the model lists "
-            "the layouts that place it on a mesh)")
 
 
 def check_padded_heads(config: ModelConfig, heads: int) -> None:

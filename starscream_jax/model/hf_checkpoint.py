@@ -515,6 +515,10 @@ def export_hf_model(model: Transformer, out_dir: str | Path, dtype: str = "float
     if model.config.weight_format:
         raise CheckpointError(f"model {model.config.name} holds {model.config.weight_format} weights; export the "
                               "float model it was quantized from")
+    if model.config.vocab_padding:
+        raise CheckpointError(f"model {model.config.name} holds {model.config.vocab_padding} padding rows past its "
+                              f"{model.config.vocab_tokens} tokens (placed for inference); export the model as "
+                              "trained or loaded")
     out, config, writing = Path(out_dir), model.config, jax.process_index() == 0
     check_export_target(out, replace, reads=[tokenizer_dir] if tokenizer_dir else [])
     params = {path_name(path): variable.get_value()

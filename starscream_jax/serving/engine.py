@@ -412,7 +412,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise StarscreamError(f"params is a {type(params).__name__}; pass a serving.scheduler.SamplingParams")
         tokens = [int(token) for token in prompt]
-        vocab = self.model_config.vocab_size
+        vocab = self.model_config.vocab_tokens
         outside = next((token for token in tokens if not 0 <= token < vocab), None)
         if outside is not None:
             raise StarscreamError(f"prompt token id {outside} is outside the model's vocabulary of {vocab}; give ids "
@@ -479,7 +479,7 @@ class Engine:
     def _check_ids(self, params: SamplingParams) -> None:
         """StarscreamError naming the setting for a logit_bias, allowed_token_ids or bad_words id outside the
         vocabulary."""
-        vocab = self.model_config.vocab_size
+        vocab = self.model_config.vocab_tokens
         for field, ids in (("logit_bias", [token for token, _ in params.logit_bias]),
                            ("allowed_token_ids", params.allowed_token_ids),
                            ("bad_words", [token for word in params.bad_words for token in word])):
@@ -532,7 +532,7 @@ class Engine:
 
     def info(self) -> EngineInfo:
         """What the API process needs to know of this engine (`protocol.EngineInfo`)."""
-        return EngineInfo(context=self.context, vocab_size=self.model_config.vocab_size,
+        return EngineInfo(context=self.context, vocab_size=self.model_config.vocab_tokens,
                           max_num_seqs=self.config.rows_per_shard * self.shards,
                           pages_total=(self.cache_size.pages_per_shard - 1) * self.shards,
                           page_size=self.config.page_size, programs=len(self._programs),

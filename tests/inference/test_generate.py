@@ -16,7 +16,8 @@ from starscream_jax.errors import StarscreamError
 from starscream_jax.hardware.mesh import build_mesh
 from starscream_jax.hardware.presets import load_chip
 from starscream_jax.inference.generate import generate, is_stop, stop_ids_of
-from starscream_jax.inference.loading import load_for_inference
+from starscream_jax.inference.loading import LoadRequest, load_for_inference
+from starscream_jax.inference.served import generate_served
 from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.decoder import Transformer
 from starscream_jax.model.dense_cache import cache_shardings
@@ -190,6 +191,30 @@ def test_padded_query_heads_generate_the_reference_tokens(generate_command):
     np.testing.assert_array_equal(result.tokens[0], expected["generated_ids"][:8])
     status, _, err = generate_command("--model-dir", str(fixture), "--pad-heads", "10", "--max-new-tokens", "1")
     assert status != 0 and "pad to a multiple of 4 no smaller than 8" in err
+
+
+def test_a_vocabulary_the_decode_layout_does_not_split_is_padded_and_generates_the_unsharded_tokens(tmp_path):
+    """A run of 390 tokens trained under starscream_fsdp (which splits no vocabulary): starscream_decode splits the
+    vocabulary over all 8 partitions of 2 GPUs, so loading pads it to 392 rows; greedy tokens, on the static path
+    and on the serving engine, equal the unsharded model's, and no token id names a padded row."""
+    config, mesh = TrainConfig(layout="starscream_fsdp"), build_mesh("1x2x4")
+    model_config = load_model_config(config.model).replace(n_layers=1, vocab_size=390)
+    with use_layout(config.layout, mesh):
+        _, params, _, _, opt_state = initial_state(config, model_config, get_layout(config.layout), mesh)
+    with CheckpointStore(tmp_path) as store:
+        store.save(1, params, opt_state, run_description(config, model_config, mesh, 1, layout=config.layout),
+                   force=True)
+    chip = load_chip("mi300x")
+    padded = load_for_inference(LoadRequest(checkpoint=tmp_path), mesh, chip).model
+    assert (padded.config.vocab_size, padded.config.vocab_tokens) == (392, 390)
+    one_device = build_mesh("1x1")
+    whole = load_for_inference(LoadRequest(checkpoint=tmp_path), one_device, chip).model
+    assert whole.config.vocab_size == 390
+    expected = generate(whole, PROMPT, 6, Sampling(), one_device).tokens
+    np.testing.assert_array_equal(generate(padded, PROMPT, 6, Sampling(), mesh).tokens, expected)
+    served = generate_served(padded, PROMPT, 6, Sampling(), mesh, "starscream_tp", "starscream_decode")
+    np.testing.assert_array_equal(served.tokens, expected)
+    assert np.all(expected < 390)
 
 
 def test_generation_stops_on_any_of_several_eos_ids():

@@ -19,8 +19,6 @@ from starscream_jax.model.heads import (
     pad_query_heads,
     padded_heads,
     refuse_unsplit_heads,
-    refuse_unsplit_vocabulary,
-    vocabulary_parts,
 )
 from starscream_jax.sharding.apply import batch_sharding, param_shardings, use_layout
 
@@ -77,20 +75,6 @@ def test_heads_a_layout_cannot_split_are_refused_naming_the_pad_that_splits_them
     with pytest.raises(ShardingRuleError, match=re.escape("(starscream_decode into 4); pass --pad-heads 16")):
         refuse_unsplit_heads(config, ["starscream_fsdp", "starscream_decode"], mesh)
     refuse_unsplit_heads(config.replace(n_heads=16), ["starscream_fsdp", "starscream_decode", "flat_tp"], mesh)
-
-
-def test_a_vocabulary_the_layouts_cannot_split_is_refused_naming_the_split():
-    """A checkpoint's vocabulary of 32,001 tokens (a token added to Llama 2's 32,000) on 2 GPUs x 4 partitions:
-    starscream_tp splits it over the GPUs (2), starscream_decode over every partition (8), neither divides it; a
-    vocabulary they divide passes."""
-    mesh = build_mesh("2x4")
-    assert (vocabulary_parts("starscream_tp", mesh), vocabulary_parts("starscream_decode", mesh)) == (2, 8)
-    config = load_model_config("tiny").replace(vocab_size=32001)
-    with pytest.raises(ShardingRuleError, match=re.escape("vocabulary of 32001 tokens does not split as the layouts "
-                                                          "split it on mesh {'data': 1, 'gpu': 2, 'xcd': 4} "
-                                                          "(starscream_tp into 2, starscream_decode into 8)")):
-        refuse_unsplit_vocabulary(config, ["starscream_tp", "starscream_decode"], mesh)
-    refuse_unsplit_vocabulary(config.replace(vocab_size=32000), ["starscream_tp", "starscream_decode"], mesh)
 
 
 AWKWARD_HEADS = [(3, 1), (6, 2), (5, 5)]
