@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..checks import writable_directory
 from ..hardware.backend import policy_of
-from ..errors import StarscreamError
+from ..errors import ShardingRuleError, StarscreamError
 from ..inference.generate import generation_cache_length
 from ..model.config import ModelConfig
 from ..model.catalog import load_model_config
@@ -247,7 +247,11 @@ def fitted_layout(settings: Settings, layout_name: str, mesh) -> Layout:
     """The layout `layout_name` as it places the phase's batch on `mesh` (`layouts.fit_batch`: a sequence split in
     train and prefill, split-K in decode, where the batch is smaller than the layout's batch split)."""
     if settings.paged:  # the server's paged step places its batch by the page pools (`serving.steps`)
-        return get_layout(layout_name)
+        layout = get_layout(layout_name)
+        if layout.splits_sequence:  # as the server refuses it (`serving.steps.check_same_cache_placement`)
+            raise ShardingRuleError(f"layout {layout_name} splits the sequence and cannot decode from a paged KV "
+                                    "cache; serve with a decode layout such as starscream_decode")
+        return layout
     positions = {"train": settings.seq, "prefill": None, "decode": 1}[settings.phase]
     return fit_batch(layout_name, mesh, settings.batch, positions)
 

@@ -6,10 +6,10 @@ import re
 import numpy as np
 import pytest
 
-from starscream_jax.analysis.compile import Settings, compile_step, make_settings
+from starscream_jax.analysis.compile import Settings, compile_step, fitted_layout, make_settings
 from starscream_jax.analysis.json_form import to_json
 from starscream_jax.analysis.layout_report import inspect_layouts
-from starscream_jax.errors import StarscreamError
+from starscream_jax.errors import ShardingRuleError, StarscreamError
 from starscream_jax.hardware.mesh import build_mesh, build_topology_mesh
 from starscream_jax.inference.generate import generate
 from starscream_jax.model.decoder import create_sharded_model
@@ -119,3 +119,14 @@ def test_the_settings_say_whether_a_layer_loop_runs_not_a_loop_of_the_right_trip
     rolled = dataclasses.replace(settings, config=settings.config.replace(scan_unroll=1))
     decode = make_settings("tiny", "decode", 8, 32, "gpu_tp", 2)
     assert not runs_layer_loop(settings) and runs_layer_loop(rolled) and not runs_layer_loop(decode)
+
+
+def test_the_serve_phase_refuses_a_layout_that_splits_the_sequence_as_the_server_does(mesh):
+    """The server refuses the _cp layouts (`serving.steps.check_same_cache_placement`); `inspect --phase serve` lists
+    them as unplaceable with that reason, not with the resolver's complaint about a sequence of one token."""
+    settings = make_settings("tiny", "serve", 16, 64, "starscream_cp,starscream_decode", layers=2)
+    for name in ("starscream_cp", "flat_cp"):
+        with pytest.raises(ShardingRuleError, match=f"layout {name} splits the sequence and cannot decode from a "
+                                                    "paged KV cache; serve with a decode layout"):
+            fitted_layout(settings, name, mesh)
+    assert fitted_layout(settings, "starscream_decode", mesh).name == "starscream_decode"
