@@ -193,28 +193,45 @@ def test_padded_query_heads_generate_the_reference_tokens(generate_command):
     assert status != 0 and "pad to a multiple of 4 no smaller than 8" in err
 
 
-def test_a_vocabulary_the_decode_layout_does_not_split_is_padded_and_generates_the_unsharded_tokens(tmp_path):
-    """A run of 390 tokens trained under starscream_fsdp (which splits no vocabulary): starscream_decode splits the
-    vocabulary over all 8 partitions of 2 GPUs, so loading pads it to 392 rows; greedy tokens, on the static path
-    and on the serving engine, equal the unsharded model's, and no token id names a padded row."""
+def _odd_vocabulary_run(directory) -> None:
+    """A checkpoint at step 1 of a 1-layer tiny model of 390 tokens, trained under starscream_fsdp (which splits no
+    vocabulary) on 2 GPUs x 4 partitions."""
     config, mesh = TrainConfig(layout="starscream_fsdp"), build_mesh("1x2x4")
     model_config = load_model_config(config.model).replace(n_layers=1, vocab_size=390)
     with use_layout(config.layout, mesh):
         _, params, _, _, opt_state = initial_state(config, model_config, get_layout(config.layout), mesh)
-    with CheckpointStore(tmp_path) as store:
+    with CheckpointStore(directory) as store:
         store.save(1, params, opt_state, run_description(config, model_config, mesh, 1, layout=config.layout),
                    force=True)
-    chip = load_chip("mi300x")
-    padded = load_for_inference(LoadRequest(checkpoint=tmp_path), mesh, chip).model
-    assert (padded.config.vocab_size, padded.config.vocab_tokens) == (392, 390)
-    one_device = build_mesh("1x1")
-    whole = load_for_inference(LoadRequest(checkpoint=tmp_path), one_device, chip).model
-    assert whole.config.vocab_size == 390
-    expected = generate(whole, PROMPT, 6, Sampling(), one_device).tokens
+
+
+def _padded_and_whole(directory):
+    """(the run loaded for starscream_tp prefill and starscream_decode on 1x2x4, which splits the vocabulary over
+    8 partitions, the mesh; the run loaded on one device)."""
+    chip, mesh = load_chip("mi300x"), build_mesh("1x2x4")
+    padded = load_for_inference(LoadRequest(checkpoint=directory), mesh, chip).model
+    whole = load_for_inference(LoadRequest(checkpoint=directory), build_mesh("1x1"), chip).model
+    return padded, mesh, whole
+
+
+def test_a_vocabulary_the_decode_layout_does_not_split_is_padded_and_generates_the_unsharded_tokens(tmp_path):
+    """390 tokens on 8 partitions: loading pads the vocabulary to 392 rows; greedy tokens equal the unsharded
+    model's, and no token id names a padded row."""
+    _odd_vocabulary_run(tmp_path)
+    padded, mesh, whole = _padded_and_whole(tmp_path)
+    assert (padded.config.vocab_size, padded.config.vocab_tokens, whole.config.vocab_size) == (392, 390, 390)
+    expected = generate(whole, PROMPT, 6, Sampling(), build_mesh("1x1")).tokens
     np.testing.assert_array_equal(generate(padded, PROMPT, 6, Sampling(), mesh).tokens, expected)
+    assert np.all(expected < 390)
+
+
+@pytest.mark.slow
+def test_a_padded_vocabulary_generates_the_unsharded_tokens_on_the_serving_engine(tmp_path):
+    _odd_vocabulary_run(tmp_path)
+    padded, mesh, whole = _padded_and_whole(tmp_path)
+    expected = generate(whole, PROMPT, 6, Sampling(), build_mesh("1x1")).tokens
     served = generate_served(padded, PROMPT, 6, Sampling(), mesh, "starscream_tp", "starscream_decode")
     np.testing.assert_array_equal(served.tokens, expected)
-    assert np.all(expected < 390)
 
 
 def test_generation_stops_on_any_of_several_eos_ids():
