@@ -43,6 +43,7 @@ from ..compiled_memory import MemoryReport
 from ..errors import ShardingRuleError
 from ..hardware.axes import XCD, spec_axes
 from ..model.names import TOKENS
+from ..model.vocabulary import padded_config
 from ..resources import data_dir
 from ..sharding.apply import activation_spec, use_layout
 from ..sharding.layouts import get_layout, positions_multiple
@@ -82,7 +83,11 @@ def inspect_layouts(settings: Settings, topology, mesh, refused: dict[str, str] 
     compiled before for the same settings and mesh without compiling again, and keeps the new ones; with
     `reference`, a cached result never compared with gpu_tp (one the planner kept) is compiled and judged again,
     so a principle skipped once is never shown as passing. With `settings.dump_hlo` every layout is compiled, the
-    cache aside, so that each one's program is written."""
+    cache aside, so that each one's program is written. For prefill, decode and serve the model's vocabulary is
+    padded as inference loads it (`vocabulary.padded_config`), to rows every layout compiled here splits alike."""
+    if settings.phase != "train":
+        settings = dataclasses.replace(settings, config=padded_config(settings.config, [*settings.layouts, REFERENCE],
+                                                                      mesh))
     results = {}
     if settings.dump_hlo is not None:
         cache = None

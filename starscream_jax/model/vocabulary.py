@@ -16,6 +16,7 @@ from flax import nnx
 
 from ..errors import StarscreamError
 from ..sharding.layouts import Layout, get_layout
+from .config import ModelConfig
 from .decoder import Transformer
 
 
@@ -32,6 +33,13 @@ def padded_vocabulary(tokens: int, layouts, mesh) -> int:
     layout's parts (`vocabulary_parts`) that holds them."""
     parts = math.lcm(*(vocabulary_parts(layout, mesh) for layout in layouts))
     return -(-tokens // parts) * parts
+
+
+def padded_config(config: ModelConfig, layouts, mesh) -> ModelConfig:
+    """`config` with its vocabulary padded to the rows `layouts` split on `mesh` (`padded_vocabulary`), as
+    inference loads it: the model `inspect` compiles for prefill, decode and serve."""
+    rows = padded_vocabulary(config.vocab_tokens, layouts, mesh)
+    return config.replace(vocab_size=rows, vocab_padding=rows - config.vocab_tokens)
 
 
 def pad_vocabulary(model: Transformer, rows: int) -> Transformer:

@@ -1,4 +1,6 @@
 """One layout's result: the tokens per device principle 1 divides by are the known ones, not a guess."""
+from pathlib import Path
+
 import pytest
 
 from starscream_jax.analysis.layout_report import tokens_per_device
@@ -124,3 +126,23 @@ def test_a_cached_result_without_principle_1_is_judged_again_when_inspect_asks_f
                       judged_ops=3))))
     cache.put(one, topology, mesh, "starscream_decode", partly)  # compared with gpu_tp: compiling again gives the same
     assert inspect_layouts(one, topology, mesh, cache=cache) == {"starscream_decode": partly} and len(compiles) == 2
+
+
+def test_a_vocabulary_the_layouts_do_not_split_is_compiled_padded_as_inference_loads_it(tmp_path):
+    """A model file of 390 tokens decoded under starscream_decode (vocabulary over 8 partitions) beside gpu_tp
+    (over 2 GPUs): both compile the 392 rows inference loads (`vocabulary.padded_config`) and are judged, where
+    the unpadded vocabulary could not place."""
+    from starscream_jax.analysis.compile import make_settings
+    from starscream_jax.analysis.layout_report import inspect_layouts
+    from starscream_jax.hardware.mesh import build_topology_mesh
+
+    model = tmp_path / "odd.toml"
+    tiny = (Path(__file__).resolve().parents[2] / "models" / "tiny.toml").read_text()
+    model.write_text(tiny.replace("vocab_size = 256", "vocab_size = 390"))
+    topology, mesh = build_topology_mesh("mi300x-qpx-nps1", gpus=2, simulate=True)
+    settings = make_settings(str(model), "decode", 8, 16, "starscream_decode", layers=2)
+    result = inspect_layouts(settings, topology, mesh)["starscream_decode"]
+    embedding = next(entry for entry in result.inputs if entry.name == "params/embedding/value")
+    assert embedding.shape == [392, 128]
+    assert result.principles.shape_preservation.compared
+    assert settings.config.vocab_size == 390  # the caller's settings are left as they were
