@@ -288,6 +288,20 @@ def test_the_engine_api_checks_what_the_server_checks(engine_for):
     assert not engine.busy and engine.generate([[1, 2]], SamplingParams(max_tokens=2))[0]
 
 
+def test_ids_past_the_tokens_of_a_padded_vocabulary_are_refused(engine_for, monkeypatch):
+    """With a vocabulary padded for the layouts (`model.vocabulary`), the ids of its padding rows are no tokens: a
+    prompt, a logit bias naming one, and the vocabulary the server checks stop at the tokens."""
+    engine = engine_for("1x2x4")
+    tokens = engine.model_config.vocab_size - 2
+    monkeypatch.setattr(engine, "model_config", engine.model_config.replace(vocab_padding=2))
+    with pytest.raises(StarscreamError, match=f"token id {tokens} is outside the model's vocabulary of {tokens}"):
+        engine.submit("padding", [1, tokens], SamplingParams())
+    with pytest.raises(StarscreamError, match=f"logit_bias token id {tokens + 1} is outside the model's vocabulary "
+                                              f"of {tokens}"):
+        engine.submit("bias", [1, 2], SamplingParams(logit_bias=((tokens + 1, 5.0),)))
+    assert engine.info().vocab_size == tokens and not engine.busy
+
+
 def _reference_prompt_logprobs(model, prompt: list[int]) -> np.ndarray:
     """log_softmax of the unsharded model's full-sequence logits [S, V] at each position."""
     logits = np.asarray(model(np.asarray([prompt], np.int32)).logits[0], np.float64)
