@@ -95,7 +95,7 @@ def _load(request: LoadRequest, mesh, chip: Chip, vocabulary: int | None) -> Loa
     """`load_for_inference` without the check of the query heads; the vocabulary padded to `vocabulary` rows (None:
     as it is)."""
     weights = request.weight_format
-    pad = request.pad_heads or vocabulary
+    pad = bool(request.pad_heads or vocabulary)
     layout = PADDING_LOAD_LAYOUT if pad else request.prefill_layout
     if request.model_dir:
         model = load_hf_model(request.model_dir, layout, mesh, dtype=request.dtype, quantize="" if pad else weights,

@@ -235,7 +235,7 @@ class Placement:
             return x * value
         if self.auto:
             return x * self.weight(value, names, tensor=tensor)
-        leading = jax.typeof(x).sharding.spec[:x.ndim - value.ndim] if self.placed else ()
+        leading = jax.typeof(x).sharding.spec[:x.ndim - value.ndim]
         used = self.weight(value, names, tensor=tensor,
                            summed_over=frozenset(a for entry in leading for a in axes_of(entry)))
         if not jax.typeof(used).sharding.spec.reduced:

@@ -1,6 +1,4 @@
 """scripts/bench_decode.py: the bytes a decode step must read (weights once, the whole KV cache)."""
-import importlib.util
-from pathlib import Path
 
 import jax
 import pytest
@@ -9,15 +7,11 @@ from flax import nnx
 from starscream_jax.model.catalog import load_model_config
 from starscream_jax.model.decoder import Transformer
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_decode.py"
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_decode", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(script):
+    return script("bench_decode")
 
 
 @pytest.mark.parametrize("tied", [False, True])

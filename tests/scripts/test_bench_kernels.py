@@ -1,21 +1,9 @@
 """bench_kernels' split-K rows: shapes from the layouts (one partition's part holds 1/X of the cache) and a timed
 run on CPU."""
-import importlib.util
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_kernels.py"
 
 
-def load():
-    spec = importlib.util.spec_from_file_location("bench_kernels", SCRIPT)
-    module = sys.modules["bench_kernels"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_split_k_rows_compare_the_whole_cache_with_one_partitions_part():
-    bench = load()
+def test_split_k_rows_compare_the_whole_cache_with_one_partitions_part(script):
+    bench = script("bench_kernels")
     args = bench.parse_args(["--quick"])
     config = bench.harness.model_config(args)
     (row,) = bench.split_k_kernels(config, bench.layout_mesh(args.topology), args.split_k)

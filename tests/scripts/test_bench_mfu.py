@@ -1,19 +1,13 @@
 """scripts/bench_mfu.py: rates, ratios and the step-0 check (its --quick run: test_benchmarks.py, under -m slow; the
 plain JAX Llama it runs: tests/benchmarks/test_plain_llama.py)."""
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_mfu.py"
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_mfu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(script):
+    return script("bench_mfu")
 
 
 def test_rates_count_model_flops_against_every_device(bench):

@@ -1,9 +1,6 @@
 """scripts/bench_weight_only.py: the quick run times every candidate of every shape (the kernel interpreted) and
 its sums per layer; the shapes are the layer's projections."""
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -11,16 +8,10 @@ from starscream_jax.model import weight_only_mosaic
 from starscream_jax.model.catalog import load_model_config
 from tests.model.test_weight_only_mosaic import xla_partials
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_weight_only.py"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_weight_only", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_weight_only"] = module
-    spec.loader.exec_module(module)
-    return module
+def bench(script):
+    return script("bench_weight_only")
 
 
 def test_llama3_8b_projection_shapes_and_copies_past_the_l2(bench):

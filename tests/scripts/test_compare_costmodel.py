@@ -1,19 +1,13 @@
 """scripts/compare_costmodel.py: the GPU memory estimate beside each stored H200 memory_analysis(), as
 docs/planning.md runs it (`--parts memory`)."""
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "compare_costmodel.py"
 
 
 @pytest.fixture(scope="module")
-def compare():
-    spec = importlib.util.spec_from_file_location("compare_costmodel", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def compare(script):
+    return script("compare_costmodel")
 
 
 def test_the_memory_part_estimates_stored_runs_of_each_phase(compare, capsys):

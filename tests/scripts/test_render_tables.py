@@ -1,22 +1,16 @@
 """scripts/render_tables.py: the docs' speed tables from stored results, each library row against its baseline, each
 kind of table written into the page that holds its markers."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "render_tables.py"
 META = {"command": "python scripts/bench_mfu.py", "date": "2026-11-30", "devices": 2, "device_kind": "H200",
         "jax": "0.11.2", "model": "llama3.2-1b", "batch_size": 8, "seq_len": 2048, "flops_per_token": 8.2e9}
 
 
 @pytest.fixture(scope="module")
-def render():
-    spec = importlib.util.spec_from_file_location("render_tables", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def render(script):
+    return script("render_tables")
 
 
 def row(name, tokens_per_s, **ratios):

@@ -1,7 +1,5 @@
 """scripts/torch_peers.py's decode peer (where torch is installed): the fused decoder with its static cache gives the
 plain Llama's logits position by position, and the benchmark's rows carry what bench_decode stores."""
-import importlib.util
-from pathlib import Path
 
 import pytest
 
@@ -9,15 +7,11 @@ torch = pytest.importorskip("torch")
 
 from starscream_jax.model.catalog import load_model_config  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "torch_peers.py"
 
 
 @pytest.fixture(scope="module")
-def peers():
-    spec = importlib.util.spec_from_file_location("torch_peers", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def peers(script):
+    return script("torch_peers")
 
 
 @pytest.mark.parametrize("tied", [False, True])
